@@ -1,0 +1,250 @@
+"""The `wbrag` command: a thin layer over the pipelines, centred on the run folder.
+
+Every subcommand takes --config FILE and repeated --set key=value; a run folder records the resolved config
+in run.json, so later subcommands on the same run read it back and only need overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from importlib import resources
+from typing import Any
+
+from wbrag_ray import __version__
+from wbrag_ray.config import ConfigError, WbragConfig, deep_merge, load_config, parse_overrides
+from wbrag_ray.index.faiss_index import IndexError_
+from wbrag_ray.run import RunFolder
+
+DEMO_DIR = "runs/demo"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML config (sections: ingest, embedder, generator, ...)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set generator.batch_size=16 (repeatable)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    p.add_argument("--force", action="store_true", help="rerun completed stages / accept a changed config")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wbrag",
+        description="Knowledge-base training for RAG on Ray: ingest, embed, index, evaluate "
+        "(Zero-RAG pruning and WriteBack-RAG enrichment build on these).",
+    )
+    parser.add_argument("--version", action="version", version=f"wbrag-ray {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ingest", help="corpus (FlashRAG jsonl / Parquet) -> passages + sentences shards")
+    p.add_argument("run", metavar="RUN", help="run folder (local path or s3://bucket/prefix)")
+    p.add_argument("--corpus", help="corpus file or folder (FlashRAG jsonl or Parquet, local or s3://)")
+    _common(p)
+
+    p = sub.add_parser("embed", help="embed the ingested passages (or sentences) in a Ray actor pool")
+    p.add_argument("run", metavar="RUN")
+    _common(p)
+
+    p = sub.add_parser("index", help="build the FAISS index from the embedding shards")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--factory", help="faiss index factory string (default Flat)")
+    _common(p)
+
+    p = sub.add_parser("search", help="search the run's index and print the top K documents")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--query", action="append", required=True, help="query text (repeatable)")
+    p.add_argument("-k", type=int, default=5, help="documents per query (default 5)")
+    _common(p)
+
+    p = sub.add_parser("eval", help="evaluate RAG on a QA dataset: metrics.json + predictions.parquet")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--dataset", help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
+    p.add_argument("--name", help="name of the evaluation (default: the dataset's file stem)")
+    p.add_argument("--methods", help="comma-separated: naive,no-retrieval (default both)")
+    p.add_argument("--limit", type=int, help="evaluate only the first N questions")
+    _common(p)
+
+    p = sub.add_parser("run", help="run the whole pipeline a config describes (ingest, embed, index, eval)")
+    p.add_argument("config_file", metavar="CONFIG", help="YAML config")
+    p.add_argument("--run", dest="run", help="run folder (default: the config's `run` key)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--address")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+    p = sub.add_parser("demo", help="the embedded demo: 100 passages, 40 questions, bundled models, local Ray")
+    p.add_argument("--run", dest="run", default=DEMO_DIR, help=f"run folder (default {DEMO_DIR})")
+    _common(p)
+    return parser
+
+
+# --- config resolution ----------------------------------------------------------------------------------
+
+
+def _resolve_config(args: argparse.Namespace, extra: dict[str, Any], run: RunFolder | None = None) -> WbragConfig:
+    """--config file, else the run's recorded config, then flag values, then --set overrides."""
+    config_file = getattr(args, "config", None) or getattr(args, "config_file", None)
+    if config_file is None and run is not None and run.path("run.json").exists():
+        base = run.load_config().model_dump(mode="json")
+        merged = deep_merge(deep_merge(base, extra), parse_overrides(args.overrides))
+        from wbrag_ray.config import build_config
+
+        config = build_config(merged)
+    else:
+        config = load_config(config_file, args.overrides, extra)
+    if args.address:
+        config.ray.address = args.address
+    return config
+
+
+def _demo_data(name: str) -> str:
+    return os.path.normpath(str(resources.files("wbrag_ray") / "data" / name))
+
+
+def _start(config: WbragConfig) -> None:
+    from wbrag_ray.ray_runtime import init_ray
+
+    init_ray(config.ray)
+
+
+# --- commands -------------------------------------------------------------------------------------------
+
+
+def cmd_ingest(args) -> None:
+    from wbrag_ray.pipelines import build_kb
+
+    run = RunFolder(args.run)
+    config = _resolve_config(args, {"ingest": {"corpus": args.corpus}} if args.corpus else {}, run)
+    run.bind_config(config, force=args.force)
+    _start(config)
+    build_kb.ingest(run, config, force=args.force)
+
+
+def cmd_embed(args) -> None:
+    from wbrag_ray.pipelines import build_kb
+
+    run = RunFolder(args.run)
+    config = _resolve_config(args, {}, run)
+    run.bind_config(config, force=args.force)
+    _start(config)
+    build_kb.embed(run, config, force=args.force)
+
+
+def cmd_index(args) -> None:
+    from wbrag_ray.pipelines import build_kb
+
+    run = RunFolder(args.run)
+    config = _resolve_config(args, {"index": {"factory": args.factory}} if args.factory else {}, run)
+    run.bind_config(config, force=args.force or bool(args.factory))
+    build_kb.index(run, config, force=args.force or bool(args.factory))
+
+
+def cmd_search(args) -> None:
+    from wbrag_ray.index.retriever import Retriever
+
+    run = RunFolder(args.run)
+    config = _resolve_config(args, {}, run)
+    retriever = Retriever(run.path("index").uri, run.path("ingest").uri, config.embedder, config.index.nprobe)
+    for query, hits in zip(args.query, retriever.search(args.query, args.k), strict=True):
+        print(f"query: {query}")
+        for h in hits:
+            text = h.text if len(h.text) <= 160 else h.text[:157] + "..."
+            print(f"  {h.rank + 1:>2}. {h.score:.4f}  [{h.id}] {h.title}: {text}")
+
+
+def _eval_extra(args) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if args.dataset:
+        extra["dataset"] = args.dataset
+    if args.methods:
+        extra["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.limit:
+        extra["limit"] = args.limit
+    return {"eval": extra} if extra else {}
+
+
+def cmd_eval(args) -> None:
+    from wbrag_ray.pipelines.evaluate import evaluate
+
+    run = RunFolder(args.run)
+    config = _resolve_config(args, _eval_extra(args), run)
+    if not config.eval.dataset:
+        raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
+    _start(config)
+    evaluate(run, config, config.eval.dataset, args.name)
+
+
+def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
+    """ingest -> embed -> index -> eval, skipping completed stages."""
+    from wbrag_ray.pipelines import build_kb
+    from wbrag_ray.pipelines.evaluate import evaluate, format_table, load_results
+
+    run.bind_config(config, force=force)
+    _start(config)
+    build_kb.ingest(run, config, force=force)
+    build_kb.embed(run, config, force=force)
+    build_kb.index(run, config, force=force)
+    if config.eval.dataset:
+        name = config.eval.name or os.path.basename(config.eval.dataset).split(".")[0]
+        eval_stage = f"eval-{name}"
+        if run.is_complete(eval_stage) and not force:  # the table was printed when it ran; show it again
+            done = {k: v for k, v in load_results(run).items() if k.startswith(name + "-")}
+            print(format_table(name, {v["method"]: v for v in done.values()}), flush=True)
+        run.run_stage(eval_stage, lambda: {"methods": evaluate(run, config, config.eval.dataset, name)}, force=force)
+    return {s: run.stats(s) for s in run.completed_stages()}
+
+
+def cmd_run(args) -> None:
+    config = _resolve_config(args, {})
+    run_dir = args.run or config.run
+    if not run_dir:
+        raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
+    run_pipeline(RunFolder(run_dir), config, force=args.force)
+
+
+def cmd_demo(args) -> None:
+    import time
+
+    extra = {
+        "ingest": {"corpus": _demo_data("demo_corpus.jsonl")},
+        "eval": {"dataset": _demo_data("demo_qa.jsonl"), "name": "demo_qa"},
+    }
+    config = load_config(args.config or _demo_data("../configs/demo.yaml"), args.overrides, extra)
+    if args.address:
+        config.ray.address = args.address
+    t0 = time.perf_counter()
+    run = RunFolder(args.run)
+    run_pipeline(run, config, force=args.force)
+    print(f"demo finished in {time.perf_counter() - t0:.1f} s; run folder: {run.uri}", flush=True)
+
+
+COMMANDS = {
+    "ingest": cmd_ingest,
+    "embed": cmd_embed,
+    "index": cmd_index,
+    "search": cmd_search,
+    "eval": cmd_eval,
+    "run": cmd_run,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"wbrag {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, IndexError_) as exc:
+        print(f"wbrag {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

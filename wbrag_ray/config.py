@@ -1,0 +1,231 @@
+"""Typed configuration: one model for a whole run, loaded from YAML plus `--set key=value` overrides.
+
+Validation happens once, before any stage starts; every error names the dotted key and what would fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+BUNDLED_GENERATOR = "bundled:smollm2"
+BUNDLED_EMBEDDER = "bundled:all-minilm-l6-v2"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased for a person: the key, the problem, the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None, description="Ray cluster to join ('auto', 'ray://host:10001', host:port). None starts a local one."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (local clusters only).")
+
+
+class IngestConfig(_Section):
+    corpus: str | None = Field(None, description="FlashRAG corpus: jsonl or Parquet file or folder, local or s3://.")
+    shard_bytes: int = Field(
+        64 << 20, ge=1024, description="Byte size of one ingest shard of a jsonl file (a huge file is split)."
+    )
+    max_passage_chars: int = Field(
+        100_000, ge=16, description="Longer passages are rejected with a reason (protects segmentation and memory)."
+    )
+    min_sentence_chars: int = Field(
+        1, ge=1, description="Sentences shorter than this (after stripping) are not kept as sentences."
+    )
+
+
+class EmbedderConfig(_Section):
+    model: str = Field(BUNDLED_EMBEDDER, description="sentence-transformers model: local folder, hub id or bundled:*.")
+    batch_size: int = Field(64, ge=1, description="Sentences per forward pass.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype; 'auto' takes bf16 where the CPU or GPU supports it."
+    )
+    storage_dtype: Literal["float32", "float16"] = Field("float32", description="dtype of stored embedding shards.")
+    num_cpus: float = Field(
+        1.0, gt=0, description="CPUs each embed actor asks Ray for; keep below the node's CPUs so reads can run."
+    )
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus))."
+    )
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
+    concurrency: int = Field(1, ge=1, description="Number of embed actors.")
+    max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
+
+
+class GeneratorConfig(_Section):
+    backend: Literal["hf", "vllm", "openai"] = Field("hf", description="hf (transformers), vllm, or openai (HTTP).")
+    model: str = Field(BUNDLED_GENERATOR, description="Local HF folder, GGUF file, hub id, or bundled:smollm2.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="hf backend compute dtype; 'auto' takes bf16 where the hardware supports it."
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Greedy decoding stops after this many tokens.")
+    batch_size: int = Field(32, ge=1, description="Prompts per generate call.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs each generator actor asks Ray for.")
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per generator actor (default: ceil(num_cpus))."
+    )
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
+    concurrency: int = Field(1, ge=1, description="Number of generator actors / engine replicas.")
+    chat_template: bool = Field(True, description="Apply the tokenizer's chat template (instruct models).")
+    cache_dir: str | None = Field(
+        None, description="Where GGUF models are cached after de-quantization (default ~/.cache/wbrag/converted)."
+    )
+    base_url: str | None = Field(None, description="openai backend: the server's /v1 URL.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="openai backend: environment variable with the key.")
+    lora_adapter: str | None = Field(None, description="Path of a LoRA adapter to apply (hf, vllm).")
+    vllm_engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vLLM engine arguments, merged over the throughput defaults."
+    )
+
+
+class IndexConfig(_Section):
+    unit: Literal["passage", "sentence"] = Field(
+        "passage", description="What the index holds: passages (RAG) or sentences (Zero-RAG's pruning unit)."
+    )
+    factory: str = Field("Flat", description="faiss index factory string, e.g. Flat, IVF1024,Flat, HNSW32.")
+    train_sample: int = Field(100_000, ge=1, description="Vectors sampled to train an index that needs training.")
+    nprobe: int = Field(32, ge=1, description="IVF cells visited per query.")
+
+
+class RetrievalConfig(_Section):
+    top_k: int = Field(5, ge=1, description="Documents retrieved per question (K).")
+    batch_size: int = Field(64, ge=1, description="Questions embedded and searched per batch.")
+    num_cpus: float = Field(0.25, gt=0, description="CPUs each retriever actor asks Ray for.")
+
+
+class EvalConfig(_Section):
+    dataset: str | None = Field(None, description="FlashRAG dataset jsonl or Parquet (id, question, golden_answers).")
+    name: str | None = Field(None, description="Name of the evaluation folder; default: the dataset's file stem.")
+    methods: list[Literal["naive", "no-retrieval"]] = Field(
+        default_factory=lambda: ["no-retrieval", "naive"], description="Settings to evaluate."
+    )
+    limit: int | None = Field(None, ge=1, description="Evaluate only the first N questions.")
+
+
+class WbragConfig(_Section):
+    """The whole configuration of one run; `run.json` in the run folder holds its resolved form."""
+
+    run: str | None = Field(None, description="Run folder (local path or s3://bucket/prefix) for `wbrag run`.")
+    ray: RayConfig = Field(default_factory=RayConfig)
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
+    embedder: EmbedderConfig = Field(default_factory=EmbedderConfig)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @field_validator("index")
+    @classmethod
+    def _factory_known(cls, v: IndexConfig) -> IndexConfig:
+        if not v.factory.strip():
+            raise ValueError("factory must be a faiss index factory string such as 'Flat' or 'IVF1024,Flat'")
+        return v
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that decide a run's outputs (ray placement excluded), for change detection."""
+        data = self.model_dump(mode="json")
+        data.pop("ray", None)
+        data.pop("run", None)
+        return data
+
+
+# --- loading -------------------------------------------------------------------------------------------
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_known_keys(ann, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        known = _known_keys(WbragConfig)
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else "remove it; see `wbrag <cmd> --help` for keys"
+        return f"unknown config key '{key}': {hint}"
+    got = err.get("input")
+    fix = err["msg"][0].lower() + err["msg"][1:]
+    return f"config key '{key}' = {got!r} is invalid: {fix}"
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{key}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """Turn ['generator.batch_size=8', ...] into a nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r}: expected key=value, e.g. --set generator.batch_size=16")
+        key, raw = pair.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"--set {pair!r}: the key is empty")
+        _set_dotted(tree, key, yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_config(data: dict[str, Any]) -> WbragConfig:
+    try:
+        return WbragConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(e) for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> WbragConfig:
+    """Load YAML (optional), then apply `extra` (from CLI flags), then `--set` overrides, and validate once."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections (ingest:, generator:, ...)")
+        data = loaded
+    data = deep_merge(data, extra or {})
+    data = deep_merge(data, parse_overrides(overrides))
+    return build_config(data)

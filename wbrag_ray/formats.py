@@ -1,0 +1,225 @@
+"""Input formats (FlashRAG corpus and dataset files, jsonl or Parquet) and the Parquet schemas we write.
+
+Every record either becomes a row or a reject with a reason: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from wbrag_ray.storage import Location
+
+PASSAGES = pa.schema([("pid", pa.int64()), ("doc_id", pa.string()), ("title", pa.string()), ("text", pa.string())])
+SENTENCES = pa.schema([("sid", pa.int64()), ("pid", pa.int64()), ("position", pa.int32()), ("text", pa.string())])
+REJECTS = pa.schema(
+    [("source", pa.string()), ("offset", pa.int64()), ("doc_id", pa.string()), ("reason", pa.string()), ("raw", pa.string())]
+)
+QUESTIONS = pa.schema(
+    [("id", pa.string()), ("question", pa.string()), ("golden_answers", pa.list_(pa.string())), ("metadata", pa.string())]
+)
+
+RAW_EXCERPT = 500  # characters of a rejected record kept for inspection
+
+
+class InputError(ValueError):
+    """Input that cannot be read at all (missing file, unknown format); bad rows are rejects instead."""
+
+
+def excerpt(raw: bytes | str) -> str:
+    if isinstance(raw, bytes):
+        raw = raw[: RAW_EXCERPT * 4].decode("utf-8", errors="replace")
+    return raw[:RAW_EXCERPT]
+
+
+def input_files(loc: Location) -> list[Location]:
+    """The corpus or dataset files at `loc` (a file or a folder of .jsonl / .parquet files)."""
+    if not loc.exists():
+        raise InputError(f"input {loc.uri} does not exist")
+    files = [f for f in loc.list_files() if f.name.endswith((".jsonl", ".json", ".parquet"))]
+    if not files:
+        raise InputError(f"no .jsonl or .parquet files at {loc.uri}")
+    return files
+
+
+def file_kind(loc: Location) -> str:
+    return "parquet" if loc.name.endswith(".parquet") else "jsonl"
+
+
+# --- corpus records -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Passage:
+    doc_id: str
+    title: str
+    text: str
+
+
+def parse_corpus_line(line: bytes) -> Passage | str:
+    """A FlashRAG corpus line -> Passage, or the reason it is rejected."""
+    if not line.strip():
+        return "blank line"
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"invalid UTF-8 at byte {exc.start}"
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as exc:
+        return f"malformed JSON: {exc.msg} at column {exc.colno}"
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    return corpus_record(obj)
+
+
+def corpus_record(obj: dict[str, Any]) -> Passage | str:
+    """A corpus record with `id` and `contents` ("Title\\ntext"), or `title` and `text`."""
+    if obj.get("id") is None:
+        return "missing 'id'"
+    doc_id = str(obj["id"])
+    if "contents" in obj:
+        contents = obj["contents"]
+        if not isinstance(contents, str):
+            return f"'contents' must be a string, got {type(contents).__name__}"
+        title, _, text = contents.partition("\n")
+        if not _:  # no title line: the whole contents is text
+            title, text = "", contents
+    elif "text" in obj:
+        title, text = obj.get("title") or "", obj["text"]
+        if not isinstance(text, str) or not isinstance(title, str):
+            return "'title' and 'text' must be strings"
+    else:
+        return "missing 'contents' (FlashRAG corpus lines are {\"id\", \"contents\": \"Title\\ntext\"})"
+    # FlashRAG's wiki dump quotes titles: "Aaron"
+    title = title.strip()
+    if len(title) >= 2 and title[0] == title[-1] == '"':
+        title = title[1:-1]
+    text = text.strip()
+    if not text:
+        return "empty contents"
+    return Passage(doc_id, title, text)
+
+
+# --- QA datasets ----------------------------------------------------------------------------------------
+
+
+def dataset_record(obj: Any) -> dict[str, Any] | str:
+    """A FlashRAG dataset record -> row, or the reason it is rejected."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    question = obj.get("question")
+    if not isinstance(question, str) or not question.strip():
+        return "missing or empty 'question'"
+    answers = obj.get("golden_answers")
+    if isinstance(answers, str):
+        answers = [answers]
+    if answers is not None and not isinstance(answers, list):
+        return "'golden_answers' must be a list of strings"
+    answers = [str(a) for a in (answers or []) if a is not None and str(a).strip()]
+    if not answers:
+        return "missing or empty 'golden_answers'"
+    if obj.get("id") is None:
+        return "missing 'id'"
+    meta = obj.get("metadata")
+    return {
+        "id": str(obj["id"]),
+        "question": question.strip(),
+        "golden_answers": answers,
+        "metadata": json.dumps(meta) if meta is not None else None,
+    }
+
+
+def read_dataset(loc: Location, limit: int | None = None) -> tuple[pa.Table, pa.Table]:
+    """A QA dataset file or folder -> (questions, rejects). Duplicate ids are rejected after the first."""
+    rows: list[dict[str, Any]] = []
+    rejects: list[dict[str, Any]] = []
+    seen: set[str] = set()
+
+    def add(source: str, offset: int, rec: dict[str, Any] | str, raw: Any) -> None:
+        if isinstance(rec, dict) and rec["id"] in seen:
+            rec = f"duplicate id {rec['id']!r}"
+        if isinstance(rec, str):
+            doc_id = raw.get("id") if isinstance(raw, dict) else None
+            rejects.append(
+                {"source": source, "offset": offset, "doc_id": None if doc_id is None else str(doc_id),
+                 "reason": rec, "raw": excerpt(raw if isinstance(raw, (bytes, str)) else json.dumps(raw, default=str))}
+            )
+        else:
+            seen.add(rec["id"])
+            rows.append(rec)
+
+    for f in input_files(loc):
+        if file_kind(f) == "parquet":
+            for i, obj in enumerate(f.read_table().to_pylist()):
+                add(f.uri, i, dataset_record(obj), obj)
+        else:
+            for offset, line in iter_jsonl(f):
+                if not line.strip():
+                    continue  # blank lines in a small QA file carry no record
+                try:
+                    obj = json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    add(f.uri, offset, f"unreadable line: {exc}", line)
+                    continue
+                add(f.uri, offset, dataset_record(obj), obj)
+        if limit and len(rows) >= limit:
+            break
+    if limit:
+        rows = rows[:limit]
+    return pa.Table.from_pylist(rows, schema=QUESTIONS), pa.Table.from_pylist(rejects, schema=REJECTS)
+
+
+# --- streaming jsonl by byte range ----------------------------------------------------------------------
+
+
+def iter_jsonl(loc: Location, start: int = 0, end: int | None = None, chunk: int = 4 << 20) -> Iterator[tuple[int, bytes]]:
+    """Yield (byte offset, line) for every line that *starts* in [start, end), reading `chunk` bytes at a time.
+
+    A shard boundary may fall inside a line: the line belongs to the shard where it starts, so every line
+    is read exactly once across shards, and a huge file is never read as one block.
+    """
+    end = loc.size() if end is None else end
+    with loc.fs.open_input_file(loc.path) as f:
+        if start > 0:
+            # The line starting at `start` is ours only if the byte before it ends a line.
+            f.seek(start - 1)
+            pos = start - 1
+            while True:
+                data = f.read(chunk)
+                if not data:
+                    return
+                i = data.find(b"\n")
+                if i >= 0:
+                    pos += i + 1
+                    buf, off = data, i + 1
+                    break
+                pos += len(data)
+        else:
+            buf, off, pos = b"", 0, 0
+        # Invariant: buf[off] is the first byte of the line that starts at `pos`.
+        while pos < end:
+            i = buf.find(b"\n", off)
+            if i < 0:
+                data = f.read(chunk)
+                if not data:
+                    if off < len(buf):
+                        yield pos, buf[off:]
+                    return
+                buf, off = buf[off:] + data, 0
+                continue
+            yield pos, buf[off:i]
+            pos += i + 1 - off
+            off = i + 1
+
+
+def embeddings_table(ids: np.ndarray, vectors: np.ndarray) -> pa.Table:
+    """(id, vector) rows with a fixed-size-list vector column: the layout of embedding shards."""
+    dim = vectors.shape[1]
+    flat = pa.array(np.ascontiguousarray(vectors).reshape(-1))
+    return pa.table({"id": pa.array(ids, pa.int64()), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)})

@@ -1,0 +1,1 @@
+"""Vector indices: build from embedding shards, load from a manifest, search."""

@@ -1,0 +1,46 @@
+"""What the local hardware supports, decided once per process."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def cpu_supports_bf16() -> bool:
+    """True where the CPU has native bf16 matmul (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(requested: str, device: str):
+    """The torch dtype for 'auto' / 'float32' / 'bfloat16' on `device`."""
+    import torch
+
+    if requested == "float32":
+        return torch.float32
+    if requested == "bfloat16":
+        return torch.bfloat16
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def pick_device(num_gpus: float) -> str:
+    import torch
+
+    return "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
+def set_threads(num_cpus: float) -> int:
+    """Match torch's intra-op threads to the actor's CPU allocation (no oversubscription)."""
+    import math
+
+    import torch
+
+    threads = max(1, math.ceil(num_cpus))
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,38 @@
+"""Starting or joining Ray, once per process, with messages that say what to do when it fails."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from wbrag_ray.config import ConfigError, RayConfig
+
+log = logging.getLogger(__name__)
+
+# CPUs that reads, writes and other light tasks ask for: small, so model actors (which ask for most of a
+# node) never starve the tasks that feed them.
+LIGHT_CPUS = 0.25
+
+
+def init_ray(config: RayConfig) -> None:
+    """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster."""
+    import ray
+    import ray.data
+
+    if ray.is_initialized():
+        return
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
+    if address:
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot reach the Ray cluster at ray.address={address!r}: {str(exc).splitlines()[0]}. "
+                "Check the address (ray status on the head node prints it) or drop --address to run locally."
+            ) from None
+    else:
+        ray.init(num_cpus=config.num_cpus, include_dashboard=False, **kwargs)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = True
+    ctx.print_on_execution_start = False

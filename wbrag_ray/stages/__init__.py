@@ -1,0 +1,1 @@
+"""Stages: one class (or shard task) per unit of work; see `base.Stage`."""

@@ -1,0 +1,96 @@
+"""The stage abstraction: one class per unit of work, run as a Ray Data actor pool.
+
+A stage declares its name, its resources, the columns it reads and the columns it adds, a `setup` that runs
+once per worker (load the model there, never in `__init__`: the stage object is pickled to every actor),
+and one batch method. `apply_stage(ds, stage)` wires it into a pipeline.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    import ray.data
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one worker of a stage asks Ray for, and how the pool is sized.
+
+    Model actors ask for part of a node's CPUs in Ray's accounting (a 2-CPU node whose only actor asks for
+    2 CPUs, or even 1.5, starves the list / read tasks upstream, which ask for 1, and hangs) and may run more
+    torch threads than that where they know the node is otherwise idle (`threads`).
+    """
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    concurrency: int = 1
+    batch_size: int = 64
+    threads: int | None = None  # torch threads; None = ceil(num_cpus)
+
+
+class Stage(ABC):
+    name: ClassVar[str]
+    input_columns: ClassVar[tuple[str, ...]] = ()
+    output_columns: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def resources(self) -> Resources:
+        return Resources()
+
+    def setup(self) -> None:  # noqa: B027 - optional hook
+        """Once per worker: load models, open indices."""
+
+    @abstractmethod
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        """Return the batch with `output_columns` added (a DataFrame, or a pyarrow Table for typed columns
+        such as fixed-size vectors); rows may be dropped only by filter stages."""
+
+
+class StageError(RuntimeError):
+    pass
+
+
+class _StageWorker:
+    """The Ray actor around a stage: threads, setup once, column checks on every batch."""
+
+    def __init__(self, stage: Stage):
+        from wbrag_ray.models.hardware import set_threads
+
+        set_threads(stage.resources.threads or stage.resources.num_cpus)
+        self.stage = stage
+        stage.setup()
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        missing = [c for c in self.stage.input_columns if c not in batch.columns]
+        if missing:
+            raise StageError(f"stage {self.stage.name}: input is missing columns {missing}; it has {list(batch.columns)}")
+        out = self.stage.process_batch(batch)
+        columns = out.column_names if hasattr(out, "column_names") else out.columns
+        absent = [c for c in self.stage.output_columns if c not in columns]
+        if absent:
+            raise StageError(f"stage {self.stage.name} did not produce columns {absent}")
+        return out
+
+
+def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
+    """Append `stage` to a Ray Data pipeline as an actor pool."""
+    res = stage.resources
+    return ds.map_batches(
+        _StageWorker,
+        fn_constructor_args=(stage,),
+        batch_format="pandas",
+        batch_size=res.batch_size,
+        num_cpus=res.num_cpus,
+        num_gpus=res.num_gpus or None,
+        concurrency=res.concurrency,
+    )
+
+
+def run_local(stage: Stage, batch: pd.DataFrame) -> pd.DataFrame:
+    """Run a stage in this process on one batch (tests, small jobs, benchmarks of the direct path)."""
+    return _StageWorker(stage)(batch)

@@ -1,0 +1,37 @@
+"""Embedding as a stage: text in, a normalized float vector per row out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from wbrag_ray.config import EmbedderConfig
+from wbrag_ray.formats import embeddings_table
+from wbrag_ray.stages.base import Resources, Stage
+
+
+class EmbedStage(Stage):
+    name = "embed"
+    input_columns = ("id", "text")
+    output_columns = ("id", "vector")
+
+    def __init__(self, config: EmbedderConfig):
+        self.config = config
+
+    @property
+    def resources(self) -> Resources:
+        c = self.config
+        return Resources(c.num_cpus, c.num_gpus, c.concurrency, batch_size=c.batch_size * 8, threads=c.threads)
+
+    def setup(self) -> None:
+        from wbrag_ray.models.embedder import Embedder
+
+        self.embedder = Embedder(self.config)
+        self.embedder.setup()
+
+    def process_batch(self, batch: pd.DataFrame) -> pa.Table:
+        vecs = self.embedder.encode_passages(batch["text"].tolist())
+        dtype = np.float16 if self.config.storage_dtype == "float16" else np.float32
+        # Only id and vector travel on: the text is already in the passages/sentences shards.
+        return embeddings_table(batch["id"].to_numpy(np.int64), vecs.astype(dtype))

@@ -1,0 +1,134 @@
+"""All file access goes through pyarrow.fs, so a run folder or a corpus can be local or on s3://.
+
+S3 endpoint and credentials come from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...);
+they are never written into a run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+
+def _s3_filesystem() -> pafs.S3FileSystem:
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    kwargs: dict[str, Any] = {}
+    if endpoint:
+        scheme = "https" if endpoint.startswith("https://") else "http"
+        kwargs["endpoint_override"] = endpoint.split("://", 1)[-1]
+        kwargs["scheme"] = scheme
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    return pafs.S3FileSystem(**kwargs)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A filesystem and a path inside it; `uri` is what users typed and what goes into manifests."""
+
+    fs: pafs.FileSystem
+    path: str
+    uri: str
+
+    def join(self, *parts: str) -> Location:
+        path = posixpath.join(self.path, *parts)
+        uri = posixpath.join(self.uri, *parts)
+        return Location(self.fs, path, uri)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def exists(self) -> bool:
+        return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
+
+    def is_file(self) -> bool:
+        return self.fs.get_file_info(self.path).type == pafs.FileType.File
+
+    def size(self) -> int:
+        return self.fs.get_file_info(self.path).size
+
+    def mkdir(self) -> None:
+        if self.is_local:
+            self.fs.create_dir(self.path, recursive=True)
+        # object stores have no directories: nothing to create
+
+    def list_files(self, suffix: str = "") -> list[Location]:
+        """Files directly below this folder (sorted by name), or [self] when this is a file."""
+        info = self.fs.get_file_info(self.path)
+        if info.type == pafs.FileType.File:
+            return [self]
+        if info.type == pafs.FileType.NotFound:
+            return []
+        sel = pafs.FileSelector(self.path, recursive=False)
+        names = sorted(
+            i.base_name for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File and i.base_name.endswith(suffix)
+        )
+        return [self.join(n) for n in names if not n.startswith((".", "_"))]
+
+    def delete(self) -> None:
+        info = self.fs.get_file_info(self.path)
+        if info.type == pafs.FileType.Directory:
+            self.fs.delete_dir(self.path)
+        elif info.type == pafs.FileType.File:
+            self.fs.delete_file(self.path)
+
+    def read_bytes(self) -> bytes:
+        with self.fs.open_input_stream(self.path) as f:
+            return f.read()
+
+    def write_bytes(self, data: bytes) -> None:
+        parent = self.parent()
+        parent.mkdir()
+        # Write to a temporary name, then move: a reader never sees half a file (local disks; S3 PUTs are atomic).
+        if self.is_local:
+            tmp = self.path + ".tmp"
+            with self.fs.open_output_stream(tmp) as f:
+                f.write(data)
+            self.fs.move(tmp, self.path)
+        else:
+            with self.fs.open_output_stream(self.path) as f:
+                f.write(data)
+
+    def read_json(self) -> Any:
+        return json.loads(self.read_bytes().decode("utf-8"))
+
+    def write_json(self, obj: Any) -> None:
+        self.write_bytes((json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode("utf-8"))
+
+    def parent(self) -> Location:
+        return Location(self.fs, posixpath.dirname(self.path.rstrip("/")), posixpath.dirname(self.uri.rstrip("/")))
+
+    def read_table(self, columns: list[str] | None = None) -> pa.Table:
+        files = self.list_files(".parquet")
+        if not files:
+            raise FileNotFoundError(f"no Parquet files at {self.uri}")
+        return pa.concat_tables(pq.read_table(f.path, filesystem=f.fs, columns=columns) for f in files)
+
+    def write_table(self, table: pa.Table) -> None:
+        self.parent().mkdir()
+        pq.write_table(table, self.path, filesystem=self.fs)
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path.rstrip("/"))
+
+
+def resolve(uri: str | os.PathLike[str]) -> Location:
+    """Resolve a local path or a URI (s3://bucket/prefix, file://...) into a Location."""
+    uri = str(uri)
+    if uri.startswith("s3://"):
+        return Location(_s3_filesystem(), uri[len("s3://") :].rstrip("/"), uri.rstrip("/"))
+    if "://" in uri and not uri.startswith("file://"):
+        fs, path = pafs.FileSystem.from_uri(uri)
+        return Location(fs, path, uri)
+    path = os.path.abspath(uri[len("file://") :] if uri.startswith("file://") else uri)
+    return Location(pafs.LocalFileSystem(), path, path)
