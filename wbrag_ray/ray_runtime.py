@@ -24,6 +24,7 @@ def init_ray(config: RayConfig) -> None:
     address = config.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
     if address:
+        _check_reachable(address)
         try:
             ray.init(address=address, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -36,3 +37,23 @@ def init_ray(config: RayConfig) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
     ctx.print_on_execution_start = False
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not minutes: ray.init keeps retrying an address where nothing listens."""
+    import socket
+
+    if address == "auto" or address.startswith("local"):
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray.address={address!r} is not host:port, ray://host:port or 'auto'")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot reach the Ray cluster at ray.address={address!r} ({exc.strerror or exc}). "
+            "Check the address (`ray status` on the head node prints it) or drop --address to run locally."
+        ) from None

@@ -22,8 +22,8 @@ from wbrag_ray.storage import resolve
 
 def _prompts(batch: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
     """One row per (question, method), with the prompt that method sends."""
-    from wbrag_ray.index.retriever import hits_from_json
     from wbrag_ray import prompts
+    from wbrag_ray.index.retriever import hits_from_json
 
     parts = []
     for method in methods:

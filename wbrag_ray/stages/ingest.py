@@ -17,6 +17,7 @@ Duplicate document ids are found after all shards with one Arrow group-by over t
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,7 +44,8 @@ from wbrag_ray.storage import Location, resolve
 FILE_BITS = 48
 PARQUET_ROW_SHIFT = 16
 MAX_FILES = 1 << (63 - FILE_BITS)
-FLUSH_ROWS = 20_000  # rows buffered before a Parquet row group is written: bounds a shard's memory
+FLUSH_ROWS = 20_000
+PROGRESS_EVERY_S = 5.0  # rows buffered before a Parquet row group is written: bounds a shard's memory
 
 
 class Segmenter:
@@ -181,12 +183,17 @@ def ingest_shard(spec: ShardSpec, out_uri: str, config: IngestConfig) -> dict[st
     return stats
 
 
+_ID_PATTERN = re.compile(rb'"id"\s*:\s*"?([^",}\s]+)')
+
+
 def _peek_id(line: bytes) -> str | None:
+    """The id of a rejected line where one can be read, so a person can find the record in the source."""
     try:
         obj = json.loads(line)
         return None if not isinstance(obj, dict) or obj.get("id") is None else str(obj["id"])
     except (ValueError, UnicodeDecodeError):
-        return None
+        m = _ID_PATTERN.search(line[:4096])
+        return m.group(1).decode("utf-8", errors="replace") if m else None
 
 
 # --- duplicates -----------------------------------------------------------------------------------------
@@ -251,7 +258,7 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
     if finished:
         print(f"[ingest] resuming: {finished}/{len(shards)} shards already complete", flush=True)
     queue = list(todo)
-    t0 = time.perf_counter()
+    t0 = last_report = time.perf_counter()
     rows = 0
     while queue or pending:
         while queue and len(pending) < max_in_flight:
@@ -260,8 +267,11 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
         stats = ray.get(ready[0])
         finished += 1
         rows += stats["rows_in"]
-        rate = rows / max(time.perf_counter() - t0, 1e-9)
-        print(f"[ingest] {finished}/{len(shards)} shards, {rows:,} records this run ({rate:,.0f}/s)", flush=True)
+        now = time.perf_counter()
+        if now - last_report >= PROGRESS_EVERY_S or finished == len(shards):
+            last_report = now
+            rate = rows / max(now - t0, 1e-9)
+            print(f"[ingest] {finished}/{len(shards)} shards, {rows:,} records this run ({rate:,.0f}/s)", flush=True)
     duplicates = resolve_duplicate_ids(out)
     per_shard = [out.join("_shards", s.name + ".json").read_json() for s in shards]
     rows_in = sum(s["rows_in"] for s in per_shard)

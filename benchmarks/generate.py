@@ -1,0 +1,156 @@
+"""The bundled generator (SmolLM2-135M-Instruct) on RAG prompts: fp32 and bf16 direct, bf16 through Ray Data.
+
+Generated tokens count every row of a batch for every decoding step the batch ran (greedy decoding keeps a
+batch going until its longest answer ends): that is the work done. Answer tokens count only the tokens of
+the answers returned. Prompts are long next to the answers, so prefill dominates the time.
+
+Prompts go in two generate batches (batch size n / 2). The Ray figure "excluding actor start" is
+differential: a run of the same pipeline on every other prompt (planning, actor start, model load from the
+cache, one generate batch) is subtracted from the full run, which leaves one generate batch of the same mix
+of prompts.
+
+    python -m benchmarks.generate [--quick]
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.common import (
+    Stopwatch,
+    demo_rag_prompts,
+    header,
+    local_ray,
+    parse_args,
+    report,
+    report_ratio,
+    run_module_main,
+    set_torch_threads,
+    timed,
+)
+
+THREADS = 2
+MAX_NEW_TOKENS = 32
+
+
+class DecodeCounter:
+    """Wraps a loaded model's `generate` to add up batch rows x decoding steps (the library returns text only)."""
+
+    def __init__(self, model: Any):
+        self.inner = model.generate
+        self.tokens = 0
+        model.generate = self
+
+    def __call__(self, **kwargs: Any) -> Any:
+        out = self.inner(**kwargs)
+        self.tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+
+
+def load(config):
+    from wbrag_ray.models.generator import HFGenerator
+
+    generator = HFGenerator(config)
+    _, seconds = timed(generator.setup)
+    return generator, seconds
+
+
+def run_direct(label: str, generator, prompts) -> tuple[list[str], float]:
+    counter = DecodeCounter(generator.model)
+    answers, seconds = timed(lambda: generator.generate(prompts))
+    answer_tokens = sum(len(generator.tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
+    report(f"{label} time", seconds, "s", 2)
+    report(f"{label} generated tokens/s (batch rows x steps)", counter.tokens / seconds, "tokens/s")
+    report(f"{label} answer tokens/s", answer_tokens / seconds, "tokens/s")
+    report(f"{label} prompts/s", len(prompts) / seconds, "prompts/s", 2)
+    return answers, seconds
+
+
+def same_fraction(a: list[str], b: list[str]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    header("generate", args)
+    import ray.data
+
+    from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.prompts import dumps
+    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.stages.generate import GenerateStage
+
+    report("torch threads", set_torch_threads(THREADS))
+    n = 16 if args.quick else 64
+    prompts = demo_rag_prompts(n)
+    report("prompts", n)
+    report("max new tokens", MAX_NEW_TOKENS)
+
+    # Full runs convert the GGUF into an empty cache, so the first load is always the cold one; quick runs use
+    # the default cache, where an earlier run has usually converted it already.
+    tmp = None if args.quick else tempfile.TemporaryDirectory(prefix="wbrag-bench-gen-")
+    cache_dir = tmp.name if tmp else None
+
+    def config(dtype: str, **kw: Any) -> GeneratorConfig:
+        return GeneratorConfig(
+            model="bundled:smollm2",
+            max_new_tokens=MAX_NEW_TOKENS,
+            dtype=dtype,
+            batch_size=n // 2,
+            cache_dir=cache_dir,
+            **kw,
+        )
+
+    try:
+        first, seconds = load(config("float32"))
+        label = "empty cache: GGUF conversion" if tmp else "default cache: converts only if absent"
+        report(f"generator load, first ({label})", seconds, "s", 2)
+        del first
+        fp32, seconds = load(config("float32"))
+        report("generator load, cached, fp32", seconds, "s", 2)
+        bf16, seconds = load(config("bfloat16"))
+        report("generator load, cached, bf16", seconds, "s", 2)
+        report("generate batch size", fp32.config.batch_size)
+        lengths = [len(fp32.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in fp32.render(prompts)]
+        report("prompt tokens (mean)", sum(lengths) / n)
+
+        for generator in (fp32, bf16):
+            generator.generate(prompts[:2], max_new_tokens=4)  # warm-up: first-call kernel selection
+
+        answers32, s32 = run_direct("direct fp32", fp32, prompts)
+        answers16, s16 = run_direct("direct bf16", bf16, prompts)
+        report_ratio("bf16 speedup vs fp32 (time, same prompts)", s32, s16)
+        report("identical greedy answers bf16 vs fp32", 100 * same_fraction(answers16, answers32), "%")
+        report("sample answer (fp32 | bf16)", f"{answers32[0]!r} | {answers16[0]!r}")
+        del fp32, bf16
+
+        # bf16 through Ray Data: one actor that asks for 1 of the 2 CPUs and runs 2 torch threads.
+        stage = GenerateStage(config("bfloat16", num_cpus=1, threads=THREADS))
+        rows = [{"i": i, "prompt": dumps(p)} for i, p in enumerate(prompts)]
+
+        def ray_run(items: list[dict]) -> tuple[list[str], float]:
+            with Stopwatch() as sw:
+                out = apply_stage(ray.data.from_items(items), stage).materialize()
+            table = out.to_pandas().sort_values("i")
+            return table["answer"].tolist(), sw.seconds
+
+        with local_ray(num_cpus=2):
+            _, warm = ray_run(rows[::2])
+            answers_ray, full = ray_run(rows)
+    finally:
+        if tmp:
+            tmp.cleanup()
+
+    report(f"ray bf16 warm-up run ({n // 2} prompts: plan, actor start, cached load, one batch)", warm, "s", 2)
+    report("ray bf16 time, actor start included", full, "s", 2)
+    report("ray bf16 prompts/s, actor start included", n / full, "prompts/s", 2)
+    report("identical greedy answers ray vs direct bf16", 100 * same_fraction(answers_ray, answers16), "%")
+    report_ratio("ratio ray/direct bf16, actor start included", s16, full)
+    report_ratio("ratio ray/direct bf16, excluding actor start (differential)", s16 / n, (full - warm) / (n - n // 2))
+    return 0
+
+
+if __name__ == "__main__":
+    run_module_main(main)

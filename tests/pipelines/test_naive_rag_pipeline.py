@@ -1,0 +1,97 @@
+"""Integration: ingest -> embed -> index -> eval on a slice of the demo data, with the real bundled models,
+on a local Ray cluster, through the `wbrag` command; FlashRAG files written here, not the demo's own."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import demo_questions, demo_records, write_jsonl
+from wbrag_ray.cli import main
+
+
+@pytest.fixture(scope="module")
+def flashrag_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("flashrag")
+    questions = demo_questions()[:8]
+    wanted = {q["metadata"]["source_doc"] for q in questions}
+    records = [r for r in demo_records() if r["id"] in wanted] + [r for r in demo_records() if r["id"] not in wanted][:16]
+    corpus = write_jsonl(d / "wiki_slice.jsonl", records)
+    # FlashRAG dataset files carry extra keys and numeric ids; one bad record must be rejected, not fatal.
+    qs = [{"id": i, "question": q["question"], "golden_answers": q["golden_answers"], "metadata": q["metadata"]}
+          for i, q in enumerate(questions)]
+    qs.append({"id": "no-answers", "question": "What is missing?", "golden_answers": []})
+    dataset = write_jsonl(d / "test.jsonl", qs)
+    return corpus, dataset, len(records), len(questions)
+
+
+@pytest.fixture(scope="module")
+def built_run(tmp_path_factory, flashrag_files, ray_cluster):
+    corpus, dataset, n_docs, n_q = flashrag_files
+    run = tmp_path_factory.mktemp("runs") / "r1"
+    config = run.parent / "cfg.yaml"
+    config.write_text(
+        f"run: {run}\n"
+        f"ingest:\n  corpus: {corpus}\n"
+        "embedder:\n  num_cpus: 1\n  threads: 2\n"
+        "generator:\n  batch_size: 8\n  max_new_tokens: 16\n  num_cpus: 1\n  threads: 2\n"
+        f"eval:\n  dataset: {dataset}\n  name: slice\n"
+    )
+    assert main(["run", str(config)]) == 0
+    return run, config
+
+
+def test_every_stage_completed_with_reconciled_counts(built_run, flashrag_files):
+    run, _ = built_run
+    _, _, n_docs, _ = flashrag_files
+    for stage in ("ingest", "embed", "index", "eval-slice"):
+        assert (run / "_stages" / stage / "_SUCCESS").exists(), stage
+    ingest = json.loads((run / "_stages" / "ingest" / "stats.json").read_text())
+    assert ingest["rows_in"] == n_docs == ingest["rows_out"] + ingest["rows_rejected"]
+    embed = json.loads((run / "_stages" / "embed" / "stats.json").read_text())
+    assert embed["rows_out"] == ingest["rows_out"]
+    manifest = json.loads((run / "index" / "manifest.json").read_text())
+    assert manifest["count"] == n_docs and manifest["dim"] == 384
+
+
+def test_eval_writes_metrics_and_predictions(built_run, flashrag_files):
+    run, _ = built_run
+    _, _, _, n_q = flashrag_files
+    for method in ("naive", "no-retrieval"):
+        folder = run / "eval" / f"slice-{method}"
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert metrics["n"] == n_q and metrics["method"] == method
+        assert {"em", "f1", "acc"} <= set(metrics) and metrics["rejected_questions"] == 1
+        preds = pq.read_table(folder / "predictions.parquet").to_pylist()
+        assert len(preds) == n_q and all(p["prediction"] for p in preds)
+        assert pq.read_table(folder / "rejects.parquet").to_pylist()[0]["reason"] == "missing or empty 'golden_answers'"
+    naive = json.loads((run / "eval" / "slice-naive" / "metrics.json").read_text())
+    closed = json.loads((run / "eval" / "slice-no-retrieval" / "metrics.json").read_text())
+    # retrieval over passages that hold the answers must help even a 135M model
+    assert naive["acc"] > closed["acc"]
+    preds = pq.read_table(run / "eval" / "slice-naive" / "predictions.parquet").to_pylist()
+    assert all(len(json.loads(p["docs"])) == 5 for p in preds)
+
+
+def test_rerun_skips_completed_stages(built_run, capsys):
+    run, config = built_run
+    capsys.readouterr()
+    assert main(["run", str(config)]) == 0
+    out = capsys.readouterr().out
+    for stage in ("ingest", "embed", "index", "eval-slice"):
+        assert f"[{stage}] complete, skipped" in out
+    assert "results on slice" in out
+
+
+def test_search_command_finds_the_source_passage(built_run, capsys):
+    run, _ = built_run
+    capsys.readouterr()
+    assert main(["search", str(run), "--query", "highest mountain above sea level", "-k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Mount Everest" in out.splitlines()[1]
+
+
+def test_changed_config_on_existing_run_is_refused(built_run, capsys):
+    run, config = built_run
+    assert main(["run", str(config), "--set", "index.factory=HNSW32"]) == 2
+    assert "different config" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""Ingest: byte-range shards of one big file, stable ids, bad input reconciliation, Parquet input, resume."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import demo_records, write_jsonl
+from wbrag_ray.config import IngestConfig
+from wbrag_ray.formats import iter_jsonl
+from wbrag_ray.stages.ingest import FILE_BITS, Segmenter, plan_shards, run_ingest
+from wbrag_ray.storage import resolve
+
+
+def _read(out, name):
+    return pq.read_table(out / name).to_pylist() if (out / name).exists() else []
+
+
+def test_segmenter_keeps_abbreviations_and_decimals_inside_sentences():
+    s = Segmenter().split("Dr. Smith moved to the U.S. in 1953. Pi is about 3.14. Is it? Yes.")
+    assert s == ["Dr. Smith moved to the U.S. in 1953.", "Pi is about 3.14.", "Is it?", "Yes."]
+
+
+def test_iter_jsonl_reads_every_line_once_across_any_cut(tmp_path):
+    lines = [json.dumps({"id": i, "contents": "T\n" + "x" * (i % 17)}).encode() for i in range(200)]
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(b"\n".join(lines))  # no trailing newline: the last line must still be read
+    loc = resolve(str(f))
+    size = f.stat().st_size
+    for cut in (1, 7, 64, 333, size):
+        got = []
+        for start in range(0, size, cut):
+            got += [line for _, line in iter_jsonl(loc, start, min(start + cut, size), chunk=50)]
+        assert got == lines, cut
+
+
+def test_big_single_file_is_streamed_in_many_shards_with_stable_unique_ids(tmp_path, ray_cluster):
+    base = demo_records()
+    records = [{"id": f"{r['id']}-{k}", "contents": r["contents"]} for k in range(60) for r in base]
+    corpus = write_jsonl(tmp_path / "big.jsonl", records)
+    assert corpus.stat().st_size > 2_000_000
+    config = IngestConfig(shard_bytes=256 * 1024)
+    shards = plan_shards(str(corpus), config)
+    assert len(shards) >= 8
+
+    out = tmp_path / "run1"
+    stats = run_ingest(str(corpus), str(out), config)
+    assert stats["rows_in"] == len(records) == stats["rows_out"] and stats["rows_rejected"] == 0
+    passages = pq.read_table(out / "passages")
+    sentences = pq.read_table(out / "sentences")
+    assert len(set(passages["pid"].to_pylist())) == len(records)
+    assert sorted(passages["doc_id"].to_pylist()) == sorted(r["id"] for r in records)
+    assert len(set(sentences["sid"].to_pylist())) == sentences.num_rows == stats["sentences"]
+    assert set(sentences["pid"].to_pylist()) == set(passages["pid"].to_pylist())
+    # every shard wrote its own files, each with bounded row groups
+    assert len(list((out / "passages").glob("*.parquet"))) == len(shards)
+
+    # a second run into another folder gives the very same ids
+    stats2 = run_ingest(str(corpus), str(tmp_path / "run2"), config)
+    assert stats2["sentences"] == stats["sentences"]
+    p2 = pq.read_table(tmp_path / "run2" / "passages")
+    assert sorted(zip(p2["doc_id"].to_pylist(), p2["pid"].to_pylist(), strict=True)) == sorted(
+        zip(passages["doc_id"].to_pylist(), passages["pid"].to_pylist(), strict=True)
+    )
+
+
+def test_bad_input_is_rejected_with_reasons_and_reconciles(tmp_path, ray_cluster):
+    good = demo_records(6)
+    lines = [
+        good[0],
+        b'{"id": "broken", "contents": "Title\\ntext',  # malformed json
+        {"id": "empty", "contents": "   "},
+        good[1],
+        {"id": good[1]["id"], "contents": "Other\nA later record that reuses an id."},  # duplicate id
+        b'{"id": "bad-utf8", "contents": "T\\nbad \xff\xfe bytes"}',
+        {"id": "huge", "contents": "Huge\n" + ("word " * 210_000)},  # ~1 MB passage
+        {"contents": "No id\nText."},
+        good[2],
+        b"",
+        {"id": 7, "contents": "Numeric id\nIds may be numbers in FlashRAG files."},
+    ]
+    corpus = write_jsonl(tmp_path / "bad.jsonl", lines)
+    out = tmp_path / "run"
+    stats = run_ingest(str(corpus), str(out), IngestConfig(shard_bytes=4096))
+    rejects = pq.read_table(out / "rejects").to_pylist()
+    reasons = {r["doc_id"] or r["reason"]: r["reason"] for r in rejects}
+    assert stats["rows_in"] == len(lines)
+    assert stats["rows_in"] == stats["rows_out"] + stats["rows_rejected"]
+    assert stats["rows_rejected"] == len(rejects) == 7
+    assert "malformed JSON" in reasons["broken"]
+    assert reasons["empty"] == "empty contents"
+    assert "duplicate id" in reasons[good[1]["id"]]
+    assert "invalid UTF-8" in reasons["bad-utf8"]
+    assert "passage too long" in reasons["huge"]
+    assert "missing 'id'" in reasons
+    assert "blank line" in reasons
+    kept = pq.read_table(out / "passages")
+    assert sorted(kept["doc_id"].to_pylist()) == sorted([good[0]["id"], good[1]["id"], good[2]["id"], "7"])
+    # the duplicate's sentences went with it
+    sentences = pq.read_table(out / "sentences")
+    assert set(sentences["pid"].to_pylist()) == set(kept["pid"].to_pylist())
+    # rerunning is idempotent: same counts, nothing duplicated
+    stats2 = run_ingest(str(corpus), str(out), IngestConfig(shard_bytes=4096))
+    assert (stats2["rows_out"], stats2["rows_rejected"]) == (stats["rows_out"], stats["rows_rejected"])
+
+
+def test_parquet_corpus_and_title_text_columns(tmp_path, ray_cluster):
+    recs = demo_records(30)
+    table = pa.table({"id": [r["id"] for r in recs], "contents": [r["contents"] for r in recs]})
+    (tmp_path / "corpus").mkdir()
+    pq.write_table(table.slice(0, 20), tmp_path / "corpus" / "a.parquet", row_group_size=5)
+    titled = pa.table({
+        "id": [r["id"] + "-t" for r in recs[20:]],
+        "title": [r["contents"].split("\n")[0] for r in recs[20:]],
+        "text": [r["contents"].split("\n", 1)[1] for r in recs[20:]],
+    })
+    pq.write_table(titled, tmp_path / "corpus" / "b.parquet")
+    stats = run_ingest(str(tmp_path / "corpus"), str(tmp_path / "run"), IngestConfig(shard_bytes=1024))
+    assert stats["rows_out"] == 30 and stats["rows_rejected"] == 0
+    passages = pq.read_table(tmp_path / "run" / "passages").to_pylist()
+    assert {p["pid"] >> FILE_BITS for p in passages} == {0, 1}
+    assert all(p["title"] and p["text"] for p in passages)
+
+
+def test_completed_shards_are_skipped_on_rerun(tmp_path, ray_cluster, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", demo_records() * 1)
+    config = IngestConfig(shard_bytes=8 * 1024)
+    out = tmp_path / "run"
+    first = run_ingest(str(corpus), str(out), config)
+    n_shards = first["shards"]
+    # simulate a crash that lost two shards' outputs and markers
+    for name in ("part-00000", "part-00002"):
+        (out / "_shards" / f"{name}.json").unlink()
+    capsys.readouterr()
+    second = run_ingest(str(corpus), str(out), config)
+    log = capsys.readouterr().out
+    assert f"resuming: {n_shards - 2}/{n_shards}" in log
+    assert second["rows_out"] == first["rows_out"] and second["sentences"] == first["sentences"]
+
+
+def test_missing_corpus_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        plan_shards(str(tmp_path / "nope.jsonl"), IngestConfig())

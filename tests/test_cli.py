@@ -1,0 +1,50 @@
+import subprocess
+import sys
+
+import pytest
+
+from wbrag_ray.cli import COMMANDS, main
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_on_every_subcommand(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: wbrag" in out and "--set" in out
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "wbrag_ray.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "ingest" in out.stdout and "demo" in out.stdout
+
+
+def test_config_errors_exit_2_with_the_key(tmp_path, capsys):
+    assert main(["ingest", str(tmp_path / "r"), "--set", "ingest.shard_byte=5"]) == 2
+    err = capsys.readouterr().err
+    assert "ingest.shard_byte" in err and "ingest.shard_bytes" in err
+
+
+def test_ingest_without_corpus_says_what_to_pass(tmp_path, capsys):
+    assert main(["ingest", str(tmp_path / "r")]) == 2
+    assert "--corpus" in capsys.readouterr().err
+
+
+def test_embed_before_ingest_names_the_missing_stage(tmp_path, capsys):
+    from wbrag_ray.config import load_config
+    from wbrag_ray.run import RunFolder
+
+    RunFolder(str(tmp_path / "r")).bind_config(load_config())
+    assert main(["embed", str(tmp_path / "r")]) == 2
+    assert "wbrag ingest" in capsys.readouterr().err
+
+
+def test_unreachable_ray_address_is_a_clear_error(tmp_path):
+    # a fresh process: this session's tests already hold a local Ray
+    out = subprocess.run(
+        [sys.executable, "-m", "wbrag_ray.cli", "eval", str(tmp_path / "r"), "--dataset", "x.jsonl",
+         "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "cannot reach the Ray cluster at ray.address='127.0.0.1:1'" in out.stderr

@@ -1,0 +1,46 @@
+import pytest
+
+from wbrag_ray.config import ConfigError, load_config, parse_overrides
+
+
+def test_defaults_validate():
+    c = load_config()
+    assert c.generator.backend == "hf" and c.retrieval.top_k == 5 and c.index.factory == "Flat"
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("generator:\n  batch_size: 8\nretrieval:\n  top_k: 3\n")
+    c = load_config(f, ["generator.batch_size=16", "index.factory=IVF16,Flat", "eval.limit=5"])
+    assert c.generator.batch_size == 16 and c.retrieval.top_k == 3
+    assert c.index.factory == "IVF16,Flat" and c.eval.limit == 5
+
+
+def test_override_values_are_yaml_scalars():
+    assert parse_overrides(["a.b=1", "a.c=true", "a.d=x y", "a.e=[1, 2]"]) == {"a": {"b": 1, "c": True, "d": "x y", "e": [1, 2]}}
+
+
+def test_unknown_key_names_the_key_and_suggests_the_fix():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["generator.bath_size=4"])
+    msg = str(e.value)
+    assert "generator.bath_size" in msg and "generator.batch_size" in msg
+
+
+def test_bad_value_names_the_key_and_the_rule():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["retrieval.top_k=0"])
+    assert "retrieval.top_k" in str(e.value) and "greater than or equal to 1" in str(e.value)
+    with pytest.raises(ConfigError, match="generator.backend"):
+        load_config(overrides=["generator.backend=tgi"])
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(overrides=["generator.batch_size"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
