@@ -47,3 +47,32 @@ def demo_records(n: int | None = None) -> list[dict]:
 def demo_questions(n: int | None = None) -> list[dict]:
     lines = DEMO_QA.read_text().splitlines()
     return [json.loads(line) for line in lines[:n]]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto in server mode) on loopback, with one bucket; yields its env vars."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "wbrag-test-key",
+        "AWS_SECRET_ACCESS_KEY": "wbrag-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                 aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1").create_bucket(Bucket="wbrag")
+    yield env
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    for k, v in s3_server.items():
+        monkeypatch.setenv(k, v)
+    return s3_server

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("index", help="build the FAISS index from the embedding shards")
     p.add_argument("run", metavar="RUN")
-    p.add_argument("--factory", help="faiss index factory string (default Flat)")
+    p.add_argument("--factory", help="faiss index factory string, or 'auto' (default: index.factory, auto)")
     _common(p)
 
     p = sub.add_parser("search", help="search the run's index and print the top K documents")
@@ -63,11 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.add_argument("--dataset", help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
     p.add_argument("--name", help="name of the evaluation (default: the dataset's file stem)")
-    p.add_argument("--methods", help="comma-separated: naive,no-retrieval (default both)")
+    p.add_argument("--methods", help="comma-separated: naive,replug,no-retrieval (default no-retrieval,naive)")
     p.add_argument("--limit", type=int, help="evaluate only the first N questions")
+    p.add_argument("--writeback", action="store_true", help="search the active write-back index beside the base")
     _common(p)
 
-    p = sub.add_parser("run", help="run the whole pipeline a config describes (ingest, embed, index, eval)")
+    p = sub.add_parser("writeback", help="WriteBack-RAG: train, activate (replace) or roll back a write-back index")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--train", help="labeled QA set (FlashRAG jsonl / Parquet) to train a write-back index from")
+    p.add_argument("--version", help="name of the version to train (default: the train file's stem)")
+    p.add_argument("--activate", metavar="VERSION", help="make a trained version the active write-back index")
+    p.add_argument("--rollback", metavar="VERSION", nargs="?", const="",
+                   help="back to the previously active version, or to VERSION ('base': base index only)")
+    p.add_argument("--list", action="store_true", help="list trained versions and the active one")
+    _common(p)
+
+    p = sub.add_parser("run", help="run the whole pipeline a config describes (ingest, embed, index, eval, writeback)")
     p.add_argument("config_file", metavar="CONFIG", help="YAML config")
     p.add_argument("--run", dest="run", help="run folder (default: the config's `run` key)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -139,6 +150,7 @@ def cmd_index(args) -> None:
     run = RunFolder(args.run)
     config = _resolve_config(args, {"index": {"factory": args.factory}} if args.factory else {}, run)
     run.bind_config(config, force=args.force or bool(args.factory))
+    _start(config)  # the build's train / add / merge steps are Ray tasks
     build_kb.index(run, config, force=args.force or bool(args.factory))
 
 
@@ -147,7 +159,7 @@ def cmd_search(args) -> None:
 
     run = RunFolder(args.run)
     config = _resolve_config(args, {}, run)
-    retriever = Retriever(run.path("index").uri, run.path("ingest").uri, config.embedder, config.index.nprobe)
+    retriever = Retriever.from_config(run.path("index").uri, run.path("ingest").uri, config)
     for query, hits in zip(args.query, retriever.search(args.query, args.k), strict=True):
         print(f"query: {query}")
         for h in hits:
@@ -174,7 +186,29 @@ def cmd_eval(args) -> None:
     if not config.eval.dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
     _start(config)
-    evaluate(run, config, config.eval.dataset, args.name)
+    evaluate(run, config, config.eval.dataset, args.name, writeback=args.writeback)
+
+
+def cmd_writeback(args) -> None:
+    from wbrag_ray.pipelines import writeback
+
+    run = RunFolder(args.run)
+    if args.list:
+        active = writeback.read_active(run)
+        for v in writeback.versions(run):
+            print(f"{'*' if v == active['version'] else ' '} {v}")
+        print(f"active: {active['version'] or 'none (base index only)'}")
+        return
+    if args.activate:
+        writeback.activate(run, args.activate)
+        return
+    if args.rollback is not None:
+        writeback.rollback(run, args.rollback or None)
+        return
+    config = _resolve_config(args, {"writeback": {"train": args.train}} if args.train else {}, run)
+    run.bind_config(config, force=args.force)
+    _start(config)
+    writeback.train_writeback(run, config, version=args.version, force=args.force)
 
 
 def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
@@ -187,14 +221,26 @@ def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> di
     build_kb.ingest(run, config, force=force)
     build_kb.embed(run, config, force=force)
     build_kb.index(run, config, force=force)
-    if config.eval.dataset:
-        name = config.eval.name or os.path.basename(config.eval.dataset).split(".")[0]
-        eval_stage = f"eval-{name}"
+    name = config.eval.name or os.path.basename(config.eval.dataset or "").split(".")[0]
+    settings = [False]
+    if config.writeback.train:
+        from wbrag_ray.pipelines.writeback import train_writeback
+
+        train_writeback(run, config, force=force)
+        settings += [True] if config.writeback.evaluate else []
+    for wb in settings if config.eval.dataset else []:
+        label = f"{name}-writeback" if wb else name
+        eval_stage = f"eval-{label}"
         if run.is_complete(eval_stage) and not force:  # the table was printed when it ran; show it again
-            done = {k: v for k, v in load_results(run).items() if k.startswith(name + "-")}
-            print(format_table(name, {v["method"]: v for v in done.values()}), flush=True)
-        run.run_stage(eval_stage, lambda: {"methods": evaluate(run, config, config.eval.dataset, name)}, force=force)
+            done = {v["method"]: v for k, v in load_results(run).items() if k == f"{label}-{v.get('method')}"}
+            print(format_table(label, done), flush=True)
+        run.run_stage(
+            eval_stage,
+            lambda wb=wb: {"methods": evaluate(run, config, config.eval.dataset, name, writeback=wb)},
+            force=force,
+        )
     return {s: run.stats(s) for s in run.completed_stages()}
+
 
 
 def cmd_run(args) -> None:
@@ -227,6 +273,7 @@ COMMANDS = {
     "index": cmd_index,
     "search": cmd_search,
     "eval": cmd_eval,
+    "writeback": cmd_writeback,
     "run": cmd_run,
     "demo": cmd_demo,
 }
@@ -242,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, ValueError, IndexError_) as exc:
         print(f"wbrag {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # storage: permissions, unreachable endpoints, object-store errors
+        print(f"wbrag {args.command}: storage error: {exc}", file=sys.stderr)
         return 2
     return 0
 

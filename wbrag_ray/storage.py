@@ -6,6 +6,7 @@ they are never written into a run folder.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import posixpath
@@ -16,8 +17,24 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from wbrag_ray.config import ConfigError
+
+
+@functools.cache
+def _check_s3_credentials(env_key: tuple) -> None:
+    """Refuse early, with the fix, when no AWS credentials can be found (env, profile files, instance role):
+    S3-compatible servers may otherwise accept anonymous requests, or fail later with an opaque error."""
+    import boto3
+
+    if boto3.session.Session().get_credentials() is None:
+        raise ConfigError(
+            "no object-store credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE, or run with an instance role); for an S3-compatible server also set AWS_ENDPOINT_URL"
+        )
+
 
 def _s3_filesystem() -> pafs.S3FileSystem:
+    _check_s3_credentials(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     kwargs: dict[str, Any] = {}
     if endpoint:
@@ -126,7 +143,11 @@ def resolve(uri: str | os.PathLike[str]) -> Location:
     """Resolve a local path or a URI (s3://bucket/prefix, file://...) into a Location."""
     uri = str(uri)
     if uri.startswith("s3://"):
-        return Location(_s3_filesystem(), uri[len("s3://") :].rstrip("/"), uri.rstrip("/"))
+        try:
+            fs = _s3_filesystem()
+        except ConfigError as exc:
+            raise ConfigError(f"cannot access {uri}: {exc}") from None
+        return Location(fs, uri[len("s3://") :].rstrip("/"), uri.rstrip("/"))
     if "://" in uri and not uri.startswith("file://"):
         fs, path = pafs.FileSystem.from_uri(uri)
         return Location(fs, path, uri)
