@@ -86,6 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
 
+    p = sub.add_parser("submit", help="submit `wbrag run CONFIG` to a Ray cluster with the Ray Jobs API")
+    p.add_argument("config_file", metavar="CONFIG", help="YAML config inside the working dir (e.g. jobs/configs/...)")
+    p.add_argument("--address", required=True, help="head node: http://HEAD:8265, HEAD:6379 or ray://HEAD:10001")
+    p.add_argument("--run", dest="run", help="run folder; on a multi-node cluster use s3:// or a shared mount")
+    p.add_argument("--working-dir", default=".", help="folder uploaded as the job's working dir (default .)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
+    p.add_argument("--force", action="store_true", help="submit again even if the same job already succeeded")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+    for name, text in (("status", "show a submitted job's status"), ("logs", "print a submitted job's logs"),
+                       ("stop", "stop a submitted job")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
+        p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
+        p.add_argument("-v", "--verbose", action="store_true")
+
     p = sub.add_parser("demo", help="the embedded demo: 100 passages, 40 questions, bundled models, local Ray")
     p.add_argument("--run", dest="run", default=DEMO_DIR, help=f"run folder (default {DEMO_DIR})")
     _common(p)
@@ -212,7 +229,8 @@ def cmd_writeback(args) -> None:
 
 
 def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """ingest -> embed -> index -> eval, skipping completed stages."""
+    """ingest -> embed -> index -> [write-back training] -> eval (base, then base + write-back), skipping
+    completed stages."""
     from wbrag_ray.pipelines import build_kb
     from wbrag_ray.pipelines.evaluate import evaluate, format_table, load_results
 
@@ -242,7 +260,6 @@ def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> di
     return {s: run.stats(s) for s in run.completed_stages()}
 
 
-
 def cmd_run(args) -> None:
     config = _resolve_config(args, {})
     run_dir = args.run or config.run
@@ -267,7 +284,46 @@ def cmd_demo(args) -> None:
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; run folder: {run.uri}", flush=True)
 
 
+def cmd_submit(args) -> None:
+    from wbrag_ray import jobs_api
+
+    config = load_config(args.config_file, args.overrides)  # validate here, before anything is uploaded
+    run_dir = args.run or config.run
+    if not run_dir:
+        raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
+    result = jobs_api.submit(args.config_file, run_dir, args.address, args.working_dir, args.overrides,
+                             wait=not args.no_wait, force=args.force)
+    if not args.no_wait and result["status"] != "SUCCEEDED":
+        raise ConfigError(f"job {result['submission_id']} ended {result['status']}; "
+                          f"see `wbrag logs {result['submission_id']} --address {args.address}`")
+
+
+def cmd_status(args) -> None:
+    from wbrag_ray import jobs_api
+
+    info = jobs_api.status(args.submission_id, args.address)
+    print(f"{info['submission_id']}: {info['status']}" + (f" ({info['message']})" if info["message"] else ""))
+    print(f"  entrypoint: {info['entrypoint']}")
+
+
+def cmd_logs(args) -> None:
+    from wbrag_ray import jobs_api
+
+    print(jobs_api.logs(args.submission_id, args.address), end="")
+
+
+def cmd_stop(args) -> None:
+    from wbrag_ray import jobs_api
+
+    stopped = jobs_api.stop(args.submission_id, args.address)
+    print(f"{args.submission_id}: {'stop requested' if stopped else 'already finished'}")
+
+
 COMMANDS = {
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "logs": cmd_logs,
+    "stop": cmd_stop,
     "ingest": cmd_ingest,
     "embed": cmd_embed,
     "index": cmd_index,

@@ -33,7 +33,8 @@ def init_ray(config: RayConfig) -> None:
                 "Check the address (ray status on the head node prints it) or drop --address to run locally."
             ) from None
     else:
-        ray.init(num_cpus=config.num_cpus, include_dashboard=False, **kwargs)
+        # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
+        ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False, **kwargs)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
     ctx.print_on_execution_start = False

@@ -1,0 +1,105 @@
+"""Ray Jobs API: a real `ray start --head` on loopback, `wbrag submit`, status, logs, stop."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import demo_records, write_jsonl
+from wbrag_ray.jobs_api import dashboard_url, submission_id
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wbrag(args, env, timeout=600, cwd=None):
+    return subprocess.run([sys.executable, "-m", "wbrag_ray.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+def test_dashboard_url_forms():
+    assert dashboard_url("http://h:8265/") == "http://h:8265"
+    assert dashboard_url("ray://h:10001") == "http://h:8265"
+    assert dashboard_url("h:6379") == "http://h:8265"
+    assert dashboard_url("h:9999") == "http://h:9999"
+    assert dashboard_url("h") == "http://h:8265"
+
+
+def test_submission_ids_are_stable_and_distinct():
+    a = submission_id("index:\n  factory: Flat\n", "s3://b/runs/wiki")
+    assert a == submission_id("index:\n  factory: Flat\n", "s3://b/runs/wiki") and a.startswith("wbrag-wiki-")
+    assert a != submission_id("index:\n  factory: HNSW32\n", "s3://b/runs/wiki")
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """`ray start --head --block` on loopback in its own process group; killed (not `ray stop`) at the end."""
+    port, dash = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # as with an activated venv: the job's `python` is the one that has the project installed
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+         f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        out = _wbrag(["status", "no-such-job", "--address", url], env, timeout=60)
+        if "no job" in out.stderr:
+            break
+        time.sleep(2)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+        pytest.fail("ray head did not come up")
+    yield url, env
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_submit_runs_a_pipeline_to_completion(ray_head, tmp_path):
+    url, env = ray_head
+    work = tmp_path / "project"
+    write_jsonl(work / "corpus.jsonl", demo_records(20))
+    (work / "configs").mkdir()
+    (work / "configs" / "build.yaml").write_text(
+        "ingest:\n  corpus: corpus.jsonl\nembedder:\n  num_cpus: 1\n  threads: 2\n"
+    )
+    run = tmp_path / "run"
+    out = _wbrag(["submit", "configs/build.yaml", "--address", url, "--run", str(run), "--working-dir", str(work)],
+                 env, timeout=600, cwd=work)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "SUCCEEDED" in out.stdout
+    for stage in ("ingest", "embed", "index"):
+        assert (run / "_stages" / stage / "_SUCCESS").exists(), stage
+    assert json.loads((run / "index" / "manifest.json").read_text())["count"] == 20
+    sid = next(line.split()[1].rstrip(":") for line in out.stdout.splitlines() if line.startswith("submitted "))
+    st = _wbrag(["status", sid, "--address", url], env, timeout=60)
+    assert st.returncode == 0 and "SUCCEEDED" in st.stdout
+    logs = _wbrag(["logs", sid, "--address", url], env, timeout=60)
+    assert "[index] done" in logs.stdout
+    # the same submission again is recognised, not run twice
+    again = _wbrag(["submit", "configs/build.yaml", "--address", url, "--run", str(run), "--working-dir", str(work)],
+                   env, timeout=120, cwd=work)
+    assert again.returncode == 0 and "already succeeded" in again.stdout
+
+
+def test_job_commands_on_unknown_ids_and_addresses(ray_head, tmp_path):
+    url, env = ray_head
+    out = _wbrag(["stop", "wbrag-nope", "--address", url], env, timeout=60)
+    assert out.returncode == 2 and "no job 'wbrag-nope'" in out.stderr
+    out = _wbrag(["status", "x", "--address", f"http://127.0.0.1:{_free_port()}"], env, timeout=120)
+    assert out.returncode == 2 and "cannot reach the Ray Jobs API" in out.stderr

@@ -1,0 +1,160 @@
+"""Submitting pipelines to a Ray cluster with the Ray Jobs API: submit, status, logs, stop.
+
+A submission uploads the project folder (code and configs, not the venv or run folders) as the job's
+working_dir; the cluster's image provides the dependencies. Submission ids are derived from the config and
+the run folder, so resubmitting the same work finds the earlier job instead of starting a second copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from wbrag_ray.config import ConfigError
+
+# What never travels to the cluster: environments, outputs, caches (the working_dir upload limit is 500 MB).
+UPLOAD_EXCLUDES = [".venv", "venv", "runs", ".git", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "*.egg-info"]
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def _auth_env() -> None:
+    """Ray 2.60's `ray start` turns on token auth; the SDK then needs RAY_AUTH_MODE=token to send the token."""
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token")).expanduser()
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or token_file.exists()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def dashboard_url(address: str) -> str:
+    """The Jobs API speaks HTTP to the dashboard (port 8265). Accepts http(s)://..., ray://HEAD:10001 and
+    HEAD:6379 (both mean the head's dashboard on 8265), HEAD:PORT (a dashboard port) or HEAD."""
+    if address.startswith(("http://", "https://")):
+        return address.rstrip("/")
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.partition(":")
+    if address.startswith("ray://") or not port or port == "6379":
+        port = "8265"
+    return f"http://{host}:{port}"
+
+
+def client(address: str):
+    _auth_env()  # before ray is imported: it reads the auth mode once
+    from ray.job_submission import JobSubmissionClient
+
+    url = dashboard_url(address)
+    try:
+        return JobSubmissionClient(url)
+    except Exception as exc:  # the SDK raises ConnectionError, RuntimeError or ValueError by case
+        hint = ""
+        if "authentication" in str(exc).lower():
+            hint = " The cluster uses token auth: set RAY_AUTH_MODE=token and the token (~/.ray/auth_token)."
+        raise ConfigError(
+            f"cannot reach the Ray Jobs API at {url}: {str(exc).splitlines()[0]}.{hint} "
+            "Pass the head node's dashboard address, e.g. --address http://HEAD:8265"
+        ) from None
+
+
+def submission_id(config_text: str, run: str) -> str:
+    digest = hashlib.sha1(f"{run}\n{config_text}".encode()).hexdigest()[:10]
+    stem = re.sub(r"[^a-z0-9-]+", "-", Path(run.rstrip("/")).name.lower()).strip("-") or "run"
+    return f"wbrag-{stem}-{digest}"
+
+
+def submit(
+    config_file: str,
+    run: str,
+    address: str,
+    working_dir: str = ".",
+    overrides: list[str] | None = None,
+    wait: bool = True,
+    force: bool = False,
+    entrypoint_num_cpus: float = 0.0,
+) -> dict[str, Any]:
+    """Submit `wbrag run CONFIG --run RUN` as a Ray job; return {submission_id, status}."""
+    work = Path(working_dir).resolve()
+    cfg = Path(config_file).resolve()
+    if not cfg.is_file():
+        raise ConfigError(f"config file {config_file!r} does not exist")
+    try:
+        rel = cfg.relative_to(work)
+    except ValueError:
+        raise ConfigError(
+            f"config {cfg} is outside the uploaded working dir {work}; put it under jobs/configs/ "
+            "or pass --working-dir"
+        ) from None
+    c = client(address)
+    sid = submission_id(cfg.read_text() + "\n".join(overrides or []), run)
+    existing = _status_or_none(c, sid)
+    if existing in ("PENDING", "RUNNING"):
+        print(f"job {sid} is already {existing.lower()}; not submitting a second copy", flush=True)
+    elif existing == "SUCCEEDED" and not force:
+        print(f"job {sid} already succeeded (run folder {run}); pass --force to submit again", flush=True)
+        return {"submission_id": sid, "status": existing}
+    else:
+        if existing is not None:  # FAILED / STOPPED: a new attempt resumes from the run folder's markers
+            sid = f"{sid}-r{int(time.time())}"
+        sets = " ".join(f"--set {o}" for o in overrides or [])
+        entrypoint = f"python -m wbrag_ray.cli run {rel.as_posix()} --run {run} {sets}".strip()
+        env_vars = {k: v for k, v in os.environ.items() if k in ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")}
+        c.submit_job(
+            entrypoint=entrypoint,
+            submission_id=sid,
+            runtime_env={"working_dir": str(work), "excludes": UPLOAD_EXCLUDES, "env_vars": env_vars},
+            # The driver only orchestrates; a CPU reserved for it can starve the list/read tasks of a small
+            # cluster (they ask for 1 CPU each) and hang the pipeline.
+            entrypoint_num_cpus=entrypoint_num_cpus,
+            metadata={"wbrag_run": run, "wbrag_config": rel.as_posix()},
+        )
+        print(f"submitted {sid}: {entrypoint}", flush=True)
+    if not wait:
+        print(f"follow it with: wbrag status {sid} --address {address}; wbrag logs {sid} --address {address}")
+        return {"submission_id": sid, "status": _status_or_none(c, sid)}
+    return {"submission_id": sid, "status": wait_for(c, sid)}
+
+
+def wait_for(c, sid: str, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
+    """Stream the job's new log lines until it ends; return its final status."""
+    t0 = time.time()
+    printed = 0
+    while True:
+        status = str(c.get_job_status(sid).value)
+        logs = c.get_job_logs(sid)
+        if len(logs) > printed:
+            print(logs[printed:], end="", flush=True)
+            printed = len(logs)
+        if status in TERMINAL:
+            print(f"job {sid}: {status}", flush=True)
+            return status
+        if timeout_s is not None and time.time() - t0 > timeout_s:
+            return status
+        time.sleep(poll_s)
+
+
+def _status_or_none(c, sid: str) -> str | None:
+    try:
+        return str(c.get_job_status(sid).value)
+    except Exception:  # the SDK raises RuntimeError for an unknown id
+        return None
+
+
+def status(sid: str, address: str) -> dict[str, Any]:
+    c = client(address)
+    try:
+        info = c.get_job_info(sid)
+    except Exception:
+        raise ConfigError(f"no job {sid!r} on {dashboard_url(address)}; `ray job list` shows the ids") from None
+    return {"submission_id": sid, "status": str(info.status.value), "message": info.message,
+            "entrypoint": info.entrypoint, "metadata": info.metadata}
+
+
+def logs(sid: str, address: str) -> str:
+    status(sid, address)  # a clear error for an unknown id
+    return client(address).get_job_logs(sid)
+
+
+def stop(sid: str, address: str) -> bool:
+    status(sid, address)
+    return bool(client(address).stop_job(sid))
