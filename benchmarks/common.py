@@ -11,7 +11,6 @@ import datetime as dt
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,18 +31,54 @@ DEMO_QA = DATA / "demo_qa.jsonl"
 # --- arguments and output -------------------------------------------------------------------------------
 
 
-def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The flags every benchmark takes (only `--quick` so far)."""
+def parse_args(
+    description: str, argv: Sequence[str] | None = None, rounds: tuple[int, int] = (1, 1)
+) -> argparse.Namespace:
+    """The flags every benchmark takes: `--quick`, and `--rounds` (default: rounds[0] full, rounds[1] quick)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a smaller workload (a smoke run, not a measurement)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"times each measurement is repeated; more rounds resist a busy machine (default {rounds[0]}, "
+        f"quick {rounds[1]})",
+    )
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = rounds[1] if args.quick else rounds[0]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
 
 
 def header(name: str, args: argparse.Namespace) -> None:
     """Context lines: which benchmark, when, on how many cores, in which mode."""
-    print(f"# benchmark {name} ({'quick' if args.quick else 'full'})", flush=True)
+    mode = "quick" if args.quick else "full"
+    rounds = getattr(args, "rounds", None)  # a benchmark with its own parser may have no --rounds
+    print(f"# benchmark {name} ({mode}{f', {rounds} round(s)' if rounds else ''})", flush=True)
     report("date", dt.datetime.now().astimezone().isoformat(timespec="seconds"))
     report("nproc", os.cpu_count())
+    report_pressure("before start")
+
+
+def cpu_pressure() -> float | None:
+    """Linux PSI: % of the last 60 s in which some runnable task waited for a CPU (None where unavailable).
+
+    Before a benchmark starts this is the neighbours' load; afterwards it includes the benchmark's own
+    threads and Ray processes, so only a high value before the start marks a run as disturbed.
+    """
+    try:
+        with open("/proc/pressure/cpu") as f:
+            some = f.readline().split()
+    except OSError:
+        return None
+    return float(dict(kv.split("=") for kv in some[1:])["avg60"])
+
+
+def report_pressure(when: str) -> None:
+    value = cpu_pressure()
+    report(f"cpu pressure {when} (some, avg60)", "n/a" if value is None else value, "%" if value is not None else "")
 
 
 def report(name: str, value: Any, unit: str = "", digits: int = 1) -> Any:
@@ -80,20 +115,11 @@ class Stopwatch:
         self.seconds = time.perf_counter() - self.start
 
 
-def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """(result, seconds) of one call."""
+def timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
+    """(result, seconds) of one call of fn(*args, **kwargs)."""
     with Stopwatch() as sw:
-        result = fn()
+        result = fn(*args, **kwargs)
     return result, sw.seconds
-
-
-def median_timed(fn: Callable[[], T], repeats: int) -> tuple[T, float]:
-    """(last result, median seconds) over `repeats` calls: the median shrugs off a neighbour's burst."""
-    times, result = [], None
-    for _ in range(max(1, repeats)):
-        result, seconds = timed(fn)
-        times.append(seconds)
-    return result, statistics.median(times)
 
 
 # --- compute ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ below means the reading and writing around it matter too.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,18 +16,19 @@ from pathlib import Path
 from benchmarks.common import (
     demo_passages,
     header,
-    median_timed,
     parse_args,
     repeat_to,
     report,
+    report_pressure,
     report_ratio,
     run_module_main,
+    timed,
     write_repeated_corpus,
 )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(__doc__.splitlines()[0], argv)
+    args = parse_args(__doc__.splitlines()[0], argv, rounds=(5, 2))
     header("segmentation", args)
     import pyarrow as pa
 
@@ -34,13 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from wbrag_ray.stages.ingest import Segmenter, ingest_shard, plan_shards
 
     n = 5_000 if args.quick else 20_000
-    repeats = 2 if args.quick else 5
     # An ingest shard runs as a Ray task that asks for one CPU: hold Arrow's compute threads to one as well.
     pa.set_cpu_count(1)
     config = IngestConfig()
     texts = [p.text for p in repeat_to(demo_passages(), n)]
     report("passages", n)
-    report("repeats (median reported)", repeats)
+    report("rounds (median reported)", args.rounds)
 
     segmenter = Segmenter(config.min_sentence_chars)
     segmenter.split(texts[0])  # loads the Punkt model outside the timing
@@ -48,27 +49,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     def segment_all() -> int:
         return sum(len(segmenter.split(t)) for t in texts)
 
-    sentences, seg_seconds = median_timed(segment_all, repeats)
+    with tempfile.TemporaryDirectory(prefix="wbrag-bench-seg-") as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        size = write_repeated_corpus(corpus, n)
+        shards = plan_shards(str(corpus), config)
+
+        def ingest_all(out: str) -> list[dict]:
+            return [ingest_shard(spec, out, config) for spec in shards]
+
+        # Rounds alternate the two, so a noisy neighbour slows both alike; medians of the rounds.
+        seg_times, ingest_times = [], []
+        for r in range(args.rounds):
+            sentences, seconds = timed(segment_all)
+            seg_times.append(seconds)
+            # A fresh output folder per round: every round writes from scratch.
+            stats, seconds = timed(ingest_all, str(Path(tmp) / f"out-{r}"))
+            ingest_times.append(seconds)
+    seg_seconds, ingest_seconds = statistics.median(seg_times), statistics.median(ingest_times)
+
     report("sentences", sentences)
     report("segmentation time", seg_seconds, "s", 3)
     report("segmentation throughput", sentences / seg_seconds, "sentences/s", 0)
     seg_passages_per_s = report("segmentation throughput (passages)", n / seg_seconds, "passages/s", 0)
-
-    with tempfile.TemporaryDirectory(prefix="wbrag-bench-seg-") as tmp:
-        corpus = Path(tmp) / "corpus.jsonl"
-        size = write_repeated_corpus(corpus, n)
-        report("corpus size", size / 1e6, "MB", 2)
-        shards = plan_shards(str(corpus), config)
-        report("ingest shards", len(shards))
-        run = [0]
-
-        def ingest_all() -> list[dict]:
-            run[0] += 1  # a fresh output folder per repeat: every repeat writes from scratch
-            out = str(Path(tmp) / f"out-{run[0]}")
-            return [ingest_shard(spec, out, config) for spec in shards]
-
-        stats, ingest_seconds = median_timed(ingest_all, repeats)
-
+    report("corpus size", size / 1e6, "MB", 2)
+    report("ingest shards", len(shards))
     rows_in = sum(s["rows_in"] for s in stats)
     rows_out = sum(s["rows_out"] for s in stats)
     ingest_sentences = sum(s["sentences"] for s in stats)
@@ -78,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ingest_per_s = report("ingest throughput", rows_in / ingest_seconds, "records/s", 0)
     report("ingest throughput (sentences)", ingest_sentences / ingest_seconds, "sentences/s", 0)
     report_ratio("ratio ingest records/s / segmentation passages/s", ingest_per_s, seg_passages_per_s)
+    report_pressure("at the end")
     return 0
 
 

@@ -23,7 +23,8 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        # "local": never join another cluster that `ray start` left on this machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()

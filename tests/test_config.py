@@ -5,7 +5,7 @@ from wbrag_ray.config import ConfigError, load_config, parse_overrides
 
 def test_defaults_validate():
     c = load_config()
-    assert c.generator.backend == "hf" and c.retrieval.top_k == 5 and c.index.factory == "Flat"
+    assert c.generator.backend == "hf" and c.retrieval.top_k == 5 and c.index.factory == "auto"
 
 
 def test_yaml_then_overrides(tmp_path):

@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
         p.add_argument("-v", "--verbose", action="store_true")
 
+    p = sub.add_parser("report", help="write RUN/report/index.html (+ PNG plots) and report.md")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+    p = sub.add_parser("inspect", help="print samples: rejects, sentences, answers, write-back units")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("-n", type=int, default=3, help="samples per section (default 3)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
     p = sub.add_parser("demo", help="the embedded demo: 100 passages, 40 questions, bundled models, local Ray")
     p.add_argument("--run", dest="run", default=DEMO_DIR, help=f"run folder (default {DEMO_DIR})")
     _common(p)
@@ -252,12 +261,16 @@ def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> di
         if run.is_complete(eval_stage) and not force:  # the table was printed when it ran; show it again
             done = {v["method"]: v for k, v in load_results(run).items() if k == f"{label}-{v.get('method')}"}
             print(format_table(label, done), flush=True)
-        run.run_stage(
-            eval_stage,
-            lambda wb=wb: {"methods": evaluate(run, config, config.eval.dataset, name, writeback=wb)},
-            force=force,
-        )
+        run.run_stage(eval_stage, lambda wb=wb: _eval_stats(evaluate(run, config, config.eval.dataset, name, writeback=wb)),
+                      force=force)
     return {s: run.stats(s) for s in run.completed_stages()}
+
+
+def _eval_stats(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Stage stats of an evaluation: questions in / answered / rejected, and each method's metrics."""
+    first = next(iter(results.values()))
+    return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
+            "rows_rejected": first["rejected_questions"], "methods": results}
 
 
 def cmd_run(args) -> None:
@@ -281,7 +294,11 @@ def cmd_demo(args) -> None:
     t0 = time.perf_counter()
     run = RunFolder(args.run)
     run_pipeline(run, config, force=args.force)
+    from wbrag_ray.report import write_report
+
+    report = write_report(run)
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; run folder: {run.uri}", flush=True)
+    print(f"report: {report}", flush=True)
 
 
 def cmd_submit(args) -> None:
@@ -319,7 +336,21 @@ def cmd_stop(args) -> None:
     print(f"{args.submission_id}: {'stop requested' if stopped else 'already finished'}")
 
 
+def cmd_report(args) -> None:
+    from wbrag_ray.report import write_report
+
+    print(f"report: {write_report(RunFolder(args.run))}")
+
+
+def cmd_inspect(args) -> None:
+    from wbrag_ray.inspection import inspect_run
+
+    print(inspect_run(RunFolder(args.run), args.n))
+
+
 COMMANDS = {
+    "report": cmd_report,
+    "inspect": cmd_inspect,
     "submit": cmd_submit,
     "status": cmd_status,
     "logs": cmd_logs,

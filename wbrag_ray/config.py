@@ -60,6 +60,11 @@ class EmbedderConfig(_Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
     concurrency: int = Field(1, ge=1, description="Number of embed actors.")
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
+    checkpoint_rows: int = Field(
+        20_000, ge=1,
+        description="About this many vectors per written block (= per file and per checkpoint commit): "
+        "what a crash can cost at most per actor.",
+    )
 
 
 class GeneratorConfig(_Section):
@@ -92,24 +97,81 @@ class IndexConfig(_Section):
     unit: Literal["passage", "sentence"] = Field(
         "passage", description="What the index holds: passages (RAG) or sentences (Zero-RAG's pruning unit)."
     )
-    factory: str = Field("Flat", description="faiss index factory string, e.g. Flat, IVF1024,Flat, HNSW32.")
+    factory: str = Field(
+        "auto",
+        description="faiss index factory string (Flat, IVF4096,Flat, IVF4096,PQ48, OPQ48,IVF4096,PQ48, HNSW32, "
+        "IVF4096,PQ48,RFlat), or 'auto': chosen from the vector count and index.memory_budget_gb "
+        "(Flat below 20K vectors, else IVF with the most precise codes that fit; see choose_factory).",
+    )
     train_sample: int = Field(100_000, ge=1, description="Vectors sampled to train an index that needs training.")
     nprobe: int = Field(32, ge=1, description="IVF cells visited per query.")
+    num_shards: int = Field(
+        1, ge=1, description="Index shards the build merges into; each is searched on its own and the results "
+        "merged. More shards bound the memory of each merge task (corpus / num_shards)."
+    )
+    memory_budget_gb: float = Field(
+        16.0, gt=0, description="Memory the whole index may take at search time; index.factory=auto picks codes "
+        "that fit it."
+    )
+    ef_search: int | None = Field(None, ge=1, description="HNSW efSearch at query time (None: faiss's default, 16).")
+    k_factor: float | None = Field(
+        None, ge=1, description="Refine indices (...,RFlat): candidates re-ranked per result (None: faiss's default, 1)."
+    )
+    num_cpus: float = Field(1.0, gt=0, description="CPUs each index build task (train, add, merge) asks Ray for.")
+    gpu: bool = Field(True, description="Search on the GPU when faiss has GPU support and a GPU is present.")
 
 
 class RetrievalConfig(_Section):
     top_k: int = Field(5, ge=1, description="Documents retrieved per question (K).")
     batch_size: int = Field(64, ge=1, description="Questions embedded and searched per batch.")
     num_cpus: float = Field(0.25, gt=0, description="CPUs each retriever actor asks Ray for.")
+    replug_temperature: float = Field(
+        0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval score / temperature)."
+    )
 
 
 class EvalConfig(_Section):
     dataset: str | None = Field(None, description="FlashRAG dataset jsonl or Parquet (id, question, golden_answers).")
     name: str | None = Field(None, description="Name of the evaluation folder; default: the dataset's file stem.")
-    methods: list[Literal["naive", "no-retrieval"]] = Field(
+    methods: list[Literal["naive", "replug", "no-retrieval"]] = Field(
         default_factory=lambda: ["no-retrieval", "naive"], description="Settings to evaluate."
     )
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N questions.")
+
+
+class WritebackConfig(_Section):
+    """WriteBack-RAG training: which examples and documents are useful, and how they are distilled."""
+
+    train: str | None = Field(None, description="Labeled QA set (FlashRAG jsonl / Parquet) to learn write-back from.")
+    version: str | None = Field(
+        None, description="Name of the write-back index version (RUN/writeback/<version>); default: the train file stem."
+    )
+    limit: int | None = Field(None, ge=1, description="Use only the first N training examples.")
+    metric: Literal["acc", "em", "f1"] = Field("acc", description="Task metric M(q, a | context) of the gates.")
+    rag_method: Literal["naive", "replug"] = Field(
+        "naive", description="RAG method whose answers score s_rag and the document gate: naive or replug."
+    )
+    tau_s: float = Field(0.1, description="Utility gate: keep an example only if s_rag >= tau_s.")
+    tau_delta: float = Field(0.01, description="Utility gate: keep an example only if s_rag - s_nr > tau_delta.")
+    tau_doc: float = Field(0.01, description="Document gate: keep document j only if s_j - s_nr > tau_doc.")
+    n_min: int = Field(2, ge=1, description="Document gate fallback: keep the top n_min documents by rank if none pass.")
+    extract_max_new_tokens: int = Field(
+        128, ge=1, description="Distiller step 1 (extract answer-relevant sentences): new-token budget."
+    )
+    rewrite_max_new_tokens: int = Field(
+        128, ge=1, description="Distiller step 2 (rewrite as one self-contained document): new-token budget."
+    )
+    dedupe_threshold: float = Field(
+        0.95, gt=0, le=1.0,
+        description="A unit whose embedding cosine to an earlier unit is >= this is merged into it (provenance kept).",
+    )
+    index_factory: str = Field(
+        "Flat", description="faiss factory of the write-back index (small: Flat; IVF needs more units than cells)."
+    )
+    activate: bool = Field(True, description="Make the new version the active write-back index when it is built.")
+    evaluate: bool = Field(
+        True, description="`wbrag run`: also evaluate eval.dataset with base + write-back after training."
+    )
 
 
 class WbragConfig(_Section):
@@ -123,6 +185,7 @@ class WbragConfig(_Section):
     index: IndexConfig = Field(default_factory=IndexConfig)
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    writeback: WritebackConfig = Field(default_factory=WritebackConfig)
 
     @field_validator("index")
     @classmethod

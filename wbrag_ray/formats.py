@@ -218,8 +218,8 @@ def iter_jsonl(loc: Location, start: int = 0, end: int | None = None, chunk: int
             off = i + 1
 
 
-def embeddings_table(ids: np.ndarray, vectors: np.ndarray) -> pa.Table:
+def embeddings_table(ids: np.ndarray, vectors: np.ndarray, id_column: str = "id") -> pa.Table:
     """(id, vector) rows with a fixed-size-list vector column: the layout of embedding shards."""
     dim = vectors.shape[1]
     flat = pa.array(np.ascontiguousarray(vectors).reshape(-1))
-    return pa.table({"id": pa.array(ids, pa.int64()), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)})
+    return pa.table({id_column: pa.array(ids, pa.int64()), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)})

@@ -99,7 +99,8 @@ def submit(
         sets = " ".join(f"--set {o}" for o in overrides or [])
         entrypoint = f"python -m wbrag_ray.cli run {rel.as_posix()} --run {run} {sets}".strip()
         env_vars = {k: v for k, v in os.environ.items() if k in ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")}
-        c.submit_job(
+        _submit_with_retry(
+            c,
             entrypoint=entrypoint,
             submission_id=sid,
             runtime_env={"working_dir": str(work), "excludes": UPLOAD_EXCLUDES, "env_vars": env_vars},
@@ -113,6 +114,19 @@ def submit(
         print(f"follow it with: wbrag status {sid} --address {address}; wbrag logs {sid} --address {address}")
         return {"submission_id": sid, "status": _status_or_none(c, sid)}
     return {"submission_id": sid, "status": wait_for(c, sid)}
+
+
+def _submit_with_retry(c, attempts: int = 30, delay_s: float = 2.0, **kwargs: Any) -> str:
+    """A head that has just started answers 'No available agent to submit job' until its job agent is up:
+    retry that (and only that) for about a minute."""
+    for attempt in range(attempts):
+        try:
+            return c.submit_job(**kwargs)
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(delay_s)
+    raise AssertionError("unreachable")
 
 
 def wait_for(c, sid: str, poll_s: float = 2.0, timeout_s: float | None = None) -> str:

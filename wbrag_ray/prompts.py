@@ -44,3 +44,33 @@ def no_retrieval_messages(question: str) -> list[dict[str, str]]:
 def dumps(messages: list[dict[str, str]]) -> str:
     """Prompts travel through Ray Data as JSON strings (one column, any number of messages)."""
     return json.dumps(messages, ensure_ascii=False)
+
+
+# --- WriteBack-RAG's distiller: two steps, and neither ever sees the gold answer -------------------------
+
+EXTRACT_SYSTEM = (
+    "You are given documents and a question. Copy, word for word, the sentences of the documents that help "
+    "answer the question. Output only the copied sentences, one per line, and nothing else."
+)
+EXTRACT_USER = "Documents:\n{reference}\n\nQuestion: {question}"
+REWRITE_SYSTEM = (
+    "Rewrite the given sentences as one short, self-contained encyclopedia entry about the topic of the question. "
+    "Write a title on the first line and the text on the second line. Use only facts from the sentences."
+)
+REWRITE_USER = "Question: {question}\n\nSentences:\n{sentences}"
+
+
+def extract_messages(question: str, docs: Sequence[Hit]) -> list[dict[str, str]]:
+    """Distiller step 1: the answer-relevant sentences of the kept documents, verbatim."""
+    return [
+        {"role": "system", "content": EXTRACT_SYSTEM},
+        {"role": "user", "content": EXTRACT_USER.format(reference=format_reference(docs), question=question)},
+    ]
+
+
+def rewrite_messages(question: str, sentences: str) -> list[dict[str, str]]:
+    """Distiller step 2: the extracted sentences as one compact document (title line, then text)."""
+    return [
+        {"role": "system", "content": REWRITE_SYSTEM},
+        {"role": "user", "content": REWRITE_USER.format(question=question, sentences=sentences)},
+    ]

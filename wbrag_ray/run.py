@@ -43,8 +43,9 @@ class RunFolder:
         if run_json.exists() and not force:
             previous = run_json.read_json().get("config", {})
             diff = _diff(previous, fingerprint)
-            # Settings that only add inputs (a new eval dataset) don't change completed outputs.
-            diff = [d for d in diff if not d.startswith(("eval.", "ingest.corpus"))]
+            # Settings that only add inputs (a new eval dataset) don't change completed outputs; write-back
+            # settings only shape versioned write-back indices, which check their own settings.
+            diff = [d for d in diff if not d.startswith(("eval.", "ingest.corpus", "writeback"))]
             if diff:
                 raise ConfigError(
                     f"run folder {self.uri} was made with a different config ({'; '.join(diff[:5])}). "
@@ -85,7 +86,13 @@ class RunFolder:
         import pyarrow.fs as pafs
 
         infos = d.fs.get_file_info(pafs.FileSelector(d.path, recursive=False))
-        return sorted(i.base_name for i in infos if self.is_complete(i.base_name))
+        done = [i.base_name for i in infos if self.is_complete(i.base_name)]
+
+        def completed_at(name: str) -> int:
+            marker = self._stage_dir(name).join("_SUCCESS")
+            return marker.fs.get_file_info(marker.path).mtime_ns or 0
+
+        return sorted(done, key=lambda n: (completed_at(n), n))  # completion order = the pipeline's order
 
     def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False) -> dict[str, Any]:
         """Run `fn` unless the stage is complete; record its stats and marker; print a one-line summary."""

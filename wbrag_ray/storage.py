@@ -6,10 +6,12 @@ they are never written into a run folder.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import posixpath
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,17 +105,23 @@ class Location:
             return f.read()
 
     def write_bytes(self, data: bytes) -> None:
+        with self.open_write() as f:
+            f.write(data)
+
+    @contextlib.contextmanager
+    def open_write(self) -> Iterator[pa.NativeFile]:
+        """An output stream for writing this file in pieces (large files that should not be built in memory)."""
         parent = self.parent()
         parent.mkdir()
         # Write to a temporary name, then move: a reader never sees half a file (local disks; S3 PUTs are atomic).
         if self.is_local:
             tmp = self.path + ".tmp"
             with self.fs.open_output_stream(tmp) as f:
-                f.write(data)
+                yield f
             self.fs.move(tmp, self.path)
         else:
             with self.fs.open_output_stream(self.path) as f:
-                f.write(data)
+                yield f
 
     def read_json(self) -> Any:
         return json.loads(self.read_bytes().decode("utf-8"))

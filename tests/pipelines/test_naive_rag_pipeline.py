@@ -95,3 +95,30 @@ def test_changed_config_on_existing_run_is_refused(built_run, capsys):
     run, config = built_run
     assert main(["run", str(config), "--set", "index.factory=HNSW32"]) == 2
     assert "different config" in capsys.readouterr().err
+
+
+def test_report_has_every_plot_it_references_and_a_markdown_twin(built_run, capsys):
+    import re
+
+    run, _ = built_run
+    assert main(["report", str(run)]) == 0
+    report = run / "report"
+    html_text = (report / "index.html").read_text()
+    images = re.findall(r"<img src='([^']+)'", html_text)
+    assert {"stage_times.png", "eval_metrics.png", "sentences_per_passage.png"} <= set(images)
+    for img in images:
+        data = (report / img).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, img
+    md = (report / "report.md").read_text()
+    html_tables = re.findall(r"<caption>([^<]+)</caption>", html_text)
+    md_tables = re.findall(r"^\*\*(.+)\*\*$", md, re.M)
+    assert html_tables == md_tables and "answer metrics" in md_tables
+    assert md.count("| slice-naive |") == 1 and html_text.count("<td>slice-naive</td>") == 1
+
+
+def test_inspect_prints_answers_with_their_documents(built_run, capsys):
+    run, _ = built_run
+    capsys.readouterr()
+    assert main(["inspect", str(run), "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "slice-naive: wrong answers first" in out and "doc 1 [base:" in out and "as sentences" in out

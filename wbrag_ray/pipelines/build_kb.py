@@ -25,51 +25,95 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
 
 
 def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Embed every passage (or sentence, by `index.unit`) in an actor pool; one Parquet file per block."""
+    """Embed every passage (or sentence, by `index.unit`) in an actor pool, with row-level resume.
+
+    The pipeline is Read -> text -> EmbedStage -> Write under Ray Data's CheckpointConfig on the unit's
+    int64 id column: a run killed part way leaves a checkpoint of the ids already written, and the rerun
+    reads only the rest. Each write task's file name carries its write's UUID and task index, so a retried
+    task overwrites its own file and a resumed run adds files without touching the earlier ones.
+    """
     _require(run, "ingest", "wbrag ingest RUN --corpus PATH")
 
     def work() -> dict[str, Any]:
         import ray.data
+        from ray.data.checkpoint import CheckpointConfig
 
         from wbrag_ray.ray_runtime import LIGHT_CPUS
         from wbrag_ray.stages.base import apply_stage
         from wbrag_ray.stages.embed import EmbedStage
 
         folder, id_col = UNIT_SOURCES[config.index.unit]
-        src, out = run.path("ingest", folder), run.path("embed")
-        columns = [id_col, "text"] + (["title"] if folder == "passages" else [])
-        ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=columns, ray_remote_args={"num_cpus": LIGHT_CPUS})
-        ds = ds.map_batches(_unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
-        ds = apply_stage(ds, EmbedStage(config.embedder))
-        ds.write_parquet(
-            out.path,
-            filesystem=out.fs,
-            filename_provider=StableNames("emb"),
-            mode="overwrite",  # the stage owns its folder; stable names instead of per-run UUIDs
-            ray_remote_args={"num_cpus": LIGHT_CPUS},
+        src, out, ckpt = run.path("ingest", folder), run.path("embed"), run.path("_checkpoints", "embed")
+        resuming = ckpt.exists() and out.exists()
+        if resuming:
+            print(f"[embed] resuming from the checkpoint in {ckpt.uri}", flush=True)
+        else:  # nothing to resume: leftovers of an older attempt would be duplicates
+            out.delete()
+            ckpt.delete()
+        before = {f.name for f in out.list_files(".parquet")}
+        ctx = ray.data.DataContext.get_current()
+        # Ray coalesces a map's outputs into blocks of up to target_max_block_size bytes (128 MiB), and a
+        # block is written and checkpointed whole: size blocks by rows so progress is committed as it goes.
+        saved_block_size, saved_v2 = ctx.target_max_block_size, ctx.use_datasource_v2
+        # Ray 2.60's V2 Parquet read adds a ListFiles task that always asks for a whole CPU; beside a model actor
+        # and the CheckpointFilter actor of a resumed run, it can wait forever on a small node. The V1 read
+        # plans its files on the driver and its read tasks take the LIGHT_CPUS we give them.
+        ctx.use_datasource_v2 = False
+        bytes_per_row = 8 + 4 * 1024  # an id and up to 1024 float32 dimensions
+        ctx.target_max_block_size = max(64 << 10, config.embedder.checkpoint_rows * bytes_per_row)
+        ctx.checkpoint_config = CheckpointConfig(
+            id_column=id_col, checkpoint_path=ckpt.path, override_filesystem=ckpt.fs, delete_checkpoint_on_success=True
         )
-        n = _count_rows(out)
+        try:
+            columns = [id_col, "text"] + (["title"] if folder == "passages" else [])
+            # One block per ingest shard: a block is the unit that is written and checkpointed, so this keeps
+            # what a crash can lose to one shard (Ray would otherwise pack small files into one read task).
+            n_files = len(src.list_files(".parquet"))
+            ds = ray.data.read_parquet(src.path, filesystem=src.fs, override_num_blocks=n_files,
+                                       ray_remote_args={"num_cpus": LIGHT_CPUS})
+            ds = ds.select_columns(columns)  # pushed down into the Parquet read by Ray's optimizer
+            ds = ds.map_batches(_unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
+            ds = apply_stage(ds, EmbedStage(config.embedder, id_column=id_col))
+            ds.write_parquet(
+                out.path,
+                filesystem=out.fs,
+                filename_provider=StableNames("emb"),
+                ray_remote_args={"num_cpus": LIGHT_CPUS},
+            )
+        finally:
+            ctx.checkpoint_config = None
+            ctx.target_max_block_size, ctx.use_datasource_v2 = saved_block_size, saved_v2
+        files = out.list_files(".parquet")
+        n = _count_rows(files)
+        this_run = _count_rows([f for f in files if f.name not in before])
         rows_in = run.stats("ingest")["rows_out" if folder == "passages" else "sentences"]
         if n != rows_in:
             raise RuntimeError(f"embed wrote {n} vectors for {rows_in} {folder}")
-        return {"rows_in": rows_in, "rows_out": n, "rows_rejected": 0, "unit": config.index.unit}
+        return {"rows_in": rows_in, "rows_out": n, "rows_rejected": 0, "unit": config.index.unit,
+                "rows_embedded_this_run": this_run, "resumed": resuming}
 
     return run.run_stage("embed", work, force=force)
 
 
 def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
+    """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest."""
     from wbrag_ray.index.faiss_index import build_index
 
     _require(run, "embed", "wbrag embed RUN")
 
     def work() -> dict[str, Any]:
+        ic = config.index
         return build_index(
             run.path("embed"),
             run.path("index"),
-            config.index.factory,
+            ic.factory,
             config.embedder.model,
-            config.index.unit,
-            config.index.train_sample,
+            ic.unit,
+            ic.train_sample,
+            num_shards=ic.num_shards,
+            memory_budget_gb=ic.memory_budget_gb,
+            num_cpus=ic.num_cpus,
+            docs=run.path("ingest").uri,  # the manifest names its documents: a search needs only the folder
         )
 
     return run.run_stage("index", work, force=force)
@@ -80,13 +124,13 @@ def _unit_text(batch, id_col: str):
     import pandas as pd
 
     text = batch["title"] + "\n" + batch["text"] if "title" in batch else batch["text"]
-    return pd.DataFrame({"id": batch[id_col].astype("int64"), "text": text})
+    return pd.DataFrame({id_col: batch[id_col].astype("int64"), "text": text})
 
 
-def _count_rows(loc) -> int:
+def _count_rows(files) -> int:
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows for f in loc.list_files(".parquet"))
+    return sum(pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows for f in files)
 
 
 def _require(run: RunFolder, stage: str, command: str) -> None:
@@ -95,12 +139,13 @@ def _require(run: RunFolder, stage: str, command: str) -> None:
 
 
 class StableNames(FilenameProvider):
-    """`<prefix>-<task index>.parquet`: no per-run UUID (Ray's default), so a retried write task overwrites
-    its own file instead of adding a second copy. Ray 2.60 asks that names depend on the task index only."""
+    """`<prefix>-<write uuid>-<task index>.parquet`: a pure function of (write, task), as Ray 2.60's
+    checkpointing needs to predict a file's name before it is written (and to delete it if the write
+    died before its checkpoint was committed); a retried task overwrites its own file."""
 
     def __init__(self, prefix: str):
         super().__init__(file_format="parquet")
         self.prefix = prefix
 
     def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
-        return f"{self.prefix}-{task_index:06d}.parquet"
+        return f"{self.prefix}-{write_uuid}-{task_index:06d}.parquet"

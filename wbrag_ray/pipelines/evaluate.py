@@ -1,7 +1,9 @@
 """Evaluate RAG on a QA dataset: [retrieve top K] -> prompt -> generate -> metrics, per method.
 
-Methods: `naive` (top-K retrieval, FlashRAG's prompt) and `no-retrieval` (the closed-book baseline).
-Each method writes RUN/eval/<name>-<method>/metrics.json and predictions.parquet.
+Methods (wbrag_ray.rag): `naive` (top-K retrieval, FlashRAG's prompt), `replug` (per-document answers,
+weighted vote) and `no-retrieval` (the closed-book baseline). Settings: the base index alone, or base +
+the active write-back index (`writeback=True`); `base_index` swaps the base for another index folder (a
+pruned one). Each method writes RUN/eval/<name>-<method>/metrics.json and predictions.parquet.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import pyarrow as pa
 
 from wbrag_ray.config import ConfigError, WbragConfig
@@ -20,31 +21,22 @@ from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 
 
-def _prompts(batch: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
-    """One row per (question, method), with the prompt that method sends."""
-    from wbrag_ray import prompts
-    from wbrag_ray.index.retriever import hits_from_json
+def evaluate(
+    run: RunFolder,
+    config: WbragConfig,
+    dataset: str,
+    name: str | None = None,
+    writeback: bool = False,
+    base_index: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run every configured method over `dataset`; return {method: metrics}.
 
-    parts = []
-    for method in methods:
-        part = batch.copy()
-        part["method"] = method
-        if method == "no-retrieval":
-            part["docs"] = "[]"
-            part["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in batch["question"]]
-        else:
-            part["prompt"] = [
-                prompts.dumps(prompts.rag_messages(q, hits_from_json(d)))
-                for q, d in zip(batch["question"], batch["docs"], strict=True)
-            ]
-        parts.append(part)
-    return pd.concat(parts, ignore_index=True)
-
-
-def evaluate(run: RunFolder, config: WbragConfig, dataset: str, name: str | None = None) -> dict[str, dict[str, Any]]:
-    """Run every configured method over `dataset`; return {method: metrics}."""
+    `writeback`: search the active write-back index together with the base (results under
+    `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
+    """
     import ray.data
 
+    from wbrag_ray import rag
     from wbrag_ray.index.retriever import RetrieveStage
     from wbrag_ray.models.generator import make_generator
     from wbrag_ray.ray_runtime import LIGHT_CPUS
@@ -52,9 +44,18 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, name: str | None
 
     methods = list(dict.fromkeys(config.eval.methods))
     needs_index = any(m != "no-retrieval" for m in methods)
-    if needs_index and not run.is_complete("index"):
+    if needs_index and base_index is None and not run.is_complete("index"):
         raise ConfigError(f"evaluation with retrieval needs the index of {run.uri}; run `wbrag index RUN` first")
+    base_index = base_index or run.path("index").uri
+    extra: tuple[tuple[str, str, str], ...] = ()
+    setting, wb_version = "base", None
+    if writeback:
+        from wbrag_ray.pipelines.writeback import active_index
+
+        wb_version, wb_index, wb_docs = active_index(run)
+        extra, setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
     name = name or config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
+    folder_prefix = f"{name}-writeback" if writeback else name
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
 
     t0 = time.perf_counter()
@@ -66,12 +67,13 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, name: str | None
         ds = apply_stage(
             ds,
             RetrieveStage(
-                run.path("index").uri, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe
+                base_index, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe, extra
             ),
         )
-    ds = ds.map_batches(_prompts, fn_kwargs={"methods": methods}, batch_format="pandas", num_cpus=LIGHT_CPUS)
+    expand_args = {"methods": methods, "temperature": config.retrieval.replug_temperature}
+    ds = ds.map_batches(rag.expand, fn_kwargs=expand_args, batch_format="pandas", num_cpus=LIGHT_CPUS)
     ds = generator.apply(ds, "prompt", "prediction")
-    df = ds.to_pandas()
+    df = rag.combine(ds.to_pandas(), "prediction")
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}
@@ -80,8 +82,8 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, name: str | None
         scores = [score_answer(p, g) for p, g in zip(part["prediction"], part["golden_answers"], strict=True)]
         for m in METRICS:
             part[m] = [s[m] for s in scores]
-        out = run.path("eval", f"{name}-{method}")
-        keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "prediction", *METRICS]
+        out = run.path("eval", f"{folder_prefix}-{method}")
+        keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", *METRICS]
         # No pandas metadata: readers with another pandas version (or none) get plain Arrow types.
         table = pa.Table.from_pandas(part[keep], preserve_index=False).replace_schema_metadata(None)
         out.join("predictions.parquet").write_table(table)
@@ -89,10 +91,12 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, name: str | None
             "n": len(part),
             **{m: round(float(part[m].mean()), 4) for m in METRICS},
             "method": method,
+            "setting": setting,
+            "writeback_version": wb_version if method != "no-retrieval" else None,
             "dataset": dataset,
             "rejected_questions": rejects.num_rows,
             "top_k": config.retrieval.top_k if method != "no-retrieval" else 0,
-            "index": run.path("index").uri if method != "no-retrieval" else None,
+            "index": base_index if method != "no-retrieval" else None,
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
             "seconds": round(seconds, 2),
@@ -101,7 +105,7 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, name: str | None
         if rejects.num_rows:
             out.join("rejects.parquet").write_table(rejects)
         results[method] = metrics
-    print(format_table(name, results), flush=True)
+    print(format_table(f"{name} ({setting})", results), flush=True)
     return results
 
 

@@ -79,6 +79,8 @@ class _StageWorker:
 
 def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     """Append `stage` to a Ray Data pipeline as an actor pool."""
+    from ray.data import ActorPoolStrategy
+
     res = stage.resources
     return ds.map_batches(
         _StageWorker,
@@ -87,7 +89,7 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         batch_size=res.batch_size,
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus or None,
-        concurrency=res.concurrency,
+        compute=ActorPoolStrategy(size=res.concurrency),
     )
 
 

@@ -12,12 +12,16 @@ from wbrag_ray.stages.base import Resources, Stage
 
 
 class EmbedStage(Stage):
-    name = "embed"
-    input_columns = ("id", "text")
-    output_columns = ("id", "vector")
+    """(id, text) -> (id, vector). The id column keeps its name (`id`, `pid`, `sid`) so that Ray's row-level
+    checkpointing can follow it from the read to the write."""
 
-    def __init__(self, config: EmbedderConfig):
+    name = "embed"
+
+    def __init__(self, config: EmbedderConfig, id_column: str = "id"):
         self.config = config
+        self.id_column = id_column
+        self.input_columns = (id_column, "text")
+        self.output_columns = (id_column, "vector")
 
     @property
     def resources(self) -> Resources:
@@ -34,4 +38,4 @@ class EmbedStage(Stage):
         vecs = self.embedder.encode_passages(batch["text"].tolist())
         dtype = np.float16 if self.config.storage_dtype == "float16" else np.float32
         # Only id and vector travel on: the text is already in the passages/sentences shards.
-        return embeddings_table(batch["id"].to_numpy(np.int64), vecs.astype(dtype))
+        return embeddings_table(batch[self.id_column].to_numpy(np.int64), vecs.astype(dtype), self.id_column)

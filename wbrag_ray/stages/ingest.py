@@ -114,24 +114,31 @@ def _iter_records(spec: ShardSpec):
 
 
 class _ShardWriter:
-    """Buffered Parquet writer for one output file of one shard (row groups of FLUSH_ROWS)."""
+    """Buffered Parquet writer for one output file of one shard (row groups of FLUSH_ROWS).
+
+    Rows are buffered column by column: building a table from column lists is about 25x faster than from
+    a list of row dicts, and at 138M sentences that is most of ingest's time outside segmentation."""
 
     def __init__(self, loc: Location, schema: pa.Schema):
-        self.loc, self.schema, self.rows, self.count = loc, schema, [], 0
+        self.loc, self.schema, self.count = loc, schema, 0
+        self.columns: dict[str, list[Any]] = {name: [] for name in schema.names}
         loc.parent().mkdir()
         self.tmp = loc.path + ".inprogress" if loc.is_local else loc.path
         self.writer = pq.ParquetWriter(self.tmp, schema, filesystem=loc.fs)
 
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        if len(self.rows) >= FLUSH_ROWS:
+    def add(self, *values: Any) -> None:
+        """One row, values in schema order."""
+        for column, value in zip(self.columns.values(), values, strict=True):
+            column.append(value)
+        if len(self.columns[self.schema.names[0]]) >= FLUSH_ROWS:
             self.flush()
 
     def flush(self) -> None:
-        if self.rows:
-            self.writer.write_table(pa.Table.from_pylist(self.rows, schema=self.schema))
-            self.count += len(self.rows)
-            self.rows = []
+        n = len(self.columns[self.schema.names[0]])
+        if n:
+            self.writer.write_table(pa.Table.from_pydict(self.columns, schema=self.schema))
+            self.count += n
+            self.columns = {name: [] for name in self.schema.names}
 
     def close(self) -> None:
         self.flush()
@@ -163,11 +170,11 @@ def ingest_shard(spec: ShardSpec, out_uri: str, config: IngestConfig) -> dict[st
         if isinstance(rec, str):
             doc_id = raw.get("id") if isinstance(raw, dict) else _peek_id(raw)
             raw_text = raw if isinstance(raw, bytes) else json.dumps(raw, default=str)
-            rejects.add({"source": spec.uri, "offset": unit, "doc_id": doc_id, "reason": rec, "raw": excerpt(raw_text)})
+            rejects.add(spec.uri, unit, doc_id, rec, excerpt(raw_text))
             continue
-        passages.add({"pid": pid, "doc_id": rec.doc_id, "title": rec.title, "text": rec.text})
+        passages.add(pid, rec.doc_id, rec.title, rec.text)
         for position, sentence in enumerate(sents):
-            sentences.add({"sid": pid + position, "pid": pid, "position": position, "text": sentence})
+            sentences.add(pid + position, pid, position, sentence)
     for w in (passages, sentences, rejects):
         w.close()
     stats = {

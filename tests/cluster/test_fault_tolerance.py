@@ -1,0 +1,67 @@
+"""Fault tests on real local Ray clusters (marked slow: about a minute each on 2 CPUs; CI runs them)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_losing_a_worker_node_mid_model_stage_loses_and_duplicates_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_embed", str(tmp_path / "emb"), "2400"],
+                         capture_output=True, text=True, timeout=600, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["killed"]["files_before_kill"] >= 5  # the node died part way, not before or after
+    assert summary["alive_nodes"] == 2
+    assert summary["rows"] == summary["unique"] == summary["expected"] and summary["missing"] == 0
+
+
+def _cli(args, **kw):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.Popen([sys.executable, "-m", "wbrag_ray.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_path):
+    import signal
+    import time
+
+    import pyarrow.parquet as pq
+
+    from tests.conftest import demo_records, write_jsonl
+
+    records = [{"id": f"{r['id']}-{k}", "contents": r["contents"]} for k in range(24) for r in demo_records()]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", records)
+    run = tmp_path / "run"
+    # 0.5 CPU: on resume Ray adds a CheckpointFilter actor that holds 1 CPU of this 2-CPU node
+    common = ["--set", "embedder.num_cpus=0.5", "--set", "embedder.threads=2", "--set", "embedder.batch_size=16",
+              "--set", "embedder.checkpoint_rows=100"]  # small blocks: progress is committed often
+    p = _cli(["ingest", str(run), "--corpus", str(corpus), "--set", "ingest.shard_bytes=32768", *common])
+    assert p.wait(300) == 0, p.stderr.read()[-2000:]
+
+    p = _cli(["embed", str(run)])
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((run / "embed").glob("*.parquet"))) < 3:
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)  # the driver and the local cluster it started, mid-stage
+    p.wait(60)
+    written_before = sum(pq.ParquetFile(f).metadata.num_rows for f in (run / "embed").glob("*.parquet"))
+    assert 0 < written_before < len(records)
+    assert not (run / "_stages" / "embed" / "_SUCCESS").exists()
+
+    p = _cli(["embed", str(run)])
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    assert "resuming from the checkpoint" in out
+    stats = json.loads((run / "_stages" / "embed" / "stats.json").read_text())
+    assert stats["rows_out"] == len(records)
+    assert stats["rows_embedded_this_run"] < len(records)  # the rerun did only what was left
+    ids = pq.read_table(run / "embed", columns=["pid"])["pid"].to_pylist()
+    passages = pq.read_table(run / "ingest" / "passages", columns=["pid"])["pid"].to_pylist()
+    assert len(ids) == len(set(ids)) == len(passages) and set(ids) == set(passages)

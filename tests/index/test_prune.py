@@ -1,0 +1,55 @@
+"""Pruned views: rebuilt from the stored embedding shards, without the dropped ids, with no retraining."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.index.conftest import clustered, write_shards
+from wbrag_ray.index.faiss_index import IndexError_, build_index, load_shards
+from wbrag_ray.index.prune import drop_ids_from, prune_index
+from wbrag_ray.index.retriever import Retriever
+from wbrag_ray.storage import resolve
+
+
+@pytest.fixture
+def full_index(tmp_path):
+    vecs = clustered(2000, 16, clusters=10, seed=2)
+    ids = write_shards(tmp_path / "emb", vecs, parts=4)
+    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "full")), "IVF8,Flat", "m", "sentence",
+                num_shards=2, train_sample=2000, parallel=False)
+    return tmp_path, vecs, ids
+
+
+def test_pruned_view_holds_exactly_the_kept_ids(full_index, ray_cluster):
+    tmp_path, vecs, ids = full_index
+    drop = ids[np.random.default_rng(0).random(len(ids)) < 0.3]
+    stats = prune_index(str(tmp_path / "full"), str(tmp_path / "pruned"), drop)
+    assert stats["rows_out"] == len(ids) - len(drop) and stats["rows_dropped"] == len(drop)
+    shards, manifest = load_shards(resolve(str(tmp_path / "pruned")))
+    assert manifest["pruned_from"] == str(tmp_path / "full") and manifest["unit"] == "sentence"
+    assert manifest["count"] == len(ids) - len(drop) and manifest["num_shards"] == 2
+    # same trained index: no retraining
+    assert (tmp_path / "pruned" / "trained.faiss").read_bytes() == (tmp_path / "full" / "trained.faiss").read_bytes()
+    got = Retriever(str(tmp_path / "pruned"), nprobe=8).search_ids(vecs, 1)[1][:, 0]
+    kept = ~np.isin(ids, drop)
+    np.testing.assert_array_equal(got[kept], ids[kept])  # every kept vector finds itself
+    assert not np.isin(got, drop).any()  # no dropped id is ever returned
+
+
+def test_drop_ids_from_a_keep_mask_parquet(full_index, tmp_path):
+    _, _, ids = full_index
+    keep = np.arange(len(ids)) % 3 != 0
+    (tmp_path / "mask").mkdir()
+    pq.write_table(pa.table({"id": ids, "keep": keep}), tmp_path / "mask" / "part-0.parquet")
+    np.testing.assert_array_equal(drop_ids_from(str(tmp_path / "mask")), np.sort(ids[~keep]))
+    pq.write_table(pa.table({"id": ids[:5]}), tmp_path / "ids.parquet")
+    np.testing.assert_array_equal(drop_ids_from(str(tmp_path / "ids.parquet")), ids[:5])
+    pq.write_table(pa.table({"sid": ids[:5]}), tmp_path / "bad.parquet")
+    with pytest.raises(IndexError_, match="bad.parquet has no 'id' column"):
+        drop_ids_from(str(tmp_path / "bad.parquet"))
+
+
+def test_prune_names_a_missing_source(tmp_path):
+    with pytest.raises(IndexError_, match="no index manifest at .*nowhere"):
+        prune_index(str(tmp_path / "nowhere"), str(tmp_path / "out"), [1])

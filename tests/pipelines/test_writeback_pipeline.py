@@ -1,0 +1,141 @@
+"""Integration: WriteBack-RAG on a slice of the demo data with the real bundled models on a local Ray
+cluster, through the `wbrag` command: train a write-back index, search it with the base, evaluate base +
+write-back, roll back and re-activate; the base index never changes."""
+
+import hashlib
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import DATA, demo_questions, demo_records, write_jsonl
+from wbrag_ray.cli import main
+from wbrag_ray.config import load_config
+from wbrag_ray.index.retriever import Retriever, UnionRetriever
+from wbrag_ray.pipelines.writeback import WRITEBACK_ID_BASE, active_index, read_active
+from wbrag_ray.run import RunFolder
+
+SENTINEL = "Quxilon-42"  # a gold alias that is in no question and no document: it must reach no distiller prompt
+N_TRAIN = 2
+
+
+def _base_index_hash(run) -> str:
+    h = hashlib.sha256()
+    for f in sorted((run / "index").iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ray_cluster):
+    d = tmp_path_factory.mktemp("wb")
+    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:N_TRAIN]
+    for t in train:
+        t["golden_answers"] = [*t["golden_answers"], SENTINEL]
+    test = demo_questions(2)
+    wanted = {q["metadata"]["source_doc"] for q in train + test}
+    records = [r for r in demo_records() if r["id"] in wanted] + [r for r in demo_records() if r["id"] not in wanted][:10]
+    corpus = write_jsonl(d / "corpus.jsonl", records)
+    train_file = write_jsonl(d / "train.jsonl", train)
+    test_file = write_jsonl(d / "test.jsonl", test)
+    run = d / "run"
+    cfg = d / "cfg.yaml"
+    cfg.write_text(
+        f"run: {run}\n"
+        f"ingest:\n  corpus: {corpus}\n"
+        "embedder:\n  num_cpus: 1\n  threads: 2\n"
+        "generator:\n  batch_size: 16\n  max_new_tokens: 8\n  num_cpus: 1\n  threads: 2\n"
+    )
+    assert main(["run", str(cfg)]) == 0  # the base: ingest, embed, index
+    base_hash = _base_index_hash(run)
+    # Every example passes the utility gate and no document passes the document gate, so the decisions (and
+    # Table 3) are known in advance: each unit comes from the top n_min=2 documents by the fallback.
+    # RePlug scores s_rag, so its per-document answers serve the document gate with no extra pass.
+    assert main([
+        "writeback", str(run), "--train", str(train_file),
+        "--set", "writeback.tau_s=-1", "--set", "writeback.tau_delta=-2", "--set", "writeback.tau_doc=2",
+        "--set", "writeback.rag_method=replug",
+        "--set", "writeback.extract_max_new_tokens=32", "--set", "writeback.rewrite_max_new_tokens=32",
+    ]) == 0
+    return {"run": run, "train": train, "test": test_file, "base_hash": base_hash, "version": "train"}
+
+
+def test_table3_stats_json(trained):
+    stats = json.loads((trained["run"] / "writeback" / "train" / "stats.json").read_text())
+    assert stats["examples"] == N_TRAIN and stats["selection_rate"] == 1.0
+    assert stats["fallback_rate"] == 1.0 and stats["mean_retained_docs"] == 2.0
+    assert stats["rank_distribution"] == {"1": N_TRAIN, "2": N_TRAIN, "3": 0, "4": 0, "5": 0}
+    assert stats["source_tokens"] > stats["distilled_tokens"] > 0
+    assert stats["compression_ratio"] == pytest.approx(stats["source_tokens"] / stats["distilled_tokens"], abs=1e-3)
+    assert stats["units_written"] + stats["duplicates_merged"] + stats["empty_units"] == N_TRAIN
+    # generator calls per pass: no-retrieval + K single-document answers, then one call per distiller step
+    passes = stats["passes"]
+    assert passes["answer"]["generator_calls"] == N_TRAIN * (1 + 5)
+    assert "document_gate" not in passes
+    assert passes["distill_extract"]["generator_calls"] == passes["distill_rewrite"]["generator_calls"] == N_TRAIN
+
+
+def test_corpus_has_provenance_and_its_own_id_namespace(trained):
+    units = pq.read_table(trained["run"] / "writeback" / "train" / "corpus" / "units.parquet").to_pylist()
+    assert units and all(u["id"] >= WRITEBACK_ID_BASE and u["unit_id"].startswith("wb:train:") for u in units)
+    assert {u["source_example_id"] for u in units} <= {t["id"] for t in trained["train"]}
+    assert all(u["source_doc_ranks"] == [0, 1] and len(u["source_doc_ids"]) == 2 and u["fallback"] for u in units)
+    assert all(u["title"] and u["text"] for u in units)
+
+
+def test_no_prompt_sent_to_the_distiller_contains_a_gold_answer(trained):
+    sent = pq.read_table(trained["run"] / "writeback" / "train" / "distill.parquet").to_pylist()
+    assert len(sent) == N_TRAIN
+    for row in sent:
+        for column in ("extract_prompt", "rewrite_prompt"):
+            assert SENTINEL.lower() not in row[column].lower()
+
+
+def test_union_search_returns_write_back_hits_with_their_namespace(trained):
+    run = RunFolder(str(trained["run"]))
+    config = load_config(extra=run.load_config().model_dump(mode="json"))
+    version, wb_index, wb_docs = active_index(run)
+    assert version == "train"
+    unit = pq.read_table(trained["run"] / "writeback" / "train" / "corpus" / "units.parquet").to_pylist()[0]
+    union = UnionRetriever([
+        Retriever(run.path("index").uri, run.path("ingest").uri, config.embedder),
+        Retriever(wb_index, wb_docs, config.embedder, source="writeback"),
+    ])
+    hits = union.search([unit["title"] + "\n" + unit["text"]], 5)[0]
+    assert hits[0].source == "writeback" and hits[0].id == unit["id"] and hits[0].score > 0.99
+    assert {h.source for h in hits} == {"base", "writeback"}
+    assert [h.rank for h in hits] == list(range(5)) and hits == sorted(hits, key=lambda h: -h.score)
+    assert all((h.id >= WRITEBACK_ID_BASE) == (h.source == "writeback") for h in hits)
+
+
+def test_eval_with_writeback_then_rollback_to_base_only(trained, capsys):
+    run = trained["run"]
+    args = ["eval", str(run), "--dataset", str(trained["test"]), "--methods", "naive", "--name", "t"]
+    assert main([*args, "--writeback"]) == 0
+    metrics = json.loads((run / "eval" / "t-writeback-naive" / "metrics.json").read_text())
+    assert metrics["setting"] == "base+writeback" and metrics["writeback_version"] == "train" and metrics["n"] == 2
+    docs = [json.loads(p["docs"]) for p in pq.read_table(run / "eval" / "t-writeback-naive" / "predictions.parquet").to_pylist()]
+    assert all(len(d) == 5 for d in docs) and all(h["source"] in ("base", "writeback") for d in docs for h in d)
+
+    assert main(["writeback", str(run), "--rollback"]) == 0
+    assert read_active(RunFolder(str(run)))["version"] is None
+    capsys.readouterr()
+    assert main([*args, "--writeback"]) == 2
+    assert "no active write-back index" in capsys.readouterr().err
+
+    assert main(["writeback", str(run), "--activate", "train"]) == 0
+    assert read_active(RunFolder(str(run)))["version"] == "train"
+    assert main(["writeback", str(run), "--rollback", "base"]) == 0
+    assert read_active(RunFolder(str(run))) == {"version": None, "history": ["train"]}
+    assert main(["writeback", str(run), "--activate", "nope"]) == 2
+    assert _base_index_hash(run) == trained["base_hash"]
+
+
+def test_rerun_skips_a_trained_version_and_refuses_other_settings(trained, capsys):
+    train = str(trained["run"].parent / "train.jsonl")
+    capsys.readouterr()
+    assert main(["writeback", str(trained["run"]), "--train", train]) == 0  # settings recorded in run.json
+    assert "[writeback-train] complete, skipped" in capsys.readouterr().out
+    assert main(["writeback", str(trained["run"]), "--train", train, "--set", "writeback.tau_doc=0.5"]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert _base_index_hash(trained["run"]) == trained["base_hash"]

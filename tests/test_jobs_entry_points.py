@@ -1,0 +1,32 @@
+"""The thin job scripts in jobs/ run as `python jobs/<name>.py CONFIG` (the same line `ray job submit` runs)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import demo_records, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_job_script_has_help():
+    for script in ("build_index.py", "writeback.py", "evaluate.py", "naive_rag.py"):
+        out = subprocess.run([sys.executable, str(ROOT / "jobs" / script), "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "CONFIG" in out.stdout.upper(), script
+
+
+def test_build_index_job_on_a_small_corpus(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", demo_records(12))
+    run = tmp_path / "run"
+    config = tmp_path / "job.yaml"
+    config.write_text(f"run: {run}\ningest:\n  corpus: {corpus}\nembedder:\n  num_cpus: 0.5\n  threads: 2\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_index.py"), str(config)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((run / "index" / "manifest.json").read_text())["count"] == 12
+    out = subprocess.run([sys.executable, str(ROOT / "jobs" / "evaluate.py"), str(config)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "--dataset" in out.stderr
