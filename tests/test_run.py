@@ -44,6 +44,7 @@ def test_changed_config_is_refused_unless_forced(tmp_path):
     run = RunFolder(str(tmp_path / "run"))
     run.bind_config(load_config())
     run.bind_config(load_config(overrides=["eval.limit=3"]))  # eval settings don't change built outputs
+    run.bind_config(load_config(overrides=["embedder.num_cpus=4", "generator.concurrency=8"]))  # placement only
     with pytest.raises(ConfigError, match="different config.*index.factory"):
         run.bind_config(load_config(overrides=["index.factory=HNSW32"]))
     run.bind_config(load_config(overrides=["index.factory=HNSW32"]), force=True)

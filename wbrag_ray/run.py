@@ -22,6 +22,8 @@ from wbrag_ray.storage import Location, resolve
 
 log = logging.getLogger(__name__)
 
+PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows"}
+
 
 class RunFolder:
     def __init__(self, uri: str):
@@ -46,6 +48,9 @@ class RunFolder:
             # Settings that only add inputs (a new eval dataset) don't change completed outputs; write-back
             # settings only shape versioned write-back indices, which check their own settings.
             diff = [d for d in diff if not d.startswith(("eval.", "ingest.corpus", "writeback"))]
+            # Where and how wide a stage runs (CPUs, GPUs, actors, threads, checkpoint size) never changes
+            # what it writes: a run may move to a bigger cluster.
+            diff = [d for d in diff if d.split(":")[0].rsplit(".", 1)[-1] not in PLACEMENT_KEYS]
             if diff:
                 raise ConfigError(
                     f"run folder {self.uri} was made with a different config ({'; '.join(diff[:5])}). "
