@@ -42,13 +42,16 @@ def test_submission_ids_are_stable_and_distinct():
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """`ray start --head --block` on loopback in its own process group; killed (not `ray stop`) at the end."""
-    port, dash = _free_port(), _free_port()
+    port, dash, agent = _free_port(), _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # as with an activated venv: the job's `python` is the one that has the project installed
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     proc = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
          f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+         # the session's other local cluster already holds the agent's default port (52365); without its
+         # own, this head's job agent never comes up and every submission gets "No available agent"
+         f"--dashboard-agent-listen-port={agent}",
          "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
