@@ -155,6 +155,8 @@ def cmd_ingest(args) -> None:
 
     run = RunFolder(args.run)
     config = _resolve_config(args, {"ingest": {"corpus": args.corpus}} if args.corpus else {}, run)
+    if not config.ingest.corpus:  # say so before a Ray cluster is started for nothing
+        raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
     run.bind_config(config, force=args.force)
     _start(config)
     build_kb.ingest(run, config, force=args.force)
