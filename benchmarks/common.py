@@ -122,6 +122,12 @@ def timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
     return result, sw.seconds
 
 
+def set_up(model: T) -> tuple[T, float]:
+    """(model, seconds its `setup()` took): the load time of an Embedder or a Generator."""
+    _, seconds = timed(model.setup)
+    return model, seconds
+
+
 # --- compute ----------------------------------------------------------------------------------------------
 
 

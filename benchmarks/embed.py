@@ -30,18 +30,11 @@ from benchmarks.common import (
     report_ratio,
     run_module_main,
     set_torch_threads,
+    set_up,
     timed,
 )
 
 THREADS = 2
-
-
-def load_embedder(config):
-    from wbrag_ray.models.embedder import Embedder
-
-    embedder = Embedder(config)
-    _, seconds = timed(embedder.setup)
-    return embedder, seconds
 
 
 def flops_per_sentence(embedder, sentences: list[str]) -> tuple[float, float, int]:
@@ -62,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from wbrag_ray.config import EmbedderConfig
+    from wbrag_ray.models.embedder import Embedder
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.embed import EmbedStage
 
@@ -75,9 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     peak32 = report("matmul peak fp32 (2048x2048)", matmul_peak_gflops(torch.float32, seconds=peak_seconds), "GFLOP/s")
     peak16 = report("matmul peak bf16 (2048x2048)", matmul_peak_gflops(torch.bfloat16, seconds=peak_seconds), "GFLOP/s")
 
-    fp32, load_s = load_embedder(EmbedderConfig())
+    fp32, load_s = set_up(Embedder(EmbedderConfig()))
     report("model load fp32 (first in process)", load_s, "s", 2)
-    bf16, load_s = load_embedder(EmbedderConfig(dtype="bfloat16"))
+    bf16, load_s = set_up(Embedder(EmbedderConfig(dtype="bfloat16")))
     report("model load bf16", load_s, "s", 2)
     flops, tokens, params = flops_per_sentence(fp32, sentences)
     report("non-embedding parameters", params)

@@ -28,6 +28,7 @@ from benchmarks.common import (
     report_ratio,
     run_module_main,
     set_torch_threads,
+    set_up,
     timed,
 )
 
@@ -47,14 +48,6 @@ class DecodeCounter:
         out = self.inner(**kwargs)
         self.tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
         return out
-
-
-def load(config):
-    from wbrag_ray.models.generator import HFGenerator
-
-    generator = HFGenerator(config)
-    _, seconds = timed(generator.setup)
-    return generator, seconds
 
 
 class DirectRun:
@@ -99,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ray.data
 
     from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.models.generator import HFGenerator
     from wbrag_ray.prompts import dumps
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.generate import GenerateStage
@@ -125,13 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     try:
-        first, seconds = load(config("float32"))
+        first, seconds = set_up(HFGenerator(config("float32")))
         label = "empty cache: GGUF conversion" if tmp else "default cache: converts only if absent"
         report(f"generator load, first ({label})", seconds, "s", 2)
         del first
-        fp32, seconds = load(config("float32"))
+        fp32, seconds = set_up(HFGenerator(config("float32")))
         report("generator load, cached, fp32", seconds, "s", 2)
-        bf16, seconds = load(config("bfloat16"))
+        bf16, seconds = set_up(HFGenerator(config("bfloat16")))
         report("generator load, cached, bf16", seconds, "s", 2)
         report("generate batch size", fp32.config.batch_size)
         lengths = [len(fp32.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in fp32.render(prompts)]

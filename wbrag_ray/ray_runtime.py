@@ -20,6 +20,7 @@ def init_ray(config: RayConfig) -> None:
     import ray.data
 
     if ray.is_initialized():
+        configure_data_context()
         return
     address = config.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
@@ -35,9 +36,20 @@ def init_ray(config: RayConfig) -> None:
     else:
         # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
         ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False, **kwargs)
+    configure_data_context()
+
+
+def configure_data_context() -> None:
+    """Ray Data settings every wbrag pipeline runs with, whoever started Ray."""
+    import ray.data
+
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
     ctx.print_on_execution_start = False
+    # Ray 2.60's V2 Parquet read adds a ListFiles task that always asks for a whole CPU; beside a model actor
+    # (and the CheckpointFilter actor of a resumed run) it can wait forever on a small node. The V1 read plans
+    # its files on the driver, and its read tasks take the LIGHT_CPUS the pipelines give them.
+    ctx.use_datasource_v2 = False
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

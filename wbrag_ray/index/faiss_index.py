@@ -82,7 +82,7 @@ def read_embedding_shard(f: Location) -> tuple[np.ndarray, np.ndarray]:
 def shard_rows(f: Location) -> int:
     """Row count from the Parquet footer: no vectors are read."""
     try:
-        return pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
+        return f.num_rows()
     except Exception as exc:
         raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
 

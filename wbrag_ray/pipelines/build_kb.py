@@ -54,11 +54,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
         ctx = ray.data.DataContext.get_current()
         # Ray coalesces a map's outputs into blocks of up to target_max_block_size bytes (128 MiB), and a
         # block is written and checkpointed whole: size blocks by rows so progress is committed as it goes.
-        saved_block_size, saved_v2 = ctx.target_max_block_size, ctx.use_datasource_v2
-        # Ray 2.60's V2 Parquet read adds a ListFiles task that always asks for a whole CPU; beside a model actor
-        # and the CheckpointFilter actor of a resumed run, it can wait forever on a small node. The V1 read
-        # plans its files on the driver and its read tasks take the LIGHT_CPUS we give them.
-        ctx.use_datasource_v2 = False
+        saved_block_size = ctx.target_max_block_size
         bytes_per_row = 8 + 4 * 1024  # an id and up to 1024 float32 dimensions
         ctx.target_max_block_size = max(64 << 10, config.embedder.checkpoint_rows * bytes_per_row)
         ctx.checkpoint_config = CheckpointConfig(
@@ -82,10 +78,10 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
             )
         finally:
             ctx.checkpoint_config = None
-            ctx.target_max_block_size, ctx.use_datasource_v2 = saved_block_size, saved_v2
+            ctx.target_max_block_size = saved_block_size
         files = out.list_files(".parquet")
-        n = _count_rows(files)
-        this_run = _count_rows([f for f in files if f.name not in before])
+        n = sum(f.num_rows() for f in files)
+        this_run = sum(f.num_rows() for f in files if f.name not in before)
         rows_in = run.stats("ingest")["rows_out" if folder == "passages" else "sentences"]
         if n != rows_in:
             raise RuntimeError(f"embed wrote {n} vectors for {rows_in} {folder}")
@@ -125,12 +121,6 @@ def _unit_text(batch, id_col: str):
 
     text = batch["title"] + "\n" + batch["text"] if "title" in batch else batch["text"]
     return pd.DataFrame({id_col: batch[id_col].astype("int64"), "text": text})
-
-
-def _count_rows(files) -> int:
-    import pyarrow.parquet as pq
-
-    return sum(pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows for f in files)
 
 
 def _require(run: RunFolder, stage: str, command: str) -> None:

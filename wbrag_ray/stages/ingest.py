@@ -284,8 +284,8 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
     rows_in = sum(s["rows_in"] for s in per_shard)
     rejected = sum(s["rows_rejected"] for s in per_shard) + _count_dedupe_rejects(out)
     rows_out = rows_in - rejected
-    sentences = sum(pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows for f in out.join("sentences").list_files(".parquet"))
-    kept = sum(pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows for f in out.join("passages").list_files(".parquet"))
+    sentences = out.join("sentences").num_rows()
+    kept = out.join("passages").num_rows()
     if kept != rows_out:  # the reconciliation every run must satisfy
         raise RuntimeError(f"ingest reconciliation failed: {rows_in} in, {kept} out, {rejected} rejected")
     seg_seconds = sum(s["seconds"] for s in per_shard)
@@ -303,8 +303,4 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
 
 
 def _count_dedupe_rejects(out: Location) -> int:
-    return sum(
-        pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
-        for f in out.join("rejects").list_files(".parquet")
-        if f.name.startswith("dedupe-")
-    )
+    return sum(f.num_rows() for f in out.join("rejects").list_files(".parquet") if f.name.startswith("dedupe-"))
