@@ -174,6 +174,99 @@ class WritebackConfig(_Section):
     )
 
 
+class _LoraSection(_Section):
+    """LoRA (peft) settings shared by the LM pruner and noise-tolerant tuning."""
+
+    lora_r: int = Field(8, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (alpha / r scales the update).")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA path.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"], description="Modules that get LoRA adapters."
+    )
+    max_steps: int = Field(30, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Examples per optimizer step.")
+    learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate.")
+    max_length: int = Field(128, ge=8, description="Tokens per example (longer inputs are truncated).")
+    seed: int = Field(0, description="Seed of data order and LoRA initialization.")
+    threads: int | None = Field(None, ge=1, description="torch threads while training (default: all cores).")
+
+
+class LMPrunerConfig(_LoraSection):
+    """Zero-RAG's LM regressor: a small causal LM with a regression head, fine-tuned with LoRA."""
+
+    backbone: str = Field(BUNDLED_GENERATOR, description="Backbone LM: local folder, GGUF file, hub id or bundled:*.")
+    max_length: int = Field(64, ge=8, description="Tokens per sentence (longer sentences are truncated).")
+    predict_batch_size: int = Field(64, ge=1, description="Sentences per forward pass when predicting.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs each prediction actor asks Ray for.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per prediction actor.")
+    concurrency: int = Field(1, ge=1, description="Number of prediction actors.")
+
+
+class TuneConfig(_LoraSection):
+    """Zero-RAG's noise-tolerant tuning of the generator: each training question with relevant documents,
+    with distracting documents, and with none."""
+
+    enabled: bool = Field(False, description="`wbrag run`: tune an adapter and evaluate with it.")
+    docs_per_format: int = Field(2, ge=1, description="Documents in the relevant and distracting formats.")
+    batch_size: int = Field(4, ge=1, description="Examples per optimizer step.")
+    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate.")
+    max_length: int = Field(384, ge=8, description="Tokens per example (prompt + answer; prompts truncated left).")
+
+
+class ZeroRagConfig(_Section):
+    """Zero-RAG: mastery scores on a sample, a pruner, a corpus-wide percentile, router and tuning."""
+
+    sample: int = Field(2000, ge=1, description="Sentences sampled for mastery scoring.")
+    seed: int = Field(0, description="Seed of the mastery sample and of the pruner's train / validation split.")
+    qa_mode: Literal["cloze", "llm"] = Field(
+        "cloze",
+        description="How QA pairs are written: 'llm' (the QA generator writes them; chat prompts for instruct "
+        "models, few-shot completion prompts for base models) or 'cloze' (deterministic: names, numbers and "
+        "dates of the sentence are blanked; suits tiny models that write poor questions).",
+    )
+    qa_per_sentence: int = Field(3, ge=1, description="QA pairs per sampled sentence (n).")
+    qa_generator: GeneratorConfig | None = Field(
+        None, description="The model that writes QA pairs in llm mode (the paper: a strong LLM); None: the generator."
+    )
+    qa_max_new_tokens: int = Field(96, ge=8, description="llm mode: new-token budget for writing the QA pairs.")
+    answer_max_new_tokens: int = Field(16, ge=1, description="The target model's closed-book answers: token budget.")
+    pruner: Literal["embedding", "lm"] = Field(
+        "embedding", description="Which pruner predicts mastery for the corpus: 'embedding' (a head on the stored "
+        "sentence vectors) or 'lm' (the LoRA LM regressor)."
+    )
+    train_pruners: list[Literal["embedding", "lm"]] = Field(
+        default_factory=lambda: ["embedding"], description="Pruners `wbrag train-pruner` trains (and validates)."
+    )
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out part of the scored sample.")
+    head_hidden: int = Field(128, ge=0, description="Embedding head: hidden units (0: a linear head).")
+    head_epochs: int = Field(200, ge=1, description="Embedding head: full-batch training epochs.")
+    head_weight_decay: float = Field(1e-3, ge=0, description="Embedding head: AdamW weight decay.")
+    lm_pruner: LMPrunerConfig = Field(default_factory=LMPrunerConfig)
+    ratios: list[float] = Field(
+        default_factory=lambda: [0.3], description="`wbrag run`: pruning ratios to build and evaluate (0 = full index)."
+    )
+    histogram_bins: int = Field(
+        4096, ge=16, description="Bins per level of the distributed percentile (two levels: 1/bins^2 resolution)."
+    )
+    train: str | None = Field(
+        None, description="Labeled QA set for the query router and noise-tolerant tuning (FlashRAG jsonl / Parquet)."
+    )
+    train_limit: int | None = Field(None, ge=1, description="Use only the first N training questions.")
+    router: bool = Field(False, description="`wbrag run`: train the query router and evaluate with it.")
+    router_threshold: float = Field(
+        0.5, gt=0, lt=1, description="Router: a query is 'mastered' (retrieval skipped) when P(correct) >= this."
+    )
+    tune: TuneConfig = Field(default_factory=TuneConfig)
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios_in_range(cls, v: list[float]) -> list[float]:
+        bad = [r for r in v if not 0 <= r < 1]
+        if bad:
+            raise ValueError(f"pruning ratios must be in [0, 1); got {bad}")
+        return v
+
+
 class WbragConfig(_Section):
     """The whole configuration of one run; `run.json` in the run folder holds its resolved form."""
 
@@ -186,6 +279,7 @@ class WbragConfig(_Section):
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     writeback: WritebackConfig = Field(default_factory=WritebackConfig)
+    zerorag: ZeroRagConfig = Field(default_factory=ZeroRagConfig)
 
     @field_validator("index")
     @classmethod

@@ -74,3 +74,47 @@ def rewrite_messages(question: str, sentences: str) -> list[dict[str, str]]:
         {"role": "system", "content": REWRITE_SYSTEM},
         {"role": "user", "content": REWRITE_USER.format(question=question, sentences=sentences)},
     ]
+
+
+# --- Zero-RAG's mastery score: writing QA pairs, and answering them closed-book -------------------------
+
+QA_WRITE_SYSTEM = (
+    "Write {n} question-answer pairs about the given sentence. Each question must make sense on its own, without "
+    "the sentence. Each answer must be a short phrase copied exactly from the sentence. Output only the pairs, "
+    "as lines 'Q: <question>' and 'A: <answer>'."
+)
+QA_WRITE_USER = "Sentence: {sentence}"
+# Few-shot completion prompt for base models (no chat template): two solved examples, then the sentence.
+QA_FEWSHOT = (
+    "Write questions whose answers are copied from the sentence.\n\n"
+    "Sentence: The Eiffel Tower was completed in 1889 for the World's Fair in Paris.\n"
+    "Q: In what year was the Eiffel Tower completed?\nA: 1889\n"
+    "Q: In which city was the 1889 World's Fair held?\nA: Paris\n\n"
+    "Sentence: Marie Curie was the first woman to win a Nobel Prize.\n"
+    "Q: Who was the first woman to win a Nobel Prize?\nA: Marie Curie\n\n"
+    "Sentence: {sentence}\nQ:"
+)
+# What a base model's completion continues: prepended to its output before parsing.
+QA_FEWSHOT_PREFIX = "Q:"
+CLOZE_SYSTEM = (
+    "Fill in the blank (____) in the text from your own knowledge. Only give me the missing words and do not "
+    "output any other words."
+)
+CLOZE_USER = "Text: {question}"
+
+
+def qa_write_messages(sentence: str, n: int, chat: bool) -> list[dict[str, str]]:
+    """Messages asking the QA generator for `n` pairs about `sentence` (chat) or a few-shot prompt (base)."""
+    if not chat:
+        return [{"role": "user", "content": QA_FEWSHOT.format(sentence=sentence)}]
+    return [
+        {"role": "system", "content": QA_WRITE_SYSTEM.format(n=n)},
+        {"role": "user", "content": QA_WRITE_USER.format(sentence=sentence)},
+    ]
+
+
+def closed_book_messages(question: str, cloze: bool) -> list[dict[str, str]]:
+    """The target model's closed-book prompt for one QA pair (a cloze text, or a question)."""
+    if cloze:
+        return [{"role": "system", "content": CLOZE_SYSTEM}, {"role": "user", "content": CLOZE_USER.format(question=question)}]
+    return no_retrieval_messages(question)

@@ -77,6 +77,12 @@ def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1
             index, slots, weights, prompt_list = [], [], [], []
             for i, (q, d) in enumerate(zip(batch["question"], batch["docs"], strict=True)):
                 hits = hits_from_json(d)
+                if not hits:  # nothing retrieved (the router skipped retrieval): one closed-book slot
+                    index.append(i)
+                    slots.append(0)
+                    weights.append(1.0)
+                    prompt_list.append(prompts.dumps(prompts.no_retrieval_messages(q)))
+                    continue
                 for j, (hit, w) in enumerate(zip(hits, replug_weights([h.score for h in hits], temperature), strict=True)):
                     index.append(i)
                     slots.append(j)

@@ -2,7 +2,9 @@
 
 A report is built from what the run folder holds: the resolved config, every stage's stats, evaluation
 metrics, and the outputs that have distributions worth seeing (sentences per passage, write-back selection,
-source vs distilled tokens, ranks of retained documents). Sections appear only for stages the run has.
+source vs distilled tokens, ranks of retained documents; Zero-RAG's mastery scores, pruner fit, predicted
+mastery with the prune thresholds, and the pruning-ratio sweep). Sections appear only for stages the run has,
+and a plot only when its input exists.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from wbrag_ray.run import RunFolder
 
@@ -56,19 +60,21 @@ def _fmt(v: Any) -> str:
 # --- plots ----------------------------------------------------------------------------------------------
 
 
-def _figure():
+def _figure(ncols: int = 1):
+    """A figure with one axis, or a row of `ncols` panels (then the axes come as an array)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes or CI
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
-    ax.grid(alpha=0.3)
-    return plt, fig, ax
+    fig, ax = plt.subplots(1, ncols, figsize=(6.4, 3.6) if ncols == 1 else (4.3 * ncols, 3.8), dpi=110, squeeze=False)
+    for a in ax.flat:
+        a.grid(alpha=0.3)
+    return plt, fig, ax[0, 0] if ncols == 1 else ax[0]
 
 
-def _save(plt, fig, out: Path, name: str) -> str:
-    fig.tight_layout()
+def _save(plt, fig, out: Path, name: str, rect: tuple[float, float, float, float] | None = None) -> str:
+    fig.tight_layout(rect=rect)  # rect: room kept free for a figure-level legend
     fig.savefig(out / name)
     plt.close(fig)
     return name
@@ -148,6 +154,155 @@ def plot_rank_distribution(ranks: dict[str, int], out: Path, version: str) -> st
     ax.set_ylabel("retained documents")
     ax.set_title(f"write-back {version}: which ranks the document gate keeps")
     return _save(plt, fig, out, f"writeback_{version}_ranks.png")
+
+
+# --- Zero-RAG plots --------------------------------------------------------------------------------------
+
+
+def _np(col) -> np.ndarray:
+    """A numeric column as float64, nulls as NaN."""
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+def _mean_em_values(n_valid: np.ndarray) -> np.ndarray:
+    """Every value a mean of n 0/1 exact matches can take, for each n the sample has."""
+    return np.unique(np.concatenate([np.arange(n + 1) / n for n in np.unique(n_valid) if n > 0] or [np.zeros(1)]))
+
+
+def plot_mastery_histogram(scores: pa.Table, out: Path) -> str | None:
+    scored = scores.filter(pc.is_valid(scores["mastery"]))
+    if scored.num_rows == 0:
+        return None
+    m, n_valid = _np(scored["mastery"]), scored["n_valid"].to_numpy().astype(int)
+    values = _mean_em_values(n_valid)
+    nearest = np.abs(m[:, None] - values[None, :]).argmin(axis=1)
+    plt, fig, ax = _figure()
+    if np.abs(m - values[nearest]).max() < 1e-6:
+        # Scores are means of 0/1 EM over few pairs: a bar per value they can take, not arbitrary bins that
+        # would split or merge those values.
+        from fractions import Fraction
+
+        gap = np.diff(values).min() if len(values) > 1 else 1.0
+        ax.bar(values, np.bincount(nearest, minlength=len(values)), width=min(0.8 * gap, 0.06), color="#4C72B0")
+        if len(values) <= 13:
+            ax.set_xticks(values, [str(Fraction(v).limit_denominator(int(n_valid.max()))) for v in values])
+    else:  # a non-binary metric: plain bins
+        ax.hist(m, bins=20, range=(0, 1), color="#4C72B0", rwidth=0.9)
+    ax.set_xlabel("mastery score (mean closed-book EM over a sentence's valid QA pairs)")
+    ax.set_ylabel("sentences")
+    ax.set_title(f"measured mastery: {len(m):,} scored sentences, mean {m.mean():.2f}")
+    return _save(plt, fig, out, "zero_rag_mastery.png")
+
+
+def plot_pruner_fit(validation: dict[str, pa.Table], metrics: dict[str, dict[str, Any]], out: Path) -> str | None:
+    validation = {k: t for k, t in validation.items() if t.num_rows}
+    if not validation:
+        return None
+    plt, fig, axes = _figure(ncols=max(2, len(validation)))  # two panels at least: one alone would be too wide
+    for ax, (kind, t) in zip(axes, validation.items()):
+        x, y = _np(t["measured"]), _np(t["predicted"])
+        ax.scatter(x, y, s=12, alpha=0.45, color="#4C72B0", label="held-out sentence")
+        levels = np.unique(x[~np.isnan(x)])
+        if len(levels) <= 25:  # measured scores are few discrete values: their mean prediction shows calibration
+            ax.plot(levels, [np.nanmean(y[x == v]) for v in levels], "D-", color="#DD8452", ms=5, label="mean prediction")
+        lo, hi = min(0.0, np.nanmin(y)), max(1.0, np.nanmax(y))
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="identity")
+        rho = metrics.get(kind, {}).get("spearman")
+        ax.set_title(f"{kind} pruner: n={t.num_rows}" + (f", Spearman {rho:.2f}" if rho is not None else ""), fontsize=10)
+        ax.set_xlabel("measured mastery")
+        ax.set_ylabel("predicted mastery")
+        ax.legend(fontsize=7, loc="upper left")
+    for ax in axes[len(validation):]:
+        ax.set_visible(False)
+    return _save(plt, fig, out, "zero_rag_pruners.png")
+
+
+def _sample_column(loc, column: str, limit: int = 1_000_000, seed: int = 0) -> tuple[np.ndarray, int]:
+    """One numeric column of a Parquet folder that may hold a whole corpus, and its total row count: all of it
+    when small; otherwise evenly spaced row groups (footers tell their sizes, so the rest is never read), cut
+    to `limit` rows by a seeded random choice."""
+    groups = []
+    for f in loc.list_files(".parquet"):
+        meta = pq.ParquetFile(f.path, filesystem=f.fs).metadata
+        groups += [(f, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
+    total = sum(n for _, _, n in groups)
+    step = max(1, -(-total // limit))  # ceil: about `limit` rows when the groups are of even size
+    parts = []
+    for f, g, _ in groups[::step]:
+        parts.append(_np(pq.ParquetFile(f.path, filesystem=f.fs).read_row_group(g, columns=[column])[column]))
+    values = np.concatenate(parts) if parts else np.zeros(0)
+    if len(values) > limit:
+        values = np.random.default_rng(seed).choice(values, limit, replace=False)
+    return values, total
+
+
+def plot_predicted_mastery(pred: np.ndarray, total: int, levels: list[dict[str, Any]], out: Path) -> str | None:
+    pred = pred[~np.isnan(pred)]
+    if len(pred) == 0:
+        return None
+    plt, fig, ax = _figure()
+    ax.hist(pred, bins=60, color="#55A868", alpha=0.85)
+    colors = ["#C44E52", "#8172B2", "#DD8452", "#937860", "#DA8BC3", "#8C8C8C"]
+    for i, lv in enumerate(lv for lv in levels if isinstance(lv.get("threshold"), (int, float)) and np.isfinite(lv["threshold"])):
+        ax.axvline(lv["threshold"], color=colors[i % len(colors)], ls="--", lw=1.4,
+                   label=f"prune {lv['ratio']:g}: threshold {lv['threshold']:.3g}")
+    sampled = f", sample of {len(pred):,}" if len(pred) < total else ""
+    ax.set_title(f"predicted mastery over the corpus ({total:,} sentences{sampled})", fontsize=10)
+    ax.set_xlabel("predicted mastery (sentences right of a threshold are dropped)")
+    ax.set_ylabel("sentences")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    return _save(plt, fig, out, "zero_rag_predicted_mastery.png")
+
+
+def _combo(row: dict[str, Any]) -> str:
+    return row.get("method", "?") + (" + router" if row.get("router") else "") + (" + adapter" if row.get("adapter") else "")
+
+
+def _num(v: Any, scale: float = 1.0) -> float:
+    return float(v) * scale if isinstance(v, (int, float)) else float("nan")
+
+
+def plot_ratio_sweep(rows: list[dict[str, Any]], out: Path) -> str | None:
+    if not rows:
+        return None
+    combos: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        combos.setdefault(_combo(r), []).append(r)
+    plt, fig, axes = _figure(ncols=3)
+    panels = [("acc", 1.0, "acc", "answer quality"), ("latency_ms_per_query", 1.0, "ms per query", "retrieval latency"),
+              ("index_bytes", 1e-6, "index MB", "index size")]
+    for (label, rs), marker in zip(combos.items(), "osD^vP*X" * 4):
+        rs = sorted(rs, key=lambda r: r["ratio"])
+        for ax, (key, scale, _, _) in zip(axes, panels):
+            ax.plot([r["ratio"] for r in rs], [_num(r.get(key), scale) for r in rs], marker=marker, ms=5, label=label)
+    for ax, (_, _, ylabel, title) in zip(axes, panels):
+        ax.set_xlabel("pruning ratio")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(bottom=0)  # pruning trades size for quality: distances from zero are what matter
+    axes[0].set_ylim(0, 1)
+    handles, labels = axes[0].get_legend_handles_labels()
+    ncol = min(4, len(labels))
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    return _save(plt, fig, out, "zero_rag_ratio_sweep.png", rect=(0, 0.06 * -(-len(labels) // ncol) + 0.02, 1, 1))
+
+
+def plot_tuning_loss(losses: list[float], out: Path) -> str | None:
+    if not losses:
+        return None
+    plt, fig, ax = _figure()
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, color="#4C72B0", alpha=0.5 if len(losses) >= 20 else 1, marker="" if len(losses) >= 20 else "o",
+            ms=3, label="loss per step")
+    if len(losses) >= 20:  # per-step losses are noisy at small batches: a moving mean shows the trend
+        w = max(2, len(losses) // 10)
+        ax.plot(steps[w - 1:], np.convolve(losses, np.ones(w) / w, mode="valid"), color="#C44E52", label=f"mean of {w} steps")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title("noise-tolerant tuning of the generator (LoRA)")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, out, "zero_rag_tuning_loss.png")
 
 
 # --- collecting ------------------------------------------------------------------------------------------

@@ -286,13 +286,16 @@ class UnionRetriever:
                             for r, j in enumerate(top)])
         return results
 
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+    def encode(self, queries: list[str]) -> np.ndarray:
         if not self._loaded:
             self.setup()
         encoder = next((m for m in self.members if m.embedder_config is not None), None)
         if encoder is None:
             raise IndexError_("no retriever in the union has an embedder: search by vectors, or pass one")
-        return self.search_vectors(encoder.encode(queries), k)
+        return encoder.encode(queries)
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        return self.search_vectors(self.encode(queries), k)
 
 
 def hits_to_json(hits: list[Hit]) -> str:
@@ -308,6 +311,9 @@ class RetrieveStage(Stage):
 
     Searches the index folder; with `extra` ((index_dir, docs_dir, source), ...) the union of it and those
     indices (the write-back index beside the base). Or any retriever object (`retriever=`).
+
+    With `router_dir` (Zero-RAG's query router), queries the router calls mastered are not searched: they get
+    no documents (so every RAG method answers them closed-book), and `retrieval_skipped` says which they were.
     """
 
     name = "retrieve"
@@ -324,6 +330,7 @@ class RetrieveStage(Stage):
         extra: tuple[tuple[str, str | None, str], ...] = (),
         *,
         retriever: Retriever | UnionRetriever | Any = None,
+        router_dir: str | None = None,
     ):
         if retriever is None:
             if index_dir is None:
@@ -335,6 +342,8 @@ class RetrieveStage(Stage):
                 retriever = UnionRetriever([retriever, *others])
         self.retriever = retriever
         self.retrieval = retrieval or RetrievalConfig()
+        self.router_dir = router_dir
+        self.router = None
 
     @property
     def resources(self) -> Resources:
@@ -342,8 +351,23 @@ class RetrieveStage(Stage):
 
     def setup(self) -> None:
         self.retriever.setup()
+        if self.router_dir:
+            from wbrag_ray.models.router import QueryRouter
+
+            self.router = QueryRouter.load(self.router_dir)
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        hits = self.retriever.search(batch["question"].tolist(), self.retrieval.top_k)
-        batch["docs"] = [hits_to_json(h) for h in hits]
+        k = self.retrieval.top_k
+        if self.router is None:
+            batch["docs"] = [hits_to_json(h) for h in self.retriever.search(batch["question"].tolist(), k)]
+            return batch
+        vectors = self.retriever.encode(batch["question"].tolist())
+        skip = self.router.mastered(vectors)
+        docs = ["[]"] * len(batch)
+        searched = np.flatnonzero(~skip)
+        if len(searched):
+            for i, hits in zip(searched, self.retriever.search_vectors(vectors[searched], k), strict=True):
+                docs[i] = hits_to_json(hits)
+        batch["docs"] = docs
+        batch["retrieval_skipped"] = skip
         return batch

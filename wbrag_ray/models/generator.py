@@ -68,37 +68,47 @@ def _gguf_cache_dir(config: GeneratorConfig, gguf_path: Path) -> Path:
     return root / f"{gguf_path.stem}-{key}"
 
 
-def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
-    """(model, tokenizer) from a local folder, a hub id, or a GGUF file.
+def hf_model_source(config: GeneratorConfig) -> str:
+    """What `from_pretrained` takes for `config.model`: a local folder or a hub id.
 
-    A GGUF file is de-quantized by transformers on every load (about 17 s for SmolLM2-135M); the first load
+    A GGUF file is de-quantized by transformers on every load (about 17 s for SmolLM2-135M); the first call
     saves the converted fp32 weights to a cache folder, and later loads read that folder (well under 1 s).
+    Every role that loads the generator's weights (answering, the LM pruner, LoRA tuning) goes through here.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(config.model)
     path = Path(source)
-    if path.suffix == ".gguf":
-        cached = _gguf_cache_dir(config, path)
-        if not (cached / "config.json").exists():
-            import torch
+    if path.suffix != ".gguf":
+        return source
+    cached = _gguf_cache_dir(config, path)
+    if not (cached / "config.json").exists():
+        import torch
 
-            log.info("converting GGUF %s (first load; cached at %s)", path, cached)
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-            # transformers refuses to save a model that still carries its GGUF quantizer; the weights are
-            # already de-quantized, so dropping the quantizer and its config makes it a plain model.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            try:
-                tmp.rename(cached)  # atomic: concurrent workers race harmlessly
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-        source = str(cached)
+        log.info("converting GGUF %s (first load; cached at %s)", path, cached)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        # transformers refuses to save a model that still carries its GGUF quantizer; the weights are
+        # already de-quantized, so dropping the quantizer and its config makes it a plain model.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(cached)  # atomic: concurrent workers race harmlessly
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(cached)
+
+
+def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
+    """(model, tokenizer) from a local folder, a hub id, or a GGUF file (see `hf_model_source`), with the
+    configured LoRA adapter merged in."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = hf_model_source(config)
     tok = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     if config.lora_adapter:

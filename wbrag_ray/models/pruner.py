@@ -1,0 +1,118 @@
+"""Zero-RAG's pruners: models that predict a sentence's mastery score, so the LLM need not score 138M sentences.
+
+- `EmbeddingHead`: a small MLP on the sentence vectors the index already stores. Trained with torch on the
+  scored sample; predicts with numpy (no torch in the prediction actors: a matmul per block of vectors).
+- The LM regressor (LoRA on a small causal LM) lives in `wbrag_ray.training.lm_pruner`.
+
+`pruner_metrics` validates either on the held-out part of the sample: MSE (beside the MSE of predicting the
+mean, the baseline a useless pruner reaches), Spearman's rank correlation, and how well the top quantile (the
+sentences a pruning ratio q would drop) is found.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HEAD_FILE = "head.npz"
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class EmbeddingHead:
+    """mastery ~ sigmoid(W2 relu(W1 x + b1) + b2) (or sigmoid(w x + b) with hidden = 0)."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        self.weights = {k: np.asarray(v, np.float32) for k, v in weights.items()}
+
+    @classmethod
+    def train(
+        cls, vectors: np.ndarray, scores: np.ndarray, hidden: int = 128, epochs: int = 200,
+        weight_decay: float = 1e-3, lr: float = 1e-2, seed: int = 0,
+    ) -> tuple[EmbeddingHead, list[float]]:
+        """Full-batch AdamW on MSE of sigmoid outputs (a sample is thousands of rows: one batch fits)."""
+        import torch
+
+        torch.manual_seed(seed)
+        x = torch.from_numpy(np.asarray(vectors, np.float32))
+        y = torch.from_numpy(np.asarray(scores, np.float32))
+        dim = x.shape[1]
+        layers = [torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)] if hidden else [
+            torch.nn.Linear(dim, 1)]
+        net = torch.nn.Sequential(*layers)
+        with torch.no_grad():  # start at the mean score: the baseline the head must beat
+            mean = float(y.mean().clamp(1e-3, 1 - 1e-3))
+            net[-1].bias.fill_(float(np.log(mean / (1 - mean))))
+        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+        losses = []
+        for _ in range(epochs):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(torch.sigmoid(net(x).squeeze(-1)), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        linear = [m for m in net if isinstance(m, torch.nn.Linear)]
+        weights = {f"w{i}": m.weight.detach().numpy().T.copy() for i, m in enumerate(linear)}
+        weights |= {f"b{i}": m.bias.detach().numpy().copy() for i, m in enumerate(linear)}
+        return cls(weights), losses
+
+    def predict(self, vectors: np.ndarray) -> np.ndarray:
+        h = np.asarray(vectors, np.float32)
+        n_layers = len(self.weights) // 2
+        for i in range(n_layers):
+            h = h @ self.weights[f"w{i}"] + self.weights[f"b{i}"]
+            if i < n_layers - 1:
+                np.maximum(h, 0, out=h)
+        return _sigmoid(h[:, 0]).astype(np.float32)
+
+    @property
+    def dim(self) -> int:
+        return self.weights["w0"].shape[0]
+
+    def save(self, folder: str | Path, info: dict[str, Any]) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        np.savez(folder / HEAD_FILE, **self.weights)
+        (folder / "pruner.json").write_text(json.dumps({"kind": "embedding", **info}, indent=2))
+
+    @classmethod
+    def load(cls, folder: str | Path) -> EmbeddingHead:
+        path = Path(folder) / HEAD_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"no embedding pruner at {folder} ({HEAD_FILE} missing); run `wbrag train-pruner RUN`")
+        with np.load(path) as data:
+            return cls(dict(data))
+
+
+def top_quantile_overlap(measured: np.ndarray, predicted: np.ndarray, q: float) -> dict[str, float]:
+    """How well the predicted top-q fraction (what ratio q prunes) matches the measured most-mastered sentences.
+
+    Measured scores are coarse (means of a few EMs, so many ties): the true set is every sentence at or above
+    the measured (1 - q) quantile; the predicted set is the top ceil(q n) by prediction."""
+    n = len(measured)
+    k = max(1, int(np.ceil(q * n)))
+    cut = np.quantile(measured, 1 - q)
+    true = set(np.flatnonzero(measured >= cut).tolist())
+    pred = set(np.argsort(-predicted, kind="stable")[:k].tolist())
+    hit = len(true & pred)
+    return {"q": q, "precision": round(hit / k, 4), "recall": round(hit / max(1, len(true)), 4),
+            "random_precision": round(len(true) / n, 4)}
+
+
+def pruner_metrics(measured: np.ndarray, predicted: np.ndarray, q: float) -> dict[str, Any]:
+    from scipy.stats import spearmanr
+
+    measured = np.asarray(measured, np.float64)
+    predicted = np.asarray(predicted, np.float64)
+    constant = np.isclose(measured.std(), 0) or np.isclose(predicted.std(), 0)
+    return {
+        "mse": round(float(np.mean((measured - predicted) ** 2)), 5),
+        "mse_predict_mean": round(float(np.var(measured)), 5),
+        "spearman": None if constant else round(float(spearmanr(measured, predicted).statistic), 4),
+        "top_quantile": top_quantile_overlap(measured, predicted, q),
+    }

@@ -1,0 +1,153 @@
+"""Zero-RAG's mastery score of a sentence: QA pairs whose answers are in the sentence, answered closed-book by
+the target model; the score is the mean exact match over the valid pairs.
+
+Two ways to write the QA pairs:
+- `llm`: the QA generator writes them (chat prompt for instruct models, few-shot completion prompt for base
+  models). Its output is parsed from JSON or from `Q: ... / A: ...` lines; an output with no pair, and a pair
+  whose answer is not in the sentence, are kept with that status for inspection and left out of the score.
+- `cloze`: deterministic. Answer spans a reader could recall (dates, numbers, names) are picked from the
+  sentence and blanked; tiny models answer these far more reliably than they write questions.
+
+Every QA pair travels as one row (sid, qa_index, question, answer, status, raw) so the closed-book pass is one
+batched generator pass over all of them, and the score is a group-by on sid.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+
+from wbrag_ray.metrics import exact_match, normalize_answer
+
+OK, UNPARSEABLE, NOT_IN_SENTENCE = "ok", "unparseable", "answer_not_in_sentence"
+BLANK = "____"
+
+# --- cloze mode -----------------------------------------------------------------------------------------
+
+_MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
+# Ordered by how specific (and so how checkable by exact match) an answer of that kind is.
+_SPAN_PATTERNS = [
+    ("date", re.compile(rf"\b(?:\d{{1,2}} (?:{_MONTHS})(?: \d{{3,4}})?|(?:{_MONTHS}) \d{{1,2}}(?:, \d{{3,4}})?)\b")),
+    ("number", re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\w])")),
+    # Runs of capitalized words (allowing 'of', 'de', ... inside): names of people, places and works.
+    ("name", re.compile(r"\b[A-Z][\w'\-]*(?:\s+(?:of|de|the|von|van|and|la|le|du)?\s*[A-Z][\w'\-]*)*")),
+]
+# Capitalized words that name nothing when they stand alone.
+_NOT_NAMES = {
+    "The", "A", "An", "In", "On", "At", "It", "He", "She", "They", "This", "That", "These", "Those", "His", "Her",
+    "Its", "Their", "After", "Before", "During", "When", "While", "As", "But", "And", "Or", "For", "From", "By",
+    "With", "There", "Here", "Some", "Many", "Most", "One", "Also", "However", "Although", "Since", "If", "We", "I",
+}
+
+
+def cloze_spans(sentence: str, n: int) -> list[str]:
+    """Up to `n` distinct answer spans of `sentence`: dates, then numbers, then names, each in reading order.
+    A span inside one already taken (the year of a date) is skipped."""
+    taken: list[tuple[int, int]] = []
+    spans: list[str] = []
+    for kind, pattern in _SPAN_PATTERNS:
+        for m in pattern.finditer(sentence):
+            text = m.group(0).strip(" ,")
+            start, end = m.start(), m.start() + len(text)
+            if kind == "name":
+                words = text.split()
+                while words and words[0] in _NOT_NAMES:  # "The Beatles" -> "Beatles"; "In Paris" -> "Paris"
+                    start += len(words[0]) + 1
+                    words = words[1:]
+                text = " ".join(words)
+                if not text or (len(words) == 1 and start == 0 and len(text) < 4):
+                    continue
+            if len(text) < 2 or any(s < end and start < e for s, e in taken):
+                continue
+            if normalize_answer(text) in {normalize_answer(s) for s in spans} or not normalize_answer(text):
+                continue
+            taken.append((start, end))
+            spans.append(text)
+            if len(spans) == n:
+                return spans
+    return spans
+
+
+def cloze_pairs(title: str, sentence: str, n: int) -> list[dict]:
+    """QA rows for one sentence in cloze mode: the sentence with one span blanked, the span as the answer."""
+    rows = []
+    for i, span in enumerate(cloze_spans(sentence, n)):
+        blanked = sentence.replace(span, BLANK, 1)
+        question = f"{title}: {blanked}" if title else blanked
+        rows.append({"qa_index": i, "question": question, "answer": span, "status": OK, "raw": ""})
+    if not rows:  # nothing recallable in the sentence: recorded, not silently skipped
+        rows.append({"qa_index": 0, "question": "", "answer": "", "status": UNPARSEABLE, "raw": sentence})
+    return rows
+
+
+# --- llm mode -------------------------------------------------------------------------------------------
+
+_QA_LINES = re.compile(
+    r"(?:^|\n)\s*(?:\d+[.)]\s*)?Q(?:uestion)?\s*\d*\s*[:.)]\s*(?P<q>.+?)\s*\n\s*(?:\d+[.)]\s*)?A(?:nswer)?\s*\d*\s*[:.)]\s*(?P<a>[^\n]+)",
+    re.IGNORECASE,
+)
+
+
+def parse_qa_output(raw: str) -> list[tuple[str, str]]:
+    """(question, answer) pairs from a QA generator's output: a JSON list of {"question", "answer"} objects
+    (or one object), else `Q: ... / A: ...` lines (numbered or not). Empty when nothing parses."""
+    text = raw.strip()
+    start = min([i for i in (text.find("["), text.find("{")) if i >= 0], default=-1)
+    if start >= 0:
+        for end in range(len(text), start, -1):  # the longest prefix that decodes: models trail off
+            if text[end - 1] not in "]}":
+                continue
+            try:
+                data = json.loads(text[start:end])
+            except json.JSONDecodeError:
+                continue
+            items = data if isinstance(data, list) else [data]
+            pairs = [
+                (str(d.get("question", "")).strip(), str(d.get("answer", "")).strip())
+                for d in items
+                if isinstance(d, dict)
+            ]
+            pairs = [(q, a) for q, a in pairs if q and a]
+            if pairs:
+                return pairs
+            break
+    return [(m.group("q").strip(), m.group("a").strip().strip('"')) for m in _QA_LINES.finditer("\n" + text)]
+
+
+def llm_pairs(sentence: str, raw: str, n: int, completion_prefix: str = "") -> list[dict]:
+    """QA rows for one sentence from the QA generator's output; every row keeps the raw output."""
+    pairs = parse_qa_output(completion_prefix + raw)[:n]
+    if not pairs:
+        return [{"qa_index": 0, "question": "", "answer": "", "status": UNPARSEABLE, "raw": raw}]
+    norm_sentence = normalize_answer(sentence)
+    rows = []
+    for i, (q, a) in enumerate(pairs):
+        in_sentence = bool(normalize_answer(a)) and normalize_answer(a) in norm_sentence
+        rows.append({"qa_index": i, "question": q, "answer": a, "status": OK if in_sentence else NOT_IN_SENTENCE,
+                     "raw": raw})
+    return rows
+
+
+# --- scoring --------------------------------------------------------------------------------------------
+
+
+def score_answers(qa: pd.DataFrame) -> pd.DataFrame:
+    """Add `em` to QA rows that were answered (status ok): exact match of the target's `prediction`."""
+    qa = qa.copy()
+    ok = qa["status"] == OK
+    qa["em"] = [exact_match(p, [a]) if k else None for p, a, k in zip(qa["prediction"], qa["answer"], ok, strict=True)]
+    qa["em"] = qa["em"].astype("float64")
+    return qa
+
+
+def mastery_scores(sentences: pd.DataFrame, qa: pd.DataFrame) -> pd.DataFrame:
+    """One row per sampled sentence: n_qa, n_valid, and mastery = the mean EM of its valid pairs (null when
+    it has none: such sentences are kept for inspection and left out of pruner training)."""
+    groups = qa.groupby("sid")
+    out = sentences[["sid", "title", "text"]].copy()
+    out["n_qa"] = out["sid"].map(groups.size()).fillna(0).astype("int32")
+    out["n_valid"] = out["sid"].map(groups["status"].apply(lambda s: int((s == OK).sum()))).fillna(0).astype("int32")
+    out["mastery"] = out["sid"].map(groups["em"].mean()).astype("float64")  # NaN-skipping mean over valid pairs
+    return out
