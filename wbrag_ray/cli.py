@@ -66,6 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", help="comma-separated: naive,replug,no-retrieval (default no-retrieval,naive)")
     p.add_argument("--limit", type=int, help="evaluate only the first N questions")
     p.add_argument("--writeback", action="store_true", help="search the active write-back index beside the base")
+    p.add_argument("--prune-ratio", type=float, help="Zero-RAG: evaluate on the index pruned at this ratio")
+    p.add_argument("--router", action="store_true", help="Zero-RAG: skip retrieval for queries the router calls mastered")
+    p.add_argument("--adapter", action="store_true", help="Zero-RAG: generate with the noise-tolerant LoRA adapter")
+    p.add_argument("--grid", action="store_true",
+                   help="Zero-RAG: evaluate every zerorag.ratios setting (with router / adapter when enabled)")
+    _common(p)
+
+    p = sub.add_parser("mastery", help="Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--sample", type=int, help="sentences to score (default: zerorag.sample)")
+    p.add_argument("--mode", choices=["cloze", "llm"], help="how QA pairs are written (default: zerorag.qa_mode)")
+    _common(p)
+
+    p = sub.add_parser("train-pruner", help="Zero-RAG: train and validate the pruner(s) on the scored sample")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--kind", choices=["embedding", "lm"], help="one pruner (default: zerorag.train_pruners)")
+    _common(p)
+
+    p = sub.add_parser("prune", help="Zero-RAG: predict mastery for every sentence, drop the top R, build the pruned index")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--ratio", type=float, action="append", required=True,
+                   help="fraction of sentences to drop, e.g. 0.3 (repeatable)")
+    p.add_argument("--pruner", choices=["embedding", "lm"], help="which trained pruner predicts (default: zerorag.pruner)")
+    _common(p)
+
+    p = sub.add_parser("tune", help="Zero-RAG: noise-tolerant LoRA tuning of the generator")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--train", help="training questions (default: zerorag.train)")
+    _common(p)
+
+    p = sub.add_parser("train-router", help="Zero-RAG: train the query router (skip retrieval for mastered queries)")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--train", help="training questions (default: zerorag.train)")
     _common(p)
 
     p = sub.add_parser("writeback", help="WriteBack-RAG: train, activate (replace) or roll back a write-back index")
@@ -207,6 +240,7 @@ def _eval_extra(args) -> dict[str, Any]:
 
 
 def cmd_eval(args) -> None:
+    from wbrag_ray.pipelines import zero_rag
     from wbrag_ray.pipelines.evaluate import evaluate
 
     run = RunFolder(args.run)
@@ -214,7 +248,72 @@ def cmd_eval(args) -> None:
     if not config.eval.dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
     _start(config)
-    evaluate(run, config, config.eval.dataset, args.name, writeback=args.writeback)
+    if args.grid:
+        zero_rag.evaluate_grid(run, config, config.eval.dataset, force=args.force)
+        return
+    name = args.name or config.eval.name or os.path.basename(config.eval.dataset.rstrip("/")).split(".")[0]
+    kwargs: dict[str, Any] = {"writeback": args.writeback}
+    suffix = ""
+    if args.prune_ratio is not None:
+        kwargs["base_index"] = zero_rag.index_for_ratio(run, args.prune_ratio).uri
+        suffix += f"-prune{args.prune_ratio:g}"
+    if args.router:
+        if not run.is_complete("router"):
+            raise ConfigError(f"run {run.uri} has no query router; train one with `wbrag train-router RUN --train PATH`")
+        kwargs["router"] = zero_rag.router_location(run).uri
+        suffix += "-router"
+    if args.adapter:
+        config.generator = zero_rag.with_adapter(run, config)
+        suffix += "-adapter"
+    if suffix:
+        label = (f"{name}-writeback" if args.writeback else name) + suffix
+        kwargs.update(label=label, setting=label)
+    evaluate(run, config, config.eval.dataset, name, **kwargs)
+
+
+def _zero_rag_command(args, extra: dict[str, Any] | None = None):
+    run = RunFolder(args.run)
+    config = _resolve_config(args, {"zerorag": extra} if extra else {}, run)
+    run.bind_config(config, force=args.force)
+    _start(config)
+    return run, config
+
+
+def cmd_mastery(args) -> None:
+    from wbrag_ray.pipelines import zero_rag
+
+    run, config = _zero_rag_command(args, {"qa_mode": args.mode} if args.mode else None)
+    zero_rag.mastery(run, config, sample=args.sample, force=args.force)
+
+
+def cmd_train_pruner(args) -> None:
+    from wbrag_ray.pipelines import zero_rag
+
+    run, config = _zero_rag_command(args)
+    zero_rag.train_pruner(run, config, kind=args.kind, force=args.force)
+
+
+def cmd_prune(args) -> None:
+    from wbrag_ray.pipelines import zero_rag
+
+    run, config = _zero_rag_command(args, {"pruner": args.pruner} if args.pruner else None)
+    zero_rag.predict(run, config, force=args.force)
+    for ratio in args.ratio:
+        zero_rag.prune(run, config, ratio, force=args.force)
+
+
+def cmd_tune(args) -> None:
+    from wbrag_ray.pipelines import zero_rag
+
+    run, config = _zero_rag_command(args, {"train": args.train} if args.train else None)
+    zero_rag.tune(run, config, force=args.force)
+
+
+def cmd_train_router(args) -> None:
+    from wbrag_ray.pipelines import zero_rag
+
+    run, config = _zero_rag_command(args, {"train": args.train} if args.train else None)
+    zero_rag.train_router(run, config, force=args.force)
 
 
 def cmd_writeback(args) -> None:
@@ -240,10 +339,10 @@ def cmd_writeback(args) -> None:
 
 
 def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """ingest -> embed -> index -> [write-back training] -> eval (base, then base + write-back), skipping
-    completed stages."""
+    """ingest -> embed -> index -> [write-back training] -> [Zero-RAG: mastery, pruners, pruned indices, tuning,
+    router, the evaluation grid] -> eval (base, then base + write-back), skipping completed stages."""
     from wbrag_ray.pipelines import build_kb
-    from wbrag_ray.pipelines.evaluate import evaluate, format_table, load_results
+    from wbrag_ray.pipelines.evaluate import evaluate_stage
 
     run.bind_config(config, force=force)
     _start(config)
@@ -257,22 +356,16 @@ def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> di
 
         train_writeback(run, config, force=force)
         settings += [True] if config.writeback.evaluate else []
+    if config.zerorag.enabled:
+        from wbrag_ray.pipelines.zero_rag import run_zero_rag
+
+        run_zero_rag(run, config, force=force)
+    if config.zerorag.enabled:  # its grid evaluates the base and the pruned bases, with write-back when there is one
+        settings = []
     for wb in settings if config.eval.dataset else []:
-        label = f"{name}-writeback" if wb else name
-        eval_stage = f"eval-{label}"
-        if run.is_complete(eval_stage) and not force:  # the table was printed when it ran; show it again
-            done = {v["method"]: v for k, v in load_results(run).items() if k == f"{label}-{v.get('method')}"}
-            print(format_table(label, done), flush=True)
-        run.run_stage(eval_stage, lambda wb=wb: _eval_stats(evaluate(run, config, config.eval.dataset, name, writeback=wb)),
-                      force=force)
+        evaluate_stage(run, config, config.eval.dataset, name, f"{name}-writeback" if wb else name, force=force,
+                       writeback=wb)
     return {s: run.stats(s) for s in run.completed_stages()}
-
-
-def _eval_stats(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Stage stats of an evaluation: questions in / answered / rejected, and each method's metrics."""
-    first = next(iter(results.values()))
-    return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
-            "rows_rejected": first["rejected_questions"], "methods": results}
 
 
 def cmd_run(args) -> None:
@@ -363,6 +456,11 @@ COMMANDS = {
     "search": cmd_search,
     "eval": cmd_eval,
     "writeback": cmd_writeback,
+    "mastery": cmd_mastery,
+    "train-pruner": cmd_train_pruner,
+    "prune": cmd_prune,
+    "tune": cmd_tune,
+    "train-router": cmd_train_router,
     "run": cmd_run,
     "demo": cmd_demo,
 }

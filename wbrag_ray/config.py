@@ -216,6 +216,10 @@ class TuneConfig(_LoraSection):
 class ZeroRagConfig(_Section):
     """Zero-RAG: mastery scores on a sample, a pruner, a corpus-wide percentile, router and tuning."""
 
+    enabled: bool = Field(
+        False, description="`wbrag run`: after the index, score mastery, train the pruner(s), prune at every ratio "
+        "and evaluate the grid (needs index.unit=sentence)."
+    )
     sample: int = Field(2000, ge=1, description="Sentences sampled for mastery scoring.")
     seed: int = Field(0, description="Seed of the mastery sample and of the pruner's train / validation split.")
     qa_mode: Literal["cloze", "llm"] = Field(
@@ -230,6 +234,10 @@ class ZeroRagConfig(_Section):
     )
     qa_max_new_tokens: int = Field(96, ge=8, description="llm mode: new-token budget for writing the QA pairs.")
     answer_max_new_tokens: int = Field(16, ge=1, description="The target model's closed-book answers: token budget.")
+    mastery_metric: Literal["em", "acc"] = Field(
+        "em", description="Per-pair score averaged into the mastery score: 'em' (the paper's exact match) or 'acc' "
+        "(the answer occurs in the prediction: fairer to small models that answer in a sentence). Both are stored."
+    )
     pruner: Literal["embedding", "lm"] = Field(
         "embedding", description="Which pruner predicts mastery for the corpus: 'embedding' (a head on the stored "
         "sentence vectors) or 'lm' (the LoRA LM regressor)."

@@ -1,7 +1,8 @@
 """`wbrag inspect RUN`: samples a person wants to read, printed as text.
 
 Rejected corpus rows with their reasons, a segmented passage, evaluation answers (wrong ones first) with
-the documents they saw, and write-back units with the question and source documents that produced them.
+the documents they saw, write-back units with the question and source documents that produced them, and
+Zero-RAG's pruned sentences with their predicted mastery and QA pairs, plus QA pairs of every status.
 """
 
 from __future__ import annotations
@@ -63,4 +64,99 @@ def inspect_run(run: RunFolder, n: int = 3) -> str:
             out.append(f"  unit {r['id']} from question: {r.get('question', r.get('source_example_id'))}")
             out.append(textwrap.indent(textwrap.fill(_short(f"{r['title']}: {r['text']}", 400), 100), "     "))
             out.append(f"     sources: {r.get('source_doc_ids')} ranks {r.get('source_ranks')}")
+    out += inspect_zero_rag(run, n)
     return "\n".join(out)
+
+
+# --- Zero-RAG --------------------------------------------------------------------------------------------
+
+ZR_STATUS_WHY = {"unparseable": "the QA generator's output could not be read as question + answer",
+                 "answer_not_in_sentence": "the answer is not in the sentence, so the pair does not test what it says"}
+
+
+def _qa_line(q: dict) -> str:
+    """One QA pair, showing what decided its fate: the model's answer and EM when scored, else the reason."""
+    if q["status"] == "ok":
+        em = "" if q["em"] is None else f"  em={q['em']:.0f}"
+        return f"[ok] Q: {_short(q['question'], 110)}  gold: {_short(q['answer'], 40)}  model: {_short(q['prediction'] or '', 40)}{em}"
+    if q["status"] == "unparseable":
+        return f"[unparseable] generator wrote: {_short(q['raw'] or '(nothing)', 150)}"
+    return f"[{q['status']}] Q: {_short(q['question'] or '', 110)}  answer: {_short(q['answer'] or '', 40)}"
+
+
+def _top_dropped(keep, n: int) -> list[dict]:
+    """The n dropped sentences with the highest predicted mastery, one keep-mask file at a time (the mask has a
+    row per corpus sentence; only dropped rows are read)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    order = [("mastery_pred", "descending"), ("id", "ascending")]  # ties by id: the same sample every time
+    best = []
+    for f in keep.list_files(".parquet"):
+        t = pq.read_table(f.path, filesystem=f.fs, columns=["id", "mastery_pred", "keep"], filters=[("keep", "=", False)])
+        if t.num_rows:
+            best.append(t.take(pc.select_k_unstable(t, min(n, t.num_rows), order)))
+    if not best:
+        return []
+    t = pa.concat_tables(best)
+    return t.take(pc.sort_indices(t, order)).slice(0, n).to_pylist()
+
+
+def _sentence_texts(run: RunFolder, sids: list[int]) -> dict[int, str]:
+    import pyarrow.parquet as pq
+
+    loc = run.path("ingest", "sentences")
+    found: dict[int, str] = {}
+    if not sids or not loc.exists():
+        return found
+    for f in loc.list_files(".parquet"):  # the sid filter skips row groups by their footer statistics
+        t = pq.read_table(f.path, filesystem=f.fs, columns=["sid", "text"], filters=[("sid", "in", sids)])
+        found.update(zip(t["sid"].to_pylist(), t["text"].to_pylist(), strict=True))
+    return found
+
+
+def inspect_zero_rag(run: RunFolder, n: int = 3) -> list[str]:
+    """Lines on Zero-RAG: the dropped sentences the pruner is surest the model knows (highest predicted mastery)
+    with their text and, where measured, their QA pairs; then a few QA pairs of each status."""
+    from wbrag_ray.report import QA_STATUSES, _prune_levels
+
+    out: list[str] = []
+    mastery = run.path("zero_rag", "mastery")
+    qa = mastery.join("qa.parquet").read_table().to_pylist() if mastery.join("qa.parquet").exists() else []
+    qa.sort(key=lambda q: (q["sid"], q["qa_index"]))
+    by_sid: dict[int, list[dict]] = {}
+    for q in qa:
+        by_sid.setdefault(q["sid"], []).append(q)
+    scores = mastery.join("scores.parquet")
+    scored = {r["sid"]: r for r in scores.read_table(["sid", "text", "n_valid", "mastery"]).to_pylist()} if scores.exists() else {}
+
+    levels = [lv for lv in _prune_levels(run) if run.path("zero_rag", lv["folder"], "keep").exists()]
+    if levels:
+        lv = levels[-1]  # the largest ratio drops the most, so its top dropped sentences are the boldest calls
+        top = _top_dropped(run.path("zero_rag", lv["folder"], "keep"), n)
+        texts = _sentence_texts(run, [r["id"] for r in top])
+        out.append(f"\n== Zero-RAG {lv['folder']}: {lv.get('dropped', '?')} of {lv.get('sentences_in', '?')} sentences "
+                   f"dropped; the {len(top)} with the highest predicted mastery ==")
+        for r in top:
+            s = scored.get(r["id"])
+            measured = ""
+            if s is not None:
+                measured = ("  measured " + (f"{s['mastery']:.2f} on {s['n_valid']} valid QA pairs" if s["mastery"] is not None
+                                             else "none (no valid QA pair)"))
+            out.append(f"  sentence {r['id']}  predicted {r['mastery_pred']:.3f}{measured or '  (not in the mastery sample)'}")
+            out.append(f"     {_short(texts.get(r['id']) or (s or {}).get('text') or '(text not in ingest/sentences)', 200)}")
+            out += [f"       {_qa_line(q)}" for q in by_sid.get(r["id"], [])]
+
+    if qa:
+        counts = {st: sum(q["status"] == st for q in qa) for st in QA_STATUSES}
+        out.append("\n== Zero-RAG mastery QA pairs: " + ", ".join(f"{c} {st}" for st, c in counts.items()) + " ==")
+        for st in QA_STATUSES:
+            seen: set[int] = set()  # one pair per sentence: n sentences say more than n pairs of one
+            mine = [q for q in qa if q["status"] == st and not (q["sid"] in seen or seen.add(q["sid"]))][:n]
+            if mine:
+                out.append(f"  -- {st}" + (f": {ZR_STATUS_WHY[st]}" if st in ZR_STATUS_WHY else ": scored by the target model, closed-book"))
+            for q in mine:
+                out.append(f"  sentence {q['sid']}: {_short((scored.get(q['sid']) or {}).get('text', '?'), 160)}")
+                out.append(f"       {_qa_line(q)}")
+    return out

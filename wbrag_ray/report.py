@@ -67,7 +67,7 @@ def _figure(ncols: int = 1):
     matplotlib.use("Agg")  # no display on cluster nodes or CI
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, ncols, figsize=(6.4, 3.6) if ncols == 1 else (4.3 * ncols, 3.8), dpi=110, squeeze=False)
+    fig, ax = plt.subplots(1, ncols, figsize=(6.4, 3.6) if ncols == 1 else (min(4.3, 11 / ncols) * ncols, 3.8), dpi=110, squeeze=False)
     for a in ax.flat:
         a.grid(alpha=0.3)
     return plt, fig, ax[0, 0] if ncols == 1 else ax[0]
@@ -177,6 +177,8 @@ def plot_mastery_histogram(scores: pa.Table, out: Path) -> str | None:
     values = _mean_em_values(n_valid)
     nearest = np.abs(m[:, None] - values[None, :]).argmin(axis=1)
     plt, fig, ax = _figure()
+    from matplotlib.ticker import MaxNLocator
+
     if np.abs(m - values[nearest]).max() < 1e-6:
         # Scores are means of 0/1 EM over few pairs: a bar per value they can take, not arbitrary bins that
         # would split or merge those values.
@@ -186,6 +188,7 @@ def plot_mastery_histogram(scores: pa.Table, out: Path) -> str | None:
         ax.bar(values, np.bincount(nearest, minlength=len(values)), width=min(0.8 * gap, 0.06), color="#4C72B0")
         if len(values) <= 13:
             ax.set_xticks(values, [str(Fraction(v).limit_denominator(int(n_valid.max()))) for v in values])
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of sentences
     else:  # a non-binary metric: plain bins
         ax.hist(m, bins=20, range=(0, 1), color="#4C72B0", rwidth=0.9)
     ax.set_xlabel("mastery score (mean closed-book EM over a sentence's valid QA pairs)")
@@ -199,7 +202,7 @@ def plot_pruner_fit(validation: dict[str, pa.Table], metrics: dict[str, dict[str
     if not validation:
         return None
     plt, fig, axes = _figure(ncols=max(2, len(validation)))  # two panels at least: one alone would be too wide
-    for ax, (kind, t) in zip(axes, validation.items()):
+    for ax, (kind, t) in zip(axes, validation.items(), strict=False):  # spare panels hidden below
         x, y = _np(t["measured"]), _np(t["predicted"])
         ax.scatter(x, y, s=12, alpha=0.45, color="#4C72B0", label="held-out sentence")
         levels = np.unique(x[~np.isnan(x)])
@@ -241,7 +244,7 @@ def plot_predicted_mastery(pred: np.ndarray, total: int, levels: list[dict[str, 
     if len(pred) == 0:
         return None
     plt, fig, ax = _figure()
-    ax.hist(pred, bins=60, color="#55A868", alpha=0.85)
+    ax.hist(pred, bins=int(np.clip(np.sqrt(len(pred)), 10, 60)), color="#55A868", edgecolor="white", lw=0.4)  # few sentences, few bins
     colors = ["#C44E52", "#8172B2", "#DD8452", "#937860", "#DA8BC3", "#8C8C8C"]
     for i, lv in enumerate(lv for lv in levels if isinstance(lv.get("threshold"), (int, float)) and np.isfinite(lv["threshold"])):
         ax.axvline(lv["threshold"], color=colors[i % len(colors)], ls="--", lw=1.4,
@@ -256,7 +259,8 @@ def plot_predicted_mastery(pred: np.ndarray, total: int, levels: list[dict[str, 
 
 
 def _combo(row: dict[str, Any]) -> str:
-    return row.get("method", "?") + (" + router" if row.get("router") else "") + (" + adapter" if row.get("adapter") else "")
+    flags = [("writeback", "write-back"), ("router", "router"), ("adapter", "adapter")]
+    return " + ".join([row.get("method", "?")] + [label for key, label in flags if row.get(key)])
 
 
 def _num(v: Any, scale: float = 1.0) -> float:
@@ -272,19 +276,23 @@ def plot_ratio_sweep(rows: list[dict[str, Any]], out: Path) -> str | None:
     plt, fig, axes = _figure(ncols=3)
     panels = [("acc", 1.0, "acc", "answer quality"), ("latency_ms_per_query", 1.0, "ms per query", "retrieval latency"),
               ("index_bytes", 1e-6, "index MB", "index size")]
-    for (label, rs), marker in zip(combos.items(), "osD^vP*X" * 4):
+    for i, (label, rs) in enumerate(combos.items()):
         rs = sorted(rs, key=lambda r: r["ratio"])
-        for ax, (key, scale, _, _) in zip(axes, panels):
-            ax.plot([r["ratio"] for r in rs], [_num(r.get(key), scale) for r in rs], marker=marker, ms=5, label=label)
-    for ax, (_, _, ylabel, title) in zip(axes, panels):
+        # Settings often coincide (the router and the adapter leave the index alone): earlier lines are drawn
+        # wider underneath, so a line hidden by a later one still shows as its outline.
+        wide = (len(combos) - 1 - i) / max(1, len(combos) - 1)
+        for ax, (key, scale, _, _) in zip(axes, panels, strict=True):
+            ax.plot([r["ratio"] for r in rs], [_num(r.get(key), scale) for r in rs], marker="osD^vP*X"[i % 8],
+                    lw=1.5 + 3 * wide, ms=5 + 5 * wide, alpha=0.9, label=label)
+    for ax, (_, _, ylabel, title) in zip(axes, panels, strict=True):
         ax.set_xlabel("pruning ratio")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.set_ylim(bottom=0)  # pruning trades size for quality: distances from zero are what matter
     axes[0].set_ylim(0, 1)
     handles, labels = axes[0].get_legend_handles_labels()
-    ncol = min(4, len(labels))
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    ncol = min(5, len(labels))  # five labels still fit one row under three panels
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
     return _save(plt, fig, out, "zero_rag_ratio_sweep.png", rect=(0, 0.06 * -(-len(labels) // ncol) + 0.02, 1, 1))
 
 
@@ -355,6 +363,8 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
             sec.images.append((img, "Retrieval ranks of the documents that passed the document gate."))
         sections.append(sec)
 
+    sections += zero_rag_sections(run, out)
+
     config = Section("Configuration")
     config.text = json.dumps(run_json.get("config", {}), indent=2)
     sections.append(config)
@@ -362,17 +372,120 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
 
 
 def _writeback_versions(run: RunFolder) -> list[dict[str, Any]]:
+    root = run.path("writeback")
+    return [{"version": v, **root.join(v, "stats.json").read_json()} for v in _subdirs(root) if root.join(v, "stats.json").exists()]
+
+
+QA_STATUSES = ("ok", "unparseable", "answer_not_in_sentence")
+
+
+def _subdirs(loc) -> list[str]:
     import pyarrow.fs as pafs
 
-    root = run.path("writeback")
+    if not loc.exists():
+        return []
+    infos = loc.fs.get_file_info(pafs.FileSelector(loc.path))
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+
+def _prune_levels(run: RunFolder) -> list[dict[str, Any]]:
+    """Every RUN/zero_rag/prune-<ratio> that has its stats, smallest ratio first, with its folder name."""
+    root = run.path("zero_rag")
+    found = [{"folder": d, **root.join(d, "stats.json").read_json()}
+             for d in _subdirs(root) if d.startswith("prune-") and root.join(d, "stats.json").exists()]
+    return sorted(found, key=lambda s: s.get("ratio", 0.0))
+
+
+def _mb(v: Any) -> float | None:
+    return round(v / 1e6, 3) if isinstance(v, (int, float)) else None
+
+
+def zero_rag_sections(run: RunFolder, out: Path) -> list[Section]:
+    """Zero-RAG's sections, each from the files its stage wrote; none when the run has no RUN/zero_rag."""
+    root = run.path("zero_rag")
     if not root.exists():
         return []
-    found = []
-    for info in sorted(root.fs.get_file_info(pafs.FileSelector(root.path)), key=lambda i: i.base_name):
-        s = root.join(info.base_name, "stats.json")
-        if info.type == pafs.FileType.Directory and s.exists():
-            found.append({"version": info.base_name, **s.read_json()})
-    return found
+    sections = []
+
+    mastery = Section("Zero-RAG: mastery scores")
+    m = root.join("mastery")
+    if m.join("stats.json").exists():
+        mastery.tables.append(Table("mastery sample", ["figure", "value"], [[k, v] for k, v in m.join("stats.json").read_json().items()]))
+    if m.join("qa.parquet").exists():
+        qa = m.join("qa.parquet").read_table(["status", "em"])
+        statuses = list(QA_STATUSES) + sorted(set(qa["status"].to_pylist()) - set(QA_STATUSES))
+        rows = []
+        for status in statuses:
+            part = qa.filter(pc.equal(qa["status"], status))
+            rows.append([status, part.num_rows, part.num_rows / max(1, qa.num_rows), pc.mean(part["em"]).as_py()])
+        mastery.tables.append(Table("QA pairs by status", ["status", "pairs", "share", "mean EM"], rows))
+    if m.join("scores.parquet").exists() and (img := plot_mastery_histogram(m.join("scores.parquet").read_table(["n_valid", "mastery"]), out)):
+        mastery.images.append((img, "Measured mastery of the sampled sentences: the target model's mean closed-book exact "
+                                    "match on the QA pairs written from each sentence (sentences without a valid pair are left out)."))
+    sections.append(mastery)
+
+    pruners = Section("Zero-RAG: pruners")
+    metrics, validation = {}, {}
+    for kind in _subdirs(root.join("pruner")):
+        d = root.join("pruner", kind)
+        if d.join("metrics.json").exists():
+            metrics[kind] = d.join("metrics.json").read_json()
+        if d.join("validation.parquet").exists():
+            validation[kind] = d.join("validation.parquet").read_table(["measured", "predicted"])
+    if metrics:
+        rows = [[k, v.get("n_train"), v.get("n_val"), v.get("mse"), v.get("spearman"), (v.get("top_quantile") or {}).get("q"),
+                 (v.get("top_quantile") or {}).get("precision"), (v.get("top_quantile") or {}).get("recall"), v.get("seconds")]
+                for k, v in metrics.items()]
+        pruners.tables.append(Table("pruner validation (top quantile: the most-mastered fraction q, measured vs predicted)",
+                                    ["pruner", "n train", "n val", "mse", "spearman", "top q", "precision", "recall", "seconds"], rows))
+    if img := plot_pruner_fit(validation, metrics, out):
+        pruners.images.append((img, "Held-out sentences: predicted vs measured mastery per pruner; points on the dashed "
+                                    "line are predicted exactly, and the ranking (Spearman) is what pruning uses."))
+    sections.append(pruners)
+
+    levels = _prune_levels(run)
+    pruning = Section("Zero-RAG: pruned indices")
+    if levels:
+        rows = [[lv.get("ratio"), lv.get("achieved_ratio"), lv.get("threshold"), lv.get("sentences_in"), lv.get("kept"), lv.get("dropped"),
+                 _mb(lv.get("index_bytes")), _mb(lv.get("source_index_bytes")), lv.get("pruner")] for lv in levels]
+        pruning.tables.append(Table("pruning levels", ["ratio", "achieved", "threshold", "sentences in", "kept", "dropped",
+                                                       "index MB", "source index MB", "pruner"], rows))
+    if root.join("predictions").list_files(".parquet"):
+        pred, total = _sample_column(root.join("predictions"), "mastery_pred")
+        if img := plot_predicted_mastery(pred, total, levels, out):
+            pruning.images.append((img, "The pruner's predicted mastery for every corpus sentence; each dashed line is the "
+                                        "corpus-wide percentile of one pruning ratio."))
+    sections.append(pruning)
+
+    if root.join("grid.json").exists():
+        grid = sorted(root.join("grid.json").read_json().get("rows", []), key=lambda r: (_combo(r), r.get("ratio", 0.0)))
+        sweep = Section("Zero-RAG: pruning ratio sweep")
+        yes = {True: "yes", False: "no"}
+        sweep.tables.append(Table("answers, latency and size per pruning ratio", [
+            "ratio", "method", "write-back", "router", "adapter", "n", "em", "f1", "acc", "ms/query", "index MB", "sentences",
+            "retrieval skipped"],
+            [[r.get("ratio"), r.get("method"), *(yes.get(r.get(k), r.get(k)) for k in ("writeback", "router", "adapter")), r.get("n"), r.get("em"), r.get("f1"), r.get("acc"), r.get("latency_ms_per_query"), _mb(r.get("index_bytes")),
+              r.get("sentences"), r.get("retrieval_skipped")] for r in grid]))
+        if img := plot_ratio_sweep(grid, out):
+            sweep.images.append((img, "Per pruning ratio (0 = the full index) and setting: answer accuracy, retrieval "
+                                      "latency per query, and index size. Zero-RAG's claim: size and latency fall, accuracy holds."))
+        sections.append(sweep)
+
+    extras = Section("Zero-RAG: query router and noise-tolerant tuning")
+    if root.join("router", "metrics.json").exists():
+        extras.tables.append(Table("query router", ["figure", "value"], [[k, v] for k, v in root.join("router", "metrics.json").read_json().items()]))
+    if root.join("adapter", "tune.json").exists():
+        tune = root.join("adapter", "tune.json").read_json()
+        losses = [float(x) for x in tune.get("losses") or []]
+        rows = [["steps", tune.get("steps")], ["seconds", tune.get("seconds")]]
+        rows += [[f"examples: {k}", v] for k, v in (tune.get("formats") or {}).items()]
+        rows += [["first loss", losses[0]], ["last loss", losses[-1]]] if losses else []
+        extras.tables.append(Table("noise-tolerant tuning", ["figure", "value"], rows))
+        if img := plot_tuning_loss(losses, out):
+            extras.images.append((img, "Training loss of the generator's LoRA adapter on questions with relevant, "
+                                       "distracting and no documents."))
+    sections.append(extras)
+    return [s for s in sections if s.tables or s.images]
 
 
 # --- rendering -------------------------------------------------------------------------------------------

@@ -150,6 +150,32 @@ class Location:
     def name(self) -> str:
         return posixpath.basename(self.path.rstrip("/"))
 
+    def upload_dir(self, local: str | os.PathLike[str]) -> None:
+        """Copy a local folder (a trained adapter, a model) to this location, replacing what was there."""
+        self.delete()
+        self.mkdir()
+        pafs.copy_files(str(local), self.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
+
+    def local_dir(self) -> str:
+        """A local path holding this folder's files: the folder itself on local disk, else a cached download
+        (libraries such as peft and transformers load models only from local paths)."""
+        if self.is_local:
+            return self.path
+        import hashlib
+
+        key = hashlib.sha1(self.uri.encode()).hexdigest()[:16]
+        dest = os.path.join(os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag")), "remote", key)
+        if not os.path.exists(dest):
+            tmp = f"{dest}.tmp{os.getpid()}"
+            pafs.copy_files(self.path, tmp, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+            try:
+                os.rename(tmp, dest)  # atomic: concurrent actors on one node race harmlessly
+            except OSError:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
 
 def resolve(uri: str | os.PathLike[str]) -> Location:
     """Resolve a local path or a URI (s3://bucket/prefix, file://...) into a Location."""

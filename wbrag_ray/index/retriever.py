@@ -353,8 +353,9 @@ class RetrieveStage(Stage):
         self.retriever.setup()
         if self.router_dir:
             from wbrag_ray.models.router import QueryRouter
+            from wbrag_ray.storage import resolve as resolve_location
 
-            self.router = QueryRouter.load(self.router_dir)
+            self.router = QueryRouter.load(resolve_location(self.router_dir).local_dir())
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
         k = self.retrieval.top_k

@@ -28,11 +28,17 @@ def evaluate(
     name: str | None = None,
     writeback: bool = False,
     base_index: str | None = None,
+    router: str | None = None,
+    setting: str | None = None,
+    label: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every configured method over `dataset`; return {method: metrics}.
 
     `writeback`: search the active write-back index together with the base (results under
     `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
+    `router`: a query router folder (Zero-RAG); queries it calls mastered get no documents. `setting`: the
+    label recorded in metrics.json (default: base or base+writeback). `label`: the results' folder prefix
+    (default: the name, plus -writeback).
     """
     import ray.data
 
@@ -48,14 +54,15 @@ def evaluate(
         raise ConfigError(f"evaluation with retrieval needs the index of {run.uri}; run `wbrag index RUN` first")
     base_index = base_index or run.path("index").uri
     extra: tuple[tuple[str, str, str], ...] = ()
-    setting, wb_version = "base", None
+    default_setting, wb_version = "base", None
     if writeback:
         from wbrag_ray.pipelines.writeback import active_index
 
         wb_version, wb_index, wb_docs = active_index(run)
-        extra, setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
+        extra, default_setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
+    setting = setting or default_setting
     name = name or config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
-    folder_prefix = f"{name}-writeback" if writeback else name
+    folder_prefix = label or (f"{name}-writeback" if writeback else name)
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
 
     t0 = time.perf_counter()
@@ -67,7 +74,8 @@ def evaluate(
         ds = apply_stage(
             ds,
             RetrieveStage(
-                base_index, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe, extra
+                base_index, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe, extra,
+                router_dir=router,
             ),
         )
     expand_args = {"methods": methods, "temperature": config.retrieval.replug_temperature}
@@ -84,6 +92,7 @@ def evaluate(
             part[m] = [s[m] for s in scores]
         out = run.path("eval", f"{folder_prefix}-{method}")
         keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", *METRICS]
+        keep += ["retrieval_skipped"] if "retrieval_skipped" in part else []
         # No pandas metadata: readers with another pandas version (or none) get plain Arrow types.
         table = pa.Table.from_pandas(part[keep], preserve_index=False).replace_schema_metadata(None)
         out.join("predictions.parquet").write_table(table)
@@ -97,6 +106,9 @@ def evaluate(
             "rejected_questions": rejects.num_rows,
             "top_k": config.retrieval.top_k if method != "no-retrieval" else 0,
             "index": base_index if method != "no-retrieval" else None,
+            "router": router if method != "no-retrieval" else None,
+            "retrieval_skipped": round(float(part["retrieval_skipped"].mean()), 4)
+            if "retrieval_skipped" in part and method != "no-retrieval" else 0.0,
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
             "seconds": round(seconds, 2),
@@ -105,8 +117,27 @@ def evaluate(
         if rejects.num_rows:
             out.join("rejects.parquet").write_table(rejects)
         results[method] = metrics
-    print(format_table(f"{name} ({setting})", results), flush=True)
+    print(format_table(f"{folder_prefix} ({setting})", results), flush=True)
     return results
+
+
+def evaluate_stage(
+    run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False, **kwargs: Any
+) -> dict[str, Any]:
+    """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
+    rerun skips it and prints the stored table again."""
+    stage = f"eval-{label}"
+    if run.is_complete(stage) and not force:
+        done = {v["method"]: v for k, v in load_results(run).items() if k == f"{label}-{v.get('method')}"}
+        print(format_table(label, done), flush=True)
+
+    def work() -> dict[str, Any]:
+        results = evaluate(run, config, dataset, name, label=label, **kwargs)
+        first = next(iter(results.values()))
+        return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
+                "rows_rejected": first["rejected_questions"], "methods": results}
+
+    return run.run_stage(stage, work, force=force)
 
 
 def format_table(name: str, results: dict[str, dict[str, Any]]) -> str:

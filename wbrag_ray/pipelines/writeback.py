@@ -27,7 +27,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.pipelines.passes import GeneratorPasses, from_pandas
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 
@@ -59,48 +60,10 @@ def default_version(config: WbragConfig, train: str) -> str:
     return config.writeback.version or Path(train.rstrip("/")).name.split(".")[0]
 
 
-# --- one model pass -------------------------------------------------------------------------------------
-
-
-class _Passes:
-    """Runs generator passes and records calls, seconds and prompt / output sizes per pass for stats.json."""
-
-    def __init__(self, config: WbragConfig):
-        self.config = config
-        self.stats: dict[str, dict[str, Any]] = {}
-
-    def generate(
-        self, name: str, ds, prompt_column: str, output_column: str, max_new_tokens: int | None = None
-    ) -> pd.DataFrame:
-        from wbrag_ray.models.generator import make_generator
-
-        gen_config: GeneratorConfig = self.config.generator
-        if max_new_tokens:
-            gen_config = gen_config.model_copy(update={"max_new_tokens": max_new_tokens})
-        t0 = time.perf_counter()
-        df = make_generator(gen_config).apply(ds, prompt_column, output_column).to_pandas()
-        seconds = time.perf_counter() - t0
-        self.stats[name] = {
-            "generator_calls": len(df),
-            "seconds": round(seconds, 2),
-            "calls_per_s": round(len(df) / seconds, 2) if seconds > 0 and len(df) else 0.0,
-            "mean_prompt_chars": round(float(df[prompt_column].str.len().mean()), 1) if len(df) else 0.0,
-            "mean_output_chars": round(float(df[output_column].str.len().mean()), 1) if len(df) else 0.0,
-            "max_new_tokens": gen_config.max_new_tokens,
-        }
-        return df
-
-
-def _from_pandas(df: pd.DataFrame):
-    import ray.data
-
-    return ray.data.from_pandas(df.reset_index(drop=True))
-
-
 # --- training -------------------------------------------------------------------------------------------
 
 
-def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: _Passes) -> pd.DataFrame:
+def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:
     """Retrieve, answer without and with the documents (2N calls in one pass), and apply both gates."""
     import ray.data
 
@@ -137,7 +100,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: _Pas
     if wb.rag_method == "replug":
         useful["doc_answers"] = useful["rag_slot_answers"]  # RePlug already answered from each document alone
     elif len(useful):
-        per_doc = _from_pandas(useful[["id", "question", "docs"]]).map_batches(
+        per_doc = from_pandas(useful[["id", "question", "docs"]]).map_batches(
             rag.expand, fn_kwargs={"methods": ["replug"]}, batch_format="pandas", num_cpus=LIGHT_CPUS
         )
         per_doc = rag.combine(passes.generate("document_gate", per_doc, "prompt", "answer"), "answer")
@@ -153,16 +116,16 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: _Pas
     return examples
 
 
-def distill(config: WbragConfig, kept: pd.DataFrame, passes: _Passes) -> pd.DataFrame:
+def distill(config: WbragConfig, kept: pd.DataFrame, passes: GeneratorPasses) -> pd.DataFrame:
     """The distiller's two steps over the kept examples; the frame passed on holds no gold answers."""
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.writeback import DistillExtractStage, DistillRewriteStage
 
     wb = config.writeback
     # Only these columns travel to the distiller: the gold answers stay behind in the driver.
-    ds = apply_stage(_from_pandas(kept[["id", "question", "docs", "kept_ranks"]]), DistillExtractStage())
+    ds = apply_stage(from_pandas(kept[["id", "question", "docs", "kept_ranks"]]), DistillExtractStage())
     step1 = passes.generate("distill_extract", ds, "extract_prompt", "extracted", wb.extract_max_new_tokens)
-    ds = apply_stage(_from_pandas(step1), DistillRewriteStage())
+    ds = apply_stage(from_pandas(step1), DistillRewriteStage())
     return passes.generate("distill_rewrite", ds, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens)
 
 
@@ -209,7 +172,7 @@ def embed_units(config: WbragConfig, units: pd.DataFrame) -> np.ndarray:
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.embed import EmbedStage
 
-    ds = _from_pandas(_unit_text(units[["id", "title", "text"]], id_col="id"))
+    ds = from_pandas(_unit_text(units[["id", "title", "text"]], id_col="id"))
     table = pa.concat_tables(ray.get(apply_stage(ds, EmbedStage(config.embedder)).to_arrow_refs())).sort_by("id")
     return vectors_of(table)
 
@@ -244,7 +207,7 @@ def train_writeback(
 
     def work() -> dict[str, Any]:
         root.delete()
-        passes = _Passes(config)
+        passes = GeneratorPasses(config.generator)
         t0 = time.perf_counter()
         examples = score_examples(run, config, train, passes)
         root.join("scored.parquet").write_table(_arrow(examples))

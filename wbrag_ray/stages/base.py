@@ -37,6 +37,8 @@ class Stage(ABC):
     name: ClassVar[str]
     input_columns: ClassVar[tuple[str, ...]] = ()
     output_columns: ClassVar[tuple[str, ...]] = ()
+    # "pandas" for text work; "pyarrow" where a batch is mostly vectors (no per-row Python objects).
+    batch_format: ClassVar[str] = "pandas"
 
     @property
     def resources(self) -> Resources:
@@ -66,9 +68,10 @@ class _StageWorker:
         stage.setup()
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        missing = [c for c in self.stage.input_columns if c not in batch.columns]
+        have = list(batch.column_names if hasattr(batch, "column_names") else batch.columns)
+        missing = [c for c in self.stage.input_columns if c not in have]
         if missing:
-            raise StageError(f"stage {self.stage.name}: input is missing columns {missing}; it has {list(batch.columns)}")
+            raise StageError(f"stage {self.stage.name}: input is missing columns {missing}; it has {have}")
         out = self.stage.process_batch(batch)
         columns = out.column_names if hasattr(out, "column_names") else out.columns
         absent = [c for c in self.stage.output_columns if c not in columns]
@@ -85,7 +88,7 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     return ds.map_batches(
         _StageWorker,
         fn_constructor_args=(stage,),
-        batch_format="pandas",
+        batch_format=stage.batch_format,
         batch_size=res.batch_size,
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus or None,

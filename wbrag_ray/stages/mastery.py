@@ -19,7 +19,7 @@ import re
 
 import pandas as pd
 
-from wbrag_ray.metrics import exact_match, normalize_answer
+from wbrag_ray.metrics import exact_match, normalize_answer, substring_match
 
 OK, UNPARSEABLE, NOT_IN_SENTENCE = "ok", "unparseable", "answer_not_in_sentence"
 BLANK = "____"
@@ -134,20 +134,23 @@ def llm_pairs(sentence: str, raw: str, n: int, completion_prefix: str = "") -> l
 
 
 def score_answers(qa: pd.DataFrame) -> pd.DataFrame:
-    """Add `em` to QA rows that were answered (status ok): exact match of the target's `prediction`."""
+    """Add `em` and `acc` to QA rows that were answered (status ok), scoring the target's `prediction`
+    against the pair's answer; unanswered rows get nulls."""
     qa = qa.copy()
-    ok = qa["status"] == OK
-    qa["em"] = [exact_match(p, [a]) if k else None for p, a, k in zip(qa["prediction"], qa["answer"], ok, strict=True)]
-    qa["em"] = qa["em"].astype("float64")
+    ok = (qa["status"] == OK).to_numpy()
+    for name, fn in (("em", exact_match), ("acc", substring_match)):
+        qa[name] = pd.array([fn(p, [a]) if k else None for p, a, k in zip(qa["prediction"], qa["answer"], ok, strict=True)],
+                            dtype="Float64").astype("float64")
     return qa
 
 
-def mastery_scores(sentences: pd.DataFrame, qa: pd.DataFrame) -> pd.DataFrame:
-    """One row per sampled sentence: n_qa, n_valid, and mastery = the mean EM of its valid pairs (null when
-    it has none: such sentences are kept for inspection and left out of pruner training)."""
+def mastery_scores(sentences: pd.DataFrame, qa: pd.DataFrame, metric: str = "em") -> pd.DataFrame:
+    """One row per sampled sentence: n_qa, n_valid, and mastery = the mean of `metric` (em, the paper's, or
+    acc) over its valid pairs (null when it has none: such sentences are kept for inspection and left out of
+    pruner training)."""
     groups = qa.groupby("sid")
     out = sentences[["sid", "title", "text"]].copy()
     out["n_qa"] = out["sid"].map(groups.size()).fillna(0).astype("int32")
     out["n_valid"] = out["sid"].map(groups["status"].apply(lambda s: int((s == OK).sum()))).fillna(0).astype("int32")
-    out["mastery"] = out["sid"].map(groups["em"].mean()).astype("float64")  # NaN-skipping mean over valid pairs
+    out["mastery"] = out["sid"].map(groups[metric].mean()).astype("float64")  # NaN-skipping mean over valid pairs
     return out
