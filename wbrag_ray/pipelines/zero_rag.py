@@ -255,10 +255,10 @@ def pruner_settings(config: WbragConfig, kind: str) -> dict[str, Any]:
 
 
 def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Train one pruner (`kind`, default: every zerorag.train_pruners) on the scored sample; validate it on the
+    """Train one pruner (`kind`, default: zerorag.train_pruners and zerorag.pruner) on the scored sample; validate it on the
     held-out part (MSE, Spearman, top-quantile precision / recall at the first pruning ratio)."""
     _require(run, "mastery", "wbrag mastery RUN")
-    kinds = [kind] if kind else list(dict.fromkeys([*config.zerorag.train_pruners]))
+    kinds = [kind] if kind else list(dict.fromkeys([*config.zerorag.train_pruners, config.zerorag.pruner]))
     results = {}
     for k in kinds:
         stage = f"pruner-{k}"
@@ -723,8 +723,6 @@ def run_zero_rag(run: RunFolder, config: WbragConfig, force: bool = False) -> No
     -> the evaluation grid (when eval.dataset is set)."""
     mastery(run, config, force=force)
     train_pruner(run, config, force=force)
-    if config.zerorag.pruner not in config.zerorag.train_pruners:
-        train_pruner(run, config, kind=config.zerorag.pruner, force=force)
     predict(run, config, force=force)
     for ratio in config.zerorag.ratios:
         if ratio > 0:

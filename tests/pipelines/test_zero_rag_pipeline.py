@@ -1,0 +1,140 @@
+"""Integration: Zero-RAG's whole chain on a slice of the demo data, with the real bundled models on a local
+Ray cluster, through `wbrag run jobs/configs/zero_rag_demo.yaml` (smaller sample, fewer steps): mastery
+scores, both pruners, prediction, the percentile, the pruned corpus and index, tuning, the router and the
+evaluation grid; then the pieces are checked one by one."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import DATA, demo_questions, demo_records, write_jsonl
+from wbrag_ray.cli import main
+from wbrag_ray.index.faiss_index import load_manifest
+from wbrag_ray.index.retriever import Retriever
+from wbrag_ray.models.router import QueryRouter
+from wbrag_ray.run import RunFolder
+
+ROOT = DATA.parents[1]
+N_SAMPLE = 48
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, ray_cluster):
+    d = tmp_path_factory.mktemp("zr")
+    test = demo_questions(6)
+    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:10]
+    wanted = {q["metadata"]["source_doc"] for q in test + train}
+    records = [r for r in demo_records() if r["id"] in wanted] + [r for r in demo_records() if r["id"] not in wanted][:8]
+    corpus, test_file = write_jsonl(d / "corpus.jsonl", records), write_jsonl(d / "test.jsonl", test)
+    train_file = write_jsonl(d / "train.jsonl", train)
+    run = d / "run"
+    args = ["run", str(ROOT / "jobs" / "configs" / "zero_rag_demo.yaml"), "--run", str(run),
+            "--set", f"ingest.corpus={corpus}", "--set", f"eval.dataset={test_file}", "--set", "eval.name=t",
+            "--set", f"zerorag.train={train_file}", "--set", f"zerorag.sample={N_SAMPLE}",
+            "--set", "zerorag.ratios=[0.3]", "--set", "zerorag.lm_pruner.max_steps=3",
+            "--set", "zerorag.tune.max_steps=2", "--set", "zerorag.tune.max_length=160",
+            "--set", "generator.max_new_tokens=8"]
+    assert main(args) == 0
+    return RunFolder(str(run)), test_file
+
+
+def test_mastery_score_is_the_mean_em_of_the_stored_answers(chain):
+    run, _ = chain
+    qa = pq.read_table(run.path("zero_rag", "mastery", "qa.parquet").path).to_pandas()
+    scores = pq.read_table(run.path("zero_rag", "mastery", "scores.parquet").path).to_pandas().set_index("sid")
+    assert len(scores) == N_SAMPLE and set(qa["sid"]) <= set(scores.index)
+    ok = qa[qa["status"] == "ok"]
+    assert ok["prediction"].notna().all() and qa.loc[qa["status"] != "ok", "em"].isna().all()
+    expected = ok.groupby("sid")["em"].mean()
+    np.testing.assert_allclose(scores.loc[expected.index, "mastery"], expected)
+    assert scores.drop(expected.index)["mastery"].isna().all()  # no valid pair: no score, but still listed
+    stats = run.stats("mastery")
+    assert stats["qa_pairs"] == len(qa) == stats["valid"] + stats["unparseable"] + stats["answer_not_in_sentence"]
+    assert stats["mode"] == "cloze" and stats["generator_calls"] == len(ok)
+
+
+def test_both_pruners_are_validated_on_held_out_sentences(chain):
+    run, _ = chain
+    for kind in ("embedding", "lm"):
+        metrics = run.path("zero_rag", "pruner", kind, "metrics.json").read_json()
+        val = pq.read_table(run.path("zero_rag", "pruner", kind, "validation.parquet").path).to_pandas()
+        assert metrics["n_val"] == len(val) > 0 and metrics["n_train"] + metrics["n_val"] == run.stats("mastery")["scored_sentences"]
+        assert val["predicted"].between(0, 1).all() and "spearman" in metrics and metrics["top_quantile"]["q"] == 0.3
+
+
+def test_pruning_drops_the_requested_fraction_and_the_index_holds_exactly_the_kept_ids(chain):
+    run, _ = chain
+    n = run.stats("ingest")["sentences"]
+    pred = pq.read_table(run.path("zero_rag", "predictions").path).to_pandas()
+    assert len(pred) == n and pred["sid"].is_unique
+    keep = pq.read_table(run.path("zero_rag", "prune-0.3", "keep").path).to_pandas()
+    stats = run.stats("prune-0.3")
+    assert len(keep) == n and abs(stats["achieved_ratio"] - 0.3) <= 0.005 + 1 / n
+    assert keep.loc[~keep["keep"], "mastery_pred"].min() >= keep.loc[keep["keep"], "mastery_pred"].max()
+    kept_ids = set(keep.loc[keep["keep"], "id"])
+    corpus = pq.read_table(run.path("zero_rag", "prune-0.3", "sentences").path).to_pandas()
+    assert set(corpus["sid"]) == kept_ids and len(corpus) == len(kept_ids)
+    index = run.path("zero_rag", "prune-0.3", "index")
+    manifest = load_manifest(index)
+    assert manifest["count"] == len(kept_ids) and manifest["pruned_from"] == run.path("index").uri
+    # a Flat index returns everything it holds for k = its size
+    ids = Retriever(index.uri, nprobe=None).search_ids(np.ones((1, manifest["dim"]), np.float32), manifest["count"])[1][0]
+    assert set(ids.tolist()) == kept_ids
+    assert stats["index_bytes"] < stats["source_index_bytes"]
+
+
+def test_tuning_and_router_and_the_grid(chain):
+    run, _ = chain
+    tune = run.stats("tune")
+    assert tune["rows_out"] == 3 * 10  # relevant, distracting and no documents per training question
+    assert run.path("zero_rag", "adapter", "adapter_config.json").exists()
+    router = run.path("zero_rag", "router", "metrics.json").read_json()
+    assert router["n_train"] + router["n_val"] == 10 and router["adapter"] is True
+    rows = run.path("zero_rag", "grid.json").read_json()["rows"]
+    settings = {(r["ratio"], r["router"], r["adapter"], r["method"]) for r in rows}
+    for ratio in (0.0, 0.3):
+        for router in (False, True):
+            for adapter in (False, True):
+                assert (ratio, router, adapter, "naive") in settings
+    full = next(r for r in rows if r["ratio"] == 0 and r["method"] == "naive" and not r["router"] and not r["adapter"])
+    pruned = next(r for r in rows if r["ratio"] == 0.3 and r["method"] == "naive" and not r["router"] and not r["adapter"])
+    assert pruned["sentences"] < full["sentences"] and pruned["index_bytes"] < full["index_bytes"]
+    assert all(r["n"] == 6 for r in rows)
+
+
+def test_router_decision_changes_what_evaluation_retrieves(chain, tmp_path):
+    """A router built to call exactly one question mastered: that question gets no documents (and is answered
+    closed-book by every method), the others are retrieved for as before."""
+    run, test_file = chain
+    from wbrag_ray.config import EmbedderConfig
+    from wbrag_ray.models.embedder import Embedder
+
+    questions = [q["question"] for q in demo_questions(6)]
+    vectors = Embedder(EmbedderConfig()).encode_queries(questions)
+    sims = vectors @ vectors[0]
+    threshold = float((sims[0] + np.sort(sims)[-2]) / 2)  # between question 0 and the next most similar one
+    # P(mastered) = sigmoid(s * (v . v0 - threshold)): above 0.5 only for question 0
+    QueryRouter(vectors[0] * 200, -200 * threshold, 0.5).save(run.path("zero_rag", "router").path, {})
+    assert main(["eval", run.root.path, "--dataset", str(test_file), "--name", "routed", "--router",
+                 "--methods", "naive,replug"]) == 0
+    for method in ("naive", "replug"):
+        preds = pq.read_table(run.path("eval", f"routed-router-{method}", "predictions.parquet").path).to_pandas()
+        preds = preds.set_index("question").loc[questions]
+        assert preds["retrieval_skipped"].tolist() == [True] + [False] * 5
+        assert preds["docs"].iloc[0] == "[]" and all(len(json.loads(d)) == 5 for d in preds["docs"].iloc[1:])
+        assert "documents" not in json.loads(preds["prompt"].iloc[0])[0]["content"]
+    metrics = run.path("eval", "routed-router-naive", "metrics.json").read_json()
+    assert metrics["retrieval_skipped"] == pytest.approx(1 / 6, abs=1e-3)
+
+
+def test_report_and_inspect_show_zero_rag(chain):
+    run, _ = chain
+    from wbrag_ray.inspection import inspect_run
+    from wbrag_ray.report import write_report
+
+    report = write_report(run)
+    html = open(report).read()
+    assert "mastery" in html.lower() and "pruning ratio" in html.lower()
+    assert "pruned" in inspect_run(run, 2).lower()
