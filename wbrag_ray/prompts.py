@@ -101,6 +101,13 @@ CLOZE_SYSTEM = (
     "output any other words."
 )
 CLOZE_USER = "Text: {question}"
+# Solved examples as earlier turns: measured on 96 demo cloze pairs, SmolLM2-135M-Instruct's answers held the
+# blanked span 19% of the time with them and 14% without (and were short enough for exact match at all).
+CLOZE_SHOTS = (
+    ("Eiffel Tower: The Eiffel Tower is a wrought-iron tower in ____, France.", "Paris"),
+    ("World War II: World War II ended in ____.", "1945"),
+    ("Romeo and Juliet: ____ wrote the play Romeo and Juliet.", "William Shakespeare"),
+)
 
 
 def qa_write_messages(sentence: str, n: int, chat: bool) -> list[dict[str, str]]:
@@ -116,5 +123,9 @@ def qa_write_messages(sentence: str, n: int, chat: bool) -> list[dict[str, str]]
 def closed_book_messages(question: str, cloze: bool) -> list[dict[str, str]]:
     """The target model's closed-book prompt for one QA pair (a cloze text, or a question)."""
     if cloze:
-        return [{"role": "system", "content": CLOZE_SYSTEM}, {"role": "user", "content": CLOZE_USER.format(question=question)}]
+        messages = [{"role": "system", "content": CLOZE_SYSTEM}]
+        for text, answer in CLOZE_SHOTS:
+            messages += [{"role": "user", "content": CLOZE_USER.format(question=text)},
+                         {"role": "assistant", "content": answer}]
+        return messages + [{"role": "user", "content": CLOZE_USER.format(question=question)}]
     return no_retrieval_messages(question)
