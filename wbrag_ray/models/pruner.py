@@ -55,7 +55,7 @@ class EmbeddingHead:
             loss = torch.nn.functional.mse_loss(torch.sigmoid(net(x).squeeze(-1)), y)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
         linear = [m for m in net if isinstance(m, torch.nn.Linear)]
         weights = {f"w{i}": m.weight.detach().numpy().T.copy() for i, m in enumerate(linear)}
         weights |= {f"b{i}": m.bias.detach().numpy().copy() for i, m in enumerate(linear)}
