@@ -78,7 +78,6 @@ def bench_embedding_pruner(folder: Path, n: int) -> float:
 
     from wbrag_ray.index.faiss_index import vectors_of
     from wbrag_ray.models.pruner import EmbeddingHead
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.pruner import EmbeddingPredictStage
 
@@ -94,12 +93,14 @@ def bench_embedding_pruner(folder: Path, n: int) -> float:
     direct = report("embedding pruner, read + predict (one process)", n / sw.seconds, "rows/s")
     report_ratio("embedding pruner direct / read-only (1.0 = bounded by Parquet reads)", direct, read_rate)
     with local_ray(2):
-        ds = ray.data.read_parquet(str(folder), columns=["sid", "vector"], ray_remote_args={"num_cpus": LIGHT_CPUS})
-        ds = apply_stage(ds, EmbeddingPredictStage(head.weights, num_cpus=LIGHT_CPUS * 2))
+        stage = EmbeddingPredictStage(head.weights)  # as `wbrag prune` runs it: tasks fused with the read
+        ds = ray.data.read_parquet(str(folder), columns=["sid", "vector"],
+                                   ray_remote_args={"num_cpus": stage.resources.num_cpus})
+        ds = apply_stage(ds, stage)
         with Stopwatch() as sw:
             got = sum(t.num_rows for t in ray.get(ds.to_arrow_refs()))
         assert got == n
-    in_ray = report("embedding pruner in its Ray Data pipeline (2 CPUs, actor start included)", n / sw.seconds, "rows/s")
+    in_ray = report("embedding pruner in its Ray Data pipeline (2 CPUs, task start included)", n / sw.seconds, "rows/s")
     report_ratio("embedding pruner Ray / direct", in_ray, direct)
     return in_ray
 

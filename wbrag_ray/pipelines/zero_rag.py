@@ -349,9 +349,11 @@ def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[st
         if kind == "embedding":
             src = run.path("embed")
             weights = EmbeddingHead.load(_root(run, "pruner", kind).local_dir()).weights
+            stage = EmbeddingPredictStage(weights)
+            # the read runs fused with the prediction task, so it asks for what that task asks for
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
-                                       ray_remote_args={"num_cpus": LIGHT_CPUS})
-            ds = apply_stage(ds, EmbeddingPredictStage(weights, num_cpus=LIGHT_CPUS * 2))
+                                       ray_remote_args={"num_cpus": stage.resources.num_cpus})
+            ds = apply_stage(ds, stage)
         else:
             src = run.path("ingest", "sentences")
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "text"],

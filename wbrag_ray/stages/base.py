@@ -31,6 +31,9 @@ class Resources:
     concurrency: int = 1
     batch_size: int = 64
     threads: int | None = None  # torch threads; None = ceil(num_cpus)
+    # False: run as plain tasks that Ray fuses with the read before them (no actor, no object-store hop for
+    # the input), for stages whose setup is trivial (a numpy head) and whose input is large (vectors).
+    actors: bool = True
 
 
 class Stage(ABC):
@@ -85,6 +88,15 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     from ray.data import ActorPoolStrategy
 
     res = stage.resources
+    if not res.actors:
+        return ds.map_batches(
+            _run_in_task,
+            fn_args=(stage,),
+            batch_format=stage.batch_format,
+            batch_size=res.batch_size,
+            num_cpus=res.num_cpus,
+            num_gpus=res.num_gpus or None,
+        )
     return ds.map_batches(
         _StageWorker,
         fn_constructor_args=(stage,),
@@ -94,6 +106,10 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         num_gpus=res.num_gpus or None,
         compute=ActorPoolStrategy(size=res.concurrency),
     )
+
+
+def _run_in_task(batch, stage: Stage):
+    return _StageWorker(stage)(batch)
 
 
 def run_local(stage: Stage, batch: pd.DataFrame) -> pd.DataFrame:

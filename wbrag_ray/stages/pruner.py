@@ -12,20 +12,24 @@ from wbrag_ray.stages.base import Resources, Stage
 
 
 class EmbeddingPredictStage(Stage):
-    """(sid, vector) -> (sid, mastery_pred) with the embedding head: a matmul per block of vectors."""
+    """(sid, vector) -> (sid, mastery_pred) with the embedding head: a matmul per block of vectors.
+
+    Runs as tasks fused with the Parquet read (measured: 0.82x of one process reading and predicting, against
+    0.36x as an actor pool fed through the object store), one CPU each: the head is cheap, the read is the work.
+    """
 
     name = "predict-embedding"
     input_columns = ("sid", "vector")
     output_columns = ("sid", "mastery_pred")
     batch_format = "pyarrow"
 
-    def __init__(self, head_weights: dict[str, np.ndarray], num_cpus: float = 0.5, batch_size: int = 8192):
+    def __init__(self, head_weights: dict[str, np.ndarray], num_cpus: float = 1.0, batch_size: int = 8192):
         self.head_weights = head_weights  # a few hundred KB: travels with the stage to every actor
         self.num_cpus, self.batch_size = num_cpus, batch_size
 
     @property
     def resources(self) -> Resources:
-        return Resources(num_cpus=self.num_cpus, batch_size=self.batch_size)
+        return Resources(num_cpus=self.num_cpus, batch_size=self.batch_size, actors=False)
 
     def setup(self) -> None:
         from wbrag_ray.models.pruner import EmbeddingHead
