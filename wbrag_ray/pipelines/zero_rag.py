@@ -527,7 +527,9 @@ def _train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.Da
     questions, rejects = read_dataset(resolve(train), limit=config.zerorag.train_limit)
     if questions.num_rows == 0:
         raise ConfigError(f"zerorag.train {train} has no usable questions ({rejects.num_rows} rejected)")
-    return train, questions.to_pandas(), rejects.num_rows
+    df = questions.to_pandas()
+    df["golden_answers"] = df["golden_answers"].map(list)  # numpy object arrays would travel through Ray pickled
+    return train, df, rejects.num_rows
 
 
 def adapter_location(run: RunFolder) -> Location:
@@ -565,8 +567,9 @@ def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: b
         with tempfile.TemporaryDirectory() as tmp:
             stats = tune_generator(examples, config.generator, config.zerorag.tune, tmp)
             out.upload_dir(tmp)
+        fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k != "losses"}
         return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected,
-                **{k: v for k, v in stats.items() if k != "losses"}, "settings": settings}
+                **fit, "settings": settings}
 
     stats = run.run_stage("tune", work, force=force)
     print(f"noise-tolerant adapter: {out.uri} (loss {stats.get('first_loss')} -> {stats.get('last_loss')})", flush=True)
