@@ -1,6 +1,6 @@
 """Run every benchmark in sequence, each in a fresh process: `python -m benchmarks [--quick]`.
 
-Every module of this package is a benchmark except `common`: the known ones run in the order below, any
+Every module of this package is a benchmark except `common` (and `gpu/`, a standalone script for GPU machines): the known ones run in the order below, any
 others after them in name order. A fresh process per benchmark keeps one benchmark's threads, loaded models
 and Ray cluster out of the next one's numbers. The exit status is non-zero if any benchmark failed.
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 FIRST = ("segmentation", "embed", "generate")  # the pipeline's order: ingest, embed, generate
-NOT_BENCHMARKS = {"common", "__main__"}
+NOT_BENCHMARKS = {"common", "__main__", "gpu"}  # gpu: a package of its own, run by hand on a GPU machine
 
 
 def benchmark_names() -> list[str]:

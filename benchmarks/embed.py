@@ -19,6 +19,7 @@ import numpy as np
 
 from benchmarks.common import (
     Stopwatch,
+    demo_questions,
     demo_sentences,
     header,
     local_ray,
@@ -129,6 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cosine = np.sum(vec16 * vec32, axis=1) / (np.linalg.norm(vec16, axis=1) * np.linalg.norm(vec32, axis=1))
     report("bf16 vs fp32 cosine, min", float(cosine.min()), "", 4)
     report("bf16 vs fp32 cosine, mean", float(cosine.mean()), "", 5)
+    # Retrieval with bf16 vectors vs fp32 vectors: the demo questions against the demo sentences (each once).
+    unique = list(dict.fromkeys(sentences))
+    questions = [q["question"] for q in demo_questions()]
+    top = {}
+    for name, model in (("fp32", fp32), ("bf16", bf16)):
+        docs, queries = model.encode_passages(unique), model.encode_queries(questions)
+        top[name] = np.argsort(-(queries @ docs.T), axis=1, kind="stable")[:, :10]
+    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top["fp32"], top["bf16"], strict=True)])
+    report(f"bf16 vs fp32 top-10 overlap ({len(questions)} demo questions, {len(unique)} sentences)", 100 * overlap, "%")
 
     report(f"ray warm-up run ({first} sentences: plan, actor start, model load, one batch)", ray_warm, "s", 2)
     rate_ray = report("ray fp32, actor start included (materialize)", n / ray_full, "sentences/s")

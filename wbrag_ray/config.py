@@ -75,6 +75,12 @@ class GeneratorConfig(_Section):
     )
     max_new_tokens: int = Field(32, ge=1, description="Greedy decoding stops after this many tokens.")
     batch_size: int = Field(32, ge=1, description="Prompts per generate call.")
+    stop: list[str] = Field(
+        default_factory=lambda: ["\n"],
+        description="Generation stops at the first of these strings, which is cut off: answers and judgements are "
+        "one line, so a batch need not decode until its most talkative row fills max_new_tokens. Passes that "
+        "write several lines (the distiller, QA writing) clear it.",
+    )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each generator actor asks Ray for.")
     threads: int | None = Field(
         None, ge=1, description="torch threads per generator actor (default: ceil(num_cpus))."

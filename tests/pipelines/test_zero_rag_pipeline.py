@@ -1,7 +1,7 @@
 """Integration: Zero-RAG's whole chain on a slice of the demo data, with the real bundled models on a local
-Ray cluster, through `wbrag run jobs/configs/zero_rag_demo.yaml` (smaller sample, fewer steps): mastery
-scores, both pruners, prediction, the percentile, the pruned corpus and index, tuning, the router and the
-evaluation grid; then the pieces are checked one by one."""
+Ray cluster, through `wbrag run jobs/configs/zero_rag_demo.yaml` (smaller sample, fewer steps, and a small
+write-back index on the same run): mastery scores, both pruners, prediction, the percentile, the pruned
+corpus and index, tuning, the router and the evaluation grid; then the pieces are checked one by one."""
 
 import json
 
@@ -35,7 +35,13 @@ def chain(tmp_path_factory, ray_cluster):
             "--set", f"zerorag.train={train_file}", "--set", f"zerorag.sample={N_SAMPLE}",
             "--set", "zerorag.ratios=[0.3]", "--set", "zerorag.lm_pruner.max_steps=3",
             "--set", "zerorag.tune.max_steps=2", "--set", "zerorag.tune.max_length=160",
-            "--set", "generator.max_new_tokens=8", "--set", "zerorag.mastery_metric=em"]  # the paper's score
+            "--set", "generator.max_new_tokens=8", "--set", "zerorag.mastery_metric=em",  # the paper's score
+            # WriteBack-RAG on the same run (every example useful, units from the fallback documents), so the grid
+            # also evaluates a pruned base + write-back: the two methods combined
+            "--set", f"writeback.train={train_file}", "--set", "writeback.limit=3", "--set", "writeback.tau_s=-1",
+            "--set", "writeback.tau_delta=-2", "--set", "writeback.tau_doc=2", "--set", "writeback.rag_method=replug",
+            "--set", "writeback.extract_max_new_tokens=24", "--set", "writeback.rewrite_max_new_tokens=24",
+            "--set", "writeback.evaluate=false"]
     assert main(args) == 0
     return RunFolder(str(run)), test_file
 
@@ -102,6 +108,21 @@ def test_tuning_and_router_and_the_grid(chain):
     pruned = next(r for r in rows if r["ratio"] == 0.3 and r["method"] == "naive" and not r["router"] and not r["adapter"])
     assert pruned["sentences"] < full["sentences"] and pruned["index_bytes"] < full["index_bytes"]
     assert all(r["n"] == 6 for r in rows)
+
+
+def test_grid_evaluates_a_pruned_base_with_write_back(chain):
+    """The two methods combined: the pruned sentence index searched together with the write-back index."""
+    run, _ = chain
+    assert run.stats("writeback-train")["units_written"] >= 1
+    rows = run.path("zero_rag", "grid.json").read_json()["rows"]
+    for ratio in (0.0, 0.3):
+        combined = [r for r in rows if r["ratio"] == ratio and r["writeback"] and r["method"] == "naive"]
+        assert combined and all(r["n"] == 6 for r in combined)
+    metrics = run.path("eval", "t-prune0.3-writeback-naive", "metrics.json").read_json()
+    assert metrics["writeback_version"] == "train" and metrics["index"].endswith("prune-0.3/index")
+    preds = pq.read_table(run.path("eval", "t-prune0.3-writeback-naive", "predictions.parquet").path).to_pandas()
+    sources = {d["source"] for docs in preds["docs"] for d in json.loads(docs)}
+    assert sources <= {"base", "writeback"} and "base" in sources
 
 
 def test_router_decision_changes_what_evaluation_retrieves(chain, tmp_path):

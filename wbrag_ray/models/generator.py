@@ -35,6 +35,15 @@ def messages_to_text(messages: Prompt) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """The text before the first stop string (a backend may return the stop string and what its token held)."""
+    text = text.strip()
+    for s in stop:
+        if s and s in text:
+            text = text[: text.index(s)]
+    return text.strip()
+
+
 class Generator(ABC):
     """Batched greedy generation. `setup()` loads the model (once per worker); `generate` answers prompts."""
 
@@ -132,11 +141,25 @@ class HFGenerator(Generator):
         self.device = pick_device(self.config.num_gpus)
         self.dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.tokenizer = load_hf_causal_lm(self.config, self.dtype, self.device)
+        self.stop_token_ids = self._stop_token_ids()
         if self.config.chat_template and self.tokenizer.chat_template is None:
             raise ConfigError(
                 f"generator.model {self.config.model!r} has no chat template; set generator.chat_template=false "
                 "to use completion prompts (base models)"
             )
+
+    def _stop_token_ids(self) -> list[int]:
+        """End-of-sequence ids plus every vocabulary token whose text holds a stop string: a row ends at its
+        first such token. (transformers' `stop_strings` matches text as it decodes and measured 40% slower
+        here; a token-id check is free. cut_at_stop trims what such a token carried past the stop string.)"""
+        eos = self.model.generation_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [self.tokenizer.eos_token_id])
+        if self.config.stop:
+            for token, i in self.tokenizer.get_vocab().items():
+                text = self.tokenizer.convert_tokens_to_string([token])
+                if any(s in text for s in self.config.stop):
+                    ids.add(i)
+        return sorted(ids)
 
     def render(self, prompts: list[Prompt]) -> list[str]:
         if self.config.chat_template:
@@ -168,10 +191,11 @@ class HFGenerator(Generator):
                     max_new_tokens=max_new,
                     do_sample=False,
                     pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.stop_token_ids,
                 )
             new_tokens = out[:, enc["input_ids"].shape[1] :]
             for i, text in zip(idx, self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
-                answers[i] = text.strip()
+                answers[i] = cut_at_stop(text, self.config.stop)
         return answers
 
 
@@ -217,13 +241,14 @@ class VLLMGenerator(Generator):
         from ray.data.llm import build_processor
 
         max_tokens = self.config.max_new_tokens
+        stop = list(self.config.stop)
         chat = self.config.chat_template
         adapter = self.config.lora_adapter
 
         def preprocess(row: dict[str, Any]) -> dict[str, Any]:
             messages = json.loads(row[prompt_column])
             out = dict(row)
-            out["sampling_params"] = {"temperature": 0.0, "max_tokens": max_tokens}
+            out["sampling_params"] = {"temperature": 0.0, "max_tokens": max_tokens, **({"stop": stop} if stop else {})}
             if chat:
                 out["messages"] = messages
             else:
@@ -234,7 +259,7 @@ class VLLMGenerator(Generator):
 
         def postprocess(row: dict[str, Any]) -> dict[str, Any]:
             keep = {k: v for k, v in row.items() if k not in ("messages", "sampling_params", "generated_text")}
-            keep[output_column] = (row.get("generated_text") or "").strip()
+            keep[output_column] = cut_at_stop(row.get("generated_text") or "", stop)
             return keep
 
         return build_processor(self.processor_config(), preprocess=preprocess, postprocess=postprocess)
@@ -252,12 +277,13 @@ class VLLMGenerator(Generator):
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens or self.config.max_new_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens or self.config.max_new_tokens,
+                                stop=list(self.config.stop) or None)
         if self.config.chat_template:
             outs = self.llm.chat(prompts, params, use_tqdm=False)
         else:
             outs = self.llm.generate([messages_to_text(p) for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].text.strip() for o in outs]
+        return [cut_at_stop(o.outputs[0].text, self.config.stop) for o in outs]
 
 
 # --- openai-compatible HTTP -----------------------------------------------------------------------------
@@ -286,13 +312,17 @@ class OpenAIGenerator(Generator):
         from concurrent.futures import ThreadPoolExecutor
 
         max_tokens = max_new_tokens or self.config.max_new_tokens
+        stop = {"stop": list(self.config.stop)} if self.config.stop else {}
 
         def one(p: Prompt) -> str:
             if self.config.chat_template:
-                body = {"model": self.config.model, "messages": p, "temperature": 0, "max_tokens": max_tokens}
-                return self._post("/chat/completions", body)["choices"][0]["message"]["content"].strip()
-            body = {"model": self.config.model, "prompt": messages_to_text(p), "temperature": 0, "max_tokens": max_tokens}
-            return self._post("/completions", body)["choices"][0]["text"].strip()
+                body = {"model": self.config.model, "messages": p, "temperature": 0, "max_tokens": max_tokens, **stop}
+                text = self._post("/chat/completions", body)["choices"][0]["message"]["content"]
+            else:
+                body = {"model": self.config.model, "prompt": messages_to_text(p), "temperature": 0,
+                        "max_tokens": max_tokens, **stop}
+                text = self._post("/completions", body)["choices"][0]["text"]
+            return cut_at_stop(text, self.config.stop)
 
         with ThreadPoolExecutor(max_workers=min(16, len(prompts) or 1)) as pool:
             return list(pool.map(one, prompts))

@@ -21,15 +21,17 @@ class GeneratorPasses:
 
     def generate(
         self, name: str, ds, prompt_column: str, output_column: str, max_new_tokens: int | None = None,
-        generator: GeneratorConfig | None = None,
+        generator: GeneratorConfig | None = None, multiline: bool = False,
     ) -> pd.DataFrame:
         """Add `output_column` to every row of `ds`; `generator` replaces the default role's model (e.g. the
-        QA generator beside the target model)."""
+        QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop)."""
         from wbrag_ray.models.generator import make_generator
 
         gen_config = generator or self.generator
         if max_new_tokens:
             gen_config = gen_config.model_copy(update={"max_new_tokens": max_new_tokens})
+        if multiline:
+            gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
         df = make_generator(gen_config).apply(ds, prompt_column, output_column).to_pandas()
         seconds = time.perf_counter() - t0

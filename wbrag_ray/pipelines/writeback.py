@@ -124,9 +124,11 @@ def distill(config: WbragConfig, kept: pd.DataFrame, passes: GeneratorPasses) ->
     wb = config.writeback
     # Only these columns travel to the distiller: the gold answers stay behind in the driver.
     ds = apply_stage(from_pandas(kept[["id", "question", "docs", "kept_ranks"]]), DistillExtractStage())
-    step1 = passes.generate("distill_extract", ds, "extract_prompt", "extracted", wb.extract_max_new_tokens)
+    step1 = passes.generate("distill_extract", ds, "extract_prompt", "extracted", wb.extract_max_new_tokens,
+                            multiline=True)
     ds = apply_stage(from_pandas(step1), DistillRewriteStage())
-    return passes.generate("distill_rewrite", ds, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens)
+    return passes.generate("distill_rewrite", ds, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens,
+                           multiline=True)
 
 
 def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tuple[pd.DataFrame, int]:

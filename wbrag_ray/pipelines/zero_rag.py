@@ -182,7 +182,8 @@ def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, forc
                 prompts.dumps(prompts.qa_write_messages(f"{t}: {x}" if t else x, z.qa_per_sentence, qa_gen.chat_template))
                 for t, x in zip(write["title"], write["text"], strict=True)
             ]
-            written = passes.generate("qa_write", from_pandas(write), "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen)
+            written = passes.generate("qa_write", from_pandas(write), "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen,
+                                      multiline=True)
             prefix = "" if qa_gen.chat_template else prompts.QA_FEWSHOT_PREFIX
             for s in written.sort_values("sid").itertuples(index=False):
                 rows += [{"sid": s.sid, **r} for r in m.llm_pairs(s.text, s.qa_raw, z.qa_per_sentence, prefix)]

@@ -1,0 +1,655 @@
+"""A prepared GPU check: the production models' architectures on one GPU, random weights, one figure a line.
+
+Run it by hand on a GPU machine (`python benchmarks/gpu/check.py > gpu.txt`); it is never run in CI and
+`python -m benchmarks` skips it. The machine it is meant for has only torch, transformers,
+sentence-transformers and peft, and no network, so this file imports nothing else (not wbrag_ray, not ray,
+not faiss) and downloads nothing: every model is built from a config with randomly initialised weights.
+Random weights cost exactly what trained ones do, which is all a throughput check needs.
+
+Sections, each reported and survived on failure, skipped once past the time budget (default 540 s, so the
+whole check ends inside 10 minutes):
+1. the GPU: name, memory, bf16 support, matmul peak TFLOP/s in fp32, tf32, bf16, fp16;
+2. the generator: Llama-3.1-8B-Instruct's architecture in bf16, greedy `generate` of 32 new tokens on
+   left-padded batches of ~600-token prompts at batch 1, 8, 32, 64; then SmolLM2-135M's architecture the
+   same way, to compare with the 2-core CPU figures in DESIGN.md;
+3. the embedder: e5-base-v2's architecture (BERT base) with mean pooling, fp32 / bf16 / fp16 at batch 256
+   on ~32-token sentences, and the cosine of bf16 (and fp16) to fp32 embeddings;
+4. LoRA training (peft, r=8 on q/v) on a 1B-class Llama in bf16, batch 8 x 512 tokens.
+
+`--quick` shrinks every shape to a tiny model: a smoke run of the code paths, on CPU when there is no GPU
+("cpu dry run"), not a measurement. Figures print as `name: value unit`, like benchmarks/common.py's
+`report`, which this file cannot import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import gc
+import importlib.metadata
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+# Set before transformers is imported: the GPU machine has no network, and a hub lookup would only stall.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402  (after the environment above)
+
+# torch.OutOfMemoryError is new in torch 2.5; the GPU machine's torch may be older.
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+PAD = 0  # the pad token id of every generator prompt (random weights: any id would do)
+
+# Llama 3.1's rope scaling; it changes no cost, but the check should build the architecture as shipped.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LLAMA_8B = {  # meta-llama/Llama-3.1-8B-Instruct, the production generator
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rope_scaling": LLAMA3_ROPE,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M-Instruct, the bundled CPU generator
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+LLAMA_1B = {  # a Llama-3.2-1B-shaped model: the 8B is too big to LoRA-train from random weights in budget
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 8192,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,  # as Llama-3.2-1B ships
+}
+E5_BASE = {  # intfloat/e5-base-v2, the production embedder (a BERT base encoder)
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+    "vocab_size": 30522,
+    "max_position_embeddings": 512,
+}
+# --quick replaces the shape (and keeps the rest, such as tied embeddings) with these tiny ones.
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
+TINY_BERT = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
+
+# DESIGN.md, "Facts measured": SmolLM2-135M bf16 greedy generate on 2 CPU cores, batch 64-128.
+CPU_SMOLLM2_BF16_TOKENS_S = 375.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every workload shape, full or --quick."""
+
+    matmul_n: int
+    matmul_windows: int
+    matmul_window_s: float
+    prompt_tokens: int
+    new_tokens: int
+    gen_batches: tuple[int, ...]
+    gen_repeats: int
+    embed_batch: int
+    embed_tokens: int
+    embed_cosine_n: int
+    embed_windows: int
+    embed_batches_per_window: int
+    lora_batch: int
+    lora_tokens: int
+    lora_steps: int
+
+
+FULL = Sizes(8192, 5, 0.5, 600, 32, (1, 8, 32, 64), 2, 256, 32, 1024, 3, 20, 8, 512, 5)
+QUICK = Sizes(256, 2, 0.05, 32, 4, (1, 4), 1, 16, 8, 64, 1, 2, 2, 32, 2)
+
+
+@dataclass
+class Run:
+    """What the whole check shares: where it runs, its shapes, its clock, and the matmul peaks measured."""
+
+    device: torch.device
+    quick: bool
+    sizes: Sizes
+    budget_s: float
+    start: float = field(default_factory=time.perf_counter)
+    peaks: dict[str, float] = field(default_factory=dict)  # TFLOP/s by "fp32", "tf32", "bf16", "fp16"
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def past_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+
+# --- output ---------------------------------------------------------------------------------------------
+
+
+def report(name: str, value: Any, unit: str = "", digits: int = 1) -> Any:
+    """Print one figure as `name: value unit` (floats with `digits` decimals), as benchmarks/common.py does."""
+    if isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif isinstance(value, float):
+        text = f"{value:,.{digits}f}"
+    else:
+        text = str(value)
+    print(f"{name}: {text}{' ' + unit if unit else ''}", flush=True)
+    return value
+
+
+def report_utilization(name: str, tflops: float, run: Run, peak: str) -> None:
+    """`tflops` as a percentage of the matmul peak measured for `peak` (n/a when that peak failed)."""
+    if run.peaks.get(peak):
+        report(f"{name} (of {peak} peak)", 100.0 * tflops / run.peaks[peak], "%")
+    else:
+        report(f"{name} (of {peak} peak)", "n/a (no peak measured)")
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+# --- mechanics ------------------------------------------------------------------------------------------
+
+
+def sync(run: Run) -> None:
+    # CUDA calls return before the kernels finish: time only after the queue has drained.
+    if run.cuda:
+        torch.cuda.synchronize(run.device)
+
+
+def timed(run: Run, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, seconds) of fn(), with the device drained before and after."""
+    sync(run)
+    start = time.perf_counter()
+    result = fn()
+    sync(run)
+    return result, time.perf_counter() - start
+
+
+def free(run: Run) -> None:
+    gc.collect()
+    if run.cuda:
+        torch.cuda.empty_cache()
+
+
+def reset_peak_memory(run: Run) -> None:
+    if run.cuda:
+        torch.cuda.reset_peak_memory_stats(run.device)
+
+
+def report_peak_memory(name: str, run: Run) -> None:
+    if run.cuda:
+        report(name, torch.cuda.max_memory_allocated(run.device) / 2**30, "GiB", 2)
+    else:
+        report(name, "n/a (cpu)")
+
+
+@contextmanager
+def built_as(run: Run, dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly on the device in `dtype`: an 8B model initialised on the CPU in fp32 would
+    need 32 GB of host memory and minutes of CPU time before it ever reached the GPU."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(run.device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def linear_weights(model: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
+    """Weights of the Linear layers, the ones a token's matmuls touch (an embedding lookup is no matmul)."""
+    return sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not exclude
+    )
+
+
+# --- 1. the GPU -----------------------------------------------------------------------------------------
+
+
+def gpu_facts(run: Run) -> None:
+    if not run.cuda:
+        report("device", "cpu (cpu dry run)")
+        report("torch threads", torch.get_num_threads())
+        return
+    props = torch.cuda.get_device_properties(run.device)
+    report("device", props.name)
+    report("device count", torch.cuda.device_count())
+    report("compute capability", f"{props.major}.{props.minor}")
+    report("multiprocessors", props.multi_processor_count)
+    report("total memory", props.total_memory / 2**30, "GiB")
+    report("bf16 supported", bool(torch.cuda.is_bf16_supported()))
+    report("torch cuda", torch.version.cuda)
+
+
+def matmul_tflops(run: Run, dtype: torch.dtype) -> float:
+    """Best TFLOP/s of n x n matmuls over a few timed windows: the best window is the peak, since anything
+    else sharing the device can only lower a window."""
+    n = run.sizes.matmul_n
+    a = torch.randn(n, n, device=run.device, dtype=dtype)
+    b = torch.randn(n, n, device=run.device, dtype=dtype)
+    c = torch.empty_like(a)
+
+    def matmuls(k: int) -> None:
+        for _ in range(k):
+            torch.matmul(a, b, out=c)
+
+    matmuls(3)  # the first calls pick the kernel and warm the clocks
+    _, seconds = timed(run, lambda: matmuls(5))
+    iters = max(1, round(run.sizes.matmul_window_s / max(seconds / 5, 1e-9)))
+    best = 0.0
+    for _ in range(run.sizes.matmul_windows):
+        _, seconds = timed(run, lambda: matmuls(iters))
+        best = max(best, 2.0 * n**3 * iters / seconds / 1e12)
+    return best
+
+
+def matmul_peaks(run: Run) -> None:
+    n = run.sizes.matmul_n
+    precision = torch.get_float32_matmul_precision()
+    # fp32 proper ("highest") and fp32 inputs on tf32 tensor cores ("high")
+    kinds = [("fp32", torch.float32, "highest"), ("tf32", torch.float32, "high")]
+    kinds += [("bf16", torch.bfloat16, None), ("fp16", torch.float16, None)]
+    for name, dtype, fp32_precision in kinds:
+        if name == "tf32" and not run.cuda:
+            report(f"matmul peak {name} {n}x{n}", "n/a (cpu)")
+            continue
+        if fp32_precision:
+            torch.set_float32_matmul_precision(fp32_precision)
+        try:
+            run.peaks[name] = report(f"matmul peak {name} {n}x{n}", matmul_tflops(run, dtype), "TFLOP/s", 3)
+        except Exception as exc:  # one dtype the device lacks should not lose the others
+            report(f"matmul peak {name} {n}x{n}", f"failed ({one_line(exc)})")
+            run.failures.append(f"matmul {name}")
+        finally:
+            torch.set_float32_matmul_precision(precision)  # later sections run at the default precision
+        free(run)
+
+
+# --- 2. the generator -----------------------------------------------------------------------------------
+
+
+def build_llama(run: Run, spec: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # No eos: a random model may emit it at any step, and every prompt must get all its new tokens.
+    config = LlamaConfig(
+        **{**spec, **(TINY_LLAMA if run.quick else {})}, pad_token_id=PAD, bos_token_id=1, eos_token_id=None
+    )
+    with built_as(run, dtype):
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def left_padded_prompts(
+    run: Run, batch: int, length: int, vocab: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids, 90-100% of `length` long, left-padded (as a decoder generates) to `length`.
+
+    The first row is full length, so batch 1 has no padding at all.
+    """
+    g = torch.Generator().manual_seed(seed)
+    low = min(1000, vocab // 10)  # keep clear of the special ids at the bottom of the vocabulary
+    lengths = torch.randint(int(0.9 * length), length + 1, (batch,), generator=g)
+    lengths[0] = length
+    ids = torch.full((batch, length), PAD, dtype=torch.long)
+    mask = torch.zeros((batch, length), dtype=torch.long)
+    for row, n in enumerate(lengths.tolist()):
+        ids[row, length - n :] = torch.randint(low, vocab, (n,), generator=g)
+        mask[row, length - n :] = 1
+    return ids.to(run.device), mask.to(run.device)
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD
+    )
+    if out.shape[1] != ids.shape[1] + new_tokens:  # a short output would inflate every rate below
+        raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, not {new_tokens}")
+    return out
+
+
+def generation_batch(run: Run, label: str, model: torch.nn.Module, batch: int, body: int, head: int) -> float:
+    """One batch size: prefill alone (generate 1 token), then the full generate; best of a few repeats."""
+    sizes = run.sizes
+    n = sizes.new_tokens
+    ids, mask = left_padded_prompts(run, batch, sizes.prompt_tokens, model.config.vocab_size, seed=batch)
+    prompt_tokens = int(mask.sum())
+    reset_peak_memory(run)
+    with torch.inference_mode():
+        greedy(model, ids, mask, 2)  # warm-up: the first call at a shape picks kernels and allocates
+        prefill_s = min(timed(run, lambda: greedy(model, ids, mask, 1))[1] for _ in range(sizes.gen_repeats))
+        total_s = min(timed(run, lambda: greedy(model, ids, mask, n))[1] for _ in range(sizes.gen_repeats))
+    decode_s = max(total_s - prefill_s, 1e-9)
+    name = f"{label} b{batch}"
+    report(f"{name} prompt tokens", prompt_tokens)
+    report(f"{name} prefill", prefill_s, "s", 3)
+    report(f"{name} generate {n}", total_s, "s", 3)
+    report(f"{name} prompt tokens/s", prompt_tokens / prefill_s, "tokens/s")
+    generated = report(f"{name} generated tokens/s", batch * n / total_s, "tokens/s")
+    report(f"{name} decode tokens/s", batch * (n - 1) / decode_s, "tokens/s")
+    # FLOPs = 2 x weights x tokens, counting the real (unpadded) tokens: every prompt and fed-back token
+    # passes the body; the head (lm_head) runs only where a next token is chosen, as generate computes the
+    # logits of the last position alone. Attention's own matmuls (~2% at 600 tokens) are left out.
+    prefill_flops = 2.0 * body * prompt_tokens + 2.0 * head * batch
+    total_flops = 2.0 * body * (prompt_tokens + batch * (n - 1)) + 2.0 * head * batch * n
+    prefill_tflops = report(f"{name} prefill compute", prefill_flops / prefill_s / 1e12, "TFLOP/s", 3)
+    report_utilization(f"{name} prefill utilization", prefill_tflops, run, "bf16")
+    total_tflops = report(f"{name} overall compute", total_flops / total_s / 1e12, "TFLOP/s", 3)
+    report_utilization(f"{name} overall utilization", total_tflops, run, "bf16")
+    report_peak_memory(f"{name} peak memory", run)
+    return generated
+
+
+def generator(run: Run, label: str, spec: dict[str, Any]) -> dict[int, float]:
+    model, build_s = timed(run, lambda: build_llama(run, spec, torch.bfloat16))
+    head_layer = model.get_output_embeddings()
+    head = head_layer.weight.numel()
+    body = linear_weights(model, exclude=head_layer)
+    total = sum(p.numel() for p in model.parameters())  # tied weights are counted once by parameters()
+    report(f"{label} parameters", total / 1e6, "M")
+    report(f"{label} weights", total * 2 / 2**30, "GiB (bf16)", 2)
+    report(f"{label} build (random init)", build_s, "s")
+    generated = {}  # tokens/s by batch size
+    for batch in run.sizes.gen_batches:
+        if run.past_budget():
+            report(f"{label} b{batch}", "skipped (past the time budget)")
+            break
+        out_of_memory = False
+        try:
+            generated[batch] = generation_batch(run, label, model, batch, body, head)
+        except OutOfMemoryError:
+            out_of_memory = True  # handled below, once the traceback no longer holds the batch's tensors
+        if out_of_memory:
+            free(run)
+            report(f"{label} b{batch}", "out of memory (larger batches skipped)")
+            break
+        free(run)
+    return generated
+
+
+def generator_8b(run: Run) -> None:
+    generator(run, "llama-3.1-8b", LLAMA_8B)
+
+
+def generator_smollm2(run: Run) -> None:
+    generated = generator(run, "smollm2-135m", SMOLLM2_135M)
+    if 64 in generated and not run.quick:  # the tiny --quick model has nothing to compare
+        report(
+            "smollm2-135m on 2 CPU cores, bf16, b64-128 (DESIGN.md)", CPU_SMOLLM2_BF16_TOKENS_S, "tokens/s"
+        )
+        print(
+            f"smollm2-135m b64 gpu vs 2-core cpu: {generated[64] / CPU_SMOLLM2_BF16_TOKENS_S:.1f}x",
+            flush=True,
+        )
+
+
+# --- 3. the embedder ------------------------------------------------------------------------------------
+
+
+def right_padded_sentences(
+    run: Run, count: int, tokens: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids 75-125% of `tokens` long (mean `tokens`), right-padded as an encoder's tokenizer pads."""
+    g = torch.Generator().manual_seed(1)
+    width = tokens + tokens // 4
+    low = min(1000, vocab // 10)
+    lengths = torch.randint(tokens - tokens // 4, width + 1, (count,), generator=g)
+    ids = torch.randint(low, vocab, (count, width), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    ids = ids * mask  # BERT's pad id is 0
+    return ids.to(run.device), mask.to(run.device)
+
+
+def mean_pooled(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """What sentence-transformers does for e5 (mean over the real tokens, then unit length), in plain torch;
+    pooled in fp32 so that the cosine below measures the encoder's precision, not the pooling's."""
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+    weights = mask.unsqueeze(-1).float()
+    pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def encode_all(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, batch: int) -> torch.Tensor:
+    return torch.cat(
+        [mean_pooled(model, ids[i : i + batch], mask[i : i + batch]) for i in range(0, len(ids), batch)]
+    )
+
+
+def encode_cycling(
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], count: int
+) -> None:
+    """`count` batches, cycling through `batches`: one timed window of the throughput figure."""
+    for k in range(count):
+        mean_pooled(model, *batches[k % len(batches)])
+
+
+def embedder(run: Run) -> None:
+    from transformers import BertConfig, BertModel
+
+    sizes = run.sizes
+    config = BertConfig(**{**E5_BASE, **(TINY_BERT if run.quick else {})})
+    with built_as(run, torch.float32):
+        base = BertModel(config, add_pooling_layer=False).eval()  # e5 pools the tokens, not the [CLS] pooler
+    weights = linear_weights(base)
+    report("e5-base parameters", sum(p.numel() for p in base.parameters()) / 1e6, "M")
+    # A few distinct batches to cycle through, and the sentences whose embeddings are compared.
+    pool_ids, pool_mask = right_padded_sentences(
+        run, 4 * sizes.embed_batch, sizes.embed_tokens, config.vocab_size
+    )
+    cos_ids, cos_mask = right_padded_sentences(
+        run, sizes.embed_cosine_n, sizes.embed_tokens, config.vocab_size
+    )
+    batches = [
+        (pool_ids[i : i + sizes.embed_batch], pool_mask[i : i + sizes.embed_batch])
+        for i in range(0, len(pool_ids), sizes.embed_batch)
+    ]
+    # Counted once here: counting inside the timed loop would make the host wait for the device each batch.
+    real_tokens = sum(int(batches[k % len(batches)][1].sum()) for k in range(sizes.embed_batches_per_window))
+    reference = None
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if run.past_budget():
+            report(f"e5-base {name}", "skipped (past the time budget)")
+            break
+        # Each precision from the fp32 weights, as loading a checkpoint in that dtype would give.
+        model = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
+        with torch.inference_mode():
+            for ids, mask in batches[:2]:
+                mean_pooled(model, ids, mask)  # warm-up
+
+            seconds = min(
+                timed(run, lambda m=model: encode_cycling(m, batches, sizes.embed_batches_per_window))[1]
+                for _ in range(sizes.embed_windows)
+            )
+            sentences = sizes.embed_batches_per_window * sizes.embed_batch
+            report(f"e5-base {name} b{sizes.embed_batch} sentences/s", sentences / seconds, "sentences/s")
+            # 2 x weights x real tokens; attention's own matmuls (~1% at 32 tokens) are left out.
+            tflops = report(
+                f"e5-base {name} compute", 2.0 * weights * real_tokens / seconds / 1e12, "TFLOP/s", 3
+            )
+            report_utilization(f"e5-base {name} utilization", tflops, run, name)
+            embeddings = encode_all(model, cos_ids, cos_mask, sizes.embed_batch)
+        if reference is None:
+            reference = embeddings
+        else:
+            cosine = (embeddings * reference).sum(-1)  # both are unit length
+            report(f"e5-base {name} vs fp32 cosine min", float(cosine.min()), "", 5)
+            report(f"e5-base {name} vs fp32 cosine mean", float(cosine.mean()), "", 5)
+        if model is not base:
+            del model
+        free(run)
+
+
+# --- 4. LoRA training -----------------------------------------------------------------------------------
+
+
+def lora_training(run: Run) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    sizes = run.sizes
+    model = build_llama(run, LLAMA_1B, torch.bfloat16)
+    frozen = sum(p.numel() for p in model.parameters())
+    lora = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(model, lora).to(run.device)  # the adapters, should peft have built them elsewhere
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    report("llama-1b parameters", frozen / 1e6, "M")
+    report("llama-1b lora trainable parameters", sum(p.numel() for p in trainable) / 1e6, "M", 2)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    ids = torch.randint(min(1000, vocab // 10), vocab, (sizes.lora_batch, sizes.lora_tokens), generator=g)
+    ids = ids.to(run.device)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())  # waits for the step, and shows it is finite
+
+    timed(run, step)  # warm-up: kernel choice, optimizer state, the allocator's first growth
+    reset_peak_memory(run)
+    times, losses = [], []
+    for _ in range(sizes.lora_steps):
+        loss, seconds = timed(run, step)
+        times.append(seconds)
+        losses.append(loss)
+    mean = sum(times) / len(times)
+    tokens = sizes.lora_batch * sizes.lora_tokens
+    name = f"llama-1b lora b{sizes.lora_batch}x{sizes.lora_tokens}"
+    report(f"{name} step mean ({sizes.lora_steps} steps)", mean, "s", 3)
+    report(f"{name} step best", min(times), "s", 3)
+    report(f"{name} tokens/s", tokens / mean, "tokens/s")
+    # ~4 x weights x tokens: forward 2x, backward 2x for the input gradients; frozen weights get no weight
+    # gradients, so the usual 6x of full training would overstate the work.
+    tflops = report(f"{name} approx compute", 4.0 * frozen * tokens / mean / 1e12, "TFLOP/s", 3)
+    report_utilization(f"{name} approx utilization", tflops, run, "bf16")
+    report(f"{name} last loss", losses[-1], "", 3)
+    report_peak_memory(f"{name} peak memory", run)
+
+
+# --- the check ------------------------------------------------------------------------------------------
+
+
+def section(run: Run, title: str, fn: Callable[[Run], None]) -> None:
+    """Run one section: report its failure and go on, or skip it once past the time budget."""
+    if run.past_budget():
+        report(f"{title}", f"skipped (past the {run.budget_s:.0f} s budget)")
+        return
+    print(f"# {title}", flush=True)
+    start = time.perf_counter()
+    failure = None
+    try:
+        fn(run)
+    except Exception as exc:  # one broken section must not cost the others' figures
+        failure = one_line(exc)
+        traceback.print_exc(file=sys.stderr)
+    if failure:  # out of the except block: the traceback and its tensors are gone before free()
+        report(f"{title} failed", failure)
+        run.failures.append(title)
+    free(run)
+    report(f"{title} seconds", time.perf_counter() - start, "s")
+
+
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (on CPU if no GPU)")
+    parser.add_argument(
+        "--budget", type=float, default=540.0, help="skip what is left after this many seconds"
+    )
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads for a CPU dry run")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        print("no CUDA GPU here: the full check needs one; `--quick` dry-runs it on CPU", file=sys.stderr)
+        return 2
+    if not cuda:
+        torch.set_num_threads(args.cpu_threads)  # a dry run stays light on a shared machine
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # random configs draw warnings that are noise here
+    run = Run(
+        torch.device("cuda", 0) if cuda else torch.device("cpu"),
+        args.quick,
+        QUICK if args.quick else FULL,
+        args.budget,
+    )
+    torch.manual_seed(0)
+    mode = ("quick" if args.quick else "full") + ("" if cuda else ", cpu dry run")
+    print(f"# gpu check ({mode})", flush=True)
+    report("date", dt.datetime.now().astimezone().isoformat(timespec="seconds"))
+    for package in ("torch", "transformers", "sentence-transformers", "peft"):
+        report(f"{package} version", version(package))
+    report("time budget", args.budget, "s", 0)
+
+    section(run, "gpu", gpu_facts)
+    section(run, "matmul peak", matmul_peaks)
+    section(run, "generator llama-3.1-8b", generator_8b)
+    section(run, "generator smollm2-135m", generator_smollm2)
+    section(run, "embedder e5-base-v2", embedder)
+    section(run, "lora llama-1b", lora_training)
+
+    report("total", run.elapsed(), "s")
+    report("failures", ", ".join(run.failures) if run.failures else "none")
+    return 1 if run.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
