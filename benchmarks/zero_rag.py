@@ -94,14 +94,18 @@ def bench_embedding_pruner(folder: Path, n: int) -> float:
     report_ratio("embedding pruner direct / read-only (1.0 = bounded by Parquet reads)", direct, read_rate)
     with local_ray(2):
         stage = EmbeddingPredictStage(head.weights)  # as `wbrag prune` runs it: tasks fused with the read
-        ds = ray.data.read_parquet(str(folder), columns=["sid", "vector"],
-                                   ray_remote_args={"num_cpus": stage.resources.num_cpus})
-        ds = apply_stage(ds, stage)
-        with Stopwatch() as sw:
-            got = sum(t.num_rows for t in ray.get(ds.to_arrow_refs()))
-        assert got == n
-    in_ray = report("embedding pruner in its Ray Data pipeline (2 CPUs, task start included)", n / sw.seconds, "rows/s")
-    report_ratio("embedding pruner Ray / direct", in_ray, direct)
+        runs = []
+        for _ in range(2):  # the first run also starts the worker processes; the second finds them warm
+            ds = ray.data.read_parquet(str(folder), columns=["sid", "vector"],
+                                       ray_remote_args={"num_cpus": stage.resources.num_cpus})
+            ds = apply_stage(ds, stage)
+            with Stopwatch() as sw:
+                got = sum(t.num_rows for t in ray.get(ds.to_arrow_refs()))
+            assert got == n
+            runs.append(sw.seconds)
+    report("embedding pruner in its Ray Data pipeline, first run (worker start included)", n / runs[0], "rows/s")
+    in_ray = report("embedding pruner in its Ray Data pipeline, second run (2 CPUs)", n / runs[1], "rows/s")
+    report_ratio("embedding pruner Ray (second run) / direct (target >= 0.9)", in_ray, direct)
     return in_ray
 
 
