@@ -60,7 +60,10 @@ class Embedder:
             convert_to_tensor=True,
             show_progress_bar=False,
         )
-        return vecs.float().cpu().numpy()
+        # Normalized again in fp32: a bf16 model's own normalization leaves norms off by up to 2e-3, and inner
+        # products must stay comparable across indices (base and write-back) built in different dtypes.
+        vecs = vecs.float()
+        return (vecs / vecs.norm(dim=1, keepdim=True).clamp_min(1e-12)).cpu().numpy()
 
     def encode_passages(self, texts: list[str]) -> np.ndarray:
         return self._encode(["passage: " + t for t in texts] if self.e5 else list(texts))
