@@ -373,7 +373,9 @@ def cmd_run(args) -> None:
     run_dir = args.run or config.run
     if not run_dir:
         raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
-    run_pipeline(RunFolder(run_dir), config, force=args.force)
+    run = RunFolder(run_dir)
+    run_pipeline(run, config, force=args.force)
+    print(stage_time_split(run), flush=True)
 
 
 def cmd_demo(args) -> None:
@@ -393,7 +395,16 @@ def cmd_demo(args) -> None:
 
     report = write_report(run)
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; run folder: {run.uri}", flush=True)
+    print(stage_time_split(run), flush=True)
     print(f"report: {report}", flush=True)
+
+
+def stage_time_split(run: RunFolder) -> str:
+    """One line: each stage's share of the run's stage time, slowest first (where the time goes)."""
+    times = {s: (run.stats(s) or {}).get("seconds", 0.0) for s in run.completed_stages()}
+    total = sum(times.values()) or 1.0
+    parts = [f"{s} {t:.1f} s ({100 * t / total:.0f}%)" for s, t in sorted(times.items(), key=lambda kv: -kv[1])]
+    return "time per stage, slowest first: " + ", ".join(parts)
 
 
 def cmd_submit(args) -> None:
