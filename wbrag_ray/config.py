@@ -268,6 +268,10 @@ class ZeroRagConfig(_Section):
     )
     train_limit: int | None = Field(None, ge=1, description="Use only the first N training questions.")
     router: bool = Field(False, description="`wbrag run`: train the query router and evaluate with it.")
+    router_metric: Literal["acc", "em", "f1"] = Field(
+        "acc", description="Router labels: a training question is 'mastered' when this metric of the generator's "
+        "closed-book answer is > 0."
+    )
     router_threshold: float = Field(
         0.5, gt=0, lt=1, description="Router: a query is 'mastered' (retrieval skipped) when P(correct) >= this."
     )

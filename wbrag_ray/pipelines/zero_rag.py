@@ -594,7 +594,7 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
     z = config.zerorag
     settings = {"train": train, "limit": z.train_limit, "generator": config.generator.model, "adapter": adapter,
                 "threshold": z.router_threshold, "seed": z.seed, "val_fraction": z.val_fraction,
-                "embedder": config.embedder.model, "metric": config.writeback.metric}
+                "embedder": config.embedder.model, "metric": z.router_metric}
     _check_settings(run, "router", settings, force)
     out = router_location(run)
 
@@ -606,7 +606,7 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
         df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
         answered = passes.generate("closed_book", from_pandas(df), "prompt", "prediction").sort_values("id")
         answered = answered.reset_index(drop=True)
-        labels = np.array([metric(config.writeback.metric, p, list(g)) > 0
+        labels = np.array([metric(z.router_metric, p, list(g)) > 0
                            for p, g in zip(answered["prediction"], answered["golden_answers"], strict=True)])
         embedder = Embedder(config.embedder)
         vectors = embedder.encode_queries(answered["question"].tolist())

@@ -84,28 +84,16 @@ class _StageWorker:
 
 
 def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
-    """Append `stage` to a Ray Data pipeline as an actor pool."""
+    """Append `stage` to a Ray Data pipeline: an actor pool, or plain tasks when `resources.actors` is False."""
     from ray.data import ActorPoolStrategy
 
     res = stage.resources
+    common = {"batch_format": stage.batch_format, "batch_size": res.batch_size, "num_cpus": res.num_cpus,
+              "num_gpus": res.num_gpus or None}
     if not res.actors:
-        return ds.map_batches(
-            _run_in_task,
-            fn_args=(stage,),
-            batch_format=stage.batch_format,
-            batch_size=res.batch_size,
-            num_cpus=res.num_cpus,
-            num_gpus=res.num_gpus or None,
-        )
-    return ds.map_batches(
-        _StageWorker,
-        fn_constructor_args=(stage,),
-        batch_format=stage.batch_format,
-        batch_size=res.batch_size,
-        num_cpus=res.num_cpus,
-        num_gpus=res.num_gpus or None,
-        compute=ActorPoolStrategy(size=res.concurrency),
-    )
+        return ds.map_batches(_run_in_task, fn_args=(stage,), **common)
+    return ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=res.concurrency),
+                          **common)
 
 
 def _run_in_task(batch, stage: Stage):
