@@ -203,7 +203,10 @@ class LMPrunerConfig(_LoraSection):
 
     backbone: str = Field(BUNDLED_GENERATOR, description="Backbone LM: local folder, GGUF file, hub id or bundled:*.")
     max_length: int = Field(64, ge=8, description="Tokens per sentence (longer sentences are truncated).")
-    predict_batch_size: int = Field(64, ge=1, description="Sentences per forward pass when predicting.")
+    predict_batch_size: int = Field(
+        16, ge=1, description="Sentences per forward pass when predicting (on 2 CPU cores, bf16: 132 sentences/s at "
+        "16, 109-119 at 64; raise it on GPUs)."
+    )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each prediction actor asks Ray for.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per prediction actor.")
     concurrency: int = Field(1, ge=1, description="Number of prediction actors.")

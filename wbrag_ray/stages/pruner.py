@@ -62,10 +62,13 @@ class LMPredictStage(Stage):
         return Resources(c.num_cpus, c.num_gpus, c.concurrency, batch_size=c.predict_batch_size * 4, threads=c.threads)
 
     def setup(self) -> None:
+        from wbrag_ray.models.hardware import pick_device
         from wbrag_ray.storage import resolve
         from wbrag_ray.training.lm_pruner import LMPrunerPredictor
 
-        self.predictor = LMPrunerPredictor(resolve(self.model_dir).local_dir(), batch_size=self.config.predict_batch_size)
+        # the device Ray gave this actor: a GPU only when it asked for one
+        self.predictor = LMPrunerPredictor(resolve(self.model_dir).local_dir(), batch_size=self.config.predict_batch_size,
+                                           device=pick_device(self.config.num_gpus))
         self.predictor.setup()
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
