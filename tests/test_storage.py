@@ -36,6 +36,25 @@ def _wbrag(args, env, timeout=600):
                           timeout=timeout)
 
 
+def test_a_model_folder_travels_to_s3_and_back_to_a_local_copy(s3_env, tmp_path, monkeypatch):
+    """Adapters and pruners are trained into a local folder, uploaded to the run folder, and loaded on any node
+    from a local copy; a folder rewritten in place (retrained with --force) is copied again."""
+    monkeypatch.setenv("WBRAG_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "adapter"
+    (src / "sub").mkdir(parents=True)
+    (src / "adapter_config.json").write_text("{}")
+    (src / "sub" / "weights.bin").write_bytes(b"v1")
+    loc = resolve("s3://wbrag/models/adapter")
+    loc.upload_dir(src)
+    first = loc.local_dir()
+    assert open(os.path.join(first, "sub", "weights.bin"), "rb").read() == b"v1"
+    assert loc.local_dir() == first  # cached
+    (src / "sub" / "weights.bin").write_bytes(b"version 2")
+    loc.upload_dir(src)
+    second = loc.local_dir()
+    assert second != first and open(os.path.join(second, "sub", "weights.bin"), "rb").read() == b"version 2"
+
+
 def test_whole_run_folder_on_s3(s3_env, tmp_path):
     """ingest -> embed -> index -> eval with corpus, dataset and run folder all on s3://, in a fresh process."""
     import boto3

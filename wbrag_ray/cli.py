@@ -253,20 +253,16 @@ def cmd_eval(args) -> None:
         return
     name = args.name or config.eval.name or os.path.basename(config.eval.dataset.rstrip("/")).split(".")[0]
     kwargs: dict[str, Any] = {"writeback": args.writeback}
-    suffix = ""
     if args.prune_ratio is not None:
         kwargs["base_index"] = zero_rag.index_for_ratio(run, args.prune_ratio).uri
-        suffix += f"-prune{args.prune_ratio:g}"
     if args.router:
         if not run.is_complete("router"):
             raise ConfigError(f"run {run.uri} has no query router; train one with `wbrag train-router RUN --train PATH`")
         kwargs["router"] = zero_rag.router_location(run).uri
-        suffix += "-router"
     if args.adapter:
         config.generator = zero_rag.with_adapter(run, config)
-        suffix += "-adapter"
-    if suffix:
-        label = (f"{name}-writeback" if args.writeback else name) + suffix
+    if args.prune_ratio is not None or args.router or args.adapter:  # a Zero-RAG setting: name it after them all
+        label = zero_rag.eval_label(name, args.prune_ratio, args.writeback, args.router, args.adapter)
         kwargs.update(label=label, setting=label)
     evaluate(run, config, config.eval.dataset, name, **kwargs)
 
@@ -360,8 +356,7 @@ def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> di
         from wbrag_ray.pipelines.zero_rag import run_zero_rag
 
         run_zero_rag(run, config, force=force)
-    if config.zerorag.enabled:  # its grid evaluates the base and the pruned bases, with write-back when there is one
-        settings = []
+        settings = []  # its grid evaluates the base and the pruned bases, with write-back when there is one
     for wb in settings if config.eval.dataset else []:
         evaluate_stage(run, config, config.eval.dataset, name, f"{name}-writeback" if wb else name, force=force,
                        writeback=wb)

@@ -100,6 +100,17 @@ class RunFolder:
 
         return sorted(done, key=lambda n: (completed_at(n), n))  # completion order = the pipeline's order
 
+    def check_settings(self, name: str, settings: dict[str, Any], force: bool = False, fix: str = "") -> None:
+        """Refuse to reuse a complete stage that recorded other `settings` (in its stats) unless `force`: stages
+        whose settings are left out of the run's config check (write-back versions, Zero-RAG) guard themselves."""
+        previous = self.stats(name) if self.is_complete(name) else None
+        if previous is None or previous.get("settings") == settings or force:
+            return
+        old = previous.get("settings") or {}
+        changed = sorted(k for k in set(settings) | set(old) if settings.get(k) != old.get(k))
+        raise ConfigError(f"stage '{name}' of {self.uri} was made with other settings ({', '.join(changed)}); "
+                          f"{fix or 'pass --force to redo it'}")
+
     def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False) -> dict[str, Any]:
         """Run `fn` unless the stage is complete; record its stats and marker; print a one-line summary."""
         if self.is_complete(name) and not force:

@@ -163,7 +163,11 @@ class Location:
             return self.path
         import hashlib
 
-        key = hashlib.sha1(self.uri.encode()).hexdigest()[:16]
+        # Keyed by the files' names, sizes and times too: a folder rewritten in place (an adapter retrained with
+        # --force) gets a fresh copy instead of the stale one.
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
+        listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
+        key = hashlib.sha1(repr((self.uri, listing)).encode()).hexdigest()[:16]
         dest = os.path.join(os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag")), "remote", key)
         if not os.path.exists(dest):
             tmp = f"{dest}.tmp{os.getpid()}"

@@ -199,12 +199,8 @@ def train_writeback(
     stage = f"writeback-{version}"
     settings = {"train": train, **wb.model_dump(mode="json", exclude={"train", "version", "activate", "evaluate"}),
                 "top_k": config.retrieval.top_k, "generator": config.generator.model, "embedder": config.embedder.model}
-    previous = run.stats(stage) if run.is_complete(stage) else None
-    if previous and previous.get("settings") != settings and not force:
-        raise ConfigError(
-            f"write-back version {version!r} of {run.uri} was trained with other settings; "
-            "pick another --version (writeback.version) or pass --force to retrain it"
-        )
+    run.check_settings(stage, settings, force,
+                       fix="pick another --version (writeback.version) or pass --force to retrain it")
     root = run.path("writeback", version)
 
     def work() -> dict[str, Any]:

@@ -38,6 +38,7 @@ from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
 
 ROOT = "zero_rag"
+_REDO = "pass --force to redo it (and the stages after it)"
 
 
 def _root(run: RunFolder, *parts: str) -> Location:
@@ -46,15 +47,6 @@ def _root(run: RunFolder, *parts: str) -> Location:
 
 def ratio_name(ratio: float) -> str:
     return f"prune-{ratio:g}"
-
-
-def _check_settings(run: RunFolder, stage: str, settings: dict[str, Any], force: bool) -> None:
-    previous = run.stats(stage) if run.is_complete(stage) else None
-    if previous is not None and previous.get("settings") != settings and not force:
-        changed = sorted(k for k in set(settings) | set(previous.get("settings", {}))
-                         if settings.get(k) != previous.get("settings", {}).get(k))
-        raise ConfigError(f"stage '{stage}' of {run.uri} was made with other settings ({', '.join(changed)}); "
-                          "pass --force to redo it (the stages after it are redone too)")
 
 
 def _require(run: RunFolder, stage: str, command: str) -> None:
@@ -163,7 +155,7 @@ def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, forc
     z = config.zerorag
     n = sample or z.sample
     settings = mastery_settings(config, n)
-    _check_settings(run, "mastery", settings, force)
+    run.check_settings("mastery", settings, force, fix=_REDO)
     out = _root(run, "mastery")
 
     def work() -> dict[str, Any]:
@@ -244,10 +236,11 @@ def _scored_split(run: RunFolder, config: WbragConfig) -> tuple[pd.DataFrame, pd
     return scores.iloc[order[n_val:]].reset_index(drop=True), scores.iloc[order[:n_val]].reset_index(drop=True)
 
 
-def pruner_settings(config: WbragConfig, kind: str) -> dict[str, Any]:
+def pruner_settings(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
+    """What a pruner is made from: its own settings and the settings the mastery scores were made with."""
     z = config.zerorag
     common = {"kind": kind, "seed": z.seed, "val_fraction": z.val_fraction,
-              "mastery": mastery_settings(config, z.sample)}
+              "mastery": run.stats("mastery")["settings"]}
     if kind == "embedding":
         return {**common, "hidden": z.head_hidden, "epochs": z.head_epochs, "weight_decay": z.head_weight_decay,
                 "embedder": config.embedder.model}
@@ -263,8 +256,8 @@ def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, f
     results = {}
     for k in kinds:
         stage = f"pruner-{k}"
-        settings = pruner_settings(config, k)
-        _check_settings(run, stage, settings, force)
+        settings = pruner_settings(run, config, k)
+        run.check_settings(stage, settings, force, fix=_REDO)
         results[k] = run.run_stage(stage, lambda k=k, settings=settings: _train_one(run, config, k, settings),
                                    force=force)
         m = results[k]
@@ -337,8 +330,8 @@ def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[st
 
     kind = config.zerorag.pruner
     _require(run, f"pruner-{kind}", f"wbrag train-pruner RUN --kind {kind}")
-    settings = {"pruner": kind, "trained": pruner_settings(config, kind)}
-    _check_settings(run, "predict", settings, force)
+    settings = {"pruner": kind, "trained": run.stats(f"pruner-{kind}")["settings"]}
+    run.check_settings("predict", settings, force, fix=_REDO)
     out = _root(run, "predictions")
 
     def work() -> dict[str, Any]:
@@ -413,15 +406,18 @@ def percentile_cut(pred: Location, ratio: float, bins: int) -> dict[str, Any]:
     target = int(round(ratio * total))
     if target == 0:
         return {"total": total, "target_dropped": 0, "b1": bins, "b2": 0, "tie_fraction": 0.0, "threshold": 1.0}
-    above = np.cumsum(level1[::-1])[::-1]  # above[i] = sentences in bins >= i
-    b1 = int(np.flatnonzero(above >= target)[-1])
-    need = target - (int(above[b1 + 1]) if b1 + 1 < bins else 0)
+    b1, need = _cut_bin(level1, target)
     level2 = np.sum(ray.get([histogram.remote(f, b1) for f in files]), axis=0)
-    above2 = np.cumsum(level2[::-1])[::-1]
-    b2 = int(np.flatnonzero(above2 >= need)[-1])
-    need2 = need - (int(above2[b2 + 1]) if b2 + 1 < bins else 0)
+    b2, need2 = _cut_bin(level2, need)
     return {"total": total, "target_dropped": target, "b1": b1, "b2": b2,
             "tie_fraction": need2 / int(level2[b2]), "threshold": (b1 + b2 / bins) / bins}
+
+
+def _cut_bin(counts: np.ndarray, drop: int) -> tuple[int, int]:
+    """(the bin where dropping the top `drop` items ends, how many of that bin's items are still to drop)."""
+    above = np.cumsum(counts[::-1])[::-1]  # above[i] = items in bins >= i
+    b = int(np.flatnonzero(above >= drop)[-1])
+    return b, drop - (int(above[b + 1]) if b + 1 < len(counts) else 0)
 
 
 def keep_mask(ids: np.ndarray, scores: np.ndarray, cut: dict[str, Any], bins: int) -> np.ndarray:
@@ -448,7 +444,7 @@ def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False
     stage = ratio_name(ratio)
     bins = config.zerorag.histogram_bins
     settings = {"ratio": ratio, "bins": bins, "predict": run.stats("predict")["settings"]}
-    _check_settings(run, stage, settings, force)
+    run.check_settings(stage, settings, force, fix=_REDO)
     root = _root(run, stage)
 
     def work() -> dict[str, Any]:
@@ -555,7 +551,7 @@ def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: b
     settings = {"train": train, "limit": config.zerorag.train_limit, "generator": config.generator.model,
                 "top_k": config.retrieval.top_k,
                 **config.zerorag.tune.model_dump(mode="json", exclude={"enabled", "threads"})}
-    _check_settings(run, "tune", settings, force)
+    run.check_settings("tune", settings, force, fix=_REDO)
     out = adapter_location(run)
 
     def work() -> dict[str, Any]:
@@ -595,7 +591,7 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
     settings = {"train": train, "limit": z.train_limit, "generator": config.generator.model, "adapter": adapter,
                 "threshold": z.router_threshold, "seed": z.seed, "val_fraction": z.val_fraction,
                 "embedder": config.embedder.model, "metric": z.router_metric}
-    _check_settings(run, "router", settings, force)
+    run.check_settings("router", settings, force, fix=_REDO)
     out = router_location(run)
 
     def work() -> dict[str, Any]:
@@ -693,8 +689,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                 methods = [m for m in cfg.eval.methods if first or m != "no-retrieval"]  # no index: once is enough
                 if not methods:
                     continue
-                label = (f"{name}-prune{ratio:g}" + ("-writeback" if writeback else "") + ("-router" if router else "")
-                         + ("-adapter" if adapter else ""))
+                label = eval_label(name, ratio, writeback, router, adapter)
                 cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"methods": methods})})
                 stats = evaluate_stage(run, cfg_m, dataset, name, label, force=force, base_index=index.uri,
                                        router=router_location(run).uri if router else None, setting=label,
@@ -711,6 +706,14 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     _root(run, "grid.json").write_json({"dataset": dataset, "rows": rows})
     print(format_grid(rows), flush=True)
     return rows
+
+
+def eval_label(name: str, ratio: float | None = None, writeback: bool = False, router: bool = False,
+               adapter: bool = False) -> str:
+    """The folder prefix (and setting) of one evaluation: the dataset name, then each setting that differs from
+    the base, in one order for `wbrag eval` and the grid."""
+    return (name + (f"-prune{ratio:g}" if ratio is not None else "") + ("-writeback" if writeback else "")
+            + ("-router" if router else "") + ("-adapter" if adapter else ""))
 
 
 def format_grid(rows: list[dict[str, Any]]) -> str:
