@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.add_argument("--dataset", help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
     p.add_argument("--name", help="name of the evaluation (default: the dataset's file stem)")
-    p.add_argument("--methods", help="comma-separated: naive,replug,no-retrieval (default no-retrieval,naive)")
+    p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,self-rag,flare "
+                   "(default: eval.methods, no-retrieval,naive; with --methods-grid: all)")
     p.add_argument("--limit", type=int, help="evaluate only the first N questions")
     p.add_argument("--writeback", action="store_true", help="search the active write-back index beside the base")
     p.add_argument("--prune-ratio", type=float, help="Zero-RAG: evaluate on the index pruned at this ratio")
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", action="store_true", help="Zero-RAG: generate with the noise-tolerant LoRA adapter")
     p.add_argument("--grid", action="store_true",
                    help="Zero-RAG: evaluate every zerorag.ratios setting (with router / adapter when enabled)")
+    p.add_argument("--methods-grid", action="store_true",
+                   help="every RAG method on the base and beside each trained write-back version "
+                   "(same- and cross-method): RUN/eval/methods_grid.json")
     _common(p)
 
     p = sub.add_parser("mastery", help="Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")
@@ -250,6 +254,14 @@ def cmd_eval(args) -> None:
     _start(config)
     if args.grid:
         zero_rag.evaluate_grid(run, config, config.eval.dataset, force=args.force)
+        return
+    if args.methods_grid:
+        from wbrag_ray import rag
+        from wbrag_ray.pipelines.evaluate import evaluate_methods_grid
+
+        if not args.methods:
+            config.eval.methods = list(rag.METHODS)
+        evaluate_methods_grid(run, config, config.eval.dataset, force=args.force)
         return
     name = args.name or config.eval.name or os.path.basename(config.eval.dataset.rstrip("/")).split(".")[0]
     kwargs: dict[str, Any] = {"writeback": args.writeback}

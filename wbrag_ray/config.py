@@ -137,11 +137,56 @@ class RetrievalConfig(_Section):
     )
 
 
+RagMethod = Literal["no-retrieval", "naive", "replug", "self-rag", "flare"]
+
+
+class FlareConfig(_Section):
+    """FLARE (active retrieval): write the answer a sentence at a time; retrieve only for a sentence the model
+    is unsure of, with that sentence as the query, and write it again with the documents."""
+
+    threshold: float = Field(
+        0.2, ge=0, le=1,
+        description="Retrieve when a token of the look-ahead sentence has probability below this (FLARE's theta; "
+        "0 never retrieves, 1 always does).",
+    )
+    max_rounds: int = Field(3, ge=1, description="Sentences written at most (a look-ahead, maybe a retrieval, each).")
+    look_ahead_tokens: int = Field(32, ge=1, description="New-token budget of one look-ahead / regenerated sentence.")
+    mask_query: bool = Field(
+        True, description="Query with the sentence's confident tokens only (FLARE's masked query): an unsure "
+        "token is likely wrong and would pull in documents about it.",
+    )
+    query_with_question: bool = Field(
+        True, description="Prefix the query with the question: a short answer sentence alone says little.",
+    )
+
+
+class SelfRagConfig(_Section):
+    """Self-RAG-style adaptive retrieval by prompted judgements (for models without Self-RAG's reflection
+    tokens): judge whether to retrieve, judge each document's relevance, answer from the relevant ones."""
+
+    retrieval_threshold: float = Field(
+        0.5, ge=0, le=1,
+        description="Retrieve when p(yes) / (p(yes) + p(no)) of the retrieval judgement is at least this "
+        "(Self-RAG's delta; 0 always retrieves).",
+    )
+    relevance_threshold: float = Field(
+        0.5, ge=0, le=1, description="Keep a retrieved document when its relevance judgement's p(yes) share is at least this.",
+    )
+
+
+class RagConfig(_Section):
+    """Settings of the adaptive RAG methods (wherever a method is chosen: evaluation, write-back scoring)."""
+
+    flare: FlareConfig = Field(default_factory=FlareConfig)
+    self_rag: SelfRagConfig = Field(default_factory=SelfRagConfig)
+
+
 class EvalConfig(_Section):
     dataset: str | None = Field(None, description="FlashRAG dataset jsonl or Parquet (id, question, golden_answers).")
     name: str | None = Field(None, description="Name of the evaluation folder; default: the dataset's file stem.")
-    methods: list[Literal["naive", "replug", "no-retrieval"]] = Field(
-        default_factory=lambda: ["no-retrieval", "naive"], description="Settings to evaluate."
+    methods: list[RagMethod] = Field(
+        default_factory=lambda: ["no-retrieval", "naive"],
+        description="RAG methods to evaluate: no-retrieval, naive, replug, self-rag, flare.",
     )
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N questions.")
 
@@ -155,8 +200,10 @@ class WritebackConfig(_Section):
     )
     limit: int | None = Field(None, ge=1, description="Use only the first N training examples.")
     metric: Literal["acc", "em", "f1"] = Field("acc", description="Task metric M(q, a | context) of the gates.")
-    rag_method: Literal["naive", "replug"] = Field(
-        "naive", description="RAG method whose answers score s_rag and the document gate: naive or replug."
+    rag_method: Literal["naive", "replug", "self-rag", "flare"] = Field(
+        "naive",
+        description="RAG method whose answers score s_rag and whose documents the document gate and the distiller "
+        "see: naive, replug, self-rag (its relevant documents) or flare (the documents it retrieved).",
     )
     tau_s: float = Field(0.1, description="Utility gate: keep an example only if s_rag >= tau_s.")
     tau_delta: float = Field(0.01, description="Utility gate: keep an example only if s_rag - s_nr > tau_delta.")
@@ -299,6 +346,7 @@ class WbragConfig(_Section):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    rag: RagConfig = Field(default_factory=RagConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     writeback: WritebackConfig = Field(default_factory=WritebackConfig)
     zerorag: ZeroRagConfig = Field(default_factory=ZeroRagConfig)

@@ -41,6 +41,43 @@ def no_retrieval_messages(question: str) -> list[dict[str, str]]:
     ]
 
 
+def continue_answer(messages: list[dict[str, str]], answer_so_far: str) -> list[dict[str, str]]:
+    """`messages` with the answer begun: the generator continues the final assistant message (FLARE writes an
+    answer a sentence at a time)."""
+    return [*messages, {"role": "assistant", "content": answer_so_far}] if answer_so_far else messages
+
+
+# --- Self-RAG-style judgements: prompted, for models without Self-RAG's reflection tokens ----------------
+# Each is read as p("yes") against p("no") for the answer's first token, not parsed from generated text.
+
+JUDGE_CHOICES = ("yes", "no")
+RETRIEVAL_JUDGE_SYSTEM = (
+    "Decide whether you need to look up documents to answer the question correctly. Answer Yes if it asks for "
+    "facts you do not know for certain, and No if you know the answer. Answer only Yes or No."
+)
+RELEVANCE_JUDGE_SYSTEM = (
+    "Decide whether the document is relevant to the question: answer Yes if it holds information that helps "
+    "answer the question, and No if it does not. Answer only Yes or No."
+)
+RELEVANCE_JUDGE_USER = "Document (Title: {title}) {text}\n\nQuestion: {question}"
+
+
+def retrieval_judge_messages(question: str) -> list[dict[str, str]]:
+    """Self-RAG's 'Retrieve?' judgement as a prompt."""
+    return [
+        {"role": "system", "content": RETRIEVAL_JUDGE_SYSTEM},
+        {"role": "user", "content": QUESTION.format(question=question)},
+    ]
+
+
+def relevance_judge_messages(question: str, doc: Hit) -> list[dict[str, str]]:
+    """Self-RAG's 'IsRel' judgement of one retrieved document as a prompt."""
+    return [
+        {"role": "system", "content": RELEVANCE_JUDGE_SYSTEM},
+        {"role": "user", "content": RELEVANCE_JUDGE_USER.format(title=doc.title, text=doc.text, question=question)},
+    ]
+
+
 def dumps(messages: list[dict[str, str]]) -> str:
     """Prompts travel through Ray Data as JSON strings (one column, any number of messages)."""
     return json.dumps(messages, ensure_ascii=False)

@@ -8,7 +8,13 @@ import pytest
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.index.retriever import Hit
 from wbrag_ray.models.bundled import bundled_path, resolve_model
-from wbrag_ray.models.generator import HFGenerator, VLLMGenerator, make_generator
+from wbrag_ray.models.generator import (
+    HFGenerator,
+    VLLMGenerator,
+    choices_from_logprobs,
+    make_generator,
+    scored_from_logprobs,
+)
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
 
 
@@ -71,7 +77,7 @@ def test_missing_model_path_and_unknown_backend_fail_at_start(tmp_path):
         load_config(overrides=["generator.backend=tgi"])
 
 
-def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path):
+def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path, ray_cluster):
     """vLLMEngineProcessorConfig and build_processor construct without vllm installed; running needs a GPU."""
     adapter = tmp_path / "adapters" / "router-lora"
     adapter.mkdir(parents=True)
@@ -88,6 +94,10 @@ def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path):
     assert cfg.model_source.endswith(".gguf")
     processor = gen.build_processor("prompt", "answer")
     assert processor is not None
+    # FLARE's scored pass asks for the chosen tokens' logprobs; a judgement pass for one token's top-k
+    assert gen.sampling_params("scored")["logprobs"] == 1
+    assert gen.sampling_params("choice") == {"temperature": 0.0, "max_tokens": 1, "stop": ["\n"], "logprobs": 20}
+    assert gen.build_processor("prompt", "p", mode="choice", choices=("yes", "no")) is not None
 
 
 @pytest.mark.gpu
@@ -112,3 +122,76 @@ def test_generate_stage_in_a_ray_actor_pool(ray_cluster):
     out = gen.apply(ray.data.from_items(rows), "prompt", "answer").take_all()
     assert sorted(r["id"] for r in out) == [0, 1, 2]
     assert all(r["answer"] for r in out)
+
+
+def test_scored_answers_are_the_greedy_answers_with_each_tokens_probability(smollm):
+    prompts = [no_retrieval_messages(q) for q in
+               ("What is the capital of France?", "Who wrote Hamlet?", "Name three rivers of Europe and describe them.")]
+    scored = smollm.generate_scored(prompts)
+    assert [s.text for s in scored] == smollm.generate(prompts)
+    for s in scored:
+        assert len(s.tokens) == len(s.probs) > 0
+        assert all(0 < p <= 1 for p in s.probs)
+        assert s.text.startswith("".join(s.tokens).strip())
+    # 12 new tokens: the short answers end themselves, the long one runs out of budget
+    assert scored[0].finished and not scored[2].finished
+    # the chosen token is the argmax: greedy decoding never picks a token under 1 / vocabulary
+    assert min(p for s in scored for p in s.probs) > 1 / 49152
+
+
+def test_a_final_assistant_message_is_continued(smollm):
+    prompt = no_retrieval_messages("What is the capital of France?") + [{"role": "assistant", "content": "The capital"}]
+    rendered = smollm.render([prompt])[0]
+    assert rendered.rstrip().endswith("The capital")  # no end of turn, no new assistant turn after it
+    answer = smollm.generate([prompt])[0]
+    assert "Paris" in answer and not answer.startswith("The capital")
+
+
+def test_choice_probs_are_first_token_probabilities_unchanged_by_left_padding(smollm):
+    import torch
+
+    judge = [{"role": "system", "content": "Answer only Yes or No."}]
+    prompts = [judge + [{"role": "user", "content": q}] for q in
+               ("Is Paris in France?", "Is the Moon made of cheese? Think about it carefully before you answer.")]
+    batched = smollm.choice_probs(prompts, ("yes", "no"))
+    for prompt, probs in zip(prompts, batched, strict=True):
+        assert len(probs) == 2 and all(0 <= p <= 1 for p in probs) and sum(probs) <= 1 + 1e-6
+        # one prompt alone, no padding, full logits: the same distribution
+        enc = smollm.tokenizer(smollm.render([prompt]), return_tensors="pt", add_special_tokens=False)
+        with torch.inference_mode():
+            logits = smollm.model(**enc).logits[0, -1].float()
+        alone = torch.softmax(logits, -1)
+        expected = [float(alone[ids].sum()) for ids in smollm._choice_ids(("yes", "no"))]
+        assert probs == pytest.approx(expected, abs=0.02)
+
+
+def test_engine_logprobs_parsed_without_an_engine_vllm_rows():
+    """The shapes vLLM's outputs take in Ray Data rows (no vLLM engine here): per generated token a dict from
+    token id (int or str) to {logprob, decoded_token}, with other rows' ids present as None (Arrow structs)."""
+    import math
+
+    steps = [
+        {"9": {"logprob": math.log(0.5), "decoded_token": " Paris"}, "3": None},
+        {9: None, 3: {"logprob": math.log(0.25), "decoded_token": "."}},
+        {"2": {"logprob": math.log(0.9), "decoded_token": ""}},  # the end token: not part of the answer
+    ]
+    s = scored_from_logprobs([9, 3, 2], steps, " Paris.", max_tokens=8, stop=["\n"])
+    assert s.text == "Paris." and s.tokens == [" Paris", "."] and s.probs == pytest.approx([0.5, 0.25])
+    assert s.finished
+    assert not scored_from_logprobs([9, 3], steps[:2], "Paris.", max_tokens=2, stop=[]).finished
+    first = {"1": {"logprob": math.log(0.3), "decoded_token": "Yes"}, "2": {"logprob": math.log(0.1), "decoded_token": " yes"},
+             "4": {"logprob": math.log(0.2), "decoded_token": "No"}, "5": {"logprob": math.log(0.1), "decoded_token": "Maybe"}}
+    assert choices_from_logprobs(first, ("yes", "no")) == pytest.approx([0.4, 0.2])
+    assert choices_from_logprobs(None, ("yes", "no")) == [0.0, 0.0]
+
+
+def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster):
+    import ray.data
+
+    gen = make_generator(GeneratorConfig(max_new_tokens=8, batch_size=4, num_cpus=1, threads=2))
+    rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
+            for i, q in enumerate(["What is the capital of France?", "Name a fruit."])]
+    scored = gen.apply(ray.data.from_items(rows), "prompt", "out", mode="scored").take_all()
+    assert all(len(r["out_tokens"]) == len(r["out_probs"]) > 0 and isinstance(r["out_finished"], bool) for r in scored)
+    choice = gen.apply(ray.data.from_items(rows), "prompt", "p", mode="choice", choices=("yes", "no")).take_all()
+    assert all(len(r["p"]) == 2 for r in choice)

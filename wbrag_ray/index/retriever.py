@@ -21,6 +21,8 @@ from wbrag_ray.stages.base import Resources, Stage
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
+    import ray.data
+
     from wbrag_ray.config import WbragConfig
 
 log = logging.getLogger(__name__)
@@ -314,10 +316,10 @@ class RetrieveStage(Stage):
 
     With `router_dir` (Zero-RAG's query router), queries the router calls mastered are not searched: they get
     no documents (so every RAG method answers them closed-book), and `retrieval_skipped` says which they were.
+    The router always judges the question, even where the query is another column (FLARE's sentence queries).
     """
 
     name = "retrieve"
-    input_columns = ("question",)
     output_columns = ("docs",)
 
     def __init__(
@@ -331,6 +333,7 @@ class RetrieveStage(Stage):
         *,
         retriever: Retriever | UnionRetriever | Any = None,
         router_dir: str | None = None,
+        query_column: str = "question",
     ):
         if retriever is None:
             if index_dir is None:
@@ -344,6 +347,8 @@ class RetrieveStage(Stage):
         self.retrieval = retrieval or RetrievalConfig()
         self.router_dir = router_dir
         self.router = None
+        self.query_column = query_column
+        self.input_columns = tuple(dict.fromkeys((query_column, "question") if router_dir else (query_column,)))
 
     @property
     def resources(self) -> Resources:
@@ -359,16 +364,46 @@ class RetrieveStage(Stage):
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
         k = self.retrieval.top_k
+        queries = batch[self.query_column].tolist()
         if self.router is None:
-            batch["docs"] = [hits_to_json(h) for h in self.retriever.search(batch["question"].tolist(), k)]
+            batch["docs"] = [hits_to_json(h) for h in self.retriever.search(queries, k)]
             return batch
         vectors = self.retriever.encode(batch["question"].tolist())
         skip = self.router.mastered(vectors)
         docs = ["[]"] * len(batch)
         searched = np.flatnonzero(~skip)
         if len(searched):
+            if self.query_column != "question":
+                vectors = self.retriever.encode(queries)
             for i, hits in zip(searched, self.retriever.search_vectors(vectors[searched], k), strict=True):
                 docs[i] = hits_to_json(hits)
         batch["docs"] = docs
         batch["retrieval_skipped"] = skip
         return batch
+
+
+@dataclass(frozen=True)
+class RetrievalSetting:
+    """What a RAG method searches and how (base index, the write-back index beside it, a Zero-RAG router):
+    fixed once per evaluation or write-back run, and turned into a `RetrieveStage` by each retrieval pass,
+    whatever column holds its queries."""
+
+    index_dir: str
+    ingest_dir: str | None
+    embedder: EmbedderConfig
+    retrieval: RetrievalConfig
+    nprobe: int = 32
+    extra: tuple[tuple[str, str | None, str], ...] = ()
+    router_dir: str | None = None
+
+    def stage(self, query_column: str = "question") -> RetrieveStage:
+        return RetrieveStage(
+            self.index_dir, self.ingest_dir, self.embedder, self.retrieval, self.nprobe, self.extra,
+            router_dir=self.router_dir, query_column=query_column,
+        )
+
+    def search(self, ds: ray.data.Dataset, query_column: str = "question") -> ray.data.Dataset:
+        """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, as a Ray Data pass."""
+        from wbrag_ray.stages.base import apply_stage
+
+        return apply_stage(ds, self.stage(query_column))

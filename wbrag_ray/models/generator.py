@@ -3,9 +3,16 @@
 A prompt is a list of chat messages ({"role", "content"}). Instruct models get their chat template; base
 models (`chat_template: false`) get the messages' contents joined as a completion prompt.
 
-Every backend offers `generate(prompts) -> answers` for in-process use, and `apply(ds, ...)` to run over a
-Ray Dataset: the hf and openai backends through an actor pool of `GenerateStage`, vllm through
-`ray.data.llm.build_processor`.
+A prompt whose last message is the assistant's is continued (its content is the start of the answer):
+FLARE regenerates the next sentence of an answer already begun.
+
+Every backend offers, for in-process use:
+- `generate(prompts) -> answers` (greedy, cut at the stop strings);
+- `generate_scored(prompts) -> [Scored]`: the answers with each generated token's probability (FLARE);
+- `choice_probs(prompts, choices)`: the probability of each choice word as the first token of the answer
+  (Self-RAG-style judgements: p("yes") and p("no") from one forward pass, no decoding);
+and `apply(ds, ..., mode=)` to run any of the three over a Ray Dataset: the hf and openai backends through an
+actor pool of `GenerateStage`, vllm through `ray.data.llm.build_processor`.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import os
 import shutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +36,88 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Prompt = list[dict[str, str]]
+MODES = ("text", "scored", "choice")
+
+
+@dataclass
+class Scored:
+    """One greedy answer with the probability the model gave each of its tokens."""
+
+    text: str  # the answer, cut at the stop strings
+    tokens: list[str]  # the generated tokens before the end / stop token, as text
+    probs: list[float]  # each token's probability when it was chosen
+    finished: bool  # the model ended the answer itself (end or stop token), not the token budget
+
+
+def continues_answer(prompt: Prompt) -> bool:
+    """A prompt ending with the assistant's message asks for that message's continuation."""
+    return bool(prompt) and prompt[-1].get("role") == "assistant"
+
+
+def choice_matches(token_text: str, choice: str) -> bool:
+    """A vocabulary token counts as a choice word in any case and with any surrounding space ("Yes", " yes")."""
+    return token_text.strip().lower() == choice.strip().lower()
+
+
+def choice_mass(top: list[tuple[str, float]], choices: tuple[str, ...]) -> list[float]:
+    """Probability of each choice from a first-token distribution given as (token text, probability) pairs
+    (a backend's top-k): the tokens spelling the same word add up."""
+    return [sum(p for t, p in top if choice_matches(t, c)) for c in choices]
+
+
+def _logprob_entry(entry: Any) -> tuple[float, str] | None:
+    """(logprob, token text) from a vLLM `Logprob` object or its dict form (Ray Data's output rows)."""
+    if entry is None:
+        return None
+    if isinstance(entry, dict):
+        return entry["logprob"], entry.get("decoded_token") or ""
+    return entry.logprob, entry.decoded_token or ""
+
+
+def _chosen(step: dict, token_id: int) -> tuple[float, str]:
+    # Ray Data rows may carry the ids as strings, and (Arrow struct columns) other rows' ids with None values.
+    found = _logprob_entry(step.get(token_id)) or _logprob_entry(step.get(str(token_id)))
+    if found is None:
+        raise ValueError(f"no logprob for the generated token {token_id}; ask the engine for logprobs >= 0")
+    return found
+
+
+def scored_from_logprobs(
+    token_ids: list[int], logprobs: list[dict], text: str, max_tokens: int, stop: list[str]
+) -> Scored:
+    """A `Scored` answer from an engine's per-token logprobs (vLLM: `{token id: Logprob}` per generated token).
+
+    The end-of-answer token is not part of the answer: tokens stop at the first one that decodes to nothing
+    (a special token) or holds a stop string. `finished` = the engine stopped before the token budget."""
+    import math
+
+    tokens, probs = [], []
+    for token_id, step in zip(token_ids, logprobs, strict=False):
+        logprob, piece = _chosen(step, int(token_id))
+        if not piece or any(s and s in piece for s in stop):
+            break
+        tokens.append(piece)
+        probs.append(math.exp(logprob))
+    return Scored(cut_at_stop(text, stop), tokens, probs, finished=len(token_ids) < max_tokens)
+
+
+def choices_from_logprobs(first_step: dict | None, choices: tuple[str, ...]) -> list[float]:
+    """Choice probabilities from the top-k logprobs of an engine's first generated token."""
+    import math
+
+    pairs = [_logprob_entry(e) for e in (first_step or {}).values()]
+    return choice_mass([(t, math.exp(lp)) for lp, t in filter(None, pairs)], choices)
+
+
+def scored_columns(output_column: str, scored: Scored) -> dict[str, Any]:
+    """The columns a `scored` pass adds to a row."""
+    return {output_column: scored.text, f"{output_column}_tokens": scored.tokens,
+            f"{output_column}_probs": scored.probs, f"{output_column}_finished": scored.finished}
+
+
+# top-k logprobs asked of an engine for a choice judgement: the choice words are among the likeliest tokens
+# whenever the model follows the instruction, and what it leaves out is reported as missing mass.
+CHOICE_TOP_K = 20
 
 
 def messages_to_text(messages: Prompt) -> str:
@@ -57,14 +147,27 @@ class Generator(ABC):
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
         """Greedy answers, one per prompt, in order."""
 
+    @abstractmethod
+    def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
+        """Greedy answers with their tokens' probabilities, one per prompt, in order."""
+
+    @abstractmethod
+    def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:
+        """For each prompt, the probability of each choice word as the answer's first token (not normalized:
+        what the choices leave to other tokens tells whether the model followed the instruction)."""
+
     def apply(
-        self, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer"
+        self, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer",
+        mode: str = "text", choices: tuple[str, ...] = (),
     ) -> ray.data.Dataset:
-        """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`."""
+        """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
+
+        mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
+        `choice`: the list of `choices`' probabilities (see `choice_probs`)."""
         from wbrag_ray.stages.base import apply_stage
         from wbrag_ray.stages.generate import GenerateStage
 
-        return apply_stage(ds, GenerateStage(self.config, prompt_column, output_column))
+        return apply_stage(ds, GenerateStage(self.config, prompt_column, output_column, mode, choices))
 
 
 # --- hf: transformers -----------------------------------------------------------------------------------
@@ -162,41 +265,100 @@ class HFGenerator(Generator):
         return sorted(ids)
 
     def render(self, prompts: list[Prompt]) -> list[str]:
-        if self.config.chat_template:
-            return [
-                self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts
-            ]
-        return [messages_to_text(p) for p in prompts]
+        if not self.config.chat_template:
+            return [messages_to_text(p) for p in prompts]
+        # A final assistant message is continued, not closed and followed by a new turn.
+        return [
+            self.tokenizer.apply_chat_template(
+                p, tokenize=False, add_generation_prompt=not continues_answer(p), continue_final_message=continues_answer(p)
+            )
+            for p in prompts
+        ]
 
-    def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
-        import torch
-
-        if not prompts:
-            return []
-        texts = self.render(prompts)
-        max_new = max_new_tokens or self.config.max_new_tokens
-        # Sort by length so each batch pads little; answers go back in the callers' order.
+    def _batches(self, texts: list[str]):
+        """Batches of `texts` indices sorted by token length, so each batch pads little; with their encodings."""
         lengths = [len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         order = sorted(range(len(texts)), key=lengths.__getitem__)
-        answers: list[str] = [""] * len(texts)
         bs = self.config.batch_size
         for start in range(0, len(order), bs):
             idx = order[start : start + bs]
             enc = self.tokenizer(
                 [texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False
             ).to(self.device)
+            yield idx, enc
+
+    def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
+        return [s.text for s in self._decode(prompts, max_new_tokens, with_probs=False)]
+
+    def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
+        return self._decode(prompts, max_new_tokens, with_probs=True)
+
+    def _decode(self, prompts: list[Prompt], max_new_tokens: int | None, with_probs: bool) -> list[Scored]:
+        import torch
+
+        if not prompts:
+            return []
+        texts = self.render(prompts)
+        max_new = max_new_tokens or self.config.max_new_tokens
+        stop_ids = set(self.stop_token_ids)
+        out: list[Scored] = [None] * len(texts)  # type: ignore[list-item]
+        for idx, enc in self._batches(texts):
             with torch.inference_mode():
-                out = self.model.generate(
+                gen = self.model.generate(
                     **enc,
                     max_new_tokens=max_new,
                     do_sample=False,
                     pad_token_id=self.tokenizer.pad_token_id,
                     eos_token_id=self.stop_token_ids,
+                    output_scores=with_probs,
+                    return_dict_in_generate=True,
                 )
-            new_tokens = out[:, enc["input_ids"].shape[1] :]
-            for i, text in zip(idx, self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True):
-                answers[i] = cut_at_stop(text, self.config.stop)
-        return answers
+                # log-softmax of the (greedy) step logits at the chosen token: that token's probability
+                probs = (
+                    self.model.compute_transition_scores(gen.sequences, gen.scores, normalize_logits=True).float().exp()
+                    if with_probs else None
+                )
+            new_tokens = gen.sequences[:, enc["input_ids"].shape[1] :]
+            for row, i in enumerate(idx):
+                ids = new_tokens[row].tolist()
+                end = next((j for j, t in enumerate(ids) if t in stop_ids), None)
+                body = ids[:end]
+                out[i] = Scored(
+                    text=cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), self.config.stop),
+                    tokens=[self.tokenizer.decode([t]) for t in body] if with_probs else [],
+                    probs=probs[row, : len(body)].tolist() if with_probs else [],
+                    finished=end is not None,
+                )
+        return out
+
+    def _choice_ids(self, choices: tuple[str, ...]) -> list[list[int]]:
+        """Vocabulary ids spelling each choice word (any case, with or without a leading space)."""
+        cache = self.__dict__.setdefault("_choice_id_cache", {})
+        if choices not in cache:
+            vocab = [(i, self.tokenizer.convert_tokens_to_string([t])) for t, i in self.tokenizer.get_vocab().items()]
+            cache[choices] = [[i for i, text in vocab if choice_matches(text, c)] for c in choices]
+            missing = [c for c, ids in zip(choices, cache[choices], strict=True) if not ids]
+            if missing:
+                raise ConfigError(f"generator {self.config.model!r} has no single token for {missing}")
+        return cache[choices]
+
+    def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:
+        import torch
+
+        if not prompts:
+            return []
+        ids = self._choice_ids(tuple(choices))
+        out: list[list[float]] = [[]] * len(prompts)
+        for idx, enc in self._batches(self.render(prompts)):
+            # Left padding: positions count from each row's first real token, as generate() does.
+            positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            with torch.inference_mode():
+                # One forward pass, logits at the last position only (not sequence x vocabulary).
+                logits = self.model(**enc, position_ids=positions, logits_to_keep=1).logits[:, -1, :]
+            probs = torch.softmax(logits.float(), dim=-1)
+            for row, i in enumerate(idx):
+                out[i] = [float(probs[row, c].sum()) for c in ids]
+        return out
 
 
 # --- vllm -----------------------------------------------------------------------------------------------
@@ -237,10 +399,25 @@ class VLLMGenerator(Generator):
             dynamic_lora_loading_path=str(Path(self.config.lora_adapter).parent) if self.config.lora_adapter else None,
         )
 
-    def build_processor(self, prompt_column: str = "prompt", output_column: str = "answer"):
+    def sampling_params(self, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
+        """Greedy sampling parameters of one pass: `scored` asks for the chosen tokens' logprobs, `choice` for
+        the first token's top-k."""
+        params: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens or self.config.max_new_tokens}
+        if self.config.stop:
+            params["stop"] = list(self.config.stop)
+        if mode == "scored":
+            params["logprobs"] = 1
+        elif mode == "choice":
+            params.update(max_tokens=1, logprobs=CHOICE_TOP_K)
+        return params
+
+    def build_processor(
+        self, prompt_column: str = "prompt", output_column: str = "answer", mode: str = "text",
+        choices: tuple[str, ...] = (),
+    ):
         from ray.data.llm import build_processor
 
-        max_tokens = self.config.max_new_tokens
+        sampling = self.sampling_params(mode)
         stop = list(self.config.stop)
         chat = self.config.chat_template
         adapter = self.config.lora_adapter
@@ -248,8 +425,8 @@ class VLLMGenerator(Generator):
         def preprocess(row: dict[str, Any]) -> dict[str, Any]:
             messages = json.loads(row[prompt_column])
             out = dict(row)
-            out["sampling_params"] = {"temperature": 0.0, "max_tokens": max_tokens, **({"stop": stop} if stop else {})}
-            if chat:
+            out["sampling_params"] = sampling
+            if chat:  # Ray's chat template stage continues a final assistant message itself
                 out["messages"] = messages
             else:
                 out["prompt"] = messages_to_text(messages)
@@ -258,14 +435,26 @@ class VLLMGenerator(Generator):
             return out
 
         def postprocess(row: dict[str, Any]) -> dict[str, Any]:
-            keep = {k: v for k, v in row.items() if k not in ("messages", "sampling_params", "generated_text")}
-            keep[output_column] = cut_at_stop(row.get("generated_text") or "", stop)
+            drop = ("messages", "sampling_params", "generated_text", "generated_tokens", "logprobs")
+            keep = {k: v for k, v in row.items() if k not in drop}
+            text = row.get("generated_text") or ""
+            if mode == "choice":
+                keep[output_column] = choices_from_logprobs((row.get("logprobs") or [None])[0], choices)
+            elif mode == "scored":
+                scored = scored_from_logprobs(
+                    list(row.get("generated_tokens") or []), list(row.get("logprobs") or []), text,
+                    sampling["max_tokens"], stop,
+                )
+                keep.update(scored_columns(output_column, scored))
+            else:
+                keep[output_column] = cut_at_stop(text, stop)
             return keep
 
         return build_processor(self.processor_config(), preprocess=preprocess, postprocess=postprocess)
 
-    def apply(self, ds, prompt_column: str = "prompt", output_column: str = "answer"):
-        return self.build_processor(prompt_column, output_column)(ds)
+    def apply(self, ds, prompt_column: str = "prompt", output_column: str = "answer", mode: str = "text",
+              choices: tuple[str, ...] = ()):
+        return self.build_processor(prompt_column, output_column, mode, choices)(ds)
 
     def setup(self) -> None:
         try:
@@ -274,16 +463,37 @@ class VLLMGenerator(Generator):
             raise ConfigError("generator.backend=vllm needs vllm: pip install 'wbrag-ray[gpu]'") from None
         self.llm = LLM(model=resolve_model(self.config.model), **self.engine_kwargs())
 
-    def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
+    def _run(self, prompts: list[Prompt], params: dict[str, Any]):
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens or self.config.max_new_tokens,
-                                stop=list(self.config.stop) or None)
-        if self.config.chat_template:
-            outs = self.llm.chat(prompts, params, use_tqdm=False)
-        else:
-            outs = self.llm.generate([messages_to_text(p) for p in prompts], params, use_tqdm=False)
+        sampling = SamplingParams(**params)
+        if not self.config.chat_template:
+            return self.llm.generate([messages_to_text(p) for p in prompts], sampling, use_tqdm=False)
+        outs: list[Any] = [None] * len(prompts)
+        for cont in (False, True):  # new answers and continued answers take different template flags
+            idx = [i for i, p in enumerate(prompts) if continues_answer(p) == cont]
+            if idx:
+                done = self.llm.chat([prompts[i] for i in idx], sampling, use_tqdm=False,
+                                     add_generation_prompt=not cont, continue_final_message=cont)
+                for i, o in zip(idx, done, strict=True):
+                    outs[i] = o
+        return outs
+
+    def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
+        outs = self._run(prompts, self.sampling_params("text", max_new_tokens))
         return [cut_at_stop(o.outputs[0].text, self.config.stop) for o in outs]
+
+    def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
+        params = self.sampling_params("scored", max_new_tokens)
+        return [
+            scored_from_logprobs(list(o.outputs[0].token_ids), o.outputs[0].logprobs or [], o.outputs[0].text,
+                                 params["max_tokens"], list(self.config.stop))
+            for o in self._run(prompts, params)
+        ]
+
+    def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:
+        outs = self._run(prompts, self.sampling_params("choice"))
+        return [choices_from_logprobs((o.outputs[0].logprobs or [None])[0], tuple(choices)) for o in outs]
 
 
 # --- openai-compatible HTTP -----------------------------------------------------------------------------
@@ -308,24 +518,62 @@ class OpenAIGenerator(Generator):
         with urllib.request.urlopen(req, timeout=300) as resp:
             return json.loads(resp.read())
 
-    def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
+    def _complete(self, p: Prompt, max_tokens: int, top_logprobs: int | None) -> tuple[str, list, bool]:
+        """(text, [(token, logprob, top [(token, logprob)])], stopped by the model) for one prompt."""
+        stop = {"stop": list(self.config.stop)} if self.config.stop else {}
+        base = {"model": self.config.model, "temperature": 0, "max_tokens": max_tokens, **stop}
+        if self.config.chat_template:
+            extra = {"logprobs": True, "top_logprobs": top_logprobs} if top_logprobs is not None else {}
+            choice = self._post("/chat/completions", {**base, "messages": p, **extra})["choices"][0]
+            text = choice["message"]["content"] or ""
+            steps = [(c["token"], c["logprob"], [(t["token"], t["logprob"]) for t in c.get("top_logprobs") or []])
+                     for c in (choice.get("logprobs") or {}).get("content") or []]
+        else:
+            extra = {"logprobs": max(top_logprobs, 1)} if top_logprobs is not None else {}
+            choice = self._post("/completions", {**base, "prompt": messages_to_text(p), **extra})["choices"][0]
+            text = choice["text"]
+            lp = choice.get("logprobs") or {}
+            steps = [(t, v, list((top or {}).items())) for t, v, top in
+                     zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or [], strict=False)]
+        return text, steps, choice.get("finish_reason") == "stop"
+
+    def _map(self, fn, prompts: list[Prompt]) -> list:
         from concurrent.futures import ThreadPoolExecutor
 
-        max_tokens = max_new_tokens or self.config.max_new_tokens
-        stop = {"stop": list(self.config.stop)} if self.config.stop else {}
-
-        def one(p: Prompt) -> str:
-            if self.config.chat_template:
-                body = {"model": self.config.model, "messages": p, "temperature": 0, "max_tokens": max_tokens, **stop}
-                text = self._post("/chat/completions", body)["choices"][0]["message"]["content"]
-            else:
-                body = {"model": self.config.model, "prompt": messages_to_text(p), "temperature": 0,
-                        "max_tokens": max_tokens, **stop}
-                text = self._post("/completions", body)["choices"][0]["text"]
-            return cut_at_stop(text, self.config.stop)
-
         with ThreadPoolExecutor(max_workers=min(16, len(prompts) or 1)) as pool:
-            return list(pool.map(one, prompts))
+            return list(pool.map(fn, prompts))
+
+    def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
+        max_tokens = max_new_tokens or self.config.max_new_tokens
+        return self._map(lambda p: cut_at_stop(self._complete(p, max_tokens, None)[0], self.config.stop), prompts)
+
+    def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
+        import math
+
+        max_tokens = max_new_tokens or self.config.max_new_tokens
+        stop = list(self.config.stop)
+
+        def one(p: Prompt) -> Scored:
+            text, steps, stopped = self._complete(p, max_tokens, 0)
+            tokens, probs = [], []
+            for token, logprob, _ in steps:
+                if any(s and s in token for s in stop):
+                    break
+                tokens.append(token)
+                probs.append(math.exp(logprob))
+            return Scored(cut_at_stop(text, stop), tokens, probs, finished=stopped)
+
+        return self._map(one, prompts)
+
+    def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:
+        import math
+
+        def one(p: Prompt) -> list[float]:
+            _, steps, _ = self._complete(p, 1, CHOICE_TOP_K)
+            top = steps[0][2] if steps else []
+            return choice_mass([(t, math.exp(lp)) for t, lp in top], tuple(choices))
+
+        return self._map(one, prompts)
 
 
 _BACKENDS: dict[str, type[Generator]] = {"hf": HFGenerator, "vllm": VLLMGenerator, "openai": OpenAIGenerator}

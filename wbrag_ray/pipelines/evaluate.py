@@ -1,9 +1,13 @@
-"""Evaluate RAG on a QA dataset: [retrieve top K] -> prompt -> generate -> metrics, per method.
+"""Evaluate RAG on a QA dataset: questions -> a RAG method's retrieval and generator passes -> metrics.
 
-Methods (wbrag_ray.rag): `naive` (top-K retrieval, FlashRAG's prompt), `replug` (per-document answers,
-weighted vote) and `no-retrieval` (the closed-book baseline). Settings: the base index alone, or base +
-the active write-back index (`writeback=True`); `base_index` swaps the base for another index folder (a
-pruned one). Each method writes RUN/eval/<name>-<method>/metrics.json and predictions.parquet.
+Methods (wbrag_ray.rag): `no-retrieval` (the closed-book baseline), `naive` (top-K retrieval, FlashRAG's
+prompt), `replug` (per-document answers, weighted vote), `self-rag` (judged retrieval and relevance) and
+`flare` (retrieval per unsure sentence). Settings: the base index alone, or base + a write-back index (the
+active one, or a named version); `base_index` swaps the base for another index folder (a pruned one). Each
+method writes RUN/eval/<name>-<method>/metrics.json and predictions.parquet.
+
+`evaluate_methods_grid` evaluates every method on the base and beside every trained write-back version, so
+a knowledge base written back under one method is measured under all the others (RUN/eval/methods_grid.json).
 """
 
 from __future__ import annotations
@@ -31,34 +35,32 @@ def evaluate(
     router: str | None = None,
     setting: str | None = None,
     label: str | None = None,
+    writeback_version: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every configured method over `dataset`; return {method: metrics}.
 
-    `writeback`: search the active write-back index together with the base (results under
-    `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
+    `writeback`: search the active write-back index (or `writeback_version`) together with the base (results
+    under `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
     `router`: a query router folder (Zero-RAG); queries it calls mastered get no documents. `setting`: the
     label recorded in metrics.json (default: base or base+writeback). `label`: the results' folder prefix
     (default: the name, plus -writeback).
     """
-    import ray.data
-
     from wbrag_ray import rag
-    from wbrag_ray.index.retriever import RetrieveStage
+    from wbrag_ray.index.retriever import RetrievalSetting
     from wbrag_ray.models.generator import make_generator
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
-    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.pipelines.passes import GeneratorPasses
 
-    methods = list(dict.fromkeys(config.eval.methods))
+    methods = rag.check_methods(config.eval.methods)
     needs_index = any(m != "no-retrieval" for m in methods)
     if needs_index and base_index is None and not run.is_complete("index"):
         raise ConfigError(f"evaluation with retrieval needs the index of {run.uri}; run `wbrag index RUN` first")
     base_index = base_index or run.path("index").uri
     extra: tuple[tuple[str, str, str], ...] = ()
     default_setting, wb_version = "base", None
-    if writeback:
+    if writeback or writeback_version:
         from wbrag_ray.pipelines.writeback import active_index
 
-        wb_version, wb_index, wb_docs = active_index(run)
+        wb_version, wb_index, wb_docs = active_index(run, writeback_version)
         extra, default_setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
     setting = setting or default_setting
     name = name or config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
@@ -69,19 +71,11 @@ def evaluate(
     questions, rejects = read_dataset(resolve(dataset), limit=config.eval.limit)
     if questions.num_rows == 0:
         raise ConfigError(f"dataset {dataset} has no usable questions ({rejects.num_rows} rejected)")
-    ds = ray.data.from_arrow(questions)
-    if needs_index:
-        ds = apply_stage(
-            ds,
-            RetrieveStage(
-                base_index, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe, extra,
-                router_dir=router,
-            ),
-        )
-    expand_args = {"methods": methods, "temperature": config.retrieval.replug_temperature}
-    ds = ds.map_batches(rag.expand, fn_kwargs=expand_args, batch_format="pandas", num_cpus=LIGHT_CPUS)
-    ds = generator.apply(ds, "prompt", "prediction")
-    df = rag.combine(ds.to_pandas(), "prediction")
+    search = RetrievalSetting(
+        base_index, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe, extra, router
+    ) if needs_index else None
+    passes = GeneratorPasses(generator.config)
+    df = rag.answer(questions, methods, config, search, passes, "prediction")
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}
@@ -91,8 +85,8 @@ def evaluate(
         for m in METRICS:
             part[m] = [s[m] for s in scores]
         out = run.path("eval", f"{folder_prefix}-{method}")
-        keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", *METRICS]
-        keep += ["retrieval_skipped"] if "retrieval_skipped" in part else []
+        keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", *METRICS,
+                "retrieval_skipped", "generator_calls", "trace"]
         # No pandas metadata: readers with another pandas version (or none) get plain Arrow types.
         table = pa.Table.from_pandas(part[keep], preserve_index=False).replace_schema_metadata(None)
         out.join("predictions.parquet").write_table(table)
@@ -107,8 +101,12 @@ def evaluate(
             "top_k": config.retrieval.top_k if method != "no-retrieval" else 0,
             "index": base_index if method != "no-retrieval" else None,
             "router": router if method != "no-retrieval" else None,
-            "retrieval_skipped": round(float(part["retrieval_skipped"].mean()), 4)
-            if "retrieval_skipped" in part and method != "no-retrieval" else 0.0,
+            "retrieval_skipped": round(float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
+            # questions the method searched for: every one for naive / replug (without a router), those judged
+            # to need it for self-rag, those with an unsure sentence for flare
+            "retrieval_rate": round(1 - float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
+            "generator_calls": int(part["generator_calls"].sum()),
+            "rag_settings": config.rag.model_dump(mode="json").get(method.replace("-", "_")),
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
             "seconds": round(seconds, 2),
@@ -125,19 +123,92 @@ def evaluate_stage(
     run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
     """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
-    rerun skips it and prints the stored table again."""
+    rerun with the same settings skips it and prints the stored table again; changed settings (another
+    method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
     stage = f"eval-{label}"
-    if run.is_complete(stage) and not force:
-        done = {v["method"]: v for k, v in load_results(run).items() if k == f"{label}-{v.get('method')}"}
-        print(format_table(label, done), flush=True)
+    settings = {
+        "dataset": dataset, "methods": list(config.eval.methods), "limit": config.eval.limit,
+        "top_k": config.retrieval.top_k, "rag": config.rag.model_dump(mode="json"),
+        "generator": config.generator.model_dump(mode="json"), "embedder": config.embedder.model,
+        **{k: v for k, v in kwargs.items() if k != "setting"},
+    }
+    previous = run.stats(stage) if run.is_complete(stage) else None
+    if previous is not None and previous.get("settings") == settings and not force:
+        print(format_table(label, previous.get("methods", {})), flush=True)
+    else:
+        force = True
 
     def work() -> dict[str, Any]:
         results = evaluate(run, config, dataset, name, label=label, **kwargs)
         first = next(iter(results.values()))
         return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
-                "rows_rejected": first["rejected_questions"], "methods": results}
+                "rows_rejected": first["rejected_questions"], "methods": results, "settings": settings}
 
     return run.run_stage(stage, work, force=force)
+
+
+def evaluate_methods_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False) -> dict[str, Any]:
+    """Every method of `eval.methods` on the base index, and beside every trained write-back version: a
+    version written back under one method is measured under the same method and under every other one.
+
+    Writes RUN/eval/methods_grid.json (rows: method, setting, version, the method the version was trained
+    with, same_method, metrics and their change over the base) and prints the table."""
+    from wbrag_ray.pipelines.writeback import trained_method, versions
+
+    name = config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
+    methods = list(dict.fromkeys(config.eval.methods))
+    trained = {v: trained_method(run, v) for v in versions(run)}
+    rows: list[dict[str, Any]] = []
+    base: dict[str, dict[str, Any]] = {}
+    for version in [None, *trained]:
+        # The closed-book baseline searches nothing: once, on the base, is enough.
+        evaluated = [m for m in methods if version is None or m != "no-retrieval"]
+        if not evaluated:
+            continue
+        cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": evaluated})})
+        label = f"{name}-grid" + (f"-wb-{version}" if version else "")
+        stats = evaluate_stage(run, cfg, dataset, name, label, force=force, writeback_version=version,
+                               setting="base" if version is None else f"base+writeback:{version}")
+        for method, m in stats["methods"].items():
+            if version is None:
+                base[method] = m
+            row = {
+                "method": method, "setting": "base" if version is None else "base+writeback", "version": version,
+                "trained_with": trained.get(version), "same_method": None if version is None else trained[version] == method,
+                "n": m["n"], **{k: m[k] for k in METRICS},
+                "retrieval_rate": m.get("retrieval_rate", 0.0), "generator_calls": m.get("generator_calls"),
+            }
+            if version is not None and method in base:
+                row["delta"] = {k: round(m[k] - base[method][k], 4) for k in METRICS}
+            rows.append(row)
+    grid = {"dataset": dataset, "name": name, "methods": methods, "versions": trained, "rows": rows}
+    run.path("eval", "methods_grid.json").write_json(grid)
+    print(format_methods_grid(grid), flush=True)
+    return grid
+
+
+def format_methods_grid(grid: dict[str, Any], metric: str = "acc") -> str:
+    """Methods down, settings across (base, then each write-back version with the method it was trained
+    with); each write-back cell shows the change over the base, * where the version's method is the row's."""
+    versions = grid["versions"]
+    cells = {(r["method"], r["version"]): r for r in grid["rows"]}
+    heads = ["base"] + [f"+wb {v} [{m}]" for v, m in versions.items()]
+    width = max(16, *(len(h) + 2 for h in heads))
+    lines = [f"RAG methods x knowledge base on {grid['name']} ({metric}; * = written back under the same method)",
+             f"{'method':<14}" + "".join(f"{h:>{width}}" for h in heads)]
+    for method in grid["methods"]:
+        line = f"{method:<14}"
+        for version in [None, *versions]:
+            r = cells.get((method, version))
+            if r is None:
+                line += f"{'':>{width}}"
+                continue
+            text = f"{r[metric]:.3f}"
+            if "delta" in r:
+                text += f" ({r['delta'][metric]:+.3f}){'*' if r['same_method'] else ' '}"
+            line += f"{text:>{width}}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def format_table(name: str, results: dict[str, dict[str, Any]]) -> str:

@@ -21,10 +21,12 @@ class GeneratorPasses:
 
     def generate(
         self, name: str, ds, prompt_column: str, output_column: str, max_new_tokens: int | None = None,
-        generator: GeneratorConfig | None = None, multiline: bool = False,
+        generator: GeneratorConfig | None = None, multiline: bool = False, mode: str = "text",
+        choices: tuple[str, ...] = (),
     ) -> pd.DataFrame:
         """Add `output_column` to every row of `ds`; `generator` replaces the default role's model (e.g. the
-        QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop)."""
+        QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop);
+        `mode` / `choices`: scored answers or choice probabilities instead of text (Generator.apply)."""
         from wbrag_ray.models.generator import make_generator
 
         gen_config = generator or self.generator
@@ -33,14 +35,15 @@ class GeneratorPasses:
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
-        df = make_generator(gen_config).apply(ds, prompt_column, output_column).to_pandas()
+        df = make_generator(gen_config).apply(ds, prompt_column, output_column, mode, choices).to_pandas()
         seconds = time.perf_counter() - t0
+        text_out = mode != "choice" and len(df)
         self.stats[name] = {
             "generator_calls": len(df),
             "seconds": round(seconds, 2),
             "calls_per_s": round(len(df) / seconds, 2) if seconds > 0 and len(df) else 0.0,
             "mean_prompt_chars": round(float(df[prompt_column].str.len().mean()), 1) if len(df) else 0.0,
-            "mean_output_chars": round(float(df[output_column].str.len().mean()), 1) if len(df) else 0.0,
+            "mean_output_chars": round(float(df[output_column].str.len().mean()), 1) if text_out else 0.0,
             "max_new_tokens": gen_config.max_new_tokens,
             "model": gen_config.model,
         }
@@ -49,6 +52,10 @@ class GeneratorPasses:
     @property
     def calls(self) -> int:
         return sum(p["generator_calls"] for p in self.stats.values())
+
+    def calls_of(self, prefix: str) -> int:
+        """Generator calls of the passes whose names start with `prefix` (one RAG method's passes)."""
+        return sum(p["generator_calls"] for n, p in self.stats.items() if n.startswith(prefix))
 
 
 def from_pandas(df: pd.DataFrame):

@@ -64,37 +64,37 @@ def default_version(config: WbragConfig, train: str) -> str:
 
 
 def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:
-    """Retrieve, answer without and with the documents (2N calls in one pass), and apply both gates."""
-    import ray.data
+    """Answer without and with retrieval by writeback.rag_method, and apply both gates.
 
+    The documents an example is distilled from are the ones its method answered from: the top K for naive
+    and RePlug, the ones judged relevant for Self-RAG, the ones retrieved for its unsure sentences for FLARE.
+    An example whose method retrieved nothing has nothing to write back and is not kept."""
     from wbrag_ray import rag
     from wbrag_ray.formats import read_dataset
-    from wbrag_ray.index.retriever import RetrieveStage
+    from wbrag_ray.index.retriever import RetrievalSetting
     from wbrag_ray.ray_runtime import LIGHT_CPUS
-    from wbrag_ray.stages.base import apply_stage, run_local
+    from wbrag_ray.stages.base import run_local
     from wbrag_ray.stages.writeback import DocumentGateStage, UtilityGateStage
 
     wb = config.writeback
     questions, rejects = read_dataset(resolve(train), limit=wb.limit)
     if questions.num_rows == 0:
         raise ConfigError(f"writeback.train {train} has no usable examples ({rejects.num_rows} rejected)")
-    ds = apply_stage(
-        ray.data.from_arrow(questions),
-        RetrieveStage(run.path("index").uri, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe),
+    search = RetrievalSetting(
+        run.path("index").uri, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe
     )
-    methods = ["no-retrieval", wb.rag_method]
-    expand_args = {"methods": methods, "temperature": config.retrieval.replug_temperature}
-    ds = ds.map_batches(rag.expand, fn_kwargs=expand_args, batch_format="pandas", num_cpus=LIGHT_CPUS)
-    answered = rag.combine(passes.generate("answer", ds, "prompt", "answer"), "answer")
+    answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
 
     nr = answered[answered["method"] == "no-retrieval"].set_index("id")
     examples = answered[answered["method"] == wb.rag_method].set_index("id")
     examples = examples[["question", "golden_answers", "docs"]].assign(
-        nr_answer=nr["answer"], rag_answer=examples["answer"], rag_slot_answers=examples["slot_answers"]
+        nr_answer=nr["answer"], rag_answer=examples["answer"], rag_slot_answers=examples["slot_answers"],
+        rag_trace=examples["trace"],
     ).reset_index()
     # The fan-in already brought every answer to the driver; scoring is microseconds a row, so the gates
     # run here, in-process, rather than as another actor pool.
     examples = run_local(UtilityGateStage(wb), examples)
+    examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
 
     useful = examples[examples["useful"]].copy()
     if wb.rag_method == "replug":
@@ -199,6 +199,8 @@ def train_writeback(
     stage = f"writeback-{version}"
     settings = {"train": train, **wb.model_dump(mode="json", exclude={"train", "version", "activate", "evaluate"}),
                 "top_k": config.retrieval.top_k, "generator": config.generator.model, "embedder": config.embedder.model}
+    if wb.rag_method in ("self-rag", "flare"):  # the adaptive method's own thresholds decide what is written back
+        settings["rag"] = config.rag.model_dump(mode="json")[wb.rag_method.replace("-", "_")]
     run.check_settings(stage, settings, force,
                        fix="pick another --version (writeback.version) or pass --force to retrain it")
     root = run.path("writeback", version)
@@ -295,6 +297,12 @@ def versions(run: RunFolder) -> list[str]:
             and run.path("writeback", s.removeprefix("writeback-"), "index").exists()]
 
 
+def trained_method(run: RunFolder, version: str) -> str:
+    """The RAG method a write-back version was trained (scored and written back) with."""
+    stats = run.path("writeback", version, "stats.json")
+    return (stats.read_json().get("settings") or {}).get("rag_method", "naive") if stats.exists() else "naive"
+
+
 def activate(run: RunFolder, version: str) -> dict[str, Any]:
     """Make `version` the write-back index searched beside the base (replace); the base index is untouched."""
     if version not in versions(run):
@@ -330,9 +338,13 @@ def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
     return state
 
 
-def active_index(run: RunFolder) -> tuple[str, str, str]:
-    """(version, index folder, corpus folder) of the active write-back index, for a union search."""
-    version = read_active(run)["version"]
+def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, str]:
+    """(version, index folder, corpus folder) of the active write-back index (or of `version`), for a union
+    search."""
+    if version is not None and version not in versions(run):
+        known = ", ".join(versions(run)) or "none"
+        raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
+    version = version or read_active(run)["version"]
     if not version:
         raise ConfigError(
             f"run {run.uri} has no active write-back index; train one with `wbrag writeback RUN --train PATH` "

@@ -1,4 +1,4 @@
-"""Generation as a stage: JSON chat messages in, greedy answers out."""
+"""Generation as a stage: JSON chat messages in; greedy answers, scored answers or choice probabilities out."""
 
 from __future__ import annotations
 
@@ -11,12 +11,27 @@ from wbrag_ray.stages.base import Resources, Stage
 
 
 class GenerateStage(Stage):
+    """One generator pass. `mode`: `text` (the answer), `scored` (the answer, its tokens and their
+    probabilities, and whether the model ended it: FLARE), `choice` (the probability of each of `choices` as
+    the first answer token: Self-RAG-style judgements)."""
+
     name = "generate"
 
-    def __init__(self, config: GeneratorConfig, prompt_column: str = "prompt", output_column: str = "answer"):
+    def __init__(
+        self, config: GeneratorConfig, prompt_column: str = "prompt", output_column: str = "answer",
+        mode: str = "text", choices: tuple[str, ...] = (),
+    ):
+        from wbrag_ray.models.generator import MODES
+
+        if mode not in MODES:
+            raise ValueError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode == "choice" and not choices:
+            raise ValueError("a choice pass needs the choice words")
         self.config = config
         self.prompt_column = prompt_column
         self.output_column = output_column
+        self.mode = mode
+        self.choices = tuple(choices)
         self.input_columns = (prompt_column,)
         self.output_columns = (output_column,)
 
@@ -33,6 +48,15 @@ class GenerateStage(Stage):
         self.generator.setup()
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        from wbrag_ray.models.generator import Scored, scored_columns
+
         prompts = [json.loads(p) for p in batch[self.prompt_column]]
-        batch[self.output_column] = self.generator.generate(prompts)
+        if self.mode == "text":
+            batch[self.output_column] = self.generator.generate(prompts)
+        elif self.mode == "choice":
+            batch[self.output_column] = self.generator.choice_probs(prompts, self.choices)
+        else:
+            rows = [scored_columns(self.output_column, s) for s in self.generator.generate_scored(prompts)]
+            for column in scored_columns(self.output_column, Scored("", [], [], False)):
+                batch[column] = [r[column] for r in rows]
         return batch

@@ -1,6 +1,5 @@
-"""RAG methods: how a method turns a question and its retrieved documents into generator prompts, and the
-generations back into one answer. Evaluation and WriteBack-RAG's scoring share them, so a write-back corpus
-produced with one method can be evaluated with the other.
+"""The one-pass RAG methods: how a method turns a question and its retrieved documents into generator prompts,
+and the generations back into one answer.
 
 - `no-retrieval`: one closed-book prompt.
 - `naive`: one prompt holding the top-K documents (FlashRAG's prompt).
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-METHODS = ("no-retrieval", "naive", "replug")
+ONE_PASS = ("no-retrieval", "naive", "replug")
 
 
 def replug_weights(scores: Sequence[float], temperature: float) -> list[float]:
@@ -59,8 +58,8 @@ def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1
 
     parts = []
     for method in methods:
-        if method not in METHODS:
-            raise ValueError(f"unknown RAG method {method!r}; choose one of {', '.join(METHODS)}")
+        if method not in ONE_PASS:
+            raise ValueError(f"{method!r} is not a one-pass RAG method ({', '.join(ONE_PASS)})")
         if method == "no-retrieval":
             part = batch.copy()
             part["docs"] = "[]"

@@ -1,0 +1,116 @@
+"""RAG methods: how a question and the knowledge base become an answer. Evaluation and WriteBack-RAG's scoring
+share them, so a knowledge base trained under one method can be evaluated under every other.
+
+One pass (`rag.one_pass`): every prompt is known once the question's top-K documents are.
+- `no-retrieval`: one closed-book prompt.
+- `naive`: one prompt holding the top-K documents (FlashRAG's prompt).
+- `replug`: one prompt per document, answers combined by RePlug's ensemble weights.
+
+Adaptive: the generator decides, per question, whether and what to retrieve, so passes alternate with
+retrieval and the next pass's prompts depend on the last pass's outputs.
+- `self-rag` (`rag.self_rag`): judge whether retrieval is needed, judge each document's relevance, answer
+  from the relevant ones (prompted judgements, for models without Self-RAG's reflection tokens).
+- `flare` (`rag.flare`): write the answer a sentence at a time; retrieve for a sentence holding a token the
+  model is unsure of, with that sentence as the query, and write it again with the documents.
+
+`answer()` runs any set of methods over a question table, each pass a Ray Data pass over the generator's
+actor pool (or vLLM engines), and returns one row per (question, method) with the same columns for every
+method, so evaluation and write-back read any method's answers the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from wbrag_ray.config import ConfigError
+from wbrag_ray.rag.one_pass import ONE_PASS, combine, expand, replug_weights, weighted_vote
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from wbrag_ray.config import WbragConfig
+    from wbrag_ray.index.retriever import RetrievalSetting
+    from wbrag_ray.pipelines.passes import GeneratorPasses
+
+ADAPTIVE = ("self-rag", "flare")
+METHODS = (*ONE_PASS, *ADAPTIVE)
+
+__all__ = ["ADAPTIVE", "METHODS", "ONE_PASS", "answer", "combine", "expand", "replug_weights", "weighted_vote"]
+
+
+def check_methods(methods: Sequence[str]) -> list[str]:
+    """The methods in order, once each; a clear error for an unknown one."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown RAG method(s) {unknown}; choose from {', '.join(METHODS)}")
+    return list(dict.fromkeys(methods))
+
+
+def answer(
+    questions: pa.Table,
+    methods: Sequence[str],
+    config: WbragConfig,
+    search: RetrievalSetting | None,
+    passes: GeneratorPasses,
+    answer_column: str = "prediction",
+) -> pd.DataFrame:
+    """Answer every question with every method; one row per (question, method).
+
+    Columns: the question's own (`id`, `question`, `golden_answers`, ...), `method`, `docs` (JSON hits the
+    answer was written from: the top K, the relevant ones, or those retrieved sentence by sentence),
+    `prompt` (the last prompt), `slot_answers`, `answer_column`, `retrieval_skipped` (no search was made for
+    the question: a router or the method's own judgement), `generator_calls`, and `trace` (JSON: the method's
+    decisions, e.g. Self-RAG's judgements or FLARE's sentences and token probabilities).
+    """
+    import json
+
+    import ray.data
+
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+    methods = check_methods(methods)
+    if search is None and any(m != "no-retrieval" for m in methods):
+        raise ValueError("methods that retrieve need a retrieval setting")
+    parts = []
+    one_pass = [m for m in methods if m in ONE_PASS]
+    if one_pass:
+        ds = ray.data.from_arrow(questions)
+        if any(m != "no-retrieval" for m in one_pass):
+            ds = search.search(ds)
+        fn_kwargs = {"methods": one_pass, "temperature": config.retrieval.replug_temperature}
+        ds = ds.map_batches(expand, fn_kwargs=fn_kwargs, batch_format="pandas", num_cpus=LIGHT_CPUS)
+        df = combine(passes.generate("answer", ds, "prompt", answer_column), answer_column)
+        df["generator_calls"] = [len(json.loads(s)) for s in df["slot_answers"]]
+        df["trace"] = "{}"
+        parts.append(df)
+    if "self-rag" in methods or "flare" in methods:
+        frame = questions.to_pandas()
+        if "self-rag" in methods:
+            from wbrag_ray.rag import self_rag
+
+            parts.append(self_rag.run(frame, config.rag.self_rag, search, passes, answer_column))
+        if "flare" in methods:
+            from wbrag_ray.rag import flare
+
+            parts.append(flare.run(frame, config.rag.flare, search, passes, answer_column))
+    out = pd.concat(parts, ignore_index=True)
+    skipped = out["retrieval_skipped"] if "retrieval_skipped" in out else pd.Series(False, index=out.index)
+    out["retrieval_skipped"] = skipped.fillna(False).astype(bool)
+    return out
+
+
+def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
+    """(p(yes) / (p(yes) + p(no)), p(yes) + p(no)) from a yes/no choice pass. The share is what a judgement
+    is thresholded on (a small model spreads probability over many words, but how it splits yes against no
+    still says which way it leans); the mass says how far it followed the instruction. No mass: 0.5."""
+    yes, no = float(probs[0]), float(probs[1])
+    mass = yes + no
+    return (yes / mass if mass > 0 else 0.5), mass
+
+
+def result_row(question: pd.Series, method: str, **fields) -> dict:
+    """One output row of an adaptive method: the question's own columns, then the method's."""
+    return {**question.to_dict(), "method": method, **fields}

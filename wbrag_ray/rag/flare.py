@@ -1,0 +1,145 @@
+"""FLARE, active retrieval (Jiang et al. 2023, FLARE-direct): the answer is written a sentence at a time.
+
+Each round, for every question whose answer is not finished:
+    look ahead: generate the next sentence closed-book (question + answer so far), with token probabilities
+    if every token has probability >= threshold: keep the sentence
+    else: retrieve with the sentence as the query (its unsure tokens masked, the question in front), and
+          generate the sentence again from the retrieved documents (question + documents + answer so far)
+The answer is finished when the model ends it, or after `max_rounds` sentences. One scored generator pass per
+round for the look-ahead, one retrieval pass and one scored pass for the sentences that retrieve.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from wbrag_ray.config import FlareConfig
+from wbrag_ray.rag import result_row
+
+if TYPE_CHECKING:
+    from wbrag_ray.index.retriever import Hit, RetrievalSetting
+    from wbrag_ray.pipelines.passes import GeneratorPasses
+
+METHOD = "flare"
+_ENDS = (".", "!", "?")
+
+
+def first_sentence(tokens: list[str]) -> int:
+    """How many of `tokens` make the first sentence: up to a token ending in . ! or ? that the next token
+    does not continue (a decimal point or an abbreviation's dot is followed by a non-space)."""
+    for j, token in enumerate(tokens):
+        if token.rstrip().endswith(_ENDS) and (j + 1 == len(tokens) or tokens[j + 1][:1].isspace()):
+            return j + 1
+    return len(tokens)
+
+
+def masked_query(question: str, tokens: list[str], probs: list[float], settings: FlareConfig) -> str:
+    """FLARE's query for an unsure sentence: the sentence without its tokens under the threshold (when
+    `mask_query`), after the question (when `query_with_question`)."""
+    kept = [t for t, p in zip(tokens, probs, strict=True) if p >= settings.threshold or not settings.mask_query]
+    sentence = "".join(kept).strip()
+    return f"{question} {sentence}".strip() if settings.query_with_question else (sentence or question)
+
+
+def run(
+    questions: pd.DataFrame, settings: FlareConfig, search: RetrievalSetting, passes: GeneratorPasses,
+    answer_column: str,
+) -> pd.DataFrame:
+    """One row per question (see `rag.answer`); `trace` lists each round's sentence, its lowest token
+    probability, and whether and with what query it retrieved."""
+    from wbrag_ray import prompts
+    from wbrag_ray.index.retriever import hits_from_json, hits_to_json
+    from wbrag_ray.pipelines.passes import from_pandas
+
+    questions = questions.reset_index(drop=True)
+    ids = questions["id"].tolist()
+    question_of = dict(zip(ids, questions["question"], strict=True))
+    written = dict.fromkeys(ids, "")
+    done = dict.fromkeys(ids, False)
+    used: dict = {i: [] for i in ids}  # documents the answer was written from, first retrieval first
+    rounds: dict = {i: [] for i in ids}
+    last_prompt: dict = {}
+    calls = dict.fromkeys(ids, 0)
+    router_skipped = dict.fromkeys(ids, False)
+
+    def scored_pass(name: str, prompt_of: dict) -> pd.DataFrame:
+        frame = pd.DataFrame({"id": list(prompt_of), "prompt": list(prompt_of.values())})
+        out = passes.generate(name, from_pandas(frame), "prompt", "out", settings.look_ahead_tokens, mode="scored")
+        for i in prompt_of:
+            calls[i] += 1
+            last_prompt[i] = prompt_of[i]
+        return out.set_index("id")
+
+    for r in range(1, settings.max_rounds + 1):
+        active = [i for i in ids if not done[i]]
+        if not active:
+            break
+        look = scored_pass(f"{METHOD}:look-ahead-{r}", {
+            i: prompts.dumps(prompts.continue_answer(prompts.no_retrieval_messages(question_of[i]), written[i]))
+            for i in active
+        })
+        step: dict = {}
+        for i in active:
+            tokens, probs = list(look.at[i, "out_tokens"]), list(look.at[i, "out_probs"])
+            k = first_sentence(tokens)
+            low = bool(k) and min(probs[:k]) < settings.threshold
+            step[i] = {"tokens": tokens, "k": k, "finished": bool(look.at[i, "out_finished"]),
+                       "min_prob": min(probs[:k]) if k else None, "retrieve": low,
+                       "look_ahead": "".join(tokens[:k]).strip()}
+            if low:
+                step[i]["query"] = masked_query(question_of[i], tokens[:k], probs[:k], settings)
+
+        unsure = [i for i in active if step[i]["retrieve"]]
+        found: dict[object, list[Hit]] = {}
+        if unsure:
+            frame = pd.DataFrame({"id": unsure, "question": [question_of[i] for i in unsure],
+                                  "flare_query": [step[i]["query"] for i in unsure]})
+            searched = search.search(from_pandas(frame), query_column="flare_query").to_pandas().set_index("id")
+            for i in unsure:
+                found[i] = hits_from_json(searched.at[i, "docs"])
+                if "retrieval_skipped" in searched and bool(searched.at[i, "retrieval_skipped"]):
+                    router_skipped[i] = True
+        rewrite = {
+            i: prompts.dumps(prompts.continue_answer(prompts.rag_messages(question_of[i], found[i]), written[i]))
+            for i in unsure if found[i]  # a router-skipped question has no documents: its look-ahead stands
+        }
+        again = scored_pass(f"{METHOD}:regenerate-{r}", rewrite) if rewrite else None
+
+        for i in active:
+            s = step[i]
+            tokens, k, finished = s["tokens"], s["k"], s["finished"]
+            if i in rewrite:
+                tokens, finished = list(again.at[i, "out_tokens"]), bool(again.at[i, "out_finished"])
+                k = first_sentence(tokens)
+                known = {h.key for h in used[i]}
+                used[i] += [h for h in found[i] if h.key not in known]
+            sentence = "".join(tokens[:k])
+            written[i] += sentence
+            # Finished: the model ended the answer with this sentence, wrote nothing, or rounds ran out.
+            done[i] = (finished and k == len(tokens)) or not k or r == settings.max_rounds
+            rounds[i].append({
+                "round": r, "look_ahead": s["look_ahead"],
+                "min_prob": None if s["min_prob"] is None else round(s["min_prob"], 6),
+                "retrieved": i in rewrite, "query": s.get("query"),
+                "doc_ids": [h.id for h in found.get(i, [])], "sentence": sentence.strip(),
+            })
+
+    rows = []
+    for _, q in questions.iterrows():
+        i = q["id"]
+        text = written[i].strip()
+        rows.append(result_row(
+            q, METHOD,
+            docs=hits_to_json(used[i]),
+            prompt=last_prompt.get(i, ""),
+            slot_answers=json.dumps([text], ensure_ascii=False),
+            **{answer_column: text},
+            retrieval_skipped=not any(x["retrieved"] for x in rounds[i]),
+            generator_calls=calls[i],
+            trace=json.dumps({"threshold": settings.threshold, "router_skipped": router_skipped[i],
+                              "rounds": rounds[i]}),
+        ))
+    return pd.DataFrame(rows)

@@ -1,0 +1,108 @@
+"""Self-RAG-style adaptive retrieval with prompted judgements (Asai et al. 2024, as WriteBack-RAG ran it for
+models without Self-RAG's reflection tokens):
+
+    judge "retrieve?" (one choice pass, p(yes) vs p(no))
+      -> no: answer closed-book
+      -> yes: retrieve top K -> judge each document's relevance (one choice pass over (question, document)
+              pairs) -> answer from the documents judged relevant (closed-book when none is)
+
+Three generator passes and one retrieval pass, each over every question (or pair) that reaches it. A judgement
+is a probability, not parsed text: Self-RAG thresholds p(Retrieve=yes) the same way (its delta).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from wbrag_ray.config import SelfRagConfig
+from wbrag_ray.rag import judgement_share, result_row
+
+if TYPE_CHECKING:
+    from wbrag_ray.index.retriever import RetrievalSetting
+    from wbrag_ray.pipelines.passes import GeneratorPasses
+
+METHOD = "self-rag"
+
+
+def run(
+    questions: pd.DataFrame, settings: SelfRagConfig, search: RetrievalSetting, passes: GeneratorPasses,
+    answer_column: str,
+) -> pd.DataFrame:
+    """One row per question (see `rag.answer`); `trace` holds p_retrieve, the judgement's yes+no mass, and each
+    retrieved document's id, rank and relevance share."""
+    from wbrag_ray import prompts
+    from wbrag_ray.index.retriever import hits_from_json, hits_to_json
+    from wbrag_ray.pipelines.passes import from_pandas
+
+    questions = questions.reset_index(drop=True)
+    ids = questions["id"].tolist()
+    # Only ids and prompts travel to the generator; the gold answers stay in the driver.
+    judge = pd.DataFrame(
+        {"id": ids, "prompt": [prompts.dumps(prompts.retrieval_judge_messages(q)) for q in questions["question"]]}
+    )
+    judged = passes.generate(
+        f"{METHOD}:judge-retrieval", from_pandas(judge), "prompt", "p", mode="choice", choices=prompts.JUDGE_CHOICES
+    ).set_index("id")["p"]
+    share = {i: judgement_share(judged[i]) for i in ids}
+    retrieve = {i: share[i][0] >= settings.retrieval_threshold for i in ids}
+
+    hits: dict = {i: [] for i in ids}
+    router_skipped: dict = {i: False for i in ids}
+    need = questions[[retrieve[i] for i in ids]]
+    if len(need):
+        searched = search.search(from_pandas(need[["id", "question"]])).to_pandas().set_index("id")
+        for i in need["id"]:
+            hits[i] = hits_from_json(searched.at[i, "docs"])
+            if "retrieval_skipped" in searched:
+                router_skipped[i] = bool(searched.at[i, "retrieval_skipped"])
+
+    question_of = dict(zip(ids, questions["question"], strict=True))
+    pairs = pd.DataFrame(
+        [
+            {"id": i, "slot": j, "prompt": prompts.dumps(prompts.relevance_judge_messages(question_of[i], h))}
+            for i in ids for j, h in enumerate(hits[i])
+        ],
+        columns=["id", "slot", "prompt"],
+    )
+    relevance: dict = {i: [] for i in ids}
+    if len(pairs):
+        rel = passes.generate(
+            f"{METHOD}:judge-relevance", from_pandas(pairs), "prompt", "p", mode="choice",
+            choices=prompts.JUDGE_CHOICES,
+        ).sort_values(["id", "slot"], kind="stable")
+        for i, p in zip(rel["id"], rel["p"], strict=True):
+            relevance[i].append(judgement_share(p)[0])
+    kept = {i: [h for h, r in zip(hits[i], relevance[i], strict=True) if r >= settings.relevance_threshold]
+            for i in ids}
+
+    answer_prompts = {i: prompts.dumps(prompts.rag_messages(question_of[i], kept[i])) for i in ids}
+    answered = passes.generate(
+        f"{METHOD}:answer", from_pandas(pd.DataFrame({"id": ids, "prompt": [answer_prompts[i] for i in ids]})),
+        "prompt", answer_column,
+    ).set_index("id")[answer_column]
+
+    rows = []
+    for _, q in questions.iterrows():
+        i = q["id"]
+        trace = {
+            "p_retrieve": round(share[i][0], 6),
+            "judge_mass": round(share[i][1], 6),
+            "retrieve": retrieve[i],
+            "router_skipped": router_skipped[i],
+            "retrieved": [{"id": h.id, "source": h.source, "rank": h.rank, "relevance": round(r, 6)}
+                          for h, r in zip(hits[i], relevance[i], strict=True)],
+        }
+        rows.append(result_row(
+            q, METHOD,
+            docs=hits_to_json(kept[i]),
+            prompt=answer_prompts[i],
+            slot_answers=json.dumps([answered[i]], ensure_ascii=False),
+            **{answer_column: answered[i]},
+            retrieval_skipped=not retrieve[i] or router_skipped[i],
+            generator_calls=2 + len(hits[i]),
+            trace=json.dumps(trace),
+        ))
+    return pd.DataFrame(rows)
