@@ -261,7 +261,7 @@ def cmd_eval(args) -> None:
 
         if not args.methods:
             config.eval.methods = list(rag.METHODS)
-        evaluate_methods_grid(run, config, config.eval.dataset, force=args.force)
+        evaluate_methods_grid(run, config, config.eval.dataset, args.name, force=args.force)
         return
     name = args.name or config.eval.name or os.path.basename(config.eval.dataset.rstrip("/")).split(".")[0]
     kwargs: dict[str, Any] = {"writeback": args.writeback}

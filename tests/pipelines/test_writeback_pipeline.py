@@ -139,3 +139,51 @@ def test_rerun_skips_a_trained_version_and_refuses_other_settings(trained, capsy
     assert main(["writeback", str(trained["run"]), "--train", train, "--set", "writeback.tau_doc=0.5"]) == 2
     assert "other settings" in capsys.readouterr().err
     assert _base_index_hash(trained["run"]) == trained["base_hash"]
+
+
+def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_version(trained, capsys):
+    """A second version trained under FLARE (threshold 1: every answer retrieves), then `wbrag eval --methods-grid`:
+    the five methods on the base and beside both versions, same-method and cross-method."""
+    run, train = trained["run"], str(trained["run"].parent / "train.jsonl")
+    assert main([
+        "writeback", str(run), "--train", train, "--version", "flare",
+        "--set", "writeback.tau_s=-1", "--set", "writeback.tau_delta=-2", "--set", "writeback.tau_doc=2",
+        "--set", "writeback.rag_method=flare", "--set", "rag.flare.threshold=1.0", "--set", "rag.flare.max_rounds=1",
+        "--set", "writeback.extract_max_new_tokens=32", "--set", "writeback.rewrite_max_new_tokens=32",
+    ]) == 0
+    stats = json.loads((run / "writeback" / "flare" / "stats.json").read_text())
+    assert stats["settings"]["rag_method"] == "flare" and stats["settings"]["rag"]["threshold"] == 1.0
+    assert {"flare:look-ahead-1", "flare:regenerate-1", "document_gate"} <= set(stats["passes"])
+    scored = pq.read_table(run / "writeback" / "flare" / "scored.parquet").to_pylist()
+    for ex in scored:  # the documents distilled are the ones FLARE retrieved and answered from
+        rounds = json.loads(ex["rag_trace"])["rounds"]
+        assert [h["id"] for h in json.loads(ex["docs"])] == rounds[0]["doc_ids"] and ex["useful"]
+    assert stats["units_written"] + stats["duplicates_merged"] + stats["empty_units"] == N_TRAIN
+
+    capsys.readouterr()
+    assert main(["eval", str(run), "--dataset", str(trained["test"]), "--name", "m", "--methods-grid",
+                 "--set", "rag.flare.max_rounds=1"]) == 0
+    printed = capsys.readouterr().out
+    grid = json.loads((run / "eval" / "methods_grid.json").read_text())
+    methods = ["no-retrieval", "naive", "replug", "self-rag", "flare"]
+    assert grid["methods"] == methods and grid["versions"] == {"train": "replug", "flare": "flare"}
+    cells = {(r["method"], r["version"]): r for r in grid["rows"]}
+    expected = {(m, None) for m in methods} | {(m, v) for m in methods[1:] for v in ("train", "flare")}
+    assert set(cells) == expected
+    for (method, version), r in cells.items():
+        assert r["n"] == 2 and 0 <= r["acc"] <= 1
+        if version:
+            assert r["same_method"] == (method == grid["versions"][version])
+            assert r["delta"]["acc"] == pytest.approx(r["acc"] - cells[(method, None)]["acc"], abs=1e-4)
+            metrics = json.loads((run / "eval" / f"m-grid-wb-{version}-{method}" / "metrics.json").read_text())
+            assert metrics["writeback_version"] == version and metrics["setting"] == f"base+writeback:{version}"
+    assert "RAG methods x knowledge base" in printed and "+wb flare [flare]" in printed
+    # the union search reached the write-back index under an adaptive method too
+    preds = pq.read_table(run / "eval" / "m-grid-wb-flare-self-rag" / "predictions.parquet").to_pylist()
+    traces = [json.loads(p["trace"]) for p in preds]
+    assert all("retrieved" in t for t in traces)
+    # a rerun with the same settings reuses every cell
+    assert main(["eval", str(run), "--dataset", str(trained["test"]), "--name", "m", "--methods-grid",
+                 "--set", "rag.flare.max_rounds=1"]) == 0
+    assert capsys.readouterr().out.count("complete, skipped") == 3
+    assert _base_index_hash(run) == trained["base_hash"]

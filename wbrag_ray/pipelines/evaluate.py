@@ -147,7 +147,9 @@ def evaluate_stage(
     return run.run_stage(stage, work, force=force)
 
 
-def evaluate_methods_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False) -> dict[str, Any]:
+def evaluate_methods_grid(
+    run: RunFolder, config: WbragConfig, dataset: str, name: str | None = None, force: bool = False
+) -> dict[str, Any]:
     """Every method of `eval.methods` on the base index, and beside every trained write-back version: a
     version written back under one method is measured under the same method and under every other one.
 
@@ -155,7 +157,7 @@ def evaluate_methods_grid(run: RunFolder, config: WbragConfig, dataset: str, for
     with, same_method, metrics and their change over the base) and prints the table."""
     from wbrag_ray.pipelines.writeback import trained_method, versions
 
-    name = config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
+    name = name or config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
     methods = list(dict.fromkeys(config.eval.methods))
     trained = {v: trained_method(run, v) for v in versions(run)}
     rows: list[dict[str, Any]] = []

@@ -124,7 +124,7 @@ def run(
                 "round": r, "look_ahead": s["look_ahead"],
                 "min_prob": None if s["min_prob"] is None else round(s["min_prob"], 6),
                 "retrieved": i in rewrite, "query": s.get("query"),
-                "doc_ids": [h.id for h in found.get(i, [])], "sentence": sentence.strip(),
+                "doc_ids": [h.id for h in found.get(i, [])], "sentence": sentence,  # as written, spaces kept
             })
 
     rows = []
