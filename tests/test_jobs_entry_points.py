@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_job_script_has_help():
-    for script in ("build_index.py", "prune_corpus.py", "writeback.py", "evaluate.py", "naive_rag.py"):
+    for script in ("build_index.py", "prune_corpus.py", "writeback.py", "evaluate.py", "evaluate_methods.py",
+                   "naive_rag.py"):
         out = subprocess.run([sys.executable, str(ROOT / "jobs" / script), "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "CONFIG" in out.stdout.upper(), script
 

@@ -51,6 +51,19 @@ def test_changed_config_is_refused_unless_forced(tmp_path):
     assert run.load_config().index.factory == "HNSW32"
 
 
+def test_rag_method_settings_never_invalidate_a_run_even_one_made_before_they_existed(tmp_path):
+    import json
+
+    run = RunFolder(str(tmp_path / "run"))
+    run.bind_config(load_config())
+    run.bind_config(load_config(overrides=["rag.flare.threshold=0.5", "rag.self_rag.relevance_threshold=0.2"]))
+    run_json = tmp_path / "run" / "run.json"
+    old = json.loads(run_json.read_text())
+    del old["config"]["rag"]  # a run folder written by a version without the adaptive methods
+    run_json.write_text(json.dumps(old))
+    run.bind_config(load_config())
+
+
 def test_run_json_holds_no_credentials(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
     run = RunFolder(str(tmp_path / "run"))

@@ -75,7 +75,15 @@ class GeneratorConfig(_Section):
         "auto", description="hf backend compute dtype; 'auto' takes bf16 where the hardware supports it."
     )
     max_new_tokens: int = Field(32, ge=1, description="Greedy decoding stops after this many tokens.")
-    batch_size: int = Field(32, ge=1, description="Prompts per generate call.")
+    batch_size: int = Field(
+        32, ge=1, description="Most prompts per generate call (hf: fewer where long prompts would not fit memory_gb)."
+    )
+    memory_gb: float | None = Field(
+        None, gt=0,
+        description="hf backend: memory one generate call may use for its KV cache and activations; each batch "
+        "of length-sorted prompts takes as many rows (up to batch_size) as fit. Default: 90% of the GPU memory "
+        "left after loading the model, or half the node's available memory on CPU.",
+    )
     stop: list[str] = Field(
         default_factory=lambda: ["\n"],
         description="Generation stops at the first of these strings, which is cut off: answers and judgements are "
@@ -165,12 +173,19 @@ class SelfRagConfig(_Section):
     tokens): judge whether to retrieve, judge each document's relevance, answer from the relevant ones."""
 
     retrieval_threshold: float = Field(
-        0.5, ge=0, le=1,
+        0.2, ge=0, le=1,
         description="Retrieve when p(yes) / (p(yes) + p(no)) of the retrieval judgement is at least this "
-        "(Self-RAG's delta; 0 always retrieves).",
+        "(Self-RAG's delta, 0.2 by default as in its code; 0 always retrieves).",
     )
     relevance_threshold: float = Field(
-        0.5, ge=0, le=1, description="Keep a retrieved document when its relevance judgement's p(yes) share is at least this.",
+        0.5, ge=0, le=1,
+        description="Keep a retrieved document when its relevance judgement's p(yes) share is at least this "
+        "(0.5: judged more relevant than not).",
+    )
+    keep_best: bool = Field(
+        True,
+        description="When no document passes, answer from the one judged most relevant: once Self-RAG retrieves, "
+        "it always answers from its best-critiqued passage. False answers closed-book instead.",
     )
 
 

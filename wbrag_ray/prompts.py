@@ -48,33 +48,52 @@ def continue_answer(messages: list[dict[str, str]], answer_so_far: str) -> list[
 
 
 # --- Self-RAG-style judgements: prompted, for models without Self-RAG's reflection tokens ----------------
-# Each is read as p("yes") against p("no") for the answer's first token, not parsed from generated text.
+# Each is read as p("yes") against p("no") for the answer's first token, not parsed from generated text. Solved
+# examples as earlier turns: measured on the 40 demo questions, SmolLM2-135M-Instruct put 3% of its first-token
+# probability on yes / no with the instruction alone and 84% with them (it answered "The ..." otherwise). The
+# relevance examples end on a Yes: ending on a No, it said no to every document (yes-share 0.065 with a gold
+# answer in the document, 0.061 without, over 80 demo documents); in this order 0.28 against 0.15.
 
 JUDGE_CHOICES = ("yes", "no")
 RETRIEVAL_JUDGE_SYSTEM = (
     "Decide whether you need to look up documents to answer the question correctly. Answer Yes if it asks for "
     "facts you do not know for certain, and No if you know the answer. Answer only Yes or No."
 )
+RETRIEVAL_JUDGE_SHOTS = (
+    ("What is the capital of France?", "No"),
+    ("Who was the chief engineer of the 1931 Mount Zhelezny railway tunnel?", "Yes"),
+    ("How many legs does a spider have?", "No"),
+    ("In which year was the Kalamazoo municipal library founded?", "Yes"),
+)
 RELEVANCE_JUDGE_SYSTEM = (
     "Decide whether the document is relevant to the question: answer Yes if it holds information that helps "
     "answer the question, and No if it does not. Answer only Yes or No."
 )
 RELEVANCE_JUDGE_USER = "Document (Title: {title}) {text}\n\nQuestion: {question}"
+RELEVANCE_JUDGE_SHOTS = (
+    ("Violin", "The violin is a string instrument with four strings tuned in perfect fifths.",
+     "Into which sea does the Nile flow?", "No"),
+    ("Nile", "The Nile flows north through eleven countries and empties into the Mediterranean Sea.",
+     "Into which sea does the Nile flow?", "Yes"),
+)
 
 
 def retrieval_judge_messages(question: str) -> list[dict[str, str]]:
     """Self-RAG's 'Retrieve?' judgement as a prompt."""
-    return [
-        {"role": "system", "content": RETRIEVAL_JUDGE_SYSTEM},
-        {"role": "user", "content": QUESTION.format(question=question)},
-    ]
+    messages = [{"role": "system", "content": RETRIEVAL_JUDGE_SYSTEM}]
+    for q, answer in RETRIEVAL_JUDGE_SHOTS:
+        messages += [{"role": "user", "content": QUESTION.format(question=q)}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": QUESTION.format(question=question)}]
 
 
 def relevance_judge_messages(question: str, doc: Hit) -> list[dict[str, str]]:
     """Self-RAG's 'IsRel' judgement of one retrieved document as a prompt."""
-    return [
-        {"role": "system", "content": RELEVANCE_JUDGE_SYSTEM},
-        {"role": "user", "content": RELEVANCE_JUDGE_USER.format(title=doc.title, text=doc.text, question=question)},
+    messages = [{"role": "system", "content": RELEVANCE_JUDGE_SYSTEM}]
+    for title, text, q, answer in RELEVANCE_JUDGE_SHOTS:
+        messages += [{"role": "user", "content": RELEVANCE_JUDGE_USER.format(title=title, text=text, question=q)},
+                     {"role": "assistant", "content": answer}]
+    return messages + [
+        {"role": "user", "content": RELEVANCE_JUDGE_USER.format(title=doc.title, text=doc.text, question=question)}
     ]
 
 

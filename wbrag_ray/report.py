@@ -109,6 +109,33 @@ def plot_eval(results: dict[str, dict[str, Any]], out: Path) -> str | None:
     return _save(plt, fig, out, "eval_metrics.png")
 
 
+def plot_methods_grid(grid: dict[str, Any], out: Path, metric: str = "acc") -> str | None:
+    """Per RAG method, one bar for the base and one beside each write-back version; the version trained under
+    the method's own scoring is hatched (same-method), the others are cross-method."""
+    rows = grid.get("rows") or []
+    if not rows:
+        return None
+    methods = [m for m in grid["methods"] if any(r["method"] == m for r in rows)]
+    settings = [None, *grid.get("versions", {})]
+    cells = {(r["method"], r["version"]): r for r in rows}
+    plt, fig, ax = _figure()
+    width = 0.8 / len(settings)
+    x = np.arange(len(methods))
+    for k, version in enumerate(settings):
+        label = "base" if version is None else f"+ write-back {version} [{grid['versions'][version]}]"
+        values = [cells[(m, version)][metric] if (m, version) in cells else np.nan for m in methods]
+        bars = ax.bar(x + (k - (len(settings) - 1) / 2) * width, values, width=width, label=label)
+        for m, bar in zip(methods, bars, strict=True):
+            if version is not None and (m, version) in cells and cells[(m, version)]["same_method"]:
+                bar.set_hatch("//")
+    ax.set_xticks(x, methods, fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} per RAG method and knowledge base (hatched: same-method write-back)", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, out, "methods_grid.png")
+
+
 def plot_sentences_per_passage(run: RunFolder, out: Path) -> str | None:
     loc = run.path("ingest", "sentences")
     if not loc.exists():
@@ -348,13 +375,18 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
         if img := plot_eval(results, out):
             ev.images.append((img, "em / f1 / acc (FlashRAG's definitions) per evaluated setting."))
         sections.append(ev)
+    grid_loc = run.path("eval", "methods_grid.json")
+    if grid_loc.exists():
+        sections.append(methods_grid_section(grid_loc.read_json(), out))
 
     wb_root = run.path("writeback")
     for version_stats in _writeback_versions(run):
         version = version_stats["version"]
         sec = Section(f"Write-back {version}")
+        method = (version_stats.get("settings") or {}).get("rag_method", "naive")
         sec.tables.append(Table("selection (the paper's Table 3)", ["figure", "value"],
-                                [[label, version_stats.get(key)] for key, label in TABLE3]))
+                                [["scored with RAG method", method]]
+                                + [[label, version_stats.get(key)] for key, label in TABLE3]))
         units_loc = wb_root.join(version, "corpus")
         units = units_loc.read_table(["source_tokens", "distilled_tokens"]) if units_loc.exists() else None
         if img := plot_token_scatter(units, out, version):
@@ -369,6 +401,26 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
     config.text = json.dumps(run_json.get("config", {}), indent=2)
     sections.append(config)
     return sections
+
+
+def methods_grid_section(grid: dict[str, Any], out: Path) -> Section:
+    """`wbrag eval --methods-grid`: does a knowledge base written back under one RAG method serve the others?"""
+    sec = Section("RAG methods x knowledge base")
+    sec.text = ("Every RAG method on the base index and beside each write-back version. 'trained with' is the method "
+                "whose answers chose what was written back; a row is same-method when it is the evaluated method.")
+    rows = []
+    for r in grid.get("rows", []):
+        delta = (r.get("delta") or {}).get("acc")
+        rows.append([r["method"], r["version"] or "base", r.get("trained_with") or "",
+                     "" if r.get("same_method") is None else ("same" if r["same_method"] else "cross"),
+                     r["n"], r["em"], r["f1"], r["acc"], "" if delta is None else f"{delta:+.3f}",
+                     r.get("retrieval_rate"), r.get("generator_calls")])
+    sec.tables.append(Table(f"answer metrics on {grid.get('name')}", [
+        "method", "knowledge base", "trained with", "write-back", "n", "em", "f1", "acc", "acc vs base",
+        "retrieval rate", "generator calls"], rows))
+    if img := plot_methods_grid(grid, out):
+        sec.images.append((img, "acc per RAG method: base index alone, and with each write-back version beside it."))
+    return sec
 
 
 def _writeback_versions(run: RunFolder) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from wbrag_ray.storage import Location, resolve
 
 log = logging.getLogger(__name__)
 
-PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows"}
+PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "memory_gb"}
 
 
 class RunFolder:
@@ -48,7 +48,7 @@ class RunFolder:
             # Settings that only add inputs (a new eval dataset) don't change completed outputs; write-back
             # settings only shape versioned write-back indices and Zero-RAG settings only shape its own stages,
             # which check their own settings; the adaptive methods' settings only shape answers.
-            diff = [d for d in diff if not d.startswith(("eval.", "ingest.corpus", "writeback", "zerorag", "rag."))]
+            diff = [d for d in diff if not d.startswith(("eval.", "ingest.corpus", "writeback", "zerorag", "rag.", "rag:"))]
             # Where and how wide a stage runs (CPUs, GPUs, actors, threads, checkpoint size) never changes
             # what it writes: a run may move to a bigger cluster.
             diff = [d for d in diff if d.split(":")[0].rsplit(".", 1)[-1] not in PLACEMENT_KEYS]

@@ -195,3 +195,22 @@ def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster)
     assert all(len(r["out_tokens"]) == len(r["out_probs"]) > 0 and isinstance(r["out_finished"], bool) for r in scored)
     choice = gen.apply(ray.data.from_items(rows), "prompt", "p", mode="choice", choices=("yes", "no")).take_all()
     assert all(len(r["p"]) == 2 for r in choice)
+
+
+def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm):
+    long_doc = [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital and largest city of Iceland. " * 12)]
+    prompts = [no_retrieval_messages(f"What is {i} + {i}?") for i in range(6)]
+    prompts += [rag_messages("What is the capital of Iceland?", long_doc) for _ in range(3)]
+    texts = smollm.render(prompts)
+    budget = smollm.memory_budget
+    expected = smollm.generate(prompts)
+    try:
+        long_row = smollm.row_bytes(len(smollm.tokenizer(texts[-1], add_special_tokens=False)["input_ids"]), 12, False)
+        smollm.memory_budget = int(2.5 * long_row)  # two long rows fit, three don't; short rows fit by the batch
+        sizes = [len(idx) for idx, _ in smollm._batches(texts, 12)]
+        assert sizes == [4, 2, 2, 1]  # batch_size 4 caps the short prompts, the budget the long ones
+        smollm.memory_budget = 1  # nothing fits: one row at a time, never none
+        assert [len(idx) for idx, _ in smollm._batches(texts, 12)] == [1] * 9
+        assert smollm.generate(prompts) == expected  # batch sizes never change greedy answers
+    finally:
+        smollm.memory_budget = budget

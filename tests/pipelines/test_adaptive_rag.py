@@ -105,6 +105,9 @@ def test_self_rag_skips_retrieval_and_drops_documents_as_judged(built_run, flash
             assert json.loads(row["prompt"]) == prompts.no_retrieval_messages(row["question"])
             continue
         kept = [d["id"] for d in trace["retrieved"] if d["relevance"] >= p_relevant]
+        assert trace["fallback"] == (not kept)
+        if not kept:  # none judged relevant: the most relevant one (settings.keep_best)
+            kept = [max(trace["retrieved"], key=lambda d: d["relevance"])["id"]]
         assert [h.id for h in docs] == kept  # the documents judged relevant, in rank order, and only those
         kept_some += bool(kept)
         dropped_some += len(kept) < len(trace["retrieved"])
@@ -115,3 +118,26 @@ def test_self_rag_skips_retrieval_and_drops_documents_as_judged(built_run, flash
     assert passes.stats["self-rag:judge-relevance"]["generator_calls"] == 5 * retrieved
     assert passes.stats["self-rag:answer"]["generator_calls"] == N
     assert df["generator_calls"].sum() == N * 2 + 5 * retrieved
+
+
+def test_a_zero_rag_router_skips_retrieval_under_every_method(built_run, flashrag_files, tmp_path):
+    """A router that calls every question mastered: no method searches, whatever its own decision was."""
+    import numpy as np
+
+    from wbrag_ray.models.router import QueryRouter
+
+    run, config_path = built_run
+    QueryRouter(np.zeros(384, np.float32), 10.0, 0.5).save(tmp_path / "router", {"test": "all mastered"})
+    config = load_config(config_path, overrides=["rag.flare.threshold=1.0", "rag.flare.max_rounds=1",
+                                                 "rag.self_rag.retrieval_threshold=0.0"])
+    questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=3)
+    search = RetrievalSetting(str(run / "index"), str(run / "ingest"), config.embedder, config.retrieval,
+                              config.index.nprobe, router_dir=str(tmp_path / "router"))
+    df = rag.answer(questions, ["naive", "self-rag", "flare"], config, search, GeneratorPasses(config.generator))
+    assert len(df) == 9 and df["retrieval_skipped"].all() and (df["docs"] == "[]").all()
+    for method, trace in zip(df["method"], df["trace"], strict=True):
+        if method == "self-rag":  # it wanted documents; the router said no
+            assert json.loads(trace)["retrieve"] and json.loads(trace)["router_skipped"]
+        if method == "flare":  # every sentence was unsure; the router said no, so the look-ahead stands
+            t = json.loads(trace)
+            assert t["router_skipped"] and t["rounds"][0]["min_prob"] < 1 and not t["rounds"][0]["retrieved"]

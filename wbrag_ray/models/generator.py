@@ -245,6 +245,7 @@ class HFGenerator(Generator):
         self.dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.tokenizer = load_hf_causal_lm(self.config, self.dtype, self.device)
         self.stop_token_ids = self._stop_token_ids()
+        self.memory_budget = self._memory_budget()
         if self.config.chat_template and self.tokenizer.chat_template is None:
             raise ConfigError(
                 f"generator.model {self.config.model!r} has no chat template; set generator.chat_template=false "
@@ -275,13 +276,44 @@ class HFGenerator(Generator):
             for p in prompts
         ]
 
-    def _batches(self, texts: list[str]):
-        """Batches of `texts` indices sorted by token length, so each batch pads little; with their encodings."""
+    def _memory_budget(self) -> int:
+        """Bytes one generate call may use beyond the weights: generator.memory_gb, else 90% of the GPU memory
+        left after loading, else half of the node's available memory (the rest is for other actors)."""
+        if self.config.memory_gb:
+            return int(self.config.memory_gb * 2**30)
+        if self.device.startswith("cuda"):
+            import torch
+
+            return int(torch.cuda.mem_get_info()[0] * 0.9)
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
+
+    def row_bytes(self, tokens: int, new_tokens: int, with_probs: bool) -> int:
+        """Estimated memory of one row of a generate call: its KV cache over prompt + new tokens, the prefill's
+        activations (hidden state and MLP), and the next-token logits (kept for every step when scoring)."""
+        c = self.model.config
+        size = self.model.dtype.itemsize
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        kv = 2 * c.num_hidden_layers * kv_heads * head_dim * size
+        activations = 2 * (c.hidden_size + getattr(c, "intermediate_size", 4 * c.hidden_size)) * size
+        logits = c.vocab_size * 4 * (new_tokens if with_probs else 2)
+        return (tokens + new_tokens) * kv + tokens * activations + logits
+
+    def _batches(self, texts: list[str], new_tokens: int = 1, with_probs: bool = False):
+        """Batches of `texts` indices sorted by token length, so each batch pads little; with their encodings.
+        A batch takes up to generator.batch_size rows, and fewer once its longest row times its size would
+        pass the memory budget (long prompts come in smaller batches, short ones fill the batch)."""
         lengths = [len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         order = sorted(range(len(texts)), key=lengths.__getitem__)
-        bs = self.config.batch_size
-        for start in range(0, len(order), bs):
-            idx = order[start : start + bs]
+        start = 0
+        while start < len(order):
+            end = start + 1  # one row always goes, whatever its size
+            while (end < len(order) and end - start < self.config.batch_size
+                   and (end + 1 - start) * self.row_bytes(lengths[order[end]], new_tokens, with_probs)
+                   <= self.memory_budget):
+                end += 1
+            idx = order[start:end]
+            start = end
             enc = self.tokenizer(
                 [texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False
             ).to(self.device)
@@ -302,7 +334,7 @@ class HFGenerator(Generator):
         max_new = max_new_tokens or self.config.max_new_tokens
         stop_ids = set(self.stop_token_ids)
         out: list[Scored] = [None] * len(texts)  # type: ignore[list-item]
-        for idx, enc in self._batches(texts):
+        for idx, enc in self._batches(texts, max_new, with_probs):
             with torch.inference_mode():
                 gen = self.model.generate(
                     **enc,

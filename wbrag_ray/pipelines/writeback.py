@@ -1,7 +1,10 @@
 """WriteBack-RAG training, top to bottom: a labeled QA set -> a versioned write-back index beside the base.
 
-    retrieve top K -> s_nr, s_rag (2N generator calls, one pass) -> utility gate
-      -> document gate (K calls per kept example; none for replug, whose per-document answers are s_j)
+    answer closed-book (s_nr) and by writeback.rag_method (s_rag: naive / replug retrieve the top K and answer
+    in one pass with s_nr; self-rag / flare decide per example what to retrieve, in their own passes)
+      -> utility gate (an example whose method retrieved nothing has nothing to write back)
+      -> document gate over the documents the method answered from (one call per document of a kept
+         example; none for replug, whose per-document answers are s_j)
       -> distiller: extract (1 call per kept example) -> rewrite (1 call) -> knowledge units
       -> embed with the base embedder -> dedupe -> write-back corpus + index -> Table 3 stats
 

@@ -111,6 +111,18 @@ def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
     return (yes / mass if mass > 0 else 0.5), mass
 
 
+def search_some(search: RetrievalSetting, frame: pd.DataFrame, query_column: str = "question") -> dict:
+    """One retrieval pass over the questions an adaptive method chose to search (`frame`: id, question and the
+    query column): {id: (hits, router_skipped)}."""
+    from wbrag_ray.index.retriever import hits_from_json
+    from wbrag_ray.pipelines.passes import from_pandas
+
+    searched = search.search(from_pandas(frame), query_column=query_column).to_pandas().set_index("id")
+    router = "retrieval_skipped" in searched
+    return {i: (hits_from_json(searched.at[i, "docs"]), router and bool(searched.at[i, "retrieval_skipped"]))
+            for i in frame["id"]}
+
+
 def result_row(question: pd.Series, method: str, **fields) -> dict:
     """One output row of an adaptive method: the question's own columns, then the method's."""
     return {**question.to_dict(), "method": method, **fields}

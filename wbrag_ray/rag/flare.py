@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from wbrag_ray.config import FlareConfig
-from wbrag_ray.rag import result_row
+from wbrag_ray.rag import result_row, search_some
 
 if TYPE_CHECKING:
     from wbrag_ray.index.retriever import Hit, RetrievalSetting
@@ -51,7 +51,7 @@ def run(
     """One row per question (see `rag.answer`); `trace` lists each round's sentence, its lowest token
     probability, and whether and with what query it retrieved."""
     from wbrag_ray import prompts
-    from wbrag_ray.index.retriever import hits_from_json, hits_to_json
+    from wbrag_ray.index.retriever import hits_to_json
     from wbrag_ray.pipelines.passes import from_pandas
 
     questions = questions.reset_index(drop=True)
@@ -97,11 +97,9 @@ def run(
         if unsure:
             frame = pd.DataFrame({"id": unsure, "question": [question_of[i] for i in unsure],
                                   "flare_query": [step[i]["query"] for i in unsure]})
-            searched = search.search(from_pandas(frame), query_column="flare_query").to_pandas().set_index("id")
-            for i in unsure:
-                found[i] = hits_from_json(searched.at[i, "docs"])
-                if "retrieval_skipped" in searched and bool(searched.at[i, "retrieval_skipped"]):
-                    router_skipped[i] = True
+            for i, (hits, skipped) in search_some(search, frame, "flare_query").items():
+                found[i] = hits
+                router_skipped[i] = router_skipped[i] or skipped
         rewrite = {
             i: prompts.dumps(prompts.continue_answer(prompts.rag_messages(question_of[i], found[i]), written[i]))
             for i in unsure if found[i]  # a router-skipped question has no documents: its look-ahead stands

@@ -4,7 +4,8 @@ models without Self-RAG's reflection tokens):
     judge "retrieve?" (one choice pass, p(yes) vs p(no))
       -> no: answer closed-book
       -> yes: retrieve top K -> judge each document's relevance (one choice pass over (question, document)
-              pairs) -> answer from the documents judged relevant (closed-book when none is)
+              pairs) -> answer from the documents judged relevant (when none is: from the one judged most
+              relevant, as Self-RAG answers from its best-critiqued passage once it retrieves; or closed-book)
 
 Three generator passes and one retrieval pass, each over every question (or pair) that reaches it. A judgement
 is a probability, not parsed text: Self-RAG thresholds p(Retrieve=yes) the same way (its delta).
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from wbrag_ray.config import SelfRagConfig
-from wbrag_ray.rag import judgement_share, result_row
+from wbrag_ray.rag import judgement_share, result_row, search_some
 
 if TYPE_CHECKING:
     from wbrag_ray.index.retriever import RetrievalSetting
@@ -34,7 +35,7 @@ def run(
     """One row per question (see `rag.answer`); `trace` holds p_retrieve, the judgement's yes+no mass, and each
     retrieved document's id, rank and relevance share."""
     from wbrag_ray import prompts
-    from wbrag_ray.index.retriever import hits_from_json, hits_to_json
+    from wbrag_ray.index.retriever import hits_to_json
     from wbrag_ray.pipelines.passes import from_pandas
 
     questions = questions.reset_index(drop=True)
@@ -53,11 +54,8 @@ def run(
     router_skipped: dict = {i: False for i in ids}
     need = questions[[retrieve[i] for i in ids]]
     if len(need):
-        searched = search.search(from_pandas(need[["id", "question"]])).to_pandas().set_index("id")
-        for i in need["id"]:
-            hits[i] = hits_from_json(searched.at[i, "docs"])
-            if "retrieval_skipped" in searched:
-                router_skipped[i] = bool(searched.at[i, "retrieval_skipped"])
+        for i, (found, skipped) in search_some(search, need[["id", "question"]]).items():
+            hits[i], router_skipped[i] = found, skipped
 
     question_of = dict(zip(ids, questions["question"], strict=True))
     pairs = pd.DataFrame(
@@ -77,6 +75,10 @@ def run(
             relevance[i].append(judgement_share(p)[0])
     kept = {i: [h for h, r in zip(hits[i], relevance[i], strict=True) if r >= settings.relevance_threshold]
             for i in ids}
+    fallback = {i: settings.keep_best and bool(hits[i]) and not kept[i] for i in ids}
+    for i in ids:
+        if fallback[i]:
+            kept[i] = [hits[i][max(range(len(hits[i])), key=relevance[i].__getitem__)]]
 
     answer_prompts = {i: prompts.dumps(prompts.rag_messages(question_of[i], kept[i])) for i in ids}
     answered = passes.generate(
@@ -92,6 +94,7 @@ def run(
             "judge_mass": round(share[i][1], 6),
             "retrieve": retrieve[i],
             "router_skipped": router_skipped[i],
+            "fallback": fallback[i],  # no document passed: the most relevant one was kept
             "retrieved": [{"id": h.id, "source": h.source, "rank": h.rank, "relevance": round(r, 6)}
                           for h, r in zip(hits[i], relevance[i], strict=True)],
         }
