@@ -132,8 +132,10 @@ def plot_methods_grid(grid: dict[str, Any], out: Path, metric: str = "acc") -> s
     ax.set_ylim(0, 1)
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} per RAG method and knowledge base (hatched: same-method write-back)", fontsize=9)
-    ax.legend(fontsize=7)
-    return _save(plt, fig, out, "methods_grid.png")
+    # below the axes: bars reach the top, where a legend inside would cover them
+    ncol = min(3, len(settings))
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    return _save(plt, fig, out, "methods_grid.png", rect=(0, 0.07 * -(-len(settings) // ncol) + 0.02, 1, 1))
 
 
 def plot_sentences_per_passage(run: RunFolder, out: Path) -> str | None:
