@@ -56,7 +56,8 @@ class DecodeCounter:
 
     def __call__(self, **kwargs: Any) -> Any:
         out = self.inner(**kwargs)
-        self.tokens += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
+        seq = getattr(out, "sequences", out)  # a tensor, or the output object of return_dict_in_generate
+        self.tokens += seq.shape[0] * (seq.shape[1] - kwargs["input_ids"].shape[1])
         return out
 
 
