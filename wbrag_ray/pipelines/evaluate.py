@@ -125,11 +125,14 @@ def evaluate_stage(
     """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
     rerun with the same settings skips it and prints the stored table again; changed settings (another
     method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
+    from wbrag_ray.run import PLACEMENT_KEYS
+
     stage = f"eval-{label}"
     settings = {
         "dataset": dataset, "methods": list(config.eval.methods), "limit": config.eval.limit,
         "top_k": config.retrieval.top_k, "rag": config.rag.model_dump(mode="json"),
-        "generator": config.generator.model_dump(mode="json"), "embedder": config.embedder.model,
+        # where and how wide the generator runs never changes an answer: moving to a bigger cluster reuses results
+        "generator": config.generator.model_dump(mode="json", exclude=PLACEMENT_KEYS), "embedder": config.embedder.model,
         **{k: v for k, v in kwargs.items() if k != "setting"},
     }
     previous = run.stats(stage) if run.is_complete(stage) else None
