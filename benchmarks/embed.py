@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     peak32 = report("matmul peak fp32 (2048x2048)", matmul_peak_gflops(torch.float32, seconds=peak_seconds), "GFLOP/s")
     peak16 = report("matmul peak bf16 (2048x2048)", matmul_peak_gflops(torch.bfloat16, seconds=peak_seconds), "GFLOP/s")
 
-    fp32, load_s = set_up(Embedder(EmbedderConfig()))
+    fp32, load_s = set_up(Embedder(EmbedderConfig(dtype="float32")))  # explicit: the default is auto (bf16 here)
     report("model load fp32 (first in process)", load_s, "s", 2)
     bf16, load_s = set_up(Embedder(EmbedderConfig(dtype="bfloat16")))
     report("model load bf16", load_s, "s", 2)
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.encode_passages(sentences[:128])  # warm-up: first-call kernel selection
 
     # One actor that asks Ray for 1 of the 2 CPUs (so reads can run) and runs 2 torch threads.
-    stage = EmbedStage(EmbedderConfig(num_cpus=1, threads=THREADS))
+    stage = EmbedStage(EmbedderConfig(num_cpus=1, threads=THREADS, dtype="float32"))
     first = stage.resources.batch_size  # one Ray batch: what the warm-up run embeds
     items = [{"id": i, "text": s} for i, s in enumerate(sentences)]
 
