@@ -50,3 +50,11 @@ def test_unreachable_ray_address_is_a_clear_error(tmp_path):
     )
     assert out.returncode == 2
     assert "cannot reach the Ray cluster at ray.address='127.0.0.1:1'" in out.stderr
+
+
+def test_methods_grid_refuses_flags_it_cannot_combine_with(tmp_path, capsys):
+    base = ["eval", str(tmp_path / "run"), "--dataset", str(tmp_path / "qa.jsonl"), "--methods-grid"]
+    assert main([*base, "--grid"]) == 2
+    assert "two grids" in capsys.readouterr().err
+    assert main([*base, "--writeback"]) == 2
+    assert "every trained write-back version" in capsys.readouterr().err

@@ -251,17 +251,14 @@ def cmd_eval(args) -> None:
     config = _resolve_config(args, _eval_extra(args), run)
     if not config.eval.dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
+    if args.grid and args.methods_grid:
+        raise ConfigError("--grid (Zero-RAG settings) and --methods-grid (RAG methods x write-back) are two grids: "
+                          "run them one at a time")
+    if args.methods_grid and args.writeback:
+        raise ConfigError("--methods-grid already evaluates beside every trained write-back version: drop --writeback")
     _start(config)
     if args.grid:
         zero_rag.evaluate_grid(run, config, config.eval.dataset, force=args.force)
-        return
-    if args.methods_grid:
-        from wbrag_ray import rag
-        from wbrag_ray.pipelines.evaluate import evaluate_methods_grid
-
-        if not args.methods:
-            config.eval.methods = list(rag.METHODS)
-        evaluate_methods_grid(run, config, config.eval.dataset, args.name, force=args.force)
         return
     name = args.name or config.eval.name or os.path.basename(config.eval.dataset.rstrip("/")).split(".")[0]
     kwargs: dict[str, Any] = {"writeback": args.writeback}
@@ -276,6 +273,15 @@ def cmd_eval(args) -> None:
     if args.prune_ratio is not None or args.router or args.adapter:  # a Zero-RAG setting: name it after them all
         label = zero_rag.eval_label(name, args.prune_ratio, args.writeback, args.router, args.adapter)
         kwargs.update(label=label, setting=label)
+    if args.methods_grid:  # every method, on this (maybe pruned / routed) base and beside each write-back version
+        from wbrag_ray import rag
+        from wbrag_ray.pipelines.evaluate import evaluate_methods_grid
+
+        if not args.methods:
+            config.eval.methods = list(rag.METHODS)
+        evaluate_methods_grid(run, config, config.eval.dataset, kwargs.get("label", name), force=args.force,
+                              **{k: kwargs[k] for k in ("base_index", "router") if k in kwargs})
+        return
     evaluate(run, config, config.eval.dataset, name, **kwargs)
 
 

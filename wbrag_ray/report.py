@@ -109,7 +109,7 @@ def plot_eval(results: dict[str, dict[str, Any]], out: Path) -> str | None:
     return _save(plt, fig, out, "eval_metrics.png")
 
 
-def plot_methods_grid(grid: dict[str, Any], out: Path, metric: str = "acc") -> str | None:
+def plot_methods_grid(grid: dict[str, Any], out: Path, metric: str = "acc", file_name: str = "methods_grid.png") -> str | None:
     """Per RAG method, one bar for the base and one beside each write-back version; the version trained under
     the method's own scoring is hatched (same-method), the others are cross-method."""
     rows = grid.get("rows") or []
@@ -135,7 +135,7 @@ def plot_methods_grid(grid: dict[str, Any], out: Path, metric: str = "acc") -> s
     # below the axes: bars reach the top, where a legend inside would cover them
     ncol = min(3, len(settings))
     fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
-    return _save(plt, fig, out, "methods_grid.png", rect=(0, 0.07 * -(-len(settings) // ncol) + 0.02, 1, 1))
+    return _save(plt, fig, out, file_name, rect=(0, 0.07 * -(-len(settings) // ncol) + 0.02, 1, 1))
 
 
 def plot_sentences_per_passage(run: RunFolder, out: Path) -> str | None:
@@ -377,9 +377,8 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
         if img := plot_eval(results, out):
             ev.images.append((img, "em / f1 / acc (FlashRAG's definitions) per evaluated setting."))
         sections.append(ev)
-    grid_loc = run.path("eval", "methods_grid.json")
-    if grid_loc.exists():
-        sections.append(methods_grid_section(grid_loc.read_json(), out))
+    for grid_name in _methods_grids(run):  # methods_grid.json, and one per Zero-RAG setting it was run with
+        sections.append(methods_grid_section(run.path("eval", grid_name).read_json(), out, grid_name))
 
     wb_root = run.path("writeback")
     for version_stats in _writeback_versions(run):
@@ -405,9 +404,20 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
     return sections
 
 
-def methods_grid_section(grid: dict[str, Any], out: Path) -> Section:
+def _methods_grids(run: RunFolder) -> list[str]:
+    base = run.path("eval")
+    if not base.exists():
+        return []
+    import pyarrow.fs as pafs
+
+    names = [i.base_name for i in base.fs.get_file_info(pafs.FileSelector(base.path))]
+    return sorted(n for n in names if n.startswith("methods_grid") and n.endswith(".json"))
+
+
+def methods_grid_section(grid: dict[str, Any], out: Path, file_name: str = "methods_grid.json") -> Section:
     """`wbrag eval --methods-grid`: does a knowledge base written back under one RAG method serve the others?"""
-    sec = Section("RAG methods x knowledge base")
+    stem = file_name.removesuffix(".json")
+    sec = Section("RAG methods x knowledge base" + ("" if stem == "methods_grid" else f" ({grid.get('name')})"))
     sec.text = ("Every RAG method on the base index and beside each write-back version. 'trained with' is the method "
                 "whose answers chose what was written back; a row is same-method when it is the evaluated method.")
     rows = []
@@ -420,7 +430,7 @@ def methods_grid_section(grid: dict[str, Any], out: Path) -> Section:
     sec.tables.append(Table(f"answer metrics on {grid.get('name')}", [
         "method", "knowledge base", "trained with", "write-back", "n", "em", "f1", "acc", "acc vs base",
         "retrieval rate", "generator calls"], rows))
-    if img := plot_methods_grid(grid, out):
+    if img := plot_methods_grid(grid, out, file_name=f"{stem}.png"):
         sec.images.append((img, "acc per RAG method: base index alone, and with each write-back version beside it."))
     return sec
 

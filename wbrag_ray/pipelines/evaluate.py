@@ -151,13 +151,15 @@ def evaluate_stage(
 
 
 def evaluate_methods_grid(
-    run: RunFolder, config: WbragConfig, dataset: str, name: str | None = None, force: bool = False
+    run: RunFolder, config: WbragConfig, dataset: str, name: str | None = None, force: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
     """Every method of `eval.methods` on the base index, and beside every trained write-back version: a
     version written back under one method is measured under the same method and under every other one.
+    `kwargs` (`base_index`: a pruned index; `router`) apply to every cell, and `name` then says so.
 
     Writes RUN/eval/methods_grid.json (rows: method, setting, version, the method the version was trained
-    with, same_method, metrics and their change over the base) and prints the table."""
+    with, same_method, metrics and their change over the base; methods_grid-<name>.json for a Zero-RAG
+    setting) and prints the table."""
     from wbrag_ray.pipelines.writeback import trained_method, versions
 
     name = name or config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
@@ -173,7 +175,7 @@ def evaluate_methods_grid(
         cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": evaluated})})
         label = f"{name}-grid" + (f"-wb-{version}" if version else "")
         stats = evaluate_stage(run, cfg, dataset, name, label, force=force, writeback_version=version,
-                               setting="base" if version is None else f"base+writeback:{version}")
+                               setting="base" if version is None else f"base+writeback:{version}", **kwargs)
         for method, m in stats["methods"].items():
             if version is None:
                 base[method] = m
@@ -186,8 +188,8 @@ def evaluate_methods_grid(
             if version is not None and method in base:
                 row["delta"] = {k: round(m[k] - base[method][k], 4) for k in METRICS}
             rows.append(row)
-    grid = {"dataset": dataset, "name": name, "methods": methods, "versions": trained, "rows": rows}
-    run.path("eval", "methods_grid.json").write_json(grid)
+    grid = {"dataset": dataset, "name": name, "methods": methods, "versions": trained, "rows": rows, **kwargs}
+    run.path("eval", f"methods_grid-{name}.json" if kwargs else "methods_grid.json").write_json(grid)
     print(format_methods_grid(grid), flush=True)
     return grid
 
