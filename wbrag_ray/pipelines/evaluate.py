@@ -155,7 +155,8 @@ def evaluate_methods_grid(
 ) -> dict[str, Any]:
     """Every method of `eval.methods` on the base index, and beside every trained write-back version: a
     version written back under one method is measured under the same method and under every other one.
-    `kwargs` (`base_index`: a pruned index; `router`) apply to every cell, and `name` then says so.
+    `kwargs` (`base_index`: a pruned index; `router`) apply to every cell (as does a generator adapter), and
+    `name` then says so.
 
     Writes RUN/eval/methods_grid.json (rows: method, setting, version, the method the version was trained
     with, same_method, metrics and their change over the base; methods_grid-<name>.json for a Zero-RAG
@@ -189,7 +190,8 @@ def evaluate_methods_grid(
                 row["delta"] = {k: round(m[k] - base[method][k], 4) for k in METRICS}
             rows.append(row)
     grid = {"dataset": dataset, "name": name, "methods": methods, "versions": trained, "rows": rows, **kwargs}
-    run.path("eval", f"methods_grid-{name}.json" if kwargs else "methods_grid.json").write_json(grid)
+    zero_rag_setting = bool(kwargs) or bool(config.generator.lora_adapter)  # pruned / routed base, tuned adapter
+    run.path("eval", f"methods_grid-{name}.json" if zero_rag_setting else "methods_grid.json").write_json(grid)
     print(format_methods_grid(grid), flush=True)
     return grid
 
