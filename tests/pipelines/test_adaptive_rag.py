@@ -141,3 +141,23 @@ def test_a_zero_rag_router_skips_retrieval_under_every_method(built_run, flashra
         if method == "flare":  # every sentence was unsure; the router said no, so the look-ahead stands
             t = json.loads(trace)
             assert t["router_skipped"] and t["rounds"][0]["min_prob"] < 1 and not t["rounds"][0]["retrieved"]
+
+
+def test_a_router_that_searches_everything_leaves_flare_its_sentence_queries(built_run, flashrag_files, tmp_path):
+    """The router judges the question; FLARE's search still embeds its own sentence query."""
+    import numpy as np
+
+    from wbrag_ray.models.router import QueryRouter
+
+    run, config_path = built_run
+    QueryRouter(np.zeros(384, np.float32), -10.0, 0.5).save(tmp_path / "router", {"test": "none mastered"})
+    config = load_config(config_path, overrides=["rag.flare.threshold=1.0", "rag.flare.max_rounds=1"])
+    questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=3)
+    routed = RetrievalSetting(str(run / "index"), str(run / "ingest"), config.embedder, config.retrieval,
+                              config.index.nprobe, router_dir=str(tmp_path / "router"))
+    plain = RetrievalSetting(str(run / "index"), str(run / "ingest"), config.embedder, config.retrieval,
+                             config.index.nprobe)
+    with_router = rag.answer(questions, ["flare"], config, routed, GeneratorPasses(config.generator))
+    without = rag.answer(questions, ["flare"], config, plain, GeneratorPasses(config.generator))
+    assert not with_router["retrieval_skipped"].any()
+    assert with_router.sort_values("id")["docs"].tolist() == without.sort_values("id")["docs"].tolist()

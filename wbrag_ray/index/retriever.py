@@ -373,9 +373,10 @@ class RetrieveStage(Stage):
         docs = ["[]"] * len(batch)
         searched = np.flatnonzero(~skip)
         if len(searched):
-            if self.query_column != "question":
-                vectors = self.retriever.encode(queries)
-            for i, hits in zip(searched, self.retriever.search_vectors(vectors[searched], k), strict=True):
+            # The router judged the questions; the search embeds the query column only where it differs.
+            found = (vectors[searched] if self.query_column == "question"
+                     else self.retriever.encode([queries[i] for i in searched]))
+            for i, hits in zip(searched, self.retriever.search_vectors(found, k), strict=True):
                 docs[i] = hits_to_json(hits)
         batch["docs"] = docs
         batch["retrieval_skipped"] = skip

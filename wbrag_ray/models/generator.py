@@ -39,6 +39,14 @@ Prompt = list[dict[str, str]]
 MODES = ("text", "scored", "choice")
 
 
+def check_mode(mode: str, choices: tuple[str, ...]) -> None:
+    """A clear error for a pass no backend can run, before any actor starts."""
+    if mode not in MODES:
+        raise ValueError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "choice" and not choices:
+        raise ValueError("a choice pass needs the choice words")
+
+
 @dataclass
 class Scored:
     """One greedy answer with the probability the model gave each of its tokens."""
@@ -82,23 +90,29 @@ def _chosen(step: dict, token_id: int) -> tuple[float, str]:
     return found
 
 
-def scored_from_logprobs(
-    token_ids: list[int], logprobs: list[dict], text: str, max_tokens: int, stop: list[str]
-) -> Scored:
-    """A `Scored` answer from an engine's per-token logprobs (vLLM: `{token id: Logprob}` per generated token).
+def scored_from_pieces(pieces: list[tuple[str, float]], text: str, finished: bool, stop: list[str]) -> Scored:
+    """A `Scored` answer from (token text, logprob) per generated token, as engines and APIs report them.
 
     The end-of-answer token is not part of the answer: tokens stop at the first one that decodes to nothing
-    (a special token) or holds a stop string. `finished` = the engine stopped before the token budget."""
+    (a special token) or holds a stop string."""
     import math
 
     tokens, probs = [], []
-    for token_id, step in zip(token_ids, logprobs, strict=False):
-        logprob, piece = _chosen(step, int(token_id))
+    for piece, logprob in pieces:
         if not piece or any(s and s in piece for s in stop):
             break
         tokens.append(piece)
         probs.append(math.exp(logprob))
-    return Scored(cut_at_stop(text, stop), tokens, probs, finished=len(token_ids) < max_tokens)
+    return Scored(cut_at_stop(text, stop), tokens, probs, finished)
+
+
+def scored_from_logprobs(
+    token_ids: list[int], logprobs: list[dict], text: str, max_tokens: int, stop: list[str]
+) -> Scored:
+    """A `Scored` answer from vLLM's per-token logprobs (`{token id: Logprob}` per generated token);
+    `finished` = the engine stopped before the token budget."""
+    chosen = [_chosen(step, int(token_id)) for token_id, step in zip(token_ids, logprobs, strict=False)]
+    return scored_from_pieces([(piece, lp) for lp, piece in chosen], text, len(token_ids) < max_tokens, stop)
 
 
 def choices_from_logprobs(first_step: dict | None, choices: tuple[str, ...]) -> list[float]:
@@ -246,6 +260,7 @@ class HFGenerator(Generator):
         self.model, self.tokenizer = load_hf_causal_lm(self.config, self.dtype, self.device)
         self.stop_token_ids = self._stop_token_ids()
         self.memory_budget = self._memory_budget()
+        self._choice_id_cache: dict[tuple[str, ...], list[list[int]]] = {}
         if self.config.chat_template and self.tokenizer.chat_template is None:
             raise ConfigError(
                 f"generator.model {self.config.model!r} has no chat template; set generator.chat_template=false "
@@ -365,7 +380,7 @@ class HFGenerator(Generator):
 
     def _choice_ids(self, choices: tuple[str, ...]) -> list[list[int]]:
         """Vocabulary ids spelling each choice word (any case, with or without a leading space)."""
-        cache = self.__dict__.setdefault("_choice_id_cache", {})
+        cache = self._choice_id_cache
         if choices not in cache:
             vocab = [(i, self.tokenizer.convert_tokens_to_string([t])) for t, i in self.tokenizer.get_vocab().items()]
             cache[choices] = [[i for i, text in vocab if choice_matches(text, c)] for c in choices]
@@ -449,6 +464,7 @@ class VLLMGenerator(Generator):
     ):
         from ray.data.llm import build_processor
 
+        check_mode(mode, choices)
         sampling = self.sampling_params(mode)
         stop = list(self.config.stop)
         chat = self.config.chat_template
@@ -580,20 +596,13 @@ class OpenAIGenerator(Generator):
         return self._map(lambda p: cut_at_stop(self._complete(p, max_tokens, None)[0], self.config.stop), prompts)
 
     def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
-        import math
 
         max_tokens = max_new_tokens or self.config.max_new_tokens
         stop = list(self.config.stop)
 
         def one(p: Prompt) -> Scored:
             text, steps, stopped = self._complete(p, max_tokens, 0)
-            tokens, probs = [], []
-            for token, logprob, _ in steps:
-                if any(s and s in token for s in stop):
-                    break
-                tokens.append(token)
-                probs.append(math.exp(logprob))
-            return Scored(cut_at_stop(text, stop), tokens, probs, finished=stopped)
+            return scored_from_pieces([(token, logprob) for token, logprob, _ in steps], text, stopped, stop)
 
         return self._map(one, prompts)
 

@@ -53,10 +53,6 @@ class GeneratorPasses:
     def calls(self) -> int:
         return sum(p["generator_calls"] for p in self.stats.values())
 
-    def calls_of(self, prefix: str) -> int:
-        """Generator calls of the passes whose names start with `prefix` (one RAG method's passes)."""
-        return sum(p["generator_calls"] for n, p in self.stats.items() if n.startswith(prefix))
-
 
 def from_pandas(df: pd.DataFrame):
     import ray.data

@@ -21,12 +21,9 @@ class GenerateStage(Stage):
         self, config: GeneratorConfig, prompt_column: str = "prompt", output_column: str = "answer",
         mode: str = "text", choices: tuple[str, ...] = (),
     ):
-        from wbrag_ray.models.generator import MODES
+        from wbrag_ray.models.generator import check_mode
 
-        if mode not in MODES:
-            raise ValueError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode == "choice" and not choices:
-            raise ValueError("a choice pass needs the choice words")
+        check_mode(mode, choices)
         self.config = config
         self.prompt_column = prompt_column
         self.output_column = output_column
