@@ -20,8 +20,9 @@ setup: $(VENV)/.setup-done
 demo: setup
 	$(VENV)/bin/wbrag demo
 
+# The 25 slowest tests close every run's output (and so every CI log).
 test: setup
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check wbrag_ray tests benchmarks jobs

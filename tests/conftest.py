@@ -77,3 +77,12 @@ def s3_env(s3_server, monkeypatch):
     for k, v in s3_server.items():
         monkeypatch.setenv(k, v)
     return s3_server
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Tiny random-weight models with the bundled models' architectures and tokenizers (tests/tiny_models.py):
+    for tests of plumbing and decisions; tests of answer quality use the bundled models."""
+    from tests.tiny_models import build_tiny_models
+
+    return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))

@@ -55,8 +55,9 @@ def test_a_model_folder_travels_to_s3_and_back_to_a_local_copy(s3_env, tmp_path,
     assert second != first and open(os.path.join(second, "sub", "weights.bin"), "rb").read() == b"version 2"
 
 
-def test_whole_run_folder_on_s3(s3_env, tmp_path):
-    """ingest -> embed -> index -> eval with corpus, dataset and run folder all on s3://, in a fresh process."""
+def test_whole_run_folder_on_s3(s3_env, tmp_path, tiny):
+    """ingest -> embed -> index -> eval with corpus, dataset and run folder all on s3://, in a fresh process
+    (the tiny models: what is checked is where everything lands)."""
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"])
@@ -70,9 +71,9 @@ def test_whole_run_folder_on_s3(s3_env, tmp_path):
     config = tmp_path / "s3.yaml"
     config.write_text(
         "run: s3://wbrag/runs/r1\ningest:\n  corpus: s3://wbrag/in/corpus.jsonl\n  shard_bytes: 4096\n"
-        "embedder:\n  num_cpus: 1\n  threads: 2\n"
-        "generator:\n  max_new_tokens: 8\n  num_cpus: 1\n  threads: 2\n"
-        "eval:\n  dataset: s3://wbrag/in/qa.jsonl\n  name: qa\n  methods: [naive]\n"
+        + tiny.yaml(generator="  max_new_tokens: 8\n  num_cpus: 1\n  threads: 2\n",
+                    embedder="  num_cpus: 1\n  threads: 2\n")
+        + "eval:\n  dataset: s3://wbrag/in/qa.jsonl\n  name: qa\n  methods: [naive]\n"
     )
     out = _wbrag(["run", str(config)], env)
     errors = "\n".join(line for line in out.stderr.splitlines() if "logging_progress" not in line)

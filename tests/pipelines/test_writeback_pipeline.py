@@ -1,6 +1,7 @@
-"""Integration: WriteBack-RAG on a slice of the demo data with the real bundled models on a local Ray
-cluster, through the `wbrag` command: train a write-back index, search it with the base, evaluate base +
-write-back, roll back and re-activate; the base index never changes."""
+"""Integration: WriteBack-RAG on a slice of the demo data on a local Ray cluster, through the `wbrag` command:
+train a write-back index, search it with the base, evaluate base + write-back, roll back and re-activate; the
+base index never changes. The models are the tiny random-weight ones (tests/tiny_models.py): the gates'
+thresholds are set so every decision is known in advance, and what is checked is plumbing and bookkeeping."""
 
 import hashlib
 import json
@@ -27,7 +28,7 @@ def _base_index_hash(run) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ray_cluster):
+def trained(tmp_path_factory, ray_cluster, tiny):
     d = tmp_path_factory.mktemp("wb")
     train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:N_TRAIN]
     for t in train:
@@ -43,8 +44,8 @@ def trained(tmp_path_factory, ray_cluster):
     cfg.write_text(
         f"run: {run}\n"
         f"ingest:\n  corpus: {corpus}\n"
-        "embedder:\n  num_cpus: 1\n  threads: 2\n"
-        "generator:\n  batch_size: 16\n  max_new_tokens: 8\n  num_cpus: 1\n  threads: 2\n"
+        + tiny.yaml(generator="  batch_size: 16\n  max_new_tokens: 8\n  num_cpus: 1\n  threads: 2\n",
+                    embedder="  num_cpus: 1\n  threads: 2\n")
     )
     assert main(["run", str(cfg)]) == 0  # the base: ingest, embed, index
     base_hash = _base_index_hash(run)

@@ -1,7 +1,8 @@
-"""Integration: Zero-RAG's whole chain on a slice of the demo data, with the real bundled models on a local
-Ray cluster, through `wbrag run jobs/configs/zero_rag_demo.yaml` (smaller sample, fewer steps, and a small
-write-back index on the same run): mastery scores, both pruners, prediction, the percentile, the pruned
-corpus and index, tuning, the router and the evaluation grid; then the pieces are checked one by one."""
+"""Integration: Zero-RAG's whole chain on a slice of the demo data on a local Ray cluster, through
+`wbrag run jobs/configs/zero_rag_demo.yaml` (smaller sample, fewer steps, and a small write-back index on the
+same run): mastery scores, both pruners, prediction, the percentile, the pruned corpus and index, tuning, the
+router and the evaluation grid; then the pieces are checked one by one. Every model role runs on the tiny
+random-weight models (tests/tiny_models.py): what is checked is bookkeeping, not what the models learn."""
 
 import json
 
@@ -21,7 +22,7 @@ N_SAMPLE = 48
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, ray_cluster):
+def chain(tmp_path_factory, ray_cluster, tiny):
     d = tmp_path_factory.mktemp("zr")
     test = demo_questions(6)
     train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:10]
@@ -41,7 +42,7 @@ def chain(tmp_path_factory, ray_cluster):
             "--set", f"writeback.train={train_file}", "--set", "writeback.limit=3", "--set", "writeback.tau_s=-1",
             "--set", "writeback.tau_delta=-2", "--set", "writeback.tau_doc=2", "--set", "writeback.rag_method=replug",
             "--set", "writeback.extract_max_new_tokens=24", "--set", "writeback.rewrite_max_new_tokens=24",
-            "--set", "writeback.evaluate=false"]
+            "--set", "writeback.evaluate=false", *tiny.set_args()]
     assert main(args) == 0
     return RunFolder(str(run)), test_file
 
@@ -125,7 +126,7 @@ def test_grid_evaluates_a_pruned_base_with_write_back(chain):
     assert sources <= {"base", "writeback"} and "base" in sources
 
 
-def test_router_decision_changes_what_evaluation_retrieves(chain, tmp_path):
+def test_router_decision_changes_what_evaluation_retrieves(chain, tiny, tmp_path):
     """A router built to call exactly one question mastered: that question gets no documents (and is answered
     closed-book by every method), the others are retrieved for as before."""
     run, test_file = chain
@@ -133,7 +134,7 @@ def test_router_decision_changes_what_evaluation_retrieves(chain, tmp_path):
     from wbrag_ray.models.embedder import Embedder
 
     questions = [q["question"] for q in demo_questions(6)]
-    vectors = Embedder(EmbedderConfig()).encode_queries(questions)
+    vectors = Embedder(EmbedderConfig(model=tiny.embedder, dtype="float32")).encode_queries(questions)
     sims = vectors @ vectors[0]
     threshold = float((sims[0] + np.sort(sims)[-2]) / 2)  # between question 0 and the next most similar one
     # P(mastered) = sigmoid(s * (v . v0 - threshold)): above 0.5 only for question 0

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import ray.data
 
     from wbrag_ray.config import WbragConfig
+    from wbrag_ray.stages.service import Services
 
 log = logging.getLogger(__name__)
 
@@ -335,9 +336,13 @@ class RetrieveStage(Stage):
         router_dir: str | None = None,
         query_column: str = "question",
     ):
+        # What setup loads, for sharing it between passes (a stage around a given retriever is never shared).
+        self._service_key = None
         if retriever is None:
             if index_dir is None:
                 raise ValueError("RetrieveStage needs an index folder or a retriever")
+            self._service_key = (index_dir, ingest_dir, embedder.model_dump_json() if embedder else None, nprobe,
+                                 tuple(extra), router_dir)
             retriever = Retriever(index_dir, ingest_dir, embedder, nprobe)
             if extra:
                 # only the base member embeds the queries; the others search the same vectors
@@ -361,6 +366,12 @@ class RetrieveStage(Stage):
             from wbrag_ray.storage import resolve as resolve_location
 
             self.router = QueryRouter.load(resolve_location(self.router_dir).local_dir())
+
+    def service_key(self) -> tuple | None:
+        return self._service_key
+
+    def adopt(self, loaded: RetrieveStage) -> None:
+        self.retriever, self.router = loaded.retriever, loaded.router
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
         k = self.retrieval.top_k
@@ -403,8 +414,12 @@ class RetrievalSetting:
             router_dir=self.router_dir, query_column=query_column,
         )
 
-    def search(self, ds: ray.data.Dataset, query_column: str = "question") -> ray.data.Dataset:
-        """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, as a Ray Data pass."""
+    def search(self, ds: ray.data.Dataset, query_column: str = "question", services: Services | None = None
+               ) -> ray.data.Dataset:
+        """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, as a Ray Data pass: on the
+        retrieval service of `services` (the index opened once for every pass of a command), else on a pool
+        of its own."""
         from wbrag_ray.stages.base import apply_stage
 
-        return apply_stage(ds, self.stage(query_column))
+        stage = self.stage(query_column)
+        return services.apply(ds, stage) if services is not None else apply_stage(ds, stage)

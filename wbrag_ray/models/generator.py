@@ -17,6 +17,7 @@ actor pool of `GenerateStage`, vllm through `ray.data.llm.build_processor`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -32,6 +33,8 @@ from wbrag_ray.models.bundled import resolve_model
 
 if TYPE_CHECKING:
     import ray.data
+
+    from wbrag_ray.stages.service import Services
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,13 @@ class Generator(ABC):
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Load weights; called once per worker, never at construction (the object travels to actors)."""
 
+    def with_config(self, config: GeneratorConfig) -> Generator:
+        """This set-up generator under another pass's settings (token budget, batch size, stop strings), the
+        loaded model shared: what a generator service lends each pass."""
+        other = copy.copy(self)
+        other.config = config
+        return other
+
     @abstractmethod
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
         """Greedy answers, one per prompt, in order."""
@@ -172,16 +182,18 @@ class Generator(ABC):
 
     def apply(
         self, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer",
-        mode: str = "text", choices: tuple[str, ...] = (),
+        mode: str = "text", choices: tuple[str, ...] = (), services: Services | None = None,
     ) -> ray.data.Dataset:
         """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
 
         mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
-        `choice`: the list of `choices`' probabilities (see `choice_probs`)."""
+        `choice`: the list of `choices`' probabilities (see `choice_probs`). With `services`, on the generator
+        service they hold (the model loaded once for every pass of a command), else on a pool of its own."""
         from wbrag_ray.stages.base import apply_stage
         from wbrag_ray.stages.generate import GenerateStage
 
-        return apply_stage(ds, GenerateStage(self.config, prompt_column, output_column, mode, choices))
+        stage = GenerateStage(self.config, prompt_column, output_column, mode, choices)
+        return services.apply(ds, stage) if services is not None else apply_stage(ds, stage)
 
 
 # --- hf: transformers -----------------------------------------------------------------------------------
@@ -258,6 +270,7 @@ class HFGenerator(Generator):
         self.device = pick_device(self.config.num_gpus)
         self.dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.tokenizer = load_hf_causal_lm(self.config, self.dtype, self.device)
+        self._stop_id_cache: dict[tuple[str, ...], list[int]] = {}
         self.stop_token_ids = self._stop_token_ids()
         self.memory_budget = self._memory_budget()
         self._choice_id_cache: dict[tuple[str, ...], list[list[int]]] = {}
@@ -270,15 +283,23 @@ class HFGenerator(Generator):
     def _stop_token_ids(self) -> list[int]:
         """End-of-sequence ids plus every vocabulary token whose text holds a stop string: a row ends at its
         first such token. (transformers' `stop_strings` matches text as it decodes and measured 40% slower
-        here; a token-id check is free. cut_at_stop trims what such a token carried past the stop string.)"""
-        eos = self.model.generation_config.eos_token_id
-        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [self.tokenizer.eos_token_id])
-        if self.config.stop:
-            for token, i in self.tokenizer.get_vocab().items():
+        here; a token-id check is free. cut_at_stop trims what such a token carried past the stop string.)
+        Cached per stop list: a generator service's passes switch between a few of them."""
+        stop = tuple(self.config.stop)
+        if stop not in self._stop_id_cache:
+            eos = self.model.generation_config.eos_token_id
+            ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [self.tokenizer.eos_token_id])
+            for token, i in self.tokenizer.get_vocab().items() if stop else ():
                 text = self.tokenizer.convert_tokens_to_string([token])
-                if any(s in text for s in self.config.stop):
+                if any(s in text for s in stop):
                     ids.add(i)
-        return sorted(ids)
+            self._stop_id_cache[stop] = sorted(ids)
+        return self._stop_id_cache[stop]
+
+    def with_config(self, config: GeneratorConfig) -> Generator:
+        other = super().with_config(config)
+        other.stop_token_ids = other._stop_token_ids()  # the cache is shared with this generator
+        return other
 
     def render(self, prompts: list[Prompt]) -> list[str]:
         if not self.config.chat_template:
@@ -501,7 +522,8 @@ class VLLMGenerator(Generator):
         return build_processor(self.processor_config(), preprocess=preprocess, postprocess=postprocess)
 
     def apply(self, ds, prompt_column: str = "prompt", output_column: str = "answer", mode: str = "text",
-              choices: tuple[str, ...] = ()):
+              choices: tuple[str, ...] = (), services: Services | None = None):
+        # Engines per pass: sharing one vLLM engine between Ray Data LLM processors is not wired yet.
         return self.build_processor(prompt_column, output_column, mode, choices)(ds)
 
     def setup(self) -> None:

@@ -21,6 +21,7 @@ import pyarrow as pa
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import read_dataset
 from wbrag_ray.metrics import METRICS, score_answer
+from wbrag_ray.pipelines.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 
@@ -36,6 +37,7 @@ def evaluate(
     setting: str | None = None,
     label: str | None = None,
     writeback_version: str | None = None,
+    passes: GeneratorPasses | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every configured method over `dataset`; return {method: metrics}.
 
@@ -43,12 +45,12 @@ def evaluate(
     under `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
     `router`: a query router folder (Zero-RAG); queries it calls mastered get no documents. `setting`: the
     label recorded in metrics.json (default: base or base+writeback). `label`: the results' folder prefix
-    (default: the name, plus -writeback).
+    (default: the name, plus -writeback). `passes`: generator passes (and their loaded generator) shared with
+    the caller's other evaluations, left open; by default the evaluation has its own.
     """
     from wbrag_ray import rag
     from wbrag_ray.index.retriever import RetrievalSetting
     from wbrag_ray.models.generator import make_generator
-    from wbrag_ray.pipelines.passes import GeneratorPasses
 
     methods = rag.check_methods(config.eval.methods)
     needs_index = any(m != "no-retrieval" for m in methods)
@@ -74,8 +76,13 @@ def evaluate(
     search = RetrievalSetting(
         base_index, run.path("ingest").uri, config.embedder, config.retrieval, config.index.nprobe, extra, router
     ) if needs_index else None
-    passes = GeneratorPasses(generator.config)
-    df = rag.answer(questions, methods, config, search, passes, "prediction")
+    own = passes is None
+    passes = passes or GeneratorPasses(generator.config)
+    try:
+        df = rag.answer(questions, methods, config, search, passes, "prediction")
+    finally:
+        if own:
+            passes.close()
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}
@@ -120,7 +127,8 @@ def evaluate(
 
 
 def evaluate_stage(
-    run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False, **kwargs: Any
+    run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False,
+    passes: GeneratorPasses | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
     rerun with the same settings skips it and prints the stored table again; changed settings (another
@@ -142,7 +150,7 @@ def evaluate_stage(
         force = True
 
     def work() -> dict[str, Any]:
-        results = evaluate(run, config, dataset, name, label=label, **kwargs)
+        results = evaluate(run, config, dataset, name, label=label, passes=passes, **kwargs)
         first = next(iter(results.values()))
         return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
                 "rows_rejected": first["rejected_questions"], "methods": results, "settings": settings}
@@ -168,27 +176,29 @@ def evaluate_methods_grid(
     trained = {v: trained_method(run, v) for v in versions(run)}
     rows: list[dict[str, Any]] = []
     base: dict[str, dict[str, Any]] = {}
-    for version in [None, *trained]:
-        # The closed-book baseline searches nothing: once, on the base, is enough.
-        evaluated = [m for m in methods if version is None or m != "no-retrieval"]
-        if not evaluated:
-            continue
-        cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": evaluated})})
-        label = f"{name}-grid" + (f"-wb-{version}" if version else "")
-        stats = evaluate_stage(run, cfg, dataset, name, label, force=force, writeback_version=version,
-                               setting="base" if version is None else f"base+writeback:{version}", **kwargs)
-        for method, m in stats["methods"].items():
-            if version is None:
-                base[method] = m
-            row = {
-                "method": method, "setting": "base" if version is None else "base+writeback", "version": version,
-                "trained_with": trained.get(version), "same_method": None if version is None else trained[version] == method,
-                "n": m["n"], **{k: m[k] for k in METRICS},
-                "retrieval_rate": m.get("retrieval_rate", 0.0), "generator_calls": m.get("generator_calls"),
-            }
-            if version is not None and method in base:
-                row["delta"] = {k: round(m[k] - base[method][k], 4) for k in METRICS}
-            rows.append(row)
+    # One generator for every cell (the retrieval service changes with the cell's write-back index).
+    with GeneratorPasses(config.generator) as passes:
+        for version in [None, *trained]:
+            # The closed-book baseline searches nothing: once, on the base, is enough.
+            evaluated = [m for m in methods if version is None or m != "no-retrieval"]
+            if not evaluated:
+                continue
+            cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": evaluated})})
+            label = f"{name}-grid" + (f"-wb-{version}" if version else "")
+            stats = evaluate_stage(run, cfg, dataset, name, label, force=force, passes=passes, writeback_version=version,
+                                   setting="base" if version is None else f"base+writeback:{version}", **kwargs)
+            for method, m in stats["methods"].items():
+                if version is None:
+                    base[method] = m
+                row = {
+                    "method": method, "setting": "base" if version is None else "base+writeback", "version": version,
+                    "trained_with": trained.get(version), "same_method": None if version is None else trained[version] == method,
+                    "n": m["n"], **{k: m[k] for k in METRICS},
+                    "retrieval_rate": m.get("retrieval_rate", 0.0), "generator_calls": m.get("generator_calls"),
+                }
+                if version is not None and method in base:
+                    row["delta"] = {k: round(m[k] - base[method][k], 4) for k in METRICS}
+                rows.append(row)
     grid = {"dataset": dataset, "name": name, "methods": methods, "versions": trained, "rows": rows, **kwargs}
     zero_rag_setting = bool(kwargs) or bool(config.generator.lora_adapter)  # pruned / routed base, tuned adapter
     run.path("eval", f"methods_grid-{name}.json" if zero_rag_setting else "methods_grid.json").write_json(grid)

@@ -1,23 +1,48 @@
 """One generator pass over a Ray Dataset, recorded: every pipeline that calls the LLM in batches (write-back's
 gates and distiller, Zero-RAG's QA writing and closed-book answers, the router's labels) goes through here, so
-calls, seconds and prompt / output sizes per pass land in its stats the same way."""
+calls, seconds and prompt / output sizes per pass land in its stats the same way.
+
+The passes of one `GeneratorPasses` share its stage services (`stages.service`): the generator is loaded once
+for all of them, and the retrieval passes between them (`RetrievalSetting.search(..., services=)`) open the
+index once. Use it as a context manager, or call `close()`, so the services end before the command runs
+stages that need their CPUs."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig
 
+if TYPE_CHECKING:
+    from wbrag_ray.stages.service import Services
+
 
 class GeneratorPasses:
     """Runs generator passes and records calls, seconds and prompt / output sizes per pass for stats.json."""
 
-    def __init__(self, generator: GeneratorConfig):
+    def __init__(self, generator: GeneratorConfig, services: Services | None = None):
+        """`services`: stage services shared with other passes objects, owned (and closed) by the caller;
+        by default these passes own theirs."""
+        from wbrag_ray.stages.service import Services
+
         self.generator = generator
         self.stats: dict[str, dict[str, Any]] = {}
+        self._owns_services = services is None
+        self.services = Services() if services is None else services
+
+    def close(self) -> None:
+        """End the services these passes own (the loaded generator and index actors); the stats stay."""
+        if self._owns_services:
+            self.services.close()
+
+    def __enter__(self) -> GeneratorPasses:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def generate(
         self, name: str, ds, prompt_column: str, output_column: str, max_new_tokens: int | None = None,
@@ -35,7 +60,7 @@ class GeneratorPasses:
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
-        df = make_generator(gen_config).apply(ds, prompt_column, output_column, mode, choices).to_pandas()
+        df = make_generator(gen_config).apply(ds, prompt_column, output_column, mode, choices, self.services).to_pandas()
         seconds = time.perf_counter() - t0
         text_out = mode != "choice" and len(df)
         self.stats[name] = {
@@ -55,6 +80,6 @@ class GeneratorPasses:
 
 
 def from_pandas(df: pd.DataFrame):
-    import ray.data
+    from wbrag_ray.ray_runtime import local_dataset
 
-    return ray.data.from_pandas(df.reset_index(drop=True))
+    return local_dataset(df)

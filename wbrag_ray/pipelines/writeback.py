@@ -210,16 +210,17 @@ def train_writeback(
 
     def work() -> dict[str, Any]:
         root.delete()
-        passes = GeneratorPasses(config.generator)
         t0 = time.perf_counter()
-        examples = score_examples(run, config, train, passes)
-        root.join("scored.parquet").write_table(_arrow(examples))
-        kept = examples[examples["useful"]]
-        units, empty = pd.DataFrame(columns=UNITS.names), 0
-        if len(kept):
-            distilled = distill(config, kept, passes)
-            root.join("distill.parquet").write_table(_arrow(distilled))
-            units, empty = build_units(version, kept, distilled)
+        # The passes' services (the generator's and the index's actors) end before the units are embedded.
+        with GeneratorPasses(config.generator) as passes:
+            examples = score_examples(run, config, train, passes)
+            root.join("scored.parquet").write_table(_arrow(examples))
+            kept = examples[examples["useful"]]
+            units, empty = pd.DataFrame(columns=UNITS.names), 0
+            if len(kept):
+                distilled = distill(config, kept, passes)
+                root.join("distill.parquet").write_table(_arrow(distilled))
+                units, empty = build_units(version, kept, distilled)
         merged: dict[int, int] = {}
         if len(units):
             vectors = embed_units(config, units)

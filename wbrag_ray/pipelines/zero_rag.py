@@ -162,32 +162,32 @@ def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, forc
         t0 = time.perf_counter()
         total = run.stats("ingest")["sentences"]
         sentences = sample_sentences(run, config, n)
-        passes = GeneratorPasses(config.generator)
-        rows: list[dict] = []
-        if z.qa_mode == "cloze":
-            for s in sentences.itertuples(index=False):
-                rows += [{"sid": s.sid, **r} for r in m.cloze_pairs(s.title, s.text, z.qa_per_sentence)]
-        else:
-            qa_gen = z.qa_generator or config.generator
-            write = sentences[["sid", "title", "text"]].copy()
-            write["qa_prompt"] = [
-                prompts.dumps(prompts.qa_write_messages(f"{t}: {x}" if t else x, z.qa_per_sentence, qa_gen.chat_template))
-                for t, x in zip(write["title"], write["text"], strict=True)
-            ]
-            written = passes.generate("qa_write", from_pandas(write), "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen,
-                                      multiline=True)
-            prefix = "" if qa_gen.chat_template else prompts.QA_FEWSHOT_PREFIX
-            for s in written.sort_values("sid").itertuples(index=False):
-                rows += [{"sid": s.sid, **r} for r in m.llm_pairs(s.text, s.qa_raw, z.qa_per_sentence, prefix)]
-        qa = pd.DataFrame(rows, columns=["sid", "qa_index", "question", "answer", "status", "raw"])
-        qa["qa_index"] = qa["qa_index"].astype("int32")
-        ok = qa[qa["status"] == m.OK].copy()
-        ok["answer_prompt"] = [prompts.dumps(prompts.closed_book_messages(q, z.qa_mode == "cloze")) for q in ok["question"]]
-        predictions = pd.Series(dtype="object")
-        if len(ok):
-            answered = passes.generate("closed_book", from_pandas(ok[["sid", "qa_index", "answer_prompt"]]),
-                                       "answer_prompt", "prediction", z.answer_max_new_tokens)
-            predictions = answered.set_index(["sid", "qa_index"])["prediction"]
+        with GeneratorPasses(config.generator) as passes:
+            rows: list[dict] = []
+            if z.qa_mode == "cloze":
+                for s in sentences.itertuples(index=False):
+                    rows += [{"sid": s.sid, **r} for r in m.cloze_pairs(s.title, s.text, z.qa_per_sentence)]
+            else:
+                qa_gen = z.qa_generator or config.generator
+                write = sentences[["sid", "title", "text"]].copy()
+                write["qa_prompt"] = [
+                    prompts.dumps(prompts.qa_write_messages(f"{t}: {x}" if t else x, z.qa_per_sentence, qa_gen.chat_template))
+                    for t, x in zip(write["title"], write["text"], strict=True)
+                ]
+                written = passes.generate("qa_write", from_pandas(write), "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen,
+                                          multiline=True)
+                prefix = "" if qa_gen.chat_template else prompts.QA_FEWSHOT_PREFIX
+                for s in written.sort_values("sid").itertuples(index=False):
+                    rows += [{"sid": s.sid, **r} for r in m.llm_pairs(s.text, s.qa_raw, z.qa_per_sentence, prefix)]
+            qa = pd.DataFrame(rows, columns=["sid", "qa_index", "question", "answer", "status", "raw"])
+            qa["qa_index"] = qa["qa_index"].astype("int32")
+            ok = qa[qa["status"] == m.OK].copy()
+            ok["answer_prompt"] = [prompts.dumps(prompts.closed_book_messages(q, z.qa_mode == "cloze")) for q in ok["question"]]
+            predictions = pd.Series(dtype="object")
+            if len(ok):
+                answered = passes.generate("closed_book", from_pandas(ok[["sid", "qa_index", "answer_prompt"]]),
+                                           "answer_prompt", "prediction", z.answer_max_new_tokens)
+                predictions = answered.set_index(["sid", "qa_index"])["prediction"]
         qa["prediction"] = [predictions.get((s, i)) for s, i in zip(qa["sid"], qa["qa_index"], strict=True)]
         qa = m.score_answers(qa)
         scores = m.mastery_scores(sentences, qa, z.mastery_metric)
@@ -597,10 +597,10 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
     def work() -> dict[str, Any]:
         from sklearn.metrics import roc_auc_score
 
-        passes = GeneratorPasses(with_adapter(run, config) if adapter else config.generator)
         df = questions[["id", "question", "golden_answers"]].copy()
         df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
-        answered = passes.generate("closed_book", from_pandas(df), "prompt", "prediction").sort_values("id")
+        with GeneratorPasses(with_adapter(run, config) if adapter else config.generator) as passes:
+            answered = passes.generate("closed_book", from_pandas(df), "prompt", "prediction").sort_values("id")
         answered = answered.reset_index(drop=True)
         labels = np.array([metric(z.router_metric, p, list(g)) > 0
                            for p, g in zip(answered["prediction"], answered["golden_answers"], strict=True)])
@@ -679,30 +679,32 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     latency: dict[float, float] = {}
     for adapter in adapters:
         cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
-        for ratio in ratios:
-            index = index_for_ratio(run, ratio)
-            manifest = load_manifest(index)
-            if ratio not in latency:
-                latency[ratio] = retrieval_latency(index, vectors, config.retrieval.top_k, config)
-            for router, writeback in [(r, w) for r in routers for w in writebacks]:
-                first = ratio == ratios[0] and not router and not writeback
-                methods = [m for m in cfg.eval.methods if first or m != "no-retrieval"]  # no index: once is enough
-                if not methods:
-                    continue
-                label = eval_label(name, ratio, writeback, router, adapter)
-                cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"methods": methods})})
-                stats = evaluate_stage(run, cfg_m, dataset, name, label, force=force, base_index=index.uri,
-                                       router=router_location(run).uri if router else None, setting=label,
-                                       writeback=writeback)
-                for method, m in stats["methods"].items():
-                    rows.append({
-                        "ratio": ratio, "router": router, "adapter": adapter, "writeback": writeback,
-                        "method": method, "n": m["n"],
-                        "em": m["em"], "f1": m["f1"], "acc": m["acc"],
-                        "latency_ms_per_query": round(latency[ratio], 4) if method != "no-retrieval" else 0.0,
-                        "index_bytes": _index_bytes(index), "sentences": int(manifest["count"]),
-                        "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
-                    })
+        # one generator (with or without the adapter) for every cell; the retrieval service follows the cell
+        with GeneratorPasses(cfg.generator) as passes:
+            for ratio in ratios:
+                index = index_for_ratio(run, ratio)
+                manifest = load_manifest(index)
+                if ratio not in latency:
+                    latency[ratio] = retrieval_latency(index, vectors, config.retrieval.top_k, config)
+                for router, writeback in [(r, w) for r in routers for w in writebacks]:
+                    first = ratio == ratios[0] and not router and not writeback
+                    methods = [m for m in cfg.eval.methods if first or m != "no-retrieval"]  # no index: once is enough
+                    if not methods:
+                        continue
+                    label = eval_label(name, ratio, writeback, router, adapter)
+                    cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"methods": methods})})
+                    stats = evaluate_stage(run, cfg_m, dataset, name, label, force=force, passes=passes,
+                                           base_index=index.uri, router=router_location(run).uri if router else None,
+                                           setting=label, writeback=writeback)
+                    for method, m in stats["methods"].items():
+                        rows.append({
+                            "ratio": ratio, "router": router, "adapter": adapter, "writeback": writeback,
+                            "method": method, "n": m["n"],
+                            "em": m["em"], "f1": m["f1"], "acc": m["acc"],
+                            "latency_ms_per_query": round(latency[ratio], 4) if method != "no-retrieval" else 0.0,
+                            "index_bytes": _index_bytes(index), "sentences": int(manifest["count"]),
+                            "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
+                        })
     _root(run, "grid.json").write_json({"dataset": dataset, "rows": rows})
     print(format_grid(rows), flush=True)
     return rows

@@ -67,9 +67,7 @@ def answer(
     """
     import json
 
-    import ray.data
-
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
+    from wbrag_ray.ray_runtime import LIGHT_CPUS, local_dataset
 
     methods = check_methods(methods)
     if search is None and any(m != "no-retrieval" for m in methods):
@@ -77,9 +75,9 @@ def answer(
     parts = []
     one_pass = [m for m in methods if m in ONE_PASS]
     if one_pass:
-        ds = ray.data.from_arrow(questions)
+        ds = local_dataset(questions)
         if any(m != "no-retrieval" for m in one_pass):
-            ds = search.search(ds)
+            ds = search.search(ds, services=passes.services)
         fn_kwargs = {"methods": one_pass, "temperature": config.retrieval.replug_temperature}
         ds = ds.map_batches(expand, fn_kwargs=fn_kwargs, batch_format="pandas", num_cpus=LIGHT_CPUS)
         df = combine(passes.generate("answer", ds, "prompt", answer_column), answer_column)
@@ -111,13 +109,14 @@ def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
     return (yes / mass if mass > 0 else 0.5), mass
 
 
-def search_some(search: RetrievalSetting, frame: pd.DataFrame, query_column: str = "question") -> dict:
+def search_some(search: RetrievalSetting, frame: pd.DataFrame, passes: GeneratorPasses,
+                query_column: str = "question") -> dict:
     """One retrieval pass over the questions an adaptive method chose to search (`frame`: id, question and the
-    query column): {id: (hits, router_skipped)}."""
+    query column), on the retrieval service of `passes`: {id: (hits, router_skipped)}."""
     from wbrag_ray.index.retriever import hits_from_json
     from wbrag_ray.pipelines.passes import from_pandas
 
-    searched = search.search(from_pandas(frame), query_column=query_column).to_pandas().set_index("id")
+    searched = search.search(from_pandas(frame), query_column, passes.services).to_pandas().set_index("id")
     router = "retrieval_skipped" in searched
     return {i: (hits_from_json(searched.at[i, "docs"]), router and bool(searched.at[i, "retrieval_skipped"]))
             for i in frame["id"]}

@@ -7,6 +7,11 @@ Each round, for every question whose answer is not finished:
           generate the sentence again from the retrieved documents (question + documents + answer so far)
 The answer is finished when the model ends it, or after `max_rounds` sentences. One scored generator pass per
 round for the look-ahead, one retrieval pass and one scored pass for the sentences that retrieve.
+
+An empty look-ahead (the model ends the answer before writing a token: an end or stop token first) finishes
+the answer: there is no token to be unsure of and no sentence to query with, so that round neither retrieves
+nor writes, and no round follows. Its trace has `min_prob` None. A first round that ends this way leaves an
+empty answer, which is what the model said closed-book.
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ def run(
         for i in active:
             tokens, probs = list(look.at[i, "out_tokens"]), list(look.at[i, "out_probs"])
             k = first_sentence(tokens)
-            low = bool(k) and min(probs[:k]) < settings.threshold
+            low = bool(k) and min(probs[:k]) < settings.threshold  # an empty look-ahead ends the answer
             step[i] = {"tokens": tokens, "k": k, "finished": bool(look.at[i, "out_finished"]),
                        "min_prob": min(probs[:k]) if k else None, "retrieve": low,
                        "look_ahead": "".join(tokens[:k]).strip()}
@@ -97,7 +102,7 @@ def run(
         if unsure:
             frame = pd.DataFrame({"id": unsure, "question": [question_of[i] for i in unsure],
                                   "flare_query": [step[i]["query"] for i in unsure]})
-            for i, (hits, skipped) in search_some(search, frame, "flare_query").items():
+            for i, (hits, skipped) in search_some(search, frame, passes, "flare_query").items():
                 found[i] = hits
                 router_skipped[i] = router_skipped[i] or skipped
         rewrite = {

@@ -54,7 +54,7 @@ def run(
     router_skipped: dict = {i: False for i in ids}
     need = questions[[retrieve[i] for i in ids]]
     if len(need):
-        for i, (found, skipped) in search_some(search, need[["id", "question"]]).items():
+        for i, (found, skipped) in search_some(search, need[["id", "question"]], passes).items():
             hits[i], router_skipped[i] = found, skipped
 
     question_of = dict(zip(ids, questions["question"], strict=True))

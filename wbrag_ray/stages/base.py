@@ -8,6 +8,7 @@ and one batch method. `apply_stage(ds, stage)` wires it into a pipeline.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -50,6 +51,15 @@ class Stage(ABC):
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Once per worker: load models, open indices."""
 
+    def service_key(self) -> Hashable | None:
+        """What `setup` loads, as a hashable value: passes whose stages have equal keys can share one set of
+        set-up workers (`stages.service`), each pass with its own stage object. None: never shared."""
+        return None
+
+    def adopt(self, loaded: Stage) -> None:
+        """Take what `loaded` (a set-up stage with the same `service_key`) holds instead of running `setup`."""
+        raise NotImplementedError(f"stage {self.name} declares a service key but cannot adopt a loaded stage")
+
     @abstractmethod
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
         """Return the batch with `output_columns` added (a DataFrame, or a pyarrow Table for typed columns
@@ -71,16 +81,21 @@ class _StageWorker:
         stage.setup()
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        have = list(batch.column_names if hasattr(batch, "column_names") else batch.columns)
-        missing = [c for c in self.stage.input_columns if c not in have]
-        if missing:
-            raise StageError(f"stage {self.stage.name}: input is missing columns {missing}; it has {have}")
-        out = self.stage.process_batch(batch)
-        columns = out.column_names if hasattr(out, "column_names") else out.columns
-        absent = [c for c in self.stage.output_columns if c not in columns]
-        if absent:
-            raise StageError(f"stage {self.stage.name} did not produce columns {absent}")
-        return out
+        return process_checked(self.stage, batch)
+
+
+def process_checked(stage: Stage, batch):
+    """`stage.process_batch(batch)`, with the stage's declared input and output columns checked."""
+    have = list(batch.column_names if hasattr(batch, "column_names") else batch.columns)
+    missing = [c for c in stage.input_columns if c not in have]
+    if missing:
+        raise StageError(f"stage {stage.name}: input is missing columns {missing}; it has {have}")
+    out = stage.process_batch(batch)
+    columns = out.column_names if hasattr(out, "column_names") else out.columns
+    absent = [c for c in stage.output_columns if c not in columns]
+    if absent:
+        raise StageError(f"stage {stage.name} did not produce columns {absent}")
+    return out
 
 
 def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:

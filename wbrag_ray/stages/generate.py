@@ -44,6 +44,13 @@ class GenerateStage(Stage):
         self.generator = make_generator(self.config)
         self.generator.setup()
 
+    def service_key(self) -> str:
+        # What setup loads: the generator's settings except those a pass sets for itself.
+        return self.config.model_dump_json(exclude={"max_new_tokens", "batch_size", "stop"})
+
+    def adopt(self, loaded: GenerateStage) -> None:
+        self.generator = loaded.generator.with_config(self.config)
+
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
         from wbrag_ray.models.generator import Scored, scored_columns
 

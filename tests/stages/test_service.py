@@ -1,0 +1,70 @@
+"""Stage services on a local Ray cluster with the tiny generator: one loaded model serves every pass of a
+command whatever each pass asks (mode, token budget, stop strings), answers exactly as a pool of its own
+would, is replaced (never doubled) when a pass needs another model, and gives its CPUs back when closed."""
+
+import time
+
+import pandas as pd
+
+from wbrag_ray import prompts
+from wbrag_ray.config import GeneratorConfig
+from wbrag_ray.models.generator import HFGenerator
+from wbrag_ray.pipelines.passes import GeneratorPasses, from_pandas
+
+QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "Name a river.", "How high is Everest?"]
+
+
+def _frame():
+    return pd.DataFrame({"id": range(len(QUESTIONS)),
+                         "prompt": [prompts.dumps(prompts.no_retrieval_messages(q)) for q in QUESTIONS]})
+
+
+def _cpus_free(ray, want: float, timeout: float = 30) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ray.available_resources().get("CPU", 0) >= want:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_cluster, tiny):
+    config = GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=6, batch_size=2, num_cpus=1,
+                             threads=2)
+    local = HFGenerator(config)
+    local.setup()
+    chat = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
+    with GeneratorPasses(config) as passes:
+        text = passes.generate("text", from_pandas(_frame()), "prompt", "answer").sort_values("id")
+        longer = passes.generate("longer", from_pandas(_frame()), "prompt", "answer", 12).sort_values("id")
+        multiline = passes.generate("multiline", from_pandas(_frame()), "prompt", "answer", 12,
+                                    multiline=True).sort_values("id")
+        scored = passes.generate("scored", from_pandas(_frame()), "prompt", "out", mode="scored").sort_values("id")
+        choice = passes.generate("choice", from_pandas(_frame()), "prompt", "p", mode="choice",
+                                 choices=("yes", "no")).sort_values("id")
+        # five passes, four settings of the pass (budget, stop strings, mode), one loaded model
+        assert passes.services.started == {"generate": 1}
+    assert text["answer"].tolist() == local.generate(chat)
+    assert longer["answer"].tolist() == local.generate(chat, 12)
+    assert multiline["answer"].tolist() == local.with_config(config.model_copy(update={"stop": []})).generate(chat, 12)
+    want = local.generate_scored(chat)
+    assert scored["out_tokens"].map(list).tolist() == [s.tokens for s in want]
+    for got, s in zip(scored["out_probs"], want, strict=True):
+        assert max(abs(a - b) for a, b in zip(got, s.probs, strict=True)) < 1e-5
+    for got, p in zip(choice["p"], local.choice_probs(chat, ("yes", "no")), strict=True):
+        assert max(abs(a - b) for a, b in zip(got, p, strict=True)) < 1e-6
+    assert set(passes.stats) == {"text", "longer", "multiline", "scored", "choice"}
+    assert _cpus_free(ray_cluster, 2), "closing the passes gives the service's CPUs back"
+
+
+def test_a_pass_with_another_model_replaces_the_service(ray_cluster, tiny):
+    config = GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=4, num_cpus=1, threads=2)
+    other = config.model_copy(update={"chat_template": False})  # another way of loading: another service
+    with GeneratorPasses(config) as passes:
+        passes.generate("a", from_pandas(_frame()), "prompt", "answer")
+        passes.generate("b", from_pandas(_frame()), "prompt", "answer", generator=other)
+        passes.generate("c", from_pandas(_frame()), "prompt", "answer")
+        assert passes.services.started == {"generate": 3}
+        # one model actor at a time: the other CPU stays free for reads and Ray's own tasks
+        assert ray_cluster.available_resources().get("CPU", 0) >= 1
+    assert _cpus_free(ray_cluster, 2)
