@@ -36,7 +36,7 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
 
     from tests.conftest import demo_records, write_jsonl
 
-    records = [{"id": f"{r['id']}-{k}", "contents": r["contents"]} for k in range(24) for r in demo_records()]
+    records = [{"id": f"{r['id']}-{k}", "contents": r["contents"]} for k in range(12) for r in demo_records()]
     corpus = write_jsonl(tmp_path / "corpus.jsonl", records)
     run = tmp_path / "run"
     # 0.5 CPU: on resume Ray adds a CheckpointFilter actor that holds 1 CPU of this 2-CPU node

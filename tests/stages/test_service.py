@@ -1,6 +1,7 @@
 """Stage services on a local Ray cluster with the tiny generator: one loaded model serves every pass of a
-command whatever each pass asks (mode, token budget, stop strings), answers exactly as a pool of its own
-would, is replaced (never doubled) when a pass needs another model, and gives its CPUs back when closed."""
+command whatever each pass asks (mode, token budget, stop strings), answers exactly as in-process generation
+does, loads another model in the same actors when a pass needs one (new actors only for other resources,
+never two sets at once), and gives its CPUs back when closed."""
 
 import time
 
@@ -43,7 +44,7 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
         choice = passes.generate("choice", from_pandas(_frame()), "prompt", "p", mode="choice",
                                  choices=("yes", "no")).sort_values("id")
         # five passes, four settings of the pass (budget, stop strings, mode), one loaded model
-        assert passes.services.started == {"generate": 1}
+        assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 1}
     assert text["answer"].tolist() == local.generate(chat)
     assert longer["answer"].tolist() == local.generate(chat, 12)
     assert multiline["answer"].tolist() == local.with_config(config.model_copy(update={"stop": []})).generate(chat, 12)
@@ -57,14 +58,24 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
     assert _cpus_free(ray_cluster, 2), "closing the passes gives the service's CPUs back"
 
 
-def test_a_pass_with_another_model_replaces_the_service(ray_cluster, tiny):
+def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny):
     config = GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=4, num_cpus=1, threads=2)
-    other = config.model_copy(update={"chat_template": False})  # another way of loading: another service
+    other = config.model_copy(update={"chat_template": False})  # another way of loading: set up again
+    wider = config.model_copy(update={"num_cpus": 0.5})  # other resources: other actors
+    chat, plain = HFGenerator(config), HFGenerator(other)
+    chat.setup()
+    plain.setup()
+    messages = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
     with GeneratorPasses(config) as passes:
-        passes.generate("a", from_pandas(_frame()), "prompt", "answer")
-        passes.generate("b", from_pandas(_frame()), "prompt", "answer", generator=other)
-        passes.generate("c", from_pandas(_frame()), "prompt", "answer")
-        assert passes.services.started == {"generate": 3}
+        a = passes.generate("a", from_pandas(_frame()), "prompt", "answer").sort_values("id")
+        b = passes.generate("b", from_pandas(_frame()), "prompt", "answer", generator=other).sort_values("id")
+        c = passes.generate("c", from_pandas(_frame()), "prompt", "answer").sort_values("id")
+        assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 3}
+        # each pass answered with the model it asked for
+        assert a["answer"].tolist() == c["answer"].tolist() == chat.generate(messages)
+        assert b["answer"].tolist() == plain.generate(messages) != a["answer"].tolist()
+        passes.generate("d", from_pandas(_frame()), "prompt", "answer", generator=wider)
+        assert passes.services.started == {"generate": 2}
         # one model actor at a time: the other CPU stays free for reads and Ray's own tasks
         assert ray_cluster.available_resources().get("CPU", 0) >= 1
     assert _cpus_free(ray_cluster, 2)

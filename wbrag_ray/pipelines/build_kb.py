@@ -66,7 +66,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
             # what a crash can lose to one shard (Ray would otherwise pack small files into one read task).
             n_files = len(src.list_files(".parquet"))
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, override_num_blocks=n_files,
-                                       ray_remote_args={"num_cpus": LIGHT_CPUS})
+                                       num_cpus=LIGHT_CPUS)
             ds = ds.select_columns(columns)  # pushed down into the Parquet read by Ray's optimizer
             ds = ds.map_batches(_unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
             ds = apply_stage(ds, EmbedStage(config.embedder, id_column=id_col))

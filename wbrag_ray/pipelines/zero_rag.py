@@ -79,7 +79,7 @@ def _select_rows(loc: Location, id_column: str, ids: np.ndarray, columns: list[s
         mask = np.isin(batch[id_column].to_numpy(), _value(wanted))
         return batch.filter(pa.array(mask))
 
-    ds = ray.data.read_parquet(loc.path, filesystem=loc.fs, columns=columns, ray_remote_args={"num_cpus": LIGHT_CPUS})
+    ds = ray.data.read_parquet(loc.path, filesystem=loc.fs, columns=columns, num_cpus=LIGHT_CPUS)
     ds = ds.map_batches(keep, fn_args=(wanted,), batch_format="pyarrow", num_cpus=LIGHT_CPUS)
     refs = ds.to_arrow_refs()
     tables = [t for t in ray.get(refs) if t.num_rows]
@@ -118,7 +118,7 @@ def sample_sentences(run: RunFolder, config: WbragConfig, n: int) -> pd.DataFram
             return batch.append_column("_key", pa.array(keys)).filter(pa.array(keys <= cut))
 
         ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "pid", "text"],
-                                   ray_remote_args={"num_cpus": LIGHT_CPUS})
+                                   num_cpus=LIGHT_CPUS)
         ds = ds.map_batches(below, batch_format="pyarrow", num_cpus=LIGHT_CPUS)
         tables = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
         found = pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=["sid", "pid", "text", "_key"])
@@ -346,12 +346,12 @@ def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[st
             stage = EmbeddingPredictStage(weights)
             # the read runs fused with the prediction task, so it asks for what that task asks for
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
-                                       ray_remote_args={"num_cpus": stage.resources.num_cpus})
+                                       num_cpus=stage.resources.num_cpus)
             ds = apply_stage(ds, stage)
         else:
             src = run.path("ingest", "sentences")
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "text"],
-                                       ray_remote_args={"num_cpus": LIGHT_CPUS})
+                                       num_cpus=LIGHT_CPUS)
             ds = apply_stage(ds, LMPredictStage(_root(run, "pruner", kind).uri, config.zerorag.lm_pruner))
         ds.write_parquet(out.path, filesystem=out.fs, filename_provider=StableNames("pred"),
                          ray_remote_args={"num_cpus": LIGHT_CPUS})
@@ -462,7 +462,7 @@ def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False
                              "keep": pa.array(keep_mask(ids, scores, cut, bins))})
 
         keep_loc = root.join("keep")
-        ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
+        ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, num_cpus=LIGHT_CPUS)
         ds.map_batches(mask, batch_format="pyarrow", num_cpus=LIGHT_CPUS).write_parquet(
             keep_loc.path, filesystem=keep_loc.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
         table = keep_loc.read_table(["id", "keep"])
@@ -477,7 +477,7 @@ def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False
         def kept_only(batch: pa.Table, drop) -> pa.Table:
             return batch.filter(pa.array(~np.isin(batch["sid"].to_numpy(), _value(drop))))
 
-        ray.data.read_parquet(sentences.path, filesystem=sentences.fs, ray_remote_args={"num_cpus": LIGHT_CPUS}) \
+        ray.data.read_parquet(sentences.path, filesystem=sentences.fs, num_cpus=LIGHT_CPUS) \
             .map_batches(kept_only, fn_args=(drop_ref,), batch_format="pyarrow", num_cpus=LIGHT_CPUS) \
             .write_parquet(out.path, filesystem=out.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
         kept = out.num_rows()

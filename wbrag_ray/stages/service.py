@@ -11,8 +11,11 @@ generation in it 0.2 s.
 A `StageService` holds `resources.concurrency` actors that ran `setup` once. A pass through it is a Ray Data
 `map_batches` of light tasks, each sending its batch to one of the actors and returning the answer, so passes
 still stream and compose with the rest of a pipeline. Every pass sends its own stage object (its columns,
-mode, token budget); the actor lends it what the set-up stage holds (`Stage.adopt`). Stages with equal
-`service_key`s share a service.
+mode, token budget); the actor lends it what the set-up stage holds (`Stage.adopt`) when the pass's
+`service_key` is the one it loaded, and otherwise sets the pass's stage up in place of the old one: a grid
+that moves from one index (or adapter) to the next loads it in the same processes, with torch and
+sentence-transformers already imported (and an actor that Ray restarted after a failure loads what the
+next pass needs the same way).
 
 `Services` is the set one command owns (`GeneratorPasses.services`): a service starts on its first pass and
 ends at `close()` (or when its owner is garbage-collected: Ray ends actors whose handles are gone). One
@@ -27,7 +30,7 @@ import logging
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from wbrag_ray.stages.base import Stage, apply_stage, process_checked
+from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked
 
 if TYPE_CHECKING:
     import ray.data
@@ -42,11 +45,22 @@ class _ServiceWorker:
         from wbrag_ray.models.hardware import set_threads
 
         set_threads(stage.resources.threads or stage.resources.num_cpus)
+        self.loaded: Stage | None = None
+        self._load(stage)
+
+    def _load(self, stage: Stage) -> None:
+        import gc
+
+        self.loaded = None  # the old model or index goes before the new one comes
+        gc.collect()
         stage.setup()
-        self.loaded = stage
+        self.loaded, self.key = stage, stage.service_key()
 
     def run(self, stage: Stage, batch):
-        stage.adopt(self.loaded)
+        if stage.service_key() == self.key:
+            stage.adopt(self.loaded)
+        else:
+            self._load(stage)
         return process_checked(stage, batch)
 
 
@@ -60,8 +74,13 @@ def _forward(batch, actors: list, stage: Stage):
     return ray.get(random.choice(actors).run.remote(stage, batch))
 
 
+def _placement(res: Resources) -> tuple:
+    """What a service's actors hold (a pass's batch size is its own)."""
+    return res.num_cpus, res.num_gpus, res.concurrency, res.threads
+
+
 class StageService:
-    """The set-up actors of one stage kind and service key."""
+    """The set-up actors of one stage kind with one set of resources; `key` is what its passes last loaded."""
 
     def __init__(self, stage: Stage):
         import ray
@@ -69,6 +88,7 @@ class StageService:
         self.name = stage.name
         self.key = stage.service_key()
         res = stage.resources
+        self.placement = _placement(res)
         # A lost actor (a node gone) is started again and its call retried: setup runs again there.
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3)(_ServiceWorker)
@@ -93,21 +113,29 @@ class Services:
 
     def __init__(self) -> None:
         self._live: dict[str, StageService] = {}
-        self.started: dict[str, int] = {}  # services started per stage kind (what a pass reuse saves)
+        self.started: dict[str, int] = {}  # actor sets started per stage kind (what reusing them saves)
+        self.loads: dict[str, int] = {}  # what was set up per stage kind: one per service key a pass needed
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
-        """`ds` through `stage`: on the stage's service when it has a service key (started on first use,
-        replacing a live service of the same kind with another key), else as a pass of its own."""
+        """`ds` through `stage`: on the stage's service when it has a service key (started on first use; a
+        pass with another key is set up in the same actors when it asks for the same resources, else the
+        old actors end and new ones start), else as a pass of its own."""
         key: Hashable | None = stage.service_key()
         if key is None:
             return apply_stage(ds, stage)
         service = self._live.get(stage.name)
-        if service is None or service.key != key:
-            if service is not None:
-                service.close()
+        if service is not None and service.placement != _placement(stage.resources):
+            service.close()
+            service = None
+        if service is None:
             service = self._live[stage.name] = StageService(stage)
             self.started[stage.name] = self.started.get(stage.name, 0) + 1
             log.info("started the %s service (%d actors)", stage.name, len(service.actors))
+        elif service.key != key:
+            service.key = key  # its actors set the pass's stage up on its first batch
+        else:
+            return service.apply(ds, stage)
+        self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
         return service.apply(ds, stage)
 
     def close(self) -> None:
