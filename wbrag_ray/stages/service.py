@@ -51,7 +51,8 @@ class _ServiceWorker:
     def _load(self, stage: Stage) -> None:
         import gc
 
-        self.loaded = None  # the old model or index goes before the new one comes
+        # The old model or index goes before the new one comes (and stays gone if the new setup fails).
+        self.loaded, self.key = None, None
         gc.collect()
         stage.setup()
         self.loaded, self.key = stage, stage.service_key()
@@ -130,12 +131,11 @@ class Services:
         if service is None:
             service = self._live[stage.name] = StageService(stage)
             self.started[stage.name] = self.started.get(stage.name, 0) + 1
+            self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
             log.info("started the %s service (%d actors)", stage.name, len(service.actors))
         elif service.key != key:
             service.key = key  # its actors set the pass's stage up on its first batch
-        else:
-            return service.apply(ds, stage)
-        self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
+            self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
         return service.apply(ds, stage)
 
     def close(self) -> None:
