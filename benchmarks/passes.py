@@ -36,8 +36,8 @@ def _passes(questions: list[str], n_passes: int, shared: bool) -> tuple[list[flo
 
     from wbrag_ray import prompts
     from wbrag_ray.config import GeneratorConfig
-    from wbrag_ray.models.generator import make_generator
     from wbrag_ray.pipelines.passes import GeneratorPasses, from_pandas
+    from wbrag_ray.stages.generate import generate_pass
 
     config = GeneratorConfig(dtype="float32", max_new_tokens=8, num_cpus=1, threads=2)
     frame = pd.DataFrame({"id": range(len(questions)),
@@ -48,7 +48,7 @@ def _passes(questions: list[str], n_passes: int, shared: bool) -> tuple[list[flo
             if shared:
                 out = passes.generate("p", from_pandas(rows), "prompt", "answer")
             else:  # a pool of its own, as every pass ran before stage services
-                out = make_generator(config).apply(from_pandas(rows), "prompt", "answer").to_pandas()
+                out = generate_pass(config, from_pandas(rows), "prompt", "answer").to_pandas()
             return out.sort_values("id")["answer"].tolist()
 
         for _ in range(n_passes):

@@ -2,6 +2,9 @@
 
 Every subcommand takes --config FILE and repeated --set key=value; a run folder records the resolved config
 in run.json, so later subcommands on the same run read it back and only need overrides.
+
+Over 500 lines, not split yet: one parser and one handler per subcommand; issue 14 moves the decisions
+handlers make (labels, adapter swaps, routing) into a library API, which shrinks this module.
 """
 
 from __future__ import annotations

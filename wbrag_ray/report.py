@@ -5,6 +5,9 @@ metrics, and the outputs that have distributions worth seeing (sentences per pas
 source vs distilled tokens, ranks of retained documents; Zero-RAG's mastery scores, pruner fit, predicted
 mastery with the prune thresholds, and the pruning-ratio sweep). Sections appear only for stages the run has,
 and a plot only when its input exists.
+
+Over 500 lines, not split yet: every section's table and plot; issue 14 plans report sections beside
+the run-folder layout they read.
 """
 
 from __future__ import annotations

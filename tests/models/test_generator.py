@@ -18,6 +18,7 @@ from wbrag_ray.models.generator import (
     scored_from_logprobs,
 )
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+from wbrag_ray.stages.generate import generate_pass
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_generate_stage_in_a_ray_actor_pool(ray_cluster, tiny):
                                          num_cpus=1, threads=2))
     rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
             for i, q in enumerate(["What is the capital of France?", "What is 2+2?", "Name a fruit."])]
-    out = gen.apply(ray.data.from_items(rows), "prompt", "answer").take_all()
+    out = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "answer").take_all()
     assert sorted(r["id"] for r in out) == [0, 1, 2]
     assert all(r["answer"] for r in out)
 
@@ -195,9 +196,10 @@ def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster,
                                          num_cpus=1, threads=2))
     rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
             for i, q in enumerate(["What is the capital of France?", "Name a fruit."])]
-    scored = gen.apply(ray.data.from_items(rows), "prompt", "out", mode="scored").take_all()
+    scored = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "out", mode="scored").take_all()
     assert all(len(r["out_tokens"]) == len(r["out_probs"]) > 0 and isinstance(r["out_finished"], bool) for r in scored)
-    choice = gen.apply(ray.data.from_items(rows), "prompt", "p", mode="choice", choices=("yes", "no")).take_all()
+    choice = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "p", mode="choice",
+                           choices=("yes", "no")).take_all()
     assert all(len(r["p"]) == 2 for r in choice)
 
 

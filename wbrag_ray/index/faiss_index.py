@@ -13,6 +13,9 @@ index shard each, from a group of embedding shards. The tasks are Ray tasks when
 plain calls in this process otherwise (small jobs, tests, the single-process baseline of the benchmark).
 
 All file access goes through `Location` (local or s3://); faiss reads and writes bytes, never paths.
+
+Over 500 lines, not split yet: build, manifest and loading belong together until issue 15 reworks the
+build for 138M vectors (factory and training sample chosen together, shard merges in parallel).
 """
 
 from __future__ import annotations

@@ -419,7 +419,6 @@ class RetrievalSetting:
         """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, as a Ray Data pass: on the
         retrieval service of `services` (the index opened once for every pass of a command), else on a pool
         of its own."""
-        from wbrag_ray.stages.base import apply_stage
+        from wbrag_ray.stages.service import run_pass
 
-        stage = self.stage(query_column)
-        return services.apply(ds, stage) if services is not None else apply_stage(ds, stage)
+        return run_pass(ds, self.stage(query_column), services)

@@ -11,8 +11,11 @@ Every backend offers, for in-process use:
 - `generate_scored(prompts) -> [Scored]`: the answers with each generated token's probability (FLARE);
 - `choice_probs(prompts, choices)`: the probability of each choice word as the first token of the answer
   (Self-RAG-style judgements: p("yes") and p("no") from one forward pass, no decoding);
-and `apply(ds, ..., mode=)` to run any of the three over a Ray Dataset: the hf and openai backends through an
-actor pool of `GenerateStage`, vllm through `ray.data.llm.build_processor`.
+Over a Ray Dataset, `stages.generate.generate_pass` runs any of the three: the hf and openai backends through
+`GenerateStage` (a pool, or a command's generator service), vllm through `ray.data.llm.build_processor`.
+
+Not split yet (over 500 lines): shared types, logprob parsing, the GGUF cache and three backends; the split is
+planned with the house (issue 14), so this change keeps the module whole.
 """
 
 from __future__ import annotations
@@ -26,15 +29,10 @@ import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
 from wbrag_ray.models.bundled import resolve_model
-
-if TYPE_CHECKING:
-    import ray.data
-
-    from wbrag_ray.stages.service import Services
 
 log = logging.getLogger(__name__)
 
@@ -180,20 +178,6 @@ class Generator(ABC):
         """For each prompt, the probability of each choice word as the answer's first token (not normalized:
         what the choices leave to other tokens tells whether the model followed the instruction)."""
 
-    def apply(
-        self, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer",
-        mode: str = "text", choices: tuple[str, ...] = (), services: Services | None = None,
-    ) -> ray.data.Dataset:
-        """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
-
-        mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
-        `choice`: the list of `choices`' probabilities (see `choice_probs`). With `services`, on the generator
-        service they hold (the model loaded once for every pass of a command), else on a pool of its own."""
-        from wbrag_ray.stages.base import apply_stage
-        from wbrag_ray.stages.generate import GenerateStage
-
-        stage = GenerateStage(self.config, prompt_column, output_column, mode, choices)
-        return services.apply(ds, stage) if services is not None else apply_stage(ds, stage)
 
 
 # --- hf: transformers -----------------------------------------------------------------------------------
@@ -520,11 +504,6 @@ class VLLMGenerator(Generator):
             return keep
 
         return build_processor(self.processor_config(), preprocess=preprocess, postprocess=postprocess)
-
-    def apply(self, ds, prompt_column: str = "prompt", output_column: str = "answer", mode: str = "text",
-              choices: tuple[str, ...] = (), services: Services | None = None):
-        # Engines per pass: sharing one vLLM engine between Ray Data LLM processors is not wired yet.
-        return self.build_processor(prompt_column, output_column, mode, choices)(ds)
 
     def setup(self) -> None:
         try:

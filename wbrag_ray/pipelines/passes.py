@@ -51,8 +51,8 @@ class GeneratorPasses:
     ) -> pd.DataFrame:
         """Add `output_column` to every row of `ds`; `generator` replaces the default role's model (e.g. the
         QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop);
-        `mode` / `choices`: scored answers or choice probabilities instead of text (Generator.apply)."""
-        from wbrag_ray.models.generator import make_generator
+        `mode` / `choices`: scored answers or choice probabilities instead of text (`generate_pass`)."""
+        from wbrag_ray.stages.generate import generate_pass
 
         gen_config = generator or self.generator
         if max_new_tokens:
@@ -60,7 +60,7 @@ class GeneratorPasses:
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
-        df = make_generator(gen_config).apply(ds, prompt_column, output_column, mode, choices, self.services).to_pandas()
+        df = generate_pass(gen_config, ds, prompt_column, output_column, mode, choices, self.services).to_pandas()
         seconds = time.perf_counter() - t0
         text_out = mode != "choice" and len(df)
         self.stats[name] = {

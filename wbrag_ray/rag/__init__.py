@@ -98,30 +98,3 @@ def answer(
     skipped = out["retrieval_skipped"] if "retrieval_skipped" in out else pd.Series(False, index=out.index)
     out["retrieval_skipped"] = skipped.fillna(False).astype(bool)
     return out
-
-
-def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
-    """(p(yes) / (p(yes) + p(no)), p(yes) + p(no)) from a yes/no choice pass. The share is what a judgement
-    is thresholded on (a small model spreads probability over many words, but how it splits yes against no
-    still says which way it leans); the mass says how far it followed the instruction. No mass: 0.5."""
-    yes, no = float(probs[0]), float(probs[1])
-    mass = yes + no
-    return (yes / mass if mass > 0 else 0.5), mass
-
-
-def search_some(search: RetrievalSetting, frame: pd.DataFrame, passes: GeneratorPasses,
-                query_column: str = "question") -> dict:
-    """One retrieval pass over the questions an adaptive method chose to search (`frame`: id, question and the
-    query column), on the retrieval service of `passes`: {id: (hits, router_skipped)}."""
-    from wbrag_ray.index.retriever import hits_from_json
-    from wbrag_ray.pipelines.passes import from_pandas
-
-    searched = search.search(from_pandas(frame), query_column, passes.services).to_pandas().set_index("id")
-    router = "retrieval_skipped" in searched
-    return {i: (hits_from_json(searched.at[i, "docs"]), router and bool(searched.at[i, "retrieval_skipped"]))
-            for i in frame["id"]}
-
-
-def result_row(question: pd.Series, method: str, **fields) -> dict:
-    """One output row of an adaptive method: the question's own columns, then the method's."""
-    return {**question.to_dict(), "method": method, **fields}

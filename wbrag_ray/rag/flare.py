@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from wbrag_ray.config import FlareConfig
-from wbrag_ray.rag import result_row, search_some
+from wbrag_ray.rag.adaptive import result_row, search_some
 
 if TYPE_CHECKING:
     from wbrag_ray.index.retriever import Hit, RetrievalSetting

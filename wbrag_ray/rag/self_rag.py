@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from wbrag_ray.config import SelfRagConfig
-from wbrag_ray.rag import judgement_share, result_row, search_some
+from wbrag_ray.rag.adaptive import judgement_share, result_row, search_some
 
 if TYPE_CHECKING:
     from wbrag_ray.index.retriever import RetrievalSetting

@@ -109,6 +109,11 @@ class StageService:
         self.actors = []
 
 
+def run_pass(ds: ray.data.Dataset, stage: Stage, services: Services | None) -> ray.data.Dataset:
+    """`ds` through `stage`: on `services` when the caller has them, else as a pass with a pool of its own."""
+    return services.apply(ds, stage) if services is not None else apply_stage(ds, stage)
+
+
 class Services:
     """The stage services of one command, at most one per stage kind; a context manager that closes them."""
 
