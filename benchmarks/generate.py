@@ -104,10 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from wbrag_ray.config import GeneratorConfig
-    from wbrag_ray.models.generator import HFGenerator
+    from wbrag_ray.generation.hf import HFGenerator
+    from wbrag_ray.generation.stage import GenerateStage
     from wbrag_ray.prompts import dumps
     from wbrag_ray.stages.base import apply_stage
-    from wbrag_ray.stages.generate import GenerateStage
 
     report("torch threads", set_torch_threads(THREADS))
     peak_seconds = 1.5 if args.quick else 3.0

@@ -36,8 +36,7 @@ def _passes(questions: list[str], n_passes: int, shared: bool) -> tuple[list[flo
 
     from wbrag_ray import prompts
     from wbrag_ray.config import GeneratorConfig
-    from wbrag_ray.pipelines.passes import GeneratorPasses, from_pandas
-    from wbrag_ray.stages.generate import generate_pass
+    from wbrag_ray.generation.passes import GeneratorPasses, from_pandas, generate_pass
 
     config = GeneratorConfig(dtype="float32", max_new_tokens=8, num_cpus=1, threads=2)
     frame = pd.DataFrame({"id": range(len(questions)),

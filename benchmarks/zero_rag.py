@@ -58,8 +58,8 @@ def hours(n: float, rate: float) -> float:
 def bench_mastery(n_pairs: int) -> float:
     from wbrag_ray import prompts
     from wbrag_ray.config import GeneratorConfig
-    from wbrag_ray.models.generator import make_generator
-    from wbrag_ray.stages.mastery import OK, cloze_pairs
+    from wbrag_ray.generation.backends import make_generator
+    from wbrag_ray.zerorag.qa import OK, cloze_pairs
 
     passages = demo_passages()
     pairs = [r for p in passages for r in cloze_pairs(p.title, p.text.split(". ")[0], 2) if r["status"] == OK]
@@ -124,8 +124,8 @@ def bench_lm_pruner(n: int) -> float:
 
 
 def bench_percentile(folder: Path, n: int) -> float:
-    from wbrag_ray.pipelines.zero_rag import keep_mask, percentile_cut
     from wbrag_ray.storage import resolve
+    from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
 
     rng = np.random.default_rng(2)
     pred = folder.parent / "pred"

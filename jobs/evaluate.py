@@ -2,7 +2,9 @@
 
 import sys
 
-from _job import run_steps
+from _job import run_job
+
+from wbrag_ray import api
 
 if __name__ == "__main__":
-    sys.exit(run_steps(__doc__, [["eval"]]))
+    sys.exit(run_job(__doc__, lambda run, config, force: api.evaluate(run, config, force=force)))

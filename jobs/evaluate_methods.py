@@ -4,7 +4,15 @@ index alone and beside each trained write-back version: RUN/eval/methods_grid.js
 
 import sys
 
-from _job import run_steps
+from _job import run_job
+
+from wbrag_ray import api, rag
+
+
+def methods_grid(run, config, force):
+    config.eval.methods = list(rag.METHODS)
+    return api.evaluate(run, config, methods_grid=True, force=force)
+
 
 if __name__ == "__main__":
-    sys.exit(run_steps(__doc__, [["eval", "--methods-grid"]]))
+    sys.exit(run_job(__doc__, methods_grid))

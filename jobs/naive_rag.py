@@ -1,9 +1,11 @@
-"""Entry point for `ray job submit` or `python jobs/naive_rag.py CONFIG [--run RUN]`: ingest, embed,
-index and evaluate as one job, reading a YAML config from jobs/configs/."""
+"""Entry point for `ray job submit` or `python jobs/naive_rag.py CONFIG [--run RUN]`: ingest, embed, index and
+evaluate as one job (and whatever else the config enables: write-back, Zero-RAG), from jobs/configs/."""
 
 import sys
 
-from wbrag_ray.cli import main
+from _job import run_job
+
+from wbrag_ray import api
 
 if __name__ == "__main__":
-    sys.exit(main(["run", *sys.argv[1:]]))
+    sys.exit(run_job(__doc__, api.run))

@@ -4,15 +4,22 @@ every sentence -> pruned corpus and index at each of zerorag.ratios -> [noise-to
 
 import sys
 
-from _job import run_steps
+from _job import run_job
 
-from wbrag_ray.config import load_config
+from wbrag_ray import api
+
+
+def prune_corpus(run, config, force):
+    api.mastery(run, config, force=force)
+    api.train_pruner(run, config, force=force)
+    ratios = [r for r in config.zerorag.ratios if r > 0]
+    if ratios:
+        api.prune(run, config, ratios, force=force)
+    if config.zerorag.tune.enabled:
+        api.tune(run, config, force=force)
+    if config.zerorag.router:
+        api.train_router(run, config, force=force)
+
 
 if __name__ == "__main__":
-    config_file = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    z = load_config(config_file).zerorag if config_file else None
-    ratios = [f"--ratio={r:g}" for r in (z.ratios if z else []) if r > 0]
-    steps = [["mastery"], ["train-pruner"], *([["prune", *ratios]] if ratios else [])]
-    steps += [["tune"]] if z and z.tune.enabled else []
-    steps += [["train-router"]] if z and z.router else []
-    sys.exit(run_steps(__doc__, steps))
+    sys.exit(run_job(__doc__, prune_corpus))

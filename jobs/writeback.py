@@ -3,11 +3,9 @@
 
 import sys
 
-from _job import run_steps
+from _job import run_job
 
-from wbrag_ray.config import load_config
+from wbrag_ray import api
 
 if __name__ == "__main__":
-    config_file = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    train = load_config(config_file).writeback.train if config_file else None
-    sys.exit(run_steps(__doc__, [["writeback", *(["--train", train] if train else [])]]))
+    sys.exit(run_job(__doc__, lambda run, config, force: api.train_writeback(run, config, force=force)))

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +19,12 @@ def test_help_on_every_subcommand(command, capsys):
 
 
 def test_console_script_is_installed():
-    out = subprocess.run([sys.executable, "-m", "wbrag_ray.cli", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "ingest" in out.stdout and "demo" in out.stdout
+    """The `wbrag` entry point pyproject.toml declares, as the install put it beside this interpreter."""
+    script = Path(sys.executable).parent / "wbrag"
+    assert script.is_file(), f"no console script at {script}: reinstall the package (pip install -e .)"
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage: wbrag") and "ingest" in out.stdout and "demo" in out.stdout
 
 
 def test_config_errors_exit_2_with_the_key(tmp_path, capsys):

@@ -1,6 +1,5 @@
 """Ray Jobs API: a real `ray start --head` on loopback, `wbrag submit`, status, logs, stop."""
 
-import json
 import os
 import signal
 import socket
@@ -11,7 +10,9 @@ import time
 import pytest
 
 from tests.conftest import demo_records, write_jsonl
+from wbrag_ray.index.faiss_index import load_manifest
 from wbrag_ray.jobs_api import dashboard_url, submission_id
+from wbrag_ray.run import RunFolder
 
 
 def _free_port() -> int:
@@ -86,9 +87,10 @@ def test_submit_runs_a_pipeline_to_completion(ray_head, tmp_path):
                  env, timeout=600, cwd=work)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "SUCCEEDED" in out.stdout
+    layout = RunFolder(str(run)).layout
     for stage in ("ingest", "embed", "index"):
-        assert (run / "_stages" / stage / "_SUCCESS").exists(), stage
-    assert json.loads((run / "index" / "manifest.json").read_text())["count"] == 20
+        assert layout.stage(stage).success.exists(), stage
+    assert load_manifest(layout.index)["count"] == 20
     sid = next(line.split()[1].rstrip(":") for line in out.stdout.splitlines() if line.startswith("submitted "))
     st = _wbrag(["status", sid, "--address", url], env, timeout=60)
     assert st.returncode == 0 and "SUCCEEDED" in st.stdout

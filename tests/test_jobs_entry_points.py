@@ -1,12 +1,12 @@
 """The thin job scripts in jobs/ run as `python jobs/<name>.py CONFIG` (the same line `ray job submit` runs)."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.conftest import demo_records, write_jsonl
+from wbrag_ray.run import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_build_index_job_on_a_small_corpus(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_index.py"), str(config)], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads((run / "index" / "manifest.json").read_text())["count"] == 12
+    assert RunFolder(str(run)).layout.index.join("manifest.json").read_json()["count"] == 12
     out = subprocess.run([sys.executable, str(ROOT / "jobs" / "evaluate.py"), str(config)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 2 and "--dataset" in out.stderr

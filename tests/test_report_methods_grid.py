@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 from wbrag_ray.report import write_report
 from wbrag_ray.run import RunFolder
 
@@ -30,14 +28,12 @@ def _grid() -> dict:
 
 def test_methods_grid_section_table_and_figure(tmp_path):
     run = RunFolder(str(tmp_path / "run"))
-    (tmp_path / "run" / "eval").mkdir(parents=True)
-    (tmp_path / "run" / "eval" / "methods_grid.json").write_text(json.dumps(_grid()))
+    run.layout.methods_grid().write_json(_grid())
     write_report(run)
-    report = tmp_path / "run" / "report"
-    assert (report / "methods_grid.png").stat().st_size > 10_000
-    html = (report / "index.html").read_text()
+    assert run.layout.report.join("methods_grid.png").size() > 10_000
+    html = run.layout.report_html.read_bytes().decode()
     assert "RAG methods x knowledge base" in html and "src='methods_grid.png'" in html
-    md = (report / "report.md").read_text()
+    md = run.layout.report_markdown.read_bytes().decode()
     table = md[md.index("answer metrics on qa"):]
     lines = [line for line in table.splitlines() if line.startswith("| ") and "method" not in line][:13]
     assert len(lines) == 5 + 4 * 2  # the base for every method, each version for the retrieving ones

@@ -4,18 +4,18 @@ and inspect shows pruned sentences with their QA pairs."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from wbrag_ray.inspection import inspect_run
-from wbrag_ray.report import _sample_column, write_report
+from wbrag_ray.report import write_report
+from wbrag_ray.report.sections import sample_column
 from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import Location
 
 N_SENTENCES = 40
 SAMPLE = range(12)  # sids in the mastery sample
@@ -23,14 +23,8 @@ ZR_PLOTS = {"zero_rag_mastery.png", "zero_rag_pruners.png", "zero_rag_predicted_
             "zero_rag_ratio_sweep.png", "zero_rag_tuning_loss.png"}
 
 
-def _parquet(path: Path, columns: dict, schema: pa.Schema) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(columns, schema=schema), path)
-
-
-def _json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj))
+def _parquet(loc: Location, columns: dict, schema: pa.Schema) -> None:
+    loc.write_table(pa.table(columns, schema=schema))
 
 
 def _qa_rows():
@@ -50,15 +44,16 @@ def _qa_rows():
 
 def _build_zero_rag_run(root: Path, full: bool = True) -> Path:
     run = root / "run"
+    layout = RunFolder(str(run)).layout
     sids = np.arange(N_SENTENCES)
-    _parquet(run / "ingest/sentences/part-00000.parquet",
+    _parquet(layout.ingest.sentences.join("part-00000.parquet"),
              {"sid": sids, "pid": sids // 4, "position": (sids % 4).astype(np.int32),
               "text": [f"Sentence {s} states fact number {s}." for s in sids]},
              pa.schema([("sid", pa.int64()), ("pid", pa.int64()), ("position", pa.int32()), ("text", pa.string())]))
 
-    zr = run / "zero_rag"
+    zr = layout.zero_rag
     qa = _qa_rows()
-    _parquet(zr / "mastery/qa.parquet", {k: [r[k] for r in qa] for k in qa[0]}, pa.schema([
+    _parquet(zr.qa, {k: [r[k] for r in qa] for k in qa[0]}, pa.schema([
         ("sid", pa.int64()), ("qa_index", pa.int32()), ("question", pa.string()), ("answer", pa.string()),
         ("status", pa.string()), ("raw", pa.string()), ("prediction", pa.string()), ("em", pa.float64())]))
     scores = []
@@ -66,11 +61,11 @@ def _build_zero_rag_run(root: Path, full: bool = True) -> Path:
         ems = [r["em"] for r in qa if r["sid"] == sid and r["status"] == "ok"]
         scores.append(dict(sid=sid, title=f"T{sid // 4}", text=f"Sentence {sid} states fact number {sid}.", n_qa=3,
                            n_valid=len(ems), mastery=sum(ems) / len(ems) if ems else None))
-    _parquet(zr / "mastery/scores.parquet", {k: [r[k] for r in scores] for k in scores[0]}, pa.schema([
+    _parquet(zr.scores, {k: [r[k] for r in scores] for k in scores[0]}, pa.schema([
         ("sid", pa.int64()), ("title", pa.string()), ("text", pa.string()), ("n_qa", pa.int32()), ("n_valid", pa.int32()),
         ("mastery", pa.float64())]))
     counts = {st: sum(r["status"] == st for r in qa) for st in ("ok", "unparseable", "answer_not_in_sentence")}
-    _json(zr / "mastery/stats.json", {
+    zr.mastery_stats.write_json({
         "mode": "llm", "sample": len(SAMPLE), "sentences": len(SAMPLE), "qa_pairs": len(qa), "valid": counts["ok"],
         "unparseable": counts["unparseable"], "answer_not_in_sentence": counts["answer_not_in_sentence"],
         "scored_sentences": sum(s["mastery"] is not None for s in scores), "mean_mastery": 0.5, "generator_calls": 24,
@@ -81,9 +76,9 @@ def _build_zero_rag_run(root: Path, full: bool = True) -> Path:
     rng = np.random.default_rng(0)
     measured = [s["mastery"] for s in scores if s["mastery"] is not None]
     for kind in ("embedding", "lm"):
-        _json(zr / f"pruner/{kind}/metrics.json", {"kind": kind, "n_train": 8, "n_val": len(measured), "mse": 0.08,
+        zr.pruner_metrics(kind).write_json({"kind": kind, "n_train": 8, "n_val": len(measured), "mse": 0.08,
               "spearman": 0.41, "top_quantile": {"q": 0.3, "precision": 0.5, "recall": 0.5}, "seconds": 3.2})
-        _parquet(zr / f"pruner/{kind}/validation.parquet",
+        _parquet(zr.pruner_validation(kind),
                  {"sid": np.arange(len(measured)), "measured": measured,
                   "predicted": np.clip(np.array(measured) + rng.normal(0, 0.2, len(measured)), 0, 1)},
                  pa.schema([("sid", pa.int64()), ("measured", pa.float64()), ("predicted", pa.float64())]))
@@ -91,16 +86,16 @@ def _build_zero_rag_run(root: Path, full: bool = True) -> Path:
     pred = rng.uniform(0, 0.8, N_SENTENCES).astype(np.float32)
     pred[5] = 0.99  # a sampled sentence (with QA pairs) that the pruner is surest about
     pred[30] = 0.97  # one outside the sample: its text comes from ingest/sentences alone
-    _parquet(zr / "predictions/part-00000.parquet", {"sid": sids, "mastery_pred": pred},
+    _parquet(zr.predictions.join("part-00000.parquet"), {"sid": sids, "mastery_pred": pred},
              pa.schema([("sid", pa.int64()), ("mastery_pred", pa.float32())]))
     for ratio in (0.3, 0.5):
         threshold = float(np.quantile(pred, 1 - ratio))
         keep = pred < threshold
-        _json(zr / f"prune-{ratio}/stats.json", {
+        zr.pruned(ratio).stats.write_json({
             "ratio": ratio, "achieved_ratio": 1 - keep.mean(), "threshold": threshold, "sentences_in": N_SENTENCES,
             "kept": int(keep.sum()), "dropped": int((~keep).sum()), "index_bytes": int(keep.sum()) * 1536,
             "source_index_bytes": N_SENTENCES * 1536, "pruner": "embedding"})
-        _parquet(zr / f"prune-{ratio}/keep/part-00000.parquet", {"id": sids, "mastery_pred": pred, "keep": keep},
+        _parquet(zr.pruned(ratio).keep.join("part-00000.parquet"), {"id": sids, "mastery_pred": pred, "keep": keep},
                  pa.schema([("id", pa.int64()), ("mastery_pred", pa.float32()), ("keep", pa.bool_())]))
 
     rows = [{"ratio": 0.0, "router": False, "adapter": False, "writeback": False, "method": "no-retrieval", "n": 40,
@@ -116,21 +111,22 @@ def _build_zero_rag_run(root: Path, full: bool = True) -> Path:
                          "latency_ms_per_query": 5.0 * (1 - ratio) * (0.7 if router else 1),
                          "index_bytes": int(N_SENTENCES * 1536 * (1 - ratio)), "sentences": int(N_SENTENCES * (1 - ratio)),
                          "retrieval_skipped": 0.3 if router else 0.0})
-    _json(zr / "grid.json", {"rows": rows})
-    _json(zr / "router/metrics.json", {"n_train": 80, "n_val": 20, "positives": 31, "val_accuracy": 0.7,
+    zr.grid.write_json({"rows": rows})
+    zr.router_metrics.write_json({"n_train": 80, "n_val": 20, "positives": 31, "val_accuracy": 0.7,
                                        "val_auc": 0.74, "threshold": 0.5})
-    _json(zr / "adapter/tune.json", {"losses": list(np.linspace(2.5, 1.2, 30) + rng.normal(0, 0.1, 30)), "steps": 30,
+    zr.adapter_tune.write_json({"losses": list(np.linspace(2.5, 1.2, 30) + rng.normal(0, 0.1, 30)), "steps": 30,
                                      "seconds": 75.0, "formats": {"relevant": 40, "distracting": 40, "none": 40}})
     return run
 
 
 def _report(run: Path) -> tuple[str, str, list[str]]:
+    layout = RunFolder(str(run)).layout
     write_report(RunFolder(str(run)))
-    html_text = (run / "report/index.html").read_text()
-    md = (run / "report/report.md").read_text()
+    html_text = layout.report_html.read_bytes().decode()
+    md = layout.report_markdown.read_bytes().decode()
     images = re.findall(r"<img src='([^']+)'", html_text)
     for img in images:
-        data = (run / "report" / img).read_bytes()
+        data = layout.report.join(img).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, img
     html_tables = re.findall(r"<caption>([^<]+)</caption>", html_text)
     assert html_tables == re.findall(r"^\*\*(.+)\*\*$", md, re.M)
@@ -164,20 +160,20 @@ def test_report_draws_only_what_the_run_has(tmp_path):
     assert "Zero-RAG: mastery scores" in html_text and "Zero-RAG: pruners" not in html_text
 
     bare = tmp_path / "bare"
-    (bare / "ingest").mkdir(parents=True)
+    RunFolder(str(bare)).layout.ingest.root.mkdir()
     html_text, _, images = _report(bare)
     assert "Zero-RAG" not in html_text and not set(images) & ZR_PLOTS
 
 
 def test_predicted_mastery_is_sampled_by_row_group_when_large(tmp_path):
-    loc = RunFolder(str(tmp_path)).path("predictions")
+    loc = RunFolder(str(tmp_path)).layout.zero_rag.predictions
     for part in range(4):
-        _parquet(tmp_path / f"predictions/part-{part}.parquet",
+        _parquet(loc.join(f"part-{part}.parquet"),
                  {"sid": np.arange(1000) + 1000 * part, "mastery_pred": np.full(1000, part, np.float32)},
                  pa.schema([("sid", pa.int64()), ("mastery_pred", pa.float32())]))
-    values, total = _sample_column(loc, "mastery_pred", limit=1500)
+    values, total = sample_column(loc, "mastery_pred", limit=1500)
     assert total == 4000 and len(values) == 1500 and set(np.unique(values)) == {0.0, 3.0}  # every 3rd group, cut
-    values, total = _sample_column(loc, "mastery_pred", limit=10_000)
+    values, total = sample_column(loc, "mastery_pred", limit=10_000)
     assert total == 4000 and len(values) == 4000
 
 

@@ -1,5 +1,6 @@
 import pytest
 
+from wbrag_ray.build_kb import KB_STAGES
 from wbrag_ray.config import ConfigError, load_config
 from wbrag_ray.run import RunFolder
 
@@ -36,36 +37,46 @@ def test_a_failed_stage_leaves_no_marker(tmp_path):
 def test_marker_is_written_after_stats(tmp_path):
     run = RunFolder(str(tmp_path / "run"))
     run.run_stage("s", lambda: {"rows_out": 1})
-    d = tmp_path / "run" / "_stages" / "s"
-    assert (d / "_SUCCESS").stat().st_mtime_ns >= (d / "stats.json").stat().st_mtime_ns
+    record = run.layout.stage("s")
+    assert record.success.fs.get_file_info(record.success.path).mtime_ns >= \
+        record.stats.fs.get_file_info(record.stats.path).mtime_ns
+
+
+def _built(tmp_path) -> RunFolder:
+    """A run folder whose knowledge-base stages are complete (their work faked: only the records matter here)."""
+    run = RunFolder(str(tmp_path / "run"))
+    config = load_config()
+    run.bind_config(config, guard=KB_STAGES)
+    for stage in KB_STAGES:
+        run.execute(stage, config, lambda: {"rows_out": 1})
+    return run
 
 
 def test_changed_config_is_refused_unless_forced(tmp_path):
-    run = RunFolder(str(tmp_path / "run"))
-    run.bind_config(load_config())
-    run.bind_config(load_config(overrides=["eval.limit=3"]))  # eval settings don't change built outputs
-    run.bind_config(load_config(overrides=["embedder.num_cpus=4", "generator.concurrency=8"]))  # placement only
+    run = _built(tmp_path)
+    run.bind_config(load_config(overrides=["eval.limit=3"]), guard=KB_STAGES)  # eval settings don't change built outputs
+    run.bind_config(load_config(overrides=["embedder.num_cpus=4", "generator.concurrency=8"]), guard=KB_STAGES)
     with pytest.raises(ConfigError, match="different config.*index.factory"):
-        run.bind_config(load_config(overrides=["index.factory=HNSW32"]))
-    run.bind_config(load_config(overrides=["index.factory=HNSW32"]), force=True)
+        run.bind_config(load_config(overrides=["index.factory=HNSW32"]), guard=KB_STAGES)
+    run.bind_config(load_config(overrides=["index.factory=HNSW32"]), force=True, guard=KB_STAGES)
     assert run.load_config().index.factory == "HNSW32"
 
 
 def test_rag_method_settings_never_invalidate_a_run_even_one_made_before_they_existed(tmp_path):
     import json
 
-    run = RunFolder(str(tmp_path / "run"))
-    run.bind_config(load_config())
-    run.bind_config(load_config(overrides=["rag.flare.threshold=0.5", "rag.self_rag.relevance_threshold=0.2"]))
-    run_json = tmp_path / "run" / "run.json"
-    old = json.loads(run_json.read_text())
+    run = _built(tmp_path)
+    run.bind_config(load_config(overrides=["rag.flare.threshold=0.5", "rag.self_rag.relevance_threshold=0.2"]),
+                    guard=KB_STAGES)
+    run_json = run.layout.run_json.path
+    old = json.loads(open(run_json).read())
     del old["config"]["rag"]  # a run folder written by a version without the adaptive methods
-    run_json.write_text(json.dumps(old))
-    run.bind_config(load_config())
+    open(run_json, "w").write(json.dumps(old))
+    run.bind_config(load_config(), guard=KB_STAGES)
 
 
 def test_run_json_holds_no_credentials(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
     run = RunFolder(str(tmp_path / "run"))
     run.bind_config(load_config())
-    assert "s3cr3t-value" not in (tmp_path / "run" / "run.json").read_text()
+    assert "s3cr3t-value" not in run.layout.run_json.read_bytes().decode()

@@ -8,6 +8,8 @@ import sys
 import pyarrow as pa
 
 from tests.conftest import DEMO_CORPUS, DEMO_QA
+from wbrag_ray.index.faiss_index import INDEX_FILE, MANIFEST
+from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 
 
@@ -79,13 +81,14 @@ def test_whole_run_folder_on_s3(s3_env, tmp_path, tiny):
     errors = "\n".join(line for line in out.stderr.splitlines() if "logging_progress" not in line)
     assert out.returncode == 0, errors[-4000:]
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="wbrag", Prefix="runs/r1/")["Contents"]}
-    for k in ("runs/r1/run.json", "runs/r1/_stages/ingest/_SUCCESS", "runs/r1/_stages/embed/_SUCCESS",
-              "runs/r1/index/manifest.json", "runs/r1/index/index.faiss", "runs/r1/eval/qa-naive/metrics.json"):
-        assert k in keys, k
-    run_json = s3.get_object(Bucket="wbrag", Key="runs/r1/run.json")["Body"].read().decode()
+    layout = RunFolder("s3://wbrag/runs/r1").layout
+    for loc in (layout.run_json, layout.stage("ingest").success, layout.stage("embed").success,
+                layout.index.join(MANIFEST), layout.index.join(INDEX_FILE), layout.eval_result("qa", "naive").metrics):
+        assert loc.path.removeprefix("wbrag/") in keys, loc.uri  # as the object store lists it
+    run_json = layout.run_json.read_bytes().decode()
     assert s3_env["AWS_SECRET_ACCESS_KEY"] not in run_json and s3_env["AWS_ACCESS_KEY_ID"] not in run_json
     assert s3_env["AWS_SECRET_ACCESS_KEY"] not in out.stdout + out.stderr
-    metrics = json.loads(s3.get_object(Bucket="wbrag", Key="runs/r1/eval/qa-naive/metrics.json")["Body"].read())
+    metrics = layout.eval_result("qa", "naive").metrics.read_json()
     assert metrics["n"] == len(qa)
 
 

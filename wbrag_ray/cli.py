@@ -1,23 +1,20 @@
-"""The `wbrag` command: a thin layer over the pipelines, centred on the run folder.
+"""The `wbrag` command: parses, calls the library API (wbrag_ray.api), prints.
 
 Every subcommand takes --config FILE and repeated --set key=value; a run folder records the resolved config
-in run.json, so later subcommands on the same run read it back and only need overrides.
-
-Over 500 lines, not split yet: one parser and one handler per subcommand; issue 14 moves the decisions
-handlers make (labels, adapter swaps, routing) into a library API, which shrinks this module.
+in run.json, so later subcommands on the same run read it back and only need overrides. Errors a person can
+fix (ConfigError, a missing or damaged file, storage) exit with code 2 and one line; anything else is a bug
+and shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from importlib import resources
 from typing import Any
 
-from wbrag_ray import __version__
-from wbrag_ray.config import ConfigError, WbragConfig, deep_merge, load_config, parse_overrides
+from wbrag_ray import __version__, api
+from wbrag_ray.config import ConfigError, WbragConfig, build_config, deep_merge, load_config, parse_overrides
 from wbrag_ray.index.faiss_index import IndexError_
 from wbrag_ray.run import RunFolder
 
@@ -164,12 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _resolve_config(args: argparse.Namespace, extra: dict[str, Any], run: RunFolder | None = None) -> WbragConfig:
     """--config file, else the run's recorded config, then flag values, then --set overrides."""
     config_file = getattr(args, "config", None) or getattr(args, "config_file", None)
-    if config_file is None and run is not None and run.path("run.json").exists():
+    if config_file is None and run is not None and run.layout.run_json.exists():
         base = run.load_config().model_dump(mode="json")
-        merged = deep_merge(deep_merge(base, extra), parse_overrides(args.overrides))
-        from wbrag_ray.config import build_config
-
-        config = build_config(merged)
+        config = build_config(deep_merge(deep_merge(base, extra), parse_overrides(args.overrides)))
     else:
         config = load_config(config_file, args.overrides, extra)
     if args.address:
@@ -177,58 +171,32 @@ def _resolve_config(args: argparse.Namespace, extra: dict[str, Any], run: RunFol
     return config
 
 
-def _demo_data(name: str) -> str:
-    return os.path.normpath(str(resources.files("wbrag_ray") / "data" / name))
+def _on_run(args, extra: dict[str, Any] | None = None) -> tuple[RunFolder, WbragConfig]:
+    run = RunFolder(args.run)
+    return run, _resolve_config(args, extra or {}, run)
 
 
-def _start(config: WbragConfig) -> None:
-    from wbrag_ray.ray_runtime import init_ray
-
-    init_ray(config.ray)
-
-
-# --- commands -------------------------------------------------------------------------------------------
+# --- commands: each parses, calls the library API, prints ------------------------------------------------
 
 
 def cmd_ingest(args) -> None:
-    from wbrag_ray.pipelines import build_kb
-
-    run = RunFolder(args.run)
-    config = _resolve_config(args, {"ingest": {"corpus": args.corpus}} if args.corpus else {}, run)
-    if not config.ingest.corpus:  # say so before a Ray cluster is started for nothing
-        raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
-    run.bind_config(config, force=args.force)
-    _start(config)
-    build_kb.ingest(run, config, force=args.force)
+    run, config = _on_run(args, {"ingest": {"corpus": args.corpus}} if args.corpus else None)
+    api.build_kb(run, config, force=args.force, steps=("ingest",))
 
 
 def cmd_embed(args) -> None:
-    from wbrag_ray.pipelines import build_kb
-
-    run = RunFolder(args.run)
-    config = _resolve_config(args, {}, run)
-    run.bind_config(config, force=args.force)
-    _start(config)
-    build_kb.embed(run, config, force=args.force)
+    run, config = _on_run(args)
+    api.build_kb(run, config, force=args.force, steps=("embed",))
 
 
 def cmd_index(args) -> None:
-    from wbrag_ray.pipelines import build_kb
-
-    run = RunFolder(args.run)
-    config = _resolve_config(args, {"index": {"factory": args.factory}} if args.factory else {}, run)
-    run.bind_config(config, force=args.force or bool(args.factory))
-    _start(config)  # the build's train / add / merge steps are Ray tasks
-    build_kb.index(run, config, force=args.force or bool(args.factory))
+    run, config = _on_run(args, {"index": {"factory": args.factory}} if args.factory else None)
+    api.build_kb(run, config, force=args.force or bool(args.factory), steps=("index",))
 
 
 def cmd_search(args) -> None:
-    from wbrag_ray.index.retriever import Retriever
-
-    run = RunFolder(args.run)
-    config = _resolve_config(args, {}, run)
-    retriever = Retriever.from_config(run.path("index").uri, run.path("ingest").uri, config)
-    for query, hits in zip(args.query, retriever.search(args.query, args.k), strict=True):
+    run, config = _on_run(args)
+    for query, hits in zip(args.query, api.search(run, config, args.query, args.k), strict=True):
         print(f"query: {query}")
         for h in hits:
             text = h.text if len(h.text) <= 160 else h.text[:157] + "..."
@@ -247,141 +215,61 @@ def _eval_extra(args) -> dict[str, Any]:
 
 
 def cmd_eval(args) -> None:
-    from wbrag_ray.pipelines import zero_rag
-    from wbrag_ray.pipelines.evaluate import evaluate
-
-    run = RunFolder(args.run)
-    config = _resolve_config(args, _eval_extra(args), run)
-    if not config.eval.dataset:
-        raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
+    run, config = _on_run(args, _eval_extra(args))
     if args.grid and args.methods_grid:
         raise ConfigError("--grid (Zero-RAG settings) and --methods-grid (RAG methods x write-back) are two grids: "
                           "run them one at a time")
-    if args.methods_grid and args.writeback:
-        raise ConfigError("--methods-grid already evaluates beside every trained write-back version: drop --writeback")
-    _start(config)
     if args.grid:
-        zero_rag.evaluate_grid(run, config, config.eval.dataset, force=args.force)
+        api.evaluate_zero_rag_grid(run, config, force=args.force)
         return
-    name = args.name or config.eval.name or os.path.basename(config.eval.dataset.rstrip("/")).split(".")[0]
-    kwargs: dict[str, Any] = {"writeback": args.writeback}
-    if args.prune_ratio is not None:
-        kwargs["base_index"] = zero_rag.index_for_ratio(run, args.prune_ratio).uri
-    if args.router:
-        if not run.is_complete("router"):
-            raise ConfigError(f"run {run.uri} has no query router; train one with `wbrag train-router RUN --train PATH`")
-        kwargs["router"] = zero_rag.router_location(run).uri
-    if args.adapter:
-        config.generator = zero_rag.with_adapter(run, config)
-    if args.prune_ratio is not None or args.router or args.adapter:  # a Zero-RAG setting: name it after them all
-        label = zero_rag.eval_label(name, args.prune_ratio, args.writeback, args.router, args.adapter)
-        kwargs.update(label=label, setting=label)
-    if args.methods_grid:  # every method, on this (maybe pruned / routed) base and beside each write-back version
+    if args.methods_grid and not args.methods:  # the grid's point is every method
         from wbrag_ray import rag
-        from wbrag_ray.pipelines.evaluate import evaluate_methods_grid
 
-        if not args.methods:
-            config.eval.methods = list(rag.METHODS)
-        evaluate_methods_grid(run, config, config.eval.dataset, kwargs.get("label", name), force=args.force,
-                              **{k: kwargs[k] for k in ("base_index", "router") if k in kwargs})
-        return
-    evaluate(run, config, config.eval.dataset, name, **kwargs)
-
-
-def _zero_rag_command(args, extra: dict[str, Any] | None = None):
-    run = RunFolder(args.run)
-    config = _resolve_config(args, {"zerorag": extra} if extra else {}, run)
-    run.bind_config(config, force=args.force)
-    _start(config)
-    return run, config
+        config.eval.methods = list(rag.METHODS)
+    api.evaluate(run, config, name=args.name, writeback=args.writeback, prune_ratio=args.prune_ratio,
+                 router=args.router, adapter=args.adapter, methods_grid=args.methods_grid, force=args.force)
 
 
 def cmd_mastery(args) -> None:
-    from wbrag_ray.pipelines import zero_rag
-
-    run, config = _zero_rag_command(args, {"qa_mode": args.mode} if args.mode else None)
-    zero_rag.mastery(run, config, sample=args.sample, force=args.force)
+    run, config = _on_run(args, {"zerorag": {"qa_mode": args.mode}} if args.mode else None)
+    api.mastery(run, config, sample=args.sample, force=args.force)
 
 
 def cmd_train_pruner(args) -> None:
-    from wbrag_ray.pipelines import zero_rag
-
-    run, config = _zero_rag_command(args)
-    zero_rag.train_pruner(run, config, kind=args.kind, force=args.force)
+    run, config = _on_run(args)
+    api.train_pruner(run, config, kind=args.kind, force=args.force)
 
 
 def cmd_prune(args) -> None:
-    from wbrag_ray.pipelines import zero_rag
-
-    run, config = _zero_rag_command(args, {"pruner": args.pruner} if args.pruner else None)
-    zero_rag.predict(run, config, force=args.force)
-    for ratio in args.ratio:
-        zero_rag.prune(run, config, ratio, force=args.force)
+    run, config = _on_run(args, {"zerorag": {"pruner": args.pruner}} if args.pruner else None)
+    api.prune(run, config, args.ratio, force=args.force)
 
 
 def cmd_tune(args) -> None:
-    from wbrag_ray.pipelines import zero_rag
-
-    run, config = _zero_rag_command(args, {"train": args.train} if args.train else None)
-    zero_rag.tune(run, config, force=args.force)
+    run, config = _on_run(args, {"zerorag": {"train": args.train}} if args.train else None)
+    api.tune(run, config, force=args.force)
 
 
 def cmd_train_router(args) -> None:
-    from wbrag_ray.pipelines import zero_rag
-
-    run, config = _zero_rag_command(args, {"train": args.train} if args.train else None)
-    zero_rag.train_router(run, config, force=args.force)
+    run, config = _on_run(args, {"zerorag": {"train": args.train}} if args.train else None)
+    api.train_router(run, config, force=args.force)
 
 
 def cmd_writeback(args) -> None:
-    from wbrag_ray.pipelines import writeback
-
-    run = RunFolder(args.run)
     if args.list:
-        active = writeback.read_active(run)
-        for v in writeback.versions(run):
-            print(f"{'*' if v == active['version'] else ' '} {v}")
-        print(f"active: {active['version'] or 'none (base index only)'}")
+        trained, active = api.writeback_versions(args.run)
+        for v in trained:
+            print(f"{'*' if v == active else ' '} {v}")
+        print(f"active: {active or 'none (base index only)'}")
         return
     if args.activate:
-        writeback.activate(run, args.activate)
+        api.activate_writeback(args.run, args.activate)
         return
     if args.rollback is not None:
-        writeback.rollback(run, args.rollback or None)
+        api.rollback_writeback(args.run, args.rollback or None)
         return
-    config = _resolve_config(args, {"writeback": {"train": args.train}} if args.train else {}, run)
-    run.bind_config(config, force=args.force)
-    _start(config)
-    writeback.train_writeback(run, config, version=args.version, force=args.force)
-
-
-def run_pipeline(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """ingest -> embed -> index -> [write-back training] -> [Zero-RAG: mastery, pruners, pruned indices, tuning,
-    router, the evaluation grid] -> eval (base, then base + write-back), skipping completed stages."""
-    from wbrag_ray.pipelines import build_kb
-    from wbrag_ray.pipelines.evaluate import evaluate_stage
-
-    run.bind_config(config, force=force)
-    _start(config)
-    build_kb.ingest(run, config, force=force)
-    build_kb.embed(run, config, force=force)
-    build_kb.index(run, config, force=force)
-    name = config.eval.name or os.path.basename(config.eval.dataset or "").split(".")[0]
-    settings = [False]
-    if config.writeback.train:
-        from wbrag_ray.pipelines.writeback import train_writeback
-
-        train_writeback(run, config, force=force)
-        settings += [True] if config.writeback.evaluate else []
-    if config.zerorag.enabled:
-        from wbrag_ray.pipelines.zero_rag import run_zero_rag
-
-        run_zero_rag(run, config, force=force)
-        settings = []  # its grid evaluates the base and the pruned bases, with write-back when there is one
-    for wb in settings if config.eval.dataset else []:
-        evaluate_stage(run, config, config.eval.dataset, name, f"{name}-writeback" if wb else name, force=force,
-                       writeback=wb)
-    return {s: run.stats(s) for s in run.completed_stages()}
+    run, config = _on_run(args, {"writeback": {"train": args.train}} if args.train else None)
+    api.train_writeback(run, config, version=args.version, force=args.force)
 
 
 def cmd_run(args) -> None:
@@ -389,38 +277,18 @@ def cmd_run(args) -> None:
     run_dir = args.run or config.run
     if not run_dir:
         raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
-    run = RunFolder(run_dir)
-    run_pipeline(run, config, force=args.force)
-    print(stage_time_split(run), flush=True)
+    api.run(run_dir, config, force=args.force)
+    print(api.stage_time_split(run_dir), flush=True)
 
 
 def cmd_demo(args) -> None:
     import time
 
-    extra = {
-        "ingest": {"corpus": _demo_data("demo_corpus.jsonl")},
-        "eval": {"dataset": _demo_data("demo_qa.jsonl"), "name": "demo_qa"},
-    }
-    config = load_config(args.config or _demo_data("../configs/demo.yaml"), args.overrides, extra)
-    if args.address:
-        config.ray.address = args.address
     t0 = time.perf_counter()
-    run = RunFolder(args.run)
-    run_pipeline(run, config, force=args.force)
-    from wbrag_ray.report import write_report
-
-    report = write_report(run)
+    run, report = api.demo(args.run, args.config, args.overrides, force=args.force, address=args.address)
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; run folder: {run.uri}", flush=True)
-    print(stage_time_split(run), flush=True)
+    print(api.stage_time_split(run), flush=True)
     print(f"report: {report}", flush=True)
-
-
-def stage_time_split(run: RunFolder) -> str:
-    """One line: each stage's share of the run's stage time, slowest first (where the time goes)."""
-    times = {s: (run.stats(s) or {}).get("seconds", 0.0) for s in run.completed_stages()}
-    total = sum(times.values()) or 1.0
-    parts = [f"{s} {t:.1f} s ({100 * t / total:.0f}%)" for s, t in sorted(times.items(), key=lambda kv: -kv[1])]
-    return "time per stage, slowest first: " + ", ".join(parts)
 
 
 def cmd_submit(args) -> None:
@@ -501,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"wbrag {args.command}: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError, IndexError_) as exc:
+    except (FileNotFoundError, IndexError_) as exc:  # a missing or damaged input: the message names the file
         print(f"wbrag {args.command}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # storage: permissions, unreachable endpoints, object-store errors

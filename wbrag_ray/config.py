@@ -1,13 +1,16 @@
 """Typed configuration: one model for a whole run, loaded from YAML plus `--set key=value` overrides.
 
 Validation happens once, before any stage starts; every error names the dotted key and what would fix it.
+
+Over 400 lines on purpose: one model per config section, every field with its description, in one module that
+is the reference a user reads (`wbrag_ray/config.py` is what the README points to).
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -22,6 +25,10 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # Keys that never change what a stage writes (batch sizes of inference, caches, switches of `wbrag run`):
+    # left out of stage fingerprints, as placement keys are (wbrag_ray.run).
+    RUNTIME_KEYS: ClassVar[frozenset[str]] = frozenset()
 
 
 class RayConfig(_Section):
@@ -45,6 +52,8 @@ class IngestConfig(_Section):
 
 
 class EmbedderConfig(_Section):
+    RUNTIME_KEYS = frozenset({"batch_size"})
+
     model: str = Field(BUNDLED_EMBEDDER, description="sentence-transformers model: local folder, hub id or bundled:*.")
     batch_size: int = Field(64, ge=1, description="Sentences per forward pass.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
@@ -69,6 +78,8 @@ class EmbedderConfig(_Section):
 
 
 class GeneratorConfig(_Section):
+    RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env"})
+
     backend: Literal["hf", "vllm", "openai"] = Field("hf", description="hf (transformers), vllm, or openai (HTTP).")
     model: str = Field(BUNDLED_GENERATOR, description="Local HF folder, GGUF file, hub id, or bundled:smollm2.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
@@ -263,6 +274,8 @@ class _LoraSection(_Section):
 class LMPrunerConfig(_LoraSection):
     """Zero-RAG's LM regressor: a small causal LM with a regression head, fine-tuned with LoRA."""
 
+    RUNTIME_KEYS = frozenset({"predict_batch_size"})
+
     backbone: str = Field(BUNDLED_GENERATOR, description="Backbone LM: local folder, GGUF file, hub id or bundled:*.")
     max_length: int = Field(64, ge=8, description="Tokens per sentence (longer sentences are truncated).")
     predict_batch_size: int = Field(
@@ -278,6 +291,8 @@ class TuneConfig(_LoraSection):
     """Zero-RAG's noise-tolerant tuning of the generator: each training question with relevant documents,
     with distracting documents, and with none."""
 
+    RUNTIME_KEYS = frozenset({"enabled"})
+
     enabled: bool = Field(False, description="`wbrag run`: tune an adapter and evaluate with it.")
     docs_per_format: int = Field(2, ge=1, description="Documents in the relevant and distracting formats.")
     batch_size: int = Field(4, ge=1, description="Examples per optimizer step.")
@@ -287,6 +302,8 @@ class TuneConfig(_LoraSection):
 
 class ZeroRagConfig(_Section):
     """Zero-RAG: mastery scores on a sample, a pruner, a corpus-wide percentile, router and tuning."""
+
+    RUNTIME_KEYS = frozenset({"enabled"})
 
     enabled: bool = Field(
         False, description="`wbrag run`: after the index, score mastery, train the pruner(s), prune at every ratio "

@@ -223,3 +223,9 @@ def embeddings_table(ids: np.ndarray, vectors: np.ndarray, id_column: str = "id"
     dim = vectors.shape[1]
     flat = pa.array(np.ascontiguousarray(vectors).reshape(-1))
     return pa.table({id_column: pa.array(ids, pa.int64()), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)})
+
+
+def plain_table(df) -> pa.Table:
+    """A DataFrame as an Arrow table without pandas metadata: readers with another pandas version (or none) get
+    plain Arrow types."""
+    return pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None)

@@ -11,6 +11,8 @@ import json
 import textwrap
 
 from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import Location
+from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
 
 
 def _short(s: str, n: int = 140) -> str:
@@ -21,14 +23,15 @@ def _short(s: str, n: int = 140) -> str:
 def inspect_run(run: RunFolder, n: int = 3) -> str:
     out: list[str] = [f"run {run.uri}", f"completed stages: {', '.join(run.completed_stages()) or 'none'}"]
 
-    rejects = run.path("ingest", "rejects")
+    layout = run.layout
+    rejects = layout.ingest.rejects
     if rejects.exists():
         rows = rejects.read_table().to_pylist()
         out.append(f"\n== corpus rejects: {len(rows)} ==")
         for r in rows[:n]:
             out.append(f"  [{r['doc_id']}] {r['reason']}  <- {_short(r['raw'], 90)}")
 
-    sentences = run.path("ingest", "sentences")
+    sentences = layout.ingest.sentences
     if sentences.exists():
         table = sentences.read_table()
         first = table["pid"][0].as_py()
@@ -36,30 +39,22 @@ def inspect_run(run: RunFolder, n: int = 3) -> str:
         out.append(f"\n== passage {first} as sentences (Zero-RAG's unit) ==")
         out += [f"  {r['sid']}: {_short(r['text'])}" for r in mine]
 
-    ev = run.path("eval")
-    if ev.exists():
-        import pyarrow.fs as pafs
-
-        for info in sorted(ev.fs.get_file_info(pafs.FileSelector(ev.path)), key=lambda i: i.base_name):
-            preds = ev.join(info.base_name, "predictions.parquet")
-            if not preds.exists():
-                continue
-            rows = sorted(preds.read_table().to_pylist(), key=lambda r: r["acc"])
-            out.append(f"\n== {info.base_name}: wrong answers first ==")
-            for r in rows[:n]:
-                docs = json.loads(r["docs"] or "[]")
-                out.append(f"  Q: {r['question']}\n  gold: {r['golden_answers']}  predicted: {_short(r['prediction'], 80)}"
-                           f"  (acc={r['acc']:.0f})")
-                out += [f"     doc {d['rank'] + 1} [{d['source']}:{d['id']}] {d['title']} ({d['score']:.3f})" for d in docs[:3]]
-
-    from wbrag_ray.report import _writeback_versions
-
-    for stats in _writeback_versions(run):
-        units = run.path("writeback", stats["version"], "corpus")
-        if not units.exists():
+    for result in layout.eval_results():
+        if not result.predictions.exists():
             continue
-        rows = units.read_table().to_pylist()
-        out.append(f"\n== write-back {stats['version']}: {len(rows)} knowledge units ==")
+        rows = sorted(result.predictions.read_table().to_pylist(), key=lambda r: r["acc"])
+        out.append(f"\n== {result.root.name}: wrong answers first ==")
+        for r in rows[:n]:
+            docs = json.loads(r["docs"] or "[]")
+            out.append(f"  Q: {r['question']}\n  gold: {r['golden_answers']}  predicted: {_short(r['prediction'], 80)}"
+                       f"  (acc={r['acc']:.0f})")
+            out += [f"     doc {d['rank'] + 1} [{d['source']}:{d['id']}] {d['title']} ({d['score']:.3f})" for d in docs[:3]]
+
+    for version in layout.writeback_versions():
+        if not version.units.exists():
+            continue
+        rows = version.units.read_table().to_pylist()
+        out.append(f"\n== write-back {version.version}: {len(rows)} knowledge units ==")
         for r in rows[:n]:
             out.append(f"  unit {r['id']} from question: {r.get('question', r.get('source_example_id'))}")
             out.append(textwrap.indent(textwrap.fill(_short(f"{r['title']}: {r['text']}", 400), 100), "     "))
@@ -70,21 +65,21 @@ def inspect_run(run: RunFolder, n: int = 3) -> str:
 
 # --- Zero-RAG --------------------------------------------------------------------------------------------
 
-ZR_STATUS_WHY = {"unparseable": "the QA generator's output could not be read as question + answer",
-                 "answer_not_in_sentence": "the answer is not in the sentence, so the pair does not test what it says"}
+ZR_STATUS_WHY = {UNPARSEABLE: "the QA generator's output could not be read as question + answer",
+                 NOT_IN_SENTENCE: "the answer is not in the sentence, so the pair does not test what it says"}
 
 
 def _qa_line(q: dict) -> str:
     """One QA pair, showing what decided its fate: the model's answer and EM when scored, else the reason."""
-    if q["status"] == "ok":
+    if q["status"] == OK:
         em = "" if q["em"] is None else f"  em={q['em']:.0f}"
         return f"[ok] Q: {_short(q['question'], 110)}  gold: {_short(q['answer'], 40)}  model: {_short(q['prediction'] or '', 40)}{em}"
-    if q["status"] == "unparseable":
+    if q["status"] == UNPARSEABLE:
         return f"[unparseable] generator wrote: {_short(q['raw'] or '(nothing)', 150)}"
     return f"[{q['status']}] Q: {_short(q['question'] or '', 110)}  answer: {_short(q['answer'] or '', 40)}"
 
 
-def _top_dropped(keep, n: int) -> list[dict]:
+def _top_dropped(keep: Location, n: int) -> list[dict]:
     """The n dropped sentences with the highest predicted mastery, one keep-mask file at a time (the mask has a
     row per corpus sentence; only dropped rows are read)."""
     import pyarrow as pa
@@ -106,7 +101,7 @@ def _top_dropped(keep, n: int) -> list[dict]:
 def _sentence_texts(run: RunFolder, sids: list[int]) -> dict[int, str]:
     import pyarrow.parquet as pq
 
-    loc = run.path("ingest", "sentences")
+    loc = run.layout.ingest.sentences
     found: dict[int, str] = {}
     if not sids or not loc.exists():
         return found
@@ -119,24 +114,24 @@ def _sentence_texts(run: RunFolder, sids: list[int]) -> dict[int, str]:
 def inspect_zero_rag(run: RunFolder, n: int = 3) -> list[str]:
     """Lines on Zero-RAG: the dropped sentences the pruner is surest the model knows (highest predicted mastery)
     with their text and, where measured, their QA pairs; then a few QA pairs of each status."""
-    from wbrag_ray.report import QA_STATUSES, _prune_levels
+    from wbrag_ray.report.sections import QA_STATUSES
 
     out: list[str] = []
-    mastery = run.path("zero_rag", "mastery")
-    qa = mastery.join("qa.parquet").read_table().to_pylist() if mastery.join("qa.parquet").exists() else []
+    zr = run.layout.zero_rag
+    qa = zr.qa.read_table().to_pylist() if zr.qa.exists() else []
     qa.sort(key=lambda q: (q["sid"], q["qa_index"]))
     by_sid: dict[int, list[dict]] = {}
     for q in qa:
         by_sid.setdefault(q["sid"], []).append(q)
-    scores = mastery.join("scores.parquet")
-    scored = {r["sid"]: r for r in scores.read_table(["sid", "text", "n_valid", "mastery"]).to_pylist()} if scores.exists() else {}
+    scored = {r["sid"]: r for r in zr.scores.read_table(["sid", "text", "n_valid", "mastery"]).to_pylist()} if zr.scores.exists() else {}
 
-    levels = [lv for lv in _prune_levels(run) if run.path("zero_rag", lv["folder"], "keep").exists()]
+    levels = [(lv.stats.read_json(), lv) for lv in zr.pruned_levels() if lv.keep.exists()]
     if levels:
-        lv = levels[-1]  # the largest ratio drops the most, so its top dropped sentences are the boldest calls
-        top = _top_dropped(run.path("zero_rag", lv["folder"], "keep"), n)
+        # the largest ratio drops the most, so its top dropped sentences are the boldest calls
+        stats, level = max(levels, key=lambda sl: sl[0].get("ratio", 0.0))
+        top = _top_dropped(level.keep, n)
         texts = _sentence_texts(run, [r["id"] for r in top])
-        out.append(f"\n== Zero-RAG {lv['folder']}: {lv.get('dropped', '?')} of {lv.get('sentences_in', '?')} sentences "
+        out.append(f"\n== Zero-RAG {level.root.name}: {stats.get('dropped', '?')} of {stats.get('sentences_in', '?')} sentences "
                    f"dropped; the {len(top)} with the highest predicted mastery ==")
         for r in top:
             s = scored.get(r["id"])
@@ -145,7 +140,7 @@ def inspect_zero_rag(run: RunFolder, n: int = 3) -> list[str]:
                 measured = ("  measured " + (f"{s['mastery']:.2f} on {s['n_valid']} valid QA pairs" if s["mastery"] is not None
                                              else "none (no valid QA pair)"))
             out.append(f"  sentence {r['id']}  predicted {r['mastery_pred']:.3f}{measured or '  (not in the mastery sample)'}")
-            out.append(f"     {_short(texts.get(r['id']) or (s or {}).get('text') or '(text not in ingest/sentences)', 200)}")
+            out.append(f"     {_short(texts.get(r['id']) or (s or {}).get('text') or '(text not among the ingested sentences)', 200)}")
             out += [f"       {_qa_line(q)}" for q in by_sid.get(r["id"], [])]
 
     if qa:

@@ -1,4 +1,6 @@
-"""Starting or joining Ray, once per process, with messages that say what to do when it fails."""
+"""Starting or joining Ray, once per process, with messages that say what to do when it fails; and the generic
+Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
+output file names)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,51 @@ def local_dataset(frame):
     if hasattr(frame, "reset_index"):
         frame = frame.reset_index(drop=True)
     return ray.data.from_blocks([frame])
+
+
+def shared_value(ref_or_value):
+    """Ray Data hands `fn_args` to the function as given: an ObjectRef (one shared copy of a large id array in
+    the object store, instead of one per task) has to be fetched by the function itself."""
+    import ray
+
+    return ray.get(ref_or_value) if isinstance(ref_or_value, ray.ObjectRef) else ref_or_value
+
+
+def select_rows(loc, id_column: str, ids, columns: list[str]):
+    """Rows of a (large) Parquet folder whose id is in `ids`, as a DataFrame, by a distributed scan: only the
+    matches reach the driver."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    wanted = ray.put(np.unique(np.asarray(ids, np.int64)))
+
+    def keep(batch: pa.Table, wanted) -> pa.Table:
+        mask = np.isin(batch[id_column].to_numpy(), shared_value(wanted))
+        return batch.filter(pa.array(mask))
+
+    ds = ray.data.read_parquet(loc.path, filesystem=loc.fs, columns=columns, num_cpus=LIGHT_CPUS)
+    ds = ds.map_batches(keep, fn_args=(wanted,), batch_format="pyarrow", num_cpus=LIGHT_CPUS)
+    tables = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
+    return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=columns)
+
+
+def stable_names(prefix: str):
+    """A Ray Data file-name provider: `<prefix>-<write uuid>-<task index>.parquet`, a pure function of (write,
+    task), as Ray 2.60's checkpointing needs to predict a file's name before it is written (and to delete it
+    if the write died before its checkpoint was committed); a retried task overwrites its own file."""
+    from ray.data.datasource import FilenameProvider
+
+    class StableNames(FilenameProvider):
+        def __init__(self):
+            super().__init__(file_format="parquet")
+
+        def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
+            return f"{prefix}-{write_uuid}-{task_index:06d}.parquet"
+
+    return StableNames()
 
 
 def init_ray(config: RayConfig) -> None:

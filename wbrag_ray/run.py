@@ -1,33 +1,111 @@
 """The run folder: every stage's outputs, the resolved config, per-stage stats and completion markers.
 
-Layout (local or s3://):
-    RUN/run.json                    resolved config (no credentials) and the wbrag version
-    RUN/<stage>/...                 the stage's outputs
-    RUN/_stages/<stage>/stats.json  rows in / out / rejected, seconds, and stage-specific figures
-    RUN/_stages/<stage>/_SUCCESS    empty marker, written last: its presence means the stage is complete
+Paths are named in wbrag_ray.layout. Rerunning a run skips stages whose marker exists.
 
-Rerunning a run skips stages whose marker exists.
+A stage is declared once (`RunStage`): its name, the stages whose outputs it reads, and the config paths that
+shape what it writes. Its fingerprint is derived from those: the declared config values (placement keys and
+each section's runtime-only keys left out, `dtype: auto` resolved to the dtype this machine uses), the call's
+parameters (a ratio, a training file) and the fingerprints of the stages it reads. A complete stage whose
+fingerprint changed is refused (costly stages: a person decides, with --force) or redone (evaluations).
 """
 
 from __future__ import annotations
 
 import logging
+import string
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from wbrag_ray import __version__
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.layout import RunLayout
 from wbrag_ray.storage import Location, resolve
 
 log = logging.getLogger(__name__)
 
+# Where and how wide a stage runs (CPUs, GPUs, actors, threads, checkpoint size) never changes what it writes:
+# a run may move to a bigger cluster. Keys that only matter to one kind of section say so on the section
+# (`RUNTIME_KEYS` of its config class, e.g. a generator's batch size).
 PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "memory_gb"}
+
+
+def settings_value(value: Any) -> Any:
+    """A config value as it shapes outputs: JSON, without placement or runtime-only keys, and with `dtype: auto`
+    resolved to what a stage on this machine uses (bf16 where the CPU has it, fp32 elsewhere), so the same
+    config on another CPU kind counts as a change."""
+    if isinstance(value, BaseModel):
+        skip = PLACEMENT_KEYS | set(getattr(type(value), "RUNTIME_KEYS", ()))
+        out = {k: settings_value(getattr(value, k)) for k in type(value).model_fields if k not in skip}
+        if out.get("dtype") == "auto":
+            from wbrag_ray.models.hardware import resolved_dtype_name
+
+            out["dtype"] = resolved_dtype_name("auto", getattr(value, "num_gpus", 0.0))
+        return out
+    if isinstance(value, dict):
+        return {k: settings_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [settings_value(v) for v in value]
+    return value
+
+
+class _Keep(dict):
+    """format_map helper: unknown fields stay as written ('RUN --kind {kind}' without a kind)."""
+
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+@dataclass(frozen=True)
+class RunStage:
+    """One stage of a run, declared once.
+
+    `name` may hold the call's parameters ("pruner-{kind}"). `settings` are config paths ("zerorag.sample",
+    "generator"; a path may name a parameter, "rag.{method}", and is left out when the parameter is empty);
+    `ignore` are paths under them that do not shape the output. `requires`: stages whose outputs this one
+    reads (they must be complete, and their fingerprints are part of this one's); `uses`: the same, where the
+    input is optional. `command`: how a person makes this stage (named when a later stage needs it)."""
+
+    name: str
+    settings: tuple[str, ...] = ()
+    requires: tuple[RunStage, ...] = ()
+    uses: tuple[RunStage, ...] = ()
+    ignore: tuple[str, ...] = ()
+    on_change: Literal["refuse", "redo"] = "refuse"
+    command: str = ""
+    fix: str = "pass --force to redo it (and the stages after it)"
+
+    def instance(self, params: dict[str, Any] | None = None) -> str:
+        return string.Formatter().vformat(self.name, (), _Keep(params or {}))
+
+    def config_settings(self, config: WbragConfig, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """{declared path: its value}, derived from the config (see `settings_value`)."""
+        out: dict[str, Any] = {}
+        for template in self.settings:
+            path = template.format_map(_Keep({k: "" if v is None else v for k, v in (params or {}).items()}))
+            if "{" in path or not all(path.split(".")):
+                continue  # a parameterized path whose parameter is empty or not given: nothing to record
+            value: Any = config
+            for part in path.split("."):
+                value = getattr(value, part)
+            out[path] = settings_value(value)
+        for path in self.ignore:
+            for declared, value in out.items():
+                if path.startswith(declared + ".") and isinstance(value, dict):
+                    value.pop(path[len(declared) + 1:], None)
+        return out
+
+    def command_for(self, params: dict[str, Any] | None = None) -> str:
+        return self.command.format_map(_Keep(params or {})) or f"the stage '{self.instance(params)}'"
 
 
 class RunFolder:
     def __init__(self, uri: str):
         self.root: Location = resolve(uri)
+        self.layout = RunLayout(self.root)
 
     @property
     def uri(self) -> str:
@@ -38,78 +116,105 @@ class RunFolder:
 
     # --- config ------------------------------------------------------------------------------------
 
-    def bind_config(self, config: WbragConfig, force: bool = False) -> None:
-        """Record the resolved config; refuse a changed one for an existing run unless `force`."""
-        run_json = self.path("run.json")
-        fingerprint = config.fingerprint()
-        if run_json.exists() and not force:
-            previous = run_json.read_json().get("config", {})
-            diff = _diff(previous, fingerprint)
-            # Settings that only add inputs (a new eval dataset) don't change completed outputs; write-back
-            # settings only shape versioned write-back indices and Zero-RAG settings only shape its own stages,
-            # which check their own settings; the adaptive methods' settings only shape answers.
-            diff = [d for d in diff if not d.startswith(("eval.", "ingest.corpus", "writeback", "zerorag", "rag.", "rag:"))]
-            # Where and how wide a stage runs (CPUs, GPUs, actors, threads, checkpoint size) never changes
-            # what it writes: a run may move to a bigger cluster.
-            diff = [d for d in diff if d.split(":")[0].rsplit(".", 1)[-1] not in PLACEMENT_KEYS]
-            if diff:
-                raise ConfigError(
-                    f"run folder {self.uri} was made with a different config ({'; '.join(diff[:5])}). "
-                    "Use a new run folder, or pass --force to rerun with the new config."
-                )
-        run_json.write_json({"wbrag_version": __version__, "config": fingerprint, "ray": config.ray.model_dump()})
+    def bind_config(self, config: WbragConfig, force: bool = False, guard: Iterable[RunStage] = ()) -> None:
+        """Record the resolved config as the run's; refuse it, unless `force`, when a complete stage of `guard`
+        (the knowledge-base stages, whose config run.json is) was made with other settings. Every other stage
+        checks its own settings when it runs."""
+        if not force:
+            for stage in guard:
+                changed = self._changed(stage, {"config": stage.config_settings(config)}, only_config=True)
+                if changed:
+                    raise ConfigError(
+                        f"run folder {self.uri} was made with a different config (stage '{stage.name}': "
+                        f"{'; '.join(changed[:5])}). Use a new run folder, or pass --force to rerun with the new config."
+                    )
+        self.layout.run_json.write_json(
+            {"wbrag_version": __version__, "config": config.fingerprint(), "ray": config.ray.model_dump()})
 
     def load_config(self) -> WbragConfig:
-        run_json = self.path("run.json")
+        run_json = self.layout.run_json
         if not run_json.exists():
             raise ConfigError(f"{self.uri} is not a run folder (no run.json); start with `wbrag ingest` or `wbrag run`")
         return WbragConfig.model_validate(run_json.read_json()["config"])
 
     # --- stages ------------------------------------------------------------------------------------
 
-    def _stage_dir(self, name: str) -> Location:
-        return self.path("_stages", name)
-
     def is_complete(self, name: str) -> bool:
-        return self._stage_dir(name).join("_SUCCESS").exists()
+        return self.layout.stage(name).success.exists()
 
     def stats(self, name: str) -> dict[str, Any] | None:
-        loc = self._stage_dir(name).join("stats.json")
+        loc = self.layout.stage(name).stats
         return loc.read_json() if loc.exists() else None
 
     def mark_complete(self, name: str, stats: dict[str, Any]) -> None:
-        d = self._stage_dir(name)
-        d.join("stats.json").write_json(stats)
-        d.join("_SUCCESS").write_bytes(b"")  # last: the marker's presence means everything above is written
+        record = self.layout.stage(name)
+        record.stats.write_json(stats)
+        record.success.write_bytes(b"")  # last: the marker's presence means everything above is written
 
     def invalidate(self, name: str) -> None:
-        self._stage_dir(name).join("_SUCCESS").delete()
+        self.layout.stage(name).success.delete()
 
     def completed_stages(self) -> list[str]:
-        d = self.path("_stages")
-        if not d.exists():
-            return []
-        import pyarrow.fs as pafs
+        from wbrag_ray.layout import subdirs
 
-        infos = d.fs.get_file_info(pafs.FileSelector(d.path, recursive=False))
-        done = [i.base_name for i in infos if self.is_complete(i.base_name)]
+        done = [name for name in subdirs(self.layout.stages) if self.is_complete(name)]
 
         def completed_at(name: str) -> int:
-            marker = self._stage_dir(name).join("_SUCCESS")
+            marker = self.layout.stage(name).success
             return marker.fs.get_file_info(marker.path).mtime_ns or 0
 
         return sorted(done, key=lambda n: (completed_at(n), n))  # completion order = the pipeline's order
 
-    def check_settings(self, name: str, settings: dict[str, Any], force: bool = False, fix: str = "") -> None:
-        """Refuse to reuse a complete stage that recorded other `settings` (in its stats) unless `force`: stages
-        whose settings are left out of the run's config check (write-back versions, Zero-RAG) guard themselves."""
-        previous = self.stats(name) if self.is_complete(name) else None
-        if previous is None or previous.get("settings") == settings or force:
-            return
-        old = previous.get("settings") or {}
-        changed = sorted(k for k in set(settings) | set(old) if settings.get(k) != old.get(k))
-        raise ConfigError(f"stage '{name}' of {self.uri} was made with other settings ({', '.join(changed)}); "
-                          f"{fix or 'pass --force to redo it'}")
+    def require(self, stage: RunStage, params: dict[str, Any] | None = None) -> None:
+        name = stage.instance(params)
+        if not self.is_complete(name):
+            raise ConfigError(f"stage '{name}' of run {self.uri} is not complete; run `{stage.command_for(params)}` first")
+
+    def fingerprint(self, stage: RunStage, config: WbragConfig, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What `stage` would be made from now: its declared config values, the call's parameters and the
+        fingerprints of the stages it reads."""
+        inputs = {}
+        for dep in (*stage.requires, *stage.uses):
+            name = dep.instance(params)
+            if self.is_complete(name):
+                inputs[name] = (self.stats(name) or {}).get("settings")
+        out: dict[str, Any] = {"config": stage.config_settings(config, params)}
+        if params:
+            out["params"] = params
+        if inputs:
+            out["inputs"] = inputs
+        return out
+
+    def _changed(self, stage: RunStage, fingerprint: dict[str, Any], params: dict[str, Any] | None = None,
+                 only_config: bool = False) -> list[str]:
+        """What differs between `fingerprint` and the one the complete stage recorded ([] when it is not
+        complete, or was made by a version that recorded none)."""
+        name = stage.instance(params)
+        previous = (self.stats(name) or {}).get("settings") if self.is_complete(name) else None
+        if not isinstance(previous, dict) or "config" not in previous:
+            return []
+        if only_config:
+            previous = {"config": previous["config"]}
+        return _diff(previous, fingerprint)
+
+    def execute(self, stage: RunStage, config: WbragConfig, work: Callable[[], dict[str, Any]],
+                params: dict[str, Any] | None = None, force: bool = False,
+                on_skip: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Run a declared stage: its inputs must be complete; a complete one with the same fingerprint is
+        skipped (`on_skip` sees its stats), one with another is refused or redone (`stage.on_change`)."""
+        for dep in stage.requires:
+            self.require(dep, params)
+        name = stage.instance(params)
+        fingerprint = self.fingerprint(stage, config, params)
+        changed = [] if force else self._changed(stage, fingerprint, params)
+        if changed and stage.on_change == "refuse":
+            raise ConfigError(f"stage '{name}' of {self.uri} was made with other settings ({'; '.join(changed[:5])}); "
+                              f"{stage.fix}")
+        if changed:
+            print(f"[{name}] settings changed ({'; '.join(changed[:3])}): redoing it", flush=True)
+        elif self.is_complete(name) and not force and on_skip is not None:
+            on_skip(self.stats(name) or {})
+        return self.run_stage(name, lambda: {**(work() or {}), "settings": fingerprint}, force=force or bool(changed))
 
     def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False) -> dict[str, Any]:
         """Run `fn` unless the stage is complete; record its stats and marker; print a one-line summary."""

@@ -13,7 +13,7 @@ import ray.data
 from ray.cluster_utils import Cluster
 
 from wbrag_ray.config import EmbedderConfig
-from wbrag_ray.pipelines.build_kb import StableNames
+from wbrag_ray.ray_runtime import stable_names
 from wbrag_ray.stages.base import apply_stage
 from wbrag_ray.stages.embed import EmbedStage
 
@@ -41,7 +41,7 @@ def main(out_dir: str, n: int) -> None:
 
     threading.Thread(target=kill_worker_mid_stage, daemon=True).start()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    ds.write_parquet(out_dir, filename_provider=StableNames("emb"), mode="overwrite")
+    ds.write_parquet(out_dir, filename_provider=stable_names("emb"), mode="overwrite")
     ids = pq.read_table(out_dir, columns=["id"])["id"].to_pylist()
     print(json.dumps({"rows": len(ids), "unique": len(set(ids)), "expected": n,
                       "missing": len(set(range(n)) - set(ids)), "killed": killed,

@@ -32,13 +32,13 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
     import signal
     import time
 
-    import pyarrow.parquet as pq
-
     from tests.conftest import demo_records, write_jsonl
+    from wbrag_ray.run import RunFolder
 
     records = [{"id": f"{r['id']}-{k}", "contents": r["contents"]} for k in range(12) for r in demo_records()]
     corpus = write_jsonl(tmp_path / "corpus.jsonl", records)
     run = tmp_path / "run"
+    layout = RunFolder(str(run)).layout
     # 0.5 CPU: on resume Ray adds a CheckpointFilter actor that holds 1 CPU of this 2-CPU node
     common = ["--set", "embedder.num_cpus=0.5", "--set", "embedder.threads=2", "--set", "embedder.batch_size=16",
               "--set", "embedder.checkpoint_rows=100"]  # small blocks: progress is committed often
@@ -47,21 +47,21 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
 
     p = _cli(["embed", str(run)])
     deadline = time.time() + 300
-    while time.time() < deadline and len(list((run / "embed").glob("*.parquet"))) < 3:
+    while time.time() < deadline and len(layout.embed.list_files(".parquet")) < 3:
         time.sleep(0.2)
     os.killpg(p.pid, signal.SIGKILL)  # the driver and the local cluster it started, mid-stage
     p.wait(60)
-    written_before = sum(pq.ParquetFile(f).metadata.num_rows for f in (run / "embed").glob("*.parquet"))
+    written_before = layout.embed.num_rows()
     assert 0 < written_before < len(records)
-    assert not (run / "_stages" / "embed" / "_SUCCESS").exists()
+    assert not layout.stage("embed").success.exists()
 
     p = _cli(["embed", str(run)])
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert "resuming from the checkpoint" in out
-    stats = json.loads((run / "_stages" / "embed" / "stats.json").read_text())
+    stats = layout.stage("embed").stats.read_json()
     assert stats["rows_out"] == len(records)
     assert stats["rows_embedded_this_run"] < len(records)  # the rerun did only what was left
-    ids = pq.read_table(run / "embed", columns=["pid"])["pid"].to_pylist()
-    passages = pq.read_table(run / "ingest" / "passages", columns=["pid"])["pid"].to_pylist()
+    ids = layout.embed.read_table(["pid"])["pid"].to_pylist()
+    passages = layout.ingest.passages.read_table(["pid"])["pid"].to_pylist()
     assert len(ids) == len(set(ids)) == len(passages) and set(ids) == set(passages)

@@ -11,9 +11,10 @@ import pytest
 from wbrag_ray import prompts, rag
 from wbrag_ray.config import load_config
 from wbrag_ray.formats import read_dataset
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.index.retriever import RetrievalSetting, hits_from_json
-from wbrag_ray.pipelines.passes import GeneratorPasses
 from wbrag_ray.rag.flare import first_sentence, masked_query
+from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 
 N = 6
@@ -38,7 +39,8 @@ def _answer(built_run, flashrag_files, tiny, services, method: str, extra=(), **
     run, _ = built_run
     config = _config(built_run, tiny, [*(f"rag.{k}={v}" for k, v in settings.items()), *extra])
     questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=N)
-    search = RetrievalSetting(str(run / "index"), str(run / "ingest"), config.embedder, config.retrieval,
+    layout = RunFolder(str(run)).layout
+    search = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
                               config.index.nprobe)
     passes = GeneratorPasses(config.generator, services)
     df = rag.answer(questions, [method], config, search, passes, "prediction")
@@ -98,7 +100,7 @@ def test_flare_retrieves_exactly_when_a_token_falls_below_the_threshold(built_ru
 def test_flare_ends_the_answer_when_the_look_ahead_is_empty(built_run, flashrag_files, tiny, services):
     """A model whose first token is a stop token writes an empty look-ahead (as SmolLM2 in fp32 did for a demo
     question): the answer is finished, with no retrieval and no further round, even at threshold 1."""
-    from wbrag_ray.models.generator import HFGenerator
+    from wbrag_ray.generation.hf import HFGenerator
 
     # the greedy first token of each question's first look-ahead (FLARE's own prompt), made a stop string
     questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=N)
@@ -176,7 +178,8 @@ def test_a_zero_rag_router_skips_retrieval_under_every_method(built_run, flashra
     config = _config(built_run, tiny, ["rag.flare.threshold=1.0", "rag.flare.max_rounds=1",
                                        "rag.self_rag.retrieval_threshold=0.0"])
     questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=3)
-    search = RetrievalSetting(str(run / "index"), str(run / "ingest"), config.embedder, config.retrieval,
+    layout = RunFolder(str(run)).layout
+    search = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
                               config.index.nprobe, router_dir=str(tmp_path / "router"))
     df = rag.answer(questions, ["naive", "self-rag", "flare"], config, search, GeneratorPasses(config.generator, services))
     assert len(df) == 9 and df["retrieval_skipped"].all() and (df["docs"] == "[]").all()
@@ -198,9 +201,10 @@ def test_a_router_that_searches_everything_leaves_flare_its_sentence_queries(bui
     QueryRouter(np.zeros(384, np.float32), -10.0, 0.5).save(tmp_path / "router", {"test": "none mastered"})
     config = _config(built_run, tiny, ["rag.flare.threshold=1.0", "rag.flare.max_rounds=1"])
     questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=3)
-    routed = RetrievalSetting(str(run / "index"), str(run / "ingest"), config.embedder, config.retrieval,
+    layout = RunFolder(str(run)).layout
+    routed = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
                               config.index.nprobe, router_dir=str(tmp_path / "router"))
-    plain = RetrievalSetting(str(run / "index"), str(run / "ingest"), config.embedder, config.retrieval,
+    plain = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
                              config.index.nprobe)
     with_router = rag.answer(questions, ["flare"], config, routed, GeneratorPasses(config.generator, services))
     without = rag.answer(questions, ["flare"], config, plain, GeneratorPasses(config.generator, services))

@@ -6,37 +6,40 @@ import json
 import pyarrow.parquet as pq
 
 from wbrag_ray.cli import main
+from wbrag_ray.run import RunFolder
 
 
 def test_every_stage_completed_with_reconciled_counts(built_run, flashrag_files):
     run, _ = built_run
+    layout = RunFolder(str(run)).layout
     _, _, n_docs, _ = flashrag_files
     for stage in ("ingest", "embed", "index", "eval-slice"):
-        assert (run / "_stages" / stage / "_SUCCESS").exists(), stage
-    ingest = json.loads((run / "_stages" / "ingest" / "stats.json").read_text())
+        assert layout.stage(stage).success.exists(), stage
+    ingest = layout.stage("ingest").stats.read_json()
     assert ingest["rows_in"] == n_docs == ingest["rows_out"] + ingest["rows_rejected"]
-    embed = json.loads((run / "_stages" / "embed" / "stats.json").read_text())
+    embed = layout.stage("embed").stats.read_json()
     assert embed["rows_out"] == ingest["rows_out"]
-    manifest = json.loads((run / "index" / "manifest.json").read_text())
+    manifest = layout.index.join("manifest.json").read_json()  # the index's own file
     assert manifest["count"] == n_docs and manifest["dim"] == 384
 
 
 def test_eval_writes_metrics_and_predictions(built_run, flashrag_files):
     run, _ = built_run
+    layout = RunFolder(str(run)).layout
     _, _, _, n_q = flashrag_files
     for method in ("naive", "no-retrieval"):
-        folder = run / "eval" / f"slice-{method}"
-        metrics = json.loads((folder / "metrics.json").read_text())
+        result = layout.eval_result("slice", method)
+        metrics = result.metrics.read_json()
         assert metrics["n"] == n_q and metrics["method"] == method
         assert {"em", "f1", "acc"} <= set(metrics) and metrics["rejected_questions"] == 1
-        preds = pq.read_table(folder / "predictions.parquet").to_pylist()
+        preds = pq.read_table(result.predictions.path).to_pylist()
         assert len(preds) == n_q and all(p["prediction"] for p in preds)
-        assert pq.read_table(folder / "rejects.parquet").to_pylist()[0]["reason"] == "missing or empty 'golden_answers'"
-    naive = json.loads((run / "eval" / "slice-naive" / "metrics.json").read_text())
-    closed = json.loads((run / "eval" / "slice-no-retrieval" / "metrics.json").read_text())
+        assert pq.read_table(result.rejects.path).to_pylist()[0]["reason"] == "missing or empty 'golden_answers'"
+    naive = layout.eval_result("slice", "naive").metrics.read_json()
+    closed = layout.eval_result("slice", "no-retrieval").metrics.read_json()
     # retrieval over passages that hold the answers must help even a 135M model
     assert naive["acc"] > closed["acc"]
-    preds = pq.read_table(run / "eval" / "slice-naive" / "predictions.parquet").to_pylist()
+    preds = pq.read_table(layout.eval_result("slice", "naive").predictions.path).to_pylist()
     assert all(len(json.loads(p["docs"])) == 5 for p in preds)
 
 
@@ -69,14 +72,14 @@ def test_report_has_every_plot_it_references_and_a_markdown_twin(built_run, caps
 
     run, _ = built_run
     assert main(["report", str(run)]) == 0
-    report = run / "report"
-    html_text = (report / "index.html").read_text()
+    layout = RunFolder(str(run)).layout
+    html_text = layout.report_html.read_bytes().decode()
     images = re.findall(r"<img src='([^']+)'", html_text)
     assert {"stage_times.png", "eval_metrics.png", "sentences_per_passage.png"} <= set(images)
     for img in images:
-        data = (report / img).read_bytes()
+        data = layout.report.join(img).read_bytes()  # named by the page, beside it
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, img
-    md = (report / "report.md").read_text()
+    md = layout.report_markdown.read_bytes().decode()
     html_tables = re.findall(r"<caption>([^<]+)</caption>", html_text)
     md_tables = re.findall(r"^\*\*(.+)\*\*$", md, re.M)
     assert html_tables == md_tables and "answer metrics" in md_tables

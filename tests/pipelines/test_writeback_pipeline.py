@@ -5,6 +5,7 @@ thresholds are set so every decision is known in advance, and what is checked is
 
 import hashlib
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,8 +14,9 @@ from tests.conftest import DATA, demo_questions, demo_records, write_jsonl
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
 from wbrag_ray.index.retriever import Retriever, UnionRetriever
-from wbrag_ray.pipelines.writeback import WRITEBACK_ID_BASE, active_index, read_active
 from wbrag_ray.run import RunFolder
+from wbrag_ray.writeback.units import WRITEBACK_ID_BASE
+from wbrag_ray.writeback.versions import active_index, read_active
 
 SENTINEL = "Quxilon-42"  # a gold alias that is in no question and no document: it must reach no distiller prompt
 N_TRAIN = 2
@@ -22,9 +24,14 @@ N_TRAIN = 2
 
 def _base_index_hash(run) -> str:
     h = hashlib.sha256()
-    for f in sorted((run / "index").iterdir()):
+    for f in sorted(Path(RunFolder(str(run)).layout.index.path).iterdir()):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
+
+
+def _version(trained, version: str):
+    """The trained run's write-back version folder."""
+    return RunFolder(str(trained["run"])).layout.writeback_version(version)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +69,7 @@ def trained(tmp_path_factory, ray_cluster, tiny):
 
 
 def test_table3_stats_json(trained):
-    stats = json.loads((trained["run"] / "writeback" / "train" / "stats.json").read_text())
+    stats = _version(trained, "train").stats.read_json()
     assert stats["examples"] == N_TRAIN and stats["selection_rate"] == 1.0
     assert stats["fallback_rate"] == 1.0 and stats["mean_retained_docs"] == 2.0
     assert stats["rank_distribution"] == {"1": N_TRAIN, "2": N_TRAIN, "3": 0, "4": 0, "5": 0}
@@ -77,7 +84,7 @@ def test_table3_stats_json(trained):
 
 
 def test_corpus_has_provenance_and_its_own_id_namespace(trained):
-    units = pq.read_table(trained["run"] / "writeback" / "train" / "corpus" / "units.parquet").to_pylist()
+    units = pq.read_table(_version(trained, "train").units.path).to_pylist()
     assert units and all(u["id"] >= WRITEBACK_ID_BASE and u["unit_id"].startswith("wb:train:") for u in units)
     assert {u["source_example_id"] for u in units} <= {t["id"] for t in trained["train"]}
     assert all(u["source_doc_ranks"] == [0, 1] and len(u["source_doc_ids"]) == 2 and u["fallback"] for u in units)
@@ -85,7 +92,7 @@ def test_corpus_has_provenance_and_its_own_id_namespace(trained):
 
 
 def test_no_prompt_sent_to_the_distiller_contains_a_gold_answer(trained):
-    sent = pq.read_table(trained["run"] / "writeback" / "train" / "distill.parquet").to_pylist()
+    sent = pq.read_table(_version(trained, "train").distill.path).to_pylist()
     assert len(sent) == N_TRAIN
     for row in sent:
         for column in ("extract_prompt", "rewrite_prompt"):
@@ -97,9 +104,9 @@ def test_union_search_returns_write_back_hits_with_their_namespace(trained):
     config = load_config(extra=run.load_config().model_dump(mode="json"))
     version, wb_index, wb_docs = active_index(run)
     assert version == "train"
-    unit = pq.read_table(trained["run"] / "writeback" / "train" / "corpus" / "units.parquet").to_pylist()[0]
+    unit = pq.read_table(run.layout.writeback_version("train").units.path).to_pylist()[0]
     union = UnionRetriever([
-        Retriever(run.path("index").uri, run.path("ingest").uri, config.embedder),
+        Retriever(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder),
         Retriever(wb_index, wb_docs, config.embedder, source="writeback"),
     ])
     hits = union.search([unit["title"] + "\n" + unit["text"]], 5)[0]
@@ -113,9 +120,10 @@ def test_eval_with_writeback_then_rollback_to_base_only(trained, capsys):
     run = trained["run"]
     args = ["eval", str(run), "--dataset", str(trained["test"]), "--methods", "naive", "--name", "t"]
     assert main([*args, "--writeback"]) == 0
-    metrics = json.loads((run / "eval" / "t-writeback-naive" / "metrics.json").read_text())
+    result = RunFolder(str(run)).layout.eval_result("t-writeback", "naive")
+    metrics = result.metrics.read_json()
     assert metrics["setting"] == "base+writeback" and metrics["writeback_version"] == "train" and metrics["n"] == 2
-    docs = [json.loads(p["docs"]) for p in pq.read_table(run / "eval" / "t-writeback-naive" / "predictions.parquet").to_pylist()]
+    docs = [json.loads(p["docs"]) for p in pq.read_table(result.predictions.path).to_pylist()]
     assert all(len(d) == 5 for d in docs) and all(h["source"] in ("base", "writeback") for d in docs for h in d)
 
     assert main(["writeback", str(run), "--rollback"]) == 0
@@ -152,10 +160,11 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
         "--set", "writeback.rag_method=flare", "--set", "rag.flare.threshold=1.0", "--set", "rag.flare.max_rounds=1",
         "--set", "writeback.extract_max_new_tokens=32", "--set", "writeback.rewrite_max_new_tokens=32",
     ]) == 0
-    stats = json.loads((run / "writeback" / "flare" / "stats.json").read_text())
-    assert stats["settings"]["rag_method"] == "flare" and stats["settings"]["rag"]["threshold"] == 1.0
+    layout = RunFolder(str(run)).layout
+    stats = layout.writeback_version("flare").stats.read_json()
+    assert stats["rag_method"] == "flare" and stats["settings"]["config"]["rag.flare"]["threshold"] == 1.0
     assert {"flare:look-ahead-1", "flare:regenerate-1", "document_gate"} <= set(stats["passes"])
-    scored = pq.read_table(run / "writeback" / "flare" / "scored.parquet").to_pylist()
+    scored = pq.read_table(layout.writeback_version("flare").scored.path).to_pylist()
     for ex in scored:  # the documents distilled are the ones FLARE retrieved and answered from
         rounds = json.loads(ex["rag_trace"])["rounds"]
         assert [h["id"] for h in json.loads(ex["docs"])] == rounds[0]["doc_ids"] and ex["useful"]
@@ -165,7 +174,7 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
     assert main(["eval", str(run), "--dataset", str(trained["test"]), "--name", "m", "--methods-grid",
                  "--set", "rag.flare.max_rounds=1"]) == 0
     printed = capsys.readouterr().out
-    grid = json.loads((run / "eval" / "methods_grid.json").read_text())
+    grid = layout.methods_grid().read_json()
     methods = ["no-retrieval", "naive", "replug", "self-rag", "flare"]
     assert grid["methods"] == methods and grid["versions"] == {"train": "replug", "flare": "flare"}
     cells = {(r["method"], r["version"]): r for r in grid["rows"]}
@@ -176,11 +185,11 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
         if version:
             assert r["same_method"] == (method == grid["versions"][version])
             assert r["delta"]["acc"] == pytest.approx(r["acc"] - cells[(method, None)]["acc"], abs=1e-4)
-            metrics = json.loads((run / "eval" / f"m-grid-wb-{version}-{method}" / "metrics.json").read_text())
+            metrics = layout.eval_result(f"m-grid-wb-{version}", method).metrics.read_json()
             assert metrics["writeback_version"] == version and metrics["setting"] == f"base+writeback:{version}"
     assert "RAG methods x knowledge base" in printed and "+wb flare [flare]" in printed
     # the union search reached the write-back index under an adaptive method too
-    preds = pq.read_table(run / "eval" / "m-grid-wb-flare-self-rag" / "predictions.parquet").to_pylist()
+    preds = pq.read_table(layout.eval_result("m-grid-wb-flare", "self-rag").predictions.path).to_pylist()
     traces = [json.loads(p["trace"]) for p in preds]
     assert all("retrieved" in t for t in traces)
     # a rerun with the same settings reuses every cell

@@ -9,12 +9,13 @@ import pytest
 from tests.conftest import demo_records, write_jsonl
 from wbrag_ray.config import IngestConfig
 from wbrag_ray.formats import iter_jsonl
+from wbrag_ray.layout import IngestFolder
 from wbrag_ray.stages.ingest import FILE_BITS, Segmenter, plan_shards, run_ingest
 from wbrag_ray.storage import resolve
 
 
-def _read(out, name):
-    return pq.read_table(out / name).to_pylist() if (out / name).exists() else []
+def _folder(path) -> IngestFolder:
+    return IngestFolder(resolve(str(path)))
 
 
 def test_segmenter_keeps_abbreviations_and_decimals_inside_sentences():
@@ -44,22 +45,23 @@ def test_big_single_file_is_streamed_in_many_shards_with_stable_unique_ids(tmp_p
     shards = plan_shards(str(corpus), config)
     assert len(shards) >= 8
 
-    out = tmp_path / "run1"
-    stats = run_ingest(str(corpus), str(out), config)
+    out = _folder(tmp_path / "run1")
+    stats = run_ingest(str(corpus), out.root.uri, config)
     assert stats["rows_in"] == len(records) == stats["rows_out"] and stats["rows_rejected"] == 0
-    passages = pq.read_table(out / "passages")
-    sentences = pq.read_table(out / "sentences")
+    passages = out.passages.read_table()
+    sentences = out.sentences.read_table()
     assert len(set(passages["pid"].to_pylist())) == len(records)
     assert sorted(passages["doc_id"].to_pylist()) == sorted(r["id"] for r in records)
     assert len(set(sentences["sid"].to_pylist())) == sentences.num_rows == stats["sentences"]
     assert set(sentences["pid"].to_pylist()) == set(passages["pid"].to_pylist())
     # every shard wrote its own files, each with bounded row groups
-    assert len(list((out / "passages").glob("*.parquet"))) == len(shards)
+    assert len(out.passages.list_files(".parquet")) == len(shards)
 
     # a second run into another folder gives the very same ids
-    stats2 = run_ingest(str(corpus), str(tmp_path / "run2"), config)
+    out2 = _folder(tmp_path / "run2")
+    stats2 = run_ingest(str(corpus), out2.root.uri, config)
     assert stats2["sentences"] == stats["sentences"]
-    p2 = pq.read_table(tmp_path / "run2" / "passages")
+    p2 = out2.passages.read_table()
     assert sorted(zip(p2["doc_id"].to_pylist(), p2["pid"].to_pylist(), strict=True)) == sorted(
         zip(passages["doc_id"].to_pylist(), passages["pid"].to_pylist(), strict=True)
     )
@@ -81,9 +83,9 @@ def test_bad_input_is_rejected_with_reasons_and_reconciles(tmp_path, ray_cluster
         {"id": 7, "contents": "Numeric id\nIds may be numbers in FlashRAG files."},
     ]
     corpus = write_jsonl(tmp_path / "bad.jsonl", lines)
-    out = tmp_path / "run"
-    stats = run_ingest(str(corpus), str(out), IngestConfig(shard_bytes=4096))
-    rejects = pq.read_table(out / "rejects").to_pylist()
+    out = _folder(tmp_path / "run")
+    stats = run_ingest(str(corpus), out.root.uri, IngestConfig(shard_bytes=4096))
+    rejects = out.rejects.read_table().to_pylist()
     reasons = {r["doc_id"] or r["reason"]: r["reason"] for r in rejects}
     assert stats["rows_in"] == len(lines)
     assert stats["rows_in"] == stats["rows_out"] + stats["rows_rejected"]
@@ -95,13 +97,13 @@ def test_bad_input_is_rejected_with_reasons_and_reconciles(tmp_path, ray_cluster
     assert "passage too long" in reasons["huge"]
     assert "missing 'id'" in reasons
     assert "blank line" in reasons
-    kept = pq.read_table(out / "passages")
+    kept = out.passages.read_table()
     assert sorted(kept["doc_id"].to_pylist()) == sorted([good[0]["id"], good[1]["id"], good[2]["id"], "7"])
     # the duplicate's sentences went with it
-    sentences = pq.read_table(out / "sentences")
+    sentences = out.sentences.read_table()
     assert set(sentences["pid"].to_pylist()) == set(kept["pid"].to_pylist())
     # rerunning is idempotent: same counts, nothing duplicated
-    stats2 = run_ingest(str(corpus), str(out), IngestConfig(shard_bytes=4096))
+    stats2 = run_ingest(str(corpus), out.root.uri, IngestConfig(shard_bytes=4096))
     assert (stats2["rows_out"], stats2["rows_rejected"]) == (stats["rows_out"], stats["rows_rejected"])
 
 
@@ -116,9 +118,10 @@ def test_parquet_corpus_and_title_text_columns(tmp_path, ray_cluster):
         "text": [r["contents"].split("\n", 1)[1] for r in recs[20:]],
     })
     pq.write_table(titled, tmp_path / "corpus" / "b.parquet")
-    stats = run_ingest(str(tmp_path / "corpus"), str(tmp_path / "run"), IngestConfig(shard_bytes=1024))
+    out = _folder(tmp_path / "run")
+    stats = run_ingest(str(tmp_path / "corpus"), out.root.uri, IngestConfig(shard_bytes=1024))
     assert stats["rows_out"] == 30 and stats["rows_rejected"] == 0
-    passages = pq.read_table(tmp_path / "run" / "passages").to_pylist()
+    passages = out.passages.read_table().to_pylist()
     assert {p["pid"] >> FILE_BITS for p in passages} == {0, 1}
     assert all(p["title"] and p["text"] for p in passages)
 
@@ -126,14 +129,14 @@ def test_parquet_corpus_and_title_text_columns(tmp_path, ray_cluster):
 def test_completed_shards_are_skipped_on_rerun(tmp_path, ray_cluster, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", demo_records() * 1)
     config = IngestConfig(shard_bytes=8 * 1024)
-    out = tmp_path / "run"
-    first = run_ingest(str(corpus), str(out), config)
+    out = _folder(tmp_path / "run")
+    first = run_ingest(str(corpus), out.root.uri, config)
     n_shards = first["shards"]
     # simulate a crash that lost two shards' outputs and markers
     for name in ("part-00000", "part-00002"):
-        (out / "_shards" / f"{name}.json").unlink()
+        out.shard_marker(name).delete()
     capsys.readouterr()
-    second = run_ingest(str(corpus), str(out), config)
+    second = run_ingest(str(corpus), out.root.uri, config)
     log = capsys.readouterr().out
     assert f"resuming: {n_shards - 2}/{n_shards}" in log
     assert second["rows_out"] == first["rows_out"] and second["sentences"] == first["sentences"]

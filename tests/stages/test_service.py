@@ -9,8 +9,8 @@ import pandas as pd
 
 from wbrag_ray import prompts
 from wbrag_ray.config import GeneratorConfig
-from wbrag_ray.models.generator import HFGenerator
-from wbrag_ray.pipelines.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.hf import HFGenerator
+from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
 
 QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "Name a river.", "How high is Everest?"]
 

@@ -113,7 +113,7 @@ def test_build_examples_three_formats_per_question():
 def test_prompts_are_cut_from_the_left_so_the_answer_fits():
     from transformers import AutoTokenizer
 
-    from wbrag_ray.models.generator import hf_model_source
+    from wbrag_ray.generation.hf_loading import hf_model_source
 
     tok = AutoTokenizer.from_pretrained(hf_model_source(GeneratorConfig()))
     answer = tok("Reykjavik", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -131,7 +131,8 @@ def test_noise_tolerant_tuning_lowers_loss_and_loads_in_the_generator(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from wbrag_ray.models.generator import HFGenerator, hf_model_source
+    from wbrag_ray.generation.hf import HFGenerator
+    from wbrag_ray.generation.hf_loading import hf_model_source
 
     examples = build_examples(QUESTIONS, docs_per_format=2, seed=0)
     config = TuneConfig(max_steps=6, batch_size=4, max_length=128, learning_rate=1e-3, threads=THREADS)

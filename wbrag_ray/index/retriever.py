@@ -3,6 +3,9 @@ base and a write-back index, each searched on its own and cut to the top K by sc
 
 Ids are only unique inside one index: a hit is identified by (source, id), never by id alone, so the
 write-back index can number its knowledge units from 0 without colliding with base passages.
+
+Over 400 lines, not split yet: the document store, the sharded search, the union and the Ray stage around
+them change together until issue 15 replaces the in-process document store with a sharded retrieval service.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pandas as pd
 
 from wbrag_ray.config import EmbedderConfig, RetrievalConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_shards
+from wbrag_ray.layout import IngestFolder
 from wbrag_ray.stages.base import Resources, Stage
 from wbrag_ray.storage import Location, resolve
 
@@ -56,8 +60,9 @@ class DocStore:
     the write-back corpus."""
 
     def __init__(self, loc: Location, unit: str = "passage"):
-        if loc.join("passages").exists():
-            table = self._from_ingest(loc, unit)
+        ingest = IngestFolder(loc)
+        if ingest.passages.exists():
+            table = self._from_ingest(ingest, unit)
         else:
             try:
                 table = loc.read_table(["id", "title", "text"])
@@ -73,10 +78,10 @@ class DocStore:
         self.texts = table["text"].to_pylist()
 
     @staticmethod
-    def _from_ingest(ingest: Location, unit: str):
-        passages = ingest.join("passages").read_table(["pid", "title", "text"])
+    def _from_ingest(ingest: IngestFolder, unit: str):
+        passages = ingest.passages.read_table(["pid", "title", "text"])
         if unit == "sentence":
-            sentences = ingest.join("sentences").read_table(["sid", "pid", "text"])
+            sentences = ingest.sentences.read_table(["sid", "pid", "text"])
             table = sentences.join(passages.select(["pid", "title"]), "pid").select(["sid", "title", "text"])
             return table.rename_columns(["id", "title", "text"])
         return passages.rename_columns(["id", "title", "text"])

@@ -1,6 +1,6 @@
-"""Model wrappers: the generator backends and the embedder, plus the bundled-model lookup."""
+"""Model wrappers: the embedder, the bundled-model lookup, hardware choice, pruner head and router
+(the generator backends live in `wbrag_ray.generation`)."""
 
 from wbrag_ray.models.embedder import Embedder
-from wbrag_ray.models.generator import Generator, make_generator
 
-__all__ = ["Embedder", "Generator", "make_generator"]
+__all__ = ["Embedder"]

@@ -44,3 +44,13 @@ def set_threads(num_cpus: float) -> int:
     threads = max(1, math.ceil(num_cpus))
     torch.set_num_threads(threads)
     return threads
+
+
+def resolved_dtype_name(requested: str, num_gpus: float) -> str:
+    """The dtype 'auto' becomes, by name, without importing torch: on CPU it depends on the CPU kind (bf16 only
+    where it is native); on a GPU the worker decides (bf16, or fp16 on GPUs without bf16)."""
+    if requested != "auto":
+        return requested
+    if num_gpus > 0:
+        return "auto (gpu)"
+    return "bfloat16" if cpu_supports_bf16() else "float32"

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from wbrag_ray.config import WbragConfig
+    from wbrag_ray.generation.passes import GeneratorPasses
     from wbrag_ray.index.retriever import RetrievalSetting
-    from wbrag_ray.pipelines.passes import GeneratorPasses
 
 ADAPTIVE = ("self-rag", "flare")
 METHODS = (*ONE_PASS, *ADAPTIVE)

@@ -25,8 +25,8 @@ from wbrag_ray.config import FlareConfig
 from wbrag_ray.rag.adaptive import result_row, search_some
 
 if TYPE_CHECKING:
+    from wbrag_ray.generation.passes import GeneratorPasses
     from wbrag_ray.index.retriever import Hit, RetrievalSetting
-    from wbrag_ray.pipelines.passes import GeneratorPasses
 
 METHOD = "flare"
 _ENDS = (".", "!", "?")
@@ -56,8 +56,8 @@ def run(
     """One row per question (see `rag.answer`); `trace` lists each round's sentence, its lowest token
     probability, and whether and with what query it retrieved."""
     from wbrag_ray import prompts
+    from wbrag_ray.generation.passes import from_pandas
     from wbrag_ray.index.retriever import hits_to_json
-    from wbrag_ray.pipelines.passes import from_pandas
 
     questions = questions.reset_index(drop=True)
     ids = questions["id"].tolist()

@@ -22,8 +22,8 @@ from wbrag_ray.config import SelfRagConfig
 from wbrag_ray.rag.adaptive import judgement_share, result_row, search_some
 
 if TYPE_CHECKING:
+    from wbrag_ray.generation.passes import GeneratorPasses
     from wbrag_ray.index.retriever import RetrievalSetting
-    from wbrag_ray.pipelines.passes import GeneratorPasses
 
 METHOD = "self-rag"
 
@@ -35,8 +35,8 @@ def run(
     """One row per question (see `rag.answer`); `trace` holds p_retrieve, the judgement's yes+no mass, and each
     retrieved document's id, rank and relevance share."""
     from wbrag_ray import prompts
+    from wbrag_ray.generation.passes import from_pandas
     from wbrag_ray.index.retriever import hits_to_json
-    from wbrag_ray.pipelines.passes import from_pandas
 
     questions = questions.reset_index(drop=True)
     ids = questions["id"].tolist()

@@ -39,6 +39,7 @@ from wbrag_ray.formats import (
     iter_jsonl,
     parse_corpus_line,
 )
+from wbrag_ray.layout import IngestFolder
 from wbrag_ray.storage import Location, resolve
 
 FILE_BITS = 48
@@ -149,13 +150,14 @@ class _ShardWriter:
 
 def ingest_shard(spec: ShardSpec, out_uri: str, config: IngestConfig) -> dict[str, Any]:
     """Stream one shard into passages/, sentences/ and rejects/; write its stats and marker last."""
-    out = resolve(out_uri)
+    out = IngestFolder(resolve(out_uri))
     t0 = time.perf_counter()
     segmenter = Segmenter(config.min_sentence_chars)
     file_base = spec.file_index << FILE_BITS
-    passages = _ShardWriter(out.join("passages", spec.name + ".parquet"), PASSAGES)
-    sentences = _ShardWriter(out.join("sentences", spec.name + ".parquet"), SENTENCES)
-    rejects = _ShardWriter(out.join("rejects", spec.name + ".parquet"), REJECTS)
+    passages_file, sentences_file, rejects_file = out.shard_outputs(spec.name)
+    passages = _ShardWriter(passages_file, PASSAGES)
+    sentences = _ShardWriter(sentences_file, SENTENCES)
+    rejects = _ShardWriter(rejects_file, REJECTS)
     rows_in = 0
     for unit, rec, raw in _iter_records(spec):
         rows_in += 1
@@ -186,7 +188,7 @@ def ingest_shard(spec: ShardSpec, out_uri: str, config: IngestConfig) -> dict[st
         "sentences": sentences.count,
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    out.join("_shards", spec.name + ".json").write_json(stats)  # the shard's marker, written last
+    out.shard_marker(spec.name).write_json(stats)  # the shard's marker, written last
     return stats
 
 
@@ -206,14 +208,14 @@ def _peek_id(line: bytes) -> str | None:
 # --- duplicates -----------------------------------------------------------------------------------------
 
 
-def resolve_duplicate_ids(out: Location) -> int:
+def resolve_duplicate_ids(out: IngestFolder) -> int:
     """Keep the first passage (lowest pid) of every doc_id; move later ones and their sentences to rejects.
 
     Idempotent: the dedupe rejects file of a shard is written before the shard is rewritten, so a crash at any
     point leaves a state that a rerun finishes the same way.
     """
     tables = []
-    for f in out.join("passages").list_files(".parquet"):
+    for f in out.passages.list_files(".parquet"):
         t = pq.read_table(f.path, filesystem=f.fs, columns=["doc_id", "pid"])
         shard = pa.DictionaryArray.from_arrays(pa.array(np.zeros(t.num_rows, np.int32)), pa.array([f.name]))
         tables.append(t.append_column("shard", shard.cast(pa.string())))
@@ -230,7 +232,7 @@ def resolve_duplicate_ids(out: Location) -> int:
     for shard in sorted(set(losers["shard"].to_pylist())):
         mine = losers.filter(pc.equal(losers["shard"], shard))
         drop = mine["pid"]
-        p_loc = out.join("passages", shard)
+        p_loc = out.passages.join(shard)
         passages = pq.read_table(p_loc.path, filesystem=p_loc.fs)
         dropped = passages.filter(pc.is_in(passages["pid"], drop))
         rejects = [
@@ -239,8 +241,8 @@ def resolve_duplicate_ids(out: Location) -> int:
              "raw": excerpt(json.dumps({"id": r["doc_id"], "contents": r["title"] + "\n" + r["text"]}))}
             for r in dropped.to_pylist()
         ]
-        out.join("rejects", "dedupe-" + shard).write_table(pa.Table.from_pylist(rejects, schema=REJECTS))
-        s_loc = out.join("sentences", shard)
+        out.dedupe_rejects(shard).write_table(pa.Table.from_pylist(rejects, schema=REJECTS))
+        s_loc = out.sentences.join(shard)
         sentences = pq.read_table(s_loc.path, filesystem=s_loc.fs)
         s_loc.write_table(sentences.filter(pc.invert(pc.is_in(sentences["pid"], drop))))
         p_loc.write_table(passages.filter(pc.invert(pc.is_in(passages["pid"], drop))))
@@ -255,8 +257,8 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
     import ray
 
     shards = plan_shards(corpus, config)
-    out = resolve(out_uri)
-    done = {f.name.removesuffix(".json") for f in out.join("_shards").list_files(".json")}
+    out = IngestFolder(resolve(out_uri))
+    done = out.finished_shards()
     todo = [s for s in shards if s.name not in done]
     task = ray.remote(num_cpus=1, max_retries=3)(ingest_shard)
     max_in_flight = max_in_flight or max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
@@ -269,7 +271,7 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
     rows = 0
     while queue or pending:
         while queue and len(pending) < max_in_flight:
-            pending.append(task.remote(queue.pop(0), out.uri, config))
+            pending.append(task.remote(queue.pop(0), out.root.uri, config))
         ready, pending = ray.wait(pending, num_returns=1)
         stats = ray.get(ready[0])
         finished += 1
@@ -280,12 +282,12 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
             rate = rows / max(now - t0, 1e-9)
             print(f"[ingest] {finished}/{len(shards)} shards, {rows:,} records this run ({rate:,.0f}/s)", flush=True)
     duplicates = resolve_duplicate_ids(out)
-    per_shard = [out.join("_shards", s.name + ".json").read_json() for s in shards]
+    per_shard = [out.shard_marker(s.name).read_json() for s in shards]
     rows_in = sum(s["rows_in"] for s in per_shard)
     rejected = sum(s["rows_rejected"] for s in per_shard) + _count_dedupe_rejects(out)
     rows_out = rows_in - rejected
-    sentences = out.join("sentences").num_rows()
-    kept = out.join("passages").num_rows()
+    sentences = out.sentences.num_rows()
+    kept = out.passages.num_rows()
     if kept != rows_out:  # the reconciliation every run must satisfy
         raise RuntimeError(f"ingest reconciliation failed: {rows_in} in, {kept} out, {rejected} rejected")
     seg_seconds = sum(s["seconds"] for s in per_shard)
@@ -302,5 +304,5 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
     }
 
 
-def _count_dedupe_rejects(out: Location) -> int:
-    return sum(f.num_rows() for f in out.join("rejects").list_files(".parquet") if f.name.startswith("dedupe-"))
+def _count_dedupe_rejects(out: IngestFolder) -> int:
+    return sum(f.num_rows() for f in out.dedupe_rejects_files())

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig
-from wbrag_ray.models.generator import hf_model_source
+from wbrag_ray.generation.hf_loading import hf_model_source
 from wbrag_ray.training.lora import loss_stats, save_adapter, seed_torch, train, training_threads, with_lora
 
 STATS_FILE = "pruner.json"

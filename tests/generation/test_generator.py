@@ -3,22 +3,20 @@ fp32 whatever the CPU), and its batching and Ray plumbing with the tiny random-w
 architecture and tokenizer (tests/tiny_models.py)."""
 
 import json
-import time
+import math
 
 import pytest
 
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
+from wbrag_ray.generation.backends import make_generator
+from wbrag_ray.generation.hf import HFGenerator
+from wbrag_ray.generation.hf_loading import row_bytes
+from wbrag_ray.generation.passes import generate_pass
+from wbrag_ray.generation.types import choices_from_logprobs, scored_from_logprobs
+from wbrag_ray.generation.vllm import VLLMGenerator
 from wbrag_ray.index.retriever import Hit
 from wbrag_ray.models.bundled import bundled_path, resolve_model
-from wbrag_ray.models.generator import (
-    HFGenerator,
-    VLLMGenerator,
-    choices_from_logprobs,
-    make_generator,
-    scored_from_logprobs,
-)
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
-from wbrag_ray.stages.generate import generate_pass
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +51,31 @@ def test_greedy_batched_answers_match_one_by_one(smollm):
     assert singles == batched
 
 
-def test_gguf_is_converted_once_and_cached(tmp_path):
+def test_gguf_is_converted_once_and_cached(tmp_path, monkeypatch):
+    """The first load de-quantizes the GGUF file and saves the result; later loads read the saved copy. Counted
+    at transformers' loader (a conversion is a load with `gguf_file`), so no timing is involved."""
+    import transformers
+
+    loads: list[tuple[str, str | None]] = []
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def counted(source, *args, **kwargs):
+        loads.append((str(source), kwargs.get("gguf_file")))
+        return load(source, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counted)
     config = GeneratorConfig(cache_dir=str(tmp_path), max_new_tokens=4)
-    t0 = time.perf_counter()
     first = HFGenerator(config)
     first.setup()
-    t_first = time.perf_counter() - t0
-    assert list(tmp_path.glob("converted/*/config.json"))
-    t0 = time.perf_counter()
+    (cached,) = [f.parent for f in tmp_path.glob("converted/*/config.json")]
+    assert [gguf for _, gguf in loads] == [bundled_path("smollm2").name, None]  # converted, then the copy loaded
+    assert loads[1][0] == str(cached)
+    saved = {f.name: f.stat().st_mtime_ns for f in cached.iterdir()}
+    loads.clear()
     second = HFGenerator(config)
     second.setup()
-    t_second = time.perf_counter() - t0
-    assert t_second < t_first / 3, (t_first, t_second)
+    assert loads == [(str(cached), None)]  # the saved copy alone: no second conversion
+    assert {f.name: f.stat().st_mtime_ns for f in cached.iterdir()} == saved  # and nothing rewritten
     p = [no_retrieval_messages("What is the capital of France?")]
     assert first.generate(p) == second.generate(p)
 
@@ -96,11 +107,27 @@ def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path, ray_cluster):
     assert cfg.dynamic_lora_loading_path == str(adapter.parent)
     assert cfg.model_source.endswith(".gguf")
     processor = gen.build_processor("prompt", "answer")
-    assert processor is not None
+    # Ray's chain of map_batches stages around the engine, on the engine settings above
+    assert processor.list_stage_names() == ["ChatTemplateStage", "TokenizeStage", "vLLMEngineStage", "DetokenizeStage"]
+    assert processor.config.model_source == cfg.model_source
+    assert cfg.engine_kwargs.items() <= processor.config.engine_kwargs.items()  # Ray adds its executor backend
+    # what a row carries into the engine (messages, sampling, the adapter by its folder name) and what comes out
+    messages = no_retrieval_messages("What is the capital of France?")
+    data = processor.preprocess({"id": 7, "prompt": json.dumps(messages)})[processor.DATA_COLUMN]
+    assert data["messages"] == messages and data["model"] == "router-lora"
+    assert data["sampling_params"] == gen.sampling_params("text")
+    out = processor.postprocess({processor.DATA_COLUMN: {**data, "generated_text": "Paris\nQuestion: more"}})
+    assert out["id"] == 7 and out["answer"] == "Paris"  # cut at the stop string
+    assert not {"messages", "sampling_params", "generated_text"} & set(out)
     # FLARE's scored pass asks for the chosen tokens' logprobs; a judgement pass for one token's top-k
     assert gen.sampling_params("scored")["logprobs"] == 1
     assert gen.sampling_params("choice") == {"temperature": 0.0, "max_tokens": 1, "stop": ["\n"], "logprobs": 20}
-    assert gen.build_processor("prompt", "p", mode="choice", choices=("yes", "no")) is not None
+    judge = gen.build_processor("prompt", "p", mode="choice", choices=("yes", "no"))
+    data = judge.preprocess({"id": 1, "prompt": json.dumps(messages)})[judge.DATA_COLUMN]
+    assert data["sampling_params"] == gen.sampling_params("choice")
+    first = {"5": {"logprob": math.log(0.6), "decoded_token": "Yes"}, "6": {"logprob": math.log(0.3), "decoded_token": " no"}}
+    out = judge.postprocess({judge.DATA_COLUMN: {**data, "generated_text": "Yes", "logprobs": [first]}})
+    assert out["p"] == pytest.approx([0.6, 0.3])
 
 
 @pytest.mark.gpu
@@ -211,7 +238,7 @@ def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm):
     budget = smollm.memory_budget
     expected = smollm.generate(prompts)
     try:
-        long_row = smollm.row_bytes(len(smollm.tokenizer(texts[-1], add_special_tokens=False)["input_ids"]), 12, False)
+        long_row = row_bytes(smollm.model, len(smollm.tokenizer(texts[-1], add_special_tokens=False)["input_ids"]), 12, False)
         smollm.memory_budget = int(2.5 * long_row)  # two long rows fit, three don't; short rows fit by the batch
         sizes = [len(idx) for idx, _ in smollm._batches(texts, 12)]
         assert sizes == [4, 2, 2, 1]  # batch_size 4 caps the short prompts, the budget the long ones

@@ -1,11 +1,15 @@
-"""One generator pass over a Ray Dataset, recorded: every pipeline that calls the LLM in batches (write-back's
-gates and distiller, Zero-RAG's QA writing and closed-book answers, the router's labels) goes through here, so
-calls, seconds and prompt / output sizes per pass land in its stats the same way.
+"""Generator passes over a Ray Dataset.
 
-The passes of one `GeneratorPasses` share its stage services (`stages.service`): the generator is loaded once
-for all of them, and the retrieval passes between them (`RetrievalSetting.search(..., services=)`) open the
-index once. Use it as a context manager, or call `close()`, so the services end before the command runs
-stages that need their CPUs."""
+`generate_pass` runs one pass on whichever backend the config names: hf and openai as a `GenerateStage`
+(on a command's generator service, else on a pool of its own), vllm as a Ray Data LLM processor.
+
+`GeneratorPasses` runs them recorded: every pipeline that calls the LLM in batches (write-back's gates and
+distiller, Zero-RAG's QA writing and closed-book answers, the router's labels, the adaptive RAG methods) goes
+through it, so calls, seconds and prompt / output sizes per pass land in its stats the same way. The passes of
+one `GeneratorPasses` share its stage services (`stages.service`): the generator is loaded once for all of
+them, and the retrieval passes between them (`RetrievalSetting.search(..., services=)`) open the index once.
+Use it as a context manager, or call `close()`, so the services end before the command runs stages that need
+their CPUs."""
 
 from __future__ import annotations
 
@@ -15,9 +19,31 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig
+from wbrag_ray.generation.backends import make_generator
+from wbrag_ray.generation.stage import GenerateStage
+from wbrag_ray.generation.vllm import VLLMGenerator
+from wbrag_ray.ray_runtime import local_dataset
+from wbrag_ray.stages.service import Services, run_pass
 
 if TYPE_CHECKING:
-    from wbrag_ray.stages.service import Services
+    import ray.data
+
+
+def generate_pass(
+    config: GeneratorConfig, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer",
+    mode: str = "text", choices: tuple[str, ...] = (), services: Services | None = None,
+) -> ray.data.Dataset:
+    """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
+
+    mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
+    `choice`: the list of `choices`' probabilities (see `Generator.choice_probs`). hf / openai: a
+    `GenerateStage` on the generator service `services` hold (the model loaded once for every pass of a
+    command), else on a pool of its own. vllm: a Ray Data LLM processor per pass (sharing one engine between
+    processors is not wired yet)."""
+    generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
+    if isinstance(generator, VLLMGenerator):
+        return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
+    return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices), services)
 
 
 class GeneratorPasses:
@@ -26,8 +52,6 @@ class GeneratorPasses:
     def __init__(self, generator: GeneratorConfig, services: Services | None = None):
         """`services`: stage services shared with other passes objects, owned (and closed) by the caller;
         by default these passes own theirs."""
-        from wbrag_ray.stages.service import Services
-
         self.generator = generator
         self.stats: dict[str, dict[str, Any]] = {}
         self._owns_services = services is None
@@ -52,8 +76,6 @@ class GeneratorPasses:
         """Add `output_column` to every row of `ds`; `generator` replaces the default role's model (e.g. the
         QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop);
         `mode` / `choices`: scored answers or choice probabilities instead of text (`generate_pass`)."""
-        from wbrag_ray.stages.generate import generate_pass
-
         gen_config = generator or self.generator
         if max_new_tokens:
             gen_config = gen_config.model_copy(update={"max_new_tokens": max_new_tokens})
@@ -80,6 +102,5 @@ class GeneratorPasses:
 
 
 def from_pandas(df: pd.DataFrame):
-    from wbrag_ray.ray_runtime import local_dataset
-
+    """A small local frame as a Ray Dataset, for a pass over rows the driver holds."""
     return local_dataset(df)

@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from wbrag_ray.pipelines.zero_rag import keep_mask, percentile_cut
 from wbrag_ray.storage import resolve
+from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
 
 
 def _write_predictions(folder, scores: np.ndarray, parts: int) -> np.ndarray:

@@ -11,18 +11,14 @@ from wbrag_ray import rag
 from wbrag_ray.config import WritebackConfig
 from wbrag_ray.index.retriever import Hit, hits_to_json
 from wbrag_ray.stages.base import run_local
-from wbrag_ray.stages.writeback import (
+from wbrag_ray.writeback.distill import (
     DistillExtractStage,
     DistillRewriteStage,
-    DocumentGateStage,
-    UtilityGateStage,
-    dedupe,
-    document_gate,
     ground_extraction,
     parse_unit,
-    table3,
-    utility_gate,
 )
+from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage, document_gate, utility_gate
+from wbrag_ray.writeback.units import dedupe, table3
 
 SENTINEL = "Zorblax-7"  # a gold answer that occurs in no question and no document
 

@@ -3,7 +3,7 @@ status), deterministic cloze pairs, and the score as the mean EM of the valid pa
 
 import pandas as pd
 
-from wbrag_ray.stages import mastery as m
+from wbrag_ray.zerorag import qa as m
 
 
 def test_cloze_spans_prefer_dates_and_numbers_then_names():

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.data.datasource import FilenameProvider
-
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, RunStage
 
-UNIT_SOURCES = {"passage": ("passages", "pid"), "sentence": ("sentences", "sid")}
+# The corpus path is not a setting: the same corpus may be read from a moved copy (a local file, then s3://).
+INGEST = RunStage("ingest", settings=("ingest.shard_bytes", "ingest.max_passage_chars", "ingest.min_sentence_chars"),
+                  command="wbrag ingest RUN --corpus PATH")
+EMBED = RunStage("embed", settings=("embedder", "index.unit"), requires=(INGEST,), command="wbrag embed RUN")
+# Query-time index settings (nprobe, ef_search, k_factor, gpu) shape searches, not the built index.
+INDEX = RunStage("index", settings=("index.factory", "index.train_sample", "index.num_shards", "index.memory_budget_gb"),
+                 requires=(EMBED,), command="wbrag index RUN")
+# The stages run.json's config describes: a changed config that would change them is refused for the whole run.
+KB_STAGES = (INGEST, EMBED, INDEX)
 
 
 def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
@@ -18,10 +24,10 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
     corpus = config.ingest.corpus
     if not corpus:
         raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
-    out = run.path("ingest")
+    out = run.layout.ingest.root
     if force:
         out.delete()
-    return run.run_stage("ingest", lambda: run_ingest(corpus, out.uri, config.ingest), force=force)
+    return run.execute(INGEST, config, lambda: run_ingest(corpus, out.uri, config.ingest), force=force)
 
 
 def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
@@ -32,18 +38,16 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
     reads only the rest. Each write task's file name carries its write's UUID and task index, so a retried
     task overwrites its own file and a resumed run adds files without touching the earlier ones.
     """
-    _require(run, "ingest", "wbrag ingest RUN --corpus PATH")
-
     def work() -> dict[str, Any]:
         import ray.data
         from ray.data.checkpoint import CheckpointConfig
 
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
+        from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
         from wbrag_ray.stages.base import apply_stage
         from wbrag_ray.stages.embed import EmbedStage
 
-        folder, id_col = UNIT_SOURCES[config.index.unit]
-        src, out, ckpt = run.path("ingest", folder), run.path("embed"), run.path("_checkpoints", "embed")
+        src, id_col = run.layout.ingest.units(config.index.unit)
+        out, ckpt = run.layout.embed, run.layout.embed_checkpoint
         resuming = ckpt.exists() and out.exists()
         if resuming:
             print(f"[embed] resuming from the checkpoint in {ckpt.uri}", flush=True)
@@ -61,19 +65,19 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
             id_column=id_col, checkpoint_path=ckpt.path, override_filesystem=ckpt.fs, delete_checkpoint_on_success=True
         )
         try:
-            columns = [id_col, "text"] + (["title"] if folder == "passages" else [])
+            columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
             # One block per ingest shard: a block is the unit that is written and checkpointed, so this keeps
             # what a crash can lose to one shard (Ray would otherwise pack small files into one read task).
             n_files = len(src.list_files(".parquet"))
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, override_num_blocks=n_files,
                                        num_cpus=LIGHT_CPUS)
             ds = ds.select_columns(columns)  # pushed down into the Parquet read by Ray's optimizer
-            ds = ds.map_batches(_unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
+            ds = ds.map_batches(unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
             ds = apply_stage(ds, EmbedStage(config.embedder, id_column=id_col))
             ds.write_parquet(
                 out.path,
                 filesystem=out.fs,
-                filename_provider=StableNames("emb"),
+                filename_provider=stable_names("emb"),
                 ray_remote_args={"num_cpus": LIGHT_CPUS},
             )
         finally:
@@ -82,26 +86,24 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
         files = out.list_files(".parquet")
         n = sum(f.num_rows() for f in files)
         this_run = sum(f.num_rows() for f in files if f.name not in before)
-        rows_in = run.stats("ingest")["rows_out" if folder == "passages" else "sentences"]
+        rows_in = run.stats(INGEST.name)["rows_out" if config.index.unit == "passage" else "sentences"]
         if n != rows_in:
-            raise RuntimeError(f"embed wrote {n} vectors for {rows_in} {folder}")
+            raise RuntimeError(f"embed wrote {n} vectors for {rows_in} {config.index.unit}s")
         return {"rows_in": rows_in, "rows_out": n, "rows_rejected": 0, "unit": config.index.unit,
                 "rows_embedded_this_run": this_run, "resumed": resuming}
 
-    return run.run_stage("embed", work, force=force)
+    return run.execute(EMBED, config, work, force=force)
 
 
 def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
     """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest."""
     from wbrag_ray.index.faiss_index import build_index
 
-    _require(run, "embed", "wbrag embed RUN")
-
     def work() -> dict[str, Any]:
         ic = config.index
         return build_index(
-            run.path("embed"),
-            run.path("index"),
+            run.layout.embed,
+            run.layout.index,
             ic.factory,
             config.embedder.model,
             ic.unit,
@@ -109,33 +111,15 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
             num_shards=ic.num_shards,
             memory_budget_gb=ic.memory_budget_gb,
             num_cpus=ic.num_cpus,
-            docs=run.path("ingest").uri,  # the manifest names its documents: a search needs only the folder
+            docs=run.layout.ingest.root.uri,  # the manifest names its documents: a search needs only the folder
         )
 
-    return run.run_stage("index", work, force=force)
+    return run.execute(INDEX, config, work, force=force)
 
 
-def _unit_text(batch, id_col: str):
+def unit_text(batch, id_col: str):
     """(id, text) for the embedder: passages are embedded as 'Title\\ntext', as FlashRAG's indices are."""
     import pandas as pd
 
     text = batch["title"] + "\n" + batch["text"] if "title" in batch else batch["text"]
     return pd.DataFrame({id_col: batch[id_col].astype("int64"), "text": text})
-
-
-def _require(run: RunFolder, stage: str, command: str) -> None:
-    if not run.is_complete(stage):
-        raise ConfigError(f"stage '{stage}' of run {run.uri} is not complete; run `{command}` first")
-
-
-class StableNames(FilenameProvider):
-    """`<prefix>-<write uuid>-<task index>.parquet`: a pure function of (write, task), as Ray 2.60's
-    checkpointing needs to predict a file's name before it is written (and to delete it if the write
-    died before its checkpoint was committed); a retried task overwrites its own file."""
-
-    def __init__(self, prefix: str):
-        super().__init__(file_format="parquet")
-        self.prefix = prefix
-
-    def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
-        return f"{self.prefix}-{write_uuid}-{task_index:06d}.parquet"

@@ -1,40 +1,15 @@
-"""Generation as a stage: JSON chat messages in; greedy answers, scored answers or choice probabilities out;
-and `generate_pass`, one generator pass over a Ray Dataset on whichever backend the config names."""
+"""Generation as a stage: JSON chat messages in; greedy answers, scored answers or choice probabilities out."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig
+from wbrag_ray.generation.backends import make_generator
+from wbrag_ray.generation.types import Scored, check_mode, scored_columns
 from wbrag_ray.stages.base import Resources, Stage
-
-if TYPE_CHECKING:
-    import ray.data
-
-    from wbrag_ray.stages.service import Services
-
-
-def generate_pass(
-    config: GeneratorConfig, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer",
-    mode: str = "text", choices: tuple[str, ...] = (), services: Services | None = None,
-) -> ray.data.Dataset:
-    """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
-
-    mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
-    `choice`: the list of `choices`' probabilities (see `Generator.choice_probs`). hf / openai: a
-    `GenerateStage` on the generator service `services` hold (the model loaded once for every pass of a
-    command), else on a pool of its own. vllm: a Ray Data LLM processor per pass (sharing one engine between
-    processors is not wired yet)."""
-    from wbrag_ray.models.generator import VLLMGenerator, make_generator
-    from wbrag_ray.stages.service import run_pass
-
-    generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
-    if isinstance(generator, VLLMGenerator):
-        return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
-    return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices), services)
 
 
 class GenerateStage(Stage):
@@ -48,8 +23,6 @@ class GenerateStage(Stage):
         self, config: GeneratorConfig, prompt_column: str = "prompt", output_column: str = "answer",
         mode: str = "text", choices: tuple[str, ...] = (),
     ):
-        from wbrag_ray.models.generator import check_mode
-
         check_mode(mode, choices)
         self.config = config
         self.prompt_column = prompt_column
@@ -66,8 +39,6 @@ class GenerateStage(Stage):
         return Resources(c.num_cpus, c.num_gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads)
 
     def setup(self) -> None:
-        from wbrag_ray.models.generator import make_generator
-
         self.generator = make_generator(self.config)
         self.generator.setup()
 
@@ -79,8 +50,6 @@ class GenerateStage(Stage):
         self.generator = loaded.generator.with_config(self.config)
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray.models.generator import Scored, scored_columns
-
         prompts = [json.loads(p) for p in batch[self.prompt_column]]
         if self.mode == "text":
             batch[self.output_column] = self.generator.generate(prompts)

@@ -1,0 +1,167 @@
+"""Evaluate RAG on a QA dataset: questions -> a RAG method's retrieval and generator passes -> metrics.
+
+Methods (wbrag_ray.rag): `no-retrieval` (the closed-book baseline), `naive` (top-K retrieval, FlashRAG's
+prompt), `replug` (per-document answers, weighted vote), `self-rag` (judged retrieval and relevance) and
+`flare` (retrieval per unsure sentence). Settings: the base index alone, or base + a write-back index (the
+active one, or a named version); `base_index` swaps the base for another index folder (a pruned one). Each
+method writes RUN/eval/<label>-<method>/ (metrics, predictions; wbrag_ray.layout.EvalResult).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from wbrag_ray.build_kb import INDEX
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.formats import plain_table, read_dataset
+from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.metrics import METRICS, score_answer
+from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.storage import resolve
+
+# An evaluation is cheap next to what it measures: changed settings evaluate again instead of refusing.
+EVAL = RunStage(
+    "eval-{label}",
+    settings=("eval.methods", "eval.limit", "retrieval", "rag", "generator", "embedder", "index.nprobe",
+              "index.ef_search", "index.k_factor"),
+    uses=(INDEX,),
+    on_change="redo",
+)
+
+
+def dataset_name(config: WbragConfig, dataset: str) -> str:
+    """What results on `dataset` are called: eval.name, else the file's stem."""
+    return config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
+
+
+def evaluate(
+    run: RunFolder,
+    config: WbragConfig,
+    dataset: str,
+    name: str | None = None,
+    writeback: bool = False,
+    base_index: str | None = None,
+    router: str | None = None,
+    setting: str | None = None,
+    label: str | None = None,
+    writeback_version: str | None = None,
+    passes: GeneratorPasses | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run every configured method over `dataset`; return {method: metrics}.
+
+    `writeback`: search the active write-back index (or `writeback_version`) together with the base (results
+    under `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
+    `router`: a query router folder (Zero-RAG); queries it calls mastered get no documents. `setting`: the
+    label recorded in metrics.json (default: base or base+writeback). `label`: the results' folder prefix
+    (default: the name, plus -writeback). `passes`: generator passes (and their loaded generator) shared with
+    the caller's other evaluations, left open; by default the evaluation has its own.
+    """
+    from wbrag_ray import rag
+    from wbrag_ray.generation.backends import make_generator
+    from wbrag_ray.index.retriever import RetrievalSetting
+
+    methods = rag.check_methods(config.eval.methods)
+    needs_index = any(m != "no-retrieval" for m in methods)
+    if needs_index and base_index is None:
+        run.require(INDEX)
+    base_index = base_index or run.layout.index.uri
+    extra: tuple[tuple[str, str, str], ...] = ()
+    default_setting, wb_version = "base", None
+    if writeback or writeback_version:
+        from wbrag_ray.writeback.versions import active_index
+
+        wb_version, wb_index, wb_docs = active_index(run, writeback_version)
+        extra, default_setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
+    setting = setting or default_setting
+    name = name or dataset_name(config, dataset)
+    folder_prefix = label or (f"{name}-writeback" if writeback else name)
+    generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
+
+    t0 = time.perf_counter()
+    questions, rejects = read_dataset(resolve(dataset), limit=config.eval.limit)
+    if questions.num_rows == 0:
+        raise ConfigError(f"dataset {dataset} has no usable questions ({rejects.num_rows} rejected)")
+    search = RetrievalSetting(
+        base_index, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index.nprobe, extra, router
+    ) if needs_index else None
+    own = passes is None
+    passes = passes or GeneratorPasses(generator.config)
+    try:
+        df = rag.answer(questions, methods, config, search, passes, "prediction")
+    finally:
+        if own:
+            passes.close()
+    seconds = time.perf_counter() - t0
+
+    results: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        part = df[df["method"] == method].sort_values("id").reset_index(drop=True)
+        scores = [score_answer(p, g) for p, g in zip(part["prediction"], part["golden_answers"], strict=True)]
+        for m in METRICS:
+            part[m] = [s[m] for s in scores]
+        out = run.layout.eval_result(folder_prefix, method)
+        keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", *METRICS,
+                "retrieval_skipped", "generator_calls", "trace"]
+        out.predictions.write_table(plain_table(part[keep]))
+        metrics = {
+            "n": len(part),
+            **{m: round(float(part[m].mean()), 4) for m in METRICS},
+            "method": method,
+            "setting": setting,
+            "writeback_version": wb_version if method != "no-retrieval" else None,
+            "dataset": dataset,
+            "rejected_questions": rejects.num_rows,
+            "top_k": config.retrieval.top_k if method != "no-retrieval" else 0,
+            "index": base_index if method != "no-retrieval" else None,
+            "router": router if method != "no-retrieval" else None,
+            "retrieval_skipped": round(float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
+            # questions the method searched for: every one for naive / replug (without a router), those judged
+            # to need it for self-rag, those with an unsure sentence for flare
+            "retrieval_rate": round(1 - float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
+            "generator_calls": int(part["generator_calls"].sum()),
+            "rag_settings": config.rag.model_dump(mode="json").get(method.replace("-", "_")),
+            "generator": config.generator.model_dump(mode="json"),
+            "embedder": config.embedder.model,
+            "seconds": round(seconds, 2),
+        }
+        out.metrics.write_json(metrics)
+        if rejects.num_rows:
+            out.rejects.write_table(rejects)
+        results[method] = metrics
+    print(format_table(f"{folder_prefix} ({setting})", results), flush=True)
+    return results
+
+
+
+def evaluate_stage(
+    run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False,
+    passes: GeneratorPasses | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
+    rerun with the same settings skips it and prints the stored table again; changed settings (another
+    method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
+    params = {"label": label, "dataset": dataset, **{k: v for k, v in kwargs.items() if k != "setting"}}
+
+    def work() -> dict[str, Any]:
+        results = evaluate(run, config, dataset, name, label=label, passes=passes, **kwargs)
+        first = next(iter(results.values()))
+        return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
+                "rows_rejected": first["rejected_questions"], "methods": results}
+
+    return run.execute(EVAL, config, work, params=params, force=force,
+                       on_skip=lambda stats: print(format_table(label, stats.get("methods", {})), flush=True))
+
+
+def format_table(name: str, results: dict[str, dict[str, Any]]) -> str:
+    lines = [f"results on {name}", f"{'method':<16}{'n':>6}{'em':>8}{'f1':>8}{'acc':>8}"]
+    for method, m in results.items():
+        lines.append(f"{method:<16}{m['n']:>6}{m['em']:>8.3f}{m['f1']:>8.3f}{m['acc']:>8.3f}")
+    return "\n".join(lines)
+
+
+
+def load_results(run: RunFolder) -> dict[str, dict[str, Any]]:
+    """Every evaluated method's metrics under RUN/eval, by folder name."""
+    return {r.root.name: r.metrics.read_json() for r in run.layout.eval_results() if r.metrics.exists()}

@@ -1,0 +1,105 @@
+"""Loading a causal LM with transformers, and sizing what one generate call may hold in memory.
+
+Every role that loads the generator's weights (answering, the LM pruner, LoRA tuning) goes through
+`hf_model_source`: a GGUF file is converted once and its cached copy loaded after that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from wbrag_ray.config import GeneratorConfig
+from wbrag_ray.models.bundled import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def hf_model_source(config: GeneratorConfig) -> str:
+    """What `from_pretrained` takes for `config.model`: a local folder or a hub id.
+
+    A GGUF file is de-quantized by transformers on every load (about 17 s for SmolLM2-135M); the first call
+    saves the converted fp32 weights to a cache folder, and later loads read that folder (well under 1 s).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(config.model)
+    path = Path(source)
+    if path.suffix != ".gguf":
+        return source
+    cached = _gguf_cache_dir(config, path)
+    if not (cached / "config.json").exists():
+        import torch
+
+        log.info("converting GGUF %s (first load; cached at %s)", path, cached)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        # transformers refuses to save a model that still carries its GGUF quantizer; the weights are
+        # already de-quantized, so dropping the quantizer and its config makes it a plain model.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(cached)  # atomic: concurrent workers race harmlessly
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(cached)
+
+
+def _gguf_cache_dir(config: GeneratorConfig, gguf_path: Path) -> Path:
+    """The converted copy's folder, keyed by the GGUF file's path, size and modification time."""
+    root = Path(config.cache_dir or os.environ.get("WBRAG_CACHE", "~/.cache/wbrag")).expanduser() / "converted"
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return root / f"{gguf_path.stem}-{key}"
+
+
+def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
+    """(model, tokenizer) from a local folder, a hub id, or a GGUF file (see `hf_model_source`), with the
+    configured LoRA adapter merged in."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = hf_model_source(config)
+    tok = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    if config.lora_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, config.lora_adapter)
+        model = model.merge_and_unload()  # merged weights decode as fast as the base model
+    model.to(device).eval()
+    tok.padding_side = "left"  # decoder-only batches must end at the same position
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def memory_budget(config: GeneratorConfig, device: str) -> int:
+    """Bytes one generate call may use beyond the weights: generator.memory_gb, else 90% of the GPU memory
+    left after loading, else half of the node's available memory (the rest is for other actors)."""
+    if config.memory_gb:
+        return int(config.memory_gb * 2**30)
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0] * 0.9)
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
+
+
+def row_bytes(model, tokens: int, new_tokens: int, with_probs: bool) -> int:
+    """Estimated memory of one row of a generate call: its KV cache over prompt + new tokens, the prefill's
+    activations (hidden state and MLP), and the next-token logits (kept for every step when scoring)."""
+    c = model.config
+    size = model.dtype.itemsize
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * kv_heads * head_dim * size
+    activations = 2 * (c.hidden_size + getattr(c, "intermediate_size", 4 * c.hidden_size)) * size
+    logits = c.vocab_size * 4 * (new_tokens if with_probs else 2)
+    return (tokens + new_tokens) * kv + tokens * activations + logits

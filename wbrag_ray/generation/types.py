@@ -1,0 +1,161 @@
+"""What every backend shares: the prompt and answer types, the `Generator` interface, and the parsing of the
+token probabilities that engines and APIs report.
+
+A prompt is a list of chat messages ({"role", "content"}). Instruct models get their chat template; base
+models (`chat_template: false`) get the messages' contents joined as a completion prompt. A prompt whose last
+message is the assistant's is continued (its content is the start of the answer): FLARE regenerates the next
+sentence of an answer already begun.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from wbrag_ray.config import GeneratorConfig
+
+Prompt = list[dict[str, str]]
+MODES = ("text", "scored", "choice")
+
+# top-k logprobs asked of an engine for a choice judgement: the choice words are among the likeliest tokens
+# whenever the model follows the instruction, and what it leaves out is reported as missing mass.
+CHOICE_TOP_K = 20
+
+
+def check_mode(mode: str, choices: tuple[str, ...]) -> None:
+    """A clear error for a pass no backend can run, before any actor starts."""
+    if mode not in MODES:
+        raise ValueError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "choice" and not choices:
+        raise ValueError("a choice pass needs the choice words")
+
+
+@dataclass
+class Scored:
+    """One greedy answer with the probability the model gave each of its tokens."""
+
+    text: str  # the answer, cut at the stop strings
+    tokens: list[str]  # the generated tokens before the end / stop token, as text
+    probs: list[float]  # each token's probability when it was chosen
+    finished: bool  # the model ended the answer itself (end or stop token), not the token budget
+
+
+def scored_columns(output_column: str, scored: Scored) -> dict[str, Any]:
+    """The columns a `scored` pass adds to a row."""
+    return {output_column: scored.text, f"{output_column}_tokens": scored.tokens,
+            f"{output_column}_probs": scored.probs, f"{output_column}_finished": scored.finished}
+
+
+class Generator(ABC):
+    """Batched greedy generation. `setup()` loads the model (once per worker); `generate` answers prompts."""
+
+    def __init__(self, config: GeneratorConfig):
+        self.config = config
+
+    def setup(self) -> None:  # noqa: B027 - optional hook
+        """Load weights; called once per worker, never at construction (the object travels to actors)."""
+
+    def with_config(self, config: GeneratorConfig) -> Generator:
+        """This set-up generator under another pass's settings (token budget, batch size, stop strings), the
+        loaded model shared: what a generator service lends each pass."""
+        other = copy.copy(self)
+        other.config = config
+        return other
+
+    @abstractmethod
+    def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
+        """Greedy answers, one per prompt, in order."""
+
+    @abstractmethod
+    def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
+        """Greedy answers with their tokens' probabilities, one per prompt, in order."""
+
+    @abstractmethod
+    def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:
+        """For each prompt, the probability of each choice word as the answer's first token (not normalized:
+        what the choices leave to other tokens tells whether the model followed the instruction)."""
+
+
+# --- prompts and answers as text ---------------------------------------------------------------------------
+
+
+def continues_answer(prompt: Prompt) -> bool:
+    """A prompt ending with the assistant's message asks for that message's continuation."""
+    return bool(prompt) and prompt[-1].get("role") == "assistant"
+
+
+def messages_to_text(messages: Prompt) -> str:
+    """Completion-style prompt for base models: the contents in order, the last one open for the answer."""
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """The text before the first stop string (a backend may return the stop string and what its token held)."""
+    text = text.strip()
+    for s in stop:
+        if s and s in text:
+            text = text[: text.index(s)]
+    return text.strip()
+
+
+# --- token probabilities as engines and APIs report them ---------------------------------------------------
+
+
+def choice_matches(token_text: str, choice: str) -> bool:
+    """A vocabulary token counts as a choice word in any case and with any surrounding space ("Yes", " yes")."""
+    return token_text.strip().lower() == choice.strip().lower()
+
+
+def choice_mass(top: list[tuple[str, float]], choices: tuple[str, ...]) -> list[float]:
+    """Probability of each choice from a first-token distribution given as (token text, probability) pairs
+    (a backend's top-k): the tokens spelling the same word add up."""
+    return [sum(p for t, p in top if choice_matches(t, c)) for c in choices]
+
+
+def scored_from_pieces(pieces: list[tuple[str, float]], text: str, finished: bool, stop: list[str]) -> Scored:
+    """A `Scored` answer from (token text, logprob) per generated token, as engines and APIs report them.
+
+    The end-of-answer token is not part of the answer: tokens stop at the first one that decodes to nothing
+    (a special token) or holds a stop string."""
+    tokens, probs = [], []
+    for piece, logprob in pieces:
+        if not piece or any(s and s in piece for s in stop):
+            break
+        tokens.append(piece)
+        probs.append(math.exp(logprob))
+    return Scored(cut_at_stop(text, stop), tokens, probs, finished)
+
+
+def _logprob_entry(entry: Any) -> tuple[float, str] | None:
+    """(logprob, token text) from a vLLM `Logprob` object or its dict form (Ray Data's output rows)."""
+    if entry is None:
+        return None
+    if isinstance(entry, dict):
+        return entry["logprob"], entry.get("decoded_token") or ""
+    return entry.logprob, entry.decoded_token or ""
+
+
+def _chosen(step: dict, token_id: int) -> tuple[float, str]:
+    # Ray Data rows may carry the ids as strings, and (Arrow struct columns) other rows' ids with None values.
+    found = _logprob_entry(step.get(token_id)) or _logprob_entry(step.get(str(token_id)))
+    if found is None:
+        raise ValueError(f"no logprob for the generated token {token_id}; ask the engine for logprobs >= 0")
+    return found
+
+
+def scored_from_logprobs(
+    token_ids: list[int], logprobs: list[dict], text: str, max_tokens: int, stop: list[str]
+) -> Scored:
+    """A `Scored` answer from vLLM's per-token logprobs (`{token id: Logprob}` per generated token);
+    `finished` = the engine stopped before the token budget."""
+    chosen = [_chosen(step, int(token_id)) for token_id, step in zip(token_ids, logprobs, strict=False)]
+    return scored_from_pieces([(piece, lp) for lp, piece in chosen], text, len(token_ids) < max_tokens, stop)
+
+
+def choices_from_logprobs(first_step: dict | None, choices: tuple[str, ...]) -> list[float]:
+    """Choice probabilities from the top-k logprobs of an engine's first generated token."""
+    pairs = [_logprob_entry(e) for e in (first_step or {}).values()]
+    return choice_mass([(t, math.exp(lp)) for lp, t in filter(None, pairs)], choices)

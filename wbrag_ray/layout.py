@@ -1,0 +1,224 @@
+"""Every path of a run folder, named once: the writers (pipelines, stages), the readers (report, inspect,
+search) and the tests all reach a file through these classes, never through a typed string.
+
+    RUN/run.json                              resolved config (no credentials), wbrag version
+    RUN/_stages/<stage>/stats.json, _SUCCESS  per-stage figures and the completion marker (written last)
+    RUN/ingest/passages/, sentences/, rejects/, _shards/   IngestFolder
+    RUN/embed/                                embedding shards (id, vector)
+    RUN/_checkpoints/embed/                   Ray Data's row-level checkpoint of a running embed
+    RUN/index/                                sharded FAISS index + manifest.json
+    RUN/eval/<label>-<method>/                metrics.json, predictions.parquet, rejects.parquet
+    RUN/eval/methods_grid[-<name>].json       the methods x write-back grid
+    RUN/writeback/ACTIVE, <version>/...       WritebackVersion
+    RUN/zero_rag/...                          ZeroRagFolder
+    RUN/report/index.html, report.md          the HTML report, its Markdown twin and their plots
+
+Each class holds a root Location and only derives paths from it; nothing here reads or writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wbrag_ray.storage import Location
+
+STAGES_DIR = "_stages"
+DEDUPE_PREFIX = "dedupe-"  # rejects files of passages dropped as duplicate ids, beside the shards' own
+
+
+def _at(*parts: str) -> property:
+    """A path below the folder's `root`, as a read-only attribute: each class below is a table of names."""
+
+    def path(self) -> Location:
+        return self.root.join(*parts)
+
+    return property(path)
+
+
+def subdirs(loc: Location) -> list[str]:
+    """Names of the folders directly below `loc`, sorted (none when it does not exist)."""
+    import pyarrow.fs as pafs
+
+    if not loc.exists():
+        return []
+    infos = loc.fs.get_file_info(pafs.FileSelector(loc.path))
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+
+@dataclass(frozen=True)
+class IngestFolder:
+    """The ingested corpus: passage and sentence shards (one file per ingest shard), rejects with reasons, and
+    one marker per finished shard (so a resumed ingest redoes only the missing shards)."""
+
+    root: Location
+    passages = _at("passages")
+    sentences = _at("sentences")
+    rejects = _at("rejects")
+    shard_markers = _at("_shards")
+
+    def units(self, unit: str) -> tuple[Location, str]:
+        """(folder, id column) of the documents an index of `unit` holds."""
+        return (self.passages, "pid") if unit == "passage" else (self.sentences, "sid")
+
+    def shard_outputs(self, shard: str) -> tuple[Location, Location, Location]:
+        """The passages, sentences and rejects files one ingest shard writes."""
+        name = f"{shard}.parquet"
+        return self.passages.join(name), self.sentences.join(name), self.rejects.join(name)
+
+    def shard_marker(self, shard: str) -> Location:
+        """The shard's stats, written after its outputs: the shard is done when this exists."""
+        return self.shard_markers.join(f"{shard}.json")
+
+    def finished_shards(self) -> set[str]:
+        return {f.name.removesuffix(".json") for f in self.shard_markers.list_files(".json")}
+
+    def dedupe_rejects(self, passages_file: str) -> Location:
+        """The rejects of the duplicate-id passages removed from one passages file (written before it is)."""
+        return self.rejects.join(DEDUPE_PREFIX + passages_file)
+
+    def dedupe_rejects_files(self) -> list[Location]:
+        return [f for f in self.rejects.list_files(".parquet") if f.name.startswith(DEDUPE_PREFIX)]
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    root: Location
+    stats = _at("stats.json")  # rows in / out / rejected, seconds, the stage's figures and its fingerprint
+    success = _at("_SUCCESS")  # empty, written last: the stage is complete when it exists
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One method's evaluation under one label."""
+
+    root: Location
+    metrics = _at("metrics.json")
+    predictions = _at("predictions.parquet")
+    rejects = _at("rejects.parquet")
+
+
+@dataclass(frozen=True)
+class WritebackVersion:
+    """One trained write-back version: the scored examples, the distiller's calls, the units (a corpus with
+    provenance), their embeddings and index, and Table 3."""
+
+    root: Location
+    scored = _at("scored.parquet")
+    distill = _at("distill.parquet")
+    corpus = _at("corpus")
+    units = _at("corpus", "units.parquet")
+    embed = _at("embed")
+    embed_file = _at("embed", "emb-000000.parquet")  # the units' vectors, in the embedding-shard format
+    index = _at("index")
+    stats = _at("stats.json")
+
+    @property
+    def version(self) -> str:
+        return self.root.name
+
+
+ADAPTER_STATS = "tune.json"  # written by training.noise_tolerant beside the adapter's weights
+PRUNE_LEVEL = "prune-{ratio:g}"  # the folder and stage name of a pruning ratio
+
+
+def ratio_name(ratio: float) -> str:
+    return PRUNE_LEVEL.format(ratio=ratio)
+
+
+@dataclass(frozen=True)
+class PrunedLevel:
+    """The base pruned at one ratio: the keep mask, the pruned sentence corpus and its index."""
+
+    root: Location
+    keep = _at("keep")
+    sentences = _at("sentences")
+    index = _at("index")
+    stats = _at("stats.json")
+
+
+@dataclass(frozen=True)
+class ZeroRagFolder:
+    root: Location
+    mastery = _at("mastery")
+    qa = _at("mastery", "qa.parquet")  # every QA pair with its status and the closed-book answer
+    scores = _at("mastery", "scores.parquet")
+    mastery_stats = _at("mastery", "stats.json")
+    predictions = _at("predictions")  # sid, mastery_pred for every sentence
+    router = _at("router")
+    router_metrics = _at("router", "metrics.json")
+    router_labels = _at("router", "labels.parquet")  # each training question's answer, label and probability
+    adapter = _at("adapter")
+    adapter_tune = _at("adapter", ADAPTER_STATS)
+    grid = _at("grid.json")
+
+    def pruner(self, kind: str) -> Location:
+        return self.root.join("pruner", kind)
+
+    def pruner_kinds(self) -> list[str]:
+        return subdirs(self.root.join("pruner"))
+
+    def pruner_metrics(self, kind: str) -> Location:
+        return self.pruner(kind).join("metrics.json")
+
+    def pruner_validation(self, kind: str) -> Location:
+        """Measured and predicted mastery of each held-out sentence."""
+        return self.pruner(kind).join("validation.parquet")
+
+    def pruned(self, ratio: float) -> PrunedLevel:
+        return PrunedLevel(self.root.join(ratio_name(ratio)))
+
+    def pruned_levels(self) -> list[PrunedLevel]:
+        """Every pruned level written so far (with its stats), by folder name."""
+        levels = [PrunedLevel(self.root.join(d)) for d in subdirs(self.root) if d.startswith("prune-")]
+        return [lv for lv in levels if lv.stats.exists()]
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The run folder's paths (see the module's docstring)."""
+
+    root: Location
+    run_json = _at("run.json")
+    stages = _at(STAGES_DIR)
+    embed = _at("embed")
+    embed_checkpoint = _at("_checkpoints", "embed")  # Ray Data's row-level checkpoint of a running embed
+    index = _at("index")
+    eval = _at("eval")
+    writeback = _at("writeback")
+    writeback_active = _at("writeback", "ACTIVE")
+    report = _at("report")  # the report's two renderings and their plots
+    report_html = _at("report", "index.html")
+    report_markdown = _at("report", "report.md")
+
+    @property
+    def ingest(self) -> IngestFolder:
+        return IngestFolder(self.root.join("ingest"))
+
+    @property
+    def zero_rag(self) -> ZeroRagFolder:
+        return ZeroRagFolder(self.root.join("zero_rag"))
+
+    def stage(self, name: str) -> StageRecord:
+        return StageRecord(self.stages.join(name))
+
+    def eval_result(self, label: str, method: str) -> EvalResult:
+        return EvalResult(self.eval.join(f"{label}-{method}"))
+
+    def eval_results(self) -> list[EvalResult]:
+        """Every evaluated (label, method) folder, by name."""
+        return [EvalResult(self.eval.join(d)) for d in subdirs(self.eval)]
+
+    def methods_grid(self, name: str | None = None) -> Location:
+        """The methods x write-back grid; `name` for a Zero-RAG setting's own grid."""
+        return self.eval.join(f"methods_grid-{name}.json" if name else "methods_grid.json")
+
+    def methods_grids(self) -> list[Location]:
+        return [f for f in self.eval.list_files(".json") if f.name.startswith("methods_grid")]
+
+    def writeback_version(self, version: str) -> WritebackVersion:
+        return WritebackVersion(self.writeback.join(version))
+
+    def writeback_versions(self) -> list[WritebackVersion]:
+        """Every version folder with its Table 3 written, by name."""
+        found = [self.writeback_version(v) for v in subdirs(self.writeback)]
+        return [v for v in found if v.stats.exists()]

@@ -1,0 +1,258 @@
+"""The report's sections, in reading order: what each reads from the run folder (every path through
+wbrag_ray.layout) and which tables and figures it shows. A section appears only when the run has its stage,
+and a figure only when its input exists."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from wbrag_ray.build_kb import INGEST
+from wbrag_ray.layout import WritebackVersion
+from wbrag_ray.report import plots
+from wbrag_ray.report.render import Section, Table
+from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import Location
+from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
+
+# The Table 3 figures of WriteBack-RAG, in the paper's order, with the labels people read.
+TABLE3 = [
+    ("selection_rate", "selection rate"),
+    ("mean_retained_docs", "mean retained docs"),
+    ("source_tokens", "source tokens"),
+    ("distilled_tokens", "distilled tokens"),
+    ("compression_ratio", "compression ratio"),
+    ("fallback_rate", "fallback rate"),
+]
+QA_STATUSES = (OK, UNPARSEABLE, NOT_IN_SENTENCE)  # the order the report and `wbrag inspect` show them in
+
+
+def collect(run: RunFolder, out: Path) -> list[Section]:
+    """Every section the run has; the figures are written to the local folder `out`."""
+    stats = {name: run.stats(name) or {} for name in run.completed_stages()}
+    sections = [stages_section(stats, out)]
+    if INGEST.name in stats:
+        sections.append(corpus_section(run, stats[INGEST.name], out))
+    sections += evaluation_sections(run, out)
+    sections += [writeback_section(v, out) for v in run.layout.writeback_versions()]
+    sections += zero_rag_sections(run, out)
+    sections.append(config_section(run))
+    return sections
+
+
+def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
+    sec = Section("Stages")
+    rows = [[name, s.get("rows_in"), s.get("rows_out"), s.get("rows_rejected"), s.get("seconds"), s.get("rows_per_s")]
+            for name, s in stats.items()]
+    sec.tables.append(Table("per-stage summary", ["stage", "rows in", "rows out", "rejected", "seconds", "rows/s"], rows))
+    if img := plots.plot_stage_times(stats, out):
+        sec.images.append((img, "Wall time per stage: the slowest stage is the one to scale out."))
+    return sec
+
+
+def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
+    sec = Section("Corpus")
+    sec.tables.append(Table("ingest", ["figure", "value"], [[k, stats[k]] for k in (
+        "rows_in", "rows_out", "rows_rejected", "sentences", "shards", "sentences_per_task_second") if k in stats]))
+    sentences = run.layout.ingest.sentences
+    if sentences.exists():
+        counts = pc.value_counts(sentences.read_table(["pid"])["pid"]).field("counts").to_numpy()
+        if img := plots.plot_sentences_per_passage(counts, out):
+            sec.images.append((img, "How many sentences (Zero-RAG's pruning unit) each passage holds."))
+    return sec
+
+
+def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
+    """The metrics of every evaluated setting, then each methods x write-back grid (the run's own, and one per
+    Zero-RAG setting it was run with)."""
+    from wbrag_ray.evaluation.evaluate import load_results
+
+    sections = []
+    results = load_results(run)
+    if results:
+        sec = Section("Evaluation")
+        sec.tables.append(Table("answer metrics", ["setting", "n", "em", "f1", "acc"],
+                                [[k, v.get("n"), v.get("em"), v.get("f1"), v.get("acc")] for k, v in results.items()]))
+        if img := plots.plot_eval(results, out):
+            sec.images.append((img, "em / f1 / acc (FlashRAG's definitions) per evaluated setting."))
+        sections.append(sec)
+    plain = run.layout.methods_grid()
+    sections += [methods_grid_section(f.read_json(), out, PurePosixPath(f.name).stem, f.name != plain.name)
+                 for f in run.layout.methods_grids()]
+    return sections
+
+
+def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting: bool = False) -> Section:
+    """`wbrag eval --methods-grid`: does a knowledge base written back under one RAG method serve the others?
+    `stem` names the figure; `own_setting`: the grid of a Zero-RAG setting, titled with its name."""
+    sec = Section("RAG methods x knowledge base" + (f" ({grid.get('name')})" if own_setting else ""))
+    sec.text = ("Every RAG method on the base index and beside each write-back version. 'trained with' is the method "
+                "whose answers chose what was written back; a row is same-method when it is the evaluated method.")
+    rows = []
+    for r in grid.get("rows", []):
+        delta = (r.get("delta") or {}).get("acc")
+        rows.append([r["method"], r["version"] or "base", r.get("trained_with") or "",
+                     "" if r.get("same_method") is None else ("same" if r["same_method"] else "cross"),
+                     r["n"], r["em"], r["f1"], r["acc"], "" if delta is None else f"{delta:+.3f}",
+                     r.get("retrieval_rate"), r.get("generator_calls")])
+    sec.tables.append(Table(f"answer metrics on {grid.get('name')}", [
+        "method", "knowledge base", "trained with", "write-back", "n", "em", "f1", "acc", "acc vs base",
+        "retrieval rate", "generator calls"], rows))
+    if img := plots.plot_methods_grid(grid, out, file_name=f"{stem}.png"):
+        sec.images.append((img, "acc per RAG method: base index alone, and with each write-back version beside it."))
+    return sec
+
+
+def writeback_section(folder: WritebackVersion, out: Path) -> Section:
+    """One write-back version: the paper's Table 3, the distillation's compression, the retained ranks."""
+    version, stats = folder.version, folder.stats.read_json()
+    sec = Section(f"Write-back {version}")
+    method = stats.get("rag_method", "naive")
+    sec.tables.append(Table("selection (the paper's Table 3)", ["figure", "value"],
+                            [["scored with RAG method", method]] + [[label, stats.get(key)] for key, label in TABLE3]))
+    units = folder.units.read_table(["source_tokens", "distilled_tokens"]) if folder.units.exists() else None
+    if img := plots.plot_token_scatter(units, out, version):
+        sec.images.append((img, "Each knowledge unit: tokens of its retained documents vs tokens after distillation."))
+    if img := plots.plot_rank_distribution(stats.get("rank_distribution") or {}, out, version):
+        sec.images.append((img, "Retrieval ranks of the documents that passed the document gate."))
+    return sec
+
+
+def config_section(run: RunFolder) -> Section:
+    run_json = run.layout.run_json.read_json() if run.layout.run_json.exists() else {}
+    sec = Section("Configuration")
+    sec.text = json.dumps(run_json.get("config", {}), indent=2)
+    return sec
+
+
+# --- Zero-RAG --------------------------------------------------------------------------------------------
+
+
+def zero_rag_sections(run: RunFolder, out: Path) -> list[Section]:
+    """Zero-RAG's sections, each from the files its stage wrote; none when the run has no Zero-RAG folder."""
+    if not run.layout.zero_rag.root.exists():
+        return []
+    sections = [mastery_section(run, out), pruners_section(run, out), pruned_indices_section(run, out),
+                ratio_sweep_section(run, out), router_and_tuning_section(run, out)]
+    return [s for s in sections if s.tables or s.images]
+
+
+def mastery_section(run: RunFolder, out: Path) -> Section:
+    zr = run.layout.zero_rag
+    sec = Section("Zero-RAG: mastery scores")
+    if zr.mastery_stats.exists():
+        sec.tables.append(Table("mastery sample", ["figure", "value"], [[k, v] for k, v in zr.mastery_stats.read_json().items()]))
+    if zr.qa.exists():
+        qa = zr.qa.read_table(["status", "em"])
+        statuses = list(QA_STATUSES) + sorted(set(qa["status"].to_pylist()) - set(QA_STATUSES))
+        rows = []
+        for status in statuses:
+            part = qa.filter(pc.equal(qa["status"], status))
+            rows.append([status, part.num_rows, part.num_rows / max(1, qa.num_rows), pc.mean(part["em"]).as_py()])
+        sec.tables.append(Table("QA pairs by status", ["status", "pairs", "share", "mean EM"], rows))
+    if zr.scores.exists() and (img := plots.plot_mastery_histogram(zr.scores.read_table(["n_valid", "mastery"]), out)):
+        sec.images.append((img, "Measured mastery of the sampled sentences: the target model's mean closed-book exact "
+                                "match on the QA pairs written from each sentence (sentences without a valid pair are left out)."))
+    return sec
+
+
+def pruners_section(run: RunFolder, out: Path) -> Section:
+    zr = run.layout.zero_rag
+    sec = Section("Zero-RAG: pruners")
+    metrics, validation = {}, {}
+    for kind in zr.pruner_kinds():
+        if zr.pruner_metrics(kind).exists():
+            metrics[kind] = zr.pruner_metrics(kind).read_json()
+        if zr.pruner_validation(kind).exists():
+            validation[kind] = zr.pruner_validation(kind).read_table(["measured", "predicted"])
+    if metrics:
+        rows = [[k, v.get("n_train"), v.get("n_val"), v.get("mse"), v.get("spearman"), (v.get("top_quantile") or {}).get("q"),
+                 (v.get("top_quantile") or {}).get("precision"), (v.get("top_quantile") or {}).get("recall"), v.get("seconds")]
+                for k, v in metrics.items()]
+        sec.tables.append(Table("pruner validation (top quantile: the most-mastered fraction q, measured vs predicted)",
+                                ["pruner", "n train", "n val", "mse", "spearman", "top q", "precision", "recall", "seconds"], rows))
+    if img := plots.plot_pruner_fit(validation, metrics, out):
+        sec.images.append((img, "Held-out sentences: predicted vs measured mastery per pruner; points on the dashed "
+                                "line are predicted exactly, and the ranking (Spearman) is what pruning uses."))
+    return sec
+
+
+def _mb(v: Any) -> float | None:
+    return round(v / 1e6, 3) if isinstance(v, (int, float)) else None
+
+
+def pruned_indices_section(run: RunFolder, out: Path) -> Section:
+    zr = run.layout.zero_rag
+    levels = sorted((lv.stats.read_json() for lv in zr.pruned_levels()), key=lambda s: s.get("ratio", 0.0))
+    sec = Section("Zero-RAG: pruned indices")
+    if levels:
+        rows = [[lv.get("ratio"), lv.get("achieved_ratio"), lv.get("threshold"), lv.get("sentences_in"), lv.get("kept"), lv.get("dropped"),
+                 _mb(lv.get("index_bytes")), _mb(lv.get("source_index_bytes")), lv.get("pruner")] for lv in levels]
+        sec.tables.append(Table("pruning levels", ["ratio", "achieved", "threshold", "sentences in", "kept", "dropped",
+                                                   "index MB", "source index MB", "pruner"], rows))
+    if zr.predictions.list_files(".parquet"):
+        pred, total = sample_column(zr.predictions, "mastery_pred")
+        if img := plots.plot_predicted_mastery(pred, total, levels, out):
+            sec.images.append((img, "The pruner's predicted mastery for every corpus sentence; each dashed line is the "
+                                    "corpus-wide percentile of one pruning ratio."))
+    return sec
+
+
+def sample_column(loc: Location, column: str, limit: int = 1_000_000, seed: int = 0) -> tuple[np.ndarray, int]:
+    """One numeric column of a Parquet folder that may hold a whole corpus, and its total row count: all of it
+    when small; otherwise evenly spaced row groups (footers tell their sizes, so the rest is never read), cut
+    to `limit` rows by a seeded random choice."""
+    groups = []
+    for f in loc.list_files(".parquet"):
+        meta = pq.ParquetFile(f.path, filesystem=f.fs).metadata
+        groups += [(f, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
+    total = sum(n for _, _, n in groups)
+    step = max(1, -(-total // limit))  # ceil: about `limit` rows when the groups are of even size
+    parts = []
+    for f, g, _ in groups[::step]:
+        parts.append(plots.as_float(pq.ParquetFile(f.path, filesystem=f.fs).read_row_group(g, columns=[column])[column]))
+    values = np.concatenate(parts) if parts else np.zeros(0)
+    if len(values) > limit:
+        values = np.random.default_rng(seed).choice(values, limit, replace=False)
+    return values, total
+
+
+def ratio_sweep_section(run: RunFolder, out: Path) -> Section:
+    sec = Section("Zero-RAG: pruning ratio sweep")
+    if not run.layout.zero_rag.grid.exists():
+        return sec
+    grid = sorted(run.layout.zero_rag.grid.read_json().get("rows", []), key=lambda r: (plots.setting_label(r), r.get("ratio", 0.0)))
+    yes = {True: "yes", False: "no"}
+    sec.tables.append(Table("answers, latency and size per pruning ratio", [
+        "ratio", "method", "write-back", "router", "adapter", "n", "em", "f1", "acc", "ms/query", "index MB", "sentences",
+        "retrieval skipped"],
+        [[r.get("ratio"), r.get("method"), *(yes.get(r.get(k), r.get(k)) for k in ("writeback", "router", "adapter")), r.get("n"),
+          r.get("em"), r.get("f1"), r.get("acc"), r.get("latency_ms_per_query"), _mb(r.get("index_bytes")), r.get("sentences"),
+          r.get("retrieval_skipped")] for r in grid]))
+    if img := plots.plot_ratio_sweep(grid, out):
+        sec.images.append((img, "Per pruning ratio (0 = the full index) and setting: answer accuracy, retrieval "
+                                "latency per query, and index size. Zero-RAG's claim: size and latency fall, accuracy holds."))
+    return sec
+
+
+def router_and_tuning_section(run: RunFolder, out: Path) -> Section:
+    zr = run.layout.zero_rag
+    sec = Section("Zero-RAG: query router and noise-tolerant tuning")
+    if zr.router_metrics.exists():
+        sec.tables.append(Table("query router", ["figure", "value"], [[k, v] for k, v in zr.router_metrics.read_json().items()]))
+    if zr.adapter_tune.exists():
+        tune = zr.adapter_tune.read_json()
+        losses = [float(x) for x in tune.get("losses") or []]
+        rows = [["steps", tune.get("steps")], ["seconds", tune.get("seconds")]]
+        rows += [[f"examples: {k}", v] for k, v in (tune.get("formats") or {}).items()]
+        rows += [["first loss", losses[0]], ["last loss", losses[-1]]] if losses else []
+        sec.tables.append(Table("noise-tolerant tuning", ["figure", "value"], rows))
+        if img := plots.plot_tuning_loss(losses, out):
+            sec.images.append((img, "Training loss of the generator's LoRA adapter on questions with relevant, "
+                                    "distracting and no documents."))
+    return sec

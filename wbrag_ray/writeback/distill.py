@@ -1,0 +1,131 @@
+"""WriteBack-RAG's distiller, in two steps over the kept examples: extract (the sentences of the kept documents
+that answer the question, grounded in them) -> rewrite (one self-contained knowledge unit).
+
+The stages only build prompts: generation runs in the generator's service between them, and neither step's
+prompt is built from anything but the question and documents, so the gold answer cannot reach the distiller.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pandas as pd
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.stages.base import Resources, Stage
+
+
+def word_count(text: str) -> int:
+    """Token counts of Table 3, as whitespace words: independent of any one tokenizer."""
+    return len(text.split())
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+def _tokens(text: str) -> set[str]:
+    from wbrag_ray.metrics import normalize_answer
+
+    return set(normalize_answer(text).split())
+
+def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 0.6) -> str:
+    """Step 1 must be verbatim: each extracted sentence is replaced by the source sentence it copies (the one
+    sharing most of its words, at least `min_overlap`), so a small model's paraphrase or invention never
+    reaches the rewrite step. When nothing matches, the two source sentences closest to the question."""
+    source = [s for d in docs for s in _SENTENCE_END.split(d.text) if s.strip()]
+    if not source:
+        return ""
+    source_tokens = [_tokens(s) for s in source]
+    picked: set[int] = set()
+    for line in _SENTENCE_END.split(extracted.replace("\n", " ")):
+        words = _tokens(line)
+        if not words:
+            continue
+        overlap = [len(words & t) / len(words) for t in source_tokens]
+        best = int(np.argmax(overlap))
+        if overlap[best] >= min_overlap:
+            picked.add(best)
+    if not picked:
+        q = _tokens(question)
+        picked = set(sorted(range(len(source)), key=lambda i: -len(q & source_tokens[i]))[:2])
+    return "\n".join(source[i] for i in sorted(picked))
+
+def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str, str] | None:
+    """(title, text) of a knowledge unit from the rewrite step's output: a title line, then text.
+
+    Small models often skip the title or the rewrite; the unit then falls back to the extracted sentences
+    under the top document's title. None when both steps produced nothing.
+    """
+    lines = [ln.strip() for ln in rewritten.splitlines() if ln.strip()]
+    if len(lines) >= 2:
+        title = lines[0].removeprefix("Title:").strip().strip("#*\"' ")
+        text = " ".join(ln.removeprefix("Text:").strip() for ln in lines[1:])
+        return (title or default_title), text
+    body = " ".join(lines) or " ".join(extracted.split())
+    return (default_title, body) if body else None
+
+def kept_hits(docs: str, kept_ranks: str):
+    """The retrieved hits the document gate kept, in rank order."""
+    from wbrag_ray.index.retriever import hits_from_json
+
+    hits = hits_from_json(docs)
+    return [hits[j] for j in json.loads(kept_ranks)]
+
+class DistillExtractStage(Stage):
+    """Distiller step 1 prompt: question + kept documents -> 'copy the answer-relevant sentences verbatim'.
+    Reads only `question`, `docs` and `kept_ranks`: the gold answer is not an input of this stage."""
+
+    name = "distill-extract"
+    input_columns = ("question", "docs", "kept_ranks")
+    output_columns = ("extract_prompt",)
+
+    @property
+    def resources(self) -> Resources:
+        from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+        return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        from wbrag_ray import prompts
+
+        batch["extract_prompt"] = [
+            prompts.dumps(prompts.extract_messages(q, kept_hits(d, k)))
+            for q, d, k in zip(batch["question"], batch["docs"], batch["kept_ranks"], strict=True)
+        ]
+        return batch
+
+class DistillRewriteStage(DistillExtractStage):
+    """Distiller step 2 prompt: question + the extracted sentences, grounded verbatim in the kept documents
+    (`extracted_verbatim`) -> one compact, self-contained document."""
+
+    name = "distill-rewrite"
+    input_columns = ("question", "docs", "kept_ranks", "extracted")
+    output_columns = ("extracted_verbatim", "rewrite_prompt")
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        from wbrag_ray import prompts
+
+        batch["extracted_verbatim"] = [
+            ground_extraction(e, kept_hits(d, k), q)
+            for e, d, k, q in zip(batch["extracted"], batch["docs"], batch["kept_ranks"], batch["question"], strict=True)
+        ]
+        batch["rewrite_prompt"] = [
+            prompts.dumps(prompts.rewrite_messages(q, e))
+            for q, e in zip(batch["question"], batch["extracted_verbatim"], strict=True)
+        ]
+        return batch
+
+
+def distill(config: WbragConfig, kept: pd.DataFrame, passes: GeneratorPasses) -> pd.DataFrame:
+    """The distiller's two steps over the kept examples; the frame passed on holds no gold answers."""
+    from wbrag_ray.stages.base import apply_stage
+
+    wb = config.writeback
+    # Only these columns travel to the distiller: the gold answers stay behind in the driver.
+    ds = apply_stage(from_pandas(kept[["id", "question", "docs", "kept_ranks"]]), DistillExtractStage())
+    step1 = passes.generate("distill_extract", ds, "extract_prompt", "extracted", wb.extract_max_new_tokens,
+                            multiline=True)
+    ds = apply_stage(from_pandas(step1), DistillRewriteStage())
+    return passes.generate("distill_rewrite", ds, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens,
+                           multiline=True)

@@ -1,0 +1,90 @@
+"""WriteBack-RAG's two gates: the rules of the paper as pure decisions (tested on hand-made scores), and the
+stages that score a batch of examples with the task metric and apply them.
+
+    utility gate:  keep an example iff retrieval answers it well enough (s_rag >= tau_s) and helps (delta > tau_delta)
+    document gate: keep the documents that answer it on their own better than closed-book (s_j - s_nr > tau_doc),
+                   at least n_min of them (the best ones, as a fallback)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pandas as pd
+
+from wbrag_ray.config import WritebackConfig
+from wbrag_ray.stages.base import Resources, Stage
+
+# Scores are differences of floats (f1 especially): 0.51 - 0.5 is 0.0100000000000000009, which must not beat
+# tau = 0.01. Comparisons allow this much rounding, so a score exactly at a threshold behaves as written.
+_EPS = 1e-9
+
+def utility_gate(s_rag: float, s_nr: float, tau_s: float, tau_delta: float) -> bool:
+    """Keep an example iff retrieval answers it well enough (s_rag >= tau_s) and helps (delta > tau_delta)."""
+    return s_rag >= tau_s - _EPS and (s_rag - s_nr) > tau_delta + _EPS
+
+def document_gate(doc_scores: Sequence[float], s_nr: float, tau_doc: float, n_min: int) -> tuple[list[int], bool]:
+    """(kept ranks, fallback): documents whose score alone beats s_nr by more than tau_doc; when none does,
+    the top n_min by retrieval rank (doc_scores are in rank order) and fallback=True."""
+    kept = [j for j, s in enumerate(doc_scores) if s - s_nr > tau_doc + _EPS]
+    if kept:
+        return kept, False
+    return list(range(min(n_min, len(doc_scores)))), True
+
+def _golds(value) -> list[str]:
+    return [str(g) for g in value] if value is not None else []
+
+class _GateStage(Stage):
+    """CPU-only: a gate reads generated answers and scores them; no model to load."""
+
+    def __init__(self, config: WritebackConfig):
+        self.config = config
+
+    @property
+    def resources(self) -> Resources:
+        from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+        return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
+
+class UtilityGateStage(_GateStage):
+    """s_nr = M(q, a | no docs), s_rag = M(q, a | top-K docs), delta, and the utility gate's decision."""
+
+    name = "utility-gate"
+    input_columns = ("golden_answers", "nr_answer", "rag_answer")
+    output_columns = ("s_nr", "s_rag", "delta", "useful")
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        from wbrag_ray.metrics import metric
+
+        c = self.config
+        golds = [_golds(g) for g in batch["golden_answers"]]
+        batch["s_nr"] = [metric(c.metric, a, g) for a, g in zip(batch["nr_answer"], golds, strict=True)]
+        batch["s_rag"] = [metric(c.metric, a, g) for a, g in zip(batch["rag_answer"], golds, strict=True)]
+        batch["delta"] = batch["s_rag"] - batch["s_nr"]
+        batch["useful"] = [
+            utility_gate(r, n, c.tau_s, c.tau_delta) for r, n in zip(batch["s_rag"], batch["s_nr"], strict=True)
+        ]
+        return batch
+
+class DocumentGateStage(_GateStage):
+    """s_j = M(q, a | d_j alone) from each document's own answer (`doc_answers`, JSON, rank order), and the
+    document gate's kept ranks, with the n_min fallback."""
+
+    name = "document-gate"
+    input_columns = ("golden_answers", "s_nr", "doc_answers")
+    output_columns = ("doc_scores", "kept_ranks", "fallback")
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        from wbrag_ray.metrics import metric
+
+        c = self.config
+        scores, kept, fallback = [], [], []
+        for golds, s_nr, answers in zip(batch["golden_answers"], batch["s_nr"], batch["doc_answers"], strict=True):
+            s = [metric(c.metric, a, _golds(golds)) for a in json.loads(answers)]
+            ranks, fell_back = document_gate(s, s_nr, c.tau_doc, c.n_min)
+            scores.append(json.dumps(s))
+            kept.append(json.dumps(ranks))
+            fallback.append(fell_back)
+        batch["doc_scores"], batch["kept_ranks"], batch["fallback"] = scores, kept, fallback
+        return batch

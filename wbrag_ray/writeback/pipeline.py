@@ -1,0 +1,178 @@
+"""WriteBack-RAG training, top to bottom: a labeled QA set -> a versioned write-back index beside the base.
+
+    answer closed-book (s_nr) and by writeback.rag_method (s_rag: naive / replug retrieve the top K and answer
+    in one pass with s_nr; self-rag / flare decide per example what to retrieve, in their own passes)
+      -> utility gate (an example whose method retrieved nothing has nothing to write back)
+      -> document gate over the documents the method answered from (one call per document of a kept
+         example; none for replug, whose per-document answers are s_j)
+      -> distiller: extract (1 call per kept example) -> rewrite (1 call) -> knowledge units
+      -> embed with the base embedder -> dedupe -> write-back corpus + index -> Table 3 stats
+
+One version's files (RUN/writeback/<version>/: scored, distill, corpus, embed, index, stats) are named in
+wbrag_ray.layout (WritebackVersion); the base index is only read, never written. Every model pass goes to the
+run's generator service; between passes the driver holds only per-example rows (answers and decisions),
+because a gate needs every answer of its example at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.formats import plain_table
+from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import resolve
+from wbrag_ray.writeback.distill import distill
+from wbrag_ray.writeback.units import UNITS, build_units, embed_units
+from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version
+
+
+def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:
+    """Answer without and with retrieval by writeback.rag_method, and apply both gates.
+
+    The documents an example is distilled from are the ones its method answered from: the top K for naive
+    and RePlug, the ones judged relevant for Self-RAG, the ones retrieved for its unsure sentences for FLARE.
+    An example whose method retrieved nothing has nothing to write back and is not kept."""
+    from wbrag_ray import rag
+    from wbrag_ray.formats import read_dataset
+    from wbrag_ray.index.retriever import RetrievalSetting
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+    from wbrag_ray.stages.base import run_local
+    from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
+
+    wb = config.writeback
+    questions, rejects = read_dataset(resolve(train), limit=wb.limit)
+    if questions.num_rows == 0:
+        raise ConfigError(f"writeback.train {train} has no usable examples ({rejects.num_rows} rejected)")
+    search = RetrievalSetting(
+        run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index.nprobe
+    )
+    answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
+
+    nr = answered[answered["method"] == "no-retrieval"].set_index("id")
+    examples = answered[answered["method"] == wb.rag_method].set_index("id")
+    examples = examples[["question", "golden_answers", "docs"]].assign(
+        nr_answer=nr["answer"], rag_answer=examples["answer"], rag_slot_answers=examples["slot_answers"],
+        rag_trace=examples["trace"],
+    ).reset_index()
+    # The fan-in already brought every answer to the driver; scoring is microseconds a row, so the gates
+    # run here, in-process, rather than as another actor pool.
+    examples = run_local(UtilityGateStage(wb), examples)
+    examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
+
+    useful = examples[examples["useful"]].copy()
+    if wb.rag_method == "replug":
+        useful["doc_answers"] = useful["rag_slot_answers"]  # RePlug already answered from each document alone
+    elif len(useful):
+        per_doc = from_pandas(useful[["id", "question", "docs"]]).map_batches(
+            rag.expand, fn_kwargs={"methods": ["replug"]}, batch_format="pandas", num_cpus=LIGHT_CPUS
+        )
+        per_doc = rag.combine(passes.generate("document_gate", per_doc, "prompt", "answer"), "answer")
+        useful["doc_answers"] = useful["id"].map(per_doc.set_index("id")["slot_answers"])
+    if len(useful):
+        useful = run_local(DocumentGateStage(wb), useful)
+        examples = examples.merge(
+            useful[["id", "doc_answers", "doc_scores", "kept_ranks", "fallback"]], how="left", on="id"
+        )
+    else:
+        examples = examples.assign(doc_answers=None, doc_scores=None, kept_ranks=None, fallback=None)
+    examples["rejected_questions"] = rejects.num_rows
+    return examples
+
+
+
+def train_writeback(
+    run: RunFolder, config: WbragConfig, train: str | None = None, version: str | None = None, force: bool = False
+) -> dict[str, Any]:
+    """Train one write-back index version from a labeled QA set; activate it when writeback.activate."""
+    train = train or config.writeback.train
+    if not train:
+        raise ConfigError("no training set: pass --train PATH or set writeback.train")
+    version = version or default_version(config, train)
+    if not version.replace("-", "").replace("_", "").replace(".", "").isalnum() or version in ("base", "ACTIVE"):
+        raise ConfigError(f"writeback.version {version!r}: use letters, digits, '-', '_' or '.' (not 'base')")
+    method = config.writeback.rag_method
+    # the adaptive method's own thresholds decide what is written back
+    params = {"version": version, "train": train,
+              "method": method.replace("-", "_") if method in ("self-rag", "flare") else None}
+    stats = run.execute(WRITEBACK, config, lambda: _train(run, config, train, params), params=params, force=force)
+    print(format_table3(stats), flush=True)
+    if config.writeback.activate and stats.get("units_written"):
+        activate(run, version)
+    return stats
+
+
+def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
+    from wbrag_ray.formats import embeddings_table
+    from wbrag_ray.index.faiss_index import build_index
+    from wbrag_ray.writeback.units import dedupe, table3
+
+    wb = config.writeback
+    version = params["version"]
+    folder = run.layout.writeback_version(version)
+    folder.root.delete()
+    t0 = time.perf_counter()
+    # The passes' services (the generator's and the index's actors) end before the units are embedded.
+    with GeneratorPasses(config.generator) as passes:
+        examples = score_examples(run, config, train, passes)
+        folder.scored.write_table(plain_table(examples))
+        kept = examples[examples["useful"]]
+        units, empty = pd.DataFrame(columns=UNITS.names), 0
+        if len(kept):
+            distilled = distill(config, kept, passes)
+            folder.distill.write_table(plain_table(distilled))
+            units, empty = build_units(version, kept, distilled)
+    merged: dict[int, int] = {}
+    if len(units):
+        vectors = embed_units(config, units)
+        merged = dedupe(vectors, wb.dedupe_threshold)
+        for dup, keep in merged.items():  # merge: the kept unit also cites the duplicate's example
+            units.at[keep, "merged_from"] = [*units.at[keep, "merged_from"], units.at[dup, "source_example_id"]]
+        keep_rows = [i for i in range(len(units)) if i not in merged]
+        units, vectors = units.iloc[keep_rows].reset_index(drop=True), vectors[keep_rows]
+        folder.units.write_table(pa.Table.from_pandas(units, UNITS, preserve_index=False))
+        folder.embed_file.write_table(embeddings_table(units["id"].to_numpy(np.int64), vectors))
+        build_index(
+            folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
+            docs=folder.corpus.uri,  # the manifest names its documents: the index folder is self-contained
+        )
+    stats = {
+        "version": version,
+        "rag_method": wb.rag_method,
+        **table3(examples, units, config.retrieval.top_k),
+        "units_written": len(units),
+        "duplicates_merged": len(merged),
+        "empty_units": empty,
+        "rejected_examples": int(examples["rejected_questions"].iloc[0]),
+        "passes": passes.stats,
+        "generator_calls": sum(p["generator_calls"] for p in passes.stats.values()),
+        "train_seconds": round(time.perf_counter() - t0, 2),
+        "settings": run.fingerprint(WRITEBACK, config, params),
+    }
+    folder.stats.write_json(stats)
+    return {"rows_in": len(examples), "rows_out": len(units), **stats}
+
+
+def format_table3(stats: dict[str, Any]) -> str:
+    ranks = " ".join(f"{r}:{c}" for r, c in stats.get("rank_distribution", {}).items())
+    rows = [
+        ("examples", stats.get("examples")),
+        ("selection rate", stats.get("selection_rate")),
+        ("mean retained docs", stats.get("mean_retained_docs")),
+        ("fallback rate", stats.get("fallback_rate")),
+        ("source tokens", stats.get("source_tokens")),
+        ("distilled tokens", stats.get("distilled_tokens")),
+        ("compression ratio", stats.get("compression_ratio")),
+        ("units written", stats.get("units_written")),
+        ("duplicates merged", stats.get("duplicates_merged")),
+        ("retained ranks", ranks),
+        ("generator calls", stats.get("generator_calls")),
+    ]
+    return "\n".join([f"write-back {stats.get('version')} (Table 3)"] + [f"  {k:<20}{v}" for k, v in rows])
+

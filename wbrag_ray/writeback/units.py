@@ -1,0 +1,133 @@
+"""Knowledge units: what the distiller wrote, with provenance (the example, the source documents and their
+ranks), in their own id namespace; embedded with the base embedder, deduplicated, and Table 3's figures."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.generation.passes import from_pandas
+from wbrag_ray.writeback.distill import kept_hits, parse_unit, word_count
+
+# Write-back ids live in their own namespace: far above any base pid / sid, and named by Hit.source.
+WRITEBACK_ID_BASE = 1 << 62
+
+UNITS = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("unit_id", pa.string()),
+        ("title", pa.string()),
+        ("text", pa.string()),
+        ("version", pa.string()),
+        ("source_example_id", pa.string()),
+        ("question", pa.string()),
+        ("source_doc_ids", pa.list_(pa.int64())),
+        ("source_doc_ranks", pa.list_(pa.int32())),
+        ("fallback", pa.bool_()),
+        ("source_tokens", pa.int64()),
+        ("distilled_tokens", pa.int64()),
+        ("merged_from", pa.list_(pa.string())),
+    ]
+)
+
+
+def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """Knowledge units with provenance, in example order; returns (units, examples that produced nothing)."""
+    out = distilled.set_index("id")
+    rows, empty = [], 0
+    for ex in kept.sort_values("id").itertuples(index=False):
+        hits = kept_hits(ex.docs, ex.kept_ranks)
+        unit = parse_unit(out.at[ex.id, "rewritten"], out.at[ex.id, "extracted_verbatim"], hits[0].title if hits else "")
+        if unit is None:
+            empty += 1
+            continue
+        title, text = unit
+        n = len(rows)
+        rows.append(
+            {
+                "id": WRITEBACK_ID_BASE + n,
+                "unit_id": f"wb:{version}:{n}",
+                "title": title,
+                "text": text,
+                "version": version,
+                "source_example_id": str(ex.id),
+                "question": ex.question,
+                "source_doc_ids": [h.id for h in hits],
+                "source_doc_ranks": [h.rank for h in hits],
+                "fallback": bool(ex.fallback),
+                "source_tokens": sum(word_count(h.title) + word_count(h.text) for h in hits),
+                "distilled_tokens": word_count(title) + word_count(text),
+                "merged_from": [],
+            }
+        )
+    return pd.DataFrame(rows, columns=UNITS.names), empty
+
+def embed_units(config: WbragConfig, units: pd.DataFrame) -> np.ndarray:
+    """Unit vectors from the base embedder, as the base passages are embedded ('Title\\ntext'), in unit order."""
+    import ray
+
+    from wbrag_ray.build_kb import unit_text
+    from wbrag_ray.index.faiss_index import vectors_of
+    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.stages.embed import EmbedStage
+
+    ds = from_pandas(unit_text(units[["id", "title", "text"]], id_col="id"))
+    table = pa.concat_tables(ray.get(apply_stage(ds, EmbedStage(config.embedder)).to_arrow_refs())).sort_by("id")
+    return vectors_of(table)
+
+
+def dedupe(vectors: np.ndarray, threshold: float) -> dict[int, int]:
+    """Greedy, in row order: unit i is a duplicate of the first earlier kept unit with cosine >= threshold.
+
+    Returns {duplicate row: kept row}; vectors are normalized, so inner product is cosine. A range search
+    finds every close pair at once instead of one search per unit.
+    """
+    import faiss
+
+    n = len(vectors)
+    if n < 2:
+        return {}
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    index.add(x)
+    # range_search keeps scores > radius; nudge down so a pair exactly at the threshold counts.
+    lims, dist, labels = index.range_search(x, float(threshold) - 1e-6)
+    merged: dict[int, int] = {}
+    for i in range(n):
+        if i in merged:
+            continue
+        for j, _ in sorted(zip(labels[lims[i] : lims[i + 1]], dist[lims[i] : lims[i + 1]], strict=True)):
+            j = int(j)
+            if j > i and j not in merged:
+                merged[j] = i
+    return merged
+
+def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int) -> dict:
+    """The paper's Table 3 from the scored examples and the written units, as plain JSON numbers."""
+    n = len(scored)
+    kept = scored[scored["useful"]]
+    retained = [json.loads(r) for r in kept["kept_ranks"]] if len(kept) else []
+    ranks = [r for rs in retained for r in rs]
+    source = int(units["source_tokens"].sum()) if len(units) else 0
+    distilled = int(units["distilled_tokens"].sum()) if len(units) else 0
+    return {
+        "examples": n,
+        "selected": len(kept),
+        "selection_rate": round(len(kept) / n, 4) if n else 0.0,
+        "mean_retained_docs": round(float(np.mean([len(r) for r in retained])), 4) if retained else 0.0,
+        "fallback_rate": round(float(kept["fallback"].mean()), 4) if len(kept) else 0.0,
+        "source_tokens": source,
+        "distilled_tokens": distilled,
+        "mean_source_tokens": round(source / len(units), 2) if len(units) else 0.0,
+        "mean_distilled_tokens": round(distilled / len(units), 2) if len(units) else 0.0,
+        "compression_ratio": round(source / distilled, 4) if distilled else None,
+        "token_unit": "whitespace words",
+        # 1-based ranks, every rank listed so a report can plot the distribution as is
+        "rank_distribution": {str(r + 1): ranks.count(r) for r in range(top_k)},
+        "mean_s_nr": round(float(scored["s_nr"].mean()), 4) if n else 0.0,
+        "mean_s_rag": round(float(scored["s_rag"].mean()), 4) if n else 0.0,
+    }

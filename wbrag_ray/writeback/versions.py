@@ -1,0 +1,91 @@
+"""Write-back versions: which one is active (searched beside the base), replacing it, and rolling back.
+RUN/writeback/ACTIVE is one small file written atomically, so a switch is one rename; the base index is
+never written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from wbrag_ray.build_kb import INDEX
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.run import RunFolder, RunStage
+
+# One trained version is one stage. What it is made from: the write-back settings, the generator and retrieval
+# that answer and gate, the embedder of its units, and the adaptive method's own thresholds when it trains
+# with one ("rag.self_rag" / "rag.flare": the `method` parameter, empty for naive and replug).
+WRITEBACK = RunStage(
+    "writeback-{version}",
+    settings=("writeback", "retrieval", "index.nprobe", "generator", "embedder", "rag.{method}"),
+    ignore=("writeback.train", "writeback.version", "writeback.activate", "writeback.evaluate"),
+    requires=(INDEX,),
+    command="wbrag writeback RUN --train PATH",
+    fix="pick another --version (writeback.version) or pass --force to retrain it",
+)
+
+def default_version(config: WbragConfig, train: str) -> str:
+    """The version name: writeback.version, else the training file's stem (a rerun finds its own stage)."""
+    return config.writeback.version or Path(train.rstrip("/")).name.split(".")[0]
+
+def read_active(run: RunFolder) -> dict[str, Any]:
+    """{"version": active version or None, "history": earlier active versions, oldest first}."""
+    loc = run.layout.writeback_active
+    return loc.read_json() if loc.exists() else {"version": None, "history": []}
+
+def versions(run: RunFolder) -> list[str]:
+    """Trained write-back versions (complete, with an index), by name."""
+    return [v.version for v in run.layout.writeback_versions()
+            if run.is_complete(WRITEBACK.instance({"version": v.version})) and v.index.exists()]
+
+def trained_method(run: RunFolder, version: str) -> str:
+    """The RAG method a write-back version was trained (scored and written back) with."""
+    stats = run.layout.writeback_version(version).stats
+    return stats.read_json().get("rag_method", "naive") if stats.exists() else "naive"
+
+def activate(run: RunFolder, version: str) -> dict[str, Any]:
+    """Make `version` the write-back index searched beside the base (replace); the base index is untouched."""
+    if version not in versions(run):
+        known = ", ".join(versions(run)) or "none"
+        raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
+    state = read_active(run)
+    if state["version"] != version:
+        history = [*state["history"], state["version"]] if state["version"] else state["history"]
+        state = {"version": version, "history": history}
+        run.layout.writeback_active.write_json(state)  # one small file, written atomically: the switch is one rename
+    print(f"write-back index active: {version}", flush=True)
+    return state
+
+def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
+    """Go back to the previously active version (or `version`); 'base' (or no earlier one) = base index only.
+
+    Going to 'base' remembers the version it leaves, so a later plain rollback can return to it."""
+    state = read_active(run)
+    if version and version != "base":
+        return activate(run, version)
+    history = list(state["history"])
+    if version == "base":
+        previous = None
+        history += [state["version"]] if state["version"] else []
+    else:
+        previous = history.pop() if history else None
+    if previous is not None and previous not in versions(run):
+        raise ConfigError(f"previous write-back version {previous!r} is gone; roll back to a named version or 'base'")
+    state = {"version": previous, "history": history}
+    run.layout.writeback_active.write_json(state)
+    print(f"write-back index active: {previous or 'none (base index only)'}", flush=True)
+    return state
+
+def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, str]:
+    """(version, index folder, corpus folder) of the active write-back index (or of `version`), for a union
+    search."""
+    if version is not None and version not in versions(run):
+        known = ", ".join(versions(run)) or "none"
+        raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
+    version = version or read_active(run)["version"]
+    if not version:
+        raise ConfigError(
+            f"run {run.uri} has no active write-back index; train one with `wbrag writeback RUN --train PATH` "
+            "or activate one with `wbrag writeback RUN --activate VERSION`"
+        )
+    folder = run.layout.writeback_version(version)
+    return version, folder.index.uri, folder.corpus.uri

@@ -1,0 +1,111 @@
+"""Zero-RAG's evaluation grid: every pruning ratio (and 0, the full index) without and with the router, the
+tuned adapter and the active write-back index, with retrieval latency and index size (RUN/zero_rag/grid.json)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import Location
+from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
+from wbrag_ray.zerorag.tune import with_adapter
+
+
+def retrieval_latency(index: Location, vectors: np.ndarray, k: int, config: WbragConfig, min_seconds: float = 0.5
+                      ) -> float:
+    """Milliseconds per query of searching `index` with a batch of query vectors: the best of repeated runs
+    (the machine is shared; the minimum is the least disturbed), after one warm-up search."""
+    from wbrag_ray.index.retriever import Retriever
+
+    retriever = Retriever(index.uri, None, None, config.index.nprobe, ef_search=config.index.ef_search,
+                          k_factor=config.index.k_factor, gpu=config.index.gpu)
+    retriever.search_ids(vectors, k)
+    best, spent = float("inf"), 0.0
+    while spent < min_seconds or best == float("inf"):
+        t0 = time.perf_counter()
+        retriever.search_ids(vectors, k)
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+    return 1000 * best / max(1, len(vectors))
+
+
+def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False) -> list[dict[str, Any]]:
+    """Evaluate every pruning ratio of zerorag.ratios (and 0, the full index), without and with the router
+    (zerorag.router), the tuned adapter (zerorag.tune.enabled) and the active write-back index (a pruned base
+    plus write-back: the two methods combined); write RUN/zero_rag/grid.json."""
+    from wbrag_ray.evaluation.evaluate import evaluate_stage
+    from wbrag_ray.formats import read_dataset
+    from wbrag_ray.index.faiss_index import load_manifest
+    from wbrag_ray.models.embedder import Embedder
+    from wbrag_ray.storage import resolve
+    from wbrag_ray.writeback.versions import read_active
+
+    z = config.zerorag
+    name = config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
+    ratios = sorted({0.0, *z.ratios})
+    routers = [False, True] if z.router else [False]
+    adapters = [False, True] if z.tune.enabled else [False]
+    writebacks = [False, True] if read_active(run)["version"] else [False]
+    questions, _ = read_dataset(resolve(dataset), limit=config.eval.limit)
+    vectors = Embedder(config.embedder).encode_queries(questions["question"].to_pylist())
+    rows: list[dict[str, Any]] = []
+    latency: dict[float, float] = {}
+    for adapter in adapters:
+        cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
+        # one generator (with or without the adapter) for every cell; the retrieval service follows the cell
+        with GeneratorPasses(cfg.generator) as passes:
+            for ratio in ratios:
+                index = index_for_ratio(run, ratio)
+                manifest = load_manifest(index)
+                if ratio not in latency:
+                    latency[ratio] = retrieval_latency(index, vectors, config.retrieval.top_k, config)
+                for router, writeback in [(r, w) for r in routers for w in writebacks]:
+                    first = ratio == ratios[0] and not router and not writeback
+                    methods = [m for m in cfg.eval.methods if first or m != "no-retrieval"]  # no index: once is enough
+                    if not methods:
+                        continue
+                    label = eval_label(name, ratio, writeback, router, adapter)
+                    cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"methods": methods})})
+                    stats = evaluate_stage(run, cfg_m, dataset, name, label, force=force, passes=passes,
+                                           base_index=index.uri,
+                                           router=run.layout.zero_rag.router.uri if router else None,
+                                           setting=label, writeback=writeback)
+                    for method, m in stats["methods"].items():
+                        rows.append({
+                            "ratio": ratio, "router": router, "adapter": adapter, "writeback": writeback,
+                            "method": method, "n": m["n"],
+                            "em": m["em"], "f1": m["f1"], "acc": m["acc"],
+                            "latency_ms_per_query": round(latency[ratio], 4) if method != "no-retrieval" else 0.0,
+                            "index_bytes": index_bytes(index), "sentences": int(manifest["count"]),
+                            "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
+                        })
+    run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows})
+    print(format_grid(rows), flush=True)
+    return rows
+
+
+def eval_label(name: str, ratio: float | None = None, writeback: bool = False, router: bool = False,
+               adapter: bool = False) -> str:
+    """The folder prefix (and setting) of one evaluation: the dataset name, then each setting that differs from
+    the base, in one order for `wbrag eval` and the grid."""
+    return (name + (f"-prune{ratio:g}" if ratio is not None else "") + ("-writeback" if writeback else "")
+            + ("-router" if router else "") + ("-adapter" if adapter else ""))
+
+
+def format_grid(rows: list[dict[str, Any]]) -> str:
+    head = f"{'ratio':>6} {'wb':>4} {'router':>7} {'adapter':>8} {'method':<13}{'acc':>7}{'em':>7}{'ms/query':>10}" \
+           f"{'index MB':>10}{'sentences':>11}{'skipped':>9}"
+    lines = ["Zero-RAG evaluation grid", head]
+    for r in rows:
+        yes = {True: "yes", False: "no"}
+        lines.append(f"{r['ratio']:>6g} {yes[bool(r.get('writeback'))]:>4} {yes[bool(r['router'])]:>7} "
+                     f"{yes[bool(r['adapter'])]:>8} {r['method']:<13}{r['acc']:>7.3f}{r['em']:>7.3f}"
+                     f"{r['latency_ms_per_query']:>10.4f}{r['index_bytes'] / 1e6:>10.3f}{r['sentences']:>11}"
+                     f"{r['retrieval_skipped']:>9.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Zero-RAG step 1: score a sample of sentences by how well the target model already knows them.
+
+    sample sentences -> QA pairs (cloze blanks, or written by the QA generator) -> the target model's
+    closed-book answers -> mean exact match per sentence (RUN/zero_rag/mastery/: qa, scores, stats)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pandas as pd
+
+from wbrag_ray.build_kb import INDEX, INGEST
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.formats import plain_table
+from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.zerorag.sampling import sample_sentences, titled
+
+MASTERY = RunStage(
+    "mastery",
+    settings=("zerorag.seed", "zerorag.qa_mode", "zerorag.qa_per_sentence", "zerorag.qa_generator",
+              "zerorag.qa_max_new_tokens", "zerorag.answer_max_new_tokens", "zerorag.mastery_metric", "generator"),
+    requires=(INGEST,),
+    command="wbrag mastery RUN",
+)
+
+
+def require_sentence_index(run: RunFolder, config: WbragConfig) -> None:
+    """Zero-RAG prunes sentences: the index must hold them (and the embedding pruner reads their vectors)."""
+    if config.index.unit != "sentence":
+        raise ConfigError("Zero-RAG prunes sentences: set index.unit=sentence (the index holds sentences and the "
+                          "embedding pruner reads their stored vectors); e.g. jobs/configs/zero_rag_demo.yaml")
+    run.require(INDEX)
+
+
+def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
+    """Score a sample of sentences: QA pairs -> the target model's closed-book answers -> mean EM."""
+    require_sentence_index(run, config)
+    n = sample or config.zerorag.sample
+    return run.execute(MASTERY, config, lambda: _score(run, config, n), params={"sample": n}, force=force)
+
+
+def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
+    from wbrag_ray import prompts
+    from wbrag_ray.zerorag import qa as m
+
+    z = config.zerorag
+    out = run.layout.zero_rag
+    t0 = time.perf_counter()
+    total = run.stats(INGEST.name)["sentences"]
+    sentences = sample_sentences(run, config, n)
+    with GeneratorPasses(config.generator) as passes:
+        rows: list[dict] = []
+        if z.qa_mode == "cloze":
+            for s in sentences.itertuples(index=False):
+                rows += [{"sid": s.sid, **r} for r in m.cloze_pairs(s.title, s.text, z.qa_per_sentence)]
+        else:
+            qa_gen = z.qa_generator or config.generator
+            write = sentences[["sid", "title", "text"]].copy()
+            write["qa_prompt"] = [prompts.dumps(prompts.qa_write_messages(x, z.qa_per_sentence, qa_gen.chat_template))
+                                  for x in titled(write["title"], write["text"])]
+            written = passes.generate("qa_write", from_pandas(write), "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen,
+                                      multiline=True)
+            prefix = "" if qa_gen.chat_template else prompts.QA_FEWSHOT_PREFIX
+            for s in written.sort_values("sid").itertuples(index=False):
+                rows += [{"sid": s.sid, **r} for r in m.llm_pairs(s.text, s.qa_raw, z.qa_per_sentence, prefix)]
+        qa = pd.DataFrame(rows, columns=["sid", "qa_index", "question", "answer", "status", "raw"])
+        qa["qa_index"] = qa["qa_index"].astype("int32")
+        ok = qa[qa["status"] == m.OK].copy()
+        ok["answer_prompt"] = [prompts.dumps(prompts.closed_book_messages(q, z.qa_mode == "cloze")) for q in ok["question"]]
+        predictions = pd.Series(dtype="object")
+        if len(ok):
+            answered = passes.generate("closed_book", from_pandas(ok[["sid", "qa_index", "answer_prompt"]]),
+                                       "answer_prompt", "prediction", z.answer_max_new_tokens)
+            predictions = answered.set_index(["sid", "qa_index"])["prediction"]
+    qa["prediction"] = [predictions.get((s, i)) for s, i in zip(qa["sid"], qa["qa_index"], strict=True)]
+    qa = m.score_answers(qa)
+    scores = m.mastery_scores(sentences, qa, z.mastery_metric)
+    out.mastery.delete()
+    out.qa.write_table(plain_table(qa))
+    out.scores.write_table(plain_table(scores))
+    counts = qa["status"].value_counts()
+    scored = scores["mastery"].notna()
+    stats = {
+        "mode": z.qa_mode, "metric": z.mastery_metric, "sample": n, "sentences": len(sentences), "qa_pairs": len(qa),
+        "valid": int(counts.get(m.OK, 0)), "unparseable": int(counts.get(m.UNPARSEABLE, 0)),
+        "answer_not_in_sentence": int(counts.get(m.NOT_IN_SENTENCE, 0)),
+        "scored_sentences": int(scored.sum()),
+        "mean_mastery": round(float(scores.loc[scored, "mastery"].mean()), 4) if scored.any() else None,
+        "generator_calls": passes.calls, "passes": passes.stats,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    stats["calls_per_s"] = round(stats["generator_calls"] / stats["seconds"], 2) if stats["seconds"] else 0.0
+    stats["generator_calls_per_sentence"] = round(passes.calls / max(1, len(sentences)), 2)
+    out.mastery_stats.write_json(stats)
+    return {"rows_in": total, "rows_out": int(scored.sum()), "rows_rejected": int((~scored).sum()), **stats}

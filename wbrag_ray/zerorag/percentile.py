@@ -1,0 +1,76 @@
+"""The corpus-wide percentile of predicted mastery, with only counts travelling, and the keep mask it gives.
+
+Each prediction file is histogrammed in its own Ray task and only the counts come back: first over `bins` bins
+of [0, 1], then inside the one bin where the cut falls. The cut is exact to 1 / bins^2; sentences tied inside
+the last sub-bin are dropped by a draw fixed by their id, for the fraction that is still missing, so the
+dropped count matches the ratio to within a few sentences, on any number of nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from wbrag_ray.storage import Location
+from wbrag_ray.zerorag.sampling import splitmix64
+
+
+def _bins(scores: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two-level bin indices of scores in [0, 1]: level 1 splits [0, 1] into `bins`, level 2 splits each of
+    those into `bins` again. Integer indices, so the histogram and the keep mask agree exactly."""
+    x = np.clip(np.asarray(scores, np.float64), 0.0, 1.0) * bins
+    b1 = np.minimum(x.astype(np.int64), bins - 1)
+    b2 = np.minimum(((x - b1) * bins).astype(np.int64), bins - 1)
+    return b1, b2
+
+
+def _tie_draw(ids: np.ndarray) -> np.ndarray:
+    """A uniform number in [0, 1) per id, fixed by the id: which of the sentences tied at the cut are dropped."""
+    return (splitmix64(ids, 0x5EED) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def percentile_cut(pred: Location, ratio: float, bins: int) -> dict[str, Any]:
+    """Where to cut so that `ratio` of all sentences (those with the highest predicted mastery) are dropped."""
+    import ray
+
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+    files = [f.uri for f in pred.list_files(".parquet")]
+
+    @ray.remote(num_cpus=LIGHT_CPUS)
+    def histogram(uri: str, level1_bin: int | None) -> np.ndarray:
+        from wbrag_ray.storage import resolve
+
+        scores = resolve(uri).read_table(["mastery_pred"])["mastery_pred"].to_numpy()
+        b1, b2 = _bins(scores, bins)
+        if level1_bin is None:
+            return np.bincount(b1, minlength=bins)
+        return np.bincount(b2[b1 == level1_bin], minlength=bins)
+
+    level1 = np.sum(ray.get([histogram.remote(f, None) for f in files]), axis=0)
+    total = int(level1.sum())
+    target = int(round(ratio * total))
+    if target == 0:
+        return {"total": total, "target_dropped": 0, "b1": bins, "b2": 0, "tie_fraction": 0.0, "threshold": 1.0}
+    b1, need = _cut_bin(level1, target)
+    level2 = np.sum(ray.get([histogram.remote(f, b1) for f in files]), axis=0)
+    b2, need2 = _cut_bin(level2, need)
+    return {"total": total, "target_dropped": target, "b1": b1, "b2": b2,
+            "tie_fraction": need2 / int(level2[b2]), "threshold": (b1 + b2 / bins) / bins}
+
+
+def _cut_bin(counts: np.ndarray, drop: int) -> tuple[int, int]:
+    """(the bin where dropping the top `drop` items ends, how many of that bin's items are still to drop)."""
+    above = np.cumsum(counts[::-1])[::-1]  # above[i] = items in bins >= i
+    b = int(np.flatnonzero(above >= drop)[-1])
+    return b, drop - (int(above[b + 1]) if b + 1 < len(counts) else 0)
+
+
+def keep_mask(ids: np.ndarray, scores: np.ndarray, cut: dict[str, Any], bins: int) -> np.ndarray:
+    """True for sentences kept at `cut`: everything below the cut's sub-bin, and the undrawn ties in it."""
+    b1, b2 = _bins(scores, bins)
+    drop = (b1 > cut["b1"]) | ((b1 == cut["b1"]) & (b2 > cut["b2"]))
+    tied = (b1 == cut["b1"]) & (b2 == cut["b2"])
+    drop |= tied & (_tie_draw(ids) < cut["tie_fraction"])
+    return ~drop

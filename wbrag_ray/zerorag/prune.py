@@ -1,0 +1,145 @@
+"""Zero-RAG step 3: every sentence's predicted mastery, then for each ratio the keep mask, the pruned sentence
+corpus and the pruned index (built from the stored vectors: nothing is embedded again).
+
+    RUN/zero_rag/predictions/                     sid, mastery_pred for every sentence
+    RUN/zero_rag/prune-<R>/keep/, sentences/, index/, stats.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from wbrag_ray.build_kb import INDEX, INGEST
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.layout import PRUNE_LEVEL
+from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.storage import Location
+from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
+from wbrag_ray.zerorag.pruners import PRUNERS
+
+# It also reads the pruner zerorag.pruner names (added to `requires` per call).
+PREDICT = RunStage("predict", settings=("zerorag.pruner",), requires=(INGEST,),
+                   command="wbrag prune RUN --ratio R (after wbrag train-pruner RUN)")
+PRUNE = RunStage(PRUNE_LEVEL, settings=("zerorag.histogram_bins",), requires=(PREDICT, INDEX),
+                 command="wbrag prune RUN --ratio {ratio}")
+
+
+def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
+    """Every sentence's predicted mastery with zerorag.pruner, as one Ray Data pipeline; files named by write
+    task, so a retried task overwrites its own file."""
+    kind = config.zerorag.pruner
+    stage = dataclasses.replace(PREDICT, requires=(*PREDICT.requires, PRUNERS[kind]))
+    return run.execute(stage, config, lambda: _predict(run, config, kind), force=force)
+
+
+def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
+    import ray.data
+
+    from wbrag_ray.models.pruner import EmbeddingHead
+    from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
+    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
+
+    out = run.layout.zero_rag.predictions
+    model = run.layout.zero_rag.pruner(kind)
+    out.delete()
+    if kind == "embedding":
+        src = run.layout.embed
+        stage = EmbeddingPredictStage(EmbeddingHead.load(model.local_dir()).weights)
+        # the read runs fused with the prediction task, so it asks for what that task asks for
+        ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
+                                   num_cpus=stage.resources.num_cpus)
+        ds = apply_stage(ds, stage)
+    else:
+        src = run.layout.ingest.sentences
+        ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "text"], num_cpus=LIGHT_CPUS)
+        ds = apply_stage(ds, LMPredictStage(model.uri, config.zerorag.lm_pruner))
+    ds.write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names("pred"),
+                     ray_remote_args={"num_cpus": LIGHT_CPUS})
+    n = out.num_rows()
+    total = run.stats(INGEST.name)["sentences"]
+    if n != total:
+        raise RuntimeError(f"mastery prediction wrote {n} scores for {total} sentences")
+    return {"rows_in": total, "rows_out": n, "rows_rejected": 0, "pruner": kind}
+
+
+def index_bytes(loc: Location) -> int:
+    return sum(f.size() for f in loc.list_files() if not f.name.endswith(".json"))
+
+
+def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False) -> dict[str, Any]:
+    """Drop the `ratio` most-mastered sentences: keep mask, pruned sentence corpus and pruned index."""
+    if not 0 < ratio < 1:
+        raise ConfigError(f"--ratio {ratio}: a pruning ratio is a fraction in (0, 1), e.g. 0.3")
+    stats = run.execute(PRUNE, config, lambda: _prune(run, config, ratio), params={"ratio": ratio}, force=force)
+    print(f"pruned {stats['dropped']} of {stats['sentences_in']} sentences (ratio {stats['achieved_ratio']:.4f}, "
+          f"asked {ratio}; mastery >= {stats['threshold']:.4f}); index {stats['source_index_bytes'] / 1e6:.2f} MB -> "
+          f"{stats['index_bytes'] / 1e6:.2f} MB", flush=True)
+    return stats
+
+
+def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
+    import ray
+    import ray.data
+
+    from wbrag_ray.index.prune import prune_index
+    from wbrag_ray.ray_runtime import LIGHT_CPUS, shared_value
+
+    bins = config.zerorag.histogram_bins
+    level = run.layout.zero_rag.pruned(ratio)
+    t0 = time.perf_counter()
+    level.root.delete()
+    pred = run.layout.zero_rag.predictions
+    cut = percentile_cut(pred, ratio, bins)
+
+    def mask(batch: pa.Table) -> pa.Table:
+        ids, scores = batch["sid"].to_numpy(), batch["mastery_pred"].to_numpy()
+        return pa.table({"id": ids, "mastery_pred": batch["mastery_pred"],
+                         "keep": pa.array(keep_mask(ids, scores, cut, bins))})
+
+    ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, num_cpus=LIGHT_CPUS)
+    ds.map_batches(mask, batch_format="pyarrow", num_cpus=LIGHT_CPUS).write_parquet(
+        level.keep.path, filesystem=level.keep.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
+    table = level.keep.read_table(["id", "keep"])
+    keep = table["keep"].to_numpy(zero_copy_only=False)
+    dropped_ids = np.sort(table["id"].to_numpy()[~keep])
+    seconds_cut = time.perf_counter() - t0
+
+    # The pruned sentence corpus: every sentence not dropped, its columns untouched.
+    sentences = run.layout.ingest.sentences
+    drop_ref = ray.put(dropped_ids)
+
+    def kept_only(batch: pa.Table, drop) -> pa.Table:
+        return batch.filter(pa.array(~np.isin(batch["sid"].to_numpy(), shared_value(drop))))
+
+    ray.data.read_parquet(sentences.path, filesystem=sentences.fs, num_cpus=LIGHT_CPUS) \
+        .map_batches(kept_only, fn_args=(drop_ref,), batch_format="pyarrow", num_cpus=LIGHT_CPUS) \
+        .write_parquet(level.sentences.path, filesystem=level.sentences.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
+    kept = level.sentences.num_rows()
+    if kept + len(dropped_ids) != cut["total"]:
+        raise RuntimeError(f"pruned corpus holds {kept} sentences + {len(dropped_ids)} dropped != {cut['total']}")
+
+    index_stats = prune_index(run.layout.index, level.index, dropped_ids, num_cpus=config.index.num_cpus)
+    stats = {
+        "ratio": ratio, "achieved_ratio": round(len(dropped_ids) / cut["total"], 6),
+        "threshold": round(cut["threshold"], 8), "sentences_in": cut["total"], "kept": kept,
+        "dropped": int(len(dropped_ids)), "index_vectors": index_stats.get("rows_out"),
+        "index_bytes": index_bytes(level.index), "source_index_bytes": index_bytes(run.layout.index),
+        "pruner": config.zerorag.pruner, "seconds_percentile_and_mask": round(seconds_cut, 2),
+    }
+    level.stats.write_json(stats)
+    return {"rows_in": cut["total"], "rows_out": kept, "rows_rejected": 0, **stats}
+
+
+def index_for_ratio(run: RunFolder, ratio: float) -> Location:
+    """The index a pruning ratio is evaluated on: the full index at 0, else the pruned one."""
+    if ratio == 0:
+        return run.layout.index
+    if not run.is_complete(PRUNE.instance({"ratio": ratio})):
+        raise ConfigError(f"no index pruned at ratio {ratio} in {run.uri}; run `wbrag prune RUN --ratio {ratio}`")
+    return run.layout.zero_rag.pruned(ratio).index

@@ -1,0 +1,111 @@
+"""Zero-RAG step 2: pruners, trained on the scored sample and validated on a held-out part of it.
+
+    embedding: a small head on the stored sentence vectors (fast; the corpus is never re-embedded)
+    lm:        the paper's LLM regressor, a LoRA-tuned causal LM with a regression head, reading the text
+
+Each writes RUN/zero_rag/pruner/<kind>/ (the model, metrics.json: MSE, Spearman, top-quantile precision and
+recall at the first pruning ratio; validation.parquet: measured and predicted per held-out sentence).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from wbrag_ray.build_kb import EMBED
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.formats import plain_table
+from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.zerorag.mastery import MASTERY
+from wbrag_ray.zerorag.sampling import titled
+
+_SPLIT = ("zerorag.seed", "zerorag.val_fraction")  # which scored sentences train and which validate
+PRUNERS = {
+    "embedding": RunStage(
+        "pruner-embedding", settings=(*_SPLIT, "zerorag.head_hidden", "zerorag.head_epochs", "zerorag.head_weight_decay"),
+        requires=(MASTERY, EMBED), command="wbrag train-pruner RUN --kind embedding"),
+    "lm": RunStage("pruner-lm", settings=(*_SPLIT, "zerorag.lm_pruner"), requires=(MASTERY,),
+                   command="wbrag train-pruner RUN --kind lm"),
+}
+
+
+def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Train one pruner (`kind`, default: zerorag.train_pruners and zerorag.pruner) on the scored sample; validate it
+    on the held-out part."""
+    kinds = [kind] if kind else list(dict.fromkeys([*config.zerorag.train_pruners, config.zerorag.pruner]))
+    results = {}
+    for k in kinds:
+        results[k] = m = run.execute(PRUNERS[k], config, lambda k=k: _train_one(run, config, k), force=force)
+        tq = m["top_quantile"]
+        print(f"pruner {k}: mse {m['mse']} (predicting the mean: {m['mse_predict_mean']}), spearman {m['spearman']}, "
+              f"top {tq['q']:.0%} precision {tq['precision']} recall {tq['recall']}", flush=True)
+    return results
+
+
+def _scored_split(run: RunFolder, config: WbragConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The scored sample split into (train, validation) by a seeded permutation; unscored sentences left out."""
+    scores = run.layout.zero_rag.scores.read_table().to_pandas()
+    scores = scores[scores["mastery"].notna()].sort_values("sid").reset_index(drop=True)
+    n_val = int(round(len(scores) * config.zerorag.val_fraction))
+    if len(scores) - n_val < 4 or n_val < 2:
+        raise ConfigError(f"only {len(scores)} sentences of {run.uri} have a mastery score: too few to train and "
+                          "validate a pruner; score more with `wbrag mastery RUN --sample N` (zerorag.sample)")
+    order = np.random.default_rng(config.zerorag.seed).permutation(len(scores))
+    return scores.iloc[order[n_val:]].reset_index(drop=True), scores.iloc[order[:n_val]].reset_index(drop=True)
+
+
+def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
+    from wbrag_ray.models.pruner import pruner_metrics
+
+    z = config.zerorag
+    train, val = _scored_split(run, config)
+    out = run.layout.zero_rag.pruner(kind)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind == "embedding":
+            predicted, fit = _train_head(run, config, train, val, tmp)
+        else:
+            from wbrag_ray.training.lm_pruner import LMPrunerPredictor, train_lm_pruner
+
+            fit = train_lm_pruner(titled(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner, tmp)
+            predictor = LMPrunerPredictor(tmp, batch_size=z.lm_pruner.predict_batch_size)
+            predictor.setup()
+            predicted = predictor.predict(titled(val["title"], val["text"]))
+            fit = {k: v for k, v in fit.items() if k != "losses"}
+        out.upload_dir(tmp)
+    q = z.ratios[0] if z.ratios and z.ratios[0] > 0 else 0.3
+    metrics = {"kind": kind, "n_train": len(train), "n_val": len(val),
+               **pruner_metrics(val["mastery"].to_numpy(), predicted, q), "fit": fit,
+               "seconds": round(time.perf_counter() - t0, 2)}
+    run.layout.zero_rag.pruner_metrics(kind).write_json(metrics)
+    run.layout.zero_rag.pruner_validation(kind).write_table(plain_table(pd.DataFrame(
+        {"sid": val["sid"].astype("int64"), "measured": val["mastery"].astype("float64"),
+         "predicted": np.asarray(predicted, np.float64)})))
+    return {"rows_in": len(train) + len(val), "rows_out": len(val), **metrics}
+
+
+def _train_head(run: RunFolder, config: WbragConfig, train: pd.DataFrame, val: pd.DataFrame, tmp: str):
+    """The embedding head on the scored sentences' stored vectors; (validation predictions, fit figures)."""
+    from wbrag_ray.models.pruner import EmbeddingHead
+    from wbrag_ray.ray_runtime import select_rows
+
+    z = config.zerorag
+    both = pd.concat([train, val], ignore_index=True)
+    vec = select_rows(run.layout.embed, "sid", both["sid"].to_numpy(), ["sid", "vector"])
+    vectors = dict(zip(vec["sid"], vec["vector"], strict=True))
+    missing = [s for s in both["sid"] if s not in vectors]
+    if missing:
+        raise ConfigError(f"{len(missing)} scored sentences have no stored vector in {run.layout.embed.uri} "
+                          f"(e.g. sid {missing[0]}): re-embed with `wbrag embed RUN --force`")
+
+    def stack(df: pd.DataFrame) -> np.ndarray:
+        return np.stack([np.asarray(vectors[s], np.float32) for s in df["sid"]])
+
+    head, losses = EmbeddingHead.train(stack(train), train["mastery"].to_numpy(), z.head_hidden,
+                                       z.head_epochs, z.head_weight_decay, seed=z.seed)
+    head.save(tmp, {"settings": run.fingerprint(PRUNERS["embedding"], config), "dim": head.dim})
+    return head.predict(stack(val)), {"first_loss": round(losses[0], 5), "last_loss": round(losses[-1], 5)}

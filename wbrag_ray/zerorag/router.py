@@ -1,0 +1,78 @@
+"""Zero-RAG's query router: P(the generator answers without retrieval) from the query embedding; queries it
+calls mastered skip retrieval. Labels come from the generator's closed-book answers to training questions (with
+the tuned adapter when there is one); RUN/zero_rag/router/ holds the router, metrics.json and labels.parquet."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.formats import plain_table
+from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.zerorag.tune import TUNE, train_questions, with_adapter
+
+ROUTER = RunStage(
+    "router",
+    settings=("zerorag.train_limit", "generator", "zerorag.router_threshold", "zerorag.seed", "zerorag.val_fraction",
+              "embedder", "zerorag.router_metric"),
+    uses=(TUNE,),  # labelled with the tuned adapter when there is one
+    command="wbrag train-router RUN --train PATH",
+)
+
+
+def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Label each training question by whether the generator answers it correctly without retrieval, and train
+    the router on the query embeddings."""
+    train, questions, rejected = train_questions(config, train)
+    stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected), params={"train": train},
+                        force=force)
+    print(f"query router: {stats['positives']} of {stats['rows_out']} training questions answered closed-book; "
+          f"held-out accuracy {stats['val_accuracy']}, AUC {stats['val_auc']}", flush=True)
+    return stats
+
+
+def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int) -> dict[str, Any]:
+    from sklearn.metrics import roc_auc_score
+
+    from wbrag_ray import prompts
+    from wbrag_ray.metrics import metric
+    from wbrag_ray.models.embedder import Embedder
+    from wbrag_ray.models.router import QueryRouter
+
+    z = config.zerorag
+    adapter = run.is_complete(TUNE.name)
+    df = questions[["id", "question", "golden_answers"]].copy()
+    df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
+    with GeneratorPasses(with_adapter(run, config) if adapter else config.generator) as passes:
+        answered = passes.generate("closed_book", from_pandas(df), "prompt", "prediction").sort_values("id")
+    answered = answered.reset_index(drop=True)
+    labels = np.array([metric(z.router_metric, p, list(g)) > 0
+                       for p, g in zip(answered["prediction"], answered["golden_answers"], strict=True)])
+    vectors = Embedder(config.embedder).encode_queries(answered["question"].tolist())
+    order = np.random.default_rng(z.seed).permutation(len(answered))
+    n_val = max(1, int(round(len(order) * z.val_fraction))) if len(order) > 4 else 0
+    val, fit = order[:n_val], order[n_val:]
+    router = QueryRouter.train(vectors[fit], labels[fit], z.router_threshold, seed=z.seed)
+    p_val = router.probability(vectors[val])
+    metrics = {
+        "n_train": int(len(fit)), "n_val": int(len(val)), "positives": int(labels.sum()),
+        "positive_rate": round(float(labels.mean()), 4), "threshold": z.router_threshold,
+        "val_accuracy": round(float(((p_val >= z.router_threshold) == labels[val]).mean()), 4) if len(val) else None,
+        "val_auc": round(float(roc_auc_score(labels[val], p_val)), 4)
+        if len(val) and 0 < labels[val].sum() < len(val) else None,
+        "val_skip_rate": round(float((p_val >= z.router_threshold).mean()), 4) if len(val) else None,
+        "adapter": adapter, "generator_calls": passes.calls,
+    }
+    folder = run.layout.zero_rag
+    with tempfile.TemporaryDirectory() as tmp:
+        router.save(tmp, {"settings": run.fingerprint(ROUTER, config), **metrics})
+        folder.router.upload_dir(tmp)
+    folder.router_metrics.write_json(metrics)
+    answered = answered.assign(label=labels, p_mastered=router.probability(vectors))
+    folder.router_labels.write_table(plain_table(answered[["id", "question", "prediction", "label", "p_mastered"]]))
+    return {"rows_in": len(questions) + rejected, "rows_out": len(answered), "rows_rejected": rejected, **metrics}

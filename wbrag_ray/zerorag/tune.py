@@ -1,0 +1,67 @@
+"""Zero-RAG's noise-tolerant tuning: a LoRA adapter of the generator, trained on each training question with
+relevant documents, with distracting documents and with none (RUN/zero_rag/adapter/)."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pandas as pd
+
+from wbrag_ray.build_kb import INDEX
+from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.generation.passes import from_pandas
+from wbrag_ray.run import RunFolder, RunStage
+
+TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "generator", "retrieval", "index.nprobe"),
+                requires=(INDEX,), command="wbrag tune RUN --train PATH")
+
+
+def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.DataFrame, int]:
+    """(path, the training questions, how many rows were rejected) of zerorag.train (or `train`)."""
+    from wbrag_ray.formats import read_dataset
+    from wbrag_ray.storage import resolve
+
+    train = train or config.zerorag.train
+    if not train:
+        raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
+    questions, rejects = read_dataset(resolve(train), limit=config.zerorag.train_limit)
+    if questions.num_rows == 0:
+        raise ConfigError(f"zerorag.train {train} has no usable questions ({rejects.num_rows} rejected)")
+    df = questions.to_pandas()
+    df["golden_answers"] = df["golden_answers"].map(list)  # numpy object arrays would travel through Ray pickled
+    return train, df, rejects.num_rows
+
+
+def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
+    """The generator config with the run's tuned adapter applied (loaded from a local copy of it)."""
+    run.require(TUNE)
+    return config.generator.model_copy(update={"lora_adapter": run.layout.zero_rag.adapter.local_dir()})
+
+
+def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Noise-tolerant LoRA tuning of the generator; the adapter goes to RUN/zero_rag/adapter."""
+    train, questions, rejected = train_questions(config, train)
+    stats = run.execute(TUNE, config, lambda: _tune(run, config, questions, rejected), params={"train": train},
+                        force=force)
+    print(f"noise-tolerant adapter: {run.layout.zero_rag.adapter.uri} (loss {stats.get('first_loss')} -> "
+          f"{stats.get('last_loss')})", flush=True)
+    return stats
+
+
+def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int) -> dict[str, Any]:
+    from wbrag_ray.index.retriever import RetrieveStage
+    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.training.noise_tolerant import build_examples, tune_generator
+
+    retrieved = apply_stage(
+        from_pandas(questions),
+        RetrieveStage(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, config.retrieval,
+                      config.index.nprobe),
+    ).to_pandas()
+    examples = build_examples(retrieved, config.zerorag.tune.docs_per_format, config.zerorag.tune.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = tune_generator(examples, config.generator, config.zerorag.tune, tmp)
+        run.layout.zero_rag.adapter.upload_dir(tmp)
+    fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k != "losses"}
+    return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected, **fit}
