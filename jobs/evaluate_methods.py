@@ -1,4 +1,5 @@
-"""Every RAG method (no-retrieval, naive, replug, self-rag, flare) on the config's `eval.dataset`, with the base
+"""Every RAG method (no-retrieval, naive, replug, replug-vote, self-rag, flare; replug on the hf backend only) on
+the config's `eval.dataset`, with the base
 index alone and beside each trained write-back version: RUN/eval/methods_grid.json
 (`python jobs/evaluate_methods.py CONFIG`)."""
 
@@ -10,7 +11,7 @@ from wbrag_ray import api, rag
 
 
 def methods_grid(run, config, force):
-    config.eval.methods = list(rag.METHODS)
+    config.eval.methods = rag.available_methods(config.generator)
     return api.evaluate(run, config, methods_grid=True, force=force)
 
 

@@ -165,6 +165,17 @@ def rollback_writeback(run: RunLike, version: str | None = None) -> dict[str, An
     return rollback(open_run(run), version)
 
 
+def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: list[float], tau_doc: list[float],
+                    n_min: list[int]) -> list[dict[str, Any]]:
+    """The gates re-applied to a trained version's scores under every setting (the paper's Table 4): one row
+    per setting, printed and written to RUN/writeback/<version>/sweep.json."""
+    from wbrag_ray.writeback.sweep import format_sweep, gate_sweep
+
+    rows = gate_sweep(open_run(run), version, tau_s, tau_delta, tau_doc, n_min)
+    print(format_sweep(version, rows), flush=True)
+    return rows
+
+
 # --- Zero-RAG ----------------------------------------------------------------------------------------------
 
 
@@ -264,3 +275,17 @@ def stage_time_split(run: RunLike) -> str:
     total = sum(times.values()) or 1.0
     parts = [f"{s} {t:.1f} s ({100 * t / total:.0f}%)" for s, t in sorted(times.items(), key=lambda kv: -kv[1])]
     return "time per stage, slowest first: " + ", ".join(parts)
+
+
+# --- export ------------------------------------------------------------------------------------------------
+
+
+def export(run: RunLike, config: WbragConfig, format: str, out: str, *, prune_ratio: float | None = None,
+           writeback: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Write the knowledge base in a RAG stack's own format (`format`: flashrag, langchain or llamaindex) into the
+    folder `out`: the base index, or the base pruned at `prune_ratio`, plus the units of write-back version
+    `writeback` (a name, 'active' or 'none'; default: the active version, if any). Reads the run (local or s3://)
+    one shard at a time and writes nothing to it; returns the export's manifest (OUT/wbrag_export.json)."""
+    from wbrag_ray.export import export_kb
+
+    return export_kb(open_run(run), config, format, out, prune_ratio=prune_ratio, writeback=writeback, force=force)

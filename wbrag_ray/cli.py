@@ -4,6 +4,9 @@ Every subcommand takes --config FILE and repeated --set key=value; a run folder 
 in run.json, so later subcommands on the same run read it back and only need overrides. Errors a person can
 fix (ConfigError, a missing or damaged file, storage) exit with code 2 and one line; anything else is a bug
 and shows its traceback.
+
+Over 400 lines, not split: one parser block and one short command function per subcommand, in one file so
+the whole command line reads as one table; each command's work is in the API.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
     p.add_argument("--force", action="store_true", help="rerun completed stages / accept a changed config")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.add_argument("--dataset", help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
     p.add_argument("--name", help="name of the evaluation (default: the dataset's file stem)")
-    p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,self-rag,flare "
+    p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,replug-vote,"
+                   "self-rag,flare "
                    "(default: eval.methods, no-retrieval,naive; with --methods-grid: all)")
     p.add_argument("--limit", type=int, help="evaluate only the first N questions")
     p.add_argument("--writeback", action="store_true", help="search the active write-back index beside the base")
@@ -113,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollback", metavar="VERSION", nargs="?", const="",
                    help="back to the previously active version, or to VERSION ('base': base index only)")
     p.add_argument("--list", action="store_true", help="list trained versions and the active one")
+    p.add_argument("--sweep", metavar="VERSION",
+                   help="the gates' ablation (the paper's Table 4) on a trained version's scores: no model calls")
+    p.add_argument("--tau-s", type=_floats, help="with --sweep: utility-gate tau_s values (default 0,0.1,0.3,0.5)")
+    p.add_argument("--tau-delta", type=_floats, help="with --sweep: tau_delta values (default: writeback.tau_delta)")
+    p.add_argument("--tau-doc", type=_floats, help="with --sweep: document-gate tau_doc values (default 0,0.01,0.1)")
+    p.add_argument("--n-min", type=_ints, help="with --sweep: n_min values (default 1,2,3)")
     _common(p)
 
     p = sub.add_parser("run", help="run the whole pipeline a config describes (ingest, embed, index, eval, writeback)")
@@ -148,6 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.add_argument("-n", type=int, default=3, help="samples per section (default 3)")
     p.add_argument("-v", "--verbose", action="store_true")
+
+    from wbrag_ray.export import FORMATS
+
+    p = sub.add_parser("export", help="write the knowledge base (pruned, with write-back units) for FlashRAG, "
+                       "LangChain or LlamaIndex")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("--format", required=True, choices=FORMATS, help="the target's own on-disk format")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write (local or s3://); empty or new")
+    p.add_argument("--prune-ratio", type=float, help="Zero-RAG: the base pruned at this ratio (default: the full base)")
+    p.add_argument("--writeback", metavar="V|active|none",
+                   help="write-back units to add: a version, 'active' or 'none' (default: the active version, if any)")
+    _common(p)
 
     p = sub.add_parser("demo", help="the embedded demo: 100 passages, 40 questions, bundled models, local Ray")
     p.add_argument("--run", dest="run", default=DEMO_DIR, help=f"run folder (default {DEMO_DIR})")
@@ -225,7 +255,7 @@ def cmd_eval(args) -> None:
     if args.methods_grid and not args.methods:  # the grid's point is every method
         from wbrag_ray import rag
 
-        config.eval.methods = list(rag.METHODS)
+        config.eval.methods = rag.available_methods(config.generator)
     api.evaluate(run, config, name=args.name, writeback=args.writeback, prune_ratio=args.prune_ratio,
                  router=args.router, adapter=args.adapter, methods_grid=args.methods_grid, force=args.force)
 
@@ -267,6 +297,12 @@ def cmd_writeback(args) -> None:
         return
     if args.rollback is not None:
         api.rollback_writeback(args.run, args.rollback or None)
+        return
+    if args.sweep:
+        run, config = _on_run(args)
+        api.writeback_sweep(run, args.sweep, tau_s=args.tau_s or [0.0, 0.1, 0.3, 0.5],
+                            tau_delta=args.tau_delta or [config.writeback.tau_delta],
+                            tau_doc=args.tau_doc or [0.0, 0.01, 0.1], n_min=args.n_min or [1, 2, 3])
         return
     run, config = _on_run(args, {"writeback": {"train": args.train}} if args.train else None)
     api.train_writeback(run, config, version=args.version, force=args.force)
@@ -338,6 +374,16 @@ def cmd_inspect(args) -> None:
     print(inspect_run(RunFolder(args.run), args.n))
 
 
+def cmd_export(args) -> None:
+    run, config = _on_run(args)
+    manifest = api.export(run, config, args.format, args.out, prune_ratio=args.prune_ratio, writeback=args.writeback,
+                          force=args.force)
+    counts = ", ".join(f"{n} {source}" for source, n in manifest["counts"].items())
+    embedder = manifest["embedder"]
+    print(f"exported {manifest['count']} documents ({counts}) for {args.format} to {args.out}; embed queries with "
+          f"{embedder['name']} (query prefix {embedder['query_prefix']!r}); see {args.out}/wbrag_export.json")
+
+
 COMMANDS = {
     "report": cmd_report,
     "inspect": cmd_inspect,
@@ -358,12 +404,15 @@ COMMANDS = {
     "train-router": cmd_train_router,
     "run": cmd_run,
     "demo": cmd_demo,
+    "export": cmd_export,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # which CPU build faiss tried first ("Could not load library with AVX2 support") is noise
+        logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     try:
         COMMANDS[args.command](args)
     except ConfigError as exc:

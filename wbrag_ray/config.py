@@ -156,7 +156,7 @@ class RetrievalConfig(_Section):
     )
 
 
-RagMethod = Literal["no-retrieval", "naive", "replug", "self-rag", "flare"]
+RagMethod = Literal["no-retrieval", "naive", "replug", "replug-vote", "self-rag", "flare"]
 
 
 class FlareConfig(_Section):
@@ -212,7 +212,8 @@ class EvalConfig(_Section):
     name: str | None = Field(None, description="Name of the evaluation folder; default: the dataset's file stem.")
     methods: list[RagMethod] = Field(
         default_factory=lambda: ["no-retrieval", "naive"],
-        description="RAG methods to evaluate: no-retrieval, naive, replug, self-rag, flare.",
+        description="RAG methods to evaluate: no-retrieval, naive, replug (probability mixture; hf backend), "
+        "replug-vote, self-rag, flare.",
     )
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N questions.")
 
@@ -225,11 +226,15 @@ class WritebackConfig(_Section):
         None, description="Name of the write-back index version (RUN/writeback/<version>); default: the train file stem."
     )
     limit: int | None = Field(None, ge=1, description="Use only the first N training examples.")
-    metric: Literal["acc", "em", "f1"] = Field("acc", description="Task metric M(q, a | context) of the gates.")
-    rag_method: Literal["naive", "replug", "self-rag", "flare"] = Field(
+    metric: Literal["acc", "em", "f1", "auto"] = Field(
+        "acc", description="Task metric M(q, a | context) of the gates; 'auto': the paper's choice for the training "
+        "set's dataset (acc for NQ, BoolQ, zsRE, HotpotQA; F1 for FEVER; EM for SQuAD; by the file's name)."
+    )
+    rag_method: Literal["naive", "replug", "replug-vote", "self-rag", "flare"] = Field(
         "naive",
         description="RAG method whose answers score s_rag and whose documents the document gate and the distiller "
-        "see: naive, replug, self-rag (its relevant documents) or flare (the documents it retrieved).",
+        "see: naive, replug (probability mixture; hf backend), replug-vote (its per-document answers are the "
+        "document gate's), self-rag (its relevant documents) or flare (the documents it retrieved).",
     )
     tau_s: float = Field(0.1, description="Utility gate: keep an example only if s_rag >= tau_s.")
     tau_delta: float = Field(0.01, description="Utility gate: keep an example only if s_rag - s_nr > tau_delta.")
@@ -241,9 +246,10 @@ class WritebackConfig(_Section):
     rewrite_max_new_tokens: int = Field(
         128, ge=1, description="Distiller step 2 (rewrite as one self-contained document): new-token budget."
     )
-    dedupe_threshold: float = Field(
+    dedupe_threshold: float | None = Field(
         0.95, gt=0, le=1.0,
-        description="A unit whose embedding cosine to an earlier unit is >= this is merged into it (provenance kept).",
+        description="A unit whose embedding cosine to an earlier unit is >= this is merged into it (provenance "
+        "kept); null: no deduplication (the paper's setting).",
     )
     index_factory: str = Field(
         "Flat", description="faiss factory of the write-back index (small: Flat; IVF needs more units than cells)."
@@ -295,8 +301,15 @@ class TuneConfig(_LoraSection):
 
     enabled: bool = Field(False, description="`wbrag run`: tune an adapter and evaluate with it.")
     docs_per_format: int = Field(2, ge=1, description="Documents in the relevant and distracting formats.")
+    retrieve_k: int = Field(
+        10, ge=1, description="Documents retrieved per training question (at least retrieval.top_k): relevant "
+        "documents and hard distractors (retrieved, without the answer) are picked from them."
+    )
+    weight_retrieval_free: float = Field(1.0, ge=0, description="Weight of the retrieval-free term (no documents).")
+    weight_relevant: float = Field(1.0, ge=0, description="Weight of the retrieval-augmented term (relevant documents).")
+    weight_noise: float = Field(1.0, ge=0, description="Weight of the noise-suppression term (distracting documents).")
     batch_size: int = Field(4, ge=1, description="Examples per optimizer step.")
-    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate.")
+    learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate (the paper's 3e-4).")
     max_length: int = Field(384, ge=8, description="Tokens per example (prompt + answer; prompts truncated left).")
 
 

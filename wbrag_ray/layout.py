@@ -111,6 +111,7 @@ class WritebackVersion:
     embed_file = _at("embed", "emb-000000.parquet")  # the units' vectors, in the embedding-shard format
     index = _at("index")
     stats = _at("stats.json")
+    sweep = _at("sweep.json")  # the gates re-applied under other thresholds (writeback.sweep)
 
     @property
     def version(self) -> str:

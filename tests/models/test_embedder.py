@@ -5,7 +5,7 @@ import pytest
 
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.models.embedder import Embedder, needs_e5_prefixes
-from wbrag_ray.models.hardware import cpu_supports_bf16
+from wbrag_ray.models.hardware import cpu_has_native_bf16
 
 
 def test_e5_models_get_prefixes_and_others_do_not():
@@ -41,7 +41,7 @@ def test_vectors_are_normalized_and_meaningful(minilm):
     assert scores[0] > scores[1] + 0.2
 
 
-@pytest.mark.skipif(not cpu_supports_bf16(), reason="no AVX512-BF16 or AMX: bf16 is emulated here, slow, and "
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="no AVX512-BF16 or AMX: bf16 is emulated here, slow, and "
                                                     "never chosen by dtype=auto on this CPU")
 def test_bf16_embeddings_stay_close_to_fp32(minilm):
     texts = ["Mount Everest is the highest mountain.", "Gold has atomic number 79.", "Bees make honey."]

@@ -58,11 +58,11 @@ def trained(tmp_path_factory, ray_cluster, tiny):
     base_hash = _base_index_hash(run)
     # Every example passes the utility gate and no document passes the document gate, so the decisions (and
     # Table 3) are known in advance: each unit comes from the top n_min=2 documents by the fallback.
-    # RePlug scores s_rag, so its per-document answers serve the document gate with no extra pass.
+    # RePlug's vote scores s_rag, so its per-document answers serve the document gate with no extra pass.
     assert main([
         "writeback", str(run), "--train", str(train_file),
         "--set", "writeback.tau_s=-1", "--set", "writeback.tau_delta=-2", "--set", "writeback.tau_doc=2",
-        "--set", "writeback.rag_method=replug",
+        "--set", "writeback.rag_method=replug-vote",
         "--set", "writeback.extract_max_new_tokens=32", "--set", "writeback.rewrite_max_new_tokens=32",
     ]) == 0
     return {"run": run, "train": train, "test": test_file, "base_hash": base_hash, "version": "train"}
@@ -175,8 +175,8 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
                  "--set", "rag.flare.max_rounds=1"]) == 0
     printed = capsys.readouterr().out
     grid = layout.methods_grid().read_json()
-    methods = ["no-retrieval", "naive", "replug", "self-rag", "flare"]
-    assert grid["methods"] == methods and grid["versions"] == {"train": "replug", "flare": "flare"}
+    methods = ["no-retrieval", "naive", "replug", "replug-vote", "self-rag", "flare"]
+    assert grid["methods"] == methods and grid["versions"] == {"train": "replug-vote", "flare": "flare"}
     cells = {(r["method"], r["version"]): r for r in grid["rows"]}
     expected = {(m, None) for m in methods} | {(m, v) for m in methods[1:] for v in ("train", "flare")}
     assert set(cells) == expected
@@ -197,3 +197,21 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
                  "--set", "rag.flare.max_rounds=1"]) == 0
     assert capsys.readouterr().out.count("complete, skipped") == 3
     assert _base_index_hash(run) == trained["base_hash"]
+
+
+def test_the_gates_sweep_reuses_one_scoring_pass_and_reproduces_the_trained_gates(trained, capsys):
+    """The paper's Table 4 ablation: every setting gated again from the stored scores, no model call."""
+    capsys.readouterr()
+    assert main(["writeback", str(trained["run"]), "--sweep", "train", "--tau-s=-1,2", "--tau-delta=-2",
+                 "--tau-doc=2,-1", "--n-min=1,2"]) == 0
+    assert "no model calls" in capsys.readouterr().out
+    rows = _version(trained, "train").sweep.read_json()["rows"]
+    assert len(rows) == 2 * 1 * 2 * 2
+    stats = _version(trained, "train").stats.read_json()
+    same = next(r for r in rows if (r["tau_s"], r["tau_doc"], r["n_min"]) == (-1, 2, 2))  # the trained setting
+    assert (same["selected"], same["mean_retained_docs"], same["fallback_rate"]) == \
+        (stats["selected"], stats["mean_retained_docs"], stats["fallback_rate"])
+    assert same["rank_distribution"] == {"1": N_TRAIN, "2": N_TRAIN} and same["doc_scored"] == N_TRAIN
+    assert all(r["selected"] == 0 for r in rows if r["tau_s"] == 2)  # no score reaches 2
+    loose = next(r for r in rows if (r["tau_s"], r["tau_doc"], r["n_min"]) == (-1, -1, 1))  # every document passes
+    assert loose["fallback_rate"] == 0.0 and loose["mean_retained_docs"] > same["mean_retained_docs"]

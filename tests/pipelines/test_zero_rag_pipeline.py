@@ -72,6 +72,27 @@ def test_both_pruners_are_validated_on_held_out_sentences(chain):
         assert val["predicted"].between(0, 1).all() and "spearman" in metrics and metrics["top_quantile"]["q"] == 0.3
 
 
+def test_the_lm_pruner_predicts_on_the_text_it_was_trained_and_validated_on(chain):
+    """Prediction reads every sentence with its title, as training did: the prediction path's scores of the
+    held-out sentences are the validation scores (before, it read the bare sentence and scored other text)."""
+    from wbrag_ray.stages.base import run_local
+    from wbrag_ray.stages.pruner import LMPredictStage
+    from wbrag_ray.zerorag.pruners import pruner_inputs, pruner_text
+
+    run, _ = chain
+    scores = pq.read_table(run.layout.zero_rag.scores.path).to_pandas().set_index("sid")
+    inputs = pruner_inputs(run).to_pandas().set_index("sid")
+    assert len(inputs) == run.stats("ingest")["sentences"] and (scores["title"] != "").all()
+    expected = pruner_text(scores["title"], scores["text"])
+    assert inputs.loc[scores.index, "text"].tolist() == expected
+    val = pq.read_table(run.layout.zero_rag.pruner_validation("lm").path).to_pandas()
+    batch = inputs.loc[val["sid"]].reset_index()
+    # the same rows in the same batches as validation: the same numbers, whatever dtype this CPU computes in
+    stage = LMPredictStage(run.layout.zero_rag.pruner("lm").uri, run.load_config().zerorag.lm_pruner)
+    predicted = run_local(stage, batch).set_index("sid").loc[val["sid"], "mastery_pred"]
+    np.testing.assert_allclose(predicted.to_numpy(), val["predicted"].to_numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_pruning_drops_the_requested_fraction_and_the_index_holds_exactly_the_kept_ids(chain):
     run, _ = chain
     n = run.stats("ingest")["sentences"]
@@ -97,7 +118,12 @@ def test_pruning_drops_the_requested_fraction_and_the_index_holds_exactly_the_ke
 def test_tuning_and_router_and_the_grid(chain):
     run, _ = chain
     tune = run.stats("tune")
-    assert tune["rows_out"] == 3 * 10  # relevant, distracting and no documents per training question
+    # distracting and no documents for every training question; relevant ones only where a retrieved doc holds
+    # the answer; each term's loss recorded
+    formats = tune["formats"]
+    assert formats["distracting"] == formats["none"] == 10 and tune["rows_out"] == sum(formats.values())
+    assert formats["relevant"] == 10 - tune["questions_without_relevant"]
+    assert {t for t, v in tune["term_losses"].items() if v["first"] is not None} >= {"distracting", "none"}
     assert run.layout.zero_rag.adapter.join("adapter_config.json").exists()  # the adapter's own (peft) file
     router = run.layout.zero_rag.router_metrics.read_json()
     assert router["n_train"] + router["n_val"] == 10 and router["adapter"] is True
@@ -111,6 +137,9 @@ def test_tuning_and_router_and_the_grid(chain):
     pruned = next(r for r in rows if r["ratio"] == 0.3 and r["method"] == "naive" and not r["router"] and not r["adapter"])
     assert pruned["sentences"] < full["sentences"] and pruned["index_bytes"] < full["index_bytes"]
     assert all(r["n"] == 6 for r in rows)
+    # the paper's Table 7 figures: the retrieval speedup against the full index, and time per question
+    assert full["retrieval_speedup_pct"] == 0 and isinstance(pruned["retrieval_speedup_pct"], float)
+    assert all(r["seconds_per_question"] > 0 for r in rows)
 
 
 def test_grid_evaluates_a_pruned_base_with_write_back(chain):
@@ -149,7 +178,10 @@ def test_router_decision_changes_what_evaluation_retrieves(chain, tiny, tmp_path
         preds = preds.set_index("question").loc[questions]
         assert preds["retrieval_skipped"].tolist() == [True] + [False] * 5
         assert preds["docs"].iloc[0] == "[]" and all(len(json.loads(d)) == 5 for d in preds["docs"].iloc[1:])
-        assert "documents" not in json.loads(preds["prompt"].iloc[0])[0]["content"]
+        prompt = json.loads(preds["prompt"].iloc[0])
+        if method == "replug":  # the mixture's K prompts; without documents, one closed-book prompt
+            (prompt,) = prompt
+        assert "documents" not in prompt[0]["content"]
     metrics = run.layout.eval_result("routed-router", "naive").metrics.read_json()
     assert metrics["retrieval_skipped"] == pytest.approx(1 / 6, abs=1e-3)
 

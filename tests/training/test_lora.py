@@ -74,7 +74,7 @@ QUESTIONS = pd.DataFrame([
      "docs": _hits((4, "Nile", "The Nile flows north."), (3, "Grand Canyon", "The Colorado carved the Grand Canyon."))},
     {"id": "q3", "question": "Who painted the Mona Lisa?", "golden_answers": ["Leonardo da Vinci"],
      "docs": _hits((5, "Louvre", "The Louvre is a museum in Paris."), (6, "Mona Lisa", "Leonardo da Vinci painted it."))},
-    # no retrieved doc holds the answer: relevant falls back to the top-ranked docs
+    # no retrieved doc holds the answer: no relevant row; both docs are hard distractors
     {"id": "q4", "question": "What is the largest planet?", "golden_answers": ["Jupiter"],
      "docs": _hits((7, "Saturn", "Saturn has rings of ice."), (8, "Mars", "Mars is called the Red Planet."))},
     {"id": "q5", "question": "An unlabeled question?", "golden_answers": [], "docs": _hits((9, "X", "x"))},
@@ -85,29 +85,31 @@ def _contains(hit, golds):
     return any(normalize_answer(g) in normalize_answer(f"{hit.title} {hit.text}") for g in golds)
 
 
-def test_build_examples_three_formats_per_question():
+def test_build_examples_one_row_per_term_with_the_answer_only_in_relevant_docs_and_hard_distractors():
     examples = build_examples(QUESTIONS, docs_per_format=2, seed=3)
-    assert len(examples) == 3 * 4  # q5 has no gold answer to train on
+    assert len(examples) == 3 * 3 + 2  # q4 has no relevant row (no retrieved doc holds its answer); q5 no gold
     pd.testing.assert_frame_equal(examples, build_examples(QUESTIONS, docs_per_format=2, seed=3))
     for q in QUESTIONS.itertuples():
         if not q.golden_answers:
             continue
         rows = examples[examples["id"] == q.id].set_index("format")
-        assert list(rows.index) == ["relevant", "distracting", "none"]
         assert set(rows["target"]) == {q.golden_answers[0]}
-        own = {h.key for h in hits_from_json(q.docs)}
-        relevant, distracting = hits_from_json(rows.loc["relevant", "docs"]), hits_from_json(rows.loc["distracting", "docs"])
+        own = [h.key for h in hits_from_json(q.docs)]
+        distracting = hits_from_json(rows.loc["distracting", "docs"])
         if q.id == "q4":
-            assert rows.loc["relevant", "fallback"] and [h.id for h in relevant] == [7, 8]
+            assert list(rows.index) == ["distracting", "none"]
+            assert [h.id for h in distracting] == [7, 8] and rows.loc["distracting", "random_distractors"] == 0
         else:
-            assert not rows.loc["relevant", "fallback"] and relevant
-            assert all(_contains(h, q.golden_answers) for h in relevant)
-        assert len(distracting) == 2
-        assert not any(_contains(h, q.golden_answers) or h.key in own for h in distracting)
+            assert list(rows.index) == ["relevant", "distracting", "none"]
+            relevant = hits_from_json(rows.loc["relevant", "docs"])
+            assert relevant and all(_contains(h, q.golden_answers) for h in relevant)
+            # the hard distractor (retrieved for this question, without the answer) first, then one drawn
+            assert distracting[0].key in own and distracting[1].key not in own
+            assert rows.loc["distracting", "random_distractors"] == 1
+        assert len(distracting) == 2 and not any(_contains(h, q.golden_answers) for h in distracting)
         assert rows.loc["none", "n_docs"] == 0 and rows.loc["none", "docs"] == "[]"
         assert json.loads(rows.loc["none", "messages"]) == no_retrieval_messages(q.question)
         assert json.loads(rows.loc["distracting", "messages"]) == rag_messages(q.question, distracting)
-    assert examples["fallback"].sum() == 1
 
 
 def test_prompts_are_cut_from_the_left_so_the_answer_fits():
@@ -141,8 +143,13 @@ def test_noise_tolerant_tuning_lowers_loss_and_loads_in_the_generator(tmp_path):
 
     losses = stats["losses"]
     assert stats["steps"] == 6 and np.mean(losses[-2:]) < 0.7 * np.mean(losses[:2]), losses
-    assert stats["formats"] == {"relevant": 4, "distracting": 4, "none": 4} and stats["relevant_fallback"] == 1
+    assert stats["formats"] == {"relevant": 3, "distracting": 4, "none": 4} and stats["questions_without_relevant"] == 1
     assert json.loads((tmp_path / "adapter" / "tune.json").read_text())["losses"] == losses
+    # the three terms of the objective, each recorded per step and falling
+    terms = stats["term_losses"]
+    assert set(terms) == {"relevant", "distracting", "none"}
+    for term in terms.values():
+        assert len(term["per_step"]) == 6 and term["last"] < term["first"]
 
     tuned = HFGenerator(GeneratorConfig(lora_adapter=out, max_new_tokens=8, dtype="float32"))
     tuned.setup()

@@ -117,16 +117,43 @@ def test_replug_weights_and_weighted_vote():
 def test_expand_and_combine_round_trip():
     docs = hits_to_json(_hits(3))
     batch = pd.DataFrame({"id": ["q1", "q2"], "question": ["Q one?", "Q two?"], "docs": [docs, docs]})
-    rows = rag.expand(batch, ["no-retrieval", "naive", "replug"], temperature=0.1)
-    assert rows.groupby("method").size().to_dict() == {"naive": 2, "no-retrieval": 2, "replug": 6}
-    one_doc = rows[(rows["method"] == "replug") & (rows["id"] == "q1")]
+    rows = rag.expand(batch, ["no-retrieval", "naive", "replug-vote"], temperature=0.1)
+    assert rows.groupby("method").size().to_dict() == {"naive": 2, "no-retrieval": 2, "replug-vote": 6}
+    one_doc = rows[(rows["method"] == "replug-vote") & (rows["id"] == "q1")]
     assert [len(json.loads(p)[0]["content"].split("Doc ")) - 1 for p in one_doc["prompt"]] == [1, 1, 1]
     rows["prediction"] = [f"{m}-{s}" for m, s in zip(rows["method"], rows["slot"], strict=True)]
     out = rag.combine(rows)
     assert len(out) == 6 and set(out.columns) >= {"id", "method", "prediction", "slot_answers"}
-    replug = out[(out["method"] == "replug") & (out["id"] == "q2")].iloc[0]
-    assert json.loads(replug["slot_answers"]) == ["replug-0", "replug-1", "replug-2"]
-    assert replug["prediction"] == "replug-0"  # all different: the top document's weight wins
+    vote = out[(out["method"] == "replug-vote") & (out["id"] == "q2")].iloc[0]
+    assert json.loads(vote["slot_answers"]) == ["replug-vote-0", "replug-vote-1", "replug-vote-2"]
+    assert vote["prediction"] == "replug-vote-0"  # all different: the top document's weight wins
+
+
+def test_replug_is_one_mixture_row_per_example_with_its_prompts_and_weights():
+    docs = hits_to_json(_hits(3))
+    batch = pd.DataFrame({"id": ["q1", "q2"], "question": ["Q one?", "Q two?"], "docs": [docs, "[]"]})
+    rows = rag.expand(batch, ["replug"], temperature=0.1)
+    assert len(rows) == 2 and rows["method"].tolist() == ["replug", "replug"]
+    groups = [json.loads(p) for p in rows["prompt"]]
+    weights = [json.loads(w) for w in rows["weights"]]
+    # q1: each document alone, in rank order, with RePlug's weights; the same prompts the vote answers one by one
+    vote = rag.expand(batch.iloc[:1], ["replug-vote"], temperature=0.1)
+    assert groups[0] == [json.loads(p) for p in vote["prompt"]] and weights[0] == pytest.approx(vote["weight"].tolist())
+    assert weights[0] == pytest.approx(rag.replug_weights([h.score for h in _hits(3)], 0.1))
+    # q2: nothing retrieved (a router skipped retrieval): one closed-book prompt
+    assert len(groups[1]) == 1 and weights[1] == [1.0] and "Doc " not in groups[1][0][0]["content"]
+    rows["prediction"] = ["Paris", "Lyon"]
+    rows["prediction_tokens"] = [[" Paris"], [" Ly", "on"]]
+    rows["prediction_probs"] = [[0.6], [0.5, 0.9]]
+    rows["prediction_finished"] = [True, False]
+    out = rag.combine_mixture(rows)
+    assert out["prediction"].tolist() == ["Paris", "Lyon"]
+    assert [json.loads(s) for s in out["slot_answers"]] == [["Paris"], ["Lyon"]]  # one answer, no per-document ones
+    assert out["generator_calls"].tolist() == [3, 1]  # the prompts decoded in lockstep
+    trace = json.loads(out["trace"][0])
+    assert trace["weights"] == pytest.approx(weights[0], abs=1e-6) and trace["token_probs"] == [0.6]
+    assert trace["tokens"] == [" Paris"] and trace["finished"] is True
+    assert not {"slot", "weight", "weights", "prediction_probs"} & set(out.columns)
 
 
 # --- distiller ------------------------------------------------------------------------------------------

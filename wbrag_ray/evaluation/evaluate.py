@@ -1,7 +1,8 @@
 """Evaluate RAG on a QA dataset: questions -> a RAG method's retrieval and generator passes -> metrics.
 
 Methods (wbrag_ray.rag): `no-retrieval` (the closed-book baseline), `naive` (top-K retrieval, FlashRAG's
-prompt), `replug` (per-document answers, weighted vote), `self-rag` (judged retrieval and relevance) and
+prompt), `replug` (per-document prompts decoded as one mixture of their next-token distributions),
+`replug-vote` (per-document answers, weighted vote), `self-rag` (judged retrieval and relevance) and
 `flare` (retrieval per unsure sentence). Settings: the base index alone, or base + a write-back index (the
 active one, or a named version); `base_index` swaps the base for another index folder (a pruned one). Each
 method writes RUN/eval/<label>-<method>/ (metrics, predictions; wbrag_ray.layout.EvalResult).
@@ -18,6 +19,7 @@ from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table, read_dataset
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
+from wbrag_ray.papers import departures
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import resolve
 
@@ -117,13 +119,14 @@ def evaluate(
             "index": base_index if method != "no-retrieval" else None,
             "router": router if method != "no-retrieval" else None,
             "retrieval_skipped": round(float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
-            # questions the method searched for: every one for naive / replug (without a router), those judged
+            # questions the method searched for: every one for naive / replug(-vote) (without a router), those judged
             # to need it for self-rag, those with an unsure sentence for flare
             "retrieval_rate": round(1 - float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
             "generator_calls": int(part["generator_calls"].sum()),
             "rag_settings": config.rag.model_dump(mode="json").get(method.replace("-", "_")),
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
+            "departs_from_papers": departures(config),
             "seconds": round(seconds, 2),
         }
         out.metrics.write_json(metrics)
@@ -132,7 +135,6 @@ def evaluate(
         results[method] = metrics
     print(format_table(f"{folder_prefix} ({setting})", results), flush=True)
     return results
-
 
 
 def evaluate_stage(
@@ -159,7 +161,6 @@ def format_table(name: str, results: dict[str, dict[str, Any]]) -> str:
     for method, m in results.items():
         lines.append(f"{method:<16}{m['n']:>6}{m['em']:>8.3f}{m['f1']:>8.3f}{m['acc']:>8.3f}")
     return "\n".join(lines)
-
 
 
 def load_results(run: RunFolder) -> dict[str, dict[str, Any]]:

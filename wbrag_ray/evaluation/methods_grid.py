@@ -60,7 +60,6 @@ def evaluate_methods_grid(
     return grid
 
 
-
 def format_methods_grid(grid: dict[str, Any], metric: str = "acc") -> str:
     """Methods down, settings across (base, then each write-back version with the method it was trained
     with); each write-back cell shows the change over the base, * where the version's method is the row's."""

@@ -1,11 +1,12 @@
-"""The backends by `generator.backend` name, and `make_generator`, which picks one."""
+"""The backends by `generator.backend` name, `make_generator`, which picks one, and `check_backend_mode`, which
+refuses a pass the backend cannot run."""
 
 from __future__ import annotations
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
 from wbrag_ray.generation.hf import HFGenerator
 from wbrag_ray.generation.openai import OpenAIGenerator
-from wbrag_ray.generation.types import Generator
+from wbrag_ray.generation.types import Generator, mixture_unsupported
 from wbrag_ray.generation.vllm import VLLMGenerator
 from wbrag_ray.models.bundled import resolve_model
 
@@ -19,3 +20,10 @@ def make_generator(config: GeneratorConfig) -> Generator:
     if config.backend != "openai":
         resolve_model(config.model)
     return BACKENDS[config.backend](config)
+
+
+def check_backend_mode(config: GeneratorConfig, mode: str) -> None:
+    """A `ConfigError` for a mixture pass (RePlug) on a backend that cannot decode one, before any model loads."""
+    backend = BACKENDS.get(config.backend)
+    if mode == "mixture" and backend is not None and not backend.supports_mixture:
+        raise mixture_unsupported(config, backend.mixture_limit)

@@ -1,5 +1,5 @@
 """The transformers backend: chat template, left padding, length-bucketed batches sized to the memory budget,
-greedy decoding."""
+greedy decoding, and RePlug's probability mixture (a decoding loop of its own over each group's prompts)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ from wbrag_ray.generation.types import (
     continues_answer,
     cut_at_stop,
     messages_to_text,
+    mixture_weights,
 )
 
 
 class HFGenerator(Generator):
     """transformers backend: chat template, left padding, length-bucketed batches, greedy decoding."""
+
+    supports_mixture = True  # its own decoding loop sees every row's full distribution at every step
 
     def setup(self) -> None:
         from wbrag_ray.models.hardware import pick_device, pick_dtype
@@ -67,25 +70,33 @@ class HFGenerator(Generator):
             for p in prompts
         ]
 
-    def _batches(self, texts: list[str], new_tokens: int = 1, with_probs: bool = False):
-        """Batches of `texts` indices sorted by token length, so each batch pads little; with their encodings.
-        A batch takes up to generator.batch_size rows, and fewer once its longest row times its size would
-        pass the memory budget (long prompts come in smaller batches, short ones fill the batch)."""
-        lengths = [len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-        order = sorted(range(len(texts)), key=lengths.__getitem__)
+    def _packs(self, units: list[list[str]], new_tokens: int, with_probs: bool = False, extra_row_bytes: int = 0):
+        """Indices of `units` to run together, sorted by their longest text's token length so each batch pads
+        little. A unit is texts that must share a batch: one prompt, or one mixture group's prompts. A pack
+        takes up to generator.batch_size rows, and fewer once its longest row times its rows would pass the
+        memory budget (long prompts come in smaller batches, short ones fill the batch); one unit always goes,
+        whatever its size."""
+        lengths = [max(len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in u) for u in units]
+        order = sorted(range(len(units)), key=lengths.__getitem__)
         start = 0
         while start < len(order):
-            end = start + 1  # one row always goes, whatever its size
-            while (end < len(order) and end - start < self.config.batch_size
-                   and (end + 1 - start) * row_bytes(self.model, lengths[order[end]], new_tokens, with_probs)
-                   <= self.memory_budget):
-                end += 1
-            idx = order[start:end]
+            end, rows = start + 1, len(units[order[start]])
+            while end < len(order):
+                grown = rows + len(units[order[end]])
+                per_row = row_bytes(self.model, lengths[order[end]], new_tokens, with_probs) + extra_row_bytes
+                if grown > self.config.batch_size or grown * per_row > self.memory_budget:
+                    break
+                end, rows = end + 1, grown
+            yield order[start:end]
             start = end
-            enc = self.tokenizer(
-                [texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False
-            ).to(self.device)
-            yield idx, enc
+
+    def _encode(self, texts: list[str]):
+        return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+
+    def _batches(self, texts: list[str], new_tokens: int = 1, with_probs: bool = False):
+        """Batches of `texts` indices (see `_packs`), with their encodings."""
+        for idx in self._packs([[t] for t in texts], new_tokens, with_probs):
+            yield idx, self._encode([texts[i] for i in idx])
 
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
         return [s.text for s in self._decode(prompts, max_new_tokens, with_probs=False)]
@@ -130,6 +141,76 @@ class HFGenerator(Generator):
                     finished=end is not None,
                 )
         return out
+
+    def generate_mixture(
+        self, groups: list[list[Prompt]], weights: list[list[float]], max_new_tokens: int | None = None
+    ) -> list[Scored]:
+        """RePlug's ensemble decoding (see `Generator.generate_mixture`): the K prompts of a group decode in
+        lockstep in one batch, each with its own KV cache row; at every step each row's next-token distribution
+        (fp32 softmax of its last logits) is weighted and summed over its group, and the group's argmax token is
+        appended to all of its rows. Several groups share a batch as the memory budget allows."""
+        import torch
+
+        weights = mixture_weights(groups, weights)
+        if not groups:
+            return []
+        texts = [self.render(g) for g in groups]
+        max_new = max_new_tokens or self.config.max_new_tokens
+        stop_ids = set(self.stop_token_ids)
+        # beyond a generate call's row: the weighted copy of each row's fp32 distribution
+        extra = self.model.config.vocab_size * 4
+        out: list[Scored] = [None] * len(groups)  # type: ignore[list-item]
+        for idx in self._packs(texts, max_new, extra_row_bytes=extra):
+            enc = self._encode([t for g in idx for t in texts[g]])
+            group_of = torch.tensor([b for b, g in enumerate(idx) for _ in texts[g]], device=self.device)
+            row_weight = torch.tensor([w for g in idx for w in weights[g]], dtype=torch.float32, device=self.device)
+            tokens, probs = self._mixture_steps(enc, group_of, row_weight, len(idx), max_new, stop_ids)
+            for b, g in enumerate(idx):
+                ids, p = tokens[:, b].tolist(), probs[:, b].tolist()
+                end = next((j for j, t in enumerate(ids) if t in stop_ids), None)
+                body = ids[:end]
+                out[g] = Scored(
+                    # the stop token too, as in _decode: cut_at_stop trims what it carried past the stop string
+                    text=cut_at_stop(self.tokenizer.decode(ids[: len(body) + 1], skip_special_tokens=True),
+                                     self.config.stop),
+                    tokens=[self.tokenizer.decode([t]) for t in body],
+                    probs=p[: len(body)],
+                    finished=end is not None,
+                )
+        return out
+
+    def _mixture_steps(self, enc, group_of, row_weight, n_groups: int, max_new: int, stop_ids: set[int]):
+        """(tokens, probabilities), each steps x groups: greedy decoding of the mixture of each group's rows.
+
+        Left padding: positions count from each row's first real token, as generate() does; every new token
+        extends the attention mask by one column. A group that has ended goes on decoding (the caller cuts its
+        later steps away) until every group has ended or the budget is spent, as generate() does."""
+        import torch
+
+        mask = enc["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs, cache = enc["input_ids"], None
+        stop = torch.tensor(sorted(stop_ids), device=self.device)
+        ended = torch.zeros(n_groups, dtype=torch.bool, device=self.device)
+        tokens, probs = [], []
+        with torch.inference_mode():
+            for _ in range(max_new):
+                step = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions,
+                                  cache=cache, use_cache=True, logits_to_keep=1)
+                cache = step.cache
+                p = torch.softmax(step.logits[:, -1, :].float(), dim=-1)
+                mixed = torch.zeros(n_groups, p.shape[-1], dtype=torch.float32, device=p.device)
+                mixed.index_add_(0, group_of, p * row_weight[:, None])
+                token = mixed.argmax(-1)
+                tokens.append(token)
+                probs.append(mixed.gather(1, token[:, None])[:, 0])
+                ended |= torch.isin(token, stop)
+                if bool(ended.all()):
+                    break
+                inputs = token[group_of][:, None]
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+                positions = positions[:, -1:] + 1
+        return torch.stack(tokens).cpu(), torch.stack(probs).cpu()
 
     def _choice_ids(self, choices: tuple[str, ...]) -> list[list[int]]:
         """Vocabulary ids spelling each choice word (any case, with or without a leading space)."""

@@ -13,13 +13,14 @@ their CPUs."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig
-from wbrag_ray.generation.backends import make_generator
+from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.vllm import VLLMGenerator
 from wbrag_ray.ray_runtime import local_dataset
@@ -32,18 +33,22 @@ if TYPE_CHECKING:
 def generate_pass(
     config: GeneratorConfig, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer",
     mode: str = "text", choices: tuple[str, ...] = (), services: Services | None = None,
+    weight_column: str = "weights",
 ) -> ray.data.Dataset:
     """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
 
     mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
-    `choice`: the list of `choices`' probabilities (see `Generator.choice_probs`). hf / openai: a
+    `choice`: the list of `choices`' probabilities (see `Generator.choice_probs`). `mixture`: `prompt_column`
+    holds a JSON list of prompts and `weight_column` their weights; one answer from their mixed next-token
+    distributions, with the columns of `scored` (`Generator.generate_mixture`; hf only). hf / openai: a
     `GenerateStage` on the generator service `services` hold (the model loaded once for every pass of a
     command), else on a pool of its own. vllm: a Ray Data LLM processor per pass (sharing one engine between
     processors is not wired yet)."""
     generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
+    check_backend_mode(config, mode)
     if isinstance(generator, VLLMGenerator):
         return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
-    return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices), services)
+    return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
 
 
 class GeneratorPasses:
@@ -71,29 +76,38 @@ class GeneratorPasses:
     def generate(
         self, name: str, ds, prompt_column: str, output_column: str, max_new_tokens: int | None = None,
         generator: GeneratorConfig | None = None, multiline: bool = False, mode: str = "text",
-        choices: tuple[str, ...] = (),
+        choices: tuple[str, ...] = (), weight_column: str = "weights",
     ) -> pd.DataFrame:
         """Add `output_column` to every row of `ds`; `generator` replaces the default role's model (e.g. the
         QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop);
-        `mode` / `choices`: scored answers or choice probabilities instead of text (`generate_pass`)."""
+        `mode` / `choices` / `weight_column`: scored answers, choice probabilities or a mixture's answers
+        instead of text (`generate_pass`).
+
+        `generator_calls` counts prompts: a mixture row holds K of them, decoded in lockstep (K prefills and K
+        sequences per step, as K separate answers cost), so it counts K; `mixture_groups` counts its rows."""
         gen_config = generator or self.generator
         if max_new_tokens:
             gen_config = gen_config.model_copy(update={"max_new_tokens": max_new_tokens})
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
-        df = generate_pass(gen_config, ds, prompt_column, output_column, mode, choices, self.services).to_pandas()
+        df = generate_pass(gen_config, ds, prompt_column, output_column, mode, choices, self.services,
+                           weight_column).to_pandas()
         seconds = time.perf_counter() - t0
         text_out = mode != "choice" and len(df)
+        calls = sum(len(json.loads(w)) for w in df[weight_column]) if mode == "mixture" else len(df)
         self.stats[name] = {
-            "generator_calls": len(df),
+            "generator_calls": calls,
             "seconds": round(seconds, 2),
-            "calls_per_s": round(len(df) / seconds, 2) if seconds > 0 and len(df) else 0.0,
-            "mean_prompt_chars": round(float(df[prompt_column].str.len().mean()), 1) if len(df) else 0.0,
+            "calls_per_s": round(calls / seconds, 2) if seconds > 0 and calls else 0.0,
+            # per prompt (a mixture row's JSON list holds its K prompts)
+            "mean_prompt_chars": round(float(df[prompt_column].str.len().sum()) / calls, 1) if calls else 0.0,
             "mean_output_chars": round(float(df[output_column].str.len().mean()), 1) if text_out else 0.0,
             "max_new_tokens": gen_config.max_new_tokens,
             "model": gen_config.model,
         }
+        if mode == "mixture":
+            self.stats[name]["mixture_groups"] = len(df)
         return df
 
     @property

@@ -1,4 +1,5 @@
-"""Generation as a stage: JSON chat messages in; greedy answers, scored answers or choice probabilities out."""
+"""Generation as a stage: JSON chat messages in; greedy answers, scored answers or choice probabilities out (or,
+for a mixture, JSON lists of prompts and their weights in; one scored answer per row out)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from wbrag_ray.stages.base import Resources, Stage
 class GenerateStage(Stage):
     """One generator pass. `mode`: `text` (the answer), `scored` (the answer, its tokens and their
     probabilities, and whether the model ended it: FLARE), `choice` (the probability of each of `choices` as
-    the first answer token: Self-RAG-style judgements)."""
+    the first answer token: Self-RAG-style judgements), `mixture` (a row's `prompt_column` holds a JSON list of
+    prompts and `weight_column` a JSON list of their weights; one answer decoded from the weighted mixture of
+    their next-token distributions, with the columns of `scored`: RePlug)."""
 
     name = "generate"
 
     def __init__(
         self, config: GeneratorConfig, prompt_column: str = "prompt", output_column: str = "answer",
-        mode: str = "text", choices: tuple[str, ...] = (),
+        mode: str = "text", choices: tuple[str, ...] = (), weight_column: str = "weights",
     ):
         check_mode(mode, choices)
         self.config = config
@@ -29,7 +32,8 @@ class GenerateStage(Stage):
         self.output_column = output_column
         self.mode = mode
         self.choices = tuple(choices)
-        self.input_columns = (prompt_column,)
+        self.weight_column = weight_column
+        self.input_columns = (prompt_column, weight_column) if mode == "mixture" else (prompt_column,)
         self.output_columns = (output_column,)
 
     @property
@@ -56,7 +60,12 @@ class GenerateStage(Stage):
         elif self.mode == "choice":
             batch[self.output_column] = self.generator.choice_probs(prompts, self.choices)
         else:
-            rows = [scored_columns(self.output_column, s) for s in self.generator.generate_scored(prompts)]
+            if self.mode == "mixture":
+                weights = [json.loads(w) for w in batch[self.weight_column]]
+                answers = self.generator.generate_mixture(prompts, weights)
+            else:
+                answers = self.generator.generate_scored(prompts)
+            rows = [scored_columns(self.output_column, s) for s in answers]
             for column in scored_columns(self.output_column, Scored("", [], [], False)):
                 batch[column] = [r[column] for r in rows]
         return batch

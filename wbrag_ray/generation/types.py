@@ -5,6 +5,11 @@ A prompt is a list of chat messages ({"role", "content"}). Instruct models get t
 models (`chat_template: false`) get the messages' contents joined as a completion prompt. A prompt whose last
 message is the assistant's is continued (its content is the start of the answer): FLARE regenerates the next
 sentence of an answer already begun.
+
+A mixture (RePlug's ensemble) is a group of prompts with a weight each, decoded as one answer: at every step
+the next token is the argmax of the weighted sum of the prompts' next-token distributions, and it is appended
+to every prompt of the group. Only backends that see every prompt's full distribution at every step can do
+that (`Generator.supports_mixture`); the others say why (`Generator.mixture_limit`).
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from wbrag_ray.config import GeneratorConfig
+from wbrag_ray.config import ConfigError, GeneratorConfig
 
 Prompt = list[dict[str, str]]
-MODES = ("text", "scored", "choice")
+MODES = ("text", "scored", "choice", "mixture")
 
 # top-k logprobs asked of an engine for a choice judgement: the choice words are among the likeliest tokens
 # whenever the model follows the instruction, and what it leaves out is reported as missing mass.
@@ -31,6 +36,31 @@ def check_mode(mode: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "choice" and not choices:
         raise ValueError("a choice pass needs the choice words")
+
+
+def mixture_unsupported(config: GeneratorConfig, why: str) -> ConfigError:
+    """The error of a backend asked for a probability mixture it cannot decode."""
+    return ConfigError(
+        f"generator.backend={config.backend} cannot decode RePlug's probability mixture: {why}. Use "
+        "generator.backend=hf for the RAG method replug, or the method replug-vote (a weighted vote over "
+        "per-document answers) on this backend"
+    )
+
+
+def mixture_weights(groups: list[list[Prompt]], weights: list[list[float]]) -> list[list[float]]:
+    """Each group's weights summing to 1 (equal weights where they sum to nothing); a clear error for a group
+    without prompts or with a weight count that is not its prompt count."""
+    if len(groups) != len(weights):
+        raise ValueError(f"{len(groups)} prompt groups but {len(weights)} weight lists")
+    out = []
+    for i, (group, w) in enumerate(zip(groups, weights, strict=True)):
+        if not group or len(group) != len(w):
+            raise ValueError(f"mixture group {i}: {len(group)} prompts and {len(w)} weights (need as many, at least 1)")
+        if any(x < 0 for x in w):
+            raise ValueError(f"mixture group {i}: negative weight in {w}")
+        total = float(sum(w))
+        out.append([x / total for x in w] if total > 0 else [1 / len(w)] * len(w))
+    return out
 
 
 @dataclass
@@ -52,6 +82,9 @@ def scored_columns(output_column: str, scored: Scored) -> dict[str, Any]:
 class Generator(ABC):
     """Batched greedy generation. `setup()` loads the model (once per worker); `generate` answers prompts."""
 
+    supports_mixture = False  # can decode a group of prompts as one answer from their mixed distributions
+    mixture_limit = "this backend does not expose every prompt's next-token distribution at every step"
+
     def __init__(self, config: GeneratorConfig):
         self.config = config
 
@@ -72,6 +105,15 @@ class Generator(ABC):
     @abstractmethod
     def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
         """Greedy answers with their tokens' probabilities, one per prompt, in order."""
+
+    def generate_mixture(
+        self, groups: list[list[Prompt]], weights: list[list[float]], max_new_tokens: int | None = None
+    ) -> list[Scored]:
+        """One greedy answer per group of prompts, decoded from the weighted mixture of the group's next-token
+        distributions (RePlug's ensemble): at each step p(t) = sum_j w_j p_j(t) over the group's prompts j, the
+        argmax token is appended to every prompt of the group; `Scored.probs` are the mixture's probabilities
+        of the chosen tokens. Weights are normalized per group."""
+        raise mixture_unsupported(self.config, self.mixture_limit)
 
     @abstractmethod
     def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:

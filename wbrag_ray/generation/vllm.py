@@ -18,6 +18,7 @@ from wbrag_ray.generation.types import (
     continues_answer,
     cut_at_stop,
     messages_to_text,
+    mixture_unsupported,
     scored_columns,
     scored_from_logprobs,
 )
@@ -35,7 +36,27 @@ VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
 
 
 class VLLMGenerator(Generator):
-    """vLLM backend through Ray Data LLM (`build_processor` + `vLLMEngineProcessorConfig`)."""
+    """vLLM backend through Ray Data LLM (`build_processor` + `vLLMEngineProcessorConfig`).
+
+    No probability mixture (RePlug; `Generator.generate_mixture`): vLLM decodes every request as its own
+    sequence. Its sampler picks a request's next token from that request's logits alone, and its outputs give,
+    per generated token, the chosen token's logprob and the top-k of that sequence (`SamplingParams.logprobs`,
+    at most the engine's `max_logprobs`, 20 by default), after the step. Neither the offline API (`LLM.generate`
+    / `chat`) nor Ray Data LLM's engine stage makes K requests share one token chosen from their mixture at
+    each step: a request's logits processor sees its own sequence, and the scheduler does not promise that the
+    K requests of a group are decoded in the same step (token budget, chunked prefill, preemption). The exact
+    alternative, one-token requests with the chosen token appended to all K prefixes and resubmitted, costs an
+    engine round trip per token (a Ray Data pass each, behind the processor) and needs each prompt's full
+    next-token distribution: from top-k logprobs a token outside one document's top k has an unknown
+    probability there, so the mixture's argmax is bounded, not known. Hence the method `replug` refuses this
+    backend (`ConfigError`, naming `replug-vote`, the weighted vote over per-document answers, which runs here).
+    """
+
+    mixture_limit = (
+        "vLLM decodes each request as its own sequence and reports only each sequence's top-k logprobs after "
+        "the step, so K document-conditioned requests cannot share one token chosen from their mixed "
+        "distributions at each step (see VLLMGenerator)"
+    )
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs = dict(VLLM_THROUGHPUT_DEFAULTS)
@@ -78,6 +99,8 @@ class VLLMGenerator(Generator):
         from ray.data.llm import build_processor
 
         check_mode(mode, choices)
+        if mode == "mixture":
+            raise mixture_unsupported(self.config, self.mixture_limit)
         sampling = self.sampling_params(mode)
         stop = list(self.config.stop)
         chat = self.config.chat_template

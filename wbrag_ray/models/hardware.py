@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
-def cpu_supports_bf16() -> bool:
+def cpu_has_native_bf16() -> bool:
     """True where the CPU has native bf16 matmul (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -14,6 +15,13 @@ def cpu_supports_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_supports_bf16() -> bool:
+    """Whether `dtype: auto` takes bf16 on this CPU: where it is native, unless WBRAG_CPU_BF16=0 asks for float32
+    on every CPU kind (numbers that do not depend on the CPU a job lands on; the test suite sets it). The variable
+    reaches Ray workers started from this process's environment."""
+    return cpu_has_native_bf16() and os.environ.get("WBRAG_CPU_BF16", "1") != "0"
 
 
 def pick_dtype(requested: str, device: str):

@@ -4,7 +4,9 @@ share them, so a knowledge base trained under one method can be evaluated under 
 One pass (`rag.one_pass`): every prompt is known once the question's top-K documents are.
 - `no-retrieval`: one closed-book prompt.
 - `naive`: one prompt holding the top-K documents (FlashRAG's prompt).
-- `replug`: one prompt per document, answers combined by RePlug's ensemble weights.
+- `replug`: one prompt per document, decoded as one answer from the mixture of their next-token distributions,
+  weighted by RePlug's ensemble weights (the hf backend).
+- `replug-vote`: the same prompts answered one by one, the answers combined by a vote with those weights.
 
 Adaptive: the generator decides, per question, whether and what to retrieve, so passes alternate with
 retrieval and the next pass's prompts depend on the last pass's outputs.
@@ -26,19 +28,28 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from wbrag_ray.config import ConfigError
-from wbrag_ray.rag.one_pass import ONE_PASS, combine, expand, replug_weights, weighted_vote
+from wbrag_ray.rag.one_pass import (
+    MIXTURE,
+    ONE_PASS,
+    combine,
+    combine_mixture,
+    expand,
+    replug_weights,
+    weighted_vote,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from wbrag_ray.config import WbragConfig
+    from wbrag_ray.config import GeneratorConfig, WbragConfig
     from wbrag_ray.generation.passes import GeneratorPasses
     from wbrag_ray.index.retriever import RetrievalSetting
 
 ADAPTIVE = ("self-rag", "flare")
 METHODS = (*ONE_PASS, *ADAPTIVE)
 
-__all__ = ["ADAPTIVE", "METHODS", "ONE_PASS", "answer", "combine", "expand", "replug_weights", "weighted_vote"]
+__all__ = ["ADAPTIVE", "METHODS", "MIXTURE", "ONE_PASS", "answer", "available_methods", "combine", "combine_mixture",
+           "expand", "replug_weights", "weighted_vote"]
 
 
 def check_methods(methods: Sequence[str]) -> list[str]:
@@ -47,6 +58,15 @@ def check_methods(methods: Sequence[str]) -> list[str]:
     if unknown:
         raise ConfigError(f"unknown RAG method(s) {unknown}; choose from {', '.join(METHODS)}")
     return list(dict.fromkeys(methods))
+
+
+def available_methods(generator: GeneratorConfig) -> list[str]:
+    """Every method this generator backend can run (what a grid of every method evaluates): `replug`'s
+    probability mixture needs a backend that decodes it (the hf one)."""
+    from wbrag_ray.generation.backends import BACKENDS
+
+    backend = BACKENDS.get(generator.backend)
+    return [m for m in METHODS if m not in MIXTURE or backend is None or backend.supports_mixture]
 
 
 def answer(
@@ -61,29 +81,45 @@ def answer(
 
     Columns: the question's own (`id`, `question`, `golden_answers`, ...), `method`, `docs` (JSON hits the
     answer was written from: the top K, the relevant ones, or those retrieved sentence by sentence),
-    `prompt` (the last prompt), `slot_answers`, `answer_column`, `retrieval_skipped` (no search was made for
-    the question: a router or the method's own judgement), `generator_calls`, and `trace` (JSON: the method's
-    decisions, e.g. Self-RAG's judgements or FLARE's sentences and token probabilities).
+    `prompt` (the last prompt; `replug`: the JSON list of its K prompts), `slot_answers`, `answer_column`,
+    `retrieval_skipped` (no search was made for the question: a router or the method's own judgement),
+    `generator_calls` (prompts the generator decoded for the answer), and `trace` (JSON: the method's
+    decisions, e.g. RePlug's document weights and mixture probabilities, Self-RAG's judgements or FLARE's
+    sentences and token probabilities).
     """
     import json
 
+    from wbrag_ray.generation.backends import check_backend_mode
     from wbrag_ray.ray_runtime import LIGHT_CPUS, local_dataset
 
     methods = check_methods(methods)
+    mixture = [m for m in methods if m in MIXTURE]
+    if mixture:  # before any search: a backend that cannot decode the mixture says so now
+        check_backend_mode(config.generator, "mixture")
     if search is None and any(m != "no-retrieval" for m in methods):
         raise ValueError("methods that retrieve need a retrieval setting")
     parts = []
-    one_pass = [m for m in methods if m in ONE_PASS]
-    if one_pass:
+    one_pass = [m for m in methods if m in ONE_PASS and m not in MIXTURE]
+    if one_pass or mixture:
         ds = local_dataset(questions)
-        if any(m != "no-retrieval" for m in one_pass):
+        if any(m != "no-retrieval" for m in one_pass + mixture):
             ds = search.search(ds, services=passes.services)
-        fn_kwargs = {"methods": one_pass, "temperature": config.retrieval.replug_temperature}
-        ds = ds.map_batches(expand, fn_kwargs=fn_kwargs, batch_format="pandas", num_cpus=LIGHT_CPUS)
-        df = combine(passes.generate("answer", ds, "prompt", answer_column), answer_column)
+            if one_pass and mixture:
+                ds = ds.materialize()  # one search for both passes
+        temperature = config.retrieval.replug_temperature
+    if one_pass:
+        rows = ds.map_batches(expand, fn_kwargs={"methods": one_pass, "temperature": temperature},
+                              batch_format="pandas", num_cpus=LIGHT_CPUS)
+        df = combine(passes.generate("answer", rows, "prompt", answer_column), answer_column)
         df["generator_calls"] = [len(json.loads(s)) for s in df["slot_answers"]]
         df["trace"] = "{}"
         parts.append(df)
+    if mixture:
+        rows = ds.map_batches(expand, fn_kwargs={"methods": mixture, "temperature": temperature},
+                              batch_format="pandas", num_cpus=LIGHT_CPUS)
+        generated = passes.generate("replug:mixture", rows, "prompt", answer_column, mode="mixture",
+                                    weight_column="weights")
+        parts.append(combine_mixture(generated, answer_column))
     if "self-rag" in methods or "flare" in methods:
         frame = questions.to_pandas()
         if "self-rag" in methods:

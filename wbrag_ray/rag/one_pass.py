@@ -3,12 +3,22 @@ and the generations back into one answer.
 
 - `no-retrieval`: one closed-book prompt.
 - `naive`: one prompt holding the top-K documents (FlashRAG's prompt).
-- `replug`: one prompt per document alone, combined by RePlug's ensemble weights, softmax(score / T) over
-  the retrieval scores. RePlug mixes next-token distributions; with greedy, short answers we mix at the
-  answer level instead: a vote over normalized answers, each weighted by its document's weight.
+- `replug`: RePlug's ensemble, as in the paper and FlashRAG's REPLUG pipeline: one prompt per document alone,
+  decoded together as one answer; at each step the next-token distributions of the K prompts are mixed with
+  RePlug's weights, softmax(score / T) over the retrieval scores, and the mixture's greedy token is appended
+  to all K (generation mode `mixture`; the hf backend). An example without documents (a router skipped
+  retrieval) is one closed-book prompt.
+- `replug-vote`: the same K prompts answered independently, the answer chosen by a vote over normalized
+  answers, each weighted by its document's weight (any backend; its per-document answers serve
+  WriteBack-RAG's document gate with no extra pass).
 
-Rows fan out to one row per (example, method, slot) so every prompt of every method goes through the
-generator as one Ray Data pass, then `combine` folds them back to one row per (example, method).
+Rows fan out to one row per (example, method, slot) so every prompt of the text methods goes through the
+generator as one Ray Data pass, then `combine` folds them back to one row per (example, method). `replug`
+rows are one per example (its K prompts and weights as JSON lists) and go through a mixture pass of their
+own, folded by `combine_mixture`.
+
+Generator calls count prompts: K for `replug` as for `replug-vote` (the mixture prefills K prompts and
+decodes K sequences in lockstep, to the length of the one answer), 1 for the others.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-ONE_PASS = ("no-retrieval", "naive", "replug")
+ONE_PASS = ("no-retrieval", "naive", "replug", "replug-vote")
+MIXTURE = ("replug",)  # decoded as one probability mixture per example (generation mode `mixture`)
 
 
 def replug_weights(scores: Sequence[float], temperature: float) -> list[float]:
@@ -48,10 +59,30 @@ def weighted_vote(answers: Sequence[str], weights: Sequence[float]) -> str:
     return first[best]
 
 
+def _replug_groups(batch: pd.DataFrame, temperature: float) -> tuple[list[list], list[list[float]]]:
+    """Per example: its prompts (chat messages, one per retrieved document alone, in rank order; one closed-book
+    prompt when nothing was retrieved, e.g. the router skipped retrieval) and RePlug's weight of each."""
+    from wbrag_ray import prompts
+    from wbrag_ray.index.retriever import hits_from_json
+
+    groups, weights = [], []
+    for q, d in zip(batch["question"], batch["docs"], strict=True):
+        hits = hits_from_json(d)
+        if not hits:
+            groups.append([prompts.no_retrieval_messages(q)])
+            weights.append([1.0])
+            continue
+        groups.append([prompts.rag_messages(q, [hit]) for hit in hits])
+        weights.append(replug_weights([h.score for h in hits], temperature))
+    return groups, weights
+
+
 def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1) -> pd.DataFrame:
     """One row per (example, method, slot), with `prompt` (JSON chat messages) and the slot's `weight`.
 
-    `batch` has `question` and, for methods that retrieve, `docs` (JSON hits in rank order).
+    `replug` (the mixture) has one row per example: `prompt` is the JSON list of its K prompts and `weights`
+    the JSON list of their weights. `batch` has `question` and, for methods that retrieve, `docs` (JSON hits
+    in rank order).
     """
     from wbrag_ray import prompts
     from wbrag_ray.index.retriever import hits_from_json
@@ -72,23 +103,19 @@ def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1
                 prompts.dumps(prompts.rag_messages(q, hits_from_json(d)))
                 for q, d in zip(batch["question"], batch["docs"], strict=True)
             ]
-        else:  # replug: each document alone
-            index, slots, weights, prompt_list = [], [], [], []
-            for i, (q, d) in enumerate(zip(batch["question"], batch["docs"], strict=True)):
-                hits = hits_from_json(d)
-                if not hits:  # nothing retrieved (the router skipped retrieval): one closed-book slot
-                    index.append(i)
-                    slots.append(0)
-                    weights.append(1.0)
-                    prompt_list.append(prompts.dumps(prompts.no_retrieval_messages(q)))
-                    continue
-                for j, (hit, w) in enumerate(zip(hits, replug_weights([h.score for h in hits], temperature), strict=True)):
-                    index.append(i)
-                    slots.append(j)
-                    weights.append(w)
-                    prompt_list.append(prompts.dumps(prompts.rag_messages(q, [hit])))
+        elif method == "replug":  # one row per example: its K prompts, mixed as they decode
+            groups, weights = _replug_groups(batch, temperature)
+            part = batch.copy()
+            part["slot"], part["weight"] = 0, 1.0
+            part["prompt"] = [json.dumps(g, ensure_ascii=False) for g in groups]
+            part["weights"] = [json.dumps(w) for w in weights]
+        else:  # replug-vote: one row per document alone
+            groups, weights = _replug_groups(batch, temperature)
+            index = [i for i, g in enumerate(groups) for _ in g]
             part = batch.iloc[index].reset_index(drop=True)
-            part["slot"], part["weight"], part["prompt"] = slots, weights, prompt_list
+            part["slot"] = [j for g in groups for j in range(len(g))]
+            part["weight"] = [w for ws in weights for w in ws]
+            part["prompt"] = [prompts.dumps(p) for g in groups for p in g]
         part["method"] = method
         parts.append(part)
     return pd.concat(parts, ignore_index=True)
@@ -96,7 +123,8 @@ def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1
 
 def combine(df: pd.DataFrame, answer_column: str = "prediction") -> pd.DataFrame:
     """Fold generated slots back to one row per (id, method): `answer_column` becomes the method's answer and
-    `slot_answers` (JSON) keeps each slot's own answer in rank order (RePlug: the answer from each document)."""
+    `slot_answers` (JSON) keeps each slot's own answer in rank order (`replug-vote`: the answer from each
+    document)."""
     df = df.sort_values(["id", "method", "slot"], kind="stable").reset_index(drop=True)
     groups = df.groupby(["id", "method"], sort=False)
     answers = groups[answer_column].apply(list)
@@ -106,3 +134,22 @@ def combine(df: pd.DataFrame, answer_column: str = "prediction") -> pd.DataFrame
     out["slot_answers"] = [json.dumps(answers[k], ensure_ascii=False) for k in keys]
     out[answer_column] = [weighted_vote(answers[k], weights[k]) for k in keys]
     return out.drop(columns=["slot", "weight"])
+
+
+def combine_mixture(df: pd.DataFrame, answer_column: str = "prediction") -> pd.DataFrame:
+    """A mixture pass's rows (one per example, the columns of a scored pass) as `combine`'s: `slot_answers`
+    holds the one answer (there are no per-document answers: the documents decode together),
+    `generator_calls` the K prompts decoded, and `trace` (JSON) the document weights and the mixture's tokens,
+    their probabilities and whether the model ended the answer itself."""
+    out = df.sort_values(["id", "method"], kind="stable").reset_index(drop=True)
+    weights = [json.loads(w) for w in out["weights"]]
+    out["slot_answers"] = [json.dumps([a], ensure_ascii=False) for a in out[answer_column]]
+    out["generator_calls"] = [len(w) for w in weights]
+    out["trace"] = [
+        json.dumps({"weights": [round(x, 6) for x in w], "tokens": list(t), "token_probs": [round(float(p), 6) for p in ps],
+                    "finished": bool(f)}, ensure_ascii=False)
+        for w, t, ps, f in zip(weights, out[f"{answer_column}_tokens"], out[f"{answer_column}_probs"],
+                               out[f"{answer_column}_finished"], strict=True)
+    ]
+    scored = [f"{answer_column}_{c}" for c in ("tokens", "probs", "finished")]
+    return out.drop(columns=["slot", "weight", "weights", *scored])

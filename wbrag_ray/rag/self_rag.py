@@ -1,5 +1,8 @@
-"""Self-RAG-style adaptive retrieval with prompted judgements (Asai et al. 2024, as WriteBack-RAG ran it for
-models without Self-RAG's reflection tokens):
+"""Self-RAG-style adaptive retrieval with prompted judgements (Asai et al. 2024), for models without Self-RAG's
+reflection tokens. A reduced variant, said plainly: Self-RAG's critic also judges each answer's support by its
+document (IsSup) and its usefulness (IsUse), and ranks the per-document answers by them; here only the retrieve
+and relevance judgements are made, and one answer is written from the relevant documents. (WriteBack-RAG's paper
+does not say how it ran Self-RAG with its instruct models.)
 
     judge "retrieve?" (one choice pass, p(yes) vs p(no))
       -> no: answer closed-book

@@ -255,13 +255,21 @@ def plot_ratio_sweep(rows: list[dict[str, Any]], out: Path) -> str | None:
     return _save(plt, fig, out, "zero_rag_ratio_sweep.png", rect=(0, 0.06 * -(-len(labels) // ncol) + 0.02, 1, 1))
 
 
-def plot_tuning_loss(losses: list[float], out: Path) -> str | None:
+TERM_LABELS = {"none": "retrieval-free", "relevant": "retrieval-augmented", "distracting": "noise suppression"}
+
+
+def plot_tuning_loss(losses: list[float], out: Path, terms: dict[str, list[float | None]] | None = None) -> str | None:
+    """The objective per step, and each of its three terms (the mean loss of the batch's rows of that format)."""
     if not losses:
         return None
     plt, fig, ax = _figure()
     steps = np.arange(1, len(losses) + 1)
     ax.plot(steps, losses, color="#4C72B0", alpha=0.5 if len(losses) >= 20 else 1, marker="" if len(losses) >= 20 else "o",
-            ms=3, label="loss per step")
+            ms=3, label="objective per step")
+    for (term, per_step), color in zip((terms or {}).items(), ("#55A868", "#8172B2", "#CCB974"), strict=False):
+        values = np.array([np.nan if v is None else v for v in per_step], dtype=float)
+        if len(values) == len(steps) and not np.isnan(values).all():
+            ax.plot(steps, values, color=color, lw=1, alpha=0.8, label=TERM_LABELS.get(term, term))
     if len(losses) >= 20:  # per-step losses are noisy at small batches: a moving mean shows the trend
         w = max(2, len(losses) // 10)
         ax.plot(steps[w - 1:], np.convolve(losses, np.ones(w) / w, mode="valid"), color="#C44E52", label=f"mean of {w} steps")

@@ -124,8 +124,18 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
 
 
 def config_section(run: RunFolder) -> Section:
+    """The run's config, and first the choices in it that differ from the papers (for the methods the run used)."""
+    from wbrag_ray.papers import WRITEBACK, ZERO_RAG, departures
+
     run_json = run.layout.run_json.read_json() if run.layout.run_json.exists() else {}
     sec = Section("Configuration")
+    if run_json:
+        config = run.load_config()
+        used = [p for p, on in ((ZERO_RAG, run.layout.zero_rag.root.exists()),
+                                (WRITEBACK, bool(run.layout.writeback_versions()))) if on]
+        rows = [[p, d] for p in used for d in departures(config, p)]
+        if rows:
+            sec.tables.append(Table("choices of this run that differ from the papers", ["paper", "choice"], rows))
     sec.text = json.dumps(run_json.get("config", {}), indent=2)
     return sec
 
@@ -229,10 +239,11 @@ def ratio_sweep_section(run: RunFolder, out: Path) -> Section:
     grid = sorted(run.layout.zero_rag.grid.read_json().get("rows", []), key=lambda r: (plots.setting_label(r), r.get("ratio", 0.0)))
     yes = {True: "yes", False: "no"}
     sec.tables.append(Table("answers, latency and size per pruning ratio", [
-        "ratio", "method", "write-back", "router", "adapter", "n", "em", "f1", "acc", "ms/query", "index MB", "sentences",
-        "retrieval skipped"],
+        "ratio", "method", "write-back", "router", "adapter", "n", "em", "f1", "acc", "ms/query", "retrieval speedup %",
+        "s/question", "index MB", "sentences", "retrieval skipped"],
         [[r.get("ratio"), r.get("method"), *(yes.get(r.get(k), r.get(k)) for k in ("writeback", "router", "adapter")), r.get("n"),
-          r.get("em"), r.get("f1"), r.get("acc"), r.get("latency_ms_per_query"), _mb(r.get("index_bytes")), r.get("sentences"),
+          r.get("em"), r.get("f1"), r.get("acc"), r.get("latency_ms_per_query"), r.get("retrieval_speedup_pct"),
+          r.get("seconds_per_question"), _mb(r.get("index_bytes")), r.get("sentences"),
           r.get("retrieval_skipped")] for r in grid]))
     if img := plots.plot_ratio_sweep(grid, out):
         sec.images.append((img, "Per pruning ratio (0 = the full index) and setting: answer accuracy, retrieval "
@@ -251,8 +262,11 @@ def router_and_tuning_section(run: RunFolder, out: Path) -> Section:
         rows = [["steps", tune.get("steps")], ["seconds", tune.get("seconds")]]
         rows += [[f"examples: {k}", v] for k, v in (tune.get("formats") or {}).items()]
         rows += [["first loss", losses[0]], ["last loss", losses[-1]]] if losses else []
+        terms = tune.get("term_losses") or {}
+        rows += [[f"{plots.TERM_LABELS.get(t, t)} loss: first -> last", f"{v.get('first')} -> {v.get('last')}"]
+                 for t, v in terms.items()]
         sec.tables.append(Table("noise-tolerant tuning", ["figure", "value"], rows))
-        if img := plots.plot_tuning_loss(losses, out):
-            sec.images.append((img, "Training loss of the generator's LoRA adapter on questions with relevant, "
-                                    "distracting and no documents."))
+        if img := plots.plot_tuning_loss(losses, out, {t: v.get("per_step") or [] for t, v in terms.items()}):
+            sec.images.append((img, "Training loss of the generator's LoRA adapter: the weighted objective and its "
+                                    "three terms (questions with relevant, distracting and no documents)."))
     return sec

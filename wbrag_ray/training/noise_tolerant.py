@@ -35,14 +35,14 @@ def _doc_text(hit: Hit) -> str:
     return normalize_answer(f"{hit.title} {hit.text}")
 
 
-def _pick_distracting(rng: np.random.Generator, pool: list[str], own: set[int], golds: list[str], k: int) -> list[int]:
-    """k pool positions outside `own` whose text holds no gold answer. Random draws first (cheap at any pool
-    size); a full shuffled scan only when they fall short, which happens on small or answer-dense pools."""
+def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], golds: list[str], k: int) -> list[int]:
+    """Up to k pool positions outside `excluded` whose text holds no gold answer. Random draws first (cheap at
+    any pool size); a full shuffled scan only when they fall short (small or answer-dense pools)."""
 
     def ok(i: int) -> bool:
-        return i not in own and not any(g in pool[i] for g in golds)
+        return i not in excluded and not any(g in pool[i] for g in golds)
 
-    if not pool:
+    if not pool or k <= 0:
         return []
     picked: list[int] = []
     for candidates in (rng.integers(len(pool), size=8 * k), rng.permutation(len(pool))):
@@ -55,16 +55,19 @@ def _pick_distracting(rng: np.random.Generator, pool: list[str], own: set[int], 
 
 
 def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> pd.DataFrame:
-    """Three training rows per question (`id`, `question`, `golden_answers`, `docs`: JSON hits in rank order):
+    """Training rows per question (`id`, `question`, `golden_answers`, `docs`: JSON hits in rank order), one per
+    term of the tuning objective:
 
-    - relevant: up to `docs_per_format` retrieved docs that contain a gold answer (normalized substring);
-      when none does, the top-ranked docs (`fallback` true);
-    - distracting: `docs_per_format` docs retrieved for other questions that contain no gold answer
-      (seeded draw; fewer only when the pool has too few);
-    - none: no docs (the closed-book prompt).
+    - relevant (the retrieval-augmented term): up to `docs_per_format` retrieved docs that hold a gold answer
+      (normalized substring). A question whose retrieved docs hold none gets no relevant row: a "relevant"
+      context without the answer would teach the model to answer from nothing.
+    - distracting (the noise-suppression term): `docs_per_format` hard distractors: docs retrieved for the same
+      question that hold no gold answer, best-ranked first, as a retriever would mislead; when too few, docs
+      retrieved for other questions (seeded draw) fill up (`random_distractors` counts them).
+    - none (the retrieval-free term): no docs, the closed-book prompt.
 
-    Columns: id, question, format, docs (JSON hits), n_docs, fallback, messages (JSON chat), target (the first
-    gold answer). Questions without a gold answer have no target and are dropped, with a warning.
+    Columns: id, question, format, docs (JSON hits), n_docs, random_distractors, messages (JSON chat), target
+    (the first gold answer). Questions without a gold answer have no target and are dropped, with a warning.
     """
     parsed = []
     for row in questions.itertuples(index=False):
@@ -92,11 +95,14 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
     for qid, question, golds, hits in parsed:
         norm_golds = [g for g in map(normalize_answer, golds) if g]
         own = [position[h.key] for h in hits]
-        relevant = [h for h, i in zip(hits, own, strict=True) if any(g in pool[i] for g in norm_golds)]
-        fallback = not relevant
-        relevant = (relevant or hits)[:docs_per_format]
-        distracting = [pool_hits[i] for i in _pick_distracting(rng, pool, set(own), norm_golds, docs_per_format)]
-        for fmt, docs in zip(FORMATS, (relevant, distracting, []), strict=True):
+        holds = [any(g in pool[i] for g in norm_golds) for i in own]
+        relevant = [h for h, yes in zip(hits, holds, strict=True) if yes][:docs_per_format]
+        hard = [h for h, yes in zip(hits, holds, strict=True) if not yes][:docs_per_format]
+        extra = _pick_random(rng, pool, set(own), norm_golds, docs_per_format - len(hard))
+        distracting = hard + [pool_hits[i] for i in extra]
+        formats = [("relevant", relevant)] if relevant else []
+        formats += [("distracting", distracting), ("none", [])]
+        for fmt, docs in formats:
             messages = prompts.rag_messages(question, docs)  # no docs: the closed-book prompt
             rows.append({
                 "id": qid,
@@ -104,11 +110,11 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
                 "format": fmt,
                 "docs": hits_to_json(docs),
                 "n_docs": len(docs),
-                "fallback": fallback and fmt == "relevant",
+                "random_distractors": len(extra) if fmt == "distracting" else 0,
                 "messages": prompts.dumps(messages),
                 "target": golds[0],
             })
-    columns = ["id", "question", "format", "docs", "n_docs", "fallback", "messages", "target"]
+    columns = ["id", "question", "format", "docs", "n_docs", "random_distractors", "messages", "target"]
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -127,9 +133,12 @@ def encode_example(
 def tune_generator(
     examples: pd.DataFrame, generator: GeneratorConfig, config: TuneConfig, out_dir: str
 ) -> dict[str, Any]:
-    """Causal-LM LoRA on `examples` (from `build_examples`): loss on the answer tokens only. Saves the adapter
-    and `tune.json` to the local folder `out_dir`, loadable as `GeneratorConfig(lora_adapter=out_dir)`.
-    Returns the training stats."""
+    """Causal-LM LoRA on `examples` (from `build_examples`) with Zero-RAG's objective, a weighted sum of three
+    answer losses: retrieval-free (`none` rows), retrieval-augmented (`relevant`) and noise-suppression
+    (`distracting`), weighted by config.weight_* (each example's loss is its answer tokens' mean NLL; a batch's
+    loss is the weighted mean over its examples). Saves the adapter and `tune.json` (with each term's loss per
+    step) to the local folder `out_dir`, loadable as `GeneratorConfig(lora_adapter=out_dir)`. Returns the
+    training stats."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -162,6 +171,12 @@ def tune_generator(
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         encoded.append(encode_example(tokenizer, prompt, answer_ids, config.max_length))
 
+    formats = examples["format"] if "format" in examples else pd.Series("relevant", index=examples.index)
+    weight_of = {"none": config.weight_retrieval_free, "relevant": config.weight_relevant,
+                 "distracting": config.weight_noise}
+    example_format = formats.tolist()
+    term_losses: dict[str, list[float]] = {f: [] for f in FORMATS}  # per step, the mean loss of each term's rows
+
     def batch_loss(idx: list[int]) -> torch.Tensor:
         width = max(len(encoded[i][0]) for i in idx)
         input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
@@ -172,10 +187,18 @@ def tune_generator(
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, : len(labs)] = torch.tensor(labs)
             mask[row, : len(ids)] = 1
-        return model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
+        target = labels[:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE, reduction="none")
+        per_example = nll.sum(1) / (target != IGNORE).sum(1).clamp(min=1)
+        fmts = [example_format[i] for i in idx]
+        for f in FORMATS:
+            rows = [r for r, g in enumerate(fmts) if g == f]
+            term_losses[f].append(float(per_example[rows].mean().detach()) if rows else float("nan"))
+        weights = torch.tensor([weight_of[f] for f in fmts], dtype=per_example.dtype)
+        return (weights * per_example).sum() / weights.sum().clamp(min=1e-12)
 
     losses, seconds = train(model, len(encoded), batch_loss, config)
-    formats = examples["format"] if "format" in examples else pd.Series(dtype=str)
     docs = examples["n_docs"] if "n_docs" in examples else pd.Series(config.docs_per_format, index=examples.index)
     stats = {
         "generator": generator.model,
@@ -183,8 +206,11 @@ def tune_generator(
         "chat_template": generator.chat_template,
         "examples": len(encoded),
         "formats": {f: int((formats == f).sum()) for f in FORMATS},
-        "relevant_fallback": int(examples["fallback"].sum()) if "fallback" in examples else 0,
+        "questions_without_relevant": int(examples.groupby("id")["format"].apply(lambda f: "relevant" not in set(f)).sum())
+        if "id" in examples else 0,
+        "random_distractors": int(examples["random_distractors"].sum()) if "random_distractors" in examples else 0,
         "distracting_short": int(((formats == "distracting") & (docs < config.docs_per_format)).sum()),
+        "term_losses": {f: _term_summary(v) for f, v in term_losses.items()},
         "truncated_prompts": sum(cut > 0 for *_, cut in encoded),
         "threads": threads,
         **loss_stats(losses, seconds, min(config.batch_size, len(encoded))),
@@ -192,3 +218,13 @@ def tune_generator(
     }
     save_adapter(model, out_dir, STATS_FILE, stats)
     return stats
+
+
+def _term_summary(per_step: list[float]) -> dict[str, Any]:
+    """One term's loss: per step (NaN where a batch held none of its rows), and the mean of its first and last
+    quarter of steps with rows (at most 5 each)."""
+    seen = [v for v in per_step if not np.isnan(v)]
+    window = max(1, min(5, len(seen) // 4))
+    return {"per_step": [None if np.isnan(v) else round(v, 5) for v in per_step],
+            "first": round(float(np.mean(seen[:window])), 5) if seen else None,
+            "last": round(float(np.mean(seen[-window:])), 5) if seen else None}

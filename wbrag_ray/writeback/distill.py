@@ -24,10 +24,12 @@ def word_count(text: str) -> int:
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
+
 def _tokens(text: str) -> set[str]:
     from wbrag_ray.metrics import normalize_answer
 
     return set(normalize_answer(text).split())
+
 
 def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 0.6) -> str:
     """Step 1 must be verbatim: each extracted sentence is replaced by the source sentence it copies (the one
@@ -51,6 +53,7 @@ def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 
         picked = set(sorted(range(len(source)), key=lambda i: -len(q & source_tokens[i]))[:2])
     return "\n".join(source[i] for i in sorted(picked))
 
+
 def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str, str] | None:
     """(title, text) of a knowledge unit from the rewrite step's output: a title line, then text.
 
@@ -65,12 +68,14 @@ def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str,
     body = " ".join(lines) or " ".join(extracted.split())
     return (default_title, body) if body else None
 
+
 def kept_hits(docs: str, kept_ranks: str):
     """The retrieved hits the document gate kept, in rank order."""
     from wbrag_ray.index.retriever import hits_from_json
 
     hits = hits_from_json(docs)
     return [hits[j] for j in json.loads(kept_ranks)]
+
 
 class DistillExtractStage(Stage):
     """Distiller step 1 prompt: question + kept documents -> 'copy the answer-relevant sentences verbatim'.
@@ -94,6 +99,7 @@ class DistillExtractStage(Stage):
             for q, d, k in zip(batch["question"], batch["docs"], batch["kept_ranks"], strict=True)
         ]
         return batch
+
 
 class DistillRewriteStage(DistillExtractStage):
     """Distiller step 2 prompt: question + the extracted sentences, grounded verbatim in the kept documents

@@ -20,9 +20,11 @@ from wbrag_ray.stages.base import Resources, Stage
 # tau = 0.01. Comparisons allow this much rounding, so a score exactly at a threshold behaves as written.
 _EPS = 1e-9
 
+
 def utility_gate(s_rag: float, s_nr: float, tau_s: float, tau_delta: float) -> bool:
     """Keep an example iff retrieval answers it well enough (s_rag >= tau_s) and helps (delta > tau_delta)."""
     return s_rag >= tau_s - _EPS and (s_rag - s_nr) > tau_delta + _EPS
+
 
 def document_gate(doc_scores: Sequence[float], s_nr: float, tau_doc: float, n_min: int) -> tuple[list[int], bool]:
     """(kept ranks, fallback): documents whose score alone beats s_nr by more than tau_doc; when none does,
@@ -32,8 +34,10 @@ def document_gate(doc_scores: Sequence[float], s_nr: float, tau_doc: float, n_mi
         return kept, False
     return list(range(min(n_min, len(doc_scores)))), True
 
+
 def _golds(value) -> list[str]:
     return [str(g) for g in value] if value is not None else []
+
 
 class _GateStage(Stage):
     """CPU-only: a gate reads generated answers and scores them; no model to load."""
@@ -46,6 +50,7 @@ class _GateStage(Stage):
         from wbrag_ray.ray_runtime import LIGHT_CPUS
 
         return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
+
 
 class UtilityGateStage(_GateStage):
     """s_nr = M(q, a | no docs), s_rag = M(q, a | top-K docs), delta, and the utility gate's decision."""
@@ -66,6 +71,7 @@ class UtilityGateStage(_GateStage):
             utility_gate(r, n, c.tau_s, c.tau_delta) for r, n in zip(batch["s_rag"], batch["s_nr"], strict=True)
         ]
         return batch
+
 
 class DocumentGateStage(_GateStage):
     """s_j = M(q, a | d_j alone) from each document's own answer (`doc_answers`, JSON, rank order), and the

@@ -1,10 +1,11 @@
 """WriteBack-RAG training, top to bottom: a labeled QA set -> a versioned write-back index beside the base.
 
-    answer closed-book (s_nr) and by writeback.rag_method (s_rag: naive / replug retrieve the top K and answer
-    in one pass with s_nr; self-rag / flare decide per example what to retrieve, in their own passes)
+    answer closed-book (s_nr) and by writeback.rag_method (s_rag: naive / replug / replug-vote retrieve the
+    top K and answer with s_nr; self-rag / flare decide per example what to retrieve, in their own passes)
       -> utility gate (an example whose method retrieved nothing has nothing to write back)
       -> document gate over the documents the method answered from (one call per document of a kept
-         example; none for replug, whose per-document answers are s_j)
+         example; none for replug-vote, whose per-document answers are s_j; replug's mixture has no
+         per-document answers, so it takes the call per document as the other methods do)
       -> distiller: extract (1 call per kept example) -> rewrite (1 call) -> knowledge units
       -> embed with the base embedder -> dedupe -> write-back corpus + index -> Table 3 stats
 
@@ -17,13 +18,14 @@ because a gate needs every answer of its example at once.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
 from wbrag_ray.run import RunFolder
@@ -31,6 +33,15 @@ from wbrag_ray.storage import resolve
 from wbrag_ray.writeback.distill import distill
 from wbrag_ray.writeback.units import UNITS, build_units, embed_units
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version
+
+
+def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
+    """The write-back settings with `metric: auto` resolved to the paper's metric for the training set."""
+    if wb.metric != "auto":
+        return wb
+    from wbrag_ray.papers import gate_metric
+
+    return wb.model_copy(update={"metric": gate_metric(Path(train.rstrip("/")).name.split(".")[0])})
 
 
 def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:
@@ -46,7 +57,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
 
-    wb = config.writeback
+    wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_dataset(resolve(train), limit=wb.limit)
     if questions.num_rows == 0:
         raise ConfigError(f"writeback.train {train} has no usable examples ({rejects.num_rows} rejected)")
@@ -67,11 +78,11 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
 
     useful = examples[examples["useful"]].copy()
-    if wb.rag_method == "replug":
-        useful["doc_answers"] = useful["rag_slot_answers"]  # RePlug already answered from each document alone
-    elif len(useful):
+    if wb.rag_method == "replug-vote":
+        useful["doc_answers"] = useful["rag_slot_answers"]  # the vote already answered from each document alone
+    elif len(useful):  # each document alone, answered on its own (RePlug's mixture decodes them together)
         per_doc = from_pandas(useful[["id", "question", "docs"]]).map_batches(
-            rag.expand, fn_kwargs={"methods": ["replug"]}, batch_format="pandas", num_cpus=LIGHT_CPUS
+            rag.expand, fn_kwargs={"methods": ["replug-vote"]}, batch_format="pandas", num_cpus=LIGHT_CPUS
         )
         per_doc = rag.combine(passes.generate("document_gate", per_doc, "prompt", "answer"), "answer")
         useful["doc_answers"] = useful["id"].map(per_doc.set_index("id")["slot_answers"])
@@ -86,7 +97,6 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     return examples
 
 
-
 def train_writeback(
     run: RunFolder, config: WbragConfig, train: str | None = None, version: str | None = None, force: bool = False
 ) -> dict[str, Any]:
@@ -97,6 +107,10 @@ def train_writeback(
     version = version or default_version(config, train)
     if not version.replace("-", "").replace("_", "").replace(".", "").isalnum() or version in ("base", "ACTIVE"):
         raise ConfigError(f"writeback.version {version!r}: use letters, digits, '-', '_' or '.' (not 'base')")
+    from wbrag_ray.papers import WRITEBACK as PAPER
+    from wbrag_ray.papers import print_departures
+
+    print_departures(config, PAPER)
     method = config.writeback.rag_method
     # the adaptive method's own thresholds decide what is written back
     params = {"version": version, "train": train,
@@ -131,7 +145,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
     merged: dict[int, int] = {}
     if len(units):
         vectors = embed_units(config, units)
-        merged = dedupe(vectors, wb.dedupe_threshold)
+        merged = dedupe(vectors, wb.dedupe_threshold) if wb.dedupe_threshold is not None else {}
         for dup, keep in merged.items():  # merge: the kept unit also cites the duplicate's example
             units.at[keep, "merged_from"] = [*units.at[keep, "merged_from"], units.at[dup, "source_example_id"]]
         keep_rows = [i for i in range(len(units)) if i not in merged]
@@ -145,6 +159,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
     stats = {
         "version": version,
         "rag_method": wb.rag_method,
+        "gate_metric": with_gate_metric(wb, train).metric,
         **table3(examples, units, config.retrieval.top_k),
         "units_written": len(units),
         "duplicates_merged": len(merged),

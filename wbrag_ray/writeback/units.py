@@ -66,6 +66,7 @@ def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tu
         )
     return pd.DataFrame(rows, columns=UNITS.names), empty
 
+
 def embed_units(config: WbragConfig, units: pd.DataFrame) -> np.ndarray:
     """Unit vectors from the base embedder, as the base passages are embedded ('Title\\ntext'), in unit order."""
     import ray
@@ -105,6 +106,7 @@ def dedupe(vectors: np.ndarray, threshold: float) -> dict[int, int]:
             if j > i and j not in merged:
                 merged[j] = i
     return merged
+
 
 def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int) -> dict:
     """The paper's Table 3 from the scored examples and the written units, as plain JSON numbers."""

@@ -13,7 +13,7 @@ from wbrag_ray.run import RunFolder, RunStage
 
 # One trained version is one stage. What it is made from: the write-back settings, the generator and retrieval
 # that answer and gate, the embedder of its units, and the adaptive method's own thresholds when it trains
-# with one ("rag.self_rag" / "rag.flare": the `method` parameter, empty for naive and replug).
+# with one ("rag.self_rag" / "rag.flare": the `method` parameter, empty for naive, replug and replug-vote).
 WRITEBACK = RunStage(
     "writeback-{version}",
     settings=("writeback", "retrieval", "index.nprobe", "generator", "embedder", "rag.{method}"),
@@ -23,24 +23,29 @@ WRITEBACK = RunStage(
     fix="pick another --version (writeback.version) or pass --force to retrain it",
 )
 
+
 def default_version(config: WbragConfig, train: str) -> str:
     """The version name: writeback.version, else the training file's stem (a rerun finds its own stage)."""
     return config.writeback.version or Path(train.rstrip("/")).name.split(".")[0]
+
 
 def read_active(run: RunFolder) -> dict[str, Any]:
     """{"version": active version or None, "history": earlier active versions, oldest first}."""
     loc = run.layout.writeback_active
     return loc.read_json() if loc.exists() else {"version": None, "history": []}
 
+
 def versions(run: RunFolder) -> list[str]:
     """Trained write-back versions (complete, with an index), by name."""
     return [v.version for v in run.layout.writeback_versions()
             if run.is_complete(WRITEBACK.instance({"version": v.version})) and v.index.exists()]
 
+
 def trained_method(run: RunFolder, version: str) -> str:
     """The RAG method a write-back version was trained (scored and written back) with."""
     stats = run.layout.writeback_version(version).stats
     return stats.read_json().get("rag_method", "naive") if stats.exists() else "naive"
+
 
 def activate(run: RunFolder, version: str) -> dict[str, Any]:
     """Make `version` the write-back index searched beside the base (replace); the base index is untouched."""
@@ -54,6 +59,7 @@ def activate(run: RunFolder, version: str) -> dict[str, Any]:
         run.layout.writeback_active.write_json(state)  # one small file, written atomically: the switch is one rename
     print(f"write-back index active: {version}", flush=True)
     return state
+
 
 def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
     """Go back to the previously active version (or `version`); 'base' (or no earlier one) = base index only.
@@ -74,6 +80,7 @@ def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
     run.layout.writeback_active.write_json(state)
     print(f"write-back index active: {previous or 'none (base index only)'}", flush=True)
     return state
+
 
 def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, str]:
     """(version, index folder, corpus folder) of the active write-back index (or of `version`), for a union

@@ -37,7 +37,10 @@ def require_sentence_index(run: RunFolder, config: WbragConfig) -> None:
 
 def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
     """Score a sample of sentences: QA pairs -> the target model's closed-book answers -> mean EM."""
+    from wbrag_ray.papers import ZERO_RAG, print_departures
+
     require_sentence_index(run, config)
+    print_departures(config, ZERO_RAG)
     n = sample or config.zerorag.sample
     return run.execute(MASTERY, config, lambda: _score(run, config, n), params={"sample": n}, force=force)
 

@@ -20,7 +20,7 @@ from wbrag_ray.layout import PRUNE_LEVEL
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
-from wbrag_ray.zerorag.pruners import PRUNERS
+from wbrag_ray.zerorag.pruners import PRUNERS, pruner_inputs
 
 # It also reads the pruner zerorag.pruner names (added to `requires` per call).
 PREDICT = RunStage("predict", settings=("zerorag.pruner",), requires=(INGEST,),
@@ -55,10 +55,8 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
         ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
                                    num_cpus=stage.resources.num_cpus)
         ds = apply_stage(ds, stage)
-    else:
-        src = run.layout.ingest.sentences
-        ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "text"], num_cpus=LIGHT_CPUS)
-        ds = apply_stage(ds, LMPredictStage(model.uri, config.zerorag.lm_pruner))
+    else:  # the text the regressor was trained on, titles included
+        ds = apply_stage(pruner_inputs(run), LMPredictStage(model.uri, config.zerorag.lm_pruner))
     ds.write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names("pred"),
                      ray_remote_args={"num_cpus": LIGHT_CPUS})
     n = out.num_rows()

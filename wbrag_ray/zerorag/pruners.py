@@ -9,6 +9,7 @@ recall at the first pruning ratio; validation.parquet: measured and predicted pe
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from typing import Any
@@ -46,6 +47,45 @@ def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, f
     return results
 
 
+def pruner_text(titles, sentences) -> list[str]:
+    """What the LM regressor reads, in training, validation and prediction alike: 'title: sentence' (what the QA
+    pairs that scored the sentence were written from)."""
+    return titled(titles, sentences)
+
+
+def pruner_inputs(run: RunFolder):
+    """A Ray Dataset of (sid, text) for every sentence, `text` as `pruner_text` builds it. Ingest writes the
+    sentences and passages of one corpus shard under the same file name, so each sentences file finds its
+    titles in its own passages file: the join is bounded by one shard, never by the corpus."""
+    import ray.data
+
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+    src = run.layout.ingest.sentences
+    ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "pid", "text"], include_paths=True,
+                               num_cpus=LIGHT_CPUS)
+    return ds.map_batches(_with_titles, fn_kwargs={"passages": run.layout.ingest.passages.uri},
+                          batch_format="pandas", num_cpus=LIGHT_CPUS)
+
+
+def _with_titles(batch: pd.DataFrame, passages: str) -> pd.DataFrame:
+    parts = []
+    for path, part in batch.groupby("path", sort=False):
+        titles = _shard_titles(passages, path.rsplit("/", 1)[-1])
+        text = pruner_text(part["pid"].map(titles).fillna(""), part["text"])
+        parts.append(pd.DataFrame({"sid": part["sid"].astype("int64"), "text": text}))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"sid": [], "text": []})
+
+
+@functools.lru_cache(maxsize=4)
+def _shard_titles(passages: str, file_name: str) -> pd.Series:
+    """pid -> title of one passages shard (cached: a task's batches come from a few shards)."""
+    from wbrag_ray.storage import resolve
+
+    table = resolve(passages).join(file_name).read_table(["pid", "title"])
+    return pd.Series(table["title"].to_pylist(), index=table["pid"].to_numpy())
+
+
 def _scored_split(run: RunFolder, config: WbragConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The scored sample split into (train, validation) by a seeded permutation; unscored sentences left out."""
     scores = run.layout.zero_rag.scores.read_table().to_pandas()
@@ -71,10 +111,10 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
         else:
             from wbrag_ray.training.lm_pruner import LMPrunerPredictor, train_lm_pruner
 
-            fit = train_lm_pruner(titled(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner, tmp)
+            fit = train_lm_pruner(pruner_text(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner, tmp)
             predictor = LMPrunerPredictor(tmp, batch_size=z.lm_pruner.predict_batch_size)
             predictor.setup()
-            predicted = predictor.predict(titled(val["title"], val["text"]))
+            predicted = predictor.predict(pruner_text(val["title"], val["text"]))
             fit = {k: v for k, v in fit.items() if k != "losses"}
         out.upload_dir(tmp)
     q = z.ratios[0] if z.ratios and z.ratios[0] > 0 else 0.3

@@ -54,10 +54,11 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.training.noise_tolerant import build_examples, tune_generator
 
+    # more documents than an answer needs: the relevant ones and the hard distractors are picked from them
+    wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, config.zerorag.tune.retrieve_k)})
     retrieved = apply_stage(
         from_pandas(questions),
-        RetrieveStage(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, config.retrieval,
-                      config.index.nprobe),
+        RetrieveStage(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, wide, config.index.nprobe),
     ).to_pandas()
     examples = build_examples(retrieved, config.zerorag.tune.docs_per_format, config.zerorag.tune.seed)
     with tempfile.TemporaryDirectory() as tmp:

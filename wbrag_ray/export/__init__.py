@@ -1,0 +1,79 @@
+"""Export the trained knowledge base to a RAG stack's own on-disk format: FlashRAG, LangChain or LlamaIndex.
+
+One view of the run (the base, or the base pruned by Zero-RAG at a ratio, plus the units of a write-back version;
+`view.py`) is read one embedding shard at a time and written by one format module:
+
+    flashrag.py     corpus.jsonl (id, contents "title\\ntext", metadata) + index.faiss (row i = line i) +
+                    flashrag_retriever.yaml (the retriever settings of a FlashRAG config)
+    langchain.py    index.faiss + index.pkl: what `FAISS.load_local` reads (docstore and id map)
+    llamaindex.py   a persisted FaissVectorStore + docstore + index store: what `load_index_from_storage` reads
+
+Each export also writes wbrag_export.json last: the view, the counts, the index settings and the embedder
+(name, path, query and passage prefixes) that queries of the export must be embedded with. The LangChain and
+LlamaIndex modules also hold the embedding adapters and loaders their users need.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from wbrag_ray import __version__
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.export.view import MANIFEST_FILE
+from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import Location, resolve
+
+FORMATS = ("flashrag", "langchain", "llamaindex")
+
+
+def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Location, *,
+              prune_ratio: float | None = None, writeback: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Write the view (see `view.open_view`) in `format` into the folder `out` (local or s3://); returns the
+    export's manifest. A folder that holds anything but an earlier export is refused unless `force`."""
+    from wbrag_ray.export.view import open_view
+
+    if format not in FORMATS:
+        raise ConfigError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
+    writer = _writer(format)
+    view = open_view(run, config, prune_ratio, writeback)
+    out = resolve(out) if isinstance(out, str) else out
+    _clear(out, force)
+    t0 = time.perf_counter()
+    files = writer.write(view, out, config)
+    manifest = {"format": format, "wbrag_version": __version__, **view.describe(config), "files": files,
+                "seconds": round(time.perf_counter() - t0, 3)}
+    out.join(MANIFEST_FILE).write_json(manifest)
+    return manifest
+
+
+def _writer(format: str):
+    """The format's module, after checking that its library is installed (before any file is written)."""
+    if format == "flashrag":
+        from wbrag_ray.export import flashrag
+
+        return flashrag
+    if format == "langchain":
+        from wbrag_ray.export import langchain as module
+    else:
+        from wbrag_ray.export import llamaindex as module
+    module.require()
+    return module
+
+
+def _clear(out: Location, force: bool) -> None:
+    """Remove an earlier export's files from `out` (its manifest first, so a half-written export never looks
+    complete); refuse a folder holding anything else unless `force`."""
+    if out.is_file():
+        raise ConfigError(f"--out {out.uri} is a file; give a folder")
+    previous = out.join(MANIFEST_FILE)
+    if previous.exists():
+        files = previous.read_json().get("files", [])
+        previous.delete()
+        for name in files:
+            out.join(name).delete()
+    others = [f.name for f in out.list_files()]
+    if others and not force:
+        raise ConfigError(f"--out {out.uri} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
+                          "give an empty or new folder, or pass --force to write into it")
+    out.mkdir()

@@ -1,0 +1,68 @@
+"""FlashRAG: its corpus format and a dense index whose row order is the corpus's, plus the retriever settings of a
+FlashRAG config.
+
+    corpus.jsonl               {"id", "contents": "title\\ntext", "metadata": {source, wbrag_id, version, ...}}
+    index.faiss                faiss index, row i = line i of the corpus (FlashRAG returns corpus[row])
+    flashrag_retriever.yaml    retrieval_method, retrieval_model_path, index_path, corpus_path, pooling, instruction
+
+FlashRAG's dense retriever reads the index with `faiss.read_index`, the corpus with `datasets`' json loader,
+and maps each hit's row to `corpus[row]`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.export.view import View, embedder_info, write_index
+from wbrag_ray.storage import Location
+
+CORPUS_FILE = "corpus.jsonl"
+INDEX_FILE = "index.faiss"
+CONFIG_FILE = "flashrag_retriever.yaml"
+
+
+def write(view: View, out: Location, config: WbragConfig) -> list[str]:
+    """The corpus and the index, one embedding shard at a time, then the retriever settings; the files' names."""
+    import yaml
+
+    index = view.empty_index(config)
+    with out.join(CORPUS_FILE).open_write() as f:
+        for vectors, docs in view.batches():
+            index.add(vectors)
+            lines = (json.dumps({"id": d.id, "contents": d.contents, "metadata": d.metadata}, ensure_ascii=False)
+                     for d in docs)
+            f.write(("\n".join(lines) + "\n").encode("utf-8"))
+    write_index(index, out.join(INDEX_FILE))
+    settings = retriever_settings(view, out, config)
+    out.join(CONFIG_FILE).write_bytes(yaml.safe_dump(settings, sort_keys=False).encode("utf-8"))
+    return [CORPUS_FILE, INDEX_FILE, CONFIG_FILE]
+
+
+def retriever_settings(view: View, out: Location, config: WbragConfig) -> dict[str, Any]:
+    """The keys of a FlashRAG config that make its dense retriever search this export as `wbrag search` does:
+    the same model (through sentence-transformers: the same pooling and normalization), the same query prefix."""
+    embedder = embedder_info(config.embedder, view.dim)
+    return {
+        "retrieval_method": embedder["name"].rstrip("/").rsplit("/", 1)[-1].removeprefix("bundled:"),
+        "retrieval_model_path": embedder["path"],
+        "index_path": out.join(INDEX_FILE).uri,
+        "corpus_path": out.join(CORPUS_FILE).uri,
+        "retrieval_topk": config.retrieval.top_k,
+        "retrieval_pooling_method": embedder["pooling"],
+        "retrieval_query_max_length": embedder["max_seq_length"] or 512,
+        "retrieval_use_fp16": False,
+        "use_sentence_transformer": True,
+        "instruction": _instruction(embedder["name"], embedder["query_prefix"]),
+        "faiss_gpu": False,
+    }
+
+
+def _instruction(model: str, query_prefix: str) -> str | None:
+    """FlashRAG's `instruction`: the query prefix; None (FlashRAG's default, none) when there is none, unless
+    FlashRAG would pick a prefix from the model's name (e5, bge), which an empty string overrides."""
+    if query_prefix:
+        return query_prefix
+    name = model.lower()
+    return "" if "e5" in name or "bge" in name else None

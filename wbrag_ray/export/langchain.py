@@ -1,0 +1,123 @@
+"""LangChain: what `langchain_community.vectorstores.FAISS.load_local` reads, and the query side its users need.
+
+    index.faiss    the faiss index, row i = document i (inner product on normalized vectors)
+    index.pkl      (InMemoryDocstore {id: Document}, {row: id}): each Document's page_content is "title\\ntext"
+                   and its metadata says where it comes from (source base / writeback, version, source ids)
+
+`index.pkl` is a pickle, as `FAISS.save_local` writes it, but written as a stream: the pickler takes the
+documents one embedding shard at a time and keeps no memo, so the export never holds the docstore whole.
+
+Load it with the same embedder and inner product (`load`, or by hand):
+
+    from langchain_community.vectorstores import FAISS
+    from langchain_community.vectorstores.utils import DistanceStrategy
+    store = FAISS.load_local(DIR, embeddings(MODEL), allow_dangerous_deserialization=True,
+                             distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT)
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.export.view import MANIFEST_FILE, View, load_embedder, write_index
+from wbrag_ray.storage import Location
+
+INDEX_NAME = "index"  # FAISS.load_local's default: index.faiss and index.pkl
+INDEX_FILE, DOCSTORE_FILE = f"{INDEX_NAME}.faiss", f"{INDEX_NAME}.pkl"
+
+
+def require() -> None:
+    try:
+        import langchain_community.vectorstores  # noqa: F401
+        import langchain_core.documents  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--format langchain needs langchain-community ({exc}); "
+                          "pip install 'wbrag-ray[export]'") from None
+
+
+class _Reduce:
+    """Pickled as `func(*args)`; `items` (pairs, consumed while pickling) become a dict's entries."""
+
+    def __init__(self, func: Any, args: tuple = (), items: Iterator[tuple[Any, Any]] | None = None):
+        self.func, self.args, self.items = func, args, items
+
+    def __reduce__(self):
+        return (self.func, self.args, None, None, self.items)
+
+
+def write(view: View, out: Location, config: WbragConfig) -> list[str]:
+    """index.pkl as a stream while the index fills, then index.faiss; the files' names."""
+    from langchain_community.docstore.in_memory import InMemoryDocstore
+    from langchain_core.documents import Document
+
+    index = view.empty_index(config)
+    with tempfile.TemporaryFile() as ids, out.join(DOCSTORE_FILE).open_write() as f:
+
+        def documents() -> Iterator[tuple[str, Any]]:
+            for vectors, docs in view.batches():
+                index.add(vectors)
+                for d in docs:
+                    ids.write(d.id.encode("utf-8") + b"\n")
+                    yield d.id, Document(page_content=d.contents, metadata=d.metadata, id=d.id)
+
+        def rows() -> Iterator[tuple[int, str]]:
+            ids.seek(0)
+            for i, line in enumerate(ids):
+                yield i, line[:-1].decode("utf-8")
+
+        pickler = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.fast = True  # no memo: nothing pickled is shared, and a memo would keep every document alive
+        # (docstore, index_to_docstore_id): the docstore's documents are pickled (and the id file filled) first
+        pickler.dump((_Reduce(InMemoryDocstore, (_Reduce(dict, items=documents()),)),
+                      _Reduce(dict, items=rows())))
+    write_index(index, out.join(INDEX_FILE))
+    return [DOCSTORE_FILE, INDEX_FILE]
+
+
+# --- the query side -------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _embeddings_class():
+    from langchain_core.embeddings import Embeddings
+
+    class WbragEmbeddings(Embeddings):
+        """wbrag's embedder as LangChain Embeddings: queries and documents get the model's own prefixes
+        (e5: 'query: ' / 'passage: '), vectors are normalized (inner product = cosine)."""
+
+        def __init__(self, embedder: Any):
+            self.embedder = embedder
+
+        def embed_documents(self, texts: list[str]) -> list[list[float]]:
+            return self.embedder.encode_passages(list(texts)).tolist()
+
+        def embed_query(self, text: str) -> list[float]:
+            return self.embedder.encode_queries([text])[0].tolist()
+
+    return WbragEmbeddings
+
+
+def embeddings(model: Any):
+    """LangChain `Embeddings` over wbrag's embedder: `model` is the export's embedder name (wbrag_export.json),
+    an EmbedderConfig or a loaded Embedder."""
+    return _embeddings_class()(load_embedder(model))
+
+
+def load(folder: str, model: Any = None):
+    """The exported store as a LangChain FAISS vector store, with the export's embedder (or `model`) and inner
+    product. Only for exports you made: `index.pkl` is a pickle."""
+    import json
+    from pathlib import Path
+
+    from langchain_community.vectorstores import FAISS
+    from langchain_community.vectorstores.utils import DistanceStrategy
+
+    if model is None:
+        model = json.loads((Path(folder) / MANIFEST_FILE).read_text())["embedder"]["name"]
+    return FAISS.load_local(folder, embeddings(model), index_name=INDEX_NAME, allow_dangerous_deserialization=True,
+                            distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT)

@@ -1,0 +1,162 @@
+"""LlamaIndex: a persisted storage folder that `load_index_from_storage` reads as a VectorStoreIndex over a
+`FaissVectorStore`, and the query side its users need.
+
+    default__vector_store.json   the faiss index (FaissVectorStore persists it under this name), row i = node i
+    docstore.json                one TextNode per document: text "title\\ntext", metadata with its provenance
+                                 (excluded from what the LLM and the embedder see: the text has the title)
+    index_store.json             the VectorStoreIndex's structure: faiss row -> node id
+    graph_store.json, image__vector_store.json   empty, as a persisted VectorStoreIndex has them
+
+The JSON files are written as streams in the library's own layout (each node is serialized by the library), so
+the export never holds the docstore whole. Load it with the same embedder (`load`, or by hand):
+
+    from llama_index.core import StorageContext, load_index_from_storage
+    from llama_index.vector_stores.faiss import FaissVectorStore
+    store = FaissVectorStore.from_persist_dir(DIR)
+    context = StorageContext.from_defaults(vector_store=store, persist_dir=DIR)
+    index = load_index_from_storage(context, embed_model=embed_model(MODEL))
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.export.view import MANIFEST_FILE, METADATA_KEYS, View, load_embedder, write_index
+from wbrag_ray.storage import Location
+
+VECTOR_STORE_FILE = "default__vector_store.json"
+DOCSTORE_FILE = "docstore.json"
+INDEX_STORE_FILE = "index_store.json"
+EMPTY_FILES = {"graph_store.json": {"graph_dict": {}},
+               "image__vector_store.json": {"embedding_dict": {}, "text_id_to_ref_doc_id": {}, "metadata_dict": {}}}
+INDEX_ID = "wbrag"
+# The key-value collections of SimpleDocumentStore and SimpleIndexStore (namespace + suffix)
+NODES, NODE_METADATA, INDEX_STRUCTS = "docstore/data", "docstore/metadata", "index_store/data"
+CHUNK = 1 << 20
+
+
+def require() -> None:
+    try:
+        import llama_index.core  # noqa: F401
+        import llama_index.vector_stores.faiss  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--format llamaindex needs llama-index-core and llama-index-vector-stores-faiss ({exc}); "
+                          "pip install 'wbrag-ray[export]'") from None
+
+
+def write(view: View, out: Location, config: WbragConfig) -> list[str]:
+    """docstore.json while the index fills (node hashes and the row -> node map go to local scratch files),
+    then the index store, the vector store and the empty stores; the files' names."""
+    from llama_index.core.schema import TextNode
+    from llama_index.core.storage.docstore.utils import doc_to_json
+
+    index = view.empty_index(config)
+    hidden = list(METADATA_KEYS)
+    with tempfile.TemporaryDirectory() as tmp:
+        hashes_path, rows_path = os.path.join(tmp, "hashes"), os.path.join(tmp, "rows")
+        with out.join(DOCSTORE_FILE).open_write() as f, open(hashes_path, "w") as hashes, open(rows_path, "w") as rows:
+            f.write(f"{{{json.dumps(NODES)}: {{".encode())
+            row = 0
+            for vectors, docs in view.batches():
+                index.add(vectors)
+                entries = []
+                for d in docs:
+                    node = TextNode(id_=d.id, text=d.contents, metadata=d.metadata,
+                                    excluded_embed_metadata_keys=hidden, excluded_llm_metadata_keys=hidden)
+                    sep = ", " if row else ""
+                    key = json.dumps(d.id)
+                    entries.append(f"{sep}{key}: {json.dumps(doc_to_json(node), ensure_ascii=False)}")
+                    hashes.write(f"{sep}{key}: {json.dumps({'doc_hash': node.hash})}")
+                    rows.write(f"{sep}{json.dumps(str(row))}: {key}")
+                    row += 1
+                f.write("".join(entries).encode("utf-8"))
+            hashes.close()
+            f.write(f"}}, {json.dumps(NODE_METADATA)}: {{".encode())
+            with open(hashes_path, "rb") as src:
+                shutil.copyfileobj(src, f, CHUNK)
+            f.write(b"}}")
+        _write_index_store(out.join(INDEX_STORE_FILE), rows_path)
+    write_index(index, out.join(VECTOR_STORE_FILE))
+    for name, content in EMPTY_FILES.items():
+        out.join(name).write_bytes(json.dumps(content).encode())
+    return [DOCSTORE_FILE, INDEX_STORE_FILE, VECTOR_STORE_FILE, *EMPTY_FILES]
+
+
+def _write_index_store(loc: Location, rows_path: str) -> None:
+    """{"index_store/data": {id: {"__type__": "vector_store", "__data__": "<IndexDict as JSON text>"}}}: the
+    IndexDict's JSON is a string inside the JSON, so its nodes_dict (faiss row -> node id) is escaped piece by
+    piece as it is copied from the scratch file."""
+    from llama_index.core.constants import DATA_KEY, TYPE_KEY
+    from llama_index.core.data_structs.data_structs import IndexDict
+
+    struct = IndexDict(index_id=INDEX_ID)
+    placeholder = "@@nodes@@"
+    head, tail = json.dumps({**struct.to_dict(), "nodes_dict": placeholder}).split(json.dumps(placeholder))
+    with loc.open_write() as f, open(rows_path, encoding="utf-8") as rows:
+        f.write(f'{{{json.dumps(INDEX_STRUCTS)}: {{{json.dumps(INDEX_ID)}: '
+                f'{{{json.dumps(TYPE_KEY)}: {json.dumps(struct.get_type())}, {json.dumps(DATA_KEY)}: "'.encode())
+        for piece in (head + "{", *iter(lambda: rows.read(CHUNK), ""), "}" + tail):
+            f.write(json.dumps(piece)[1:-1].encode())  # escaping is per character: pieces escape as the whole would
+        f.write(b'"}}}')
+
+
+# --- the query side -------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _embedding_class():
+    from llama_index.core.bridge.pydantic import PrivateAttr
+    from llama_index.core.embeddings import BaseEmbedding
+
+    class WbragEmbedding(BaseEmbedding):
+        """wbrag's embedder as a LlamaIndex embed model: queries and texts get the model's own prefixes (e5:
+        'query: ' / 'passage: '), vectors are normalized (inner product = cosine)."""
+
+        _embedder: Any = PrivateAttr()
+
+        def __init__(self, embedder: Any, **kwargs: Any):
+            super().__init__(model_name=embedder.name, **kwargs)
+            self._embedder = embedder
+
+        @classmethod
+        def class_name(cls) -> str:
+            return "WbragEmbedding"
+
+        def _get_query_embedding(self, query: str) -> list[float]:
+            return self._embedder.encode_queries([query])[0].tolist()
+
+        async def _aget_query_embedding(self, query: str) -> list[float]:
+            return self._get_query_embedding(query)
+
+        def _get_text_embedding(self, text: str) -> list[float]:
+            return self._embedder.encode_passages([text])[0].tolist()
+
+        def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+            return self._embedder.encode_passages(list(texts)).tolist()
+
+    return WbragEmbedding
+
+
+def embed_model(model: Any):
+    """A LlamaIndex embed model over wbrag's embedder: `model` is the export's embedder name
+    (wbrag_export.json), an EmbedderConfig or a loaded Embedder."""
+    return _embedding_class()(load_embedder(model))
+
+
+def load(folder: str, model: Any = None):
+    """The exported folder as a LlamaIndex VectorStoreIndex, with the export's embedder (or `model`)."""
+    from pathlib import Path
+
+    from llama_index.core import StorageContext, load_index_from_storage
+    from llama_index.vector_stores.faiss import FaissVectorStore
+
+    if model is None:
+        model = json.loads((Path(folder) / MANIFEST_FILE).read_text())["embedder"]["name"]
+    context = StorageContext.from_defaults(vector_store=FaissVectorStore.from_persist_dir(folder), persist_dir=folder)
+    return load_index_from_storage(context, embed_model=embed_model(model))

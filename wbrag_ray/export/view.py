@@ -1,0 +1,348 @@
+"""What an export holds: one view of a run's knowledge base (the base, or the base pruned at a ratio, plus the
+units of one write-back version), read one embedding shard at a time as (vectors, documents), and the single
+FAISS index they fill, row i = document i (the order FlashRAG's corpus, LangChain's id map and LlamaIndex's
+node map all rely on).
+
+Nothing here holds the corpus: each embedding shard's documents are read by id range (Parquet footer
+statistics, then a row filter), so only the files and row groups whose ids overlap the shard's are opened. A
+pruned level's sentence corpus holds only the kept sentences, so an id it lacks is a pruned one; everywhere
+else a missing document is an error. Counts are checked against the manifests of the indices the run searches.
+
+The vectors are the stored embedding shards the run's indices were built from, added to a copy of the base
+index's trained empty index (same quantizer and codes, no id map): a search of the export returns what the
+run's `Retriever` returns (Flat: the same ids; IVF: the same ids at the same nprobe, which is saved in the file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from wbrag_ray.config import ConfigError, EmbedderConfig, WbragConfig
+from wbrag_ray.index.faiss_index import (
+    TRAINED_FILE,
+    IndexError_,
+    embedding_files,
+    from_bytes,
+    load_manifest,
+    read_embedding_shard,
+)
+from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import Location
+
+MANIFEST_FILE = "wbrag_export.json"  # an export's view, counts and embedder; written last: the export is complete
+BASE, WRITEBACK = "base", "writeback"  # the id namespaces, as `Hit.source` names them
+
+# Every document carries the same metadata keys (None where a key does not apply), so a reader that infers
+# one schema from the rows (FlashRAG loads its corpus with `datasets`) sees one.
+METADATA_KEYS = ("source", "wbrag_id", "unit", "title", "doc_id", "passage_id", "version", "source_doc_ids",
+                 "source_example_id")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One exported document: `id` is unique in the export (a base id as text, or a unit's `wb:<version>:<n>`),
+    `contents` is FlashRAG's "title\\ntext"."""
+
+    id: str
+    title: str
+    text: str
+    metadata: dict[str, Any]
+
+    @property
+    def contents(self) -> str:
+        return f"{self.title}\n{self.text}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One index of the view: where its vectors, its documents and (for sentences) their passages' titles are."""
+
+    source: str  # BASE or WRITEBACK
+    unit: str  # passage, sentence or writeback: what the index holds
+    index: Location  # the index folder the run searches for this part (its manifest holds the expected count)
+    embeddings: Location
+    docs: Location
+    titles: Location | None = None  # the passages, when the documents are sentences
+    version: str | None = None
+    pruned: bool = False  # ids missing from `docs` were pruned
+
+    @property
+    def id_column(self) -> str:
+        return {"passage": "pid", "sentence": "sid"}.get(self.unit, "id")
+
+
+@dataclass
+class View:
+    """The parts an export holds, in order (`open_view` makes one), and what they share: the base index's
+    manifest (dimension, trained index, factory)."""
+
+    run: RunFolder
+    parts: list[Part]
+    manifest: dict[str, Any]  # the base part's index manifest
+    prune_ratio: float | None = None
+    version: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)  # documents read so far, per source
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    def batches(self) -> Iterator[tuple[np.ndarray, list[Document]]]:
+        """(vectors, documents) of one embedding shard at a time, every part in turn (the base first); each
+        part's count is checked against its index manifest once it is read."""
+        self.counts = {}
+        for part in self.parts:
+            n = 0
+            for vectors, docs in _part_batches(part):
+                n += len(docs)
+                yield vectors, docs
+            expected = load_manifest(part.index)["count"]
+            if n != expected:
+                raise IndexError_(f"the export read {n} {part.source} documents, but the index {part.index.uri} "
+                                  f"holds {expected}")
+            self.counts[part.source] = n
+
+    def empty_index(self, config: WbragConfig):
+        """A copy of the base index's trained empty index without its id map (row i = document i), with the
+        run's search settings (nprobe, efSearch, k_factor) set: faiss saves them with the index."""
+        import faiss
+
+        from wbrag_ray.index.retriever import set_search_params
+
+        base = self.parts[0].index
+        trained = base.join(self.manifest.get("trained", TRAINED_FILE))
+        if not trained.exists():
+            raise IndexError_(f"trained index {trained.uri} named by the manifest of {base.uri} is missing; "
+                              "rebuild the index with `wbrag index RUN --force`")
+        index = from_bytes(trained.read_bytes(), trained.uri)
+        if isinstance(index, faiss.IndexIDMap):  # IndexIDMap2 too: it derives from IndexIDMap
+            index = faiss.clone_index(faiss.downcast_index(index.index))  # a copy this proxy owns
+        if index.ntotal:
+            raise IndexError_(f"trained index {trained.uri} is not empty ({index.ntotal} vectors)")
+        ic = config.index
+        set_search_params(index, ic.nprobe, ic.ef_search, ic.k_factor)
+        return index
+
+    def describe(self, config: WbragConfig) -> dict[str, Any]:
+        """The view and its embedder, for the export's manifest."""
+        return {
+            "run": self.run.uri,
+            "prune_ratio": self.prune_ratio,
+            "writeback_version": self.version,
+            "counts": dict(self.counts),
+            "count": sum(self.counts.values()),
+            "indices": {p.source: p.index.uri for p in self.parts},
+            "embedder": embedder_info(config.embedder, self.dim),
+            "index": {"factory": self.manifest.get("factory"), "metric": "inner_product", "nprobe": config.index.nprobe,
+                      "ef_search": config.index.ef_search, "k_factor": config.index.k_factor},
+        }
+
+
+def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = None,
+              writeback: str | None = None) -> View:
+    """The base index (or the base pruned at `prune_ratio`) plus the units of a write-back version:
+    `writeback` names one, or is 'active' (the active one; an error when there is none) or 'none'; by default
+    the active version when there is one."""
+    from wbrag_ray.build_kb import INDEX
+    from wbrag_ray.zerorag.prune import index_for_ratio
+
+    run.require(INDEX)
+    layout = run.layout
+    ratio = prune_ratio or 0.0
+    index = index_for_ratio(run, ratio)  # a ratio not pruned yet is refused with the command that prunes it
+    manifest = load_manifest(index)
+    if manifest["embedder"] != config.embedder.model:
+        raise ConfigError(f"index {index.uri} was built with embedder {manifest['embedder']!r}, but embedder.model is "
+                          f"{config.embedder.model!r}; export with the run's config (drop --config / --set embedder.*)")
+    unit = manifest.get("unit", "passage")
+    if ratio:
+        if unit != "sentence":
+            raise ConfigError(f"the index of {run.uri} holds {unit}s; Zero-RAG prunes sentences (index.unit=sentence)")
+        level = layout.zero_rag.pruned(ratio)
+        base = Part(BASE, unit, index, layout.embed, level.sentences, layout.ingest.passages, pruned=True)
+    else:
+        docs, _ = layout.ingest.units(unit)
+        base = Part(BASE, unit, index, layout.embed, docs, layout.ingest.passages if unit == "sentence" else None)
+    parts = [base]
+    version = _writeback_version(run, writeback)
+    if version:
+        folder = layout.writeback_version(version)
+        wb_manifest = load_manifest(folder.index)
+        for key in ("embedder", "dim"):
+            if wb_manifest.get(key) != manifest.get(key):
+                raise IndexError_(f"write-back index {folder.index.uri} differs from {index.uri} in {key} "
+                                  f"({wb_manifest.get(key)!r} vs {manifest.get(key)!r}): one export cannot hold both")
+        parts.append(Part(WRITEBACK, WRITEBACK, folder.index, folder.embed, folder.units, version=version))
+    return View(run, parts, manifest, prune_ratio=ratio or None, version=version)
+
+
+def _writeback_version(run: RunFolder, writeback: str | None) -> str | None:
+    from wbrag_ray.writeback.versions import active_index, read_active
+
+    if writeback == "none":
+        return None
+    if writeback is None:  # by default what the run searches: the active version, when there is one
+        return read_active(run)["version"]
+    version, _index, _corpus = active_index(run, None if writeback == "active" else writeback)
+    return version
+
+
+# --- documents by id ----------------------------------------------------------------------------------------
+
+
+class RowsById:
+    """Rows of a Parquet folder looked up by id, one batch of ids at a time: only the files (and, through the
+    row filter, the row groups) whose id range overlaps the batch's are read."""
+
+    def __init__(self, folder: Location, id_column: str, columns: list[str]):
+        self.folder, self.id_column, self.columns = folder, id_column, columns
+        files = folder.list_files(".parquet")
+        if not files:
+            raise IndexError_(f"no documents at {folder.uri}")
+        self.files = [(f, *_id_range(f, id_column)) for f in files]
+
+    def take(self, ids: np.ndarray) -> tuple[np.ndarray, pa.Table]:
+        """(positions in `ids` that have a row, their rows in that order)."""
+        lo, hi = int(ids.min()), int(ids.max())
+        col = self.id_column
+        tables = [pq.read_table(f.path, filesystem=f.fs, columns=self.columns, filters=[(col, ">=", lo), (col, "<=", hi)])
+                  for f, f_lo, f_hi in self.files if f_lo <= hi and f_hi >= lo]
+        if not tables:
+            return np.zeros(0, np.int64), pa.table({c: [] for c in self.columns})
+        table = pa.concat_tables(tables)
+        where = pc.index_in(pa.array(ids, pa.int64()), value_set=table[col].combine_chunks())
+        found = pc.is_valid(where)
+        positions = np.flatnonzero(found.to_numpy(zero_copy_only=False))
+        return positions, table.take(where.filter(found))
+
+
+def _id_range(f: Location, column: str) -> tuple[int, int]:
+    """The id range of one Parquet file from its footer's statistics (the whole int64 range without them)."""
+    lo, hi = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    meta = pq.ParquetFile(f.path, filesystem=f.fs).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if column not in names:
+        raise IndexError_(f"{f.uri} has no column {column!r} (columns: {names})")
+    j = names.index(column)
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(j).statistics
+        if stats is None or not stats.has_min_max:
+            return np.iinfo(np.int64).min, np.iinfo(np.int64).max
+        lo, hi = min(lo, stats.min), max(hi, stats.max)
+    return int(lo), int(hi)
+
+
+def _part_batches(part: Part) -> Iterator[tuple[np.ndarray, list[Document]]]:
+    columns = {"passage": ["pid", "doc_id", "title", "text"], "sentence": ["sid", "pid", "text"],
+               WRITEBACK: ["id", "unit_id", "title", "text", "version", "source_example_id", "source_doc_ids"]}[part.unit]
+    docs = RowsById(part.docs, part.id_column, columns)
+    titles = RowsById(part.titles, "pid", ["pid", "doc_id", "title"]) if part.titles else None
+    for f in embedding_files(part.embeddings):
+        ids, vectors = read_embedding_shard(f)
+        if not len(ids):
+            continue
+        positions, rows = docs.take(ids)
+        if len(positions) < len(ids) and not part.pruned:
+            missing = np.setdiff1d(ids, ids[positions])
+            raise IndexError_(f"{len(missing)} ids of embedding shard {f.uri} have no document in {part.docs.uri} "
+                              f"(e.g. {int(missing[0])})")
+        if len(positions):
+            yield vectors[positions], _documents(part, rows.to_pylist(), titles)
+
+
+def _documents(part: Part, rows: list[dict[str, Any]], titles: RowsById | None) -> list[Document]:
+    if part.unit == "passage":
+        return [_doc(str(r["pid"]), r["title"], r["text"], source=BASE, wbrag_id=r["pid"], unit="passage",
+                     doc_id=r["doc_id"], passage_id=r["pid"]) for r in rows]
+    if part.unit == "sentence":
+        pids = np.unique(np.array([r["pid"] for r in rows], np.int64))
+        _pos, passages = titles.take(pids) if len(pids) else (None, pa.table({"pid": [], "doc_id": [], "title": []}))
+        by_pid = {p["pid"]: p for p in passages.to_pylist()}
+        out = []
+        for r in rows:
+            passage = by_pid.get(r["pid"])
+            if passage is None:
+                raise IndexError_(f"sentence {r['sid']} names passage {r['pid']}, which is not in {part.titles.uri}")
+            out.append(_doc(str(r["sid"]), passage["title"], r["text"], source=BASE, wbrag_id=r["sid"],
+                            unit="sentence", doc_id=passage["doc_id"], passage_id=r["pid"]))
+        return out
+    return [_doc(r["unit_id"], r["title"], r["text"], source=WRITEBACK, wbrag_id=r["id"], unit=WRITEBACK,
+                 version=r["version"], source_doc_ids=list(r["source_doc_ids"] or []),
+                 source_example_id=r["source_example_id"]) for r in rows]
+
+
+def _doc(key: str, title: str | None, text: str | None, /, **metadata: Any) -> Document:
+    title, text = title or "", text or ""
+    meta = dict.fromkeys(METADATA_KEYS)
+    meta.update(metadata, title=title)
+    return Document(key, title, text, meta)
+
+
+# --- the embedder, as the export's readers need it -------------------------------------------------------
+
+
+def embedder_info(config: EmbedderConfig, dim: int) -> dict[str, Any]:
+    """The embedder's name, where it loads from, its prefixes, pooling and input length: what a reader of the
+    export needs to embed queries as the index's documents were embedded."""
+    from wbrag_ray.models.embedder import Embedder
+
+    embedder = Embedder(config)  # resolves the model; nothing is loaded
+    pooling, max_length = _sentence_transformers_settings(embedder.source)
+    return {
+        "name": config.model,
+        "path": embedder.source,
+        "query_prefix": "query: " if embedder.e5 else "",
+        "passage_prefix": "passage: " if embedder.e5 else "",
+        "dim": dim,
+        "normalized": True,
+        "pooling": pooling,
+        "max_seq_length": config.max_seq_length or max_length,
+    }
+
+
+def _sentence_transformers_settings(source: str) -> tuple[str, int | None]:
+    """(pooling, max_seq_length) from a local sentence-transformers folder; ('mean', None) where it cannot be
+    read (a hub id)."""
+    from pathlib import Path
+
+    folder = Path(source)
+    pooling, max_length = "mean", None
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        path = next(m["path"] for m in modules if m["type"].endswith("Pooling"))
+        conf = json.loads((folder / path / "config.json").read_text())
+        pooling = "cls" if conf.get("pooling_mode_cls_token") else "mean"
+        max_length = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length")
+    except (OSError, StopIteration, KeyError, ValueError):
+        pass
+    return pooling, max_length
+
+
+def load_embedder(spec: str | EmbedderConfig | Any):
+    """A loaded `Embedder` from a model spec (a path, hub id or bundled:*), an EmbedderConfig, or an Embedder."""
+    from wbrag_ray.models.embedder import Embedder
+
+    if isinstance(spec, Embedder):
+        return spec
+    config = spec if isinstance(spec, EmbedderConfig) else EmbedderConfig(model=str(spec), dtype="float32")
+    embedder = Embedder(config)
+    embedder.setup()
+    return embedder
+
+
+def write_index(index, loc: Location) -> None:
+    """Write a faiss index to a file (local or s3://) in pieces, not through one serialized copy in memory."""
+    import faiss
+
+    with loc.open_write() as f:
+        writer = faiss.PyCallbackIOWriter(f.write)
+        faiss.write_index(index, writer)
+        del writer  # flushes before the stream closes

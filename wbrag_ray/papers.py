@@ -1,0 +1,81 @@
+"""What the two papers ran, as config values, and where a run departs from them.
+
+The defaults serve the demo (small CPU models, minutes): cloze QA pairs instead of LLM-written ones, the
+embedding head instead of the LLM regressor, write-back deduplication, FlashRAG-shorter FLARE budgets. A run
+says which of its choices differ from the papers: printed when a Zero-RAG or write-back stage starts, recorded
+in every evaluation's metrics.json, and listed in the report. `jobs/configs/paper_zero_rag.yaml` and
+`jobs/configs/paper_writeback.yaml` hold the papers' settings.
+
+Sources: Zero-RAG (Luo et al. 2025), WriteBack-RAG (its paper's setup section), and FlashRAG's defaults for
+the methods WriteBack-RAG runs (FLARE's look-ahead and rounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from wbrag_ray.config import WbragConfig
+
+ZERO_RAG, WRITEBACK = "Zero-RAG", "WriteBack-RAG"
+
+
+@dataclass(frozen=True)
+class PaperChoice:
+    paper: str  # which paper made the choice
+    path: str  # the config path
+    value: Any  # the paper's value
+    says: str  # the choice in the paper's words
+
+
+CHOICES = (
+    PaperChoice(ZERO_RAG, "zerorag.qa_mode", "llm", "mastery from QA pairs the LLM writes for each sentence"),
+    PaperChoice(ZERO_RAG, "zerorag.mastery_metric", "em", "mastery = mean exact match of the closed-book answers"),
+    PaperChoice(ZERO_RAG, "zerorag.pruner", "lm", "an LLM regressor predicts every sentence's mastery"),
+    PaperChoice(ZERO_RAG, "zerorag.tune.learning_rate", 3e-4, "noise-tolerant tuning at learning rate 3e-4"),
+    PaperChoice(WRITEBACK, "retrieval.top_k", 5, "K = 5 retrieved documents"),
+    PaperChoice(WRITEBACK, "writeback.metric", "auto",
+                "the gates' metric per dataset: acc (NQ, BoolQ, zsRE, HotpotQA), F1 (FEVER), EM (SQuAD)"),
+    PaperChoice(WRITEBACK, "writeback.dedupe_threshold", None, "no deduplication of the written-back units"),
+    PaperChoice(WRITEBACK, "rag.flare.look_ahead_tokens", 64, "FLARE looks 64 tokens ahead (FlashRAG)"),
+    PaperChoice(WRITEBACK, "rag.flare.max_rounds", 5, "FLARE writes at most 5 sentences (FlashRAG)"),
+)
+
+# WriteBack-RAG's gate metric per dataset, by the dataset's name (the training file's stem, lower-cased).
+GATE_METRICS = {"nq": "acc", "boolq": "acc", "zsre": "acc", "hotpotqa": "acc", "fever": "f1", "squad": "em"}
+
+
+def gate_metric(dataset: str) -> str:
+    """The paper's gate metric for a dataset name ('nq_train' -> acc, 'fever' -> f1); acc when it is unknown."""
+    name = dataset.lower()
+    for key, metric in GATE_METRICS.items():
+        if name == key or name.startswith((key + "_", key + "-", key + ".")):
+            return metric
+    return "acc"
+
+
+def _value(config: WbragConfig, path: str) -> Any:
+    value: Any = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def departures(config: WbragConfig, paper: str | None = None) -> list[str]:
+    """'path: value (the paper: its value, what it says)' for each choice of `config` that differs from the
+    papers (or from one of them)."""
+    out = []
+    for choice in CHOICES:
+        if paper and choice.paper != paper:
+            continue
+        value = _value(config, choice.path)
+        if value != choice.value:
+            out.append(f"{choice.path}: {value!r} (the {choice.paper} paper: {choice.value!r}, {choice.says})")
+    return out
+
+
+def print_departures(config: WbragConfig, paper: str) -> list[str]:
+    found = departures(config, paper)
+    if found:
+        print(f"{paper}: this run departs from the paper in " + "; ".join(found), flush=True)
+    return found
