@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pyarrow.parquet as pq
+
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
@@ -20,22 +22,36 @@ def _short(s: str, n: int = 140) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
+def _head(loc, n: int) -> list[dict]:
+    """The first `n` rows of a Parquet folder, reading row groups only until there are enough (a corpus-sized
+    folder is never read whole to print a few lines)."""
+    rows: list[dict] = []
+    for f in loc.list_files(".parquet"):
+        pf = pq.ParquetFile(f.path, filesystem=f.fs)
+        for g in range(pf.metadata.num_row_groups):
+            rows += pf.read_row_group(g).slice(0, n - len(rows)).to_pylist()
+            if len(rows) >= n:
+                return rows
+    return rows
+
+
 def inspect_run(run: RunFolder, n: int = 3) -> str:
     out: list[str] = [f"run {run.uri}", f"completed stages: {', '.join(run.completed_stages()) or 'none'}"]
 
     layout = run.layout
     rejects = layout.ingest.rejects
-    if rejects.exists():
-        rows = rejects.read_table().to_pylist()
-        out.append(f"\n== corpus rejects: {len(rows)} ==")
-        for r in rows[:n]:
+    if rejects.exists():  # the count from the footers; only the first rows printed are read
+        total = rejects.num_rows()
+        rows = _head(rejects, n)
+        out.append(f"\n== corpus rejects: {total} ==")
+        for r in rows:
             out.append(f"  [{r['doc_id']}] {r['reason']}  <- {_short(r['raw'], 90)}")
 
     sentences = layout.ingest.sentences
     if sentences.exists():
-        table = sentences.read_table()
-        first = table["pid"][0].as_py()
-        mine = [r for r in table.slice(0, 200).to_pylist() if r["pid"] == first]
+        head = _head(sentences, 200)
+        first = head[0]["pid"] if head else None
+        mine = [r for r in head if r["pid"] == first]
         out.append(f"\n== passage {first} as sentences (Zero-RAG's unit) ==")
         out += [f"  {r['sid']}: {_short(r['text'])}" for r in mine]
 
@@ -84,8 +100,6 @@ def _top_dropped(keep: Location, n: int) -> list[dict]:
     row per corpus sentence; only dropped rows are read)."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     order = [("mastery_pred", "descending"), ("id", "ascending")]  # ties by id: the same sample every time
     best = []
     for f in keep.list_files(".parquet"):
@@ -99,8 +113,6 @@ def _top_dropped(keep: Location, n: int) -> list[dict]:
 
 
 def _sentence_texts(run: RunFolder, sids: list[int]) -> dict[int, str]:
-    import pyarrow.parquet as pq
-
     loc = run.layout.ingest.sentences
     found: dict[int, str] = {}
     if not sids or not loc.exists():
