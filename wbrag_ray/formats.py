@@ -229,3 +229,9 @@ def plain_table(df) -> pa.Table:
     """A DataFrame as an Arrow table without pandas metadata: readers with another pandas version (or none) get
     plain Arrow types."""
     return pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None)
+
+
+def dataset_stem(path: str) -> str:
+    """A dataset's name from its path: the file (or folder) name before its first dot ('nq/train.jsonl' -> 'train',
+    's3://b/fever_dev.parquet' -> 'fever_dev'): names results, write-back versions and the paper's gate metric."""
+    return path.rstrip("/").rsplit("/", 1)[-1].split(".")[0]

@@ -11,12 +11,11 @@ method writes RUN/eval/<label>-<method>/ (metrics, predictions; wbrag_ray.layout
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.formats import plain_table, read_dataset
+from wbrag_ray.formats import dataset_stem, plain_table, read_dataset
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import departures
@@ -35,7 +34,7 @@ EVAL = RunStage(
 
 def dataset_name(config: WbragConfig, dataset: str) -> str:
     """What results on `dataset` are called: eval.name, else the file's stem."""
-    return config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
+    return config.eval.name or dataset_stem(dataset)
 
 
 def evaluate(

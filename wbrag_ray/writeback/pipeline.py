@@ -18,7 +18,6 @@ because a gate needs every answer of its example at once.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,9 +38,10 @@ def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
     """The write-back settings with `metric: auto` resolved to the paper's metric for the training set."""
     if wb.metric != "auto":
         return wb
+    from wbrag_ray.formats import dataset_stem
     from wbrag_ray.papers import gate_metric
 
-    return wb.model_copy(update={"metric": gate_metric(Path(train.rstrip("/")).name.split(".")[0])})
+    return wb.model_copy(update={"metric": gate_metric(dataset_stem(train))})
 
 
 def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:

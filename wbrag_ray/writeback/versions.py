@@ -4,7 +4,6 @@ never written."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from wbrag_ray.build_kb import INDEX
@@ -26,7 +25,9 @@ WRITEBACK = RunStage(
 
 def default_version(config: WbragConfig, train: str) -> str:
     """The version name: writeback.version, else the training file's stem (a rerun finds its own stage)."""
-    return config.writeback.version or Path(train.rstrip("/")).name.split(".")[0]
+    from wbrag_ray.formats import dataset_stem
+
+    return config.writeback.version or dataset_stem(train)
 
 
 def read_active(run: RunFolder) -> dict[str, Any]:

@@ -4,7 +4,6 @@ tuned adapter and the active write-back index, with retrieval latency and index 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     """Evaluate every pruning ratio of zerorag.ratios (and 0, the full index), without and with the router
     (zerorag.router), the tuned adapter (zerorag.tune.enabled) and the active write-back index (a pruned base
     plus write-back: the two methods combined); write RUN/zero_rag/grid.json."""
-    from wbrag_ray.evaluation.evaluate import evaluate_stage
+    from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
     from wbrag_ray.formats import read_dataset
     from wbrag_ray.index.faiss_index import load_manifest
     from wbrag_ray.models.embedder import Embedder
@@ -47,7 +46,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     from wbrag_ray.writeback.versions import read_active
 
     z = config.zerorag
-    name = config.eval.name or Path(dataset.rstrip("/")).name.split(".")[0]
+    name = dataset_name(config, dataset)
     ratios = sorted({0.0, *z.ratios})
     routers = [False, True] if z.router else [False]
     adapters = [False, True] if z.tune.enabled else [False]
