@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+import wbrag_ray.report.plots as plots
 from wbrag_ray.build_kb import INGEST
 from wbrag_ray.layout import WritebackVersion
-from wbrag_ray.report import plots
 from wbrag_ray.report.render import Section, Table
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location

@@ -46,8 +46,8 @@ def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, forc
 
 
 def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
+    import wbrag_ray.zerorag.qa as m
     from wbrag_ray import prompts
-    from wbrag_ray.zerorag import qa as m
 
     z = config.zerorag
     out = run.layout.zero_rag
