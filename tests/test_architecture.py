@@ -28,7 +28,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[str]:
     """Dotted names a module imports at any depth (function bodies too), except under `if TYPE_CHECKING:`:
-    `import a.b` gives a.b; `from a.b import c` gives a.b.c (c may be a module, or a name in a.b)."""
+    `import a.b` gives a.b; `from a.b import c` gives a.b.c (c may be a module, or a name in a.b) and a.b itself
+    (the package's `__init__` runs: a submodule importing its own package that way closes a cycle)."""
     names: list[str] = []
 
     def visit(node: ast.AST) -> None:
@@ -44,7 +45,7 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[str]:
                 package = module.split(".") if is_package else module.split(".")[:-1]
                 package = package[: len(package) - node.level + 1]
                 base = ".".join(package + ([base] if base else []))
-            names.extend(f"{base}.{alias.name}" for alias in node.names)
+            names.extend([base, *(f"{base}.{alias.name}" for alias in node.names)])
         for child in ast.iter_child_nodes(node):
             visit(child)
 
