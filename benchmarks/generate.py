@@ -16,11 +16,18 @@ figure "excluding warm-up" is differential, as in benchmarks.embed: each round a
 first WARM prompts alone (plan, actor start, load, one small batch), and the rate of the rest is
 (n - WARM) / (full - warm-up): what a long job sees once its actors are up.
 
+vLLM on CPU beside hf (when vLLM's CPU build is installed: `make setup-vllm`): the same prompts, fp32, the same
+2 torch threads, greedy, the same token budget and stop string. "vllm direct" is the engine a command's generator
+service holds (in-process engine core, `VLLMGenerator.setup`), timed on the whole list at once (its scheduler
+batches); "vllm Ray Data LLM" is one pass of its own through `ray.data.llm` (`generate_pass` without services),
+engine start included: what a standalone pass pays. The ratio vllm/hf compares prompts/s of the direct runs.
+
     python -m benchmarks.generate [--quick]
 """
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -209,8 +216,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     steady = (n - WARM) / (full - warm) if full > warm else float("nan")
     report(f"ray bf16, excluding warm-up (the {n - WARM} prompts after it)", steady, "prompts/s", 2)
     report_ratio("ratio ray/direct bf16, excluding warm-up (target >= 0.9)", steady, n / s16)
+    if importlib.util.find_spec("vllm") is None:
+        report("vllm", "not installed (make setup-vllm): skipped")
+    else:
+        vllm_beside_hf(args, prompts, direct32)
     report_pressure("at the end")
     return 0
+
+
+def vllm_beside_hf(args: Any, prompts: list, hf32: DirectRun) -> None:
+    """vLLM's CPU build on the prompts of the hf fp32 run: direct (the service's engine) and through Ray Data
+    LLM (a pass of its own), with prompts/s, answer tokens/s and generated tokens/s (vLLM pads nothing: its
+    generated tokens are the answers' plus each one's end token) and the ratio to hf fp32."""
+    import ray.data
+
+    from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.generation.passes import generate_pass
+    from wbrag_ray.generation.vllm import VLLMGenerator
+    from wbrag_ray.prompts import dumps
+
+    n = len(prompts)
+    config = GeneratorConfig(model="bundled:smollm2", max_new_tokens=MAX_NEW_TOKENS, dtype="float32",
+                             batch_size=n, backend="vllm", num_cpus=1, threads=THREADS)
+    tokenizer = hf32.generator.tokenizer
+
+    def answer_tokens(answers: list[str]) -> int:
+        return sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
+
+    # First the Ray Data LLM pass: its engine replica is a Ray actor, started by this pass (the multiprocess
+    # engine Ray Data LLM runs: engine core and CPU worker in processes of their own, 1 bound core of the 2).
+    rows = [{"i": i, "prompt": dumps(p)} for i, p in enumerate(prompts)]
+    with local_ray(num_cpus=2), Stopwatch() as sw:
+        table = generate_pass(config, ray.data.from_items(rows)).to_pandas().sort_values("i")
+    answers_ray = table["answer"].tolist()
+
+    engine, seconds = set_up(VLLMGenerator(config))
+    report("vllm engine start, direct (in-process, cached converted model)", seconds, "s", 2)
+    import torch
+
+    report("vllm direct torch threads", torch.get_num_threads())
+    engine.generate(prompts[:2], max_new_tokens=4)  # warm-up
+    best, answers = float("inf"), []
+    for _ in range(args.rounds):
+        answers, t = timed(engine.generate, prompts)
+        best = min(best, t)
+    outs = engine._run(prompts, engine.sampling_params("text"))  # the same greedy answers, for token counts
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    report("vllm direct fp32 time", best, "s", 2)
+    report("vllm direct fp32 generated tokens/s (answers + end token, no padding)", generated / best, "tokens/s")
+    report("vllm direct fp32 answer tokens/s", answer_tokens(answers) / best, "tokens/s")
+    report("vllm direct fp32 prompts/s", n / best, "prompts/s", 2)
+    report_ratio("ratio vllm/hf fp32 prompts/s (direct, same prompts)", n / best, n / hf32.seconds)
+    report_ratio("ratio vllm/hf fp32 answer tokens/s", answer_tokens(answers) / best,
+                 answer_tokens(hf32.answers) / hf32.seconds)
+    report("identical greedy answers vllm vs hf fp32", 100 * same_fraction(answers, hf32.answers), "%")
+    report("sample answer (hf fp32 | vllm fp32)", f"{hf32.answers[0]!r} | {answers[0]!r}")
+    report("vllm Ray Data LLM pass time, engine start included", sw.seconds, "s", 2)
+    report("vllm Ray Data LLM prompts/s, engine start included", n / sw.seconds, "prompts/s", 2)
+    report("identical greedy answers vllm Ray Data LLM vs direct", 100 * same_fraction(answers_ray, answers), "%")
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def _single_process_build(emb: str, out: str, factory: str, trained: bytes, n: i
 
 def search(index_dir: str, queries: np.ndarray, truth: np.ndarray, k_factor: float | None = None) -> tuple[float, float]:
     """(recall@10, ms per query) with the default nprobe; median of 3 passes over all query batches."""
-    from wbrag_ray.index.retriever import Retriever
+    from wbrag_ray.retrieval.local import Retriever
 
     r = Retriever(index_dir, k_factor=k_factor, batch_size=QUERY_BATCH)
     r.setup()
@@ -152,6 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_ratio(f"{name}_ray_vs_single_throughput", ray_rate, one_rate)
             report(f"{name}_ray_task_start_rss_mb", ray_stats["task_base_rss_mb"], "MiB")  # imports, no vectors
             report(f"{name}_ray_task_peak_rss_mb", ray_stats["peak_rss_mb"], "MiB")
+            for kind in ("train", "add", "merge"):  # each kind of task's own peak (None: that step did not run)
+                if ray_stats.get(f"{kind}_peak_rss_mb") is not None:
+                    report(f"{name}_ray_{kind}_task_peak_rss_mb", ray_stats[f"{kind}_peak_rss_mb"], "MiB")
+            if ray_stats["parts_bytes"]:  # an add part vs the trained index it no longer copies (IVF: codes only)
+                report(f"{name}_add_part_mb", ray_stats["parts_bytes"] / ray_stats["add_tasks"] / 2**20, "MiB", digits=3)
+                report(f"{name}_trained_index_mb", ray_stats["trained_bytes"] / 2**20, "MiB", digits=3)
             report(f"{name}_single_process_peak_rss_mb", single["peak_rss_mb"], "MiB")
             report_ratio(f"{name}_ray_task_peak_rss_vs_vector_bytes", ray_stats["peak_rss_mb"], vector_bytes)
             per_task_rates.append((name, ray_stats["add_vectors_per_task_s"]))

@@ -45,6 +45,8 @@ def _other_values(value, field) -> list:
         return [value + 1]
     if isinstance(value, float):
         return [value / 2 if value else 0.5]
+    if isinstance(value, str) and int in choices:  # 'auto' or a number (index.num_shards)
+        return [2]
     if isinstance(value, str):
         return [value + "-other"]
     if isinstance(value, list):

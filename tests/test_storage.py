@@ -99,3 +99,69 @@ def test_missing_object_store_credentials_fail_clearly(s3_server, tmp_path):
     out = _wbrag(["ingest", "s3://wbrag/runs/nocreds", "--corpus", "s3://wbrag/in/corpus.jsonl"], env, timeout=120)
     assert out.returncode == 2
     assert "s3://wbrag/runs/nocreds" in out.stderr and "AWS_ACCESS_KEY_ID" in out.stderr
+
+
+MOUNTS = """\
+overlay / overlay rw,relatime,lowerdir=/var/lib/docker/l1 0 0
+proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+/dev/nvme0n1p1 /home ext4 rw,relatime 0 0
+fs1:/export/runs /home/me/runs nfs4 rw,relatime,vers=4.2 0 0
+/dev/sdb1 /home/me/runs/scratch xfs rw,relatime 0 0
+s3fs /mnt/my\\040bucket fuse.s3fs rw,nosuid,nodev 0 0
+JuiceFS:kb /jfs fuse.juicefs rw,relatime 0 0
+lxcfs /var/lib/lxcfs fuse.lxcfs rw,nosuid,nodev 0 0
+10.0.0.5@tcp:/lustre /lustre lustre rw,flock 0 0
+/dev/sdc1 /data ext4 rw 0 0
+//nas/share /data cifs rw 0 0
+"""
+
+
+def test_the_mount_of_a_path_and_whether_other_machines_share_it():
+    """The longest mount point holding the path wins (a local disk mounted inside an NFS tree is local again);
+    the later of two mounts on one point wins; escaped spaces are read; the path need not exist yet."""
+    from wbrag_ray.storage import is_shared_filesystem, mount_of
+
+    assert mount_of("/home/me/runs/r1/new", MOUNTS) == ("/home/me/runs", "nfs4")
+    assert mount_of("/home/me/runs/scratch/r1", MOUNTS) == ("/home/me/runs/scratch", "xfs")
+    assert mount_of("/home/me/runsx", MOUNTS) == ("/home", "ext4")  # a prefix of the name is not the mount
+    assert mount_of("/mnt/my bucket/runs", MOUNTS) == ("/mnt/my bucket", "fuse.s3fs")
+    assert mount_of("/data/run", MOUNTS) == ("/data", "cifs")
+    assert mount_of("/tmp/run", MOUNTS) == ("/", "overlay")
+    shared = {p: is_shared_filesystem(mount_of(p, MOUNTS)[1])
+              for p in ("/home/me/runs/r", "/home/me/runs/scratch/r", "/mnt/my bucket/r", "/jfs/r", "/lustre/r",
+                        "/var/lib/lxcfs/r", "/tmp/r", "/home/r", "/data/r")}
+    assert shared == {"/home/me/runs/r": True, "/home/me/runs/scratch/r": False, "/mnt/my bucket/r": True,
+                      "/jfs/r": True, "/lustre/r": True, "/var/lib/lxcfs/r": False, "/tmp/r": False,
+                      "/home/r": False, "/data/r": True}
+    for fstype in ("nfs", "gpfs", "beegfs", "ceph", "glusterfs", "fuse.gcsfuse", "fuse", "smb3"):
+        assert is_shared_filesystem(fstype), fstype
+    for fstype in ("ext4", "xfs", "tmpfs", "overlay", "fuseblk", "fuse.fuse-overlayfs", "zfs", "btrfs"):
+        assert not is_shared_filesystem(fstype), fstype
+    assert mount_of("/tmp/x") is not None  # this machine's own table
+
+
+def test_a_folder_is_made_local_on_the_node_that_uses_it(s3_env, tmp_path, monkeypatch):
+    """node_local_dir: a local folder as it is; an s3:// one fetched into this node's cache; a local path that
+    this node does not have refused with the fix."""
+    import pytest
+
+    from wbrag_ray.config import ConfigError
+    from wbrag_ray.storage import node_local_dir
+
+    monkeypatch.setenv("WBRAG_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    assert node_local_dir(tmp_path / "adapter") == str(tmp_path / "adapter")
+    resolve("s3://wbrag/models/a2").upload_dir(tmp_path / "adapter")
+    fetched = node_local_dir("s3://wbrag/models/a2")
+    assert fetched.startswith(str(tmp_path / "cache")) and os.path.exists(os.path.join(fetched, "adapter_config.json"))
+    with pytest.raises(ConfigError, match="does not exist on node .*s3://"):
+        node_local_dir(tmp_path / "missing")
+
+
+def test_a_local_run_folder_on_one_node_is_not_checked_further(ray_cluster, tmp_path):
+    """One alive node (the test cluster): a local run folder is fine; so is s3:// anywhere (no listing)."""
+    from wbrag_ray.ray_runtime import check_run_dir
+
+    check_run_dir(str(tmp_path / "run"))
+    check_run_dir("s3://wbrag/runs/anything")

@@ -40,7 +40,7 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
 
     run = open_run(run)
     run.bind_config(config, force=force, guard=KB_STAGES)
-    init_ray(config.ray)
+    init_ray(config.ray, run.uri)
     return run
 
 
@@ -64,12 +64,19 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
 
 
 def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
-    """The top `k` hits of each query on the run's index (in this process: for a few queries)."""
-    from wbrag_ray.index.retriever import Retriever
+    """The top `k` hits of each query on the run's index: the queries embedded here, the shards searched by
+    the retrieval service's actors, and only the hits' documents read (from the memory-mapped store)."""
+    from wbrag_ray.ray_runtime import init_ray
+    from wbrag_ray.retrieval.local import load_query_embedder
+    from wbrag_ray.stages.service import Services
 
     run = open_run(run)
-    retriever = Retriever.from_config(run.layout.index.uri, run.layout.ingest.root.uri, config)
-    return retriever.search(queries, k)
+    init_ray(config.ray, run.uri)
+    with Services() as services:
+        service = services.retrieval(((run.layout.index.uri, run.layout.ingest.root.uri, "base"),), config.index,
+                                     config.retrieval)
+        embedder = load_query_embedder(config.embedder, service.dim, run.layout.index.uri)
+        return service.search_vectors(embedder.encode_queries(queries), k)
 
 
 # --- evaluation --------------------------------------------------------------------------------------------
@@ -109,7 +116,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         label = eval_label(name, prune_ratio, writeback, router, adapter)
     from wbrag_ray.ray_runtime import init_ray
 
-    init_ray(config.ray)
+    init_ray(config.ray, run.uri)
     if methods_grid:
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
@@ -128,8 +135,9 @@ def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | Non
     dataset = dataset or config.eval.dataset
     if not dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
-    init_ray(config.ray)
-    return evaluate_grid(open_run(run), config, dataset, force=force)
+    run = open_run(run)
+    init_ray(config.ray, run.uri)
+    return evaluate_grid(run, config, dataset, force=force)
 
 
 # --- WriteBack-RAG -----------------------------------------------------------------------------------------

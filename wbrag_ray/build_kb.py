@@ -11,8 +11,10 @@ from wbrag_ray.run import RunFolder, RunStage
 INGEST = RunStage("ingest", settings=("ingest.shard_bytes", "ingest.max_passage_chars", "ingest.min_sentence_chars"),
                   command="wbrag ingest RUN --corpus PATH")
 EMBED = RunStage("embed", settings=("embedder", "index.unit"), requires=(INGEST,), command="wbrag embed RUN")
-# Query-time index settings (nprobe, ef_search, k_factor, gpu) shape searches, not the built index.
-INDEX = RunStage("index", settings=("index.factory", "index.train_sample", "index.num_shards", "index.memory_budget_gb"),
+# Query-time index settings (nprobe, ef_search, k_factor, gpu) shape searches, not the built index (gpu also moves
+# the k-means training onto a GPU: where it runs, not what it makes).
+INDEX = RunStage("index", settings=("index.factory", "index.train_sample", "index.train_memory_gb", "index.num_shards",
+                                    "index.shard_memory_gb", "index.memory_budget_gb"),
                  requires=(EMBED,), command="wbrag index RUN")
 # The stages run.json's config describes: a changed config that would change them is refused for the whole run.
 KB_STAGES = (INGEST, EMBED, INDEX)
@@ -96,12 +98,16 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
 
 def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest."""
+    """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest; and
+    the document store of the indexed unit (one task per ingest shard), which searches look hits up in."""
     from wbrag_ray.index.faiss_index import build_index
+    from wbrag_ray.retrieval.docstore import write_doc_store
 
     def work() -> dict[str, Any]:
         ic = config.index
-        return build_index(
+        docs = run.layout.docs.join(ic.unit)
+        store = write_doc_store(run.layout.ingest.root, ic.unit, docs)
+        stats = build_index(
             run.layout.embed,
             run.layout.index,
             ic.factory,
@@ -110,9 +116,13 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
             ic.train_sample,
             num_shards=ic.num_shards,
             memory_budget_gb=ic.memory_budget_gb,
+            shard_memory_gb=ic.shard_memory_gb,
+            train_memory_gb=ic.train_memory_gb,
+            gpu=ic.gpu,
             num_cpus=ic.num_cpus,
-            docs=run.layout.ingest.root.uri,  # the manifest names its documents: a search needs only the folder
+            docs=docs.uri,  # the manifest names its documents: a search needs only the index folder
         )
+        return {**stats, "doc_store_files": store["files"]}
 
     return run.execute(INDEX, config, work, force=force)
 

@@ -113,7 +113,9 @@ class GeneratorConfig(_Section):
     )
     base_url: str | None = Field(None, description="openai backend: the server's /v1 URL.")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai backend: environment variable with the key.")
-    lora_adapter: str | None = Field(None, description="Path of a LoRA adapter to apply (hf, vllm).")
+    lora_adapter: str | None = Field(
+        None, description="LoRA adapter folder to apply (hf, vllm): a local path every node sees, or s3://... "
+        "(each node that loads the generator fetches it into its own cache).")
     vllm_engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, merged over the throughput defaults."
     )
@@ -127,13 +129,30 @@ class IndexConfig(_Section):
         "auto",
         description="faiss index factory string (Flat, IVF4096,Flat, IVF4096,PQ48, OPQ48,IVF4096,PQ48, HNSW32, "
         "IVF4096,PQ48,RFlat), or 'auto': chosen from the vector count and index.memory_budget_gb "
-        "(Flat below 20K vectors, else IVF with the most precise codes that fit; see choose_factory).",
+        "(Flat below 20K vectors, else IVF with the most precise codes that fit and no more lists than get 39 "
+        "training vectors each within index.train_memory_gb; see choose_factory).",
     )
-    train_sample: int = Field(100_000, ge=1, description="Vectors sampled to train an index that needs training.")
+    train_sample: int = Field(
+        100_000, ge=1, description="Vectors sampled to train an index that needs training. An IVF's sample is raised "
+        "to 39 x its lists (faiss's k-means wants 39 vectors per centroid), and no sample exceeds what "
+        "index.train_memory_gb holds.",
+    )
+    train_memory_gb: float = Field(
+        8.0, gt=0, description="Memory the training sample may take (sample x dim x 4 bytes): caps "
+        "index.train_sample. With index.factory=auto, an IVF gets fewer lists when 39 vectors per list would not "
+        "fit; an explicit IVF factory that cannot get them is refused before any work, naming the fix (raise this, "
+        "or fewer lists): a factory you chose is never silently changed.",
+    )
     nprobe: int = Field(32, ge=1, description="IVF cells visited per query.")
-    num_shards: int = Field(
-        1, ge=1, description="Index shards the build merges into; each is searched on its own and the results "
-        "merged. More shards bound the memory of each merge task (corpus / num_shards)."
+    num_shards: int | Literal["auto"] = Field(
+        "auto", description="Index shards the build merges into, each built by its own merge task and loaded by "
+        "one search actor (the results merged by score): an integer, or 'auto': ceil(estimated index bytes / "
+        "index.shard_memory_gb), estimated from faiss's code size per vector plus the trained quantizer every "
+        "shard carries (at most one shard per embedding shard)."
+    )
+    shard_memory_gb: float = Field(
+        4.0, gt=0, description="index.num_shards=auto: the most bytes one index shard may take (its codes, ids "
+        "and copy of the trained quantizer): the memory of one merge task and of one search actor's shard."
     )
     memory_budget_gb: float = Field(
         16.0, gt=0, description="Memory the whole index may take at search time; index.factory=auto picks codes "
@@ -144,13 +163,35 @@ class IndexConfig(_Section):
         None, ge=1, description="Refine indices (...,RFlat): candidates re-ranked per result (None: faiss's default, 1)."
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each index build task (train, add, merge) asks Ray for.")
-    gpu: bool = Field(True, description="Search on the GPU when faiss has GPU support and a GPU is present.")
+    gpu: bool = Field(True, description="Search on the GPU when faiss has GPU support and a GPU is present; and "
+                      "train an IVF's k-means on a GPU (the train task asks Ray for one) when the cluster has one.")
+
+    @field_validator("num_shards")
+    @classmethod
+    def _positive_shards(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be a positive integer or 'auto'")
+        return v
 
 
 class RetrievalConfig(_Section):
+    """Retrieval passes, and the retrieval service they run on: an index's shards grouped into search actors
+    of at most `actor_memory_gb` each, `concurrency` replicas of every group (wbrag_ray.retrieval.service)."""
+
+    RUNTIME_KEYS = frozenset({"batch_size", "search_cpus", "actor_memory_gb"})
+
     top_k: int = Field(5, ge=1, description="Documents retrieved per question (K).")
     batch_size: int = Field(64, ge=1, description="Questions embedded and searched per batch.")
-    num_cpus: float = Field(0.25, gt=0, description="CPUs each retriever actor asks Ray for.")
+    num_cpus: float = Field(0.25, gt=0, description="CPUs each retrieval-pass actor (query embedder, router) asks "
+                            "Ray for.")
+    search_cpus: float = Field(0.25, gt=0, description="CPUs each search actor asks Ray for (faiss threads: "
+                               "rounded up).")
+    actor_memory_gb: float = Field(
+        8.0, gt=0, description="Index bytes one search actor holds at most: an index's shards are grouped up to "
+        "this (a shard larger than it is a group of its own) and each group's memory is declared to Ray.",
+    )
+    concurrency: int = Field(1, ge=1, description="Replicas of every search actor (queries are spread over them), and "
+                             "retrieval-pass actors.")
     replug_temperature: float = Field(
         0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval score / temperature)."
     )

@@ -7,6 +7,7 @@ search) and the tests all reach a file through these classes, never through a ty
     RUN/embed/                                embedding shards (id, vector)
     RUN/_checkpoints/embed/                   Ray Data's row-level checkpoint of a running embed
     RUN/index/                                sharded FAISS index + manifest.json
+    RUN/docs/<unit>/                          document store: id-sorted Arrow files, memory-mapped by searches
     RUN/eval/<label>-<method>/                metrics.json, predictions.parquet, rejects.parquet
     RUN/eval/methods_grid[-<name>].json       the methods x write-back grid
     RUN/writeback/ACTIVE, <version>/...       WritebackVersion
@@ -107,6 +108,7 @@ class WritebackVersion:
     distill = _at("distill.parquet")
     corpus = _at("corpus")
     units = _at("corpus", "units.parquet")
+    docs = _at("docs")  # the corpus as a document store: what a search looks hits up in
     embed = _at("embed")
     embed_file = _at("embed", "emb-000000.parquet")  # the units' vectors, in the embedding-shard format
     index = _at("index")
@@ -184,6 +186,7 @@ class RunLayout:
     embed = _at("embed")
     embed_checkpoint = _at("_checkpoints", "embed")  # Ray Data's row-level checkpoint of a running embed
     index = _at("index")
+    docs = _at("docs")  # the document store of each index unit (docs/passage, docs/sentence)
     eval = _at("eval")
     writeback = _at("writeback")
     writeback_active = _at("writeback", "ACTIVE")

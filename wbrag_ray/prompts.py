@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from wbrag_ray.index.retriever import Hit
+from wbrag_ray.retrieval.hits import Hit
 
 RAG_SYSTEM = (
     "Answer the question based on the given documents. Only give me the answer and do not output any other words."

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 
 from wbrag_ray.config import ConfigError, RayConfig
 
@@ -57,6 +58,82 @@ def select_rows(loc, id_column: str, ids, columns: list[str]):
     return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=columns)
 
 
+def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0, parallel: bool | None = None,
+              own_errors: tuple[type[BaseException], ...] = (ValueError,)) -> list:
+    """fn(shared, item) for every item, in order: Ray tasks when Ray is up (or `parallel`), the shared argument
+    put once in the object store; otherwise a loop in this process (small jobs, tests, single-process
+    baselines). A task's error of one of `own_errors` comes back as itself, so its message stays short and
+    names the file it is about; others come back as Ray's wrapped error. Failed tasks are retried twice (a
+    lost node), so `fn` must be idempotent: it writes whole files under names given by its item."""
+    import ray
+
+    if parallel is None:
+        parallel = ray.is_initialized()
+    if not parallel:
+        return [fn(shared, item) for item in items]
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, max_retries=2)(fn)
+    ref = ray.put(shared)
+    refs = [remote.remote(ref, item) for item in items]
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, own_errors):
+            raise exc.cause from None
+        raise
+
+
+def call_actor(actors: list, method: str, *args, attempts: int = 6):
+    """`actors[i].<method>(*args)` on one of interchangeable actors (replicas of a service), waited for; a call
+    that meets an actor being restarted after its node was lost (ActorUnavailableError) or one that died is
+    sent again, to the next actor, after a back-off. The methods called this way are pure functions of their
+    arguments: running one twice loses and duplicates nothing."""
+    import random
+    import time
+
+    import ray
+
+    order = random.sample(actors, len(actors))
+    for attempt in range(attempts):
+        actor = order[attempt % len(order)]
+        try:
+            return ray.get(getattr(actor, method).remote(*args))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            if attempt == attempts - 1:
+                raise
+            log.warning("actor call %s failed on a lost actor; retrying (%d/%d)", method, attempt + 1, attempts - 1)
+            time.sleep(min(2.0 ** attempt, 15.0))  # Ray restarts the actor on another node meanwhile
+
+
+# --- a process's own peak memory: what a task or actor reports of itself --------------------------------
+
+
+def reset_peak_rss() -> float:
+    """Start a task's own peak-memory count (Ray reuses worker processes, whose lifetime peak would
+    include earlier tasks); returns the resident MiB at the start (interpreter, faiss, pyarrow)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset VmHWM, the peak resident set size
+        return _proc_status_mb("VmRSS")
+    except OSError:
+        return 0.0
+
+
+def _proc_status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise OSError(key)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident MiB since the last `reset_peak_rss` (Linux), else since the process started."""
+    try:
+        return _proc_status_mb("VmHWM")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux and BSD units differ; KiB here
+
+
 def stable_names(prefix: str):
     """A Ray Data file-name provider: `<prefix>-<write uuid>-<task index>.parquet`, a pure function of (write,
     task), as Ray 2.60's checkpointing needs to predict a file's name before it is written (and to delete it
@@ -73,13 +150,16 @@ def stable_names(prefix: str):
     return StableNames()
 
 
-def init_ray(config: RayConfig) -> None:
-    """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster."""
+def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
+    """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster. `run_dir`: the run
+    folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
     import ray
     import ray.data
 
     if ray.is_initialized():
         configure_data_context()
+        if run_dir is not None:
+            check_run_dir(run_dir)
         return
     address = config.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
@@ -96,6 +176,48 @@ def init_ray(config: RayConfig) -> None:
         # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
         ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False, **kwargs)
     configure_data_context()
+    if run_dir is not None:
+        check_run_dir(run_dir)
+
+
+# Set to 1 when a local run folder is on storage every node sees at the same path but that /proc/mounts does
+# not show as shared (a bind mount of a network volume in a container, a filesystem type not listed).
+SHARED_RUN_DIR_ENV = "WBRAG_SHARED_RUN_DIR"
+_warned_run_dirs: set[str] = set()  # one warning per run folder and process, not one per command step
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Refuse a local run folder when Ray runs tasks on other machines (more than one alive node, or a Ray
+    Client connection): their workers would write into folders of their own machine's disk, and read nothing
+    of the driver's. Allowed, with a warning, on a network or cluster filesystem (NFS, Lustre, a FUSE mount of
+    object storage, ...: `storage.is_shared_filesystem`) or when WBRAG_SHARED_RUN_DIR=1."""
+    import ray
+
+    from wbrag_ray.storage import is_shared_filesystem, mount_of, resolve
+
+    if "://" in run_dir and not run_dir.startswith("file://"):
+        return  # object storage: every node reaches it
+    loc = resolve(run_dir)
+    client = ray.util.client.ray.is_connected()
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    if nodes <= 1 and not client:
+        return
+    where = "through Ray Client" if client else f"with {nodes} nodes"
+    if os.environ.get(SHARED_RUN_DIR_ENV, "").strip().lower() in ("1", "true", "yes"):
+        reason = f"{SHARED_RUN_DIR_ENV}=1 says every node sees it at that path"
+    else:
+        mount = mount_of(loc.path)
+        if mount is None or not is_shared_filesystem(mount[1]):
+            raise ConfigError(
+                f"run folder {loc.uri} is a local path, but Ray runs this command's tasks on a cluster {where}: "
+                "workers on other machines cannot read or write this machine's disk. Put the run folder on object "
+                "storage (s3://bucket/prefix) or on a filesystem every node mounts at the same path (NFS, Lustre, "
+                f"a FUSE mount); if {loc.path} is already such a mount, set {SHARED_RUN_DIR_ENV}=1."
+            )
+        reason = f"it is on a {mount[1]} mount ({mount[0]}), which every node must mount at the same path"
+    if loc.uri not in _warned_run_dirs:
+        _warned_run_dirs.add(loc.uri)
+        log.warning("run folder %s is a local path on a Ray cluster %s: allowed, as %s", loc.uri, where, reason)
 
 
 def configure_data_context() -> None:

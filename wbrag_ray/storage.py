@@ -171,6 +171,7 @@ class Location:
         dest = os.path.join(os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag")), "remote", key)
         if not os.path.exists(dest):
             tmp = f"{dest}.tmp{os.getpid()}"
+            os.makedirs(tmp, exist_ok=True)  # copy_files makes subfolders, not the folder of top-level files
             pafs.copy_files(self.path, tmp, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
             try:
                 os.rename(tmp, dest)  # atomic: concurrent actors on one node race harmlessly
@@ -179,6 +180,71 @@ class Location:
 
                 shutil.rmtree(tmp, ignore_errors=True)
         return dest
+
+
+def node_local_dir(uri: str | os.PathLike[str]) -> str:
+    """The folder at `uri` (a local path or s3://...) as a path on this node, for loaders that read only local
+    files (peft, transformers): remote folders are fetched into this node's cache (`WBRAG_CACHE`).
+
+    Call it where the files are used (in the Ray worker that loads them), and hand workers the URI, never the
+    result: a path in the driver's cache does not exist on another node."""
+    loc = resolve(uri)
+    if loc.is_local and not os.path.exists(loc.path):
+        import socket
+
+        raise ConfigError(
+            f"{loc.uri} does not exist on node {socket.gethostname()}: on a cluster, a local path must be on a "
+            "filesystem every node mounts at the same path; or put the folder on object storage (s3://...)"
+        )
+    return loc.local_dir()
+
+
+# Filesystem types whose folders other machines can mount too (network and cluster filesystems). A FUSE mount
+# ("fuse.<driver>": s3fs, gcsfuse, juicefs, mountpoint-s3, sshfs, ...) counts as shared unless its driver is
+# one of the machine-local ones below.
+SHARED_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "ocfs2", "gfs2",
+    "afs", "wekafs", "panfs", "orangefs", "pvfs2", "cvfs", "quobyte", "fuse",
+})
+LOCAL_FUSE = frozenset({"fuse.lxcfs", "fuse.fuse-overlayfs", "fuse.gvfsd-fuse", "fuse.portal", "fuse.snapfuse",
+                        "fuse.squashfuse", "fuse.xdg-document-portal", "fuse.appimagelauncherfs"})
+
+
+def _unescape_mount(field: str) -> str:
+    """/proc/mounts writes space, tab, newline and backslash in paths as octal escapes (\\040 ...)."""
+    import re
+
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_of(path: str, mounts: str | None = None) -> tuple[str, str] | None:
+    """(mount point, filesystem type) of the mount holding local `path` (which need not exist yet), from
+    `mounts` (the text of /proc/mounts; read from this machine when None); None where it cannot be read."""
+    if mounts is None:
+        try:
+            with open("/proc/mounts") as f:
+                mounts = f.read()
+        except OSError:
+            return None
+    real = os.path.realpath(path)
+    best: tuple[str, str] | None = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point, fstype = _unescape_mount(fields[1]), fields[2]
+        inside = point == "/" or real == point or real.startswith(point.rstrip("/") + "/")
+        # the longest mount point wins; among equal ones the later line (a mount over a mount)
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, fstype)
+    return best
+
+
+def is_shared_filesystem(fstype: str) -> bool:
+    """Whether a filesystem of this type (as /proc/mounts names it) may be mounted by other machines too."""
+    if fstype in LOCAL_FUSE:
+        return False
+    return fstype in SHARED_FILESYSTEMS or fstype.startswith("fuse.")
 
 
 def resolve(uri: str | os.PathLike[str]) -> Location:

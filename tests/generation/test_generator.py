@@ -10,13 +10,13 @@ import pytest
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.hf import HFGenerator
-from wbrag_ray.generation.hf_loading import row_bytes
+from wbrag_ray.generation.hf_loading import hf_model_source, row_bytes
 from wbrag_ray.generation.passes import generate_pass
 from wbrag_ray.generation.types import choices_from_logprobs, scored_from_logprobs
-from wbrag_ray.generation.vllm import VLLMGenerator
-from wbrag_ray.index.retriever import Hit
+from wbrag_ray.generation.vllm import VLLMGenerator, lora_source
 from wbrag_ray.models.bundled import bundled_path, resolve_model
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+from wbrag_ray.retrieval.hits import Hit
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,8 @@ def test_missing_model_path_and_unknown_backend_fail_at_start(tmp_path):
 
 
 def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path, ray_cluster):
-    """vLLMEngineProcessorConfig and build_processor construct without vllm installed; running needs a GPU."""
+    """vLLMEngineProcessorConfig and build_processor construct without vllm installed (running them on vLLM's CPU
+    build: tests/generation/test_vllm_cpu.py)."""
     adapter = tmp_path / "adapters" / "router-lora"
     adapter.mkdir(parents=True)
     gen = VLLMGenerator(
@@ -104,17 +105,25 @@ def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path, ray_cluster):
     assert cfg.engine_kwargs["enable_chunked_prefill"] is True
     assert cfg.engine_kwargs["max_model_len"] == 2048  # user settings win over the defaults
     assert cfg.engine_kwargs["enable_lora"] is True
-    assert cfg.dynamic_lora_loading_path == str(adapter.parent)
-    assert cfg.model_source.endswith(".gguf")
+    # a local adapter goes to the engine by its path (Ray 2.60 downloads only remote loading paths); one on
+    # object storage by its parent URI and folder name, downloaded by each engine's node
+    assert cfg.dynamic_lora_loading_path is None
+    assert lora_source("s3://kb/run/zero_rag/adapter/") == ("s3://kb/run/zero_rag", "adapter")
+    remote = VLLMGenerator(GeneratorConfig(backend="vllm", lora_adapter="s3://kb/run/zero_rag/adapter"))
+    assert remote.processor_config().dynamic_lora_loading_path == "s3://kb/run/zero_rag"
+    assert cfg.model_source == hf_model_source(gen.config)  # the bundled GGUF as its converted folder
+    # no GPUs asked for: a CPU bundle per engine replica, vLLM's CPU settings, fp32 on a CPU without native bf16
+    assert cfg.placement_group_config["bundles"] == [{"CPU": 1.0}]
+    assert cfg.engine_kwargs["distributed_executor_backend"] == "mp" and cfg.engine_kwargs["enforce_eager"]
     processor = gen.build_processor("prompt", "answer")
-    # Ray's chain of map_batches stages around the engine, on the engine settings above
-    assert processor.list_stage_names() == ["ChatTemplateStage", "TokenizeStage", "vLLMEngineStage", "DetokenizeStage"]
+    # Ray's chain of map_batches stages around the engine (which tokenizes and detokenizes itself)
+    assert processor.list_stage_names() == ["ChatTemplateStage", "vLLMEngineStage"]
     assert processor.config.model_source == cfg.model_source
     assert cfg.engine_kwargs.items() <= processor.config.engine_kwargs.items()  # Ray adds its executor backend
     # what a row carries into the engine (messages, sampling, the adapter by its folder name) and what comes out
     messages = no_retrieval_messages("What is the capital of France?")
     data = processor.preprocess({"id": 7, "prompt": json.dumps(messages)})[processor.DATA_COLUMN]
-    assert data["messages"] == messages and data["model"] == "router-lora"
+    assert data["messages"] == messages and data["model"] == str(adapter)
     assert data["sampling_params"] == gen.sampling_params("text")
     out = processor.postprocess({processor.DATA_COLUMN: {**data, "generated_text": "Paris\nQuestion: more"}})
     assert out["id"] == 7 and out["answer"] == "Paris"  # cut at the stop string

@@ -12,8 +12,8 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.passes import GeneratorPasses, from_pandas, generate_pass
 from wbrag_ray.generation.types import mixture_weights
-from wbrag_ray.index.retriever import Hit
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+from wbrag_ray.retrieval.hits import Hit
 
 QUESTION = "What is the capital of Iceland?"
 # one-sentence documents that differ by a word or two: next-token distributions close enough that a token

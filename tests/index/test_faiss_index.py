@@ -18,7 +18,7 @@ from wbrag_ray.index.faiss_index import (
     load_index,
     load_shards,
 )
-from wbrag_ray.index.retriever import DocStore, Retriever
+from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 
 
@@ -77,8 +77,7 @@ def test_retriever_checks_embedder_and_query_dimension(tmp_path, ray_cluster):
 
     corpus = write_jsonl(tmp_path / "c.jsonl", demo_records(10))
     run_ingest(str(corpus), str(tmp_path / "ingest"), IngestConfig())
-    docs = DocStore(resolve(str(tmp_path / "ingest")), "passage")
-    ids = np.asarray(docs.ids)
+    ids = np.sort(resolve(str(tmp_path / "ingest" / "passages")).read_table(["pid"])["pid"].to_numpy())
     rng = np.random.default_rng(0)
     vecs = rng.normal(size=(len(ids), 384)).astype(np.float32)
     (tmp_path / "emb").mkdir()

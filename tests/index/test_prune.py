@@ -8,7 +8,7 @@ import pytest
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.faiss_index import IndexError_, build_index, load_shards
 from wbrag_ray.index.prune import drop_ids_from, prune_index
-from wbrag_ray.index.retriever import Retriever
+from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 
 

@@ -7,7 +7,9 @@ import pytest
 
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.faiss_index import IndexError_, build_index
-from wbrag_ray.index.retriever import DocStore, Hit, Retriever, RetrieveStage, UnionRetriever, merge_top_k
+from wbrag_ray.retrieval.docstore import DocStoreError, open_doc_store
+from wbrag_ray.retrieval.hits import Hit, merge_top_k
+from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.storage import resolve
 
 
@@ -64,14 +66,15 @@ def test_wrong_dimension_queries_are_named(tmp_path):
         Retriever(idx).search_vectors(np.zeros((3, 8), np.float32), 2)
 
 
-def test_docstore_reads_a_plain_parquet_folder_and_names_a_bad_one(tmp_path):
-    store = DocStore(resolve(_docs(tmp_path / "docs", [3, 1, 2], "unit")))
+def test_docstore_reads_a_plain_parquet_folder_and_names_a_bad_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("WBRAG_CACHE", str(tmp_path / "cache"))  # the store built from the folder goes there
+    store = open_doc_store(resolve(_docs(tmp_path / "docs", [3, 1, 2], "unit")))
     assert store.get(2) == ("unit 2", "unit text 2")
     with pytest.raises(KeyError, match="document id 9"):
         store.get(9)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(IndexError_, match="no documents at .*empty"):
-        DocStore(resolve(str(tmp_path / "empty")))
+    with pytest.raises(DocStoreError, match="no documents at .*empty"):
+        open_doc_store(resolve(str(tmp_path / "empty")))
 
 
 def test_merge_top_k_and_short_shards(tmp_path):
@@ -80,11 +83,3 @@ def test_merge_top_k_and_short_shards(tmp_path):
     idx = _index(tmp_path, "a", clustered(3, 8), None)  # fewer vectors than k: no -1 ids in the hits
     hits = Retriever(idx).search_vectors(clustered(1, 8, seed=9), 5)[0]
     assert len(hits) == 3 and all(isinstance(h, Hit) and h.id >= 0 for h in hits)
-
-
-def test_retrieve_stage_builds_a_union_from_extra_indices(tmp_path):
-    vecs = clustered(50, 8)
-    base, wb = _index(tmp_path, "a", vecs, None), _index(tmp_path, "b", vecs, None)
-    stage = RetrieveStage(base, None, None, None, 8, ((wb, None, "writeback"),))
-    assert isinstance(stage.retriever, UnionRetriever)
-    assert [m.source for m in stage.retriever.members] == ["base", "writeback"]

@@ -12,8 +12,9 @@ from wbrag_ray import prompts, rag
 from wbrag_ray.config import load_config
 from wbrag_ray.formats import read_dataset
 from wbrag_ray.generation.passes import GeneratorPasses
-from wbrag_ray.index.retriever import RetrievalSetting, hits_from_json
 from wbrag_ray.rag.flare import first_sentence, masked_query
+from wbrag_ray.retrieval.hits import hits_from_json
+from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 
@@ -41,7 +42,7 @@ def _answer(built_run, flashrag_files, tiny, services, method: str, extra=(), **
     questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=N)
     layout = RunFolder(str(run)).layout
     search = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
-                              config.index.nprobe)
+                              config.index)
     passes = GeneratorPasses(config.generator, services)
     df = rag.answer(questions, [method], config, search, passes, "prediction")
     assert sorted(df["id"]) == sorted(questions["id"].to_pylist()) and set(df["method"]) == {method}
@@ -135,11 +136,11 @@ def test_self_rag_skips_retrieval_and_drops_documents_as_judged(built_run, flash
     p_retrieve = statistics.median(t["p_retrieve"] for t in traces.values())
     p_relevant = statistics.median(d["relevance"] for t in traces.values() for d in t["retrieved"])
 
-    started = dict(services.started)  # the generator and retrieval services the first run left
+    started = dict(services.started)  # the generator, retrieval-pass and search services the first run left
     df, passes = _answer(built_run, flashrag_files, tiny, services, "self-rag", **{
         "self_rag.retrieval_threshold": p_retrieve, "self_rag.relevance_threshold": p_relevant})
     # four passes (3 generator, 1 retrieval) on the services already started: nothing loaded again
-    assert services.started == started and set(started) == {"generate", "retrieve"}
+    assert services.started == started and set(started) == {"generate", "retrieve", "search"}
     skipped = kept_some = dropped_some = 0
     for i, row in df.iterrows():
         trace = json.loads(row["trace"])
@@ -180,7 +181,7 @@ def test_a_zero_rag_router_skips_retrieval_under_every_method(built_run, flashra
     questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=3)
     layout = RunFolder(str(run)).layout
     search = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
-                              config.index.nprobe, router_dir=str(tmp_path / "router"))
+                              config.index, router_dir=str(tmp_path / "router"))
     df = rag.answer(questions, ["naive", "self-rag", "flare"], config, search, GeneratorPasses(config.generator, services))
     assert len(df) == 9 and df["retrieval_skipped"].all() and (df["docs"] == "[]").all()
     for method, trace in zip(df["method"], df["trace"], strict=True):
@@ -203,9 +204,9 @@ def test_a_router_that_searches_everything_leaves_flare_its_sentence_queries(bui
     questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=3)
     layout = RunFolder(str(run)).layout
     routed = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
-                              config.index.nprobe, router_dir=str(tmp_path / "router"))
+                              config.index, router_dir=str(tmp_path / "router"))
     plain = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
-                             config.index.nprobe)
+                             config.index)
     with_router = rag.answer(questions, ["flare"], config, routed, GeneratorPasses(config.generator, services))
     without = rag.answer(questions, ["flare"], config, plain, GeneratorPasses(config.generator, services))
     assert not with_router["retrieval_skipped"].any()

@@ -30,8 +30,8 @@ from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
 from wbrag_ray.formats import embeddings_table
 from wbrag_ray.index.faiss_index import build_index, load_manifest
-from wbrag_ray.index.retriever import Retriever, UnionRetriever
 from wbrag_ray.models.embedder import Embedder
+from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import UNITS, WRITEBACK_ID_BASE
 from wbrag_ray.writeback.versions import WRITEBACK, activate, active_index

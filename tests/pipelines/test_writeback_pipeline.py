@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import DATA, demo_questions, demo_records, write_jsonl
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
-from wbrag_ray.index.retriever import Retriever, UnionRetriever
+from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import WRITEBACK_ID_BASE
 from wbrag_ray.writeback.versions import active_index, read_active

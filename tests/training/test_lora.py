@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig, TuneConfig
-from wbrag_ray.index.retriever import Hit, hits_from_json, hits_to_json
 from wbrag_ray.metrics import normalize_answer
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 from wbrag_ray.training.lm_pruner import LMPrunerPredictor, train_lm_pruner
 from wbrag_ray.training.noise_tolerant import IGNORE, build_examples, encode_example, tune_generator
 

@@ -9,7 +9,7 @@ import pytest
 
 from wbrag_ray import rag
 from wbrag_ray.config import WritebackConfig
-from wbrag_ray.index.retriever import Hit, hits_to_json
+from wbrag_ray.retrieval.hits import Hit, hits_to_json
 from wbrag_ray.stages.base import run_local
 from wbrag_ray.writeback.distill import (
     DistillExtractStage,

@@ -61,7 +61,7 @@ def evaluate(
     """
     from wbrag_ray import rag
     from wbrag_ray.generation.backends import make_generator
-    from wbrag_ray.index.retriever import RetrievalSetting
+    from wbrag_ray.retrieval.stage import RetrievalSetting
 
     methods = rag.check_methods(config.eval.methods)
     needs_index = any(m != "no-retrieval" for m in methods)
@@ -85,7 +85,7 @@ def evaluate(
     if questions.num_rows == 0:
         raise ConfigError(f"dataset {dataset} has no usable questions ({rejects.num_rows} rejected)")
     search = RetrievalSetting(
-        base_index, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index.nprobe, extra, router
+        base_index, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index, extra, router
     ) if needs_index else None
     own = passes is None
     passes = passes or GeneratorPasses(generator.config)

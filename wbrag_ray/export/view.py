@@ -115,7 +115,7 @@ class View:
         run's search settings (nprobe, efSearch, k_factor) set: faiss saves them with the index."""
         import faiss
 
-        from wbrag_ray.index.retriever import set_search_params
+        from wbrag_ray.retrieval.local import set_search_params
 
         base = self.parts[0].index
         trained = base.join(self.manifest.get("trained", TRAINED_FILE))

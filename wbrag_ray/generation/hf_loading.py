@@ -62,7 +62,7 @@ def _gguf_cache_dir(config: GeneratorConfig, gguf_path: Path) -> Path:
 
 def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
     """(model, tokenizer) from a local folder, a hub id, or a GGUF file (see `hf_model_source`), with the
-    configured LoRA adapter merged in."""
+    configured LoRA adapter (a local folder or an s3:// URI) merged in."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = hf_model_source(config)
@@ -71,7 +71,10 @@ def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
     if config.lora_adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, config.lora_adapter)
+        from wbrag_ray.storage import node_local_dir
+
+        # on this node: an s3:// adapter is fetched into this node's cache, never a path from the driver's
+        model = PeftModel.from_pretrained(model, node_local_dir(config.lora_adapter))
         model = model.merge_and_unload()  # merged weights decode as fast as the base model
     model.to(device).eval()
     tok.padding_side = "left"  # decoder-only batches must end at the same position

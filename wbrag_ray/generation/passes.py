@@ -1,7 +1,8 @@
 """Generator passes over a Ray Dataset.
 
-`generate_pass` runs one pass on whichever backend the config names: hf and openai as a `GenerateStage`
-(on a command's generator service, else on a pool of its own), vllm as a Ray Data LLM processor.
+`generate_pass` runs one pass on whichever backend the config names, as a `GenerateStage` on a command's
+generator service (the model or vLLM engine loaded once for all of the command's passes), or on its own:
+hf and openai in a pool of their own, vllm as a Ray Data LLM processor.
 
 `GeneratorPasses` runs them recorded: every pipeline that calls the LLM in batches (write-back's gates and
 distiller, Zero-RAG's QA writing and closed-book answers, the router's labels, the adaptive RAG methods) goes
@@ -40,13 +41,13 @@ def generate_pass(
     mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
     `choice`: the list of `choices`' probabilities (see `Generator.choice_probs`). `mixture`: `prompt_column`
     holds a JSON list of prompts and `weight_column` their weights; one answer from their mixed next-token
-    distributions, with the columns of `scored` (`Generator.generate_mixture`; hf only). hf / openai: a
-    `GenerateStage` on the generator service `services` hold (the model loaded once for every pass of a
-    command), else on a pool of its own. vllm: a Ray Data LLM processor per pass (sharing one engine between
-    processors is not wired yet)."""
+    distributions, with the columns of `scored` (`Generator.generate_mixture`; hf only). With `services`: a
+    `GenerateStage` on the generator service they hold (the model, or the vLLM engine, loaded once for every
+    pass of a command: a pass of FLARE or Self-RAG is over in seconds, an engine start is not). Without: hf /
+    openai in a pool of their own, vllm as a Ray Data LLM processor (engine replicas started for this pass)."""
     generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
     check_backend_mode(config, mode)
-    if isinstance(generator, VLLMGenerator):
+    if isinstance(generator, VLLMGenerator) and services is None:
         return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
     return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
 

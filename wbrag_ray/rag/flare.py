@@ -26,7 +26,8 @@ from wbrag_ray.rag.adaptive import result_row, search_some
 
 if TYPE_CHECKING:
     from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.index.retriever import Hit, RetrievalSetting
+    from wbrag_ray.retrieval.hits import Hit
+    from wbrag_ray.retrieval.stage import RetrievalSetting
 
 METHOD = "flare"
 _ENDS = (".", "!", "?")
@@ -57,7 +58,7 @@ def run(
     probability, and whether and with what query it retrieved."""
     from wbrag_ray import prompts
     from wbrag_ray.generation.passes import from_pandas
-    from wbrag_ray.index.retriever import hits_to_json
+    from wbrag_ray.retrieval.hits import hits_to_json
 
     questions = questions.reset_index(drop=True)
     ids = questions["id"].tolist()

@@ -63,7 +63,7 @@ def _replug_groups(batch: pd.DataFrame, temperature: float) -> tuple[list[list],
     """Per example: its prompts (chat messages, one per retrieved document alone, in rank order; one closed-book
     prompt when nothing was retrieved, e.g. the router skipped retrieval) and RePlug's weight of each."""
     from wbrag_ray import prompts
-    from wbrag_ray.index.retriever import hits_from_json
+    from wbrag_ray.retrieval.hits import hits_from_json
 
     groups, weights = [], []
     for q, d in zip(batch["question"], batch["docs"], strict=True):
@@ -85,7 +85,7 @@ def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1
     in rank order).
     """
     from wbrag_ray import prompts
-    from wbrag_ray.index.retriever import hits_from_json
+    from wbrag_ray.retrieval.hits import hits_from_json
 
     parts = []
     for method in methods:

@@ -26,7 +26,7 @@ from wbrag_ray.rag.adaptive import judgement_share, result_row, search_some
 
 if TYPE_CHECKING:
     from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.index.retriever import RetrievalSetting
+    from wbrag_ray.retrieval.stage import RetrievalSetting
 
 METHOD = "self-rag"
 
@@ -39,7 +39,7 @@ def run(
     retrieved document's id, rank and relevance share."""
     from wbrag_ray import prompts
     from wbrag_ray.generation.passes import from_pandas
-    from wbrag_ray.index.retriever import hits_to_json
+    from wbrag_ray.retrieval.hits import hits_to_json
 
     questions = questions.reset_index(drop=True)
     ids = questions["id"].tolist()

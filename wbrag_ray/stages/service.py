@@ -17,6 +17,10 @@ that moves from one index (or adapter) to the next loads it in the same processe
 sentence-transformers already imported (and an actor that Ray restarted after a failure loads what the
 next pass needs the same way).
 
+`Services.retrieval` keeps the retrieval service's search pools the same way: one pool of search actors per
+index folder (`wbrag_ray.retrieval.service`), started by the first pass that searches it and used by every
+later one, alone or in a union with the write-back index.
+
 `Services` is the set one command owns (`GeneratorPasses.services`): a service starts on its first pass and
 ends at `close()` (or when its owner is garbage-collected: Ray ends actors whose handles are gone). One
 service per stage kind (`Stage.name`) lives at a time, so two generator roles (mastery's QA writer and target
@@ -66,13 +70,12 @@ class _ServiceWorker:
 
 
 def _forward(batch, actors: list, stage: Stage):
-    """A Ray Data task: send the batch to one of the service's actors and return its answer. (A task blocked
-    on `ray.get` gives its CPU back to Ray while it waits.)"""
-    import random
+    """A Ray Data task: send the batch to one of the service's actors and return its answer, again to another
+    (or the restarted one) when the node of the one it asked is lost. (A task blocked on `ray.get` gives its
+    CPU back to Ray while it waits.)"""
+    from wbrag_ray.ray_runtime import call_actor
 
-    import ray
-
-    return ray.get(random.choice(actors).run.remote(stage, batch))
+    return call_actor(actors, "run", stage, batch)
 
 
 def _placement(res: Resources) -> tuple:
@@ -121,6 +124,7 @@ class Services:
         self._live: dict[str, StageService] = {}
         self.started: dict[str, int] = {}  # actor sets started per stage kind (what reusing them saves)
         self.loads: dict[str, int] = {}  # what was set up per stage kind: one per service key a pass needed
+        self._pools: dict[tuple, Any] = {}  # retrieval: (index folder, placement) -> SearchPool
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         """`ds` through `stage`: on the stage's service when it has a service key (started on first use; a
@@ -143,10 +147,35 @@ class Services:
             self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
         return service.apply(ds, stage)
 
+    def retrieval(self, members, index, retrieval):
+        """The retrieval service over `members` ((index_dir, docs_dir, source), ...): each index's search pool
+        started on first use and shared by every later pass that searches it (alone or in a union). Like the
+        stage services, one set of indices lives at a time: starting a pool for an index not held ends the
+        pools of indices this request does not name (a grid moving to its next pruned index frees the last
+        one's memory)."""
+        from wbrag_ray.retrieval.service import Member, RetrievalService, SearchPool, pool_placement
+
+        placement = pool_placement(index, retrieval)
+        keys = [(index_dir, placement) for index_dir, _docs, _source in members]
+        if any(key not in self._pools for key in keys):
+            for key in [k for k in self._pools if k not in keys]:
+                self._pools.pop(key).close()
+            for key in keys:
+                if key not in self._pools:
+                    self._pools[key] = SearchPool.start(key[0], index, retrieval)
+                    self.started["search"] = self.started.get("search", 0) + 1
+                    log.info("started the search pool of %s (%d shard groups x %d)", key[0],
+                             len(self._pools[key].actors), retrieval.concurrency)
+        return RetrievalService([Member(self._pools[key], source, docs)
+                                 for key, (_i, docs, source) in zip(keys, members, strict=True)])
+
     def close(self) -> None:
         for service in self._live.values():
             service.close()
         self._live.clear()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     def __enter__(self) -> Services:
         return self

@@ -19,9 +19,9 @@ from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError, GeneratorConfig, TuneConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
 from wbrag_ray.generation.types import messages_to_text
-from wbrag_ray.index.retriever import Hit, hits_from_json, hits_to_json
 from wbrag_ray.layout import ADAPTER_STATS as STATS_FILE
 from wbrag_ray.metrics import normalize_answer
+from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 from wbrag_ray.training.lora import loss_stats, save_adapter, seed_torch, train, training_threads, with_lora
 
 log = logging.getLogger(__name__)

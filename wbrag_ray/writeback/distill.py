@@ -71,7 +71,7 @@ def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str,
 
 def kept_hits(docs: str, kept_ranks: str):
     """The retrieved hits the document gate kept, in rank order."""
-    from wbrag_ray.index.retriever import hits_from_json
+    from wbrag_ray.retrieval.hits import hits_from_json
 
     hits = hits_from_json(docs)
     return [hits[j] for j in json.loads(kept_ranks)]

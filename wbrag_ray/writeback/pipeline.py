@@ -52,8 +52,8 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     An example whose method retrieved nothing has nothing to write back and is not kept."""
     from wbrag_ray import rag
     from wbrag_ray.formats import read_dataset
-    from wbrag_ray.index.retriever import RetrievalSetting
     from wbrag_ray.ray_runtime import LIGHT_CPUS
+    from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
 
@@ -62,7 +62,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     if questions.num_rows == 0:
         raise ConfigError(f"writeback.train {train} has no usable examples ({rejects.num_rows} rejected)")
     search = RetrievalSetting(
-        run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index.nprobe
+        run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index
     )
     answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
 
@@ -125,6 +125,7 @@ def train_writeback(
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
     from wbrag_ray.formats import embeddings_table
     from wbrag_ray.index.faiss_index import build_index
+    from wbrag_ray.retrieval.docstore import write_doc_store
     from wbrag_ray.writeback.units import dedupe, table3
 
     wb = config.writeback
@@ -152,9 +153,10 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         units, vectors = units.iloc[keep_rows].reset_index(drop=True), vectors[keep_rows]
         folder.units.write_table(pa.Table.from_pandas(units, UNITS, preserve_index=False))
         folder.embed_file.write_table(embeddings_table(units["id"].to_numpy(np.int64), vectors))
+        write_doc_store(folder.corpus, "passage", folder.docs)
         build_index(
             folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
-            docs=folder.corpus.uri,  # the manifest names its documents: the index folder is self-contained
+            docs=folder.docs.uri,  # the manifest names its documents: the index folder is self-contained
         )
     stats = {
         "version": version,

@@ -3,35 +3,13 @@ tuned adapter and the active write-back index, with retrieval latency and index 
 
 from __future__ import annotations
 
-import time
 from typing import Any
-
-import numpy as np
 
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder
-from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
 from wbrag_ray.zerorag.tune import with_adapter
-
-
-def retrieval_latency(index: Location, vectors: np.ndarray, k: int, config: WbragConfig, min_seconds: float = 0.5
-                      ) -> float:
-    """Milliseconds per query of searching `index` with a batch of query vectors: the best of repeated runs
-    (the machine is shared; the minimum is the least disturbed), after one warm-up search."""
-    from wbrag_ray.index.retriever import Retriever
-
-    retriever = Retriever(index.uri, None, None, config.index.nprobe, ef_search=config.index.ef_search,
-                          k_factor=config.index.k_factor, gpu=config.index.gpu)
-    retriever.search_ids(vectors, k)
-    best, spent = float("inf"), 0.0
-    while spent < min_seconds or best == float("inf"):
-        t0 = time.perf_counter()
-        retriever.search_ids(vectors, k)
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-    return 1000 * best / max(1, len(vectors))
 
 
 def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False) -> list[dict[str, Any]]:
@@ -62,8 +40,9 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
             for ratio in ratios:
                 index = index_for_ratio(run, ratio)
                 manifest = load_manifest(index)
-                if ratio not in latency:
-                    latency[ratio] = retrieval_latency(index, vectors, config.retrieval.top_k, config)
+                if ratio not in latency:  # measured by the search actors that then serve the cell's passes
+                    service = passes.services.retrieval(((index.uri, None, "base"),), config.index, config.retrieval)
+                    latency[ratio] = service.latency_ms(vectors, config.retrieval.top_k)
                 for router, writeback in [(r, w) for r in routers for w in writebacks]:
                     first = ratio == ratios[0] and not router and not writeback
                     methods = [m for m in cfg.eval.methods if first or m != "no-retrieval"]  # no index: once is enough

@@ -103,9 +103,13 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, num_cpus=LIGHT_CPUS)
     ds.map_batches(mask, batch_format="pyarrow", num_cpus=LIGHT_CPUS).write_parquet(
         level.keep.path, filesystem=level.keep.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
-    table = level.keep.read_table(["id", "keep"])
-    keep = table["keep"].to_numpy(zero_copy_only=False)
-    dropped_ids = np.sort(table["id"].to_numpy()[~keep])
+    # Only the dropped ids come to the driver (8 bytes each: 330 MB at 138M sentences and ratio 0.3), a batch
+    # of the mask at a time; the pruned corpus and index builds share them through the object store.
+    import pyarrow.dataset as pads
+
+    dropped = pads.dataset(level.keep.path, filesystem=level.keep.fs, format="parquet").to_table(
+        columns=["id"], filter=pads.field("keep") == False)  # noqa: E712 - an Arrow expression, not a bool
+    dropped_ids = np.sort(dropped["id"].to_numpy())
     seconds_cut = time.perf_counter() - t0
 
     # The pruned sentence corpus: every sentence not dropped, its columns untouched.

@@ -34,9 +34,11 @@ def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.Dat
 
 
 def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
-    """The generator config with the run's tuned adapter applied (loaded from a local copy of it)."""
+    """The generator config with the run's tuned adapter applied: by its URI in the run folder (a local path or
+    s3://...), which each worker that loads the generator turns into a copy on its own node
+    (`storage.node_local_dir`); a path in the driver's cache would not exist on the other nodes."""
     run.require(TUNE)
-    return config.generator.model_copy(update={"lora_adapter": run.layout.zero_rag.adapter.local_dir()})
+    return config.generator.model_copy(update={"lora_adapter": run.layout.zero_rag.adapter.uri})
 
 
 def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
@@ -50,16 +52,15 @@ def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: b
 
 
 def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int) -> dict[str, Any]:
-    from wbrag_ray.index.retriever import RetrieveStage
-    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.retrieval.stage import RetrievalSetting
+    from wbrag_ray.stages.service import Services
     from wbrag_ray.training.noise_tolerant import build_examples, tune_generator
 
     # more documents than an answer needs: the relevant ones and the hard distractors are picked from them
     wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, config.zerorag.tune.retrieve_k)})
-    retrieved = apply_stage(
-        from_pandas(questions),
-        RetrieveStage(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, wide, config.index.nprobe),
-    ).to_pandas()
+    search = RetrievalSetting(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, wide, config.index)
+    with Services() as services:  # the search actors end before training needs the CPUs
+        retrieved = search.search(from_pandas(questions), services=services).to_pandas()
     examples = build_examples(retrieved, config.zerorag.tune.docs_per_format, config.zerorag.tune.seed)
     with tempfile.TemporaryDirectory() as tmp:
         stats = tune_generator(examples, config.generator, config.zerorag.tune, tmp)

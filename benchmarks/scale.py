@@ -1,0 +1,339 @@
+"""The growth curve: index build, pruner prediction, percentile and keep mask, pruned index, and searches with
+document lookup through the retrieval service, at growing corpus sizes; how time and memory grow.
+
+Each size gets a run folder whose ingest and embed stages are synthetic (varied text from a pseudo-word
+vocabulary, random unit vectors stored as float16 in the project's embedding-shard format: embedding speed
+has its own benchmark) and whose embedding pruner is a random head; every later stage is the project's own
+code on a local Ray cluster: `build_kb.index` (index + document store), `zerorag.prune.predict`,
+`zerorag.prune.prune` (percentile, keep mask, pruned corpus, pruned index) and `Services.retrieval` (search
+actors, merge, document lookup). One index factory for every size, with a list size held constant
+(nlist = sentences / LIST_SIZE, an HNSW coarse quantizer), so a query scans the same number of codes at every
+size, as a cluster keeps it by adding shards.
+
+Memory: the driver's peak (VmHWM, reset per stage) and, per kind of Ray worker (its process title: the task's
+function or the actor's class), the largest resident set seen by a sampler polling every worker process
+every 0.2 s. The ratios of 4M to 1M sentences are the result; the last table extrapolates each stage to
+138M sentences on N nodes from the measured rows per CPU-second.
+
+    python -m benchmarks.scale [--sizes 250000,1000000,4000000] [--dim 384] [--root /tmp/wbrag-scale]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import header, local_ray, report, report_pressure, report_ratio, run_module_main
+
+WIKIPEDIA_SENTENCES = 138_000_000
+SENTENCES_PER_SHARD = 100_000  # one ingest / embedding shard, about what a 64 MB ingest shard of Wikipedia holds
+SENTENCES_PER_PASSAGE = 6  # Wikipedia: 21M passages, 138M sentences
+LIST_SIZE = 1_000  # vectors per IVF list: nlist grows with the corpus, the codes scanned per query do not
+QUERIES = 2_000
+RATIO = 0.3
+
+
+# --- synthetic run folder -------------------------------------------------------------------------------
+
+
+def _vocabulary(size: int = 8_000, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ber", "dan", "gel", "hor", "jun", "mar", "pel",
+                 "quo", "ris", "sto", "tur", "wen", "xal", "yor", "zen", "an", "el", "is", "on", "ur"]
+    return ["".join(rng.choice(syllables, rng.integers(1, 4))) for _ in range(size)]
+
+
+def _write_shard(item: tuple[int, int, int, str]) -> int:
+    """One synthetic ingest shard (passages, sentences) and its embedding shard; ids as ingest makes them:
+    unique, ascending within the shard, the shard's range disjoint from the others."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from wbrag_ray.formats import PASSAGES, SENTENCES, embeddings_table
+
+    index, n, dim, root = item
+    rng = np.random.default_rng(index + 1)
+    words = np.array(_vocabulary())
+    passages = math.ceil(n / SENTENCES_PER_PASSAGE)
+    pids = (np.int64(index + 1) << 40) + np.arange(passages, dtype=np.int64) * 64
+    positions = np.arange(n) % SENTENCES_PER_PASSAGE
+    owner = np.arange(n) // SENTENCES_PER_PASSAGE
+    sids = pids[owner] + positions
+    lengths = rng.integers(6, 26, size=n)
+    picks = rng.integers(len(words), size=int(lengths.sum()))
+    cuts = np.cumsum(lengths)[:-1]
+    sentences = [" ".join(w).capitalize() + "." for w in np.split(words[picks], cuts)]
+    texts = [" ".join(sentences[i : i + SENTENCES_PER_PASSAGE]) for i in range(0, n, SENTENCES_PER_PASSAGE)]
+    name = f"shard-{index:06d}.parquet"
+    pq.write_table(pa.table({"pid": pids, "doc_id": [str(p) for p in pids],
+                             "title": [f"Article {index}-{p}" for p in range(passages)], "text": texts},
+                            schema=PASSAGES), os.path.join(root, "ingest", "passages", name))
+    pq.write_table(pa.table({"sid": sids, "pid": pids[owner], "position": positions.astype(np.int32),
+                             "text": sentences}, schema=SENTENCES), os.path.join(root, "ingest", "sentences", name))
+    vecs = rng.standard_normal((n, dim), dtype=np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    pq.write_table(embeddings_table(sids, vecs.astype(np.float16), id_column="sid"),
+                   os.path.join(root, "embed", f"emb-{index:06d}.parquet"))
+    return n
+
+
+def _config(root: Path, n: int, dim: int):
+    from wbrag_ray.config import load_config
+
+    nlist = 2 ** max(4, round(math.log2(n / LIST_SIZE)))
+    return load_config(None, [
+        "index.unit=sentence", f"index.factory=IVF{nlist}_HNSW32,SQ8", f"index.train_sample={39 * nlist}",
+        "index.nprobe=16", "index.num_shards=4", "zerorag.pruner=embedding",
+        f"retrieval.actor_memory_gb={max(0.05, n * (dim + 8) / 4 / (1 << 30) * 1.05):.4f}",  # a quarter each
+        "retrieval.search_cpus=0.5", f"ingest.corpus={root / 'synthetic'}",
+    ])
+
+
+def build_synthetic_run(root: Path, n: int, dim: int):
+    """A run folder whose ingest, embed and embedding-pruner stages are complete (synthetic, see the doc)."""
+    import ray
+
+    from wbrag_ray.build_kb import EMBED, INGEST
+    from wbrag_ray.models.pruner import EmbeddingHead
+    from wbrag_ray.run import RunFolder
+    from wbrag_ray.zerorag.mastery import MASTERY
+    from wbrag_ray.zerorag.pruners import PRUNERS
+
+    config = _config(root, n, dim)
+    for sub in ("ingest/passages", "ingest/sentences", "embed"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    run = RunFolder(str(root))
+    run.bind_config(config)
+    sizes = [min(SENTENCES_PER_SHARD, n - s) for s in range(0, n, SENTENCES_PER_SHARD)]
+    items = [(i, size, dim, str(root)) for i, size in enumerate(sizes)]
+    write = ray.remote(num_cpus=1)(_write_shard)
+    run.execute(INGEST, config, lambda: {"rows_in": len(items), "rows_out": len(items), "rows_rejected": 0,
+                                         "sentences": sum(ray.get([write.remote(it) for it in items]))})
+    run.execute(EMBED, config, lambda: {"rows_in": n, "rows_out": n, "rows_rejected": 0, "unit": "sentence"})
+
+    def head() -> dict[str, Any]:
+        rng = np.random.default_rng(0)
+        weights = {"w0": rng.normal(size=(dim, 32)).astype(np.float32) / math.sqrt(dim),
+                   "b0": np.zeros(32, np.float32), "w1": rng.normal(size=(32, 1)).astype(np.float32),
+                   "b1": np.zeros(1, np.float32)}
+        folder = run.layout.zero_rag.pruner("embedding")
+        EmbeddingHead(weights).save(folder.path, {"synthetic": True})
+        return {"rows_in": 0, "rows_out": 0, "rows_rejected": 0}
+
+    # The pruner's inputs are stages too: a synthetic run has no scored sample (the head is random).
+    run.execute(MASTERY, config, lambda: {"rows_in": 0, "rows_out": 0, "rows_rejected": 0, "synthetic": True})
+    run.execute(PRUNERS["embedding"], config, head)
+    return run, config
+
+
+# --- memory ---------------------------------------------------------------------------------------------
+
+
+def _worker_kind(title: str) -> str | None:
+    """`ray::_add_task` -> `_add_task`; `ray::SearchActor.search` -> `SearchActor`; Ray's own processes and
+    idle workers -> None."""
+    if not title.startswith("ray::"):
+        return None
+    kind = title[5:].split(".")[0].split("(")[0].split()[0] if title[5:].strip() else ""
+    return None if kind in RAY_INTERNAL or kind.startswith("_Telemetry") else kind
+
+
+# Ray's own processes and actors (agents, Ray Data's bookkeeping actors): not the project's workers.
+RAY_INTERNAL = {"", "IDLE", "_StatsActor", "_AutoscalingCoordinatorActor", "AutoscalingRequester", "DashboardAgent",
+                "RuntimeEnvAgent", "ActorLocationTracker", "FooterReader", "ListFiles"}
+
+
+class WorkerPeaks:
+    """Largest resident set per kind of Ray worker while the `with` block runs (polling every 0.2 s)."""
+
+    def __enter__(self) -> WorkerPeaks:
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.is_set():
+            # this benchmark's own Ray cluster only: its raylet and workers descend from this process
+            for p in me.children(recursive=True):
+                try:
+                    kind = _worker_kind(" ".join(p.cmdline()))
+                    if kind:
+                        self.peaks[kind] = max(self.peaks.get(kind, 0.0), p.memory_info().rss / (1 << 20))
+                except psutil.Error:
+                    continue
+            self._stop.wait(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# --- one size -------------------------------------------------------------------------------------------
+
+
+def measure_size(root: Path, n: int, dim: int, queries: int) -> dict[str, dict[str, Any]]:
+    from wbrag_ray import build_kb
+    from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
+    from wbrag_ray.stages.service import Services
+    from wbrag_ray.zerorag.prune import predict, prune
+
+    t0 = time.perf_counter()
+    run, config = build_synthetic_run(root, n, dim)
+    report(f"{n} synthetic corpus written", time.perf_counter() - t0, "s")
+    rng = np.random.default_rng(7)
+    vectors = rng.standard_normal((queries, dim), dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    results: dict[str, dict[str, Any]] = {}
+
+    def stage(name: str, rows: int, fn) -> Any:
+        reset_peak_rss()
+        with WorkerPeaks() as peaks:
+            t = time.perf_counter()
+            out = fn()
+            seconds = time.perf_counter() - t
+        results[name] = {"seconds": seconds, "rows": rows, "rows_per_s": rows / seconds,
+                         "driver_peak_mb": peak_rss_mb(), "workers": dict(peaks.peaks)}
+        kinds = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(peaks.peaks.items()))
+        print(f"[{n:,}] {name}: {seconds:.1f} s, {rows / seconds:,.0f} rows/s, driver peak "
+              f"{results[name]['driver_peak_mb']:,.0f} MiB; worker peaks MiB: {kinds}", flush=True)
+        return out
+
+    stage("index build", n, lambda: build_kb.index(run, config))
+    stage("pruner prediction", n, lambda: predict(run, config))
+    stage("percentile, keep mask, pruned index", n, lambda: prune(run, config, RATIO))
+
+    def searches() -> None:
+        with Services() as services:
+            service = services.retrieval(((run.layout.index.uri, None, "base"),), config.index, config.retrieval)
+            batch = 100
+            hits = 0
+            for start in range(0, queries, batch):
+                found = service.search_vectors(vectors[start : start + batch], config.retrieval.top_k)
+                hits += sum(len(h) for h in found)
+                assert all(h.text for hits_ in found for h in hits_), "a hit without its document"
+            results["_search"] = {"latency_ms": service.latency_ms(vectors[:batch], config.retrieval.top_k, 0.3),
+                                  "hits": hits, "groups": len(service.pools[0].actors)}
+
+    stage("2,000 searches + document lookup", queries, searches)
+    return results
+
+
+# --- report ---------------------------------------------------------------------------------------------
+
+STAGES = ("index build", "pruner prediction", "percentile, keep mask, pruned index", "2,000 searches + document lookup")
+
+
+def growth_table(all_results: dict[int, dict[str, dict[str, Any]]], small: int, large: int) -> None:
+    print("\n| stage | size | seconds | rows/s | driver peak MiB | largest worker peak MiB (kind) |")
+    print("|---|---|---|---|---|---|")
+    for name in STAGES:
+        for n, res in all_results.items():
+            r = res[name]
+            kind, peak = max(r["workers"].items(), key=lambda kv: kv[1], default=("-", 0.0))
+            print(f"| {name} | {n:,} | {r['seconds']:.1f} | {r['rows_per_s']:,.0f} | {r['driver_peak_mb']:,.0f} | "
+                  f"{peak:,.0f} ({kind}) |")
+    print(f"\nratios {large:,} / {small:,} sentences (goal: each within 1.3x; search time is per query)")
+    for name in STAGES:
+        a, b = all_results[small][name], all_results[large][name]
+        per_row_a = a["seconds"] / a["rows"]
+        per_row_b = b["seconds"] / b["rows"]
+        report_ratio(f"{name}: time per row", per_row_b, per_row_a)
+        report_ratio(f"{name}: driver peak memory", b["driver_peak_mb"], a["driver_peak_mb"])
+        for kind in sorted(set(a["workers"]) & set(b["workers"])):
+            report_ratio(f"{name}: {kind} peak memory", b["workers"][kind], a["workers"][kind])
+
+
+def extrapolation(res: dict[str, dict[str, Any]], n: int, cpus: int, nodes: Sequence[int], cores: int) -> None:
+    """138M sentences on N nodes of `cores` CPUs, from this run's rows per CPU-second (the stages are one task
+    per shard or per shard group: they spread over every CPU of a cluster until there are fewer shards)."""
+    shards = math.ceil(WIKIPEDIA_SENTENCES / SENTENCES_PER_SHARD)
+    print(f"\nextrapolated to {WIKIPEDIA_SENTENCES:,} sentences ({shards:,} shards) from the {n:,}-sentence run "
+          f"(rows per CPU-second = rows/s / {cpus} CPUs here); hours")
+    print("| stage | rows per CPU-second | " + " | ".join(f"{k} x {cores} cores" for k in nodes) + " |")
+    print("|---|---|" + "---|" * len(nodes))
+    for name in STAGES[:3]:
+        per_cpu = res[name]["rows_per_s"] / cpus
+        cells = [WIKIPEDIA_SENTENCES / (per_cpu * min(k * cores, shards)) / 3600 for k in nodes]
+        print(f"| {name} | {per_cpu:,.0f} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    per_cpu = res[STAGES[3]]["rows_per_s"] / cpus
+    print(f"| queries/s per search CPU (index grows with shards: same list size) | {per_cpu:,.0f} | "
+          + " | ".join(f"{per_cpu * k * cores:,.0f} q/s" for k in nodes) + " |")
+
+
+def plot(all_results: dict[int, dict[str, dict[str, Any]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(all_results)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in STAGES:
+        ax_t.plot(sizes, [all_results[n][name]["seconds"] / all_results[n][name]["rows"] * 1e6 for n in sizes],
+                  marker="o", label=name)
+        ax_m.plot(sizes, [max(all_results[n][name]["workers"].values(), default=0) for n in sizes], marker="o",
+                  label=name)
+    ax_m.plot(sizes, [max(all_results[n][s]["driver_peak_mb"] for s in STAGES) for n in sizes], "k--", marker="s",
+              label="driver (any stage)")
+    for ax, title in ((ax_t, "microseconds per row (per query for searches)"), (ax_m, "peak resident MiB")):
+        ax.set_xscale("log")
+        ax.set_xlabel("sentences")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_m.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"plot: {out}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="250000,1000000,4000000", help="sentences per run, comma-separated")
+    parser.add_argument("--dim", type=int, default=384, help="vector dimension (the bundled embedder's: 384)")
+    parser.add_argument("--queries", type=int, default=QUERIES)
+    parser.add_argument("--root", default="/tmp/wbrag-scale", help="where the run folders go (deleted after each)")
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray cluster")
+    parser.add_argument("--nodes", default="1,8,32", help="cluster sizes of the 138M extrapolation")
+    parser.add_argument("--cores-per-node", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="sizes 20000,80000 (a smoke run, not a measurement)")
+    args = parser.parse_args(argv)
+    sizes = [20_000, 80_000] if args.quick else [int(s) for s in args.sizes.split(",")]
+    header("scale", args)
+    import shutil
+
+    all_results: dict[int, dict[str, dict[str, Any]]] = {}
+    with local_ray(args.cpus):
+        for n in sizes:
+            root = Path(args.root) / f"run-{n}"
+            shutil.rmtree(root, ignore_errors=True)
+            all_results[n] = measure_size(root, n, args.dim, args.queries)
+            shutil.rmtree(root, ignore_errors=True)
+    report_pressure("after the runs")
+    small, large = (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[0], sizes[0])
+    growth_table(all_results, small, large)
+    extrapolation(all_results[large], large, args.cpus, [int(k) for k in args.nodes.split(",")], args.cores_per_node)
+    for n, res in all_results.items():
+        report(f"{n} search latency (search actors' own, per query)", res["_search"]["latency_ms"], "ms", 3)
+        report(f"{n} search shard groups", res["_search"]["groups"])
+    Path(args.root).mkdir(parents=True, exist_ok=True)
+    (Path(args.root) / "scale.json").write_text(json.dumps({str(k): v for k, v in all_results.items()}, indent=1))
+    plot(all_results, Path(args.root) / "scale.png")
+    return 0
+
+
+if __name__ == "__main__":
+    run_module_main(main)

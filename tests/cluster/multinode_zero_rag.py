@@ -1,0 +1,153 @@
+"""Zero-RAG after the index on a local Ray cluster of a head and three worker nodes, the run folder on object
+storage, losing a worker node during pruner prediction and again during an evaluation pass (run as a script
+by tests/pipelines/test_multinode_zero_rag.py: a Cluster needs its own driver process). Prints a JSON summary.
+
+    python -m tests.cluster.multinode_zero_rag S3_RUN DATASET
+
+The head node has no CPUs (the driver's node), each worker node two; a worker node's raylet is killed without
+warning as soon as a task of the stage (prediction: the read-and-predict tasks; evaluation: the generator
+service's calls) runs on it, so the stage loses the node's workers, actors and the objects it held.
+"""
+
+import json
+import sys
+import threading
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+from wbrag_ray import api
+from wbrag_ray.run import RunFolder
+from wbrag_ray.zerorag.grid import eval_label
+from wbrag_ray.zerorag.prune import predict, prune
+
+RATIO = 0.3
+
+
+def kill_node(node) -> None:
+    """The node's raylet killed without warning (its workers die with it), as when a machine is lost.
+    (`Cluster.remove_node` installs signal handlers, which only the main thread may do.)"""
+    import os
+    import signal
+
+    from ray._private import ray_constants
+
+    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+        os.kill(info.process.pid, signal.SIGKILL)
+
+
+class NodeKiller:
+    """Kills the worker node that first runs a task whose name contains `marker` (running, or done with its
+    output still held there); afterwards, reports every 15 s what waits, for a stage that does not recover."""
+
+    def __init__(self, cluster: Cluster, workers: list, marker: str):
+        self.cluster, self.workers, self.marker = cluster, workers, marker
+        self.killed: dict = {}
+        self._stop = threading.Event()
+        self.stage_done = threading.Event()  # set by the caller when the stage has returned
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        from ray.util.state import list_tasks
+
+        by_id = {w.node_id: w for w in self.workers}
+        while not self._stop.is_set():
+            try:  # any task of the stage placed on a worker node: running, or done with its output held there
+                tasks = list_tasks(filters=[("name", "=", self.marker)] if "." in self.marker else None, limit=10_000,
+                                   raise_on_missing_output=False)
+            except Exception:  # the state API may time out on a loaded machine: look again
+                tasks = []
+            for task in tasks:
+                node = by_id.get(task.node_id)
+                if node is not None and self.marker in task.name and task.state in ("RUNNING", "FINISHED"):
+                    step(f"killing node {node.node_id[:8]}, which ran {task.name} ({task.state})")
+                    kill_node(node)
+                    self.workers.remove(node)
+                    self.killed = {"task": task.name, "state": task.state, "during": not self.stage_done.is_set(),
+                                   "at": time.time()}
+                    while not self._stop.wait(15):
+                        self._report()
+                    return
+            self._stop.wait(0.1)
+
+    def _report(self) -> None:
+        from ray.util.state import list_actors
+
+        try:
+            waiting = [(a.class_name, a.state) for a in list_actors(raise_on_missing_output=False)
+                       if a.state != "ALIVE" and a.state != "DEAD"]
+            step(f"after the kill: available {ray.available_resources()}; actors not alive: {waiting}")
+        except Exception as exc:  # diagnostics only
+            step(f"after the kill: no state ({exc})")
+
+    def __enter__(self) -> "NodeKiller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stage_done.set()
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def answers(run: RunFolder, label: str) -> dict:
+    import pyarrow.parquet as pq
+
+    out = {}
+    for method in ("naive",):
+        result = run.layout.eval_result(label, method)
+        table = pq.read_table(result.predictions.path, filesystem=result.predictions.fs,
+                              columns=["id", "prediction", "docs"])
+        rows = table.to_pylist()
+        out[method] = {"rows": len(rows), "unique": len({r["id"] for r in rows}),
+                       "answers": {r["id"]: r["prediction"] for r in rows},
+                       "docs": {r["id"]: [(d["source"], d["id"]) for d in json.loads(r["docs"])] for r in rows}}
+    return out
+
+
+def step(message: str) -> None:
+    print(f"[multinode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main(s3_run: str, dataset: str) -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # all work on the worker nodes
+    workers = [cluster.add_node(num_cpus=2) for _ in range(3)]  # one is lost in each stage: one stays in reserve
+    cluster.wait_for_nodes()
+    run = RunFolder(s3_run)
+    config = run.load_config()
+    config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": cluster.address})})
+    api.start(run, config)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    summary: dict = {}
+
+    step("predict")
+    with NodeKiller(cluster, workers, "MapBatches") as killer:
+        predict(run, config, force=True)
+    summary["predict_killed"] = killer.killed
+    predictions = run.layout.zero_rag.predictions.read_table(["sid"])["sid"].to_pylist()
+    summary["predictions"] = {"rows": len(predictions), "unique": len(set(predictions))}
+
+    step(f"prune (predict lost a node: {killer.killed})")
+    prune(run, config, RATIO, force=True)
+    keep = run.layout.zero_rag.pruned(RATIO).keep.read_table(["id", "keep"]).to_pylist()
+    summary["dropped"] = sorted(r["id"] for r in keep if not r["keep"])
+    summary["keep_rows"] = len(keep)
+
+    step("evaluate with the router and the adapter")
+    with NodeKiller(cluster, workers, "_ServiceWorker.run") as killer:
+        api.evaluate(run, config, dataset, "t", prune_ratio=RATIO, router=True, adapter=True, force=True)
+    summary["eval_killed"] = killer.killed
+    summary["zero_rag"] = answers(run, eval_label("t", RATIO, False, True, True))
+
+    step(f"evaluate beside the write-back index (the last evaluation lost a node: {killer.killed})")
+    api.evaluate(run, config, dataset, "t", prune_ratio=RATIO, writeback=True, force=True)
+    summary["writeback"] = answers(run, eval_label("t", RATIO, True))
+    summary["alive_nodes"] = sum(1 for node in ray.nodes() if node["Alive"])
+    print(json.dumps(summary))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,43 @@
+"""A run folder and a tuned adapter on a real two-node local Ray cluster (ray.cluster_utils.Cluster): a local
+run folder is refused, and the adapter travels to the workers as its s3:// URI, fetched by the node that loads it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.training.test_lora import QUESTIONS
+from wbrag_ray.config import GeneratorConfig, TuneConfig
+from wbrag_ray.run import RunFolder
+from wbrag_ray.training.noise_tolerant import build_examples, tune_generator
+from wbrag_ray.zerorag.tune import TUNE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_nodes_refuse_a_local_run_folder_and_fetch_the_s3_adapter_on_the_worker_node(tmp_path, s3_env, tiny):
+    # the tuned adapter as `wbrag tune` leaves it in a run folder on object storage (one step of the real tuning)
+    examples = build_examples(QUESTIONS, docs_per_format=2, seed=0)
+    tune_generator(examples, GeneratorConfig(model=tiny.generator, dtype="float32"),
+                   TuneConfig(max_steps=1, batch_size=4, max_length=64, threads=1), str(tmp_path / "adapter"))
+    run = RunFolder("s3://wbrag/runs/multinode")
+    run.layout.zero_rag.adapter.upload_dir(tmp_path / "adapter")
+    run.mark_complete(TUNE.name, {"rows_out": len(examples)})
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WBRAG_SHARED_RUN_DIR")}
+    out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_run_dir", str(tmp_path), tiny.generator,
+                          run.uri], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["alive_nodes"] == 2
+    refused = summary["local_refused"]
+    assert refused and str(tmp_path / "local-run") in refused and "2 nodes" in refused
+    assert "s3://" in refused and "WBRAG_SHARED_RUN_DIR=1" in refused  # the fixes, named
+    # allowed, with a warning, on a network filesystem or with the opt-in
+    assert summary["nfs_allowed"] and "allowed, as it is on a nfs4 mount" in out.stderr
+    assert summary["opt_in_allowed"] and "WBRAG_SHARED_RUN_DIR=1 says every node sees it" in out.stderr
+    # the workers got the adapter's URI, not a path in the driver's cache, and fetched it on their own node
+    assert summary["lora_adapter"] == "s3://wbrag/runs/multinode/zero_rag/adapter"
+    assert summary["answers"] == 2
+    assert summary["driver_cache"] == [] and len(summary["worker_cache"]) == 1

@@ -1,0 +1,78 @@
+"""Multi-node acceptance: the Zero-RAG chain after the index (pruner prediction, percentile and keep mask, the
+pruned index, an evaluation with the router and the tuned adapter) and a write-back evaluation, on a
+local Ray cluster of a head and three worker nodes, with the run folder on the S3-compatible server on loopback, losing a worker
+node during prediction and again during an evaluation pass: the same keep mask and the same answers as the
+one-node run of the chain fixture, nothing lost, nothing duplicated.
+
+The chain's run folder is copied to object storage with every absolute path in its JSON files moved with it,
+and the local copy deleted, so a stage that still read the local folder would fail instead of passing."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from wbrag_ray.storage import resolve
+from wbrag_ray.zerorag.grid import eval_label
+
+ROOT = Path(__file__).resolve().parents[2]
+S3_RUN = "s3://wbrag/multinode-zero-rag"
+
+
+def _relocate(folder: Path, old: str, new: str) -> None:
+    """Rewrite every path under `old` to `new` in the JSON files of a copied run folder (manifests, listings)."""
+    for path in folder.rglob("*.json"):
+        text = path.read_text()
+        if old in text:
+            path.write_text(text.replace(old, new))
+
+
+def _one_node_answers(run, label):
+    table = pq.read_table(run.layout.eval_result(label, "naive").predictions.path,
+                          columns=["id", "prediction", "docs"]).to_pylist()
+    return ({r["id"]: r["prediction"] for r in table},
+            {r["id"]: [[d["source"], d["id"]] for d in json.loads(r["docs"])] for r in table})
+
+
+@pytest.mark.slow
+def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_node(chain, s3_env, tmp_path):
+    run, test_file = chain
+    copy = tmp_path / "run"
+    local = run.path().path.rstrip("/")
+    shutil.copytree(local, copy)
+    _relocate(copy, local, S3_RUN)
+    import pyarrow.fs as pafs
+
+    remote = resolve(S3_RUN)
+    remote.delete()
+    pafs.copy_files(str(copy), remote.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=remote.fs)
+    shutil.rmtree(copy)
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_zero_rag", S3_RUN, str(test_file)],
+                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+
+    # a worker node died in each stage, part way (of three: the head and the one left remain)
+    killed = {k: summary[k] for k in ("predict_killed", "eval_killed")}
+    assert all(k.get("during") for k in killed.values()), killed
+    assert "MapBatches" in killed["predict_killed"]["task"] and "_ServiceWorker" in killed["eval_killed"]["task"]
+    assert summary["alive_nodes"] == 2
+    sentences = run.stats("ingest")["sentences"]
+    assert summary["predictions"] == {"rows": sentences, "unique": sentences}
+    one_node_keep = pq.read_table(run.layout.zero_rag.pruned(0.3).keep.path, columns=["id", "keep"]).to_pylist()
+    assert summary["keep_rows"] == sentences
+    assert summary["dropped"] == sorted(r["id"] for r in one_node_keep if not r["keep"])
+
+    for key, label in (("zero_rag", eval_label("t", 0.3, False, True, True)), ("writeback", eval_label("t", 0.3, True))):
+        got = summary[key]["naive"]
+        answers, docs = _one_node_answers(run, label)
+        assert got["rows"] == got["unique"] == len(answers)
+        assert got["docs"] == docs, key  # the same documents from the same indices (the write-back union too)
+        assert got["answers"] == answers, key

@@ -1,0 +1,121 @@
+"""The retrieval service on a real local Ray cluster: shard groups bounded by memory in search actors that
+declare it, replicas, results equal to the in-process search, the base + write-back union, one pool per
+index shared by every pass of a command, and clear errors."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.index.conftest import clustered, write_shards
+from wbrag_ray.config import IndexConfig, RetrievalConfig
+from wbrag_ray.index.faiss_index import IndexError_, build_index, load_manifest
+from wbrag_ray.retrieval.docstore import write_doc_store
+from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.service import shard_groups
+from wbrag_ray.stages.service import Services
+from wbrag_ray.storage import resolve
+
+DIM = 16
+
+
+def _index(root, name, vecs, ids, shards, factory="Flat"):
+    docs = root / f"{name}-parquet"
+    docs.mkdir(parents=True)
+    pq.write_table(pa.table({"id": pa.array(ids, pa.int64()), "title": [f"{name} {i}" for i in ids],
+                             "text": [f"{name} text {i}" for i in ids]}), docs / "docs.parquet")
+    write_doc_store(resolve(str(docs)), "passage", resolve(str(root / f"{name}-docs")), parallel=False)
+    write_shards(root / f"{name}-emb", vecs, ids=ids, parts=shards)
+    build_index(resolve(str(root / f"{name}-emb")), resolve(str(root / name)), factory, "m", "passage",
+                num_shards=shards, parallel=False, docs=str(root / f"{name}-docs"))
+    return str(root / name)
+
+
+@pytest.fixture(scope="module")
+def indices(tmp_path_factory):
+    root = tmp_path_factory.mktemp("service")
+    vecs = clustered(1_300, DIM, seed=3)
+    base = _index(root, "base", vecs[:1_200], np.arange(1_200, dtype=np.int64) * 10, shards=4)
+    wb = _index(root, "wb", vecs[1_200:], np.arange(100, dtype=np.int64), shards=1)
+    return base, wb, vecs
+
+
+def _small_actors(**kw):
+    return RetrievalConfig(actor_memory_gb=kw.pop("gb", 60_000 / (1 << 30)), search_cpus=0.1, **kw)
+
+
+def _wait_for(condition, seconds: float = 20.0):
+    """Ray frees a killed actor's resources asynchronously."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.2)
+
+
+def test_shard_groups_stay_within_the_budget_in_manifest_order():
+    shards = [{"bytes": b} for b in (40, 40, 30, 100, 10, 10)]
+    assert shard_groups(shards, 80) == [[0, 1], [2], [3], [4, 5]]
+    assert shard_groups(shards, 1_000) == [[0, 1, 2, 3, 4, 5]]
+
+
+def test_the_service_answers_as_the_in_process_search_does(indices, ray_cluster):
+    import ray
+
+    base, wb, vecs = indices
+    queries = vecs[[3, 500, 1_100, 1_250]] + 0.01
+    retrieval = _small_actors(concurrency=2)
+    memory_before = ray.available_resources().get("memory", 0)
+    with Services() as services:
+        service = services.retrieval(((base, None, "base"),), IndexConfig(nprobe=4), retrieval)
+        pool = service.pools[0]
+        # four ~20 KB shards, a 60 KB budget: more than one group, each in two replicas, memory declared to Ray
+        assert len(pool.actors) > 1 and all(len(r) == 2 for r in pool.actors)
+        assert ray.available_resources().get("memory", 0) < memory_before
+        for _ in range(3):  # calls go to alternating replicas: the answers do not change
+            got = service.search_vectors(queries, 7)
+            want = Retriever(base).search_vectors(queries, 7)
+            assert [[(h.id, h.title, h.text) for h in hits] for hits in got] == \
+                   [[(h.id, h.title, h.text) for h in hits] for hits in want]
+            np.testing.assert_allclose([[h.score for h in hits] for hits in got],
+                                       [[h.score for h in hits] for hits in want], rtol=1e-6)
+        assert got[0][0].title == "base 30"
+        assert service.latency_ms(queries, 7, min_seconds=0.05) > 0
+    _wait_for(lambda: ray.available_resources().get("memory", 0) == pytest.approx(memory_before, rel=1e-6))  # closed
+
+
+def test_a_union_with_the_writeback_index_matches_the_in_process_union(indices, ray_cluster):
+    base, wb, vecs = indices
+    queries = vecs[[5, 1_210, 1_290]]
+    with Services() as services:
+        service = services.retrieval(((base, None, "base"), (wb, None, "writeback")), IndexConfig(), _small_actors())
+        got = service.search_vectors(queries, 6)
+    want = UnionRetriever([Retriever(base), Retriever(wb, source="writeback")]).search_vectors(queries, 6)
+    assert [[(h.key, h.title) for h in hits] for hits in got] == [[(h.key, h.title) for h in hits] for hits in want]
+    assert got[1][0].key == ("writeback", 10) and got[1][0].title == "wb 10"
+
+
+def test_every_pass_of_a_command_shares_one_pool_per_index(indices, ray_cluster):
+    base, wb, _ = indices
+    with Services() as services:
+        first = services.retrieval(((base, None, "base"),), IndexConfig(), _small_actors())
+        again = services.retrieval(((base, "other-docs", "base"), (wb, None, "writeback")), IndexConfig(),
+                                   _small_actors())
+        assert again.pools[0] is first.pools[0] and services.started["search"] == 2
+        services.retrieval(((wb, None, "base"),), IndexConfig(), _small_actors())  # held already: nothing starts
+        assert services.started["search"] == 2 and first.pools[0].actors
+        # another index (here: other search settings) ends the pools this request does not name
+        services.retrieval(((base, None, "base"),), IndexConfig(nprobe=8), _small_actors())
+        assert services.started["search"] == 3 and not first.pools[0].actors and not again.pools[1].actors
+
+
+def test_a_missing_shard_is_named_when_the_service_starts(indices, tmp_path, ray_cluster):
+    import shutil
+
+    base, _, _ = indices
+    broken = tmp_path / "broken"
+    shutil.copytree(base, broken)
+    (broken / load_manifest(resolve(str(broken)))["files"][1]).unlink()
+    with Services() as services, pytest.raises(IndexError_, match=r"index-00001.faiss named by .* is missing"):
+        services.retrieval(((str(broken), None, "base"),), IndexConfig(), _small_actors())

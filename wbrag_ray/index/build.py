@@ -1,0 +1,389 @@
+"""The sharded index build: plan, train once, add per embedding shard, merge per index shard.
+
+  0. plan, before any vector is read: the factory and the training sample together (at least 39 training
+     vectors per IVF list, within `train_memory_gb`: `sizing.plan_training`);
+  1. train: one task trains an empty index on that sample (`trained.faiss`); an IVF's k-means runs on a GPU
+     when one is reserved for the task (`index.gpu` and a GPU in the cluster), on the CPU otherwise;
+  2. add: one task per embedding shard encodes its vectors into a part (`_parts/part-NNNNNN.codes.npz`: an
+     IVF's part holds ids and codes only, no copy of the quantizer; see `parts.py`);
+  3. merge: one task per index shard, all in flight together, fills the trained index with its parts
+     (`index-NNNNN.faiss`). The number of index shards is `num_shards`, or with "auto" the estimated index
+     bytes (faiss's code size per vector, from the trained index) over `shard_memory_gb`: each index shard
+     is what one merge task builds and one search actor loads, whatever the corpus size.
+Index types that faiss cannot merge (HNSW graphs, refine wrappers) skip step 3: their add tasks fill one
+index shard each, from a group of embedding shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from wbrag_ray.index.files import (
+    FORMAT,
+    INDEX_FILE,
+    MANIFEST,
+    PARTS_DIR,
+    TRAINED_FILE,
+    IndexError_,
+    can_merge,
+    embedding_files,
+    from_bytes,
+    new_index,
+    read_embedding_shard,
+    shard_dim,
+    shard_rows,
+    storage_dtype,
+    to_bytes,
+    write_index_file,
+)
+from wbrag_ray.index.parts import (
+    CODES_SUFFIX,
+    INDEX_SUFFIX,
+    code_part_ivf,
+    encode,
+    merge_parts,
+    write_code_part,
+)
+from wbrag_ray.index.sizing import (
+    balanced_groups,
+    choose_factory,
+    is_auto,
+    plan_training,
+    shard_count,
+    shards_for,
+    train_resources,
+)
+from wbrag_ray.index.tasks import (
+    cluster_gpus,
+    peak_rss_mb,
+    reserved_gpu,
+    reset_peak_rss,
+    run_tasks,
+    set_threads,
+)
+from wbrag_ray.storage import Location, resolve
+
+log = logging.getLogger(__name__)
+
+
+# --- tasks ----------------------------------------------------------------------------------------------
+
+
+def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool]:
+    """(trained empty index, peak MiB, whether k-means ran on a GPU)."""
+    # Training runs alone (the add tasks wait for it): it may use every core of its node.
+    set_threads(shared["threads"] and max(1, os.cpu_count() or 1))
+    reset_peak_rss()
+    files = [resolve(u) for u in shared["files"]]
+    index = new_index(shared["factory"], shared["dim"])
+    on_gpu = False
+    if not index.is_trained:
+        sample = _train_sample(files, shared["counts"], shared["train_sample"], shared["dim"])
+        on_gpu = shared["gpu"] and reserved_gpu(shared["parallel"])
+        if on_gpu:
+            _train_on_gpu(index, sample)
+        else:
+            index.train(sample)
+        del sample
+    return to_bytes(index), peak_rss_mb(), on_gpu
+
+
+def _train_on_gpu(index, sample: np.ndarray) -> None:
+    """The IVF's k-means on the GPUs this task holds (faiss-gpu's flat index assigns the points); codebooks and
+    transforms train on the CPU as usual. Runs only where faiss has GPU support and Ray reserved a GPU."""
+    import faiss
+
+    ivf = faiss.extract_index_ivf(index)
+    alone = ivf.quantizer_trains_alone
+    alone = ord(alone) if isinstance(alone, str) else int(alone)
+    # the index k-means assigns with on the CPU: the quantizer itself (mode 0), else a flat L2 index
+    metric = ivf.quantizer.metric_type if alone == 0 else faiss.METRIC_L2
+    assigner = faiss.index_cpu_to_all_gpus(faiss.IndexFlat(ivf.d, metric))
+    ivf.clustering_index = assigner  # faiss keeps no reference: `assigner` lives until training ends
+    try:
+        index.train(sample)
+    finally:
+        ivf.clustering_index = None
+
+
+def _train_sample(files: list[Location], counts: list[int], n: int, dim: int, seed: int = 0) -> np.ndarray:
+    """n vectors drawn from shards chosen at random, each shard read alone, into one preallocated array (the
+    sample is never held twice): the corpus order groups topics, so shards from all over it make a fair sample
+    without reading every shard."""
+    rng = np.random.default_rng(seed)
+    total = sum(counts)
+    n = min(n, total)
+    # Read whole shards until twice the sample is covered, then take an even fraction of each.
+    order, covered, chosen = rng.permutation(len(files)), 0, []
+    for i in order:
+        chosen.append(i)
+        covered += counts[i]
+        if covered >= min(total, 2 * n):
+            break
+    sample = np.empty((n, dim), np.float32)
+    filled = 0
+    for i in sorted(chosen):
+        if filled == n:
+            break
+        _ids, vecs = read_embedding_shard(files[i])
+        take = min(len(vecs), math.ceil(n * len(vecs) / max(covered, 1)), n - filled)
+        rows = rng.choice(len(vecs), take, replace=False) if take < len(vecs) else slice(None)
+        sample[filled:filled + take] = vecs[rows]
+        filled += take
+        del vecs
+    return sample[:filled]
+
+
+def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, Any]:
+    """Encode the vectors of some embedding shards with the trained index and write them to `out`: a codes-only
+    part (IVFs, `shared["code_parts"]`), or a copy of the trained index filled with them."""
+    set_threads(shared["threads"])
+    out_uri, file_uris = item
+    base_rss = reset_peak_rss()
+    t0 = time.perf_counter()
+    index = from_bytes(shared["trained"], TRAINED_FILE)
+    ivf = code_part_ivf(index) if shared["code_parts"] else None
+    drop = shared["drop_ids"]
+    count, dropped, id_min, id_max = 0, 0, None, None
+    part_ids, part_codes = [], []
+    for uri in file_uris:
+        f = resolve(uri)
+        ids, vecs = read_embedding_shard(f)
+        if len(ids) == 0:
+            continue
+        if vecs.shape[1] != index.d:
+            raise IndexError_(f"embedding shard {f.uri} has dimension {vecs.shape[1]}, the index {index.d}")
+        if drop is not None:
+            keep = ~np.isin(ids, drop, assume_unique=False)
+            dropped += int(len(ids) - keep.sum())
+            ids, vecs = ids[keep], vecs[keep]
+            if len(ids) == 0:
+                continue
+        if ivf is not None:
+            part_ids.append(ids)
+            part_codes.append(encode(index, vecs))
+        else:
+            index.add_with_ids(vecs, ids)
+        count += len(ids)
+        id_min = int(ids.min()) if id_min is None else min(id_min, int(ids.min()))
+        id_max = int(ids.max()) if id_max is None else max(id_max, int(ids.max()))
+        del vecs  # one shard's vectors at a time
+    if ivf is not None:
+        codes = np.concatenate(part_codes) if part_codes else np.zeros((0, index.sa_code_size()), np.uint8)
+        ids = np.concatenate(part_ids) if part_ids else np.zeros(0, np.int64)
+        size = write_code_part(resolve(out_uri), ids, codes)
+    else:
+        size = write_index_file(index, resolve(out_uri))
+    return {"file": out_uri, "count": count, "dropped": dropped, "id_min": id_min, "id_max": id_max,
+            "bytes": size, "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,
+            "seconds": time.perf_counter() - t0}
+
+
+def _merge_task(shared: dict[str, Any], item: tuple[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Fill one index shard with its parts (`parts.merge_parts`), one part in memory at a time besides it."""
+    set_threads(shared["threads"])
+    out_uri, parts = item
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    index = merge_parts(resolve(shared["trained_file"]), [resolve(p["file"]) for p in parts])
+    size = write_index_file(index, resolve(out_uri))
+    return {"file": out_uri, "count": int(index.ntotal), **_id_range(parts), "bytes": size,
+            "dropped": sum(p["dropped"] for p in parts), "peak_rss_mb": peak_rss_mb(),
+            "seconds": time.perf_counter() - t0}
+
+
+def _id_range(parts: list[dict[str, Any]]) -> dict[str, int | None]:
+    lows = [p["id_min"] for p in parts if p["id_min"] is not None]
+    highs = [p["id_max"] for p in parts if p["id_max"] is not None]
+    return {"id_min": min(lows) if lows else None, "id_max": max(highs) if highs else None}
+
+
+# --- the build ------------------------------------------------------------------------------------------
+
+
+def shard_file(i: int, num_shards: int) -> str:
+    return INDEX_FILE if num_shards == 1 else f"index-{i:05d}.faiss"
+
+
+def build_index(
+    embeddings: Location,
+    out: Location,
+    factory: str,
+    embedder: str,
+    unit: str,
+    train_sample: int = 100_000,
+    *,
+    num_shards: int | str = "auto",
+    memory_budget_gb: float = 16.0,
+    shard_memory_gb: float = 4.0,
+    train_memory_gb: float = 8.0,
+    gpu: bool = False,
+    num_cpus: float = 1.0,
+    parallel: bool | None = None,
+    trained: bytes | None = None,
+    drop_ids: np.ndarray | None = None,
+    docs: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Build a sharded index from embedding shards into `out` (index shards, trained.faiss, manifest.json).
+
+    factory: any faiss factory string, or "auto" (`sizing.choose_factory`); train_sample: vectors to train on,
+    at least (`sizing.plan_training`: raised to 39 per IVF list, capped by train_memory_gb). num_shards: an
+    integer, or "auto" (estimated index bytes / shard_memory_gb). gpu: train an IVF's k-means on a GPU where
+    the cluster has one. parallel: Ray tasks (default: when Ray is initialized) or calls in this process.
+    trained: a trained empty index to reuse instead of training (pruned views reuse their source's).
+    drop_ids: ids left out of the index. docs: where the documents of the ids live (an ingest folder or a
+    Parquet folder of id, title, text), recorded in the manifest.
+    Returns stage stats: counts, seconds per step, the peak memory of each kind of task.
+    """
+    t0 = time.perf_counter()
+    if parallel is None:
+        import ray
+
+        parallel = ray.is_initialized()
+    files = embedding_files(embeddings)
+    counts = [shard_rows(f) for f in files]
+    total = sum(counts)
+    dim = shard_dim(files[0])
+    requested = factory
+    plan = None
+    auto_shards = is_auto(num_shards)
+    if trained is None:  # refused here, before any work, when the sample the factory needs does not fit
+        plan = plan_training(total, dim, factory, train_sample, memory_budget_gb, train_memory_gb)
+        factory = plan.factory
+        if auto_shards and plan.nlist:  # nor can a shard budget that the flat coarse quantizer alone overflows
+            shards_for(total, 1, plan.nlist * dim * 4, shard_memory_gb)
+    elif factory.strip().lower() == "auto":
+        factory = choose_factory(total, dim, memory_budget_gb, train_memory_gb)
+    if requested != factory:
+        log.info("index.factory=auto chose %s for %d x %d vectors", factory, total, dim)
+    threads = max(1, int(num_cpus)) if parallel else None
+    manifest_loc = out.join(MANIFEST)
+    manifest_loc.delete()  # a reader never pairs an old manifest with half-rewritten shards
+    if drop_ids is not None:
+        drop_ids = np.unique(np.asarray(drop_ids, dtype=np.int64))
+
+    # 1. train once
+    train_rss: list[float] = []
+    on_gpu = False
+    if trained is None:
+        import faiss
+
+        res = train_resources(num_cpus, gpu, cluster_gpus(parallel) if gpu else 0.0,
+                              hasattr(faiss, "StandardGpuResources"), kmeans=plan.nlist is not None)
+        job = {"files": [f.uri for f in files], "counts": counts, "factory": factory, "dim": dim,
+               "train_sample": plan.train_sample, "threads": threads, "gpu": res["num_gpus"] > 0,
+               "parallel": parallel}
+        trained, rss, on_gpu = run_tasks(_train_task, job, [None], num_cpus=res["num_cpus"], parallel=parallel,
+                                         num_gpus=res["num_gpus"])[0]
+        train_rss.append(rss)
+    trained_index = from_bytes(trained, TRAINED_FILE)
+    if trained_index.d != dim:
+        raise IndexError_(f"the trained index has dimension {trained_index.d}, the embedding shards at {embeddings.uri} {dim}")
+    out.join(TRAINED_FILE).write_bytes(trained)
+    t_train = time.perf_counter()
+    wanted, per_vector = shard_count(num_shards, total, trained_index, len(trained), shard_memory_gb, len(files))
+    log.info("index %s: %d vectors in %s shards, about %.0f bytes each (%s)", factory, total, wanted, per_vector,
+             f"auto: at most index.shard_memory_gb={shard_memory_gb}" if auto_shards else "index.num_shards")
+
+    # 2. add per embedding shard (mergeable types) or per index shard (the others)
+    mergeable = can_merge(trained_index)
+    code_parts = mergeable and code_part_ivf(trained_index) is not None
+    del trained_index
+    # an array, not bytes: every add task on a node reads it from Ray's object store without a copy of its own
+    shared = {"trained": np.frombuffer(trained, np.uint8), "drop_ids": drop_ids, "threads": threads,
+              "code_parts": code_parts}
+    parts_dir = out.join(PARTS_DIR)
+    if mergeable:
+        suffix = CODES_SUFFIX if code_parts else INDEX_SUFFIX
+        items = [(parts_dir.join(f"part-{i:06d}{suffix}").uri, [f.uri]) for i, f in enumerate(files)]
+    else:
+        groups = balanced_groups(counts, wanted)
+        items = [(out.join(shard_file(j, len(groups))).uri, [files[i].uri for i in g]) for j, g in enumerate(groups)]
+    added = run_tasks(_add_task, shared, items, num_cpus=num_cpus, parallel=parallel)
+    t_add = time.perf_counter()
+
+    # 3. merge parts into index shards: one task per shard, all in flight together
+    merged: list[dict[str, Any]] = []
+    if mergeable:
+        groups = balanced_groups([p["count"] for p in added], wanted)
+        merges = [(out.join(shard_file(j, len(groups))).uri, [added[i] for i in g]) for j, g in enumerate(groups)]
+        merged = run_tasks(_merge_task, {"threads": threads, "trained_file": out.join(TRAINED_FILE).uri}, merges,
+                           num_cpus=num_cpus, parallel=parallel)
+        parts_dir.delete()
+    shards = merged if mergeable else added
+    t_merge = time.perf_counter()
+
+    count = sum(s["count"] for s in shards)
+    dropped = sum(s["dropped"] for s in shards)
+    if count + dropped != total:
+        raise IndexError_(f"index holds {count} vectors and dropped {dropped}, but the shards at {embeddings.uri} hold {total}")
+    out_prefix = out.uri.rstrip("/") + "/"
+    shard_entries = [
+        {"file": s["file"][len(out_prefix):], "count": s["count"], "id_min": s["id_min"], "id_max": s["id_max"],
+         "bytes": s["bytes"]}
+        for s in shards
+    ]
+    ranges = _id_range(shards)
+    manifest = {
+        "format": FORMAT,
+        "factory": factory,
+        "factory_requested": requested,
+        "dim": dim,
+        "metric": "inner_product",
+        "embedder": embedder,
+        "unit": unit,
+        "count": count,
+        "id_min": ranges["id_min"],
+        "id_max": ranges["id_max"],
+        "num_shards": len(shard_entries),
+        "files": [s["file"] for s in shard_entries],
+        "shards": shard_entries,
+        "trained": TRAINED_FILE,
+        "embeddings": embeddings.uri,
+        "embedding_dtype": storage_dtype(files[0]),
+        "docs": docs,
+        "dropped": dropped,
+        **(extra or {}),
+    }
+    manifest_loc.write_json(manifest)  # last: its presence means every file it names is written
+    # Memory of the tasks (in this process when not parallel): what one node must hold, whatever the corpus.
+    add_peak = max(a["peak_rss_mb"] for a in added)
+    merge_peaks = [round(m["peak_rss_mb"], 1) for m in merged]
+    add_rate = sum(a["count"] + a["dropped"] for a in added) / max(sum(a["seconds"] for a in added), 1e-9)
+    return {
+        "rows_in": total,
+        "rows_out": count,
+        "rows_dropped": dropped,
+        "dim": dim,
+        "factory": factory,
+        "train_sample": plan.train_sample if plan else 0,
+        "train_on_gpu": on_gpu,
+        "num_shards": len(shard_entries),
+        "num_shards_requested": num_shards,
+        "bytes_per_vector_estimate": round(per_vector, 1),
+        "parallel": parallel,
+        "add_tasks": len(items),
+        "merge_tasks": len(merged),
+        "part_format": ("codes" if code_parts else "index") if mergeable else None,
+        "parts_bytes": sum(a["bytes"] for a in added) if mergeable else 0,
+        "trained_bytes": len(trained),
+        "train_s": round(t_train - t0, 3),
+        "add_s": round(t_add - t_train, 3),
+        "merge_s": round(t_merge - t_add, 3),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "index_bytes": sum(s["bytes"] for s in shard_entries),
+        "peak_rss_mb": round(max([*train_rss, add_peak, *merge_peaks]), 1),
+        "train_peak_rss_mb": round(train_rss[0], 1) if train_rss else None,
+        "add_peak_rss_mb": round(add_peak, 1),
+        "merge_peak_rss_mb": max(merge_peaks) if merge_peaks else None,
+        "merge_task_peak_rss_mb": merge_peaks,  # one per index shard, in shard order
+        "task_base_rss_mb": round(min(a["base_rss_mb"] for a in added), 1),
+        "add_vectors_per_task_s": round(add_rate, 1),
+    }

@@ -1,0 +1,212 @@
+"""Index files: embedding shards in, faiss index files and the manifest out, and loading them back.
+
+Vectors are normalized, so inner product = cosine and scores from different indices built with the same
+embedder are comparable (the union of a base and a write-back index relies on that).
+
+All file access goes through `Location` (local or s3://); faiss reads and writes bytes or streams, never paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from wbrag_ray.storage import Location
+
+MANIFEST = "manifest.json"
+INDEX_FILE = "index.faiss"  # the file name of a single-shard index (kept for indices built before sharding)
+TRAINED_FILE = "trained.faiss"
+PARTS_DIR = "_parts"
+FORMAT = 2
+
+
+class IndexError_(RuntimeError):
+    """A missing, corrupt or mismatched index file; the message names the file or the mismatch."""
+
+
+# --- embedding shards -----------------------------------------------------------------------------------
+
+
+def vectors_of(table: pa.Table, column: str = "vector") -> np.ndarray:
+    """A fixed-size-list (or list) column of float16 or float32 -> float32 matrix, without a Python loop."""
+    col = table[column].combine_chunks()
+    if len(col) == 0:
+        return np.zeros((0, 0), np.float32)
+    flat = col.flatten().to_numpy(zero_copy_only=False)
+    return np.ascontiguousarray(flat.reshape(len(col), -1), dtype=np.float32)
+
+
+ID_COLUMNS = ("id", "pid", "sid")
+
+
+def embedding_files(loc: Location) -> list[Location]:
+    files = loc.list_files(".parquet")
+    if not files:
+        raise IndexError_(f"no embedding shards at {loc.uri}; run `wbrag embed RUN` first")
+    return files
+
+
+def read_embedding_shard(f: Location) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64, vectors float32) of one embedding shard; an unreadable file is named in the error."""
+    try:
+        names = pq.ParquetFile(f.path, filesystem=f.fs).schema_arrow.names
+        # The id column keeps the unit's name (pid / sid) through the embed pipeline: Ray's row-level
+        # checkpointing follows one id column from read to write.
+        id_col = next((c for c in ID_COLUMNS if c in names), "id")
+        t = pq.read_table(f.path, filesystem=f.fs, columns=[id_col, "vector"])
+    except Exception as exc:  # pyarrow raises several types for truncated / garbage / missing files
+        raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
+    return t[id_col].to_numpy().astype(np.int64), vectors_of(t)
+
+
+def shard_rows(f: Location) -> int:
+    """Row count from the Parquet footer: no vectors are read."""
+    try:
+        return f.num_rows()
+    except Exception as exc:
+        raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
+
+
+def storage_dtype(f: Location) -> str:
+    """The stored dtype of one shard's vectors (float, halffloat), from its schema."""
+    field = pq.read_schema(f.path, filesystem=f.fs).field("vector")
+    return str(field.type.value_type)
+
+
+def iter_embedding_shards(loc: Location) -> Iterator[tuple[Location, np.ndarray, np.ndarray]]:
+    """Yield (file, ids, vectors) for each embedding shard, in file-name order."""
+    for f in embedding_files(loc):
+        yield (f, *read_embedding_shard(f))
+
+
+def shard_dim(f: Location) -> int:
+    """The vector dimension from the schema of one shard (fixed-size lists carry it)."""
+    try:
+        field = pq.read_schema(f.path, filesystem=f.fs).field("vector")
+    except Exception as exc:
+        raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
+    if pa.types.is_fixed_size_list(field.type):
+        return field.type.list_size
+    _ids, vecs = read_embedding_shard(f)  # variable-size lists: look at the rows
+    return vecs.shape[1]
+
+
+# --- faiss objects --------------------------------------------------------------------------------------
+
+
+def new_index(factory: str, dim: int):
+    """An empty inner-product index from a factory string; ids are always our int64 pids / sids."""
+    import faiss
+
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        raise ValueError(f"index.factory {factory!r} is not a valid faiss factory string: {exc}") from None
+    # IVF indices (bare or behind a pre-transform such as OPQ) store given ids; every other type numbers
+    # vectors 0..n-1, so an id map keeps our ids (it also merges, as the inner index does).
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
+    if not isinstance(inner, faiss.IndexIVF):
+        index = faiss.IndexIDMap2(index)
+    return index
+
+
+def to_bytes(index) -> bytes:
+    import faiss
+
+    return faiss.serialize_index(index).tobytes()
+
+
+def from_bytes(data: bytes, what: str):
+    """Deserialize an index; `what` (a file URI) is named when the bytes are not an index."""
+    import faiss
+
+    try:
+        return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+    except RuntimeError as exc:
+        raise IndexError_(f"index file {what} is corrupt: {str(exc).splitlines()[0]}") from None
+
+
+def read_index_file(f: Location, named_by: str | None = None):
+    """Stream an index file into faiss (no second copy of it in memory); errors name the file."""
+    import faiss
+
+    if not f.exists():
+        by = f" named by {named_by}" if named_by else ""
+        raise IndexError_(f"index file {f.uri}{by} is missing")
+    with f.fs.open_input_stream(f.path) as stream:
+        try:
+            return faiss.read_index(faiss.PyCallbackIOReader(stream.read))
+        except RuntimeError as exc:
+            raise IndexError_(f"index file {f.uri} is corrupt: {str(exc).splitlines()[0]}") from None
+
+
+def write_index_file(index, f: Location) -> int:
+    """Stream an index into a file, piece by piece: a shard is never held twice (index + serialized copy).
+    Returns the bytes written."""
+    import faiss
+
+    with f.open_write() as stream:
+        faiss.write_index(index, faiss.PyCallbackIOWriter(stream.write))
+        return stream.tell()
+
+
+def can_merge(index) -> bool:
+    """Whether faiss can merge two filled copies of this (trained, empty) index: IVF and flat-code indices
+    can, HNSW graphs and refine wrappers cannot. Asked of faiss itself on two empty copies."""
+    a, b = from_bytes(to_bytes(index), "(copy)"), from_bytes(to_bytes(index), "(copy)")
+    try:
+        a.merge_from(b, 0)
+    except RuntimeError:
+        return False
+    return True
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+
+def load_manifest(loc: Location) -> dict[str, Any]:
+    man_loc = loc.join(MANIFEST)
+    if not man_loc.exists():
+        raise IndexError_(f"no index manifest at {man_loc.uri}; build one with `wbrag index RUN`")
+    try:
+        manifest = man_loc.read_json()
+    except ValueError as exc:
+        raise IndexError_(f"index manifest {man_loc.uri} is not valid JSON: {exc}") from None
+    missing = [k for k in ("dim", "embedder", "files") if k not in manifest]
+    if missing:
+        raise IndexError_(f"index manifest {man_loc.uri} lacks {missing}; rebuild the index with `wbrag index RUN`")
+    return manifest
+
+
+def load_shards(loc: Location) -> tuple[list[Any], dict[str, Any]]:
+    """([faiss index per shard], manifest) from an index folder; each file is checked against the manifest."""
+    manifest = load_manifest(loc)
+    named_by = loc.join(MANIFEST).uri
+    counts = [s.get("count") for s in manifest.get("shards", [])] or [None] * len(manifest["files"])
+    shards = []
+    for name, count in zip(manifest["files"], counts, strict=True):
+        f = loc.join(name)
+        index = read_index_file(f, named_by)
+        if index.d != manifest["dim"]:
+            raise IndexError_(f"index file {f.uri} has dimension {index.d}, its manifest says {manifest['dim']}")
+        if count is not None and index.ntotal != count:
+            raise IndexError_(f"index file {f.uri} holds {index.ntotal} vectors, its manifest says {count}")
+        shards.append(index)
+    return shards, manifest
+
+
+def load_index(loc: Location) -> tuple[Any, dict[str, Any]]:
+    """(one searchable faiss index, manifest): the shard itself, or a faiss IndexShards over all shards."""
+    import faiss
+
+    shards, manifest = load_shards(loc)
+    if len(shards) == 1:
+        return shards[0], manifest
+    combined = faiss.IndexShards(manifest["dim"], True, False)  # threaded; shards keep their own ids
+    for s in shards:
+        combined.add_shard(s)  # faiss's wrapper keeps a Python reference: the shards live as long as it does
+    return combined, manifest

@@ -1,0 +1,217 @@
+"""How big an index build is: the factory, the training sample, the shard count (and which parts make each
+shard) and the train task's resources, decided from counts and memory figures before any vector is read.
+
+Everything here is a pure function of numbers and factory strings (`bytes_per_vector` reads a trained, empty
+faiss index, no data), so the rules are tested at 138M vectors without a single vector.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# faiss's k-means warns below 39 training points per centroid (and refuses below 1): the centroids of an
+# under-trained IVF are noise and its cells mean little.
+MIN_POINTS_PER_CENTROID = 39
+
+
+def choose_factory(n: int, dim: int, memory_budget_gb: float, train_memory_gb: float = 8.0) -> str:
+    """The factory string `index.factory=auto` picks, autofaiss-style, from the vector count and the memory
+    budget of the whole index (all shards, as the search actors hold them together):
+
+    - n < 20,000: `Flat` (exact search is fast at that size and needs no training);
+    - else an IVF with nlist = the power of two nearest 4*sqrt(n) (16*sqrt(n) from 10M vectors on, with an
+      HNSW32 coarse quantizer: a flat one is too slow to probe with 2^16+ centroids), lowered to the largest
+      power of two that gets at least 39 training points per centroid (faiss's minimum) from the corpus and
+      from the training sample that fits `train_memory_gb` (`train_sample_cap`; see `plan_training`);
+      its codes are the most precise that fit the budget with 10% headroom:
+      raw float32 (`Flat`), 8-bit scalar (`SQ8`, 1 byte per dimension), or product quantization `PQm` with
+      the largest m that divides dim and fits (m bytes per vector), refined by nothing (a refine step needs
+      the raw vectors in memory, which is what the budget ruled out).
+    Per-vector overheads counted: 8 bytes of id, plus the code.
+    """
+    if n < 20_000:
+        return "Flat"
+    budget = memory_budget_gb * GiB * 0.9
+    big = n >= 10_000_000
+    nlist = 2 ** round(math.log2((16 if big else 4) * math.sqrt(n)))
+    trainable = min(n, train_sample_cap(dim, train_memory_gb)) // MIN_POINTS_PER_CENTROID
+    nlist = max(1, min(nlist, _floor_pow2(trainable)))
+    coarse = f"IVF{nlist}_HNSW32" if big else f"IVF{nlist}"
+    per_vector = budget / n - 8
+    if per_vector >= 4 * dim:
+        return f"{coarse},Flat"
+    if per_vector >= dim:
+        return f"{coarse},SQ8"
+    fitting = [m for m in range(min(dim, int(per_vector)), 0, -1) if dim % m == 0 and m <= 96]
+    if not fitting:
+        need = n * (8 + 1) / GiB / 0.9
+        raise ValueError(
+            f"index.memory_budget_gb={memory_budget_gb} cannot hold {n:,} vectors even at one byte each "
+            f"(needs about {need:.1f} GB); raise index.memory_budget_gb or set index.factory explicitly"
+        )
+    return f"{coarse},PQ{fitting[0]}"
+
+
+def _floor_pow2(x: int) -> int:
+    return 2 ** int(math.log2(x)) if x >= 1 else 1
+
+
+def train_sample_cap(dim: int, train_memory_gb: float) -> int:
+    """The most float32 vectors of `dim` dimensions that fit `train_memory_gb` (sample x dim x 4 bytes)."""
+    return max(1, int(train_memory_gb * GiB // (4 * dim)))
+
+
+def ivf_nlist(factory: str) -> int | None:
+    """The number of IVF lists a factory string asks for (`IVF4096,PQ48`, `OPQ48,IVF65536_HNSW32,PQ48`), or
+    None for an index without an IVF coarse quantizer."""
+    m = re.search(r"(?:^|,)IVF(\d+)", factory.replace(" ", ""))
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The factory an index is built with and the number of vectors its train task reads."""
+
+    factory: str
+    train_sample: int
+    nlist: int | None  # IVF lists (k-means centroids), None without an IVF
+
+
+def plan_training(n: int, dim: int, factory: str, train_sample: int, memory_budget_gb: float = 16.0,
+                  train_memory_gb: float = 8.0) -> TrainingPlan:
+    """The factory and training sample, chosen together (`index.factory`, `index.train_sample`).
+
+    The sample is max(train_sample, 39 x nlist), capped by the corpus (n) and by what one train task's memory
+    holds (`train_sample_cap`): faiss's k-means needs at least 39 points per centroid. `factory="auto"` takes
+    fewer centroids when the cap would not give 39 each (`choose_factory`). An explicit IVF factory keeps its
+    nlist: the sample is raised to 39 x nlist (logged), and when `train_memory_gb` cannot hold that many the
+    build is refused here, before any work, with the fix. A corpus smaller than 39 x nlist trains on every
+    vector (logged: the index works, its cells are coarse); one smaller than nlist is refused.
+    """
+    auto = factory.strip().lower() == "auto"
+    if auto:
+        factory = choose_factory(n, dim, memory_budget_gb, train_memory_gb)
+    cap = train_sample_cap(dim, train_memory_gb)
+    nlist = ivf_nlist(factory)
+    if nlist is None:
+        return TrainingPlan(factory, min(train_sample, cap, n), None)
+    want = MIN_POINTS_PER_CENTROID * nlist
+    if n < nlist:
+        raise ValueError(f"index.factory {factory!r} has {nlist:,} IVF lists but the corpus only {n:,} vectors; "
+                         f"use an IVF with at most {_floor_pow2(n // MIN_POINTS_PER_CENTROID)} lists, or Flat")
+    if want > cap and n >= want:
+        fits = _floor_pow2(cap // MIN_POINTS_PER_CENTROID)
+        raise ValueError(
+            f"index.factory {factory!r} needs {want:,} training vectors (39 per IVF list), {want * dim * 4 / GiB:.1f} "
+            f"GB at dim {dim}, more than index.train_memory_gb={train_memory_gb} holds ({cap:,} vectors); raise "
+            f"index.train_memory_gb to {math.ceil(want * dim * 4 / GiB)}, or use at most IVF{fits} "
+            f"(or index.factory=auto)"
+        )
+    sample = min(max(train_sample, want), cap, n)
+    if n < want:
+        log.warning("index.factory %s: the corpus has %d vectors, fewer than 39 per IVF list (%d); training on all "
+                    "of them", factory, n, want)
+    elif sample > train_sample:
+        log.info("index.train_sample raised from %d to %d: 39 training vectors per IVF list of %s",
+                 train_sample, sample, factory)
+    elif sample < train_sample:
+        log.info("index.train_sample lowered from %d to %d: what index.train_memory_gb=%s holds at dim %d",
+                 train_sample, sample, train_memory_gb, dim)
+    return TrainingPlan(factory, sample, nlist)
+
+
+def bytes_per_vector(index) -> float:
+    """Bytes one more vector adds to an index file, from the trained empty index's structure (faiss tells
+    the code size of each part): the code, plus 8 bytes of id where ids are stored; an HNSW graph adds its
+    links (2M at level 0 plus about M/(M-1) above, 4 bytes each) and their level/offset bookkeeping."""
+    import faiss
+
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexIDMap | faiss.IndexIDMap2):
+        return 8 + bytes_per_vector(index.index)
+    if isinstance(index, faiss.IndexPreTransform):
+        return bytes_per_vector(index.index)
+    if isinstance(index, faiss.IndexRefine):
+        return bytes_per_vector(index.base_index) + bytes_per_vector(index.refine_index)
+    if isinstance(index, faiss.IndexIVF):
+        return 8 + index.code_size
+    if isinstance(index, faiss.IndexHNSW):
+        m = index.hnsw.nb_neighbors(1)
+        return bytes_per_vector(index.storage) + 4 * (2 * m + m / max(1, m - 1)) + 8 + 4
+    code_size = getattr(index, "code_size", None)
+    if code_size:
+        return float(code_size)
+    try:
+        return float(index.sa_code_size())
+    except RuntimeError:
+        return 4.0 * index.d  # unknown type: as big as raw float32
+
+
+def shards_for(n: int, per_vector: float, fixed_bytes: int, shard_memory_gb: float) -> int:
+    """`index.num_shards=auto`: ceil(estimated index bytes / shard budget), where every shard carries its own
+    copy of the trained index (`fixed_bytes`: the coarse quantizer and codebooks) besides its vectors."""
+    budget = shard_memory_gb * GiB
+    room = budget - fixed_bytes
+    if room <= budget * 0.05:
+        raise ValueError(
+            f"index.shard_memory_gb={shard_memory_gb} cannot hold an index shard: the trained index alone (coarse "
+            f"quantizer and codebooks, which every shard carries) takes {fixed_bytes / GiB:.2f} GB; raise "
+            f"index.shard_memory_gb or take fewer IVF lists"
+        )
+    return max(1, math.ceil(n * per_vector / room))
+
+
+def is_auto(num_shards: int | str) -> bool:
+    """Whether `index.num_shards` is "auto"; anything but "auto" or a positive integer is refused."""
+    if isinstance(num_shards, str) and num_shards.strip().lower() == "auto":
+        return True
+    if isinstance(num_shards, int) and not isinstance(num_shards, bool) and num_shards >= 1:
+        return False
+    raise ValueError(f"index.num_shards must be a positive integer or 'auto', not {num_shards!r}")
+
+
+def shard_count(num_shards: int | str, n: int, trained_index, trained_bytes: int, shard_memory_gb: float,
+                files: int) -> tuple[int, float]:
+    """(index shards to build, estimated bytes per vector): `num_shards`, or for "auto" the estimate over the
+    shard budget; never more than the embedding shards (a part is the smallest unit a shard is made of)."""
+    per_vector = bytes_per_vector(trained_index)
+    if not is_auto(num_shards):
+        return int(num_shards), per_vector
+    wanted = shards_for(n, per_vector, trained_bytes, shard_memory_gb)
+    if wanted > files:
+        log.warning("index.num_shards=auto wants %d shards of at most index.shard_memory_gb=%s, but there are only "
+                    "%d embedding shards: each index shard will hold about %.2f GB", wanted, shard_memory_gb, files,
+                    (n * per_vector / files + trained_bytes) / GiB)
+    return wanted, per_vector
+
+
+def balanced_groups(counts: Sequence[int], n: int) -> list[list[int]]:
+    """Split positions 0..len-1 into min(n, len) contiguous, non-empty groups of about equal total count
+    (contiguous keeps each index shard's id range narrow: embedding shards follow corpus order)."""
+    n = max(1, min(n, len(counts)))
+    total = sum(counts)
+    groups: list[list[int]] = [[]]
+    done = 0
+    for i, c in enumerate(counts):
+        if len(groups) < n and groups[-1]:
+            # open the next group once this one holds its share, or when only enough items are left to
+            # give every remaining group one
+            if done >= total * len(groups) / n or len(counts) - i <= n - len(groups):
+                groups.append([])
+        groups[-1].append(i)
+        done += c
+    return groups
+
+
+def train_resources(num_cpus: float, gpu: bool, cluster_gpus: float, faiss_gpu: bool, kmeans: bool) -> dict[str, float]:
+    """The Ray resources of the train task: one GPU when `index.gpu` asks for it, faiss was built with GPU
+    support, the cluster has a GPU and the index trains k-means (an IVF's coarse quantizer); CPUs otherwise."""
+    use_gpu = gpu and faiss_gpu and cluster_gpus >= 1 and kmeans
+    return {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0}

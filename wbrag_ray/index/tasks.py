@@ -1,0 +1,49 @@
+"""The build's tasks run as Ray tasks when Ray is up and as plain calls in this process otherwise (small jobs,
+tests, the single-process baseline of the benchmark; `ray_runtime.run_tasks`); each measures its own peak
+memory (`ray_runtime.reset_peak_rss` / `peak_rss_mb`); the GPU a task may use."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from wbrag_ray.index.files import IndexError_
+from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
+from wbrag_ray.ray_runtime import run_tasks as _run_tasks
+
+__all__ = ["cluster_gpus", "peak_rss_mb", "reserved_gpu", "reset_peak_rss", "run_tasks", "set_threads"]
+
+# The build's errors (a file named, a bad setting) come back from a task as themselves.
+run_tasks = partial(_run_tasks, own_errors=(IndexError_, ValueError))
+
+
+def set_threads(threads: int | None) -> None:
+    """Ray tasks share the node: each uses the threads it asked Ray for, not every core."""
+    if threads:
+        import faiss
+
+        faiss.omp_set_num_threads(threads)
+
+
+def cluster_gpus(parallel: bool) -> float:
+    """GPUs the tasks could get: the Ray cluster's (parallel), else this machine's as faiss sees them."""
+    if parallel:
+        import ray
+
+        return float(ray.cluster_resources().get("GPU", 0))
+    import faiss
+
+    return float(faiss.get_num_gpus()) if hasattr(faiss, "StandardGpuResources") else 0.0
+
+
+def reserved_gpu(parallel: bool) -> bool:
+    """Whether this task holds a GPU that faiss can use: one Ray reserved for it (parallel), or one of this
+    machine (in process)."""
+    import faiss
+
+    if not hasattr(faiss, "StandardGpuResources"):
+        return False
+    if parallel:
+        import ray
+
+        return bool(ray.get_gpu_ids())
+    return faiss.get_num_gpus() > 0

@@ -1,0 +1,9 @@
+"""Retrieval: the document store, the search actors that hold an index's shards (the retrieval service), the
+Ray Data stage that adds retrieved documents to a pass, and the in-process retriever for small jobs.
+
+    hits        Hit, merging per-shard / per-index results into one top K, the `docs` column's JSON
+    docstore    id -> (title, text) from memory-mapped, id-sorted Arrow files (never the corpus in memory)
+    local       Retriever / UnionRetriever: an index searched in this process (tests, exports, benchmarks)
+    service     SearchPool / RetrievalService: shards in search actors, started once per command
+    stage       RetrieveStage / RetrievalSetting: a retrieval pass over a Ray Dataset, on the service
+"""

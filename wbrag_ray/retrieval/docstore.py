@@ -1,0 +1,231 @@
+"""The document store: id -> (title, text) for the units an index holds, without holding the corpus.
+
+A search returns ids; a RAG prompt needs their text. At 21M passages (138M sentences) the text is tens of GB,
+so no process may load it whole. The store is a folder of uncompressed Arrow IPC files, each sorted by id and
+each covering one ingest shard (so one file is written by one task, bounded by the shard):
+
+    DOCS/docs.json          {"format", "unit", "count", "files": [{"file", "count", "id_min", "id_max"}]}
+    DOCS/docs-NNNNN.arrow   record batches of (id int64, title string, text string), ids ascending
+
+A reader memory-maps a file the first time an id falls in its range (ranges come from docs.json, so opening
+the store reads one small JSON), finds the row with two binary searches (the batch by its first id, the row
+in the batch) over the mapped id column, and slices title and text out of the mapped buffers: nothing is
+decoded or copied but the rows asked for. Pages are the OS's: they are shared by every process on a node
+that maps the same file and dropped under memory pressure. Files on object storage are fetched once per node
+into the node-local cache (WBRAG_CACHE) and mapped from there.
+
+Sources: an ingest folder (passages/, sentences/: sentence rows carry their passage's title, joined per shard
+from the shard's own passages file) or a plain Parquet folder of (id, title, text) (the write-back corpus).
+`open_doc_store` opens a store, or builds one from a source into the node-local cache the first time (small
+corpora, indices built before the store existed).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from wbrag_ray.layout import IngestFolder
+from wbrag_ray.storage import Location, resolve
+
+LISTING = "docs.json"
+FORMAT = 1
+BATCH_ROWS = 65_536  # rows per record batch: keeps every string buffer far below Arrow's 2 GiB offsets
+SCHEMA = pa.schema([("id", pa.int64()), ("title", pa.string()), ("text", pa.string())])
+
+
+class DocStoreError(RuntimeError):
+    """A missing or damaged document store, or an id it does not hold; the message names the file."""
+
+
+# --- writing --------------------------------------------------------------------------------------------
+
+
+def _sources(source: Location, unit: str) -> list[tuple[str, str | None]]:
+    """(documents file, its titles file or None) per output file, in file-name order."""
+    ingest = IngestFolder(source)
+    if ingest.passages.exists():
+        if unit == "sentence":
+            return [(f.uri, ingest.passages.join(f.name).uri) for f in ingest.sentences.list_files(".parquet")]
+        return [(f.uri, None) for f in ingest.passages.list_files(".parquet")]
+    files = source.list_files(".parquet")
+    if not files:
+        raise DocStoreError(f"no documents at {source.uri}: expected an ingest folder (passages/, sentences/) "
+                            f"or Parquet files with columns id, title, text")
+    return [(f.uri, None) for f in files]
+
+
+def _doc_table(doc_uri: str, titles_uri: str | None) -> pa.Table:
+    """(id, title, text) of one source file, sorted by id."""
+    f = resolve(doc_uri)
+    names = pq.read_schema(f.path, filesystem=f.fs).names
+    try:
+        if "sid" in names:  # a sentences shard: titles from the passages shard written beside it
+            sentences = pq.read_table(f.path, filesystem=f.fs, columns=["sid", "pid", "text"])
+            t = resolve(titles_uri)
+            passages = pq.read_table(t.path, filesystem=t.fs, columns=["pid", "title"])
+            table = sentences.join(passages, "pid", join_type="left outer").select(["sid", "title", "text"])
+        elif "pid" in names:
+            table = pq.read_table(f.path, filesystem=f.fs, columns=["pid", "title", "text"])
+        else:
+            table = pq.read_table(f.path, filesystem=f.fs, columns=["id", "title", "text"])
+    except (KeyError, pa.ArrowInvalid) as exc:
+        raise DocStoreError(f"documents file {f.uri} lacks the columns a document store needs: {exc}") from None
+    table = table.rename_columns(["id", "title", "text"]).cast(SCHEMA)
+    return table.sort_by("id")
+
+
+def _write_task(_shared: None, item: tuple[str, str | None, str]) -> dict[str, Any]:
+    doc_uri, titles_uri, out_uri = item
+    table = _doc_table(doc_uri, titles_uri)
+    out = resolve(out_uri)
+    with out.open_write() as stream, pa.ipc.new_file(stream, SCHEMA) as writer:
+        writer.write_table(table, max_chunksize=BATCH_ROWS)
+    ids = table["id"]
+    return {"file": out.name, "count": table.num_rows,
+            "id_min": int(ids[0].as_py()) if table.num_rows else None,
+            "id_max": int(ids[-1].as_py()) if table.num_rows else None}
+
+
+def write_doc_store(source: Location, unit: str, out: Location, *, parallel: bool | None = None) -> dict[str, Any]:
+    """Write the store of `source`'s `unit`s (passage / sentence; a plain Parquet folder holds one kind) into
+    `out`: one task per source file (Ray tasks when Ray is up), then docs.json, last."""
+    from wbrag_ray.ray_runtime import run_tasks
+
+    sources = _sources(source, unit)
+    out.join(LISTING).delete()  # a reader never pairs an old listing with half-rewritten files
+    items = [(doc, titles, out.join(f"docs-{i:05d}.arrow").uri) for i, (doc, titles) in enumerate(sources)]
+    files = [f for f in run_tasks(_write_task, None, items, num_cpus=0.5, parallel=parallel,
+                                         own_errors=(DocStoreError, ValueError)) if f["count"]]
+    listing = {"format": FORMAT, "unit": unit, "source": source.uri, "count": sum(f["count"] for f in files),
+               "files": files}
+    out.join(LISTING).write_json(listing)
+    return {"rows_in": listing["count"], "rows_out": listing["count"], "files": len(files)}
+
+
+def has_doc_store(loc: Location) -> bool:
+    return loc.join(LISTING).exists()
+
+
+# --- reading --------------------------------------------------------------------------------------------
+
+
+class _MappedFile:
+    """One memory-mapped store file: record batches and the first id of each, for two binary searches."""
+
+    def __init__(self, path: str):
+        self.reader = pa.ipc.open_file(pa.memory_map(path, "r"))
+        self.batches = [self.reader.get_batch(i) for i in range(self.reader.num_record_batches)]
+        # zero-copy views of the mapped id columns (int64 without nulls)
+        self.ids = [b.column(0).to_numpy() for b in self.batches]
+        self.firsts = np.array([ids[0] for ids in self.ids], np.int64)
+
+    def row(self, doc_id: int) -> tuple[str, str] | None:
+        b = int(np.searchsorted(self.firsts, doc_id, side="right")) - 1
+        if b < 0:
+            return None
+        ids = self.ids[b]
+        i = int(np.searchsorted(ids, doc_id))
+        if i >= len(ids) or ids[i] != doc_id:
+            return None
+        batch = self.batches[b]
+        return batch.column(1)[i].as_py() or "", batch.column(2)[i].as_py()
+
+
+class DocStore:
+    """Lookups in a document store folder (see the module doc). Cheap to open and to pickle: files are
+    mapped on first use, in the process that uses them."""
+
+    def __init__(self, loc: Location):
+        if not has_doc_store(loc):
+            raise DocStoreError(f"no document store at {loc.uri} ({LISTING} missing); build it with `wbrag index RUN`")
+        try:
+            self.listing = loc.join(LISTING).read_json()
+        except ValueError as exc:
+            raise DocStoreError(f"{loc.join(LISTING).uri} is not valid JSON: {exc}") from None
+        self.loc, self.uri = loc, loc.uri
+        self.unit = self.listing.get("unit")
+        files = sorted(self.listing["files"], key=lambda f: f["id_min"])
+        self._names = [f["file"] for f in files]
+        self._mins = [f["id_min"] for f in files]
+        self._maxs = [f["id_max"] for f in files]
+        # Plain Parquet sources need not be split by id: where ranges overlap, every file covering an id is asked.
+        self._disjoint = all(a < b for a, b in zip(self._maxs, self._mins[1:], strict=False))
+        self._open: dict[str, _MappedFile] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_open": {}}  # mappings are per process
+
+    def __len__(self) -> int:
+        return int(self.listing["count"])
+
+    def _file(self, name: str) -> _MappedFile:
+        if name not in self._open:
+            f = self.loc.join(name)
+            if not f.exists():
+                raise DocStoreError(f"document store file {f.uri} named by {self.loc.join(LISTING).uri} is missing")
+            try:
+                self._open[name] = _MappedFile(f.path if f.is_local else _node_copy(f))
+            except (OSError, pa.ArrowInvalid) as exc:
+                raise DocStoreError(f"document store file {f.uri} is damaged: {exc}") from None
+        return self._open[name]
+
+    def _candidates(self, doc_id: int) -> list[str]:
+        if self._disjoint:
+            i = bisect.bisect_right(self._mins, doc_id) - 1
+            return [self._names[i]] if i >= 0 and doc_id <= self._maxs[i] else []
+        return [n for n, lo, hi in zip(self._names, self._mins, self._maxs, strict=True) if lo <= doc_id <= hi]
+
+    def get(self, doc_id: int) -> tuple[str, str]:
+        for name in self._candidates(int(doc_id)):
+            found = self._file(name).row(int(doc_id))
+            if found is not None:
+                return found
+        raise KeyError(f"document id {doc_id} is in the index but not in the document store at {self.uri}")
+
+    def get_many(self, ids) -> list[tuple[str, str]]:
+        return [self.get(int(i)) for i in ids]
+
+
+def _cache_root() -> str:
+    return os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag"))
+
+
+def _node_copy(f: Location) -> str:
+    """A node-local copy of one remote store file (fetched once per node: keyed by URI, size and time)."""
+    import pyarrow.fs as pafs
+
+    info = f.fs.get_file_info(f.path)
+    key = hashlib.sha1(repr((f.uri, info.size, info.mtime_ns)).encode()).hexdigest()[:16]
+    dest = os.path.join(_cache_root(), "docs", f"{key}-{f.name}")
+    if not os.path.exists(dest):
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = f"{dest}.tmp{os.getpid()}"
+        pafs.copy_files(f.path, tmp, source_filesystem=f.fs, destination_filesystem=pafs.LocalFileSystem())
+        os.replace(tmp, dest)  # atomic: processes on one node race harmlessly
+    return dest
+
+
+def open_doc_store(loc: Location, unit: str = "passage") -> DocStore:
+    """The store at `loc`; or, where `loc` is a source (an ingest folder, a Parquet folder of id, title, text),
+    a store built from it once into the node-local cache (keyed by the source's files, names, sizes and times)."""
+    if has_doc_store(loc):
+        return DocStore(loc)
+    sources = _sources(loc, unit)
+    stamp = []
+    for doc, titles in sources:
+        for uri in filter(None, (doc, titles)):
+            f = resolve(uri)
+            info = f.fs.get_file_info(f.path)
+            stamp.append((uri, info.size, info.mtime_ns))
+    key = hashlib.sha1(repr((loc.uri, unit, stamp)).encode()).hexdigest()[:16]
+    cached = resolve(os.path.join(_cache_root(), "docstores", key))
+    if not has_doc_store(cached):
+        write_doc_store(loc, unit, cached, parallel=False)
+    return DocStore(cached)

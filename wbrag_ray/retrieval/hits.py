@@ -1,0 +1,66 @@
+"""A retrieved document (`Hit`), the merge of per-shard or per-index results into one top K, and the JSON a
+`docs` column carries between passes.
+
+Ids are only unique inside one index: a hit is identified by (source, id), never by id alone, so the
+write-back index can number its knowledge units from 0 without colliding with base passages.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass
+class Hit:
+    id: int
+    score: float
+    rank: int
+    title: str
+    text: str
+    source: str = "base"  # which index the hit came from; (source, id) is the hit's identity
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.source, self.id)
+
+
+def merge_top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Column positions of the k best scores per row (descending; ties keep column order), for score
+    matrices made by concatenating per-shard or per-index results side by side."""
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return order[:, :k]
+
+
+def merge_results(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids), each (n, k), best first, of several (scores, ids) results over the same queries; a
+    missing hit (faiss pads short results with id -1 and a huge negative score) is id -1, score -inf."""
+    scores = np.concatenate([s for s, _ in parts], axis=1).astype(np.float32, copy=True)
+    ids = np.concatenate([i for _, i in parts], axis=1)
+    scores[ids < 0] = -np.inf
+    top = merge_top_k(scores, k)
+    scores, ids = np.take_along_axis(scores, top, axis=1), np.take_along_axis(ids, top, axis=1)
+    if scores.shape[1] < k:  # fewer candidates than k in all: pad
+        pad = k - scores.shape[1]
+        scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+        ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+    return scores, ids
+
+
+def union_top_k(hit_lists: list[list[Hit]], k: int) -> list[Hit]:
+    """The best k of several indices' hits for one query, by score, re-ranked; each keeps its source."""
+    pool = [h for hits in hit_lists for h in hits]
+    if not pool:
+        return []
+    top = merge_top_k(np.array([[h.score for h in pool]], np.float32), k)[0]
+    return [Hit(pool[j].id, pool[j].score, r, pool[j].title, pool[j].text, pool[j].source) for r, j in enumerate(top)]
+
+
+def hits_to_json(hits: list[Hit]) -> str:
+    return json.dumps([asdict(h) for h in hits], ensure_ascii=False)
+
+
+def hits_from_json(s: str) -> list[Hit]:
+    return [Hit(**h) for h in json.loads(s)] if s else []

@@ -1,0 +1,278 @@
+"""Searching an index in this process: for a few queries, tests, benchmarks and exports (the pipelines search
+through the retrieval service, `retrieval.service`, which holds the shards in search actors instead).
+
+`Retriever` loads an index folder (manifest + shards) and opens its document store; `UnionRetriever` searches
+several indices built with the same embedder (the base and the write-back index) and cuts the union to the
+top K by score. Both share the query embedding, the shard search and the merge with the service.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from wbrag_ray.config import EmbedderConfig
+from wbrag_ray.index.faiss_index import IndexError_, load_shards
+from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
+from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
+from wbrag_ray.storage import Location, resolve
+
+if TYPE_CHECKING:
+    from wbrag_ray.config import WbragConfig
+
+log = logging.getLogger(__name__)
+
+
+def set_search_params(index, nprobe: int | None, ef_search: int | None, k_factor: float | None) -> None:
+    """Apply the settings that exist for this index type (IVF: nprobe, HNSW: efSearch, refine: k_factor);
+    the others do not apply and are skipped."""
+    import faiss
+
+    ps = faiss.ParameterSpace()
+    for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
+        if value is not None:
+            try:
+                ps.set_index_parameter(index, name, value)
+            except RuntimeError:
+                pass  # this index type has no such parameter
+    inner = index
+    while k_factor is not None:
+        inner = faiss.downcast_index(inner)
+        if isinstance(inner, faiss.IndexRefine):
+            inner.k_factor = float(k_factor)
+            break
+        if not isinstance(inner, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
+            break
+        inner = inner.index
+
+
+def gpus_usable() -> bool:
+    """Whether this process may put work on a GPU: in a Ray worker only when Ray reserved one for it (Ray does
+    not hide a node's GPUs from tasks and actors that asked for none: they would collide with the vLLM engine
+    that did); a plain process owns its machine."""
+    try:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+            return bool(ray.get_gpu_ids())
+    except (ImportError, AttributeError):
+        pass
+    return True
+
+
+def to_gpu(index, where: str):
+    """The index on the GPUs this process may use when faiss was built with GPU support; the CPU index
+    otherwise (types without a GPU version, such as HNSW, stay on the CPU)."""
+    import faiss
+
+    if not hasattr(faiss, "index_cpu_to_all_gpus") or faiss.get_num_gpus() == 0 or not gpus_usable():
+        return index
+    try:
+        return faiss.index_cpu_to_all_gpus(index)
+    except RuntimeError as exc:
+        log.info("index shard %s stays on the CPU: %s", where, str(exc).splitlines()[0])
+        return index
+
+
+def check_embedder(manifest: dict, index_dir: str, embedder: EmbedderConfig | None) -> None:
+    if embedder is not None and manifest["embedder"] != embedder.model:
+        raise IndexError_(
+            f"index {index_dir} was built with embedder {manifest['embedder']!r}, "
+            f"but embedder.model is {embedder.model!r}; rebuild the index or change the config"
+        )
+
+
+def docs_location(index: Location, manifest: dict, docs_dir: str | None) -> Location | None:
+    """Where the documents of an index's ids are: `docs_dir`, else the manifest's `docs` (relative to the
+    index folder when not absolute); None when neither names any."""
+    docs = docs_dir or manifest.get("docs")
+    if not docs:
+        return None
+    if "://" not in docs and not docs.startswith("/"):
+        return index.join(docs)
+    return resolve(docs)
+
+
+def search_shards(shards: list, vectors: np.ndarray, k: int, batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids), each (n, k), best first, over every shard, `batch_size` queries at a time."""
+    out_s = np.full((len(vectors), k), -np.inf, np.float32)
+    out_i = np.full((len(vectors), k), -1, np.int64)
+    for start in range(0, len(vectors), batch_size):
+        q = vectors[start : start + batch_size]
+        scores, ids = merge_results([shard.search(q, k) for shard in shards], k)
+        out_s[start : start + len(q)], out_i[start : start + len(q)] = scores, ids
+    return out_s, out_i
+
+
+def to_hits(scores: np.ndarray, ids: np.ndarray, docs: DocStore | None, source: str) -> list[list[Hit]]:
+    """Hits per query, with their documents looked up (empty title and text without a store)."""
+    results = []
+    for row_s, row_i in zip(scores, ids, strict=True):
+        hits = []
+        for s, i in zip(row_s, row_i, strict=True):
+            if i < 0:
+                continue
+            title, text = docs.get(int(i)) if docs is not None else ("", "")
+            hits.append(Hit(int(i), float(s), len(hits), title, text, source))
+        results.append(hits)
+    return results
+
+
+def check_query_vectors(vectors: np.ndarray, dim: int, where: str) -> np.ndarray:
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    if vectors.ndim != 2 or vectors.shape[1] != dim:
+        raise IndexError_(f"query vectors have shape {vectors.shape}; the index {where} expects (n, {dim})")
+    return vectors
+
+
+def load_query_embedder(config: EmbedderConfig, dim: int, where: str):
+    """The query-side embedder, checked against the index's dimension; on a GPU only where one is usable."""
+    from wbrag_ray.models.embedder import Embedder
+
+    if config.num_gpus and not gpus_usable():
+        config = config.model_copy(update={"num_gpus": 0.0})
+    embedder = Embedder(config)
+    embedder.setup()
+    if embedder.dim != dim:
+        raise IndexError_(f"embedder {config.model!r} makes {embedder.dim}-dimensional vectors, "
+                          f"index {where} holds {dim}-dimensional ones")
+    return embedder
+
+
+class Retriever:
+    """Loads an index folder (manifest + shards) and its documents; `search` returns `Hit`s per query.
+
+    docs_dir: a document store, an ingest folder or a Parquet folder of (id, title, text); default: the
+    manifest's `docs` (hits without documents carry empty title and text). embedder: needed only to search
+    by text; `search_vectors` works without it. source: the name hits carry (e.g. "writeback").
+    """
+
+    def __init__(
+        self,
+        index_dir: str,
+        docs_dir: str | None = None,
+        embedder: EmbedderConfig | None = None,
+        nprobe: int | None = 32,
+        source: str = "base",
+        *,
+        ef_search: int | None = None,
+        k_factor: float | None = None,
+        gpu: bool = True,
+        batch_size: int = 1024,
+    ):
+        self.index_dir, self.docs_dir, self.embedder_config = index_dir, docs_dir, embedder
+        self.nprobe, self.ef_search, self.k_factor, self.gpu = nprobe, ef_search, k_factor, gpu
+        self.source, self.batch_size = source, batch_size
+        self.embedder = None
+        self._loaded = False
+
+    @classmethod
+    def from_config(cls, index_dir: str, docs_dir: str | None, config: WbragConfig, source: str = "base") -> Retriever:
+        """A retriever with the run config's search settings (index.nprobe, index.ef_search, ...)."""
+        ic = config.index
+        return cls(index_dir, docs_dir, config.embedder, ic.nprobe, source,
+                   ef_search=ic.ef_search, k_factor=ic.k_factor, gpu=ic.gpu)
+
+    @property
+    def dim(self) -> int:
+        self._ensure_loaded()
+        return int(self.manifest["dim"])
+
+    def setup(self) -> None:
+        loc = resolve(self.index_dir)
+        self.shards, self.manifest = load_shards(loc)
+        check_embedder(self.manifest, self.index_dir, self.embedder_config)
+        for i, shard in enumerate(self.shards):
+            set_search_params(shard, self.nprobe, self.ef_search, self.k_factor)
+            if self.gpu:
+                self.shards[i] = to_gpu(shard, f"{self.index_dir}/{self.manifest['files'][i]}")
+        docs = docs_location(loc, self.manifest, self.docs_dir)
+        self.docs = open_doc_store(docs, self.manifest.get("unit", "passage")) if docs else None
+        self._loaded = True
+
+    def _ensure_loaded(self) -> None:
+        if not self._loaded:
+            self.setup()
+
+    def _ensure_embedder(self):
+        self._ensure_loaded()
+        if self.embedder is None:
+            if self.embedder_config is None:
+                raise IndexError_(f"retriever for {self.index_dir} has no embedder: search by vectors, or pass one")
+            self.embedder = load_query_embedder(self.embedder_config, self.manifest["dim"], self.index_dir)
+        return self.embedder
+
+    def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids), each (n, k), best first; missing hits are id -1 with score -inf. Every shard is
+        searched and the results merged, `batch_size` queries at a time."""
+        self._ensure_loaded()
+        vectors = check_query_vectors(vectors, self.manifest["dim"], self.index_dir)
+        return search_shards(self.shards, vectors, k, self.batch_size)
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        return to_hits(*self.search_ids(vectors, k), self.docs, self.source)
+
+    def encode(self, queries: list[str]) -> np.ndarray:
+        return self._ensure_embedder().encode_queries(queries)
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        return self.search_vectors(self.encode(queries), k)
+
+
+def check_union(sources: list[str]) -> None:
+    """Indices searched as one need at least one member and distinct sources: the source names the id space."""
+    if not sources:
+        raise ValueError("a union of indices needs at least one index")
+    if len(set(sources)) != len(sources):
+        raise ValueError(f"indices in a union need distinct sources (they name the id namespaces): {sources}")
+
+
+def check_comparable(manifests: list[tuple[str, dict]]) -> None:
+    """Indices searched as one union must share embedder, dimension and metric: else scores do not compare."""
+    (first_dir, first), *others = manifests
+    for other_dir, other in others:
+        for key in ("embedder", "dim", "metric"):
+            if other.get(key) != first.get(key):
+                raise IndexError_(
+                    f"indices {first_dir} and {other_dir} differ in {key} "
+                    f"({first.get(key)!r} vs {other.get(key)!r}): their scores are not comparable"
+                )
+
+
+class UnionRetriever:
+    """Several indices built with the same embedder (the base index and the write-back index), searched
+    independently; each query's hits are the union cut to the top K by score, tagged with their source.
+
+    Same `search` / `search_vectors` interface as `Retriever`; queries are embedded once, by the first
+    member that has an embedder.
+    """
+
+    def __init__(self, members: list[Retriever]):
+        check_union([m.source for m in members])
+        self.members = members
+        self._loaded = False
+
+    def setup(self) -> None:
+        for m in self.members:
+            m._ensure_loaded()
+        check_comparable([(m.index_dir, m.manifest) for m in self.members])
+        self._loaded = True
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        if not self._loaded:
+            self.setup()
+        per_member = [m.search_vectors(vectors, k) for m in self.members]
+        return [union_top_k(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
+
+    def encode(self, queries: list[str]) -> np.ndarray:
+        if not self._loaded:
+            self.setup()
+        encoder = next((m for m in self.members if m.embedder_config is not None), None)
+        if encoder is None:
+            raise IndexError_("no retriever in the union has an embedder: search by vectors, or pass one")
+        return encoder.encode(queries)
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        return self.search_vectors(self.encode(queries), k)

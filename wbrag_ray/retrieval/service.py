@@ -1,0 +1,266 @@
+"""The retrieval service: an index's shards held by search actors that a command starts once and every
+retrieval pass of it uses.
+
+An index folder's shards (the build sizes them by `index.shard_memory_gb`) are grouped, in manifest order, into
+groups of at most `retrieval.actor_memory_gb`; each group is loaded by one search actor that declares that
+memory to Ray (`memory=`), so Ray places groups on nodes that can hold them and never packs two big ones on a
+node that cannot. `retrieval.concurrency` replicas of every group serve in parallel. A search sends the
+query vectors to one replica of each group at once, and merges the groups' top K by score; the union with
+the write-back index is the same merge across indices, each hit keeping its source. Document text is looked
+up only for the merged top K, by id, in the memory-mapped document store (`retrieval.docstore`), in the
+process that asked. Nothing here loads an index into the driver: the latency figures come from the actors.
+
+Search actors ask for a GPU only where `index.gpu` is set and the cluster has GPUs; they put shards on it
+only when Ray reserved it for them. A lost actor (its node gone) is started again elsewhere and the call
+retried: a search is a pure function of its shards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from wbrag_ray.config import IndexConfig, RetrievalConfig
+from wbrag_ray.index.faiss_index import IndexError_, load_manifest, read_index_file
+from wbrag_ray.ray_runtime import call_actor
+from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
+from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
+from wbrag_ray.retrieval.local import (
+    check_comparable,
+    check_query_vectors,
+    check_union,
+    docs_location,
+    search_shards,
+    set_search_params,
+    to_gpu,
+    to_hits,
+)
+from wbrag_ray.storage import resolve
+
+ACTOR_OVERHEAD_BYTES = 400 << 20  # interpreter, faiss and pyarrow of one search actor, besides its shards
+
+
+class SearchActor:
+    """A group of one index's shards, loaded once; `search` returns the group's top K and its own seconds."""
+
+    def __init__(self, index_dir: str, files: list[str], counts: list[int | None], dim: int,
+                 search: dict[str, Any], threads: int):
+        import faiss
+
+        faiss.omp_set_num_threads(threads)
+        self.error: Exception | None = None
+        self.shards = []
+        try:
+            loc = resolve(index_dir)
+            named_by = loc.join("manifest.json").uri
+            for name, count in zip(files, counts, strict=True):
+                f = loc.join(name)
+                shard = read_index_file(f, named_by)
+                if shard.d != dim:
+                    raise IndexError_(f"index file {f.uri} has dimension {shard.d}, its manifest says {dim}")
+                if count is not None and shard.ntotal != count:
+                    raise IndexError_(f"index file {f.uri} holds {shard.ntotal} vectors, its manifest says {count}")
+                set_search_params(shard, search["nprobe"], search["ef_search"], search["k_factor"])
+                self.shards.append(to_gpu(shard, f.uri) if search["gpu"] else shard)
+        except IndexError_ as exc:
+            self.error = exc  # raised by `ready`, as itself: a constructor's error would come back wrapped
+
+    def ready(self) -> int:
+        if self.error is not None:
+            raise self.error
+        return sum(int(s.ntotal) for s in self.shards)
+
+    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
+        t0 = time.perf_counter()
+        scores, ids = search_shards(self.shards, vectors, k)
+        return scores, ids, time.perf_counter() - t0
+
+    def peak_rss_mb(self) -> float:
+        from wbrag_ray.ray_runtime import peak_rss_mb
+
+        return peak_rss_mb()
+
+
+def shard_groups(shards: list[dict[str, Any]], budget_bytes: float) -> list[list[int]]:
+    """Consecutive shard positions grouped so each group's bytes stay within the budget (a shard larger than
+    the budget is a group of its own: the build's `index.shard_memory_gb` is what bounds it)."""
+    groups: list[list[int]] = []
+    held = 0.0
+    for i, shard in enumerate(shards):
+        size = float(shard.get("bytes") or 0)
+        if not groups or held + size > budget_bytes:
+            groups.append([])
+            held = 0.0
+        groups[-1].append(i)
+        held += size
+    return groups
+
+
+def _unwrap(exc: Exception) -> Exception:
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, IndexError_ | DocStoreError) else exc
+
+
+_STORES: dict[tuple[str, str], DocStore] = {}  # per process: a store is opened (and mapped) once
+
+
+@dataclass
+class SearchPool:
+    """The search actors of one index folder: `groups` of its shards, each in `replicas` actors."""
+
+    index_dir: str
+    manifest: dict[str, Any]
+    actors: list[list[Any]]  # [group][replica]
+    placement: tuple
+    _turn: Any = field(default_factory=itertools.count, repr=False)
+
+    @classmethod
+    def start(cls, index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> SearchPool:
+        import ray
+
+        manifest = load_manifest(resolve(index_dir))
+        shards = manifest.get("shards") or [{"file": f, "count": None, "bytes": 0} for f in manifest["files"]]
+        loc = resolve(index_dir)
+        for s in shards:  # indices built before the manifest recorded sizes
+            if not s.get("bytes"):
+                s["bytes"] = loc.join(s["file"]).size()
+        groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
+        use_gpu = bool(index.gpu and ray.cluster_resources().get("GPU", 0) > 0)
+        search = {"nprobe": index.nprobe, "ef_search": index.ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
+        threads = max(1, math.ceil(retrieval.search_cpus))
+        actors = []
+        for group in groups:
+            held = sum(shards[i]["bytes"] for i in group)
+            remote = ray.remote(
+                num_cpus=retrieval.search_cpus, num_gpus=1 if use_gpu else None,
+                memory=int(held * 1.2 + ACTOR_OVERHEAD_BYTES), max_restarts=-1, max_task_retries=3,
+            )(SearchActor)
+            files = [shards[i]["file"] for i in group]
+            counts = [shards[i].get("count") for i in group]
+            actors.append([remote.remote(index_dir, files, counts, int(manifest["dim"]), search, threads)
+                           for _ in range(retrieval.concurrency)])
+        pool = cls(index_dir, manifest, actors, pool_placement(index, retrieval))
+        try:
+            ray.get([a.ready.remote() for replicas in actors for a in replicas])
+        except ray.exceptions.RayTaskError as exc:
+            pool.close()
+            raise _unwrap(exc) from None
+        return pool
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """(scores, ids) of the whole index, and the search's seconds as the actors measured them (the groups
+        run at once: the slowest one's)."""
+        import ray
+
+        vectors = check_query_vectors(vectors, self.dim, self.index_dir)
+        turn = next(self._turn)
+        ref = ray.put(vectors)
+        calls = [replicas[turn % len(replicas)].search.remote(ref, k) for replicas in self.actors]
+        try:
+            parts = ray.get(calls)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            # a search actor's node was lost: ask each group again, one call at a time, on any live replica
+            parts = [call_actor(replicas, "search", ref, k) for replicas in self.actors]
+        scores, ids = merge_results([(s, i) for s, i, _ in parts], k)
+        return scores, ids, max(sec for _, _, sec in parts)
+
+    def peak_rss_mb(self) -> list[float]:
+        import ray
+
+        return ray.get([a.peak_rss_mb.remote() for replicas in self.actors for a in replicas])
+
+    def close(self) -> None:
+        import ray
+
+        for replicas in self.actors:
+            for actor in replicas:
+                ray.kill(actor)
+        self.actors = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_turn"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import random
+
+        self.__dict__.update(state)
+        self._turn = itertools.count(random.randrange(1 << 16))  # each process spreads its calls over replicas
+
+
+def pool_placement(index: IndexConfig, retrieval: RetrievalConfig) -> tuple:
+    """What a pool's actors are: the search settings they applied and what they hold."""
+    return (index.nprobe, index.ef_search, index.k_factor, index.gpu, retrieval.search_cpus,
+            retrieval.actor_memory_gb, retrieval.concurrency)
+
+
+@dataclass(frozen=True)
+class Member:
+    """An index of a retrieval service: its search pool, the source its hits carry, where its documents are
+    (None: the manifest's `docs`)."""
+
+    pool: SearchPool
+    source: str = "base"
+    docs_dir: str | None = None
+
+    def docs(self) -> DocStore | None:
+        """The document store, opened once per process (its files are mapped on first use)."""
+        loc = docs_location(resolve(self.pool.index_dir), self.pool.manifest, self.docs_dir)
+        if loc is None:
+            return None
+        unit = self.pool.manifest.get("unit", "passage")
+        if (loc.uri, unit) not in _STORES:
+            _STORES[(loc.uri, unit)] = open_doc_store(loc, unit)
+        return _STORES[(loc.uri, unit)]
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        scores, ids, _ = self.pool.search_ids(vectors, k)
+        return to_hits(scores, ids, self.docs(), self.source)
+
+
+class RetrievalService:
+    """One or more indices (the base, and the write-back index beside it) searched as one: each index on its
+    own search pool, the union cut to the top K by score, each hit tagged with its index's source."""
+
+    def __init__(self, members: list[Member]):
+        check_union([m.source for m in members])
+        check_comparable([(m.pool.index_dir, m.pool.manifest) for m in members])
+        self.members = members
+        self.pools = [m.pool for m in members]
+
+    @property
+    def dim(self) -> int:
+        return self.pools[0].dim
+
+    @property
+    def embedder(self) -> str:
+        return self.pools[0].manifest["embedder"]
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        per_member = [m.search_vectors(vectors, k) for m in self.members]
+        if len(per_member) == 1:
+            return per_member[0]
+        return [union_top_k(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
+
+    def latency_ms(self, vectors: np.ndarray, k: int, min_seconds: float = 0.5) -> float:
+        """Milliseconds per query of the search itself, as the search actors measure it (the slowest group of
+        each index; indices of a union add up): the best of repeated runs after a warm-up (the machine may be
+        shared; the minimum is the least disturbed)."""
+        def once() -> float:
+            return sum(p.search_ids(vectors, k)[2] for p in self.pools)
+
+        once()
+        best, spent = float("inf"), 0.0
+        while spent < min_seconds or best == float("inf"):
+            t0 = time.perf_counter()
+            best = min(best, once())
+            spent += time.perf_counter() - t0
+        return 1000 * best / max(1, len(vectors))

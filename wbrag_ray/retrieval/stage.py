@@ -1,0 +1,130 @@
+"""A retrieval pass: top-K documents for every question of a Ray Dataset, searched on the retrieval service.
+
+`RetrievalSetting` is what a RAG method searches and how (the base index, the write-back index beside it, a
+Zero-RAG router), fixed once per evaluation or write-back run; each retrieval pass turns it into a
+`RetrieveStage` on the command's services, whatever column holds its queries. The stage's actors hold the
+query embedder and the router; the shards stay in the service's search actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from wbrag_ray.config import EmbedderConfig, IndexConfig, RetrievalConfig
+from wbrag_ray.retrieval.hits import hits_to_json
+from wbrag_ray.retrieval.local import load_query_embedder
+from wbrag_ray.stages.base import Resources, Stage
+
+if TYPE_CHECKING:
+    import ray.data
+
+    from wbrag_ray.retrieval.service import RetrievalService
+    from wbrag_ray.stages.service import Services
+
+
+class RetrieveStage(Stage):
+    """Adds a `docs` column (JSON list of hits) from `service`'s indices.
+
+    With `router_dir` (Zero-RAG's query router), queries the router calls mastered are not searched: they get
+    no documents (so every RAG method answers them closed-book), and `retrieval_skipped` says which they were.
+    The router always judges the question, even where the query is another column (FLARE's sentence queries).
+    """
+
+    name = "retrieve"
+    output_columns = ("docs",)
+
+    def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,
+                 router_dir: str | None = None, query_column: str = "question"):
+        if service.embedder != embedder.model:
+            from wbrag_ray.index.faiss_index import IndexError_
+
+            raise IndexError_(
+                f"index {service.pools[0].index_dir} was built with embedder {service.embedder!r}, "
+                f"but embedder.model is {embedder.model!r}; rebuild the index or change the config"
+            )
+        self.service, self.embedder_config, self.retrieval = service, embedder, retrieval
+        self.router_dir = router_dir
+        self.query_column = query_column
+        self.input_columns = tuple(dict.fromkeys((query_column, "question") if router_dir else (query_column,)))
+        self.embedder = self.router = None
+
+    @property
+    def resources(self) -> Resources:
+        # as many pass actors (query embedder, router) as search replicas: neither side waits on the other
+        return Resources(num_cpus=self.retrieval.num_cpus, num_gpus=self.embedder_config.num_gpus,
+                         concurrency=self.retrieval.concurrency, batch_size=self.retrieval.batch_size)
+
+    def setup(self) -> None:
+        self.embedder = load_query_embedder(self.embedder_config, self.service.dim, self.service.pools[0].index_dir)
+        if self.router_dir:
+            from wbrag_ray.models.router import QueryRouter
+            from wbrag_ray.storage import resolve
+
+            self.router = QueryRouter.load(resolve(self.router_dir).local_dir())
+
+    def service_key(self) -> tuple:
+        # What setup loads (the embedder, the router); the search actors are the service's, shared by all.
+        return (self.embedder_config.model_dump_json(), self.service.dim, self.router_dir)
+
+    def adopt(self, loaded: RetrieveStage) -> None:
+        self.embedder, self.router = loaded.embedder, loaded.router
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        k = self.retrieval.top_k
+        queries = batch[self.query_column].tolist()
+        if self.router is None:
+            found = self.service.search_vectors(self.embedder.encode_queries(queries), k)
+            batch["docs"] = [hits_to_json(h) for h in found]
+            return batch
+        vectors = self.embedder.encode_queries(batch["question"].tolist())
+        skip = self.router.mastered(vectors)
+        docs = ["[]"] * len(batch)
+        searched = np.flatnonzero(~skip)
+        if len(searched):
+            # The router judged the questions; the search embeds the query column only where it differs.
+            wanted = (vectors[searched] if self.query_column == "question"
+                      else self.embedder.encode_queries([queries[i] for i in searched]))
+            for i, hits in zip(searched, self.service.search_vectors(wanted, k), strict=True):
+                docs[i] = hits_to_json(hits)
+        batch["docs"] = docs
+        batch["retrieval_skipped"] = skip
+        return batch
+
+
+@dataclass(frozen=True)
+class RetrievalSetting:
+    """What a RAG method searches and how: the base index (its documents from `docs_dir`, default the
+    manifest's), the indices `extra` beside it ((index_dir, docs_dir, source), ...: the write-back index), a
+    Zero-RAG router; the search settings of `index` and the service's size from `retrieval`."""
+
+    index_dir: str
+    docs_dir: str | None
+    embedder: EmbedderConfig
+    retrieval: RetrievalConfig
+    index: IndexConfig = field(default_factory=IndexConfig)
+    extra: tuple[tuple[str, str | None, str], ...] = ()
+    router_dir: str | None = None
+
+    def members(self) -> tuple[tuple[str, str | None, str], ...]:
+        return ((self.index_dir, self.docs_dir, "base"), *self.extra)
+
+    def service(self, services: Services) -> RetrievalService:
+        return services.retrieval(self.members(), self.index, self.retrieval)
+
+    def stage(self, services: Services, query_column: str = "question") -> RetrieveStage:
+        return RetrieveStage(self.service(services), self.embedder, self.retrieval, router_dir=self.router_dir,
+                             query_column=query_column)
+
+    def search(self, ds: ray.data.Dataset, query_column: str = "question", services: Services | None = None
+               ) -> ray.data.Dataset:
+        """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, as a Ray Data pass on the
+        retrieval service of `services` (started on the first pass of a command, used by every later one)."""
+        from wbrag_ray.stages.service import run_pass
+
+        if services is None:
+            raise ValueError("a retrieval pass runs on a command's services: pass `services` (Services())")
+        return run_pass(ds, self.stage(services, query_column), services)
