@@ -10,6 +10,9 @@ actors, merge, document lookup). One index factory for every size, with a list s
 (nlist = sentences / LIST_SIZE, an HNSW coarse quantizer), so a query scans the same number of codes at every
 size, as a cluster keeps it by adding shards.
 
+Shards and search actors have a fixed size (SHARD_GB) at every corpus size, so their number grows with the
+corpus and what one process holds does not; each size runs in a fresh process with its own local Ray.
+
 Memory: the driver's peak (VmHWM, reset per stage) and, per kind of Ray worker (its process title: the task's
 function or the actor's class), the largest resident set seen by a sampler polling every worker process
 every 0.2 s. The ratios of 4M to 1M sentences are the result; the last table extrapolates each stage to
@@ -40,6 +43,7 @@ SENTENCES_PER_PASSAGE = 6  # Wikipedia: 21M passages, 138M sentences
 LIST_SIZE = 1_000  # vectors per IVF list: nlist grows with the corpus, the codes scanned per query do not
 QUERIES = 2_000
 RATIO = 0.3
+SHARD_GB = 0.15  # index shard and search-actor budget: about 400,000 SQ8 vectors of 384 dimensions
 
 
 # --- synthetic run folder -------------------------------------------------------------------------------
@@ -90,11 +94,12 @@ def _config(root: Path, n: int, dim: int):
     from wbrag_ray.config import load_config
 
     nlist = 2 ** max(4, round(math.log2(n / LIST_SIZE)))
+    # Shards and search actors of a fixed size at every corpus size: their number grows with the corpus, what
+    # one process holds does not (as on a cluster sized for 138M sentences).
     return load_config(None, [
         "index.unit=sentence", f"index.factory=IVF{nlist}_HNSW32,SQ8", f"index.train_sample={39 * nlist}",
-        "index.nprobe=16", "index.num_shards=4", "zerorag.pruner=embedding",
-        f"retrieval.actor_memory_gb={max(0.05, n * (dim + 8) / 4 / (1 << 30) * 1.05):.4f}",  # a quarter each
-        "retrieval.search_cpus=0.5", f"ingest.corpus={root / 'synthetic'}",
+        "index.nprobe=16", "index.num_shards=auto", f"index.shard_memory_gb={SHARD_GB}", "zerorag.pruner=embedding",
+        f"retrieval.actor_memory_gb={SHARD_GB}", "retrieval.search_cpus=0.1", f"ingest.corpus={root / 'synthetic'}",
     ])
 
 
@@ -213,6 +218,10 @@ def measure_size(root: Path, n: int, dim: int, queries: int) -> dict[str, dict[s
         return out
 
     stage("index build", n, lambda: build_kb.index(run, config))
+    built = run.stats("index")
+    results["_index"] = {k: built.get(k) for k in ("train_s", "add_s", "merge_s", "num_shards", "train_sample",
+                                                   "train_peak_rss_mb", "add_peak_rss_mb", "merge_peak_rss_mb")}
+    print(f"[{n:,}] index build split: {results['_index']}", flush=True)
     stage("pruner prediction", n, lambda: predict(run, config))
     stage("percentile, keep mask, pruned index", n, lambda: prune(run, config, RATIO))
 
@@ -310,23 +319,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", default="1,8,32", help="cluster sizes of the 138M extrapolation")
     parser.add_argument("--cores-per-node", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="sizes 20000,80000 (a smoke run, not a measurement)")
+    parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # one size, run by the parent
     args = parser.parse_args(argv)
     sizes = [20_000, 80_000] if args.quick else [int(s) for s in args.sizes.split(",")]
-    header("scale", args)
     import shutil
+    import subprocess
+    import sys
 
+    if not args.one:
+        header("scale", args)
+
+    if args.one:  # one size, in this fresh process (the parent collects the results)
+        root = Path(args.root) / f"run-{args.one}"
+        shutil.rmtree(root, ignore_errors=True)
+        with local_ray(args.cpus):
+            result = measure_size(root, args.one, args.dim, args.queries)
+        shutil.rmtree(root, ignore_errors=True)
+        (Path(args.root) / f"result-{args.one}.json").write_text(json.dumps(result))
+        return 0
+    # Each size in a fresh process with a fresh local Ray: the driver's memory is then its own for that size,
+    # not what the earlier sizes left in the allocator.
     all_results: dict[int, dict[str, dict[str, Any]]] = {}
-    with local_ray(args.cpus):
-        for n in sizes:
-            root = Path(args.root) / f"run-{n}"
-            shutil.rmtree(root, ignore_errors=True)
-            all_results[n] = measure_size(root, n, args.dim, args.queries)
-            shutil.rmtree(root, ignore_errors=True)
+    Path(args.root).mkdir(parents=True, exist_ok=True)
+    for n in sizes:
+        cmd = [sys.executable, "-m", "benchmarks.scale", "--one", str(n), "--dim", str(args.dim), "--queries",
+               str(args.queries), "--root", args.root, "--cpus", str(args.cpus)]
+        subprocess.run(cmd, check=True)
+        all_results[n] = json.loads((Path(args.root) / f"result-{n}.json").read_text())
     report_pressure("after the runs")
     small, large = (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[0], sizes[0])
     growth_table(all_results, small, large)
     extrapolation(all_results[large], large, args.cpus, [int(k) for k in args.nodes.split(",")], args.cores_per_node)
     for n, res in all_results.items():
+        report(f"{n} index build split", json.dumps(res["_index"]))
         report(f"{n} search latency (search actors' own, per query)", res["_search"]["latency_ms"], "ms", 3)
         report(f"{n} search shard groups", res["_search"]["groups"])
     Path(args.root).mkdir(parents=True, exist_ok=True)

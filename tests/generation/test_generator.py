@@ -113,7 +113,7 @@ def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path, ray_cluster):
     assert remote.processor_config().dynamic_lora_loading_path == "s3://kb/run/zero_rag"
     assert cfg.model_source == hf_model_source(gen.config)  # the bundled GGUF as its converted folder
     # no GPUs asked for: a CPU bundle per engine replica, vLLM's CPU settings, fp32 on a CPU without native bf16
-    assert cfg.placement_group_config["bundles"] == [{"CPU": 1.0}]
+    assert [b["CPU"] for b in cfg.placement_group_config["bundles"]] == [1.0]
     assert cfg.engine_kwargs["distributed_executor_backend"] == "mp" and cfg.engine_kwargs["enforce_eager"]
     processor = gen.build_processor("prompt", "answer")
     # Ray's chain of map_batches stages around the engine (which tokenizes and detokenizes itself)

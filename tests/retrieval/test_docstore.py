@@ -104,3 +104,29 @@ def test_open_doc_store_builds_a_store_from_a_source_once(ingested, tmp_path, mo
     b = open_doc_store(resolve(str(ingested)), "passage")
     assert a.uri == b.uri and len(os.listdir(tmp_path / "cache" / "docstores")) == 1
     assert open_doc_store(resolve(str(ingested)), "sentence").unit == "sentence"
+
+
+def test_lookups_across_batches_and_id_pages_find_every_row_and_nothing_else(tmp_path):
+    """Several record batches of several id pages each (sparse, unsorted input ids): every id is found, and an
+    id between two stored ones is not."""
+    import pyarrow.parquet as pq
+
+    from wbrag_ray.retrieval import docstore
+
+    rng = np.random.default_rng(1)
+    ids = np.unique(rng.integers(0, 10**12, size=150_000)) * 2  # even ids only: every odd id is absent
+    (tmp_path / "src").mkdir()
+    order = rng.permutation(len(ids))
+    pq.write_table(pa.table({"id": ids[order], "title": [f"t{i}" for i in ids[order]], "text": [f"x{i}" for i in ids[order]]}),
+                   tmp_path / "src" / "docs.parquet")
+    out = resolve(str(tmp_path / "store"))
+    write_doc_store(resolve(str(tmp_path / "src")), "passage", out, parallel=False)
+    store = DocStore(out)
+    mapped = store._file(store.listing["files"][0]["file"])
+    assert len(mapped.batches) == 3 and len(mapped.ids[0]) > 100 * docstore.SPARSE
+    probe = ids[rng.choice(len(ids), 3_000, replace=False)]
+    assert store.get_many(probe) == [(f"t{i}", f"x{i}") for i in probe]
+    assert store.get(int(ids[0])) == (f"t{ids[0]}", f"x{ids[0]}") and store.get(int(ids[-1]))[0] == f"t{ids[-1]}"
+    for absent in (int(ids[500]) + 1, int(ids[0]) - 2, int(ids[-1]) + 2):
+        with pytest.raises(KeyError):
+            store.get(absent)

@@ -45,7 +45,7 @@ VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
 # - eager mode: torch.compile of the model would add minutes to every engine start;
 # - a KV cache of a fixed size: otherwise vLLM reserves gpu_memory_utilization of the node's whole memory (on
 #   CPUs the flag means that) and refuses to start while other processes hold it. 2 GiB hold 46K tokens of
-#   SmolLM2-135M in fp32 (a 7B model: about 1K); a larger model sets its own in vllm_engine_kwargs.
+#   SmolLM2-135M in fp32; a larger model sets its own kv_cache_memory_bytes in generator.vllm_engine_kwargs.
 VLLM_CPU_DEFAULTS: dict[str, Any] = {
     "distributed_executor_backend": "mp",
     "enforce_eager": True,
@@ -72,7 +72,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def lora_rank_slot(adapter: str) -> int:
     """vLLM's max_lora_rank for the adapter at `adapter` (a local folder or s3://...): the smallest it takes that
     holds the adapter's rank (peft's adapter_config.json `r`). Every adapter is padded to max_lora_rank: on CPUs
-    rank 64 for a rank-8 adapter (noise-tolerant tuning's default) decoded about 5x slower than rank 8. 64 where the
+    a rank-8 adapter (noise-tolerant tuning's default) decoded about 5x slower at 64 than at 8. 64 where the
     config cannot be read; generator.vllm_engine_kwargs.max_lora_rank overrides it."""
     from wbrag_ray.storage import resolve
 
@@ -152,8 +152,8 @@ class VLLMGenerator(Generator):
         kwargs = dict(VLLM_THROUGHPUT_DEFAULTS)
         if self.on_cpu:
             kwargs.update(VLLM_CPU_DEFAULTS)
-        # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, it decodes at a tenth of
-        # the fp32 speed), fp32 elsewhere; on GPUs vLLM's own choice
+        # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, vLLM decoded 2 tokens/s
+        # here), fp32 elsewhere; on GPUs vLLM's own choice
         dtype = resolved_dtype_name(self.config.dtype, self.config.num_gpus)
         kwargs["dtype"] = "auto" if dtype.startswith("auto") else dtype
         if self.config.lora_adapter:
