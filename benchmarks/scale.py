@@ -303,6 +303,7 @@ def plot(all_results: dict[int, dict[str, dict[str, Any]]], out: Path) -> None:
         ax.set_xlabel("sentences")
         ax.set_title(title)
         ax.grid(alpha=0.3)
+    ax_t.set_yscale("log")  # searches are per query, the other stages per row: decades apart
     ax_m.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
