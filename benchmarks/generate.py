@@ -1,4 +1,4 @@
-"""The bundled generator (SmolLM2-135M-Instruct) on RAG prompts: fp32 and bf16 direct, bf16 through Ray Data.
+"""The bundled generator (SmolLM2-135M-Instruct) on RAG prompts: hf fp32 (and bf16 where native), Ray Data, vLLM.
 
 Generated tokens count every row of a batch for every decoding step the batch ran (greedy decoding keeps a
 batch going until its longest answer ends): that is the work done. Answer tokens count only the tokens of
@@ -113,12 +113,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from wbrag_ray.config import GeneratorConfig
     from wbrag_ray.generation.hf import HFGenerator
     from wbrag_ray.generation.stage import GenerateStage
+    from wbrag_ray.models.hardware import cpu_has_native_bf16
     from wbrag_ray.prompts import dumps
     from wbrag_ray.stages.base import apply_stage
 
     report("torch threads", set_torch_threads(THREADS))
+    # Without AVX512-BF16 / AMX, bf16 is emulated (2 tokens/s, a 2048x2048 matmul takes a minute): only fp32 runs,
+    # and the Ray pipeline runs the dtype `auto` picks there, fp32.
+    bf16_native = cpu_has_native_bf16()
+    dtypes = (torch.float32, torch.bfloat16) if bf16_native else (torch.float32,)
+    if not bf16_native:
+        report("bf16", "emulated on this CPU (no avx512_bf16 / amx_bf16): skipped")
     peak_seconds = 1.5 if args.quick else 3.0
-    peaks = {d: matmul_peak_gflops(d, seconds=peak_seconds) for d in (torch.float32, torch.bfloat16)}
+    peaks = {d: matmul_peak_gflops(d, seconds=peak_seconds) for d in dtypes}
     n = 16 if args.quick else 64
     prompts = demo_rag_prompts(n)
     report("prompts", n)
@@ -144,15 +151,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = "empty cache: GGUF conversion" if tmp else "default cache: converts only if absent"
         report(f"generator load, first ({label})", seconds, "s", 2)
         del first
-        fp32, seconds = set_up(HFGenerator(config("float32")))
-        report("generator load, cached, fp32", seconds, "s", 2)
-        bf16, seconds = set_up(HFGenerator(config("bfloat16")))
-        report("generator load, cached, bf16", seconds, "s", 2)
+        generators = {}
+        for d in dtypes:
+            name = "fp32" if d == torch.float32 else "bf16"
+            generators[d], seconds = set_up(HFGenerator(config(str(d).removeprefix("torch."))))
+            report(f"generator load, cached, {name}", seconds, "s", 2)
+        fp32 = generators[torch.float32]
         report("generate batch size", fp32.config.batch_size)
         lengths = [len(fp32.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in fp32.render(prompts)]
         report("prompt tokens (mean)", sum(lengths) / n)
 
-        for generator in (fp32, bf16):
+        for generator in generators.values():
             generator.generate(prompts[:2], max_new_tokens=4)  # warm-up: first-call kernel selection
 
         # The generator sorts prompts by length and batches them in that order. Feeding it those same batches
@@ -160,35 +169,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         # whole call while a noisy neighbour slows both dtypes alike; each batch keeps its best round.
         by_length = sorted(range(n), key=lengths.__getitem__)
         bs = fp32.config.batch_size
-        direct32, direct16 = DirectRun("direct fp32", fp32, n), DirectRun("direct bf16", bf16, n)
+        runs = {d: DirectRun(f"direct {'fp32' if d == torch.float32 else 'bf16'}", g, n) for d, g in generators.items()}
         for r in range(args.rounds):
             for k, start in enumerate(range(0, n, bs)):
-                for run in (direct32, direct16) if (r + k) % 2 == 0 else (direct16, direct32):
+                order = list(runs.values()) if (r + k) % 2 == 0 else list(runs.values())[::-1]
+                for run in order:
                     run.run(prompts, k, by_length[start : start + bs])
-        direct32.report()
-        direct16.report()
-        s32, s16 = direct32.seconds, direct16.seconds
+        for run in runs.values():
+            run.report()
         model = fp32.model
         params = sum(p.numel() for p in model.parameters())
         head = model.get_output_embeddings().weight.numel()
         body = params - head if model.config.tie_word_embeddings else params - 2 * head  # the input lookup is no matmul
-        for d in (torch.float32, torch.bfloat16):  # again after the load: a neighbour only ever lowers a peak
+        for d in dtypes:  # again after the load: a neighbour only ever lowers a peak
             peaks[d] = max(peaks[d], matmul_peak_gflops(d, seconds=peak_seconds))
-        for run, dtype in ((direct32, torch.float32), (direct16, torch.bfloat16)):
+        for dtype, run in runs.items():
             generated = sum(run.tokens.values())
             flops = 2 * (body * (sum(lengths) + generated) + head * (n + generated))
             name = "fp32" if dtype == torch.float32 else "bf16"
             report(f"matmul peak {name} (2048x2048, best of before and after)", peaks[dtype], "GFLOP/s")
             report(f"{run.label} achieved", flops / run.seconds / 1e9, "GFLOP/s")
             report(f"{run.label} utilization of the {name} peak", 100 * flops / run.seconds / 1e9 / peaks[dtype], "%")
-        answers32, answers16 = direct32.answers, direct16.answers
-        report_ratio("bf16 speedup vs fp32 (time, same prompts)", s32, s16)
-        report("identical greedy answers bf16 vs fp32", 100 * same_fraction(answers16, answers32), "%")
-        report("sample answer (fp32 | bf16)", f"{answers32[0]!r} | {answers16[0]!r}")
-        del fp32, bf16
-
-        # bf16 through Ray Data: one actor that asks for 1 of the 2 CPUs and runs 2 torch threads.
-        stage = GenerateStage(config("bfloat16", num_cpus=1, threads=THREADS))
+        direct32 = runs[torch.float32]
+        if bf16_native:
+            direct16 = runs[torch.bfloat16]
+            report_ratio("bf16 speedup vs fp32 (time, same prompts)", direct32.seconds, direct16.seconds)
+            report("identical greedy answers bf16 vs fp32", 100 * same_fraction(direct16.answers, direct32.answers), "%")
+            report("sample answer (fp32 | bf16)", f"{direct32.answers[0]!r} | {direct16.answers[0]!r}")
+        # The dtype `auto` picks on this CPU, through Ray Data: one actor that asks for 1 of the 2 CPUs and runs
+        # 2 torch threads.
+        auto = torch.bfloat16 if bf16_native else torch.float32
+        direct, name = runs[auto], "bf16" if bf16_native else "fp32"
+        del fp32, generators
+        stage = GenerateStage(config(str(auto).removeprefix("torch."), num_cpus=1, threads=THREADS))
         rows = [{"i": i, "prompt": dumps(p)} for i, p in enumerate(prompts)]
 
         def ray_run(items: list[dict]) -> tuple[list[str], float]:
@@ -207,15 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tmp:
             tmp.cleanup()
 
-    report("ray bf16 time, actor start included (best round)", full, "s", 2)
-    report("ray bf16 overhead over direct (plan, actor start, cached load)", full - s16, "s", 2)
-    report("ray bf16 prompts/s, actor start included", n / full, "prompts/s", 2)
-    report("identical greedy answers ray vs direct bf16", 100 * same_fraction(answers_ray, answers16), "%")
-    report_ratio("ratio ray/direct bf16, actor start included", s16, full)
+    report(f"ray {name} time, actor start included (best round)", full, "s", 2)
+    report(f"ray {name} overhead over direct (plan, actor start, cached load)", full - direct.seconds, "s", 2)
+    report(f"ray {name} prompts/s, actor start included", n / full, "prompts/s", 2)
+    report(f"identical greedy answers ray vs direct {name}", 100 * same_fraction(answers_ray, direct.answers), "%")
+    report_ratio(f"ratio ray/direct {name}, actor start included", direct.seconds, full)
     report(f"ray warm-up run ({WARM} prompts: plan, actor start, cached load, one batch)", warm, "s", 2)
     steady = (n - WARM) / (full - warm) if full > warm else float("nan")
-    report(f"ray bf16, excluding warm-up (the {n - WARM} prompts after it)", steady, "prompts/s", 2)
-    report_ratio("ratio ray/direct bf16, excluding warm-up (target >= 0.9)", steady, n / s16)
+    report(f"ray {name}, excluding warm-up (the {n - WARM} prompts after it)", steady, "prompts/s", 2)
+    report_ratio(f"ratio ray/direct {name}, excluding warm-up (target >= 0.9)", steady, n / direct.seconds)
     if importlib.util.find_spec("vllm") is None:
         report("vllm", "not installed (make setup-vllm): skipped")
     else:
