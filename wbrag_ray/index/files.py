@@ -182,20 +182,23 @@ def load_manifest(loc: Location) -> dict[str, Any]:
     return manifest
 
 
+def load_shard(loc: Location, name: str, dim: int, count: int | None) -> Any:
+    """One index shard of the folder `loc`, checked against what its manifest says of it."""
+    f = loc.join(name)
+    index = read_index_file(f, loc.join(MANIFEST).uri)
+    if index.d != dim:
+        raise IndexError_(f"index file {f.uri} has dimension {index.d}, its manifest says {dim}")
+    if count is not None and index.ntotal != count:
+        raise IndexError_(f"index file {f.uri} holds {index.ntotal} vectors, its manifest says {count}")
+    return index
+
+
 def load_shards(loc: Location) -> tuple[list[Any], dict[str, Any]]:
     """([faiss index per shard], manifest) from an index folder; each file is checked against the manifest."""
     manifest = load_manifest(loc)
-    named_by = loc.join(MANIFEST).uri
     counts = [s.get("count") for s in manifest.get("shards", [])] or [None] * len(manifest["files"])
-    shards = []
-    for name, count in zip(manifest["files"], counts, strict=True):
-        f = loc.join(name)
-        index = read_index_file(f, named_by)
-        if index.d != manifest["dim"]:
-            raise IndexError_(f"index file {f.uri} has dimension {index.d}, its manifest says {manifest['dim']}")
-        if count is not None and index.ntotal != count:
-            raise IndexError_(f"index file {f.uri} holds {index.ntotal} vectors, its manifest says {count}")
-        shards.append(index)
+    shards = [load_shard(loc, name, manifest["dim"], count)
+              for name, count in zip(manifest["files"], counts, strict=True)]
     return shards, manifest
 
 

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from wbrag_ray.config import IndexConfig, RetrievalConfig
-from wbrag_ray.index.faiss_index import IndexError_, load_manifest, read_index_file
+from wbrag_ray.index.faiss_index import IndexError_, load_manifest
+from wbrag_ray.index.files import load_shard
 from wbrag_ray.ray_runtime import call_actor
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
@@ -57,16 +58,10 @@ class SearchActor:
         self.shards = []
         try:
             loc = resolve(index_dir)
-            named_by = loc.join("manifest.json").uri
             for name, count in zip(files, counts, strict=True):
-                f = loc.join(name)
-                shard = read_index_file(f, named_by)
-                if shard.d != dim:
-                    raise IndexError_(f"index file {f.uri} has dimension {shard.d}, its manifest says {dim}")
-                if count is not None and shard.ntotal != count:
-                    raise IndexError_(f"index file {f.uri} holds {shard.ntotal} vectors, its manifest says {count}")
+                shard = load_shard(loc, name, dim, count)
                 set_search_params(shard, search["nprobe"], search["ef_search"], search["k_factor"])
-                self.shards.append(to_gpu(shard, f.uri) if search["gpu"] else shard)
+                self.shards.append(to_gpu(shard, loc.join(name).uri) if search["gpu"] else shard)
         except IndexError_ as exc:
             self.error = exc  # raised by `ready`, as itself: a constructor's error would come back wrapped
 

@@ -16,7 +16,7 @@ import pandas as pd
 
 from wbrag_ray.config import EmbedderConfig, IndexConfig, RetrievalConfig
 from wbrag_ray.retrieval.hits import hits_to_json
-from wbrag_ray.retrieval.local import load_query_embedder
+from wbrag_ray.retrieval.local import check_embedder, load_query_embedder
 from wbrag_ray.stages.base import Resources, Stage
 
 if TYPE_CHECKING:
@@ -39,13 +39,7 @@ class RetrieveStage(Stage):
 
     def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,
                  router_dir: str | None = None, query_column: str = "question"):
-        if service.embedder != embedder.model:
-            from wbrag_ray.index.faiss_index import IndexError_
-
-            raise IndexError_(
-                f"index {service.pools[0].index_dir} was built with embedder {service.embedder!r}, "
-                f"but embedder.model is {embedder.model!r}; rebuild the index or change the config"
-            )
+        check_embedder(service.pools[0].manifest, service.pools[0].index_dir, embedder)
         self.service, self.embedder_config, self.retrieval = service, embedder, retrieval
         self.router_dir = router_dir
         self.query_column = query_column
