@@ -39,10 +39,13 @@ def kill_node(node) -> None:
 
 class NodeKiller:
     """Kills the worker node that first runs a task whose name contains `marker` (running, or done with its
-    output still held there); afterwards, reports every 15 s what waits, for a stage that does not recover."""
+    output still held there) or, with `actor_class`, that first holds a live actor of that class (a service's
+    actor lives only while its command runs, however fast its calls are: a tiny model's call can start and
+    end between two looks at the task list); afterwards, reports every 15 s what waits, for a stage that
+    does not recover."""
 
-    def __init__(self, cluster: Cluster, workers: list, marker: str):
-        self.cluster, self.workers, self.marker = cluster, workers, marker
+    def __init__(self, cluster: Cluster, workers: list, marker: str, actor_class: str | None = None):
+        self.cluster, self.workers, self.marker, self.actor_class = cluster, workers, marker, actor_class
         self.killed: dict = {}
         self._stop = threading.Event()
         self.stage_done = threading.Event()  # set by the caller when the stage has returned
@@ -52,24 +55,40 @@ class NodeKiller:
         from ray.util.state import list_tasks
 
         by_id = {w.node_id: w for w in self.workers}
+        before = {actor.actor_id for actor in self._live_actors()}  # an earlier command's, not yet reaped
         while not self._stop.is_set():
             try:  # any task of the stage placed on a worker node: running, or done with its output held there
                 tasks = list_tasks(filters=[("name", "=", self.marker)] if "." in self.marker else None, limit=10_000,
                                    raise_on_missing_output=False)
             except Exception:  # the state API may time out on a loaded machine: look again
                 tasks = []
-            for task in tasks:
-                node = by_id.get(task.node_id)
-                if node is not None and self.marker in task.name and task.state in ("RUNNING", "FINISHED"):
-                    step(f"killing node {node.node_id[:8]}, which ran {task.name} ({task.state})")
+            seen = [(task.node_id, task.name, task.state) for task in tasks
+                    if self.marker in task.name and task.state in ("RUNNING", "FINISHED")]
+            seen += [(actor.node_id, f"{actor.class_name} actor", actor.state) for actor in self._live_actors()
+                     if actor.actor_id not in before]
+            for node_id, name, state in seen:
+                node = by_id.get(node_id)
+                if node is not None:
+                    step(f"killing node {node.node_id[:8]}, which ran {name} ({state})")
                     kill_node(node)
                     self.workers.remove(node)
-                    self.killed = {"task": task.name, "state": task.state, "during": not self.stage_done.is_set(),
+                    self.killed = {"task": name, "state": state, "during": not self.stage_done.is_set(),
                                    "at": time.time()}
                     while not self._stop.wait(15):
                         self._report()
                     return
             self._stop.wait(0.1)
+
+    def _live_actors(self) -> list:
+        from ray.util.state import list_actors
+
+        if self.actor_class is None:
+            return []
+        try:
+            return list_actors(filters=[("class_name", "=", self.actor_class), ("state", "=", "ALIVE")],
+                               raise_on_missing_output=False)
+        except Exception:  # as for the tasks: look again
+            return []
 
     def _report(self) -> None:
         from ray.util.state import list_actors
@@ -135,7 +154,7 @@ def main(s3_run: str, dataset: str) -> None:
     summary["keep_rows"] = len(keep)
 
     step("evaluate with the router and the adapter")
-    with NodeKiller(cluster, workers, "_ServiceWorker.run") as killer:
+    with NodeKiller(cluster, workers, "_ServiceWorker.run", actor_class="_ServiceWorker") as killer:
         api.evaluate(run, config, dataset, "t", prune_ratio=RATIO, router=True, adapter=True, force=True)
     summary["eval_killed"] = killer.killed
     summary["zero_rag"] = answers(run, eval_label("t", RATIO, False, True, True))
