@@ -4,10 +4,12 @@ The RAG methods alternate short passes (Self-RAG: retrieval judgement, relevance
 look-ahead and a rewrite per round), and so do write-back training, mastery scoring and every evaluation grid.
 A pass on a pool of its own starts a worker process, imports torch and transformers and loads the model; a
 pass on the command's generator service (`wbrag_ray.stages.service`, what `GeneratorPasses` uses) sends its
-rows to a model loaded once. Both run the same PASSES passes of ROWS closed-book prompts with the bundled
-SmolLM2 in fp32 (whatever the CPU); answers must be identical. Figures: total time, the mean time of a pass
-after the first, and the time of a one-row pass after the first (how long a pass waits before its first
-answer), for each way, and their ratios.
+rows to a model loaded once, either as a Ray Data pass (a dataset's rows stream through the service's actors)
+or, for rows the driver holds, straight to the actors (`Services.run_frame`: what the RAG methods, gates and
+grids send). Each way runs the same PASSES passes of ROWS closed-book prompts with the bundled SmolLM2 in
+fp32 (whatever the CPU); answers must be identical. Figures: total time, the mean time of a pass after the
+first, and the start-up of a pass after the first (a one-row pass that generates one token: the wait for a
+pass's first token), for each way, and their ratios.
 
     python -m benchmarks.passes [--quick] [--rounds N]
 """
@@ -29,9 +31,11 @@ from benchmarks.common import (
     run_module_main,
 )
 
+WAYS = ("own pool", "service, dataset", "service, driver rows")
 
-def _passes(questions: list[str], n_passes: int, shared: bool) -> tuple[list[float], float, list[list[str]]]:
-    """(seconds of each pass, seconds of a one-row pass after them, answers of each pass)."""
+
+def _passes(questions: list[str], n_passes: int, way: str) -> tuple[list[float], float, list[list[str]]]:
+    """(seconds of each pass, seconds of a one-row one-token pass after them, answers of each pass)."""
     import pandas as pd
 
     from wbrag_ray import prompts
@@ -43,20 +47,23 @@ def _passes(questions: list[str], n_passes: int, shared: bool) -> tuple[list[flo
                           "prompt": [prompts.dumps(prompts.no_retrieval_messages(q)) for q in questions]})
     seconds, answers = [], []
     with GeneratorPasses(config) as passes:
-        def one(rows: pd.DataFrame) -> list[str]:
-            if shared:
-                out = passes.generate("p", from_pandas(rows), "prompt", "answer")
+        def one(rows: pd.DataFrame, tokens: int | None = None) -> list[str]:
+            if way == "service, driver rows":
+                out = passes.generate("p", rows, "prompt", "answer", tokens)
+            elif way == "service, dataset":
+                out = passes.generate("p", from_pandas(rows), "prompt", "answer", tokens)
             else:  # a pool of its own, as every pass ran before stage services
-                out = generate_pass(config, from_pandas(rows), "prompt", "answer").to_pandas()
+                own = config.model_copy(update={"max_new_tokens": tokens or config.max_new_tokens})
+                out = generate_pass(own, from_pandas(rows), "prompt", "answer").to_pandas()
             return out.sort_values("id")["answer"].tolist()
 
         for _ in range(n_passes):
             with Stopwatch() as sw:
                 answers.append(one(frame))
             seconds.append(sw.seconds)
-        with Stopwatch() as first_answer:
-            one(frame.iloc[:1])
-    return seconds, first_answer.seconds, answers
+        with Stopwatch() as first_token:
+            one(frame.iloc[:1], 1)
+    return seconds, first_token.seconds, answers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,23 +75,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     questions = [q["question"] for q in demo_questions()[:rows]]
     results = {}
     with local_ray():
-        for shared in (False, True):
-            runs = [_passes(questions, n_passes, shared) for _ in range(args.rounds)]
+        for way in WAYS:
+            runs = [_passes(questions, n_passes, way) for _ in range(args.rounds)]
             best = min(runs, key=lambda r: sum(r[0]))  # a shared machine only ever slows a run down
-            results[shared] = best
-            name = "service" if shared else "own pool"
-            report(f"{name}: total", sum(best[0]), "s", 2)
-            report(f"{name}: first pass", best[0][0], "s", 2)
-            report(f"{name}: mean pass after the first", statistics.mean(best[0][1:]), "s", 2)
-            report(f"{name}: one-row pass after the first", best[1], "s", 2)
-    own, service = results[False], results[True]
-    report("identical answers, service vs own pool", own[2] == service[2])
-    report_ratio("total time, own pool / service", sum(own[0]), sum(service[0]))
-    report_ratio("pass after the first, own pool / service", statistics.mean(own[0][1:]),
-                 statistics.mean(service[0][1:]))
-    report_ratio("one-row pass after the first, own pool / service", own[1], service[1])
+            results[way] = best
+            report(f"{way}: total", sum(best[0]), "s", 2)
+            report(f"{way}: first pass", best[0][0], "s", 2)
+            report(f"{way}: mean pass after the first", statistics.mean(best[0][1:]), "s", 2)
+            report(f"{way}: start-up of a pass after the first (1 row, 1 token)", best[1], "s", 3)
+    own = results[WAYS[0]]
+    same = all(results[way][2] == own[2] for way in WAYS)
+    report("identical answers, every way", same)
+    for way in WAYS[1:]:
+        got = results[way]
+        report_ratio(f"total time, own pool / {way}", sum(own[0]), sum(got[0]))
+        report_ratio(f"pass after the first, own pool / {way}", statistics.mean(own[0][1:]),
+                     statistics.mean(got[0][1:]))
+        report_ratio(f"start-up after the first, own pool / {way}", own[1], got[1])
     report_pressure("after")
-    return 0 if own[2] == service[2] else 1
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -165,3 +165,72 @@ def test_a_local_run_folder_on_one_node_is_not_checked_further(ray_cluster, tmp_
 
     check_run_dir(str(tmp_path / "run"))
     check_run_dir("s3://wbrag/runs/anything")
+
+
+def _build_slowly(args):
+    """A process of the node that needs `dest` (run by a multiprocessing pool)."""
+    import time
+
+    from wbrag_ray.storage import node_cached
+
+    dest, log = args
+
+    def build(tmp):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # long enough for every other process to arrive while it builds
+        os.makedirs(tmp)
+        open(os.path.join(tmp, "weights.bin"), "w").write("converted")
+
+    return node_cached(dest, build)
+
+
+def test_a_node_builds_a_cached_folder_once_while_its_other_processes_wait(tmp_path):
+    """GGUF conversions and fetched model folders: one process of a node builds them, the rest wait for it
+    and read the same folder; a failed build leaves nothing behind and the next caller tries again."""
+    import multiprocessing
+
+    import pytest
+
+    from wbrag_ray.storage import node_cached
+
+    dest, log = str(tmp_path / "cache" / "converted" / "model"), str(tmp_path / "builds.log")
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        got = pool.map(_build_slowly, [(dest, log)] * 4)
+    assert got == [dest] * 4 and open(os.path.join(dest, "weights.bin")).read() == "converted"
+    assert len(open(log).read().split()) == 1  # built once
+
+    def fail(tmp):
+        os.makedirs(tmp)
+        raise RuntimeError("disk full")
+
+    other = str(tmp_path / "cache" / "converted" / "other")
+    with pytest.raises(RuntimeError, match="disk full"):
+        node_cached(other, fail)
+    assert not os.path.exists(other) and not [p for p in os.listdir(os.path.dirname(other)) if ".tmp" in p]
+    assert sorted(os.listdir(os.path.dirname(other))) == [".locks", "model"]
+    assert node_cached(other, lambda tmp: os.makedirs(tmp)) == other
+
+
+def test_a_generator_loads_its_model_folder_from_object_storage(s3_env, tmp_path, monkeypatch, tiny):
+    """generator.model = s3://...: the driver only checks the folder exists; the worker that loads it fetches it
+    into its node's cache, and answers as the local folder does."""
+    import pytest
+
+    from wbrag_ray.config import ConfigError, GeneratorConfig
+    from wbrag_ray.generation.backends import make_generator
+    from wbrag_ray.generation.hf import HFGenerator
+
+    monkeypatch.setenv("WBRAG_CACHE", str(tmp_path / "cache"))
+    resolve("s3://wbrag/models/tiny-generator").upload_dir(tiny.generator)
+    config = GeneratorConfig(model="s3://wbrag/models/tiny-generator", dtype="float32", max_new_tokens=4)
+    make_generator(config)  # checked, not fetched
+    assert not os.path.exists(tmp_path / "cache")
+    remote, local = HFGenerator(config), HFGenerator(config.model_copy(update={"model": str(tiny.generator)}))
+    remote.setup()
+    local.setup()
+    assert os.listdir(tmp_path / "cache" / "remote")
+    messages = [[{"role": "user", "content": "Who wrote Hamlet?"}]]
+    assert remote.generate(messages) == local.generate(messages)
+    with pytest.raises(ConfigError, match="does not exist"):
+        make_generator(config.model_copy(update={"model": "s3://wbrag/models/missing"}))

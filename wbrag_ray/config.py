@@ -55,7 +55,9 @@ class IngestConfig(_Section):
 class EmbedderConfig(_Section):
     RUNTIME_KEYS = frozenset({"batch_size"})
 
-    model: str = Field(BUNDLED_EMBEDDER, description="sentence-transformers model: local folder, hub id or bundled:*.")
+    model: str = Field(
+        BUNDLED_EMBEDDER, description="sentence-transformers model: local folder, s3:// folder, hub id or bundled:*."
+    )
     batch_size: int = Field(64, ge=1, description="Sentences per forward pass.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Compute dtype; 'auto' takes bf16 where the CPU or GPU supports it (measured here with "
@@ -82,7 +84,10 @@ class GeneratorConfig(_Section):
     RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env"})
 
     backend: Literal["hf", "vllm", "openai"] = Field("hf", description="hf (transformers), vllm, or openai (HTTP).")
-    model: str = Field(BUNDLED_GENERATOR, description="Local HF folder, GGUF file, hub id, or bundled:smollm2.")
+    model: str = Field(
+        BUNDLED_GENERATOR,
+        description="Local HF folder, s3:// folder (fetched once per node), GGUF file, hub id, or bundled:smollm2.",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="hf backend compute dtype; 'auto' takes bf16 where the hardware supports it."
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import resource
+from collections.abc import Callable
+from typing import Any
 
 from wbrag_ray.config import ConfigError, RayConfig
 
@@ -102,6 +104,33 @@ def call_actor(actors: list, method: str, *args, attempts: int = 6):
                 raise
             log.warning("actor call %s failed on a lost actor; retrying (%d/%d)", method, attempt + 1, attempts - 1)
             time.sleep(min(2.0 ** attempt, 15.0))  # Ray restarts the actor on another node meanwhile
+
+
+def call_actors(actors: list, method: str, calls: list[tuple], *, in_flight: int = 2,
+                on_result: Callable[[int, Any], None] | None = None) -> list:
+    """`actors[j].<method>(*calls[i])` for every i, spread over interchangeable actors (each runs its calls in
+    turn), at most `in_flight` calls queued per actor (what the object store holds of the inputs stays
+    bounded); the results in the order of `calls`. `on_result(i, result)` as each one arrives (progress). A
+    call that meets a lost actor is sent again as `call_actor` does."""
+    import ray
+
+    results: list = [None] * len(calls)
+    pending: dict = {}  # ObjectRef -> call index
+    next_call = 0
+    while next_call < len(calls) or pending:
+        while next_call < len(calls) and len(pending) < in_flight * len(actors):
+            actor = actors[next_call % len(actors)]
+            pending[getattr(actor, method).remote(*calls[next_call])] = next_call
+            next_call += 1
+        [ready], _ = ray.wait(list(pending), num_returns=1)
+        i = pending.pop(ready)
+        try:
+            results[i] = ray.get(ready)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            results[i] = call_actor(actors, method, *calls[i])
+        if on_result is not None:
+            on_result(i, results[i])
+    return results
 
 
 # --- a process's own peak memory: what a task or actor reports of itself --------------------------------
@@ -224,8 +253,12 @@ def configure_data_context() -> None:
     """Ray Data settings every wbrag pipeline runs with, whoever started Ray."""
     import ray.data
 
+    from wbrag_ray import progress
+
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
+    # One line per pass unless -v (debug logging) asks for Ray's operator bars and dumps.
+    progress.configure(verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
     ctx.print_on_execution_start = False
     # Ray 2.60's V2 Parquet read adds a ListFiles task that always asks for a whole CPU; beside a model actor
     # (and the CheckpointFilter actor of a resumed run) it can wait forever on a small node. The V1 read plans

@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,18 +168,45 @@ class Location:
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
         listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
         key = hashlib.sha1(repr((self.uri, listing)).encode()).hexdigest()[:16]
-        dest = os.path.join(os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag")), "remote", key)
-        if not os.path.exists(dest):
-            tmp = f"{dest}.tmp{os.getpid()}"
+
+        def fetch(tmp: str) -> None:
             os.makedirs(tmp, exist_ok=True)  # copy_files makes subfolders, not the folder of top-level files
             pafs.copy_files(self.path, tmp, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
-            try:
-                os.rename(tmp, dest)  # atomic: concurrent actors on one node race harmlessly
-            except OSError:
-                import shutil
 
-                shutil.rmtree(tmp, ignore_errors=True)
+        return node_cached(os.path.join(cache_root(), "remote", key), fetch)
+
+
+def cache_root() -> str:
+    """This node's cache folder (`WBRAG_CACHE`, default ~/.cache/wbrag): fetched models, adapters and document
+    files, converted GGUF models."""
+    return os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag"))
+
+
+def node_cached(dest: str, build: Callable[[str], None]) -> str:
+    """`dest`, made by `build(tmp)` once per node: the first process to need it builds it into a temporary
+    path and renames it into place; the others on the node (a service's replicas, the tasks of a pass) wait on
+    a file lock meanwhile instead of fetching or converting the same files beside it. A build that fails
+    leaves nothing at `dest`, and the next process to need it tries again."""
+    import fcntl
+    import shutil
+
+    if os.path.exists(dest):
         return dest
+    locks = os.path.join(os.path.dirname(dest), ".locks")  # kept: removing a lock file another process
+    os.makedirs(locks, exist_ok=True)  # has open would let a third one lock a new file beside it
+    with open(os.path.join(locks, os.path.basename(dest) + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if not os.path.exists(dest):
+            tmp = f"{dest}.tmp{os.getpid()}"
+            try:
+                build(tmp)
+                os.rename(tmp, dest)  # under the lock: nothing is at dest yet
+            finally:
+                if os.path.isdir(tmp):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                elif os.path.exists(tmp):
+                    os.remove(tmp)
+    return dest
 
 
 def node_local_dir(uri: str | os.PathLike[str]) -> str:

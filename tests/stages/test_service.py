@@ -36,16 +36,21 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
     local.setup()
     chat = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
     with GeneratorPasses(config) as passes:
+        # a Ray Dataset streams through the service's actors; a frame the driver holds goes to them directly
         text = passes.generate("text", from_pandas(_frame()), "prompt", "answer").sort_values("id")
-        longer = passes.generate("longer", from_pandas(_frame()), "prompt", "answer", 12).sort_values("id")
+        direct = passes.generate("direct", _frame(), "prompt", "answer")
+        longer = passes.generate("longer", _frame(), "prompt", "answer", 12).sort_values("id")
         multiline = passes.generate("multiline", from_pandas(_frame()), "prompt", "answer", 12,
                                     multiline=True).sort_values("id")
-        scored = passes.generate("scored", from_pandas(_frame()), "prompt", "out", mode="scored").sort_values("id")
+        scored = passes.generate("scored", _frame(), "prompt", "out", mode="scored").sort_values("id")
         choice = passes.generate("choice", from_pandas(_frame()), "prompt", "p", mode="choice",
                                  choices=("yes", "no")).sort_values("id")
-        # five passes, four settings of the pass (budget, stop strings, mode), one loaded model
+        # six passes, four settings of the pass (budget, stop strings, mode), one loaded model: counted by the
+        # driver and by the actor itself
         assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 1}
-    assert text["answer"].tolist() == local.generate(chat)
+        assert passes.services.setups() == {"generate": [1]}
+    assert direct["id"].tolist() == list(range(len(QUESTIONS)))  # in the frame's order, every row once
+    assert text["answer"].tolist() == direct["answer"].tolist() == local.generate(chat)
     assert longer["answer"].tolist() == local.generate(chat, 12)
     assert multiline["answer"].tolist() == local.with_config(config.model_copy(update={"stop": []})).generate(chat, 12)
     want = local.generate_scored(chat)
@@ -54,7 +59,7 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
         assert max(abs(a - b) for a, b in zip(got, s.probs, strict=True)) < 1e-5
     for got, p in zip(choice["p"], local.choice_probs(chat, ("yes", "no")), strict=True):
         assert max(abs(a - b) for a, b in zip(got, p, strict=True)) < 1e-6
-    assert set(passes.stats) == {"text", "longer", "multiline", "scored", "choice"}
+    assert set(passes.stats) == {"text", "direct", "longer", "multiline", "scored", "choice"}
     assert _cpus_free(ray_cluster, 2), "closing the passes gives the service's CPUs back"
 
 
@@ -68,9 +73,10 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
     messages = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
     with GeneratorPasses(config) as passes:
         a = passes.generate("a", from_pandas(_frame()), "prompt", "answer").sort_values("id")
-        b = passes.generate("b", from_pandas(_frame()), "prompt", "answer", generator=other).sort_values("id")
-        c = passes.generate("c", from_pandas(_frame()), "prompt", "answer").sort_values("id")
+        b = passes.generate("b", _frame(), "prompt", "answer", generator=other).sort_values("id")
+        c = passes.generate("c", _frame(), "prompt", "answer").sort_values("id")
         assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 3}
+        assert passes.services.setups() == {"generate": [3]}  # a, b's other model, a's again: in one actor
         # each pass answered with the model it asked for
         assert a["answer"].tolist() == c["answer"].tolist() == chat.generate(messages)
         assert b["answer"].tolist() == plain.generate(messages) != a["answer"].tolist()

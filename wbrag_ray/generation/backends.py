@@ -18,7 +18,7 @@ def make_generator(config: GeneratorConfig) -> Generator:
     if config.backend not in BACKENDS:
         raise ConfigError(f"unknown generator.backend {config.backend!r}; choose one of {', '.join(BACKENDS)}")
     if config.backend != "openai":
-        resolve_model(config.model)
+        resolve_model(config.model, fetch=False)  # the workers that load it fetch it
     return BACKENDS[config.backend](config)
 
 

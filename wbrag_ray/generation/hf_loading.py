@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.models.bundled import resolve_model
+from wbrag_ray.storage import cache_root, node_cached
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +30,11 @@ def hf_model_source(config: GeneratorConfig) -> str:
     path = Path(source)
     if path.suffix != ".gguf":
         return source
-    cached = _gguf_cache_dir(config, path)
-    if not (cached / "config.json").exists():
+
+    def convert(tmp: str) -> None:
         import torch
 
-        log.info("converting GGUF %s (first load; cached at %s)", path, cached)
+        log.info("converting GGUF %s (first load on this node; cached at %s)", path, cached)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         # transformers refuses to save a model that still carries its GGUF quantizer; the weights are
@@ -42,19 +42,17 @@ def hf_model_source(config: GeneratorConfig) -> str:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        try:
-            tmp.rename(cached)  # atomic: concurrent workers race harmlessly
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(cached)
+
+    # once per node: the other actors and tasks of the node that load it wait for the first one's copy
+    cached = _gguf_cache_dir(config, path)
+    return node_cached(str(cached), convert)
 
 
 def _gguf_cache_dir(config: GeneratorConfig, gguf_path: Path) -> Path:
     """The converted copy's folder, keyed by the GGUF file's path, size and modification time."""
-    root = Path(config.cache_dir or os.environ.get("WBRAG_CACHE", "~/.cache/wbrag")).expanduser() / "converted"
+    root = Path(config.cache_dir or cache_root()).expanduser() / "converted"
     stat = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return root / f"{gguf_path.stem}-{key}"

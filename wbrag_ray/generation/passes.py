@@ -24,6 +24,7 @@ from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.vllm import VLLMGenerator
+from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import local_dataset
 from wbrag_ray.stages.service import Services, run_pass
 
@@ -45,11 +46,16 @@ def generate_pass(
     `GenerateStage` on the generator service they hold (the model, or the vLLM engine, loaded once for every
     pass of a command: a pass of FLARE or Self-RAG is over in seconds, an engine start is not). Without: hf /
     openai in a pool of their own, vllm as a Ray Data LLM processor (engine replicas started for this pass)."""
-    generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
-    check_backend_mode(config, mode)
+    generator = _checked(config, mode)
     if isinstance(generator, VLLMGenerator) and services is None:
         return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
     return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
+
+
+def _checked(config: GeneratorConfig, mode: str):
+    generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
+    check_backend_mode(config, mode)
+    return generator
 
 
 class GeneratorPasses:
@@ -79,7 +85,8 @@ class GeneratorPasses:
         generator: GeneratorConfig | None = None, multiline: bool = False, mode: str = "text",
         choices: tuple[str, ...] = (), weight_column: str = "weights",
     ) -> pd.DataFrame:
-        """Add `output_column` to every row of `ds`; `generator` replaces the default role's model (e.g. the
+        """Add `output_column` to every row of `ds` (a Ray Dataset, or a DataFrame the driver holds: sent
+        straight to the generator service, see `Services.run_frame`); `generator` replaces the default role's model (e.g. the
         QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop);
         `mode` / `choices` / `weight_column`: scored answers, choice probabilities or a mixture's answers
         instead of text (`generate_pass`).
@@ -92,8 +99,15 @@ class GeneratorPasses:
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
-        df = generate_pass(gen_config, ds, prompt_column, output_column, mode, choices, self.services,
-                           weight_column).to_pandas()
+        if isinstance(ds, pd.DataFrame):
+            _checked(gen_config, mode)
+            stage = GenerateStage(gen_config, prompt_column, output_column, mode, choices, weight_column)
+            df = self.services.run_frame(ds, stage, name)
+        else:
+            with running(name) as progress:
+                df = generate_pass(gen_config, ds, prompt_column, output_column, mode, choices, self.services,
+                                   weight_column).to_pandas()
+                progress.update(len(df))
         seconds = time.perf_counter() - t0
         text_out = mode != "choice" and len(df)
         calls = sum(len(json.loads(w)) for w in df[weight_column]) if mode == "mixture" else len(df)

@@ -176,8 +176,10 @@ class VLLMGenerator(Generator):
         from ray.data.llm import vLLMEngineProcessorConfig
 
         placement = {"bundles": [{"CPU": self.config.num_cpus}]} if self.on_cpu else None
+        remote = "://" in self.config.model and not self.config.model.startswith("file://")
         return vLLMEngineProcessorConfig(
-            model_source=self.model_source(),
+            # a folder on object storage goes as its URI: Ray Data LLM fetches it on each engine's node
+            model_source=self.config.model if remote else self.model_source(),
             engine_kwargs=self.engine_kwargs(),
             concurrency=self.config.concurrency,
             batch_size=self.config.batch_size,

@@ -37,10 +37,20 @@ def bundled_path(name: str) -> Path:
     return path
 
 
-def resolve_model(spec: str) -> str:
-    """Turn a model spec into what loaders take: a local path (checked to exist) or a hub id."""
+def resolve_model(spec: str, fetch: bool = True) -> str:
+    """Turn a model spec into what loaders take: a local path (checked to exist) or a hub id. A model folder
+    on object storage (s3://...) is fetched into this node's cache, once per node (`storage.node_local_dir`);
+    with `fetch=False` (a check in the driver before a job starts) it is only checked to exist."""
     if spec.startswith("bundled:"):
         return str(bundled_path(spec.split(":", 1)[1]))
+    if "://" in spec and not spec.startswith("file://"):
+        from wbrag_ray.storage import node_local_dir, resolve
+
+        if not fetch:
+            if not resolve(spec).exists():
+                raise ConfigError(f"model folder {spec} does not exist")
+            return spec
+        return node_local_dir(spec)
     looks_local = spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf") or Path(spec).exists()
     if looks_local:
         path = Path(spec).expanduser()

@@ -90,7 +90,6 @@ def answer(
     import json
 
     from wbrag_ray.generation.backends import check_backend_mode
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, local_dataset
 
     methods = check_methods(methods)
     mixture = [m for m in methods if m in MIXTURE]
@@ -100,23 +99,21 @@ def answer(
         raise ValueError("methods that retrieve need a retrieval setting")
     parts = []
     one_pass = [m for m in methods if m in ONE_PASS and m not in MIXTURE]
+    # The questions are in the driver already: each pass sends them to its service's actors directly (a pass
+    # over a dataset would cost a plan's start per pass), and the prompts are built here in between.
     if one_pass or mixture:
-        ds = local_dataset(questions)
+        frame = questions.to_pandas()
         if any(m != "no-retrieval" for m in one_pass + mixture):
-            ds = search.search(ds, services=passes.services)
-            if one_pass and mixture:
-                ds = ds.materialize()  # one search for both passes
+            frame = search.search(frame, services=passes.services)  # one search for both passes
         temperature = config.retrieval.replug_temperature
     if one_pass:
-        rows = ds.map_batches(expand, fn_kwargs={"methods": one_pass, "temperature": temperature},
-                              batch_format="pandas", num_cpus=LIGHT_CPUS)
+        rows = expand(frame, one_pass, temperature)
         df = combine(passes.generate("answer", rows, "prompt", answer_column), answer_column)
         df["generator_calls"] = [len(json.loads(s)) for s in df["slot_answers"]]
         df["trace"] = "{}"
         parts.append(df)
     if mixture:
-        rows = ds.map_batches(expand, fn_kwargs={"methods": mixture, "temperature": temperature},
-                              batch_format="pandas", num_cpus=LIGHT_CPUS)
+        rows = expand(frame, mixture, temperature)
         generated = passes.generate("replug:mixture", rows, "prompt", answer_column, mode="mixture",
                                     weight_column="weights")
         parts.append(combine_mixture(generated, answer_column))

@@ -27,10 +27,9 @@ def search_some(search: RetrievalSetting, frame: pd.DataFrame, passes: Generator
                 query_column: str = "question") -> dict:
     """One retrieval pass over the questions an adaptive method chose to search (`frame`: id, question and the
     query column), on the retrieval service of `passes`: {id: (hits, router_skipped)}."""
-    from wbrag_ray.generation.passes import from_pandas
     from wbrag_ray.retrieval.hits import hits_from_json
 
-    searched = search.search(from_pandas(frame), query_column, passes.services).to_pandas().set_index("id")
+    searched = search.search(frame, query_column, passes.services).set_index("id")
     router = "retrieval_skipped" in searched
     return {i: (hits_from_json(searched.at[i, "docs"]), router and bool(searched.at[i, "retrieval_skipped"]))
             for i in frame["id"]}

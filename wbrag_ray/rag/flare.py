@@ -57,7 +57,6 @@ def run(
     """One row per question (see `rag.answer`); `trace` lists each round's sentence, its lowest token
     probability, and whether and with what query it retrieved."""
     from wbrag_ray import prompts
-    from wbrag_ray.generation.passes import from_pandas
     from wbrag_ray.retrieval.hits import hits_to_json
 
     questions = questions.reset_index(drop=True)
@@ -73,7 +72,7 @@ def run(
 
     def scored_pass(name: str, prompt_of: dict) -> pd.DataFrame:
         frame = pd.DataFrame({"id": list(prompt_of), "prompt": list(prompt_of.values())})
-        out = passes.generate(name, from_pandas(frame), "prompt", "out", settings.look_ahead_tokens, mode="scored")
+        out = passes.generate(name, frame, "prompt", "out", settings.look_ahead_tokens, mode="scored")
         for i in prompt_of:
             calls[i] += 1
             last_prompt[i] = prompt_of[i]

@@ -38,7 +38,6 @@ def run(
     """One row per question (see `rag.answer`); `trace` holds p_retrieve, the judgement's yes+no mass, and each
     retrieved document's id, rank and relevance share."""
     from wbrag_ray import prompts
-    from wbrag_ray.generation.passes import from_pandas
     from wbrag_ray.retrieval.hits import hits_to_json
 
     questions = questions.reset_index(drop=True)
@@ -48,7 +47,7 @@ def run(
         {"id": ids, "prompt": [prompts.dumps(prompts.retrieval_judge_messages(q)) for q in questions["question"]]}
     )
     judged = passes.generate(
-        f"{METHOD}:judge-retrieval", from_pandas(judge), "prompt", "p", mode="choice", choices=prompts.JUDGE_CHOICES
+        f"{METHOD}:judge-retrieval", judge, "prompt", "p", mode="choice", choices=prompts.JUDGE_CHOICES
     ).set_index("id")["p"]
     share = {i: judgement_share(judged[i]) for i in ids}
     retrieve = {i: share[i][0] >= settings.retrieval_threshold for i in ids}
@@ -71,7 +70,7 @@ def run(
     relevance: dict = {i: [] for i in ids}
     if len(pairs):
         rel = passes.generate(
-            f"{METHOD}:judge-relevance", from_pandas(pairs), "prompt", "p", mode="choice",
+            f"{METHOD}:judge-relevance", pairs, "prompt", "p", mode="choice",
             choices=prompts.JUDGE_CHOICES,
         ).sort_values(["id", "slot"], kind="stable")
         for i, p in zip(rel["id"], rel["p"], strict=True):
@@ -85,7 +84,7 @@ def run(
 
     answer_prompts = {i: prompts.dumps(prompts.rag_messages(question_of[i], kept[i])) for i in ids}
     answered = passes.generate(
-        f"{METHOD}:answer", from_pandas(pd.DataFrame({"id": ids, "prompt": [answer_prompts[i] for i in ids]})),
+        f"{METHOD}:answer", pd.DataFrame({"id": ids, "prompt": [answer_prompts[i] for i in ids]}),
         "prompt", answer_column,
     ).set_index("id")[answer_column]
 

@@ -113,12 +113,16 @@ class RetrievalSetting:
         return RetrieveStage(self.service(services), self.embedder, self.retrieval, router_dir=self.router_dir,
                              query_column=query_column)
 
-    def search(self, ds: ray.data.Dataset, query_column: str = "question", services: Services | None = None
-               ) -> ray.data.Dataset:
-        """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, as a Ray Data pass on the
-        retrieval service of `services` (started on the first pass of a command, used by every later one)."""
+    def search(self, ds: ray.data.Dataset | pd.DataFrame, query_column: str = "question",
+               services: Services | None = None) -> ray.data.Dataset | pd.DataFrame:
+        """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, on the retrieval service of
+        `services` (started on the first pass of a command, used by every later one): a Ray Data pass over a
+        dataset; a DataFrame the driver holds goes to the service's actors directly (`Services.run_frame`)."""
         from wbrag_ray.stages.service import run_pass
 
         if services is None:
             raise ValueError("a retrieval pass runs on a command's services: pass `services` (Services())")
-        return run_pass(ds, self.stage(services, query_column), services)
+        stage = self.stage(services, query_column)
+        if isinstance(ds, pd.DataFrame):
+            return services.run_frame(ds, stage, "search")
+        return run_pass(ds, stage, services)

@@ -10,7 +10,9 @@ generation in it 0.2 s.
 
 A `StageService` holds `resources.concurrency` actors that ran `setup` once. A pass through it is a Ray Data
 `map_batches` of light tasks, each sending its batch to one of the actors and returning the answer, so passes
-still stream and compose with the rest of a pipeline. Every pass sends its own stage object (its columns,
+still stream and compose with the rest of a pipeline; rows the driver already holds (an adaptive round's
+questions, a gate's examples) skip the dataset and go to the actors directly (`Services.run_frame`), so a
+pass after the first starts in milliseconds. Every pass sends its own stage object (its columns,
 mode, token budget); the actor lends it what the set-up stage holds (`Stage.adopt`) when the pass's
 `service_key` is the one it loaded, and otherwise sets the pass's stage up in place of the old one: a grid
 that moves from one index (or adapter) to the next loads it in the same processes, with torch and
@@ -34,10 +36,14 @@ import logging
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
 from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked
 
 if TYPE_CHECKING:
     import ray.data
+
+    from wbrag_ray.progress import PassProgress
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ class _ServiceWorker:
 
         set_threads(stage.resources.threads or stage.resources.num_cpus)
         self.loaded: Stage | None = None
+        self.setups = 0  # what this process really loaded (tests count it: a second pass loads nothing)
         self._load(stage)
 
     def _load(self, stage: Stage) -> None:
@@ -59,7 +66,11 @@ class _ServiceWorker:
         self.loaded, self.key = None, None
         gc.collect()
         stage.setup()
+        self.setups += 1
         self.loaded, self.key = stage, stage.service_key()
+
+    def setup_count(self) -> int:
+        return self.setups
 
     def run(self, stage: Stage, batch):
         if stage.service_key() == self.key:
@@ -104,6 +115,27 @@ class StageService:
         return ds.map_batches(_forward, fn_args=(self.actors, stage), batch_format=stage.batch_format,
                               batch_size=stage.resources.batch_size, num_cpus=LIGHT_CPUS)
 
+    def run_frame(self, frame: pd.DataFrame, stage: Stage, progress: PassProgress | None = None) -> pd.DataFrame:
+        """Rows the driver holds through `stage`: sent straight to the actors in batches of the pass's batch
+        size, without a Ray Data plan (a pass over a few rows answers in milliseconds, not the second a
+        dataset's start costs); the rows come back in their order."""
+        import pyarrow as pa
+
+        from wbrag_ray.ray_runtime import call_actors
+
+        size = stage.resources.batch_size
+        batches = [frame.iloc[i:i + size].reset_index(drop=True) for i in range(0, len(frame), size)]
+        if stage.batch_format == "pyarrow":
+            batches = [pa.Table.from_pandas(b, preserve_index=False) for b in batches]
+
+        def done(_i, out) -> None:
+            if progress is not None:
+                progress.advance(out.num_rows if hasattr(out, "num_rows") else len(out))
+
+        outs = call_actors(self.actors, "run", [(stage, b) for b in batches], on_result=done)
+        outs = [o.to_pandas() if hasattr(o, "to_pandas") else o for o in outs]
+        return pd.concat(outs, ignore_index=True) if outs else frame.iloc[:0].copy()
+
     def close(self) -> None:
         import ray
 
@@ -130,9 +162,27 @@ class Services:
         """`ds` through `stage`: on the stage's service when it has a service key (started on first use; a
         pass with another key is set up in the same actors when it asks for the same resources, else the
         old actors end and new ones start), else as a pass of its own."""
-        key: Hashable | None = stage.service_key()
-        if key is None:
+        if stage.service_key() is None:
             return apply_stage(ds, stage)
+        return self._service(stage).apply(ds, stage)
+
+    def run_frame(self, frame: pd.DataFrame, stage: Stage, name: str | None = None) -> pd.DataFrame:
+        """`apply` for rows the driver holds (an adaptive round, a gate over examples, a grid cell's
+        questions), with the answer back on the driver: on a service, the batches go straight to its actors
+        (`StageService.run_frame`); reported as one progress line under `name` (default: the stage's)."""
+        from wbrag_ray.progress import running
+        from wbrag_ray.ray_runtime import local_dataset
+
+        with running(name or stage.name, len(frame)) as progress:
+            if stage.service_key() is None:
+                out = apply_stage(local_dataset(frame), stage).to_pandas()
+                progress.update(len(out))
+                return out
+            return self._service(stage).run_frame(frame, stage, progress)
+
+    def _service(self, stage: Stage) -> StageService:
+        """The live service of `stage`'s kind, set for its pass (see `apply`)."""
+        key: Hashable = stage.service_key()
         service = self._live.get(stage.name)
         if service is not None and service.placement != _placement(stage.resources):
             service.close()
@@ -145,7 +195,13 @@ class Services:
         elif service.key != key:
             service.key = key  # its actors set the pass's stage up on its first batch
             self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
-        return service.apply(ds, stage)
+        return service
+
+    def setups(self) -> dict[str, list[int]]:
+        """Per live service, how many times each of its actors ran a stage's setup (model loads, index opens)."""
+        import ray
+
+        return {name: ray.get([a.setup_count.remote() for a in service.actors]) for name, service in self._live.items()}
 
     def retrieval(self, members, index, retrieval):
         """The retrieval service over `members` ((index_dir, docs_dir, source), ...): each index's search pool

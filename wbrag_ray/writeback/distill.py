@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.stages.base import Resources, Stage
 
 
@@ -125,13 +125,14 @@ class DistillRewriteStage(DistillExtractStage):
 
 def distill(config: WbragConfig, kept: pd.DataFrame, passes: GeneratorPasses) -> pd.DataFrame:
     """The distiller's two steps over the kept examples; the frame passed on holds no gold answers."""
-    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.stages.base import run_local
 
     wb = config.writeback
-    # Only these columns travel to the distiller: the gold answers stay behind in the driver.
-    ds = apply_stage(from_pandas(kept[["id", "question", "docs", "kept_ranks"]]), DistillExtractStage())
-    step1 = passes.generate("distill_extract", ds, "extract_prompt", "extracted", wb.extract_max_new_tokens,
+    # Only these columns reach the distiller's prompts: the gold answers are not among them. The prompts are
+    # built here, in the driver that holds the examples; the generator's service writes the steps.
+    step0 = run_local(DistillExtractStage(), kept[["id", "question", "docs", "kept_ranks"]].copy())
+    step1 = passes.generate("distill_extract", step0, "extract_prompt", "extracted", wb.extract_max_new_tokens,
                             multiline=True)
-    ds = apply_stage(from_pandas(step1), DistillRewriteStage())
-    return passes.generate("distill_rewrite", ds, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens,
+    step2 = run_local(DistillRewriteStage(), step1)
+    return passes.generate("distill_rewrite", step2, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens,
                            multiline=True)

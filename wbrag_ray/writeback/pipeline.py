@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
 from wbrag_ray.formats import plain_table
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 from wbrag_ray.writeback.distill import distill
@@ -52,7 +52,6 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     An example whose method retrieved nothing has nothing to write back and is not kept."""
     from wbrag_ray import rag
     from wbrag_ray.formats import read_dataset
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
     from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
@@ -81,9 +80,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     if wb.rag_method == "replug-vote":
         useful["doc_answers"] = useful["rag_slot_answers"]  # the vote already answered from each document alone
     elif len(useful):  # each document alone, answered on its own (RePlug's mixture decodes them together)
-        per_doc = from_pandas(useful[["id", "question", "docs"]]).map_batches(
-            rag.expand, fn_kwargs={"methods": ["replug-vote"]}, batch_format="pandas", num_cpus=LIGHT_CPUS
-        )
+        per_doc = rag.expand(useful[["id", "question", "docs"]], ["replug-vote"])
         per_doc = rag.combine(passes.generate("document_gate", per_doc, "prompt", "answer"), "answer")
         useful["doc_answers"] = useful["id"].map(per_doc.set_index("id")["slot_answers"])
     if len(useful):

@@ -14,7 +14,7 @@ import pandas as pd
 from wbrag_ray.build_kb import INDEX, INGEST
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.zerorag.sampling import sample_sentences, titled
 
@@ -64,7 +64,7 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
             write = sentences[["sid", "title", "text"]].copy()
             write["qa_prompt"] = [prompts.dumps(prompts.qa_write_messages(x, z.qa_per_sentence, qa_gen.chat_template))
                                   for x in titled(write["title"], write["text"])]
-            written = passes.generate("qa_write", from_pandas(write), "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen,
+            written = passes.generate("qa_write", write, "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen,
                                       multiline=True)
             prefix = "" if qa_gen.chat_template else prompts.QA_FEWSHOT_PREFIX
             for s in written.sort_values("sid").itertuples(index=False):
@@ -75,7 +75,7 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
         ok["answer_prompt"] = [prompts.dumps(prompts.closed_book_messages(q, z.qa_mode == "cloze")) for q in ok["question"]]
         predictions = pd.Series(dtype="object")
         if len(ok):
-            answered = passes.generate("closed_book", from_pandas(ok[["sid", "qa_index", "answer_prompt"]]),
+            answered = passes.generate("closed_book", ok[["sid", "qa_index", "answer_prompt"]],
                                        "answer_prompt", "prediction", z.answer_max_new_tokens)
             predictions = answered.set_index(["sid", "qa_index"])["prediction"]
     qa["prediction"] = [predictions.get((s, i)) for s, i in zip(qa["sid"], qa["qa_index"], strict=True)]

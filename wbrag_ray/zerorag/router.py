@@ -12,7 +12,7 @@ import pandas as pd
 
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.formats import plain_table
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.zerorag.tune import TUNE, train_questions, with_adapter
 
@@ -49,7 +49,7 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     df = questions[["id", "question", "golden_answers"]].copy()
     df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
     with GeneratorPasses(with_adapter(run, config) if adapter else config.generator) as passes:
-        answered = passes.generate("closed_book", from_pandas(df), "prompt", "prediction").sort_values("id")
+        answered = passes.generate("closed_book", df, "prompt", "prediction").sort_values("id")
     answered = answered.reset_index(drop=True)
     labels = np.array([metric(z.router_metric, p, list(g)) > 0
                        for p, g in zip(answered["prediction"], answered["golden_answers"], strict=True)])

@@ -10,7 +10,6 @@ import pandas as pd
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
-from wbrag_ray.generation.passes import from_pandas
 from wbrag_ray.run import RunFolder, RunStage
 
 TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "generator", "retrieval", "index.nprobe"),
@@ -60,7 +59,7 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
     wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, config.zerorag.tune.retrieve_k)})
     search = RetrievalSetting(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, wide, config.index)
     with Services() as services:  # the search actors end before training needs the CPUs
-        retrieved = search.search(from_pandas(questions), services=services).to_pandas()
+        retrieved = search.search(questions, services=services)
     examples = build_examples(retrieved, config.zerorag.tune.docs_per_format, config.zerorag.tune.seed)
     with tempfile.TemporaryDirectory() as tmp:
         stats = tune_generator(examples, config.generator, config.zerorag.tune, tmp)

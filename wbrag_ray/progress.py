@@ -1,0 +1,111 @@
+"""One progress line per pass: rows done, rows/s and ETA, in a terminal and in a log alike.
+
+Ray Data draws one tqdm bar per operator in a terminal and, when stdout is not a terminal (a log file, a job
+submitted to a cluster), logs a multi-line dump of every operator every 10 s. A person following a command
+wants to know which pass runs and how far it is, so, unless `-v` asks for Ray's details:
+
+- in a terminal only Ray's global bar is drawn (one line: rows, rate, ETA);
+- in a log, Ray's non-interactive dump is read by `RayProgressFilter`: its "Total Progress: done/total" line
+  becomes one `PassProgress` line under the name of the pass that runs (`running(name)`), the rest is dropped;
+- a pass that sends driver-held rows straight to a service's actors (`Services.run_frame`) reports the same
+  line itself.
+
+Lines come at most every `INTERVAL_S` seconds while a pass runs, and once when it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Iterator
+
+log = logging.getLogger("wbrag_ray.progress")
+
+INTERVAL_S = 10.0
+RAY_PROGRESS_LOGGER = "ray.data._internal.progress.logging_progress"  # Ray Data's non-tty progress (Ray 2.60)
+_TOTAL = re.compile(r"^Total Progress: (\d+)/(\d+|\?)")
+
+_current: list[PassProgress] = []  # the pass the driver runs now (passes run one after another)
+
+
+def _format_s(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class PassProgress:
+    """Rows done of a pass, reported as one line at most every `interval_s` seconds and once at the end."""
+
+    def __init__(self, name: str, total: int | None = None, interval_s: float = INTERVAL_S):
+        self.name, self.total, self.interval_s = name, total, interval_s
+        self.done = 0
+        self.start = time.perf_counter()
+        self._last = self.start
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        of = f"/{self.total:,}" if self.total else ""
+        text = f"{self.name}: {self.done:,}{of} rows, {rate:,.1f} rows/s, {_format_s(elapsed)}"
+        if self.total and rate > 0 and self.done < self.total:
+            text += f", ETA {_format_s((self.total - self.done) / rate)}"
+        return text
+
+    def update(self, done: int, total: int | None = None) -> None:
+        """Set the rows done so far (and the total, once known); logs when `interval_s` has passed."""
+        self.done = done
+        if total:
+            self.total = total
+        now = time.perf_counter()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            log.info("%s", self.line())
+
+    def advance(self, rows: int) -> None:
+        self.update(self.done + rows)
+
+    def finish(self) -> None:
+        log.info("%s", self.line())
+
+
+@contextlib.contextmanager
+def running(name: str, total: int | None = None) -> Iterator[PassProgress]:
+    """The pass `name` runs in this block: Ray Data's progress inside it is reported under that name, and
+    one closing line says how many rows it made and how fast."""
+    progress = PassProgress(name, total)
+    _current.append(progress)
+    try:
+        yield progress
+    finally:
+        _current.remove(progress)
+        progress.finish()
+
+
+class RayProgressFilter(logging.Filter):
+    """Turns Ray Data's non-interactive progress dump into the running pass's one line (see the module)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = _TOTAL.match(record.getMessage())
+        if match and _current:
+            done, total = int(match.group(1)), match.group(2)
+            _current[-1].update(done, None if total == "?" else int(total))
+        return False
+
+
+def configure(verbose: bool) -> None:
+    """Called once per process that runs wbrag commands (the CLI, the Python API's `start`): Ray's operator
+    bars and its non-tty dump only with `verbose`."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_operator_progress_bars = verbose
+    ray_logger = logging.getLogger(RAY_PROGRESS_LOGGER)
+    for f in [f for f in ray_logger.filters if isinstance(f, RayProgressFilter)]:
+        ray_logger.removeFilter(f)
+    if not verbose:
+        ray_logger.addFilter(RayProgressFilter())
