@@ -158,10 +158,15 @@ RAY_INTERNAL = {"", "IDLE", "_StatsActor", "_AutoscalingCoordinatorActor", "Auto
 
 
 class WorkerPeaks:
-    """Largest resident set per kind of Ray worker while the `with` block runs (polling every 0.2 s)."""
+    """Largest resident set per kind of Ray worker while the `with` block runs (polling every 0.2 s), and the
+    largest *owned* part of it, of the workers and of this driver: resident minus what is shared with the
+    page cache and the object store (file pages mapped around a memory-mapped lookup, objects mapped from
+    Ray's shared-memory store: counted in every process that maps them, held by none of them)."""
 
     def __enter__(self) -> WorkerPeaks:
         self.peaks: dict[str, float] = {}
+        self.owned: dict[str, float] = {}
+        self.driver_owned = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -172,12 +177,16 @@ class WorkerPeaks:
 
         me = psutil.Process()
         while not self._stop.is_set():
+            info = me.memory_info()
+            self.driver_owned = max(self.driver_owned, (info.rss - info.shared) / (1 << 20))
             # this benchmark's own Ray cluster only: its raylet and workers descend from this process
             for p in me.children(recursive=True):
                 try:
                     kind = _worker_kind(" ".join(p.cmdline()))
                     if kind:
-                        self.peaks[kind] = max(self.peaks.get(kind, 0.0), p.memory_info().rss / (1 << 20))
+                        info = p.memory_info()
+                        self.peaks[kind] = max(self.peaks.get(kind, 0.0), info.rss / (1 << 20))
+                        self.owned[kind] = max(self.owned.get(kind, 0.0), (info.rss - info.shared) / (1 << 20))
                 except psutil.Error:
                     continue
             self._stop.wait(0.2)
@@ -211,10 +220,12 @@ def measure_size(root: Path, n: int, dim: int, queries: int) -> dict[str, dict[s
             out = fn()
             seconds = time.perf_counter() - t
         results[name] = {"seconds": seconds, "rows": rows, "rows_per_s": rows / seconds,
-                         "driver_peak_mb": peak_rss_mb(), "workers": dict(peaks.peaks)}
-        kinds = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(peaks.peaks.items()))
+                         "driver_peak_mb": peak_rss_mb(), "workers": dict(peaks.peaks),
+                         "driver_owned_mb": peaks.driver_owned, "workers_owned": dict(peaks.owned)}
+        kinds = ", ".join(f"{k} {v:,.0f} ({peaks.owned[k]:,.0f} owned)" for k, v in sorted(peaks.peaks.items()))
         print(f"[{n:,}] {name}: {seconds:.1f} s, {rows / seconds:,.0f} rows/s, driver peak "
-              f"{results[name]['driver_peak_mb']:,.0f} MiB; worker peaks MiB: {kinds}", flush=True)
+              f"{results[name]['driver_peak_mb']:,.0f} MiB ({peaks.driver_owned:,.0f} owned); worker peaks MiB: "
+              f"{kinds}", flush=True)
         return out
 
     stage("index build", n, lambda: build_kb.index(run, config))
@@ -247,14 +258,15 @@ STAGES = ("index build", "pruner prediction", "percentile, keep mask, pruned ind
 
 
 def growth_table(all_results: dict[int, dict[str, dict[str, Any]]], small: int, large: int) -> None:
-    print("\n| stage | size | seconds | rows/s | driver peak MiB | largest worker peak MiB (kind) |")
+    print("\n| stage | size | seconds | rows/s | driver peak MiB (owned) | largest worker peak MiB (owned, kind) |")
     print("|---|---|---|---|---|---|")
     for name in STAGES:
         for n, res in all_results.items():
             r = res[name]
             kind, peak = max(r["workers"].items(), key=lambda kv: kv[1], default=("-", 0.0))
-            print(f"| {name} | {n:,} | {r['seconds']:.1f} | {r['rows_per_s']:,.0f} | {r['driver_peak_mb']:,.0f} | "
-                  f"{peak:,.0f} ({kind}) |")
+            owned = r.get("workers_owned", {}).get(kind, 0.0)
+            print(f"| {name} | {n:,} | {r['seconds']:.1f} | {r['rows_per_s']:,.0f} | {r['driver_peak_mb']:,.0f} "
+                  f"({r.get('driver_owned_mb', 0.0):,.0f}) | {peak:,.0f} ({owned:,.0f}, {kind}) |")
     print(f"\nratios {large:,} / {small:,} sentences (goal: each within 1.3x; search time is per query)")
     for name in STAGES:
         a, b = all_results[small][name], all_results[large][name]
@@ -262,8 +274,10 @@ def growth_table(all_results: dict[int, dict[str, dict[str, Any]]], small: int, 
         per_row_b = b["seconds"] / b["rows"]
         report_ratio(f"{name}: time per row", per_row_b, per_row_a)
         report_ratio(f"{name}: driver peak memory", b["driver_peak_mb"], a["driver_peak_mb"])
+        report_ratio(f"{name}: driver owned memory", b["driver_owned_mb"], a["driver_owned_mb"])
         for kind in sorted(set(a["workers"]) & set(b["workers"])):
             report_ratio(f"{name}: {kind} peak memory", b["workers"][kind], a["workers"][kind])
+            report_ratio(f"{name}: {kind} owned memory", b["workers_owned"][kind], a["workers_owned"][kind])
 
 
 def extrapolation(res: dict[str, dict[str, Any]], n: int, cpus: int, nodes: Sequence[int], cores: int) -> None:

@@ -46,6 +46,7 @@ class PassProgress:
         self.done = 0
         self.start = time.perf_counter()
         self._last = self.start
+        self._logged: tuple | None = None  # (done, total) of the last line
 
     def line(self) -> str:
         elapsed = time.perf_counter() - self.start
@@ -64,12 +65,17 @@ class PassProgress:
         now = time.perf_counter()
         if now - self._last >= self.interval_s:
             self._last = now
-            log.info("%s", self.line())
+            self._log()
 
     def advance(self, rows: int) -> None:
         self.update(self.done + rows)
 
     def finish(self) -> None:
+        if self._logged != (self.done, self.total):  # the last line already said it
+            self._log()
+
+    def _log(self) -> None:
+        self._logged = (self.done, self.total)
         log.info("%s", self.line())
 
 
@@ -109,3 +115,16 @@ def configure(verbose: bool) -> None:
         ray_logger.removeFilter(f)
     if not verbose:
         ray_logger.addFilter(RayProgressFilter())
+    ray_logger.setLevel(logging.INFO)  # read by the filter whatever the level of ray.data above it
+    # Ray Data's per-dataset lines (planning estimates, "execution finished", "sink finished") and its notes
+    # on which progress display it chose say what the pass lines already say
+    for name, quiet in QUIET_RAY_LOGGERS.items():
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else quiet)
+
+
+QUIET_RAY_LOGGERS = {
+    "ray.data._internal.progress": logging.ERROR,
+    "ray.data._internal.execution.streaming_executor": logging.WARNING,
+    "ray.data._internal.datasource.parquet_datasource": logging.WARNING,
+    "ray.data.dataset": logging.WARNING,
+}

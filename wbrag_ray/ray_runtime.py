@@ -203,6 +203,8 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
             ) from None
     else:
         # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):  # -v: each worker's model-loading bars
+            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the local workers inherit it
         ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False, **kwargs)
     configure_data_context()
     if run_dir is not None:

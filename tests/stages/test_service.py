@@ -49,6 +49,12 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
         # driver and by the actor itself
         assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 1}
         assert passes.services.setups() == {"generate": [1]}
+        # a prompt the command already answered with the same settings is not decoded again (a grid's cells
+        # ask the same prompts); another token budget, stop list or mode is another answer
+        again = passes.generate("again", pd.concat([_frame(), _frame()]), "prompt", "answer")
+        assert passes.stats["again"]["answers_reused"] == 8
+        assert again["answer"].tolist() == direct["answer"].tolist() * 2
+        assert not any("answers_reused" in passes.stats[p] for p in ("direct", "longer", "scored"))
     assert direct["id"].tolist() == list(range(len(QUESTIONS)))  # in the frame's order, every row once
     assert text["answer"].tolist() == direct["answer"].tolist() == local.generate(chat)
     assert longer["answer"].tolist() == local.generate(chat, 12)
@@ -59,7 +65,7 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
         assert max(abs(a - b) for a, b in zip(got, s.probs, strict=True)) < 1e-5
     for got, p in zip(choice["p"], local.choice_probs(chat, ("yes", "no")), strict=True):
         assert max(abs(a - b) for a, b in zip(got, p, strict=True)) < 1e-6
-    assert set(passes.stats) == {"text", "direct", "longer", "multiline", "scored", "choice"}
+    assert set(passes.stats) == {"text", "direct", "longer", "multiline", "scored", "choice", "again"}
     assert _cpus_free(ray_cluster, 2), "closing the passes gives the service's CPUs back"
 
 

@@ -23,7 +23,9 @@ import pandas as pd
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.stage import GenerateStage
+from wbrag_ray.generation.types import Scored, scored_columns
 from wbrag_ray.generation.vllm import VLLMGenerator
+from wbrag_ray.progress import log as progress_log
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import local_dataset
 from wbrag_ray.stages.service import Services, run_pass
@@ -68,6 +70,7 @@ class GeneratorPasses:
         self.stats: dict[str, dict[str, Any]] = {}
         self._owns_services = services is None
         self.services = Services() if services is None else services
+        self._memo = AnswerMemo()
 
     def close(self) -> None:
         """End the services these passes own (the loaded generator and index actors); the stats stay."""
@@ -99,10 +102,14 @@ class GeneratorPasses:
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
+        reused = 0
         if isinstance(ds, pd.DataFrame):
             _checked(gen_config, mode)
             stage = GenerateStage(gen_config, prompt_column, output_column, mode, choices, weight_column)
-            df = self.services.run_frame(ds, stage, name)
+            df, reused = self._memo.run(ds, stage, lambda todo: self.services.run_frame(todo, stage, name))
+            if reused:
+                progress_log.info("%s: %s of %s rows answered by earlier passes of this command", name,
+                                  f"{reused:,}", f"{len(df):,}")
         else:
             with running(name) as progress:
                 df = generate_pass(gen_config, ds, prompt_column, output_column, mode, choices, self.services,
@@ -123,11 +130,69 @@ class GeneratorPasses:
         }
         if mode == "mixture":
             self.stats[name]["mixture_groups"] = len(df)
+        if reused:
+            self.stats[name]["answers_reused"] = reused
         return df
 
     @property
     def calls(self) -> int:
         return sum(p["generator_calls"] for p in self.stats.values())
+
+
+class AnswerMemo:
+    """Greedy answers a command already generated, by what decides them: the loaded model's settings, the
+    pass's token budget, stop strings, mode and choices, and the prompt (with a mixture's weights). A grid
+    asks the same prompt again and again (a question whose top K the write-back index does not change, a
+    router that skips retrieval, Self-RAG keeping every document of naive RAG's prompt); each is decoded
+    once per command. Kept as 16-byte digests with the output columns, up to `max_entries`.
+
+    Greedy decoding is a function of the prompt, up to float rounding: a prompt padded in another batch can
+    differ in the last bits of its logits, so a near-tie may go the other way; within one command the first
+    answer is kept."""
+
+    def __init__(self, max_entries: int = 2_000_000):
+        self.max_entries = max_entries
+        self._answers: dict[bytes, tuple] = {}
+
+    @staticmethod
+    def _keys(df: pd.DataFrame, stage: GenerateStage) -> list[bytes]:
+        import hashlib
+
+        c = stage.config
+        setting = json.dumps([stage.service_key(), c.max_new_tokens, list(c.stop), stage.mode, list(stage.choices)])
+        weights = df[stage.weight_column] if stage.mode == "mixture" else [""] * len(df)
+        return [hashlib.blake2b(f"{setting}\x00{p}\x00{w}".encode(), digest_size=16).digest()
+                for p, w in zip(df[stage.prompt_column], weights, strict=True)]
+
+    def run(self, df: pd.DataFrame, stage: GenerateStage, generate) -> tuple[pd.DataFrame, int]:
+        """`df` with the stage's output columns: rows whose answer is known filled in, the others (one per
+        distinct key) through `generate(frame)`; and how many rows were filled in without decoding."""
+        keys = self._keys(df, stage)
+        first_row: dict[bytes, int] = {}  # each unknown key's first row: the one sent to the generator
+        for i, k in enumerate(keys):
+            if k not in self._answers and k not in first_row:
+                first_row[k] = i
+        columns = _output_columns(stage)
+        made: dict[bytes, tuple] = {}
+        if first_row:
+            # run_frame keeps the order of the rows it is given
+            new = generate(df.iloc[list(first_row.values())].reset_index(drop=True))
+            made = dict(zip(first_row, new[columns].itertuples(index=False, name=None), strict=True))
+            for k, v in made.items():
+                if len(self._answers) >= self.max_entries:
+                    break
+                self._answers[k] = v
+        out = df.reset_index(drop=True).copy()
+        values = [made[k] if k in made else self._answers[k] for k in keys]
+        for j, column in enumerate(columns):
+            out[column] = [v[j] for v in values]
+        return out, len(keys) - len(first_row)
+
+
+def _output_columns(stage: GenerateStage) -> list[str]:
+    if stage.mode in ("text", "choice"):
+        return [stage.output_column]
+    return list(scored_columns(stage.output_column, Scored("", [], [], False)))
 
 
 def from_pandas(df: pd.DataFrame):

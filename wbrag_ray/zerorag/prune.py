@@ -107,9 +107,12 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     # of the mask at a time; the pruned corpus and index builds share them through the object store.
     import pyarrow.dataset as pads
 
-    dropped = pads.dataset(level.keep.path, filesystem=level.keep.fs, format="parquet").to_table(
+    # streamed: a scan's batches hold the mask a few batches at a time (a whole-table read held all of it,
+    # 25 bytes a sentence in the driver at 4M)
+    scanner = pads.dataset(level.keep.path, filesystem=level.keep.fs, format="parquet").scanner(
         columns=["id"], filter=pads.field("keep") == False)  # noqa: E712 - an Arrow expression, not a bool
-    dropped_ids = np.sort(dropped["id"].to_numpy())
+    parts = [batch.column(0).to_numpy() for batch in scanner.to_batches()]
+    dropped_ids = np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
     seconds_cut = time.perf_counter() - t0
 
     # The pruned sentence corpus: every sentence not dropped, its columns untouched.
