@@ -6,9 +6,10 @@ vocabulary, random unit vectors stored as float16 in the project's embedding-sha
 has its own benchmark) and whose embedding pruner is a random head; every later stage is the project's own
 code on a local Ray cluster: `build_kb.index` (index + document store), `zerorag.prune.predict`,
 `zerorag.prune.prune` (percentile, keep mask, pruned corpus, pruned index) and `Services.retrieval` (search
-actors, merge, document lookup). One index factory for every size, with a list size held constant
-(nlist = sentences / LIST_SIZE, an HNSW coarse quantizer), so a query scans the same number of codes at every
-size, as a cluster keeps it by adding shards.
+actors, merge, document lookup). One index factory for every size (an HNSW coarse quantizer, SQ8 codes),
+with a list size held constant by default (nlist = sentences / LIST_SIZE: a query scans the same number of
+codes at every size, and k-means, 39 points per centroid, costs n^2), or with `--lists sqrt` the number of
+lists `index.factory=auto` picks below 10M vectors (4 sqrt(n): k-means costs n, a query scans sqrt(n)).
 
 Shards and search actors have a fixed size (SHARD_GB) at every corpus size, so their number grows with the
 corpus and what one process holds does not; each size runs in a fresh process with its own local Ray.
@@ -18,7 +19,7 @@ function or the actor's class), the largest resident set seen by a sampler polli
 every 0.2 s. The ratios of 4M to 1M sentences are the result; the last table extrapolates each stage to
 138M sentences on N nodes from the measured rows per CPU-second.
 
-    python -m benchmarks.scale [--sizes 250000,1000000,4000000] [--dim 384] [--root /tmp/wbrag-scale]
+    python -m benchmarks.scale [--sizes 250000,1000000,4000000] [--dim 384] [--lists constant|sqrt]
 """
 
 from __future__ import annotations
@@ -90,10 +91,13 @@ def _write_shard(item: tuple[int, int, int, str]) -> int:
     return n
 
 
-def _config(root: Path, n: int, dim: int):
+def _config(root: Path, n: int, dim: int, lists: str = "constant"):
     from wbrag_ray.config import load_config
 
-    nlist = 2 ** max(4, round(math.log2(n / LIST_SIZE)))
+    if lists == "sqrt":  # index.factory=auto's rule below 10M vectors: a query scans more as the corpus grows,
+        nlist = 2 ** round(math.log2(4 * math.sqrt(n)))  # k-means (sample 39 x nlist, cost sample x nlist) does not
+    else:  # constant list size: a query scans the same codes at every size, k-means grows as n^2
+        nlist = 2 ** max(4, round(math.log2(n / LIST_SIZE)))
     # Shards and search actors of a fixed size at every corpus size: their number grows with the corpus, what
     # one process holds does not (as on a cluster sized for 138M sentences).
     return load_config(None, [
@@ -103,7 +107,7 @@ def _config(root: Path, n: int, dim: int):
     ])
 
 
-def build_synthetic_run(root: Path, n: int, dim: int):
+def build_synthetic_run(root: Path, n: int, dim: int, lists: str = "constant"):
     """A run folder whose ingest, embed and embedding-pruner stages are complete (synthetic, see the doc)."""
     import ray
 
@@ -113,7 +117,7 @@ def build_synthetic_run(root: Path, n: int, dim: int):
     from wbrag_ray.zerorag.mastery import MASTERY
     from wbrag_ray.zerorag.pruners import PRUNERS
 
-    config = _config(root, n, dim)
+    config = _config(root, n, dim, lists)
     for sub in ("ingest/passages", "ingest/sentences", "embed"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     run = RunFolder(str(root))
@@ -199,14 +203,14 @@ class WorkerPeaks:
 # --- one size -------------------------------------------------------------------------------------------
 
 
-def measure_size(root: Path, n: int, dim: int, queries: int) -> dict[str, dict[str, Any]]:
+def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "constant") -> dict[str, dict[str, Any]]:
     from wbrag_ray import build_kb
     from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
     from wbrag_ray.stages.service import Services
     from wbrag_ray.zerorag.prune import predict, prune
 
     t0 = time.perf_counter()
-    run, config = build_synthetic_run(root, n, dim)
+    run, config = build_synthetic_run(root, n, dim, lists)
     report(f"{n} synthetic corpus written", time.perf_counter() - t0, "s")
     rng = np.random.default_rng(7)
     vectors = rng.standard_normal((queries, dim), dtype=np.float32)
@@ -334,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", default="1,8,32", help="cluster sizes of the 138M extrapolation")
     parser.add_argument("--cores-per-node", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="sizes 20000,80000 (a smoke run, not a measurement)")
+    parser.add_argument("--lists", choices=("constant", "sqrt"), default="constant",
+                        help="IVF lists: n/1000 (a query costs the same at every size) or 4*sqrt(n) (index.factory=auto's "
+                             "rule below 10M: k-means grows linearly)")
     parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # one size, run by the parent
     args = parser.parse_args(argv)
     sizes = [20_000, 80_000] if args.quick else [int(s) for s in args.sizes.split(",")]
@@ -348,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(args.root) / f"run-{args.one}"
         shutil.rmtree(root, ignore_errors=True)
         with local_ray(args.cpus):
-            result = measure_size(root, args.one, args.dim, args.queries)
+            result = measure_size(root, args.one, args.dim, args.queries, args.lists)
         shutil.rmtree(root, ignore_errors=True)
         (Path(args.root) / f"result-{args.one}.json").write_text(json.dumps(result))
         return 0
@@ -358,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Path(args.root).mkdir(parents=True, exist_ok=True)
     for n in sizes:
         cmd = [sys.executable, "-m", "benchmarks.scale", "--one", str(n), "--dim", str(args.dim), "--queries",
-               str(args.queries), "--root", args.root, "--cpus", str(args.cpus)]
+               str(args.queries), "--root", args.root, "--cpus", str(args.cpus), "--lists", args.lists]
         subprocess.run(cmd, check=True)
         all_results[n] = json.loads((Path(args.root) / f"result-{n}.json").read_text())
     report_pressure("after the runs")

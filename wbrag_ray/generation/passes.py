@@ -89,8 +89,9 @@ class GeneratorPasses:
         choices: tuple[str, ...] = (), weight_column: str = "weights",
     ) -> pd.DataFrame:
         """Add `output_column` to every row of `ds` (a Ray Dataset, or a DataFrame the driver holds: sent
-        straight to the generator service, see `Services.run_frame`); `generator` replaces the default role's model (e.g. the
-        QA generator beside the target model); `multiline` lets outputs run past a line end (generator.stop);
+        straight to the generator service, see `Services.run_frame`, and answered from the command's
+        `AnswerMemo` where it can be); `generator` replaces the default role's model (e.g. the QA generator
+        beside the target model); `multiline` lets outputs run past a line end (generator.stop);
         `mode` / `choices` / `weight_column`: scored answers, choice probabilities or a mixture's answers
         instead of text (`generate_pass`).
 
@@ -143,14 +144,15 @@ class AnswerMemo:
     """Greedy answers a command already generated, by what decides them: the loaded model's settings, the
     pass's token budget, stop strings, mode and choices, and the prompt (with a mixture's weights). A grid
     asks the same prompt again and again (a question whose top K the write-back index does not change, a
-    router that skips retrieval, Self-RAG keeping every document of naive RAG's prompt); each is decoded
-    once per command. Kept as 16-byte digests with the output columns, up to `max_entries`.
+    router that skips retrieval, Self-RAG's answer where it keeps one document: replug-vote's prompt for it);
+    each is decoded once per command. Kept as 16-byte digests with the output columns, up to `max_entries`
+    (scored answers hold their tokens' probabilities: about 1 KB each).
 
     Greedy decoding is a function of the prompt, up to float rounding: a prompt padded in another batch can
     differ in the last bits of its logits, so a near-tie may go the other way; within one command the first
     answer is kept."""
 
-    def __init__(self, max_entries: int = 2_000_000):
+    def __init__(self, max_entries: int = 500_000):
         self.max_entries = max_entries
         self._answers: dict[bytes, tuple] = {}
 
