@@ -188,13 +188,18 @@ def node_cached(dest: str, build: Callable[[str], None]) -> str:
     a file lock meanwhile instead of fetching or converting the same files beside it. A build that fails
     leaves nothing at `dest`, and the next process to need it tries again."""
     import fcntl
+    import hashlib
     import shutil
+    import tempfile
 
     if os.path.exists(dest):
         return dest
-    locks = os.path.join(os.path.dirname(dest), ".locks")  # kept: removing a lock file another process
-    os.makedirs(locks, exist_ok=True)  # has open would let a third one lock a new file beside it
-    with open(os.path.join(locks, os.path.basename(dest) + ".lock"), "w") as lock:
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    # Lock files live apart from the cache (its folders list only what it holds) and are kept: removing one
+    # that another process has open would let a third lock a new file beside it.
+    locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
+    os.makedirs(locks, exist_ok=True)
+    with open(os.path.join(locks, hashlib.sha1(os.path.abspath(dest).encode()).hexdigest()[:20] + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
         if not os.path.exists(dest):
             tmp = f"{dest}.tmp{os.getpid()}"

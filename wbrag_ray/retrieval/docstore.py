@@ -243,7 +243,7 @@ def open_doc_store(loc: Location, unit: str = "passage") -> DocStore:
             info = f.fs.get_file_info(f.path)
             stamp.append((uri, info.size, info.mtime_ns))
     key = hashlib.sha1(repr((loc.uri, unit, stamp)).encode()).hexdigest()[:16]
-    cached = resolve(os.path.join(cache_root(), "docstores", key))
-    if not has_doc_store(cached):
-        write_doc_store(loc, unit, cached, parallel=False)
-    return DocStore(cached)
+    # once per node: the node's other processes that need it wait for the first one's copy
+    cached = node_cached(os.path.join(cache_root(), "docstores", key),
+                         lambda tmp: write_doc_store(loc, unit, resolve(tmp), parallel=False))
+    return DocStore(resolve(cached))
