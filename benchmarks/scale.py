@@ -6,7 +6,9 @@ vocabulary, random unit vectors stored as float16 in the project's embedding-sha
 has its own benchmark) and whose embedding pruner is a random head; every later stage is the project's own
 code on a local Ray cluster: `build_kb.index` (index + document store), `zerorag.prune.predict`,
 `zerorag.prune.prune` (percentile, keep mask, pruned corpus, pruned index) and `Services.retrieval` (search
-actors, merge, document lookup). One index factory for every size (an HNSW coarse quantizer, SQ8 codes),
+actors started and loaded once, measured as a stage of its own; then the searches: one coarse assignment per
+batch, every shard group's scan, merge, document lookup; the latency also as it was with every shard assigning
+its own queries). One index factory for every size (an HNSW coarse quantizer, SQ8 codes),
 with a list size held constant by default (nlist = sentences / LIST_SIZE: a query scans the same number of
 codes at every size, and k-means, 39 points per centroid, costs n^2), or with `--lists sqrt` the number of
 lists `index.factory=auto` picks below 10M vectors (4 sqrt(n): k-means costs n, a query scans sqrt(n)).
@@ -240,25 +242,36 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
     stage("pruner prediction", n, lambda: predict(run, config))
     stage("percentile, keep mask, pruned index", n, lambda: prune(run, config, RATIO))
 
-    def searches() -> None:
-        with Services() as services:
-            service = services.retrieval(((run.layout.index.uri, None, "base"),), config.index, config.retrieval)
-            batch = 100
-            hits = 0
+    with Services() as services:
+        # the search actors start and load their shard groups once; every search after uses them
+        service = stage("retrieval service start", n, lambda: services.retrieval(
+            ((run.layout.index.uri, None, "base"),), config.index, config.retrieval))
+
+        def searches() -> None:
+            batch, hits = 100, 0
             for start in range(0, queries, batch):
                 found = service.search_vectors(vectors[start : start + batch], config.retrieval.top_k)
                 hits += sum(len(h) for h in found)
                 assert all(h.text for hits_ in found for h in hits_), "a hit without its document"
-            results["_search"] = {"latency_ms": service.latency_ms(vectors[:batch], config.retrieval.top_k, 0.3),
-                                  "hits": hits, "groups": len(service.pools[0].actors)}
+            pool = service.pools[0]
+            shared = pool.shared_assignment
+            latency = service.latency_ms(vectors[:batch], config.retrieval.top_k, 0.3)
+            pool.shared_assignment = False  # as before: every shard runs the coarse quantizer itself
+            each_group = service.latency_ms(vectors[:batch], config.retrieval.top_k, 0.3)
+            pool.shared_assignment = shared
+            results["_search"] = {"latency_ms": latency, "latency_ms_each_shard_assigns": each_group,
+                                  "shared_assignment": shared, "hits": hits, "groups": len(pool.actors)}
 
-    stage("2,000 searches + document lookup", queries, searches)
+        stage("2,000 searches + document lookup", queries, searches)
     return results
 
 
 # --- report ---------------------------------------------------------------------------------------------
 
-STAGES = ("index build", "pruner prediction", "percentile, keep mask, pruned index", "2,000 searches + document lookup")
+STAGES = ("index build", "pruner prediction", "percentile, keep mask, pruned index", "retrieval service start",
+          "2,000 searches + document lookup")
+BULK = STAGES[:3]  # one task per shard: they spread over a cluster's every CPU
+SEARCHES = STAGES[-1]
 
 
 def growth_table(all_results: dict[int, dict[str, dict[str, Any]]], small: int, large: int) -> None:
@@ -292,11 +305,11 @@ def extrapolation(res: dict[str, dict[str, Any]], n: int, cpus: int, nodes: Sequ
           f"(rows per CPU-second = rows/s / {cpus} CPUs here); hours")
     print("| stage | rows per CPU-second | " + " | ".join(f"{k} x {cores} cores" for k in nodes) + " |")
     print("|---|---|" + "---|" * len(nodes))
-    for name in STAGES[:3]:
+    for name in BULK:
         per_cpu = res[name]["rows_per_s"] / cpus
         cells = [WIKIPEDIA_SENTENCES / (per_cpu * min(k * cores, shards)) / 3600 for k in nodes]
         print(f"| {name} | {per_cpu:,.0f} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    per_cpu = res[STAGES[3]]["rows_per_s"] / cpus
+    per_cpu = res[SEARCHES]["rows_per_s"] / cpus
     print(f"| queries/s per search CPU (index grows with shards: same list size) | {per_cpu:,.0f} | "
           + " | ".join(f"{per_cpu * k * cores:,.0f} q/s" for k in nodes) + " |")
 
@@ -375,6 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n, res in all_results.items():
         report(f"{n} index build split", json.dumps(res["_index"]))
         report(f"{n} search latency (search actors' own, per query)", res["_search"]["latency_ms"], "ms", 3)
+        report(f"{n} search latency, every shard assigning its own queries", res["_search"]["latency_ms_each_shard_assigns"],
+               "ms", 3)
+        report_ratio(f"{n} one coarse assignment per search: latency", res["_search"]["latency_ms"],
+                     res["_search"]["latency_ms_each_shard_assigns"])
         report(f"{n} search shard groups", res["_search"]["groups"])
     Path(args.root).mkdir(parents=True, exist_ok=True)
     (Path(args.root) / "scale.json").write_text(json.dumps({str(k): v for k, v in all_results.items()}, indent=1))

@@ -31,12 +31,31 @@ def local_dataset(frame):
     return ray.data.from_blocks([frame])
 
 
+def is_object_ref(value) -> bool:
+    import ray
+
+    return isinstance(value, ray.ObjectRef)
+
+
 def shared_value(ref_or_value):
     """Ray Data hands `fn_args` to the function as given: an ObjectRef (one shared copy of a large id array in
     the object store, instead of one per task) has to be fetched by the function itself."""
     import ray
 
-    return ray.get(ref_or_value) if isinstance(ref_or_value, ray.ObjectRef) else ref_or_value
+    return ray.get(ref_or_value) if is_object_ref(ref_or_value) else ref_or_value
+
+
+def in_sorted(values, sorted_ids):
+    """Whether each of `values` is in `sorted_ids` (sorted ascending: a shared id set), by binary search: the
+    memory of `values`' size. np.isin would sort copies of both: a task's memory would grow with the shared set,
+    that is with the corpus."""
+    import numpy as np
+
+    values = np.asarray(values)
+    if len(sorted_ids) == 0:
+        return np.zeros(len(values), bool)
+    at = np.minimum(np.searchsorted(sorted_ids, values), len(sorted_ids) - 1)
+    return np.asarray(sorted_ids)[at] == values
 
 
 def select_rows(loc, id_column: str, ids, columns: list[str]):
@@ -51,7 +70,7 @@ def select_rows(loc, id_column: str, ids, columns: list[str]):
     wanted = ray.put(np.unique(np.asarray(ids, np.int64)))
 
     def keep(batch: pa.Table, wanted) -> pa.Table:
-        mask = np.isin(batch[id_column].to_numpy(), shared_value(wanted))
+        mask = in_sorted(batch[id_column].to_numpy(), shared_value(wanted))
         return batch.filter(pa.array(mask))
 
     ds = ray.data.read_parquet(loc.path, filesystem=loc.fs, columns=columns, num_cpus=LIGHT_CPUS)

@@ -119,3 +119,55 @@ def test_a_missing_shard_is_named_when_the_service_starts(indices, tmp_path, ray
     (broken / load_manifest(resolve(str(broken)))["files"][1]).unlink()
     with Services() as services, pytest.raises(IndexError_, match=r"index-00001.faiss named by .* is missing"):
         services.retrieval(((str(broken), None, "base"),), IndexConfig(), _small_actors())
+
+
+@pytest.fixture(scope="module")
+def ivf_index(indices, tmp_path_factory):
+    """The base vectors in an IVF index of four shards (one trained quantizer), searched 3 lists of 8."""
+    vecs = indices[2]
+    root = tmp_path_factory.mktemp("service-ivf")
+    return _index(root, "ivf", vecs[:1_200], np.arange(1_200, dtype=np.int64) * 10, shards=4, factory="IVF8,Flat")
+
+
+def _each_shard_alone(index_dir, queries, k, nprobe):
+    """faiss's own search of every shard (each runs its quantizer), merged: what a shared assignment must give."""
+    from wbrag_ray.index.files import load_shards
+    from wbrag_ray.retrieval.hits import merge_results
+
+    shards, _ = load_shards(resolve(index_dir))
+    for s in shards:
+        s.nprobe = nprobe
+    return merge_results([s.search(queries, k) for s in shards], k)
+
+
+def test_ivf_groups_share_one_coarse_assignment_and_answer_as_each_shard_searched_alone(indices, ivf_index,
+                                                                                        ray_cluster):
+    vecs = indices[2]
+    queries = vecs[[3, 500, 1_100, 1_250]] + 0.01
+    scores, ids = _each_shard_alone(ivf_index, queries, 7, nprobe=3)
+    in_process = Retriever(ivf_index, nprobe=3)
+    assert in_process.dim == DIM and in_process.searcher.can_assign  # the in-process search shares it too
+    np.testing.assert_array_equal(in_process.search_ids(queries, 7)[1], ids)
+    with Services() as services:
+        pool = services.retrieval(((ivf_index, None, "base"),), IndexConfig(nprobe=3), _small_actors()).pools[0]
+        assert len(pool.actors) > 1 and pool.shared_assignment
+        for _ in range(len(pool.actors)):  # each group makes the assignment in turn
+            got_scores, got_ids, seconds = pool.search_ids(queries, 7)
+            np.testing.assert_array_equal(got_ids, ids)
+            np.testing.assert_allclose(got_scores, scores, rtol=1e-6)
+            assert seconds > 0
+
+
+def test_a_lost_search_actor_mid_search_is_answered_by_its_replica(indices, ivf_index, ray_cluster):
+    import ray
+
+    vecs = indices[2]
+    queries = vecs[[7, 640, 1_150]]
+    _, ids = _each_shard_alone(ivf_index, queries, 5, nprobe=3)
+    with Services() as services:
+        pool = services.retrieval(((ivf_index, None, "base"),), IndexConfig(nprobe=3),
+                                  _small_actors(concurrency=2)).pools[0]
+        for replicas in pool.actors:  # one replica of every group gone for good (no restart)
+            ray.kill(replicas[0], no_restart=True)
+        for _ in range(2 * len(pool.actors)):  # turns in which a lost actor assigns, and in which it searches
+            np.testing.assert_array_equal(pool.search_ids(queries, 5)[1], ids)

@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -67,7 +67,11 @@ from wbrag_ray.index.tasks import (
     run_tasks,
     set_threads,
 )
+from wbrag_ray.ray_runtime import in_sorted, is_object_ref, shared_value
 from wbrag_ray.storage import Location, resolve
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +153,7 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
     t0 = time.perf_counter()
     index = from_bytes(shared["trained"], TRAINED_FILE)
     ivf = code_part_ivf(index) if shared["code_parts"] else None
-    drop = shared["drop_ids"]
+    drop = shared_value(shared["drop_ids"])  # sorted: an array, or its reference in the object store
     count, dropped, id_min, id_max = 0, 0, None, None
     part_ids, part_codes = [], []
     for uri in file_uris:
@@ -160,7 +164,7 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
         if vecs.shape[1] != index.d:
             raise IndexError_(f"embedding shard {f.uri} has dimension {vecs.shape[1]}, the index {index.d}")
         if drop is not None:
-            keep = ~np.isin(ids, drop, assume_unique=False)
+            keep = ~in_sorted(ids, drop)
             dropped += int(len(ids) - keep.sum())
             ids, vecs = ids[keep], vecs[keep]
             if len(ids) == 0:
@@ -227,7 +231,7 @@ def build_index(
     num_cpus: float = 1.0,
     parallel: bool | None = None,
     trained: bytes | None = None,
-    drop_ids: np.ndarray | None = None,
+    drop_ids: np.ndarray | ObjectRef | None = None,
     docs: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -238,7 +242,8 @@ def build_index(
     integer, or "auto" (estimated index bytes / shard_memory_gb). gpu: train an IVF's k-means on a GPU where
     the cluster has one. parallel: Ray tasks (default: when Ray is initialized) or calls in this process.
     trained: a trained empty index to reuse instead of training (pruned views reuse their source's).
-    drop_ids: ids left out of the index. docs: where the documents of the ids live (an ingest folder or a
+    drop_ids: ids left out of the index, or a reference to them sorted in Ray's object store (the add tasks
+    read them there; the driver need not hold them: `index.prune.drop_ids_ref`). docs: where the documents of the ids live (an ingest folder or a
     Parquet folder of id, title, text), recorded in the manifest.
     Returns stage stats: counts, seconds per step, the peak memory of each kind of task.
     """
@@ -266,7 +271,7 @@ def build_index(
     threads = max(1, int(num_cpus)) if parallel else None
     manifest_loc = out.join(MANIFEST)
     manifest_loc.delete()  # a reader never pairs an old manifest with half-rewritten shards
-    if drop_ids is not None:
+    if drop_ids is not None and not is_object_ref(drop_ids):
         drop_ids = np.unique(np.asarray(drop_ids, dtype=np.int64))
 
     # 1. train once
@@ -293,8 +298,10 @@ def build_index(
              f"auto: at most index.shard_memory_gb={shard_memory_gb}" if auto_shards else "index.num_shards")
 
     # 2. add per embedding shard (mergeable types) or per index shard (the others)
-    mergeable = can_merge(trained_index)
-    code_parts = mergeable and code_part_ivf(trained_index) is not None
+    # An IVF with array lists merges from codes-only parts; any other type is asked by a trial merge of two
+    # copies (not made for an IVF: two more copies of its quantizer in the driver, which grows with the lists)
+    code_parts = code_part_ivf(trained_index) is not None
+    mergeable = code_parts or can_merge(trained_index)
     del trained_index
     # an array, not bytes: every add task on a node reads it from Ray's object store without a copy of its own
     shared = {"trained": np.frombuffer(trained, np.uint8), "drop_ids": drop_ids, "threads": threads,

@@ -95,15 +95,84 @@ def docs_location(index: Location, manifest: dict, docs_dir: str | None) -> Loca
     return resolve(docs)
 
 
-def search_shards(shards: list, vectors: np.ndarray, k: int, batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, ids), each (n, k), best first, over every shard, `batch_size` queries at a time."""
-    out_s = np.full((len(vectors), k), -np.inf, np.float32)
-    out_i = np.full((len(vectors), k), -1, np.int64)
-    for start in range(0, len(vectors), batch_size):
-        q = vectors[start : start + batch_size]
-        scores, ids = merge_results([shard.search(q, k) for shard in shards], k)
-        out_s[start : start + len(q)], out_i[start : start + len(q)] = scores, ids
-    return out_s, out_i
+def _ivf_of(shard):
+    """(the IVF index inside a shard, the vector transforms applied before it), or None where the shard is not
+    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps)."""
+    import faiss
+
+    chain = []
+    inner = faiss.downcast_index(shard)
+    if isinstance(inner, faiss.IndexPreTransform):
+        chain = [faiss.downcast_VectorTransform(inner.chain.at(i)) for i in range(inner.chain.size())]
+        inner = faiss.downcast_index(inner.index)
+    return (inner, chain) if isinstance(inner, faiss.IndexIVF) else None
+
+
+def _same_quantizer(ivfs: list) -> bool:
+    """Whether the IVFs share one trained coarse quantizer (the shards of one build do: it trains once), checked
+    on a few of its centroids."""
+    first = ivfs[0].quantizer
+    rows = sorted({0, first.ntotal // 2, first.ntotal - 1})
+    want = [first.reconstruct(r) for r in rows]
+    return all(ivf.nlist == ivfs[0].nlist and ivf.quantizer.ntotal == first.ntotal
+               and all(np.array_equal(ivf.quantizer.reconstruct(r), w) for r, w in zip(rows, want, strict=True))
+               for ivf in ivfs[1:])
+
+
+class ShardSearch:
+    """Index shards searched as one index: each query's top K over all of them, best first.
+
+    The shards of one IVF index share the trained coarse quantizer, so a batch of queries is assigned to its
+    nprobe lists once (`assign`) and each shard scans only its own part of those lists (faiss's
+    `search_preassigned`): the quantizer is not run again per shard, a cost that grows with the number of
+    shards rather than with what they hold. A retrieval service makes the assignment once for all its search
+    actors. Other index types (HNSW, flat, refine) search shard by shard."""
+
+    def __init__(self, shards: list, batch_size: int = 1024):
+        self.shards, self.batch_size = shards, batch_size
+        ivfs = [_ivf_of(s) for s in shards]
+        self.ivfs = None
+        if shards and all(ivfs) and _same_quantizer([ivf for ivf, _ in ivfs]):
+            self.ivfs = [ivf for ivf, _ in ivfs]
+            self.chain = ivfs[0][1]
+            for ivf in self.ivfs:  # faiss searches min(nprobe, nlist) lists; an assignment has that width
+                ivf.nprobe = min(ivf.nprobe, ivf.nlist)
+
+    @property
+    def can_assign(self) -> bool:
+        return self.ivfs is not None
+
+    def _transformed(self, vectors: np.ndarray) -> np.ndarray:
+        for transform in self.chain:
+            vectors = transform.apply(vectors)
+        return vectors
+
+    def assign(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(centroid scores, list ids), each (n, nprobe): the lists each query visits, in every shard."""
+        if self.ivfs is None:
+            raise ValueError("these shards are not IVF shards of one trained index: they cannot share an assignment")
+        ivf = self.ivfs[0]
+        return ivf.quantizer.search(self._transformed(vectors), ivf.nprobe)
+
+    def search(self, vectors: np.ndarray, k: int,
+               assigned: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids), each (n, k), best first, over every shard, `batch_size` queries at a time; `assigned`:
+        the lists the queries visit (`assign`), made here when missing."""
+        out_s = np.full((len(vectors), k), -np.inf, np.float32)
+        out_i = np.full((len(vectors), k), -1, np.int64)
+        for start in range(0, len(vectors), self.batch_size):
+            q = vectors[start : start + self.batch_size]
+            if self.ivfs is None:
+                found = [shard.search(q, k) for shard in self.shards]
+            else:
+                q = self._transformed(q)
+                if assigned is None:
+                    dists, lists = self.ivfs[0].quantizer.search(q, self.ivfs[0].nprobe)
+                else:
+                    dists, lists = (a[start : start + len(q)] for a in assigned)
+                found = [ivf.search_preassigned(q, k, lists, dists) for ivf in self.ivfs]
+            out_s[start : start + len(q)], out_i[start : start + len(q)] = merge_results(found, k)
+        return out_s, out_i
 
 
 def to_hits(scores: np.ndarray, ids: np.ndarray, docs: DocStore | None, source: str) -> list[list[Hit]]:
@@ -188,6 +257,7 @@ class Retriever:
             set_search_params(shard, self.nprobe, self.ef_search, self.k_factor)
             if self.gpu:
                 self.shards[i] = to_gpu(shard, f"{self.index_dir}/{self.manifest['files'][i]}")
+        self.searcher = ShardSearch(self.shards, self.batch_size)
         docs = docs_location(loc, self.manifest, self.docs_dir)
         self.docs = open_doc_store(docs, self.manifest.get("unit", "passage")) if docs else None
         self._loaded = True
@@ -209,7 +279,7 @@ class Retriever:
         searched and the results merged, `batch_size` queries at a time."""
         self._ensure_loaded()
         vectors = check_query_vectors(vectors, self.manifest["dim"], self.index_dir)
-        return search_shards(self.shards, vectors, k, self.batch_size)
+        return self.searcher.search(vectors, k)
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
         return to_hits(*self.search_ids(vectors, k), self.docs, self.source)

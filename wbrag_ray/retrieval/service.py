@@ -32,11 +32,11 @@ from wbrag_ray.ray_runtime import call_actor
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
 from wbrag_ray.retrieval.local import (
+    ShardSearch,
     check_comparable,
     check_query_vectors,
     check_union,
     docs_location,
-    search_shards,
     set_search_params,
     to_gpu,
     to_hits,
@@ -64,15 +64,24 @@ class SearchActor:
                 self.shards.append(to_gpu(shard, loc.join(name).uri) if search["gpu"] else shard)
         except IndexError_ as exc:
             self.error = exc  # raised by `ready`, as itself: a constructor's error would come back wrapped
+        self.searcher = ShardSearch(self.shards)
 
-    def ready(self) -> int:
+    def ready(self) -> tuple[int, bool]:
+        """(vectors held, whether the group's shards take a coarse assignment made elsewhere)."""
         if self.error is not None:
             raise self.error
-        return sum(int(s.ntotal) for s in self.shards)
+        return sum(int(s.ntotal) for s in self.shards), self.searcher.can_assign
 
-    def search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
+    def assign(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """The lists each query visits, made once for every group of the index (see `ShardSearch`)."""
         t0 = time.perf_counter()
-        scores, ids = search_shards(self.shards, vectors, k)
+        dists, lists = self.searcher.assign(vectors)
+        return dists, lists, time.perf_counter() - t0
+
+    def search(self, vectors: np.ndarray, k: int,
+               assigned: tuple[np.ndarray, np.ndarray, float] | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+        t0 = time.perf_counter()
+        scores, ids = self.searcher.search(vectors, k, assigned[:2] if assigned is not None else None)
         return scores, ids, time.perf_counter() - t0
 
     def peak_rss_mb(self) -> float:
@@ -112,6 +121,7 @@ class SearchPool:
     manifest: dict[str, Any]
     actors: list[list[Any]]  # [group][replica]
     placement: tuple
+    shared_assignment: bool = False  # one coarse assignment per search, made by one actor for every group
     _turn: Any = field(default_factory=itertools.count, repr=False)
 
     @classmethod
@@ -141,10 +151,11 @@ class SearchPool:
                            for _ in range(retrieval.concurrency)])
         pool = cls(index_dir, manifest, actors, pool_placement(index, retrieval))
         try:
-            ray.get([a.ready.remote() for replicas in actors for a in replicas])
+            ready = ray.get([a.ready.remote() for replicas in actors for a in replicas])
         except ray.exceptions.RayTaskError as exc:
             pool.close()
             raise _unwrap(exc) from None
+        pool.shared_assignment = len(actors) > 1 and all(can_assign for _, can_assign in ready)
         return pool
 
     @property
@@ -153,20 +164,31 @@ class SearchPool:
 
     def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
         """(scores, ids) of the whole index, and the search's seconds as the actors measured them (the groups
-        run at once: the slowest one's)."""
+        run at once: the slowest one's, after the coarse assignment they share).
+
+        With several groups of IVF shards, one actor (a different group each time) assigns the queries to their
+        lists and every group scans its part of them: the groups' calls are sent at once with the assignment as
+        a pending argument, so Ray starts them as it arrives and the driver waits once."""
         import ray
 
         vectors = check_query_vectors(vectors, self.dim, self.index_dir)
         turn = next(self._turn)
         ref = ray.put(vectors)
-        calls = [replicas[turn % len(replicas)].search.remote(ref, k) for replicas in self.actors]
+        assigned = None
+        if self.shared_assignment:
+            replicas = self.actors[turn % len(self.actors)]
+            assigned = replicas[turn // len(self.actors) % len(replicas)].assign.remote(ref)
+        calls = [replicas[turn % len(replicas)].search.remote(ref, k, assigned) for replicas in self.actors]
         try:
             parts = ray.get(calls)
+            assign_s = ray.get(assigned)[2] if assigned is not None else 0.0
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-            # a search actor's node was lost: ask each group again, one call at a time, on any live replica
+            # a search actor's node was lost (the assigning one included: its error reaches every call that
+            # waited on it): ask each group again, one call at a time, on any live replica, each assigning itself
             parts = [call_actor(replicas, "search", ref, k) for replicas in self.actors]
+            assign_s = 0.0
         scores, ids = merge_results([(s, i) for s, i, _ in parts], k)
-        return scores, ids, max(sec for _, _, sec in parts)
+        return scores, ids, assign_s + max(sec for _, _, sec in parts)
 
     def peak_rss_mb(self) -> list[float]:
         import ray

@@ -11,7 +11,6 @@ import dataclasses
 import time
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from wbrag_ray.build_kb import INDEX, INGEST
@@ -85,8 +84,8 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     import ray
     import ray.data
 
-    from wbrag_ray.index.prune import prune_index
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, shared_value
+    from wbrag_ray.index.prune import drop_ids_ref, prune_index
+    from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
 
     bins = config.zerorag.histogram_bins
     level = run.layout.zero_rag.pruned(ratio)
@@ -103,37 +102,30 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, num_cpus=LIGHT_CPUS)
     ds.map_batches(mask, batch_format="pyarrow", num_cpus=LIGHT_CPUS).write_parquet(
         level.keep.path, filesystem=level.keep.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
-    # Only the dropped ids come to the driver (8 bytes each: 330 MB at 138M sentences and ratio 0.3), a batch
-    # of the mask at a time; the pruned corpus and index builds share them through the object store.
-    import pyarrow.dataset as pads
-
-    # streamed: a scan's batches hold the mask a few batches at a time (a whole-table read held all of it,
-    # 25 bytes a sentence in the driver at 4M)
-    scanner = pads.dataset(level.keep.path, filesystem=level.keep.fs, format="parquet").scanner(
-        columns=["id"], filter=pads.field("keep") == False)  # noqa: E712 - an Arrow expression, not a bool
-    parts = [batch.column(0).to_numpy() for batch in scanner.to_batches()]
-    dropped_ids = np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int64)
+    # The dropped ids are collected by a task into the object store, where the pruned corpus and index builds
+    # read them: the driver holds their reference and count, never the ids (the driver's memory would grow with
+    # the corpus: 8 bytes a dropped sentence and the copies a sort takes).
+    drop_ref, n_dropped = drop_ids_ref(level.keep, LIGHT_CPUS)
     seconds_cut = time.perf_counter() - t0
 
     # The pruned sentence corpus: every sentence not dropped, its columns untouched.
     sentences = run.layout.ingest.sentences
-    drop_ref = ray.put(dropped_ids)
 
     def kept_only(batch: pa.Table, drop) -> pa.Table:
-        return batch.filter(pa.array(~np.isin(batch["sid"].to_numpy(), shared_value(drop))))
+        return batch.filter(pa.array(~in_sorted(batch["sid"].to_numpy(), shared_value(drop))))
 
     ray.data.read_parquet(sentences.path, filesystem=sentences.fs, num_cpus=LIGHT_CPUS) \
         .map_batches(kept_only, fn_args=(drop_ref,), batch_format="pyarrow", num_cpus=LIGHT_CPUS) \
         .write_parquet(level.sentences.path, filesystem=level.sentences.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
     kept = level.sentences.num_rows()
-    if kept + len(dropped_ids) != cut["total"]:
-        raise RuntimeError(f"pruned corpus holds {kept} sentences + {len(dropped_ids)} dropped != {cut['total']}")
+    if kept + n_dropped != cut["total"]:
+        raise RuntimeError(f"pruned corpus holds {kept} sentences + {n_dropped} dropped != {cut['total']}")
 
-    index_stats = prune_index(run.layout.index, level.index, dropped_ids, num_cpus=config.index.num_cpus)
+    index_stats = prune_index(run.layout.index, level.index, drop_ref, num_cpus=config.index.num_cpus)
     stats = {
-        "ratio": ratio, "achieved_ratio": round(len(dropped_ids) / cut["total"], 6),
+        "ratio": ratio, "achieved_ratio": round(n_dropped / cut["total"], 6),
         "threshold": round(cut["threshold"], 8), "sentences_in": cut["total"], "kept": kept,
-        "dropped": int(len(dropped_ids)), "index_vectors": index_stats.get("rows_out"),
+        "dropped": n_dropped, "index_vectors": index_stats.get("rows_out"),
         "index_bytes": index_bytes(level.index), "source_index_bytes": index_bytes(run.layout.index),
         "pruner": config.zerorag.pruner, "seconds_percentile_and_mask": round(seconds_cut, 2),
     }
