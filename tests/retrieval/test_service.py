@@ -171,3 +171,22 @@ def test_a_lost_search_actor_mid_search_is_answered_by_its_replica(indices, ivf_
             ray.kill(replicas[0], no_restart=True)
         for _ in range(2 * len(pool.actors)):  # turns in which a lost actor assigns, and in which it searches
             np.testing.assert_array_equal(pool.search_ids(queries, 5)[1], ids)
+
+
+def test_shards_of_different_trainings_search_each_with_its_own_quantizer(indices, ivf_index, tmp_path):
+    from wbrag_ray.index.files import load_shards
+    from wbrag_ray.retrieval.hits import merge_results
+    from wbrag_ray.retrieval.local import ShardSearch
+
+    vecs = indices[2]
+    other = _index(tmp_path, "ivf4", vecs[:1_200], np.arange(1_200, dtype=np.int64) * 10, shards=2,
+                   factory="IVF4,Flat")
+    shards = [load_shards(resolve(ivf_index))[0][0], load_shards(resolve(other))[0][0]]
+    for s in shards:
+        s.nprobe = 2
+    searcher = ShardSearch(shards)
+    assert not searcher.can_assign and searcher.fingerprint is None
+    assert ShardSearch(load_shards(resolve(other))[0]).fingerprint is not None  # one training: one quantizer
+    queries = vecs[[2, 900]]
+    want = merge_results([s.search(queries, 4) for s in shards], 4)
+    np.testing.assert_array_equal(searcher.search(queries, 4)[1], want[1])

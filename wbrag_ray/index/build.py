@@ -243,8 +243,8 @@ def build_index(
     the cluster has one. parallel: Ray tasks (default: when Ray is initialized) or calls in this process.
     trained: a trained empty index to reuse instead of training (pruned views reuse their source's).
     drop_ids: ids left out of the index, or a reference to them sorted in Ray's object store (the add tasks
-    read them there; the driver need not hold them: `index.prune.drop_ids_ref`). docs: where the documents of the ids live (an ingest folder or a
-    Parquet folder of id, title, text), recorded in the manifest.
+    read them there; the driver need not hold them: `index.prune.drop_ids_ref`). docs: where the documents of
+    the ids live (an ingest folder or a Parquet folder of id, title, text), recorded in the manifest.
     Returns stage stats: counts, seconds per step, the peak memory of each kind of task.
     """
     t0 = time.perf_counter()

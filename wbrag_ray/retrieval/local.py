@@ -108,15 +108,21 @@ def _ivf_of(shard):
     return (inner, chain) if isinstance(inner, faiss.IndexIVF) else None
 
 
-def _same_quantizer(ivfs: list) -> bool:
-    """Whether the IVFs share one trained coarse quantizer (the shards of one build do: it trains once), checked
-    on a few of its centroids."""
-    first = ivfs[0].quantizer
-    rows = sorted({0, first.ntotal // 2, first.ntotal - 1})
-    want = [first.reconstruct(r) for r in rows]
-    return all(ivf.nlist == ivfs[0].nlist and ivf.quantizer.ntotal == first.ntotal
-               and all(np.array_equal(ivf.quantizer.reconstruct(r), w) for r, w in zip(rows, want, strict=True))
-               for ivf in ivfs[1:])
+def quantizer_fingerprint(ivf) -> str | None:
+    """A digest of an IVF's coarse quantizer (its list count and a few of its centroids): equal for the shards of
+    one build, which trains once; None where the quantizer cannot give its centroids back."""
+    import hashlib
+
+    quantizer = ivf.quantizer
+    if quantizer.ntotal == 0:
+        return None
+    digest = hashlib.blake2b(f"{ivf.nlist}:{quantizer.ntotal}".encode(), digest_size=16)
+    try:
+        for row in sorted({0, quantizer.ntotal // 2, quantizer.ntotal - 1}):
+            digest.update(np.ascontiguousarray(quantizer.reconstruct(row)).tobytes())
+    except RuntimeError:  # a quantizer type without reconstruction
+        return None
+    return digest.hexdigest()
 
 
 class ShardSearch:
@@ -132,9 +138,12 @@ class ShardSearch:
         self.shards, self.batch_size = shards, batch_size
         ivfs = [_ivf_of(s) for s in shards]
         self.ivfs = None
-        if shards and all(ivfs) and _same_quantizer([ivf for ivf, _ in ivfs]):
+        self.fingerprint = None
+        prints = {quantizer_fingerprint(found[0]) if found else None for found in ivfs}
+        if shards and len(prints) == 1 and None not in prints:
             self.ivfs = [ivf for ivf, _ in ivfs]
             self.chain = ivfs[0][1]
+            self.fingerprint = prints.pop()
             for ivf in self.ivfs:  # faiss searches min(nprobe, nlist) lists; an assignment has that width
                 ivf.nprobe = min(ivf.nprobe, ivf.nlist)
 

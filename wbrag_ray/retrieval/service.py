@@ -66,11 +66,12 @@ class SearchActor:
             self.error = exc  # raised by `ready`, as itself: a constructor's error would come back wrapped
         self.searcher = ShardSearch(self.shards)
 
-    def ready(self) -> tuple[int, bool]:
-        """(vectors held, whether the group's shards take a coarse assignment made elsewhere)."""
+    def ready(self) -> tuple[int, str | None]:
+        """(vectors held, the fingerprint of the coarse quantizer the group's shards share: None where they take
+        no assignment made elsewhere)."""
         if self.error is not None:
             raise self.error
-        return sum(int(s.ntotal) for s in self.shards), self.searcher.can_assign
+        return sum(int(s.ntotal) for s in self.shards), self.searcher.fingerprint
 
     def assign(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
         """The lists each query visits, made once for every group of the index (see `ShardSearch`)."""
@@ -155,7 +156,8 @@ class SearchPool:
         except ray.exceptions.RayTaskError as exc:
             pool.close()
             raise _unwrap(exc) from None
-        pool.shared_assignment = len(actors) > 1 and all(can_assign for _, can_assign in ready)
+        quantizers = {fingerprint for _, fingerprint in ready}  # one trained quantizer in every group
+        pool.shared_assignment = len(actors) > 1 and len(quantizers) == 1 and None not in quantizers
         return pool
 
     @property
