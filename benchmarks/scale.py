@@ -205,6 +205,29 @@ class WorkerPeaks:
 # --- one size -------------------------------------------------------------------------------------------
 
 
+def _search_cpu(index_dir: str, nprobe: int, vectors: np.ndarray, k: int) -> dict[str, float]:
+    """CPU seconds of the queries' search over every shard of the index in one process and one thread, with one
+    coarse assignment for all shards (`ShardSearch`) and with every shard assigning itself: the work of a
+    search, apart from how many processes share the machine's CPUs."""
+    import faiss
+
+    from wbrag_ray.index.files import load_shards
+    from wbrag_ray.retrieval.hits import merge_results
+    from wbrag_ray.retrieval.local import ShardSearch, set_search_params
+    from wbrag_ray.storage import resolve
+
+    faiss.omp_set_num_threads(1)
+    shards, _ = load_shards(resolve(index_dir))
+    for shard in shards:
+        set_search_params(shard, nprobe, None, None)
+    searcher = ShardSearch(shards)
+    t0 = time.process_time()
+    searcher.search(vectors, k)
+    t1 = time.process_time()
+    merge_results([shard.search(vectors, k) for shard in shards], k)
+    return {"shared_s": t1 - t0, "each_shard_s": time.process_time() - t1, "shards": len(shards)}
+
+
 def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "constant") -> dict[str, dict[str, Any]]:
     from wbrag_ray import build_kb
     from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
@@ -263,6 +286,11 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
                                   "shared_assignment": shared, "hits": hits, "groups": len(pool.actors)}
 
         stage("2,000 searches + document lookup", queries, searches)
+    import ray
+
+    # the same queries' search work in one task holding the whole index (a benchmark's view, not the service's)
+    results["_search"]["cpu"] = ray.get(ray.remote(num_cpus=1)(_search_cpu).remote(
+        run.layout.index.uri, config.index.nprobe, vectors, config.retrieval.top_k))
     return results
 
 
@@ -396,6 +424,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_ratio(f"{n} one coarse assignment per search: latency", res["_search"]["latency_ms"],
                      res["_search"]["latency_ms_each_shard_assigns"])
         report(f"{n} search shard groups", res["_search"]["groups"])
+        cpu = res["_search"]["cpu"]
+        report(f"{n} search CPU, {args.queries} queries, one process and thread, one assignment ({cpu['shards']} shards)",
+               cpu["shared_s"], "s", 3)
+        report(f"{n} search CPU, every shard assigning itself", cpu["each_shard_s"], "s", 3)
+    a, b = all_results[small]["_search"]["cpu"], all_results[large]["_search"]["cpu"]
+    report_ratio(f"search CPU per query {large:,} / {small:,}, one assignment", b["shared_s"], a["shared_s"])
+    report_ratio(f"search CPU per query {large:,} / {small:,}, every shard assigning", b["each_shard_s"],
+                 a["each_shard_s"])
     Path(args.root).mkdir(parents=True, exist_ok=True)
     (Path(args.root) / "scale.json").write_text(json.dumps({str(k): v for k, v in all_results.items()}, indent=1))
     plot(all_results, Path(args.root) / "scale.png")
