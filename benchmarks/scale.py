@@ -229,6 +229,8 @@ def _search_cpu(index_dir: str, nprobe: int, vectors: np.ndarray, k: int) -> dic
 
 
 def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "constant") -> dict[str, dict[str, Any]]:
+    import ray
+
     from wbrag_ray import build_kb
     from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
     from wbrag_ray.stages.service import Services
@@ -286,7 +288,6 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
                                   "shared_assignment": shared, "hits": hits, "groups": len(pool.actors)}
 
         stage("2,000 searches + document lookup", queries, searches)
-    import ray
 
     # the same queries' search work in one task holding the whole index (a benchmark's view, not the service's)
     results["_search"]["cpu"] = ray.get(ray.remote(num_cpus=1)(_search_cpu).remote(
