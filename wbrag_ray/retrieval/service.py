@@ -5,7 +5,9 @@ An index folder's shards (the build sizes them by `index.shard_memory_gb`) are g
 groups of at most `retrieval.actor_memory_gb`; each group is loaded by one search actor that declares that
 memory to Ray (`memory=`), so Ray places groups on nodes that can hold them and never packs two big ones on a
 node that cannot. `retrieval.concurrency` replicas of every group serve in parallel. A search sends the
-query vectors to one replica of each group at once, and merges the groups' top K by score; the union with
+query vectors to one replica of each group at once (for an IVF index, with the lists one actor assigned the
+queries to: the coarse quantizer runs once per search, not once per shard), and merges the groups' top K by
+score; the union with
 the write-back index is the same merge across indices, each hit keeping its source. Document text is looked
 up only for the merged top K, by id, in the memory-mapped document store (`retrieval.docstore`), in the
 process that asked. Nothing here loads an index into the driver: the latency figures come from the actors.
