@@ -15,7 +15,6 @@ import numpy as np
 
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_shards
-from wbrag_ray.index.parts import code_part_ivf
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
 from wbrag_ray.storage import Location, resolve
@@ -98,16 +97,15 @@ def docs_location(index: Location, manifest: dict, docs_dir: str | None) -> Loca
 
 def _ivf_of(shard):
     """(the IVF index inside a shard, the vector transforms applied before it), or None where the shard is not
-    an IVF with plain lists (`index.parts.code_part_ivf`: HNSW, flat, refine and fast-scan shards search whole)."""
+    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps)."""
     import faiss
 
-    ivf = code_part_ivf(shard)
-    if ivf is None:
-        return None
-    outer = faiss.downcast_index(shard)
-    if not isinstance(outer, faiss.IndexPreTransform):
-        return ivf, []
-    return ivf, [faiss.downcast_VectorTransform(outer.chain.at(i)) for i in range(outer.chain.size())]
+    chain = []
+    inner = faiss.downcast_index(shard)
+    if isinstance(inner, faiss.IndexPreTransform):
+        chain = [faiss.downcast_VectorTransform(inner.chain.at(i)) for i in range(inner.chain.size())]
+        inner = faiss.downcast_index(inner.index)
+    return (inner, chain) if isinstance(inner, faiss.IndexIVF) else None
 
 
 def quantizer_fingerprint(ivf) -> str | None:
@@ -151,7 +149,7 @@ class ShardSearch:
 
     @property
     def can_assign(self) -> bool:
-        return self.fingerprint is not None
+        return self.ivfs is not None
 
     def _transformed(self, vectors: np.ndarray) -> np.ndarray:
         for transform in self.chain:
@@ -162,10 +160,8 @@ class ShardSearch:
         """(centroid scores, list ids), each (n, nprobe): the lists each query visits, in every shard."""
         if self.ivfs is None:
             raise ValueError("these shards are not IVF shards of one trained index: they cannot share an assignment")
-        return self._assign_transformed(self._transformed(vectors))
-
-    def _assign_transformed(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.ivfs[0].quantizer.search(vectors, self.ivfs[0].nprobe)
+        ivf = self.ivfs[0]
+        return ivf.quantizer.search(self._transformed(vectors), ivf.nprobe)
 
     def search(self, vectors: np.ndarray, k: int,
                assigned: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -180,7 +176,7 @@ class ShardSearch:
             else:
                 q = self._transformed(q)
                 if assigned is None:
-                    dists, lists = self._assign_transformed(q)
+                    dists, lists = self.ivfs[0].quantizer.search(q, self.ivfs[0].nprobe)
                 else:
                     dists, lists = (a[start : start + len(q)] for a in assigned)
                 found = [ivf.search_preassigned(q, k, lists, dists) for ivf in self.ivfs]
