@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from wbrag_ray.build_kb import KB_STAGES
@@ -34,12 +36,27 @@ def test_a_failed_stage_leaves_no_marker(tmp_path):
     assert run.completed_stages() == []
 
 
-def test_marker_is_written_after_stats(tmp_path):
+def test_marker_is_written_after_stats(tmp_path, monkeypatch):
+    """Files are recorded in the order they appear under their names (a write is whole once its stream closes and
+    its temporary file is moved): mtimes could not tell, as both land in one clock tick."""
+    import contextlib
+
+    from wbrag_ray.storage import Location
+
+    appeared = []
+    open_write = Location.open_write
+
+    @contextlib.contextmanager
+    def recording(self):
+        with open_write(self) as f:
+            yield f
+        appeared.append((os.path.basename(self.path), os.path.exists(self.path)))
+
+    monkeypatch.setattr(Location, "open_write", recording)
     run = RunFolder(str(tmp_path / "run"))
     run.run_stage("s", lambda: {"rows_out": 1})
-    record = run.layout.stage("s")
-    assert record.success.fs.get_file_info(record.success.path).mtime_ns >= \
-        record.stats.fs.get_file_info(record.stats.path).mtime_ns
+    assert [a for a in appeared if a[0] in ("stats.json", "_SUCCESS")] == [("stats.json", True), ("_SUCCESS", True)]
+    assert run.stats("s")["rows_out"] == 1 and run.is_complete("s")
 
 
 def _built(tmp_path) -> RunFolder:

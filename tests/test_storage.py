@@ -159,12 +159,36 @@ def test_a_folder_is_made_local_on_the_node_that_uses_it(s3_env, tmp_path, monke
         node_local_dir(tmp_path / "missing")
 
 
-def test_a_local_run_folder_on_one_node_is_not_checked_further(ray_cluster, tmp_path):
-    """One alive node (the test cluster): a local run folder is fine; so is s3:// anywhere (no listing)."""
+def test_a_local_run_folder_on_one_node_is_not_checked_further(ray_cluster, tmp_path, monkeypatch, caplog):
+    """One alive node (the test cluster): a local run folder is accepted without looking at its mount (which
+    here is made a local disk, so a check would refuse it) and without a warning; s3:// is accepted anywhere,
+    without asking Ray for its nodes. The same local folder with two alive nodes is refused: the node count is
+    what spared it."""
+    import pytest
+
+    from wbrag_ray import storage
+    from wbrag_ray.config import ConfigError
     from wbrag_ray.ray_runtime import check_run_dir
 
-    check_run_dir(str(tmp_path / "run"))
-    check_run_dir("s3://wbrag/runs/anything")
+    looked_at = []
+    monkeypatch.setattr(storage, "mount_of", lambda path: looked_at.append(path) or ("/", "ext4"))
+    monkeypatch.delenv("WBRAG_SHARED_RUN_DIR", raising=False)
+    alive = [node for node in ray_cluster.nodes() if node.get("Alive")]
+    assert len(alive) == 1
+    asked = []
+    nodes = ray_cluster.nodes
+    monkeypatch.setattr(ray_cluster, "nodes", lambda: asked.append(1) or nodes())
+    with caplog.at_level("WARNING"):
+        check_run_dir(str(tmp_path / "run"))
+        assert asked and looked_at == []
+        asked.clear()
+        check_run_dir("s3://wbrag/runs/anything")
+        assert asked == [] and looked_at == []
+    assert not [r for r in caplog.records if "run folder" in r.getMessage()]
+    monkeypatch.setattr(ray_cluster, "nodes", lambda: alive * 2)
+    with pytest.raises(ConfigError, match="local path, but Ray runs this command's tasks on a cluster with 2 nodes"):
+        check_run_dir(str(tmp_path / "run"))
+    assert looked_at == [str(tmp_path / "run")]
 
 
 def _build_slowly(args):

@@ -7,7 +7,8 @@ Two ways a pass reaches vLLM (`generate_pass`): a command's passes share one eng
 processor (`ray.data.llm.build_processor`, an engine started for that pass: the last test). The hf answers are
 decoded in this process, on the very prompts the vllm answers came from.
 
-Skipped where vllm is not installed; CI installs it (`make test` runs `make setup-vllm` first).
+Skipped where vllm is not installed. CI runs them: `.ci/run` installs vLLM's CPU build (`make setup-vllm`)
+before `make test`; a plain `make test` installs no vLLM and skips them unless `make setup-vllm` ran before.
 """
 
 from __future__ import annotations

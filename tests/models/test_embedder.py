@@ -15,14 +15,23 @@ def test_e5_models_get_prefixes_and_others_do_not():
     assert not needs_e5_prefixes("BAAI/bge-base-en-v1.5")
 
 
-def test_e5_prefixes_reach_the_model():
-    emb = Embedder(EmbedderConfig())
-    emb.e5 = True  # same model, prefixes on: the vectors must change
-    seen = []
-    emb._encode = lambda texts: seen.extend(texts) or np.zeros((len(texts), 3), np.float32)
-    emb.encode_queries(["who?"])
-    emb.encode_passages(["doc"])
-    assert seen == ["query: who?", "passage: doc"]
+def test_e5_prefixes_reach_the_model(minilm):
+    """With prefixes on (an e5 model; here the bundled model, flagged as one), the vectors are the model's own
+    vectors of the prefixed texts, computed by sentence-transformers directly, not those of the bare texts."""
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(minilm.source, device="cpu")
+    want = reference.encode(["query: who wrote Hamlet?", "passage: Hamlet is a play by Shakespeare.",
+                             "who wrote Hamlet?"], normalize_embeddings=True)
+    minilm.e5 = True
+    try:
+        query = minilm.encode_queries(["who wrote Hamlet?"])[0]
+        passage = minilm.encode_passages(["Hamlet is a play by Shakespeare."])[0]
+    finally:
+        minilm.e5 = False
+    np.testing.assert_allclose(query, want[0], atol=1e-5)
+    np.testing.assert_allclose(passage, want[1], atol=1e-5)
+    assert float(query @ want[2]) < 0.99  # the bare query's vector is another one
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,16 @@
 """Each stage worker sets torch's threads to its allocation (no oversubscription of a node's cores), in Ray
-actors and in fused tasks alike."""
+actors and in fused tasks alike.
+
+Ray starts its workers with OMP_NUM_THREADS=1, which would give the 1-thread cases by itself: the probe stage
+sets torch to 3 threads as it arrives in the worker (unpickled, before the worker sets threads), as a process
+where torch took every core would start, so each expected count comes from the stage worker alone."""
 
 import pandas as pd
 import pytest
 
 from wbrag_ray.stages.base import Resources, Stage, apply_stage
+
+START_THREADS = 3  # none of the expected counts
 
 
 class _ThreadProbe(Stage):
@@ -14,6 +20,12 @@ class _ThreadProbe(Stage):
 
     def __init__(self, resources: Resources):
         self._resources = resources
+
+    def __setstate__(self, state):
+        import torch
+
+        torch.set_num_threads(START_THREADS)  # in the worker, before the stage worker sets its threads
+        self.__dict__.update(state)
 
     @property
     def resources(self) -> Resources:
