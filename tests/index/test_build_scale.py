@@ -189,12 +189,35 @@ def test_auto_build_in_several_shards_searches_like_one_shard(tmp_path):
 
 
 def test_merges_run_one_ray_task_per_shard_and_report_each_tasks_peak_memory(tmp_path, ray_cluster):
+    """The adds and merges run in Ray worker processes, not this one (each result names the process that made it
+    and measured its peak), one merge per shard file; the in-process build of the same data, for contrast, runs
+    every task here and makes the same index."""
+    import os
+
     write_shards(tmp_path / "emb", clustered(3000, 16), parts=6)
     stats = _build(tmp_path, "IVF16,Flat", num_shards=3, parallel=True)
     assert stats["parallel"] and stats["add_tasks"] == 6 and stats["merge_tasks"] == 3
+    workers = set(stats["add_task_pids"]) | set(stats["merge_task_pids"])
+    assert len(stats["merge_task_pids"]) == 3 and os.getpid() not in workers
+    for pid in workers:  # live Ray worker processes (Ray titles them ray::<task>, ray::IDLE between tasks)
+        assert open(f"/proc/{pid}/cmdline").read().startswith("ray::"), pid
     assert len(stats["merge_task_peak_rss_mb"]) == 3 and min(stats["merge_task_peak_rss_mb"]) > 0
     assert stats["train_peak_rss_mb"] > 0 and stats["add_peak_rss_mb"] > 0
     assert stats["peak_rss_mb"] == max(stats["train_peak_rss_mb"], stats["add_peak_rss_mb"], stats["merge_peak_rss_mb"])
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == [f"index-{j:05d}.faiss" for j in range(3)]
+
+    here = _build(tmp_path, "IVF16,Flat", out="idx-here", num_shards=3, parallel=False)
+    assert not here["parallel"] and set(here["add_task_pids"]) | set(here["merge_task_pids"]) == {os.getpid()}
+    q = clustered(3000, 16)[:20]
+    for a, b in zip(load_shards_of(tmp_path / "idx"), load_shards_of(tmp_path / "idx-here"), strict=True):
+        np.testing.assert_array_equal(a.search(q, 5)[1], b.search(q, 5)[1])
+
+
+def load_shards_of(folder):
+    from wbrag_ray.index.files import load_shards
+
+    return load_shards(resolve(str(folder)))[0]
 
 
 def test_train_task_asks_for_no_gpu_when_the_cluster_has_none(tmp_path, ray_cluster):

@@ -126,20 +126,41 @@ def test_parquet_corpus_and_title_text_columns(tmp_path, ray_cluster):
     assert all(p["title"] and p["text"] for p in passages)
 
 
-def test_completed_shards_are_skipped_on_rerun(tmp_path, ray_cluster, capsys):
+def test_a_rerun_skips_complete_shards_and_redoes_lost_or_half_written_ones(tmp_path, ray_cluster, capsys):
+    """A crash's leftovers: one shard lost its outputs and marker, one left half-written outputs (a truncated
+    file, an unfinished temporary one) and no marker. The rerun redoes those two from the corpus and leaves the
+    complete shards' files as they were; the result is the first run's, row for row."""
+    import os
+
     corpus = write_jsonl(tmp_path / "c.jsonl", demo_records() * 1)
     config = IngestConfig(shard_bytes=8 * 1024)
     out = _folder(tmp_path / "run")
     first = run_ingest(str(corpus), out.root.uri, config)
     n_shards = first["shards"]
-    # simulate a crash that lost two shards' outputs and markers
-    for name in ("part-00000", "part-00002"):
-        out.shard_marker(name).delete()
+    assert n_shards >= 4
+
+    def rows(folder):
+        return sorted(tuple(r.values()) for r in folder.read_table().to_pylist())
+
+    before = rows(out.passages), rows(out.sentences)
+    lost, half, kept = "part-00000", "part-00002", "part-00001"
+    for loc in (*out.shard_outputs(lost)[:2], out.shard_marker(lost), out.shard_marker(half)):
+        loc.delete()
+    passages_file, sentences_file, _ = out.shard_outputs(half)
+    data = open(passages_file.path, "rb").read()
+    open(passages_file.path, "wb").write(data[: len(data) // 2])  # cut short
+    open(sentences_file.path + ".inprogress", "wb").write(b"PAR1 unfinished")
+    untouched = {loc.path: os.stat(loc.path).st_ino for loc in out.shard_outputs(kept)}
+
     capsys.readouterr()
     second = run_ingest(str(corpus), out.root.uri, config)
     log = capsys.readouterr().out
     assert f"resuming: {n_shards - 2}/{n_shards}" in log
-    assert second["rows_out"] == first["rows_out"] and second["sentences"] == first["sentences"]
+    assert (rows(out.passages), rows(out.sentences)) == before
+    assert {k: second[k] for k in ("rows_in", "rows_out", "rows_rejected", "sentences")} == \
+        {k: first[k] for k in ("rows_in", "rows_out", "rows_rejected", "sentences")}
+    assert {path: os.stat(path).st_ino for path in untouched} == untouched  # not rewritten
+    assert not os.path.exists(sentences_file.path + ".inprogress")
 
 
 def test_missing_corpus_is_a_clear_error(tmp_path):

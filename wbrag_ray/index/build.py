@@ -186,7 +186,7 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
         size = write_index_file(index, resolve(out_uri))
     return {"file": out_uri, "count": count, "dropped": dropped, "id_min": id_min, "id_max": id_max,
             "bytes": size, "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "pid": os.getpid()}
 
 
 def _merge_task(shared: dict[str, Any], item: tuple[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -199,7 +199,7 @@ def _merge_task(shared: dict[str, Any], item: tuple[str, list[dict[str, Any]]]) 
     size = write_index_file(index, resolve(out_uri))
     return {"file": out_uri, "count": int(index.ntotal), **_id_range(parts), "bytes": size,
             "dropped": sum(p["dropped"] for p in parts), "peak_rss_mb": peak_rss_mb(),
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "pid": os.getpid()}
 
 
 def _id_range(parts: list[dict[str, Any]]) -> dict[str, int | None]:
@@ -391,6 +391,9 @@ def build_index(
         "add_peak_rss_mb": round(add_peak, 1),
         "merge_peak_rss_mb": max(merge_peaks) if merge_peaks else None,
         "merge_task_peak_rss_mb": merge_peaks,  # one per index shard, in shard order
+        # the processes that ran the tasks (Ray workers, or this one when not parallel): where the peaks were measured
+        "add_task_pids": [a["pid"] for a in added],
+        "merge_task_pids": [m["pid"] for m in merged],
         "task_base_rss_mb": round(min(a["base_rss_mb"] for a in added), 1),
         "add_vectors_per_task_s": round(add_rate, 1),
     }
