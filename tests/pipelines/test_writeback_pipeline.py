@@ -200,10 +200,15 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
 
 
 def test_the_gates_sweep_reuses_one_scoring_pass_and_reproduces_the_trained_gates(trained, capsys):
-    """The paper's Table 4 ablation: every setting gated again from the stored scores, no model call."""
+    """The paper's Table 4 ablation: every setting gated again from the stored scores, no model call. Then the
+    stored scores are replaced by hand-set ones no model could give (s_rag 3, document scores 5) and the sweep's
+    rows are those of a hand computation over them: the sweep reads the scoring pass, it does not score again."""
+    import pyarrow as pa
+
+    sweep = ["writeback", str(trained["run"]), "--sweep", "train", "--tau-s=-1,2", "--tau-delta=-2",
+             "--tau-doc=2,-1", "--n-min=1,2"]
     capsys.readouterr()
-    assert main(["writeback", str(trained["run"]), "--sweep", "train", "--tau-s=-1,2", "--tau-delta=-2",
-                 "--tau-doc=2,-1", "--n-min=1,2"]) == 0
+    assert main(sweep) == 0
     assert "no model calls" in capsys.readouterr().out
     rows = _version(trained, "train").sweep.read_json()["rows"]
     assert len(rows) == 2 * 1 * 2 * 2
@@ -215,3 +220,29 @@ def test_the_gates_sweep_reuses_one_scoring_pass_and_reproduces_the_trained_gate
     assert all(r["selected"] == 0 for r in rows if r["tau_s"] == 2)  # no score reaches 2
     loose = next(r for r in rows if (r["tau_s"], r["tau_doc"], r["n_min"]) == (-1, -1, 1))  # every document passes
     assert loose["fallback_rate"] == 0.0 and loose["mean_retained_docs"] > same["mean_retained_docs"]
+
+    scored_loc, sweep_loc = _version(trained, "train").scored, _version(trained, "train").sweep
+    saved = scored_loc.read_bytes(), sweep_loc.read_bytes()
+    table = scored_loc.read_table()
+    assert table.num_rows == N_TRAIN and "[]" not in table["docs"].to_pylist()
+    hand = {"s_nr": [0.0, 0.0], "s_rag": [3.0, 0.5],
+            "doc_scores": [json.dumps([0, 5, 0, 5, 0]), json.dumps([0, 0, 0, 0, 0])]}
+    for name, values in hand.items():
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+    try:
+        scored_loc.write_table(table)
+        assert main(sweep) == 0
+        got = {(r["tau_s"], r["tau_doc"], r["n_min"]): (r["selected"], r["doc_scored"], r["mean_retained_docs"],
+                                                         r["fallback_rate"], r["rank_distribution"])
+               for r in sweep_loc.read_json()["rows"]}
+    finally:
+        scored_loc.write_bytes(saved[0])
+        sweep_loc.write_bytes(saved[1])
+    every = {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}
+    assert got == {  # by hand: example 0 alone reaches tau_s 2; its documents 2 and 4 pass tau_doc 2
+        (2, 2, 1): (1, 1, 2.0, 0.0, {"2": 1, "4": 1}), (2, 2, 2): (1, 1, 2.0, 0.0, {"2": 1, "4": 1}),
+        (2, -1, 1): (1, 1, 5.0, 0.0, every), (2, -1, 2): (1, 1, 5.0, 0.0, every),
+        (-1, 2, 1): (2, 2, 1.5, 0.5, {"1": 1, "2": 1, "4": 1}), (-1, 2, 2): (2, 2, 2.0, 0.5, {"1": 1, "2": 2, "4": 1}),
+        (-1, -1, 1): (2, 2, 5.0, 0.0, {k: 2 for k in every}), (-1, -1, 2): (2, 2, 5.0, 0.0, {k: 2 for k in every}),
+    }

@@ -158,18 +158,60 @@ def test_ivf_groups_share_one_coarse_assignment_and_answer_as_each_shard_searche
             assert seconds > 0
 
 
-def test_a_lost_search_actor_mid_search_is_answered_by_its_replica(indices, ivf_index, ray_cluster):
+def test_a_lost_search_actor_mid_search_is_answered_by_its_replica(indices, ivf_index, ray_cluster, tmp_path,
+                                                                    monkeypatch):
+    """A search actor dies while it answers: its first search call says it started (and never that it finished)
+    and stalls; the test kills that actor for good meanwhile. The search in flight still returns the in-process
+    answer, from the replica, and so do later ones, in turns where the lost actor would be asked."""
+    import os
+    import threading
+    import time
+
     import ray
 
+    from wbrag_ray.retrieval import service
+
+    claim, started, finished = tmp_path / "claim", tmp_path / "started", tmp_path / "finished"
+
+    class StallingSearchActor(service.SearchActor):
+        def search(self, vectors, k, assigned=None):
+            try:  # the pool's first search call, whichever actor gets it
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return service.SearchActor.search(self, vectors, k, assigned)
+            (tmp_path / "started.tmp").write_text(ray.get_runtime_context().get_actor_id())
+            os.rename(tmp_path / "started.tmp", started)
+            time.sleep(120)  # killed meanwhile
+            finished.write_text("")
+            return service.SearchActor.search(self, vectors, k, assigned)
+
+    monkeypatch.setattr(service, "SearchActor", StallingSearchActor)
     vecs = indices[2]
     queries = vecs[[7, 640, 1_150]]
     _, ids = _each_shard_alone(ivf_index, queries, 5, nprobe=3)
     with Services() as services:
         pool = services.retrieval(((ivf_index, None, "base"),), IndexConfig(nprobe=3),
                                   _small_actors(concurrency=2)).pools[0]
-        for replicas in pool.actors:  # one replica of every group gone for good (no restart)
-            ray.kill(replicas[0], no_restart=True)
-        for _ in range(2 * len(pool.actors)):  # turns in which a lost actor assigns, and in which it searches
+        by_id = {a._actor_id.hex(): a for replicas in pool.actors for a in replicas}
+        lost = []
+
+        def kill_the_stalled_actor():
+            deadline = time.monotonic() + 60
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if started.exists():
+                lost.append(by_id[started.read_text()])
+                ray.kill(lost[0], no_restart=True)
+
+        killer = threading.Thread(target=kill_the_stalled_actor)
+        killer.start()
+        got = pool.search_ids(queries, 5)[1]
+        killer.join()
+        assert lost and not finished.exists()  # the call was in flight when its actor died
+        np.testing.assert_array_equal(got, ids)
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            ray.get(lost[0].ready.remote())
+        for _ in range(2 * len(pool.actors)):  # turns in which the lost actor assigns, and in which it searches
             np.testing.assert_array_equal(pool.search_ids(queries, 5)[1], ids)
 
 
