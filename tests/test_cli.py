@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import DEMO_CORPUS
 from wbrag_ray.cli import COMMANDS, main
 
 
@@ -50,7 +51,7 @@ def test_embed_before_ingest_names_the_missing_stage(tmp_path, capsys):
 def test_unreachable_ray_address_is_a_clear_error(tmp_path):
     # a fresh process: this session's tests already hold a local Ray
     out = subprocess.run(
-        [sys.executable, "-m", "wbrag_ray.cli", "eval", str(tmp_path / "r"), "--dataset", "x.jsonl",
+        [sys.executable, "-m", "wbrag_ray.cli", "ingest", str(tmp_path / "r"), "--corpus", str(DEMO_CORPUS),
          "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 2

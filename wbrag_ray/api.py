@@ -33,15 +33,29 @@ def open_run(run: RunLike) -> RunFolder:
 
 
 def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
-    """Bind `config` to the run folder (refused when a built stage was made with another, unless `force`) and
-    join or start Ray."""
+    """Bind `config` to the run folder (refused when a built stage was made with another, unless `force`; recorded
+    in run.json once a stage runs with it) and join or start Ray."""
     from wbrag_ray.build_kb import KB_STAGES
     from wbrag_ray.ray_runtime import init_ray
 
     run = open_run(run)
-    run.bind_config(config, force=force, guard=KB_STAGES)
+    run.bind_config(config, force=force, guard=KB_STAGES, record="when_a_stage_runs")
     init_ray(config.ray, run.uri)
     return run
+
+
+def check_input(path: str, what: str) -> None:
+    """An input file or folder exists and holds .jsonl / .parquet files: checked before Ray starts."""
+    from wbrag_ray.formats import input_files
+    from wbrag_ray.storage import resolve
+
+    input_files(resolve(path), what)
+
+
+def check_ratio(ratio: float, flag: str) -> None:
+    if not 0 <= ratio < 1:
+        raise ConfigError(f"{flag} {ratio:g} is out of range: a pruning ratio is the fraction of sentences dropped, "
+                          "at least 0 and below 1 (e.g. 0.3)")
 
 
 # --- the knowledge base ------------------------------------------------------------------------------------
@@ -57,8 +71,16 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
     unknown = set(steps) - set(BUILD_STEPS)
     if unknown:
         raise ConfigError(f"unknown build steps {sorted(unknown)}; choose from {', '.join(BUILD_STEPS)}")
-    if "ingest" in steps and not config.ingest.corpus:  # say so before a Ray cluster is started for nothing
-        raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
+    run = open_run(run)
+    # What can be refused is refused before a Ray cluster is started for nothing: a missing corpus, another corpus
+    # than the run's, a step whose input stage is not complete, a factory string faiss cannot parse.
+    first = next(step for step in BUILD_STEPS if step in steps)
+    if first == "ingest":
+        run.check(kb.INGEST, config, kb.corpus_params(config), force=force)
+    else:
+        run.check(getattr(kb, first.upper()), config, force=force)
+    if "index" in steps:
+        kb.check_factory(run, config)
     run = start(run, config, force)
     return {step: getattr(kb, step)(run, config, force=force) for step in BUILD_STEPS if step in steps}
 
@@ -66,11 +88,18 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
 def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
     """The top `k` hits of each query on the run's index: the queries embedded here, the shards searched by
     the retrieval service's actors, and only the hits' documents read (from the memory-mapped store)."""
+    from wbrag_ray.build_kb import INDEX
     from wbrag_ray.ray_runtime import init_ray
     from wbrag_ray.retrieval.local import load_query_embedder
     from wbrag_ray.stages.service import Services
 
+    if k < 1:
+        raise ConfigError(f"-k {k}: the number of documents per query must be at least 1")
+    if not queries or any(not q.strip() for q in queries):
+        raise ConfigError("an empty query: pass the text to search for, --query 'highest mountain in Europe'")
     run = open_run(run)
+    run.require_run()
+    run.require(INDEX)
     init_ray(config.ray, run.uri)
     with Services() as services:
         service = services.retrieval(((run.layout.index.uri, run.layout.ingest.root.uri, "base"),), config.index,
@@ -88,42 +117,83 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     """Evaluate eval.methods on `dataset` (default eval.dataset): on the base index, or beside the active
     write-back index, or in a Zero-RAG setting (the index pruned at `prune_ratio`, the query `router`, the tuned
     `adapter`), each setting named in the results' label. `methods_grid`: every method on this base and beside
-    every trained write-back version. Returns {method: metrics} (the grid for `methods_grid`)."""
-    from wbrag_ray.evaluation.evaluate import dataset_name
-    from wbrag_ray.evaluation.evaluate import evaluate as evaluate_methods
-    from wbrag_ray.zerorag.grid import eval_label
-    from wbrag_ray.zerorag.prune import index_for_ratio
-    from wbrag_ray.zerorag.router import ROUTER
-    from wbrag_ray.zerorag.tune import with_adapter
+    every trained write-back version. Returns {method: metrics} (the grid for `methods_grid`).
 
-    run = open_run(run)
+    An evaluation is a stage of the run (`eval-<label>`): the same settings again print the stored results; other
+    settings under the same name are refused, naming what changed, unless `force` replaces the results (or
+    another `name` keeps both)."""
+    from wbrag_ray.build_kb import INDEX
+    from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params
+    from wbrag_ray.layout import plain_name
+
     dataset = dataset or config.eval.dataset
     if not dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
     if methods_grid and writeback:
         raise ConfigError("--methods-grid already evaluates beside every trained write-back version: drop --writeback")
-    name = name or dataset_name(config, dataset)
+    run = open_run(run)
+    run.require_run()
+    check_input(dataset, "dataset")
+    name = plain_name(dataset_name(config, dataset) if name is None else name, "--name (eval.name)")
     kwargs: dict[str, Any] = {}
+    # Zero-RAG's modules are imported only for its settings: a plain evaluation's checks stay quick.
     if prune_ratio is not None:
+        from wbrag_ray.zerorag.prune import index_for_ratio
+
+        check_ratio(prune_ratio, "--prune-ratio")
         kwargs["base_index"] = index_for_ratio(run, prune_ratio).uri
+    elif any(m != "no-retrieval" for m in config.eval.methods) or methods_grid:
+        run.require(INDEX)
     if router:
+        from wbrag_ray.zerorag.router import ROUTER
+
         run.require(ROUTER)
         kwargs["router"] = run.layout.zero_rag.router.uri
     if adapter:
+        from wbrag_ray.zerorag.tune import with_adapter
+
         config = config.model_copy(update={"generator": with_adapter(run, config)})
     label = None
     if prune_ratio is not None or router or adapter:  # a Zero-RAG setting: name it after them all
+        from wbrag_ray.zerorag.grid import eval_label
+
         label = eval_label(name, prune_ratio, writeback, router, adapter)
     from wbrag_ray.ray_runtime import init_ray
 
-    init_ray(config.ray, run.uri)
     if methods_grid:
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
+        init_ray(config.ray, run.uri)
         return evaluate_methods_grid(run, config, dataset, label or name, force=force, **kwargs)
+    if writeback:  # the version searched is part of what the results are: resolved now, refused if there is none
+        from wbrag_ray.writeback.versions import active_index
+
+        kwargs.update(writeback=True, writeback_version=active_index(run)[0])
+    if any(m != "no-retrieval" for m in config.eval.methods):
+        config = _top_k_within(config, kwargs.get("base_index") or run.layout.index.uri,
+                               kwargs.get("writeback_version") and run.layout.writeback_version(kwargs["writeback_version"]).index.uri)
     if label:
         kwargs.update(label=label, setting=label)
-    return evaluate_methods(run, config, dataset, name, writeback=writeback, **kwargs)
+    label = kwargs.pop("label", None) or (f"{name}-writeback" if writeback else name)
+    run.check(EVAL, config, eval_params(label, dataset, kwargs), force=force)  # a change refused before Ray starts
+    from wbrag_ray.evaluation.evaluate import evaluate_stage
+
+    init_ray(config.ray, run.uri)
+    return evaluate_stage(run, config, dataset, name, label, force=force, **kwargs)["methods"]
+
+
+def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:
+    """retrieval.top_k capped at the documents the searched indices hold, saying so (a K past them would only
+    ask for hits that do not exist)."""
+    from wbrag_ray.index.files import load_manifest
+    from wbrag_ray.storage import resolve
+
+    held = sum(load_manifest(resolve(uri)).get("count", 0) for uri in index_uris if uri)
+    if held and config.retrieval.top_k > held:
+        print(f"retrieval.top_k={config.retrieval.top_k} is more than the {held} documents the index holds: K = {held}",
+              flush=True)
+        config = config.model_copy(update={"retrieval": config.retrieval.model_copy(update={"top_k": held})})
+    return config
 
 
 def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | None = None,
@@ -147,8 +217,16 @@ def train_writeback(run: RunLike, config: WbragConfig, train: str | None = None,
                     force: bool = False) -> dict[str, Any]:
     """Train one write-back version from a labeled QA set (default writeback.train); activate it when
     writeback.activate."""
+    from wbrag_ray.layout import plain_name
     from wbrag_ray.writeback.pipeline import train_writeback as train_version
+    from wbrag_ray.writeback.versions import default_version
 
+    train = train or config.writeback.train
+    if not train:
+        raise ConfigError("no training set: pass --train PATH or set writeback.train")
+    check_input(train, "writeback.train")
+    version = plain_name(version or default_version(config, train), "writeback.version (--version)",
+                         reserved=("base", "ACTIVE"))
     run = start(run, config, force)
     return train_version(run, config, train=train, version=version, force=force)
 
@@ -188,37 +266,67 @@ def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: l
 
 
 def mastery(run: RunLike, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
+    from wbrag_ray.zerorag.mastery import MASTERY
     from wbrag_ray.zerorag.mastery import mastery as score
 
+    if sample is not None and sample < 1:
+        raise ConfigError(f"--sample {sample}: the number of sentences to score must be at least 1")
+    folder = open_run(run)
+    folder.require_run()
+    for dep in MASTERY.requires:
+        folder.require(dep)
     return score(start(run, config, force), config, sample=sample, force=force)
 
 
 def train_pruner(run: RunLike, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
+    from wbrag_ray.zerorag.mastery import MASTERY
     from wbrag_ray.zerorag.pruners import train_pruner as train
 
+    open_run(run).require(MASTERY)
     return train(start(run, config, force), config, kind=kind, force=force)
 
 
 def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = False) -> dict[str, Any]:
     """Predict every sentence's mastery (zerorag.pruner), then prune at each ratio: {ratio: stats}."""
-    from wbrag_ray.zerorag.prune import predict
+    from wbrag_ray.zerorag.prune import PREDICT, predict
     from wbrag_ray.zerorag.prune import prune as prune_at
 
+    if not ratios:
+        raise ConfigError("no pruning ratio: pass --ratio R (e.g. 0.3)")
+    for ratio in ratios:
+        check_ratio(ratio, "--ratio")
+    open_run(run).check(PREDICT, config, force=force)
     run = start(run, config, force)
     predict(run, config, force=force)
     return {ratio: prune_at(run, config, ratio, force=force) for ratio in ratios}
 
 
 def tune(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
+    from wbrag_ray.zerorag.tune import TUNE
     from wbrag_ray.zerorag.tune import tune as tune_adapter
 
+    _check_train(run, config, train, TUNE, force)
     return tune_adapter(start(run, config, force), config, train=train, force=force)
 
 
 def train_router(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
+    from wbrag_ray.zerorag.router import ROUTER
     from wbrag_ray.zerorag.router import train_router as train_it
 
+    _check_train(run, config, train, ROUTER, force)
     return train_it(start(run, config, force), config, train=train, force=force)
+
+
+def _check_train(run: RunLike, config: WbragConfig, train: str | None, stage, force: bool) -> None:
+    """Before Ray: the training questions exist and the stages `stage` reads are complete."""
+    train = train or config.zerorag.train
+    if not train:
+        raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
+    check_input(train, "zerorag.train")
+    folder = open_run(run)
+    folder.require_run()
+    for dep in stage.requires:
+        folder.require(dep)
 
 
 def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None:

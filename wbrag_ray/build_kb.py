@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.formats import InputError
 from wbrag_ray.run import RunFolder, RunStage
 
-# The corpus path is not a setting: the same corpus may be read from a moved copy (a local file, then s3://).
+# The corpus path is not a setting: the same corpus may be read from a moved copy (a local file, then s3://). Its
+# identity is a parameter instead: its files' names and sizes (`corpus_identity`), so another corpus is refused.
 INGEST = RunStage("ingest", settings=("ingest.shard_bytes", "ingest.max_passage_chars", "ingest.min_sentence_chars"),
-                  command="wbrag ingest RUN --corpus PATH")
+                  command="wbrag ingest RUN --corpus PATH",
+                  fix="use a new run folder for another corpus (or other ingest settings), or pass --force to ingest "
+                      "it into this one (embed and index then need --force too)")
 EMBED = RunStage("embed", settings=("embedder", "index.unit"), requires=(INGEST,), command="wbrag embed RUN")
 # Query-time index settings (nprobe, ef_search, k_factor, gpu) shape searches, not the built index (gpu also moves
 # the k-means training onto a GPU: where it runs, not what it makes).
@@ -20,16 +24,50 @@ INDEX = RunStage("index", settings=("index.factory", "index.train_sample", "inde
 KB_STAGES = (INGEST, EMBED, INDEX)
 
 
+CORPUS_RECORD = "_corpus.json"  # in RUN/ingest: the identity of the corpus whose shards are there
+
+
+def corpus_params(config: WbragConfig) -> dict[str, Any]:
+    """The ingest stage's parameter: the corpus's identity (files, bytes, digest of names and sizes). Reading the
+    listing also checks, before any work, that the corpus exists and holds .jsonl / .parquet files."""
+    from wbrag_ray.formats import listing_identity
+    from wbrag_ray.storage import resolve
+
+    if not config.ingest.corpus:
+        raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
+    return {"corpus": listing_identity(resolve(config.ingest.corpus))}
+
+
 def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
+    """Passages and sentences of ingest.corpus, with rejects. A corpus of which no record is usable (another
+    encoding, a JSON array, a QA file) fails the stage, which is then not complete, with the leading reasons."""
+    from wbrag_ray.formats import reject_reasons
     from wbrag_ray.stages.ingest import run_ingest
 
     corpus = config.ingest.corpus
-    if not corpus:
-        raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
+    params = corpus_params(config)
     out = run.layout.ingest.root
     if force:
         out.delete()
-    return run.execute(INGEST, config, lambda: run_ingest(corpus, out.uri, config.ingest), force=force)
+
+    def work() -> dict[str, Any]:
+        # Finished shards of an interrupted ingest are kept only for the same corpus.
+        started = out.join(CORPUS_RECORD)
+        if started.exists() and started.read_json() != params["corpus"]:
+            out.delete()
+        started.write_json(params["corpus"])
+        stats = run_ingest(corpus, out.uri, config.ingest)
+        if stats["rows_out"] == 0:
+            rejects = run.layout.ingest.rejects.read_table(columns=["reason"]) if stats["rows_rejected"] else None
+            reasons = reject_reasons(rejects) if rejects is not None else "the corpus is empty"
+            out.delete()  # nothing usable: a rerun with the right corpus starts clean, with no --force
+            raise InputError(
+                f"corpus {corpus} has no usable passages ({stats['rows_in']} records, {stats['rows_rejected']} rejected:"
+                f" {reasons}). FlashRAG corpus files are UTF-8 jsonl, one {{\"id\", \"contents\": \"Title\\ntext\"}} "
+                "object a line, or Parquet with those columns")
+        return stats
+
+    return run.execute(INGEST, config, work, params=params, force=force)
 
 
 def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
@@ -125,6 +163,28 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
         return {**stats, "doc_store_files": store["files"]}
 
     return run.execute(INDEX, config, work, force=force)
+
+
+def check_factory(run: RunFolder, config: WbragConfig) -> None:
+    """index.factory parses as a faiss factory string, for the embeddings' dimension when they are built (a
+    dimension most factories divide, else): checked before Ray starts and the vectors are read."""
+    factory = config.index.factory
+    if factory.strip().lower() == "auto":
+        return
+    import faiss
+    import pyarrow.parquet as pq
+
+    dim = 3840  # divisible by every usual PQ / OPQ sub-quantizer count (8 ... 128), when the vectors are not built
+    files = run.layout.embed.list_files(".parquet") if run.is_complete(EMBED.name) else []
+    if files:
+        dim = pq.read_schema(files[0].path, filesystem=files[0].fs).field("vector").type.list_size
+    try:
+        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        raise ConfigError(
+            f"index.factory {factory!r} is not a factory string faiss can build for {dim}-dimensional vectors ({detail}); "
+            "for example Flat, HNSW32, IVF4096,Flat, OPQ48,IVF65536_HNSW32,PQ48, or auto") from None
 
 
 def unit_text(batch, id_col: str):

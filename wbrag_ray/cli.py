@@ -18,6 +18,7 @@ from typing import Any
 
 from wbrag_ray import __version__, api
 from wbrag_ray.config import ConfigError, WbragConfig, build_config, deep_merge, load_config, parse_overrides
+from wbrag_ray.formats import InputError
 from wbrag_ray.index.faiss_index import IndexError_
 from wbrag_ray.run import RunFolder
 
@@ -239,7 +240,7 @@ def _eval_extra(args) -> dict[str, Any]:
         extra["dataset"] = args.dataset
     if args.methods:
         extra["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.limit:
+    if args.limit is not None:  # 0 too: refused by eval.limit's range, not read as "no limit"
         extra["limit"] = args.limit
     return {"eval": extra} if extra else {}
 
@@ -365,13 +366,17 @@ def cmd_stop(args) -> None:
 def cmd_report(args) -> None:
     from wbrag_ray.report import write_report
 
-    print(f"report: {write_report(RunFolder(args.run))}")
+    run = RunFolder(args.run)
+    run.require_run()  # a mistyped path: refused, and nothing created there
+    print(f"report: {write_report(run)}")
 
 
 def cmd_inspect(args) -> None:
     from wbrag_ray.inspection import inspect_run
 
-    print(inspect_run(RunFolder(args.run), args.n))
+    run = RunFolder(args.run)
+    run.require_run()
+    print(inspect_run(run, args.n))
 
 
 def cmd_export(args) -> None:
@@ -415,16 +420,28 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     try:
         COMMANDS[args.command](args)
-    except ConfigError as exc:
-        print(f"wbrag {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, IndexError_) as exc:  # a missing or damaged input: the message names the file
-        print(f"wbrag {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # storage: permissions, unreachable endpoints, object-store errors
-        print(f"wbrag {args.command}: storage error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - sorted below: a person's mistake is one line, a bug its traceback
+        message = user_error(exc)
+        if message is None:
+            raise
+        if args.verbose:
+            logging.getLogger("wbrag").debug("the error's traceback", exc_info=exc)
+        print(f"wbrag {args.command}: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def user_error(exc: BaseException) -> str | None:
+    """The one-line message of an error a person can fix (a config, a missing or unreadable input, storage), also
+    when it was raised in a Ray worker or actor (Ray wraps it with the worker's traceback); None for a bug."""
+    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError / RayActorError keep the worker's error
+    if isinstance(cause, BaseException) and cause is not exc:
+        return user_error(cause)
+    if isinstance(exc, (ConfigError, InputError, FileNotFoundError, IndexError_)):  # the message names the fix / file
+        return str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError):  # storage: permissions, unreachable endpoints, object-store errors
+        return f"storage error: {exc}"
+    return None
 
 
 if __name__ == "__main__":

@@ -524,6 +524,8 @@ def build_config(data: dict[str, Any]) -> WbragConfig:
         return WbragConfig.model_validate(data)
     except ValidationError as exc:
         lines = [_describe(e) for e in exc.errors()]
+        if len(lines) == 1:  # the common case reads as one line
+            raise ConfigError(f"invalid configuration: {lines[0]}") from None
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 

@@ -37,14 +37,39 @@ def excerpt(raw: bytes | str) -> str:
     return raw[:RAW_EXCERPT]
 
 
-def input_files(loc: Location) -> list[Location]:
-    """The corpus or dataset files at `loc` (a file or a folder of .jsonl / .parquet files)."""
+def input_files(loc: Location, what: str = "input") -> list[Location]:
+    """The corpus or dataset files at `loc` (a file or a folder of .jsonl / .parquet files); `what` names the input
+    in errors ('dataset', 'ingest.corpus')."""
     if not loc.exists():
-        raise InputError(f"input {loc.uri} does not exist")
+        raise InputError(f"{what} {loc.uri} does not exist")
     files = [f for f in loc.list_files() if f.name.endswith((".jsonl", ".json", ".parquet"))]
     if not files:
-        raise InputError(f"no .jsonl or .parquet files at {loc.uri}")
+        raise InputError(f"{what} {loc.uri}: no .jsonl or .parquet files there (FlashRAG jsonl or Parquet expected)")
     return files
+
+
+def listing_identity(loc: Location) -> dict[str, Any]:
+    """What identifies an input for provenance: its files' names and sizes (not their folder, nor times: a corpus
+    copied from a local disk to s3:// is the same corpus), with a short digest to compare."""
+    import hashlib
+
+    files = [(f.name, f.size()) for f in input_files(loc, "ingest.corpus")]
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+    total = sum(size for _, size in files)
+    return {"files": len(files), "bytes": total, "digest": digest}
+
+
+def reject_reasons(rejects: pa.Table | list[str], top: int = 3) -> str:
+    """The leading reasons of a rejects table (or list of reasons), with counts: '21 x invalid UTF-8 at byte 0, ...'.
+    Reasons that differ only in a position ('at column 7') count as one."""
+    import re
+    from collections import Counter
+
+    reasons = rejects.column("reason").to_pylist() if isinstance(rejects, pa.Table) else list(rejects)
+    counts = Counter(re.sub(r" at (byte|column|line) \d+", "", r or "") for r in reasons)
+    parts = [f"{n} x {reason}" for reason, n in counts.most_common(top)]
+    more = len(counts) - top
+    return "; ".join(parts) + (f"; and {more} other reasons" if more > 0 else "")
 
 
 def file_kind(loc: Location) -> str:
@@ -173,6 +198,19 @@ def read_dataset(loc: Location, limit: int | None = None) -> tuple[pa.Table, pa.
     if limit:
         rows = rows[:limit]
     return pa.Table.from_pylist(rows, schema=QUESTIONS), pa.Table.from_pylist(rejects, schema=REJECTS)
+
+
+def read_questions(path: str, what: str, limit: int | None = None) -> tuple[pa.Table, pa.Table]:
+    """`read_dataset` of a user's QA file (`what` names the setting it came from, e.g. 'eval.dataset'): a file
+    without one usable question is an input error that says the leading reject reasons."""
+    from wbrag_ray.storage import resolve
+
+    questions, rejects = read_dataset(resolve(path), limit=limit)
+    if questions.num_rows == 0:
+        why = f": {reject_reasons(rejects)}" if rejects.num_rows else " (it is empty)"
+        raise InputError(f"{what} {path} has no usable questions ({rejects.num_rows} rejected{why}); FlashRAG dataset "
+                         'lines are {"id", "question", "golden_answers": [...]}')
+    return questions, rejects
 
 
 # --- streaming jsonl by byte range ----------------------------------------------------------------------

@@ -21,10 +21,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wbrag_ray.config import ConfigError
 from wbrag_ray.storage import Location
 
 STAGES_DIR = "_stages"
 DEDUPE_PREFIX = "dedupe-"  # rejects files of passages dropped as duplicate ids, beside the shards' own
+
+
+def plain_name(value: str, what: str, reserved: tuple[str, ...] = ()) -> str:
+    """A user's name that becomes a folder name in the run (an evaluation's --name, a write-back version): letters,
+    digits, '-', '_' and '.', starting with a letter or digit, so it can never reach outside the run folder."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value or "") or value in reserved:
+        taken = f" (not {', '.join(repr(r) for r in reserved)})" if reserved else ""
+        raise ConfigError(f"{what} {value!r} is not a plain name: use letters, digits, '-', '_' and '.', starting with "
+                          f"a letter or digit{taken}; it names a folder inside the run")
+    return value
 
 
 def _at(*parts: str) -> property:

@@ -201,6 +201,11 @@ def stable_names(prefix: str):
 def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster. `run_dir`: the run
     folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
+    import sys
+
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
+        _check_reachable(address)  # before the second it takes to import Ray: a wrong address fails at once
     import ray
     import ray.data
 
@@ -209,10 +214,8 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
         if run_dir is not None:
             check_run_dir(run_dir)
         return
-    address = config.address or os.environ.get("RAY_ADDRESS")
     kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
     if address:
-        _check_reachable(address)
         try:
             ray.init(address=address, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -298,10 +301,32 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     if not host or not port.isdigit():
         raise ConfigError(f"ray.address={address!r} is not host:port, ray://host:port or 'auto'")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            dashboard = not address.startswith("ray://") and _is_ray_dashboard(conn, host)
     except OSError as exc:
         raise ConfigError(
             f"cannot reach the Ray cluster at ray.address={address!r} ({exc.strerror or exc}). "
             "Check the address (`ray status` on the head node prints it) or drop --address to run locally."
         ) from None
+    if dashboard:
+        raise ConfigError(
+            f"ray.address={address!r} is the Ray dashboard's port (HTTP), not the cluster's: commands join the cluster "
+            f"at {host}:6379 (the GCS port `ray start --head` prints) or ray://{host}:10001 (Ray Client); the "
+            "dashboard's address is for `wbrag submit / status / logs / stop`.")
+
+
+def _is_ray_dashboard(conn, host: str, timeout_s: float = 2.0) -> bool:
+    """Whether the server on `conn` answers HTTP as Ray's dashboard does (its /api/version names the Ray version).
+    Joining it with ray.init would retry for minutes; the cluster's GCS port speaks gRPC and never answers this."""
+    conn.settimeout(timeout_s)
+    try:
+        conn.sendall(f"GET /api/version HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        reply = b""
+        while len(reply) < 65536:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    except OSError:  # no answer in time: not an HTTP server
+        return False
+    return reply.startswith(b"HTTP/") and b"ray_version" in reply

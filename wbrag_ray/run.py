@@ -106,6 +106,7 @@ class RunFolder:
     def __init__(self, uri: str):
         self.root: Location = resolve(uri)
         self.layout = RunLayout(self.root)
+        self._unrecorded: WbragConfig | None = None  # bound, to be written to run.json when a stage runs
 
     @property
     def uri(self) -> str:
@@ -116,10 +117,13 @@ class RunFolder:
 
     # --- config ------------------------------------------------------------------------------------
 
-    def bind_config(self, config: WbragConfig, force: bool = False, guard: Iterable[RunStage] = ()) -> None:
-        """Record the resolved config as the run's; refuse it, unless `force`, when a complete stage of `guard`
-        (the knowledge-base stages, whose config run.json is) was made with other settings. Every other stage
-        checks its own settings when it runs."""
+    def bind_config(self, config: WbragConfig, force: bool = False, guard: Iterable[RunStage] = (),
+                    record: Literal["now", "when_a_stage_runs"] = "now") -> None:
+        """Bind the resolved config to the run; refuse it, unless `force`, when a complete stage of `guard` (the
+        knowledge-base stages, whose config run.json is) was made with other settings. Every other stage checks
+        its own settings when it runs. `record`: write run.json now, or only once a stage of this process really
+        runs (a command whose stages are all complete and skipped leaves the recorded config as it was, so
+        run.json always describes what made the files beside it)."""
         if not force:
             for stage in guard:
                 changed = self._changed(stage, {"config": stage.config_settings(config)}, only_config=True)
@@ -128,14 +132,28 @@ class RunFolder:
                         f"run folder {self.uri} was made with a different config (stage '{stage.name}': "
                         f"{'; '.join(changed[:5])}). Use a new run folder, or pass --force to rerun with the new config."
                     )
-        self.layout.run_json.write_json(
-            {"wbrag_version": __version__, "config": config.fingerprint(), "ray": config.ray.model_dump()})
+        self._unrecorded = config
+        if record == "now":
+            self._record_config()
+
+    def _record_config(self) -> None:
+        config, self._unrecorded = self._unrecorded, None
+        if config is not None:
+            self.layout.run_json.write_json(
+                {"wbrag_version": __version__, "config": config.fingerprint(), "ray": config.ray.model_dump()})
+
+    def is_run(self) -> bool:
+        return self.layout.run_json.exists()
+
+    def require_run(self) -> None:
+        """Refuse a folder that is not a run (no run.json): a mistyped path, an empty folder."""
+        if not self.is_run():
+            raise ConfigError(f"{self.uri} is not a run folder (no run.json); check the path, or start one with "
+                              "`wbrag ingest RUN --corpus PATH` or `wbrag run CONFIG`")
 
     def load_config(self) -> WbragConfig:
-        run_json = self.layout.run_json
-        if not run_json.exists():
-            raise ConfigError(f"{self.uri} is not a run folder (no run.json); start with `wbrag ingest` or `wbrag run`")
-        return WbragConfig.model_validate(run_json.read_json()["config"])
+        self.require_run()
+        return WbragConfig.model_validate(self.layout.run_json.read_json()["config"])
 
     # --- stages ------------------------------------------------------------------------------------
 
@@ -185,6 +203,20 @@ class RunFolder:
             out["inputs"] = inputs
         return out
 
+    def check(self, stage: RunStage, config: WbragConfig, params: dict[str, Any] | None = None,
+              force: bool = False) -> tuple[dict[str, Any], list[str]]:
+        """What `execute` checks before any work, callable before Ray starts: the stage's inputs are complete, and a
+        complete stage made with other settings is refused (`stage.on_change`, unless `force`). Returns the
+        fingerprint and what changed (for a stage that is redone on a change)."""
+        for dep in stage.requires:
+            self.require(dep, params)
+        fingerprint = self.fingerprint(stage, config, params)
+        changed = [] if force else self._changed(stage, fingerprint, params)
+        if changed and stage.on_change == "refuse":
+            raise ConfigError(f"stage '{stage.instance(params)}' of {self.uri} was made with other settings "
+                              f"({'; '.join(changed[:5])}); {stage.fix}")
+        return fingerprint, changed
+
     def _changed(self, stage: RunStage, fingerprint: dict[str, Any], params: dict[str, Any] | None = None,
                  only_config: bool = False) -> list[str]:
         """What differs between `fingerprint` and the one the complete stage recorded ([] when it is not
@@ -195,6 +227,8 @@ class RunFolder:
             return []
         if only_config:
             previous = {"config": previous["config"]}
+        elif "params" not in previous:  # recorded before the stage recorded its parameters (ingest's corpus)
+            fingerprint = {k: v for k, v in fingerprint.items() if k != "params"}
         return _diff(previous, fingerprint)
 
     def execute(self, stage: RunStage, config: WbragConfig, work: Callable[[], dict[str, Any]],
@@ -202,14 +236,8 @@ class RunFolder:
                 on_skip: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Run a declared stage: its inputs must be complete; a complete one with the same fingerprint is
         skipped (`on_skip` sees its stats), one with another is refused or redone (`stage.on_change`)."""
-        for dep in stage.requires:
-            self.require(dep, params)
+        fingerprint, changed = self.check(stage, config, params, force)
         name = stage.instance(params)
-        fingerprint = self.fingerprint(stage, config, params)
-        changed = [] if force else self._changed(stage, fingerprint, params)
-        if changed and stage.on_change == "refuse":
-            raise ConfigError(f"stage '{name}' of {self.uri} was made with other settings ({'; '.join(changed[:5])}); "
-                              f"{stage.fix}")
         if changed:
             print(f"[{name}] settings changed ({'; '.join(changed[:3])}): redoing it", flush=True)
         elif self.is_complete(name) and not force and on_skip is not None:
@@ -223,6 +251,7 @@ class RunFolder:
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
             return stats
         self.invalidate(name)
+        self._record_config()
         t0 = time.perf_counter()
         stats = dict(fn() or {})
         stats.setdefault("seconds", round(time.perf_counter() - t0, 3))

@@ -14,27 +14,13 @@ import time
 from typing import Any
 
 from wbrag_ray.build_kb import INDEX
-from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.formats import dataset_stem, plain_table, read_dataset
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params
+from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import departures
-from wbrag_ray.run import RunFolder, RunStage
-from wbrag_ray.storage import resolve
-
-# An evaluation is cheap next to what it measures: changed settings evaluate again instead of refusing.
-EVAL = RunStage(
-    "eval-{label}",
-    settings=("eval.methods", "eval.limit", "retrieval", "rag", "generator", "embedder", "index.nprobe",
-              "index.ef_search", "index.k_factor"),
-    uses=(INDEX,),
-    on_change="redo",
-)
-
-
-def dataset_name(config: WbragConfig, dataset: str) -> str:
-    """What results on `dataset` are called: eval.name, else the file's stem."""
-    return config.eval.name or dataset_stem(dataset)
+from wbrag_ray.run import RunFolder
 
 
 def evaluate(
@@ -81,9 +67,7 @@ def evaluate(
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
 
     t0 = time.perf_counter()
-    questions, rejects = read_dataset(resolve(dataset), limit=config.eval.limit)
-    if questions.num_rows == 0:
-        raise ConfigError(f"dataset {dataset} has no usable questions ({rejects.num_rows} rejected)")
+    questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
     search = RetrievalSetting(
         base_index, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index, extra, router
     ) if needs_index else None
@@ -143,7 +127,7 @@ def evaluate_stage(
     """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
     rerun with the same settings skips it and prints the stored table again; changed settings (another
     method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
-    params = {"label": label, "dataset": dataset, **{k: v for k, v in kwargs.items() if k != "setting"}}
+    params = eval_params(label, dataset, kwargs)
 
     def work() -> dict[str, Any]:
         results = evaluate(run, config, dataset, name, label=label, passes=passes, **kwargs)

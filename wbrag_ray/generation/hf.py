@@ -77,6 +77,7 @@ class HFGenerator(Generator):
         memory budget (long prompts come in smaller batches, short ones fill the batch); one unit always goes,
         whatever its size."""
         lengths = [max(len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in u) for u in units]
+        self._check_context(max(lengths, default=0), new_tokens)
         order = sorted(range(len(units)), key=lengths.__getitem__)
         start = 0
         while start < len(order):
@@ -89,6 +90,16 @@ class HFGenerator(Generator):
                 end, rows = end + 1, grown
             yield order[start:end]
             start = end
+
+    def _check_context(self, prompt_tokens: int, new_tokens: int) -> None:
+        """Refuse a prompt the model cannot read whole: past its context the answer is written from a prompt the
+        model sees garbled (or the position embeddings fail), which would pass as a poor score."""
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context and prompt_tokens + new_tokens > context:
+            raise ConfigError(
+                f"a prompt of {prompt_tokens:,} tokens plus {new_tokens} new tokens is longer than the context of "
+                f"generator.model {self.config.model!r} ({context:,} tokens): lower retrieval.top_k (documents per "
+                "prompt) or ingest.max_passage_chars, or use a model with a longer context")
 
     def _encode(self, texts: list[str]):
         return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)

@@ -27,8 +27,8 @@ import pyarrow as pa
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.layout import plain_name
 from wbrag_ray.run import RunFolder
-from wbrag_ray.storage import resolve
 from wbrag_ray.writeback.distill import distill
 from wbrag_ray.writeback.units import UNITS, build_units, embed_units
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version
@@ -51,15 +51,13 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     and RePlug, the ones judged relevant for Self-RAG, the ones retrieved for its unsure sentences for FLARE.
     An example whose method retrieved nothing has nothing to write back and is not kept."""
     from wbrag_ray import rag
-    from wbrag_ray.formats import read_dataset
+    from wbrag_ray.formats import read_questions
     from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
 
     wb = with_gate_metric(config.writeback, train)
-    questions, rejects = read_dataset(resolve(train), limit=wb.limit)
-    if questions.num_rows == 0:
-        raise ConfigError(f"writeback.train {train} has no usable examples ({rejects.num_rows} rejected)")
+    questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
     search = RetrievalSetting(
         run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index
     )
@@ -102,8 +100,7 @@ def train_writeback(
     if not train:
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
     version = version or default_version(config, train)
-    if not version.replace("-", "").replace("_", "").replace(".", "").isalnum() or version in ("base", "ACTIVE"):
-        raise ConfigError(f"writeback.version {version!r}: use letters, digits, '-', '_' or '.' (not 'base')")
+    plain_name(version, "writeback.version", reserved=("base", "ACTIVE"))
     from wbrag_ray.papers import WRITEBACK as PAPER
     from wbrag_ray.papers import print_departures
 

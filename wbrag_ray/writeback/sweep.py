@@ -24,7 +24,9 @@ def gate_sweep(run: RunFolder, version: str, tau_s: list[float], tau_delta: list
                n_min: list[int]) -> list[dict[str, Any]]:
     """One row per setting (the product of the lists): selection rate, mean retained documents, fallback rate and
     the rank distribution of the retained documents. Written to RUN/writeback/<version>/sweep.json."""
-    folder = run.layout.writeback_version(version)
+    from wbrag_ray.layout import plain_name
+
+    folder = run.layout.writeback_version(plain_name(version, "--sweep VERSION"))
     if not folder.scored.exists():
         raise ConfigError(f"write-back version {version!r} of {run.uri} has no scored examples; train it first "
                           "with `wbrag writeback RUN --train PATH`")

@@ -18,15 +18,12 @@ TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "genera
 
 def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.DataFrame, int]:
     """(path, the training questions, how many rows were rejected) of zerorag.train (or `train`)."""
-    from wbrag_ray.formats import read_dataset
-    from wbrag_ray.storage import resolve
+    from wbrag_ray.formats import read_questions
 
     train = train or config.zerorag.train
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
-    questions, rejects = read_dataset(resolve(train), limit=config.zerorag.train_limit)
-    if questions.num_rows == 0:
-        raise ConfigError(f"zerorag.train {train} has no usable questions ({rejects.num_rows} rejected)")
+    questions, rejects = read_questions(train, "zerorag.train", limit=config.zerorag.train_limit)
     df = questions.to_pandas()
     df["golden_answers"] = df["golden_answers"].map(list)  # numpy object arrays would travel through Ray pickled
     return train, df, rejects.num_rows
