@@ -32,6 +32,13 @@ def open_run(run: RunLike) -> RunFolder:
     return run if isinstance(run, RunFolder) else RunFolder(str(run))
 
 
+def existing_run(run: RunLike) -> RunFolder:
+    """A run folder a command only reads or edits (a report, a version switch): refused unless it is a run."""
+    run = open_run(run)
+    run.require_run()
+    return run
+
+
 def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
     """Bind `config` to the run folder (refused when a built stage was made with another, unless `force`; recorded
     in run.json once a stage runs with it) and join or start Ray."""
@@ -235,20 +242,20 @@ def writeback_versions(run: RunLike) -> tuple[list[str], str | None]:
     """(trained versions, the active one or None)."""
     from wbrag_ray.writeback.versions import read_active, versions
 
-    run = open_run(run)
+    run = existing_run(run)
     return versions(run), read_active(run)["version"]
 
 
 def activate_writeback(run: RunLike, version: str) -> dict[str, Any]:
     from wbrag_ray.writeback.versions import activate
 
-    return activate(open_run(run), version)
+    return activate(existing_run(run), version)
 
 
 def rollback_writeback(run: RunLike, version: str | None = None) -> dict[str, Any]:
     from wbrag_ray.writeback.versions import rollback
 
-    return rollback(open_run(run), version)
+    return rollback(existing_run(run), version)
 
 
 def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: list[float], tau_doc: list[float],
@@ -257,7 +264,7 @@ def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: l
     per setting, printed and written to RUN/writeback/<version>/sweep.json."""
     from wbrag_ray.writeback.sweep import format_sweep, gate_sweep
 
-    rows = gate_sweep(open_run(run), version, tau_s, tau_delta, tau_doc, n_min)
+    rows = gate_sweep(existing_run(run), version, tau_s, tau_delta, tau_doc, n_min)
     print(format_sweep(version, rows), flush=True)
     return rows
 
@@ -404,4 +411,6 @@ def export(run: RunLike, config: WbragConfig, format: str, out: str, *, prune_ra
     one shard at a time and writes nothing to it; returns the export's manifest (OUT/wbrag_export.json)."""
     from wbrag_ray.export import export_kb
 
-    return export_kb(open_run(run), config, format, out, prune_ratio=prune_ratio, writeback=writeback, force=force)
+    if prune_ratio is not None:
+        check_ratio(prune_ratio, "--prune-ratio")
+    return export_kb(existing_run(run), config, format, out, prune_ratio=prune_ratio, writeback=writeback, force=force)
