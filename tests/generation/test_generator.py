@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tests import reference_decoding as reference
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.hf import HFGenerator
@@ -177,6 +178,12 @@ def test_scored_answers_are_the_greedy_answers_with_each_tokens_probability(smol
     assert scored[0].finished and not scored[2].finished
     # the chosen token is the argmax: greedy decoding never picks a token under 1 / vocabulary
     assert min(p for s in scored for p in s.probs) > 1 / 49152
+    # against greedy decoding written out by hand (tests/reference_decoding.py): one prompt, one full softmax a step
+    stops = reference.stop_ids(smollm.model, smollm.tokenizer, smollm.config.stop)
+    for prompt, s in zip(prompts, scored, strict=True):
+        tokens, probs, finished = reference.greedy(smollm.model, smollm.tokenizer, prompt, 12, stops)
+        assert (s.tokens, s.finished) == (tokens, finished)
+        assert s.probs == pytest.approx(probs, abs=1e-3)
 
 
 def test_a_final_assistant_message_is_continued(smollm):
@@ -233,10 +240,21 @@ def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster,
     rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
             for i, q in enumerate(["What is the capital of France?", "Name a fruit."])]
     scored = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "out", mode="scored").take_all()
-    assert all(len(r["out_tokens"]) == len(r["out_probs"]) > 0 and isinstance(r["out_finished"], bool) for r in scored)
     choice = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "p", mode="choice",
                            choices=("yes", "no")).take_all()
-    assert all(len(r["p"]) == 2 for r in choice)
+    assert sorted(r["id"] for r in scored) == sorted(r["id"] for r in choice) == [0, 1]
+    # against the same model decoded by hand in this process (tests/reference_decoding.py)
+    model, tokenizer = reference.load(tiny.generator)
+    stops = reference.stop_ids(model, tokenizer, gen.config.stop)
+    vocab = [(i, tokenizer.convert_tokens_to_string([t]).strip().lower()) for t, i in tokenizer.get_vocab().items()]
+    for r in scored:
+        tokens, probs, finished = reference.greedy(model, tokenizer, json.loads(rows[r["id"]]["prompt"]), 8, stops)
+        assert (list(r["out_tokens"]), r["out_finished"]) == (tokens, finished) and tokens
+        assert list(r["out_probs"]) == pytest.approx(probs, abs=1e-3)
+    for r in choice:  # each choice's mass: every token spelling the word, in any case
+        first = reference.first_token_probs(model, tokenizer, json.loads(rows[r["id"]]["prompt"]))
+        expected = [float(sum(first[i] for i, text in vocab if text == word)) for word in ("yes", "no")]
+        assert list(r["p"]) == pytest.approx(expected, abs=1e-4)
 
 
 def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm):
