@@ -89,3 +89,19 @@ def tiny(tmp_path_factory):
     from tests.tiny_models import build_tiny_models
 
     return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, ray_cluster, tiny):
+    """The demo corpus (100 passages) ingested, embedded and indexed with the tiny models, and one evaluation named
+    `qa` (naive RAG, 4 questions): a built run for tests of commands on it."""
+    from wbrag_ray.cli import main
+
+    d = tmp_path_factory.mktemp("mistakes")
+    run, qa = d / "run", write_jsonl(d / "qa.jsonl", demo_questions(4))
+    assert main(["ingest", str(run), "--corpus", str(DEMO_CORPUS), *tiny.set_args(),
+                 "--set", "generator.max_new_tokens=16", "--set", "generator.num_cpus=1"]) == 0
+    assert main(["embed", str(run)]) == 0
+    assert main(["index", str(run)]) == 0
+    assert main(["eval", str(run), "--dataset", str(qa), "--name", "qa", "--methods", "naive"]) == 0
+    return run, qa

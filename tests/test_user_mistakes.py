@@ -24,19 +24,6 @@ WBRAG = str(Path(sys.executable).parent / "wbrag")
 NO_RAY_SECONDS = 2.0
 
 
-@pytest.fixture(scope="session")
-def demo_run(tmp_path_factory, ray_cluster, tiny):
-    """The demo corpus ingested, embedded and indexed, and one evaluation named `qa` (naive RAG, 4 questions)."""
-    d = tmp_path_factory.mktemp("mistakes")
-    run, qa = d / "run", write_jsonl(d / "qa.jsonl", demo_questions(4))
-    assert main(["ingest", str(run), "--corpus", str(DEMO_CORPUS), *tiny.set_args(),
-                 "--set", "generator.max_new_tokens=16", "--set", "generator.num_cpus=1"]) == 0
-    assert main(["embed", str(run)]) == 0
-    assert main(["index", str(run)]) == 0
-    assert main(["eval", str(run), "--dataset", str(qa), "--name", "qa", "--methods", "naive"]) == 0
-    return run, qa
-
-
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file below `folder` with a digest of its bytes: 'nothing changed' means equal snapshots."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -43,12 +43,19 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
     """Bind `config` to the run folder (refused when a built stage was made with another, unless `force`; recorded
     in run.json once a stage runs with it) and join or start Ray."""
     from wbrag_ray.build_kb import KB_STAGES
-    from wbrag_ray.ray_runtime import init_ray
-
     run = open_run(run)
     run.bind_config(config, force=force, guard=KB_STAGES, record="when_a_stage_runs")
-    init_ray(config.ray, run.uri)
+    join_ray(run, config)
     return run
+
+
+def join_ray(run: RunFolder, config: WbragConfig) -> None:
+    """Join or start Ray (`config.ray`); on a cluster of several machines, refuse a local run folder or model path
+    the other nodes cannot read, before any work."""
+    from wbrag_ray.ray_runtime import check_model_paths, init_ray
+
+    init_ray(config.ray, run.uri)
+    check_model_paths(config)
 
 
 def check_input(path: str, what: str) -> None:
@@ -96,7 +103,6 @@ def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
     """The top `k` hits of each query on the run's index: the queries embedded here, the shards searched by
     the retrieval service's actors, and only the hits' documents read (from the memory-mapped store)."""
     from wbrag_ray.build_kb import INDEX
-    from wbrag_ray.ray_runtime import init_ray
     from wbrag_ray.retrieval.local import load_query_embedder
     from wbrag_ray.stages.service import Services
 
@@ -107,9 +113,9 @@ def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
     run = open_run(run)
     run.require_run()
     run.require(INDEX)
-    init_ray(config.ray, run.uri)
+    join_ray(run, config)
     with Services() as services:
-        service = services.retrieval(((run.layout.index.uri, run.layout.ingest.root.uri, "base"),), config.index,
+        service = services.retrieval(((run.layout.index.uri, None, "base"),), config.index,
                                      config.retrieval)
         embedder = load_query_embedder(config.embedder, service.dim, run.layout.index.uri)
         return service.search_vectors(embedder.encode_queries(queries), k)
@@ -165,12 +171,10 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         from wbrag_ray.zerorag.grid import eval_label
 
         label = eval_label(name, prune_ratio, writeback, router, adapter)
-    from wbrag_ray.ray_runtime import init_ray
-
     if methods_grid:
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
-        init_ray(config.ray, run.uri)
+        join_ray(run, config)
         return evaluate_methods_grid(run, config, dataset, label or name, force=force, **kwargs)
     if writeback:  # the version searched is part of what the results are: resolved now, refused if there is none
         from wbrag_ray.writeback.versions import active_index
@@ -185,7 +189,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     run.check(EVAL, config, eval_params(label, dataset, kwargs), force=force)  # a change refused before Ray starts
     from wbrag_ray.evaluation.evaluate import evaluate_stage
 
-    init_ray(config.ray, run.uri)
+    join_ray(run, config)
     return evaluate_stage(run, config, dataset, name, label, force=force, **kwargs)["methods"]
 
 
@@ -206,14 +210,13 @@ def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:
 def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | None = None,
                            force: bool = False) -> list[dict[str, Any]]:
     """Every zerorag.ratios setting (with the router, adapter and write-back when there are any)."""
-    from wbrag_ray.ray_runtime import init_ray
     from wbrag_ray.zerorag.grid import evaluate_grid
 
     dataset = dataset or config.eval.dataset
     if not dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
     run = open_run(run)
-    init_ray(config.ray, run.uri)
+    join_ray(run, config)
     return evaluate_grid(run, config, dataset, force=force)
 
 

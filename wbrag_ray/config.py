@@ -149,7 +149,12 @@ class IndexConfig(_Section):
         "fit; an explicit IVF factory that cannot get them is refused before any work, naming the fix (raise this, "
         "or fewer lists): a factory you chose is never silently changed.",
     )
-    nprobe: int = Field(32, ge=1, description="IVF cells visited per query.")
+    nprobe: int | Literal["auto"] = Field(
+        "auto", description="IVF lists visited per query: an integer, or 'auto': max(min(nlist, 32), sqrt(nlist)) "
+        "(every list up to 32 lists, 64 at 4,096 lists, 256 at 65,536, 362 at 131,072: the share of lists a query "
+        "visits falls as the index grows, the codes it scans grow about as sqrt(n)). An HNSW coarse quantizer then "
+        "searches with efSearch = max(2 x nprobe, index.ef_search), so it finds the nprobe nearest lists."
+    )
     num_shards: int | Literal["auto"] = Field(
         "auto", description="Index shards the build merges into, each built by its own merge task and loaded by "
         "one search actor (the results merged by score): an integer, or 'auto': ceil(estimated index bytes / "
@@ -171,6 +176,13 @@ class IndexConfig(_Section):
     num_cpus: float = Field(1.0, gt=0, description="CPUs each index build task (train, add, merge) asks Ray for.")
     gpu: bool = Field(True, description="Search on the GPU when faiss has GPU support and a GPU is present; and "
                       "train an IVF's k-means on a GPU (the train task asks Ray for one) when the cluster has one.")
+
+    @field_validator("nprobe")
+    @classmethod
+    def _nprobe(cls, v: int | str) -> int | str:
+        if v != "auto" and int(v) < 1:
+            raise ValueError("nprobe must be at least 1, or 'auto'")
+        return v
 
     @field_validator("num_shards")
     @classmethod

@@ -79,11 +79,11 @@ def select_rows(loc, id_column: str, ids, columns: list[str]):
     return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=columns)
 
 
-def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0, parallel: bool | None = None,
-              own_errors: tuple[type[BaseException], ...] = (ValueError,)) -> list:
+def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0, memory: int | None = None,
+              parallel: bool | None = None, own_errors: tuple[type[BaseException], ...] = (ValueError,)) -> list:
     """fn(shared, item) for every item, in order: Ray tasks when Ray is up (or `parallel`), the shared argument
     put once in the object store; otherwise a loop in this process (small jobs, tests, single-process
-    baselines). A task's error of one of `own_errors` comes back as itself, so its message stays short and
+    baselines). `memory`: the bytes each task declares to Ray's scheduler. A task's error of one of `own_errors` comes back as itself, so its message stays short and
     names the file it is about; others come back as Ray's wrapped error. Failed tasks are retried twice (a
     lost node), so `fn` must be idempotent: it writes whole files under names given by its item."""
     import ray
@@ -92,7 +92,7 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         parallel = ray.is_initialized()
     if not parallel:
         return [fn(shared, item) for item in items]
-    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, max_retries=2)(fn)
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, memory=memory or None, max_retries=2)(fn)
     ref = ray.put(shared)
     refs = [remote.remote(ref, item) for item in items]
     try:
@@ -239,38 +239,77 @@ SHARED_RUN_DIR_ENV = "WBRAG_SHARED_RUN_DIR"
 _warned_run_dirs: set[str] = set()  # one warning per run folder and process, not one per command step
 
 
-def check_run_dir(run_dir: str) -> None:
-    """Refuse a local run folder when Ray runs tasks on other machines (more than one alive node, or a Ray
-    Client connection): their workers would write into folders of their own machine's disk, and read nothing
-    of the driver's. Allowed, with a warning, on a network or cluster filesystem (NFS, Lustre, a FUSE mount of
-    object storage, ...: `storage.is_shared_filesystem`) or when WBRAG_SHARED_RUN_DIR=1."""
+def _spread() -> str | None:
+    """How this driver's tasks may run on other machines ('with 3 nodes', 'through Ray Client'), or None when Ray
+    runs them on this machine only."""
     import ray
 
-    from wbrag_ray.storage import is_shared_filesystem, mount_of, resolve
-
-    if "://" in run_dir and not run_dir.startswith("file://"):
-        return  # object storage: every node reaches it
-    loc = resolve(run_dir)
     client = ray.util.client.ray.is_connected()
     nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     if nodes <= 1 and not client:
-        return
-    where = "through Ray Client" if client else f"with {nodes} nodes"
+        return None
+    return "through Ray Client" if client else f"with {nodes} nodes"
+
+
+def _check_shared(path: str, what: str, where: str, fix: str) -> None:
+    """Refuse a local `path` the other machines of a cluster cannot see, unless it is on a network or cluster
+    filesystem (NFS, Lustre, a FUSE mount of object storage, ...: `storage.is_shared_filesystem`) or
+    WBRAG_SHARED_RUN_DIR=1 says every node mounts it at the same path (then a warning, once per path)."""
+    from wbrag_ray.storage import is_shared_filesystem, mount_of
+
     if os.environ.get(SHARED_RUN_DIR_ENV, "").strip().lower() in ("1", "true", "yes"):
         reason = f"{SHARED_RUN_DIR_ENV}=1 says every node sees it at that path"
     else:
-        mount = mount_of(loc.path)
+        mount = mount_of(path)
         if mount is None or not is_shared_filesystem(mount[1]):
             raise ConfigError(
-                f"run folder {loc.uri} is a local path, but Ray runs this command's tasks on a cluster {where}: "
-                "workers on other machines cannot read or write this machine's disk. Put the run folder on object "
-                "storage (s3://bucket/prefix) or on a filesystem every node mounts at the same path (NFS, Lustre, "
-                f"a FUSE mount); if {loc.path} is already such a mount, set {SHARED_RUN_DIR_ENV}=1."
+                f"{what} {path} is a local path, but Ray runs this command's tasks on a cluster {where}: workers on "
+                f"other machines cannot read this machine's disk. {fix}; if {path} is already on a filesystem every "
+                f"node mounts at the same path, set {SHARED_RUN_DIR_ENV}=1."
             )
         reason = f"it is on a {mount[1]} mount ({mount[0]}), which every node must mount at the same path"
-    if loc.uri not in _warned_run_dirs:
-        _warned_run_dirs.add(loc.uri)
-        log.warning("run folder %s is a local path on a Ray cluster %s: allowed, as %s", loc.uri, where, reason)
+    if path not in _warned_run_dirs:
+        _warned_run_dirs.add(path)
+        log.warning("%s %s is a local path on a Ray cluster %s: allowed, as %s", what, path, where, reason)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Refuse a local run folder when Ray runs tasks on other machines (more than one alive node, or a Ray
+    Client connection): their workers would write into folders of their own machine's disk, and read nothing
+    of the driver's. Allowed, with a warning, on a shared filesystem or when WBRAG_SHARED_RUN_DIR=1."""
+    from wbrag_ray.storage import resolve
+
+    if "://" in run_dir and not run_dir.startswith("file://"):
+        return  # object storage: every node reaches it
+    where = _spread()
+    if where is not None:
+        _check_shared(resolve(run_dir).path, "run folder", where,
+                      "Put the run folder on object storage (s3://bucket/prefix) or on a filesystem every node mounts "
+                      "at the same path (NFS, Lustre, a FUSE mount)")
+
+
+def model_paths(config) -> dict[str, str]:
+    """{config key: local folder or file} of the models and adapters a run's workers load: the values that name a
+    path on this machine (not s3://, a hub id or a bundled model)."""
+    found = {"generator.model": config.generator.model, "generator.lora_adapter": config.generator.lora_adapter,
+             "embedder.model": config.embedder.model, "zerorag.lm_pruner.backbone": config.zerorag.lm_pruner.backbone}
+    if config.zerorag.qa_generator is not None:
+        found["zerorag.qa_generator.model"] = config.zerorag.qa_generator.model
+        found["zerorag.qa_generator.lora_adapter"] = config.zerorag.qa_generator.lora_adapter
+    return {key: os.path.abspath(os.path.expanduser(value)) for key, value in found.items()
+            if value and "://" not in value and not value.startswith("bundled:")
+            and os.path.exists(os.path.expanduser(value))}
+
+
+def check_model_paths(config) -> None:
+    """On a cluster of several machines, refuse up front a model or adapter given as a local path that the other
+    nodes cannot read (a worker there would fail only when it loads, after the work before it was done)."""
+    where = _spread()
+    if where is None:
+        return
+    for key, path in model_paths(config).items():
+        _check_shared(path, key, where, "Put the model on object storage (s3://...: each node fetches it once) or on "
+                      "a shared mount")
 
 
 def configure_data_context() -> None:

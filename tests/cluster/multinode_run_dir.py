@@ -49,7 +49,8 @@ def main(tmp: str, generator: str, s3_run: str) -> None:
     out["alive_nodes"] = sum(1 for node in ray.nodes() if node["Alive"])
     # on a network filesystem (this machine's mount table, with the test folder shown as an NFS export)
     mount_of = storage.mount_of
-    storage.mount_of = lambda path: mount_of(path, f"/dev/sda1 / ext4 rw 0 0\nnas:/runs {os.path.realpath(tmp)} nfs4 rw 0 0\n")
+    storage.mount_of = lambda path: mount_of(path, f"/dev/sda1 / ext4 rw 0 0\nnas:/runs {os.path.realpath(tmp)} nfs4 rw 0 0\n"
+                                                   f"nas:/models {os.path.realpath(generator)} nfs4 rw 0 0\n")
     api.start(str(tmp_dir / "nfs-run"), config)
     out["nfs_allowed"] = True
     storage.mount_of = mount_of
@@ -58,7 +59,15 @@ def main(tmp: str, generator: str, s3_run: str) -> None:
     out["opt_in_allowed"] = True
     del os.environ["WBRAG_SHARED_RUN_DIR"]
 
-    run = api.start(s3_run, config)  # a run folder on object storage: every node reaches it
+    # a run folder on object storage, which every node reaches, but the generator a local folder: refused up
+    # front, naming the key, not when a worker on the other node fails to load it
+    try:
+        api.start(s3_run, config)
+        out["local_model_refused"] = None
+    except ConfigError as exc:
+        out["local_model_refused"] = str(exc)
+    os.environ["WBRAG_SHARED_RUN_DIR"] = "1"  # true here: the two nodes are processes of one machine
+    run = api.start(s3_run, config)
     generator_config = with_adapter(run, config)
     out["lora_adapter"] = generator_config.lora_adapter
     questions = pd.DataFrame({"id": [1, 2], "question": ["What is the capital of France?", "Who wrote Hamlet?"]})

@@ -1,5 +1,6 @@
-"""A run folder and a tuned adapter on a real two-node local Ray cluster (ray.cluster_utils.Cluster): a local
-run folder is refused, and the adapter travels to the workers as its s3:// URI, fetched by the node that loads it."""
+"""A run folder, a model and a tuned adapter on a real two-node local Ray cluster (ray.cluster_utils.Cluster): a
+local run folder and a local model folder are refused up front (allowed on a shared mount), and the adapter travels
+to the workers as its s3:// URI, fetched by the node that loads it."""
 
 import json
 import os
@@ -37,6 +38,12 @@ def test_two_nodes_refuse_a_local_run_folder_and_fetch_the_s3_adapter_on_the_wor
     # allowed, with a warning, on a network filesystem or with the opt-in
     assert summary["nfs_allowed"] and "allowed, as it is on a nfs4 mount" in out.stderr
     assert summary["opt_in_allowed"] and "WBRAG_SHARED_RUN_DIR=1 says every node sees it" in out.stderr
+    # a local model folder is refused up front on several nodes, allowed on a shared mount
+    refused = summary["local_model_refused"]
+    assert refused and f"generator.model {tiny.generator} is a local path" in refused and "2 nodes" in refused
+    assert "s3://" in refused
+    assert f"generator.model {tiny.generator} is a local path on a Ray cluster with 2 nodes: allowed, as it is on a nfs4" \
+        in out.stderr
     # the workers got the adapter's URI, not a path in the driver's cache, and fetched it on their own node
     assert summary["lora_adapter"] == "s3://wbrag/runs/multinode/zero_rag/adapter"
     assert summary["answers"] == 2

@@ -220,12 +220,49 @@ def load_shards_of(folder):
     return load_shards(resolve(str(folder)))[0]
 
 
+NODE = {"CPU": 8.0, "memory": 64 * 2**30, "free_CPU": 8.0}
+
+
+def _train(num_cpus, **kw):
+    return train_resources(num_cpus, **kw, node=NODE, sample_bytes=0, quantizer_bytes=0)
+
+
 def test_train_task_asks_for_no_gpu_when_the_cluster_has_none(tmp_path, ray_cluster):
     assert cluster_gpus(parallel=True) == 0
-    assert train_resources(1.0, gpu=True, cluster_gpus=0, faiss_gpu=True, kmeans=True) == {"num_cpus": 1.0, "num_gpus": 0}
+    assert _train(1.0, gpu=True, cluster_gpus=0, faiss_gpu=True, kmeans=True)["num_gpus"] == 0
     write_shards(tmp_path / "emb", clustered(2000, 16), parts=2)
     stats = _build(tmp_path, "IVF8,Flat", gpu=True, parallel=True)
     assert stats["train_on_gpu"] is False and stats["rows_out"] == 2000
+
+
+def test_train_and_merge_tasks_get_the_cpus_and_memory_they_use_from_rays_scheduler(tmp_path, ray_cluster):
+    """What Ray granted, read inside each task (`get_assigned_resources`), not what the build meant to ask: k-means
+    takes the node's two CPUs (and its threads), every task declares memory, and a merge's measured peak fits it."""
+    import ray
+
+    write_shards(tmp_path / "emb", clustered(6000, 16, seed=3), parts=4)
+    free = ray.available_resources().get("CPU", 0)
+    stats = _build(tmp_path, "IVF16,Flat", parallel=True, num_shards=2)
+    train, merge = stats["train_task_resources"], stats["merge_task_resources"]
+    assert train["CPU"] == min(2.0, float(int(free))) and train["memory"] >= 512 * 2**20
+    assert merge["CPU"] == 1.0 and merge["memory"] >= 512 * 2**20
+    assert stats["merge_tasks"] == 2
+    assert max(stats["merge_task_peak_rss_mb"]) * 2**20 <= merge["memory"]
+    # a Flat index trains nothing: its train task takes one CPU, not the node
+    flat = _build(tmp_path / "flat", "Flat", parallel=True, emb=tmp_path / "emb")
+    assert flat["train_task_resources"]["CPU"] == 1.0
+
+
+def test_a_task_never_asks_for_more_than_the_largest_node_offers():
+    from wbrag_ray.index.sizing import merge_memory
+
+    small = {"CPU": 2.0, "memory": 4 * 2**30, "free_CPU": 1.0}
+    res = train_resources(1.0, gpu=False, cluster_gpus=0, faiss_gpu=False, kmeans=True, node=small,
+                          sample_bytes=10 * 2**30, quantizer_bytes=2**20)
+    assert res["num_cpus"] == 1.0  # the node has 2, but only 1 is free now: asking for 2 would never be placed
+    assert res["memory"] == int(4 * 2**30 * 0.95)
+    assert merge_memory(10**9, 64.0, 2**20, small) == int(4 * 2**30 * 0.95)
+    assert merge_memory(1000, 64.0, 2**20, small) == 2 * 1000 * 64 + 2**20 + 512 * 2**20
 
 
 @pytest.mark.parametrize("factory", ["IVF32,Flat", "IVF32_HNSW8,SQ8", "PCA16,IVF32,Flat"])
@@ -245,7 +282,10 @@ def test_gpu_kmeans_path_trains_the_same_centroids_with_a_cpu_stand_in_for_the_g
 
 
 def test_train_task_asks_for_a_gpu_only_for_kmeans_with_faiss_gpu_and_index_gpu():
-    assert train_resources(2.0, gpu=True, cluster_gpus=4, faiss_gpu=True, kmeans=True) == {"num_cpus": 2.0, "num_gpus": 1}
-    assert train_resources(2.0, gpu=False, cluster_gpus=4, faiss_gpu=True, kmeans=True)["num_gpus"] == 0
-    assert train_resources(2.0, gpu=True, cluster_gpus=4, faiss_gpu=False, kmeans=True)["num_gpus"] == 0
-    assert train_resources(2.0, gpu=True, cluster_gpus=4, faiss_gpu=True, kmeans=False)["num_gpus"] == 0  # Flat, PQ
+    on_gpu = _train(2.0, gpu=True, cluster_gpus=4, faiss_gpu=True, kmeans=True)
+    assert on_gpu["num_gpus"] == 1 and on_gpu["num_cpus"] == 2.0  # CPUs to feed the GPU, not the node's
+    on_cpu = _train(2.0, gpu=False, cluster_gpus=4, faiss_gpu=True, kmeans=True)
+    assert on_cpu["num_gpus"] == 0 and on_cpu["num_cpus"] == 8.0  # k-means on every core of the node
+    assert _train(2.0, gpu=True, cluster_gpus=4, faiss_gpu=False, kmeans=True)["num_gpus"] == 0
+    assert _train(2.0, gpu=True, cluster_gpus=4, faiss_gpu=True, kmeans=False) == {
+        "num_cpus": 2.0, "num_gpus": 0, "memory": 512 * 2**20}  # Flat, PQ: nothing to cluster

@@ -54,7 +54,7 @@ def evaluate(
     if needs_index and base_index is None:
         run.require(INDEX)
     base_index = base_index or run.layout.index.uri
-    extra: tuple[tuple[str, str, str], ...] = ()
+    extra: tuple[tuple[str, str | None, str], ...] = ()
     default_setting, wb_version = "base", None
     if writeback or writeback_version:
         from wbrag_ray.writeback.versions import active_index
@@ -69,7 +69,7 @@ def evaluate(
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
     search = RetrievalSetting(
-        base_index, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index, extra, router
+        base_index, None, config.embedder, config.retrieval, config.index, extra, router
     ) if needs_index else None
     own = passes is None
     passes = passes or GeneratorPasses(generator.config)

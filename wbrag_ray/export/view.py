@@ -131,6 +131,13 @@ class View:
         set_search_params(index, ic.nprobe, ic.ef_search, ic.k_factor)
         return index
 
+    def nprobe(self, config: WbragConfig) -> int | None:
+        """The nprobe saved in the exported index (index.nprobe, 'auto' resolved on the trained index)."""
+        from wbrag_ray.retrieval.local import search_nprobe
+
+        nprobe = config.index.nprobe
+        return search_nprobe(self.empty_index(config), nprobe) if nprobe == "auto" else nprobe
+
     def describe(self, config: WbragConfig) -> dict[str, Any]:
         """The view and its embedder, for the export's manifest."""
         return {
@@ -141,7 +148,7 @@ class View:
             "count": sum(self.counts.values()),
             "indices": {p.source: p.index.uri for p in self.parts},
             "embedder": embedder_info(config.embedder, self.dim),
-            "index": {"factory": self.manifest.get("factory"), "metric": "inner_product", "nprobe": config.index.nprobe,
+            "index": {"factory": self.manifest.get("factory"), "metric": "inner_product", "nprobe": self.nprobe(config),
                       "ef_search": config.index.ef_search, "k_factor": config.index.k_factor},
         }
 

@@ -54,13 +54,16 @@ from wbrag_ray.index.sizing import (
     balanced_groups,
     choose_factory,
     is_auto,
+    merge_memory,
     plan_training,
     shard_count,
     shards_for,
     train_resources,
 )
 from wbrag_ray.index.tasks import (
+    assigned_resources,
     cluster_gpus,
+    largest_node,
     peak_rss_mb,
     reserved_gpu,
     reset_peak_rss,
@@ -79,10 +82,10 @@ log = logging.getLogger(__name__)
 # --- tasks ----------------------------------------------------------------------------------------------
 
 
-def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool]:
-    """(trained empty index, peak MiB, whether k-means ran on a GPU)."""
-    # Training runs alone (the add tasks wait for it): it may use every core of its node.
-    set_threads(shared["threads"] and max(1, os.cpu_count() or 1))
+def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool, dict[str, float]]:
+    """(trained empty index, peak MiB, whether k-means ran on a GPU, the resources Ray granted the task)."""
+    # Training runs alone (the add tasks wait for it): it uses the cores it asked for, a whole node's for k-means.
+    set_threads(shared["threads"])
     reset_peak_rss()
     files = [resolve(u) for u in shared["files"]]
     index = new_index(shared["factory"], shared["dim"])
@@ -95,7 +98,7 @@ def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool
         else:
             index.train(sample)
         del sample
-    return to_bytes(index), peak_rss_mb(), on_gpu
+    return to_bytes(index), peak_rss_mb(), on_gpu, assigned_resources(shared["parallel"])
 
 
 def _train_on_gpu(index, sample: np.ndarray) -> None:
@@ -199,7 +202,8 @@ def _merge_task(shared: dict[str, Any], item: tuple[str, list[dict[str, Any]]]) 
     size = write_index_file(index, resolve(out_uri))
     return {"file": out_uri, "count": int(index.ntotal), **_id_range(parts), "bytes": size,
             "dropped": sum(p["dropped"] for p in parts), "peak_rss_mb": peak_rss_mb(),
-            "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+            "seconds": time.perf_counter() - t0, "pid": os.getpid(),
+            "assigned": assigned_resources(shared["parallel"])}
 
 
 def _id_range(parts: list[dict[str, Any]]) -> dict[str, int | None]:
@@ -277,16 +281,21 @@ def build_index(
     # 1. train once
     train_rss: list[float] = []
     on_gpu = False
+    train_assigned: dict[str, float] = {}
+    node = largest_node(parallel)
     if trained is None:
         import faiss
 
         res = train_resources(num_cpus, gpu, cluster_gpus(parallel) if gpu else 0.0,
-                              hasattr(faiss, "StandardGpuResources"), kmeans=plan.nlist is not None)
+                              hasattr(faiss, "StandardGpuResources"), kmeans=plan.nlist is not None, node=node,
+                              sample_bytes=min(plan.train_sample, total) * dim * 4,
+                              quantizer_bytes=(plan.nlist or 0) * dim * 4)
         job = {"files": [f.uri for f in files], "counts": counts, "factory": factory, "dim": dim,
-               "train_sample": plan.train_sample, "threads": threads, "gpu": res["num_gpus"] > 0,
-               "parallel": parallel}
-        trained, rss, on_gpu = run_tasks(_train_task, job, [None], num_cpus=res["num_cpus"], parallel=parallel,
-                                         num_gpus=res["num_gpus"])[0]
+               "train_sample": plan.train_sample, "threads": max(1, int(res["num_cpus"])) if parallel else None,
+               "gpu": res["num_gpus"] > 0, "parallel": parallel}
+        trained, rss, on_gpu, train_assigned = run_tasks(
+            _train_task, job, [None], num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], memory=res["memory"],
+            parallel=parallel)[0]
         train_rss.append(rss)
     trained_index = from_bytes(trained, TRAINED_FILE)
     if trained_index.d != dim:
@@ -321,8 +330,11 @@ def build_index(
     if mergeable:
         groups = balanced_groups([p["count"] for p in added], wanted)
         merges = [(out.join(shard_file(j, len(groups))).uri, [added[i] for i in g]) for j, g in enumerate(groups)]
-        merged = run_tasks(_merge_task, {"threads": threads, "trained_file": out.join(TRAINED_FILE).uri}, merges,
-                           num_cpus=num_cpus, parallel=parallel)
+        largest = max(sum(added[i]["count"] for i in g) for g in groups)
+        merge_bytes = merge_memory(largest, per_vector, len(trained), node)
+        merged = run_tasks(_merge_task, {"threads": threads, "trained_file": out.join(TRAINED_FILE).uri,
+                                         "parallel": parallel}, merges,
+                           num_cpus=num_cpus, memory=merge_bytes, parallel=parallel)
         parts_dir.delete()
     shards = merged if mergeable else added
     t_merge = time.perf_counter()
@@ -394,6 +406,9 @@ def build_index(
         # the processes that ran the tasks (Ray workers, or this one when not parallel): where the peaks were measured
         "add_task_pids": [a["pid"] for a in added],
         "merge_task_pids": [m["pid"] for m in merged],
+        # what Ray's scheduler granted each kind of task (CPU, memory in bytes, GPU): its placement is true
+        "train_task_resources": train_assigned,
+        "merge_task_resources": merged[0]["assigned"] if merged else {},
         "task_base_rss_mb": round(min(a["base_rss_mb"] for a in added), 1),
         "add_vectors_per_task_s": round(add_rate, 1),
     }

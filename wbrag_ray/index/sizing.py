@@ -210,8 +210,38 @@ def balanced_groups(counts: Sequence[int], n: int) -> list[list[int]]:
     return groups
 
 
-def train_resources(num_cpus: float, gpu: bool, cluster_gpus: float, faiss_gpu: bool, kmeans: bool) -> dict[str, float]:
-    """The Ray resources of the train task: one GPU when `index.gpu` asks for it, faiss was built with GPU
-    support, the cluster has a GPU and the index trains k-means (an IVF's coarse quantizer); CPUs otherwise."""
+# A task's resident memory before it reads anything (a Ray worker with numpy, pyarrow and faiss loaded).
+TASK_BASE_BYTES = 512 * 2**20
+
+
+def train_resources(num_cpus: float, gpu: bool, cluster_gpus: float, faiss_gpu: bool, kmeans: bool,
+                    node: dict[str, float], sample_bytes: int, quantizer_bytes: int) -> dict[str, float]:
+    """The Ray resources of the train task. A GPU when `index.gpu` asks for it, faiss was built with GPU support,
+    the cluster has a GPU and the index trains k-means (an IVF's coarse quantizer). Otherwise k-means runs on every
+    core of its node (the add tasks wait for it), so it asks for a whole node's CPUs: the largest node's, but no more
+    than are free now (services may hold some: a task asking for more would never be placed). Memory: the sample
+    twice (the drawn sample and faiss's working copy of it), the centroids twice, and a worker's base."""
     use_gpu = gpu and faiss_gpu and cluster_gpus >= 1 and kmeans
-    return {"num_cpus": num_cpus, "num_gpus": 1 if use_gpu else 0}
+    cpus = num_cpus
+    if kmeans and not use_gpu:
+        cpus = max(num_cpus, min(node["CPU"], float(int(node.get("free_CPU", node["CPU"])))))
+    memory = 2 * sample_bytes + 2 * quantizer_bytes + TASK_BASE_BYTES
+    return {"num_cpus": cpus, "num_gpus": 1 if use_gpu else 0, "memory": node_bounded(memory, node)}
+
+
+def merge_memory(vectors: int, per_vector: float, trained_bytes: int, node: dict[str, float]) -> int:
+    """The memory a merge task declares: its shard twice (measured: a merge peaks at 1.4-2x the shard it writes,
+    the index plus faiss's serialization of it), the trained index, and a worker's base."""
+    return node_bounded(int(2 * vectors * per_vector) + trained_bytes + TASK_BASE_BYTES, node)
+
+
+def node_bounded(memory: int, node: dict[str, float]) -> int:
+    """`memory` capped at what the largest node offers Ray: a larger request could never be placed and would wait
+    forever; the node is then as full as it gets, and the logged warning says so."""
+    offered = int(node.get("memory", 0) * 0.95)
+    if offered and memory > offered:
+        log.warning("an index task needs about %.1f GB, more than the largest node offers Ray (%.1f GB): it asks for "
+                    "%.1f GB and may run out of memory; use smaller shards (index.shard_memory_gb) or train_memory_gb",
+                    memory / GiB, node["memory"] / GiB, offered / GiB)
+        return offered
+    return int(memory)

@@ -10,7 +10,8 @@ from wbrag_ray.index.files import IndexError_
 from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
 from wbrag_ray.ray_runtime import run_tasks as _run_tasks
 
-__all__ = ["cluster_gpus", "peak_rss_mb", "reserved_gpu", "reset_peak_rss", "run_tasks", "set_threads"]
+__all__ = ["assigned_resources", "cluster_gpus", "largest_node", "peak_rss_mb", "reserved_gpu", "reset_peak_rss",
+           "run_tasks", "set_threads"]
 
 # The build's errors (a file named, a bad setting) come back from a task as themselves.
 run_tasks = partial(_run_tasks, own_errors=(IndexError_, ValueError))
@@ -47,3 +48,30 @@ def reserved_gpu(parallel: bool) -> bool:
 
         return bool(ray.get_gpu_ids())
     return faiss.get_num_gpus() > 0
+
+
+def largest_node(parallel: bool) -> dict[str, float]:
+    """{"CPU": cores, "memory": bytes} of the largest alive node (by CPUs), and the CPUs free in the cluster now
+    ("free_CPU"): what a task may ask for and still be placed. This process's machine when not parallel."""
+    import os
+
+    if not parallel:
+        import psutil
+
+        cpus = float(os.cpu_count() or 1)
+        return {"CPU": cpus, "memory": float(psutil.virtual_memory().total), "free_CPU": cpus}
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    biggest = max(nodes, key=lambda r: (r.get("CPU", 0), r.get("memory", 0)), default={})
+    return {"CPU": float(biggest.get("CPU", 1)), "memory": float(biggest.get("memory", 0)),
+            "free_CPU": float(ray.available_resources().get("CPU", 0))}
+
+
+def assigned_resources(parallel: bool) -> dict[str, float]:
+    """What Ray granted the running task (CPU, memory in bytes, GPU), as its scheduler accounts them; {} in process."""
+    if not parallel:
+        return {}
+    import ray
+
+    return {k: float(v) for k, v in ray.get_runtime_context().get_assigned_resources().items()}

@@ -9,6 +9,7 @@ top K by score. Both share the query embedding, the shard search and the merge w
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,11 +26,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def set_search_params(index, nprobe: int | None, ef_search: int | None, k_factor: float | None) -> None:
-    """Apply the settings that exist for this index type (IVF: nprobe, HNSW: efSearch, refine: k_factor);
-    the others do not apply and are skipped."""
+def auto_nprobe(nlist: int) -> int:
+    """index.nprobe=auto: every list of a small index (up to 32), sqrt(nlist) lists of a large one."""
+    return max(min(nlist, 32), round(math.sqrt(nlist)))
+
+
+def search_nprobe(index, nprobe: int | str | None) -> int | None:
+    """The nprobe a search of `index` uses: `nprobe`, or for 'auto' the rule of `auto_nprobe` on the index's lists
+    (None for an index that is not an IVF)."""
     import faiss
 
+    if nprobe != "auto":
+        return nprobe
+    ivf = faiss.try_extract_index_ivf(index)
+    return auto_nprobe(ivf.nlist) if ivf is not None else None
+
+
+def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_factor: float | None) -> None:
+    """Apply the settings that exist for this index type (IVF: nprobe, HNSW: efSearch, refine: k_factor);
+    the others do not apply and are skipped. `nprobe` may be 'auto' (`search_nprobe`); an IVF's HNSW coarse
+    quantizer searches with efSearch = max(2 x nprobe, ef_search): faiss's default (16) finds too few of the
+    nearest lists once nprobe passes it."""
+    import faiss
+
+    nprobe = search_nprobe(index, nprobe)
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None and nprobe is not None:
+        quantizer = faiss.downcast_index(ivf.quantizer)
+        if isinstance(quantizer, faiss.IndexHNSW):
+            quantizer.hnsw.efSearch = max(2 * min(nprobe, ivf.nlist), ef_search or 0)
     ps = faiss.ParameterSpace()
     for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
         if value is not None:
@@ -232,7 +257,7 @@ class Retriever:
         index_dir: str,
         docs_dir: str | None = None,
         embedder: EmbedderConfig | None = None,
-        nprobe: int | None = 32,
+        nprobe: int | str | None = "auto",
         source: str = "base",
         *,
         ef_search: int | None = None,

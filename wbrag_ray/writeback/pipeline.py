@@ -59,7 +59,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
     search = RetrievalSetting(
-        run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, config.retrieval, config.index
+        run.layout.index.uri, None, config.embedder, config.retrieval, config.index
     )
     answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
 

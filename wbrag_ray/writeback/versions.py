@@ -83,9 +83,9 @@ def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
     return state
 
 
-def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, str]:
-    """(version, index folder, corpus folder) of the active write-back index (or of `version`), for a union
-    search."""
+def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, None]:
+    """(version, index folder, None) of the active write-back index (or of `version`), for a union search: its
+    documents are the store its manifest names (None: no other folder, so nothing is built on a lookup)."""
     if version is not None and version not in versions(run):
         known = ", ".join(versions(run)) or "none"
         raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
@@ -96,4 +96,4 @@ def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, 
             "or activate one with `wbrag writeback RUN --activate VERSION`"
         )
     folder = run.layout.writeback_version(version)
-    return version, folder.index.uri, folder.corpus.uri
+    return version, folder.index.uri, None  # its documents: the store its manifest names

@@ -54,7 +54,7 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
 
     # more documents than an answer needs: the relevant ones and the hard distractors are picked from them
     wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, config.zerorag.tune.retrieve_k)})
-    search = RetrievalSetting(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder, wide, config.index)
+    search = RetrievalSetting(run.layout.index.uri, None, config.embedder, wide, config.index)
     with Services() as services:  # the search actors end before training needs the CPUs
         retrieved = search.search(questions, services=services)
     examples = build_examples(retrieved, config.zerorag.tune.docs_per_format, config.zerorag.tune.seed)
