@@ -10,6 +10,7 @@ service's calls) runs on it, so the stage loses the node's workers, actors and t
 """
 
 import json
+import os
 import sys
 import threading
 import time
@@ -130,6 +131,8 @@ def step(message: str) -> None:
 
 
 def main(s3_run: str, dataset: str) -> None:
+    # The nodes are processes of this one machine: the tiny models' local folders are on a disk every node sees.
+    os.environ["WBRAG_SHARED_RUN_DIR"] = "1"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # all work on the worker nodes
     workers = [cluster.add_node(num_cpus=2) for _ in range(3)]  # one is lost in each stage: one stays in reserve
     cluster.wait_for_nodes()
