@@ -47,6 +47,9 @@ LIST_SIZE = 1_000  # vectors per IVF list: nlist grows with the corpus, the code
 QUERIES = 2_000
 RATIO = 0.3
 SHARD_GB = 0.15  # index shard and search-actor budget: about 400,000 SQ8 vectors of 384 dimensions
+TOPICS = 1_000  # text embeddings cluster by topic: each passage's sentences lie around one of these centres
+RECALL_QUERIES = 1_000  # stored vectors plus noise (cosine about 0.8 to them), searched against an exact search
+OLD_NPROBE = 16  # what this benchmark searched with before index.nprobe=auto
 
 
 # --- synthetic run folder -------------------------------------------------------------------------------
@@ -57,6 +60,11 @@ def _vocabulary(size: int = 8_000, seed: int = 0) -> list[str]:
     syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ber", "dan", "gel", "hor", "jun", "mar", "pel",
                  "quo", "ris", "sto", "tur", "wen", "xal", "yor", "zen", "an", "el", "is", "on", "ur"]
     return ["".join(rng.choice(syllables, rng.integers(1, 4))) for _ in range(size)]
+
+
+def _topic_centres(dim: int) -> np.ndarray:
+    centres = np.random.default_rng(12345).standard_normal((TOPICS, dim)).astype(np.float32)
+    return centres / np.linalg.norm(centres, axis=1, keepdims=True)
 
 
 def _write_shard(item: tuple[int, int, int, str]) -> int:
@@ -86,7 +94,11 @@ def _write_shard(item: tuple[int, int, int, str]) -> int:
                             schema=PASSAGES), os.path.join(root, "ingest", "passages", name))
     pq.write_table(pa.table({"sid": sids, "pid": pids[owner], "position": positions.astype(np.int32),
                              "text": sentences}, schema=SENTENCES), os.path.join(root, "ingest", "sentences", name))
-    vecs = rng.standard_normal((n, dim), dtype=np.float32)
+    # around topic centres shared by every shard (a passage's sentences share its topic): IVF lists then follow the
+    # topics, as they do on real embeddings; uniform random vectors have no neighbourhoods for recall to find
+    centres = _topic_centres(dim)
+    topic = rng.integers(len(centres), size=passages)[owner]
+    vecs = centres[topic] + rng.standard_normal((n, dim), dtype=np.float32) / np.sqrt(dim)
     vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
     pq.write_table(embeddings_table(sids, vecs.astype(np.float16), id_column="sid"),
                    os.path.join(root, "embed", f"emb-{index:06d}.parquet"))
@@ -104,7 +116,7 @@ def _config(root: Path, n: int, dim: int, lists: str = "constant"):
     # one process holds does not (as on a cluster sized for 138M sentences).
     return load_config(None, [
         "index.unit=sentence", f"index.factory=IVF{nlist}_HNSW32,SQ8", f"index.train_sample={39 * nlist}",
-        "index.nprobe=16", "index.num_shards=auto", f"index.shard_memory_gb={SHARD_GB}", "zerorag.pruner=embedding",
+        "index.nprobe=auto", "index.num_shards=auto", f"index.shard_memory_gb={SHARD_GB}", "zerorag.pruner=embedding",
         f"retrieval.actor_memory_gb={SHARD_GB}", "retrieval.search_cpus=0.1", f"ingest.corpus={root / 'synthetic'}",
     ])
 
@@ -202,6 +214,72 @@ class WorkerPeaks:
         self._thread.join()
 
 
+# --- recall -------------------------------------------------------------------------------------------
+
+
+def recall_queries(embed_dir: str, count: int, dim: int, seed: int = 11) -> tuple[np.ndarray, np.ndarray]:
+    """(source ids, queries): `count` stored vectors drawn from every embedding shard, each moved by noise to a
+    cosine of about 0.8, as a question is near its passage."""
+    from wbrag_ray.index.files import embedding_files, read_embedding_shard
+    from wbrag_ray.storage import resolve
+
+    rng = np.random.default_rng(seed)
+    files = embedding_files(resolve(embed_dir))
+    per_file = np.bincount(rng.integers(len(files), size=count), minlength=len(files))
+    ids, vecs = [], []
+    for f, k in zip(files, per_file, strict=True):
+        if k:
+            shard_ids, shard_vecs = read_embedding_shard(f)
+            rows = rng.choice(len(shard_ids), k, replace=False)
+            ids.append(shard_ids[rows])
+            vecs.append(shard_vecs[rows].astype(np.float32))
+    q = np.concatenate(vecs) + 0.75 / np.sqrt(dim) * rng.standard_normal((count, dim)).astype(np.float32)
+    return np.concatenate(ids), q / np.linalg.norm(q, axis=1, keepdims=True)
+
+
+def exact_top_k(embed_dir: str, queries: np.ndarray, k: int = 10) -> np.ndarray:
+    """The exact top-k ids of each query by inner product over every stored vector (faiss's Flat search, one
+    embedding shard at a time, merged): the reference recall is measured against."""
+    import faiss
+
+    from wbrag_ray.index.files import embedding_files, read_embedding_shard
+    from wbrag_ray.retrieval.hits import merge_results
+    from wbrag_ray.storage import resolve
+
+    found = []
+    for f in embedding_files(resolve(embed_dir)):
+        ids, vecs = read_embedding_shard(f)
+        flat = faiss.IndexIDMap2(faiss.IndexFlatIP(queries.shape[1]))
+        flat.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+        found = [merge_results([*found, flat.search(queries, k)], k)]
+    return found[0][1]
+
+
+def recall_at_k(found: np.ndarray, truth: np.ndarray, sources: np.ndarray) -> dict[str, float]:
+    """recall@k of each query's source vector (1-R@k) and of the exact top k (k-R@k)."""
+    k = truth.shape[1]
+    return {"source_in_top_k": float(np.mean([s in row for s, row in zip(sources, found, strict=True)])),
+            "exact_top_k": float(np.mean([len(set(t) & set(row)) / k for t, row in zip(truth, found, strict=True)]))}
+
+
+def _search_ids(index_dir: str, nprobe: int | str, vectors: np.ndarray, k: int) -> tuple[np.ndarray, float, int]:
+    """(ids, CPU seconds, the nprobe used) of one process and thread searching every shard at `nprobe`, as a
+    search actor does (one coarse assignment per batch)."""
+    import faiss
+
+    from wbrag_ray.index.files import load_shards
+    from wbrag_ray.retrieval.local import ShardSearch, search_nprobe, set_search_params
+    from wbrag_ray.storage import resolve
+
+    faiss.omp_set_num_threads(1)
+    shards, _ = load_shards(resolve(index_dir))
+    for shard in shards:
+        set_search_params(shard, nprobe, None, None)
+    t0 = time.process_time()
+    ids = ShardSearch(shards).search(vectors, k)[1]
+    return ids, time.process_time() - t0, search_nprobe(shards[0], nprobe)
+
+
 # --- one size -------------------------------------------------------------------------------------------
 
 
@@ -261,7 +339,7 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
 
     stage("index build", n, lambda: build_kb.index(run, config))
     built = run.stats("index")
-    results["_index"] = {k: built.get(k) for k in ("train_s", "add_s", "merge_s", "num_shards", "train_sample",
+    results["_index"] = {k: built.get(k) for k in ("factory", "train_s", "add_s", "merge_s", "num_shards", "train_sample",
                                                    "train_peak_rss_mb", "add_peak_rss_mb", "merge_peak_rss_mb")}
     print(f"[{n:,}] index build split: {results['_index']}", flush=True)
     stage("pruner prediction", n, lambda: predict(run, config))
@@ -288,6 +366,20 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
                                   "shared_assignment": shared, "hits": hits, "groups": len(pool.actors)}
 
         stage("2,000 searches + document lookup", queries, searches)
+
+        # recall: the service's own search (index.nprobe=auto) against an exact search of the same vectors
+        sources, near = recall_queries(run.layout.embed.uri, RECALL_QUERIES, dim)
+        truth = ray.get(ray.remote(num_cpus=1)(exact_top_k).remote(run.layout.embed.uri, near, 10))
+        served = np.array([[h.id for h in hits] + [-1] * (10 - len(hits))
+                           for hits in service.search_vectors(near, 10)])
+    search_one = ray.remote(num_cpus=1)(_search_ids)
+    recall: dict[str, Any] = {"service_auto": recall_at_k(served, truth, sources)}
+    for nprobe in (OLD_NPROBE, "auto"):  # the same search in one process: its recall and its CPU per query
+        ids, cpu_s, used = ray.get(search_one.remote(run.layout.index.uri, nprobe, near, 10))
+        recall[f"nprobe_{nprobe}"] = {**recall_at_k(ids, truth, sources), "nprobe": used,
+                                      "cpu_ms_per_query": 1000 * cpu_s / len(near)}
+    results["_recall"] = recall
+    print(f"[{n:,}] recall@10 against exact search: {json.dumps(recall)}", flush=True)
 
     # the same queries' search work in one task holding the whole index (a benchmark's view, not the service's)
     results["_search"]["cpu"] = ray.get(ray.remote(num_cpus=1)(_search_cpu).remote(
@@ -429,6 +521,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(f"{n} search CPU, {args.queries} queries, one process and thread, one assignment ({cpu['shards']} shards)",
                cpu["shared_s"], "s", 3)
         report(f"{n} search CPU, every shard assigning itself", cpu["each_shard_s"], "s", 3)
+    print("\n| size | IVF lists | nprobe (auto) | recall@10 of the source, service | of the exact top 10, service "
+          f"| the same at nprobe {OLD_NPROBE} (source / exact top 10) | CPU ms per query, auto / {OLD_NPROBE} |")
+    print("|---|---|---|---|---|---|---|")
+    for n, res in all_results.items():
+        rec = res["_recall"]
+        auto, old = rec["nprobe_auto"], rec[f"nprobe_{OLD_NPROBE}"]
+        lists = res["_index"].get("factory", "")
+        print(f"| {n:,} | {lists} | {auto['nprobe']} | {rec['service_auto']['source_in_top_k']:.3f} | "
+              f"{rec['service_auto']['exact_top_k']:.3f} | {old['source_in_top_k']:.3f} / {old['exact_top_k']:.3f} | "
+              f"{auto['cpu_ms_per_query']:.2f} / {old['cpu_ms_per_query']:.2f} |")
+        report_ratio(f"{n} search CPU per query, nprobe auto ({auto['nprobe']}) / {OLD_NPROBE}",
+                     auto["cpu_ms_per_query"], old["cpu_ms_per_query"])
     a, b = all_results[small]["_search"]["cpu"], all_results[large]["_search"]["cpu"]
     report_ratio(f"search CPU per query {large:,} / {small:,}, one assignment", b["shared_s"], a["shared_s"])
     report_ratio(f"search CPU per query {large:,} / {small:,}, every shard assigning", b["each_shard_s"],

@@ -37,7 +37,7 @@ from wbrag_ray.index.files import (
     new_index,
     read_embedding_shard,
     shard_dim,
-    shard_rows,
+    shards_rows,
     storage_dtype,
     to_bytes,
     write_index_file,
@@ -257,7 +257,7 @@ def build_index(
 
         parallel = ray.is_initialized()
     files = embedding_files(embeddings)
-    counts = [shard_rows(f) for f in files]
+    counts = shards_rows(files)
     total = sum(counts)
     dim = shard_dim(files[0])
     requested = factory

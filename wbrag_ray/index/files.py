@@ -71,6 +71,17 @@ def shard_rows(f: Location) -> int:
         raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
 
 
+def shards_rows(files: list[Location], threads: int = 32) -> list[int]:
+    """Every shard's row count from its footer, `threads` footers in flight at once: a footer read is one round trip
+    to object storage (about 6,900 embedding shards at 138M sentences: minutes one after another)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(files) <= 1:
+        return [shard_rows(f) for f in files]
+    with ThreadPoolExecutor(min(threads, len(files))) as pool:
+        return list(pool.map(shard_rows, files))
+
+
 def storage_dtype(f: Location) -> str:
     """The stored dtype of one shard's vectors (float, halffloat), from its schema."""
     field = pq.read_schema(f.path, filesystem=f.fs).field("vector")

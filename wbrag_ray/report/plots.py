@@ -95,18 +95,19 @@ def plot_methods_grid(grid: dict[str, Any], out: Path, file_name: str, metric: s
     return _save(plt, fig, out, file_name, rect=(0, 0.07 * -(-len(settings) // ncol) + 0.02, 1, 1))
 
 
-def plot_sentences_per_passage(counts: np.ndarray, out: Path) -> str | None:
-    """`counts`: the number of sentences of each passage."""
-    if len(counts) == 0:
+def plot_sentences_per_passage(histogram: np.ndarray, out: Path) -> str | None:
+    """`histogram[k]`: how many passages hold k sentences."""
+    if histogram.sum() == 0:
         return None
     plt, fig, ax = _figure()
     from matplotlib.ticker import MaxNLocator
 
-    ax.hist(counts, bins=range(1, int(counts.max()) + 2), color="#55A868", align="left", rwidth=0.85)
+    sizes = np.arange(len(histogram))
+    ax.bar(sizes[1:], histogram[1:], color="#55A868", width=0.85)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sentence counts are whole numbers
     ax.set_xlabel("sentences in a passage")
     ax.set_ylabel("passages")
-    ax.set_title(f"segmentation: {int(counts.sum()):,} sentences in {len(counts):,} passages")
+    ax.set_title(f"segmentation: {int((sizes * histogram).sum()):,} sentences in {int(histogram.sum()):,} passages")
     return _save(plt, fig, out, "sentences_per_passage.png")
 
 
