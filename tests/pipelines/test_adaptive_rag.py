@@ -1,13 +1,15 @@
 """FLARE and Self-RAG-style retrieval as Ray Data passes on a local Ray cluster, over the session's built run
 (its index, built with the bundled embedder). The generator is the tiny random-weight model (tests/tiny_models.py):
 these tests check decisions, not answers. Each decision is checked against the probability the same run
-recorded, at thresholds chosen to force both paths."""
+recorded, at thresholds chosen to force both paths, and FLARE's first-round probabilities against the tiny model
+decoded by hand in the test process (tests/reference_decoding.py)."""
 
 import json
 import statistics
 
 import pytest
 
+from tests import reference_decoding as reference
 from wbrag_ray import prompts, rag
 from wbrag_ray.config import load_config
 from wbrag_ray.formats import read_dataset
@@ -65,9 +67,24 @@ def test_flare_retrieves_exactly_when_a_token_falls_below_the_threshold(built_ru
     wrote = {i: r for i, r in first.items() if r["min_prob"] is not None}  # see the empty look-ahead test
     assert len(wrote) >= N - 1 and all(r["retrieved"] and r["min_prob"] < 1 for r in wrote.values())
     assert always["retrieval_skipped"].tolist() == [i not in wrote for i in always.index]
+    # each first look-ahead and its lowest token probability, against the tiny model decoded by hand in this
+    # process (tests/reference_decoding.py): the min over the first sentence's tokens, the stop token not counted
+    config = _config(built_run, tiny)
+    model, tokenizer = reference.load(tiny.generator)
+    stops = reference.stop_ids(model, tokenizer, config.generator.stop)
+    lowest = {}
+    for i, question in always["question"].items():
+        tokens, probs, _ = reference.greedy(model, tokenizer, prompts.no_retrieval_messages(question),
+                                            config.rag.flare.look_ahead_tokens, stops)
+        k = first_sentence(tokens)
+        lowest[i] = min(probs[:k]) if k else None
+        assert first[i]["look_ahead"] == "".join(tokens[:k]).strip(), i
+        assert first[i]["min_prob"] == pytest.approx(lowest[i], abs=1e-3), i  # None == None
 
     # between the lowest token probabilities of the first sentences: some retrieve, some don't
-    threshold = statistics.median(r["min_prob"] for r in wrote.values())
+    # (halfway between two of them, so no probability sits on the threshold)
+    values = sorted(lowest[i] for i in wrote)
+    threshold = (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
     df, passes = _answer(built_run, flashrag_files, tiny, services, "flare",
                          **{"flare.threshold": threshold, "flare.max_rounds": 2})
     decided = set()
@@ -78,6 +95,8 @@ def test_flare_retrieves_exactly_when_a_token_falls_below_the_threshold(built_ru
                 assert not r["retrieved"] and not r["sentence"] and r is trace["rounds"][-1], (i, r)
                 continue
             assert r["retrieved"] == (r["min_prob"] < threshold), (i, r)
+            if r["round"] == 1:  # the decision follows the reference's probability, not only the recorded one
+                assert r["retrieved"] == (lowest[i] < threshold), (i, r, lowest[i])
             decided.add(r["retrieved"])
             if r["retrieved"]:  # the sentence, its unsure tokens masked, after the question
                 assert r["query"].startswith(row["question"]) and r["doc_ids"]
