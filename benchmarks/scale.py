@@ -1,5 +1,6 @@
-"""The growth curve: index build, pruner prediction, percentile and keep mask, pruned index, and searches with
-document lookup through the retrieval service, at growing corpus sizes; how time and memory grow.
+"""The growth curve: index build, pruner prediction, percentile and keep mask, pruned index, export, report, and
+searches with document lookup through the retrieval service (and their recall@10 against an exact search), at
+growing corpus sizes; how time and memory grow.
 
 Each size gets a run folder whose ingest and embed stages are synthetic (varied text from a pseudo-word
 vocabulary, random unit vectors stored as float16 in the project's embedding-shard format: embedding speed
@@ -307,10 +308,14 @@ def _search_cpu(index_dir: str, nprobe: int, vectors: np.ndarray, k: int) -> dic
 
 
 def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "constant") -> dict[str, dict[str, Any]]:
+    import shutil
+
     import ray
 
     from wbrag_ray import build_kb
+    from wbrag_ray.export import export_kb
     from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
+    from wbrag_ray.report import write_report
     from wbrag_ray.stages.service import Services
     from wbrag_ray.zerorag.prune import predict, prune
 
@@ -344,6 +349,10 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
     print(f"[{n:,}] index build split: {results['_index']}", flush=True)
     stage("pruner prediction", n, lambda: predict(run, config))
     stage("percentile, keep mask, pruned index", n, lambda: prune(run, config, RATIO))
+    # what a user does with the built base: export it (FlashRAG's format: corpus.jsonl + one index.faiss) and report
+    stage("export (FlashRAG)", n, lambda: export_kb(run, config, "flashrag", str(root / "export")))
+    shutil.rmtree(root / "export", ignore_errors=True)
+    stage("report", n, lambda: write_report(run))
 
     with Services() as services:
         # the search actors start and load their shard groups once; every search after uses them
@@ -389,9 +398,9 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
 
 # --- report ---------------------------------------------------------------------------------------------
 
-STAGES = ("index build", "pruner prediction", "percentile, keep mask, pruned index", "retrieval service start",
-          "2,000 searches + document lookup")
-BULK = STAGES[:3]  # one task per shard: they spread over a cluster's every CPU
+STAGES = ("index build", "pruner prediction", "percentile, keep mask, pruned index", "export (FlashRAG)", "report",
+          "retrieval service start", "2,000 searches + document lookup")
+BULK = STAGES[:4]  # one task per shard: they spread over a cluster's every CPU
 SEARCHES = STAGES[-1]
 
 

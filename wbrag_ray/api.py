@@ -411,9 +411,12 @@ def export(run: RunLike, config: WbragConfig, format: str, out: str, *, prune_ra
     """Write the knowledge base in a RAG stack's own format (`format`: flashrag, langchain or llamaindex) into the
     folder `out`: the base index, or the base pruned at `prune_ratio`, plus the units of write-back version
     `writeback` (a name, 'active' or 'none'; default: the active version, if any). Reads the run (local or s3://)
-    one shard at a time and writes nothing to it; returns the export's manifest (OUT/wbrag_export.json)."""
+    one embedding shard per Ray task (documents and codes) and writes nothing to it; returns the export's manifest
+    (OUT/wbrag_export.json)."""
     from wbrag_ray.export import export_kb
 
     if prune_ratio is not None:
         check_ratio(prune_ratio, "--prune-ratio")
-    return export_kb(existing_run(run), config, format, out, prune_ratio=prune_ratio, writeback=writeback, force=force)
+    run = existing_run(run)
+    join_ray(run, config)  # the shards are read, matched with their documents and encoded in Ray tasks
+    return export_kb(run, config, format, out, prune_ratio=prune_ratio, writeback=writeback, force=force)

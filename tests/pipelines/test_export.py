@@ -262,6 +262,30 @@ def test_pruned_export_holds_exactly_the_kept_ids_and_ivf_matches_at_the_same_np
         assert faiss.extract_index_ivf(faiss.read_index(str(flashrag / "index.faiss"))).nprobe == 2
 
 
+@pytest.mark.parametrize("fmt", ["flashrag", "langchain"])
+def test_shards_are_encoded_in_ray_tasks_and_the_export_equals_one_made_in_process(sentence_run, tmp_path, monkeypatch,
+                                                                                   fmt):
+    """The IVF export's shards are read, matched with their documents and encoded in Ray tasks, the codes appended
+    in order here: the files are byte for byte those of an export that adds every vector in this process with
+    faiss's own `add`."""
+    import wbrag_ray.export as export_module
+    import wbrag_ray.export.view as view_module
+
+    run, config = sentence_run
+    manifest = _export(run, config, fmt, tmp_path / "tasks", prune_ratio=0.3)
+    assert manifest["shards_in_tasks"] == 2  # both embedding shards, none in the writer's own process
+    # the reference: the writer in this process, faiss's own `add` of every vector
+    monkeypatch.setattr(view_module, "adds_codes", lambda index: False)
+    view = view_module.open_view(run, config, 0.3)
+    (tmp_path / "here").mkdir()
+    files, described = export_module._write(fmt, view, str(tmp_path / "here"), config)
+    assert described["shards_in_tasks"] == 0 and described["counts"] == manifest["counts"]
+    names = sorted(files)
+    assert names == sorted(manifest["files"])
+    for name in names:
+        assert (tmp_path / "tasks" / name).read_bytes() == (tmp_path / "here" / name).read_bytes(), name
+
+
 def test_export_from_a_run_on_s3_through_the_cli(passage_run, s3_env, tmp_path):
     run, _config = passage_run
     remote = "s3://wbrag/export-run"

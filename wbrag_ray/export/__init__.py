@@ -35,16 +35,39 @@ def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Locat
 
     if format not in FORMATS:
         raise ConfigError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
-    writer = _writer(format)
+    _writer(format)  # its library is checked here, before any file is written
     view = open_view(run, config, prune_ratio, writeback)
     out = resolve(out) if isinstance(out, str) else out
     _clear(out, force)
     t0 = time.perf_counter()
-    files = writer.write(view, out, config)
-    manifest = {"format": format, "wbrag_version": __version__, **view.describe(config), "files": files,
+    files, described = _write_in_task(format, view, out.uri, config)
+    manifest = {"format": format, "wbrag_version": __version__, **described, "files": files,
                 "seconds": round(time.perf_counter() - t0, 3)}
     out.join(MANIFEST_FILE).write_json(manifest)
     return manifest
+
+
+def _write(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:
+    """The format's files of `view` in `out_uri`: (their names, the view described after it was read)."""
+    files = _writer(format).write(view, resolve(out_uri), config)
+    return files, view.describe(config)
+
+
+def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:
+    """`_write` in a Ray task when Ray is up: the export's one FAISS index (whole in memory, as the target libraries
+    load it) lives in a worker that declared its size to Ray, not in the command's process; the task launches the
+    shards' encoding tasks. In this process without Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return _write(format, view, out_uri, config)
+    from wbrag_ray.index.sizing import TASK_BASE_BYTES, node_bounded
+    from wbrag_ray.index.tasks import largest_node
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+    memory = node_bounded(view.index_bytes() + TASK_BASE_BYTES, largest_node(True))
+    return ray.get(ray.remote(num_cpus=LIGHT_CPUS, memory=memory, max_retries=1)(_write).remote(
+        format, view, out_uri, config))
 
 
 def _writer(format: str):

@@ -29,8 +29,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
 
     index = view.empty_index(config)
     with out.join(CORPUS_FILE).open_write() as f:
-        for vectors, docs in view.batches():
-            index.add(vectors)
+        for docs in view.fill(index):
             lines = (json.dumps({"id": d.id, "contents": d.contents, "metadata": d.metadata}, ensure_ascii=False)
                      for d in docs)
             f.write(("\n".join(lines) + "\n").encode("utf-8"))

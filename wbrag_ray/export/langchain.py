@@ -59,8 +59,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
     with tempfile.TemporaryFile() as ids, out.join(DOCSTORE_FILE).open_write() as f:
 
         def documents() -> Iterator[tuple[str, Any]]:
-            for vectors, docs in view.batches():
-                index.add(vectors)
+            for docs in view.fill(index):
                 for d in docs:
                     ids.write(d.id.encode("utf-8") + b"\n")
                     yield d.id, Document(page_content=d.contents, metadata=d.metadata, id=d.id)

@@ -63,8 +63,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
         with out.join(DOCSTORE_FILE).open_write() as f, open(hashes_path, "w") as hashes, open(rows_path, "w") as rows:
             f.write(f"{{{json.dumps(NODES)}: {{".encode())
             row = 0
-            for vectors, docs in view.batches():
-                index.add(vectors)
+            for docs in view.fill(index):
                 entries = []
                 for d in docs:
                     node = TextNode(id_=d.id, text=d.contents, metadata=d.metadata,

@@ -1,6 +1,6 @@
 """What an export holds: one view of a run's knowledge base (the base, or the base pruned at a ratio, plus the
-units of one write-back version), read one embedding shard at a time as (vectors, documents), and the single
-FAISS index they fill, row i = document i (the order FlashRAG's corpus, LangChain's id map and LlamaIndex's
+units of one write-back version), read one embedding shard per Ray task as (codes, documents), and the single
+FAISS index they fill in order, row i = document i (the order FlashRAG's corpus, LangChain's id map and LlamaIndex's
 node map all rely on).
 
 Nothing here holds the corpus: each embedding shard's documents are read by id range (Parquet footer
@@ -33,6 +33,7 @@ from wbrag_ray.index.faiss_index import (
     from_bytes,
     load_manifest,
     read_embedding_shard,
+    to_bytes,
 )
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
@@ -95,20 +96,43 @@ class View:
     def dim(self) -> int:
         return int(self.manifest["dim"])
 
-    def batches(self) -> Iterator[tuple[np.ndarray, list[Document]]]:
-        """(vectors, documents) of one embedding shard at a time, every part in turn (the base first); each
-        part's count is checked against its index manifest once it is read."""
+    def index_bytes(self) -> int:
+        """About the size of the export's index: the index files the run searches for every part, as built (codes
+        and ids; the export holds the codes without the ids' 8 bytes a vector, and one coarse quantizer)."""
+        return sum(sum(s.get("bytes", 0) for s in load_manifest(p.index).get("shards", [])) for p in self.parts)
+
+    def _count_task(self) -> None:
+        self.shards_in_tasks += 1
+
+    def fill(self, index) -> Iterator[list[Document]]:
+        """Fill `index` (`empty_index`) with every part's vectors in order, the base first, and yield each embedding
+        shard's documents as their rows are added (row i = document i); each part's count is checked against its
+        index manifest once it is read.
+
+        With Ray up and an index that stores standalone codes (flat, IVF, behind a transform or not), each embedding
+        shard is read, matched with its documents and encoded in a Ray task, `EXPORT_IN_FLIGHT` at a time, and this
+        process only appends the codes, in shard order: the encoding, the bulk of the work, spreads over the cluster.
+        Otherwise (an HNSW graph is built by adding; no Ray) the vectors are added here, one shard at a time."""
         self.counts = {}
+        trained = self.empty_index_bytes if adds_codes(index) else None
         for part in self.parts:
             n = 0
-            for vectors, docs in _part_batches(part):
+            for payload, docs in _part_batches(part, trained, self.parallel, self._count_task):
+                if trained is None:
+                    index.add(payload)
+                else:
+                    add_codes(index, payload)
                 n += len(docs)
-                yield vectors, docs
+                yield docs
             expected = load_manifest(part.index)["count"]
             if n != expected:
                 raise IndexError_(f"the export read {n} {part.source} documents, but the index {part.index.uri} "
                                   f"holds {expected}")
             self.counts[part.source] = n
+
+    empty_index_bytes: bytes | None = None  # the trained empty index, serialized: what encoding tasks rebuild
+    parallel: bool = True  # shards in Ray tasks when Ray is up (False: all in this process, as without Ray)
+    shards_in_tasks: int = 0  # embedding shards read and encoded by Ray tasks (the rest: in this process)
 
     def empty_index(self, config: WbragConfig):
         """A copy of the base index's trained empty index without its id map (row i = document i), with the
@@ -129,6 +153,7 @@ class View:
             raise IndexError_(f"trained index {trained.uri} is not empty ({index.ntotal} vectors)")
         ic = config.index
         set_search_params(index, ic.nprobe, ic.ef_search, ic.k_factor)
+        self.empty_index_bytes = to_bytes(index)
         return index
 
     def nprobe(self, config: WbragConfig) -> int | None:
@@ -146,6 +171,7 @@ class View:
             "writeback_version": self.version,
             "counts": dict(self.counts),
             "count": sum(self.counts.values()),
+            "shards_in_tasks": self.shards_in_tasks,
             "indices": {p.source: p.index.uri for p in self.parts},
             "embedder": embedder_info(config.embedder, self.dim),
             "index": {"factory": self.manifest.get("factory"), "metric": "inner_product", "nprobe": self.nprobe(config),
@@ -211,10 +237,14 @@ class RowsById:
 
     def __init__(self, folder: Location, id_column: str, columns: list[str]):
         self.folder, self.id_column, self.columns = folder, id_column, columns
+        from concurrent.futures import ThreadPoolExecutor
+
         files = folder.list_files(".parquet")
         if not files:
             raise IndexError_(f"no documents at {folder.uri}")
-        self.files = [(f, *_id_range(f, id_column)) for f in files]
+        with ThreadPoolExecutor(min(32, len(files))) as pool:  # one footer per file: round trips, in parallel
+            ranges = list(pool.map(lambda f: _id_range(f, id_column), files))
+        self.files = [(f, *r) for f, r in zip(files, ranges, strict=True)]
 
     def take(self, ids: np.ndarray) -> tuple[np.ndarray, pa.Table]:
         """(positions in `ids` that have a row, their rows in that order)."""
@@ -247,22 +277,108 @@ def _id_range(f: Location, column: str) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-def _part_batches(part: Part) -> Iterator[tuple[np.ndarray, list[Document]]]:
-    columns = {"passage": ["pid", "doc_id", "title", "text"], "sentence": ["sid", "pid", "text"],
-               WRITEBACK: ["id", "unit_id", "title", "text", "version", "source_example_id", "source_doc_ids"]}[part.unit]
-    docs = RowsById(part.docs, part.id_column, columns)
-    titles = RowsById(part.titles, "pid", ["pid", "doc_id", "title"]) if part.titles else None
-    for f in embedding_files(part.embeddings):
-        ids, vectors = read_embedding_shard(f)
-        if not len(ids):
-            continue
-        positions, rows = docs.take(ids)
-        if len(positions) < len(ids) and not part.pruned:
-            missing = np.setdiff1d(ids, ids[positions])
-            raise IndexError_(f"{len(missing)} ids of embedding shard {f.uri} have no document in {part.docs.uri} "
-                              f"(e.g. {int(missing[0])})")
-        if len(positions):
-            yield vectors[positions], _documents(part, rows.to_pylist(), titles)
+EXPORT_IN_FLIGHT = 8  # encoding tasks ahead of the writer: enough to keep a cluster's CPUs busy, and bounded:
+# each holds one shard's codes and documents until its turn
+
+
+def _part_batches(part: Part, trained: bytes | None, parallel: bool,
+                  on_task=lambda: None) -> Iterator[tuple[np.ndarray, list[Document]]]:
+    """(vectors, or codes when `trained` is given, documents) of each embedding shard of `part`, in order: in Ray
+    tasks when `parallel` and Ray is up."""
+    import ray
+
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+    readers = _Readers.of(part)
+    files = [f.uri for f in embedding_files(part.embeddings)]
+    if trained is None or not parallel or not ray.is_initialized():
+        for uri in files:
+            found = _shard_batch(readers, None, uri)
+            if found is not None:
+                yield found if trained is None else (_encoder(trained)(found[0]), found[1])
+        return
+    task = ray.remote(num_cpus=LIGHT_CPUS + 0.75, max_retries=2)(_shard_batch)
+    shared = (ray.put(readers), ray.put(np.frombuffer(trained, np.uint8)))
+    pending = [task.remote(*shared, uri) for uri in files[:EXPORT_IN_FLIGHT]]
+    for i in range(len(files)):
+        found = ray.get(pending[i])
+        on_task()
+        pending[i] = None  # its result is the writer's now: released from the object store as it is written
+        if i + EXPORT_IN_FLIGHT < len(files):
+            pending.append(task.remote(*shared, files[i + EXPORT_IN_FLIGHT]))
+        if found is not None:
+            yield found
+
+
+@dataclass(frozen=True)
+class _Readers:
+    """What a shard's task needs to find its documents: the part, and its documents' (and titles') files with their
+    id ranges, read from the footers once, here, not once per task."""
+
+    part: Part
+    docs: RowsById
+    titles: RowsById | None
+
+    @classmethod
+    def of(cls, part: Part) -> _Readers:
+        columns = {"passage": ["pid", "doc_id", "title", "text"], "sentence": ["sid", "pid", "text"],
+                   WRITEBACK: ["id", "unit_id", "title", "text", "version", "source_example_id",
+                               "source_doc_ids"]}[part.unit]
+        titles = RowsById(part.titles, "pid", ["pid", "doc_id", "title"]) if part.titles else None
+        return cls(part, RowsById(part.docs, part.id_column, columns), titles)
+
+
+def _shard_batch(readers: _Readers, trained, uri: str) -> tuple[np.ndarray, list[Document]] | None:
+    """One embedding shard's vectors (or, given the trained index, their standalone codes) and documents, in the
+    shard's order; None when it holds no document of the view."""
+    from wbrag_ray.ray_runtime import shared_value
+    from wbrag_ray.storage import resolve
+
+    f = resolve(uri)
+    part = readers.part
+    ids, vectors = read_embedding_shard(f)
+    if not len(ids):
+        return None
+    positions, rows = readers.docs.take(ids)
+    if len(positions) < len(ids) and not part.pruned:
+        missing = np.setdiff1d(ids, ids[positions])
+        raise IndexError_(f"{len(missing)} ids of embedding shard {f.uri} have no document in {part.docs.uri} "
+                          f"(e.g. {int(missing[0])})")
+    if not len(positions):
+        return None
+    vectors = vectors[positions]
+    if trained is not None:
+        vectors = _encoder(shared_value(trained).tobytes())(vectors)
+    return vectors, _documents(part, rows.to_pylist(), readers.titles)
+
+
+def _encoder(trained: bytes):
+    index = from_bytes(trained, TRAINED_FILE)
+    return lambda vectors: index.sa_encode(np.ascontiguousarray(vectors, dtype=np.float32))
+
+
+def adds_codes(index) -> bool:
+    """Whether `index` takes standalone codes (`add_codes`): flat and IVF indices, behind a transform or not. An
+    HNSW graph is built by adding vectors."""
+    import faiss
+
+    inner = faiss.downcast_index(index)
+    if isinstance(inner, faiss.IndexPreTransform):
+        inner = faiss.downcast_index(inner.index)
+    return isinstance(inner, faiss.IndexIVF | faiss.IndexFlatCodes)
+
+
+def add_codes(index, codes: np.ndarray) -> None:
+    """Append `codes` (`sa_encode` of the same trained index) as the next rows of `index`."""
+    import faiss
+
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexPreTransform):  # the codes were made after the transform: the inner index's
+        inner = faiss.downcast_index(index.index)
+        inner.add_sa_codes(codes)
+        index.ntotal = inner.ntotal
+    else:
+        index.add_sa_codes(codes)
 
 
 def _documents(part: Part, rows: list[dict[str, Any]], titles: RowsById | None) -> list[Document]:
