@@ -37,3 +37,33 @@ def test_an_auto_gate_metric_is_the_papers_metric_for_the_training_set():
 
     assert with_gate_metric(WritebackConfig(metric="auto"), "s3://b/fever_train.jsonl").metric == "f1"
     assert with_gate_metric(WritebackConfig(metric="em"), "s3://b/fever_train.jsonl").metric == "em"
+
+
+def test_the_dataset_name_follows_flashrags_layout_folder_or_flat_file():
+    from wbrag_ray.formats import dataset_name
+
+    assert dataset_name("data/nq/train.jsonl") == "nq"  # FlashRAG: a split file in its dataset's folder
+    assert dataset_name("s3://bucket/flashrag/fever/dev.jsonl") == "fever"
+    assert dataset_name("squad/test.parquet") == "squad"
+    assert dataset_name("nq_train.jsonl") == "nq" and dataset_name("/d/FEVER-dev.jsonl") == "fever"  # flat files
+    assert dataset_name("train.jsonl") == "train"  # no folder to name it: the stem
+    assert dataset_name("my_questions.jsonl") == "my_questions" and dataset_name("s3://b/train.jsonl") == "train"
+
+
+def test_the_gate_metric_of_flashrag_files_and_its_departures_are_resolved_not_literal():
+    from wbrag_ray.config import WritebackConfig, load_config
+    from wbrag_ray.writeback.pipeline import with_gate_metric
+
+    auto = WritebackConfig(metric="auto")
+    assert with_gate_metric(auto, "flashrag/fever/train.jsonl").metric == "f1"  # was 'acc': the stem is 'train'
+    assert with_gate_metric(auto, "flashrag/squad/train.jsonl").metric == "em"
+    assert with_gate_metric(auto, "flashrag/nq/train.jsonl").metric == "acc"
+
+    def metric_departures(metric: str, train: str) -> list[str]:
+        config = load_config(overrides=[f"writeback.metric={metric}"])
+        return [d for d in departures(config, WRITEBACK, train) if d.startswith("writeback.metric")]
+
+    assert metric_departures("auto", "flashrag/fever/train.jsonl") == []  # resolved as the paper did
+    assert metric_departures("f1", "flashrag/fever/train.jsonl") == []  # explicitly the paper's: no departure
+    (found,) = metric_departures("acc", "flashrag/fever/train.jsonl")
+    assert "'acc' for fever" in found and "paper: 'f1'" in found

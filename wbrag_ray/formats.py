@@ -273,3 +273,24 @@ def dataset_stem(path: str) -> str:
     """A dataset's name from its path: the file (or folder) name before its first dot ('nq/train.jsonl' -> 'train',
     's3://b/fever_dev.parquet' -> 'fever_dev'): names results, write-back versions and the paper's gate metric."""
     return path.rstrip("/").rsplit("/", 1)[-1].split(".")[0]
+
+
+SPLITS = ("train", "dev", "test", "val", "valid", "validation")  # FlashRAG's split file names
+
+
+def dataset_name(path: str) -> str:
+    """The name of the dataset a QA file belongs to, by FlashRAG's layout: 'nq/train.jsonl' -> 'nq' (a split file in
+    its dataset's folder), 'fever_dev.parquet' or 'squad-test.jsonl' -> 'fever' / 'squad' (a flat file named
+    dataset + split), anything else -> its stem. Rules that depend on the dataset (the paper's gate metric) use
+    this, lower-cased."""
+    folders = path.rstrip("/").split("://", 1)[-1].split("/")
+    if "://" in path:
+        folders = folders[1:]  # the bucket is no dataset's folder
+    stem = folders[-1].split(".")[0].lower()
+    if stem in SPLITS and len(folders) > 1 and folders[-2]:
+        return folders[-2].lower()
+    for split in SPLITS:
+        for sep in ("_", "-"):
+            if stem.endswith(sep + split) and len(stem) > len(split) + 1:
+                return stem[: -len(split) - 1]
+    return stem

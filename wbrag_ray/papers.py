@@ -41,7 +41,7 @@ CHOICES = (
     PaperChoice(WRITEBACK, "rag.flare.max_rounds", 5, "FLARE writes at most 5 sentences (FlashRAG)"),
 )
 
-# WriteBack-RAG's gate metric per dataset, by the dataset's name (the training file's stem, lower-cased).
+# WriteBack-RAG's gate metric per dataset, by the dataset's name (`formats.dataset_name`: FlashRAG's layout).
 GATE_METRICS = {"nq": "acc", "boolq": "acc", "zsre": "acc", "hotpotqa": "acc", "fever": "f1", "squad": "em"}
 
 
@@ -61,21 +61,33 @@ def _value(config: WbragConfig, path: str) -> Any:
     return value
 
 
-def departures(config: WbragConfig, paper: str | None = None) -> list[str]:
+def departures(config: WbragConfig, paper: str | None = None, train: str | None = None) -> list[str]:
     """'path: value (the paper: its value, what it says)' for each choice of `config` that differs from the
-    papers (or from one of them)."""
+    papers (or from one of them). Settings resolved from the data are compared resolved: with the write-back
+    training file `train`, writeback.metric is the metric the gates use (auto resolved by the dataset's name) and
+    the paper's is its metric for that dataset, so a resolution the paper did not make shows, and an explicit
+    value the paper used does not."""
     out = []
     for choice in CHOICES:
         if paper and choice.paper != paper:
             continue
-        value = _value(config, choice.path)
-        if value != choice.value:
-            out.append(f"{choice.path}: {value!r} (the {choice.paper} paper: {choice.value!r}, {choice.says})")
+        value, wanted = _value(config, choice.path), choice.value
+        if choice.path == "writeback.metric" and train:
+            from wbrag_ray.formats import dataset_name
+
+            name = dataset_name(train)
+            wanted = gate_metric(name)
+            value = wanted if value == "auto" else value
+            if value != wanted:
+                out.append(f"{choice.path}: {value!r} for {name} (the {choice.paper} paper: {wanted!r}, {choice.says})")
+            continue
+        if value != wanted:
+            out.append(f"{choice.path}: {value!r} (the {choice.paper} paper: {wanted!r}, {choice.says})")
     return out
 
 
-def print_departures(config: WbragConfig, paper: str) -> list[str]:
-    found = departures(config, paper)
+def print_departures(config: WbragConfig, paper: str, train: str | None = None) -> list[str]:
+    found = departures(config, paper, train)
     if found:
         print(f"{paper}: this run departs from the paper in " + "; ".join(found), flush=True)
     return found

@@ -38,10 +38,10 @@ def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
     """The write-back settings with `metric: auto` resolved to the paper's metric for the training set."""
     if wb.metric != "auto":
         return wb
-    from wbrag_ray.formats import dataset_stem
+    from wbrag_ray.formats import dataset_name
     from wbrag_ray.papers import gate_metric
 
-    return wb.model_copy(update={"metric": gate_metric(dataset_stem(train))})
+    return wb.model_copy(update={"metric": gate_metric(dataset_name(train))})
 
 
 def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:
@@ -104,7 +104,7 @@ def train_writeback(
     from wbrag_ray.papers import WRITEBACK as PAPER
     from wbrag_ray.papers import print_departures
 
-    print_departures(config, PAPER)
+    print_departures(config, PAPER, train)
     method = config.writeback.rag_method
     # the adaptive method's own thresholds decide what is written back
     params = {"version": version, "train": train,
@@ -117,7 +117,7 @@ def train_writeback(
 
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
-    from wbrag_ray.formats import embeddings_table
+    from wbrag_ray.formats import dataset_name, embeddings_table
     from wbrag_ray.index.faiss_index import build_index
     from wbrag_ray.retrieval.docstore import write_doc_store
     from wbrag_ray.writeback.units import dedupe, table3
@@ -156,6 +156,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         "version": version,
         "rag_method": wb.rag_method,
         "gate_metric": with_gate_metric(wb, train).metric,
+        "dataset": dataset_name(train),  # the name the gate metric was resolved from (FlashRAG's layout)
         **table3(examples, units, config.retrieval.top_k),
         "units_written": len(units),
         "duplicates_merged": len(merged),
