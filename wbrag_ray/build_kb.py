@@ -9,7 +9,7 @@ from wbrag_ray.formats import InputError
 from wbrag_ray.run import RunFolder, RunStage
 
 # The corpus path is not a setting: the same corpus may be read from a moved copy (a local file, then s3://). Its
-# identity is a parameter instead: its files' names and sizes (`corpus_identity`), so another corpus is refused.
+# identity is a parameter instead: its files' names and sizes (`corpus_params`), so another corpus is refused.
 INGEST = RunStage("ingest", settings=("ingest.shard_bytes", "ingest.max_passage_chars", "ingest.min_sentence_chars"),
                   command="wbrag ingest RUN --corpus PATH",
                   fix="use a new run folder for another corpus (or other ingest settings), or pass --force to ingest "

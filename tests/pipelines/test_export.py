@@ -282,8 +282,9 @@ def test_shards_are_encoded_in_ray_tasks_and_the_export_equals_one_made_in_proce
     assert described["shards_in_tasks"] == 0 and described["counts"] == manifest["counts"]
     names = sorted(files)
     assert names == sorted(manifest["files"])
-    for name in names:
-        assert (tmp_path / "tasks" / name).read_bytes() == (tmp_path / "here" / name).read_bytes(), name
+    for name in names:  # (the FlashRAG settings name their own folder)
+        tasks = (tmp_path / "tasks" / name).read_bytes().replace(str(tmp_path / "tasks").encode(), b"OUT")
+        assert tasks == (tmp_path / "here" / name).read_bytes().replace(str(tmp_path / "here").encode(), b"OUT"), name
 
 
 def test_export_from_a_run_on_s3_through_the_cli(passage_run, s3_env, tmp_path):
