@@ -256,6 +256,8 @@ def test_a_dataset_without_usable_questions_says_why(demo_run, tmp_path, capsys)
     (["prune", "{run}", "--ratio", "1.5"], ["--ratio 1.5", "below 1"]),
     (["eval", "{run}", "--dataset", "{qa}", "--prune-ratio", "1.5"], ["--prune-ratio 1.5", "below 1"]),
     (["index", "{run}", "--factory", "IVF12,NoSuchCodec"], ["index.factory 'IVF12,NoSuchCodec'", "Flat"]),
+    (["index", "{run}", "--factory", "PQ7"], ["index.factory 'PQ7'", "32-dimensional"]),  # the built vectors' dim
+    (["prune", "{run}", "--ratio", "0.3"], ["pruner-embedding", "wbrag train-pruner RUN"]),
     (["train-router", "{run}", "--train", "{missing}"], ["zerorag.train", "does not exist"]),
 ])
 def test_ratios_factories_and_inputs_are_checked_before_ray(demo_run, tmp_path, args, words):

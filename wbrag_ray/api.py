@@ -298,14 +298,14 @@ def train_pruner(run: RunLike, config: WbragConfig, kind: str | None = None, for
 
 def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = False) -> dict[str, Any]:
     """Predict every sentence's mastery (zerorag.pruner), then prune at each ratio: {ratio: stats}."""
-    from wbrag_ray.zerorag.prune import PREDICT, predict
+    from wbrag_ray.zerorag.prune import predict, predict_stage
     from wbrag_ray.zerorag.prune import prune as prune_at
 
     if not ratios:
         raise ConfigError("no pruning ratio: pass --ratio R (e.g. 0.3)")
     for ratio in ratios:
         check_ratio(ratio, "--ratio")
-    open_run(run).check(PREDICT, config, force=force)
+    open_run(run).check(predict_stage(config), config, force=force)  # the trained pruner too, before Ray
     run = start(run, config, force)
     predict(run, config, force=force)
     return {ratio: prune_at(run, config, ratio, force=force) for ratio in ratios}

@@ -172,12 +172,13 @@ def check_factory(run: RunFolder, config: WbragConfig) -> None:
     if factory.strip().lower() == "auto":
         return
     import faiss
-    import pyarrow.parquet as pq
+
+    from wbrag_ray.index.files import shard_dim
 
     dim = 3840  # divisible by every usual PQ / OPQ sub-quantizer count (8 ... 128), when the vectors are not built
     files = run.layout.embed.list_files(".parquet") if run.is_complete(EMBED.name) else []
     if files:
-        dim = pq.read_schema(files[0].path, filesystem=files[0].fs).field("vector").type.list_size
+        dim = shard_dim(files[0])
     try:
         faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as exc:

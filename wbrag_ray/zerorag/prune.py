@@ -28,12 +28,15 @@ PRUNE = RunStage(PRUNE_LEVEL, settings=("zerorag.histogram_bins",), requires=(PR
                  command="wbrag prune RUN --ratio {ratio}")
 
 
+def predict_stage(config: WbragConfig) -> RunStage:
+    """The prediction stage of zerorag.pruner: it reads that trained pruner too."""
+    return dataclasses.replace(PREDICT, requires=(*PREDICT.requires, PRUNERS[config.zerorag.pruner]))
+
+
 def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
     """Every sentence's predicted mastery with zerorag.pruner, as one Ray Data pipeline; files named by write
     task, so a retried task overwrites its own file."""
-    kind = config.zerorag.pruner
-    stage = dataclasses.replace(PREDICT, requires=(*PREDICT.requires, PRUNERS[kind]))
-    return run.execute(stage, config, lambda: _predict(run, config, kind), force=force)
+    return run.execute(predict_stage(config), config, lambda: _predict(run, config, config.zerorag.pruner), force=force)
 
 
 def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
