@@ -11,6 +11,7 @@ stages, except two inputs that only feed them: the sentence run's embedding shar
 process, with the same embedder) and its mastery predictions (drawn at random)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -304,7 +305,12 @@ def test_export_from_a_run_on_s3_through_the_cli(passage_run, s3_env, tmp_path):
     api.open_run(remote).layout.root.upload_dir(run.layout.root.path)
     local_out, remote_out = tmp_path / "local", tmp_path / "from-s3"
     assert main(["export", run.uri, "--format", "flashrag", "--out", str(local_out)]) == 0
-    assert main(["export", remote, "--format", "flashrag", "--out", str(remote_out)]) == 0
+    # as a user runs it: `wbrag` in a shell that holds the credentials, its own local Ray (whose workers read the
+    # shards) inheriting them; this session's Ray workers started before the S3 server's variables were set
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([str(Path(sys.executable).parent / "wbrag"), "export", remote, "--format", "flashrag",
+                          "--out", str(remote_out)], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert (remote_out / "corpus.jsonl").read_text() == (local_out / "corpus.jsonl").read_text()
     assert (remote_out / "index.faiss").read_bytes() == (local_out / "index.faiss").read_bytes()
     assert json.loads((remote_out / "wbrag_export.json").read_text())["run"] == remote
