@@ -13,7 +13,11 @@ join or start Ray (`config.ray`).
     api.evaluate("runs/demo", config, "questions.jsonl")
 
 Errors a person can fix (a missing input, a changed config, a stage to run first) are `ConfigError`s whose
-message says the fix; anything else is a bug.
+message says the fix; anything else is a bug. Each function checks what it can before Ray starts (inputs, ranges,
+names, the stages it reads, a changed setting), so a mistake costs a second, not a cluster start.
+
+Over 400 lines (about 425), not split: one function per command of the library, each with the checks it makes
+before any work, in one module so the API reads as one table, as the CLI (`cli.py`) that calls it does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Export the trained knowledge base to a RAG stack's own on-disk format: FlashRAG, LangChain or LlamaIndex.
 
 One view of the run (the base, or the base pruned by Zero-RAG at a ratio, plus the units of a write-back version;
-`view.py`) is read one embedding shard at a time and written by one format module:
+`view.py`) is read one embedding shard per Ray task (its documents, and its vectors as the index's codes:
+`codes.py`) and written, in a writer task that declares the index's size, by one format module:
 
     flashrag.py     corpus.jsonl (id, contents "title\\ntext", metadata) + index.faiss (row i = line i) +
                     flashrag_retriever.yaml (the retriever settings of a FlashRAG config)

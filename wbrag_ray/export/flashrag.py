@@ -15,7 +15,9 @@ import json
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.export.view import View, embedder_info, write_index
+from wbrag_ray.export.codes import write_index
+from wbrag_ray.export.embedder import embedder_info
+from wbrag_ray.export.view import View
 from wbrag_ray.storage import Location
 
 CORPUS_FILE = "corpus.jsonl"

@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.export.view import MANIFEST_FILE, View, load_embedder, write_index
+from wbrag_ray.export.codes import write_index
+from wbrag_ray.export.embedder import load_embedder
+from wbrag_ray.export.view import MANIFEST_FILE, View
 from wbrag_ray.storage import Location
 
 INDEX_NAME = "index"  # FAISS.load_local's default: index.faiss and index.pkl

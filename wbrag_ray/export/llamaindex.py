@@ -27,7 +27,9 @@ import tempfile
 from typing import Any
 
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.export.view import MANIFEST_FILE, METADATA_KEYS, View, load_embedder, write_index
+from wbrag_ray.export.codes import write_index
+from wbrag_ray.export.embedder import load_embedder
+from wbrag_ray.export.view import MANIFEST_FILE, METADATA_KEYS, View
 from wbrag_ray.storage import Location
 
 VECTOR_STORE_FILE = "default__vector_store.json"

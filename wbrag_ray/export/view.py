@@ -15,7 +15,6 @@ run's `Retriever` returns (Flat: the same ids; IVF: the same ids at the same npr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from wbrag_ray.config import ConfigError, EmbedderConfig, WbragConfig
+from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.export.codes import add_codes, adds_codes, encoder
+from wbrag_ray.export.embedder import embedder_info
 from wbrag_ray.index.faiss_index import (
     TRAINED_FILE,
     IndexError_,
@@ -295,7 +296,7 @@ def _part_batches(part: Part, trained: bytes | None, parallel: bool,
         for uri in files:
             found = _shard_batch(readers, None, uri)
             if found is not None:
-                yield found if trained is None else (_encoder(trained)(found[0]), found[1])
+                yield found if trained is None else (encoder(trained)(found[0]), found[1])
         return
     task = ray.remote(num_cpus=LIGHT_CPUS + 0.75, max_retries=2)(_shard_batch)
     shared = (ray.put(readers), ray.put(np.frombuffer(trained, np.uint8)))
@@ -348,37 +349,8 @@ def _shard_batch(readers: _Readers, trained, uri: str) -> tuple[np.ndarray, list
         return None
     vectors = vectors[positions]
     if trained is not None:
-        vectors = _encoder(shared_value(trained).tobytes())(vectors)
+        vectors = encoder(shared_value(trained).tobytes())(vectors)
     return vectors, _documents(part, rows.to_pylist(), readers.titles)
-
-
-def _encoder(trained: bytes):
-    index = from_bytes(trained, TRAINED_FILE)
-    return lambda vectors: index.sa_encode(np.ascontiguousarray(vectors, dtype=np.float32))
-
-
-def adds_codes(index) -> bool:
-    """Whether `index` takes standalone codes (`add_codes`): flat and IVF indices, behind a transform or not. An
-    HNSW graph is built by adding vectors."""
-    import faiss
-
-    inner = faiss.downcast_index(index)
-    if isinstance(inner, faiss.IndexPreTransform):
-        inner = faiss.downcast_index(inner.index)
-    return isinstance(inner, faiss.IndexIVF | faiss.IndexFlatCodes)
-
-
-def add_codes(index, codes: np.ndarray) -> None:
-    """Append `codes` (`sa_encode` of the same trained index) as the next rows of `index`."""
-    import faiss
-
-    index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexPreTransform):  # the codes were made after the transform: the inner index's
-        inner = faiss.downcast_index(index.index)
-        inner.add_sa_codes(codes)
-        index.ntotal = inner.ntotal
-    else:
-        index.add_sa_codes(codes)
 
 
 def _documents(part: Part, rows: list[dict[str, Any]], titles: RowsById | None) -> list[Document]:
@@ -407,65 +379,3 @@ def _doc(key: str, title: str | None, text: str | None, /, **metadata: Any) -> D
     meta = dict.fromkeys(METADATA_KEYS)
     meta.update(metadata, title=title)
     return Document(key, title, text, meta)
-
-
-# --- the embedder, as the export's readers need it -------------------------------------------------------
-
-
-def embedder_info(config: EmbedderConfig, dim: int) -> dict[str, Any]:
-    """The embedder's name, where it loads from, its prefixes, pooling and input length: what a reader of the
-    export needs to embed queries as the index's documents were embedded."""
-    from wbrag_ray.models.embedder import Embedder
-
-    embedder = Embedder(config)  # resolves the model; nothing is loaded
-    pooling, max_length = _sentence_transformers_settings(embedder.source)
-    return {
-        "name": config.model,
-        "path": embedder.source,
-        "query_prefix": "query: " if embedder.e5 else "",
-        "passage_prefix": "passage: " if embedder.e5 else "",
-        "dim": dim,
-        "normalized": True,
-        "pooling": pooling,
-        "max_seq_length": config.max_seq_length or max_length,
-    }
-
-
-def _sentence_transformers_settings(source: str) -> tuple[str, int | None]:
-    """(pooling, max_seq_length) from a local sentence-transformers folder; ('mean', None) where it cannot be
-    read (a hub id)."""
-    from pathlib import Path
-
-    folder = Path(source)
-    pooling, max_length = "mean", None
-    try:
-        modules = json.loads((folder / "modules.json").read_text())
-        path = next(m["path"] for m in modules if m["type"].endswith("Pooling"))
-        conf = json.loads((folder / path / "config.json").read_text())
-        pooling = "cls" if conf.get("pooling_mode_cls_token") else "mean"
-        max_length = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length")
-    except (OSError, StopIteration, KeyError, ValueError):
-        pass
-    return pooling, max_length
-
-
-def load_embedder(spec: str | EmbedderConfig | Any):
-    """A loaded `Embedder` from a model spec (a path, hub id or bundled:*), an EmbedderConfig, or an Embedder."""
-    from wbrag_ray.models.embedder import Embedder
-
-    if isinstance(spec, Embedder):
-        return spec
-    config = spec if isinstance(spec, EmbedderConfig) else EmbedderConfig(model=str(spec), dtype="float32")
-    embedder = Embedder(config)
-    embedder.setup()
-    return embedder
-
-
-def write_index(index, loc: Location) -> None:
-    """Write a faiss index to a file (local or s3://) in pieces, not through one serialized copy in memory."""
-    import faiss
-
-    with loc.open_write() as f:
-        writer = faiss.PyCallbackIOWriter(f.write)
-        faiss.write_index(index, writer)
-        del writer  # flushes before the stream closes
