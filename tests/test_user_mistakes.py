@@ -81,6 +81,21 @@ def test_the_same_corpus_from_a_moved_copy_is_the_same_corpus(demo_run, tmp_path
     assert snapshot(run) == before  # skipped: run.json is not rewritten with the moved path
 
 
+def test_a_corpus_gone_after_ingest_does_not_stop_the_run_but_cannot_be_ingested_again(tmp_path, ray_cluster, capsys):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": f"d{i}", "contents": f"T{i}\nText {i}."} for i in range(4)])
+    run = tmp_path / "run"
+    assert main(["ingest", str(run), "--corpus", str(corpus)]) == 0
+    corpus.unlink()  # moved or deleted after ingest: the built stages still stand for it
+    capsys.readouterr()
+    assert main(["ingest", str(run), "--corpus", str(corpus)]) == 0
+    out = capsys.readouterr().out
+    assert "is not there any more" in out and "[ingest] complete, skipped" in out
+    before = snapshot(run)
+    assert main(["ingest", str(run), "--corpus", str(corpus), "--force"]) == 2  # ingesting again needs it
+    assert_one_line_error(capsys.readouterr().err, "ingest", "does not exist")
+    assert snapshot(run) == before  # refused before anything was deleted
+
+
 # --- 2. a corpus with no usable rows ------------------------------------------------------------------------
 
 

@@ -94,7 +94,7 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
     # than the run's, a step whose input stage is not complete, a factory string faiss cannot parse.
     first = next(step for step in BUILD_STEPS if step in steps)
     if first == "ingest":
-        run.check(kb.INGEST, config, kb.corpus_params(config), force=force)
+        run.check(kb.INGEST, config, kb.corpus_params(config, run, force), force=force)
     else:
         run.check(getattr(kb, first.upper()), config, force=force)
     if "index" in steps:

@@ -27,15 +27,24 @@ KB_STAGES = (INGEST, EMBED, INDEX)
 CORPUS_RECORD = "_corpus.json"  # in RUN/ingest: the identity of the corpus whose shards are there
 
 
-def corpus_params(config: WbragConfig) -> dict[str, Any]:
+def corpus_params(config: WbragConfig, run: RunFolder | None = None, force: bool = False) -> dict[str, Any]:
     """The ingest stage's parameter: the corpus's identity (files, bytes, digest of names and sizes). Reading the
-    listing also checks, before any work, that the corpus exists and holds .jsonl / .parquet files."""
+    listing also checks, before any work, that the corpus exists and holds .jsonl / .parquet files. On a run whose
+    ingest is complete, a corpus that is gone (deleted or moved after ingest) is not needed: the recorded identity
+    stands for it, so later stages still run (not with `force`, which ingests again and needs the corpus)."""
     from wbrag_ray.formats import listing_identity
     from wbrag_ray.storage import resolve
 
     if not config.ingest.corpus:
         raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
-    return {"corpus": listing_identity(resolve(config.ingest.corpus))}
+    corpus = resolve(config.ingest.corpus)
+    if run is not None and not force and run.is_complete(INGEST.name) and not corpus.exists():
+        recorded = ((run.stats(INGEST.name) or {}).get("settings") or {}).get("params")
+        if recorded:
+            print(f"[ingest] corpus {corpus.uri} is not there any more; the run's ingest is complete: using it",
+                  flush=True)
+            return recorded
+    return {"corpus": listing_identity(corpus)}
 
 
 def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
@@ -45,7 +54,7 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
     from wbrag_ray.stages.ingest import run_ingest
 
     corpus = config.ingest.corpus
-    params = corpus_params(config)
+    params = corpus_params(config, run, force)
     out = run.layout.ingest.root
     if force:
         out.delete()
