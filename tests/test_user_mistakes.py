@@ -96,6 +96,14 @@ def test_a_corpus_gone_after_ingest_does_not_stop_the_run_but_cannot_be_ingested
     assert snapshot(run) == before  # refused before anything was deleted
 
 
+def test_prune_before_train_pruner_names_the_command_before_ray(demo_run, capsys):
+    run, _ = demo_run
+    before = snapshot(run)
+    assert main(["prune", str(run), "--ratio", "0.3"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "prune", "pruner-embedding", "wbrag train-pruner RUN")
+    assert snapshot(run) == before
+
+
 # --- 2. a corpus with no usable rows ------------------------------------------------------------------------
 
 
@@ -275,7 +283,6 @@ def test_a_dataset_without_usable_questions_says_why(demo_run, tmp_path, capsys)
     (["eval", "{run}", "--dataset", "{qa}", "--prune-ratio", "1.5"], ["--prune-ratio 1.5", "below 1"]),
     (["index", "{run}", "--factory", "IVF12,NoSuchCodec"], ["index.factory 'IVF12,NoSuchCodec'", "Flat"]),
     (["index", "{run}", "--factory", "PQ7"], ["index.factory 'PQ7'", "32-dimensional"]),  # the built vectors' dim
-    (["prune", "{run}", "--ratio", "0.3"], ["pruner-embedding", "wbrag train-pruner RUN"]),
     (["train-router", "{run}", "--train", "{missing}"], ["zerorag.train", "does not exist"]),
 ])
 def test_ratios_factories_and_inputs_are_checked_before_ray(demo_run, tmp_path, args, words):

@@ -302,13 +302,13 @@ def train_pruner(run: RunLike, config: WbragConfig, kind: str | None = None, for
 
 def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = False) -> dict[str, Any]:
     """Predict every sentence's mastery (zerorag.pruner), then prune at each ratio: {ratio: stats}."""
+    if not ratios:
+        raise ConfigError("no pruning ratio: pass --ratio R (e.g. 0.3)")
+    for ratio in ratios:  # before Zero-RAG's modules are imported: a typo costs no second
+        check_ratio(ratio, "--ratio")
     from wbrag_ray.zerorag.prune import predict, predict_stage
     from wbrag_ray.zerorag.prune import prune as prune_at
 
-    if not ratios:
-        raise ConfigError("no pruning ratio: pass --ratio R (e.g. 0.3)")
-    for ratio in ratios:
-        check_ratio(ratio, "--ratio")
     open_run(run).check(predict_stage(config), config, force=force)  # the trained pruner too, before Ray
     run = start(run, config, force)
     predict(run, config, force=force)
@@ -316,31 +316,34 @@ def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = 
 
 
 def tune(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
+    folder = _check_train(run, config, train)
     from wbrag_ray.zerorag.tune import TUNE
     from wbrag_ray.zerorag.tune import tune as tune_adapter
 
-    _check_train(run, config, train, TUNE, force)
-    return tune_adapter(start(run, config, force), config, train=train, force=force)
+    for dep in TUNE.requires:
+        folder.require(dep)
+    return tune_adapter(start(folder, config, force), config, train=train, force=force)
 
 
 def train_router(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
+    folder = _check_train(run, config, train)
     from wbrag_ray.zerorag.router import ROUTER
     from wbrag_ray.zerorag.router import train_router as train_it
 
-    _check_train(run, config, train, ROUTER, force)
-    return train_it(start(run, config, force), config, train=train, force=force)
+    for dep in ROUTER.requires:
+        folder.require(dep)
+    return train_it(start(folder, config, force), config, train=train, force=force)
 
 
-def _check_train(run: RunLike, config: WbragConfig, train: str | None, stage, force: bool) -> None:
-    """Before Ray: the training questions exist and the stages `stage` reads are complete."""
+def _check_train(run: RunLike, config: WbragConfig, train: str | None) -> RunFolder:
+    """Before Ray, and before Zero-RAG's modules are imported: the run folder, and the training questions exist."""
     train = train or config.zerorag.train
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
-    check_input(train, "zerorag.train")
     folder = open_run(run)
     folder.require_run()
-    for dep in stage.requires:
-        folder.require(dep)
+    check_input(train, "zerorag.train")
+    return folder
 
 
 def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None:
