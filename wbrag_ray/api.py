@@ -188,8 +188,8 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         config = _top_k_within(config, kwargs.get("base_index") or run.layout.index.uri,
                                kwargs.get("writeback_version") and run.layout.writeback_version(kwargs["writeback_version"]).index.uri)
     if label:
-        kwargs.update(label=label, setting=label)
-    label = kwargs.pop("label", None) or (f"{name}-writeback" if writeback else name)
+        kwargs["setting"] = label  # the Zero-RAG setting's name, recorded in metrics.json
+    label = label or (f"{name}-writeback" if writeback else name)
     run.check(EVAL, config, eval_params(label, dataset, kwargs), force=force)  # a change refused before Ray starts
     from wbrag_ray.evaluation.evaluate import evaluate_stage
 
@@ -287,8 +287,7 @@ def mastery(run: RunLike, config: WbragConfig, sample: int | None = None, force:
         raise ConfigError(f"--sample {sample}: the number of sentences to score must be at least 1")
     folder = open_run(run)
     folder.require_run()
-    for dep in MASTERY.requires:
-        folder.require(dep)
+    folder.require_inputs(MASTERY)
     return score(start(run, config, force), config, sample=sample, force=force)
 
 
@@ -320,8 +319,7 @@ def tune(run: RunLike, config: WbragConfig, train: str | None = None, force: boo
     from wbrag_ray.zerorag.tune import TUNE
     from wbrag_ray.zerorag.tune import tune as tune_adapter
 
-    for dep in TUNE.requires:
-        folder.require(dep)
+    folder.require_inputs(TUNE)
     return tune_adapter(start(folder, config, force), config, train=train, force=force)
 
 
@@ -330,8 +328,7 @@ def train_router(run: RunLike, config: WbragConfig, train: str | None = None, fo
     from wbrag_ray.zerorag.router import ROUTER
     from wbrag_ray.zerorag.router import train_router as train_it
 
-    for dep in ROUTER.requires:
-        folder.require(dep)
+    folder.require_inputs(ROUTER)
     return train_it(start(folder, config, force), config, train=train, force=force)
 
 

@@ -188,6 +188,11 @@ class RunFolder:
         if not self.is_complete(name):
             raise ConfigError(f"stage '{name}' of run {self.uri} is not complete; run `{stage.command_for(params)}` first")
 
+    def require_inputs(self, stage: RunStage, params: dict[str, Any] | None = None) -> None:
+        """Every stage `stage` reads is complete (else the command that makes the first missing one is named)."""
+        for dep in stage.requires:
+            self.require(dep, params)
+
     def fingerprint(self, stage: RunStage, config: WbragConfig, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """What `stage` would be made from now: its declared config values, the call's parameters and the
         fingerprints of the stages it reads."""
@@ -208,8 +213,7 @@ class RunFolder:
         """What `execute` checks before any work, callable before Ray starts: the stage's inputs are complete, and a
         complete stage made with other settings is refused (`stage.on_change`, unless `force`). Returns the
         fingerprint and what changed (for a stage that is redone on a change)."""
-        for dep in stage.requires:
-            self.require(dep, params)
+        self.require_inputs(stage, params)
         fingerprint = self.fingerprint(stage, config, params)
         changed = [] if force else self._changed(stage, fingerprint, params)
         if changed and stage.on_change == "refuse":
