@@ -89,31 +89,16 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
     """
     def work() -> dict[str, Any]:
         import ray.data
-        from ray.data.checkpoint import CheckpointConfig
 
-        from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
+        from wbrag_ray.checkpoints import resumable_write
+        from wbrag_ray.ray_runtime import LIGHT_CPUS
         from wbrag_ray.stages.base import apply_stage
         from wbrag_ray.stages.embed import EmbedStage
 
         src, id_col = run.layout.ingest.units(config.index.unit)
-        out, ckpt = run.layout.embed, run.layout.embed_checkpoint
-        resuming = ckpt.exists() and out.exists()
-        if resuming:
-            print(f"[embed] resuming from the checkpoint in {ckpt.uri}", flush=True)
-        else:  # nothing to resume: leftovers of an older attempt would be duplicates
-            out.delete()
-            ckpt.delete()
-        before = {f.name for f in out.list_files(".parquet")}
-        ctx = ray.data.DataContext.get_current()
-        # Ray coalesces a map's outputs into blocks of up to target_max_block_size bytes (128 MiB), and a
-        # block is written and checkpointed whole: size blocks by rows so progress is committed as it goes.
-        saved_block_size = ctx.target_max_block_size
-        bytes_per_row = 8 + 4 * 1024  # an id and up to 1024 float32 dimensions
-        ctx.target_max_block_size = max(64 << 10, config.embedder.checkpoint_rows * bytes_per_row)
-        ctx.checkpoint_config = CheckpointConfig(
-            id_column=id_col, checkpoint_path=ckpt.path, override_filesystem=ckpt.fs, delete_checkpoint_on_success=True
-        )
-        try:
+        rows_in = run.stats(INGEST.name)["rows_out" if config.index.unit == "passage" else "sentences"]
+
+        def embedded() -> ray.data.Dataset:
             columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
             # One block per ingest shard: a block is the unit that is written and checkpointed, so this keeps
             # what a crash can lose to one shard (Ray would otherwise pack small files into one read task).
@@ -122,24 +107,16 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
                                        num_cpus=LIGHT_CPUS)
             ds = ds.select_columns(columns)  # pushed down into the Parquet read by Ray's optimizer
             ds = ds.map_batches(unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
-            ds = apply_stage(ds, EmbedStage(config.embedder, id_column=id_col))
-            ds.write_parquet(
-                out.path,
-                filesystem=out.fs,
-                filename_provider=stable_names("emb"),
-                ray_remote_args={"num_cpus": LIGHT_CPUS},
-            )
-        finally:
-            ctx.checkpoint_config = None
-            ctx.target_max_block_size = saved_block_size
-        files = out.list_files(".parquet")
-        n = sum(f.num_rows() for f in files)
-        this_run = sum(f.num_rows() for f in files if f.name not in before)
-        rows_in = run.stats(INGEST.name)["rows_out" if config.index.unit == "passage" else "sentences"]
-        if n != rows_in:
-            raise RuntimeError(f"embed wrote {n} vectors for {rows_in} {config.index.unit}s")
-        return {"rows_in": rows_in, "rows_out": n, "rows_rejected": 0, "unit": config.index.unit,
-                "rows_embedded_this_run": this_run, "resumed": resuming}
+            return apply_stage(ds, EmbedStage(config.embedder, id_column=id_col))
+
+        bytes_per_row = 8 + 4 * 1024  # an id and up to 1024 float32 dimensions
+        written = resumable_write(embedded, run.layout.embed, id_col, "emb", config.embedder.checkpoint_rows * bytes_per_row,
+                                  "embed", rows_in)
+        if written["rows"] != rows_in:
+            raise RuntimeError(f"embed wrote {written['rows']} vectors for {rows_in} {config.index.unit}s")
+        return {"rows_in": rows_in, "rows_out": written["rows"], "rows_rejected": 0, "unit": config.index.unit,
+                "rows_resumed": written["rows_resumed"], "rows_computed": written["rows_computed"],
+                "resumed": written["resumed"]}
 
     return run.execute(EMBED, config, work, force=force)
 

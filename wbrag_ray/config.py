@@ -114,6 +114,16 @@ class GeneratorConfig(_Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
     concurrency: int = Field(1, ge=1, description="Number of generator actors / engine replicas.")
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template (instruct models).")
+    batch_invariant: bool = Field(
+        True, description="A prompt's greedy answer does not depend on what else is decoded beside it, so a resumed "
+        "pass, a grid cell and a standalone evaluation give it one answer. hf: each prompt is padded to its 64-token "
+        "length bucket and only prompts of one bucket share a batch (a little more padding, more calls on small "
+        "passes); vllm on GPUs: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, compute capability >= 8.0).",
+    )
+    checkpoint_rows: int = Field(
+        1024, ge=1, description="Answers per committed block of a stage's answer checkpoint (blocks are also "
+        "committed a minute after the last one): what a killed generator pass can lose at most.",
+    )
     cache_dir: str | None = Field(
         None, description="Where GGUF models are cached after de-quantization (default ~/.cache/wbrag/converted)."
     )
@@ -413,6 +423,10 @@ class ZeroRagConfig(_Section):
     lm_pruner: LMPrunerConfig = Field(default_factory=LMPrunerConfig)
     ratios: list[float] = Field(
         default_factory=lambda: [0.3], description="`wbrag run`: pruning ratios to build and evaluate (0 = full index)."
+    )
+    checkpoint_rows: int = Field(
+        100_000, ge=1, description="Pruner prediction: about this many sentences per written block (= per file and "
+        "per checkpoint commit): what a killed prediction pass can lose at most per task.",
     )
     histogram_bins: int = Field(
         4096, ge=16, description="Bins per level of the distributed percentile (two levels: 1/bins^2 resolution)."

@@ -5,7 +5,7 @@ search) and the tests all reach a file through these classes, never through a ty
     RUN/_stages/<stage>/stats.json, _SUCCESS  per-stage figures and the completion marker (written last)
     RUN/ingest/passages/, sentences/, rejects/, _shards/   IngestFolder
     RUN/embed/                                embedding shards (id, vector)
-    RUN/_checkpoints/embed/                   Ray Data's row-level checkpoint of a running embed
+    RUN/_checkpoints/<stage>/                 a running stage's row-level checkpoint (wbrag_ray.checkpoints)
     RUN/index/                                sharded FAISS index + manifest.json
     RUN/docs/<unit>/                          document store: id-sorted Arrow files, memory-mapped by searches
     RUN/eval/<label>-<method>/                metrics.json, predictions.parquet, rejects.parquet
@@ -197,7 +197,7 @@ class RunLayout:
     run_json = _at("run.json")
     stages = _at(STAGES_DIR)
     embed = _at("embed")
-    embed_checkpoint = _at("_checkpoints", "embed")  # Ray Data's row-level checkpoint of a running embed
+    checkpoints = _at("_checkpoints")
     index = _at("index")
     docs = _at("docs")  # the document store of each index unit (docs/passage, docs/sentence)
     eval = _at("eval")
@@ -214,6 +214,10 @@ class RunLayout:
     @property
     def zero_rag(self) -> ZeroRagFolder:
         return ZeroRagFolder(self.root.join("zero_rag"))
+
+    def checkpoint(self, stage: str) -> Location:
+        """What a running stage committed so far (answers, Ray Data's row checkpoint); gone once it completes."""
+        return self.checkpoints.join(stage)
 
     def stage(self, name: str) -> StageRecord:
         return StageRecord(self.stages.join(name))

@@ -246,10 +246,16 @@ class RunFolder:
             print(f"[{name}] settings changed ({'; '.join(changed[:3])}): redoing it", flush=True)
         elif self.is_complete(name) and not force and on_skip is not None:
             on_skip(self.stats(name) or {})
-        return self.run_stage(name, lambda: {**(work() or {}), "settings": fingerprint}, force=force or bool(changed))
+        return self.run_stage(name, lambda: {**(work() or {}), "settings": fingerprint}, force=force or bool(changed),
+                              fingerprint=fingerprint)
 
-    def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False) -> dict[str, Any]:
-        """Run `fn` unless the stage is complete; record its stats and marker; print a one-line summary."""
+    def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False,
+                  fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run `fn` unless the stage is complete; record its stats and marker; print a one-line summary. `fn`
+        runs with the stage's checkpoint open (`wbrag_ray.checkpoints`): what an earlier attempt with the same
+        `fingerprint` committed is resumed, and the checkpoint goes once the stage is complete."""
+        from wbrag_ray.checkpoints import stage_checkpoint
+
         if self.is_complete(name) and not force:
             stats = self.stats(name) or {}
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
@@ -257,17 +263,21 @@ class RunFolder:
         self.invalidate(name)
         self._record_config()
         t0 = time.perf_counter()
-        stats = dict(fn() or {})
+        checkpoint_folder = self.layout.checkpoint(name)
+        with stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
+            stats = dict(fn() or {})
+        stats = {**checkpoint.stats(), **stats}
         stats.setdefault("seconds", round(time.perf_counter() - t0, 3))
         if stats.get("rows_out") is not None and stats["seconds"] > 0:
             stats.setdefault("rows_per_s", round(stats["rows_out"] / stats["seconds"], 1))
         self.mark_complete(name, stats)
+        checkpoint_folder.delete()
         print(f"[{name}] done: {_summary(stats)}", flush=True)
         return stats
 
 
 def _summary(stats: dict[str, Any]) -> str:
-    keys = ("rows_in", "rows_out", "rows_rejected", "seconds", "rows_per_s")
+    keys = ("rows_in", "rows_out", "rows_rejected", "rows_resumed", "seconds", "rows_per_s")
     return ", ".join(f"{k.replace('rows_', '')}={stats[k]}" for k in keys if k in stats)
 
 

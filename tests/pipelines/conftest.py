@@ -3,6 +3,7 @@ bundled models in fp32: the naive-RAG pipeline tests check its answer quality, a
 knowledge base to query (the adaptive methods, with the tiny generator) share it."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,11 @@ def chain(tmp_path_factory, ray_cluster, tiny):
             "--set", "writeback.evaluate=false", *tiny.set_args()]
     assert main(args) == 0
     return RunFolder(str(run)), test_file
+
+
+def relocate(folder: Path, old: str, new: str) -> None:
+    """Rewrite every path under `old` to `new` in the JSON files of a copied run folder (manifests, listings)."""
+    for path in folder.rglob("*.json"):
+        text = path.read_text()
+        if old in text:
+            path.write_text(text.replace(old, new))

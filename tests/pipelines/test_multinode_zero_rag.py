@@ -17,19 +17,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.pipelines.conftest import relocate
 from wbrag_ray.storage import resolve
 from wbrag_ray.zerorag.grid import eval_label
 
 ROOT = Path(__file__).resolve().parents[2]
 S3_RUN = "s3://wbrag/multinode-zero-rag"
-
-
-def _relocate(folder: Path, old: str, new: str) -> None:
-    """Rewrite every path under `old` to `new` in the JSON files of a copied run folder (manifests, listings)."""
-    for path in folder.rglob("*.json"):
-        text = path.read_text()
-        if old in text:
-            path.write_text(text.replace(old, new))
 
 
 def _one_node_answers(run, label):
@@ -45,7 +38,7 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
     copy = tmp_path / "run"
     local = run.path().path.rstrip("/")
     shutil.copytree(local, copy)
-    _relocate(copy, local, S3_RUN)
+    relocate(copy, local, S3_RUN)
     import pyarrow.fs as pafs
 
     remote = resolve(S3_RUN)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from wbrag_ray import checkpoints
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.stage import GenerateStage
@@ -32,6 +33,8 @@ from wbrag_ray.stages.service import Services, run_pass
 
 if TYPE_CHECKING:
     import ray.data
+
+    from wbrag_ray.checkpoints import AnswerStore
 
 
 def generate_pass(
@@ -103,11 +106,19 @@ class GeneratorPasses:
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
-        reused = 0
+        reused = resumed = 0
         if isinstance(ds, pd.DataFrame):
             _checked(gen_config, mode)
             stage = GenerateStage(gen_config, prompt_column, output_column, mode, choices, weight_column)
-            df, reused = self._memo.run(ds, stage, lambda todo: self.services.run_frame(todo, stage, name))
+            checkpoint = checkpoints.active()
+            store = checkpoint.answers(gen_config.checkpoint_rows) if checkpoint is not None else None
+            df, reused, resumed = self._memo.run(
+                ds, stage, lambda todo, on_batch: self.services.run_frame(todo, stage, name, on_batch), store)
+            if checkpoint is not None:
+                checkpoint.count(resumed, len(df) - reused - resumed)
+            if resumed:
+                progress_log.info("%s: resumed %s of %s rows from the stage's checkpoint", name, f"{resumed:,}",
+                                  f"{len(df):,}")
             if reused:
                 progress_log.info("%s: %s of %s rows answered by earlier passes of this command", name,
                                   f"{reused:,}", f"{len(df):,}")
@@ -133,6 +144,8 @@ class GeneratorPasses:
             self.stats[name]["mixture_groups"] = len(df)
         if reused:
             self.stats[name]["answers_reused"] = reused
+        if resumed:
+            self.stats[name]["rows_resumed"] = resumed
         return df
 
     @property
@@ -141,16 +154,18 @@ class GeneratorPasses:
 
 
 class AnswerMemo:
-    """Greedy answers a command already generated, by what decides them: the loaded model's settings, the
-    pass's token budget, stop strings, mode and choices, and the prompt (with a mixture's weights). A grid
-    asks the same prompt again and again (a question whose top K the write-back index does not change, a
-    router that skips retrieval, Self-RAG's answer where it keeps one document: replug-vote's prompt for it);
-    each is decoded once per command. Kept as 16-byte digests with the output columns, up to `max_entries`
-    (scored answers hold their tokens' probabilities: about 1 KB each).
+    """Greedy answers a command already generated, by what decides them: the generator's settings that shape
+    answers (model, adapter, dtype, token budget, stop strings, chat template: not where or how wide it runs),
+    the pass's mode and choices, and the prompt (with a mixture's weights). A grid asks the same prompt again and
+    again (a question whose top K the write-back index does not change, a router that skips retrieval,
+    Self-RAG's answer where it keeps one document: replug-vote's prompt for it); each is decoded once per
+    command. Kept as 16-byte digests with the output columns, up to `max_entries` (scored answers hold their
+    tokens' probabilities: about 1 KB each). With a stage's `AnswerStore` (`wbrag_ray.checkpoints`), what an
+    earlier attempt of the stage committed is an answer too, and every new answer is committed.
 
-    Greedy decoding is a function of the prompt, up to float rounding: a prompt padded in another batch can
-    differ in the last bits of its logits, so a near-tie may go the other way; within one command the first
-    answer is kept."""
+    Greedy decoding is a function of the prompt, up to float rounding: a prompt padded in another batch could
+    differ in the last bits of its logits (the hf backend pads each prompt to its length bucket, whatever
+    else shares its batch, to keep that from happening); within one command the first answer is kept."""
 
     def __init__(self, max_entries: int = 500_000):
         self.max_entries = max_entries
@@ -160,35 +175,55 @@ class AnswerMemo:
     def _keys(df: pd.DataFrame, stage: GenerateStage) -> list[bytes]:
         import hashlib
 
-        c = stage.config
-        setting = json.dumps([stage.service_key(), c.max_new_tokens, list(c.stop), stage.mode, list(stage.choices)])
+        from wbrag_ray.run import settings_value
+
+        setting = json.dumps([settings_value(stage.config), stage.mode, list(stage.choices)], sort_keys=True)
         weights = df[stage.weight_column] if stage.mode == "mixture" else [""] * len(df)
         return [hashlib.blake2b(f"{setting}\x00{p}\x00{w}".encode(), digest_size=16).digest()
                 for p, w in zip(df[stage.prompt_column], weights, strict=True)]
 
-    def run(self, df: pd.DataFrame, stage: GenerateStage, generate) -> tuple[pd.DataFrame, int]:
-        """`df` with the stage's output columns: rows whose answer is known filled in, the others (one per
-        distinct key) through `generate(frame)`; and how many rows were filled in without decoding."""
+    def run(self, df: pd.DataFrame, stage: GenerateStage, generate, store: AnswerStore | None = None
+            ) -> tuple[pd.DataFrame, int, int]:
+        """`df` with the stage's output columns: rows whose answer is known (to this command, or committed to
+        `store`) filled in, the others (one per distinct key) through `generate(frame, on_batch)`, which calls
+        `on_batch(first_row, answered_rows)` as each batch of `frame` is answered (committed to `store` then).
+        Returns it, how many rows earlier passes of this command answered and how many `store` did."""
         keys = self._keys(df, stage)
+        committed = store.answers if store is not None else {}
         first_row: dict[bytes, int] = {}  # each unknown key's first row: the one sent to the generator
+        resumed: set[bytes] = set()
         for i, k in enumerate(keys):
-            if k not in self._answers and k not in first_row:
+            if k in self._answers or k in first_row:
+                continue
+            if k in committed:
+                resumed.add(k)
+            else:
                 first_row[k] = i
         columns = _output_columns(stage)
-        made: dict[bytes, tuple] = {}
+        made: dict[bytes, tuple] = {k: committed[k] for k in resumed}
         if first_row:
+            todo_keys = list(first_row)
+
+            def on_batch(start: int, out: pd.DataFrame) -> None:
+                if store is not None:
+                    store.add(zip(todo_keys[start:start + len(out)], out[columns].itertuples(index=False, name=None),
+                                  strict=True))
+
             # run_frame keeps the order of the rows it is given
-            new = generate(df.iloc[list(first_row.values())].reset_index(drop=True))
-            made = dict(zip(first_row, new[columns].itertuples(index=False, name=None), strict=True))
-            for k, v in made.items():
-                if len(self._answers) >= self.max_entries:
-                    break
-                self._answers[k] = v
+            new = generate(df.iloc[list(first_row.values())].reset_index(drop=True), on_batch)
+            made.update(zip(todo_keys, new[columns].itertuples(index=False, name=None), strict=True))
+            if store is not None:
+                store.flush()
+        for k, v in made.items():
+            if len(self._answers) >= self.max_entries:
+                break
+            self._answers[k] = v
         out = df.reset_index(drop=True).copy()
         values = [made[k] if k in made else self._answers[k] for k in keys]
         for j, column in enumerate(columns):
             out[column] = [v[j] for v in values]
-        return out, len(keys) - len(first_row)
+        n_resumed = sum(k in resumed for k in keys)
+        return out, len(keys) - len(first_row) - n_resumed, n_resumed
 
 
 def _output_columns(stage: GenerateStage) -> list[str]:

@@ -144,6 +144,12 @@ class VLLMGenerator(Generator):
     def on_cpu(self) -> bool:
         return not self.config.num_gpus
 
+    @property
+    def batch_invariant(self) -> bool:
+        """vLLM's batch-invariant kernels (generator.batch_invariant): NVIDIA GPUs of compute capability 8.0+
+        only; on CPUs the engine's batches decode as they come."""
+        return self.config.batch_invariant and not self.on_cpu
+
     def engine_kwargs(self) -> dict[str, Any]:
         """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, LoRA when an
         adapter is set, and generator.vllm_engine_kwargs over all of them."""
@@ -190,6 +196,7 @@ class VLLMGenerator(Generator):
             placement_group_config=placement,
             dynamic_lora_loading_path=lora_source(self.config.lora_adapter)[0],
             log_engine_metrics=False,
+            runtime_env={"env_vars": {"VLLM_BATCH_INVARIANT": "1"}} if self.batch_invariant else None,
         )
 
     def sampling_params(self, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
@@ -275,6 +282,8 @@ class VLLMGenerator(Generator):
         saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         if in_process and saved is None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.batch_invariant:
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the engine (and its processes) as it starts
         try:
             self.llm = LLM(model=self.source, **kwargs)
         finally:

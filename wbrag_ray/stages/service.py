@@ -33,7 +33,7 @@ that need those CPUs (embedding, index builds).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -115,10 +115,12 @@ class StageService:
         return ds.map_batches(_forward, fn_args=(self.actors, stage), batch_format=stage.batch_format,
                               batch_size=stage.resources.batch_size, num_cpus=LIGHT_CPUS)
 
-    def run_frame(self, frame: pd.DataFrame, stage: Stage, progress: PassProgress | None = None) -> pd.DataFrame:
+    def run_frame(self, frame: pd.DataFrame, stage: Stage, progress: PassProgress | None = None,
+                  on_batch: Callable[[int, pd.DataFrame], None] | None = None) -> pd.DataFrame:
         """Rows the driver holds through `stage`: sent straight to the actors in batches of the pass's batch
         size, without a Ray Data plan (a pass over a few rows answers in milliseconds, not the second a
-        dataset's start costs); the rows come back in their order."""
+        dataset's start costs); the rows come back in their order. `on_batch(first_row, out)` as each batch
+        is answered (a checkpoint commits it)."""
         import pyarrow as pa
 
         from wbrag_ray.ray_runtime import call_actors
@@ -128,9 +130,11 @@ class StageService:
         if stage.batch_format == "pyarrow":
             batches = [pa.Table.from_pandas(b, preserve_index=False) for b in batches]
 
-        def done(_i, out) -> None:
+        def done(i, out) -> None:
             if progress is not None:
                 progress.advance(out.num_rows if hasattr(out, "num_rows") else len(out))
+            if on_batch is not None:
+                on_batch(i * size, out.to_pandas() if hasattr(out, "to_pandas") else out)
 
         outs = call_actors(self.actors, "run", [(stage, b) for b in batches], on_result=done)
         outs = [o.to_pandas() if hasattr(o, "to_pandas") else o for o in outs]
@@ -166,10 +170,12 @@ class Services:
             return apply_stage(ds, stage)
         return self._service(stage).apply(ds, stage)
 
-    def run_frame(self, frame: pd.DataFrame, stage: Stage, name: str | None = None) -> pd.DataFrame:
+    def run_frame(self, frame: pd.DataFrame, stage: Stage, name: str | None = None,
+                  on_batch: Callable[[int, pd.DataFrame], None] | None = None) -> pd.DataFrame:
         """`apply` for rows the driver holds (an adaptive round, a gate over examples, a grid cell's
         questions), with the answer back on the driver: on a service, the batches go straight to its actors
-        (`StageService.run_frame`); reported as one progress line under `name` (default: the stage's)."""
+        (`StageService.run_frame`, which calls `on_batch` as each batch is answered); reported as one progress
+        line under `name` (default: the stage's)."""
         from wbrag_ray.progress import running
         from wbrag_ray.ray_runtime import local_dataset
 
@@ -177,8 +183,10 @@ class Services:
             if stage.service_key() is None:
                 out = apply_stage(local_dataset(frame), stage).to_pandas()
                 progress.update(len(out))
+                if on_batch is not None:
+                    on_batch(0, out)
                 return out
-            return self._service(stage).run_frame(frame, stage, progress)
+            return self._service(stage).run_frame(frame, stage, progress, on_batch)
 
     def _service(self, stage: Stage) -> StageService:
         """The live service of `stage`'s kind, set for its pass (see `apply`)."""

@@ -34,38 +34,40 @@ def predict_stage(config: WbragConfig) -> RunStage:
 
 
 def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Every sentence's predicted mastery with zerorag.pruner, as one Ray Data pipeline; files named by write
-    task, so a retried task overwrites its own file."""
+    """Every sentence's predicted mastery with zerorag.pruner, as one Ray Data pipeline that resumes where a
+    killed attempt stopped (`checkpoints.resumable_write`)."""
     return run.execute(predict_stage(config), config, lambda: _predict(run, config, config.zerorag.pruner), force=force)
 
 
 def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
     import ray.data
 
+    from wbrag_ray.checkpoints import resumable_write
     from wbrag_ray.models.pruner import EmbeddingHead
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 
-    out = run.layout.zero_rag.predictions
     model = run.layout.zero_rag.pruner(kind)
-    out.delete()
-    if kind == "embedding":
-        src = run.layout.embed
-        stage = EmbeddingPredictStage(EmbeddingHead.load(model.local_dir()).weights)
-        # the read runs fused with the prediction task, so it asks for what that task asks for
-        ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
-                                   num_cpus=stage.resources.num_cpus)
-        ds = apply_stage(ds, stage)
-    else:  # the text the regressor was trained on, titles included
-        ds = apply_stage(pruner_inputs(run), LMPredictStage(model.uri, config.zerorag.lm_pruner))
-    ds.write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names("pred"),
-                     ray_remote_args={"num_cpus": LIGHT_CPUS})
-    n = out.num_rows()
     total = run.stats(INGEST.name)["sentences"]
-    if n != total:
-        raise RuntimeError(f"mastery prediction wrote {n} scores for {total} sentences")
-    return {"rows_in": total, "rows_out": n, "rows_rejected": 0, "pruner": kind}
+
+    def predicted() -> ray.data.Dataset:
+        if kind == "embedding":
+            src = run.layout.embed
+            stage = EmbeddingPredictStage(EmbeddingHead.load(model.local_dir()).weights)
+            # the read runs fused with the prediction task, so it asks for what that task asks for
+            ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
+                                       num_cpus=stage.resources.num_cpus)
+            return apply_stage(ds, stage)
+        # the text the regressor was trained on, titles included
+        return apply_stage(pruner_inputs(run), LMPredictStage(model.uri, config.zerorag.lm_pruner))
+
+    # a row is an id and a score: blocks of checkpoint_rows rows are committed as the pass goes
+    written = resumable_write(predicted, run.layout.zero_rag.predictions, "sid", "pred",
+                              config.zerorag.checkpoint_rows * 16, "predict", total)
+    if written["rows"] != total:
+        raise RuntimeError(f"mastery prediction wrote {written['rows']} scores for {total} sentences")
+    return {"rows_in": total, "rows_out": written["rows"], "rows_rejected": 0, "pruner": kind,
+            "rows_resumed": written["rows_resumed"], "rows_computed": written["rows_computed"]}
 
 
 def index_bytes(loc: Location) -> int:

@@ -1,0 +1,199 @@
+"""Row-level checkpoints: a stage killed part way (the driver, the head node or the job lost, or stopped by a
+person) resumes where it died when the same command runs again, and writes what an uninterrupted run writes.
+
+Two kinds of pass, one folder per stage (`RUN/_checkpoints/<stage>/`, removed when the stage completes):
+
+- Ray Data passes over the corpus (embedding, pruner prediction) write their output files as they go under
+  Ray Data's `CheckpointConfig` on the rows' int64 id column (`resumable_write`): the rerun reads only the
+  rows whose ids are not checkpointed, and adds files beside the ones already written.
+- Generator passes the driver feeds (mastery's QA writing and closed-book answers, the router's labels,
+  write-back's utility scoring, document gate and distiller, every RAG method's evaluation answers) go through
+  `GeneratorPasses`, whose answer memo is keyed by what decides a greedy answer (the model's settings, token
+  budget, stop strings, mode, the prompt). The stage's `AnswerStore` writes those keys and answers in blocks
+  as batches finish (`answers/block-*.parquet`, each file whole or absent: written under a temporary name,
+  then moved; an object store's PUT is atomic), and the rerun's memo starts from them: a prompt answered
+  before the kill is not decoded again, whichever pass or grid cell asks it. Settings that change answers
+  change the key, so an old block is never taken for a new setting; and a checkpoint made under another stage
+  fingerprint (other settings, or inputs made again) is removed before the stage starts.
+
+`stage_checkpoint` opens a stage's checkpoint for the stage's work (`RunFolder.run_stage`); the passes reach it
+through `active()`, so every pass of a stage is resumable without being told where the run folder is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from wbrag_ray.storage import Location
+
+if TYPE_CHECKING:
+    import ray.data
+
+# A block of answers is committed once it holds this many rows, or this many seconds after the last one:
+# a killed driver loses at most that much decoding (defaults; `generator.checkpoint_rows` sets the rows).
+BLOCK_ROWS = 1024
+BLOCK_SECONDS = 60.0
+
+
+def _plain(value: Any) -> Any:
+    """numpy values (answers that came back through Arrow) as JSON."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"cannot checkpoint a {type(value).__name__}")
+
+
+class AnswerStore:
+    """A stage's committed answers: 16-byte keys (see `generation.passes.AnswerMemo`) and their output values,
+    loaded whole when the stage starts again (a stage's answers are what its driver holds anyway) and added to
+    in blocks."""
+
+    def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS, block_seconds: float = BLOCK_SECONDS):
+        import pyarrow.parquet as pq
+
+        self.folder = folder
+        self.block_rows = block_rows
+        self.block_seconds = block_seconds
+        self.answers: dict[bytes, tuple] = {}
+        for f in folder.list_files(".parquet"):  # temporary names end in .tmp: never read
+            table = pq.read_table(f.path, filesystem=f.fs)
+            for key, value in zip(table["key"].to_pylist(), table["value"].to_pylist(), strict=True):
+                self.answers[key] = tuple(json.loads(value))
+        self.loaded = len(self.answers)
+        self.blocks = 0
+        self._pending: list[tuple[bytes, str]] = []
+        self._last = time.monotonic()
+
+    def add(self, items: Iterable[tuple[bytes, tuple]]) -> None:
+        """Answers just decoded; committed once a block is full or old enough."""
+        self._pending.extend((key, json.dumps(list(value), default=_plain)) for key, value in items)
+        if len(self._pending) >= self.block_rows or time.monotonic() - self._last >= self.block_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Commit what is pending as one block file."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._last = time.monotonic()
+        if not self._pending:
+            return
+        keys, values = zip(*self._pending, strict=True)
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}), sink)
+        self.folder.join(f"block-{uuid.uuid4().hex}.parquet").write_bytes(sink.getvalue().to_pybytes())
+        self.blocks += 1
+        self._pending = []
+
+
+class StageCheckpoint:
+    """The checkpoint folder of one running stage, and what its passes resumed and computed."""
+
+    def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS):
+        self.folder = folder
+        self.block_rows = block_rows
+        self.rows_resumed = 0
+        self.rows_computed = 0
+        self._answers: AnswerStore | None = None
+
+    @property
+    def rows(self) -> Location:
+        """Ray Data's checkpoint of a pass over the corpus (`resumable_write`)."""
+        return self.folder.join("rows")
+
+    def answers(self, block_rows: int | None = None) -> AnswerStore:
+        """The stage's answer store, opened (and its committed blocks read) on first use."""
+        if self._answers is None:
+            self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows)
+        return self._answers
+
+    def count(self, resumed: int, computed: int) -> None:
+        self.rows_resumed += resumed
+        self.rows_computed += computed
+
+    def stats(self) -> dict[str, int]:
+        """`rows_resumed` / `rows_computed` for the stage's stats, when a pass counted any."""
+        if not (self.rows_resumed or self.rows_computed):
+            return {}
+        return {"rows_resumed": self.rows_resumed, "rows_computed": self.rows_computed}
+
+
+_ACTIVE: contextvars.ContextVar[StageCheckpoint | None] = contextvars.ContextVar("wbrag_stage_checkpoint",
+                                                                                  default=None)
+
+
+def active() -> StageCheckpoint | None:
+    """The checkpoint of the stage running in this process (None outside a stage)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label: str) -> Iterator[StageCheckpoint]:
+    """Open `folder` as the running stage's checkpoint: one made under another fingerprint is removed first
+    (its answers or rows may come from other settings or other inputs), then the fingerprint is recorded."""
+    record = folder.join("fingerprint.json")
+    if folder.exists():
+        previous = record.read_json() if record.exists() else None
+        if previous != json.loads(json.dumps(fingerprint, default=str)):
+            print(f"[{label}] the checkpoint of an earlier attempt was made with other settings: starting over",
+                  flush=True)
+            folder.delete()
+    if fingerprint is not None and not record.exists():
+        record.write_json(fingerprint)
+    checkpoint = StageCheckpoint(folder)
+    token = _ACTIVE.set(checkpoint)
+    try:
+        yield checkpoint
+    finally:
+        _ACTIVE.reset(token)
+        if checkpoint._answers is not None:
+            checkpoint._answers.flush()  # a stage that fails keeps what it decoded
+
+
+def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_column: str, prefix: str,
+                    block_bytes: int, label: str, total: int) -> dict[str, Any]:
+    """Write the dataset `build()` makes (its rows carry the int64 `id_column` from the read to the write) as
+    Parquet files in `out`, under Ray Data's row-level checkpoint in the active stage's checkpoint folder: a
+    rerun after a kill reads only the rows not written yet and adds its files beside the earlier ones (each
+    write task's file name holds its write's UUID and task index, so a retried task overwrites its own file).
+    `block_bytes`: the size Ray coalesces a map's output to, so each block, the unit that is written and
+    checkpointed, holds a bounded number of rows and progress is committed as it goes. Returns the rows the
+    files hold, and how many were resumed from an earlier attempt and computed now."""
+    import ray.data
+    from ray.data.checkpoint import CheckpointConfig
+
+    from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
+
+    checkpoint = active()
+    if checkpoint is None:
+        raise RuntimeError("resumable_write runs inside a stage (RunFolder.run_stage)")
+    ckpt = checkpoint.rows
+    resuming = ckpt.exists() and out.exists()
+    if not resuming:  # nothing to resume: leftovers of an older attempt would be duplicates
+        out.delete()
+        ckpt.delete()
+    before = {f.name: f.num_rows() for f in out.list_files(".parquet")}
+    if resuming:
+        print(f"[{label}] resumed {sum(before.values()):,} of {total:,} rows from the checkpoint in {ckpt.uri}",
+              flush=True)
+    ctx = ray.data.DataContext.get_current()
+    saved_block_size = ctx.target_max_block_size
+    ctx.target_max_block_size = max(64 << 10, block_bytes)
+    ctx.checkpoint_config = CheckpointConfig(id_column=id_column, checkpoint_path=ckpt.path,
+                                             override_filesystem=ckpt.fs, delete_checkpoint_on_success=True)
+    try:
+        build().write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
+                              ray_remote_args={"num_cpus": LIGHT_CPUS})
+    finally:
+        ctx.checkpoint_config = None
+        ctx.target_max_block_size = saved_block_size
+    written = {f.name: f.num_rows() for f in out.list_files(".parquet")}
+    computed = sum(n for name, n in written.items() if name not in before)
+    checkpoint.count(sum(written.values()) - computed, computed)
+    return {"rows": sum(written.values()), "rows_resumed": sum(written.values()) - computed,
+            "rows_computed": computed, "resumed": resuming}
