@@ -112,6 +112,10 @@ class StageCheckpoint:
             self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows)
         return self._answers
 
+    def begin_pass(self, name: str, total: int) -> None:
+        """Record the pass now running and its rows, for `wbrag status` (`progress`)."""
+        self.folder.join("pass.json").write_json({"pass": name, "rows": total})
+
     def count(self, resumed: int, computed: int) -> None:
         self.rows_resumed += resumed
         self.rows_computed += computed
@@ -155,6 +159,23 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
             checkpoint._answers.flush()  # a stage that fails keeps what it decoded
 
 
+def progress(folder: Location) -> dict[str, Any]:
+    """What the checkpoint of an incomplete stage holds: the pass it was in and that pass's rows, and how many
+    rows (answers, or rows Ray Data checkpointed) are committed."""
+    import pyarrow.parquet as pq
+
+    info = folder.join("pass.json")
+    out: dict[str, Any] = info.read_json() if info.exists() else {}
+    committed = 0
+    for part in ("answers", "rows"):
+        for f in folder.join(part).list_files(".parquet"):
+            if f.name.endswith(".pending.parquet"):  # Ray Data's mark of a write not yet committed
+                continue
+            committed += pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
+    out["committed"] = committed
+    return out
+
+
 def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_column: str, prefix: str,
                     block_bytes: int, label: str, total: int) -> dict[str, Any]:
     """Write the dataset `build()` makes (its rows carry the int64 `id_column` from the read to the write) as
@@ -178,6 +199,7 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
         out.delete()
         ckpt.delete()
     before = {f.name: f.num_rows() for f in out.list_files(".parquet")}
+    checkpoint.begin_pass(label, total)
     if resuming:
         print(f"[{label}] resumed {sum(before.values()):,} of {total:,} rows from the checkpoint in {ckpt.uri}",
               flush=True)

@@ -152,11 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="submit again even if the same job already succeeded")
     p.add_argument("-v", "--verbose", action="store_true")
 
-    for name, text in (("status", "show a submitted job's status"), ("logs", "print a submitted job's logs"),
-                       ("stop", "stop a submitted job")):
+    for name, text in (("status", "show a run folder's stages (done / total rows, what a rerun resumes), or a "
+                                  "submitted job's status"),
+                       ("logs", "print a submitted job's logs"), ("stop", "stop a submitted job")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
-        p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
+        if name == "status":
+            p.add_argument("submission_id", metavar="RUN|ID", help="a run folder, or the id `wbrag submit` printed")
+            p.add_argument("--address", help="head node of a submitted job: http://HEAD:8265 or HEAD:6379")
+        else:
+            p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
+            p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
         p.add_argument("-v", "--verbose", action="store_true")
 
     p = sub.add_parser("report", help="write RUN/report/index.html (+ PNG plots) and report.md")
@@ -344,6 +349,16 @@ def cmd_submit(args) -> None:
 
 def cmd_status(args) -> None:
     from wbrag_ray import jobs_api
+
+    if args.address is None:
+        from wbrag_ray.inspection import run_status
+
+        run = RunFolder(args.submission_id)
+        if not run.is_run():
+            raise ConfigError(f"{args.submission_id} is not a run folder (no run.json); for a submitted job's "
+                              "status pass --address HEAD")
+        print("\n".join(run_status(run)))
+        return
 
     info = jobs_api.status(args.submission_id, args.address)
     print(f"{info['submission_id']}: {info['status']}" + (f" ({info['message']})" if info["message"] else ""))

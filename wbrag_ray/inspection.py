@@ -35,8 +35,35 @@ def _head(loc, n: int) -> list[dict]:
     return rows
 
 
+def run_status(run: RunFolder) -> list[str]:
+    """One line per stage: complete ones with their rows (and how many a resume read back), then incomplete
+    ones with the rows their checkpoint holds: what the same command would resume."""
+    from wbrag_ray.checkpoints import progress
+    from wbrag_ray.layout import subdirs
+
+    lines = [f"run {run.uri}"]
+    complete = run.completed_stages()
+    for name in complete:
+        stats = run.stats(name) or {}
+        rows = stats.get("rows_out")
+        resumed = f", {stats['rows_resumed']:,} of them resumed after a stop" if stats.get("rows_resumed") else ""
+        lines.append(f"  {name:<28} complete    {'' if rows is None else f'{rows:,} rows out'}{resumed}")
+    started = set(subdirs(run.layout.stages)) | set(subdirs(run.layout.checkpoints))
+    for name in sorted(started - set(complete)):
+        folder = run.layout.checkpoint(name)
+        if not folder.exists():
+            lines.append(f"  {name:<28} incomplete  nothing committed: the same command starts it over")
+            continue
+        info = progress(folder)
+        of = f" of {info['rows']:,}" if "rows" in info else ""
+        in_pass = f" in pass {info['pass']}" if "pass" in info else ""
+        lines.append(f"  {name:<28} incomplete  {info['committed']:,}{of} rows committed{in_pass}: the same "
+                     "command resumes it")
+    return lines
+
+
 def inspect_run(run: RunFolder, n: int = 3) -> str:
-    out: list[str] = [f"run {run.uri}", f"completed stages: {', '.join(run.completed_stages()) or 'none'}"]
+    out: list[str] = run_status(run)
 
     layout = run.layout
     rejects = layout.ingest.rejects

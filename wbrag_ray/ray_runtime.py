@@ -125,6 +125,23 @@ def call_actor(actors: list, method: str, *args, attempts: int = 6):
             time.sleep(min(2.0 ** attempt, 15.0))  # Ray restarts the actor on another node meanwhile
 
 
+def start_restartable(remote_cls, *args):
+    """`remote_cls.remote(*args)` for an actor Ray restarts after a failure: the arguments must travel inside
+    the actor's creation spec (Ray inlines arguments up to `max_direct_call_object_size`, 100 KiB), not as
+    objects in the object store, which a restart needs again and cannot find once their owner released them
+    (ray-project/ray#53727). What an actor needs that is larger (an index, a model) it loads from storage by
+    path in its constructor, so a restarted actor loads it again; a clear error names anything else."""
+    from ray import cloudpickle
+
+    # Ray's own setting (a C++ config, read from the environment like every RAY_* one); its default
+    limit = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
+    size = len(cloudpickle.dumps(args))
+    if size > limit:
+        raise ValueError(f"the arguments of a restartable {remote_cls} actor pickle to {size:,} bytes, more than "
+                         f"Ray inlines ({limit:,}): pass large inputs by path, loaded in the actor")
+    return remote_cls.remote(*args)
+
+
 def call_actors(actors: list, method: str, calls: list[tuple], *, in_flight: int = 2,
                 on_result: Callable[[int, Any], None] | None = None) -> list:
     """`actors[j].<method>(*calls[i])` for every i, spread over interchangeable actors (each runs its calls in

@@ -274,3 +274,33 @@ def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm):
         assert smollm.generate(prompts) == expected  # batch sizes never change greedy answers
     finally:
         smollm.memory_budget = budget
+
+
+def test_a_prompt_is_decoded_the_same_alone_among_short_and_among_long_prompts(tiny):
+    """generator.batch_invariant (issue 26): a resumed pass decodes a prompt in other company than an
+    uninterrupted one did. The rows the model sees for the probe are the same tensors whatever shares its batch
+    (padded to its length bucket's edge), and so are its greedy tokens; their probabilities agree to float
+    rounding (a batch of 7 rows runs other matrix kernels than a batch of 1: about 1e-6 here)."""
+    gen = HFGenerator(GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=12, batch_size=16))
+    gen.setup()
+    probe = rag_messages("What is the capital of Iceland?", [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital.")])
+    short = [no_retrieval_messages(f"What is {i} + {i}?") for i in range(6)]
+    # longer than the probe by a few tokens each: without buckets they would share its batch and pad it
+    longer = [rag_messages("What is the capital of Iceland?", [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital." + " Yes." * i)])
+              for i in range(1, 7)]
+
+    def probe_row(prompts):
+        for idx, enc in gen._batches(gen.render(prompts), 12):
+            if 0 in idx:
+                row = idx.index(0)
+                return enc["input_ids"][row].tolist(), enc["attention_mask"][row].tolist()
+
+    alone = probe_row([probe])
+    assert probe_row([probe, *short]) == alone and probe_row([probe, *longer]) == alone
+    assert len(alone[0]) % 64 == 0 and 0 in alone[1]  # padded to its bucket's edge even alone
+
+    first = gen.generate_scored([probe])[0]
+    for company in (short, longer):
+        got = gen.generate_scored([probe, *company])[0]
+        assert (got.tokens, got.text) == (first.tokens, first.text)
+        assert got.probs == pytest.approx(first.probs, rel=1e-5)

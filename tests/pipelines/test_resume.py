@@ -72,16 +72,22 @@ def _check_resumed(run: RunFolder, stage: str, total: int, committed: int) -> No
 
 
 @pytest.mark.slow
-def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chain, ray_cluster, tmp_path, caplog):
+def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chain, ray_cluster, tmp_path, caplog,
+                                                                           capsys):
     source, _ = chain
     run = _copy(source, tmp_path / "run", "mastery")
     total = source.stats("mastery")["valid"]  # the QA pairs the closed-book pass answers
     committed = _kill_when_half_committed(["mastery", run.uri, *SMALL_BLOCKS], run, "mastery", total, ray_cluster)
 
+    assert main(["status", run.uri]) == 0  # what a person sees of the stopped stage
+    status = capsys.readouterr().out
+    assert f"{committed:,} of {total:,} rows committed in pass closed_book: the same command resumes it" in status
     with caplog.at_level("INFO", logger="wbrag_ray.progress"):
         assert main(["mastery", run.uri, *SMALL_BLOCKS]) == 0
     assert f"resumed {committed:,} of {total:,} rows" in caplog.text
     _check_resumed(run, "mastery", total, committed)
+    assert main(["status", run.uri]) == 0
+    assert f"{committed:,} of them resumed after a stop" in capsys.readouterr().out
     # the same QA pairs, answers and scores as the uninterrupted run
     for table in ("qa", "scores"):
         want = pq.read_table(getattr(source.layout.zero_rag, table).path).to_pandas()

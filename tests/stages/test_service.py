@@ -91,3 +91,33 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
         # one model actor at a time: the other CPU stays free for reads and Ray's own tasks
         assert ray_cluster.available_resources().get("CPU", 0) >= 1
     assert _cpus_free(ray_cluster, 2)
+
+
+def test_a_service_actor_killed_after_its_arguments_were_released_restarts_and_serves(ray_cluster, tiny):
+    """Issue 26: a service actor that Ray restarts (its node lost, its process killed) constructs itself again
+    from its creation spec. The stage travels inside it (by value), so the restart needs nothing the driver
+    may have released: here every driver-side reference to the stage is gone and the object store's unused
+    objects freed before the kill."""
+    import gc
+
+    import pytest
+
+    from wbrag_ray.generation.stage import GenerateStage
+    from wbrag_ray.ray_runtime import start_restartable
+    from wbrag_ray.stages.service import StageService
+
+    config = GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=6, batch_size=2, num_cpus=1)
+    service = StageService(GenerateStage(config))
+    first = service.run_frame(_frame(), GenerateStage(config))
+    gc.collect()
+    ray_cluster._private.internal_api.global_gc()
+    ray_cluster.kill(service.actors[0], no_restart=False)  # Ray restarts it (max_restarts=3)
+    try:
+        again = service.run_frame(_frame(), GenerateStage(config))
+        assert again["answer"].tolist() == first["answer"].tolist()
+        assert ray_cluster.get(service.actors[0].setup_count.remote()) == 1  # a new process: set up once more
+    finally:
+        service.close()
+    # an argument too large to travel inside the creation spec is refused, not left to fail a later restart
+    with pytest.raises(ValueError, match="pass large inputs by path"):
+        start_restartable(ray_cluster.remote(num_cpus=0)(object), b"x" * (200 * 1024))

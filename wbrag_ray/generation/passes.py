@@ -111,7 +111,10 @@ class GeneratorPasses:
             _checked(gen_config, mode)
             stage = GenerateStage(gen_config, prompt_column, output_column, mode, choices, weight_column)
             checkpoint = checkpoints.active()
-            store = checkpoint.answers(gen_config.checkpoint_rows) if checkpoint is not None else None
+            store = None
+            if checkpoint is not None:
+                store = checkpoint.answers(gen_config.checkpoint_rows)
+                checkpoint.begin_pass(name, len(ds))
             df, reused, resumed = self._memo.run(
                 ds, stage, lambda todo, on_batch: self.services.run_frame(todo, stage, name, on_batch), store)
             if checkpoint is not None:

@@ -30,7 +30,7 @@ import numpy as np
 from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_manifest
 from wbrag_ray.index.files import load_shard
-from wbrag_ray.ray_runtime import call_actor
+from wbrag_ray.ray_runtime import call_actor, start_restartable
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
 from wbrag_ray.retrieval.local import (
@@ -150,7 +150,7 @@ class SearchPool:
             )(SearchActor)
             files = [shards[i]["file"] for i in group]
             counts = [shards[i].get("count") for i in group]
-            actors.append([remote.remote(index_dir, files, counts, int(manifest["dim"]), search, threads)
+            actors.append([start_restartable(remote, index_dir, files, counts, int(manifest["dim"]), search, threads)
                            for _ in range(retrieval.concurrency)])
         pool = cls(index_dir, manifest, actors, pool_placement(index, retrieval))
         try:

@@ -104,10 +104,13 @@ class StageService:
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
-        # A lost actor (a node gone) is started again and its call retried: setup runs again there.
+        from wbrag_ray.ray_runtime import start_restartable
+
+        # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
+        # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3)(_ServiceWorker)
-        self.actors = [remote.remote(stage) for _ in range(res.concurrency)]
+        self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         from wbrag_ray.ray_runtime import LIGHT_CPUS
