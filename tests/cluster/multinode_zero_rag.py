@@ -1,8 +1,10 @@
 """Zero-RAG after the index on a local Ray cluster of a head and three worker nodes, the run folder on object
-storage, losing a worker node during pruner prediction and again during an evaluation pass (run as a script
-by tests/pipelines/test_multinode_zero_rag.py: a Cluster needs its own driver process). Prints a JSON summary.
+storage, losing a worker node during pruner prediction and again during an evaluation pass, then an
+evaluation whose driver (a `wbrag eval` process joined to the cluster) is SIGKILLed once half its answers are
+committed to the stage's checkpoint on object storage, and resumed (run as a script by
+tests/pipelines/test_multinode_zero_rag.py: a Cluster needs its own driver process). Prints a JSON summary.
 
-    python -m tests.cluster.multinode_zero_rag S3_RUN DATASET
+    python -m tests.cluster.multinode_zero_rag S3_RUN DATASET QUESTIONS
 
 The head node has no CPUs (the driver's node), each worker node two; a worker node's raylet is killed without
 warning as soon as a task of the stage (prediction: the read-and-predict tasks; evaluation: the generator
@@ -126,11 +128,46 @@ def answers(run: RunFolder, label: str) -> dict:
     return out
 
 
+def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions: str) -> dict:
+    """An uninterrupted evaluation of `questions` (naive RAG, the reference), then the same under another name
+    by a driver killed once half its answers are committed, then that command again."""
+    import signal
+    import subprocess
+
+    from wbrag_ray.checkpoints import progress
+
+    small = {"batch_size": 1, "checkpoint_rows": 4}  # committed a few answers at a time
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]}),
+                                       "generator": config.generator.model_copy(update=small)})
+    api.evaluate(run, config, questions, "whole")
+    total = len(answers(run, "whole")["naive"]["answers"])
+    args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", questions, "--name", "killed",
+            "--methods", "naive", "--address", address, "--set", "generator.batch_size=1",
+            "--set", "generator.checkpoint_rows=4"]
+    driver = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    folder = run.layout.checkpoint("eval-killed")
+    deadline = time.time() + 300
+    while time.time() < deadline and driver.poll() is None and progress(folder)["committed"] < total / 2:
+        time.sleep(0.05)
+    os.killpg(driver.pid, signal.SIGKILL)
+    log = driver.communicate(timeout=60)[0]
+    committed = progress(folder)["committed"]
+    step(f"killed the driver with {committed} of {total} answers committed")
+    complete_at_kill = run.is_complete("eval-killed")
+    api.evaluate(run, config, questions, "killed")
+    stats = run.stats("eval-killed")
+    return {"total": total, "committed": committed, "complete_at_kill": complete_at_kill,
+            "rows_resumed": stats.get("rows_resumed"), "rows_computed": stats.get("rows_computed"),
+            "checkpoint_left": folder.exists(), "same_answers": answers(run, "killed") == answers(run, "whole"),
+            "driver_log": log[-1500:]}
+
+
 def step(message: str) -> None:
     print(f"[multinode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main(s3_run: str, dataset: str) -> None:
+def main(s3_run: str, dataset: str, questions: str) -> None:
     # The nodes are processes of this one machine: the tiny models' local folders are on a disk every node sees.
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # all work on the worker nodes
@@ -165,6 +202,9 @@ def main(s3_run: str, dataset: str) -> None:
     step(f"evaluate beside the write-back index (the last evaluation lost a node: {killer.killed})")
     api.evaluate(run, config, dataset, "t", prune_ratio=RATIO, writeback=True, force=True)
     summary["writeback"] = answers(run, eval_label("t", RATIO, True))
+
+    step("an evaluation whose driver is killed part way, resumed")
+    summary["resume"] = resume_after_a_killed_driver(cluster.address, run, config, questions)
     summary["alive_nodes"] = sum(1 for node in ray.nodes() if node["Alive"])
     print(json.dumps(summary))
     ray.shutdown()
@@ -172,4 +212,4 @@ def main(s3_run: str, dataset: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -2,7 +2,8 @@
 pruned index, an evaluation with the router and the tuned adapter) and a write-back evaluation, on a
 local Ray cluster of a head and three worker nodes, with the run folder on the S3-compatible server on loopback, losing a worker
 node during prediction and again during an evaluation pass: the same keep mask and the same answers as the
-one-node run of the chain fixture, nothing lost, nothing duplicated.
+one-node run of the chain fixture, nothing lost, nothing duplicated; then an evaluation whose driver is killed
+part way resumes from its checkpoint on object storage and answers as an uninterrupted one.
 
 The chain's run folder is copied to object storage with every absolute path in its JSON files moved with it,
 and the local copy deleted, so a stage that still read the local folder would fail instead of passing."""
@@ -17,6 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import demo_questions, write_jsonl
 from tests.pipelines.conftest import relocate
 from wbrag_ray.storage import resolve
 from wbrag_ray.zerorag.grid import eval_label
@@ -47,7 +49,9 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
     shutil.rmtree(copy)
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_zero_rag", S3_RUN, str(test_file)],
+    questions = write_jsonl(tmp_path / "questions.jsonl", demo_questions(24))
+    out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_zero_rag", S3_RUN, str(test_file),
+                          str(questions)],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -69,3 +73,11 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
         assert got["rows"] == got["unique"] == len(answers)
         assert got["docs"] == docs, key  # the same documents from the same indices (the write-back union too)
         assert got["answers"] == answers, key
+
+    # a driver killed with half of an evaluation's answers committed (to object storage): the rerun reads them
+    # back, computes at most 60%, and answers as the uninterrupted evaluation did
+    resume = summary["resume"]
+    assert resume["total"] == 24 and resume["total"] / 2 <= resume["committed"] < 24, resume
+    assert not resume["complete_at_kill"], resume
+    assert resume["rows_resumed"] == resume["committed"] and resume["rows_computed"] == 24 - resume["committed"]
+    assert resume["rows_computed"] <= 0.6 * 24 and not resume["checkpoint_left"] and resume["same_answers"], resume
