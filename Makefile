@@ -49,9 +49,10 @@ setup-vllm: $(VENV)/.setup-vllm-done
 demo: setup
 	$(VENV)/bin/wbrag demo
 
-# The 25 slowest tests close every run's output (and so every CI log).
+# Two workers (tests/conftest.py groups the tests by module and by shared run); the 25 slowest tests close
+# every run's output (and so every CI log).
 test: setup
-	$(VENV)/bin/pytest --durations=25
+	$(VENV)/bin/pytest -n 2 --dist loadgroup --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check wbrag_ray tests benchmarks jobs
