@@ -49,10 +49,9 @@ setup-vllm: $(VENV)/.setup-vllm-done
 demo: setup
 	$(VENV)/bin/wbrag demo
 
-# Two workers (tests/conftest.py groups the tests by module and by shared run); the 25 slowest tests close
-# every run's output (and so every CI log).
+# The 25 slowest tests close every run's output (and so every CI log).
 test: setup
-	$(VENV)/bin/pytest -n 2 --dist loadgroup --durations=25
+	$(VENV)/bin/pytest --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check wbrag_ray tests benchmarks jobs

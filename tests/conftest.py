@@ -106,28 +106,3 @@ def demo_run(tmp_path_factory, ray_cluster, tiny):
     assert main(["eval", str(run), "--dataset", str(qa), "--name", "qa", "--methods", "naive"]) == 0
     return run, qa
 
-
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): most tests wait on Ray, model
-# loads and subprocesses, so two at a time fill the two cores. A group runs whole on one worker: a module
-# (its module-scoped fixtures are built once), or every module that reads one of the session-scoped runs below
-# (built once per worker that needs it: these take minutes).
-SHARED_RUNS = ("chain", "built_run", "demo_run")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
-
-    modules = {item.nodeid: item.nodeid.split("::", 1)[0] for item in items}
-    for item in items:  # a module joins the group of every shared run one of its tests reads
-        for name in SHARED_RUNS:
-            if name in getattr(item, "fixturenames", ()):
-                parent[find(modules[item.nodeid])] = find(name)
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(find(modules[item.nodeid])))

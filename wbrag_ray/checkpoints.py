@@ -51,12 +51,14 @@ def _plain(value: Any) -> Any:
 class AnswerStore:
     """A stage's committed answers: 16-byte keys (see `generation.passes.AnswerMemo`) and their output values,
     loaded whole when the stage starts again (a stage's answers are what its driver holds anyway) and added to
-    in blocks."""
+    in blocks. `before_commit` runs before each block is written (the stage records its fingerprint)."""
 
-    def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS, block_seconds: float = BLOCK_SECONDS):
+    def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS, block_seconds: float = BLOCK_SECONDS,
+                 before_commit: Callable[[], None] | None = None):
         import pyarrow.parquet as pq
 
         self.folder = folder
+        self.before_commit = before_commit
         self.block_rows = block_rows
         self.block_seconds = block_seconds
         self.answers: dict[bytes, tuple] = {}
@@ -83,6 +85,8 @@ class AnswerStore:
         self._last = time.monotonic()
         if not self._pending:
             return
+        if self.before_commit is not None:
+            self.before_commit()
         keys, values = zip(*self._pending, strict=True)
         sink = pa.BufferOutputStream()
         pq.write_table(pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}), sink)
@@ -92,14 +96,18 @@ class AnswerStore:
 
 
 class StageCheckpoint:
-    """The checkpoint folder of one running stage, and what its passes resumed and computed."""
+    """The checkpoint folder of one running stage, and what its passes resumed and computed. The stage's
+    fingerprint is recorded beside the first thing committed: a stage that stops before committing anything
+    (a bad input refused part way) leaves nothing in the run folder."""
 
-    def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS):
+    def __init__(self, folder: Location, fingerprint: dict[str, Any] | None = None, block_rows: int = BLOCK_ROWS):
         self.folder = folder
+        self.fingerprint = fingerprint
         self.block_rows = block_rows
         self.rows_resumed = 0
         self.rows_computed = 0
         self._answers: AnswerStore | None = None
+        self._pass: dict[str, Any] | None = None
 
     @property
     def rows(self) -> Location:
@@ -109,12 +117,23 @@ class StageCheckpoint:
     def answers(self, block_rows: int | None = None) -> AnswerStore:
         """The stage's answer store, opened (and its committed blocks read) on first use."""
         if self._answers is None:
-            self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows)
+            self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows,
+                                        before_commit=self.record)
         return self._answers
 
+    def record(self) -> None:
+        """Before anything is committed: the stage's fingerprint (once), and the pass now running."""
+        record = self.folder.join("fingerprint.json")
+        if self.fingerprint is not None and not record.exists():
+            record.write_json(self.fingerprint)
+        if self._pass is not None:
+            self.folder.join("pass.json").write_json(self._pass)
+            self._pass = None
+
     def begin_pass(self, name: str, total: int) -> None:
-        """Record the pass now running and its rows, for `wbrag status` (`progress`)."""
-        self.folder.join("pass.json").write_json({"pass": name, "rows": total})
+        """The pass now running and its rows, for `wbrag status` (`progress`): recorded with its first commit
+        (a pass that decodes nothing leaves no checkpoint)."""
+        self._pass = {"pass": name, "rows": total}
 
     def count(self, resumed: int, computed: int) -> None:
         self.rows_resumed += resumed
@@ -147,9 +166,7 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
             print(f"[{label}] the checkpoint of an earlier attempt was made with other settings: starting over",
                   flush=True)
             folder.delete()
-    if fingerprint is not None and not record.exists():
-        record.write_json(fingerprint)
-    checkpoint = StageCheckpoint(folder)
+    checkpoint = StageCheckpoint(folder, fingerprint)
     token = _ACTIVE.set(checkpoint)
     try:
         yield checkpoint
@@ -176,6 +193,21 @@ def progress(folder: Location) -> dict[str, Any]:
     return out
 
 
+def rows_by_file(folder: Location) -> dict[str, int]:
+    """Rows of each Parquet file in `folder`, from its footer. A file the kill cut short has none: Ray's checkpoint
+    filter deletes it on the resumed run (its checkpoint was never committed) and its rows are written again."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = {}
+    for f in folder.list_files(".parquet"):
+        try:
+            out[f.name] = pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
+        except (pa.ArrowInvalid, OSError):
+            continue
+    return out
+
+
 def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_column: str, prefix: str,
                     block_bytes: int, label: str, total: int) -> dict[str, Any]:
     """Write the dataset `build()` makes (its rows carry the int64 `id_column` from the read to the write) as
@@ -198,8 +230,9 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
     if not resuming:  # nothing to resume: leftovers of an older attempt would be duplicates
         out.delete()
         ckpt.delete()
-    before = {f.name: f.num_rows() for f in out.list_files(".parquet")}
+    before = rows_by_file(out)
     checkpoint.begin_pass(label, total)
+    checkpoint.record()
     if resuming:
         print(f"[{label}] resumed {sum(before.values()):,} of {total:,} rows from the checkpoint in {ckpt.uri}",
               flush=True)
@@ -214,7 +247,7 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
     finally:
         ctx.checkpoint_config = None
         ctx.target_max_block_size = saved_block_size
-    written = {f.name: f.num_rows() for f in out.list_files(".parquet")}
+    written = rows_by_file(out)
     computed = sum(n for name, n in written.items() if name not in before)
     checkpoint.count(sum(written.values()) - computed, computed)
     return {"rows": sum(written.values()), "rows_resumed": sum(written.values()) - computed,

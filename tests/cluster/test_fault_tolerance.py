@@ -62,7 +62,9 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
         time.sleep(0.2)
     os.killpg(p.pid, signal.SIGKILL)  # the driver and the local cluster it started, mid-stage
     p.wait(60)
-    written_before = layout.embed.num_rows()
+    from wbrag_ray.checkpoints import rows_by_file
+
+    written_before = sum(rows_by_file(layout.embed).values())  # a file the kill cut short holds none
     assert 0 < written_before < len(records)
     assert not layout.stage("embed").success.exists()
 

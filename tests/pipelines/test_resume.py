@@ -112,3 +112,32 @@ def test_an_evaluation_resumes_after_the_driver_is_killed_and_answers_as_an_unin
     answers = [pq.read_table(run.layout.eval_result(label, "naive").predictions.path, columns=["id", "prediction"])
                .to_pylist() for label in ("whole", "killed")]
     assert sorted(answers[0], key=str) == sorted(answers[1], key=str) and len(answers[0]) == 40
+
+
+@pytest.mark.slow
+def test_write_back_training_resumes_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
+    """Utility scoring (RePlug's mixture and the closed-book baseline), the document gate and both distillation
+    steps are generator passes of one stage: killed part way, the rerun decodes only what no attempt committed
+    and writes the same examples, gates and knowledge units as an uninterrupted training."""
+    import json
+
+    from tests.conftest import DATA
+
+    source, _ = chain
+    run = _copy(source, tmp_path / "run")
+    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:12]
+    common = ["--train", str(write_jsonl(tmp_path / "train.jsonl", train)), "--set", "writeback.limit=12",
+              "--set", "writeback.activate=false", *SMALL_BLOCKS]
+    assert main(["writeback", run.uri, "--version", "whole", *common]) == 0  # the uninterrupted reference
+    total = run.stats("writeback-whole")["rows_computed"]  # every distinct prompt the stage decodes
+
+    committed = _kill_when_half_committed(["writeback", run.uri, "--version", "killed", *common], run,
+                                          "writeback-killed", total, ray_cluster)
+    assert main(["writeback", run.uri, "--version", "killed", *common]) == 0
+    stats = run.stats("writeback-killed")
+    assert stats["rows_computed"] == total - committed <= 0.6 * total, stats
+    assert not run.layout.checkpoint("writeback-killed").exists()
+    for table in ("scored", "distill", "units"):
+        whole, killed = (pq.read_table(getattr(run.layout.writeback_version(v), table).path).to_pandas()
+                         for v in ("whole", "killed"))
+        assert killed.equals(whole), table
