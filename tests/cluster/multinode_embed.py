@@ -2,7 +2,8 @@
 cluster that loses a worker node holding an embed actor part way (run as a script by test_fault_tolerance.py: a
 Cluster needs its own driver process). Prints a JSON summary.
 
-    python -m tests.cluster.multinode_embed TMP N   (N synthetic passages, ingested into TMP/run first)
+    python -m tests.cluster.multinode_embed TMP N [EMBEDDER]   (N synthetic passages, ingested into TMP/run
+    first; EMBEDDER: a local sentence-transformers folder in place of the bundled model, e.g. the tests' tiny one)
 
 At the kill it records what the node held, from Ray's own actor table (the GCS's, not the actors' word), and how
 many embedding files were on disk; then the stage finishes (or, if the loss fails it, is run again as a user
@@ -35,7 +36,7 @@ def embed_actors() -> dict[str, list[str]]:
     return out
 
 
-def main(tmp: str, n: int) -> None:
+def main(tmp: str, n: int, embedder: str | None = None) -> None:
     tmp_dir = Path(tmp)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     words = "river mountain city planet metal music bridge forest island engine".split()
@@ -53,6 +54,7 @@ def main(tmp: str, n: int) -> None:
         f"ray.address={cluster.address}", f"ingest.corpus={corpus}", "ingest.shard_bytes=4096",
         "embedder.num_cpus=1", "embedder.threads=1", "embedder.concurrency=2", "embedder.batch_size=8",
         "embedder.checkpoint_rows=50",  # small blocks: a file (and a checkpoint commit) every 50 or so vectors
+        *([f"embedder.model={embedder}", "embedder.dtype=float32"] if embedder else []),
     ])
     run = api.start(str(tmp_dir / "run"), config)
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -102,4 +104,4 @@ def main(tmp: str, n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
