@@ -4,7 +4,9 @@ what was left and writes what an uninterrupted run wrote.
 
 The killed drivers join the session's Ray cluster (RAY_ADDRESS), as a job's driver joins a cluster: killing
 one ends its actors, not the cluster. The runs are copies of the session's Zero-RAG chain run, so the chain's
-own outputs are the uninterrupted reference."""
+own outputs are the uninterrupted reference. An evaluation's driver is killed and resumed on four nodes with
+the run folder on object storage (tests/pipelines/test_multinode_zero_rag.py); the embed stage's, with the
+local cluster it started, in tests/cluster/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
@@ -16,17 +18,36 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import demo_questions, write_jsonl
+from tests.conftest import write_jsonl
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
 
 ROOT = Path(__file__).resolve().parents[2]
-# small batches committed one by one, so "half the rows" falls between two commits
+# The killed driver decodes in small batches committed one by one, so "half the rows" falls between two commits;
+# the uninterrupted reference and the rerun decode in the usual batches (a batch size never changes an answer:
+# generator.batch_invariant, and it is no setting of the stage).
 SMALL_BLOCKS = ["--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=4"]
+
+
+def _same(a, b) -> bool:
+    """Equal values, floats to float rounding: scores from token probabilities change in their last bits with
+    the batch size (the killed driver decoded in batches of one, the others in batches of 32); answers do not."""
+    if hasattr(a, "tolist"):
+        a = a.tolist()
+    if hasattr(b, "tolist"):
+        b = b.tolist()
+    if isinstance(a, float) and isinstance(b, float):
+        return bool(np.isclose(a, b, rtol=1e-5, atol=1e-7, equal_nan=True))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
 
 
 def _copy(chain_run: RunFolder, dest: Path, *invalidate: str) -> RunFolder:
@@ -83,7 +104,7 @@ def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chai
     status = capsys.readouterr().out
     assert f"{committed:,} of {total:,} rows committed in pass closed_book: the same command resumes it" in status
     with caplog.at_level("INFO", logger="wbrag_ray.progress"):
-        assert main(["mastery", run.uri, *SMALL_BLOCKS]) == 0
+        assert main(["mastery", run.uri]) == 0
     assert f"resumed {committed:,} of {total:,} rows" in caplog.text
     _check_resumed(run, "mastery", total, committed)
     assert main(["status", run.uri]) == 0
@@ -97,41 +118,24 @@ def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chai
 
 
 @pytest.mark.slow
-def test_an_evaluation_resumes_after_the_driver_is_killed_and_answers_as_an_uninterrupted_one(
-        chain, ray_cluster, tmp_path):
-    source, _ = chain
-    run = _copy(source, tmp_path / "run")
-    questions = write_jsonl(tmp_path / "qa.jsonl", demo_questions(40))
-    common = ["--dataset", str(questions), "--methods", "naive", *SMALL_BLOCKS]
-    assert main(["eval", run.uri, "--name", "whole", *common]) == 0  # the uninterrupted reference
-
-    stage = "eval-killed"
-    committed = _kill_when_half_committed(["eval", run.uri, "--name", "killed", *common], run, stage, 40, ray_cluster)
-    assert main(["eval", run.uri, "--name", "killed", *common]) == 0
-    _check_resumed(run, stage, 40, committed)
-    answers = [pq.read_table(run.layout.eval_result(label, "naive").predictions.path, columns=["id", "prediction"])
-               .to_pylist() for label in ("whole", "killed")]
-    assert sorted(answers[0], key=str) == sorted(answers[1], key=str) and len(answers[0]) == 40
-
-
-@pytest.mark.slow
 def test_write_back_training_resumes_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
     """Utility scoring (RePlug's mixture and the closed-book baseline), the document gate and both distillation
     steps are generator passes of one stage: killed part way, the rerun decodes only what no attempt committed
-    and writes the same examples, gates and knowledge units as an uninterrupted training."""
+    and writes the same examples, gates and knowledge units as an uninterrupted training (scores to float
+    rounding)."""
     import json
 
     from tests.conftest import DATA
 
     source, _ = chain
     run = _copy(source, tmp_path / "run")
-    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:12]
-    common = ["--train", str(write_jsonl(tmp_path / "train.jsonl", train)), "--set", "writeback.limit=12",
-              "--set", "writeback.activate=false", *SMALL_BLOCKS]
+    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:8]
+    common = ["--train", str(write_jsonl(tmp_path / "train.jsonl", train)), "--set", "writeback.limit=8",
+              "--set", "writeback.activate=false"]
     assert main(["writeback", run.uri, "--version", "whole", *common]) == 0  # the uninterrupted reference
     total = run.stats("writeback-whole")["rows_computed"]  # every distinct prompt the stage decodes
 
-    committed = _kill_when_half_committed(["writeback", run.uri, "--version", "killed", *common], run,
+    committed = _kill_when_half_committed(["writeback", run.uri, "--version", "killed", *common, *SMALL_BLOCKS], run,
                                           "writeback-killed", total, ray_cluster)
     assert main(["writeback", run.uri, "--version", "killed", *common]) == 0
     stats = run.stats("writeback-killed")
@@ -140,4 +144,8 @@ def test_write_back_training_resumes_after_the_driver_is_killed(chain, ray_clust
     for table in ("scored", "distill", "units"):
         whole, killed = (pq.read_table(getattr(run.layout.writeback_version(v), table).path).to_pandas()
                          for v in ("whole", "killed"))
-        assert killed.equals(whole), table
+        if table == "units":  # a unit's id names its version
+            killed["unit_id"] = killed["unit_id"].str.replace("wb:killed:", "wb:whole:")
+        assert list(killed.columns) == list(whole.columns) and len(killed) == len(whole), table
+        for column in whole.columns:
+            assert _same(killed[column].tolist(), whole[column].tolist()), (table, column)
