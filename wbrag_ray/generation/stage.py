@@ -12,6 +12,10 @@ from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.types import Scored, check_mode, scored_columns
 from wbrag_ray.stages.base import Resources, Stage
 
+# Generator settings each pass sets for itself on the loaded model: another value loads nothing again.
+# (batch_invariant is not one: a vLLM engine starts with or without its batch-invariant kernels.)
+PASS_KEYS = {"max_new_tokens", "batch_size", "stop", "checkpoint_rows"}
+
 
 class GenerateStage(Stage):
     """One generator pass. `mode`: `text` (the answer), `scored` (the answer, its tokens and their
@@ -47,8 +51,9 @@ class GenerateStage(Stage):
         self.generator.setup()
 
     def service_key(self) -> str:
-        # What setup loads: the generator's settings except those a pass sets for itself.
-        return self.config.model_dump_json(exclude={"max_new_tokens", "batch_size", "stop"})
+        # What setup loads: the generator's settings except those a pass sets for itself (its token budget, stop
+        # strings, batch and checkpoint sizes are read per pass: `adopt` lends the loaded model the pass's config).
+        return self.config.model_dump_json(exclude=PASS_KEYS)
 
     def adopt(self, loaded: GenerateStage) -> None:
         self.generator = loaded.generator.with_config(self.config)
