@@ -22,7 +22,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import write_jsonl
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
@@ -115,37 +114,3 @@ def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chai
         got = pq.read_table(getattr(run.layout.zero_rag, table).path).to_pandas()
         key = ["sid", "qa_index"] if table == "qa" else ["sid"]
         assert got.sort_values(key).reset_index(drop=True).equals(want.sort_values(key).reset_index(drop=True))
-
-
-@pytest.mark.slow
-def test_write_back_training_resumes_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
-    """Utility scoring (RePlug's mixture and the closed-book baseline), the document gate and both distillation
-    steps are generator passes of one stage: killed part way, the rerun decodes only what no attempt committed
-    and writes the same examples, gates and knowledge units as an uninterrupted training (scores to float
-    rounding)."""
-    import json
-
-    from tests.conftest import DATA
-
-    source, _ = chain
-    run = _copy(source, tmp_path / "run")
-    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:8]
-    common = ["--train", str(write_jsonl(tmp_path / "train.jsonl", train)), "--set", "writeback.limit=8",
-              "--set", "writeback.activate=false"]
-    assert main(["writeback", run.uri, "--version", "whole", *common]) == 0  # the uninterrupted reference
-    total = run.stats("writeback-whole")["rows_computed"]  # every distinct prompt the stage decodes
-
-    committed = _kill_when_half_committed(["writeback", run.uri, "--version", "killed", *common, *SMALL_BLOCKS], run,
-                                          "writeback-killed", total, ray_cluster)
-    assert main(["writeback", run.uri, "--version", "killed", *common]) == 0
-    stats = run.stats("writeback-killed")
-    assert stats["rows_computed"] == total - committed <= 0.6 * total, stats
-    assert not run.layout.checkpoint("writeback-killed").exists()
-    for table in ("scored", "distill", "units"):
-        whole, killed = (pq.read_table(getattr(run.layout.writeback_version(v), table).path).to_pandas()
-                         for v in ("whole", "killed"))
-        if table == "units":  # a unit's id names its version
-            killed["unit_id"] = killed["unit_id"].str.replace("wb:killed:", "wb:whole:")
-        assert list(killed.columns) == list(whole.columns) and len(killed) == len(whole), table
-        for column in whole.columns:
-            assert _same(killed[column].tolist(), whole[column].tolist()), (table, column)
