@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -31,22 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # the uninterrupted reference and the rerun decode in the usual batches (a batch size never changes an answer:
 # generator.batch_invariant, and it is no setting of the stage).
 SMALL_BLOCKS = ["--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=4"]
-
-
-def _same(a, b) -> bool:
-    """Equal values, floats to float rounding: scores from token probabilities change in their last bits with
-    the batch size (the killed driver decoded in batches of one, the others in batches of 32); answers do not."""
-    if hasattr(a, "tolist"):
-        a = a.tolist()
-    if hasattr(b, "tolist"):
-        b = b.tolist()
-    if isinstance(a, float) and isinstance(b, float):
-        return bool(np.isclose(a, b, rtol=1e-5, atol=1e-7, equal_nan=True))
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
 
 
 def _copy(chain_run: RunFolder, dest: Path, *invalidate: str) -> RunFolder:
