@@ -179,16 +179,11 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
 def progress(folder: Location) -> dict[str, Any]:
     """What the checkpoint of an incomplete stage holds: the pass it was in and that pass's rows, and how many
     rows (answers, or rows Ray Data checkpointed) are committed."""
-    import pyarrow.parquet as pq
 
     info = folder.join("pass.json")
     out: dict[str, Any] = info.read_json() if info.exists() else {}
-    committed = 0
-    for part in ("answers", "rows"):
-        for f in folder.join(part).list_files(".parquet"):
-            if f.name.endswith(".pending.parquet"):  # Ray Data's mark of a write not yet committed
-                continue
-            committed += pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
+    committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()
+                    if not name.endswith(".pending.parquet"))  # Ray Data's mark of a write not yet committed
     out["committed"] = committed
     return out
 
