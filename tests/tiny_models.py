@@ -52,16 +52,19 @@ class TinyModels:
 
 
 def build_tiny_generator(out: Path) -> str:
-    """SmolLM2-135M-Instruct's config and tokenizer (read from the bundled GGUF, no de-quantization) with 2
-    layers of width 64: about 3.2M parameters, nearly all of them the tied 49K-token embedding."""
+    """SmolLM2-135M-Instruct's config and tokenizer with 2 layers of width 64: about 3.2M parameters, nearly all
+    of them the tied 49K-token embedding. Read from the bundled GGUF's converted copy (converted once per machine
+    and shared with every test and demo that runs the bundled generator; reading the tokenizer out of the GGUF
+    itself takes 20 s on a slow CPU)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from wbrag_ray.models.bundled import bundled_path
+    from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.generation.hf_loading import hf_model_source
 
-    gguf = bundled_path("smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    source = hf_model_source(GeneratorConfig())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    config = AutoConfig.from_pretrained(source)
     config.update({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.5})
     config._name_or_path = "tiny-smollm2"
