@@ -19,8 +19,8 @@ from pathlib import Path
 
 import ray
 import ray.data
-from ray.cluster_utils import Cluster
 
+from tests.cluster.local import local_cluster
 from wbrag_ray import api, build_kb
 from wbrag_ray.config import load_config
 
@@ -46,7 +46,7 @@ def main(tmp: str, n: int, embedder: str | None = None) -> None:
             text = f"Sentence {i} about the {words[i % 10]} and the {words[(i * 7) % 10]}."
             f.write(json.dumps({"id": f"d{i}", "contents": f"Title {i}\n{text}"}) + "\n")
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = local_cluster(head_cpus=1)
     nodes = {node.node_id: node for node in (cluster.add_node(num_cpus=1) for _ in range(2))}  # the workers
     cluster.wait_for_nodes()
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"  # true here: the three nodes are processes of one machine

@@ -20,6 +20,7 @@ import time
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.cluster.local import local_cluster
 from wbrag_ray import api
 from wbrag_ray.run import RunFolder
 from wbrag_ray.zerorag.grid import eval_label
@@ -136,14 +137,14 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions
 
     from wbrag_ray.checkpoints import progress
 
-    small = {"batch_size": 1, "checkpoint_rows": 4}  # committed a few answers at a time
+    small = {"batch_size": 1, "checkpoint_rows": 2}  # committed a few answers at a time
     config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]}),
                                        "generator": config.generator.model_copy(update=small)})
     api.evaluate(run, config, questions, "whole")
     total = len(answers(run, "whole")["naive"]["answers"])
     args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", questions, "--name", "killed",
             "--methods", "naive", "--address", address, "--set", "generator.batch_size=1",
-            "--set", "generator.checkpoint_rows=4"]
+            "--set", "generator.checkpoint_rows=2"]
     driver = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     folder = run.layout.checkpoint("eval-killed")
@@ -170,7 +171,7 @@ def step(message: str) -> None:
 def main(s3_run: str, dataset: str, questions: str) -> None:
     # The nodes are processes of this one machine: the tiny models' local folders are on a disk every node sees.
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # all work on the worker nodes
+    cluster = local_cluster(head_cpus=0)  # all work on the worker nodes
     workers = [cluster.add_node(num_cpus=2) for _ in range(3)]  # one is lost in each stage: one stays in reserve
     cluster.wait_for_nodes()
     run = RunFolder(s3_run)

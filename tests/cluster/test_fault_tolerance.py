@@ -35,10 +35,12 @@ def test_losing_a_worker_node_mid_embed_loses_and_duplicates_nothing(tmp_path, t
     assert sorted(embedded) == sorted(ingested)
 
 
-def _cli(args, **kw):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _cli(args, ray_cluster):
+    """`wbrag ARGS` as a driver joined to the session's cluster, as a job's driver joins one: killing it ends
+    its tasks and actors, not the cluster."""
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     return subprocess.Popen([sys.executable, "-m", "wbrag_ray.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_path, ray_cluster, tiny):
@@ -58,16 +60,15 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
     # 2-CPU node.
     common = [*tiny.set_args(), "--set", "embedder.num_cpus=0.5", "--set", "embedder.threads=2",
               "--set", "embedder.batch_size=16", "--set", "embedder.checkpoint_rows=100"]
-    # the ingest on this session's cluster: only the embed's driver is killed, and it starts a cluster of its own.
     # 14 shards, a block (a file, a checkpoint commit) each: files come a few at a time, so fewer shards let the
     # stage finish before the kill after three files lands (seen with 7)
     assert main(["ingest", str(run), "--corpus", str(corpus), "--set", "ingest.shard_bytes=32768", *common]) == 0
 
-    p = _cli(["embed", str(run)])
+    p = _cli(["embed", str(run)], ray_cluster)
     deadline = time.time() + 300
     while time.time() < deadline and len(layout.embed.list_files(".parquet")) < 3:
         time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGKILL)  # the driver and the local cluster it started, mid-stage
+    os.killpg(p.pid, signal.SIGKILL)  # the driver, mid-stage
     p.wait(60)
     from wbrag_ray.checkpoints import rows_by_file
 
@@ -75,7 +76,7 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
     assert 0 < written_before < len(records)
     assert not layout.stage("embed").success.exists()
 
-    p = _cli(["embed", str(run)])
+    p = _cli(["embed", str(run)], ray_cluster)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert f"of {len(records):,} rows from the checkpoint" in out

@@ -25,6 +25,7 @@ from wbrag_ray.zerorag.grid import eval_label
 
 ROOT = Path(__file__).resolve().parents[2]
 S3_RUN = "s3://wbrag/multinode-zero-rag"
+N_RESUME = 12  # questions of the evaluation whose driver is killed: committed 2 answers at a time
 
 
 def _one_node_answers(run, label):
@@ -49,7 +50,7 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
     shutil.rmtree(copy)
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    questions = write_jsonl(tmp_path / "questions.jsonl", demo_questions(24))
+    questions = write_jsonl(tmp_path / "questions.jsonl", demo_questions(N_RESUME))
     out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_zero_rag", S3_RUN, str(test_file),
                           str(questions)],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -77,7 +78,7 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
     # a driver killed with half of an evaluation's answers committed (to object storage): the rerun reads them
     # back, computes at most 60%, and answers as the uninterrupted evaluation did
     resume = summary["resume"]
-    assert resume["total"] == 24 and resume["total"] / 2 <= resume["committed"] < 24, resume
+    assert resume["total"] == N_RESUME and N_RESUME / 2 <= resume["committed"] < N_RESUME, resume
     assert not resume["complete_at_kill"], resume
-    assert resume["rows_resumed"] == resume["committed"] and resume["rows_computed"] == 24 - resume["committed"]
-    assert resume["rows_computed"] <= 0.6 * 24 and not resume["checkpoint_left"] and resume["same_answers"], resume
+    assert resume["rows_resumed"] == resume["committed"] and resume["rows_computed"] == N_RESUME - resume["committed"]
+    assert resume["rows_computed"] <= 0.6 * N_RESUME and not resume["checkpoint_left"] and resume["same_answers"], resume
