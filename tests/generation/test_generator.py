@@ -4,6 +4,7 @@ architecture and tokenizer (tests/tiny_models.py)."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -52,11 +53,69 @@ def test_greedy_batched_answers_match_one_by_one(smollm):
     assert singles == batched
 
 
-def test_gguf_is_converted_once_and_cached(tmp_path, monkeypatch):
+def write_tiny_gguf(path, tokenizer_dir: str, vocab_size: int = 1024):
+    """A GGUF file as llama.cpp writes SmolLM2 (llama architecture, gpt2 BPE tokenizer and chat template in its
+    metadata, the embedding in Q8_0 and the layers' matrices in Q4_1, as in the bundled file), with 2 layers of
+    width 64 of random weights and the first `vocab_size` tokens of SmolLM2's vocabulary (the merges among them):
+    reading the bundled file's 49K tokens and merges takes transformers most of a minute on a slow CPU, this one's
+    well under a second."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    source = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text())
+    vocab = {t: i for t, i in source["model"]["vocab"].items() if i < vocab_size}
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [f"{a} {b}" for a, b in (m if isinstance(m, list) else m.split(" ") for m in source["model"]["merges"])
+              if a in vocab and b in vocab and a + b in vocab]
+    special = {t["id"] for t in source["added_tokens"] if t["special"]}
+    hidden, ffn, heads, kv_heads, layers = 64, 128, 4, 2, 2
+    kv = kv_heads * hidden // heads
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(w.add_block_count, layers), (w.add_context_length, 2048), (w.add_embedding_length, hidden),
+                       (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_rope_freq_base, 100000.0), (w.add_layer_norm_rms_eps, 1e-5),
+                       (w.add_vocab_size, vocab_size), (w.add_rope_dimension_count, hidden // heads),
+                       (w.add_file_type, 3), (w.add_tokenizer_model, "gpt2"), (w.add_token_list, tokens),
+                       (w.add_token_types, [3 if i in special else 1 for i in range(vocab_size)]),
+                       (w.add_token_merges, merges), (w.add_bos_token_id, 1), (w.add_eos_token_id, 2),
+                       (w.add_unk_token_id, 0), (w.add_pad_token_id, 2), (w.add_add_bos_token, False),
+                       (w.add_chat_template, (Path(tokenizer_dir) / "chat_template.jinja").read_text())]:
+        add(value)
+    rng = np.random.default_rng(0)
+
+    def tensor(name, shape, qtype):
+        data = rng.normal(0.0, 0.5, size=shape).astype(np.float32)
+        if qtype == Q.F32:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    tensor("token_embd.weight", (vocab_size, hidden), Q.Q8_0)  # tied: no output.weight, as in the bundled file
+    for b in range(layers):
+        for name, shape, qtype in [("attn_norm", (hidden,), Q.F32), ("ffn_norm", (hidden,), Q.F32),
+                                   ("attn_q", (hidden, hidden), Q.Q4_1), ("attn_k", (kv, hidden), Q.Q4_1),
+                                   ("attn_v", (kv, hidden), Q.Q4_1), ("attn_output", (hidden, hidden), Q.Q4_1),
+                                   ("ffn_gate", (ffn, hidden), Q.Q4_1), ("ffn_up", (ffn, hidden), Q.Q4_1),
+                                   ("ffn_down", (hidden, ffn), Q.Q4_1)]:
+            tensor(f"blk.{b}.{name}.weight", shape, qtype)
+    tensor("output_norm.weight", (hidden,), Q.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_is_converted_once_and_cached(tmp_path, monkeypatch, tiny):
     """The first load de-quantizes the GGUF file and saves the result; later loads read the saved copy. Counted
-    at transformers' loader (a conversion is a load with `gguf_file`), so no timing is involved."""
+    at transformers' loader (a conversion is a load with `gguf_file`), so no timing is involved. The file is a
+    small one of the bundled file's kind (`write_tiny_gguf`): what is converted, and how, is the same; the bundled
+    file itself is converted by the first test of a machine that loads it (the `smollm` fixture, `tiny`)."""
     import transformers
 
+    gguf_file = write_tiny_gguf(tmp_path / "tiny-smollm2.Q4_1.gguf", tiny.generator)
     loads: list[tuple[str, str | None]] = []
     load = transformers.AutoModelForCausalLM.from_pretrained
 
@@ -65,12 +124,13 @@ def test_gguf_is_converted_once_and_cached(tmp_path, monkeypatch):
         return load(source, *args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counted)
-    config = GeneratorConfig(cache_dir=str(tmp_path), max_new_tokens=4)
+    config = GeneratorConfig(model=str(gguf_file), cache_dir=str(tmp_path / "cache"), max_new_tokens=4)
     first = HFGenerator(config)
     first.setup()
-    (cached,) = [f.parent for f in tmp_path.glob("converted/*/config.json")]
-    assert [gguf for _, gguf in loads] == [bundled_path("smollm2").name, None]  # converted, then the copy loaded
+    (cached,) = [f.parent for f in tmp_path.glob("cache/converted/*/config.json")]
+    assert [gguf for _, gguf in loads] == [gguf_file.name, None]  # converted, then the copy loaded
     assert loads[1][0] == str(cached)
+    assert first.model.config.num_hidden_layers == 2 and first.tokenizer.vocab_size == 1024  # this file's model
     saved = {f.name: f.stat().st_mtime_ns for f in cached.iterdir()}
     loads.clear()
     second = HFGenerator(config)
@@ -258,7 +318,7 @@ def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster,
 
 
 def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm):
-    long_doc = [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital and largest city of Iceland. " * 12)]
+    long_doc = [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital and largest city of Iceland. " * 4)]
     prompts = [no_retrieval_messages(f"What is {i} + {i}?") for i in range(6)]
     prompts += [rag_messages("What is the capital of Iceland?", long_doc) for _ in range(3)]
     texts = smollm.render(prompts)
