@@ -10,6 +10,7 @@ local cluster it started, in tests/cluster/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,9 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import DATA, write_jsonl
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
@@ -66,6 +69,25 @@ def _kill_when_half_committed(args: list[str], run: RunFolder, stage: str, total
     return committed
 
 
+def _same(a, b) -> bool:
+    """Equal values, floats to float rounding: scores from token probabilities change in their last bits with
+    the batch size (the killed driver decoded in batches of one, the others in batches of 32), and a trace's
+    rounded copies of them may round the other way; answers do not."""
+    if hasattr(a, "tolist"):
+        a = a.tolist()
+    if hasattr(b, "tolist"):
+        b = b.tolist()
+    if isinstance(a, str) and isinstance(b, str) and a[:1] in "[{" and b[:1] in "[{":  # a JSON trace
+        a, b = json.loads(a), json.loads(b)
+    if isinstance(a, float) and isinstance(b, float):  # a JSON trace's floats are rounded to 6 digits
+        return bool(np.isclose(a, b, rtol=1e-5, atol=2e-6, equal_nan=True))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
 def _check_resumed(run: RunFolder, stage: str, total: int, committed: int) -> None:
     stats = run.stats(stage)
     # every answer committed before the kill is read back, not decoded again: at most 60% are computed
@@ -97,3 +119,35 @@ def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chai
         got = pq.read_table(getattr(run.layout.zero_rag, table).path).to_pandas()
         key = ["sid", "qa_index"] if table == "qa" else ["sid"]
         assert got.sort_values(key).reset_index(drop=True).equals(want.sort_values(key).reset_index(drop=True))
+
+
+@pytest.mark.slow
+def test_write_back_training_resumes_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
+    """Utility scoring (RePlug's mixture and the closed-book baseline), the document gate and both distillation
+    steps are generator passes of one stage: killed part way, the rerun decodes only what no attempt committed
+    and writes the same examples, gates and knowledge units as an uninterrupted training (scores to float
+    rounding)."""
+    source, _ = chain
+    run = _copy(source, tmp_path / "run")
+    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:4]
+    common = ["--train", str(write_jsonl(tmp_path / "train.jsonl", train)), "--set", "writeback.limit=4",
+              "--set", "writeback.activate=false"]
+    assert main(["writeback", run.uri, "--version", "whole", *common]) == 0  # the uninterrupted reference
+    total = run.stats("writeback-whole")["rows_computed"]  # every distinct prompt the stage decodes
+
+    committed = _kill_when_half_committed(["writeback", run.uri, "--version", "killed", *common, *SMALL_BLOCKS], run,
+                                          "writeback-killed", total, ray_cluster)
+    assert main(["writeback", run.uri, "--version", "killed", *common]) == 0
+    stats = run.stats("writeback-killed")
+    assert stats["rows_computed"] == total - committed <= 0.6 * total, stats
+    assert not run.layout.checkpoint("writeback-killed").exists()
+    for table in ("scored", "distill", "units"):
+        whole, killed = (pq.read_table(getattr(run.layout.writeback_version(v), table).path).to_pandas()
+                         for v in ("whole", "killed"))
+        if table == "units":  # a unit names its version, in its id too
+            assert set(killed["version"]) == {"killed"}
+            killed["version"] = "whole"
+            killed["unit_id"] = killed["unit_id"].str.replace("wb:killed:", "wb:whole:")
+        assert list(killed.columns) == list(whole.columns) and len(killed) == len(whole), table
+        for column in whole.columns:
+            assert _same(killed[column].tolist(), whole[column].tolist()), (table, column)
