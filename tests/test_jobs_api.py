@@ -14,11 +14,21 @@ from wbrag_ray.index.faiss_index import load_manifest
 from wbrag_ray.jobs_api import dashboard_url, submission_id
 from wbrag_ray.run import RunFolder
 
+N_DOCS = 6
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def _wbrag(args, env, timeout=600, cwd=None):
@@ -59,10 +69,13 @@ def ray_head(tmp_path_factory):
     url = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
     while time.time() < deadline:
-        out = _wbrag(["status", "no-such-job", "--address", url], env, timeout=60)
-        if "no job" in out.stderr:
-            break
-        time.sleep(2)
+        # a `wbrag` process (2-3 s of imports) only once the dashboard listens: starting one every few seconds
+        # meanwhile takes the CPUs the head needs to come up
+        if _listening(dash):
+            out = _wbrag(["status", "no-such-job", "--address", url], env, timeout=60)
+            if "no job" in out.stderr:
+                break
+        time.sleep(0.5)
     else:
         os.killpg(proc.pid, signal.SIGTERM)
         pytest.fail("ray head did not come up")
@@ -75,13 +88,15 @@ def ray_head(tmp_path_factory):
         proc.wait(30)
 
 
-def test_submit_runs_a_pipeline_to_completion(ray_head, tmp_path):
+def test_submit_runs_a_pipeline_to_completion(ray_head, tmp_path, tiny):
+    """The job builds a knowledge base with the tiny embedder (a local folder on this one-machine cluster): what is
+    checked is the submission, the job's stages and the job commands, not the embeddings."""
     url, env = ray_head
     work = tmp_path / "project"
-    write_jsonl(work / "corpus.jsonl", demo_records(20))
+    write_jsonl(work / "corpus.jsonl", demo_records(N_DOCS))
     (work / "configs").mkdir()
     (work / "configs" / "build.yaml").write_text(
-        "ingest:\n  corpus: corpus.jsonl\nembedder:\n  num_cpus: 1\n  threads: 2\n"
+        "ingest:\n  corpus: corpus.jsonl\n" + tiny.yaml(embedder="  num_cpus: 1\n  threads: 2\n")
     )
     run = tmp_path / "run"
     out = _wbrag(["submit", "configs/build.yaml", "--address", url, "--run", str(run), "--working-dir", str(work)],
@@ -91,7 +106,7 @@ def test_submit_runs_a_pipeline_to_completion(ray_head, tmp_path):
     layout = RunFolder(str(run)).layout
     for stage in ("ingest", "embed", "index"):
         assert layout.stage(stage).success.exists(), stage
-    assert load_manifest(layout.index)["count"] == 20
+    assert load_manifest(layout.index)["count"] == N_DOCS
     sid = next(line.split()[1].rstrip(":") for line in out.stdout.splitlines() if line.startswith("submitted "))
     st = _wbrag(["status", sid, "--address", url], env, timeout=60)
     assert st.returncode == 0 and "SUCCEEDED" in st.stdout

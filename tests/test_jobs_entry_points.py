@@ -18,12 +18,15 @@ def test_every_job_script_has_help():
         assert out.returncode == 0 and "CONFIG" in out.stdout.upper(), script
 
 
-def test_build_index_job_on_a_small_corpus(tmp_path):
+def test_build_index_job_on_a_small_corpus(tmp_path, ray_cluster, tiny):
+    """The script joins the cluster named by RAY_ADDRESS, as the driver of a submitted job does (here the test
+    session's cluster, already up: starting one more local cluster in the script costs 10-25 s and is not what a
+    job does); the tiny embedder, since what is checked is that the script builds the index of the whole corpus."""
     corpus = write_jsonl(tmp_path / "c.jsonl", demo_records(12))
     run = tmp_path / "run"
     config = tmp_path / "job.yaml"
-    config.write_text(f"run: {run}\ningest:\n  corpus: {corpus}\nembedder:\n  num_cpus: 0.5\n  threads: 2\n")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    config.write_text(f"run: {run}\ningest:\n  corpus: {corpus}\n" + tiny.yaml(embedder="  num_cpus: 0.5\n  threads: 2\n"))
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     out = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_index.py"), str(config)], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
