@@ -80,6 +80,12 @@ class GeneratorPasses:
         if self._owns_services:
             self.services.close()
 
+    def start(self) -> None:
+        """Start the generator service before the first pass needs it (`Services.start`): a command that
+        retrieves first loads the model meanwhile."""
+        _checked(self.generator, "text")
+        self.services.start(GenerateStage(self.generator, "prompt", "answer"))
+
     def __enter__(self) -> GeneratorPasses:
         return self
 

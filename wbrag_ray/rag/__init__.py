@@ -104,6 +104,7 @@ def answer(
     if one_pass or mixture:
         frame = questions.to_pandas()
         if any(m != "no-retrieval" for m in one_pass + mixture):
+            passes.start()  # the generator loads while the questions are searched
             frame = search.search(frame, services=passes.services)  # one search for both passes
         temperature = config.retrieval.replug_temperature
     if one_pass:

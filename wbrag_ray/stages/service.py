@@ -191,6 +191,13 @@ class Services:
                 return out
             return self._service(stage).run_frame(frame, stage, progress, on_batch)
 
+    def start(self, stage: Stage) -> None:
+        """Start `stage`'s service now, before its first pass: its actors set the stage up in their constructors
+        (the imports, the model load) while the driver goes on, so the work the driver does meanwhile (a
+        retrieval pass on its own service) overlaps the load instead of preceding it."""
+        if stage.service_key() is not None:
+            self._service(stage)
+
     def _service(self, stage: Stage) -> StageService:
         """The live service of `stage`'s kind, set for its pass (see `apply`)."""
         key: Hashable = stage.service_key()
