@@ -5,8 +5,8 @@ what was left and writes what an uninterrupted run wrote.
 The killed drivers join the session's Ray cluster (RAY_ADDRESS), as a job's driver joins a cluster: killing
 one ends its actors, not the cluster. The runs are copies of the session's Zero-RAG chain run, so the chain's
 own outputs are the uninterrupted reference. An evaluation's driver is killed and resumed on four nodes with
-the run folder on object storage (tests/pipelines/test_multinode_zero_rag.py); the embed stage's, with the
-local cluster it started, in tests/cluster/test_fault_tolerance.py."""
+the run folder on object storage (tests/pipelines/test_multinode_zero_rag.py); the embed stage's (a Ray Data
+pass under its row-level checkpoint, as pruner prediction is) in tests/cluster/test_fault_tolerance.py."""
 
 from __future__ import annotations
 
