@@ -33,6 +33,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+def joining_env(ray) -> dict[str, str]:
+    """This process's environment with RAY_ADDRESS naming the session's cluster (`ray`: the `ray_cluster`
+    fixture): a `wbrag` subprocess started with it joins that cluster, as a submitted job's driver joins its own,
+    and killing it ends its tasks and actors, not the cluster."""
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
 def write_jsonl(path: Path, records) -> Path:
     """Write records (dicts, or raw bytes lines for bad input) as a jsonl file."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,10 @@
 """The thin job scripts in jobs/ run as `python jobs/<name>.py CONFIG` (the same line `ray job submit` runs)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import demo_records, write_jsonl
+from tests.conftest import demo_records, joining_env, write_jsonl
 from wbrag_ray.run import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +25,7 @@ def test_build_index_job_on_a_small_corpus(tmp_path, ray_cluster, tiny):
     run = tmp_path / "run"
     config = tmp_path / "job.yaml"
     config.write_text(f"run: {run}\ningest:\n  corpus: {corpus}\n" + tiny.yaml(embedder="  num_cpus: 0.5\n  threads: 2\n"))
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env = joining_env(ray_cluster)
     out = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_index.py"), str(config)], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

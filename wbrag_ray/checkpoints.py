@@ -179,7 +179,6 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
 def progress(folder: Location) -> dict[str, Any]:
     """What the checkpoint of an incomplete stage holds: the pass it was in and that pass's rows, and how many
     rows (answers, or rows Ray Data checkpointed) are committed."""
-
     info = folder.join("pass.json")
     out: dict[str, Any] = info.read_json() if info.exists() else {}
     committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()

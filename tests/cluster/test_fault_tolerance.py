@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.conftest import joining_env
+
 pytestmark = pytest.mark.slow
 
 
@@ -36,9 +38,8 @@ def test_losing_a_worker_node_mid_embed_loses_and_duplicates_nothing(tmp_path, t
 
 
 def _cli(args, ray_cluster):
-    """`wbrag ARGS` as a driver joined to the session's cluster, as a job's driver joins one: killing it ends
-    its tasks and actors, not the cluster."""
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    """`wbrag ARGS` as a driver joined to the session's cluster."""
+    env = joining_env(ray_cluster)
     return subprocess.Popen([sys.executable, "-m", "wbrag_ray.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 

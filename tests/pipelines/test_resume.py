@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import DATA, write_jsonl
+from tests.conftest import DATA, joining_env, write_jsonl
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
@@ -52,7 +52,7 @@ def _committed_rows(folder) -> int:
 def _kill_when_half_committed(args: list[str], run: RunFolder, stage: str, total: int, ray_cluster) -> int:
     """Run `wbrag ARGS` as a driver on the session's cluster and SIGKILL it once `total / 2` answers of `stage`
     are committed; returns how many were."""
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env = joining_env(ray_cluster)
     p = subprocess.Popen([sys.executable, "-m", "wbrag_ray.cli", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     answers = run.layout.checkpoint(stage).join("answers")

@@ -194,8 +194,9 @@ class Services:
     def start(self, stage: Stage) -> None:
         """Start `stage`'s service now, before its first pass: its actors set the stage up in their constructors
         (the imports, the model load) while the driver goes on, so the work the driver does meanwhile (a
-        retrieval pass on its own service) overlaps the load instead of preceding it."""
-        if stage.service_key() is not None:
+        retrieval pass on its own service) overlaps the load instead of preceding it. A live service of the
+        kind is left as it is: the pass itself sets it up for its key (and counts that load) if it has to."""
+        if stage.service_key() is not None and stage.name not in self._live:
             self._service(stage)
 
     def _service(self, stage: Stage) -> StageService:
