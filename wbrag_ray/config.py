@@ -112,6 +112,14 @@ class GeneratorConfig(_Section):
         None, ge=1, description="torch threads per generator actor (default: ceil(num_cpus))."
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="vllm: GPUs of one node that each layer of an engine replica is sharded over. Default: "
+        "num_gpus / pipeline_parallel_size when num_gpus > 1, else 1 (a replica that asks for 4 GPUs uses all 4).",
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="vllm: stages an engine replica's layers are split into (stages may sit on different "
+        "nodes); num_gpus = tensor_parallel_size x pipeline_parallel_size.",
+    )
     concurrency: int = Field(1, ge=1, description="Number of generator actors / engine replicas.")
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template (instruct models).")
     batch_invariant: bool = Field(
@@ -329,6 +337,28 @@ class WritebackConfig(_Section):
     )
 
 
+class TrainerConfig(_Section):
+    """Where a training runs: Ray Train workers, data-parallel. A step's batch (`batch_size` examples) is split
+    across the workers and their gradients are averaged, so the number of workers changes the speed, not the
+    result (up to float summation order): it is a placement setting, left out of the stage's fingerprint."""
+
+    RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures"})
+
+    num_workers: int = Field(1, ge=1, description="Ray Train workers (data-parallel; each holds the whole model).")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs each training worker asks Ray for (its torch threads).")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs each training worker asks Ray for: 0 trains on CPU (fp32, gloo); 1 trains on one "
+        "GPU (bf16 weights where the GPU has bf16, else fp16, LoRA weights in fp32; nccl); more than 1 spreads one "
+        "worker's model over that many GPUs of its node (layers placed by accelerate), for models one GPU cannot hold.",
+    )
+    checkpoint_steps: int = Field(
+        50, ge=1, description="Optimizer steps between checkpoints in the run folder's stage checkpoint: what a lost "
+        "worker or driver can cost at most (the training resumes from the last one).",
+    )
+    max_failures: int = Field(2, ge=0, description="Worker-group failures Ray Train recovers from (from the last "
+                              "checkpoint) before the stage fails.")
+
+
 class _LoraSection(_Section):
     """LoRA (peft) settings shared by the LM pruner and noise-tolerant tuning."""
 
@@ -338,12 +368,17 @@ class _LoraSection(_Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "v_proj"], description="Modules that get LoRA adapters."
     )
-    max_steps: int = Field(30, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(8, ge=1, description="Examples per optimizer step.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training examples (the scored sentences, the "
+                          "tuning rows); fractions allowed. Steps = ceil(epochs x examples / batch_size).")
+    max_steps: int | None = Field(None, ge=1, description="Optional cap on optimizer steps (the stats say how many "
+                                  "examples were seen).")
+    batch_size: int = Field(8, ge=1, description="Examples per optimizer step, over all training workers.")
     learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate.")
     max_length: int = Field(128, ge=8, description="Tokens per example (longer inputs are truncated).")
     seed: int = Field(0, description="Seed of data order and LoRA initialization.")
-    threads: int | None = Field(None, ge=1, description="torch threads while training (default: all cores).")
+    threads: int | None = Field(None, ge=1, description="torch threads per training worker (default: ceil(trainer."
+                                "num_cpus)).")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
 
 class LMPrunerConfig(_LoraSection):

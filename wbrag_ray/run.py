@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 # Where and how wide a stage runs (CPUs, GPUs, actors, threads, checkpoint size) never changes what it writes:
 # a run may move to a bigger cluster. Keys that only matter to one kind of section say so on the section
 # (`RUNTIME_KEYS` of its config class, e.g. a generator's batch size).
-PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "memory_gb"}
+PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "memory_gb",
+                  "tensor_parallel_size", "pipeline_parallel_size"}
 
 
 def settings_value(value: Any) -> Any:
