@@ -1,7 +1,7 @@
 """Row-level checkpoints: a stage killed part way (the driver, the head node or the job lost, or stopped by a
 person) resumes where it died when the same command runs again, and writes what an uninterrupted run writes.
 
-Two kinds of pass, one folder per stage (`RUN/_checkpoints/<stage>/`, removed when the stage completes):
+Three kinds of work, one folder per stage (`RUN/_checkpoints/<stage>/`, removed when the stage completes):
 
 - Ray Data passes over the corpus (embedding, pruner prediction) write their output files as they go under
   Ray Data's `CheckpointConfig` on the rows' int64 id column (`resumable_write`): the rerun reads only the
@@ -15,6 +15,10 @@ Two kinds of pass, one folder per stage (`RUN/_checkpoints/<stage>/`, removed wh
   before the kill is not decoded again, whichever pass or grid cell asks it. Settings that change answers
   change the key, so an old block is never taken for a new setting; and a checkpoint made under another stage
   fingerprint (other settings, or inputs made again) is removed before the stage starts.
+
+- Trainings (the LM pruner, noise-tolerant tuning) run as Ray Train jobs whose storage is the stage's `train/`
+  folder: the trainable weights, optimizer state and step every `trainer.checkpoint_steps` steps; the rerun's
+  workers load the last one and take the batches an uninterrupted run would (`training.workers`).
 
 `stage_checkpoint` opens a stage's checkpoint for the stage's work (`RunFolder.run_stage`); the passes reach it
 through `active()`, so every pass of a stage is resumable without being told where the run folder is.
@@ -114,6 +118,11 @@ class StageCheckpoint:
         """Ray Data's checkpoint of a pass over the corpus (`resumable_write`)."""
         return self.folder.join("rows")
 
+    @property
+    def training(self) -> Location:
+        """Ray Train's storage of the stage's training (`training.workers.fit`): its checkpoints by step."""
+        return self.folder.join("train")
+
     def answers(self, block_rows: int | None = None) -> AnswerStore:
         """The stage's answer store, opened (and its committed blocks read) on first use."""
         if self._answers is None:
@@ -184,7 +193,22 @@ def progress(folder: Location) -> dict[str, Any]:
     committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()
                     if not name.endswith(".pending.parquet"))  # Ray Data's mark of a write not yet committed
     out["committed"] = committed
+    out.update(training_progress(folder))
     return out
+
+
+def training_progress(folder: Location) -> dict[str, Any]:
+    """The step of a stopped training's last checkpoint, from Ray Train's snapshot in the stage checkpoint's
+    `train/<label>/` folder (`training.workers.fit`); empty when the stage trains nothing."""
+    from wbrag_ray.layout import subdirs
+
+    train = folder.join("train")
+    for label in subdirs(train):
+        snapshot = train.join(label, "checkpoint_manager_snapshot.json")
+        if snapshot.exists():
+            latest = snapshot.read_json().get("latest_checkpoint_result") or {}
+            return {"trained_steps": int(latest.get("metrics", {}).get("step", 0))}
+    return {}
 
 
 def rows_by_file(folder: Location) -> dict[str, int]:

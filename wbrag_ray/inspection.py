@@ -55,6 +55,10 @@ def run_status(run: RunFolder) -> list[str]:
             lines.append(f"  {name:<28} incomplete  nothing committed: the same command starts it over")
             continue
         info = progress(folder)
+        if "trained_steps" in info:
+            lines.append(f"  {name:<28} incomplete  training checkpointed at step {info['trained_steps']:,}: the same "
+                         "command resumes it")
+            continue
         of = f" of {info['rows']:,}" if "rows" in info else ""
         in_pass = f" in pass {info['pass']}" if "pass" in info else ""
         lines.append(f"  {name:<28} incomplete  {info['committed']:,}{of} rows committed{in_pass}: the same "

@@ -17,7 +17,8 @@ from wbrag_ray.zerorag.tune import TUNE
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_nodes_refuse_a_local_run_folder_and_fetch_the_s3_adapter_on_the_worker_node(tmp_path, s3_env, tiny):
+def test_two_nodes_refuse_a_local_run_folder_and_fetch_the_s3_adapter_on_the_worker_node(tmp_path, s3_env, tiny,
+                                                                                        ray_cluster):
     # the tuned adapter as `wbrag tune` leaves it in a run folder on object storage (one step of the real tuning)
     examples = build_examples(QUESTIONS, docs_per_format=2, seed=0)
     tune_generator(examples, GeneratorConfig(model=tiny.generator, dtype="float32"),

@@ -30,13 +30,15 @@ UNKNOWN = [
 ]
 
 
-def test_lm_pruner_learns_and_predicts_in_input_order(tmp_path):
+def test_lm_pruner_learns_on_two_ray_train_workers_and_predicts_in_input_order(tmp_path, ray_cluster):
     texts, scores = KNOWN + UNKNOWN, [1.0] * len(KNOWN) + [0.0] * len(UNKNOWN)
-    config = LMPrunerConfig(max_steps=12, batch_size=4, max_length=32, threads=THREADS)
-    stats = train_lm_pruner(texts, scores, config, str(tmp_path / "pruner"))
+    config = LMPrunerConfig(epochs=3, batch_size=4, max_length=32, threads=THREADS, trainer={"num_workers": 2})
+    stats = train_lm_pruner(texts, scores, config, str(tmp_path / "pruner"), val_texts=texts)
 
     losses = stats["losses"]
     assert stats["steps"] == len(losses) == 12 and stats["seconds"] > 0 and stats["examples_per_s"] > 0
+    assert stats["workers"] == 2 and stats["device"] == "cpu" and stats["dtype"] == "float32"
+    assert stats["examples_seen"] == 48 and stats["epochs_seen"] == 3.0 and stats["resumed_from_steps"] == []
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
     saved = json.loads((tmp_path / "pruner" / "pruner.json").read_text())
     assert saved["backbone"] == "bundled:smollm2" and saved["max_length"] == 32 and saved["losses"] == losses
@@ -51,6 +53,8 @@ def test_lm_pruner_learns_and_predicts_in_input_order(tmp_path):
     assert pred.dtype == np.float32 and pred.shape == (len(texts),)
     assert ((pred >= 0) & (pred <= 1)).all()
     assert pred[: len(KNOWN)].mean() > pred[len(KNOWN) :].mean() + 0.05, pred
+    # the worker that trained it predicted the held-out texts with the unmerged adapter: the same figures
+    np.testing.assert_allclose(stats["validation"], pred, atol=0.02)
     perm = np.random.default_rng(1).permutation(len(texts))
     np.testing.assert_allclose(predictor.predict([texts[i] for i in perm]), pred[perm], atol=0.02)
     assert predictor.predict([]).shape == (0,)
@@ -129,7 +133,7 @@ def test_prompts_are_cut_from_the_left_so_the_answer_fits():
     assert cut == 0 and len(ids) < 64
 
 
-def test_noise_tolerant_tuning_lowers_loss_and_loads_in_the_generator(tmp_path):
+def test_noise_tolerant_tuning_on_two_ray_train_workers_lowers_loss_and_loads_in_the_generator(tmp_path, ray_cluster):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -137,12 +141,15 @@ def test_noise_tolerant_tuning_lowers_loss_and_loads_in_the_generator(tmp_path):
     from wbrag_ray.generation.hf_loading import hf_model_source
 
     examples = build_examples(QUESTIONS, docs_per_format=2, seed=0)
-    config = TuneConfig(max_steps=6, batch_size=4, max_length=128, learning_rate=1e-3, threads=THREADS)
+    # 11 examples in batches of 4: 3 steps an epoch, 6 steps in 2 epochs
+    config = TuneConfig(epochs=2, batch_size=4, max_length=128, learning_rate=1e-3, threads=THREADS,
+                        trainer={"num_workers": 2})
     out = str(tmp_path / "adapter")
     stats = tune_generator(examples, GeneratorConfig(), config, out)
 
     losses = stats["losses"]
     assert stats["steps"] == 6 and np.mean(losses[-2:]) < 0.7 * np.mean(losses[:2]), losses
+    assert stats["workers"] == 2 and stats["examples_seen"] == 24 and stats["truncated_prompts"] == 0
     assert stats["formats"] == {"relevant": 3, "distracting": 4, "none": 4} and stats["questions_without_relevant"] == 1
     assert json.loads((tmp_path / "adapter" / "tune.json").read_text())["losses"] == losses
     # the three terms of the objective, each recorded per step and falling

@@ -9,6 +9,7 @@ sentence does not depend on its batch. Predictions are sigmoid(logit): always in
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,15 @@ import numpy as np
 
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
-from wbrag_ray.training.lora import loss_stats, save_adapter, seed_torch, train, training_threads, with_lora
+from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
+from wbrag_ray.training.workers import Placement, fit
 
 STATS_FILE = "pruner.json"
 
 
-def load_backbone(backbone: str, dtype):
-    """(resolved source, model with a fresh 1-output head, right-padding tokenizer) for `backbone`."""
+def load_backbone(backbone: str, **load_kwargs):
+    """(resolved source, model with a fresh 1-output head, right-padding tokenizer) for `backbone`;
+    `load_kwargs` go to `from_pretrained` (dtype, device_map)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     source = hf_model_source(GeneratorConfig(model=backbone))
@@ -30,7 +33,7 @@ def load_backbone(backbone: str, dtype):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
-    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, **load_kwargs)
     # Without a pad id the head reads the very last position, which is padding in every shorter row.
     model.config.pad_token_id = tokenizer.pad_token_id
     return source, model, tokenizer
@@ -42,41 +45,62 @@ def encode(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
     return [row or [tokenizer.pad_token_id] for row in ids]
 
 
-def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfig, out_dir: str) -> dict[str, Any]:
-    """LoRA-tune the backbone to regress mastery scores (MSE on sigmoid(logit)); save the adapter and
-    `pruner.json` to the local folder `out_dir`. Returns the training stats."""
-    import torch
-    import torch.nn.functional as F
+@dataclass
+class PrunerTraining:
+    """The regressor's training on Ray Train workers (`workers.Training`): squared error of sigmoid(logit)
+    against each sentence's mastery score; worker 0 also predicts the held-out sentences."""
 
+    texts: list[str]
+    scores: list[float]
+    config: LMPrunerConfig
+    val_texts: list[str]
+    weights = None
+    groups = None
+    group_names: tuple[str, ...] = ()
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.texts)
+
+    def build(self, place: Placement):
+        import torch
+
+        self.source, model, self.tokenizer = load_backbone(self.config.backbone, **place.load_kwargs())
+        # SEQ_CLS makes peft train the new head ("score") in full and save it with the adapter.
+        model = place.place(with_lora(model, self.config, "SEQ_CLS"))
+        ids = encode(self.tokenizer, self.texts, self.config.max_length)
+        device = place.inputs_device(model)
+        target = torch.tensor(self.scores, dtype=torch.float32, device=device)
+
+        def per_example_loss(module, idx: list[int]):
+            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in idx]}, return_tensors="pt").to(device)
+            logits = module(**batch).logits.squeeze(-1).float()
+            return (torch.sigmoid(logits) - target[idx]) ** 2
+
+        return model, per_example_loss
+
+    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement) -> dict[str, Any]:
+        saved = {"backbone": self.config.backbone, "source": self.source, "max_length": self.config.max_length,
+                 "examples": len(self.texts), **loss_stats(stats), "config": self.config.model_dump(mode="json")}
+        save_adapter(model, out_dir, STATS_FILE, saved)
+        predictor = LMPrunerPredictor.of_model(model, self.tokenizer, self.config.max_length,
+                                               self.config.predict_batch_size, place.inputs_device(model))
+        return {"validation": predictor.predict(self.val_texts).tolist()}
+
+
+def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfig, out_dir: str,
+                    val_texts: list[str] = ()) -> dict[str, Any]:
+    """LoRA-tune the backbone to regress mastery scores (MSE on sigmoid(logit)) on Ray Train workers
+    (`config.trainer`); the adapter and `pruner.json` land in the local folder `out_dir`. Returns the training
+    stats, with the trained model's predictions for `val_texts` under "validation"."""
     if not texts or len(texts) != len(scores):
         raise ValueError(f"need one score per text, at least one: got {len(texts)} texts, {len(scores)} scores")
-    target = torch.tensor(scores, dtype=torch.float32)
-    if not bool(((target >= 0) & (target <= 1)).all()):
+    if not all(0 <= s <= 1 for s in scores):
         raise ValueError("mastery scores must lie in [0, 1]")
-    threads = training_threads(config)
-    seed_torch(config.seed)
-    source, model, tokenizer = load_backbone(config.backbone, torch.float32)
-    # SEQ_CLS makes peft train the new head ("score") in full and save it with the adapter.
-    model = with_lora(model, config, "SEQ_CLS")
-    ids = encode(tokenizer, texts, config.max_length)
-
-    def batch_loss(idx: list[int]) -> torch.Tensor:
-        batch = tokenizer.pad({"input_ids": [ids[i] for i in idx]}, return_tensors="pt")
-        logits = model(**batch).logits.squeeze(-1)
-        return F.mse_loss(torch.sigmoid(logits), target[idx])
-
-    losses, seconds = train(model, len(ids), batch_loss, config)
-    stats = {
-        "backbone": config.backbone,
-        "source": source,
-        "max_length": config.max_length,
-        "examples": len(ids),
-        "threads": threads,
-        **loss_stats(losses, seconds, min(config.batch_size, len(ids))),
-        "config": config.model_dump(mode="json"),
-    }
-    save_adapter(model, out_dir, STATS_FILE, stats)
-    return stats
+    training = PrunerTraining(list(texts), [float(s) for s in scores], config, list(val_texts))
+    stats = fit(training, config, out_dir, "lm-pruner")
+    return {**loss_stats(stats), "backbone": config.backbone, "max_length": config.max_length,
+            "examples": len(texts), "validation": stats["validation"]}
 
 
 class LMPrunerPredictor:
@@ -101,11 +125,18 @@ class LMPrunerPredictor:
         self.max_length = int(meta["max_length"])
         self.device = self.device or pick_device(1.0)
         # The backbone spec, not the resolved source: a GGUF cache folder is local to the training node.
-        _, model, self.tokenizer = load_backbone(meta["backbone"], torch.float32)
+        _, model, self.tokenizer = load_backbone(meta["backbone"], dtype=torch.float32)
         # Merge in fp32, then cast: rounding the merged weights once loses less than merging in bf16.
         model = PeftModel.from_pretrained(model, self.model_dir).merge_and_unload()
         self.dtype = pick_dtype(self.requested_dtype, self.device)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+
+    @classmethod
+    def of_model(cls, model, tokenizer, max_length: int, batch_size: int, device) -> LMPrunerPredictor:
+        """A predictor over a model already in memory (the trained one, on the worker that trained it)."""
+        predictor = cls("", batch_size=batch_size, device=device)
+        predictor.model, predictor.tokenizer, predictor.max_length = model.eval(), tokenizer, max_length
+        return predictor
 
     def predict(self, texts: list[str]) -> np.ndarray:
         """float32 predictions in [0, 1], one per text, in input order."""

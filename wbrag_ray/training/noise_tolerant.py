@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,8 @@ from wbrag_ray.generation.types import messages_to_text
 from wbrag_ray.layout import ADAPTER_STATS as STATS_FILE
 from wbrag_ray.metrics import normalize_answer
 from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
-from wbrag_ray.training.lora import loss_stats, save_adapter, seed_torch, train, training_threads, with_lora
+from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
+from wbrag_ray.training.workers import Placement, fit
 
 log = logging.getLogger(__name__)
 
@@ -130,94 +132,122 @@ def encode_example(
     return prompt_ids + answer_ids, [IGNORE] * len(prompt_ids) + answer_ids, cut
 
 
-def tune_generator(
-    examples: pd.DataFrame, generator: GeneratorConfig, config: TuneConfig, out_dir: str
-) -> dict[str, Any]:
-    """Causal-LM LoRA on `examples` (from `build_examples`) with Zero-RAG's objective, a weighted sum of three
-    answer losses: retrieval-free (`none` rows), retrieval-augmented (`relevant`) and noise-suppression
-    (`distracting`), weighted by config.weight_* (each example's loss is its answer tokens' mean NLL; a batch's
-    loss is the weighted mean over its examples). Saves the adapter and `tune.json` (with each term's loss per
-    step) to the local folder `out_dir`, loadable as `GeneratorConfig(lora_adapter=out_dir)`. Returns the
-    training stats."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class TuneTraining:
+    """Noise-tolerant tuning on Ray Train workers (`workers.Training`): each example's loss is its answer
+    tokens' mean NLL, weighted by its term (format); the step loop logs each term's mean loss."""
 
-    missing = {"messages", "target"} - set(examples.columns)
-    if missing:
-        raise ValueError(f"tuning examples lack columns {sorted(missing)}; build them with build_examples")
-    threads = training_threads(config)
-    seed_torch(config.seed)
-    source = hf_model_source(generator)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    if generator.chat_template and tokenizer.chat_template is None:
-        raise ConfigError(
-            f"generator.model {generator.model!r} has no chat template; set generator.chat_template=false "
-            "to tune on completion prompts (base models)"
-        )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    model.config.use_cache = False  # no generation while training; the cache only costs memory
-    model = with_lora(model, config, "CAUSAL_LM")
+    messages: list[str]
+    targets: list[str]
+    formats: list[str]
+    generator: GeneratorConfig
+    config: TuneConfig
+    group_names: tuple[str, ...] = FORMATS
 
-    encoded = []
-    for messages_json, target in zip(examples["messages"], examples["target"], strict=True):
-        messages = json.loads(messages_json)
-        if generator.chat_template:
+    @property
+    def num_examples(self) -> int:
+        return len(self.messages)
+
+    @property
+    def weights(self) -> np.ndarray:
+        weight_of = {"none": self.config.weight_retrieval_free, "relevant": self.config.weight_relevant,
+                     "distracting": self.config.weight_noise}
+        return np.array([weight_of[f] for f in self.formats], dtype=np.float64)
+
+    @property
+    def groups(self) -> np.ndarray:
+        return np.array([FORMATS.index(f) for f in self.formats], dtype=np.int64)
+
+    def build(self, place: Placement):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.source = hf_model_source(self.generator)
+        tokenizer = AutoTokenizer.from_pretrained(self.source)
+        if self.generator.chat_template and tokenizer.chat_template is None:
+            raise ConfigError(
+                f"generator.model {self.generator.model!r} has no chat template; set generator.chat_template=false "
+                "to tune on completion prompts (base models)"
+            )
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model = AutoModelForCausalLM.from_pretrained(self.source, **place.load_kwargs())
+        model.config.use_cache = False  # no generation while training; the cache only costs memory
+        model = place.place(with_lora(model, self.config, "CAUSAL_LM"))
+        device = place.inputs_device(model)
+        encoded = [encode_example(tokenizer, *self._prompt_answer(tokenizer, json.loads(m), t), self.config.max_length)
+                   for m, t in zip(self.messages, self.targets, strict=True)]
+        self.truncated_prompts = sum(cut > 0 for *_, cut in encoded)
+
+        def per_example_loss(module, idx: list[int]):
+            width = max(len(encoded[i][0]) for i in idx)
+            input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            labels = torch.full((len(idx), width), IGNORE, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids, labs, _ = encoded[i]
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                labels[row, : len(labs)] = torch.tensor(labs)
+                mask[row, : len(ids)] = 1
+            logits = module(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()
+            target = labels[:, 1:].to(logits.device)
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE,
+                                                    reduction="none")
+            return nll.sum(1) / (target != IGNORE).sum(1).clamp(min=1)
+
+        return model, per_example_loss
+
+    def _prompt_answer(self, tokenizer, messages: list[dict], target: str) -> tuple[str, list[int]]:
+        """The prompt exactly as `HFGenerator` renders it, and the answer's ids ending with eos."""
+        if self.generator.chat_template:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             answer = str(target)
         else:
             # HFGenerator strips what a base model writes; a space separates the answer from the prompt.
             prompt, answer = messages_to_text(messages), " " + str(target)
-        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        encoded.append(encode_example(tokenizer, prompt, answer_ids, config.max_length))
+        return prompt, tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
+    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement) -> dict[str, Any]:
+        per_term = list(zip(*stats["group_loss"], strict=True)) if stats["group_loss"] else [[]] * len(FORMATS)
+        figures = {"source": self.source, "truncated_prompts": self.truncated_prompts,
+                   "term_losses": {f: _term_summary(list(v)) for f, v in zip(FORMATS, per_term, strict=True)}}
+        save_adapter(model, out_dir, STATS_FILE, {"generator": self.generator.model,
+                                                  "chat_template": self.generator.chat_template,
+                                                  **figures, **loss_stats(stats),
+                                                  "config": self.config.model_dump(mode="json")})
+        return figures
+
+
+def tune_generator(
+    examples: pd.DataFrame, generator: GeneratorConfig, config: TuneConfig, out_dir: str
+) -> dict[str, Any]:
+    """Causal-LM LoRA on `examples` (from `build_examples`) with Zero-RAG's objective, a weighted sum of three
+    answer losses: retrieval-free (`none` rows), retrieval-augmented (`relevant`) and noise-suppression
+    (`distracting`), weighted by config.weight_* (a batch's loss is the weighted mean of its examples' losses),
+    on Ray Train workers (`config.trainer`). Saves the adapter and `tune.json` (with each term's loss per step)
+    to the local folder `out_dir`, loadable as `GeneratorConfig(lora_adapter=out_dir)`. Returns the stats."""
+    missing = {"messages", "target"} - set(examples.columns)
+    if missing:
+        raise ValueError(f"tuning examples lack columns {sorted(missing)}; build them with build_examples")
     formats = examples["format"] if "format" in examples else pd.Series("relevant", index=examples.index)
-    weight_of = {"none": config.weight_retrieval_free, "relevant": config.weight_relevant,
-                 "distracting": config.weight_noise}
-    example_format = formats.tolist()
-    term_losses: dict[str, list[float]] = {f: [] for f in FORMATS}  # per step, the mean loss of each term's rows
-
-    def batch_loss(idx: list[int]) -> torch.Tensor:
-        width = max(len(encoded[i][0]) for i in idx)
-        input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(idx), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids, labs, _ = encoded[i]
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, : len(labs)] = torch.tensor(labs)
-            mask[row, : len(ids)] = 1
-        logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
-        target = labels[:, 1:]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE, reduction="none")
-        per_example = nll.sum(1) / (target != IGNORE).sum(1).clamp(min=1)
-        fmts = [example_format[i] for i in idx]
-        for f in FORMATS:
-            rows = [r for r, g in enumerate(fmts) if g == f]
-            term_losses[f].append(float(per_example[rows].mean().detach()) if rows else float("nan"))
-        weights = torch.tensor([weight_of[f] for f in fmts], dtype=per_example.dtype)
-        return (weights * per_example).sum() / weights.sum().clamp(min=1e-12)
-
-    losses, seconds = train(model, len(encoded), batch_loss, config)
+    training = TuneTraining(examples["messages"].tolist(), [str(t) for t in examples["target"]], formats.tolist(),
+                            generator, config)
+    stats = fit(training, config, out_dir, "tune")
     docs = examples["n_docs"] if "n_docs" in examples else pd.Series(config.docs_per_format, index=examples.index)
-    stats = {
+    return {
         "generator": generator.model,
-        "source": source,
+        "source": stats["source"],
         "chat_template": generator.chat_template,
-        "examples": len(encoded),
+        "examples": len(examples),
         "formats": {f: int((formats == f).sum()) for f in FORMATS},
         "questions_without_relevant": int(examples.groupby("id")["format"].apply(lambda f: "relevant" not in set(f)).sum())
         if "id" in examples else 0,
         "random_distractors": int(examples["random_distractors"].sum()) if "random_distractors" in examples else 0,
         "distracting_short": int(((formats == "distracting") & (docs < config.docs_per_format)).sum()),
-        "term_losses": {f: _term_summary(v) for f, v in term_losses.items()},
-        "truncated_prompts": sum(cut > 0 for *_, cut in encoded),
-        "threads": threads,
-        **loss_stats(losses, seconds, min(config.batch_size, len(encoded))),
+        "term_losses": stats["term_losses"],
+        "truncated_prompts": stats["truncated_prompts"],
+        **loss_stats(stats),
         "config": config.model_dump(mode="json"),
     }
-    save_adapter(model, out_dir, STATS_FILE, stats)
-    return stats
 
 
 def _term_summary(per_step: list[float]) -> dict[str, Any]:

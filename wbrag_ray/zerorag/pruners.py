@@ -109,12 +109,12 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
         if kind == "embedding":
             predicted, fit = _train_head(run, config, train, val, tmp)
         else:
-            from wbrag_ray.training.lm_pruner import LMPrunerPredictor, train_lm_pruner
+            from wbrag_ray.training.lm_pruner import train_lm_pruner
 
-            fit = train_lm_pruner(pruner_text(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner, tmp)
-            predictor = LMPrunerPredictor(tmp, batch_size=z.lm_pruner.predict_batch_size)
-            predictor.setup()
-            predicted = predictor.predict(pruner_text(val["title"], val["text"]))
+            # on Ray Train workers; the worker that trained it also predicts the held-out sentences
+            fit = train_lm_pruner(pruner_text(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
+                                  tmp, val_texts=pruner_text(val["title"], val["text"]))
+            predicted = np.asarray(fit.pop("validation"), np.float32)
             fit = {k: v for k, v in fit.items() if k != "losses"}
         out.upload_dir(tmp)
     q = z.ratios[0] if z.ratios and z.ratios[0] > 0 else 0.3

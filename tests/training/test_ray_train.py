@@ -1,0 +1,130 @@
+"""Both trainings run as Ray Train jobs (`wbrag_ray.training.workers`): the seeded batches, and a training
+that loses its driver and then a worker resumes from its last checkpoint and ends where an uninterrupted one
+ends (real Ray Train workers on the session's cluster, gloo, the bundled SmolLM2-135M as the pruner's
+backbone)."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from tests.conftest import joining_env
+from tests.training.test_lora import KNOWN, UNKNOWN
+from wbrag_ray.config import ConfigError, LMPrunerConfig
+from wbrag_ray.storage import resolve
+from wbrag_ray.training.lm_pruner import PrunerTraining
+from wbrag_ray.training.workers import batch_indices, fit, plan_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 16  # 2 epochs of 16 sentences in batches of 2: long enough to be killed twice between checkpoints
+CHECKPOINT_STEPS = 2
+
+
+def pruner_training(workers: int) -> tuple[PrunerTraining, LMPrunerConfig]:
+    section = LMPrunerConfig(epochs=2, batch_size=2, max_length=24, threads=1, learning_rate=1e-3,
+                             trainer={"num_workers": workers, "checkpoint_steps": CHECKPOINT_STEPS, "max_failures": 1})
+    texts, scores = KNOWN + UNKNOWN, [1.0] * len(KNOWN) + [0.0] * len(UNKNOWN)
+    return PrunerTraining(texts, scores, section, texts[:4]), section
+
+
+def test_steps_come_from_epochs_with_max_steps_as_a_cap_and_each_epoch_sees_every_example_once():
+    section = LMPrunerConfig(epochs=2.5, batch_size=4)
+    assert plan_steps(section, 10, 1) == (7, 4)  # ceil(2.5 x 10 / 4)
+    assert plan_steps(section.model_copy(update={"max_steps": 3}), 10, 2) == (3, 4)
+    assert plan_steps(section, 3, 1) == (3, 3)  # a batch is at most the whole set
+    with pytest.raises(ConfigError, match="cannot feed 4 workers"):
+        plan_steps(section.model_copy(update={"batch_size": 3}), 10, 4)
+    # 5 steps of 4 over 10 examples: epoch 0 is positions 0-9, epoch 1 starts in step 2
+    seen = np.concatenate([batch_indices(s, 4, 10, seed=7) for s in range(5)])
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    assert not np.array_equal(seen[:10], seen[10:20])  # each epoch its own order
+    np.testing.assert_array_equal(batch_indices(3, 4, 10, seed=7), seen[12:16])  # known without replaying
+    assert not np.array_equal(batch_indices(0, 4, 10, seed=8), seen[:4])
+
+
+def _committed_step(storage: Path) -> int:
+    """The step of the last checkpoint Ray Train has registered (its snapshot in the storage folder): a
+    checkpoint folder may exist before the controller has taken it, and only a registered one is resumed."""
+    snapshot = storage / "lm-pruner" / "checkpoint_manager_snapshot.json"
+    if not snapshot.exists():
+        return 0
+    latest = json.loads(snapshot.read_text()).get("latest_checkpoint_result") or {}
+    return int(latest.get("metrics", {}).get("step", 0))
+
+
+def _wait_for(condition, what: str, timeout: float = 240):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _train_workers() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+
+
+def _adapter(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_uninterrupted_run(tmp_path,
+                                                                                                  ray_cluster):
+    # uninterrupted
+    training, section = pruner_training(2)
+    reference = fit(training, section, str(tmp_path / "reference"), "lm-pruner", storage=resolve(tmp_path / "ref"))
+    assert reference["steps"] == STEPS and reference["resumed_from_steps"] == [] and reference["workers"] == 2
+    assert reference["examples_seen"] == 2 * 16 and reference["epochs_seen"] == 2.0
+
+    # the driver of a 2-worker run, killed once it has committed a checkpoint
+    storage = tmp_path / "storage"
+    driver = subprocess.Popen([sys.executable, "-m", "tests.training.train_driver", str(storage), str(tmp_path / "o"),
+                               "2"], cwd=ROOT, env=joining_env(ray_cluster), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _committed_step(storage) or driver.poll() is not None, "the first checkpoint")
+        driver.send_signal(signal.SIGKILL)
+    finally:
+        driver.wait(timeout=60)
+    assert driver.returncode == -signal.SIGKILL, driver.stderr.read()[-3000:]
+    assert not (tmp_path / "o").exists()
+    killed_driver_at = _committed_step(storage)
+    assert 0 < killed_driver_at < STEPS
+    _wait_for(lambda: not _train_workers(), "the killed job's workers to end", timeout=60)
+
+    # the same training again, on 2 workers; one of them is killed after its next checkpoint
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(
+        fit(*pruner_training(2), str(tmp_path / "resumed"), "lm-pruner", storage=resolve(storage))))
+    runner.start()
+    _wait_for(lambda: _committed_step(storage) > killed_driver_at or not runner.is_alive(), "a checkpoint after resuming")
+    killed_worker_at = _committed_step(storage)
+    assert runner.is_alive() and killed_worker_at < STEPS
+    workers = _train_workers()
+    assert len(workers) == 2
+    workers[1].kill()
+    runner.join(timeout=300)
+    assert not runner.is_alive() and result, "the resumed training did not end"
+
+    # resumed twice (after the driver, after the worker), none of the 16 steps lost or done twice
+    assert result["steps"] == STEPS == len(result["losses"]) and result["workers"] == 2
+    assert result["resumed_from_steps"] == [killed_driver_at, killed_worker_at]
+    # the same batches from the same weights and optimizer state: the uninterrupted run's losses and adapter
+    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=1e-6)
+    ours, theirs = _adapter(tmp_path / "resumed"), _adapter(tmp_path / "reference")
+    assert ours.keys() == theirs.keys() and any(k.endswith("score.weight") for k in ours)
+    for name in ours:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    saved = json.loads((tmp_path / "resumed" / "pruner.json").read_text())
+    assert saved["steps"] == STEPS and saved["resumed_from_steps"] == result["resumed_from_steps"]
