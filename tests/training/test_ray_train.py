@@ -17,10 +17,10 @@ import pytest
 
 from tests.conftest import joining_env
 from tests.training.test_lora import KNOWN, UNKNOWN
-from wbrag_ray.config import ConfigError, LMPrunerConfig
+from wbrag_ray.config import ConfigError, LMPrunerConfig, TrainerConfig
 from wbrag_ray.storage import resolve
 from wbrag_ray.training.lm_pruner import PrunerTraining
-from wbrag_ray.training.workers import batch_indices, fit, plan_steps
+from wbrag_ray.training.workers import batch_indices, fit, placement_refusal, plan_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16  # 2 epochs of 16 sentences in batches of 2: long enough to be killed twice between checkpoints
@@ -47,6 +47,21 @@ def test_steps_come_from_epochs_with_max_steps_as_a_cap_and_each_epoch_sees_ever
     assert not np.array_equal(seen[:10], seen[10:20])  # each epoch its own order
     np.testing.assert_array_equal(batch_indices(3, 4, 10, seed=7), seen[12:16])  # known without replaying
     assert not np.array_equal(batch_indices(0, 4, 10, seed=8), seen[:4])
+
+
+def test_training_workers_that_the_cluster_cannot_place_are_refused_with_the_fix():
+    trainer = TrainerConfig(num_workers=8, num_gpus=1, num_cpus=8)
+    gpu_nodes = [{"CPU": 96.0, "GPU": 8.0}, {"CPU": 16.0}]
+    assert placement_refusal(trainer, gpu_nodes, "zerorag.lm_pruner") is None
+    why = placement_refusal(trainer.model_copy(update={"num_workers": 9}), gpu_nodes, "zerorag.lm_pruner")
+    assert why == ("zerorag.lm_pruner.trainer: 9 training workers of 8 CPU and 1 GPU each do not fit the cluster's 2 "
+                   "nodes (room for 8); set zerorag.lm_pruner.trainer.num_workers: 8, or add nodes")
+    # a worker that needs more GPUs than any node has
+    why = placement_refusal(TrainerConfig(num_workers=2, num_gpus=16), gpu_nodes, "zerorag.tune")
+    assert "room for 0" in why and "lower zerorag.tune.trainer.num_gpus (the largest node has 8)" in why
+    # CPU workers on this machine's shape
+    assert placement_refusal(TrainerConfig(num_workers=2), [{"CPU": 2.0}], "zerorag.tune") is None
+    assert "room for 1" in placement_refusal(TrainerConfig(num_workers=2, num_cpus=2), [{"CPU": 2.0}], "zerorag.tune")
 
 
 def _committed_step(storage: Path) -> int:
@@ -83,7 +98,7 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
                                                                                                   ray_cluster):
     # uninterrupted
     training, section = pruner_training(2)
-    reference = fit(training, section, str(tmp_path / "reference"), "lm-pruner", storage=resolve(tmp_path / "ref"))
+    reference = fit(training, section, str(tmp_path / "reference"), "lm-pruner", "zerorag.lm_pruner", storage=resolve(tmp_path / "ref"))
     assert reference["steps"] == STEPS and reference["resumed_from_steps"] == [] and reference["workers"] == 2
     assert reference["examples_seen"] == 2 * 16 and reference["epochs_seen"] == 2.0
 
@@ -106,7 +121,7 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
     # the same training again, on 2 workers; one of them is killed after its next checkpoint
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(
-        fit(*pruner_training(2), str(tmp_path / "resumed"), "lm-pruner", storage=resolve(storage))))
+        fit(*pruner_training(2), str(tmp_path / "resumed"), "lm-pruner", "zerorag.lm_pruner", storage=resolve(storage))))
     runner.start()
     _wait_for(lambda: _committed_step(storage) > killed_driver_at or not runner.is_alive(), "a checkpoint after resuming")
     killed_worker_at = _committed_step(storage)

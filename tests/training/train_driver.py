@@ -17,5 +17,5 @@ if __name__ == "__main__":
     storage, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ray.init(address="auto", logging_level="WARNING")
     training, section = pruner_training(workers)
-    stats = fit(training, section, out, "lm-pruner", storage=resolve(storage))
+    stats = fit(training, section, out, "lm-pruner", "zerorag.lm_pruner", storage=resolve(storage))
     print(json.dumps({k: stats[k] for k in ("steps", "resumed_from_steps")}))

@@ -98,7 +98,7 @@ def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfi
     if not all(0 <= s <= 1 for s in scores):
         raise ValueError("mastery scores must lie in [0, 1]")
     training = PrunerTraining(list(texts), [float(s) for s in scores], config, list(val_texts))
-    stats = fit(training, config, out_dir, "lm-pruner")
+    stats = fit(training, config, out_dir, "lm-pruner", "zerorag.lm_pruner")
     return {**loss_stats(stats), "backbone": config.backbone, "max_length": config.max_length,
             "examples": len(texts), "validation": stats["validation"]}
 

@@ -231,7 +231,7 @@ def tune_generator(
     formats = examples["format"] if "format" in examples else pd.Series("relevant", index=examples.index)
     training = TuneTraining(examples["messages"].tolist(), [str(t) for t in examples["target"]], formats.tolist(),
                             generator, config)
-    stats = fit(training, config, out_dir, "tune")
+    stats = fit(training, config, out_dir, "tune", "zerorag.tune")
     docs = examples["n_docs"] if "n_docs" in examples else pd.Series(config.docs_per_format, index=examples.index)
     return {
         "generator": generator.model,

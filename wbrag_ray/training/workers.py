@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from wbrag_ray.config import ConfigError, _LoraSection
+from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
 from wbrag_ray.storage import Location
 
 # Gradient-norm cap: a few badly scaled batches (long prompts, saturated sigmoids) must not wreck the adapter.
@@ -244,10 +244,40 @@ def _restore(model, optimizer) -> dict[str, Any] | None:
     return state
 
 
-def fit(training: Training, section: _LoraSection, out_dir: str, label: str,
+def placement_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key: str) -> str | None:
+    """Why a cluster whose nodes hold `nodes` (each node's resources as Ray reports them) cannot place
+    `trainer.num_workers` workers of `trainer.num_cpus` CPUs and `trainer.num_gpus` GPUs each (a worker sits on one
+    node), or None where it can. `key`: the config section named in the message."""
+    need = {"CPU": trainer.num_cpus, **({"GPU": trainer.num_gpus} if trainer.num_gpus else {})}
+    # whole workers per node; the epsilon keeps 3 x 0.333... GPUs from flooring to 2
+    fits = sum(min(int(node.get(r, 0.0) / amount + 1e-9) for r, amount in need.items()) for node in nodes)
+    if fits >= trainer.num_workers:
+        return None
+    worker = " and ".join(f"{amount:g} {r}" for r, amount in need.items())
+    largest = max((n.get("GPU" if trainer.num_gpus else "CPU", 0.0) for n in nodes), default=0.0)
+    fix = (f"set {key}.trainer.num_workers: {fits}" if fits else
+           f"lower {key}.trainer.num_{'gpus' if trainer.num_gpus else 'cpus'} (the largest node has {largest:g})")
+    return (f"{key}.trainer: {trainer.num_workers} training workers of {worker} each do not fit the cluster's "
+            f"{len(nodes)} node{'s' * (len(nodes) != 1)} (room for {fits}); {fix}, or add nodes")
+
+
+def check_placement(trainer: TrainerConfig, key: str) -> None:
+    """A ConfigError before any worker starts when the connected cluster cannot place the training workers (Ray
+    Train would wait for them); skipped where WBRAG_AUTOSCALING=1 says nodes come on demand."""
+    from wbrag_ray.generation.parallel import AUTOSCALING_ENV, cluster_nodes
+
+    if os.environ.get(AUTOSCALING_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return
+    nodes, _ = cluster_nodes()
+    why = placement_refusal(trainer, nodes, key)
+    if why is not None:
+        raise ConfigError(why)
+
+
+def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key: str,
         storage: Location | None = None) -> dict[str, Any]:
     """Run `training` as a Ray Train job and copy its adapter into the local folder `out_dir`; returns the
-    stats worker 0 reported. `storage`: where Ray Train keeps its checkpoints, by default the running stage's
+    stats worker 0 reported. `key`: the config section, for messages (zerorag.lm_pruner). `storage`: where Ray Train keeps its checkpoints, by default the running stage's
     checkpoint folder (removed when the stage completes); outside a stage, a temporary local folder."""
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -256,6 +286,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str,
 
     trainer_config = section.trainer
     plan_steps(section, training.num_examples, trainer_config.num_workers)  # refuse before any worker starts
+    check_placement(trainer_config, key)
     stage = checkpoints.active()
     with contextlib.ExitStack() as stack:
         if storage is None and stage is not None:
