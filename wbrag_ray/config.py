@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 BUNDLED_GENERATOR = "bundled:smollm2"
 BUNDLED_EMBEDDER = "bundled:all-minilm-l6-v2"
@@ -143,6 +144,60 @@ class GeneratorConfig(_Section):
     vllm_engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, merged over the throughput defaults."
     )
+
+    def parallel_sizes(self) -> tuple[int, int]:
+        """(tensor_parallel_size, pipeline_parallel_size) of one engine replica. The rule: pipeline_parallel_size
+        as given; tensor_parallel_size as given, else num_gpus / pipeline_parallel_size when num_gpus > 1 (a
+        replica that asks for 4 GPUs shards each layer over all 4, or over 2 per stage with 2 stages), else 1.
+        A validated config has num_gpus = tp x pp whenever either is above 1 (`_check_parallel_sizes`). Other
+        backends than vllm run a model whole: (1, 1)."""
+        if self.backend != "vllm":
+            return 1, 1
+        pp = self.pipeline_parallel_size
+        if self.tensor_parallel_size is not None:
+            return self.tensor_parallel_size, pp
+        if self.num_gpus > 1:
+            return max(1, int(self.num_gpus) // pp), pp
+        return 1, pp
+
+    @model_validator(mode="after")
+    def _check_parallel_sizes(self) -> GeneratorConfig:
+        """A replica's GPUs and its shards must agree before anything is placed: vLLM starts one worker per GPU
+        of the replica, each in a one-GPU bundle, and the hf backend moves its model to one device."""
+
+        def refuse(key: str, message: str):
+            # the error's key is the field's (generator.num_gpus, zerorag.qa_generator.tensor_parallel_size)
+            return ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError("parallel_sizes", message), loc=(key,), input=getattr(self, key))])
+
+        gpus = self.num_gpus
+        if self.backend != "vllm":
+            if self.backend == "hf" and gpus > 1:
+                raise refuse("num_gpus", "the hf backend runs a model on one GPU; set backend: vllm to shard it "
+                             f"over {gpus:g} GPUs (tensor / pipeline parallel), or num_gpus: 1")
+            for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+                if (getattr(self, key) or 1) > 1:
+                    raise refuse(key, f"only the vllm backend shards a model over GPUs (backend: {self.backend}); "
+                                 f"set backend: vllm, or drop {key}")
+            return self
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if key in self.vllm_engine_kwargs:
+                raise refuse("vllm_engine_kwargs", f"set {key} itself, not in vllm_engine_kwargs: the engine "
+                             "replica's GPU bundles are placed from it")
+        tp, pp = self.parallel_sizes()
+        if gpus > 1 and gpus != int(gpus):
+            raise refuse("num_gpus", "an engine replica larger than one GPU takes whole GPUs")
+        if self.tensor_parallel_size is None and gpus > 1 and int(gpus) % pp:
+            raise refuse("num_gpus", f"{gpus:g} GPUs do not split into pipeline_parallel_size={pp} stages of "
+                         "equal size; set tensor_parallel_size too (num_gpus = tensor_parallel_size x "
+                         "pipeline_parallel_size)")
+        if tp * pp > 1 and gpus < 1:
+            raise refuse("num_gpus", f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} runs on GPUs, "
+                         f"one per shard; set num_gpus: {tp * pp}")
+        if (tp * pp > 1 or gpus > 1) and gpus != tp * pp:
+            raise refuse("num_gpus", f"a replica of tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
+                         f"shards holds {tp * pp} GPUs, one per shard; make num_gpus and the product equal")
+        return self
 
 
 class IndexConfig(_Section):
@@ -340,7 +395,8 @@ class WritebackConfig(_Section):
 class TrainerConfig(_Section):
     """Where a training runs: Ray Train workers, data-parallel. A step's batch (`batch_size` examples) is split
     across the workers and their gradients are averaged, so the number of workers changes the speed, not the
-    result (up to float summation order): it is a placement setting, left out of the stage's fingerprint."""
+    optimization (the weights agree up to rounding): it is a placement setting, left out of the stage's
+    fingerprint."""
 
     RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures"})
 

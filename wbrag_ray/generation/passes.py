@@ -23,6 +23,7 @@ import pandas as pd
 from wbrag_ray import checkpoints
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
+from wbrag_ray.generation.parallel import check_placement
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.types import Scored, scored_columns
 from wbrag_ray.generation.vllm import VLLMGenerator
@@ -60,6 +61,7 @@ def generate_pass(
 def _checked(config: GeneratorConfig, mode: str):
     generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
     check_backend_mode(config, mode)
+    check_placement(config)  # and on a cluster whose nodes cannot hold a replica, before anything waits for one
     return generator
 
 

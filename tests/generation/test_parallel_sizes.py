@@ -1,0 +1,292 @@
+"""Generators larger than one GPU: the (tensor, pipeline) parallel sizes a config resolves to, the configs refused
+and why, the engine arguments and Ray Data LLM processor built with them, the cluster check before a pass, and the
+placement group a generator service's replica takes (on a local cluster whose nodes declare GPUs: Ray schedules
+by the declared count, so the bundles, the capture of child tasks and the removal run for real; what runs in the
+group is a probe in place of vLLM's engine, which needs real GPUs: benchmarks/gpu/check.py runs that).
+
+    python -m tests.generation.test_parallel_sizes   (the multi-node part, as a script: a Cluster needs its own
+                                                      driver process; prints a JSON summary)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
+from wbrag_ray.generation.parallel import GPU_BUNDLE, placement_refusal, replica_placement
+from wbrag_ray.generation.stage import GenerateStage
+from wbrag_ray.generation.vllm import VLLMGenerator
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def vllm(**kwargs) -> GeneratorConfig:
+    return GeneratorConfig(backend="vllm", **kwargs)
+
+
+# --- the rule ---------------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_size_defaults_to_the_replicas_gpus_over_its_pipeline_stages():
+    assert vllm(num_gpus=4).parallel_sizes() == (4, 1)
+    assert vllm(num_gpus=8, pipeline_parallel_size=2).parallel_sizes() == (4, 2)
+    assert vllm(num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2).parallel_sizes() == (2, 2)
+    assert vllm(num_gpus=2, tensor_parallel_size=1, pipeline_parallel_size=2).parallel_sizes() == (1, 2)
+    # one GPU, part of one, or none: unsharded
+    assert vllm(num_gpus=1).parallel_sizes() == vllm(num_gpus=0.5).parallel_sizes() == vllm().parallel_sizes() == (1, 1)
+    # the other backends run a model whole
+    assert GeneratorConfig(backend="hf", num_gpus=1).parallel_sizes() == (1, 1)
+    assert GeneratorConfig(backend="openai", model="m", num_gpus=2).parallel_sizes() == (1, 1)
+
+
+def test_the_paper_configs_validate_and_the_70b_generator_shards_over_its_4_gpus():
+    zero_rag = load_config(ROOT / "jobs" / "configs" / "paper_zero_rag.yaml")
+    assert zero_rag.generator.parallel_sizes() == (4, 1)
+    assert load_config(ROOT / "jobs" / "configs" / "paper_writeback.yaml").generator.parallel_sizes() == (1, 1)
+
+
+# --- the refusals -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("overrides", "key", "says"), [
+    (["generator.num_gpus=2"], "generator.num_gpus", "the hf backend runs a model on one GPU; set backend: vllm"),
+    (["generator.tensor_parallel_size=2"], "generator.tensor_parallel_size",
+     "only the vllm backend shards a model over GPUs (backend: hf)"),
+    (["generator.backend=openai", "generator.model=m", "generator.pipeline_parallel_size=2"],
+     "generator.pipeline_parallel_size", "only the vllm backend shards a model over GPUs (backend: openai)"),
+    (["generator.backend=vllm", "generator.num_gpus=2.5"], "generator.num_gpus",
+     "an engine replica larger than one GPU takes whole GPUs"),
+    (["generator.backend=vllm", "generator.num_gpus=6", "generator.pipeline_parallel_size=4"], "generator.num_gpus",
+     "6 GPUs do not split into pipeline_parallel_size=4 stages of equal size; set tensor_parallel_size too"),
+    (["generator.backend=vllm", "generator.tensor_parallel_size=2"], "generator.num_gpus",
+     "tensor_parallel_size x pipeline_parallel_size = 2 x 1 runs on GPUs, one per shard; set num_gpus: 2"),
+    (["generator.backend=vllm", "generator.num_gpus=0.5", "generator.pipeline_parallel_size=2"], "generator.num_gpus",
+     "= 1 x 2 runs on GPUs, one per shard; set num_gpus: 2"),
+    (["generator.backend=vllm", "generator.num_gpus=4", "generator.tensor_parallel_size=2"], "generator.num_gpus",
+     "tensor_parallel_size x pipeline_parallel_size = 2 x 1 shards holds 2 GPUs, one per shard; make num_gpus and"),
+    (["generator.backend=vllm", "generator.num_gpus=1", "generator.pipeline_parallel_size=2"], "generator.num_gpus",
+     "holds 2 GPUs, one per shard"),
+    (["generator.backend=vllm", "generator.num_gpus=2", "generator.vllm_engine_kwargs={tensor_parallel_size: 2}"],
+     "generator.vllm_engine_kwargs", "set tensor_parallel_size itself, not in vllm_engine_kwargs"),
+    # the QA writer is a generator config of its own, checked the same way and named by its own key
+    (["zerorag.qa_generator={backend: vllm, num_gpus: 1, pipeline_parallel_size: 2}"],
+     "zerorag.qa_generator.num_gpus", "holds 2 GPUs, one per shard"),
+])
+def test_a_replica_whose_gpus_and_shards_disagree_is_refused_naming_the_key_and_the_fix(overrides, key, says):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides)
+    assert f"config key '{key}'" in str(err.value) and says in str(err.value)
+
+
+def test_consistent_sharded_replicas_are_accepted_for_the_generator_and_the_qa_writer():
+    config = load_config(overrides=["generator.backend=vllm", "generator.num_gpus=8",
+                                    "generator.pipeline_parallel_size=2",
+                                    "zerorag.qa_generator={backend: vllm, num_gpus: 2, tensor_parallel_size: 2}"])
+    assert config.generator.parallel_sizes() == (4, 2)
+    assert config.zerorag.qa_generator.parallel_sizes() == (2, 1)
+
+
+# --- the engine and Ray Data LLM --------------------------------------------------------------------------
+
+
+def test_engine_kwargs_carry_the_parallel_sizes_and_the_ray_executor_for_a_sharded_replica():
+    kwargs = VLLMGenerator(vllm(num_gpus=8, pipeline_parallel_size=2)).engine_kwargs()
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (4, 2)
+    assert kwargs["distributed_executor_backend"] == "ray"
+    one = VLLMGenerator(vllm(num_gpus=1)).engine_kwargs()
+    assert (one["tensor_parallel_size"], one["pipeline_parallel_size"]) == (1, 1)
+    assert "distributed_executor_backend" not in one  # vLLM's own choice on one GPU (uni)
+    cpu = VLLMGenerator(vllm()).engine_kwargs()  # the CPU build keeps its executor
+    assert (cpu["tensor_parallel_size"], cpu["distributed_executor_backend"]) == (1, "mp")
+
+
+def test_the_replica_placement_is_one_gpu_bundle_per_shard_strict_pack_for_tensor_parallel_only():
+    assert replica_placement(vllm(num_gpus=4)) == {"bundles": [GPU_BUNDLE] * 4, "strategy": "STRICT_PACK"}
+    # pipeline stages may sit on different nodes
+    assert replica_placement(vllm(num_gpus=4, pipeline_parallel_size=2)) == {"bundles": [GPU_BUNDLE] * 4,
+                                                                             "strategy": "PACK"}
+    assert GPU_BUNDLE == {"GPU": 1.0, "CPU": 1.0}  # vLLM starts one worker per one-GPU bundle
+    assert replica_placement(vllm(num_gpus=1)) is None and replica_placement(vllm()) is None
+
+
+def test_a_sharded_replicas_service_actor_asks_for_no_gpu_and_an_unsharded_one_for_its_own():
+    assert GenerateStage(vllm(num_gpus=4, num_cpus=2)).resources.num_gpus == 0.0  # the placement group holds them
+    assert GenerateStage(vllm(num_gpus=4, num_cpus=2)).resources.num_cpus == 2
+    assert GenerateStage(vllm(num_gpus=1)).resources.num_gpus == 1.0
+    assert GenerateStage(GeneratorConfig(num_gpus=0.5)).resources.num_gpus == 0.5
+
+
+def test_ray_data_llm_gets_the_parallel_sizes_and_the_bundles_and_asks_no_gpu_for_the_engine_actor(tmp_path,
+                                                                                                   ray_cluster):
+    """Built, not run: Ray Data LLM's engine stage reads tp / pp from the engine arguments, and with the ray
+    executor schedules its actor into a placement group of the given bundles instead of reserving GPUs."""
+    gen = VLLMGenerator(vllm(model=str(tmp_path), num_gpus=4, pipeline_parallel_size=2, concurrency=3))
+    config = gen.processor_config()
+    assert (config.engine_kwargs["tensor_parallel_size"], config.engine_kwargs["pipeline_parallel_size"]) == (2, 2)
+    assert config.placement_group_config["bundles"] == [GPU_BUNDLE] * 4
+    assert config.placement_group_config["strategy"] == "PACK"
+    assert config.concurrency == 3
+    engine = gen.build_processor().get_stage_by_name("vLLMEngineStage")
+    assert engine.fn_constructor_kwargs["engine_kwargs"]["distributed_executor_backend"] == "ray"
+    assert engine.map_batches_kwargs["num_gpus"] == 0 and callable(engine.map_batches_kwargs["ray_remote_args_fn"])
+    # one GPU: Ray Data LLM's default, a GPU for the engine's actor
+    single = VLLMGenerator(vllm(model=str(tmp_path), num_gpus=1))
+    assert single.processor_config().placement_group_config is None
+    assert single.build_processor().get_stage_by_name("vLLMEngineStage").map_batches_kwargs["num_gpus"] == 1
+
+
+# --- the cluster check ------------------------------------------------------------------------------------
+
+
+def nodes(*gpus: float) -> list[dict[str, float]]:
+    return [{"CPU": 16.0, "GPU": g} if g else {"CPU": 16.0} for g in gpus]
+
+
+def test_a_cluster_without_a_node_of_tensor_parallel_size_gpus_is_refused_saying_what_to_change():
+    why = placement_refusal(vllm(num_gpus=4), nodes(0, 1, 1, 1, 1))
+    assert why == ("generator: tensor_parallel_size=4 x pipeline_parallel_size=1 needs 4 GPUs on one node, and no "
+                   "node of the cluster has that many (4 nodes x 1 GPU, 1 node x 0 GPUs); lower "
+                   "tensor_parallel_size and raise pipeline_parallel_size (pipeline stages may sit on different "
+                   "nodes), or add nodes with 4 GPUs")
+    # the same GPUs as four pipeline stages of one GPU fit
+    assert placement_refusal(vllm(num_gpus=4, tensor_parallel_size=1, pipeline_parallel_size=4),
+                             nodes(0, 1, 1, 1, 1)) is None
+    one = placement_refusal(vllm(num_gpus=1), nodes(0), key="zerorag.qa_generator")
+    assert one.startswith("zerorag.qa_generator: num_gpus=1 needs 1 GPU on one node") and "num_gpus: 0" in one
+
+
+def test_a_cluster_with_fewer_gpus_than_the_replicas_need_is_refused_with_the_concurrency_that_fits():
+    # 2 replicas of 4 x 2: four groups of 4 GPUs; two 8-GPU nodes and a 4-GPU one hold 5
+    assert placement_refusal(vllm(num_gpus=8, pipeline_parallel_size=2, concurrency=2), nodes(8, 8, 4)) is None
+    why = placement_refusal(vllm(num_gpus=8, pipeline_parallel_size=2, concurrency=3), nodes(8, 8, 4))
+    assert why == ("generator: concurrency=3 replicas of tensor_parallel_size=4 x pipeline_parallel_size=2 need 6 "
+                   "groups of 4 GPUs on one node each (24 GPUs), and the cluster holds 5 (2 nodes x 8 GPUs, 1 node "
+                   "x 4 GPUs); set concurrency: 2")
+    # a group never straddles two nodes: two 6-GPU nodes hold two groups of 4, not three
+    assert "holds 2" in placement_refusal(vllm(num_gpus=4, concurrency=3), nodes(6, 6))
+    # fractional replicas pack by whole counts per node
+    assert placement_refusal(vllm(num_gpus=0.5, concurrency=4), nodes(1, 1)) is None
+    assert "set concurrency: 4" in placement_refusal(vllm(num_gpus=0.5, concurrency=5), nodes(1, 1))
+
+
+def test_the_cluster_check_asks_nothing_of_cpu_and_http_generators():
+    assert placement_refusal(vllm(concurrency=64), nodes(0)) is None
+    assert placement_refusal(GeneratorConfig(backend="openai", model="m", num_gpus=1), nodes(0)) is None
+
+
+# --- the placement group, on a local cluster with declared GPUs -------------------------------------------
+
+
+class PlacementProbe:
+    """In place of vLLM's engine host (`vllm._EngineHost`): what the process sees of the placement group it was
+    started in, and where workers land that are started the way vLLM's ray executor starts them (one per GPU
+    bundle of the current group, by bundle index)."""
+
+    def __init__(self, config: GeneratorConfig):
+        self.config = config
+
+    def ready(self) -> bool:
+        return True
+
+    def call(self, config: GeneratorConfig, method: str, *args):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = ray.util.get_current_placement_group()
+        gpu_bundles = [i for i, b in enumerate(pg.bundle_specs) if b.get("GPU")]
+
+        @ray.remote(num_cpus=0, num_gpus=1)
+        def worker():
+            return ray.get_runtime_context().get_node_id()
+
+        workers = [worker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True)).remote()
+            for i in gpu_bundles]
+        return {"method": method, "args": list(args), "max_new_tokens": config.max_new_tokens,
+                "pg": pg.id.hex(), "own_gpus": ray.get_gpu_ids(), "node": ray.get_runtime_context().get_node_id(),
+                "worker_nodes": ray.get(workers)}
+
+
+def main() -> None:
+    """Two worker nodes of 2 declared GPUs and a GPU-less head: the cluster check on the alive nodes, and the
+    placement group a service's sharded replica takes, for tensor parallel (STRICT_PACK) and pipeline parallel
+    (PACK) replicas."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.placement_group import placement_group_table
+
+    from wbrag_ray.generation.parallel import RemoteEngine, check_placement
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, num_gpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    out: dict = {}
+    refusals = {"tp4": vllm(num_gpus=4), "tp2pp2x2": vllm(num_gpus=4, tensor_parallel_size=2,
+                                                          pipeline_parallel_size=2, concurrency=2)}
+    for name, config in refusals.items():
+        try:
+            check_placement(config)
+            out[name] = None
+        except ConfigError as exc:
+            out[name] = str(exc)
+    os.environ["WBRAG_AUTOSCALING"] = "1"
+    check_placement(refusals["tp4"])
+    out["autoscaling_skips"] = True
+    del os.environ["WBRAG_AUTOSCALING"]
+    for name, config in {"tp2": vllm(num_gpus=2, max_new_tokens=7),
+                         "tp2pp2": vllm(num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2)}.items():
+        check_placement(config)
+        engine = RemoteEngine(config, PlacementProbe)
+        seen = engine.call(config, "generate", ["prompt"])
+        table = placement_group_table(engine.pg)
+        seen.update(strategy=table["strategy"], bundle_nodes=sorted(table["bundles_to_node_id"].values()),
+                    is_engine_pg=seen["pg"] == engine.pg.id.hex())
+        engine.close()
+        seen["state_after_close"] = placement_group_table(engine.pg)["state"]
+        out[name] = seen
+    try:  # a replica no node can hold: refused once the wait for its placement group is over
+        RemoteEngine(vllm(num_gpus=4), PlacementProbe, timeout_s=3)
+        out["unplaceable"] = None
+    except ConfigError as exc:
+        out["unplaceable"] = str(exc)
+    print(json.dumps(out))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_a_sharded_replica_runs_inside_its_placement_group_and_the_cluster_check_reads_the_alive_nodes():
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WBRAG_AUTOSCALING")}
+    out = subprocess.run([sys.executable, "-m", "tests.generation.test_parallel_sizes"], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    # the alive nodes: no node holds 4 GPUs; two replicas of 2 x 2 need 4 groups of 2, the nodes hold 2
+    assert "no node of the cluster has that many (2 nodes x 2 GPUs, 1 node x 0 GPUs)" in seen["tp4"]
+    assert "WBRAG_AUTOSCALING=1" in seen["tp4"]  # the way out on a cluster that adds nodes unannounced
+    assert "the cluster holds 2" in seen["tp2pp2x2"] and "set concurrency: 1" in seen["tp2pp2x2"]
+    assert seen["autoscaling_skips"]
+    for name, nodes_used in (("tp2", 1), ("tp2pp2", 2)):
+        replica = seen[name]
+        # the engine's process runs in the replica's group, holds no GPU itself, on one of the group's nodes
+        assert replica["is_engine_pg"] and replica["own_gpus"] == [] and replica["node"] in replica["bundle_nodes"]
+        # one worker per GPU bundle, where the bundles are: tensor parallel on one node, stages on two
+        assert sorted(replica["worker_nodes"]) == replica["bundle_nodes"]
+        assert len(set(replica["bundle_nodes"])) == nodes_used
+        assert replica["state_after_close"] == "REMOVED"  # the GPUs are free again
+    assert seen["tp2"]["strategy"] == "STRICT_PACK" and seen["tp2pp2"]["strategy"] == "PACK"
+    # the pass's call arrives with its own settings
+    assert seen["tp2"]["method"] == "generate" and seen["tp2"]["args"] == [["prompt"]]
+    assert seen["tp2"]["max_new_tokens"] == 7
+    assert "no room for an engine replica of tensor_parallel_size=4" in seen["unplaceable"]
+
+
+if __name__ == "__main__":
+    main()
