@@ -354,6 +354,11 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
     shutil.rmtree(root / "export", ignore_errors=True)
     stage("report", n, lambda: write_report(run))
 
+    # the exact reference of the recall queries first: with 11 search actors holding a 2-CPU cluster's CPUs, a task
+    # that asks for one would wait for them forever
+    sources, near = recall_queries(run.layout.embed.uri, RECALL_QUERIES, dim)
+    truth = ray.get(ray.remote(num_cpus=1)(exact_top_k).remote(run.layout.embed.uri, near, 10))
+
     with Services() as services:
         # the search actors start and load their shard groups once; every search after uses them
         service = stage("retrieval service start", n, lambda: services.retrieval(
@@ -376,9 +381,7 @@ def measure_size(root: Path, n: int, dim: int, queries: int, lists: str = "const
 
         stage("2,000 searches + document lookup", queries, searches)
 
-        # recall: the service's own search (index.nprobe=auto) against an exact search of the same vectors
-        sources, near = recall_queries(run.layout.embed.uri, RECALL_QUERIES, dim)
-        truth = ray.get(ray.remote(num_cpus=1)(exact_top_k).remote(run.layout.embed.uri, near, 10))
+        # recall: the service's own search (index.nprobe=auto) against the exact search of the same vectors
         served = np.array([[h.id for h in hits] + [-1] * (10 - len(hits))
                            for hits in service.search_vectors(near, 10)])
     search_one = ray.remote(num_cpus=1)(_search_ids)
@@ -487,6 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lists", choices=("constant", "sqrt"), default="constant",
                         help="IVF lists: n/1000 (a query costs the same at every size) or 4*sqrt(n) (index.factory=auto's "
                              "rule below 10M: k-means grows linearly)")
+    parser.add_argument("--keep-results", action="store_true",
+                        help="take a size's figures from an earlier run's result-N.json under --root (a curve whose "
+                        "last size stopped: rerun only that one)")
     parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # one size, run by the parent
     args = parser.parse_args(argv)
     sizes = [20_000, 80_000] if args.quick else [int(s) for s in args.sizes.split(",")]
@@ -510,6 +516,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_results: dict[int, dict[str, dict[str, Any]]] = {}
     Path(args.root).mkdir(parents=True, exist_ok=True)
     for n in sizes:
+        if args.keep_results and (Path(args.root) / f"result-{n}.json").exists():
+            print(f"[{n:,}] measured earlier: {Path(args.root) / f'result-{n}.json'} (--keep-results)", flush=True)
+            all_results[n] = json.loads((Path(args.root) / f"result-{n}.json").read_text())
+            continue
         cmd = [sys.executable, "-m", "benchmarks.scale", "--one", str(n), "--dim", str(args.dim), "--queries",
                str(args.queries), "--root", args.root, "--cpus", str(args.cpus), "--lists", args.lists]
         subprocess.run(cmd, check=True)
