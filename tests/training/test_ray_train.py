@@ -4,6 +4,7 @@ ends (real Ray Train workers on the session's cluster, gloo, the bundled SmolLM2
 backbone)."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -143,3 +144,21 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
         np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)
     saved = json.loads((tmp_path / "resumed" / "pruner.json").read_text())
     assert saved["steps"] == STEPS and saved["resumed_from_steps"] == result["resumed_from_steps"]
+
+
+def test_a_training_keeps_its_checkpoints_in_a_run_folder_on_object_storage(tmp_path, s3_env, tiny):
+    import pyarrow.fs as pafs
+
+    # a driver with a local cluster of its own: its workers have the object store's credentials, as a cluster's
+    # nodes do (the session's cluster started before this test set them)
+    storage = "s3://wbrag/runs/train-on-s3/_checkpoints/pruner-lm/train"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-m", "tests.training.train_driver", storage, str(tmp_path / "adapter"), "1",
+                          tiny.generator], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"steps": 8, "resumed_from_steps": []}
+    assert (tmp_path / "adapter" / "pruner.json").exists()
+    where = resolve(storage).join("lm-pruner")
+    kept = [i.path for i in where.fs.get_file_info(pafs.FileSelector(where.path, recursive=True))]
+    assert any(p.endswith("checkpoint_manager_snapshot.json") for p in kept)
+    assert any(p.endswith("train_state.pt") for p in kept) and any(p.endswith("adapter_model.safetensors") for p in kept)
