@@ -142,6 +142,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
 
+    p = sub.add_parser("plan", help="what each stage of `wbrag run CONFIG` asks of a cluster (bundles, memory per "
+                       "actor, index shards, search actors) and about how long it takes; refuses what cannot be placed")
+    p.add_argument("config_file", metavar="CONFIG", help="YAML config")
+    p.add_argument("--nodes", type=int, help="nodes of the cluster (default 1); with no node flag and no --address: "
+                   "this machine")
+    p.add_argument("--gpus-per-node", type=float, help="GPUs of each node (default 0)")
+    p.add_argument("--cpus-per-node", type=float, help="CPUs of each node (default: this machine's)")
+    p.add_argument("--memory-per-node", type=float, metavar="GB", help="memory of each node (default: this machine's)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
+    p.add_argument("--passages", type=int, help="corpus passages (default: the run folder's ingest stats, else "
+                   "estimated from the corpus files)")
+    p.add_argument("--run", dest="run", help="run folder whose ingest stats give the corpus size (default: the "
+                   "config's `run` key)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--address", help="plan for this Ray cluster's nodes (joins it, submits nothing)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
     p = sub.add_parser("submit", help="submit `wbrag run CONFIG` to a Ray cluster with the Ray Jobs API")
     p.add_argument("config_file", metavar="CONFIG", help="YAML config inside the working dir (e.g. jobs/configs/...)")
     p.add_argument("--address", required=True, help="head node: http://HEAD:8265, HEAD:6379 or ray://HEAD:10001")
@@ -314,11 +331,50 @@ def cmd_writeback(args) -> None:
     api.train_writeback(run, config, version=args.version, force=args.force)
 
 
+def cmd_plan(args) -> None:
+    from wbrag_ray import plan
+
+    config = _resolve_config(args, {})
+    if args.passages is not None and args.passages < 1:
+        raise ConfigError(f"--passages {args.passages}: a corpus has at least one passage")
+    shape = (args.nodes, args.gpus_per_node, args.cpus_per_node, args.memory_per_node)
+    if args.address and all(v is None for v in shape):
+        from wbrag_ray.ray_runtime import init_ray
+
+        init_ray(config.ray)
+        cluster = plan.cluster_from_ray(args.gpu_memory_gb)
+    else:
+        cluster = plan.stated_cluster(*shape, gpu_memory_gb=args.gpu_memory_gb)
+    result = plan.make_plan(config, cluster, passages=args.passages, run=args.run, name=args.config_file)
+    print(plan.format_plan(result), flush=True)
+    if not result.places:
+        raise ConfigError(f"{args.config_file} cannot be placed on this cluster: {len(result.problems)} problem(s), "
+                          "each with what to change, above")
+
+
+def _print_plan_summary(config: WbragConfig, run_dir: str) -> None:
+    """The plan's summary on the Ray cluster the run uses, before it starts: joined first when an address is
+    configured (the run joins it next anyway); nothing for a local cluster not started yet (its shape is this
+    machine's: `wbrag plan` shows it)."""
+    import os
+
+    from wbrag_ray.plan import run_summary
+
+    if config.ray.address or os.environ.get("RAY_ADDRESS"):
+        from wbrag_ray.ray_runtime import init_ray
+
+        init_ray(config.ray)
+    summary = run_summary(config, run_dir)
+    if summary:
+        print(summary, flush=True)
+
+
 def cmd_run(args) -> None:
     config = _resolve_config(args, {})
     run_dir = args.run or config.run
     if not run_dir:
         raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
+    _print_plan_summary(config, run_dir)
     api.run(run_dir, config, force=args.force)
     print(api.stage_time_split(run_dir), flush=True)
 
@@ -423,6 +479,7 @@ COMMANDS = {
     "tune": cmd_tune,
     "train-router": cmd_train_router,
     "run": cmd_run,
+    "plan": cmd_plan,
     "demo": cmd_demo,
     "export": cmd_export,
 }

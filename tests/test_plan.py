@@ -1,0 +1,220 @@
+"""`wbrag plan`: the paper configs on a stated GPU cluster, refusals with what to change, the corpus size's
+sources, and the rates' provenance. Nothing here starts Ray or loads a model (a test checks that)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import DEMO_CORPUS, DEMO_QA, demo_records, write_jsonl
+from wbrag_ray.cli import main
+from wbrag_ray.config import load_config
+from wbrag_ray.plan import Cluster, format_plan, format_summary, make_plan
+from wbrag_ray.plan.corpus import corpus_size, question_count
+from wbrag_ray.plan.models import model_size
+from wbrag_ray.plan.rates import RATES
+from wbrag_ray.run import RunFolder
+from wbrag_ray.training.workers import plan_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+ZERO_RAG = ROOT / "jobs" / "configs" / "paper_zero_rag.yaml"
+WRITEBACK = ROOT / "jobs" / "configs" / "paper_writeback.yaml"
+WIKI = 21_000_000  # wiki-18's passages
+BIG = ["--nodes", "4", "--gpus-per-node", "8", "--cpus-per-node", "96", "--memory-per-node", "1024"]
+
+
+def big_cluster(gpu_memory_gb: float = 80.0) -> Cluster:
+    return Cluster.uniform(4, 96, 8, 1024, gpu_memory_gb, "stated")
+
+
+def stage(plan, name):
+    return next(s for s in plan.stages if s.name == name)
+
+
+def bundle(s, what):
+    return next(b for b in s.bundles if b.what == what)
+
+
+def test_paper_zero_rag_places_on_four_nodes_of_eight_gpus():
+    plan = make_plan(load_config(ZERO_RAG), big_cluster(), passages=WIKI)
+    assert plan.places, plan.problems
+    assert [s.name for s in plan.stages] == [
+        "ingest", "embed", "index", "mastery", "pruner training (LM regressor)", "prediction (LM pruner)",
+        "pruning at 0.3", "pruning at 0.5", "pruning at 0.7", "tuning: retrieval", "tuning: LoRA training", "router",
+        "evaluation grid"]
+    assert plan.corpus.sentences == 137_970_000  # 21M passages x 6.57 (wiki-18's sentences per passage)
+    embed = bundle(stage(plan, "embed"), "embed actor")
+    assert (embed.count, embed.gpus, embed.cpus) == (8, 1.0, 1.0)
+    # the 70B generator: 2 replicas, each one tensor-parallel group of 4 GPUs on one node, beside its service actor
+    mastery = stage(plan, "mastery")
+    group = bundle(mastery, "generator tensor-parallel group")
+    assert (group.count, group.gpus, group.cpus) == (2, 4.0, 4.0)
+    assert group.gpu_memory_gb == pytest.approx(70.6e9 * 2 * 1.2 / 4 / 1e9)  # bf16 weights + 20%, over 4 GPUs
+    assert bundle(mastery, "generator service actor").count == 2
+    assert "70.6B parameters, known model" in " ".join(mastery.notes)
+    assert mastery.work == "20,000 sentences: 20,000 QA-writing calls, 80,000 closed-book answers"
+    # the index the sizing rules pick at 138M sentences of e5-base-v2 (768-d) within the 16 GB budget
+    index = stage(plan, "index")
+    assert "factory IVF65536_HNSW32,PQ96, 4 shard(s)" in index.notes[0]
+    assert "2 search actor group(s)" in index.notes[1]
+    train = bundle(index, "index train task")
+    assert train.gpus == 1.0  # k-means on a GPU: the cluster has GPUs and index.gpu is set
+    grid = stage(plan, "evaluation grid")
+    assert sum(b.gpus * b.count for b in grid.bundles) == 8 + 2 + 1  # generators, search actors, query embedder
+    assert bundle(grid, "search actor").count == 2
+    assert "16 settings" in grid.work  # 4 ratios (0 included) x router x adapter
+    # the trainings: Ray Train workers as zerorag.<...>.trainer says, steps over the scored sample (80% of 20,000)
+    lm = load_config(ZERO_RAG).zerorag.lm_pruner
+    workers = bundle(stage(plan, "pruner training (LM regressor)"), "Ray Train worker")
+    assert (workers.count, workers.gpus, workers.kind) == (lm.trainer.num_workers, lm.trainer.num_gpus, "worker")
+    steps, batch = plan_steps(lm, 16_000, lm.trainer.num_workers)
+    assert stage(plan, "pruner training (LM regressor)").work.startswith(f"16,000 examples: {steps:,} steps of {batch}")
+    assert "no measured rate" in stage(plan, "embed").how  # GPU stages: no invented rate
+    assert stage(plan, "embed").seconds is None and stage(plan, "ingest").seconds is not None
+
+
+def test_a_large_model_training_on_cpus_is_planned_with_a_warning():
+    config = load_config(ZERO_RAG, ["zerorag.tune.trainer.num_gpus=0", "zerorag.tune.trainer.num_workers=1",
+                                    "zerorag.tune.trainer.num_cpus=1", "zerorag.tune.max_steps=1000"])
+    plan = make_plan(config, big_cluster(), passages=WIKI)
+    tune = stage(plan, "tuning: LoRA training")
+    assert tune.bundles[0].memory_gb == pytest.approx(70.6e9 * 4 * 1.3 / 1e9 + 0.5 * 2**30 / 1e9)  # fp32 + 30%
+    assert tune.work.startswith("questions not counted: at most 1,000 steps of")
+    assert tune.seconds > 30 * 86400  # LoRA on a 70B model on one CPU worker: months, from the SmolLM2 step rate
+    assert ("zerorag.tune.trainer: meta-llama/Llama-3.3-70B-Instruct (70.6B parameters, known model) trains on CPUs "
+            "(num_gpus 0): set zerorag.tune.trainer.num_gpus to train on GPUs") in plan.warnings
+
+
+def test_paper_writeback_places_on_four_nodes_of_eight_gpus():
+    plan = make_plan(load_config(WRITEBACK), big_cluster(), passages=WIKI)
+    assert plan.places, plan.problems
+    assert [s.name for s in plan.stages] == ["ingest", "embed", "index", "write-back training", "evaluation",
+                                             "evaluation with write-back"]
+    gen = bundle(stage(plan, "write-back training"), "generator actor (vllm)")
+    assert (gen.count, gen.gpus) == (4, 1.0)
+    assert gen.gpu_memory_gb == pytest.approx(8.03e9 * 2 * 1.2 / 1e9)
+    assert "factory IVF65536_HNSW32,PQ96, 1 shard(s)" in stage(plan, "index").notes[0]
+    assert stage(plan, "ingest").bundles[0].count == 58  # 21M x 368.6 bytes over ingest.shard_bytes (128 MiB)
+    assert "up to 24 calls a question" in stage(plan, "evaluation").work  # 1 + 1 + K + (K + 2) + 2 x 5 rounds
+
+
+def test_wbrag_plan_prints_the_plan_and_its_provenance(capsys):
+    assert main(["plan", str(ZERO_RAG), *BIG, "--passages", str(WIKI)]) == 0
+    out = capsys.readouterr().out
+    assert "cluster: 4 x (96 CPUs, 8 GPUs of 80 GB, 1,024 GB): 384 CPUs, 32 GPUs (stated" in out
+    assert "2 x generator tensor-parallel group {4 CPU, 4 GPU, 42.4 GB per GPU}" in out
+    assert "tensor_parallel_size 4 x pipeline_parallel_size 1" in out
+    assert "placement: every stage's bundles fit this cluster" in out
+    assert "[ingest] 35,368 records/s per ingest task (one core)" in out
+    assert "`python -m benchmarks.segmentation`, 2026-11-29, CPU: 2-core AMD EPYC with AVX512-BF16" in out
+    assert "memory: memory per actor = parameters x 2 bytes (bf16, GPU)" in out
+
+
+def test_a_cluster_too_small_is_refused_with_what_to_change(capsys):
+    small = ["--nodes", "1", "--gpus-per-node", "2", "--cpus-per-node", "16", "--memory-per-node", "128"]
+    assert main(["plan", str(ZERO_RAG), *small, "--passages", str(WIKI)]) == 2
+    captured = capsys.readouterr()
+    assert "cannot be placed on this cluster:" in captured.err
+    out = captured.out
+    assert ("generator: tensor_parallel_size=4 x pipeline_parallel_size=1 needs 4 GPUs on one node, and no node of "
+            "the cluster has that many (1 node x 2 GPUs); lower tensor_parallel_size and raise "
+            "pipeline_parallel_size") in out
+    assert ("embed: its actors ask for 8 GPUs at once (8 x embed actor), the cluster has 2; lower "
+            "embedder.concurrency") in out
+    assert "tuning: retrieval: its actors ask for 3 GPUs at once (2 x search actor, 1 x query embedder)" in out
+
+
+def test_a_generator_over_its_gpus_memory_is_refused_with_the_gpus_it_needs():
+    plan = make_plan(load_config(ZERO_RAG), big_cluster(gpu_memory_gb=40), passages=WIKI)
+    assert ("mastery, router, evaluation grid: a generator tensor-parallel group needs 42.4 GB on each of its GPUs, "
+            "more than the 34.0 GB it may use of a 40 GB GPU; shard it over 8 GPUs: generator.backend: vllm, "
+            "generator.num_gpus: 8 (tensor_parallel_size 8; or pipeline_parallel_size for stages on several nodes)"
+            ) in plan.problems
+    one_gpu = load_config(ZERO_RAG, ["generator.num_gpus=1"])
+    assert "generator.num_gpus: 4 (tensor_parallel_size 4" in make_plan(one_gpu, big_cluster(), passages=WIKI).problems[0]
+
+
+def test_the_cpu_demo_gets_a_time_for_every_stage_from_measured_rates():
+    config = load_config(ROOT / "jobs" / "configs" / "demo.yaml",
+                         extra={"ingest": {"corpus": str(DEMO_CORPUS)}, "eval": {"dataset": str(DEMO_QA)}})
+    plan = make_plan(config, Cluster.uniform(1, 2, 0, 8, 80, "stated"))
+    assert plan.places and all(s.seconds is not None for s in plan.stages)
+    evaluation = stage(plan, "evaluation")
+    assert evaluation.how.startswith("80 calls / (0.71/s [rag_prompt_hf]")  # 40 questions x 2 methods, hf on CPU
+    text = format_plan(plan)
+    assert "[rag_prompt_hf] 0.71 prompts/s per actor" in text and "`python -m benchmarks.generate`, 2026-12-01" in text
+
+
+def test_the_summary_wbrag_run_prints_is_a_few_lines():
+    summary = format_summary(make_plan(load_config(ZERO_RAG), big_cluster(), passages=WIKI))
+    lines = summary.splitlines()
+    assert len(lines) <= 5
+    assert lines[0].startswith("plan (13 stages on 4 x (96 CPUs, 8 GPUs of 80 GB, 1,024 GB)")
+    assert "most GPUs at once: 11 of 32 (evaluation grid)" in summary
+
+
+def test_wbrag_run_prints_no_summary_without_a_cluster_to_read(monkeypatch, capsys):
+    from wbrag_ray.cli import _print_plan_summary
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _print_plan_summary(load_config(ZERO_RAG), "unused")
+    assert capsys.readouterr().out == ""
+
+
+def test_corpus_size_sources_in_order(tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", demo_records() * 3)
+    config = load_config(extra={"ingest": {"corpus": str(corpus)}})
+    # the corpus files: jsonl bytes over the ingest benchmark's bytes per passage
+    from_files = corpus_size(config, run=str(tmp_path / "no-run"))
+    assert from_files.passages == round(corpus.stat().st_size / RATES["bytes_per_passage"].value)
+    assert "bytes_per_passage" in from_files.source and "no complete ingest" not in from_files.source
+    # a run folder whose ingest is complete: its exact counts win over the files
+    run = RunFolder(str(tmp_path / "run"))
+    run.mark_complete("ingest", {"rows_out": 300, "sentences": 1188})
+    from_run = corpus_size(config, run=run.uri)
+    assert (from_run.passages, from_run.sentences) == (300, 1188) and "(exact)" in from_run.source
+    # --passages wins over both
+    given = corpus_size(config, passages=1000, run=run.uri)
+    assert (given.passages, given.sentences) == (1000, 6570) and given.source.startswith("given (--passages)")
+    # Parquet: the footers' row counts
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "contents": ["t\nx", "t\ny", "t\nz"]}), tmp_path / "c.parquet")
+    parquet = corpus_size(load_config(extra={"ingest": {"corpus": str(tmp_path / "c.parquet")}}))
+    assert parquet.passages == 3 and "3 Parquet rows" in parquet.source
+    unknown = corpus_size(load_config(extra={"ingest": {"corpus": str(tmp_path / "missing.jsonl")}}))
+    assert unknown.passages is None and unknown.source.endswith("pass --passages N")
+
+
+def test_questions_are_counted_in_local_files_only(tmp_path):
+    assert question_count(str(DEMO_QA), None)[0] == 40
+    assert question_count(str(DEMO_QA), 10) == (10, f"the first 10 of 40 in {DEMO_QA}")
+    assert question_count("s3://bucket/nq/train.jsonl", None) == (None, "s3://bucket/nq/train.jsonl is not local: "
+                                                                         "not counted")
+
+
+def test_model_sizes_from_config_json_known_ids_and_names(tmp_path):
+    llama8b = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+               "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(llama8b))
+    local = model_size(str(tmp_path))
+    assert local.params == pytest.approx(8.03e9, rel=0.002) and local.source == "from its config.json"
+    assert model_size("s3://models/Llama-3.3-70B-Instruct").params == 70.6e9  # a known model by its folder's name
+    named = model_size("org/Mystery-7B-chat")
+    assert named.params == 7e9 and named.source == "estimated from '7B' in the name"
+    assert model_size("org/mystery").params is None
+
+
+def test_planning_starts_no_ray_and_loads_no_model():
+    code = ("import sys; from wbrag_ray.config import load_config; from wbrag_ray.plan import Cluster, make_plan; "
+            f"make_plan(load_config({str(ZERO_RAG)!r}), Cluster.uniform(4, 96, 8, 1024, 80), passages=21000000); "
+            "print(sorted(m for m in ('ray', 'torch', 'transformers', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+

@@ -1,0 +1,106 @@
+"""`wbrag plan`: what a config will ask of a cluster before it runs, and about how long it will take.
+
+    rates:      the rates the estimates come from, each with its benchmark, date and hardware kind
+    models:     a model's parameter count (config.json, a table of known ids, or its name) and memory per actor
+    corpus:     the corpus size (--passages, a run's ingest stats, the corpus files) and QA-file question counts
+    placement:  the cluster (stated, or the connected Ray cluster), bundles, and whether a stage's bundles place
+    stages:     one stage's bundles, work and time; the index sizing and retrieval service rules, reused
+    planner:    the stages `wbrag run` runs for a config, in its order
+
+Nothing here starts Ray or loads a model. `make_plan` returns a `Plan`; `format_plan` prints all of it,
+`format_summary` the few lines `wbrag run` prints before it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.plan.models import MEMORY_RULE
+from wbrag_ray.plan.placement import Cluster, Node, cluster_from_ray, stated_cluster
+from wbrag_ray.plan.planner import Plan, make_plan
+from wbrag_ray.plan.rates import RATES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GPU_MEMORY_GB = 80.0
+
+__all__ = ["Cluster", "Node", "Plan", "cluster_from_ray", "format_plan", "format_summary", "make_plan",
+           "run_summary", "stated_cluster"]
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "no estimate"
+    if seconds < 60:
+        return "under a minute"
+    if seconds < 3600:
+        return f"about {seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"about {seconds / 3600:.1f} h"
+    return f"about {seconds / 86400:.1f} days"
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [f"plan of {plan.config_name}" if plan.config_name else "plan",
+             f"cluster: {plan.cluster.describe()}"]
+    c = plan.corpus
+    size = f"{c.passages:,} passages, {c.sentences:,} sentences" if c.passages is not None else "size unknown"
+    lines.append(f"corpus: {size} ({c.source})")
+    for i, stage in enumerate(plan.stages, 1):
+        left_out = f" + {stage.left_out} (no measured rate)" if stage.left_out else ""
+        lines += ["", f"{i:>2}. {stage.name}: {duration(stage.seconds)}{left_out}"]
+        lines += [f"      asks: {b.describe()}" for b in stage.bundles] or ["      asks: nothing of the cluster"]
+        lines.append(f"      work: {stage.work}")
+        if stage.how:
+            lines.append(f"      time: {stage.how}")
+        lines += [f"      - {note}" for note in stage.notes]
+    lines += ["", _totals(plan)]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    if plan.problems:
+        lines += ["", f"REFUSED: this config cannot be placed on this cluster ({len(plan.problems)} problem(s)):"]
+        lines += [f"  - {p}" for p in plan.problems]
+    else:
+        lines.append("placement: every stage's bundles fit this cluster")
+    used = dict.fromkeys([*plan.corpus.rates, *(k for s in plan.stages for k in s.rates)])
+    lines += ["", "rates (measured by the project's benchmarks, on CPUs; no GPU figure is recorded yet: "
+              "benchmarks/gpu/check.py measures one):"]
+    lines += [f"  [{k}] {RATES[k].provenance()}" for k in used] or ["  none used"]
+    lines += [f"memory: {MEMORY_RULE}"]
+    return "\n".join(lines)
+
+
+def _totals(plan: Plan) -> str:
+    timed = [s for s in plan.stages if s.seconds is not None]
+    untimed = [s.name for s in plan.stages if s.seconds is None]
+    left_out = [f"{s.left_out} ({s.name})" for s in timed if s.left_out]
+    text = f"estimated time of {len(timed)} stage(s) with measured rates: {duration(sum(s.seconds for s in timed))}"
+    text += f" + {', '.join(left_out)}" if left_out else ""
+    return text + (f"; no estimate for {len(untimed)}: {', '.join(untimed)}" if untimed else "")
+
+
+def format_summary(plan: Plan) -> str:
+    """A few lines: the cluster, the largest GPU ask and its stage, the time of the estimated stages, and the
+    first problems."""
+    gpu_ask = [(sum(b.gpus * b.count for b in s.bundles if b.kind != "task"), s.name) for s in plan.stages]
+    gpus, where = max(gpu_ask, default=(0.0, ""))
+    lines = [f"plan ({len(plan.stages)} stages on {plan.cluster.describe()}; `wbrag plan CONFIG` prints all of it):",
+             "  " + _totals(plan)]
+    if gpus:
+        lines.append(f"  most GPUs at once: {gpus:g} of {plan.cluster.gpus:g} ({where})")
+    lines += [f"  would not place: {p}" for p in plan.problems[:3]]
+    return "\n".join(lines)
+
+
+def run_summary(config: WbragConfig, run: str | None = None,
+                gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB) -> str | None:
+    """The plan's summary on the Ray cluster this process is connected to; None when it is not connected or the
+    plan cannot be made (a plan never stops a run: the run's own checks decide)."""
+    cluster = cluster_from_ray(gpu_memory_gb)
+    if cluster is None:
+        return None
+    try:
+        return format_summary(make_plan(config, cluster, run=run))
+    except Exception as exc:  # noqa: BLE001 - a summary is advice: whatever fails here, the run goes on
+        log.debug("no plan summary: %s", exc, exc_info=exc)
+        return None
