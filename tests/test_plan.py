@@ -146,7 +146,9 @@ def test_the_cpu_demo_gets_a_time_for_every_stage_from_measured_rates():
     plan = make_plan(config, Cluster.uniform(1, 2, 0, 8, 80, "stated"))
     assert plan.places and all(s.seconds is not None for s in plan.stages)
     evaluation = stage(plan, "evaluation")
-    assert evaluation.how.startswith("80 calls / (0.71/s [rag_prompt_hf]")  # 40 questions x 2 methods, hf on CPU
+    # 40 questions, no-retrieval at the closed-book rate and naive RAG at the RAG-prompt rate, hf on CPU
+    assert evaluation.how.startswith("40 calls / (11.5/s [closed_book]") and "; 40 calls / (0.71/s [rag_prompt_hf]" \
+        in evaluation.how
     text = format_plan(plan)
     assert "[rag_prompt_hf] 0.71 prompts/s per actor" in text and "`python -m benchmarks.generate`, 2026-12-01" in text
 

@@ -151,10 +151,17 @@ class _Builder:
 
     # --- model passes --------------------------------------------------------------------------------------
 
-    def _calls_per_question(self, method: str) -> int:
-        k, flare = self.c.retrieval.top_k, self.c.rag.flare
-        return {"no-retrieval": 1, "naive": 1, "replug": k, "replug-vote": k, "self-rag": k + 2,
-                "flare": 2 * flare.max_rounds}[method]
+    def _calls_per_question(self, method: str) -> tuple[int, int]:
+        """(prompts without documents, prompts with documents) a method makes per question, at most: they run at
+        the closed-book and the RAG-prompt rates. Self-RAG: its retrieval judgement, then a relevance judgement per
+        document and the answer; FLARE: a look-ahead and a rewrite with documents per round."""
+        k, rounds = self.c.retrieval.top_k, self.c.rag.flare.max_rounds
+        return {"no-retrieval": (1, 0), "naive": (0, 1), "replug": (0, k), "replug-vote": (0, k),
+                "self-rag": (1, k + 1), "flare": (rounds, rounds)}[method]
+
+    def _per_question(self, methods: list[str]) -> tuple[int, int]:
+        calls = [self._calls_per_question(m) for m in methods]
+        return sum(c for c, _ in calls), sum(r for _, r in calls)
 
     def _retrieval(self) -> list[Bundle]:
         if self.sizing is None:
@@ -162,31 +169,47 @@ class _Builder:
         c = self.c
         return retrieval_bundles(self.sizing, c.index, c.retrieval, c.embedder, self.cluster)
 
-    def _model_stage(self, name: str, g: GeneratorConfig, calls: int | None, work: str, rate: str,
+    def _model_stage(self, name: str, g: GeneratorConfig, questions: int | None, per: tuple[int, int], work: str,
                      retrieval: bool, key: str = "generator") -> Stage:
+        """A stage of generator passes: `questions` x `per` (closed-book, with documents) calls on the service of
+        `g`, beside the retrieval service when it searches."""
         bundles, notes, refusals = generator_bundles(g, key, self.cluster)
+        stage = Stage(name, bundles + (self._retrieval() if retrieval else []), work, 0.0, notes=notes,
+                      refusals=refusals)
+        if questions is None:
+            stage.seconds, stage.how = None, "questions not counted: no time"
+            return stage
+        for calls, rate in ((per[0], "closed_book"), (per[1], "rag")):
+            if calls:
+                self._add_time(stage, g, questions * calls, rate)
+        return stage
+
+    @staticmethod
+    def _add_time(stage: Stage, g: GeneratorConfig, calls: int | None, rate: str, label: str = "") -> None:
         seconds, how, keys = generation_time(g, calls, rate)
-        return Stage(name, bundles + (self._retrieval() if retrieval else []), work, seconds, how, notes, refusals,
-                     keys)
+        stage.seconds = None if seconds is None or stage.seconds is None else stage.seconds + seconds
+        stage.how = f"{stage.how}; {label}{how}" if stage.how else label + how
+        stage.rates += keys
 
     def writeback(self) -> Stage:
         wb, k = self.c.writeback, self.c.retrieval.top_k
         q, counted = question_count(wb.train, wb.limit)
-        per = 1 + self._calls_per_question(wb.rag_method) + k + 2
-        stage = self._model_stage("write-back training", self.c.generator, q * per if q else None,
-                                  f"questions: {counted}; up to {per} generator calls each (s_nr, {wb.rag_method} "
-                                  f"s_rag, the document gate over K={k}, extract + rewrite)", "rag", True)
+        closed, rag = self._calls_per_question(wb.rag_method)
+        per = (1 + closed, rag + k + 2)  # s_nr; s_rag, the document gate, extract + rewrite
+        stage = self._model_stage("write-back training", self.c.generator, q, per,
+                                  f"questions: {counted}; up to {sum(per)} generator calls each (s_nr, "
+                                  f"{wb.rag_method} s_rag, the document gate over K={k}, extract + rewrite)", True)
         stage.notes.append(f"the units are embedded with the embedder's actors and indexed ({wb.index_factory})")
         return stage
 
     def evaluation(self, writeback: bool) -> Stage:
         ev = self.c.eval
         q, counted = question_count(ev.dataset, ev.limit)
-        per = sum(self._calls_per_question(m) for m in ev.methods)
+        per = self._per_question(ev.methods)
         name = "evaluation" + (" with write-back" if writeback else "")
-        return self._model_stage(name, self.c.generator, q * per if q else None,
-                                 f"questions: {counted}; methods {', '.join(ev.methods)}: up to {per} calls a "
-                                 "question", "rag", any(m != "no-retrieval" for m in ev.methods))
+        return self._model_stage(name, self.c.generator, q, per, f"questions: {counted}; methods "
+                                 f"{', '.join(ev.methods)}: up to {sum(per)} calls a question",
+                                 any(m != "no-retrieval" for m in ev.methods))
 
     # --- Zero-RAG ----------------------------------------------------------------------------------------
 
@@ -201,17 +224,16 @@ class _Builder:
         if z.tune.enabled:
             out += self.tuning(q, counted)
         if z.router:
-            out.append(self._model_stage("router", c.generator, q, f"training questions: {counted}; one "
-                                         "closed-book answer each (labels), embedded in the driver", "closed_book",
-                                         False))
+            out.append(self._model_stage("router", c.generator, q, (1, 0), f"training questions: {counted}; one "
+                                         "closed-book answer each (labels), embedded in the driver", False))
         if c.eval.dataset:
             n, counted = question_count(c.eval.dataset, c.eval.limit)
             cells = (len({0.0, *z.ratios}) * (2 if z.router else 1) * (2 if z.tune.enabled else 1)
                      * (2 if c.writeback.train else 1))
-            per = sum(self._calls_per_question(m) for m in c.eval.methods)
-            out.append(self._model_stage("evaluation grid", c.generator, n * per * cells if n else None,
+            closed, rag = self._per_question(c.eval.methods)
+            out.append(self._model_stage("evaluation grid", c.generator, n * cells if n else None, (closed, rag),
                                          f"questions: {counted}; {cells} settings (ratios x router x adapter x "
-                                         f"write-back) x up to {per} calls a question", "rag", True))
+                                         f"write-back) x up to {closed + rag} calls a question", True))
         return out
 
     def mastery(self) -> Stage:
@@ -221,19 +243,16 @@ class _Builder:
             answers, written = sample * z.qa_per_sentence, sample
         else:
             answers, written = round(sample * z.qa_per_sentence * RATES["cloze_calls_per_pair"].value), 0
-        stage = self._model_stage("mastery", g, answers, f"{sample:,} sentences: {written:,} QA-writing calls, "
-                                  f"{answers:,} closed-book answers", "closed_book", False)
-        if written:
+        stage = self._model_stage("mastery", g, answers, (1, 0), f"{sample:,} sentences: {written:,} QA-writing "
+                                  f"calls, {answers:,} closed-book answers", False)
+        if written:  # the QA writer's prompts hold the sentence and its answers run long: the RAG-prompt rate
             writer = z.qa_generator or g
             if z.qa_generator is not None:
                 bundles, notes, refusals = generator_bundles(writer, "zerorag.qa_generator", self.cluster)
                 stage.bundles += bundles
                 stage.notes += notes
                 stage.refusals += refusals
-            seconds, how, keys = generation_time(writer, written, "rag")
-            stage.seconds = None if seconds is None or stage.seconds is None else stage.seconds + seconds
-            stage.how += f"; QA writing: {how}"
-            stage.rates += keys
+            self._add_time(stage, writer, written, "rag", "QA writing: ")
         return stage
 
     def pruner_training(self, kind: str) -> Stage:
