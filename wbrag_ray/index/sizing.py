@@ -133,7 +133,9 @@ def bytes_per_vector(index) -> float:
     links (2M at level 0 plus about M/(M-1) above, 4 bytes each) and their level/offset bookkeeping."""
     import faiss
 
-    index = faiss.downcast_index(index)
+    # A new name, not `index =`: the downcast wrapper does not own the C++ object, and rebinding the argument
+    # would free a temporary the caller passed (faiss.index_factory(...) inline): a segfault on the next access.
+    owner, index = index, faiss.downcast_index(index)  # noqa: F841 - `owner` keeps the object alive
     if isinstance(index, faiss.IndexIDMap | faiss.IndexIDMap2):
         return 8 + bytes_per_vector(index.index)
     if isinstance(index, faiss.IndexPreTransform):
