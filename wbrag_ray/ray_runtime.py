@@ -1,9 +1,13 @@
 """Starting or joining Ray, once per process, with messages that say what to do when it fails; and the generic
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
-output file names)."""
+output file names).
+
+A little over 400 lines (about 410): the environment every worker of a job gets (`worker_env_vars`) is set
+where Ray starts or is joined, and belongs beside `init_ray`."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -215,6 +219,21 @@ def stable_names(prefix: str):
     return StableNames()
 
 
+# vLLM logs about 150 INFO lines per engine start, in the workers that start engines, at the level it reads from
+# the environment on import: the job's runtime env carries the setting to every worker (-v: vLLM's own default).
+QUIET_WORKER_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def worker_env_vars(verbose: bool) -> dict[str, str]:
+    """Variables for every worker of the job (`init_ray`'s runtime env): QUIET_WORKER_ENV unless `verbose`, where
+    a value in this process's environment wins; none that the job's own runtime env sets (Ray refuses a repeat)."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR as JOB
+
+    job_env = (json.loads(os.environ.get(JOB) or "{}").get("runtime_env") or {}).get("env_vars") or {}
+    env = {k: os.environ.get(k, v) for k, v in QUIET_WORKER_ENV.items() if k in os.environ or not verbose}
+    return {k: v for k, v in env.items() if k not in job_env}
+
+
 def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster. `run_dir`: the run
     folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
@@ -232,6 +251,10 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
             check_run_dir(run_dir)
         return
     kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
+    env = worker_env_vars(verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
+    os.environ.update(env)  # a driver that imports vllm obeys it too
+    if env:
+        kwargs["runtime_env"] = {"env_vars": env}
     if address:
         try:
             ray.init(address=address, **kwargs)
