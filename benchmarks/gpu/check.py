@@ -3,7 +3,8 @@
 Run it by hand on a GPU machine (`python benchmarks/gpu/check.py > gpu.txt`); it is never run in CI and
 `python -m benchmarks` skips it. The machine it is meant for has only torch, transformers,
 sentence-transformers and peft, and no network, so this file imports nothing else (not wbrag_ray, not ray,
-not faiss) and downloads nothing: every model is built from a config with randomly initialised weights.
+not faiss; section 5 alone imports vllm, ray and wbrag_ray where they are installed, and is skipped where not)
+and downloads nothing: every model is built from a config with randomly initialised weights.
 Random weights cost exactly what trained ones do, which is all a throughput check needs.
 
 Sections, each reported and survived on failure, skipped once past the time budget (default 540 s, so the
@@ -14,7 +15,15 @@ whole check ends inside 10 minutes):
    same way, to compare with the 2-core CPU figures in DESIGN.md;
 3. the embedder: e5-base-v2's architecture (BERT base) with mean pooling, fp32 / bf16 / fp16 at batch 256
    on ~32-token sentences, and the cosine of bf16 (and fp16) to fp32 embeddings;
-4. LoRA training (peft, r=8 on q/v) on a 1B-class Llama in bf16, batch 8 x 512 tokens.
+4. LoRA training (peft, r=8 on q/v) on a 1B-class Llama in bf16, batch 8 x 512 tokens;
+5. a tensor-parallel vLLM engine, where 2 or more GPUs are visible (skipped with the reason otherwise): a
+   1B-class Llama sharded over the GPUs the project's way (`generator.num_gpus` = tensor_parallel_size, the
+   engine in its placement group: wbrag_ray/generation/parallel.py), greedy answers at batch 64. This section
+   alone needs vllm, ray and wbrag_ray (`pip install '.[gpu]'`); without them it says so and is skipped;
+6. the project's own training path: the LM pruner's Ray Train job (wbrag_ray/training/workers.py) on one GPU
+   worker, a 1B-class random Llama as the backbone, bf16 weights and fp32 LoRA, 24 steps of 64 sentences with
+   a checkpoint every 8: its seconds per step are the GPU rate `wbrag plan` has not measured yet (ray and
+   wbrag_ray needed, as in 5).
 
 `--quick` shrinks every shape to a tiny model: a smoke run of the code paths, on CPU when there is no GPU
 ("cpu dry run"), not a measurement. Figures print as `name: value unit`, like benchmarks/common.py's
@@ -577,6 +586,144 @@ def lora_training(run: Run) -> None:
     report_peak_memory(f"{name} peak memory", run)
 
 
+# --- 5. a tensor-parallel engine ------------------------------------------------------------------------
+
+# --quick's model for this section: vLLM's attention kernels want a head size of 64 or more (TINY_LLAMA's is 16)
+SMALL_LLAMA = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 512, "vocab_size": 1000}
+
+
+def tensor_parallel_degree(gpus: int, spec: dict[str, Any]) -> int:
+    """The most GPUs (a power of two) that the model's attention heads and KV heads split over evenly."""
+    tp = 1
+    while tp * 2 <= gpus and spec["num_key_value_heads"] % (tp * 2) == 0:
+        tp *= 2
+    return tp
+
+
+def save_random_llama(run: Run, spec: dict[str, Any], folder: str) -> None:
+    """A random-weight Llama folder vLLM loads like a downloaded one: config, safetensors, and a word-level
+    tokenizer over the whole vocabulary (`w<id>`, one word a token; no network for a real one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(**spec, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with built_as(run, torch.bfloat16):
+        LlamaForCausalLM(config).save_pretrained(folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, spec["vocab_size"])}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            pad_token="<unk>").save_pretrained(folder)
+
+
+def tensor_parallel(run: Run) -> None:
+    import importlib.util
+    import tempfile
+
+    gpus = torch.cuda.device_count() if run.cuda else 0
+    spec = SMALL_LLAMA if run.quick else LLAMA_1B
+    tp = tensor_parallel_degree(gpus, spec)
+    if tp < 2 and not run.quick:
+        report("vllm tensor parallel", f"skipped ({gpus} GPU{'s' * (gpus != 1)} visible: it needs 2 or more)")
+        return
+    missing = [m for m in ("vllm", "ray", "wbrag_ray") if importlib.util.find_spec(m) is None]
+    if missing:
+        report("vllm tensor parallel", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
+        return
+    if tp < 2:  # --quick on one GPU or none: the same path, unsharded, as a smoke run
+        report("vllm tensor parallel", f"{gpus} GPU{'s' * (gpus != 1)} visible: --quick runs the path unsharded")
+    import ray
+
+    from wbrag_ray.config import GeneratorConfig, RayConfig
+    from wbrag_ray.generation.parallel import check_placement, replica_placement
+    from wbrag_ray.generation.vllm import VLLMGenerator
+    from wbrag_ray.ray_runtime import init_ray
+
+    sizes = run.sizes
+    with tempfile.TemporaryDirectory() as folder:
+        _, seconds = timed(run, lambda: save_random_llama(run, spec, folder))
+        report("tp llama saved (random init)", seconds, "s")
+        config = GeneratorConfig(
+            backend="vllm", model=folder, num_gpus=float(tp if tp > 1 else min(gpus, 1)), chat_template=False,
+            stop=[], max_new_tokens=sizes.new_tokens, dtype="bfloat16" if run.cuda else "float32",
+            vllm_engine_kwargs={"max_model_len": 2 * sizes.prompt_tokens, "enforce_eager": True})
+        report("tp tensor_parallel_size x pipeline_parallel_size", "{} x {}".format(*config.parallel_sizes()))
+        report("tp placement", replica_placement(config) or "one GPU or less: no placement group")
+        init_ray(RayConfig(num_cpus=os.cpu_count()))
+        try:
+            check_placement(config)  # the refusal a pass would meet on this machine's cluster
+            generator = VLLMGenerator(config)
+            _, seconds = timed(run, generator.setup)
+            report("tp engine start", seconds, "s")
+            report("tp engine in its own placement group", generator.remote is not None)
+            g = torch.Generator().manual_seed(3)
+            batch, low = (4 if run.quick else 64), min(1000, spec["vocab_size"] // 10)  # clear of special ids
+            prompts = [[{"role": "user", "content": " ".join(
+                f"w{i}" for i in torch.randint(low, spec["vocab_size"], (sizes.prompt_tokens,), generator=g).tolist())}]
+                for _ in range(batch)]
+            generator.generate_scored(prompts[:2])  # warm-up
+            answers, seconds = timed(run, lambda: generator.generate_scored(prompts))
+            tokens = sum(len(a.tokens) for a in answers)
+            report(f"tp b{batch} generate {sizes.new_tokens}", seconds, "s", 3)
+            report(f"tp b{batch} generated tokens/s", tokens / seconds, "tokens/s")
+            if generator.remote is not None:
+                generator.remote.close()
+        finally:
+            ray.shutdown()
+
+
+# --- 6. the project's training on a Ray Train worker ----------------------------------------------------
+
+
+def ray_train(run: Run) -> None:
+    """The project's own training path (wbrag_ray.training.workers): the LM pruner's Ray Train job on one GPU
+    worker (bf16 weights, fp32 LoRA, autocast), a 1B-class random Llama as the backbone, with its checkpoints in
+    a local folder; its steps per second are the GPU rate `wbrag plan` has no measurement of yet."""
+    import importlib.util
+    import tempfile
+
+    missing = [m for m in ("ray", "wbrag_ray") if importlib.util.find_spec(m) is None]
+    if missing:
+        report("ray train", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
+        return
+    import ray
+
+    from wbrag_ray.config import LMPrunerConfig, RayConfig
+    from wbrag_ray.ray_runtime import init_ray
+    from wbrag_ray.storage import resolve
+    from wbrag_ray.training.lm_pruner import PrunerTraining
+    from wbrag_ray.training.lora import loss_stats
+    from wbrag_ray.training.workers import fit
+
+    spec = SMALL_LLAMA if run.quick else LLAMA_1B
+    g = torch.Generator().manual_seed(5)
+    words = 8 if run.quick else 48  # about a Wikipedia sentence
+    texts = [" ".join(f"w{i}" for i in torch.randint(3, spec["vocab_size"], (words,), generator=g).tolist())
+             for _ in range(64 if run.quick else 2048)]
+    scores = torch.rand(len(texts), generator=g).tolist()
+    with tempfile.TemporaryDirectory() as folder:
+        save_random_llama(run, spec, f"{folder}/backbone")
+        section_ = LMPrunerConfig(backbone=f"{folder}/backbone", epochs=1, batch_size=8 if run.quick else 64,
+                                  max_length=64, max_steps=4 if run.quick else 24,
+                                  trainer={"num_workers": 1, "num_gpus": 1.0 if run.cuda else 0.0,
+                                           "num_cpus": 1.0, "checkpoint_steps": 8})
+        init_ray(RayConfig(num_cpus=os.cpu_count()))
+        try:
+            training = PrunerTraining(texts, scores, section_, texts[:64])
+            raw, seconds = timed(run, lambda: fit(training, section_, f"{folder}/adapter", "lm-pruner",
+                                                  "zerorag.lm_pruner", storage=resolve(f"{folder}/train")))
+            stats = loss_stats(raw)
+            report("ray train job (worker start, load, steps, checkpoints)", seconds, "s")
+            report("ray train worker device / dtype", f"{stats['device']} / {stats['dtype']}")
+            report("ray train steps", stats["steps"])
+            report(f"ray train seconds per step (batch of {section_.batch_size} x up to 64 tokens)", stats["seconds_per_step"], "s", 3)
+            report("ray train examples/s", stats["examples_per_s"], "examples/s")
+            report("ray train loss first -> last", f"{stats['first_loss']:.4f} -> {stats['last_loss']:.4f}")
+        finally:
+            ray.shutdown()
+
+
 # --- the check ------------------------------------------------------------------------------------------
 
 
@@ -645,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     section(run, "generator smollm2-135m", generator_smollm2)
     section(run, "embedder e5-base-v2", embedder)
     section(run, "lora llama-1b", lora_training)
+    section(run, "vllm tensor parallel", tensor_parallel)
+    section(run, "ray train lm pruner", ray_train)
 
     report("total", run.elapsed(), "s")
     report("failures", ", ".join(run.failures) if run.failures else "none")
