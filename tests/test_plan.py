@@ -220,3 +220,18 @@ def test_planning_starts_no_ray_and_loads_no_model():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 
+
+def test_the_summary_and_plan_read_the_connected_ray_cluster(ray_cluster, capsys):
+    """With Ray connected (the session's 2-CPU cluster), `wbrag run`'s summary and `wbrag plan --address` take the
+    cluster's shape from its nodes."""
+    from wbrag_ray.cli import _print_plan_summary
+
+    config = load_config(ROOT / "jobs" / "configs" / "demo.yaml",
+                         extra={"ingest": {"corpus": str(DEMO_CORPUS)}, "eval": {"dataset": str(DEMO_QA)}})
+    _print_plan_summary(config, "unused")
+    out = capsys.readouterr().out
+    assert out.startswith("plan (4 stages on 1 x (2 CPUs, 0 GPUs") and "the connected Ray cluster" in out
+    address = ray_cluster.get_runtime_context().gcs_address
+    assert main(["plan", str(ROOT / "jobs" / "configs" / "demo.yaml"), "--address", address,
+                 "--set", f"ingest.corpus={DEMO_CORPUS}"]) == 0
+    assert "cluster: 1 x (2 CPUs, 0 GPUs" in capsys.readouterr().out
