@@ -2,7 +2,7 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-A little over 400 lines (about 410): the environment every worker of a job gets (`worker_env_vars`) is set
+Over 400 lines (about 410): the environment every worker of a job gets (`worker_env_vars`) is set
 where Ray starts or is joined, and belongs beside `init_ray`."""
 
 from __future__ import annotations
