@@ -4,6 +4,7 @@ sources, and the rates' provenance. Nothing here starts Ray or loads a model (a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -161,12 +162,14 @@ def test_the_summary_wbrag_run_prints_is_a_few_lines():
     assert "most GPUs at once: 11 of 32 (evaluation grid)" in summary
 
 
-def test_wbrag_run_prints_no_summary_without_a_cluster_to_read(monkeypatch, capsys):
-    from wbrag_ray.cli import _print_plan_summary
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    _print_plan_summary(load_config(ZERO_RAG), "unused")
-    assert capsys.readouterr().out == ""
+def test_wbrag_run_prints_no_summary_without_a_cluster_to_read():
+    # a fresh interpreter: this test process may already be connected to the session cluster by an earlier test
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    code = ("from wbrag_ray.cli import _print_plan_summary; from wbrag_ray.config import load_config; "
+            f"_print_plan_summary(load_config({str(ZERO_RAG)!r}), 'unused')")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
 
 
 def test_corpus_size_sources_in_order(tmp_path):
