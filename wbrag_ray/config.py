@@ -286,6 +286,18 @@ class RetrievalConfig(_Section):
     replug_temperature: float = Field(
         0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval score / temperature)."
     )
+    union: Literal["score", "provenance", "rrf"] = Field(
+        "provenance",
+        description="How the base and write-back indices' hits share the K slots (wbrag_ray.retrieval.union): "
+        "'score' is WriteBack-RAG's plain merge by score; 'provenance' the same merge, but a unit whose source "
+        "documents are all in the top K (or whose text a taken hit holds) takes no slot; 'rrf' reciprocal rank "
+        "fusion under the same rule. The default measured best on held-out questions (benchmarks/RESULTS.md).",
+    )
+    max_units: int | None = Field(
+        None, ge=0, description="Write-back units per query at most (none: no cap); not applied by union 'score'.",
+    )
+    rrf_k: int = Field(60, ge=1, description="Reciprocal rank fusion's constant: a hit's fused score is "
+                       "1 / (rrf_k + its rank in its own index).")
 
 
 RagMethod = Literal["no-retrieval", "naive", "replug", "replug-vote", "self-rag", "flare"]

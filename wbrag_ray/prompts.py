@@ -111,7 +111,8 @@ EXTRACT_SYSTEM = (
 EXTRACT_USER = "Documents:\n{reference}\n\nQuestion: {question}"
 REWRITE_SYSTEM = (
     "Rewrite the given sentences as one short, self-contained encyclopedia entry about the topic of the question. "
-    "Write a title on the first line and the text on the second line. Use only facts from the sentences."
+    "Write a title on the first line and the text on the second line. Use only facts from the sentences. State "
+    "the facts themselves: do not mention the question or its answer."
 )
 REWRITE_USER = "Question: {question}\n\nSentences:\n{sentences}"
 

@@ -200,6 +200,17 @@ def test_parse_unit_title_line_then_text_with_fallbacks():
     assert parse_unit("  ", "", "T") is None
 
 
+def test_parse_unit_drops_words_about_the_training_question():
+    # a unit is evidence: "The answer to the question is: ..." is about the training question, not the topic
+    assert parse_unit("Amazon River\nThe answer to the question is: the Atlantic Ocean.", "x", "T") == (
+        "Amazon River", "the Atlantic Ocean.")
+    assert parse_unit("Answer: Magellan named it.", "x", "Pacific") == ("Pacific", "Magellan named it.")
+    assert parse_unit("Nile\nAnswer is Khartoum", "x", "T") == ("Nile", "Khartoum")
+    assert parse_unit("Answering machines record calls.", "x", "T") == ("T", "Answering machines record calls.")
+    # nothing left after the lead: the extracted sentences, under the top document's title
+    assert parse_unit("Nile\nThe answer:", "It meets at Khartoum.", "Nile") == ("Nile", "It meets at Khartoum.")
+
+
 # --- dedupe and Table 3 ---------------------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """Retrieval: the document store, the search actors that hold an index's shards (the retrieval service), the
 Ray Data stage that adds retrieved documents to a pass, and the in-process retriever for small jobs.
 
-    hits        Hit, merging per-shard / per-index results into one top K, the `docs` column's JSON
+    hits        Hit, merging per-shard results into one top K, the `docs` column's JSON
+    union       the base and write-back indices' hits into one top K (retrieval.union), a unit's provenance
     docstore    id -> (title, text) from memory-mapped, id-sorted Arrow files (never the corpus in memory)
     local       Retriever / UnionRetriever: an index searched in this process (tests, exports, benchmarks)
     service     SearchPool / RetrievalService: shards in search actors, started once per command

@@ -1,5 +1,5 @@
-"""A retrieved document (`Hit`), the merge of per-shard or per-index results into one top K, and the JSON a
-`docs` column carries between passes.
+"""A retrieved document (`Hit`), the merge of per-shard results into one top K, and the JSON a `docs` column
+carries between passes (the union of several indices' hits is `retrieval.union`).
 
 Ids are only unique inside one index: a hit is identified by (source, id), never by id alone, so the
 write-back index can number its knowledge units from 0 without colliding with base passages.
@@ -21,6 +21,9 @@ class Hit:
     title: str
     text: str
     source: str = "base"  # which index the hit came from; (source, id) is the hit's identity
+    # a write-back unit's provenance: the ids of the base documents it was distilled from (None: unknown, or a
+    # base document)
+    sources: list[int] | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -49,17 +52,10 @@ def merge_results(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[n
     return scores, ids
 
 
-def union_top_k(hit_lists: list[list[Hit]], k: int) -> list[Hit]:
-    """The best k of several indices' hits for one query, by score, re-ranked; each keeps its source."""
-    pool = [h for hits in hit_lists for h in hits]
-    if not pool:
-        return []
-    top = merge_top_k(np.array([[h.score for h in pool]], np.float32), k)[0]
-    return [Hit(pool[j].id, pool[j].score, r, pool[j].title, pool[j].text, pool[j].source) for r, j in enumerate(top)]
-
-
 def hits_to_json(hits: list[Hit]) -> str:
-    return json.dumps([asdict(h) for h in hits], ensure_ascii=False)
+    # provenance only where there is one: a base hit's JSON is as it always was
+    return json.dumps([{k: v for k, v in asdict(h).items() if k != "sources" or v is not None} for h in hits],
+                      ensure_ascii=False)
 
 
 def hits_from_json(s: str) -> list[Hit]:

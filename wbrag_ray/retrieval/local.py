@@ -2,8 +2,8 @@
 through the retrieval service, `retrieval.service`, which holds the shards in search actors instead).
 
 `Retriever` loads an index folder (manifest + shards) and opens its document store; `UnionRetriever` searches
-several indices built with the same embedder (the base and the write-back index) and cuts the union to the
-top K by score. Both share the query embedding, the shard search and the merge with the service.
+several indices built with the same embedder (the base and the write-back index) and cuts their union to the
+top K by `retrieval.union` (wbrag_ray.retrieval.union). Both share the query embedding, the shard search and the merge with the service.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy as np
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_shards
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
-from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
+from wbrag_ray.retrieval.hits import Hit, merge_results
+from wbrag_ray.retrieval.union import BASE, UnionRule, read_provenance, with_provenance
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -345,30 +346,42 @@ def check_comparable(manifests: list[tuple[str, dict]]) -> None:
                 )
 
 
+def union_base_unit(members: list[tuple[str, dict]]) -> str:
+    """What the base index of a union holds (passage / sentence): a unit's provenance applies only to that kind."""
+    manifest = next((m for source, m in members if source == BASE), members[0][1])
+    return manifest.get("unit", "passage")
+
+
 class UnionRetriever:
     """Several indices built with the same embedder (the base index and the write-back index), searched
-    independently; each query's hits are the union cut to the top K by score, tagged with their source.
+    independently; each query's hits are the union cut to the top K by `union` (default: retrieval.union's
+    default), tagged with their source, a write-back unit with its provenance.
 
     Same `search` / `search_vectors` interface as `Retriever`; queries are embedded once, by the first
     member that has an embedder.
     """
 
-    def __init__(self, members: list[Retriever]):
+    def __init__(self, members: list[Retriever], union: UnionRule | None = None):
         check_union([m.source for m in members])
         self.members = members
+        self.union = union or UnionRule()
         self._loaded = False
 
     def setup(self) -> None:
         for m in self.members:
             m._ensure_loaded()
         check_comparable([(m.index_dir, m.manifest) for m in self.members])
+        base_unit = union_base_unit([(m.source, m.manifest) for m in self.members])
+        self.provenance = [{} if m.source == BASE else read_provenance(resolve(m.index_dir), base_unit)
+                           for m in self.members]
         self._loaded = True
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
         if not self._loaded:
             self.setup()
-        per_member = [m.search_vectors(vectors, k) for m in self.members]
-        return [union_top_k(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
+        per_member = [with_provenance(m.search_vectors(vectors, k), p)
+                      for m, p in zip(self.members, self.provenance, strict=True)]
+        return [self.union(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
 
     def encode(self, queries: list[str]) -> np.ndarray:
         if not self._loaded:

@@ -7,8 +7,8 @@ memory to Ray (`memory=`), so Ray places groups on nodes that can hold them and 
 node that cannot. `retrieval.concurrency` replicas of every group serve in parallel. A search sends the
 query vectors to one replica of each group at once (for an IVF index, with the lists one actor assigned the
 queries to: the coarse quantizer runs once per search, not once per shard), and merges the groups' top K by
-score; the union with
-the write-back index is the same merge across indices, each hit keeping its source. Document text is looked
+score; the union with the write-back index is cut to the top K by `retrieval.union` (wbrag_ray.retrieval.union),
+each hit keeping its source, a unit its provenance. Document text is looked
 up only for the merged top K, by id, in the memory-mapped document store (`retrieval.docstore`), in the
 process that asked. Nothing here loads an index into the driver: the latency figures come from the actors.
 
@@ -32,7 +32,7 @@ from wbrag_ray.index.faiss_index import IndexError_, load_manifest
 from wbrag_ray.index.files import load_shard
 from wbrag_ray.ray_runtime import call_actor, start_restartable
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
-from wbrag_ray.retrieval.hits import Hit, merge_results, union_top_k
+from wbrag_ray.retrieval.hits import Hit, merge_results
 from wbrag_ray.retrieval.local import (
     ShardSearch,
     check_comparable,
@@ -42,7 +42,9 @@ from wbrag_ray.retrieval.local import (
     set_search_params,
     to_gpu,
     to_hits,
+    union_base_unit,
 )
+from wbrag_ray.retrieval.union import BASE, UnionRule, read_provenance, with_provenance
 from wbrag_ray.storage import resolve
 
 ACTOR_OVERHEAD_BYTES = 400 << 20  # interpreter, faiss and pyarrow of one search actor, besides its shards
@@ -114,6 +116,7 @@ def _unwrap(exc: Exception) -> Exception:
 
 
 _STORES: dict[tuple[str, str], DocStore] = {}  # per process: a store is opened (and mapped) once
+_PROVENANCE: dict[tuple[str, str], dict[int, list[int]]] = {}  # per process: a write-back index's, read once
 
 
 @dataclass
@@ -242,20 +245,32 @@ class Member:
             _STORES[(loc.uri, unit)] = open_doc_store(loc, unit)
         return _STORES[(loc.uri, unit)]
 
-    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+    def provenance(self, base_unit: str) -> dict[int, list[int]]:
+        """A write-back index's units' source documents ({} for the base), read once per process."""
+        if self.source == BASE:
+            return {}
+        key = (self.pool.index_dir, base_unit)
+        if key not in _PROVENANCE:
+            _PROVENANCE[key] = read_provenance(resolve(self.pool.index_dir), base_unit)
+        return _PROVENANCE[key]
+
+    def search_vectors(self, vectors: np.ndarray, k: int, base_unit: str = "passage") -> list[list[Hit]]:
         scores, ids, _ = self.pool.search_ids(vectors, k)
-        return to_hits(scores, ids, self.docs(), self.source)
+        return with_provenance(to_hits(scores, ids, self.docs(), self.source), self.provenance(base_unit))
 
 
 class RetrievalService:
     """One or more indices (the base, and the write-back index beside it) searched as one: each index on its
-    own search pool, the union cut to the top K by score, each hit tagged with its index's source."""
+    own search pool, the union cut to the top K by `union` (retrieval.union), each hit tagged with its index's
+    source."""
 
-    def __init__(self, members: list[Member]):
+    def __init__(self, members: list[Member], union: UnionRule | None = None):
         check_union([m.source for m in members])
         check_comparable([(m.pool.index_dir, m.pool.manifest) for m in members])
         self.members = members
         self.pools = [m.pool for m in members]
+        self.union = union or UnionRule()
+        self.base_unit = union_base_unit([(m.source, m.pool.manifest) for m in members])
 
     @property
     def dim(self) -> int:
@@ -266,10 +281,10 @@ class RetrievalService:
         return self.pools[0].manifest["embedder"]
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        per_member = [m.search_vectors(vectors, k) for m in self.members]
+        per_member = [m.search_vectors(vectors, k, self.base_unit) for m in self.members]
         if len(per_member) == 1:
             return per_member[0]
-        return [union_top_k(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
+        return [self.union(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
 
     def latency_ms(self, vectors: np.ndarray, k: int, min_seconds: float = 0.5) -> float:
         """Milliseconds per query of the search itself, as the search actors measure it (the slowest group of

@@ -229,6 +229,7 @@ class Services:
         pools of indices this request does not name (a grid moving to its next pruned index frees the last
         one's memory)."""
         from wbrag_ray.retrieval.service import Member, RetrievalService, SearchPool, pool_placement
+        from wbrag_ray.retrieval.union import UnionRule
 
         placement = pool_placement(index, retrieval)
         keys = [(index_dir, placement) for index_dir, _docs, _source in members]
@@ -242,7 +243,8 @@ class Services:
                     log.info("started the search pool of %s (%d shard groups x %d)", key[0],
                              len(self._pools[key].actors), retrieval.concurrency)
         return RetrievalService([Member(self._pools[key], source, docs)
-                                 for key, (_i, docs, source) in zip(keys, members, strict=True)])
+                                 for key, (_i, docs, source) in zip(keys, members, strict=True)],
+                                UnionRule.of(retrieval))
 
     def close(self) -> None:
         for service in self._live.values():

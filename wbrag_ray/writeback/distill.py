@@ -23,6 +23,9 @@ def word_count(text: str) -> int:
     return len(text.split())
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+# Words about the training question rather than evidence ("The answer to the question is: ..."), which a small
+# rewriter writes despite the prompt: a unit is a document, not an answer.
+_ANSWER_LEAD = re.compile(r"^(?:the\s+)?answer(?:\s+to\s+(?:the|this|your)\s+question)?\s*(?:is\b\s*:?|:)\s*", re.I)
 
 
 def _tokens(text: str) -> set[str]:
@@ -61,12 +64,14 @@ def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str,
     under the top document's title. None when both steps produced nothing.
     """
     lines = [ln.strip() for ln in rewritten.splitlines() if ln.strip()]
+    title, body = default_title, " ".join(lines)
     if len(lines) >= 2:
-        title = lines[0].removeprefix("Title:").strip().strip("#*\"' ")
-        text = " ".join(ln.removeprefix("Text:").strip() for ln in lines[1:])
-        return (title or default_title), text
-    body = " ".join(lines) or " ".join(extracted.split())
-    return (default_title, body) if body else None
+        title = lines[0].removeprefix("Title:").strip().strip("#*\"' ") or default_title
+        body = " ".join(ln.removeprefix("Text:").strip() for ln in lines[1:])
+    body = _ANSWER_LEAD.sub("", body).strip()
+    if not body:
+        title, body = default_title, " ".join(extracted.split())
+    return (title, body) if body else None
 
 
 def kept_hits(docs: str, kept_ranks: str):

@@ -7,7 +7,8 @@
          example; none for replug-vote, whose per-document answers are s_j; replug's mixture has no
          per-document answers, so it takes the call per document as the other methods do)
       -> distiller: extract (1 call per kept example) -> rewrite (1 call) -> knowledge units
-      -> embed with the base embedder -> dedupe -> write-back corpus + index -> Table 3 stats
+      -> embed with the base embedder -> dedupe -> write-back corpus + index (+ each unit's source documents,
+         for the provenance-aware union) -> Table 3 stats
 
 One version's files (RUN/writeback/<version>/: scored, distill, corpus, embed, index, stats) are named in
 wbrag_ray.layout (WritebackVersion); the base index is only read, never written. Every model pass goes to the
@@ -118,8 +119,9 @@ def train_writeback(
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
     from wbrag_ray.formats import dataset_name, embeddings_table
-    from wbrag_ray.index.faiss_index import build_index
+    from wbrag_ray.index.faiss_index import build_index, load_manifest
     from wbrag_ray.retrieval.docstore import write_doc_store
+    from wbrag_ray.retrieval.union import write_provenance
     from wbrag_ray.writeback.units import dedupe, table3
 
     wb = config.writeback
@@ -152,6 +154,9 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
             folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
             docs=folder.docs.uri,  # the manifest names its documents: the index folder is self-contained
         )
+        # each unit's source documents, for the provenance-aware union (retrieval.union)
+        write_provenance(folder.index, units["id"].tolist(), units["source_doc_ids"].tolist(),
+                         load_manifest(run.layout.index).get("unit", "passage"))
     stats = {
         "version": version,
         "rag_method": wb.rag_method,

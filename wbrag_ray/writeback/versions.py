@@ -16,7 +16,9 @@ from wbrag_ray.run import RunFolder, RunStage
 WRITEBACK = RunStage(
     "writeback-{version}",
     settings=("writeback", "retrieval", "index.nprobe", "generator", "embedder", "rag.{method}"),
-    ignore=("writeback.train", "writeback.version", "writeback.activate", "writeback.evaluate"),
+    # the union settings shape what a search of base + write-back returns; training searches the base alone
+    ignore=("writeback.train", "writeback.version", "writeback.activate", "writeback.evaluate", "retrieval.union",
+            "retrieval.max_units", "retrieval.rrf_k"),
     requires=(INDEX,),
     command="wbrag writeback RUN --train PATH",
     fix="pick another --version (writeback.version) or pass --force to retrain it",

@@ -1,0 +1,116 @@
+"""The union of the base and write-back indices (`retrieval.union`), on hand-made hit lists: every expected top K
+below is worked out by hand from the scores and provenance written in the test."""
+
+import json
+
+import pytest
+
+from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
+from wbrag_ray.retrieval.union import UnionRule, read_provenance, with_provenance, write_provenance
+from wbrag_ray.storage import resolve
+
+
+def passages(*scored):
+    """Base hits p<id> with the given (id, score), in rank order; each passage's text names its id."""
+    return [Hit(i, s, r, f"P{i}", f"passage {i} says fact {i}") for r, (i, s) in enumerate(scored)]
+
+
+def unit(i, score, rank, sources=None, text=None):
+    return Hit(i, score, rank, f"U{i}", text or f"unit {i} distilled", "writeback", sources)
+
+
+def keys(hits):
+    return [("p" if h.source == "base" else "u") + str(h.id) for h in hits]
+
+
+BASE = passages((10, 0.80), (11, 0.70), (12, 0.60), (13, 0.50), (14, 0.40))
+
+
+def test_the_papers_merge_is_the_top_k_by_raw_score():
+    units = [unit(0, 0.85, 0, [10]), unit(1, 0.65, 1, [13])]
+    top = UnionRule("score")([BASE, units], 5)
+    # 0.85 u0 > 0.80 p10 > 0.70 p11 > 0.65 u1 > 0.60 p12
+    assert keys(top) == ["u0", "p10", "p11", "u1", "p12"]
+    assert [h.rank for h in top] == [0, 1, 2, 3, 4] and [h.score for h in top] == [0.85, 0.80, 0.70, 0.65, 0.60]
+
+
+def test_a_unit_whose_sources_are_all_in_the_top_k_takes_no_slot_and_freed_slots_cascade():
+    units = [unit(0, 0.85, 0, [10]), unit(1, 0.65, 1, [13])]
+    top = UnionRule("provenance")([BASE, units], 5)
+    # first cut: u0 p10 p11 u1 p12; u0's source p10 is in it -> u0 takes no slot. Second cut: p10 p11 u1 p12 p13;
+    # now u1's source p13 is in it -> u1 goes too. Third cut: the base top 5, which covers both units.
+    assert keys(top) == ["p10", "p11", "p12", "p13", "p14"]
+    assert [h.rank for h in top] == [0, 1, 2, 3, 4]
+
+
+def test_a_unit_with_a_source_outside_the_top_k_keeps_its_slot():
+    units = [unit(0, 0.85, 0, [10, 20]), unit(1, 0.75, 1, [99])]
+    top = UnionRule("provenance")([BASE, units], 5)
+    # p20 and p99 are not retrieved: both units bring something new and keep their places by score
+    assert keys(top) == ["u0", "p10", "u1", "p11", "p12"]
+    assert top[0].sources == [10, 20]
+
+
+def test_a_unit_and_a_passage_never_both_take_slots_for_the_same_text():
+    units = [
+        unit(0, 0.90, 0, text="Passage 11 says FACT 11!"),  # p11's text, other case and punctuation
+        unit(1, 0.88, 1, text="says fact 12"),  # inside p12's text
+        unit(2, 0.86, 2, text="passage 1 says"),  # not inside "passage 10 says ...": whole words only
+        unit(3, 0.84, 3, text="passage 1 says"),  # the same text as u2, taken after it
+    ]
+    top = UnionRule("provenance")([BASE, units], 5)
+    # first cut: u0 u1 u2 u3 p10 -> u3 repeats u2 (u0 and u1 are not yet covered: p11 and p12 are not taken);
+    # second cut: u0 u1 u2 p10 p11 -> u0 holds p11's text; third: u1 u2 p10 p11 p12 -> u1 is inside p12;
+    # fourth: u2 p10 p11 p12 p13, none covered
+    assert keys(top) == ["u2", "p10", "p11", "p12", "p13"]
+
+
+def test_max_units_caps_the_units_per_query():
+    units = [unit(0, 0.95, 0, [50]), unit(1, 0.90, 1, [51]), unit(2, 0.85, 2, [52])]
+    top = UnionRule("provenance", max_units=1)([BASE, units], 5)
+    assert keys(top) == ["u0", "p10", "p11", "p12", "p13"]
+    assert keys(UnionRule("provenance", max_units=0)([BASE, units], 3)) == ["p10", "p11", "p12"]
+    # the paper's merge has no cap
+    assert keys(UnionRule("score", max_units=1)([BASE, units], 4)) == ["u0", "u1", "u2", "p10"]
+
+
+def test_reciprocal_rank_fusion_ranks_each_index_by_its_own_order():
+    units = [unit(0, 0.99, 0, [77]), unit(1, 0.98, 1, [78]), unit(2, 0.97, 2, [79])]
+    # rrf_k = 1: fused 1/(1+1) = 0.5 for each index's first hit, 1/3 for the second, 1/4 for the third; a tie
+    # goes to the base. Raw scores would have put all three units first.
+    top = UnionRule("rrf", rrf_k=1)([BASE, units], 5)
+    assert keys(top) == ["p10", "u0", "p11", "u1", "p12"]
+    assert [h.score for h in top] == [0.80, 0.99, 0.70, 0.98, 0.60]  # retrieval scores kept (RePlug weighs them)
+    # the provenance rule applies after the fusion: u0 drawn from p10, u1 from p12 (in the top K once u0 left)
+    units[0].sources, units[1].sources = [10], [12]
+    # cut 1: p10 u0 p11 u1 p12 -> u0 (p10) and u1 (p12) both covered; cut 2: p10 p11 u2 p12 p13 (u2 ties p12 at
+    # 1/4 and the base goes first: p12 1/4, u2 1/4 -> p12 before u2)
+    assert keys(UnionRule("rrf", rrf_k=1)([BASE, units], 5)) == ["p10", "p11", "p12", "u2", "p13"]
+
+
+def test_a_query_without_units_keeps_the_base_top_k_in_every_setting():
+    for name in ("score", "provenance", "rrf"):
+        assert keys(UnionRule(name)([BASE, []], 3)) == ["p10", "p11", "p12"]
+
+
+def test_unknown_union_is_named():
+    with pytest.raises(ValueError, match="retrieval.union: 'max' is not one of score, provenance, rrf"):
+        UnionRule("max")
+
+
+def test_provenance_travels_in_the_docs_json_only_for_units():
+    text = hits_to_json([BASE[0], unit(0, 0.5, 1, [10, 11])])
+    rows = json.loads(text)
+    assert "sources" not in rows[0] and rows[1]["sources"] == [10, 11]
+    assert [h.sources for h in hits_from_json(text)] == [None, [10, 11]]
+
+
+def test_provenance_beside_the_index_applies_to_the_unit_kind_it_was_trained_on(tmp_path):
+    loc = resolve(str(tmp_path / "index"))
+    write_provenance(loc, [1 << 62, (1 << 62) + 1], [[3, 4], [9]], "passage")
+    assert read_provenance(loc, "passage") == {1 << 62: [3, 4], (1 << 62) + 1: [9]}
+    # a pruned sentence index numbers sentences: passage ids say nothing about them
+    assert read_provenance(loc, "sentence") == {}
+    assert read_provenance(resolve(str(tmp_path / "elsewhere")), "passage") == {}
+    hits = with_provenance([[unit(1 << 62, 0.5, 0), unit(7, 0.4, 1)]], read_provenance(loc, "passage"))
+    assert [h.sources for h in hits[0]] == [[3, 4], None]
