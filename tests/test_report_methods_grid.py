@@ -22,6 +22,7 @@ def _grid() -> dict:
                    "n": 40, "em": 0.0, "f1": 0.2, "acc": acc, "retrieval_rate": 0.5, "generator_calls": 80}
             if version:
                 row["delta"] = {"em": 0.0, "f1": 0.0, "acc": 0.05}
+                row.update(union="provenance", unit_in_top_k=3 + k, won=2, lost=k % 2)
             rows.append(row)
     return {"dataset": "qa.jsonl", "name": "qa", "methods": METHODS, "versions": VERSIONS, "rows": rows}
 
@@ -39,3 +40,7 @@ def test_methods_grid_section_table_and_figure(tmp_path):
     assert len(lines) == 5 + 4 * 2  # the base for every method, each version for the retrieving ones
     assert sum("| same |" in line for line in lines) == 2 and sum("| cross |" in line for line in lines) == 6
     assert all("+0.050" in line for line in lines if "| v-" in line)
+    # per version row: the union setting, then the questions a unit entered the top K of, won and lost
+    naive_rows = [line for line in lines if line.startswith("| naive | v-")]
+    assert len(naive_rows) == 2 and all("| provenance |" in line and "| +0.050 | 4 | 2 | 1 |" in line
+                                        for line in naive_rows)

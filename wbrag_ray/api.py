@@ -190,7 +190,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     if label:
         kwargs["setting"] = label  # the Zero-RAG setting's name, recorded in metrics.json
     label = label or (f"{name}-writeback" if writeback else name)
-    run.check(EVAL, config, eval_params(label, dataset, kwargs), force=force)  # a change refused before Ray starts
+    run.check(EVAL, config, eval_params(label, dataset, kwargs, config), force=force)  # a change refused before Ray starts
     from wbrag_ray.evaluation.evaluate import evaluate_stage
 
     join_ray(run, config)

@@ -398,7 +398,14 @@ class WritebackConfig(_Section):
     index_factory: str = Field(
         "Flat", description="faiss factory of the write-back index (small: Flat; IVF needs more units than cells)."
     )
-    activate: bool = Field(True, description="Make the new version the active write-back index when it is built.")
+    validation: float | None = Field(
+        None, gt=0, lt=1,
+        description="Hold out this fraction of the training questions (chosen by a hash of their ids): the version "
+        "is trained on the rest, and base vs base + version is evaluated on them, so a version that hurts is seen "
+        "before it is activated (none: no hold-out).",
+    )
+    activate: bool = Field(True, description="Make the new version the active write-back index when it is built "
+                           "(not when its validation shows it hurts).")
     evaluate: bool = Field(
         True, description="`wbrag run`: also evaluate eval.dataset with base + write-back after training."
     )

@@ -127,6 +127,8 @@ class WritebackVersion:
     index = _at("index")
     stats = _at("stats.json")
     sweep = _at("sweep.json")  # the gates re-applied under other thresholds (writeback.sweep)
+    validation = _at("validation.json")  # base vs base + version on held-out training questions
+    validation_questions = _at("validation.parquet")  # those questions (writeback.validation)
 
     @property
     def version(self) -> str:

@@ -1,7 +1,9 @@
 """What the two papers ran, as config values, and where a run departs from them.
 
 The defaults serve the demo (small CPU models, minutes): cloze QA pairs instead of LLM-written ones, the
-embedding head instead of the LLM regressor, write-back deduplication, FlashRAG-shorter FLARE budgets. A run
+embedding head instead of the LLM regressor, write-back deduplication, FlashRAG-shorter FLARE budgets. One default
+is a departure on its merits: the provenance-aware union of the base and write-back indices (retrieval.union; the
+paper merges by score), chosen on held-out questions (benchmarks/RESULTS.md, "Write-back that never hurts"). A run
 says which of its choices differ from the papers: printed when a Zero-RAG or write-back stage starts, recorded
 in every evaluation's metrics.json, and listed in the report. `jobs/configs/paper_zero_rag.yaml` and
 `jobs/configs/paper_writeback.yaml` hold the papers' settings.
@@ -34,6 +36,8 @@ CHOICES = (
     PaperChoice(ZERO_RAG, "zerorag.pruner", "lm", "an LLM regressor predicts every sentence's mastery"),
     PaperChoice(ZERO_RAG, "zerorag.tune.learning_rate", 3e-4, "noise-tolerant tuning at learning rate 3e-4"),
     PaperChoice(WRITEBACK, "retrieval.top_k", 5, "K = 5 retrieved documents"),
+    PaperChoice(WRITEBACK, "retrieval.union", "score",
+                "the base and write-back indices' hits merged by score and cut to the top K"),
     PaperChoice(WRITEBACK, "writeback.metric", "auto",
                 "the gates' metric per dataset: acc (NQ, BoolQ, zsRE, HotpotQA), F1 (FEVER), EM (SQuAD)"),
     PaperChoice(WRITEBACK, "writeback.dedupe_threshold", None, "no deduplication of the written-back units"),

@@ -14,6 +14,7 @@ from tests.conftest import DATA, demo_questions, demo_records, write_jsonl
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import WRITEBACK_ID_BASE
 from wbrag_ray.writeback.versions import active_index, read_active
@@ -105,15 +106,22 @@ def test_union_search_returns_write_back_hits_with_their_namespace(trained):
     version, wb_index, wb_docs = active_index(run)
     assert version == "train"
     unit = pq.read_table(run.layout.writeback_version("train").units.path).to_pylist()[0]
-    union = UnionRetriever([
-        Retriever(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder),
-        Retriever(wb_index, wb_docs, config.embedder, source="writeback"),
-    ])
-    hits = union.search([unit["title"] + "\n" + unit["text"]], 5)[0]
+    members = [Retriever(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder),
+               Retriever(wb_index, wb_docs, config.embedder, source="writeback")]
+    query = [unit["title"] + "\n" + unit["text"]]
+    hits = UnionRetriever(members, UnionRule("score")).search(query, 5)[0]  # the paper's merge
     assert hits[0].source == "writeback" and hits[0].id == unit["id"] and hits[0].score > 0.99
     assert {h.source for h in hits} == {"base", "writeback"}
     assert [h.rank for h in hits] == list(range(5)) and hits == sorted(hits, key=lambda h: -h.score)
     assert all((h.id >= WRITEBACK_ID_BASE) == (h.source == "writeback") for h in hits)
+    # each unit carries the ids of the passages it was distilled from, as the units file records them
+    sources = {u["id"]: u["source_doc_ids"] for u in pq.read_table(run.layout.writeback_version("train").units.path).to_pylist()}
+    assert all(h.sources == sources[h.id] for h in hits if h.source == "writeback")
+    # the provenance-aware union (the default): no unit whose sources are all among the passages it returns
+    default = UnionRetriever(members).search(query, 5)[0]
+    passages = {h.id for h in default if h.source == "base"}
+    assert len(default) == 5 and not any(set(sources[h.id]) <= passages for h in default if h.source == "writeback")
+    assert (unit["id"] in {h.id for h in default}) == (not set(sources[unit["id"]]) <= passages)
 
 
 def test_eval_with_writeback_then_rollback_to_base_only(trained, capsys):
@@ -246,3 +254,32 @@ def test_the_gates_sweep_reuses_one_scoring_pass_and_reproduces_the_trained_gate
         (-1, 2, 1): (2, 2, 1.5, 0.5, {"1": 1, "2": 1, "4": 1}), (-1, 2, 2): (2, 2, 2.0, 0.5, {"1": 1, "2": 2, "4": 1}),
         (-1, -1, 1): (2, 2, 5.0, 0.0, {k: 2 for k in every}), (-1, -1, 2): (2, 2, 5.0, 0.0, {k: 2 for k in every}),
     }
+
+
+def test_validation_answers_held_out_questions_with_and_without_the_version_and_activate_warns(trained, capsys):
+    """writeback.validation on the trained version: base vs base + version on the held-out training question,
+    checked against the two evaluations' own predictions; then --activate warns on a version that hurt."""
+    from wbrag_ray.metrics import substring_match
+    from wbrag_ray.writeback.validation import validate
+
+    run = RunFolder(str(trained["run"]))
+    config = load_config(extra=run.load_config().model_dump(mode="json"), overrides=["writeback.validation=0.5"])
+    result = validate(run, config, str(trained["run"].parent / "train.jsonl"), "train", "acc")
+    preds = {name: pq.read_table(run.layout.eval_result(name, result["method"]).predictions.path).to_pylist()
+             for name in ("writeback-train-validation-base", "writeback-train-validation")}
+    base, union = preds["writeback-train-validation-base"], preds["writeback-train-validation"]
+    assert len(base) == len(union) == result["questions"] == 1  # half of the two training questions
+    acc = [substring_match(p[0]["prediction"], p[0]["golden_answers"]) for p in (base, union)]
+    changed = [h["id"] for h in json.loads(base[0]["docs"])] != [h["id"] for h in json.loads(union[0]["docs"])]
+    assert (result["base"], result["with_version"]) == (acc[0], acc[1])
+    assert result["unit_in_top_k"] == int(any(h["source"] == "writeback" for h in json.loads(union[0]["docs"])))
+    assert (result["won"], result["lost"]) == ((int(changed and acc[1] > acc[0]), int(changed and acc[1] < acc[0])))
+    assert result["union"] == "provenance" and run.layout.writeback_version("train").validation.read_json() == result
+
+    hurt = {**result, "base": 1.0, "with_version": 0.0, "won": 0, "lost": 1}
+    run.layout.writeback_version("train").validation.write_json(hurt)
+    capsys.readouterr()
+    assert main(["writeback", str(trained["run"]), "--activate", "train"]) == 0
+    assert ("warning: write-back version train hurt on its validation questions (acc 0.000 with it against 1.000 "
+            "without; 1 questions lost against 0 won)") in capsys.readouterr().out
+    run.layout.writeback_version("train").validation.delete()

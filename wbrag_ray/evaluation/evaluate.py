@@ -15,7 +15,7 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params
+from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
@@ -96,6 +96,7 @@ def evaluate(
             "method": method,
             "setting": setting,
             "writeback_version": wb_version if method != "no-retrieval" else None,
+            "union": union_settings(config) if wb_version and method != "no-retrieval" else None,
             "dataset": dataset,
             "rejected_questions": rejects.num_rows,
             "top_k": config.retrieval.top_k if method != "no-retrieval" else 0,
@@ -127,7 +128,7 @@ def evaluate_stage(
     """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
     rerun with the same settings skips it and prints the stored table again; changed settings (another
     method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
-    params = eval_params(label, dataset, kwargs)
+    params = eval_params(label, dataset, kwargs, config)
 
     def work() -> dict[str, Any]:
         results = evaluate(run, config, dataset, name, label=label, passes=passes, **kwargs)

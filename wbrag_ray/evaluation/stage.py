@@ -15,6 +15,8 @@ EVAL = RunStage(
     settings=("eval.methods", "eval.limit", "retrieval", "rag", "generator", "embedder", "index.nprobe",
               "index.ef_search", "index.k_factor"),
     uses=(INDEX,),
+    # the union of base and write-back hits matters only beside a write-back index: a parameter there
+    ignore=("retrieval.union", "retrieval.max_units", "retrieval.rrf_k"),
     fix="pass --force to replace its results, or --name NEW to keep both",
 )
 
@@ -26,7 +28,32 @@ def dataset_name(config: WbragConfig, dataset: str) -> str:
     return config.eval.name or dataset_stem(dataset)
 
 
-def eval_params(label: str, dataset: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragConfig | None = None) -> dict[str, Any]:
     """The evaluation stage's parameters: its label, the dataset, and the setting's own arguments (index, router,
-    write-back version; the `setting` label only names them)."""
-    return {"label": label, "dataset": dataset, **{k: v for k, v in kwargs.items() if k != "setting"}}
+    write-back version; the `setting` label only names them); beside a write-back index, the union settings
+    (`union_settings`)."""
+    params = {"label": label, "dataset": dataset, **{k: v for k, v in kwargs.items() if k != "setting"}}
+    if config is not None and (kwargs.get("writeback") or kwargs.get("writeback_version")):
+        params["union"] = union_settings(config)
+    return params
+
+
+def union_settings(config: WbragConfig) -> dict[str, Any]:
+    """retrieval.union and the settings it reads, as recorded with an evaluation beside a write-back index."""
+    r = config.retrieval
+    return {"union": r.union, "max_units": r.max_units, **({"rrf_k": r.rrf_k} if r.union == "rrf" else {})}
+
+
+def union_label(config: WbragConfig) -> str:
+    """retrieval.union as a table names it: 'provenance', 'score', 'rrf, rrf_k 10', 'provenance, max_units 1'."""
+    settings = union_settings(config)
+    extra = [f"{k} {v}" for k, v in settings.items() if k != "union" and v is not None
+             and not (k == "rrf_k" and v == type(config.retrieval)().rrf_k)]
+    return ", ".join([settings["union"], *extra])
+
+
+def union_suffix(config: WbragConfig) -> str:
+    """What a grid's write-back labels add for a union other than the default ('' for the default)."""
+    label = union_label(config)
+    default = union_label(type(config)())
+    return "" if label == default else "-" + label.replace(", ", "-").replace(" ", "")

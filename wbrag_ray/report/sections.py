@@ -112,17 +112,21 @@ def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting
     `stem` names the figure; `own_setting`: the grid of a Zero-RAG setting, titled with its name."""
     sec = Section("RAG methods x knowledge base" + (f" ({grid.get('name')})" if own_setting else ""))
     sec.text = ("Every RAG method on the base index and beside each write-back version. 'trained with' is the method "
-                "whose answers chose what was written back; a row is same-method when it is the evaluated method.")
+                "whose answers chose what was written back; a row is same-method when it is the evaluated method. "
+                "'union' is how base and write-back hits shared the K slots (retrieval.union); 'unit in top K' counts "
+                "the questions a write-back unit entered the top K of, of which 'won' were answered right only with "
+                "the version and 'lost' only without it.")
     rows = []
     for r in grid.get("rows", []):
         delta = (r.get("delta") or {}).get("acc")
         rows.append([r["method"], r["version"] or "base", r.get("trained_with") or "",
                      "" if r.get("same_method") is None else ("same" if r["same_method"] else "cross"),
-                     r["n"], r["em"], r["f1"], r["acc"], "" if delta is None else f"{delta:+.3f}",
+                     r.get("union") or "", r["n"], r["em"], r["f1"], r["acc"], "" if delta is None else f"{delta:+.3f}",
+                     *(r.get(k, "") for k in ("unit_in_top_k", "won", "lost")),
                      r.get("retrieval_rate"), r.get("generator_calls")])
     sec.tables.append(Table(f"answer metrics on {grid.get('name')}", [
-        "method", "knowledge base", "trained with", "write-back", "n", "em", "f1", "acc", "acc vs base",
-        "retrieval rate", "generator calls"], rows))
+        "method", "knowledge base", "trained with", "write-back", "union", "n", "em", "f1", "acc", "acc vs base",
+        "unit in top K", "won", "lost", "retrieval rate", "generator calls"], rows))
     if img := plots.plot_methods_grid(grid, out, file_name=f"{stem}.png"):
         sec.images.append((img, "acc per RAG method: base index alone, and with each write-back version beside it."))
     return sec
@@ -140,6 +144,11 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
         sec.images.append((img, "Each knowledge unit: tokens of its retained documents vs tokens after distillation."))
     if img := plots.plot_rank_distribution(stats.get("rank_distribution") or {}, out, version):
         sec.images.append((img, "Retrieval ranks of the documents that passed the document gate."))
+    if folder.validation.exists():  # writeback.validation: base vs base + version on held-out training questions
+        v = folder.validation.read_json()
+        sec.tables.append(Table(f"validation on {v['questions']} held-out training questions ({v['method']})", [
+            "union", f"{v['metric']} base", f"{v['metric']} base + version", "unit in top K", "won", "lost"],
+            [[v["union"], v["base"], v["with_version"], v["unit_in_top_k"], v["won"], v["lost"]]]))
     return sec
 
 

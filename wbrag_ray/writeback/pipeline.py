@@ -32,7 +32,8 @@ from wbrag_ray.layout import plain_name
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.distill import distill
 from wbrag_ray.writeback.units import UNITS, build_units, embed_units
-from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version
+from wbrag_ray.writeback.validation import validate
+from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
 
 def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
@@ -56,9 +57,11 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
+    from wbrag_ray.writeback.validation import split
 
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
+    questions = split(questions, wb.validation)[0]  # the held-out questions validate the version instead
     search = RetrievalSetting(
         run.layout.index.uri, None, config.embedder, config.retrieval, config.index
     )
@@ -96,7 +99,8 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
 def train_writeback(
     run: RunFolder, config: WbragConfig, train: str | None = None, version: str | None = None, force: bool = False
 ) -> dict[str, Any]:
-    """Train one write-back index version from a labeled QA set; activate it when writeback.activate."""
+    """Train one write-back index version from a labeled QA set, validate it on the held-out part of the set
+    (writeback.validation), and activate it when writeback.activate and it does not hurt there."""
     train = train or config.writeback.train
     if not train:
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
@@ -112,9 +116,15 @@ def train_writeback(
               "method": method.replace("-", "_") if method in ("self-rag", "flare") else None}
     stats = run.execute(WRITEBACK, config, lambda: _train(run, config, train, params), params=params, force=force)
     print(format_table3(stats), flush=True)
+    validation = validate(run, config, train, version, with_gate_metric(config.writeback, train).metric, force)
     if config.writeback.activate and stats.get("units_written"):
-        activate(run, version)
-    return stats
+        why = hurts(validation)
+        if why:
+            print(f"write-back {version} is not activated: on its validation questions it hurts ({why}); "
+                  f"`wbrag writeback RUN --activate {version}` activates it anyway", flush=True)
+        else:
+            activate(run, version)
+    return {**stats, "validation": validation} if validation else stats
 
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:

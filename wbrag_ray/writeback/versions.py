@@ -55,6 +55,9 @@ def activate(run: RunFolder, version: str) -> dict[str, Any]:
     if version not in versions(run):
         known = ", ".join(versions(run)) or "none"
         raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
+    why = hurts(read_validation(run, version))
+    if why:
+        print(f"warning: write-back version {version} hurt on its validation questions ({why})", flush=True)
     state = read_active(run)
     if state["version"] != version:
         history = [*state["history"], state["version"]] if state["version"] else state["history"]
@@ -99,3 +102,21 @@ def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, 
         )
     folder = run.layout.writeback_version(version)
     return version, folder.index.uri, None  # its documents: the store its manifest names
+
+
+def read_validation(run: RunFolder, version: str) -> dict[str, Any] | None:
+    loc = run.layout.writeback_version(version).validation
+    return loc.read_json() if loc.exists() else None
+
+
+def hurts(result: dict[str, Any] | None) -> str | None:
+    """Why a validated version hurts (its metric below the base's, or more questions lost than won); None when it
+    does not, or was not validated."""
+    if not result:
+        return None
+    why = []
+    if result["with_version"] < result["base"]:
+        why.append(f"{result['metric']} {result['with_version']:.3f} with it against {result['base']:.3f} without")
+    if result["lost"] > result["won"]:
+        why.append(f"{result['lost']} questions lost against {result['won']} won")
+    return "; ".join(why) or None

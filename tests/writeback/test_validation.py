@@ -1,0 +1,70 @@
+"""A write-back version's effect where it can act (won / lost over the questions whose top K changed), the held-out
+validation split, the verdict on a version that hurts, and the grid's columns: hand-made rows, no Ray."""
+
+import hashlib
+
+import pandas as pd
+import pyarrow as pa
+
+from wbrag_ray.evaluation.effect import writeback_effect
+from wbrag_ray.evaluation.methods_grid import format_methods_grid
+from wbrag_ray.retrieval.hits import Hit, hits_to_json
+from wbrag_ray.writeback.validation import held_out, split
+from wbrag_ray.writeback.versions import hurts
+
+
+def docs(*keys):
+    return hits_to_json([Hit(i, 1.0 - r / 10, r, "t", "x", source) for r, (source, i) in enumerate(keys)])
+
+
+P = [("base", 1), ("base", 2), ("base", 3)]
+
+
+def test_won_and_lost_are_counted_only_where_the_top_k_changed():
+    base = pd.DataFrame({"id": ["a", "b", "c", "d", "e"], "docs": [docs(*P)] * 5, "acc": [1.0, 0.0, 1.0, 0.0, 1.0]})
+    union = pd.DataFrame({
+        "id": ["e", "d", "c", "b", "a"],  # another order: matched by id
+        "docs": [docs(*P), docs(("writeback", 9), *P[:2]), docs(("writeback", 9), *P[:2]),
+                 docs(P[0], ("writeback", 7), P[1]), docs(*P)],
+        # a: unchanged top K, answer flipped (batch noise): not counted; b: changed and won; c: changed and lost;
+        # d: changed, still wrong; e: unchanged
+        "acc": [1.0, 0.0, 0.0, 1.0, 0.0],
+    })
+    effect = writeback_effect(base, union)
+    assert effect == {"questions": 5, "unit_in_top_k": 3, "changed": 3, "won": 1, "lost": 1,
+                      "won_ids": ["b"], "lost_ids": ["c"]}
+
+
+def test_the_validation_split_holds_out_the_ids_whose_hash_comes_first_whatever_the_order():
+    ids = [f"q{i}" for i in range(10)]
+    by_hash = sorted(ids, key=lambda i: hashlib.blake2b(i.encode(), digest_size=8).hexdigest())
+    assert held_out(ids, 0.3) == set(by_hash[:3]) == held_out(ids[::-1], 0.3)
+    assert held_out(ids, 0.01) == {by_hash[0]}  # a fraction keeps at least one question out
+    assert held_out(ids, None) == set()
+    table = pa.table({"id": ids, "question": [f"question {i}" for i in range(10)]})
+    train, val = split(table, 0.3)
+    assert sorted(val["id"].to_pylist()) == sorted(by_hash[:3])
+    assert train.num_rows == 7 and not set(train["id"].to_pylist()) & set(val["id"].to_pylist())
+
+
+def test_a_version_hurts_when_its_metric_falls_or_it_loses_more_than_it_wins():
+    ok = {"metric": "acc", "base": 0.5, "with_version": 0.5, "won": 1, "lost": 1}
+    assert hurts(ok) is None and hurts(None) is None
+    assert hurts({**ok, "with_version": 0.4}) == "acc 0.400 with it against 0.500 without"
+    assert hurts({**ok, "lost": 2}) == "2 questions lost against 1 won"
+
+
+def test_the_grid_shows_each_union_setting_with_its_units_won_and_lost():
+    def row(version, union, acc, effect=None):
+        r = {"method": "naive", "version": version, "same_method": None if version is None else True, "acc": acc}
+        if version:
+            r.update(union=union, delta={"acc": round(acc - 0.5, 4)}, unit_in_top_k=effect[0], won=effect[1],
+                     lost=effect[2])
+        return r
+
+    grid = {"name": "qa", "methods": ["naive"], "versions": {"v1": "naive"},
+            "rows": [row(None, None, 0.5), row("v1", "provenance", 0.55, (4, 2, 0)), row("v1", "score", 0.45, (9, 1, 3))]}
+    lines = format_methods_grid(grid).splitlines()
+    assert "+wb v1 [naive] provenance" in lines[1] and "+wb v1 [naive] score" in lines[1]
+    assert lines[2].split() == ["naive", "0.500", "0.550", "(+0.050)*", "0.450", "(-0.050)*"]
+    assert lines[-1].split() == ["naive", "4:", "+2", "-0", "9:", "+1", "-3"]
