@@ -18,6 +18,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # `dtype: auto` means float32 on every CPU kind in tests (and in the Ray workers they start): exact checks of
 # answers and scores must not depend on whether the CI machine has AVX512-BF16. A test of bf16 asks for it.
 os.environ["WBRAG_CPU_BF16"] = "0"
+# Ray Train's controller looks at its workers every 2 s, and a worker's report (a checkpoint) waits for that
+# look: nothing next to a real step of seconds, most of a tiny test training that checkpoints every 2 steps of
+# milliseconds. The session's cluster and every driver a test starts inherit this.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Both trainings run as Ray Train jobs (`wbrag_ray.training.workers`): the seeded batches, and a training
 that loses its driver and then a worker resumes from its last checkpoint and ends where an uninterrupted one
-ends (real Ray Train workers on the session's cluster, gloo, the bundled SmolLM2-135M as the pruner's
-backbone)."""
+ends (real Ray Train workers on the session's cluster, gloo). The resume tests train the tiny SmolLM2-shaped
+backbone (tests/tiny_models.py): they check steps, checkpoints and bit-exact weights, which the model's size does
+not change; test_lora.py trains the bundled SmolLM2-135M and checks that it learns."""
 
 import json
 import os
@@ -26,13 +27,38 @@ from wbrag_ray.training.workers import batch_indices, fit, placement_refusal, pl
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16  # 2 epochs of 16 sentences in batches of 2: long enough to be killed twice between checkpoints
 CHECKPOINT_STEPS = 2
+STEP_SECONDS = 0.25
+S3_STORAGE = "s3://wbrag/runs/train-on-s3/_checkpoints/pruner-lm/train"
 
 
-def pruner_training(workers: int) -> tuple[PrunerTraining, LMPrunerConfig]:
-    section = LMPrunerConfig(epochs=2, batch_size=2, max_length=24, threads=1, learning_rate=1e-3,
+def pruner_training(workers: int, backbone: str, epochs: int = 2) -> tuple[PrunerTraining, LMPrunerConfig]:
+    """The LM pruner's training of 16 sentences, each step made to take STEP_SECONDS (see `_SlowSteps`)."""
+    section = LMPrunerConfig(backbone=backbone, epochs=epochs, batch_size=2, max_length=24, threads=1,
+                             learning_rate=1e-3,
                              trainer={"num_workers": workers, "checkpoint_steps": CHECKPOINT_STEPS, "max_failures": 1})
     texts, scores = KNOWN + UNKNOWN, [1.0] * len(KNOWN) + [0.0] * len(UNKNOWN)
-    return PrunerTraining(texts, scores, section, texts[:4]), section
+    training = PrunerTraining(texts, scores, section, texts[:4])
+    training.__class__ = _slow_steps()
+    return training, section
+
+
+def _slow_steps() -> type:
+    """PrunerTraining whose every step lasts at least STEP_SECONDS, as a real model's step does: a tiny model's
+    steps take milliseconds, and the training would end before the test can kill its driver or a worker between
+    two checkpoints. (A class made in a function: Ray's pickler sends it by value to workers that cannot import
+    the tests.)"""
+
+    class SlowSteps(PrunerTraining):
+        def build(self, place):
+            model, per_example_loss = super().build(place)
+
+            def slow(module, idx):
+                time.sleep(STEP_SECONDS)
+                return per_example_loss(module, idx)
+
+            return model, slow
+
+    return SlowSteps
 
 
 def test_steps_come_from_epochs_with_max_steps_as_a_cap_and_each_epoch_sees_every_example_once():
@@ -95,18 +121,40 @@ def _adapter(folder: Path) -> dict[str, np.ndarray]:
     return load_file(str(folder / "adapter_model.safetensors"))
 
 
-def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_uninterrupted_run(tmp_path,
-                                                                                                  ray_cluster):
-    # uninterrupted
-    training, section = pruner_training(2)
-    reference = fit(training, section, str(tmp_path / "reference"), "lm-pruner", "zerorag.lm_pruner", storage=resolve(tmp_path / "ref"))
-    assert reference["steps"] == STEPS and reference["resumed_from_steps"] == [] and reference["workers"] == 2
-    assert reference["examples_seen"] == 2 * 16 and reference["epochs_seen"] == 2.0
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, s3_server, tiny):
+    """The uninterrupted 2-worker training, the reference the resumed one must equal, run by a driver with a
+    local cluster of its own whose workers have the object store's credentials (as a cluster's nodes do; the
+    session's cluster started before the S3 server), its checkpoints in a run folder on object storage."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "adapter"
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **s3_server}
+    done = subprocess.run([sys.executable, "-m", "tests.training.train_driver", S3_STORAGE, str(out), "2",
+                           tiny.generator], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, json.loads(done.stdout.strip().splitlines()[-1])
 
+
+def test_a_training_keeps_its_checkpoints_in_a_run_folder_on_object_storage(uninterrupted, s3_env):
+    import pyarrow.fs as pafs
+
+    folder, stats = uninterrupted
+    assert stats["steps"] == STEPS == len(stats["losses"]) and stats["resumed_from_steps"] == []
+    assert stats["workers"] == 2 and stats["examples_seen"] == 2 * 16 and stats["epochs_seen"] == 2.0
+    assert (folder / "pruner.json").exists()
+    where = resolve(S3_STORAGE).join("lm-pruner")
+    kept = [i.path for i in where.fs.get_file_info(pafs.FileSelector(where.path, recursive=True))]
+    assert any(p.endswith("checkpoint_manager_snapshot.json") for p in kept)
+    assert any(p.endswith("train_state.pt") for p in kept) and any(p.endswith("adapter_model.safetensors") for p in kept)
+
+
+def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_uninterrupted_run(tmp_path,
+                                                                                                  ray_cluster, tiny,
+                                                                                                  uninterrupted):
+    reference_folder, reference = uninterrupted
     # the driver of a 2-worker run, killed once it has committed a checkpoint
     storage = tmp_path / "storage"
     driver = subprocess.Popen([sys.executable, "-m", "tests.training.train_driver", str(storage), str(tmp_path / "o"),
-                               "2"], cwd=ROOT, env=joining_env(ray_cluster), stdout=subprocess.PIPE,
+                               "2", tiny.generator], cwd=ROOT, env=joining_env(ray_cluster), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: _committed_step(storage) or driver.poll() is not None, "the first checkpoint")
@@ -122,7 +170,7 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
     # the same training again, on 2 workers; one of them is killed after its next checkpoint
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(
-        fit(*pruner_training(2), str(tmp_path / "resumed"), "lm-pruner", "zerorag.lm_pruner", storage=resolve(storage))))
+        fit(*pruner_training(2, tiny.generator), str(tmp_path / "resumed"), "lm-pruner", "zerorag.lm_pruner", storage=resolve(storage))))
     runner.start()
     _wait_for(lambda: _committed_step(storage) > killed_driver_at or not runner.is_alive(), "a checkpoint after resuming")
     killed_worker_at = _committed_step(storage)
@@ -138,27 +186,9 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
     assert result["resumed_from_steps"] == [killed_driver_at, killed_worker_at]
     # the same batches from the same weights and optimizer state: the uninterrupted run's losses and adapter
     np.testing.assert_allclose(result["losses"], reference["losses"], rtol=1e-6)
-    ours, theirs = _adapter(tmp_path / "resumed"), _adapter(tmp_path / "reference")
+    ours, theirs = _adapter(tmp_path / "resumed"), _adapter(reference_folder)
     assert ours.keys() == theirs.keys() and any(k.endswith("score.weight") for k in ours)
     for name in ours:
         np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)
     saved = json.loads((tmp_path / "resumed" / "pruner.json").read_text())
     assert saved["steps"] == STEPS and saved["resumed_from_steps"] == result["resumed_from_steps"]
-
-
-def test_a_training_keeps_its_checkpoints_in_a_run_folder_on_object_storage(tmp_path, s3_env, tiny):
-    import pyarrow.fs as pafs
-
-    # a driver with a local cluster of its own: its workers have the object store's credentials, as a cluster's
-    # nodes do (the session's cluster started before this test set them)
-    storage = "s3://wbrag/runs/train-on-s3/_checkpoints/pruner-lm/train"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-m", "tests.training.train_driver", storage, str(tmp_path / "adapter"), "1",
-                          tiny.generator], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"steps": 8, "resumed_from_steps": []}
-    assert (tmp_path / "adapter" / "pruner.json").exists()
-    where = resolve(storage).join("lm-pruner")
-    kept = [i.path for i in where.fs.get_file_info(pafs.FileSelector(where.path, recursive=True))]
-    assert any(p.endswith("checkpoint_manager_snapshot.json") for p in kept)
-    assert any(p.endswith("train_state.pt") for p in kept) and any(p.endswith("adapter_model.safetensors") for p in kept)

@@ -3,7 +3,7 @@ folder (local or s3://), as `wbrag train-pruner` runs it in a stage. It joins th
 session's, as a submitted job's driver joins its own) or, without it, starts a local one that inherits this
 process's environment (the object store's credentials, as a cluster's nodes have them).
 
-    python -m tests.training.train_driver STORAGE OUT WORKERS [BACKBONE]
+    python -m tests.training.train_driver STORAGE OUT WORKERS BACKBONE
 """
 
 import json
@@ -22,8 +22,7 @@ if __name__ == "__main__":
         ray.init(logging_level="WARNING")
     else:
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    training, section = pruner_training(workers)
-    if len(sys.argv) > 4:
-        training.config = section = section.model_copy(update={"backbone": sys.argv[4], "epochs": 1})
+    training, section = pruner_training(workers, sys.argv[4])
     stats = fit(training, section, out, "lm-pruner", "zerorag.lm_pruner", storage=resolve(storage))
-    print(json.dumps({k: stats[k] for k in ("steps", "resumed_from_steps")}))
+    print(json.dumps({k: stats[k] for k in ("steps", "resumed_from_steps", "losses", "workers", "examples_seen",
+                                            "epochs_seen")}))
