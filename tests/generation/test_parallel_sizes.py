@@ -237,8 +237,20 @@ def main() -> None:
             out[name] = None
         except ConfigError as exc:
             out[name] = str(exc)
+    from wbrag_ray.config import TrainerConfig
+    from wbrag_ray.training.workers import check_placement as check_training
+
+    for name, check in {"qa_writer": lambda: check_placement(refusals["tp4"], "zerorag.qa_generator"),
+                        "training": lambda: check_training(TrainerConfig(num_workers=3, num_gpus=2), "zerorag.tune")
+                        }.items():
+        try:
+            check()
+            out[name] = None
+        except ConfigError as exc:
+            out[name] = str(exc)
     os.environ["WBRAG_AUTOSCALING"] = "1"
     check_placement(refusals["tp4"])
+    check_training(TrainerConfig(num_workers=3, num_gpus=2), "zerorag.tune")
     out["autoscaling_skips"] = True
     del os.environ["WBRAG_AUTOSCALING"]
     for name, config in {"tp2": vllm(num_gpus=2, max_new_tokens=7),
@@ -272,6 +284,10 @@ def test_a_sharded_replica_runs_inside_its_placement_group_and_the_cluster_check
     assert "no node of the cluster has that many (2 nodes x 2 GPUs, 1 node x 0 GPUs)" in seen["tp4"]
     assert "WBRAG_AUTOSCALING=1" in seen["tp4"]  # the way out on a cluster that adds nodes unannounced
     assert "the cluster holds 2" in seen["tp2pp2x2"] and "set concurrency: 1" in seen["tp2pp2x2"]
+    # the same reading and the same way out for another generator role and for Ray Train's workers
+    assert seen["qa_writer"].startswith("zerorag.qa_generator") and "WBRAG_AUTOSCALING=1" in seen["qa_writer"]
+    assert seen["training"].startswith("zerorag.tune.trainer: 3 training workers") and "(room for 2)" in \
+        seen["training"] and "WBRAG_AUTOSCALING=1" in seen["training"]
     assert seen["autoscaling_skips"]
     for name, nodes_used in (("tp2", 1), ("tp2pp2", 2)):
         replica = seen[name]

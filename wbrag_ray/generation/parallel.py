@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import weakref
 from typing import Any
 
+from wbrag_ray.cluster_nodes import refuse_unplaceable
 from wbrag_ray.config import ConfigError, GeneratorConfig
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,6 @@ GPU_BUNDLE: dict[str, float] = {"GPU": 1.0, "CPU": 1.0}
 
 # vLLM waits this long for a placement group of its own (its PG_WAIT_TIMEOUT): an autoscaler may be adding nodes
 PLACEMENT_TIMEOUT_S = 1800.0
-
-# Set to 1 on a cluster that adds nodes on demand but publishes no node groups (Ray's v1 autoscaler, which the
-# cluster launcher runs): the nodes up now say nothing about what it can add, so `check_placement` checks nothing.
-AUTOSCALING_ENV = "WBRAG_AUTOSCALING"
-
 
 def sharded(config: GeneratorConfig) -> bool:
     """Whether an engine replica spans more than one GPU (and so runs vLLM's ray executor in a placement group)."""
@@ -94,44 +89,15 @@ def placement_refusal(config: GeneratorConfig, nodes: list[dict[str, float]], ke
     return None
 
 
-def cluster_nodes() -> tuple[list[dict[str, float]], bool]:
-    """The nodes a pass may be placed on, and whether they are every node the cluster may run: where Ray's
-    autoscaler published its node groups (autoscaler v2, KubeRay), each group's node max_count times (unbounded
-    groups: as many as any pass here asks for), as Ray Train checks its workers; otherwise the nodes alive now
-    (False: an autoscaler of the cluster launcher may add more)."""
-    import ray
-
-    try:  # Ray's own checks read it so (ray.train v2's worker group, ray.data's hash shuffle)
-        from ray._private.state import state
-
-        published = state.get_cluster_config()
-    except Exception:  # noqa: BLE001 - a private API: where it moved or fails, the alive nodes are what is known
-        published = None
-    if published is not None and published.node_group_configs:
-        nodes = []
-        for group in published.node_group_configs:
-            count = 1024 if group.max_count < 0 else group.max_count
-            nodes.extend(dict(group.resources) for _ in range(count))
-        return nodes, True
-    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")], False
-
-
 def check_placement(config: GeneratorConfig, key: str = "generator") -> None:
     """A `ConfigError` when the Ray cluster this process is connected to cannot place the generator's replicas
-    (`placement_refusal`); nothing to check when Ray is not up yet (the pass starts it) or where
-    WBRAG_AUTOSCALING=1 says the cluster adds nodes that it does not publish."""
+    (`placement_refusal`; `key`: the config section the message names); nothing to check when Ray is not up yet
+    (the pass starts it) or where WBRAG_AUTOSCALING=1 says the cluster adds nodes that it does not publish."""
     import ray
 
     if config.backend == "openai" or config.num_gpus <= 0 or not ray.is_initialized():
         return
-    if os.environ.get(AUTOSCALING_ENV, "").strip().lower() in ("1", "true", "yes"):
-        return
-    nodes, every_node = cluster_nodes()
-    why = placement_refusal(config, nodes, key)
-    if why is not None:
-        where = ("" if every_node else f". (The nodes up now; on a cluster that adds GPU nodes on demand, set "
-                 f"{AUTOSCALING_ENV}=1 to skip this check.)")
-        raise ConfigError(why + where)
+    refuse_unplaceable(lambda nodes: placement_refusal(config, nodes, key))
 
 
 def _release(actor, pg) -> None:

@@ -58,10 +58,12 @@ def generate_pass(
     return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
 
 
-def _checked(config: GeneratorConfig, mode: str):
-    generator = make_generator(config)  # fails here, not in an actor, on a bad backend or model
+def _checked(config: GeneratorConfig, mode: str, key: str = "generator"):
+    """`config`'s generator, refused here (not in an actor) on a bad backend, model or mode, and on a cluster
+    whose nodes cannot hold a replica, before anything waits for one; `key`: its config section, for messages."""
+    generator = make_generator(config)
     check_backend_mode(config, mode)
-    check_placement(config)  # and on a cluster whose nodes cannot hold a replica, before anything waits for one
+    check_placement(config, key)
     return generator
 
 
@@ -97,14 +99,14 @@ class GeneratorPasses:
     def generate(
         self, name: str, ds, prompt_column: str, output_column: str, max_new_tokens: int | None = None,
         generator: GeneratorConfig | None = None, multiline: bool = False, mode: str = "text",
-        choices: tuple[str, ...] = (), weight_column: str = "weights",
+        choices: tuple[str, ...] = (), weight_column: str = "weights", key: str = "generator",
     ) -> pd.DataFrame:
         """Add `output_column` to every row of `ds` (a Ray Dataset, or a DataFrame the driver holds: sent
         straight to the generator service, see `Services.run_frame`, and answered from the command's
         `AnswerMemo` where it can be); `generator` replaces the default role's model (e.g. the QA generator
         beside the target model); `multiline` lets outputs run past a line end (generator.stop);
         `mode` / `choices` / `weight_column`: scored answers, choice probabilities or a mixture's answers
-        instead of text (`generate_pass`).
+        instead of text (`generate_pass`); `key`: the config section of `generator`, for messages.
 
         `generator_calls` counts prompts: a mixture row holds K of them, decoded in lockstep (K prefills and K
         sequences per step, as K separate answers cost), so it counts K; `mixture_groups` counts its rows."""
@@ -116,7 +118,7 @@ class GeneratorPasses:
         t0 = time.perf_counter()
         reused = resumed = 0
         if isinstance(ds, pd.DataFrame):
-            _checked(gen_config, mode)
+            _checked(gen_config, mode, key)
             stage = GenerateStage(gen_config, prompt_column, output_column, mode, choices, weight_column)
             checkpoint = checkpoints.active()
             store = None

@@ -264,14 +264,9 @@ def placement_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key
 def check_placement(trainer: TrainerConfig, key: str) -> None:
     """A ConfigError before any worker starts when the connected cluster cannot place the training workers (Ray
     Train would wait for them); skipped where WBRAG_AUTOSCALING=1 says nodes come on demand."""
-    from wbrag_ray.generation.parallel import AUTOSCALING_ENV, cluster_nodes
+    from wbrag_ray.cluster_nodes import refuse_unplaceable
 
-    if os.environ.get(AUTOSCALING_ENV, "").strip().lower() in ("1", "true", "yes"):
-        return
-    nodes, _ = cluster_nodes()
-    why = placement_refusal(trainer, nodes, key)
-    if why is not None:
-        raise ConfigError(why)
+    refuse_unplaceable(lambda nodes: placement_refusal(trainer, nodes, key))
 
 
 def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key: str,

@@ -65,7 +65,8 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
             write["qa_prompt"] = [prompts.dumps(prompts.qa_write_messages(x, z.qa_per_sentence, qa_gen.chat_template))
                                   for x in titled(write["title"], write["text"])]
             written = passes.generate("qa_write", write, "qa_prompt", "qa_raw", z.qa_max_new_tokens, qa_gen,
-                                      multiline=True)
+                                      multiline=True,
+                                      key="zerorag.qa_generator" if z.qa_generator is not None else "generator")
             prefix = "" if qa_gen.chat_template else prompts.QA_FEWSHOT_PREFIX
             for s in written.sort_values("sid").itertuples(index=False):
                 rows += [{"sid": s.sid, **r} for r in m.llm_pairs(s.text, s.qa_raw, z.qa_per_sentence, prefix)]
