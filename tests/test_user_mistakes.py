@@ -292,3 +292,20 @@ def test_ratios_factories_and_inputs_are_checked_before_ray(demo_run, tmp_path, 
     line = assert_refused_fast(args, *words)
     assert "wbrag prune RUN --ratio 1.5" not in line  # a ratio out of range is not a stage to run first
     assert snapshot(run) == before
+
+
+def test_a_missing_faiss_names_the_extra_that_installs_it(monkeypatch):
+    """Plain `pip install wbrag-ray` has no faiss (it comes with the `cpu` or `gpu` extra): the import error, in
+    the driver or in a Ray worker, is one line that names the extras; any other missing module stays a bug."""
+    import ray
+
+    from wbrag_ray.cli import user_error
+
+    monkeypatch.setitem(sys.modules, "faiss", None)  # what an environment without faiss-cpu / faiss-gpu raises
+    with pytest.raises(ModuleNotFoundError) as missing:
+        import faiss  # noqa: F401
+    expected = ("faiss is not installed: pip install 'wbrag-ray[cpu]' (faiss-cpu) on a CPU machine, or "
+                "'wbrag-ray[gpu]' (faiss-gpu and vLLM) on a GPU one")
+    assert user_error(missing.value) == expected
+    assert user_error(ray.exceptions.RayTaskError("build_part", "traceback", missing.value)) == expected
+    assert user_error(ModuleNotFoundError("No module named 'torchvision'", name="torchvision")) is None

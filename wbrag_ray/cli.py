@@ -513,6 +513,10 @@ def user_error(exc: BaseException) -> str | None:
         return str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError):  # storage: permissions, unreachable endpoints, object-store errors
         return f"storage error: {exc}"
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "faiss":
+        # faiss comes with an extra (faiss-cpu and faiss-gpu write the same module): plain `pip install` has none
+        return ("faiss is not installed: pip install 'wbrag-ray[cpu]' (faiss-cpu) on a CPU machine, or "
+                "'wbrag-ray[gpu]' (faiss-gpu and vLLM) on a GPU one")
     return None
 
 
