@@ -287,11 +287,12 @@ class RetrievalConfig(_Section):
         0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval score / temperature)."
     )
     union: Literal["score", "provenance", "rrf"] = Field(
-        "provenance",
+        "score",
         description="How the base and write-back indices' hits share the K slots (wbrag_ray.retrieval.union): "
         "'score' is WriteBack-RAG's plain merge by score; 'provenance' the same merge, but a unit whose source "
         "documents are all in the top K (or whose text a taken hit holds) takes no slot; 'rrf' reciprocal rank "
-        "fusion under the same rule. The default measured best on held-out questions (benchmarks/RESULTS.md).",
+        "fusion under the same rule. The default measured best on 120 held-out questions (benchmarks/RESULTS.md, "
+        "'Write-back that never hurts').",
     )
     max_units: int | None = Field(
         None, ge=0, description="Write-back units per query at most (none: no cap); not applied by union 'score'.",

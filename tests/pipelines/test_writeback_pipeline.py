@@ -117,8 +117,8 @@ def test_union_search_returns_write_back_hits_with_their_namespace(trained):
     # each unit carries the ids of the passages it was distilled from, as the units file records them
     sources = {u["id"]: u["source_doc_ids"] for u in pq.read_table(run.layout.writeback_version("train").units.path).to_pylist()}
     assert all(h.sources == sources[h.id] for h in hits if h.source == "writeback")
-    # the provenance-aware union (the default): no unit whose sources are all among the passages it returns
-    default = UnionRetriever(members).search(query, 5)[0]
+    # the provenance-aware union: no unit whose sources are all among the passages it returns
+    default = UnionRetriever(members, UnionRule("provenance")).search(query, 5)[0]
     passages = {h.id for h in default if h.source == "base"}
     assert len(default) == 5 and not any(set(sources[h.id]) <= passages for h in default if h.source == "writeback")
     assert (unit["id"] in {h.id for h in default}) == (not set(sources[unit["id"]]) <= passages)
@@ -274,7 +274,7 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
     assert (result["base"], result["with_version"]) == (acc[0], acc[1])
     assert result["unit_in_top_k"] == int(any(h["source"] == "writeback" for h in json.loads(union[0]["docs"])))
     assert (result["won"], result["lost"]) == ((int(changed and acc[1] > acc[0]), int(changed and acc[1] < acc[0])))
-    assert result["union"] == "provenance" and run.layout.writeback_version("train").validation.read_json() == result
+    assert result["union"] == "score" and run.layout.writeback_version("train").validation.read_json() == result
 
     hurt = {**result, "base": 1.0, "with_version": 0.0, "won": 0, "lost": 1}
     run.layout.writeback_version("train").validation.write_json(hurt)

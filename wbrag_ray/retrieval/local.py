@@ -355,7 +355,7 @@ def union_base_unit(members: list[tuple[str, dict]]) -> str:
 class UnionRetriever:
     """Several indices built with the same embedder (the base index and the write-back index), searched
     independently; each query's hits are the union cut to the top K by `union` (default: retrieval.union's
-    default), tagged with their source, a write-back unit with its provenance.
+    default, the paper's merge by score), tagged with their source, a write-back unit with its provenance.
 
     Same `search` / `search_vectors` interface as `Retriever`; queries are embedded once, by the first
     member that has an embedder.

@@ -11,7 +11,10 @@ units, short and focused, score above full passages about the same entity. So `r
     rrf          reciprocal rank fusion (each index ranks its own hits; 1 / (rrf_k + rank)), then the same rule:
                  the scores of two indices of different text lengths are never compared
 
-`retrieval.max_units` caps the write-back hits per query in every setting but `score`. A unit's provenance (the
+`retrieval.max_units` caps the write-back hits per query in every setting but `score`. The default is `score`:
+on 120 held-out questions it measured best (acc equal to the base's; one question won, one lost), `provenance`
+dropped the one unit that won (it restated a passage already at rank 0) and kept the one that lost (its source
+ranked just outside the top K), and `rrf` gave every question units and lost 16 (benchmarks/RESULTS.md). A unit's provenance (the
 ids of the base documents it was distilled from, and the kind of unit that index holds) is written beside the
 write-back index (`provenance.parquet`) when the version is trained, and read by whoever searches the union.
 """
@@ -104,7 +107,7 @@ class UnionRule:
     """How one query's hits from several indices become its top K (`retrieval.union`, `retrieval.max_units`,
     `retrieval.rrf_k`)."""
 
-    union: str = "provenance"
+    union: str = "score"  # retrieval.union's default
     max_units: int | None = None
     rrf_k: int = 60
 
