@@ -185,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.add_argument("-v", "--verbose", action="store_true")
 
+    p = sub.add_parser("data", help="FlashRAG's QA datasets and wiki-18 corpus into a folder (local or s3://): "
+                                    "fetch from the hub, or check a folder downloaded by hand")
+    p.add_argument("action", choices=["fetch", "check"])
+    p.add_argument("source", choices=["flashrag"], help="the data's source (FlashRAG's dataset repository)")
+    p.add_argument("datasets", nargs="*", metavar="DATASET", help="nq, triviaqa, popqa, hotpotqa, ...")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder (or s3:// prefix) for fetch; the "
+                                                               "folder to read for check")
+    p.add_argument("--corpus", choices=["wiki18"], help="the retrieval corpus too (wiki18: 21M passages, 5 GB zipped)")
+    p.add_argument("--revision", help="fetch: the repository's revision (a commit, for a pinned reproduction)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
     p = sub.add_parser("inspect", help="print samples: rejects, sentences, answers, write-back units")
     p.add_argument("run", metavar="RUN")
     p.add_argument("-n", type=int, default=3, help="samples per section (default 3)")
@@ -450,6 +461,23 @@ def cmd_inspect(args) -> None:
     print(inspect_run(run, args.n))
 
 
+def cmd_data(args) -> None:
+    from wbrag_ray import flashrag_data
+
+    if not args.datasets and not args.corpus:
+        raise ConfigError("name at least one dataset (nq, triviaqa, ...) or --corpus wiki18")
+    if args.action == "fetch":
+        layout = flashrag_data.fetch(args.datasets, args.out, args.corpus, args.revision)
+    else:
+        layout = flashrag_data.check_layout(args.out, args.datasets, args.corpus)
+        if layout.problems:
+            raise ConfigError("not FlashRAG's layout:\n  " + "\n  ".join(layout.problems))
+    for dataset, splits in layout.splits.items():
+        print(f"{dataset}: {', '.join(splits)} in {args.out.rstrip('/')}/{flashrag_data.folder_of(dataset)}/")
+    if layout.corpus is not None:
+        print(f"corpus: {layout.corpus} (ingest.corpus)")
+
+
 def cmd_export(args) -> None:
     run, config = _on_run(args)
     manifest = api.export(run, config, args.format, args.out, prune_ratio=args.prune_ratio, writeback=args.writeback,
@@ -482,6 +510,7 @@ COMMANDS = {
     "plan": cmd_plan,
     "demo": cmd_demo,
     "export": cmd_export,
+    "data": cmd_data,
 }
 
 
