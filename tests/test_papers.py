@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from wbrag_ray.config import load_config
-from wbrag_ray.papers import WRITEBACK, ZERO_RAG, departures, gate_metric
+from wbrag_ray.papers import WRITEBACK, ZERO_RAG, departures, gate_metric, paper_vs_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 
@@ -70,3 +70,41 @@ def test_the_gate_metric_of_flashrag_files_and_its_departures_are_resolved_not_l
     assert metric_departures("f1", "flashrag/fever/train.jsonl") == []  # explicitly the paper's: no departure
     (found,) = metric_departures("acc", "flashrag/fever/train.jsonl")
     assert "'acc' for fever" in found and "paper: 'f1'" in found
+
+
+def _result(dataset: str, method: str = "naive", version: str | None = None, acc: float = 0.0, **more) -> dict:
+    return {"method": method, "dataset": dataset, "writeback_version": version, "router": None, "acc": acc,
+            "generator": {"model": "bundled:smollm2"}, **more}
+
+
+def test_the_papers_headline_rows_sit_beside_the_runs_comparable_results(tmp_path):
+    from wbrag_ray.report.paper_rows import paper_section
+    from wbrag_ray.run import RunFolder
+
+    results = {
+        "t-naive": _result("s3://b/flashrag/nq/test.jsonl", acc=0.3),  # NQ by its folder, base index
+        "t-wb-naive": _result("/data/nq_test.jsonl", version="v1", acc=0.345),  # NQ by a flat name, write-back
+        "t-replug": _result("/data/nq/test.jsonl", method="replug", acc=0.5),  # another method
+        "f-naive": _result("/data/fever/test.jsonl", acc=0.9),  # another dataset
+        "t-prune0.3-naive": _result("/data/nq/test.jsonl", acc=0.9),  # a pruned index's evaluation
+        "r-naive": _result("/data/nq/test.jsonl", acc=0.9, router="/run/zero_rag/router"),  # routed
+    }
+    grid = [{"ratio": 0.0, "method": "naive", "retrieval_speedup_pct": 0.0},
+            {"ratio": 0.3, "method": "naive", "retrieval_speedup_pct": 18.5},
+            {"ratio": 0.3, "method": "naive", "router": True, "retrieval_speedup_pct": 18.5}]
+    rows = paper_vs_run(results, grid)
+    assert [(r["paper"], r["knowledge_base"], r["paper_value"], r["run_value"], r["run_result"]) for r in rows] == [
+        (WRITEBACK, "base", 31.44, 30.0, "t-naive"),
+        (WRITEBACK, "write-back", 34.82, 34.5, "t-wb-naive"),
+        (ZERO_RAG, "pruned 30%", 22.0, 18.5, "grid naive at ratio 0.3"),
+    ]
+    assert rows[0]["paper_model"] == "Llama-3.1-8B" and rows[0]["run_model"] == "bundled:smollm2"
+
+    # the report's section reads the run's evaluations; a run with none comparable has no section
+    run = RunFolder(str(tmp_path / "run"))
+    assert paper_section(run) is None
+    run.layout.eval_result("t", "naive").metrics.write_json(results["t-naive"])
+    section = paper_section(run)
+    assert section.title == "Paper vs this run"
+    assert section.tables[0].rows == [["WriteBack-RAG", "nq", "naive", "base", "acc", 31.44, 30.0, "Llama-3.1-8B",
+                                       "bundled:smollm2", "t-naive"]]

@@ -95,3 +95,56 @@ def print_departures(config: WbragConfig, paper: str, train: str | None = None) 
     if found:
         print(f"{paper}: this run departs from the paper in " + "; ".join(found), flush=True)
     return found
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A number a paper reports, and what a run must have evaluated to set its own number beside it."""
+
+    paper: str
+    dataset: str  # FlashRAG's dataset name (`formats.dataset_name`); "*" for a figure over the corpus itself
+    method: str  # the RAG method
+    knowledge_base: str  # "base", "write-back" or "pruned 30%"
+    metric: str  # a key of an evaluation's metrics.json, or of a Zero-RAG grid row
+    value: float  # as the paper prints it (acc in %, speedup in %)
+    model: str  # the paper's generator
+    says: str
+
+
+HEADLINES = (
+    Headline(WRITEBACK, "nq", "naive", "base", "acc", 31.44, "Llama-3.1-8B", "naive RAG on NQ"),
+    Headline(WRITEBACK, "nq", "naive", "write-back", "acc", 34.82, "Llama-3.1-8B",
+             "naive RAG on NQ with the written-back knowledge beside the corpus"),
+    Headline(ZERO_RAG, "*", "naive", "pruned 30%", "retrieval_speedup_pct", 22.0, "Llama-3.3-70B",
+             "30% of Wikipedia pruned: the retrieval stage 22% faster, RAG's answers not worse"),
+)
+
+PERCENT_METRICS = ("em", "f1", "acc")  # 0-1 in metrics.json, in % in the papers
+
+
+def paper_vs_run(results: dict[str, dict[str, Any]], zero_rag_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each headline row a run can be set beside: `results` are its evaluations' metrics.json by name (an
+    evaluation of the base index or beside a write-back version, no router, no pruned index), `zero_rag_rows`
+    its Zero-RAG grid's rows. The run's model may differ from the paper's: both are named."""
+    from wbrag_ray.formats import dataset_name
+
+    out = []
+    for h in HEADLINES:
+        if h.knowledge_base == "pruned 30%":
+            matches = [(f"grid {r.get('method')} at ratio 0.3", r.get(h.metric), None) for r in zero_rag_rows
+                       if r.get("ratio") == 0.3 and r.get("method") == h.method and not r.get("writeback")
+                       and not r.get("router") and not r.get("adapter")]
+        else:
+            matches = [(name, r.get(h.metric), r.get("generator")) for name, r in results.items()
+                       if r.get("method") == h.method and r.get("router") is None and "prune" not in name
+                       and dataset_name(str(r.get("dataset", ""))) == h.dataset
+                       and bool(r.get("writeback_version")) == (h.knowledge_base == "write-back")]
+        for name, value, generator in matches:
+            if value is None:
+                continue
+            run_value = 100 * value if h.metric in PERCENT_METRICS else value
+            model = generator.get("model") if isinstance(generator, dict) else None
+            out.append({"paper": h.paper, "dataset": h.dataset, "method": h.method, "knowledge_base": h.knowledge_base,
+                        "metric": h.metric, "paper_value": h.value, "run_value": round(run_value, 2),
+                        "paper_model": h.model, "run_model": model, "run_result": name, "says": h.says})
+    return out

@@ -39,6 +39,10 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
     if INGEST.name in stats:
         sections.append(corpus_section(run, stats[INGEST.name], out))
     sections += evaluation_sections(run, out)
+    from wbrag_ray.report.paper_rows import paper_section  # imported where used, as evaluation_sections does
+
+    if (paper := paper_section(run)) is not None:
+        sections.append(paper)
     sections += [writeback_section(v, out) for v in run.layout.writeback_versions()]
     sections += zero_rag_sections(run, out)
     sections.append(config_section(run))
