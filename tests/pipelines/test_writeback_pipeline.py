@@ -263,7 +263,8 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
     from wbrag_ray.writeback.validation import validate
 
     run = RunFolder(str(trained["run"]))
-    config = load_config(extra=run.load_config().model_dump(mode="json"), overrides=["writeback.validation=0.5"])
+    config = load_config(extra=run.load_config().model_dump(mode="json"),
+                         overrides=["writeback.validation=0.5", "writeback.rag_method=naive"])
     result = validate(run, config, str(trained["run"].parent / "train.jsonl"), "train", "acc")
     preds = {name: pq.read_table(run.layout.eval_result(name, result["method"]).predictions.path).to_pylist()
              for name in ("writeback-train-validation-base", "writeback-train-validation")}
