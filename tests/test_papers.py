@@ -108,3 +108,32 @@ def test_the_papers_headline_rows_sit_beside_the_runs_comparable_results(tmp_pat
     assert section.title == "Paper vs this run"
     assert section.tables[0].rows == [["WriteBack-RAG", "nq", "naive", "base", "acc", 31.44, 30.0, "Llama-3.1-8B",
                                        "bundled:smollm2", "t-naive"]]
+
+
+def test_the_methods_departures_are_named_for_the_methods_and_data_a_run_uses():
+    from wbrag_ray.papers import method_departures
+
+    # the paper's own Zero-RAG config still departs in its retriever, its data and its QA writer (issue 29, item 3)
+    zero_rag = method_departures(load_config(str(CONFIGS / "paper_zero_rag.yaml")), ZERO_RAG)
+    assert zero_rag == [
+        "sentences are split by nupunkt (the Zero-RAG paper's segmentation is its own)",
+        "the target model writes its own mastery QA pairs, zerorag.qa_generator unset (the Zero-RAG paper: "
+        "GPT-4o-mini writes them, the target model answers)",
+        "the retriever is intfloat/e5-base-v2 (the Zero-RAG paper: stella_en_400M_v5)",
+        "evaluated on nq (the Zero-RAG paper: triviaqa, popqa, hotpotqa, entityquestions)",
+    ]
+    # a QA writer of its own, the paper's retriever and one of its datasets: only the segmentation remains
+    fixed = load_config(str(CONFIGS / "paper_zero_rag.yaml"), [
+        "zerorag.qa_generator={backend: openai, model: gpt-4o-mini, base_url: 'https://api.openai.com/v1'}",
+        "embedder.model=NovaSearch/stella_en_400M_v5", "eval.dataset=s3://b/flashrag/popqa/test.jsonl"])
+    assert method_departures(fixed, ZERO_RAG) == zero_rag[:1]
+    # WriteBack-RAG: replug-vote and prompted Self-RAG where the run uses them (its paper config does, on vLLM),
+    # and the two every run has
+    writeback = load_config(str(CONFIGS / "paper_writeback.yaml"))
+    assert [d.split(":")[0].split(" (")[0] for d in method_departures(writeback, WRITEBACK)] == [
+        "replug-vote stands in for REPLUG", "Self-RAG is prompted",
+        "distillation is two calls, extract then rewrite from the extract only",
+        "Table 3's lengths are whitespace words"]
+    naive = load_config(str(CONFIGS / "paper_writeback.yaml"), ["eval.methods=[no-retrieval, naive]"])
+    assert method_departures(naive, WRITEBACK) == method_departures(writeback, WRITEBACK)[2:]
+    assert method_departures(naive, ZERO_RAG) == []  # Zero-RAG off in that config

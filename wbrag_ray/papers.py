@@ -90,11 +90,52 @@ def departures(config: WbragConfig, paper: str | None = None, train: str | None 
     return out
 
 
+# Zero-RAG's evaluation datasets, by FlashRAG's names, and its retriever
+ZERO_RAG_DATASETS = ("triviaqa", "popqa", "hotpotqa", "entityquestions")
+ZERO_RAG_RETRIEVER = "stella_en_400M_v5"
+
+
+def method_departures(config: WbragConfig, paper: str | None = None) -> list[str]:
+    """Where this run's *method* differs from the paper's, beyond the config values `departures` compares: what
+    the implementation does differently (whatever the config), and the choices of model and data the paper made
+    that a config value cannot state as one. 'what the run does (the <paper> paper: what it did)'."""
+    from wbrag_ray.formats import dataset_name
+
+    methods = set(config.eval.methods)
+    out: list[tuple[str, str]] = []
+    wb, z = config.writeback, config.zerorag
+    if "replug-vote" in methods or wb.rag_method == "replug-vote":
+        out.append((WRITEBACK, "replug-vote stands in for REPLUG: one answer per document, then a vote (the "
+                               "WriteBack-RAG paper: REPLUG mixes the documents' next-token distributions; the hf "
+                               "backend's replug does)"))
+    if "self-rag" in methods or wb.rag_method == "self-rag":
+        out.append((WRITEBACK, "Self-RAG is prompted: the generator is asked each reflection question (the "
+                               "WriteBack-RAG paper: Self-RAG's fine-tuned model emits reflection tokens)"))
+    out += [(WRITEBACK, "distillation is two calls, extract then rewrite from the extract only (the WriteBack-RAG "
+                        "paper: one distillation of the retained documents)"),
+            (WRITEBACK, "Table 3's lengths are whitespace words (the WriteBack-RAG paper: tokens)")]
+    if z.enabled:
+        out.append((ZERO_RAG, "sentences are split by nupunkt (the Zero-RAG paper's segmentation is its own)"))
+        if z.qa_mode == "llm" and z.qa_generator is None:
+            out.append((ZERO_RAG, "the target model writes its own mastery QA pairs, zerorag.qa_generator unset (the "
+                                  "Zero-RAG paper: GPT-4o-mini writes them, the target model answers)"))
+        if ZERO_RAG_RETRIEVER not in config.embedder.model:
+            out.append((ZERO_RAG, f"the retriever is {config.embedder.model} (the Zero-RAG paper: "
+                                  f"{ZERO_RAG_RETRIEVER})"))
+        if config.eval.dataset and dataset_name(config.eval.dataset) not in ZERO_RAG_DATASETS:
+            out.append((ZERO_RAG, f"evaluated on {dataset_name(config.eval.dataset)} (the Zero-RAG paper: "
+                                  f"{', '.join(ZERO_RAG_DATASETS)})"))
+    return [what for who, what in out if paper in (None, who)]
+
+
 def print_departures(config: WbragConfig, paper: str, train: str | None = None) -> list[str]:
     found = departures(config, paper, train)
     if found:
         print(f"{paper}: this run departs from the paper in " + "; ".join(found), flush=True)
-    return found
+    method = method_departures(config, paper)
+    if method:
+        print(f"{paper}: and in its method: " + "; ".join(method), flush=True)
+    return found + method
 
 
 @dataclass(frozen=True)

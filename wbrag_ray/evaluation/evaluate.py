@@ -19,7 +19,7 @@ from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_se
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
-from wbrag_ray.papers import departures
+from wbrag_ray.papers import departures, method_departures
 from wbrag_ray.run import RunFolder
 
 
@@ -111,6 +111,7 @@ def evaluate(
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
             "departs_from_papers": departures(config),
+            "departs_from_papers_in_method": method_departures(config),
             "seconds": round(seconds, 2),
         }
         out.metrics.write_json(metrics)

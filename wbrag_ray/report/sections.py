@@ -158,7 +158,7 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
 
 def config_section(run: RunFolder) -> Section:
     """The run's config, and first the choices in it that differ from the papers (for the methods the run used)."""
-    from wbrag_ray.papers import WRITEBACK, ZERO_RAG, departures
+    from wbrag_ray.papers import WRITEBACK, ZERO_RAG, departures, method_departures
 
     run_json = run.layout.run_json.read_json() if run.layout.run_json.exists() else {}
     sec = Section("Configuration")
@@ -169,6 +169,10 @@ def config_section(run: RunFolder) -> Section:
         rows = [[p, d] for p in used for d in departures(config, p)]
         if rows:
             sec.tables.append(Table("choices of this run that differ from the papers", ["paper", "choice"], rows))
+        method = [[p, d] for p in used for d in method_departures(config, p)]
+        if method:
+            sec.tables.append(Table("where this run's method differs from the papers'", ["paper", "departure"],
+                                    method))
     sec.text = json.dumps(run_json.get("config", {}), indent=2)
     return sec
 
