@@ -248,6 +248,18 @@ def main() -> None:
             out[name] = None
         except ConfigError as exc:
             out[name] = str(exc)
+    # a GPU worker whose torch sees no CUDA device (here: every one) is refused; the driver, granted none, runs on CPU
+    from wbrag_ray.models.hardware import pick_device
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def device_in_a_gpu_worker():
+        try:
+            return pick_device(1)
+        except ConfigError as exc:
+            return str(exc)
+
+    out["gpu_worker_device"] = ray.get(device_in_a_gpu_worker.remote())
+    out["driver_device"] = pick_device(1)
     os.environ["WBRAG_AUTOSCALING"] = "1"
     check_placement(refusals["tp4"])
     check_training(TrainerConfig(num_workers=3, num_gpus=2), "zerorag.tune")
@@ -289,6 +301,8 @@ def test_a_sharded_replica_runs_inside_its_placement_group_and_the_cluster_check
     assert seen["training"].startswith("zerorag.tune.trainer: 3 training workers") and "(room for 2)" in \
         seen["training"] and "WBRAG_AUTOSCALING=1" in seen["training"]
     assert seen["autoscaling_skips"]
+    assert seen["gpu_worker_device"].startswith("Ray granted this worker GPU ") and "sees no CUDA device" in \
+        seen["gpu_worker_device"] and seen["driver_device"] == "cpu"
     for name, nodes_used in (("tp2", 1), ("tp2pp2", 2)):
         replica = seen[name]
         # the engine's process runs in the replica's group, holds no GPU itself, on one of the group's nodes

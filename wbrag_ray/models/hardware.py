@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -38,9 +41,37 @@ def pick_dtype(requested: str, device: str):
 
 
 def pick_device(num_gpus: float) -> str:
+    """"cuda" where a stage asked for GPUs (`num_gpus` > 0) and torch sees one. A worker Ray granted GPUs to whose
+    torch sees none (a CUDA build that does not match the node's driver, a CPU-only torch in the image) is
+    refused, not run on CPU: 21M passages on the CPU a GPU actor holds would take days, silently. Outside such a
+    worker (a command on a head node without GPUs: a search, a few queries) the stage runs on CPU and says so."""
     import torch
 
-    return "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
+    if num_gpus <= 0:
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    granted = _granted_gpus()
+    if granted:
+        from wbrag_ray.config import ConfigError
+
+        raise ConfigError(
+            f"Ray granted this worker GPU {', '.join(map(str, granted))}, but torch {torch.__version__} (CUDA build: "
+            f"{torch.version.cuda or 'none, a CPU-only build'}) sees no CUDA device: install the torch build for "
+            "the node's CUDA driver (the project's GPU image does), or set num_gpus: 0 for this stage")
+    log.warning("num_gpus=%g asks for a GPU and this process has none (not a Ray worker granted one): on CPU",
+                num_gpus)
+    return "cpu"
+
+
+def _granted_gpus() -> list:
+    """The GPU ids Ray assigned to this worker process (none in a driver, or outside Ray)."""
+    try:
+        import ray
+
+        return list(ray.get_gpu_ids()) if ray.is_initialized() else []
+    except Exception:  # noqa: BLE001 - no Ray, or a driver it does not count as a worker: nothing granted
+        return []
 
 
 def set_threads(num_cpus: float) -> int:
