@@ -119,11 +119,11 @@ class LMPrunerPredictor:
         import torch
         from peft import PeftModel
 
-        from wbrag_ray.models.hardware import pick_device, pick_dtype
+        from wbrag_ray.models.hardware import pick_dtype
 
         meta = json.loads((Path(self.model_dir) / STATS_FILE).read_text())
         self.max_length = int(meta["max_length"])
-        self.device = self.device or pick_device(1.0)
+        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")  # a GPU where there is one
         # The backbone spec, not the resolved source: a GGUF cache folder is local to the training node.
         _, model, self.tokenizer = load_backbone(meta["backbone"], dtype=torch.float32)
         # Merge in fp32, then cast: rounding the merged weights once loses less than merging in bf16.
