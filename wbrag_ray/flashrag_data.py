@@ -77,6 +77,16 @@ def _first_records(path: Path, n: int = CHECKED_RECORDS) -> list[Any]:
     return out
 
 
+def _unreadable(path: Path, read) -> str | None:
+    """Why the first records of `path` are not what `read` (a `formats` record reader: the row, or the reason
+    it is rejected) takes; None where every one parses."""
+    records = _first_records(path)
+    if not records:
+        return "empty file"
+    reasons = [r if isinstance(r, str) else read(r) for r in records]
+    return next((r for r in reasons if isinstance(r, str)), None)
+
+
 def check_layout(folder: str | Path, datasets: list[str], corpus: str | None) -> Layout:
     """`folder` read as FlashRAG's layout: each of `datasets` a folder of split files whose first records are
     questions the run can read, and `corpus` (unzipped) a JSON-lines file of passages. Problems are listed,
@@ -91,23 +101,15 @@ def check_layout(folder: str | Path, datasets: list[str], corpus: str | None) ->
             layout.problems.append(f"{dataset}: no split files ({', '.join(s + '.jsonl' for s in SPLITS[:3])}) "
                                    f"in {where}")
         for path in files:
-            records = _first_records(path)
-            reasons = [r if isinstance(r, str) else dataset_record(r) for r in records]
-            bad = [r for r in reasons if isinstance(r, str)]
-            if not records or bad:
-                layout.problems.append(f"{dataset}/{path.name}: not FlashRAG QA records "
-                                       f"({bad[0] if bad else 'empty file'})")
+            if (why := _unreadable(path, dataset_record)) is not None:
+                layout.problems.append(f"{dataset}/{path.name}: not FlashRAG QA records ({why})")
     if corpus is not None:
         path = (root / CORPORA[corpus]).with_suffix(".jsonl")
         if not path.exists():
             layout.problems.append(f"corpus {corpus}: {path} is missing (unzip {CORPORA[corpus]} there)")
         else:
-            records = _first_records(path)
-            bad = [r if isinstance(r, str) else corpus_record(r) for r in records]
-            bad = [r for r in bad if isinstance(r, str)]
-            if not records or bad:
-                layout.problems.append(f"corpus {corpus}: {path.name} is not FlashRAG corpus lines "
-                                       f"({bad[0] if bad else 'empty file'})")
+            if (why := _unreadable(path, corpus_record)) is not None:
+                layout.problems.append(f"corpus {corpus}: {path.name} is not FlashRAG corpus lines ({why})")
             layout.corpus = str(path)
     return layout
 
