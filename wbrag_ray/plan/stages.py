@@ -265,10 +265,10 @@ def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: Retrieval
     """The retrieval service's search actors (a group of shards each, `retrieval.concurrency` replicas; a GPU each
     where index.gpu is set and the cluster has GPUs, as `SearchPool.start` asks) and the pass actors that embed the
     queries."""
-    from wbrag_ray.retrieval.service import ACTOR_OVERHEAD_BYTES
+    from wbrag_ray.retrieval.service import search_actor_memory
 
     gpu = 1.0 if ic.gpu and cluster.gpus > 0 else 0.0
-    memory = sizing.group_gb * 1.2 + ACTOR_OVERHEAD_BYTES / 1e9  # SearchPool.start's declared memory
+    memory = search_actor_memory(sizing.group_gb * 1e9) / 1e9  # what SearchPool.start declares
     return [Bundle("search actor", sizing.groups * retrieval.concurrency, retrieval.search_cpus, gpu, memory,
                    fix="lower retrieval.concurrency" + (" or set index.gpu: false (search on CPUs)" if gpu else ""),
                    fix_node="lower retrieval.actor_memory_gb (more, smaller search actors)",

@@ -50,6 +50,12 @@ from wbrag_ray.storage import resolve
 ACTOR_OVERHEAD_BYTES = 400 << 20  # interpreter, faiss and pyarrow of one search actor, besides its shards
 
 
+def search_actor_memory(group_bytes: float) -> int:
+    """The memory a search actor declares to Ray for a group of shards of `group_bytes`: the shards, a fifth more
+    for faiss's search buffers and the id maps, and the process itself (`wbrag plan` asks for the same)."""
+    return int(group_bytes * 1.2 + ACTOR_OVERHEAD_BYTES)
+
+
 class SearchActor:
     """A group of one index's shards, loaded once; `search` returns the group's top K and its own seconds."""
 
@@ -149,7 +155,7 @@ class SearchPool:
             held = sum(shards[i]["bytes"] for i in group)
             remote = ray.remote(
                 num_cpus=retrieval.search_cpus, num_gpus=1 if use_gpu else None,
-                memory=int(held * 1.2 + ACTOR_OVERHEAD_BYTES), max_restarts=-1, max_task_retries=3,
+                memory=search_actor_memory(held), max_restarts=-1, max_task_retries=3,
             )(SearchActor)
             files = [shards[i]["file"] for i in group]
             counts = [shards[i].get("count") for i in group]
