@@ -32,7 +32,7 @@ S3_STORAGE = "s3://wbrag/runs/train-on-s3/_checkpoints/pruner-lm/train"
 
 
 def pruner_training(workers: int, backbone: str, epochs: int = 2) -> tuple[PrunerTraining, LMPrunerConfig]:
-    """The LM pruner's training of 16 sentences, each step made to take STEP_SECONDS (see `_SlowSteps`)."""
+    """The LM pruner's training of 16 sentences, each step made to take STEP_SECONDS (`_slow_steps`)."""
     section = LMPrunerConfig(backbone=backbone, epochs=epochs, batch_size=2, max_length=24, threads=1,
                              learning_rate=1e-3,
                              trainer={"num_workers": workers, "checkpoint_steps": CHECKPOINT_STEPS, "max_failures": 1})
