@@ -5,7 +5,7 @@ in run.json, so later subcommands on the same run read it back and only need ove
 fix (ConfigError, InputError, a missing or damaged file, storage; also when raised in a Ray worker) exit with
 code 2 and one line (-v adds the traceback); anything else is a bug and shows its traceback.
 
-Over 400 lines, not split: one parser block and one short command function per subcommand, in one file so
+Over 500 lines, not split: one parser block and one short command function per subcommand, in one file so
 the whole command line reads as one table; each command's work is in the API.
 """
 

@@ -66,8 +66,9 @@ def evaluate_methods_grid(
                 rows.append(row)
     zero_rag_setting = bool(kwargs) or bool(config.generator.lora_adapter)  # pruned / routed base, tuned adapter
     out = run.layout.methods_grid(name if zero_rag_setting else None)
-    if out.exists() and out.read_json().get("dataset") == dataset:  # the rows of other union settings stay
-        rows += [r for r in out.read_json()["rows"]
+    earlier = out.read_json() if out.exists() else {}
+    if earlier.get("dataset") == dataset:  # the rows of other union settings stay
+        rows += [r for r in earlier["rows"]
                  if r["version"] in trained and r.get("union") not in (None, union) and r["method"] in methods]
     grid = {"dataset": dataset, "name": name, "methods": methods, "versions": trained, "rows": rows, **kwargs}
     out.write_json(grid)

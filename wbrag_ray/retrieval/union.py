@@ -21,6 +21,7 @@ write-back index (`provenance.parquet`) when the version is trained, and read by
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -63,6 +64,7 @@ PAPER_UNION = "score"  # WriteBack-RAG's merge: the only setting without the pro
 # --- the provenance rule -----------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)  # a query's hits are compared pairwise, and again after each dropped unit
 def _words(text: str) -> str:
     from wbrag_ray.metrics import normalize_answer
 
@@ -96,8 +98,10 @@ def take(ordered: list[Hit], k: int, rule: bool, max_units: int | None) -> list[
             units += is_unit
             if len(taken) == k:
                 break
+        if not rule:  # the paper's merge: no unit is looked at
+            return taken
         redundant = {h.key for i, h in enumerate(taken) if h.source != BASE and covered(h, taken[:i], taken)}
-        if not rule or not redundant:
+        if not redundant:
             return taken
         dropped |= redundant
 
