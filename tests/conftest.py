@@ -23,6 +23,36 @@ os.environ["WBRAG_CPU_BF16"] = "0"
 # milliseconds. The session's cluster and every driver a test starts inherit this.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
+# The session fixtures a whole group of test files builds on, each minutes of work: under pytest-xdist
+# (`make test` runs `-n 2 --dist loadgroup`) every file that uses one runs in one worker, so it is built once.
+SHARED_BUILDS = ("chain", "built_run")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
+def pytest_collection_modifyitems(config, items):
+    """Under xdist's loadgroup: one group per test file (its module fixtures are built once), except that the
+    files using a shared build form one group; those groups go first, the longest work starting earliest."""
+    # xdist's workers, which collect, see `--dist loadgroup` as this flag (their own `dist` is "no")
+    if not config.getoption("loadgroup", False):
+        return
+    group: dict[str, str] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        used = next((name for name in SHARED_BUILDS if name in getattr(item, "fixturenames", ())), None)
+        if used or path not in group:
+            group[path] = used or group.get(path, path)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group[item.nodeid.split("::")[0]]))
+    items.sort(key=lambda item: group[item.nodeid.split("::")[0]] not in SHARED_BUILDS)  # stable: files stay whole
+
+
+def pytest_collection_finish(session):
+    """xdist's scheduler reads each test's group from its id ('...@group'); where the pytest installed lets no
+    plugin change an id (9.2), the groups would be silently ignored and every worker build the shared runs."""
+    if session.config.getoption("loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup does not group tests under this pytest (9.2 and "
+                                "later: pytest-xdist issue 1386); install the pyproject's pytest (<9.2)")
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
