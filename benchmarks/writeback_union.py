@@ -28,12 +28,14 @@ from benchmarks.common import DATA, Stopwatch, header, report, report_pressure, 
 CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "configs" / "writeback_demo.yaml"
 HELDOUT = DATA / "demo_heldout.jsonl"
 TRAIN = DATA / "demo_train.jsonl"
-# (label, retrieval settings): the paper's merge, the provenance rule, rank fusion, and a quota of one unit
+# (label, retrieval settings): the paper's merge, the provenance rule, rank fusion, a quota of one unit, and the
+# gate at the query's best passage
 SETTINGS = (
     ("score", {"union": "score"}),
     ("provenance", {"union": "provenance"}),
     ("rrf", {"union": "rrf"}),
     ("provenance, max_units 1", {"union": "provenance", "max_units": 1}),
+    ("gate", {"union": "gate"}),
 )
 
 
@@ -106,7 +108,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{label:<26}{acc.mean():>7.3f}{unit!s:>15}{won!s:>6}{lost!s:>6}{on_trained:>23.3f}{others:>13.3f}")
     for label, _, effect in rows[1:]:
         print(f"{label}: won {effect['won_ids']}, lost {effect['lost_ids']}")
+    score_frame, score_effect = next((frame, effect) for label, frame, effect in rows if label == "score")
+    print_unit_gaps(score_frame, score_effect)
     return 0
+
+
+def print_unit_gaps(frame, effect) -> None:
+    """Under the paper's merge, each question with a unit in its top K: its best unit's score less its best
+    passage's (what the gate compares with gate_margin), and whether the question was won or lost."""
+    from wbrag_ray.retrieval.hits import hits_from_json
+    from wbrag_ray.retrieval.union import BASE
+
+    gaps = []
+    for qid, docs in zip(frame["id"], frame["docs"], strict=True):
+        hits = hits_from_json(docs)
+        units = [h.score for h in hits if h.source != BASE]
+        if units:
+            best = max((h.score for h in hits if h.source == BASE), default=float("nan"))
+            outcome = "won" if qid in effect["won_ids"] else "lost" if qid in effect["lost_ids"] else "same"
+            gaps.append((max(units) - best, qid, outcome))
+    print("# score: best unit's score - best passage's, per question with a unit in its top K")
+    print("  " + ", ".join(f"{gap:+.3f} {qid} ({outcome})" for gap, qid, outcome in sorted(gaps, reverse=True)))
 
 
 if __name__ == "__main__":

@@ -286,12 +286,13 @@ class RetrievalConfig(_Section):
     replug_temperature: float = Field(
         0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval score / temperature)."
     )
-    union: Literal["score", "provenance", "rrf"] = Field(
+    union: Literal["score", "provenance", "rrf", "gate"] = Field(
         "score",
         description="How the base and write-back indices' hits share the K slots (wbrag_ray.retrieval.union): "
         "'score' is WriteBack-RAG's plain merge by score; 'provenance' the same merge, but a unit whose source "
         "documents are all in the top K (or whose text a taken hit holds) takes no slot; 'rrf' reciprocal rank "
-        "fusion under the same rule. The default measured best on 120 held-out questions (benchmarks/RESULTS.md, "
+        "fusion under the same rule; 'gate' the merge by score, a unit taking a slot only if its score is at least "
+        "the query's best passage's less gate_margin. The default measured best on 120 held-out questions (benchmarks/RESULTS.md, "
         "'Write-back that never hurts').",
     )
     max_units: int | None = Field(
@@ -299,6 +300,8 @@ class RetrievalConfig(_Section):
     )
     rrf_k: int = Field(60, ge=1, description="Reciprocal rank fusion's constant: a hit's fused score is "
                        "1 / (rrf_k + its rank in its own index).")
+    gate_margin: float = Field(0.0, description="Union 'gate': how far below the query's best passage's score a "
+                               "write-back unit may score and still take a slot (negative: it must score above).")
 
 
 RagMethod = Literal["no-retrieval", "naive", "replug", "replug-vote", "self-rag", "flare"]

@@ -88,13 +88,29 @@ def test_reciprocal_rank_fusion_ranks_each_index_by_its_own_order():
     assert keys(UnionRule("rrf", rrf_k=1)([BASE, units], 5)) == ["p10", "p11", "p12", "u2", "p13"]
 
 
+def test_the_gate_lets_a_unit_in_only_at_the_level_of_the_querys_best_passage():
+    # The benchmark's two cases, in small: a unit restating the top passage at a higher cosine (u0, 0.90 against
+    # p10's 0.80) takes rank 0 as in the paper's merge; a unit about a neighbouring fact (u1, 0.65: above p12,
+    # below p10) would push p14 out under the paper's merge, and stays out.
+    units = [unit(0, 0.90, 0, [10]), unit(1, 0.65, 1, [99])]
+    assert keys(UnionRule("score")([BASE, units], 5)) == ["u0", "p10", "p11", "u1", "p12"]
+    assert keys(UnionRule("gate")([BASE, units], 5)) == ["u0", "p10", "p11", "p12", "p13"]
+    # no provenance rule: u0's source p10 is in the top K and u0 keeps its slot
+    # a margin of 0.2 lets in what scores >= 0.60 (u1 at 0.65); -0.15, only what beats p10 by 0.15 (nothing)
+    assert keys(UnionRule("gate", gate_margin=0.2)([BASE, units], 5)) == ["u0", "p10", "p11", "u1", "p12"]
+    assert keys(UnionRule("gate", gate_margin=-0.15)([BASE, units], 5)) == ["p10", "p11", "p12", "p13", "p14"]
+    # max_units applies; with no passage retrieved there is nothing to calibrate against and units stay
+    assert keys(UnionRule("gate", gate_margin=0.2, max_units=1)([BASE, units], 3)) == ["u0", "p10", "p11"]
+    assert keys(UnionRule("gate")([[], units], 5)) == ["u0", "u1"]
+
+
 def test_a_query_without_units_keeps_the_base_top_k_in_every_setting():
-    for name in ("score", "provenance", "rrf"):
+    for name in ("score", "provenance", "rrf", "gate"):
         assert keys(UnionRule(name)([BASE, []], 3)) == ["p10", "p11", "p12"]
 
 
 def test_unknown_union_is_named():
-    with pytest.raises(ValueError, match="retrieval.union: 'max' is not one of score, provenance, rrf"):
+    with pytest.raises(ValueError, match="retrieval.union: 'max' is not one of score, provenance, rrf, gate"):
         UnionRule("max")
 
 

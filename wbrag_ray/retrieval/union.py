@@ -10,6 +10,10 @@ units, short and focused, score above full passages about the same entity. So `r
                  K (or whose text a taken hit already holds) takes no slot; its slot goes to the next hit
     rrf          reciprocal rank fusion (each index ranks its own hits; 1 / (rrf_k + rank)), then the same rule:
                  the scores of two indices of different text lengths are never compared
+    gate         the merge by score, where a unit takes a slot only if it matches the query at least as well as
+                 the query's best passage does (its score >= the best base score - `retrieval.gate_margin`):
+                 each index is calibrated against the other per query, so a unit about a neighbouring fact,
+                 which a short text's high cosine lets into the paper's top K, stays out
 
 `retrieval.max_units` caps the write-back hits per query in every setting but `score`. The default is `score`:
 on 120 held-out questions it measured best (acc equal to the base's; one question won, one lost), `provenance`
@@ -56,9 +60,19 @@ def by_reciprocal_rank(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
 
 
 ORDERINGS: dict[str, Callable[[list[list[Hit]], int], list[Hit]]] = {
-    "score": by_score, "provenance": by_score, "rrf": by_reciprocal_rank,
+    "score": by_score, "provenance": by_score, "rrf": by_reciprocal_rank, "gate": by_score,
 }
-PAPER_UNION = "score"  # WriteBack-RAG's merge: the only setting without the provenance rule
+PAPER_UNION = "score"  # WriteBack-RAG's merge: nothing but the scores decides
+PROVENANCE_RULE = ("provenance", "rrf")  # the settings under which a covered unit takes no slot
+
+
+def gated(ordered: list[Hit], margin: float) -> list[Hit]:
+    """`ordered` without the units that score below the query's best passage by more than `margin` (every unit
+    stays when no passage was retrieved: nothing to calibrate against)."""
+    best = max((h.score for h in ordered if h.source == BASE), default=None)
+    if best is None:
+        return ordered
+    return [h for h in ordered if h.source == BASE or h.score >= best - margin]
 
 
 # --- the provenance rule -----------------------------------------------------------------------------
@@ -98,7 +112,7 @@ def take(ordered: list[Hit], k: int, rule: bool, max_units: int | None) -> list[
             units += is_unit
             if len(taken) == k:
                 break
-        if not rule:  # the paper's merge: no unit is looked at
+        if not rule:  # the paper's merge, or the gate's: no unit's provenance is looked at
             return taken
         redundant = {h.key for i, h in enumerate(taken) if h.source != BASE and covered(h, taken[:i], taken)}
         if not redundant:
@@ -114,6 +128,7 @@ class UnionRule:
     union: str = "score"  # retrieval.union's default
     max_units: int | None = None
     rrf_k: int = 60
+    gate_margin: float = 0.0
 
     def __post_init__(self):
         if self.union not in ORDERINGS:
@@ -121,13 +136,15 @@ class UnionRule:
 
     @classmethod
     def of(cls, retrieval: RetrievalConfig) -> UnionRule:
-        return cls(retrieval.union, retrieval.max_units, retrieval.rrf_k)
+        return cls(retrieval.union, retrieval.max_units, retrieval.rrf_k, retrieval.gate_margin)
 
     def __call__(self, hit_lists: list[list[Hit]], k: int) -> list[Hit]:
         """The top k, re-ranked 0..k-1; each hit keeps its source, score and provenance."""
         ordered = ORDERINGS[self.union](hit_lists, self.rrf_k)
+        if self.union == "gate":
+            ordered = gated(ordered, self.gate_margin)
         paper = self.union == PAPER_UNION
-        top = take(ordered, k, rule=not paper, max_units=None if paper else self.max_units)
+        top = take(ordered, k, rule=self.union in PROVENANCE_RULE, max_units=None if paper else self.max_units)
         return [replace(h, rank=r) for r, h in enumerate(top)]
 
 
