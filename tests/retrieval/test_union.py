@@ -130,3 +130,19 @@ def test_provenance_beside_the_index_applies_to_the_unit_kind_it_was_trained_on(
     assert read_provenance(resolve(str(tmp_path / "elsewhere")), "passage") == {}
     hits = with_provenance([[unit(1 << 62, 0.5, 0), unit(7, 0.4, 1)]], read_provenance(loc, "passage"))
     assert [h.sources for h in hits[0]] == [[3, 4], None]
+
+
+def test_an_evaluation_records_and_names_the_setting_its_union_reads():
+    from wbrag_ray.config import load_config
+    from wbrag_ray.evaluation.stage import union_label, union_settings, union_suffix
+
+    def config(*overrides):
+        return load_config(overrides=list(overrides))
+
+    assert union_label(config()) == "score" and union_suffix(config()) == ""
+    assert union_settings(config("retrieval.union=gate")) == {"union": "gate", "max_units": None, "gate_margin": 0.0}
+    assert union_label(config("retrieval.union=gate")) == "gate"  # a margin at its default is not named
+    gate = config("retrieval.union=gate", "retrieval.gate_margin=0.05", "retrieval.rrf_k=10")
+    assert union_label(gate) == "gate, gate_margin 0.05" and union_suffix(gate) == "-gate-gate_margin0.05"
+    assert union_label(config("retrieval.union=rrf", "retrieval.rrf_k=10", "retrieval.max_units=1")) == \
+        "rrf, max_units 1, rrf_k 10"

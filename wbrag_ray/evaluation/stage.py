@@ -16,7 +16,7 @@ EVAL = RunStage(
               "index.ef_search", "index.k_factor"),
     uses=(INDEX,),
     # the union of base and write-back hits matters only beside a write-back index: a parameter there
-    ignore=("retrieval.union", "retrieval.max_units", "retrieval.rrf_k"),
+    ignore=("retrieval.union", "retrieval.max_units", "retrieval.rrf_k", "retrieval.gate_margin"),
     fix="pass --force to replace its results, or --name NEW to keep both",
 )
 
@@ -38,17 +38,23 @@ def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragC
     return params
 
 
+UNION_OWN_SETTING = {"rrf": "rrf_k", "gate": "gate_margin"}  # the setting only that union reads
+
+
 def union_settings(config: WbragConfig) -> dict[str, Any]:
     """retrieval.union and the settings it reads, as recorded with an evaluation beside a write-back index."""
     r = config.retrieval
-    return {"union": r.union, "max_units": r.max_units, **({"rrf_k": r.rrf_k} if r.union == "rrf" else {})}
+    own = UNION_OWN_SETTING.get(r.union)
+    return {"union": r.union, "max_units": r.max_units, **({own: getattr(r, own)} if own else {})}
 
 
 def union_label(config: WbragConfig) -> str:
-    """retrieval.union as a table names it: 'provenance', 'score', 'rrf, rrf_k 10', 'provenance, max_units 1'."""
+    """retrieval.union as a table names it: 'provenance', 'score', 'rrf, rrf_k 10', 'provenance, max_units 1',
+    'gate, gate_margin 0.05' (a setting at its default is not named)."""
     settings = union_settings(config)
+    defaults = type(config.retrieval)()
     extra = [f"{k} {v}" for k, v in settings.items() if k != "union" and v is not None
-             and not (k == "rrf_k" and v == type(config.retrieval)().rrf_k)]
+             and not (k in UNION_OWN_SETTING.values() and v == getattr(defaults, k))]
     return ", ".join([settings["union"], *extra])
 
 
