@@ -2,8 +2,9 @@
 
 The defaults serve the demo (small CPU models, minutes): cloze QA pairs instead of LLM-written ones, the
 embedding head instead of the LLM regressor, write-back deduplication, FlashRAG-shorter FLARE budgets. The union
-of the base and write-back indices (retrieval.union) is the paper's merge by score by default, the setting that
-measured best on held-out questions; the provenance-aware union and rank fusion are departures when chosen. A run
+of the base and write-back indices (retrieval.union) is the gate by default, the setting that measured best on
+held-out questions (the only one that lost none); it and every other union but the paper's merge by score are
+named as departures. A run
 says which of its choices differ from the papers: printed when a Zero-RAG or write-back stage starts, recorded
 in every evaluation's metrics.json, and listed in the report. `jobs/configs/paper_zero_rag.yaml` and
 `jobs/configs/paper_writeback.yaml` hold the papers' settings.

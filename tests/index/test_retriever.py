@@ -10,6 +10,7 @@ from wbrag_ray.index.faiss_index import IndexError_, build_index
 from wbrag_ray.retrieval.docstore import DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_top_k
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.storage import resolve
 
 
@@ -34,7 +35,7 @@ def test_union_orders_by_score_and_keeps_namespaces_apart(tmp_path):
                   docs=_docs(tmp_path / "base-docs", range(300), "base"))
     wb = _index(tmp_path, "wb", vecs[300:], np.arange(100, dtype=np.int64),
                 docs=_docs(tmp_path / "wb-docs", range(100), "unit"))
-    union = UnionRetriever([Retriever(base), Retriever(wb, source="writeback")])
+    union = UnionRetriever([Retriever(base), Retriever(wb, source="writeback")], UnionRule("score"))  # the paper's
     q = vecs[[5, 310, 320]]  # exact matches: base 5, write-back units 10 and 20
     results = union.search_vectors(q, 8)
     for hits in results:

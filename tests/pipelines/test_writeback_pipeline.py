@@ -275,7 +275,7 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
     assert (result["base"], result["with_version"]) == (acc[0], acc[1])
     assert result["unit_in_top_k"] == int(any(h["source"] == "writeback" for h in json.loads(union[0]["docs"])))
     assert (result["won"], result["lost"]) == ((int(changed and acc[1] > acc[0]), int(changed and acc[1] < acc[0])))
-    assert result["union"] == "score" and run.layout.writeback_version("train").validation.read_json() == result
+    assert result["union"] == "gate" and run.layout.writeback_version("train").validation.read_json() == result
 
     hurt = {**result, "base": 1.0, "with_version": 0.0, "won": 0, "lost": 1}
     run.layout.writeback_version("train").validation.write_json(hurt)

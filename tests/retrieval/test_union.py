@@ -139,9 +139,10 @@ def test_an_evaluation_records_and_names_the_setting_its_union_reads():
     def config(*overrides):
         return load_config(overrides=list(overrides))
 
-    assert union_label(config()) == "score" and union_suffix(config()) == ""
-    assert union_settings(config("retrieval.union=gate")) == {"union": "gate", "max_units": None, "gate_margin": 0.0}
-    assert union_label(config("retrieval.union=gate")) == "gate"  # a margin at its default is not named
+    assert union_label(config()) == "gate" and union_suffix(config()) == ""  # the default
+    assert union_settings(config()) == {"union": "gate", "max_units": None, "gate_margin": 0.0}
+    assert union_label(config("retrieval.union=score")) == "score" and union_suffix(
+        config("retrieval.union=score")) == "-score"
     gate = config("retrieval.union=gate", "retrieval.gate_margin=0.05", "retrieval.rrf_k=10")
     assert union_label(gate) == "gate, gate_margin 0.05" and union_suffix(gate) == "-gate-gate_margin0.05"
     assert union_label(config("retrieval.union=rrf", "retrieval.rrf_k=10", "retrieval.max_units=1")) == \
