@@ -33,6 +33,7 @@ from wbrag_ray.formats import embeddings_table
 from wbrag_ray.index.faiss_index import build_index, load_manifest
 from wbrag_ray.models.embedder import Embedder
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import UNITS, WRITEBACK_ID_BASE
 from wbrag_ray.writeback.versions import WRITEBACK, activate, active_index
@@ -221,8 +222,9 @@ def test_write_back_export_holds_the_active_units_with_provenance_and_returns_th
         passage_run, embedder, tmp_path):
     run, config = passage_run
     version, wb_index, wb_corpus = active_index(run)
+    # the export holds base and units in one index, which its reader searches as one: the paper's merge by score
     union = UnionRetriever([Retriever.from_config(run.layout.index.uri, run.layout.ingest.root.uri, config),
-                            Retriever(wb_index, wb_corpus, None, source="writeback")])
+                            Retriever(wb_index, wb_corpus, None, source="writeback")], UnionRule("score"))
     expected = _reference(union, embedder)
     assert any(source == "writeback" for hits in expected for source, _id in hits)  # the units are found
     for fmt in FORMATS:
