@@ -51,8 +51,9 @@ demo: setup
 	$(VENV)/bin/wbrag demo
 
 # Two pytest workers (pytest-xdist): run one at a time, the tests kept a 2-core machine's cores about 70% busy
-# (one process importing torch or starting an actor while the other core waits); two keep them busy. Each test file runs in one worker and the
-# files sharing a session build (the Zero-RAG chain, the naive-RAG run) in the same one: tests/conftest.py.
+# (one process importing torch or starting an actor while the other core waits); two keep them busy. Each test
+# file runs in one worker, and the files sharing a session build (the Zero-RAG chain, the naive-RAG run) in the
+# same one: tests/conftest.py.
 # TEST_WORKERS=0 runs them in this process. The 25 slowest tests close every run's output (and CI's log).
 TEST_WORKERS ?= 2
 test: setup

@@ -4,9 +4,8 @@ The defaults serve the demo (small CPU models, minutes): cloze QA pairs instead 
 embedding head instead of the LLM regressor, write-back deduplication, FlashRAG-shorter FLARE budgets. The union
 of the base and write-back indices (retrieval.union) is the gate by default, the setting that measured best on
 held-out questions (the only one that lost none); it and every other union but the paper's merge by score are
-named as departures. A run
-says which of its choices differ from the papers: printed when a Zero-RAG or write-back stage starts, recorded
-in every evaluation's metrics.json, and listed in the report. `jobs/configs/paper_zero_rag.yaml` and
+named as departures. A run says which of its choices differ from the papers: printed when a Zero-RAG or
+write-back stage starts, recorded in every evaluation's metrics.json, and listed in the report. `jobs/configs/paper_zero_rag.yaml` and
 `jobs/configs/paper_writeback.yaml` hold the papers' settings.
 
 Sources: Zero-RAG (Luo et al. 2025), WriteBack-RAG (its paper's setup section), and FlashRAG's defaults for

@@ -125,7 +125,7 @@ def take(ordered: list[Hit], k: int, rule: bool, max_units: int | None) -> list[
 @dataclass(frozen=True)
 class UnionRule:
     """How one query's hits from several indices become its top K (`retrieval.union`, `retrieval.max_units`,
-    `retrieval.rrf_k`)."""
+    `retrieval.rrf_k`, `retrieval.gate_margin`)."""
 
     union: str = "gate"  # retrieval.union's default
     max_units: int | None = None
