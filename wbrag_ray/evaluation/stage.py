@@ -7,6 +7,7 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.retrieval.union import OWN_SETTING
 from wbrag_ray.run import RunStage
 
 # Results are never silently replaced: other settings under the same label are refused, naming what changed.
@@ -38,13 +39,10 @@ def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragC
     return params
 
 
-UNION_OWN_SETTING = {"rrf": "rrf_k", "gate": "gate_margin"}  # the setting only that union reads
-
-
 def union_settings(config: WbragConfig) -> dict[str, Any]:
     """retrieval.union and the settings it reads, as recorded with an evaluation beside a write-back index."""
     r = config.retrieval
-    own = UNION_OWN_SETTING.get(r.union)
+    own = OWN_SETTING.get(r.union)
     return {"union": r.union, "max_units": r.max_units, **({own: getattr(r, own)} if own else {})}
 
 
@@ -54,7 +52,7 @@ def union_label(config: WbragConfig) -> str:
     settings = union_settings(config)
     defaults = type(config.retrieval)()
     extra = [f"{k} {v}" for k, v in settings.items() if k != "union" and v is not None
-             and not (k in UNION_OWN_SETTING.values() and v == getattr(defaults, k))]
+             and not (k in OWN_SETTING.values() and v == getattr(defaults, k))]
     return ", ".join([settings["union"], *extra])
 
 

@@ -66,6 +66,7 @@ ORDERINGS: dict[str, Callable[[list[list[Hit]], int], list[Hit]]] = {
 }
 PAPER_UNION = "score"  # WriteBack-RAG's merge: nothing but the scores decides
 PROVENANCE_RULE = ("provenance", "rrf")  # the settings under which a covered unit takes no slot
+OWN_SETTING = {"rrf": "rrf_k", "gate": "gate_margin"}  # the retrieval setting only that union reads
 
 
 def gated(ordered: list[Hit], margin: float) -> list[Hit]:
