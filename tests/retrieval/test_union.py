@@ -147,3 +147,9 @@ def test_an_evaluation_records_and_names_the_setting_its_union_reads():
     assert union_label(gate) == "gate, gate_margin 0.05" and union_suffix(gate) == "-gate-gate_margin0.05"
     assert union_label(config("retrieval.union=rrf", "retrieval.rrf_k=10", "retrieval.max_units=1")) == \
         "rrf, max_units 1, rrf_k 10"
+
+
+def test_the_rule_built_without_a_config_is_the_configs_default():
+    from wbrag_ray.config import RetrievalConfig
+
+    assert UnionRule() == UnionRule.of(RetrievalConfig())
