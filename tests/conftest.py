@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 # The session fixtures a whole group of test files builds on, each minutes of work: under pytest-xdist
 # (`make test` runs `-n 2 --dist loadgroup`) every file that uses one runs in one worker, so it is built once.
-SHARED_BUILDS = ("chain", "built_run")
+SHARED_BUILDS = ("chain", "built_run", "demo_run")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids

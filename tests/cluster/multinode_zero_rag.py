@@ -4,7 +4,7 @@ evaluation whose driver (a `wbrag eval` process joined to the cluster) is SIGKIL
 committed to the stage's checkpoint on object storage, and resumed (run as a script by
 tests/pipelines/test_multinode_zero_rag.py: a Cluster needs its own driver process). Prints a JSON summary.
 
-    python -m tests.cluster.multinode_zero_rag S3_RUN DATASET QUESTIONS
+    python -m tests.cluster.multinode_zero_rag S3_RUN DATASET
 
 The head node has no CPUs (the driver's node), each worker node two; a worker node's raylet is killed without
 warning as soon as a task of the stage (prediction: the read-and-predict tasks; evaluation: the generator
@@ -62,7 +62,8 @@ class NodeKiller:
         before = {actor.actor_id for actor in self._live_actors()}  # an earlier command's, not yet reaped
         while not self._stop.is_set():
             try:  # any task of the stage placed on a worker node: running, or done with its output held there
-                tasks = list_tasks(filters=[("name", "=", self.marker)] if "." in self.marker else None, limit=10_000,
+                named = [("name", "=", self.marker)] if "." in self.marker else None
+                tasks = list_tasks(address=self.cluster.address, filters=named, limit=10_000,
                                    raise_on_missing_output=False)
             except Exception:  # the state API may time out on a loaded machine: look again
                 tasks = []
@@ -89,7 +90,8 @@ class NodeKiller:
         if self.actor_class is None:
             return []
         try:
-            return list_actors(filters=[("class_name", "=", self.actor_class), ("state", "=", "ALIVE")],
+            return list_actors(address=self.cluster.address,
+                               filters=[("class_name", "=", self.actor_class), ("state", "=", "ALIVE")],
                                raise_on_missing_output=False)
         except Exception:  # as for the tasks: look again
             return []
@@ -98,7 +100,8 @@ class NodeKiller:
         from ray.util.state import list_actors
 
         try:
-            waiting = [(a.class_name, a.state) for a in list_actors(raise_on_missing_output=False)
+            waiting = [(a.class_name, a.state) for a in list_actors(address=self.cluster.address,
+                                                                     raise_on_missing_output=False)
                        if a.state != "ALIVE" and a.state != "DEAD"]
             step(f"after the kill: available {ray.available_resources()}; actors not alive: {waiting}")
         except Exception as exc:  # diagnostics only
@@ -129,25 +132,24 @@ def answers(run: RunFolder, label: str) -> dict:
     return out
 
 
-def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions: str) -> dict:
-    """An uninterrupted evaluation of `questions` (naive RAG, the reference), then the same under another name
-    by a driver killed once half its answers are committed, then that command again."""
+def resume_after_a_killed_driver(address: str, run: RunFolder, config, dataset: str, reference: dict) -> dict:
+    """`wbrag eval` of the pruned index (naive RAG) by a driver killed once half its answers are committed, then
+    the same evaluation again (by this driver); `reference`: the one-node chain's answers under the same settings. The killed driver
+    commits every answer as it is decoded, one at a time (a batch size never changes an answer:
+    generator.batch_invariant)."""
     import signal
     import subprocess
 
     from wbrag_ray.checkpoints import progress
 
-    small = {"batch_size": 1, "checkpoint_rows": 2}  # committed a few answers at a time
-    config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]}),
-                                       "generator": config.generator.model_copy(update=small)})
-    api.evaluate(run, config, questions, "whole")
-    total = len(answers(run, "whole")["naive"]["answers"])
-    args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", questions, "--name", "killed",
-            "--methods", "naive", "--address", address, "--set", "generator.batch_size=1",
-            "--set", "generator.checkpoint_rows=2"]
-    driver = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-    folder = run.layout.checkpoint("eval-killed")
+    total = reference["naive"]["rows"]
+    args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", dataset, "--name", "killed",
+            "--prune-ratio", str(RATIO), "--methods", "naive", "--address", address]
+    small = ["--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=1"]
+    driver = subprocess.Popen([*args, *small], env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    label = eval_label("killed", RATIO)
+    folder = run.layout.checkpoint(f"eval-{label}")
     deadline = time.time() + 300
     while time.time() < deadline and driver.poll() is None and progress(folder)["committed"] < total / 2:
         time.sleep(0.05)
@@ -155,12 +157,13 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions
     log = driver.communicate(timeout=60)[0]
     committed = progress(folder)["committed"]
     step(f"killed the driver with {committed} of {total} answers committed")
-    complete_at_kill = run.is_complete("eval-killed")
-    api.evaluate(run, config, questions, "killed")
-    stats = run.stats("eval-killed")
+    complete_at_kill = run.is_complete(f"eval-{label}")
+    naive = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
+    api.evaluate(run, naive, dataset, "killed", prune_ratio=RATIO)
+    stats = run.stats(f"eval-{label}")
     return {"total": total, "committed": committed, "complete_at_kill": complete_at_kill,
             "rows_resumed": stats.get("rows_resumed"), "rows_computed": stats.get("rows_computed"),
-            "checkpoint_left": folder.exists(), "same_answers": answers(run, "killed") == answers(run, "whole"),
+            "checkpoint_left": folder.exists(), "same_answers": answers(run, label) == reference,
             "driver_log": log[-1500:]}
 
 
@@ -168,7 +171,7 @@ def step(message: str) -> None:
     print(f"[multinode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main(s3_run: str, dataset: str, questions: str) -> None:
+def main(s3_run: str, dataset: str) -> None:
     # The nodes are processes of this one machine: the tiny models' local folders are on a disk every node sees.
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"
     cluster = local_cluster(head_cpus=0)  # all work on the worker nodes
@@ -180,6 +183,9 @@ def main(s3_run: str, dataset: str, questions: str) -> None:
     api.start(run, config)
     ray.data.DataContext.get_current().enable_progress_bars = False
     summary: dict = {}
+    # the one-node chain's answers on the index pruned at RATIO (no stage below writes them again): the
+    # reference of the evaluation whose driver is killed
+    pruned_answers = answers(run, eval_label("t", RATIO))
 
     step("predict")
     with NodeKiller(cluster, workers, "MapBatches") as killer:
@@ -205,7 +211,7 @@ def main(s3_run: str, dataset: str, questions: str) -> None:
     summary["writeback"] = answers(run, eval_label("t", RATIO, True))
 
     step("an evaluation whose driver is killed part way, resumed")
-    summary["resume"] = resume_after_a_killed_driver(cluster.address, run, config, questions)
+    summary["resume"] = resume_after_a_killed_driver(cluster.address, run, config, dataset, pruned_answers)
     summary["alive_nodes"] = sum(1 for node in ray.nodes() if node["Alive"])
     print(json.dumps(summary))
     ray.shutdown()
@@ -213,4 +219,4 @@ def main(s3_run: str, dataset: str, questions: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(sys.argv[1], sys.argv[2])

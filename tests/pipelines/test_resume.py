@@ -23,10 +23,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import DATA, joining_env, write_jsonl
+from tests.conftest import joining_env
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
+from wbrag_ray.writeback.versions import versions
 
 ROOT = Path(__file__).resolve().parents[2]
 # The killed driver decodes in small batches committed one by one, so "half the rows" falls between two commits;
@@ -125,29 +126,27 @@ def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chai
 def test_write_back_training_resumes_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
     """Utility scoring (RePlug's mixture and the closed-book baseline), the document gate and both distillation
     steps are generator passes of one stage: killed part way, the rerun decodes only what no attempt committed
-    and writes the same examples, gates and knowledge units as an uninterrupted training (scores to float
-    rounding)."""
+    and writes the same examples, gates and knowledge units as the chain's uninterrupted training of the same
+    examples under the same settings (scores to float rounding)."""
     source, _ = chain
     run = _copy(source, tmp_path / "run")
-    train = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()][:4]
-    common = ["--train", str(write_jsonl(tmp_path / "train.jsonl", train)), "--set", "writeback.limit=4",
-              "--set", "writeback.activate=false"]
-    assert main(["writeback", run.uri, "--version", "whole", *common]) == 0  # the uninterrupted reference
-    total = run.stats("writeback-whole")["rows_computed"]  # every distinct prompt the stage decodes
+    (version,) = versions(source)  # the chain's one version, named after its training file
+    reference = source.stats(f"writeback-{version}")
+    total = reference["rows_computed"]  # every distinct prompt the stage decodes
+    again = ["writeback", run.uri, "--version", "killed", "--set", "writeback.activate=false"]
 
-    committed = _kill_when_half_committed(["writeback", run.uri, "--version", "killed", *common, *SMALL_BLOCKS], run,
-                                          "writeback-killed", total, ray_cluster)
-    assert main(["writeback", run.uri, "--version", "killed", *common]) == 0
+    committed = _kill_when_half_committed([*again, *SMALL_BLOCKS], run, "writeback-killed", total, ray_cluster)
+    assert main(again) == 0
     stats = run.stats("writeback-killed")
     assert stats["rows_computed"] == total - committed <= 0.6 * total, stats
     assert not run.layout.checkpoint("writeback-killed").exists()
     for table in ("scored", "distill", "units"):
-        whole, killed = (pq.read_table(getattr(run.layout.writeback_version(v), table).path).to_pandas()
-                         for v in ("whole", "killed"))
+        whole = pq.read_table(getattr(source.layout.writeback_version(version), table).path).to_pandas()
+        killed = pq.read_table(getattr(run.layout.writeback_version("killed"), table).path).to_pandas()
         if table == "units":  # a unit names its version, in its id too
             assert set(killed["version"]) == {"killed"}
-            killed["version"] = "whole"
-            killed["unit_id"] = killed["unit_id"].str.replace("wb:killed:", "wb:whole:")
+            killed["version"] = version
+            killed["unit_id"] = killed["unit_id"].str.replace("wb:killed:", f"wb:{version}:")
         assert list(killed.columns) == list(whole.columns) and len(killed) == len(whole), table
         for column in whole.columns:
             assert _same(killed[column].tolist(), whole[column].tolist()), (table, column)

@@ -5,7 +5,6 @@ backbone (tests/tiny_models.py): they check steps, checkpoints and bit-exact wei
 not change; test_lora.py trains the bundled SmolLM2-135M and checks that it learns."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -122,12 +121,12 @@ def _adapter(folder: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, s3_server, tiny):
-    """The uninterrupted 2-worker training, the reference the resumed one must equal, run by a driver with a
-    local cluster of its own whose workers have the object store's credentials (as a cluster's nodes do; the
-    session's cluster started before the S3 server), its checkpoints in a run folder on object storage."""
+def uninterrupted(tmp_path_factory, ray_cluster, s3_server, tiny):
+    """The uninterrupted 2-worker training, the reference the resumed one must equal, run by a driver joined to
+    the session's cluster that hands its workers the object store's credentials in the job's runtime environment
+    (the session's cluster started before the S3 server), its checkpoints in a run folder on object storage."""
     out = tmp_path_factory.mktemp("uninterrupted") / "adapter"
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **s3_server}
+    env = {**joining_env(ray_cluster), **s3_server}
     done = subprocess.run([sys.executable, "-m", "tests.training.train_driver", S3_STORAGE, str(out), "2",
                            tiny.generator], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
