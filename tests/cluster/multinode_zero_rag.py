@@ -4,7 +4,7 @@ evaluation whose driver (a `wbrag eval` process joined to the cluster) is SIGKIL
 committed to the stage's checkpoint on object storage, and resumed (run as a script by
 tests/pipelines/test_multinode_zero_rag.py: a Cluster needs its own driver process). Prints a JSON summary.
 
-    python -m tests.cluster.multinode_zero_rag S3_RUN DATASET
+    python -m tests.cluster.multinode_zero_rag S3_RUN DATASET QUESTIONS
 
 The head node has no CPUs (the driver's node), each worker node two; a worker node's raylet is killed without
 warning as soon as a task of the stage (prediction: the read-and-predict tasks; evaluation: the generator
@@ -132,24 +132,24 @@ def answers(run: RunFolder, label: str) -> dict:
     return out
 
 
-def resume_after_a_killed_driver(address: str, run: RunFolder, config, dataset: str, reference: dict) -> dict:
-    """`wbrag eval` of the pruned index (naive RAG) by a driver killed once half its answers are committed, then
-    the same evaluation again (by this driver); `reference`: the one-node chain's answers under the same settings. The killed driver
-    commits every answer as it is decoded, one at a time (a batch size never changes an answer:
-    generator.batch_invariant)."""
+def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions: str) -> dict:
+    """An uninterrupted evaluation of `questions` (naive RAG, the reference, decoded in the usual batches), then
+    the same under another name by a driver killed once half its answers are committed (decoding and committing
+    two at a time: a batch size never changes an answer, generator.batch_invariant), then that command again."""
     import signal
     import subprocess
 
     from wbrag_ray.checkpoints import progress
 
-    total = reference["naive"]["rows"]
-    args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", dataset, "--name", "killed",
-            "--prune-ratio", str(RATIO), "--methods", "naive", "--address", address]
-    small = ["--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=1"]
-    driver = subprocess.Popen([*args, *small], env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
-    label = eval_label("killed", RATIO)
-    folder = run.layout.checkpoint(f"eval-{label}")
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
+    api.evaluate(run, config, questions, "whole")
+    total = len(answers(run, "whole")["naive"]["answers"])
+    args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", questions, "--name", "killed",
+            "--methods", "naive", "--address", address, "--set", "generator.batch_size=1",
+            "--set", "generator.checkpoint_rows=2"]
+    driver = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    folder = run.layout.checkpoint("eval-killed")
     deadline = time.time() + 300
     while time.time() < deadline and driver.poll() is None and progress(folder)["committed"] < total / 2:
         time.sleep(0.05)
@@ -157,13 +157,12 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, dataset: 
     log = driver.communicate(timeout=60)[0]
     committed = progress(folder)["committed"]
     step(f"killed the driver with {committed} of {total} answers committed")
-    complete_at_kill = run.is_complete(f"eval-{label}")
-    naive = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
-    api.evaluate(run, naive, dataset, "killed", prune_ratio=RATIO)
-    stats = run.stats(f"eval-{label}")
+    complete_at_kill = run.is_complete("eval-killed")
+    api.evaluate(run, config, questions, "killed")
+    stats = run.stats("eval-killed")
     return {"total": total, "committed": committed, "complete_at_kill": complete_at_kill,
             "rows_resumed": stats.get("rows_resumed"), "rows_computed": stats.get("rows_computed"),
-            "checkpoint_left": folder.exists(), "same_answers": answers(run, label) == reference,
+            "checkpoint_left": folder.exists(), "same_answers": answers(run, "killed") == answers(run, "whole"),
             "driver_log": log[-1500:]}
 
 
@@ -171,7 +170,7 @@ def step(message: str) -> None:
     print(f"[multinode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main(s3_run: str, dataset: str) -> None:
+def main(s3_run: str, dataset: str, questions: str) -> None:
     # The nodes are processes of this one machine: the tiny models' local folders are on a disk every node sees.
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"
     cluster = local_cluster(head_cpus=0)  # all work on the worker nodes
@@ -183,9 +182,6 @@ def main(s3_run: str, dataset: str) -> None:
     api.start(run, config)
     ray.data.DataContext.get_current().enable_progress_bars = False
     summary: dict = {}
-    # the one-node chain's answers on the index pruned at RATIO (no stage below writes them again): the
-    # reference of the evaluation whose driver is killed
-    pruned_answers = answers(run, eval_label("t", RATIO))
 
     step("predict")
     with NodeKiller(cluster, workers, "MapBatches") as killer:
@@ -211,7 +207,7 @@ def main(s3_run: str, dataset: str) -> None:
     summary["writeback"] = answers(run, eval_label("t", RATIO, True))
 
     step("an evaluation whose driver is killed part way, resumed")
-    summary["resume"] = resume_after_a_killed_driver(cluster.address, run, config, dataset, pruned_answers)
+    summary["resume"] = resume_after_a_killed_driver(cluster.address, run, config, questions)
     summary["alive_nodes"] = sum(1 for node in ray.nodes() if node["Alive"])
     print(json.dumps(summary))
     ray.shutdown()
@@ -219,4 +215,4 @@ def main(s3_run: str, dataset: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

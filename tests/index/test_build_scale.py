@@ -2,6 +2,7 @@
 add parts without the quantizer, merges as parallel tasks, and where k-means trains (issue 15, item 2)."""
 
 import json
+import time
 
 import faiss
 import numpy as np
@@ -241,6 +242,11 @@ def test_train_and_merge_tasks_get_the_cpus_and_memory_they_use_from_rays_schedu
     import ray
 
     write_shards(tmp_path / "emb", clustered(6000, 16, seed=3), parts=4)
+    # an earlier test's actors may still be giving their CPUs back: the build sizes its k-means task by what is
+    # free when it asks, so wait for the cluster to be idle first (on a shared node it would take what is left)
+    total, deadline = ray.cluster_resources().get("CPU", 0), time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
     free = ray.available_resources().get("CPU", 0)
     stats = _build(tmp_path, "IVF16,Flat", parallel=True, num_shards=2)
     train, merge = stats["train_task_resources"], stats["merge_task_resources"]

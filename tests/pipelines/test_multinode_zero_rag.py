@@ -3,7 +3,7 @@ pruned index, an evaluation with the router and the tuned adapter) and a write-b
 local Ray cluster of a head and three worker nodes, with the run folder on the S3-compatible server on loopback, losing a worker
 node during prediction and again during an evaluation pass: the same keep mask and the same answers as the
 one-node run of the chain fixture, nothing lost, nothing duplicated; then an evaluation whose driver is killed
-part way resumes from its checkpoint on object storage and answers as the one-node chain did.
+part way resumes from its checkpoint on object storage and answers as an uninterrupted one.
 
 The chain's run folder is copied to object storage with every absolute path in its JSON files moved with it,
 and the local copy deleted, so a stage that still read the local folder would fail instead of passing."""
@@ -18,12 +18,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import demo_questions, write_jsonl
 from tests.pipelines.conftest import relocate
 from wbrag_ray.storage import resolve
 from wbrag_ray.zerorag.grid import eval_label
 
 ROOT = Path(__file__).resolve().parents[2]
 S3_RUN = "s3://wbrag/multinode-zero-rag"
+N_RESUME = 12  # questions of the evaluation whose driver is killed: committed 2 answers at a time
 
 
 def _one_node_answers(run, label):
@@ -48,7 +50,9 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
     shutil.rmtree(copy)
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_zero_rag", S3_RUN, str(test_file)],
+    questions = write_jsonl(tmp_path / "questions.jsonl", demo_questions(N_RESUME))
+    out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_zero_rag", S3_RUN, str(test_file),
+                          str(questions)],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -72,10 +76,9 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
         assert got["answers"] == answers, key
 
     # a driver killed with half of an evaluation's answers committed (to object storage): the rerun reads them
-    # back, computes at most 60%, and answers as the one-node chain did under the same settings
+    # back, computes at most 60%, and answers as the uninterrupted evaluation did
     resume = summary["resume"]
-    n = len(_one_node_answers(run, eval_label("t", 0.3))[0])
-    assert resume["total"] == n and n / 2 <= resume["committed"] < n, resume
+    assert resume["total"] == N_RESUME and N_RESUME / 2 <= resume["committed"] < N_RESUME, resume
     assert not resume["complete_at_kill"], resume
-    assert resume["rows_resumed"] == resume["committed"] and resume["rows_computed"] == n - resume["committed"]
-    assert resume["rows_computed"] <= 0.6 * n and not resume["checkpoint_left"] and resume["same_answers"], resume
+    assert resume["rows_resumed"] == resume["committed"] and resume["rows_computed"] == N_RESUME - resume["committed"]
+    assert resume["rows_computed"] <= 0.6 * N_RESUME and not resume["checkpoint_left"] and resume["same_answers"], resume
