@@ -50,6 +50,41 @@ def test_submission_ids_are_stable_and_distinct():
     assert a != submission_id("index:\n  factory: HNSW32\n", "s3://b/runs/wiki")
 
 
+class _DroppingDashboard:
+    """A stand-in for the Jobs API's client (a real dashboard does not drop a connection on demand): its first
+    `submit_job` calls fail as a busy dashboard's do, mid-upload, the job accepted or not."""
+
+    def __init__(self, failures: list[Exception]):
+        self.failures, self.calls = failures, 0
+
+    def submit_job(self, **kwargs):
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return kwargs["submission_id"]
+
+
+def test_a_dropped_submission_is_retried_and_a_job_it_already_made_is_not_made_twice():
+    import requests
+
+    from wbrag_ray.jobs_api import _submit_with_retry
+
+    dropped = requests.exceptions.ConnectionError("('Connection aborted.', RemoteDisconnected(...))")
+    taken = RuntimeError("Job with submission_id wbrag-x already exists. Please use a different submission_id.")
+    # dropped before the job was made: the retry makes it
+    client = _DroppingDashboard([dropped, dropped])
+    assert _submit_with_retry(client, delay_s=0, submission_id="wbrag-x") == "wbrag-x" and client.calls == 3
+    # dropped after: the retry finds its own id taken, which is this job, and makes no second one
+    client = _DroppingDashboard([dropped, taken])
+    assert _submit_with_retry(client, delay_s=0, submission_id="wbrag-x") == "wbrag-x" and client.calls == 2
+    # an id taken without a dropped connection is someone's earlier job: an error, not success
+    with pytest.raises(RuntimeError, match="already exists"):
+        _submit_with_retry(_DroppingDashboard([taken]), delay_s=0, submission_id="wbrag-x")
+    # a dashboard that never answers: the connection error after the last attempt
+    with pytest.raises(requests.exceptions.ConnectionError):
+        _submit_with_retry(_DroppingDashboard([dropped] * 3), attempts=3, delay_s=0, submission_id="wbrag-x")
+
+
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """`ray start --head --block` on loopback in its own process group; killed (not `ray stop`) at the end."""

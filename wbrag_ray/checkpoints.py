@@ -20,6 +20,10 @@ Three kinds of work, one folder per stage (`RUN/_checkpoints/<stage>/`, removed 
   folder: the trainable weights, optimizer state and step every `trainer.checkpoint_steps` steps; the rerun's
   workers load the last one and take the batches an uninterrupted run would (`training.workers`).
 
+- Tasks that each write whole files (an index build's training, add and merge tasks: `TaskRecords`) record
+  their results in the stage's `tasks/` folder once their files are written; the rerun reuses what is
+  recorded (the trained index, the parts, the merged shards) and runs the other tasks.
+
 `stage_checkpoint` opens a stage's checkpoint for the stage's work (`RunFolder.run_stage`); the passes reach it
 through `active()`, so every pass of a stage is resumable without being told where the run folder is.
 """
@@ -99,6 +103,24 @@ class AnswerStore:
         self._pending = []
 
 
+class TaskRecords:
+    """A pass of tasks that each write whole files under names their items give (an index build's add and merge
+    tasks): a task that ends writes its result, a small JSON, here after its files, and a rerun takes the
+    recorded results and runs only the other tasks. A task killed before its record runs again and overwrites
+    its files; a record is written whole or not at all (`Location.write_json`)."""
+
+    def __init__(self, folder: Location):
+        self.folder = folder
+
+    def done(self) -> dict[str, Any]:
+        """The recorded results by task name."""
+        return {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
+
+    def uri(self, name: str) -> str:
+        """Where the task `name` records its result."""
+        return self.folder.join(f"{name}.json").uri
+
+
 class StageCheckpoint:
     """The checkpoint folder of one running stage, and what its passes resumed and computed. The stage's
     fingerprint is recorded beside the first thing committed: a stage that stops before committing anything
@@ -117,6 +139,10 @@ class StageCheckpoint:
     def rows(self) -> Location:
         """Ray Data's checkpoint of a pass over the corpus (`resumable_write`)."""
         return self.folder.join("rows")
+
+    def tasks(self, name: str) -> TaskRecords:
+        """The records of a pass of whole-file tasks (`TaskRecords`), e.g. an index build's."""
+        return TaskRecords(self.folder.join("tasks", name))
 
     @property
     def training(self) -> Location:
@@ -188,10 +214,15 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
 def progress(folder: Location) -> dict[str, Any]:
     """What the checkpoint of an incomplete stage holds: the pass it was in and that pass's rows, and how many
     rows (answers, or rows Ray Data checkpointed) are committed."""
+    from wbrag_ray.layout import subdirs
+
     info = folder.join("pass.json")
     out: dict[str, Any] = info.read_json() if info.exists() else {}
     committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()
                     if not name.endswith(".pending.parquet"))  # Ray Data's mark of a write not yet committed
+    tasks = folder.join("tasks")  # whole-file tasks record the rows they read (an index build's add tasks)
+    for name in subdirs(tasks):
+        committed += sum(int(r.get("rows", 0)) for r in TaskRecords(tasks.join(name)).done().values())
     out["committed"] = committed
     out.update(training_progress(folder))
     return out

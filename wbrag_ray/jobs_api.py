@@ -117,15 +117,27 @@ def submit(
 
 
 def _submit_with_retry(c, attempts: int = 30, delay_s: float = 2.0, **kwargs: Any) -> str:
-    """A head that has just started answers 'No available agent to submit job' until its job agent is up:
-    retry that (and only that) for about a minute."""
+    """Retry, for about a minute, what passes by itself: a head that has just started answers 'No available agent
+    to submit job' until its job agent is up, and a busy dashboard can drop the connection during the working
+    dir's upload. A dropped connection may come after the job was accepted: a retry that finds the submission
+    id taken has found that job (the id is this submission's own, from its config and run folder)."""
+    import requests
+
+    dropped = False
     for attempt in range(attempts):
+        last = attempt == attempts - 1
         try:
             return c.submit_job(**kwargs)
-        except RuntimeError as exc:
-            if "No available agent" not in str(exc) or attempt == attempts - 1:
+        except requests.exceptions.ConnectionError:
+            if last:
                 raise
-            time.sleep(delay_s)
+            dropped = True
+        except RuntimeError as exc:
+            if dropped and "already exists" in str(exc):
+                return kwargs["submission_id"]
+            if "No available agent" not in str(exc) or last:
+                raise
+        time.sleep(delay_s)
     raise AssertionError("unreachable")
 
 

@@ -136,10 +136,7 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions
     """An uninterrupted evaluation of `questions` (naive RAG, the reference, decoded in the usual batches), then
     the same under another name by a driver killed once half its answers are committed (decoding and committing
     two at a time: a batch size never changes an answer, generator.batch_invariant), then that command again."""
-    import signal
-    import subprocess
-
-    from wbrag_ray.checkpoints import progress
+    from tests.drivers import kill_once_half_committed, start
 
     config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
     api.evaluate(run, config, questions, "whole")
@@ -147,15 +144,8 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions
     args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", questions, "--name", "killed",
             "--methods", "naive", "--address", address, "--set", "generator.batch_size=1",
             "--set", "generator.checkpoint_rows=2"]
-    driver = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
     folder = run.layout.checkpoint("eval-killed")
-    deadline = time.time() + 300
-    while time.time() < deadline and driver.poll() is None and progress(folder)["committed"] < total / 2:
-        time.sleep(0.05)
-    os.killpg(driver.pid, signal.SIGKILL)
-    log = driver.communicate(timeout=60)[0]
-    committed = progress(folder)["committed"]
+    committed, log = kill_once_half_committed(start(args, dict(os.environ)), folder, total, poll_s=0.05)
     step(f"killed the driver with {committed} of {total} answers committed")
     complete_at_kill = run.is_complete("eval-killed")
     api.evaluate(run, config, questions, "killed")

@@ -11,12 +11,8 @@ pass under its row-level checkpoint, as pruner prediction is) in tests/cluster/t
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import joining_env
+from tests.drivers import kill_once_half_committed, start
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
@@ -46,26 +43,12 @@ def _copy(chain_run: RunFolder, dest: Path, *invalidate: str) -> RunFolder:
     return run
 
 
-def _committed_rows(folder) -> int:
-    return sum(f.num_rows() for f in folder.list_files(".parquet"))
-
-
 def _kill_when_half_committed(args: list[str], run: RunFolder, stage: str, total: int, ray_cluster) -> int:
     """Run `wbrag ARGS` as a driver on the session's cluster and SIGKILL it once `total / 2` answers of `stage`
     are committed; returns how many were."""
-    env = joining_env(ray_cluster)
-    p = subprocess.Popen([sys.executable, "-m", "wbrag_ray.cli", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    answers = run.layout.checkpoint(stage).join("answers")
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline and p.poll() is None and _committed_rows(answers) < total / 2:
-            time.sleep(0.01)
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        out = p.communicate(timeout=60)[0]
-    committed = _committed_rows(answers)
-    assert total / 2 <= committed < total, (committed, total, out[-3000:])
+    driver = start([sys.executable, "-m", "wbrag_ray.cli", *args], joining_env(ray_cluster), cwd=ROOT)
+    committed, log = kill_once_half_committed(driver, run.layout.checkpoint(stage), total)
+    assert total / 2 <= committed < total, (committed, total, log[-3000:])
     assert not run.is_complete(stage)
     return committed
 

@@ -14,12 +14,17 @@ Index types that faiss cannot merge (HNSW graphs, refine wrappers) skip step 3: 
 index shard each, from a group of embedding shards. Each task declares to Ray the CPUs and memory it uses
 (`sizing.train_resources`, `sizing.merge_memory`).
 
-Over 400 lines (about 415), not split: the tasks and the one function that sequences them, so the build reads top
+Inside a stage, each task records its result once its file is written (`checkpoints.TaskRecords`, in the stage's
+checkpoint): a rerun after a killed driver takes the trained index, the parts and the merged shards an earlier
+attempt finished and runs only the other tasks (`tasks.run_recorded`).
+
+Over 400 lines (about 445), not split: the tasks and the one function that sequences them, so the build reads top
 to bottom in one file; its pure rules are in `sizing.py`, the part formats in `parts.py`, the files in `files.py`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wbrag_ray.checkpoints import active
 from wbrag_ray.index.files import (
     FORMAT,
     INDEX_FILE,
@@ -69,8 +75,10 @@ from wbrag_ray.index.tasks import (
     cluster_gpus,
     largest_node,
     peak_rss_mb,
+    recorded,
     reserved_gpu,
     reset_peak_rss,
+    run_recorded,
     run_tasks,
     set_threads,
 )
@@ -155,7 +163,7 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
     """Encode the vectors of some embedding shards with the trained index and write them to `out`: a codes-only
     part (IVFs, `shared["code_parts"]`), or a copy of the trained index filled with them."""
     set_threads(shared["threads"])
-    out_uri, file_uris = item
+    out_uri, file_uris, *record = item
     base_rss = reset_peak_rss()
     t0 = time.perf_counter()
     index = from_bytes(shared["trained"], TRAINED_FILE)
@@ -191,23 +199,23 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
         size = write_code_part(resolve(out_uri), ids, codes)
     else:
         size = write_index_file(index, resolve(out_uri))
-    return {"file": out_uri, "count": count, "dropped": dropped, "id_min": id_min, "id_max": id_max,
-            "bytes": size, "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,
-            "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+    return recorded(record, {"file": out_uri, "count": count, "dropped": dropped, "rows": count + dropped,
+                              "id_min": id_min, "id_max": id_max, "bytes": size, "peak_rss_mb": peak_rss_mb(),
+                              "base_rss_mb": base_rss, "seconds": time.perf_counter() - t0, "pid": os.getpid()})
 
 
 def _merge_task(shared: dict[str, Any], item: tuple[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Fill one index shard with its parts (`parts.merge_parts`), one part in memory at a time besides it."""
     set_threads(shared["threads"])
-    out_uri, parts = item
+    out_uri, parts, *record = item
     reset_peak_rss()
     t0 = time.perf_counter()
     index = merge_parts(resolve(shared["trained_file"]), [resolve(p["file"]) for p in parts])
     size = write_index_file(index, resolve(out_uri))
-    return {"file": out_uri, "count": int(index.ntotal), **_id_range(parts), "bytes": size,
-            "dropped": sum(p["dropped"] for p in parts), "peak_rss_mb": peak_rss_mb(),
-            "seconds": time.perf_counter() - t0, "pid": os.getpid(),
-            "assigned": assigned_resources(shared["parallel"])}
+    return recorded(record, {"file": out_uri, "count": int(index.ntotal), **_id_range(parts), "bytes": size,
+                              "dropped": sum(p["dropped"] for p in parts), "peak_rss_mb": peak_rss_mb(),
+                              "seconds": time.perf_counter() - t0, "pid": os.getpid(),
+                              "assigned": assigned_resources(shared["parallel"])})
 
 
 def _id_range(parts: list[dict[str, Any]]) -> dict[str, int | None]:
@@ -282,6 +290,18 @@ def build_index(
     if drop_ids is not None and not is_object_ref(drop_ids):
         drop_ids = np.unique(np.asarray(drop_ids, dtype=np.int64))
 
+    # what an earlier attempt of the running stage finished (its driver killed part way): resumed, not redone
+    checkpoint = active()
+    records = checkpoint.tasks(f"index-{hashlib.sha1(out.uri.encode()).hexdigest()[:10]}") if checkpoint else None
+    resumed_trained = records.folder.join(TRAINED_FILE) if records is not None and trained is None else None
+    train_resumed = resumed_trained is not None and resumed_trained.exists()
+    if train_resumed:
+        trained = resumed_trained.read_bytes()
+        print(f"[index] resumed the trained index from the checkpoint in {records.folder.uri}", flush=True)
+    if checkpoint is not None:
+        checkpoint.begin_pass("index", total)
+        checkpoint.record()  # the stage's fingerprint, before the first record
+
     # 1. train once
     train_rss: list[float] = []
     on_gpu = False
@@ -301,6 +321,8 @@ def build_index(
             _train_task, job, [None], num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], memory=res["memory"],
             parallel=parallel)[0]
         train_rss.append(rss)
+        if resumed_trained is not None:
+            resumed_trained.write_bytes(trained)
     trained_index = from_bytes(trained, TRAINED_FILE)
     if trained_index.d != dim:
         raise IndexError_(f"the trained index has dimension {trained_index.d}, the embedding shards at {embeddings.uri} {dim}")
@@ -326,20 +348,21 @@ def build_index(
     else:
         groups = balanced_groups(counts, wanted)
         items = [(out.join(shard_file(j, len(groups))).uri, [files[i].uri for i in g]) for j, g in enumerate(groups)]
-    added = run_tasks(_add_task, shared, items, num_cpus=num_cpus, parallel=parallel)
+    added, add_resumed = run_recorded(_add_task, shared, items, "add", records, num_cpus=num_cpus, parallel=parallel)
+    rows_resumed = sum(a["rows"] for a, was in zip(added, add_resumed, strict=True) if was)
     t_add = time.perf_counter()
 
     # 3. merge parts into index shards: one task per shard, all in flight together
     merged: list[dict[str, Any]] = []
+    merge_resumed: list[bool] = []
     if mergeable:
         groups = balanced_groups([p["count"] for p in added], wanted)
         merges = [(out.join(shard_file(j, len(groups))).uri, [added[i] for i in g]) for j, g in enumerate(groups)]
         largest = max(sum(added[i]["count"] for i in g) for g in groups)
         merge_bytes = merge_memory(largest, per_vector, len(trained), node)
-        merged = run_tasks(_merge_task, {"threads": threads, "trained_file": out.join(TRAINED_FILE).uri,
-                                         "parallel": parallel}, merges,
-                           num_cpus=num_cpus, memory=merge_bytes, parallel=parallel)
-        parts_dir.delete()
+        merged, merge_resumed = run_recorded(
+            _merge_task, {"threads": threads, "trained_file": out.join(TRAINED_FILE).uri, "parallel": parallel},
+            merges, "merge", records, num_cpus=num_cpus, memory=merge_bytes, parallel=parallel)
     shards = merged if mergeable else added
     t_merge = time.perf_counter()
 
@@ -376,6 +399,8 @@ def build_index(
         **(extra or {}),
     }
     manifest_loc.write_json(manifest)  # last: its presence means every file it names is written
+    if mergeable:  # after the manifest: a build killed before it resumes with its parts
+        parts_dir.delete()
     # Memory of the tasks (in this process when not parallel): what one node must hold, whatever the corpus.
     add_peak = max(a["peak_rss_mb"] for a in added)
     merge_peaks = [round(m["peak_rss_mb"], 1) for m in merged]
@@ -384,6 +409,8 @@ def build_index(
         "rows_in": total,
         "rows_out": count,
         "rows_dropped": dropped,
+        "rows_resumed": rows_resumed,  # read by add tasks an earlier attempt of the stage finished
+        "rows_computed": total - rows_resumed,
         "dim": dim,
         "factory": factory,
         "train_sample": plan.train_sample if plan else 0,
@@ -394,6 +421,10 @@ def build_index(
         "parallel": parallel,
         "add_tasks": len(items),
         "merge_tasks": len(merged),
+        # what an earlier attempt of the stage (a killed driver) had finished
+        "train_resumed": train_resumed,
+        "add_tasks_resumed": sum(add_resumed),
+        "merge_tasks_resumed": sum(merge_resumed),
         "part_format": ("codes" if code_parts else "index") if mergeable else None,
         "parts_bytes": sum(a["bytes"] for a in added) if mergeable else 0,
         "trained_bytes": len(trained),

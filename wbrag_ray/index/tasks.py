@@ -1,20 +1,51 @@
 """The build's tasks run as Ray tasks when Ray is up and as plain calls in this process otherwise (small jobs,
 tests, the single-process baseline of the benchmark; `ray_runtime.run_tasks`); each measures its own peak
-memory (`ray_runtime.reset_peak_rss` / `peak_rss_mb`); the GPU a task may use."""
+memory (`ray_runtime.reset_peak_rss` / `peak_rss_mb`); the GPU a task may use; inside a stage, each records its
+result once its file is written, and a rerun after a killed driver runs only the tasks not recorded."""
 
 from __future__ import annotations
 
+import posixpath
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.index.files import IndexError_
 from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
 from wbrag_ray.ray_runtime import run_tasks as _run_tasks
+from wbrag_ray.storage import resolve
 
-__all__ = ["assigned_resources", "cluster_gpus", "largest_node", "peak_rss_mb", "reserved_gpu", "reset_peak_rss",
-           "run_tasks", "set_threads"]
+if TYPE_CHECKING:
+    from wbrag_ray.checkpoints import TaskRecords
+
+__all__ = ["assigned_resources", "cluster_gpus", "largest_node", "peak_rss_mb", "recorded", "reserved_gpu",
+           "reset_peak_rss", "run_recorded", "run_tasks", "set_threads"]
 
 # The build's errors (a file named, a bad setting) come back from a task as themselves.
 run_tasks = partial(_run_tasks, own_errors=(IndexError_, ValueError))
+
+
+def recorded(record: list[str], result: dict[str, Any]) -> dict[str, Any]:
+    """A task's result, recorded first where its item names a record (`TaskRecords`): its file is written."""
+    if record:
+        resolve(record[0]).write_json(result)
+    return result
+
+
+def run_recorded(fn, shared: Any, items: list[tuple], kind: str, records: TaskRecords | None,
+                 **kwargs: Any) -> tuple[list[dict[str, Any]], list[bool]]:
+    """`run_tasks` over the items no earlier attempt of the stage recorded (with their files still there): the
+    results of all items in their order, and for each whether it was taken from the records."""
+    if records is None:
+        return run_tasks(fn, shared, items, **kwargs), [False] * len(items)
+    names = [f"{kind}-{posixpath.basename(item[0])}" for item in items]
+    done = records.done()
+    reused = {n: done[n] for n in names if n in done and resolve(done[n]["file"]).exists()}
+    todo = [(*item, records.uri(n)) for item, n in zip(items, names, strict=True) if n not in reused]
+    if reused:
+        print(f"[index] resumed {len(reused)} of {len(names)} {kind} tasks from the checkpoint in {records.folder.uri}",
+              flush=True)
+    fresh = iter(run_tasks(fn, shared, todo, **kwargs))
+    return [reused[n] if n in reused else next(fresh) for n in names], [n in reused for n in names]
 
 
 def set_threads(threads: int | None) -> None:
