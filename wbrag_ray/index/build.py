@@ -293,6 +293,8 @@ def build_index(
     # what an earlier attempt of the running stage finished (its driver killed part way): resumed, not redone
     checkpoint = active()
     records = checkpoint.tasks(f"index-{hashlib.sha1(out.uri.encode()).hexdigest()[:10]}") if checkpoint else None
+    if records is not None and not records.folder.exists():
+        out.delete()  # a build that starts afresh: no file of an earlier build under other settings stays
     resumed_trained = records.folder.join(TRAINED_FILE) if records is not None and trained is None else None
     train_resumed = resumed_trained is not None and resumed_trained.exists()
     if train_resumed:

@@ -95,7 +95,8 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     bins = config.zerorag.histogram_bins
     level = run.layout.zero_rag.pruned(ratio)
     t0 = time.perf_counter()
-    level.root.delete()
+    for part in (level.keep, level.sentences, level.stats):  # not the index: its build resumes what it finished
+        part.delete()
     pred = run.layout.zero_rag.predictions
     cut = percentile_cut(pred, ratio, bins)
 
