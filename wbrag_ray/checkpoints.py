@@ -1,7 +1,7 @@
 """Row-level checkpoints: a stage killed part way (the driver, the head node or the job lost, or stopped by a
 person) resumes where it died when the same command runs again, and writes what an uninterrupted run writes.
 
-Three kinds of work, one folder per stage (`RUN/_checkpoints/<stage>/`, removed when the stage completes):
+Four kinds of work, one folder per stage (`RUN/_checkpoints/<stage>/`, removed when the stage completes):
 
 - Ray Data passes over the corpus (embedding, pruner prediction) write their output files as they go under
   Ray Data's `CheckpointConfig` on the rows' int64 id column (`resumable_write`): the rerun reads only the
@@ -22,7 +22,8 @@ Three kinds of work, one folder per stage (`RUN/_checkpoints/<stage>/`, removed 
 
 - Tasks that each write whole files (an index build's training, add and merge tasks: `TaskRecords`) record
   their results in the stage's `tasks/` folder once their files are written; the rerun reuses what is
-  recorded (the trained index, the parts, the merged shards) and runs the other tasks.
+  recorded (the trained index, the parts, the merged shards, which stay where the build wrote them) and runs
+  the other tasks.
 
 `stage_checkpoint` opens a stage's checkpoint for the stage's work (`RunFolder.run_stage`); the passes reach it
 through `active()`, so every pass of a stage is resumable without being told where the run folder is.

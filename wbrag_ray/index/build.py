@@ -295,11 +295,12 @@ def build_index(
     records = checkpoint.tasks(f"index-{hashlib.sha1(out.uri.encode()).hexdigest()[:10]}") if checkpoint else None
     if records is not None and not records.folder.exists():
         out.delete()  # a build that starts afresh: no file of an earlier build under other settings stays
-    resumed_trained = records.folder.join(TRAINED_FILE) if records is not None and trained is None else None
-    train_resumed = resumed_trained is not None and resumed_trained.exists()
+    to_train = trained is None
+    train_record = records.done().get("train") if records is not None and to_train else None
+    train_resumed = train_record is not None and resolve(train_record["file"]).exists()
     if train_resumed:
-        trained = resumed_trained.read_bytes()
-        print(f"[index] resumed the trained index from the checkpoint in {records.folder.uri}", flush=True)
+        trained = resolve(train_record["file"]).read_bytes()
+        print(f"[index] resumed the trained index {train_record['file']}", flush=True)
     if checkpoint is not None:
         checkpoint.begin_pass("index", total)
         checkpoint.record()  # the stage's fingerprint, before the first record
@@ -323,12 +324,12 @@ def build_index(
             _train_task, job, [None], num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], memory=res["memory"],
             parallel=parallel)[0]
         train_rss.append(rss)
-        if resumed_trained is not None:
-            resumed_trained.write_bytes(trained)
     trained_index = from_bytes(trained, TRAINED_FILE)
     if trained_index.d != dim:
         raise IndexError_(f"the trained index has dimension {trained_index.d}, the embedding shards at {embeddings.uri} {dim}")
     out.join(TRAINED_FILE).write_bytes(trained)
+    if records is not None and to_train and not train_resumed:  # what a rerun need not train again
+        resolve(records.uri("train")).write_json({"file": out.join(TRAINED_FILE).uri})
     t_train = time.perf_counter()
     wanted, per_vector = shard_count(num_shards, total, trained_index, len(trained), shard_memory_gb, len(files))
     log.info("index %s: %d vectors in %s shards, about %.0f bytes each (%s)", factory, total, wanted, per_vector,
