@@ -112,10 +112,14 @@ class TaskRecords:
 
     def __init__(self, folder: Location):
         self.folder = folder
+        self._done: dict[str, Any] | None = None
 
     def done(self) -> dict[str, Any]:
-        """The recorded results by task name."""
-        return {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
+        """The results earlier attempts recorded, by task name: read once (a build asks for each of its passes;
+        what this attempt's tasks record, it holds already)."""
+        if self._done is None:
+            self._done = {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
+        return self._done
 
     def uri(self, name: str) -> str:
         """Where the task `name` records its result."""
