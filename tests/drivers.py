@@ -1,12 +1,24 @@
 """Drivers the resume tests kill: a command started in a process group of its own and SIGKILLed, with every
 process it started, once half of a stage's rows are committed to the stage's checkpoint, as a lost driver would
-leave them (tests/pipelines/test_resume.py, tests/index/test_build_resume.py, tests/cluster/multinode_zero_rag.py)."""
+leave them (tests/pipelines/test_resume.py, tests/index/test_build_resume.py); or a driver that SIGKILLs itself
+right after a commit brings its committed answers to N or more (tests/cluster/multinode_zero_rag.py,
+the router's test in tests/pipelines/test_resume.py), run as
+
+    python -m tests.drivers N MODULE ARGS...
+
+Why both: a look from outside counts what the checkpoint holds, and its kill lands wherever the driver is then
+(in a commit, between two). With the tiny models a batch of answers comes back in milliseconds and a look at a
+checkpoint on object storage takes longer, so a kill from outside at "half" of 12 answers committed 4 at a time
+can land after the last commit (CI, 2026-12-02: 12 of 12 committed at the kill). The self-kill lands between two
+commits every time; the passes of many rows on a local disk keep the kill from outside."""
 
 from __future__ import annotations
 
 import os
+import runpy
 import signal
 import subprocess
+import sys
 import time
 
 from wbrag_ray.checkpoints import progress
@@ -32,3 +44,34 @@ def kill_once_half_committed(driver: subprocess.Popen, checkpoint: Location, tot
         os.killpg(driver.pid, signal.SIGKILL)
         log = driver.communicate(timeout=60)[0]
     return progress(checkpoint)["committed"], log
+
+
+def dying(rows: int, module: str, args: list[str]) -> list[str]:
+    """The command line of `python -m module args...` run by a driver SIGKILLed right after the commit that
+    brings its committed answers to `rows` or more (`__main__` below)."""
+    return [sys.executable, "-m", "tests.drivers", str(rows), module, *args]
+
+
+def _die_after(rows: int) -> None:
+    """Every AnswerStore of this process counts the answers it commits towards one total; the commit that
+    reaches `rows` ends the process as a lost node would, with no exit handler run. (A commit holds a Ray batch
+    of answers or more: `generator.batch_size` x 4 rows, at least `generator.checkpoint_rows`.)"""
+    from wbrag_ray.checkpoints import AnswerStore
+
+    commit = AnswerStore.flush
+    committed = [0]
+
+    def flush(self: AnswerStore) -> None:
+        pending = len(self._pending)
+        commit(self)
+        committed[0] += pending
+        if committed[0] >= rows:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    AnswerStore.flush = flush
+
+
+if __name__ == "__main__":
+    _die_after(int(sys.argv[1]))
+    sys.argv = [sys.argv[2], *sys.argv[3:]]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

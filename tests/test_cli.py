@@ -64,3 +64,7 @@ def test_methods_grid_refuses_flags_it_cannot_combine_with(tmp_path, capsys):
     assert "two grids" in capsys.readouterr().err
     assert main([*base, "--writeback"]) == 2
     assert "every trained write-back version" in capsys.readouterr().err
+    assert main([*base[:-1], "--same-writeback"]) == 2
+    assert "add --methods-grid" in capsys.readouterr().err
+    assert main([*base, "--same-writeback"]) == 2  # no writeback.train to write back from
+    assert "writeback.train" in capsys.readouterr().err

@@ -114,20 +114,25 @@ def test_the_papers_headline_rows_sit_beside_the_runs_comparable_results(tmp_pat
 def test_the_methods_departures_are_named_for_the_methods_and_data_a_run_uses():
     from wbrag_ray.papers import method_departures
 
-    # the paper's own Zero-RAG config still departs in its retriever, its data and its QA writer (issue 29, item 3)
+    # the paper's Zero-RAG config: its QA writer, retriever, K and dataset; only the segmentation departs
     zero_rag = method_departures(load_config(str(CONFIGS / "paper_zero_rag.yaml")), ZERO_RAG)
-    assert zero_rag == [
-        "sentences are split by nupunkt (the Zero-RAG paper's segmentation is its own)",
+    assert zero_rag == ["sentences are split by nupunkt (the Zero-RAG paper's segmentation is its own)"]
+    # the target model writing its own QA pairs, another retriever, another dataset: each named
+    other = load_config(str(CONFIGS / "paper_zero_rag.yaml"), [
+        "zerorag.qa_generator=null", "embedder.model=intfloat/e5-base-v2", "embedder.query_prompt=null",
+        "eval.dataset=s3://b/flashrag/nq/test.jsonl", "retrieval.top_k=5"])
+    assert method_departures(other, ZERO_RAG) == [*zero_rag,
         "the target model writes its own mastery QA pairs, zerorag.qa_generator unset (the Zero-RAG paper: "
         "GPT-4o-mini writes them, the target model answers)",
         "the retriever is intfloat/e5-base-v2 (the Zero-RAG paper: stella_en_400M_v5)",
         "evaluated on nq (the Zero-RAG paper: triviaqa, popqa, hotpotqa, entityquestions)",
     ]
-    # a QA writer of its own, the paper's retriever and one of its datasets: only the segmentation remains
-    fixed = load_config(str(CONFIGS / "paper_zero_rag.yaml"), [
-        "zerorag.qa_generator={backend: openai, model: gpt-4o-mini, base_url: 'https://api.openai.com/v1'}",
-        "embedder.model=NovaSearch/stella_en_400M_v5", "eval.dataset=s3://b/flashrag/popqa/test.jsonl"])
-    assert method_departures(fixed, ZERO_RAG) == zero_rag[:1]
+    assert departures(other, ZERO_RAG) == ["retrieval.top_k: 5 (the Zero-RAG paper: 20, 20 retrieved candidates "
+                                           "per query)"]
+    # every other of the paper's datasets is one setting away, and departs in nothing more
+    for dataset in ("popqa/test", "hotpotqa/dev", "entityquestions/test"):
+        again = load_config(str(CONFIGS / "paper_zero_rag.yaml"), [f"eval.dataset=s3://b/flashrag/{dataset}.jsonl"])
+        assert method_departures(again, ZERO_RAG) == zero_rag and departures(again, ZERO_RAG) == []
     # WriteBack-RAG: replug-vote and prompted Self-RAG where the run uses them (its paper config does, on vLLM),
     # and the two every run has
     writeback = load_config(str(CONFIGS / "paper_writeback.yaml"))

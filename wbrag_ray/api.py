@@ -130,11 +130,13 @@ def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
 
 def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name: str | None = None, *,
              writeback: bool = False, prune_ratio: float | None = None, router: bool = False, adapter: bool = False,
-             methods_grid: bool = False, force: bool = False) -> dict[str, Any]:
+             methods_grid: bool = False, same_writeback: bool = False, force: bool = False) -> dict[str, Any]:
     """Evaluate eval.methods on `dataset` (default eval.dataset): on the base index, or beside the active
     write-back index, or in a Zero-RAG setting (the index pruned at `prune_ratio`, the query `router`, the tuned
     `adapter`), each setting named in the results' label. `methods_grid`: every method on this base and beside
-    every trained write-back version. Returns {method: metrics} (the grid for `methods_grid`).
+    every trained write-back version; `same_writeback` first trains, from writeback.train, a version under
+    each method that has none (WriteBack-RAG's Same-WB cells). Returns {method: metrics} (the grid for
+    `methods_grid`).
 
     An evaluation is a stage of the run (`eval-<label>`): the same settings again print the stored results; other
     settings under the same name are refused, naming what changed, unless `force` replaces the results (or
@@ -148,6 +150,12 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
     if methods_grid and writeback:
         raise ConfigError("--methods-grid already evaluates beside every trained write-back version: drop --writeback")
+    if same_writeback and not methods_grid:
+        raise ConfigError("--same-writeback trains a write-back version per method for a methods grid: "
+                          "add --methods-grid")
+    if same_writeback and not config.writeback.train:
+        raise ConfigError("--same-writeback trains a version per method from writeback.train: set it "
+                          "(--set writeback.train=PATH)")
     run = open_run(run)
     run.require_run()
     check_input(dataset, "dataset")
@@ -179,7 +187,10 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
         join_ray(run, config)
-        return evaluate_methods_grid(run, config, dataset, label or name, force=force, **kwargs)
+        if same_writeback:
+            check_input(config.writeback.train, "writeback.train")
+        return evaluate_methods_grid(run, config, dataset, label or name, force=force, same_writeback=same_writeback,
+                                     **kwargs)
     if writeback:  # the version searched is part of what the results are: resolved now, refused if there is none
         from wbrag_ray.writeback.versions import active_index
 

@@ -14,7 +14,9 @@ INGEST = RunStage("ingest", settings=("ingest.shard_bytes", "ingest.max_passage_
                   command="wbrag ingest RUN --corpus PATH",
                   fix="use a new run folder for another corpus (or other ingest settings), or pass --force to ingest "
                       "it into this one (embed and index then need --force too)")
-EMBED = RunStage("embed", settings=("embedder", "index.unit"), requires=(INGEST,), command="wbrag embed RUN")
+# The query prompt shapes searches, not the stored passage vectors.
+EMBED = RunStage("embed", settings=("embedder", "index.unit"), ignore=("embedder.query_prompt",), requires=(INGEST,),
+                 command="wbrag embed RUN")
 # Query-time index settings (nprobe, ef_search, k_factor, gpu) shape searches, not the built index (gpu also moves
 # the k-means training onto a GPU: where it runs, not what it makes).
 INDEX = RunStage("index", settings=("index.factory", "index.train_sample", "index.train_memory_gb", "index.num_shards",

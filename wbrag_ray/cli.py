@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods-grid", action="store_true",
                    help="every RAG method on the base and beside each trained write-back version "
                    "(same- and cross-method): RUN/eval/methods_grid.json")
+    p.add_argument("--same-writeback", action="store_true",
+                   help="with --methods-grid: first train (or reuse) one write-back version per method from "
+                   "writeback.train, written back under that method, for WriteBack-RAG's Table 2 (Same-WB)")
     _common(p)
 
     p = sub.add_parser("mastery", help="Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")
@@ -291,7 +294,8 @@ def cmd_eval(args) -> None:
 
         config.eval.methods = rag.available_methods(config.generator)
     api.evaluate(run, config, name=args.name, writeback=args.writeback, prune_ratio=args.prune_ratio,
-                 router=args.router, adapter=args.adapter, methods_grid=args.methods_grid, force=args.force)
+                 router=args.router, adapter=args.adapter, methods_grid=args.methods_grid,
+                 same_writeback=args.same_writeback, force=args.force)
 
 
 def cmd_mastery(args) -> None:

@@ -54,7 +54,7 @@ class IngestConfig(_Section):
 
 
 class EmbedderConfig(_Section):
-    RUNTIME_KEYS = frozenset({"batch_size"})
+    RUNTIME_KEYS = frozenset({"batch_size", "trust_remote_code"})
 
     model: str = Field(
         BUNDLED_EMBEDDER, description="sentence-transformers model: local folder, s3:// folder, hub id or bundled:*."
@@ -74,6 +74,15 @@ class EmbedderConfig(_Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
     concurrency: int = Field(1, ge=1, description="Number of embed actors.")
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
+    query_prompt: str | None = Field(
+        None, description="A prompt the model ships (sentence-transformers' `prompts`), put before every query, not "
+        "before passages: s2p_query for stella_en_400M_v5, Zero-RAG's retriever. Unset: e5 models get their "
+        "'query: ' / 'passage: ' prefixes, others none.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run the model's own Python code from its folder or hub repository (stella_en_400M_v5 "
+        "ships its architecture as code): only for a model you trust.",
+    )
     checkpoint_rows: int = Field(
         20_000, ge=1,
         description="About this many vectors per written block (= per file and per checkpoint commit): "

@@ -35,6 +35,7 @@ CHOICES = (
     PaperChoice(ZERO_RAG, "zerorag.mastery_metric", "em", "mastery = mean exact match of the closed-book answers"),
     PaperChoice(ZERO_RAG, "zerorag.pruner", "lm", "an LLM regressor predicts every sentence's mastery"),
     PaperChoice(ZERO_RAG, "zerorag.tune.learning_rate", 3e-4, "noise-tolerant tuning at learning rate 3e-4"),
+    PaperChoice(ZERO_RAG, "retrieval.top_k", 20, "20 retrieved candidates per query"),
     PaperChoice(WRITEBACK, "retrieval.top_k", 5, "K = 5 retrieved documents"),
     PaperChoice(WRITEBACK, "retrieval.union", "score",
                 "the base and write-back indices' hits merged by score and cut to the top K"),

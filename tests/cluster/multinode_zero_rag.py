@@ -1,7 +1,7 @@
 """Zero-RAG after the index on a local Ray cluster of a head and three worker nodes, the run folder on object
 storage, losing a worker node during pruner prediction and again during an evaluation pass, then an
-evaluation whose driver (a `wbrag eval` process joined to the cluster) is SIGKILLed once half its answers are
-committed to the stage's checkpoint on object storage, and resumed (run as a script by
+evaluation whose driver (a `wbrag eval` process joined to the cluster) is SIGKILLed right after half its answers
+are committed to the stage's checkpoint on object storage, and resumed (run as a script by
 tests/pipelines/test_multinode_zero_rag.py: a Cluster needs its own driver process). Prints a JSON summary.
 
     python -m tests.cluster.multinode_zero_rag S3_RUN DATASET QUESTIONS
@@ -134,23 +134,26 @@ def answers(run: RunFolder, label: str) -> dict:
 
 def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions: str) -> dict:
     """An uninterrupted evaluation of `questions` (naive RAG, the reference, decoded in the usual batches), then
-    the same under another name by a driver killed once half its answers are committed (decoding and committing
-    two at a time: a batch size never changes an answer, generator.batch_invariant), then that command again."""
-    from tests.drivers import kill_once_half_committed, start
+    the same under another name by a driver SIGKILLed right after the commit that brings its committed answers
+    to half (decoding and committing 4 at a time: a batch size never changes an answer, generator.batch_invariant;
+    tests.drivers says why this kill comes from inside), then that command again."""
+    from tests.drivers import dying, start
+    from wbrag_ray.checkpoints import progress
 
     config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
     api.evaluate(run, config, questions, "whole")
     total = len(answers(run, "whole")["naive"]["answers"])
-    args = [sys.executable, "-m", "wbrag_ray.cli", "eval", run.uri, "--dataset", questions, "--name", "killed",
-            "--methods", "naive", "--address", address, "--set", "generator.batch_size=1",
-            "--set", "generator.checkpoint_rows=2"]
+    args = ["eval", run.uri, "--dataset", questions, "--name", "killed", "--methods", "naive", "--address", address,
+            "--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=2"]
     folder = run.layout.checkpoint("eval-killed")
-    committed, log = kill_once_half_committed(start(args, dict(os.environ)), folder, total, poll_s=0.05)
-    step(f"killed the driver with {committed} of {total} answers committed")
+    driver = start(dying(total // 2, "wbrag_ray.cli", args), dict(os.environ))
+    log = driver.communicate(timeout=300)[0]
+    committed = progress(folder)["committed"]
+    step(f"the driver died (exit {driver.returncode}) with {committed} of {total} answers committed")
     complete_at_kill = run.is_complete("eval-killed")
     api.evaluate(run, config, questions, "killed")
     stats = run.stats("eval-killed")
-    return {"total": total, "committed": committed, "complete_at_kill": complete_at_kill,
+    return {"total": total, "committed": committed, "exit": driver.returncode, "complete_at_kill": complete_at_kill,
             "rows_resumed": stats.get("rows_resumed"), "rows_computed": stats.get("rows_computed"),
             "checkpoint_left": folder.exists(), "same_answers": answers(run, "killed") == answers(run, "whole"),
             "driver_log": log[-1500:]}

@@ -58,3 +58,38 @@ def test_bf16_embeddings_stay_close_to_fp32(minilm):
     bf16 = Embedder(EmbedderConfig(dtype="bfloat16"))
     cos = np.sum(fp32 * bf16.encode_passages(texts), axis=1)
     assert cos.min() > 0.99
+
+
+def test_a_query_prompt_the_model_ships_goes_before_queries_only(minilm, tmp_path):
+    """embedder.query_prompt (stella_en_400M_v5's s2p_query, for Zero-RAG): a copy of the bundled model shipping
+    a prompt in its sentence-transformers config; queries are embedded with the prompt's text before them,
+    passages as they are; the prompt shapes searches, not the stored vectors (not in the embed stage's settings,
+    in an evaluation's); the export names its text; a prompt the model does not ship is refused by name."""
+    import json
+    import shutil
+
+    from wbrag_ray.build_kb import EMBED
+    from wbrag_ray.config import ConfigError, WbragConfig
+    from wbrag_ray.evaluation.stage import EVAL
+    from wbrag_ray.export.embedder import embedder_info
+
+    text = "Instruct: Given a web search query, retrieve relevant passages that answer the query.\nQuery: "
+    model = tmp_path / "model"
+    shutil.copytree(minilm.source, model)
+    settings = model / "config_sentence_transformers.json"
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "prompts": {"s2p_query": text}}))
+    config = EmbedderConfig(model=str(model), dtype="float32", query_prompt="s2p_query")
+    prompted = Embedder(config)
+    query, passage = "who wrote Hamlet?", "Hamlet is a play by Shakespeare."
+    np.testing.assert_allclose(prompted.encode_queries([query])[0], minilm.encode_passages([text + query])[0],
+                               atol=1e-5)
+    np.testing.assert_allclose(prompted.encode_passages([passage])[0], minilm.encode_passages([passage])[0], atol=1e-5)
+    assert float(prompted.encode_queries([query])[0] @ minilm.encode_queries([query])[0]) < 0.99
+
+    plain, with_prompt = WbragConfig(embedder=EmbedderConfig(model=str(model))), WbragConfig(embedder=config)
+    assert EMBED.config_settings(plain) == EMBED.config_settings(with_prompt)
+    assert EVAL.config_settings(plain, {"label": "x"}) != EVAL.config_settings(with_prompt, {"label": "x"})
+    assert embedder_info(config, 384)["query_prefix"] == text
+
+    with pytest.raises(ConfigError, match=r"'s2s_query'.*ships no such prompt \(its prompts: .*s2p_query"):
+        Embedder(EmbedderConfig(model=str(model), dtype="float32", query_prompt="s2s_query")).setup()

@@ -6,12 +6,14 @@ The killed drivers join the session's Ray cluster (RAY_ADDRESS), as a job's driv
 one ends its actors, not the cluster. The runs are copies of the session's Zero-RAG chain run, so the chain's
 own outputs are the uninterrupted reference. An evaluation's driver is killed and resumed on four nodes with
 the run folder on object storage (tests/pipelines/test_multinode_zero_rag.py); the embed stage's (a Ray Data
-pass under its row-level checkpoint, as pruner prediction is) in tests/cluster/test_fault_tolerance.py."""
+pass under its row-level checkpoint, as pruner prediction is) in tests/cluster/test_fault_tolerance.py; the
+index build's in tests/index/test_build_resume.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -20,8 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import joining_env
-from tests.drivers import kill_once_half_committed, start
+from tests.drivers import dying, kill_once_half_committed, start
 from tests.pipelines.conftest import relocate
+from wbrag_ray.checkpoints import progress
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.versions import versions
@@ -133,3 +136,86 @@ def test_write_back_training_resumes_after_the_driver_is_killed(chain, ray_clust
         assert list(killed.columns) == list(whole.columns) and len(killed) == len(whole), table
         for column in whole.columns:
             assert _same(killed[column].tolist(), whole[column].tolist()), (table, column)
+
+
+@pytest.mark.slow
+def test_router_labels_resume_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
+    """The router's labels are closed-book answers to the training questions (with the tuned adapter): a driver
+    SIGKILLed right after the commit that brings its answers to half (from inside: a batch of the tiny model's
+    answers comes back faster than a look from outside, see tests.drivers) leaves 8 of 10 (batches of 4); the
+    rerun decodes the other 2 and labels and trains as the chain's uninterrupted router did."""
+    source, _ = chain
+    run = _copy(source, tmp_path / "run", "router")
+    total = source.stats("router")["rows_out"]
+    args = ["train-router", run.uri, "--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=2"]
+    driver = start(dying(total // 2, "wbrag_ray.cli", args), joining_env(ray_cluster), cwd=ROOT)
+    log = driver.communicate(timeout=300)[0]
+    assert driver.returncode == -signal.SIGKILL, log[-3000:]
+    committed = progress(run.layout.checkpoint("router"))["committed"]
+    assert total / 2 <= committed < total and not run.is_complete("router"), (committed, total)
+
+    assert main(["train-router", run.uri]) == 0
+    _check_resumed(run, "router", total, committed)
+    whole = source.layout.zero_rag.router_labels.read_table().to_pandas()
+    resumed = run.layout.zero_rag.router_labels.read_table().to_pandas()
+    assert resumed[["id", "question", "prediction", "label"]].equals(whole[["id", "question", "prediction", "label"]])
+    assert np.allclose(resumed["p_mastered"], whole["p_mastered"], atol=1e-6)
+    assert run.layout.zero_rag.router_metrics.read_json() == source.layout.zero_rag.router_metrics.read_json()
+
+
+def _spread_sentences(run: RunFolder, copies: int, files: int) -> int:
+    """The copy's sentences `copies` times over (new ids, the same texts) in `files` files, each beside a copy of
+    the passages under its name (a sentence finds its title in the passages file of its own name), as a larger
+    corpus's ingest lays them out: a pass over them commits a file at a time. Returns the sentences."""
+    import pyarrow as pa
+
+    sentences, passages = run.layout.ingest.sentences, run.layout.ingest.passages
+    one, titles = sentences.read_table(), passages.read_table()
+    step = int(pa.compute.max(one["sid"]).as_py()) + 1
+    many = pa.concat_tables([one.set_column(one.schema.get_field_index("sid"), "sid",
+                                            pa.compute.add(one["sid"], k * step)) for k in range(copies)])
+    sentences.delete()
+    passages.delete()
+    bounds = np.linspace(0, many.num_rows, files + 1).astype(int)
+    for i in range(files):
+        sentences.join(f"part-{i:03d}.parquet").write_table(many.slice(bounds[i], bounds[i + 1] - bounds[i]))
+        passages.join(f"part-{i:03d}.parquet").write_table(titles)
+    stats = run.layout.stage("ingest").stats
+    stats.write_json({**stats.read_json(), "sentences": many.num_rows})
+    return many.num_rows
+
+
+@pytest.mark.slow
+def test_pruner_prediction_resumes_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
+    """The LM pruner's prediction over every sentence, a Ray Data pass under its row-level checkpoint (the
+    embedding pruner's runs the same way): killed once half the scores are committed, the rerun of the same
+    `wbrag prune` predicts only the sentences of no committed file, and writes the scores and the keep mask of an
+    uninterrupted prediction of the same sentences (scores to float rounding: the rerun batches the rest
+    otherwise)."""
+    source, _ = chain
+    # half a CPU: on resume Ray Data adds a CheckpointFilter actor that holds 1 CPU of this 2-CPU node
+    prune = ["--ratio", "0.3", "--pruner", "lm", "--set", "zerorag.lm_pruner.num_cpus=0.5"]
+    whole = _copy(source, tmp_path / "whole", "predict", "prune-0.3")
+    total = _spread_sentences(whole, copies=6, files=12)
+    assert main(["prune", whole.uri, *prune]) == 0
+    run = _copy(source, tmp_path / "run", "predict", "prune-0.3")
+    _spread_sentences(run, copies=6, files=12)
+
+    driver = start([sys.executable, "-m", "wbrag_ray.cli", "prune", run.uri, *prune], joining_env(ray_cluster),
+                   cwd=ROOT)
+    committed, log = kill_once_half_committed(driver, run.layout.checkpoint("predict"), total)
+    assert total / 2 <= committed < total and not run.is_complete("predict"), (committed, total, log[-3000:])
+    assert main(["prune", run.uri, *prune]) == 0
+    stats = run.stats("predict")
+    assert stats["rows_resumed"] == committed and stats["rows_computed"] == total - committed, stats
+    assert not run.layout.checkpoint("predict").exists()
+
+    def scores(r: RunFolder):
+        return r.layout.zero_rag.predictions.read_table().to_pandas().sort_values("sid").reset_index(drop=True)
+
+    got, want = scores(run), scores(whole)
+    assert got["sid"].tolist() == want["sid"].tolist() and len(set(got["sid"])) == total  # no gap, no duplicate
+    assert np.allclose(got["mastery_pred"], want["mastery_pred"], atol=1e-5)
+    keep = [r.layout.zero_rag.pruned(0.3).keep.read_table(["id", "keep"]).to_pandas().sort_values("id")
+            .reset_index(drop=True) for r in (run, whole)]
+    assert keep[0].equals(keep[1])

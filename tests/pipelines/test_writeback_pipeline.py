@@ -207,6 +207,48 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
     assert _base_index_hash(run) == trained["base_hash"]
 
 
+def test_same_writeback_trains_a_version_per_method_that_has_none_and_shows_table2(trained, capsys):
+    """`--same-writeback` (WriteBack-RAG's Table 2, Same-WB): of naive, replug-vote and FLARE, the last two have a
+    version written back under them from this training set (the fixture's and the grid test's), so only naive's
+    is trained; each method is then evaluated on the base and beside its own version (and the cross cells), the
+    active version untouched; a rerun trains nothing and reuses every cell."""
+    from wbrag_ray.report import write_report
+
+    run, train = trained["run"], str(trained["run"].parent / "train.jsonl")
+    layout = RunFolder(str(run)).layout
+    active = read_active(RunFolder(str(run)))
+    grid_args = ["eval", str(run), "--dataset", str(trained["test"]), "--name", "sw", "--methods",
+                 "naive,replug-vote,flare", "--methods-grid", "--same-writeback", "--set", f"writeback.train={train}",
+                 "--set", "writeback.tau_s=-1", "--set", "writeback.tau_delta=-2", "--set", "writeback.tau_doc=2",
+                 "--set", "writeback.extract_max_new_tokens=32", "--set", "writeback.rewrite_max_new_tokens=32",
+                 "--set", "rag.flare.threshold=1.0", "--set", "rag.flare.max_rounds=1"]
+    capsys.readouterr()
+    assert main(grid_args) == 0
+    printed = capsys.readouterr().out
+    own = {"naive": "train-naive", "replug-vote": "train", "flare": "flare"}
+    grid = layout.methods_grid().read_json()
+    assert grid["same_writeback"] == own
+    assert layout.writeback_version("train-naive").stats.read_json()["rag_method"] == "naive"
+    assert read_active(RunFolder(str(run))) == active  # a Same-WB version is evaluated, not activated
+    cells = {(r["method"], r["version"]): r for r in grid["rows"]}
+    assert {(m, v) for m in own for v in (None, *own.values())} <= set(cells)  # the cross cells too
+    for method, version in own.items():
+        assert cells[(method, version)]["same_method"] and cells[(method, version)]["trained_with"] == method
+    table = printed[printed.index("Same-WB on sw"):].splitlines()
+    for line, (method, version) in zip(table[2:2 + len(own)], own.items(), strict=True):
+        base, same = cells[(method, None)], cells[(method, version)]
+        assert line.split()[:4] == [method, version, f"{base['em']:.3f}", f"{same['em']:.3f}"]
+        assert f"({same['acc'] - base['acc']:+.3f})" in line
+    write_report(RunFolder(str(run)))
+    report = layout.report_markdown.read_bytes().decode()
+    assert "Same-WB: each method on the base and beside the version written back under it" in report
+
+    assert main(grid_args) == 0
+    printed = capsys.readouterr().out
+    assert "[writeback-" not in printed and printed.count("complete, skipped") == 4  # no training, 4 cells kept
+    assert _base_index_hash(run) == trained["base_hash"]
+
+
 def test_the_gates_sweep_reuses_one_scoring_pass_and_reproduces_the_trained_gates(trained, capsys):
     """The paper's Table 4 ablation: every setting gated again from the stored scores, no model call. Then the
     stored scores are replaced by hand-set ones no model could give (s_rag 3, document scores 5) and the sweep's

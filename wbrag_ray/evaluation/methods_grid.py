@@ -13,7 +13,8 @@ from wbrag_ray.run import RunFolder
 
 
 def evaluate_methods_grid(
-    run: RunFolder, config: WbragConfig, dataset: str, name: str | None = None, force: bool = False, **kwargs: Any
+    run: RunFolder, config: WbragConfig, dataset: str, name: str | None = None, force: bool = False,
+    same_writeback: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
     """Every method of `eval.methods` on the base index, and beside every trained write-back version: a
     version written back under one method is measured under the same method and under every other one.
@@ -24,13 +25,16 @@ def evaluate_methods_grid(
     with, same_method, metrics and their change over the base; for a version, the union setting
     (retrieval.union) and the questions a unit entered the top K of, won and lost; methods_grid-<name>.json for
     a Zero-RAG setting) and prints the table. A grid run under another union setting adds its rows beside the
-    ones already there (labels: `union_suffix`)."""
+    ones already there (labels: `union_suffix`). `same_writeback`: first train a version under each method
+    that has none (`same_writeback_versions`), and add WriteBack-RAG's Table 2 view: each method on the base
+    and on its own version."""
     from wbrag_ray.evaluation.effect import writeback_effect
     from wbrag_ray.evaluation.stage import union_label, union_suffix
     from wbrag_ray.writeback.versions import trained_method, versions
 
     name = name or dataset_name(config, dataset)
     methods = list(dict.fromkeys(config.eval.methods))
+    own = same_writeback_versions(run, config) if same_writeback else {}
     trained = {v: trained_method(run, v) for v in versions(run)}
     union = union_label(config)
     rows: list[dict[str, Any]] = []
@@ -71,9 +75,53 @@ def evaluate_methods_grid(
         rows += [r for r in earlier["rows"]
                  if r["version"] in trained and r.get("union") not in (None, union) and r["method"] in methods]
     grid = {"dataset": dataset, "name": name, "methods": methods, "versions": trained, "rows": rows, **kwargs}
+    if own:
+        grid["same_writeback"] = own
     out.write_json(grid)
     print(format_methods_grid(grid), flush=True)
+    if own:
+        print(format_same_writeback(grid), flush=True)
     return grid
+
+
+def same_writeback_rows(grid: dict[str, Any]) -> list[dict[str, Any]]:
+    """Table 2's cells: per method with a version of its own, its base row and its row beside that version."""
+    cells: dict[tuple[str, str | None], dict[str, Any]] = {}
+    for r in grid["rows"]:  # this grid's own union setting first; rows of others kept from earlier grids follow
+        cells.setdefault((r["method"], r["version"]), r)
+    return [{"method": m, "version": v, "base": cells[(m, None)], "same_wb": cells[(m, v)]}
+            for m, v in grid.get("same_writeback", {}).items() if (m, None) in cells and (m, v) in cells]
+
+
+def format_same_writeback(grid: dict[str, Any]) -> str:
+    """WriteBack-RAG's Table 2 shape: each method on the base and on the knowledge base written back under it."""
+    lines = [f"Same-WB on {grid['name']}: each method beside the version written back under it",
+             f"{'method':<14}{'version':>18}" + "".join(f"{h:>18}" for k in METRICS for h in (k, f"{k} Same-WB"))]
+    for row in same_writeback_rows(grid):
+        texts = []
+        for k in METRICS:
+            texts += [f"{row['base'][k]:.3f}", f"{row['same_wb'][k]:.3f} ({row['same_wb'][k] - row['base'][k]:+.3f})"]
+        lines.append(f"{row['method']:<14}{row['version']:>18}" + "".join(f"{t:>18}" for t in texts))
+    return "\n".join(lines)
+
+
+def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, str]:
+    """{method: the write-back version written back under it}, for every retrieving method of eval.methods: a
+    version trained from writeback.train under the method is reused (the first by name), the others are
+    trained now as `<version>-<method>` (not activated: the grid evaluates beside each version in turn)."""
+    from wbrag_ray.writeback.pipeline import train_writeback
+    from wbrag_ray.writeback.versions import default_version, versions_by_method
+
+    train = config.writeback.train
+    own = versions_by_method(run, train)
+    for method in config.eval.methods:
+        if method == "no-retrieval" or method in own:
+            continue
+        wb = config.writeback.model_copy(update={"rag_method": method, "activate": False, "version": None})
+        version = f"{default_version(config, train)}-{method}"
+        train_writeback(run, config.model_copy(update={"writeback": wb}), train, version)
+        own[method] = version
+    return {m: own[m] for m in config.eval.methods if m in own}
 
 
 def format_methods_grid(grid: dict[str, Any], metric: str = "acc") -> str:

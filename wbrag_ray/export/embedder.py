@@ -19,13 +19,26 @@ def embedder_info(config: EmbedderConfig, dim: int) -> dict[str, Any]:
     return {
         "name": config.model,
         "path": embedder.source,
-        "query_prefix": "query: " if embedder.e5 else "",
+        "query_prefix": _query_prompt(embedder.source, config.query_prompt) if config.query_prompt
+        else "query: " if embedder.e5 else "",
+        "query_prompt": config.query_prompt,
         "passage_prefix": "passage: " if embedder.e5 else "",
         "dim": dim,
         "normalized": True,
         "pooling": pooling,
         "max_seq_length": config.max_seq_length or max_length,
     }
+
+
+def _query_prompt(source: str, name: str) -> str:
+    """The text of the prompt `name` from a local sentence-transformers folder's config; empty where the folder
+    cannot be read (a hub id: a reader loads the model and asks it for `query_prompt` by name)."""
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(source) / "config_sentence_transformers.json").read_text())["prompts"][name]
+    except (OSError, KeyError, ValueError):
+        return ""
 
 
 def _sentence_transformers_settings(source: str) -> tuple[str, int | None]:

@@ -1,10 +1,11 @@
-"""The embedder: sentence-transformers, normalized vectors (inner product = cosine), e5 prefixes."""
+"""The embedder: sentence-transformers, normalized vectors (inner product = cosine), e5 prefixes or the query
+prompt the model ships (embedder.query_prompt)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from wbrag_ray.config import EmbedderConfig
+from wbrag_ray.config import ConfigError, EmbedderConfig
 from wbrag_ray.models.bundled import resolve_model
 
 
@@ -29,7 +30,11 @@ class Embedder:
         from wbrag_ray.models.hardware import pick_device, pick_dtype
 
         device = pick_device(self.config.num_gpus)
-        self.model = SentenceTransformer(self.source, device=device)
+        self.model = SentenceTransformer(self.source, device=device, trust_remote_code=self.config.trust_remote_code)
+        prompt = self.config.query_prompt
+        if prompt is not None and prompt not in self.model.prompts:
+            raise ConfigError(f"embedder.query_prompt {prompt!r}: {self.config.model} ships no such prompt (its "
+                              f"prompts: {', '.join(sorted(self.model.prompts)) or 'none'})")
         dtype = pick_dtype(self.config.dtype, device)
         self.model.to(dtype)
         if self.config.max_seq_length:
@@ -49,12 +54,13 @@ class Embedder:
         if self.model is None:
             self.setup()
 
-    def _encode(self, texts: list[str]) -> np.ndarray:
+    def _encode(self, texts: list[str], prompt_name: str | None = None) -> np.ndarray:
         self._ensure()
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         vecs = self.model.encode(
             texts,
+            prompt_name=prompt_name,
             batch_size=self.config.batch_size,
             normalize_embeddings=True,
             convert_to_tensor=True,
@@ -69,4 +75,6 @@ class Embedder:
         return self._encode(["passage: " + t for t in texts] if self.e5 else list(texts))
 
     def encode_queries(self, texts: list[str]) -> np.ndarray:
+        if self.config.query_prompt is not None:
+            return self._encode(list(texts), prompt_name=self.config.query_prompt)
         return self._encode(["query: " + t for t in texts] if self.e5 else list(texts))

@@ -50,6 +50,16 @@ def trained_method(run: RunFolder, version: str) -> str:
     return stats.read_json().get("rag_method", "naive") if stats.exists() else "naive"
 
 
+def versions_by_method(run: RunFolder, train: str) -> dict[str, str]:
+    """{RAG method: the first trained version (by name) written back under it from the training set `train`}."""
+    out: dict[str, str] = {}
+    for version in sorted(versions(run)):
+        stats = run.layout.writeback_version(version).stats.read_json()
+        if stats.get("settings", {}).get("params", {}).get("train") == train:
+            out.setdefault(stats.get("rag_method", "naive"), version)
+    return out
+
+
 def activate(run: RunFolder, version: str) -> dict[str, Any]:
     """Make `version` the write-back index searched beside the base (replace); the base index is untouched."""
     if version not in versions(run):
