@@ -2,7 +2,7 @@
 
 Validation happens once, before any stage starts; every error names the dotted key and what would fix it.
 
-Over 600 lines (about 690) on purpose: one model per config section, every field with its description, in one module
+Over 600 lines (about 705) on purpose: one model per config section, every field with its description, in one module
 that is the reference a user reads (`wbrag_ray/config.py` is what the README points to); splitting the sections
 into modules would split that reference, and the loader and override parser below serve them all.
 """
@@ -373,6 +373,11 @@ class EvalConfig(_Section):
         "replug-vote, self-rag, flare.",
     )
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N questions.")
+    answer_form: Literal["span"] | None = Field(
+        None, description="How an answer is scored: unset, as generated (the papers); 'span': the answer span cut "
+        "from a sentence-long answer by a stated rule (wbrag_ray/evaluation/short_answer.py), for small models that "
+        "answer in a sentence, so exact match means something. Predictions keep the generated text beside it.",
+    )
 
 
 class WritebackConfig(_Section):

@@ -36,6 +36,8 @@ CHOICES = (
     PaperChoice(ZERO_RAG, "zerorag.pruner", "lm", "an LLM regressor predicts every sentence's mastery"),
     PaperChoice(ZERO_RAG, "zerorag.tune.learning_rate", 3e-4, "noise-tolerant tuning at learning rate 3e-4"),
     PaperChoice(ZERO_RAG, "retrieval.top_k", 20, "20 retrieved candidates per query"),
+    PaperChoice(ZERO_RAG, "eval.answer_form", None, "answers scored as generated"),
+    PaperChoice(WRITEBACK, "eval.answer_form", None, "answers scored as generated"),
     PaperChoice(WRITEBACK, "retrieval.top_k", 5, "K = 5 retrieved documents"),
     PaperChoice(WRITEBACK, "retrieval.union", "score",
                 "the base and write-back indices' hits merged by score and cut to the top K"),

@@ -11,7 +11,7 @@ method writes RUN/eval/<label>-<method>/ (metrics, predictions; wbrag_ray.layout
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
@@ -20,6 +20,9 @@ from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import departures, method_departures
+
+if TYPE_CHECKING:
+    import pandas as pd
 from wbrag_ray.run import RunFolder
 
 
@@ -83,16 +86,20 @@ def evaluate(
     results: dict[str, dict[str, Any]] = {}
     for method in methods:
         part = df[df["method"] == method].sort_values("id").reset_index(drop=True)
-        scores = [score_answer(p, g) for p, g in zip(part["prediction"], part["golden_answers"], strict=True)]
+        part["answer"] = scored_answers(part, config.eval.answer_form)
+        scores = [score_answer(a, g) for a, g in zip(part["answer"], part["golden_answers"], strict=True)]
         for m in METRICS:
             part[m] = [s[m] for s in scores]
         out = run.layout.eval_result(folder_prefix, method)
-        keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", *METRICS,
-                "retrieval_skipped", "generator_calls", "trace"]
+        keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", "answer",
+                *METRICS, "retrieval_skipped", "generator_calls", "trace"]
         out.predictions.write_table(plain_table(part[keep]))
         metrics = {
             "n": len(part),
             **{m: round(float(part[m].mean()), 4) for m in METRICS},
+            # how long the scored answers are: acc rewards long ones, exact match short ones
+            "answer_words": round(float(part["answer"].str.split().str.len().mean()), 2) if len(part) else 0.0,
+            "answer_form": config.eval.answer_form or "as generated",
             "method": method,
             "setting": setting,
             "writeback_version": wb_version if method != "no-retrieval" else None,
@@ -120,6 +127,15 @@ def evaluate(
         results[method] = metrics
     print(format_table(f"{folder_prefix} ({setting})", results), flush=True)
     return results
+
+
+def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:
+    """What the metrics score: the generated text, or its answer span (`eval.answer_form: span`)."""
+    if form == "span":
+        from wbrag_ray.evaluation.short_answer import short_answer
+
+        return [short_answer(p, q) for p, q in zip(part["prediction"], part["question"], strict=True)]
+    return part["prediction"].tolist()
 
 
 def evaluate_stage(

@@ -13,7 +13,7 @@ from wbrag_ray.run import RunStage
 # Results are never silently replaced: other settings under the same label are refused, naming what changed.
 EVAL = RunStage(
     "eval-{label}",
-    settings=("eval.methods", "eval.limit", "retrieval", "rag", "generator", "embedder", "index.nprobe",
+    settings=("eval.methods", "eval.limit", "eval.answer_form", "retrieval", "rag", "generator", "embedder", "index.nprobe",
               "index.ef_search", "index.k_factor"),
     uses=(INDEX,),
     # the union of base and write-back hits matters only beside a write-back index: a parameter there
