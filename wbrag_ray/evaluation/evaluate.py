@@ -20,10 +20,10 @@ from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import departures, method_departures
+from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
     import pandas as pd
-from wbrag_ray.run import RunFolder
 
 
 def evaluate(

@@ -102,8 +102,9 @@ def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
     results = load_results(run)
     if results:
         sec = Section("Evaluation")
-        sec.tables.append(Table("answer metrics", ["setting", "n", "em", "f1", "acc"],
-                                [[k, v.get("n"), v.get("em"), v.get("f1"), v.get("acc")] for k, v in results.items()]))
+        sec.tables.append(Table("answer metrics", ["setting", "n", "em", "f1", "acc", "answer words", "scored"],
+                                [[k, v.get("n"), v.get("em"), v.get("f1"), v.get("acc"), v.get("answer_words"),
+                                  v.get("answer_form")] for k, v in results.items()]))
         if img := plots.plot_eval(results, out):
             sec.images.append((img, "em / f1 / acc (FlashRAG's definitions) per evaluated setting."))
         sections.append(sec)
