@@ -340,7 +340,8 @@ def test_a_prompt_is_decoded_the_same_alone_among_short_and_among_long_prompts(t
     """generator.batch_invariant (issue 26): a resumed pass decodes a prompt in other company than an
     uninterrupted one did. The rows the model sees for the probe are the same tensors whatever shares its batch
     (padded to its length bucket's edge), and so are its greedy tokens; their probabilities agree to float
-    rounding (a batch of 7 rows runs other matrix kernels than a batch of 1: about 1e-6 here)."""
+    rounding (a batch of 7 rows runs other matrix kernels than a batch of 1: about 1e-6 relative on an AVX2 CPU,
+    1.01e-5 seen on an AVX512 one in CI; the rows themselves are checked equal above)."""
     gen = HFGenerator(GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=12, batch_size=16))
     gen.setup()
     probe = rag_messages("What is the capital of Iceland?", [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital.")])
@@ -363,4 +364,4 @@ def test_a_prompt_is_decoded_the_same_alone_among_short_and_among_long_prompts(t
     for company in (short, longer):
         got = gen.generate_scored([probe, *company])[0]
         assert (got.tokens, got.text) == (first.tokens, first.text)
-        assert got.probs == pytest.approx(first.probs, rel=1e-5)
+        assert got.probs == pytest.approx(first.probs, rel=1e-4)
