@@ -46,10 +46,14 @@ def kill_once_half_committed(driver: subprocess.Popen, checkpoint: Location, tot
     return progress(checkpoint)["committed"], log
 
 
-def dying(rows: int, module: str, args: list[str]) -> list[str]:
-    """The command line of `python -m module args...` run by a driver SIGKILLed right after the commit that
-    brings its committed answers to `rows` or more (`__main__` below)."""
-    return [sys.executable, "-m", "tests.drivers", str(rows), module, *args]
+def die_once_half_committed(args: list[str], env: dict[str, str], checkpoint: Location, total: int,
+                            cwd: str | os.PathLike[str] | None = None, timeout_s: float = 300) -> tuple[int, int, str]:
+    """`python -m wbrag_ray.cli args...` run by a driver SIGKILLed right after the commit that brings its committed
+    answers to `total // 2` or more (`__main__` below): (the rows committed to the stage checkpoint at
+    `checkpoint`, the driver's exit status, its output)."""
+    driver = start([sys.executable, "-m", "tests.drivers", str(total // 2), "wbrag_ray.cli", *args], env, cwd=cwd)
+    log = driver.communicate(timeout=timeout_s)[0]
+    return progress(checkpoint)["committed"], driver.returncode, log
 
 
 def _die_after(rows: int) -> None:

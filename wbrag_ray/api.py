@@ -186,9 +186,9 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     if methods_grid:
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
-        join_ray(run, config)
-        if same_writeback:
+        if same_writeback:  # before Ray starts, as every input
             check_input(config.writeback.train, "writeback.train")
+        join_ray(run, config)
         return evaluate_methods_grid(run, config, dataset, label or name, force=force, same_writeback=same_writeback,
                                      **kwargs)
     if writeback:  # the version searched is part of what the results are: resolved now, refused if there is none

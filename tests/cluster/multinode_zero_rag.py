@@ -137,8 +137,7 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions
     the same under another name by a driver SIGKILLed right after the commit that brings its committed answers
     to half (decoding and committing 4 at a time: a batch size never changes an answer, generator.batch_invariant;
     tests.drivers says why this kill comes from inside), then that command again."""
-    from tests.drivers import dying, start
-    from wbrag_ray.checkpoints import progress
+    from tests.drivers import die_once_half_committed
 
     config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
     api.evaluate(run, config, questions, "whole")
@@ -146,14 +145,12 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions
     args = ["eval", run.uri, "--dataset", questions, "--name", "killed", "--methods", "naive", "--address", address,
             "--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=2"]
     folder = run.layout.checkpoint("eval-killed")
-    driver = start(dying(total // 2, "wbrag_ray.cli", args), dict(os.environ))
-    log = driver.communicate(timeout=300)[0]
-    committed = progress(folder)["committed"]
-    step(f"the driver died (exit {driver.returncode}) with {committed} of {total} answers committed")
+    committed, status, log = die_once_half_committed(args, dict(os.environ), folder, total)
+    step(f"the driver died (exit {status}) with {committed} of {total} answers committed")
     complete_at_kill = run.is_complete("eval-killed")
     api.evaluate(run, config, questions, "killed")
     stats = run.stats("eval-killed")
-    return {"total": total, "committed": committed, "exit": driver.returncode, "complete_at_kill": complete_at_kill,
+    return {"total": total, "committed": committed, "exit": status, "complete_at_kill": complete_at_kill,
             "rows_resumed": stats.get("rows_resumed"), "rows_computed": stats.get("rows_computed"),
             "checkpoint_left": folder.exists(), "same_answers": answers(run, "killed") == answers(run, "whole"),
             "driver_log": log[-1500:]}

@@ -22,9 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import joining_env
-from tests.drivers import dying, kill_once_half_committed, start
+from tests.drivers import die_once_half_committed, kill_once_half_committed, start
 from tests.pipelines.conftest import relocate
-from wbrag_ray.checkpoints import progress
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.versions import versions
@@ -148,10 +147,9 @@ def test_router_labels_resume_after_the_driver_is_killed(chain, ray_cluster, tmp
     run = _copy(source, tmp_path / "run", "router")
     total = source.stats("router")["rows_out"]
     args = ["train-router", run.uri, "--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=2"]
-    driver = start(dying(total // 2, "wbrag_ray.cli", args), joining_env(ray_cluster), cwd=ROOT)
-    log = driver.communicate(timeout=300)[0]
-    assert driver.returncode == -signal.SIGKILL, log[-3000:]
-    committed = progress(run.layout.checkpoint("router"))["committed"]
+    committed, status, log = die_once_half_committed(args, joining_env(ray_cluster), run.layout.checkpoint("router"),
+                                                     total, cwd=ROOT)
+    assert status == -signal.SIGKILL, log[-3000:]
     assert total / 2 <= committed < total and not run.is_complete("router"), (committed, total)
 
     assert main(["train-router", run.uri]) == 0

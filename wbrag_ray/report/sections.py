@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 
 import wbrag_ray.report.plots as plots
 from wbrag_ray.build_kb import INGEST
-from wbrag_ray.evaluation.methods_grid import same_writeback_rows
 from wbrag_ray.layout import WritebackVersion
 from wbrag_ray.metrics import METRICS
 from wbrag_ray.report.render import Section, Table
@@ -134,6 +133,9 @@ def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting
     sec.tables.append(Table(f"answer metrics on {grid.get('name')}", [
         "method", "knowledge base", "trained with", "write-back", "union", "n", "em", "f1", "acc", "acc vs base",
         "unit in top K", "won", "lost", "retrieval rate", "generator calls"], rows))
+    # imported here: the grid's module loads the generator's, which a report never needs otherwise
+    from wbrag_ray.evaluation.methods_grid import same_writeback_rows
+
     if same := same_writeback_rows(grid):  # `--same-writeback`: WriteBack-RAG's Table 2 shape
         sec.tables.append(Table("Same-WB: each method on the base and beside the version written back under it", [
             "method", "version", *(h for k in METRICS for h in (k, f"{k} Same-WB"))],
