@@ -47,12 +47,15 @@ def main(tmp: str, n: int, embedder: str | None = None) -> None:
             f.write(json.dumps({"id": f"d{i}", "contents": f"Title {i}\n{text}"}) + "\n")
 
     cluster = local_cluster(head_cpus=1)
-    nodes = {node.node_id: node for node in (cluster.add_node(num_cpus=1) for _ in range(2))}  # the workers
+    # Embed actors ask for 1.5 CPUs: none fits on the head (1 CPU, where the reads run) and one fits on each
+    # 2-CPU worker, so every embedding is computed on a worker node and a kill always lands on a working actor
+    # (with 1-CPU nodes, an actor on the head could embed everything while a worker's actor still loaded).
+    nodes = {node.node_id: node for node in (cluster.add_node(num_cpus=2) for _ in range(2))}  # the workers
     cluster.wait_for_nodes()
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"  # true here: the three nodes are processes of one machine
     config = load_config(overrides=[
         f"ray.address={cluster.address}", f"ingest.corpus={corpus}", "ingest.shard_bytes=4096",
-        "embedder.num_cpus=1", "embedder.threads=1", "embedder.concurrency=2", "embedder.batch_size=8",
+        "embedder.num_cpus=1.5", "embedder.threads=1", "embedder.concurrency=2", "embedder.batch_size=8",
         "embedder.checkpoint_rows=50",  # small blocks: a file (and a checkpoint commit) every 50 or so vectors
         *([f"embedder.model={embedder}", "embedder.dtype=float32"] if embedder else []),
     ])
@@ -64,7 +67,10 @@ def main(tmp: str, n: int, embedder: str | None = None) -> None:
     killed: dict = {}
 
     def kill_a_node_with_an_embed_actor():
-        # once some embeddings are written, take away a worker node that holds an embed actor, without warning
+        # once some embeddings are written, take away a worker node that holds an embed actor, without warning;
+        # what it saw is kept, so a miss (the stage done first) says why
+        looks = killed.setdefault("looks", {"n": 0, "most_files": 0, "held_after_s": None, "files_3_after_s": None})
+        begun = time.time()
         while True:
             try:
                 held = {node: ids for node, ids in embed_actors().items() if node in nodes}
@@ -72,6 +78,10 @@ def main(tmp: str, n: int, embedder: str | None = None) -> None:
             except Exception as exc:  # noqa: BLE001 - the folder made or cleared under us, a slow GCS: look again
                 killed["retried"] = f"{type(exc).__name__}: {exc}"[:200]
                 held, files = {}, []
+            looks.update(n=looks["n"] + 1, most_files=max(looks["most_files"], len(files)))
+            for key, seen in (("held_after_s", held), ("files_3_after_s", len(files) >= 3)):
+                if seen and looks[key] is None:
+                    looks[key] = round(time.time() - begun, 1)
             if held and len(files) >= 3:
                 break
             time.sleep(0.1)
@@ -82,6 +92,7 @@ def main(tmp: str, n: int, embedder: str | None = None) -> None:
 
     threading.Thread(target=kill_a_node_with_an_embed_actor, daemon=True).start()
     attempts = []
+    started = time.time()
     for _ in range(2):  # the stage as a user runs it: again if it fails, resuming from its checkpoint
         try:
             stats = build_kb.embed(run, config)
@@ -93,7 +104,7 @@ def main(tmp: str, n: int, embedder: str | None = None) -> None:
         stats = None
     ids = out.read_table(["pid"])["pid"].to_pylist() if run.is_complete("embed") else []
     print(json.dumps({
-        "killed": killed, "attempts": attempts, "stats": stats, "complete": run.is_complete("embed"),
+        "killed": killed, "attempts": attempts, "embed_s": round(time.time() - started, 1), "stats": stats, "complete": run.is_complete("embed"),
         "files_after": len(out.list_files(".parquet")), "embedded_ids": ids,
         "ingested_ids": run.layout.ingest.passages.read_table(["pid"])["pid"].to_pylist(),
         "alive_nodes": sum(1 for node in ray.nodes() if node["Alive"]),
