@@ -94,8 +94,9 @@ def _prediction(n: int, rounds: int, root: Path) -> None:
     weights = {"w0": rng.standard_normal((dim, 128), dtype=np.float32) * 0.05, "b0": np.zeros(128, np.float32),
                "w1": rng.standard_normal((128, 1), dtype=np.float32) * 0.05, "b1": np.zeros(1, np.float32)}
 
+    stage = EmbeddingPredictStage(weights)
+
     def predicted():
-        stage = EmbeddingPredictStage(weights)
         ds = ray.data.read_parquet(str(src), override_num_blocks=files, num_cpus=stage.resources.num_cpus)
         return apply_stage(ds.select_columns(["sid", "vector"]), stage)
 
@@ -113,7 +114,7 @@ def _prediction(n: int, rounds: int, root: Path) -> None:
         plain_rows = out.num_rows()
         with Stopwatch() as sw, stage_checkpoint(resolve(str(root / f"ckpt-{r}")), None, "bench"):
             written = resumable_write(predicted, resolve(str(root / f"resumable-{r}")), "sid", "pred", block_bytes,
-                                      "bench", n)
+                                      "bench", n, stage.resources, None)
         best["resumable write"] = min(best["resumable write"], sw.seconds)
         assert written["rows"] == plain_rows == per * files, (written, plain_rows)
     for way, seconds in best.items():

@@ -53,3 +53,29 @@ def test_a_complete_stage_records_what_it_resumed_and_leaves_no_checkpoint(tmp_p
     assert (stats["rows_resumed"], stats["rows_computed"]) == (3, 5)
     assert run.stats("stage-a")["rows_resumed"] == 3
     assert not run.layout.checkpoint("stage-a").exists()
+
+
+def test_a_resume_that_cannot_make_progress_on_the_cluster_is_refused_with_a_setting_that_fits(capsys):
+    """On resume Ray Data adds its CheckpointFilter actor (1 CPU): a pass whose model actors leave less than 1 CPU
+    and a light task's 0.25 on the cluster would wait forever. The numbers by hand: 2 actors x 1.5 CPU + 1 +
+    0.25 = 4.25 CPUs; on 4 CPUs each actor may ask for (4 - 1.25) / 2 = 1.375, so 1.25 in quarters."""
+    import pytest
+
+    from wbrag_ray.checkpoints import check_resume_fits, resume_cpus
+    from wbrag_ray.config import ConfigError
+    from wbrag_ray.stages.base import Resources
+
+    pool = Resources(num_cpus=1.5, concurrency=2)
+    assert resume_cpus(pool) == 4.25
+    assert resume_cpus(Resources(num_cpus=1.0, actors=False)) == 2.0  # plain tasks: the filter and one task
+    check_resume_fits(pool, "embedder", "embed", cluster_cpus=4.25, nodes=1)  # exactly enough: runs
+    with pytest.raises(ConfigError) as refused:
+        check_resume_fits(pool, "embedder", "embed", cluster_cpus=4, nodes=1)
+    assert "needs 4.25 CPUs at once (2 actor(s) x 1.5 CPU" in str(refused.value)
+    assert "--set embedder.num_cpus=1.25 fits" in str(refused.value)
+    with pytest.raises(ConfigError) as refused:  # no setting to lower, and none would fit: only more CPUs
+        check_resume_fits(Resources(num_cpus=1.0, actors=False), None, "predict", cluster_cpus=1, nodes=1)
+    assert "num_cpus" not in str(refused.value).split("Fix:")[1] and "more CPUs" in str(refused.value)
+    # several nodes: an autoscaler may add CPUs, so a warning, not a refusal
+    check_resume_fits(pool, "embedder", "embed", cluster_cpus=4, nodes=3)
+    assert "warning: [embed] resuming from the checkpoint needs 4.25 CPUs" in capsys.readouterr().out

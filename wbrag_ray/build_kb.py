@@ -109,11 +109,12 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
                                        num_cpus=LIGHT_CPUS)
             ds = ds.select_columns(columns)  # pushed down into the Parquet read by Ray's optimizer
             ds = ds.map_batches(unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
-            return apply_stage(ds, EmbedStage(config.embedder, id_column=id_col))
+            return apply_stage(ds, stage)
 
+        stage = EmbedStage(config.embedder, id_column=id_col)
         bytes_per_row = 8 + 4 * 1024  # an id and up to 1024 float32 dimensions
         written = resumable_write(embedded, run.layout.embed, id_col, "emb", config.embedder.checkpoint_rows * bytes_per_row,
-                                  "embed", rows_in)
+                                  "embed", rows_in, stage.resources, "embedder")
         if written["rows"] != rows_in:
             raise RuntimeError(f"embed wrote {written['rows']} vectors for {rows_in} {config.index.unit}s")
         return {"rows_in": rows_in, "rows_out": written["rows"], "rows_rejected": 0, "unit": config.index.unit,

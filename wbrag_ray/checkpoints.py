@@ -44,6 +44,8 @@ from wbrag_ray.storage import Location
 if TYPE_CHECKING:
     import ray.data
 
+    from wbrag_ray.stages.base import Resources
+
 # A block of answers is committed once it holds this many rows, or this many seconds after the last one:
 # a killed driver loses at most that much decoding (defaults; `generator.checkpoint_rows` sets the rows).
 BLOCK_ROWS = 1024
@@ -262,15 +264,60 @@ def rows_by_file(folder: Location) -> dict[str, int]:
     return out
 
 
+# What Ray Data's CheckpointFilter (the actor that drops the committed rows from a resumed pass's read) asks
+# for: 1 CPU, Ray Data's default for a map actor, which its CheckpointConfig does not let one change (Ray 2.60).
+CHECKPOINT_FILTER_CPUS = 1.0
+
+
+def resume_cpus(pass_resources: Resources) -> float:
+    """The CPUs a resumed pass needs at once to make progress: its model actors, the CheckpointFilter actor, and
+    one task to read or write beside them (or, for a pass of plain tasks, one of its tasks)."""
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+
+    r = pass_resources
+    if not r.actors:
+        return CHECKPOINT_FILTER_CPUS + r.num_cpus
+    return r.concurrency * r.num_cpus + CHECKPOINT_FILTER_CPUS + LIGHT_CPUS
+
+
+def check_resume_fits(pass_resources: Resources, key: str | None, label: str, cluster_cpus: float, nodes: int) -> None:
+    """Refuse, before anything runs, a resumed pass that cannot make progress on this cluster: on a small one
+    (a laptop's 2 CPUs) the model actors and the CheckpointFilter actor take every CPU and the read and write
+    tasks wait forever. One node: an error (no autoscaler adds nodes to a local cluster); several: a warning,
+    since an autoscaler may yet add CPUs. `key`: the config section whose `num_cpus` the user can lower."""
+    import math
+
+    from wbrag_ray.config import ConfigError
+
+    need = resume_cpus(pass_resources)
+    if need <= cluster_cpus:
+        return
+    r = pass_resources
+    held = (f"{r.concurrency} actor(s) x {r.num_cpus:g} CPU" if r.actors else f"tasks of {r.num_cpus:g} CPU")
+    # the most each actor (or task) may ask for on this cluster, in quarters of a CPU
+    fits = math.floor(4 * (cluster_cpus - (need - r.concurrency * r.num_cpus if r.actors else need - r.num_cpus))
+                      / (r.concurrency if r.actors else 1)) / 4
+    fix = (f"lower {key}.num_cpus (--set {key}.num_cpus={fits:g} fits; it does not change what the pass "
+           f"writes, so the checkpoint is kept) or " if key and fits > 0 else "")
+    problem = (f"[{label}] resuming from the checkpoint needs {need:g} CPUs at once ({held}, Ray Data's "
+               f"CheckpointFilter actor {CHECKPOINT_FILTER_CPUS:g} CPU, and a read / write task) but the cluster "
+               f"has {cluster_cpus:g}: the pass would wait forever. Fix: {fix}run it on more CPUs.")
+    if nodes <= 1:
+        raise ConfigError(problem)
+    print(f"warning: {problem} (an autoscaler may add them)", flush=True)
+
+
 def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_column: str, prefix: str,
-                    block_bytes: int, label: str, total: int) -> dict[str, Any]:
+                    block_bytes: int, label: str, total: int, pass_resources: Resources,
+                    resources_key: str | None) -> dict[str, Any]:
     """Write the dataset `build()` makes (its rows carry the int64 `id_column` from the read to the write) as
     Parquet files in `out`, under Ray Data's row-level checkpoint in the active stage's checkpoint folder: a
     rerun after a kill reads only the rows not written yet and adds its files beside the earlier ones (each
     write task's file name holds its write's UUID and task index, so a retried task overwrites its own file).
     `block_bytes`: the size Ray coalesces a map's output to, so each block, the unit that is written and
     checkpointed, holds a bounded number of rows and progress is committed as it goes. Returns the rows the
-    files hold, and how many were resumed from an earlier attempt and computed now."""
+    files hold, and how many were resumed from an earlier attempt and computed now. `pass_resources`: what the
+    pass's model stage asks for (`resources_key`: its config section), checked against the cluster on resume."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
@@ -281,6 +328,10 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
         raise RuntimeError("resumable_write runs inside a stage (RunFolder.run_stage)")
     ckpt = checkpoint.rows
     resuming = ckpt.exists() and out.exists()
+    if resuming:
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        check_resume_fits(pass_resources, resources_key, label, sum(n["Resources"].get("CPU", 0) for n in alive),
+                          len(alive))
     if not resuming:  # nothing to resume: leftovers of an older attempt would be duplicates
         out.delete()
         ckpt.delete()

@@ -77,6 +77,16 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
     assert 0 < written_before < len(records)
     assert not layout.stage("embed").success.exists()
 
+    # A resume that could not make progress on this 2-CPU node (a 1-CPU embed actor, Ray Data's 1-CPU
+    # CheckpointFilter actor, no CPU left for the read and write tasks: it would wait forever) is refused before
+    # it starts, with the fix, and the checkpoint is left as it was
+    checkpointed = sorted(f.name for f in layout.checkpoint("embed").list_files())
+    refused = _cli(["embed", str(run), "--set", "embedder.num_cpus=1"], ray_cluster)
+    _, err = refused.communicate(timeout=300)
+    assert refused.returncode != 0 and "needs 2.25 CPUs at once" in err and "--set embedder.num_cpus=0.75 fits" in err, err[-2000:]
+    assert sorted(f.name for f in layout.checkpoint("embed").list_files()) == checkpointed
+    assert sum(rows_by_file(layout.embed).values()) == written_before
+
     p = _cli(["embed", str(run)], ray_cluster)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]

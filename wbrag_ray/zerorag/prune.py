@@ -50,20 +50,24 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
     model = run.layout.zero_rag.pruner(kind)
     total = run.stats(INGEST.name)["sentences"]
 
+    if kind == "embedding":
+        stage, key = EmbeddingPredictStage(EmbeddingHead.load(model.local_dir()).weights), None
+    else:
+        stage, key = LMPredictStage(model.uri, config.zerorag.lm_pruner), "zerorag.lm_pruner"
+
     def predicted() -> ray.data.Dataset:
         if kind == "embedding":
             src = run.layout.embed
-            stage = EmbeddingPredictStage(EmbeddingHead.load(model.local_dir()).weights)
             # the read runs fused with the prediction task, so it asks for what that task asks for
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
                                        num_cpus=stage.resources.num_cpus)
             return apply_stage(ds, stage)
         # the text the regressor was trained on, titles included
-        return apply_stage(pruner_inputs(run), LMPredictStage(model.uri, config.zerorag.lm_pruner))
+        return apply_stage(pruner_inputs(run), stage)
 
     # a row is an id and a score: blocks of checkpoint_rows rows are committed as the pass goes
     written = resumable_write(predicted, run.layout.zero_rag.predictions, "sid", "pred",
-                              config.zerorag.checkpoint_rows * 16, "predict", total)
+                              config.zerorag.checkpoint_rows * 16, "predict", total, stage.resources, key)
     if written["rows"] != total:
         raise RuntimeError(f"mastery prediction wrote {written['rows']} scores for {total} sentences")
     return {"rows_in": total, "rows_out": written["rows"], "rows_rejected": 0, "pruner": kind,
