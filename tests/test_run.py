@@ -36,6 +36,25 @@ def test_a_failed_stage_leaves_no_marker(tmp_path):
     assert run.completed_stages() == []
 
 
+def test_a_stage_refused_by_its_check_leaves_the_recorded_config_as_it_was(tmp_path):
+    """A stage whose check refuses the settings it was started with (a ConfigError, e.g. a placement no node
+    can meet) made nothing with them: run.json keeps the config that made the run; another failure records."""
+    run = RunFolder(str(tmp_path / "run"))
+    run.bind_config(load_config(overrides=["embedder.num_cpus=0.5"]))
+    run.bind_config(load_config(overrides=["embedder.num_cpus=1"]), record="when_a_stage_runs")
+
+    def refused():
+        raise ConfigError("embedder.num_cpus: no room")
+
+    with pytest.raises(ConfigError):
+        run.run_stage("s", refused)
+    assert run.load_config().embedder.num_cpus == 0.5
+    run.bind_config(load_config(overrides=["embedder.num_cpus=1"]), record="when_a_stage_runs")
+    with pytest.raises(RuntimeError):
+        run.run_stage("s", lambda: (_ for _ in ()).throw(RuntimeError("died part way")))
+    assert run.load_config().embedder.num_cpus == 1  # it ran with them: what it wrote, they made
+
+
 def test_marker_is_written_after_stats(tmp_path, monkeypatch):
     """Files are recorded in the order they appear under their names (a write is whole once its stream closes and
     its temporary file is moved): mtimes could not tell, as both land in one clock tick."""

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -269,42 +271,53 @@ def rows_by_file(folder: Location) -> dict[str, int]:
 CHECKPOINT_FILTER_CPUS = 1.0
 
 
-def resume_cpus(pass_resources: Resources) -> float:
-    """The CPUs a resumed pass needs at once to make progress: its model actors, the CheckpointFilter actor, and
-    one task to read or write beside them (or, for a pass of plain tasks, one of its tasks)."""
+def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> bool:
+    """Whether a resumed pass can make progress on `nodes` (each node's resources as Ray reports them): its model
+    actors (as many as fit: Ray Data runs on those that start) and the CheckpointFilter actor, placed in either
+    order (Ray starts them together), leave room for one read or write task; for a pass of plain tasks, the
+    filter and one of its tasks. False only where no order leaves room: then the pass waits forever."""
     from wbrag_ray.ray_runtime import LIGHT_CPUS
 
     r = pass_resources
-    if not r.actors:
-        return CHECKPOINT_FILTER_CPUS + r.num_cpus
-    return r.concurrency * r.num_cpus + CHECKPOINT_FILTER_CPUS + LIGHT_CPUS
+
+    def places(filter_first: bool) -> bool:
+        free = [node.get("CPU", 0.0) for node in nodes]
+
+        def take(cpus: float) -> bool:  # first fit, as a node's CPUs are counted
+            for i, left in enumerate(free):
+                if left + 1e-9 >= cpus:
+                    free[i] = left - cpus
+                    return True
+            return False
+
+        if not r.actors:
+            return take(CHECKPOINT_FILTER_CPUS) and take(r.num_cpus)
+        filtered = filter_first and take(CHECKPOINT_FILTER_CPUS)
+        placed = [take(r.num_cpus) for _ in range(r.concurrency)]
+        return any(placed) and (filtered or take(CHECKPOINT_FILTER_CPUS)) and take(LIGHT_CPUS)
+
+    return places(True) or places(False)
 
 
-def check_resume_fits(pass_resources: Resources, key: str | None, label: str, cluster_cpus: float, nodes: int) -> None:
-    """Refuse, before anything runs, a resumed pass that cannot make progress on this cluster: on a small one
-    (a laptop's 2 CPUs) the model actors and the CheckpointFilter actor take every CPU and the read and write
-    tasks wait forever. One node: an error (no autoscaler adds nodes to a local cluster); several: a warning,
-    since an autoscaler may yet add CPUs. `key`: the config section whose `num_cpus` the user can lower."""
-    import math
-
-    from wbrag_ray.config import ConfigError
-
-    need = resume_cpus(pass_resources)
-    if need <= cluster_cpus:
-        return
+def resume_refusal(pass_resources: Resources, key: str | None, label: str,
+                   nodes: list[dict[str, float]]) -> str | None:
+    """Why a resumed pass cannot make progress on a cluster whose nodes hold `nodes`, or None where it can: on
+    a small one (a laptop's 2 CPUs) the model actors and the CheckpointFilter actor take every CPU and the read
+    and write tasks wait forever. `key`: the config section whose `num_cpus` the user can lower."""
+    if resume_places(pass_resources, nodes):
+        return None
     r = pass_resources
     held = (f"{r.concurrency} actor(s) x {r.num_cpus:g} CPU" if r.actors else f"tasks of {r.num_cpus:g} CPU")
-    # the most each actor (or task) may ask for on this cluster, in quarters of a CPU
-    fits = math.floor(4 * (cluster_cpus - (need - r.concurrency * r.num_cpus if r.actors else need - r.num_cpus))
-                      / (r.concurrency if r.actors else 1)) / 4
+    # the most each actor (or task) may ask for here, in quarters of a CPU
+    fits = next((q / 4 for q in range(math.ceil(4 * r.num_cpus) - 1, 0, -1)
+                 if resume_places(dataclasses.replace(r, num_cpus=q / 4), nodes)), None)
     fix = (f"lower {key}.num_cpus (--set {key}.num_cpus={fits:g} fits; it does not change what the pass "
-           f"writes, so the checkpoint is kept) or " if key and fits > 0 else "")
-    problem = (f"[{label}] resuming from the checkpoint needs {need:g} CPUs at once ({held}, Ray Data's "
-               f"CheckpointFilter actor {CHECKPOINT_FILTER_CPUS:g} CPU, and a read / write task) but the cluster "
-               f"has {cluster_cpus:g}: the pass would wait forever. Fix: {fix}run it on more CPUs.")
-    if nodes <= 1:
-        raise ConfigError(problem)
-    print(f"warning: {problem} (an autoscaler may add them)", flush=True)
+           f"writes, so the checkpoint is kept) or " if key and fits else "")
+    cpus = " + ".join(f"{node.get('CPU', 0.0):g}" for node in nodes)
+    return (f"[{label}] resuming from the checkpoint runs Ray Data's CheckpointFilter actor "
+            f"({CHECKPOINT_FILTER_CPUS:g} CPU) and a read / write task beside the pass's {held}, and the "
+            f"cluster's CPUs ({cpus}) have no room for them: the pass would wait forever. Fix: {fix}run it on "
+            f"more CPUs")
 
 
 def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_column: str, prefix: str,
@@ -328,10 +341,10 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
         raise RuntimeError("resumable_write runs inside a stage (RunFolder.run_stage)")
     ckpt = checkpoint.rows
     resuming = ckpt.exists() and out.exists()
-    if resuming:
-        alive = [n for n in ray.nodes() if n["Alive"]]
-        check_resume_fits(pass_resources, resources_key, label, sum(n["Resources"].get("CPU", 0) for n in alive),
-                          len(alive))
+    if resuming:  # refused before anything waits (not where WBRAG_AUTOSCALING=1 says CPUs come on demand)
+        from wbrag_ray.cluster_nodes import refuse_unplaceable
+
+        refuse_unplaceable(lambda nodes: resume_refusal(pass_resources, resources_key, label, nodes))
     if not resuming:  # nothing to resume: leftovers of an older attempt would be duplicates
         out.delete()
         ckpt.delete()

@@ -40,6 +40,37 @@ def cluster_nodes() -> tuple[list[dict[str, float]], bool]:
     return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")], False
 
 
+def room_for(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
+    """How many whole units asking for `need` (resource -> amount, e.g. {"CPU": 1, "GPU": 1}) the nodes hold,
+    each unit on one node; the epsilon keeps 3 x 0.333... GPUs from flooring to 2."""
+    need = {r: amount for r, amount in need.items() if amount > 0}
+    if not need:
+        return 1 << 30
+    return sum(min(int(node.get(r, 0.0) / amount + 1e-9) for r, amount in need.items()) for node in nodes)
+
+
+def pool_refusal(what: str, count: int, need: dict[str, float], nodes: list[dict[str, float]],
+                 groups: int = 1) -> str | None:
+    """Why `count` actors asking for `need` each (one node per actor) do not fit `nodes`, or None where they
+    do: Ray would start those that fit and leave the rest pending, and a pass sending them work waits forever.
+    `what`: the pool, as the message names it; `groups`: the pool is that many groups of `concurrency`
+    replicas (a search pool's shard groups), so the concurrency that fits is the room over the groups."""
+    fits = room_for(need, nodes)
+    if fits >= count:
+        return None
+    def amount(r: str, a: float) -> str:
+        return f"{a / (1 << 30):.3g} GiB memory" if r == "memory" else f"{a:g} {r}"
+
+    each = " and ".join(amount(r, a) for r, a in need.items() if a > 0)
+    largest = {r: max((n.get(r, 0.0) for n in nodes), default=0.0) for r in need if need[r] > 0}
+    short = [r for r in largest if largest[r] + 1e-9 < need[r]]
+    fix = (f"lower its concurrency to {fits // groups}" if fits >= groups else
+           "ask less: the largest node has " + " and ".join(amount(r, largest[r]) for r in short) if short else
+           "lower its concurrency")
+    return (f"{what}: {count} actor{'s' * (count != 1)} of {each} each do not fit the cluster's {len(nodes)} "
+            f"node{'s' * (len(nodes) != 1)} (room for {fits}); {fix}, or add nodes")
+
+
 def refuse_unplaceable(refusal) -> None:
     """A `ConfigError` with what `refusal(nodes)` says (None: it places) about the connected cluster's nodes;
     where those are only the nodes up now, the message says how to skip the check on a cluster that adds nodes

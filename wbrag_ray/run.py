@@ -262,11 +262,19 @@ class RunFolder:
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
             return stats
         self.invalidate(name)
+        recorded = self.layout.run_json.read_json() if self._unrecorded is not None and self.is_run() else None
         self._record_config()
         t0 = time.perf_counter()
         checkpoint_folder = self.layout.checkpoint(name)
-        with stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
-            stats = dict(fn() or {})
+        try:
+            with stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
+                stats = dict(fn() or {})
+        except ConfigError:
+            # refused by a check before its work (a placement that cannot be met): the settings that asked for
+            # it did not make anything, so run.json goes back to the config that did
+            if recorded is not None:
+                self.layout.run_json.write_json(recorded)
+            raise
         stats = {**checkpoint.stats(), **stats}
         stats.setdefault("seconds", round(time.perf_counter() - t0, 3))
         if stats.get("rows_out") is not None and stats["seconds"] > 0:

@@ -110,6 +110,18 @@ def test_every_pass_of_a_command_shares_one_pool_per_index(indices, ray_cluster)
         assert services.started["search"] == 3 and not first.pools[0].actors and not again.pools[1].actors
 
 
+def test_a_search_pool_the_cluster_cannot_place_is_refused_before_any_actor_starts(indices, ray_cluster):
+    """A shard per group (a 1-byte budget), 4 groups x 6 replicas of 0.1 CPU: 24 actors, 2.4 CPUs on this
+    2-CPU cluster: room for 20, 5 replicas a group."""
+    from wbrag_ray.config import ConfigError
+
+    base, _, _ = indices
+    with Services() as services, pytest.raises(ConfigError, match=r"the search pool: 24 actors of 0\.1 CPU and "
+                                               r".* GiB memory each .* \(room for 20\); lower its concurrency to 5"):
+        services.retrieval(((base, None, "base"),), IndexConfig(), _small_actors(gb=1 / (1 << 30), concurrency=6))
+    assert services.started == {}
+
+
 def test_a_missing_shard_is_named_when_the_service_starts(indices, tmp_path, ray_cluster):
     import shutil
 

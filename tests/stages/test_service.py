@@ -121,3 +121,44 @@ def test_a_service_actor_killed_after_its_arguments_were_released_restarts_and_s
     # an argument too large to travel inside the creation spec is refused, not left to fail a later restart
     with pytest.raises(ValueError, match="pass large inputs by path"):
         start_restartable(ray_cluster.remote(num_cpus=0)(object), b"x" * (200 * 1024))
+
+
+def test_a_service_the_cluster_cannot_place_is_refused_in_seconds_before_any_actor_starts(ray_cluster, tiny):
+    """Three 1-CPU generator actors on this 2-CPU cluster: Ray would start two and leave the third pending, and
+    the pass would wait on it forever. Refused before any actor starts, with the concurrency that fits."""
+    import pytest
+
+    from wbrag_ray.config import ConfigError
+
+    config = GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=4, num_cpus=1, concurrency=3)
+    assert _cpus_free(ray_cluster, 2)  # what earlier tests held is back
+    started = time.monotonic()
+    with GeneratorPasses(config) as passes, pytest.raises(ConfigError) as refused:
+        passes.generate("too-wide", _frame(), "prompt", "answer")
+    assert time.monotonic() - started < 30
+    assert "the generate service: 3 actors of 1 CPU each do not fit the cluster's 1 node (room for 2)" in \
+        str(refused.value) and "lower its concurrency to 2" in str(refused.value)
+    assert passes.services.started == {} and ray_cluster.available_resources().get("CPU", 0) == 2
+
+
+def test_a_ray_data_pool_of_which_no_actor_fits_is_refused_and_a_partial_fit_is_said(ray_cluster, caplog):
+    """The embed pass (an actor pool of its own, what `wbrag embed` runs): Ray Data starts the actors the cluster
+    places and runs on those. One asking for a GPU on this GPU-less cluster would wait forever: refused as the
+    pass is planned. Three 1-CPU actors on 2 CPUs run as two: a warning says so."""
+    import logging
+
+    import pytest
+    import ray.data
+
+    from wbrag_ray.config import ConfigError, EmbedderConfig
+    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.stages.embed import EmbedStage
+
+    gpu = EmbedStage(EmbedderConfig(num_cpus=1, num_gpus=1), id_column="pid")
+    with pytest.raises(ConfigError, match=r"the embed pass: 1 actor of 1 CPU and 1 GPU each .* \(room for 0\); "
+                                          r"ask less: the largest node has 0 GPU"):
+        apply_stage(ray.data.range(4), gpu)
+    with caplog.at_level(logging.WARNING, logger="wbrag_ray.stages.base"):
+        apply_stage(ray.data.range(4), EmbedStage(EmbedderConfig(num_cpus=1, concurrency=3), id_column="pid"))
+    assert "the embed pass: 3 actors of 1 CPU each do not fit the cluster's 1 node (room for 2); lower its " \
+           "concurrency to 2, or add nodes; it runs on the actors that fit" in caplog.text

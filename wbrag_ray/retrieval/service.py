@@ -150,6 +150,14 @@ class SearchPool:
         use_gpu = bool(index.gpu and ray.cluster_resources().get("GPU", 0) > 0)
         search = {"nprobe": index.nprobe, "ef_search": index.ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
         threads = max(1, math.ceil(retrieval.search_cpus))
+        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
+
+        # search actors that can never be placed would leave every search waiting: refused first (the pool's
+        # largest shard group sizes the memory each asks for)
+        most = max(search_actor_memory(sum(shards[i]["bytes"] for i in g)) for g in groups)
+        refuse_unplaceable(lambda nodes: pool_refusal(
+            "the search pool", len(groups) * retrieval.concurrency,
+            {"CPU": retrieval.search_cpus, "GPU": 1.0 if use_gpu else 0.0, "memory": most}, nodes, len(groups)))
         actors = []
         for group in groups:
             held = sum(shards[i]["bytes"] for i in group)

@@ -7,6 +7,7 @@ and one batch method. `apply_stage(ds, stage)` wires it into a pipeline.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ import pandas as pd
 
 if TYPE_CHECKING:
     import ray.data
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def process_checked(stage: Stage, batch):
 
 def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     """Append `stage` to a Ray Data pipeline: an actor pool, or plain tasks when `resources.actors` is False."""
+    import ray
     from ray.data import ActorPoolStrategy
 
     res = stage.resources
@@ -107,8 +111,24 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
               "num_gpus": res.num_gpus or None}
     if not res.actors:
         return ds.map_batches(_run_in_task, fn_args=(stage,), **common)
+    if ray.is_initialized():
+        _check_pool(stage)
     return ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=res.concurrency),
                           **common)
+
+
+def _check_pool(stage: Stage) -> None:
+    """Ray Data starts a pass's actors as the cluster places them and runs on those that started: a pool of
+    which none fits waits forever (refused), one of which only some fit runs narrower than asked (a warning)."""
+    from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable
+
+    res = stage.resources
+    need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
+    what = f"the {stage.name} pass"
+    refuse_unplaceable(lambda nodes: pool_refusal(what, 1, need, nodes))
+    partly = None if autoscaling() else pool_refusal(what, res.concurrency, need, cluster_nodes()[0])
+    if partly is not None:
+        log.warning("%s; it runs on the actors that fit", partly)
 
 
 def _run_in_task(batch, stage: Stage):

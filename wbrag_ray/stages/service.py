@@ -104,7 +104,12 @@ class StageService:
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
+        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
         from wbrag_ray.ray_runtime import start_restartable
+
+        # actors that can never be placed would leave the pass waiting on them forever: refused first
+        refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency,
+                                                      {"CPU": res.num_cpus, "GPU": res.num_gpus}, nodes))
 
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).

@@ -248,9 +248,10 @@ def placement_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key
     """Why a cluster whose nodes hold `nodes` (each node's resources as Ray reports them) cannot place
     `trainer.num_workers` workers of `trainer.num_cpus` CPUs and `trainer.num_gpus` GPUs each (a worker sits on one
     node), or None where it can. `key`: the config section named in the message."""
+    from wbrag_ray.cluster_nodes import room_for
+
     need = {"CPU": trainer.num_cpus, **({"GPU": trainer.num_gpus} if trainer.num_gpus else {})}
-    # whole workers per node; the epsilon keeps 3 x 0.333... GPUs from flooring to 2
-    fits = sum(min(int(node.get(r, 0.0) / amount + 1e-9) for r, amount in need.items()) for node in nodes)
+    fits = room_for(need, nodes)  # whole workers per node
     if fits >= trainer.num_workers:
         return None
     worker = " and ".join(f"{amount:g} {r}" for r, amount in need.items())
