@@ -52,12 +52,14 @@ def room_for(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
 def pool_refusal(what: str, count: int, need: dict[str, float], nodes: list[dict[str, float]],
                  groups: int = 1) -> str | None:
     """Why `count` actors asking for `need` each (one node per actor) do not fit `nodes`, or None where they
-    do: Ray would start those that fit and leave the rest pending, and a pass sending them work waits forever.
-    `what`: the pool, as the message names it; `groups`: the pool is that many groups of `concurrency`
-    replicas (a search pool's shard groups), so the concurrency that fits is the room over the groups."""
+    do. Ray starts those that fit and leaves the rest pending: a driver that sends work to every actor (a stage
+    service, a search pool) then waits forever. `what`: the pool, as the message names it; `groups`: the pool
+    is that many groups of `concurrency` replicas (a search pool's shard groups), so the concurrency that fits
+    is the room over the groups."""
     fits = room_for(need, nodes)
     if fits >= count:
         return None
+
     def amount(r: str, a: float) -> str:
         return f"{a / (1 << 30):.3g} GiB memory" if r == "memory" else f"{a:g} {r}"
 
