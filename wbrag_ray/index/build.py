@@ -73,6 +73,7 @@ from wbrag_ray.index.sizing import (
 from wbrag_ray.index.tasks import (
     assigned_resources,
     cluster_gpus,
+    faiss_has_gpu,
     largest_node,
     peak_rss_mb,
     recorded,
@@ -82,6 +83,7 @@ from wbrag_ray.index.tasks import (
     run_tasks,
     set_threads,
 )
+from wbrag_ray.models.hardware import usable_cpus
 from wbrag_ray.ray_runtime import in_sorted, is_object_ref, shared_value
 from wbrag_ray.storage import Location, resolve
 
@@ -284,7 +286,9 @@ def build_index(
         factory = choose_factory(total, dim, memory_budget_gb, train_memory_gb)
     if requested != factory:
         log.info("index.factory=auto chose %s for %d x %d vectors", factory, total, dim)
-    threads = max(1, int(num_cpus)) if parallel else None
+    # a Ray task uses the CPUs it asked for; in process, the CPUs this process may use (a pod's quota, not the
+    # host's cores, which faiss's OpenMP default would take)
+    threads = max(1, int(num_cpus)) if parallel else usable_cpus()
     manifest_loc = out.join(MANIFEST)
     manifest_loc.delete()  # a reader never pairs an old manifest with half-rewritten shards
     if drop_ids is not None and not is_object_ref(drop_ids):
@@ -311,14 +315,12 @@ def build_index(
     train_assigned: dict[str, float] = {}
     node = largest_node(parallel)
     if trained is None:
-        import faiss
-
         res = train_resources(num_cpus, gpu, cluster_gpus(parallel) if gpu else 0.0,
-                              hasattr(faiss, "StandardGpuResources"), kmeans=plan.nlist is not None, node=node,
+                              faiss_has_gpu(), kmeans=plan.nlist is not None, node=node,
                               sample_bytes=min(plan.train_sample, total) * dim * 4,
                               quantizer_bytes=(plan.nlist or 0) * dim * 4)
         job = {"files": [f.uri for f in files], "counts": counts, "factory": factory, "dim": dim,
-               "train_sample": plan.train_sample, "threads": max(1, int(res["num_cpus"])) if parallel else None,
+               "train_sample": plan.train_sample, "threads": max(1, int(res["num_cpus"])) if parallel else usable_cpus(),
                "gpu": res["num_gpus"] > 0, "parallel": parallel}
         trained, rss, on_gpu, train_assigned = run_tasks(
             _train_task, job, [None], num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], memory=res["memory"],

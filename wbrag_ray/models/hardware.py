@@ -51,7 +51,7 @@ def pick_device(num_gpus: float) -> str:
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"
-    granted = _granted_gpus()
+    granted = granted_gpus()
     if granted:
         from wbrag_ray.config import ConfigError
 
@@ -64,7 +64,7 @@ def pick_device(num_gpus: float) -> str:
     return "cpu"
 
 
-def _granted_gpus() -> list:
+def granted_gpus() -> list:
     """The GPU ids Ray assigned to this worker process (none in a driver, or outside Ray)."""
     try:
         import ray
@@ -72,6 +72,27 @@ def _granted_gpus() -> list:
         return list(ray.get_gpu_ids()) if ray.is_initialized() else []
     except Exception:  # noqa: BLE001 - no Ray, or a driver it does not count as a worker: nothing granted
         return []
+
+
+def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (a container's limit, as in
+    a Kubernetes pod), where `os.cpu_count()` would give the host's cores and threads beyond the quota only queue."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for path in (f"{cgroup}/cpu.max", f"{cgroup}/cpu/cpu.cfs_quota_us"):
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if path.endswith("cpu.max"):  # cgroup v2: "<quota> <period>" or "max <period>"
+                quota, period = fields[0], fields[1] if len(fields) > 1 else "100000"
+            else:  # cgroup v1: the quota here, the period beside it; -1 for none
+                with open(f"{cgroup}/cpu/cpu.cfs_period_us") as f:
+                    quota, period = fields[0], f.read().strip()
+        except (OSError, IndexError):
+            continue
+        if quota not in ("max", "-1") and int(period) > 0:
+            cpus = min(cpus, max(1, int(int(quota) / int(period))))
+        break
+    return max(1, cpus)
 
 
 def set_threads(num_cpus: float) -> int:

@@ -20,6 +20,7 @@ retried: a search is a pure function of its shards.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import numpy as np
 from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_manifest
 from wbrag_ray.index.files import load_shard
+from wbrag_ray.index.tasks import faiss_has_gpu
 from wbrag_ray.ray_runtime import call_actor, start_restartable
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
@@ -46,6 +48,8 @@ from wbrag_ray.retrieval.local import (
 )
 from wbrag_ray.retrieval.union import BASE, UnionRule, read_provenance, with_provenance
 from wbrag_ray.storage import resolve
+
+log = logging.getLogger(__name__)
 
 ACTOR_OVERHEAD_BYTES = 400 << 20  # interpreter, faiss and pyarrow of one search actor, besides its shards
 
@@ -148,6 +152,13 @@ class SearchPool:
                 s["bytes"] = loc.join(s["file"]).size()
         groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
         use_gpu = bool(index.gpu and ray.cluster_resources().get("GPU", 0) > 0)
+        if use_gpu and not faiss_has_gpu():
+            import faiss
+
+            # a GPU per search actor that faiss cannot use would idle beside a CPU search: none is reserved
+            log.warning("index.gpu is set, but this faiss (%s) has no GPU support: the search actors reserve no GPU "
+                        "and search on the CPU (install faiss-gpu, as the project's image does)", faiss.__version__)
+            use_gpu = False
         search = {"nprobe": index.nprobe, "ef_search": index.ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
         threads = max(1, math.ceil(retrieval.search_cpus))
         from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
