@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write-back units to add: a version, 'active' or 'none' (default: the active version, if any)")
     _common(p)
 
+    from wbrag_ray import doctor
+
+    p = sub.add_parser("doctor", help="what this node can run: torch and CUDA, the driver, vLLM, faiss's GPUs, "
+                       "/dev/shm, S3 and hub credentials (exit 1 where a flag's requirement fails)")
+    doctor.add_arguments(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+
     p = sub.add_parser("demo", help="the embedded demo: 100 passages, 40 questions, bundled models, local Ray")
     p.add_argument("--run", dest="run", default=DEMO_DIR, help=f"run folder (default {DEMO_DIR})")
     _common(p)
@@ -465,6 +472,12 @@ def cmd_inspect(args) -> None:
     print(inspect_run(run, args.n))
 
 
+def cmd_doctor(args) -> int:
+    from wbrag_ray import doctor
+
+    return doctor.run(args)
+
+
 def cmd_data(args) -> None:
     from wbrag_ray import flashrag_data
 
@@ -515,6 +528,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "export": cmd_export,
     "data": cmd_data,
+    "doctor": cmd_doctor,
 }
 
 
@@ -524,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # which CPU build faiss tried first ("Could not load library with AVX2 support") is noise
         logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     try:
-        COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except Exception as exc:  # noqa: BLE001 - sorted below: a person's mistake is one line, a bug its traceback
         message = user_error(exc)
         if message is None:
@@ -533,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("wbrag").debug("the error's traceback", exc_info=exc)
         print(f"wbrag {args.command}: {message}", file=sys.stderr)
         return 2
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 def user_error(exc: BaseException) -> str | None:
