@@ -3,8 +3,8 @@
 Run it by hand on a GPU machine (`python benchmarks/gpu/check.py > gpu.txt`); it is never run in CI and
 `python -m benchmarks` skips it. The machine it is meant for has only torch, transformers,
 sentence-transformers and peft, and no network, so this file imports nothing else (not wbrag_ray, not ray,
-not faiss; section 5 alone imports vllm, ray and wbrag_ray where they are installed, and is skipped where not)
-and downloads nothing: every model is built from a config with randomly initialised weights.
+not faiss; sections 5 and 6 import vllm, ray and wbrag_ray, section 7 faiss, where they are installed, and are
+skipped where not) and downloads nothing: every model is built from a config with randomly initialised weights.
 Random weights cost exactly what trained ones do, which is all a throughput check needs.
 
 Sections, each reported and survived on failure, skipped once past the time budget (default 540 s, so the
@@ -23,7 +23,11 @@ whole check ends inside 10 minutes):
 6. the project's own training path: the LM pruner's Ray Train job (wbrag_ray/training/workers.py) on one GPU
    worker, a 1B-class random Llama as the backbone, bf16 weights and fp32 LoRA, 24 steps of 64 sentences with
    a checkpoint every 8: its seconds per step are the GPU rate `wbrag plan` has not measured yet (ray and
-   wbrag_ray needed, as in 5).
+   wbrag_ray needed, as in 5);
+7. faiss on the GPU, where faiss-gpu is installed (skipped otherwise): the index types `index.factory: auto`
+   picks (IVF-PQ96, OPQ96 + an HNSW coarse quantizer + PQ96, IVF-Flat) cloned with faiss's default options and
+   with the project's (wbrag_ray/index/gpu_clone.py, loaded by its path), queries/s on CPU and GPU, and the top-10
+   ids both return.
 
 `--quick` shrinks every shape to a tiny model: a smoke run of the code paths, on CPU when there is no GPU
 ("cpu dry run"), not a measurement. Figures print as `name: value unit`, like benchmarks/common.py's
@@ -724,6 +728,76 @@ def ray_train(run: Run) -> None:
             ray.shutdown()
 
 
+def load_gpu_clone_rule():
+    """wbrag_ray/index/gpu_clone.py, loaded by its path: the rule the search actors clone shards with, which
+    imports nothing but faiss (the package's own __init__ would pull the project's dependencies)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "wbrag_ray" / "index" / "gpu_clone.py"
+    spec = importlib.util.spec_from_file_location("gpu_clone", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def faiss_gpu_clone(run: Run) -> None:
+    """The index types `index.factory: auto` picks, cloned to the GPU: once with faiss's default options (PQ96 and
+    an HNSW coarse quantizer are expected to fail there) and once with the project's (`gpu_clone.py`); then the
+    same queries on the CPU index and the GPU one: queries/s of each, and how many top-10 ids they share."""
+    import importlib.util
+
+    if importlib.util.find_spec("faiss") is None:
+        report("faiss gpu clone", "skipped (faiss not installed: pip install faiss-gpu)")
+        return
+    import faiss
+    import numpy as np
+
+    if not hasattr(faiss, "GpuMultipleClonerOptions") or faiss.get_num_gpus() == 0:
+        report("faiss gpu clone", f"skipped (faiss {faiss.__version__}: no GPU support or no GPU visible)")
+        return
+    rule = load_gpu_clone_rule()
+    report("faiss version", faiss.__version__)
+    # small lists: the clone and search are what is checked, and PQ96's training alone takes minutes on few cores
+    dim, nlist = (192, 64) if run.quick else (768, 256)
+    rng = np.random.default_rng(0)
+    # the sample k-means wants for the IVF (40 a list) and for PQ's 256 centroids per sub-quantizer (39 each)
+    sample = max(40 * nlist, 10_000)
+    vectors = rng.standard_normal((sample + (5_000 if run.quick else 100_000), dim), dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    train, base = vectors[:sample], vectors[sample:]
+    queries = base[: 100 if run.quick else 1000] + 0.01 * rng.standard_normal((100 if run.quick else 1000, dim),
+                                                                              dtype=np.float32)
+    for factory in (f"IVF{nlist},PQ96", f"OPQ96,IVF{nlist}_HNSW32,PQ96", f"IVF{nlist},Flat"):
+        cpu = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+        cpu.train(train)
+        cpu.add(base)
+        faiss.ParameterSpace().set_index_parameter(cpu, "nprobe", 32)
+        report(f"{factory} options", ", ".join(k for k, v in rule.gpu_clone_settings(cpu).items() if v) or "none")
+        try:
+            faiss.index_cpu_to_all_gpus(cpu)
+            report(f"{factory} clone with faiss's defaults", "ok")
+        except RuntimeError as exc:
+            report(f"{factory} clone with faiss's defaults", f"fails: {one_line(exc)}")
+        options, missing = rule.cloner_options(cpu)
+        if missing:
+            report(f"{factory} options this faiss lacks", ", ".join(missing))
+        gpu = faiss.index_cpu_to_all_gpus(cpu, co=options)
+        faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", 32)
+        start = time.perf_counter()
+        _, cpu_ids = cpu.search(queries, 10)
+        cpu_s = time.perf_counter() - start
+        gpu.search(queries[:8], 10)  # warm-up: the first call allocates the GPU's scratch memory
+        start = time.perf_counter()
+        _, gpu_ids = gpu.search(queries, 10)
+        gpu_s = time.perf_counter() - start
+        shared = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(cpu_ids, gpu_ids, strict=True)])
+        report(f"{factory} cpu queries/s ({faiss.omp_get_max_threads()} threads)", len(queries) / cpu_s, "q/s", 0)
+        report(f"{factory} gpu queries/s", len(queries) / gpu_s, "q/s", 0)
+        report(f"{factory} top-10 ids shared by cpu and gpu", shared, "", 3)
+        del gpu
+
+
 # --- the check ------------------------------------------------------------------------------------------
 
 
@@ -794,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
     section(run, "lora llama-1b", lora_training)
     section(run, "vllm tensor parallel", tensor_parallel)
     section(run, "ray train lm pruner", ray_train)
+    section(run, "faiss gpu clone", faiss_gpu_clone)
 
     report("total", run.elapsed(), "s")
     report("failures", ", ".join(run.failures) if run.failures else "none")

@@ -11,8 +11,9 @@ import faiss
 import numpy as np
 import pytest
 
+from wbrag_ray.index.gpu_clone import gpu_clone_settings
 from wbrag_ray.models.hardware import usable_cpus
-from wbrag_ray.retrieval.local import gpu_clone_settings, to_gpu
+from wbrag_ray.retrieval.local import to_gpu
 
 
 @pytest.mark.parametrize("factory, float16_tables, cpu_quantizer", [

@@ -16,6 +16,7 @@ import numpy as np
 
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_shards
+from wbrag_ray.index.gpu_clone import cloner_options
 from wbrag_ray.index.tasks import faiss_has_gpu
 from wbrag_ray.models.hardware import granted_gpus
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
@@ -90,34 +91,6 @@ def gpus_usable() -> bool:
     return True
 
 
-# The shared memory a GPU IVFPQ search kernel may use per block without opting in: its lookup tables (M x ksub
-# entries) must fit, in float32 or, with `useFloat16LookupTables`, in float16 (PQ96 needs the latter).
-GPU_SHARED_MEMORY_BYTES = 48 * 1024
-
-
-def gpu_clone_settings(index) -> dict[str, bool]:
-    """The faiss GPU cloner options a CPU index needs to go to a GPU at all, decided from the index itself: float16
-    lookup tables where a PQ's float32 tables overflow a kernel's shared memory (PQ96 with 256 centroids each), and
-    a coarse quantizer left on the CPU where it has no GPU version (an IVF over an HNSW quantizer). Without them the
-    clone fails and the shard would be searched on the CPU while its actor holds a GPU."""
-    import faiss
-
-    settings = {"useFloat16LookupTables": False, "allowCpuCoarseQuantizer": False}
-    inner = faiss.downcast_index(index)
-    while not isinstance(inner, faiss.IndexIVF):  # through the wrappers a shard may carry
-        if isinstance(inner, faiss.IndexPreTransform | faiss.IndexIDMap | faiss.IndexIDMap2):
-            inner = faiss.downcast_index(inner.index)
-        elif isinstance(inner, faiss.IndexRefine):
-            inner = faiss.downcast_index(inner.base_index)
-        else:
-            return settings
-    if isinstance(inner, faiss.IndexIVFPQ):
-        settings["useFloat16LookupTables"] = inner.pq.M * inner.pq.ksub * 4 > GPU_SHARED_MEMORY_BYTES
-    quantizer = faiss.downcast_index(inner.quantizer)
-    settings["allowCpuCoarseQuantizer"] = not isinstance(quantizer, faiss.IndexFlat)
-    return settings
-
-
 def to_gpu(index, where: str):
     """The index on the GPUs this process may use, cloned with the options it needs (`gpu_clone_settings`). Where
     it cannot go there (a faiss without GPU support, no GPU visible, a type with no GPU version such as HNSW), the
@@ -132,13 +105,10 @@ def to_gpu(index, where: str):
         log.warning("index shard %s is searched on the CPU: index.gpu is set but faiss sees %d GPU(s) and Ray "
                     "reserved %s for this process", where, faiss.get_num_gpus(), granted_gpus() or "none")
         return index
-    options = faiss.GpuMultipleClonerOptions()
-    for name, value in gpu_clone_settings(index).items():
-        if value and not hasattr(options, name):
-            log.warning("index shard %s needs the GPU cloner option %s, which faiss %s lacks", where, name,
-                        faiss.__version__)
-        elif value:
-            setattr(options, name, True)
+    options, missing = cloner_options(index)
+    if missing:
+        log.warning("index shard %s needs the GPU cloner option(s) %s, which faiss %s lacks", where,
+                    ", ".join(missing), faiss.__version__)
     try:
         return faiss.index_cpu_to_all_gpus(index, co=options)
     except RuntimeError as exc:
