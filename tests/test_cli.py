@@ -15,7 +15,7 @@ def test_help_on_every_subcommand(command, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "usage: wbrag" in out
-    if command not in ("status", "logs", "stop", "report", "inspect", "data"):  # a job, a run or data: no config
+    if command not in ("status", "logs", "stop", "report", "inspect", "data", "doctor"):  # a job, a run, data, a node: no config
         assert "--set" in out
 
 

@@ -11,9 +11,8 @@ import faiss
 import numpy as np
 import pytest
 
-from wbrag_ray.index.gpu_clone import gpu_clone_settings
+from wbrag_ray.index.gpu_clone import gpu_clone_settings, to_gpu
 from wbrag_ray.models.hardware import usable_cpus
-from wbrag_ray.retrieval.local import to_gpu
 
 
 @pytest.mark.parametrize("factory, float16_tables, cpu_quantizer", [
@@ -63,7 +62,7 @@ def test_to_gpu_with_a_mocked_gpu_faiss_warns_when_the_clone_fails_and_keeps_the
 
     _mock_gpu_faiss(monkeypatch, clone)
     index = faiss.index_factory(192, "IVF16,PQ48")
-    with caplog.at_level(logging.WARNING, logger="wbrag_ray.retrieval.local"):
+    with caplog.at_level(logging.WARNING, logger="wbrag_ray.index.gpu_clone"):
         assert to_gpu(index, "shard-3") is index
     [record] = caplog.records
     assert record.levelno == logging.WARNING
@@ -74,7 +73,7 @@ def test_to_gpu_with_a_mocked_gpu_faiss_warns_when_the_clone_fails_and_keeps_the
 def test_a_gpu_asked_of_faiss_cpu_is_a_warning_not_an_info_line(caplog):
     index = faiss.index_factory(8, "Flat")
     index.add(np.eye(8, dtype=np.float32))
-    with caplog.at_level(logging.WARNING, logger="wbrag_ray.retrieval.local"):
+    with caplog.at_level(logging.WARNING, logger="wbrag_ray.index.gpu_clone"):
         assert to_gpu(index, "shard-0") is index
     [record] = caplog.records
     assert record.levelno == logging.WARNING and "has no GPU support" in record.getMessage()

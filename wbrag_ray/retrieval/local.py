@@ -8,7 +8,6 @@ top K by `retrieval.union` (wbrag_ray.retrieval.union). Both share the query emb
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -16,9 +15,7 @@ import numpy as np
 
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_shards
-from wbrag_ray.index.gpu_clone import cloner_options
-from wbrag_ray.index.tasks import faiss_has_gpu
-from wbrag_ray.models.hardware import granted_gpus
+from wbrag_ray.index.gpu_clone import gpus_usable, to_gpu
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
 from wbrag_ray.retrieval.union import BASE, UnionRule, read_provenance, with_provenance
@@ -26,8 +23,6 @@ from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
     from wbrag_ray.config import WbragConfig
-
-log = logging.getLogger(__name__)
 
 
 def auto_nprobe(nlist: int) -> int:
@@ -75,46 +70,6 @@ def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_
         if not isinstance(inner, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
             break
         inner = inner.index
-
-
-def gpus_usable() -> bool:
-    """Whether this process may put work on a GPU: in a Ray worker only when Ray reserved one for it (Ray does
-    not hide a node's GPUs from tasks and actors that asked for none: they would collide with the vLLM engine
-    that did); a plain process owns its machine."""
-    try:
-        import ray
-
-        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
-            return bool(ray.get_gpu_ids())
-    except (ImportError, AttributeError):
-        pass
-    return True
-
-
-def to_gpu(index, where: str):
-    """The index on the GPUs this process may use, cloned with the options it needs (`gpu_clone_settings`). Where
-    it cannot go there (a faiss without GPU support, no GPU visible, a type with no GPU version such as HNSW), the
-    CPU index, with a warning: a GPU was asked for (`index.gpu`) and searching on the CPU is far slower."""
-    import faiss
-
-    if not faiss_has_gpu():
-        log.warning("index shard %s is searched on the CPU: index.gpu is set but this faiss (%s) has no GPU "
-                    "support (install faiss-gpu, as the project's image does)", where, faiss.__version__)
-        return index
-    if not gpus_usable() or faiss.get_num_gpus() == 0:
-        log.warning("index shard %s is searched on the CPU: index.gpu is set but faiss sees %d GPU(s) and Ray "
-                    "reserved %s for this process", where, faiss.get_num_gpus(), granted_gpus() or "none")
-        return index
-    options, missing = cloner_options(index)
-    if missing:
-        log.warning("index shard %s needs the GPU cloner option(s) %s, which faiss %s lacks", where,
-                    ", ".join(missing), faiss.__version__)
-    try:
-        return faiss.index_cpu_to_all_gpus(index, co=options)
-    except RuntimeError as exc:
-        log.warning("index shard %s is searched on the CPU: faiss could not clone it to the GPU (%s)", where,
-                    str(exc).strip().splitlines()[0])
-        return index
 
 
 def check_embedder(manifest: dict, index_dir: str, embedder: EmbedderConfig | None) -> None:
