@@ -96,7 +96,7 @@ def check_faiss() -> Check:
         import faiss
     except ImportError:
         return Check("faiss", FAIL, "not installed: pip install 'wbrag-ray[cpu]' or 'wbrag-ray[gpu]'")
-    from wbrag_ray.index.tasks import faiss_has_gpu
+    from wbrag_ray.index.gpu_clone import faiss_has_gpu
 
     if not faiss_has_gpu():
         return Check("faiss", WARN, f"faiss {faiss.__version__} without GPU support (faiss-cpu): search and "
@@ -108,11 +108,12 @@ def check_faiss() -> Check:
 def check_s3() -> Check:
     import boto3
 
+    from wbrag_ray.storage import s3_endpoint, s3_region
+
     session = boto3.Session()
     credentials = session.get_credentials()
-    # the order storage.py reads it in (pyarrow's S3 client is told this region; without one it asks us-east-1)
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or session.region_name
-    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+    # the region storage.py gives its S3 client, else the profile's
+    region, endpoint = s3_region() or session.region_name, s3_endpoint()
     where = f"region {region or 'not set'}" + (f", endpoint {endpoint}" if endpoint else "")
     if credentials is None:
         return Check("s3 credentials", WARN, f"none found (environment, ~/.aws, instance role); {where}")

@@ -35,15 +35,26 @@ def _check_s3_credentials(env_key: tuple) -> None:
         )
 
 
+def s3_endpoint() -> str | None:
+    """The S3-compatible server to use instead of AWS's own (MinIO, a loopback server), from the AWS variables."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def s3_region() -> str | None:
+    """The region the S3 client is given: pyarrow's client asks us-east-1 without one, and a bucket elsewhere
+    answers with a redirect error."""
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+
+
 def _s3_filesystem() -> pafs.S3FileSystem:
     _check_s3_credentials(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = s3_endpoint()
     kwargs: dict[str, Any] = {}
     if endpoint:
         scheme = "https" if endpoint.startswith("https://") else "http"
         kwargs["endpoint_override"] = endpoint.split("://", 1)[-1]
         kwargs["scheme"] = scheme
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    region = s3_region()
     if region:
         kwargs["region"] = region
     return pafs.S3FileSystem(**kwargs)

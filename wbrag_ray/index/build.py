@@ -52,6 +52,7 @@ from wbrag_ray.index.files import (
     to_bytes,
     write_index_file,
 )
+from wbrag_ray.index.gpu_clone import faiss_has_gpu
 from wbrag_ray.index.parts import (
     CODES_SUFFIX,
     INDEX_SUFFIX,
@@ -73,7 +74,6 @@ from wbrag_ray.index.sizing import (
 from wbrag_ray.index.tasks import (
     assigned_resources,
     cluster_gpus,
-    faiss_has_gpu,
     largest_node,
     peak_rss_mb,
     recorded,
@@ -320,7 +320,7 @@ def build_index(
                               sample_bytes=min(plan.train_sample, total) * dim * 4,
                               quantizer_bytes=(plan.nlist or 0) * dim * 4)
         job = {"files": [f.uri for f in files], "counts": counts, "factory": factory, "dim": dim,
-               "train_sample": plan.train_sample, "threads": max(1, int(res["num_cpus"])) if parallel else usable_cpus(),
+               "train_sample": plan.train_sample, "threads": max(1, int(res["num_cpus"])) if parallel else threads,
                "gpu": res["num_gpus"] > 0, "parallel": parallel}
         trained, rss, on_gpu, train_assigned = run_tasks(
             _train_task, job, [None], num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], memory=res["memory"],

@@ -1,7 +1,7 @@
 """A faiss index on the GPU: the cloner options it needs, decided from the index itself (`gpu_clone_settings`,
 `cloner_options`), and the clone a search actor or an in-process retriever makes (`to_gpu`).
 
-The module imports only the standard library at its top, and the rule's two functions only faiss, so that
+The module imports only the standard library at its top, and the rule's functions only faiss, so that
 `benchmarks/gpu/check.py` loads this file by its path on a GPU machine without the project's dependencies and
 checks there the rule the search actors apply; `to_gpu` imports the project where it runs.
 """
@@ -40,6 +40,13 @@ def gpu_clone_settings(index) -> dict[str, bool]:
     return settings
 
 
+def faiss_has_gpu() -> bool:
+    """Whether this faiss was built with GPU support (faiss-gpu); faiss-cpu has no GPU classes at all."""
+    import faiss
+
+    return hasattr(faiss, "StandardGpuResources") and hasattr(faiss, "index_cpu_to_all_gpus")
+
+
 def cloner_options(index):
     """(faiss.GpuMultipleClonerOptions with what `index` needs set, the names this faiss lacks). Needs faiss-gpu."""
     import faiss
@@ -54,36 +61,22 @@ def cloner_options(index):
     return options, missing
 
 
-def gpus_usable() -> bool:
-    """Whether this process may put work on a GPU: in a Ray worker only when Ray reserved one for it (Ray does
-    not hide a node's GPUs from tasks and actors that asked for none: they would collide with the vLLM engine
-    that did); a plain process owns its machine."""
-    try:
-        import ray
-
-        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
-            return bool(ray.get_gpu_ids())
-    except (ImportError, AttributeError):
-        pass
-    return True
-
-
 def to_gpu(index, where: str):
     """The index on the GPUs this process may use, cloned with the options it needs (`gpu_clone_settings`). Where
     it cannot go there (a faiss without GPU support, no GPU visible, a type with no GPU version such as HNSW), the
     CPU index, with a warning: a GPU was asked for (`index.gpu`) and searching on the CPU is far slower."""
     import faiss
 
-    from wbrag_ray.index.tasks import faiss_has_gpu
-    from wbrag_ray.models.hardware import granted_gpus
+    from wbrag_ray.models.hardware import gpus_usable, granted_gpus
 
     if not faiss_has_gpu():
         log.warning("index shard %s is searched on the CPU: index.gpu is set but this faiss (%s) has no GPU "
                     "support (install faiss-gpu, as the project's image does)", where, faiss.__version__)
         return index
-    if not gpus_usable() or faiss.get_num_gpus() == 0:
+    visible = faiss.get_num_gpus()
+    if not gpus_usable() or visible == 0:
         log.warning("index shard %s is searched on the CPU: index.gpu is set but faiss sees %d GPU(s) and Ray "
-                    "reserved %s for this process", where, faiss.get_num_gpus(), granted_gpus() or "none")
+                    "reserved %s for this process", where, visible, granted_gpus() or "none")
         return index
     options, missing = cloner_options(index)
     if missing:

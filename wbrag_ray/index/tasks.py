@@ -10,6 +10,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.index.files import IndexError_
+from wbrag_ray.index.gpu_clone import faiss_has_gpu
 from wbrag_ray.models.hardware import usable_cpus
 from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
 from wbrag_ray.ray_runtime import run_tasks as _run_tasks
@@ -18,7 +19,7 @@ from wbrag_ray.storage import resolve
 if TYPE_CHECKING:
     from wbrag_ray.checkpoints import TaskRecords
 
-__all__ = ["assigned_resources", "cluster_gpus", "faiss_has_gpu", "largest_node", "peak_rss_mb", "recorded", "reserved_gpu",
+__all__ = ["assigned_resources", "cluster_gpus", "largest_node", "peak_rss_mb", "recorded", "reserved_gpu",
            "reset_peak_rss", "run_recorded", "run_tasks", "set_threads"]
 
 # The build's errors (a file named, a bad setting) come back from a task as themselves.
@@ -57,13 +58,6 @@ def set_threads(threads: int | None) -> None:
         faiss.omp_set_num_threads(threads)
 
 
-def faiss_has_gpu() -> bool:
-    """Whether this faiss was built with GPU support (faiss-gpu); faiss-cpu has no GPU classes at all."""
-    import faiss
-
-    return hasattr(faiss, "StandardGpuResources") and hasattr(faiss, "index_cpu_to_all_gpus")
-
-
 def cluster_gpus(parallel: bool) -> float:
     """GPUs the tasks could get: the Ray cluster's (parallel), else this machine's as faiss sees them."""
     if parallel:
@@ -92,7 +86,6 @@ def reserved_gpu(parallel: bool) -> bool:
 def largest_node(parallel: bool) -> dict[str, float]:
     """{"CPU": cores, "memory": bytes} of the largest alive node (by CPUs), and the CPUs free in the cluster now
     ("free_CPU"): what a task may ask for and still be placed. This process's machine when not parallel."""
-
     if not parallel:
         import psutil
 

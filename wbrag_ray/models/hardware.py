@@ -74,6 +74,23 @@ def granted_gpus() -> list:
         return []
 
 
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray task's or actor's worker (not a driver, not outside Ray)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    except (ImportError, AttributeError):
+        return False
+
+
+def gpus_usable() -> bool:
+    """Whether this process may put work on a GPU: in a Ray worker only when Ray reserved one for it (Ray does
+    not hide a node's GPUs from tasks and actors that asked for none: they would collide with the vLLM engine
+    that did); a plain process owns its machine."""
+    return bool(granted_gpus()) if in_ray_worker() else True
+
+
 def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
     """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (a container's limit, as in
     a Kubernetes pod), where `os.cpu_count()` would give the host's cores and threads beyond the quota only queue."""

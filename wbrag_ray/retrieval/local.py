@@ -15,7 +15,8 @@ import numpy as np
 
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_shards
-from wbrag_ray.index.gpu_clone import gpus_usable, to_gpu
+from wbrag_ray.index.gpu_clone import to_gpu
+from wbrag_ray.models.hardware import gpus_usable
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
 from wbrag_ray.retrieval.union import BASE, UnionRule, read_provenance, with_provenance

@@ -31,8 +31,7 @@ import numpy as np
 from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_manifest
 from wbrag_ray.index.files import load_shard
-from wbrag_ray.index.gpu_clone import to_gpu
-from wbrag_ray.index.tasks import faiss_has_gpu
+from wbrag_ray.index.gpu_clone import faiss_has_gpu, to_gpu
 from wbrag_ray.ray_runtime import call_actor, start_restartable
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
