@@ -91,7 +91,7 @@ class EmbedderConfig(_Section):
 
 
 class GeneratorConfig(_Section):
-    RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env"})
+    RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env", "calls_per_engine"})
 
     backend: Literal["hf", "vllm", "openai"] = Field("hf", description="hf (transformers), vllm, or openai (HTTP).")
     model: str = Field(
@@ -131,6 +131,11 @@ class GeneratorConfig(_Section):
         "nodes); num_gpus = tensor_parallel_size x pipeline_parallel_size.",
     )
     concurrency: int = Field(1, ge=1, description="Number of generator actors / engine replicas.")
+    calls_per_engine: int = Field(
+        4, ge=1, description="vllm, a command's generator service: batches one engine takes at once; their requests "
+        "share its running batch, so the engine decodes the next batch while the last one's longest answers finish "
+        "(1: one blocking call at a time, the engine idle between two).",
+    )
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template (instruct models).")
     batch_invariant: bool = Field(
         True, description="A prompt's greedy answer does not depend on what else is decoded beside it, so a resumed "

@@ -2,7 +2,7 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 410): the environment every worker of a job gets (`worker_env_vars`) is set
+Over 400 lines (about 420): the environment every worker of a job gets (`worker_env_vars`) is set
 where Ray starts or is joined, and belongs beside `init_ray`."""
 
 from __future__ import annotations
@@ -148,22 +148,29 @@ def start_restartable(remote_cls, *args):
 
 def call_actors(actors: list, method: str, calls: list[tuple], *, in_flight: int = 2,
                 on_result: Callable[[int, Any], None] | None = None) -> list:
-    """`actors[j].<method>(*calls[i])` for every i, spread over interchangeable actors (each runs its calls in
-    turn), at most `in_flight` calls queued per actor (what the object store holds of the inputs stays
-    bounded); the results in the order of `calls`. `on_result(i, result)` as each one arrives (progress). A
-    call that meets a lost actor is sent again as `call_actor` does."""
+    """`actors[j].<method>(*calls[i])` for every i, spread over interchangeable actors, at most `in_flight` calls
+    sent to each actor and not yet answered (what the object store holds of the inputs stays bounded); each next
+    call goes to the actor with the fewest unanswered calls, that is to the one that just answered, so a slow
+    actor (a long batch, a busy node) is not handed as many calls as a fast one. The results in the order of
+    `calls`; `on_result(i, result)` as each one arrives (progress). A call that meets a lost actor is sent again
+    as `call_actor` does."""
     import ray
 
     results: list = [None] * len(calls)
-    pending: dict = {}  # ObjectRef -> call index
+    pending: dict = {}  # ObjectRef -> (call index, actor index)
+    load = [0] * len(actors)  # unanswered calls per actor
     next_call = 0
     while next_call < len(calls) or pending:
-        while next_call < len(calls) and len(pending) < in_flight * len(actors):
-            actor = actors[next_call % len(actors)]
-            pending[getattr(actor, method).remote(*calls[next_call])] = next_call
+        while next_call < len(calls):
+            j = min(range(len(actors)), key=load.__getitem__)
+            if load[j] >= in_flight:
+                break
+            pending[getattr(actors[j], method).remote(*calls[next_call])] = (next_call, j)
+            load[j] += 1
             next_call += 1
         [ready], _ = ray.wait(list(pending), num_returns=1)
-        i = pending.pop(ready)
+        i, j = pending.pop(ready)
+        load[j] -= 1
         try:
             results[i] = ray.get(ready)
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):

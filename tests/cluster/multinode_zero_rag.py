@@ -132,27 +132,28 @@ def answers(run: RunFolder, label: str) -> dict:
     return out
 
 
-def resume_after_a_killed_driver(address: str, run: RunFolder, config, questions: str) -> dict:
-    """An uninterrupted evaluation of `questions` (naive RAG, the reference, decoded in the usual batches), then
-    the same under another name by a driver SIGKILLed right after the commit that brings its committed answers
-    to half (decoding and committing 4 at a time: a batch size never changes an answer, generator.batch_invariant;
-    tests.drivers says why this kill comes from inside), then that command again."""
+def resume_after_a_killed_driver(address: str, run: RunFolder, config, dataset: str, reference: dict) -> dict:
+    """The write-back evaluation just run (`reference`: its answers, decoded in the usual batches) again under
+    another name, by a driver SIGKILLed right after the commit that brings its committed answers to half (decoding
+    and committing 2 at a time: a batch size never changes an answer, generator.batch_invariant; tests.drivers says
+    why this kill comes from inside), then that command again."""
     from tests.drivers import die_once_half_committed
 
-    config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
-    api.evaluate(run, config, questions, "whole")
-    total = len(answers(run, "whole")["naive"]["answers"])
-    args = ["eval", run.uri, "--dataset", questions, "--name", "killed", "--methods", "naive", "--address", address,
+    total = reference["naive"]["rows"]
+    label = eval_label("killed", RATIO, True)
+    args = ["eval", run.uri, "--dataset", dataset, "--name", "killed", "--prune-ratio", str(RATIO), "--writeback",
+            "--methods", "naive", "--address", address,
             "--set", "generator.batch_size=1", "--set", "generator.checkpoint_rows=2"]
-    folder = run.layout.checkpoint("eval-killed")
+    folder = run.layout.checkpoint(f"eval-{label}")
     committed, status, log = die_once_half_committed(args, dict(os.environ), folder, total)
     step(f"the driver died (exit {status}) with {committed} of {total} answers committed")
-    complete_at_kill = run.is_complete("eval-killed")
-    api.evaluate(run, config, questions, "killed")
-    stats = run.stats("eval-killed")
+    complete_at_kill = run.is_complete(f"eval-{label}")
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": ["naive"]})})
+    api.evaluate(run, config, dataset, "killed", prune_ratio=RATIO, writeback=True)
+    stats = run.stats(f"eval-{label}")
     return {"total": total, "committed": committed, "exit": status, "complete_at_kill": complete_at_kill,
             "rows_resumed": stats.get("rows_resumed"), "rows_computed": stats.get("rows_computed"),
-            "checkpoint_left": folder.exists(), "same_answers": answers(run, "killed") == answers(run, "whole"),
+            "checkpoint_left": folder.exists(), "same_answers": answers(run, label) == reference,
             "driver_log": log[-1500:]}
 
 
@@ -160,7 +161,7 @@ def step(message: str) -> None:
     print(f"[multinode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main(s3_run: str, dataset: str, questions: str) -> None:
+def main(s3_run: str, dataset: str) -> None:
     # The nodes are processes of this one machine: the tiny models' local folders are on a disk every node sees.
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"
     cluster = local_cluster(head_cpus=0)  # all work on the worker nodes
@@ -196,8 +197,8 @@ def main(s3_run: str, dataset: str, questions: str) -> None:
     api.evaluate(run, config, dataset, "t", prune_ratio=RATIO, writeback=True, force=True)
     summary["writeback"] = answers(run, eval_label("t", RATIO, True))
 
-    step("an evaluation whose driver is killed part way, resumed")
-    summary["resume"] = resume_after_a_killed_driver(cluster.address, run, config, questions)
+    step("the write-back evaluation again, its driver killed part way, resumed")
+    summary["resume"] = resume_after_a_killed_driver(cluster.address, run, config, dataset, summary["writeback"])
     summary["alive_nodes"] = sum(1 for node in ray.nodes() if node["Alive"])
     print(json.dumps(summary))
     ray.shutdown()
@@ -205,4 +206,4 @@ def main(s3_run: str, dataset: str, questions: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(sys.argv[1], sys.argv[2])

@@ -121,6 +121,20 @@ def test_vllm_and_hf_agree_and_rag_beats_closed_book_under_both(vllm_answers, hf
         assert acc_rag > acc_closed, (name, acc_rag, acc_closed)
 
 
+def test_batches_fed_to_the_engine_at_once_share_it_and_answer_as_one_call(kb, vllm_answers, services):
+    """The closed-book prompts in batches of 4 rows (generator.batch_size=1: 3 calls) on the module's engine: the
+    service's actor runs them at once (generator.calls_per_engine, default 4: their requests share the engine's
+    batch, `generation.vllm_feed`) and each answer is the one the single call of the answers fixture gave."""
+    closed = vllm_answers[vllm_answers["method"] == "no-retrieval"][["id", "prompt", "prediction"]]
+    loads = services.loads["generate"]
+    config = vllm_config(kb, "generator.batch_size=1")
+    passes = GeneratorPasses(config.generator, services)  # its own answer memo: every prompt goes to the engine
+    out = passes.generate("fed", closed[["id", "prompt"]].reset_index(drop=True), "prompt", "answer")
+    assert list(out["answer"]) == list(closed["prediction"])
+    assert services.loads["generate"] == loads  # the pass's batch size is its own: nothing loaded again
+    assert services.calls_at_once()["generate"][0] >= 2
+
+
 def test_flare_and_self_rag_run_on_the_shared_vllm_engine(kb, search, questions, services, vllm_answers, hf):
     started, loads = dict(services.started), dict(services.loads)
     config = vllm_config(kb, "rag.flare.max_rounds=2")

@@ -141,8 +141,9 @@ class RemoteEngine:
                 "cluster's GPUs are held by other work, or no node has the GPUs (`ray status`)")
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
-        self.actor = ray.remote(num_cpus=GPU_BUNDLE["CPU"], num_gpus=0)(host_cls).options(
-            scheduling_strategy=strategy).remote(config)
+        # the service actor's concurrent calls reach the engine's feed together (`generation.vllm_feed`)
+        self.actor = ray.remote(num_cpus=GPU_BUNDLE["CPU"], num_gpus=0, max_concurrency=config.calls_per_engine)(
+            host_cls).options(scheduling_strategy=strategy).remote(config)
         self._finalizer = weakref.finalize(self, _release, self.actor, self.pg)
         try:
             ray.get(self.actor.ready.remote())  # the engine's start, and its errors, here

@@ -48,7 +48,9 @@ class GenerateStage(Stage):
         # the actor that forwards the passes' batches to it asks for none.
         gpus = 0.0 if sharded(c) else c.num_gpus
         # One Ray batch holds several generate batches, so length bucketing has room to sort.
-        return Resources(c.num_cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads)
+        # A vLLM engine takes several batches at once (`generation.vllm_feed`); the other backends one at a time.
+        calls = c.calls_per_engine if c.backend == "vllm" else 1
+        return Resources(c.num_cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads, calls=calls)
 
     def setup(self) -> None:
         self.generator = make_generator(self.config)

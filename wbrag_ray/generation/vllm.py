@@ -30,14 +30,15 @@ from wbrag_ray.generation.types import (
     scored_columns,
     scored_from_logprobs,
 )
+from wbrag_ray.generation.vllm_feed import EngineFeed
 from wbrag_ray.ray_runtime import LIGHT_CPUS
 
 # Throughput defaults: prefix caching (every RAG prompt starts with the same instruction), chunked prefill
-# (long retrieved contexts don't stall decoding), and a batch token budget large enough to keep the GPU busy.
+# (long retrieved contexts don't stall decoding). The batch token budget is vLLM's own on GPUs (sized there for
+# the GPU and the model), the CPU value below on CPUs.
 VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
-    "max_num_batched_tokens": 8192,
     "max_model_len": 4096,
     "gpu_memory_utilization": 0.85,
 }
@@ -47,11 +48,13 @@ VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
 # - eager mode: torch.compile of the model would add minutes to every engine start;
 # - a KV cache of a fixed size: otherwise vLLM reserves gpu_memory_utilization of the node's whole memory (on
 #   CPUs the flag means that) and refuses to start while other processes hold it. 2 GiB hold 46K tokens of
-#   SmolLM2-135M in fp32; a larger model sets its own kv_cache_memory_bytes in generator.vllm_engine_kwargs.
+#   SmolLM2-135M in fp32; a larger model sets its own kv_cache_memory_bytes in generator.vllm_engine_kwargs;
+# - a batch token budget of 8192: a CPU step over more tokens only takes longer.
 VLLM_CPU_DEFAULTS: dict[str, Any] = {
     "distributed_executor_backend": "mp",
     "enforce_eager": True,
     "kv_cache_memory_bytes": 2 << 30,
+    "max_num_batched_tokens": 8192,
 }
 
 
@@ -328,6 +331,7 @@ class VLLMGenerator(Generator):
             if in_process and saved is None:
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.lora = self._lora_request()
+        self.feed = EngineFeed(self.llm)
 
     def _lora_request(self):
         """The configured adapter as a vLLM LoRA request (one adapter per engine: id 1), from its folder on this
@@ -342,20 +346,26 @@ class VLLMGenerator(Generator):
         return LoRARequest(lora_name=Path(path).name, lora_int_id=1, lora_path=path)
 
     def _run(self, prompts: list[Prompt], params: dict[str, Any]):
+        """vLLM's outputs for `prompts`, in order: added to the engine's feed as one call (`EngineFeed`), which
+        the service's other calls share the engine with."""
         from vllm import SamplingParams
 
         sampling = SamplingParams(**params)
         if not self.config.chat_template:
-            return self.llm.generate([messages_to_text(p) for p in prompts], sampling, use_tqdm=False,
-                                     lora_request=self.lora)
+            texts = [messages_to_text(p) for p in prompts]
+            return self.feed.run(lambda llm: llm.enqueue(texts, sampling, use_tqdm=False, lora_request=self.lora))
+        # new answers and continued answers take different template flags: two groups of one call
+        groups = [[i for i, p in enumerate(prompts) if continues_answer(p) == cont] for cont in (False, True)]
+
+        def add(llm) -> list[str]:
+            return [rid for cont, idx in zip((False, True), groups, strict=True) if idx
+                    for rid in llm.enqueue_chat([prompts[i] for i in idx], sampling, use_tqdm=False,
+                                                lora_request=self.lora, add_generation_prompt=not cont,
+                                                continue_final_message=cont)]
+
         outs: list[Any] = [None] * len(prompts)
-        for cont in (False, True):  # new answers and continued answers take different template flags
-            idx = [i for i, p in enumerate(prompts) if continues_answer(p) == cont]
-            if idx:
-                done = self.llm.chat([prompts[i] for i in idx], sampling, use_tqdm=False, lora_request=self.lora,
-                                     add_generation_prompt=not cont, continue_final_message=cont)
-                for i, o in zip(idx, done, strict=True):
-                    outs[i] = o
+        for i, out in zip([i for idx in groups for i in idx], self.feed.run(add), strict=True):
+            outs[i] = out
         return outs
 
     @_where_the_engine_is

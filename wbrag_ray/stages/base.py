@@ -35,6 +35,9 @@ class Resources:
     concurrency: int = 1
     batch_size: int = 64
     threads: int | None = None  # torch threads; None = ceil(num_cpus)
+    # calls one service actor runs at once (threads of the actor): > 1 only for a stage whose setup is safe to
+    # share between calls (a vLLM engine's feed, `generation.vllm_feed`)
+    calls: int = 1
     # False: run as plain tasks that Ray fuses with the read before them (no actor, no object-store hop for
     # the input), for stages whose setup is trivial (a numpy head) and whose input is large (vectors).
     actors: bool = True

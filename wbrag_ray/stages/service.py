@@ -49,14 +49,21 @@ log = logging.getLogger(__name__)
 
 
 class _ServiceWorker:
-    """A service's actor: the stage set up once; each call runs a pass's own stage on what it loaded."""
+    """A service's actor: the stage set up once; each call runs a pass's own stage on what it loaded. With
+    `Resources.calls` > 1 the actor runs that many calls at once, in threads, on the one setup: a call for
+    another service key waits until the calls running on the old setup are done, then loads its own."""
 
     def __init__(self, stage: Stage):
+        import threading
+
         from wbrag_ray.models.hardware import set_threads
 
         set_threads(stage.resources.threads or stage.resources.num_cpus)
         self.loaded: Stage | None = None
         self.setups = 0  # what this process really loaded (tests count it: a second pass loads nothing)
+        self.running = 0  # calls running on the loaded setup
+        self.most_running = 0  # the most calls that ran at once (tests read it)
+        self._turn = threading.Condition()
         self._load(stage)
 
     def _load(self, stage: Stage) -> None:
@@ -72,12 +79,25 @@ class _ServiceWorker:
     def setup_count(self) -> int:
         return self.setups
 
+    def most_calls_at_once(self) -> int:
+        return self.most_running
+
     def run(self, stage: Stage, batch):
-        if stage.service_key() == self.key:
+        with self._turn:
+            key = stage.service_key()
+            while key != self.key and self.running:
+                self._turn.wait()
+            if key != self.key:
+                self._load(stage)
             stage.adopt(self.loaded)
-        else:
-            self._load(stage)
-        return process_checked(stage, batch)
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        try:
+            return process_checked(stage, batch)
+        finally:
+            with self._turn:
+                self.running -= 1
+                self._turn.notify_all()
 
 
 def _forward(batch, actors: list, stage: Stage):
@@ -91,7 +111,7 @@ def _forward(batch, actors: list, stage: Stage):
 
 def _placement(res: Resources) -> tuple:
     """What a service's actors hold (a pass's batch size is its own)."""
-    return res.num_cpus, res.num_gpus, res.concurrency, res.threads
+    return res.num_cpus, res.num_gpus, res.concurrency, res.threads, res.calls
 
 
 class StageService:
@@ -114,7 +134,7 @@ class StageService:
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
-                            max_task_retries=3)(_ServiceWorker)
+                            max_task_retries=3, max_concurrency=res.calls)(_ServiceWorker)
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
@@ -144,7 +164,9 @@ class StageService:
             if on_batch is not None:
                 on_batch(i * size, out.to_pandas() if hasattr(out, "to_pandas") else out)
 
-        outs = call_actors(self.actors, "run", [(stage, b) for b in batches], on_result=done)
+        # one call more than each actor runs at once waits in its queue: it starts as soon as one ends
+        outs = call_actors(self.actors, "run", [(stage, b) for b in batches], on_result=done,
+                           in_flight=stage.resources.calls + 1)
         outs = [o.to_pandas() if hasattr(o, "to_pandas") else o for o in outs]
         return pd.concat(outs, ignore_index=True) if outs else frame.iloc[:0].copy()
 
@@ -226,6 +248,13 @@ class Services:
         import ray
 
         return {name: ray.get([a.setup_count.remote() for a in service.actors]) for name, service in self._live.items()}
+
+    def calls_at_once(self) -> dict[str, list[int]]:
+        """Per live service, the most calls each of its actors ran at once (`Resources.calls`)."""
+        import ray
+
+        return {name: ray.get([a.most_calls_at_once.remote() for a in service.actors])
+                for name, service in self._live.items()}
 
     def retrieval(self, members, index, retrieval):
         """The retrieval service over `members` ((index_dir, docs_dir, source), ...): each index's search pool

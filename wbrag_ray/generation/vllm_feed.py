@@ -1,0 +1,136 @@
+"""One vLLM engine fed by several calls at once: the service actor's concurrent passes share its running batch.
+
+`vllm.LLM.generate` / `chat` add a call's requests and then step the engine until every one of them is done: the
+engine decodes the call's last, longest answers at a fraction of its batch, and between two calls it idles while
+the actor returns the answers, takes the next batch and templates and tokenizes its prompts. A bulk pass (write-back
+scoring, the document gate, distillation, mastery) is thousands of such calls.
+
+`EngineFeed` adds each call's requests (`LLM.enqueue` / `enqueue_chat`: rendered and tokenized by vLLM as
+`chat` does) as they come, from the actor's threads, while one stepping thread runs the engine for all of them
+and hands each call its outputs once its last request finished: the next call's requests join the batch while
+the previous call's tail is decoding, and on GPUs (the engine core in a process of its own) the core keeps
+decoding while the front end adds requests. The engine's front end is not thread-safe: only the stepping thread
+touches it, adding what arrived between two steps. Greedy answers do not depend on what shares their batch (generator.batch_invariant on GPUs; on
+CPUs to float rounding, as any batch size)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def reported_id(request_id: str) -> str:
+    """The id vLLM reports a request's outputs under, from the one adding it returned: vLLM (0.32) adds
+    requests under the caller's id plus "-" and 8 random characters and reports them under the caller's id (the
+    offline API's counter: digits)."""
+    return request_id.rsplit("-", 1)[0]
+
+
+class _Call:
+    """One caller's requests: added by the stepping thread, its outputs collected as they finish."""
+
+    def __init__(self, add: Callable[[Any], list[str]]):
+        self.add = add
+        self.order: dict[str, int] = {}
+        self.outputs: list[Any] = []
+        self.left = 0
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def added(self, request_ids: list[str]) -> None:
+        self.order = {reported_id(rid): i for i, rid in enumerate(request_ids)}
+        self.outputs, self.left = [None] * len(request_ids), len(request_ids)
+        if not request_ids:
+            self.done.set()
+
+    def finished(self, output) -> None:
+        self.outputs[self.order[output.request_id]] = output
+        self.left -= 1
+        if self.left == 0:
+            self.done.set()
+
+    def failed(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
+def _threads_as_torch() -> None:
+    """This thread's OpenMP thread count set to torch's. torch's count is the process's, OpenMP's is each thread's
+    own, and a thread that OpenMP did not start begins at OMP_NUM_THREADS (Ray sets it to an actor's CPUs): on
+    vLLM's CPU build (the engine in process) the attention kernel, which runs in this thread, refuses metadata
+    built for another thread count ("Check failed: input->metadata->thread_num == thread_num")."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())
+
+
+class EngineFeed:
+    """Runs `add(llm) -> request ids` for each caller and returns that call's finished outputs in the order of its
+    ids. One thread of its own touches the engine: it adds the calls' requests as they arrive, between two steps,
+    and steps the engine while any request is unfinished."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self._arrivals: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._calls: dict[str, _Call] = {}  # request id -> the call waiting for it (the stepping thread's own)
+        self._stepper: threading.Thread | None = None
+        self._start = threading.Lock()
+        self.steps = 0  # engine steps run
+        self.max_calls_in_batch = 0  # the most calls with requests in the engine at once (tests read it)
+
+    def run(self, add: Callable[[Any], list[str]]) -> list:
+        call = _Call(add)
+        with self._start:
+            if self._stepper is None:
+                self._stepper = threading.Thread(target=self._step_forever, name="vllm-feed", daemon=True)
+                self._stepper.start()
+        self._arrivals.put(call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.outputs
+
+    def _admit(self, call: _Call) -> None:
+        try:
+            call.added(list(call.add(self.llm)))  # vLLM renders, tokenizes and adds them (a bad prompt: its error)
+        except Exception as exc:
+            call.failed(exc)
+            return
+        for rid in call.order:
+            self._calls[rid] = call
+
+    def _step_forever(self) -> None:
+        _threads_as_torch()
+        engine = self.llm.llm_engine
+        while True:
+            if not self._calls:
+                self._admit(self._arrivals.get())  # idle: wait for a call
+            while not self._arrivals.empty():
+                self._admit(self._arrivals.get())
+            if not self._calls:
+                continue
+            if not engine.has_unfinished_requests():  # never step an empty engine in a loop: say what was lost
+                lost = RuntimeError(f"vLLM has no unfinished request but {len(self._calls)} of this feed's were "
+                                    "never reported finished (their ids: wbrag_ray.generation.vllm_feed.reported_id)")
+                for call in set(self._calls.values()):
+                    call.failed(lost)
+                self._calls.clear()
+                continue
+            self.max_calls_in_batch = max(self.max_calls_in_batch, len({id(c) for c in self._calls.values()}))
+            try:
+                outputs = engine.step()
+            except BaseException as exc:  # the engine failed: every waiting call fails with it, none waits forever
+                for call in set(self._calls.values()):
+                    call.failed(exc)
+                self._calls.clear()
+                continue
+            self.steps += 1
+            for output in outputs:
+                if output.finished:
+                    call = self._calls.pop(output.request_id, None)
+                    if call is not None:
+                        call.finished(output)
