@@ -88,14 +88,12 @@ def lora_rank_slot(adapter: str) -> int:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
 
 
-# prefix of the input row's columns on their way through Ray Data LLM's stages
-_KEEP = "_wbrag_row_"
+_KEEP = "_wbrag_row_"  # prefix of the input row's columns on their way through Ray Data LLM's stages
 
 
 @functools.cache
 def end_token_ids(model_source: str) -> frozenset[int]:
-    """The ids that end an answer: the model's end-of-sequence tokens (its generation config's, else its
-    tokenizer's), at which vLLM stops as transformers does."""
+    """The ids that end an answer (where vLLM stops as transformers does): the generation config's, else the tokenizer's."""
     from transformers import AutoTokenizer, GenerationConfig
 
     try:
@@ -346,8 +344,7 @@ class VLLMGenerator(Generator):
         return LoRARequest(lora_name=Path(path).name, lora_int_id=1, lora_path=path)
 
     def _run(self, prompts: list[Prompt], params: dict[str, Any]):
-        """vLLM's outputs for `prompts`, in order: added to the engine's feed as one call (`EngineFeed`), which
-        the service's other calls share the engine with."""
+        """vLLM's outputs for `prompts`, in order: one call of the engine's feed (`EngineFeed`), shared by calls."""
         from vllm import SamplingParams
 
         sampling = SamplingParams(**params)
@@ -363,10 +360,8 @@ class VLLMGenerator(Generator):
                                                 lora_request=self.lora, add_generation_prompt=not cont,
                                                 continue_final_message=cont)]
 
-        outs: list[Any] = [None] * len(prompts)
-        for i, out in zip([i for idx in groups for i in idx], self.feed.run(add), strict=True):
-            outs[i] = out
-        return outs
+        order = [i for idx in groups for i in idx]
+        return [out for _, out in sorted(zip(order, self.feed.run(add), strict=True), key=lambda pair: pair[0])]
 
     @_where_the_engine_is
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
