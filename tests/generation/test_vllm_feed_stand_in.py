@@ -123,3 +123,25 @@ def test_an_engine_that_fails_or_loses_requests_fails_every_waiting_caller(failu
     assert len(errors) == 3 and not any(t.is_alive() for t in threads)
     expected = "engine core died" if failure == "engine error" else "never reported finished"
     assert all(expected in str(e) for e in errors), errors
+
+
+def test_an_idle_feed_holds_no_thread_so_its_engine_can_be_freed():
+    """A service that loads another model drops the old generator and collects it before loading: a stepping
+    thread that outlived its calls would keep the old engine (its memory, its GPU) alive."""
+    import gc
+    import weakref
+
+    llm = StandInLLM()
+    feed = EngineFeed(llm)
+    assert [o.text for o in feed.run(lambda engine: engine.enqueue(["ab"]))] == ["AB"]
+    deadline = time.time() + 5
+    while feed._stepper is not None and time.time() < deadline:
+        time.sleep(0.01)
+    assert feed._stepper is None and not any(t.name == "vllm-feed" for t in threading.enumerate())
+    engine = weakref.ref(llm)
+    del feed, llm
+    gc.collect()
+    assert engine() is None
+    again = EngineFeed(StandInLLM())  # and a feed that went idle starts stepping again for the next call
+    for prompt in ("x", "yy"):
+        assert [o.text for o in again.run(lambda engine, p=prompt: engine.enqueue([p]))] == [prompt.upper()]

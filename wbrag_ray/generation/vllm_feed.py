@@ -78,17 +78,17 @@ class EngineFeed:
         self._arrivals: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._calls: dict[str, _Call] = {}  # request id -> the call waiting for it (the stepping thread's own)
         self._stepper: threading.Thread | None = None
-        self._start = threading.Lock()
+        self._start = threading.Lock()  # a call's arrival and the stepping thread's start or end, one at a time
         self.steps = 0  # engine steps run
         self.max_calls_in_batch = 0  # the most calls with requests in the engine at once (tests read it)
 
     def run(self, add: Callable[[Any], list[str]]) -> list:
         call = _Call(add)
         with self._start:
+            self._arrivals.put(call)
             if self._stepper is None:
-                self._stepper = threading.Thread(target=self._step_forever, name="vllm-feed", daemon=True)
+                self._stepper = threading.Thread(target=self._step_while_busy, name="vllm-feed", daemon=True)
                 self._stepper.start()
-        self._arrivals.put(call)
         call.done.wait()
         if call.error is not None:
             raise call.error
@@ -103,12 +103,17 @@ class EngineFeed:
         for rid in call.order:
             self._calls[rid] = call
 
-    def _step_forever(self) -> None:
+    def _step_while_busy(self) -> None:
+        """Steps while any call waits, then ends: an idle feed holds no thread, so nothing but its owner keeps
+        the engine alive (a service that loads another model frees this one first)."""
         _threads_as_torch()
         engine = self.llm.llm_engine
         while True:
             if not self._calls:
-                self._admit(self._arrivals.get())  # idle: wait for a call
+                with self._start:  # `run` adds under this lock: a call that came after this look starts a thread
+                    if self._arrivals.empty():
+                        self._stepper = None
+                        return
             while not self._arrivals.empty():
                 self._admit(self._arrivals.get())
             if not self._calls:
