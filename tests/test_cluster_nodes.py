@@ -36,3 +36,66 @@ def test_a_pool_of_groups_is_told_the_replicas_per_group_that_fit():
     # fewer actors fit than there are groups: no concurrency fits, the nodes are too small
     assert "lower its concurrency, or add nodes" in pool_refusal("the search pool", 8, {"CPU": 4.0}, [{"CPU": 8.0}],
                                                                   groups=4)
+
+
+def _config(*overrides: str):
+    from wbrag_ray.config import load_config
+
+    return load_config(overrides=list(overrides))
+
+
+def test_auto_concurrency_fills_the_free_gpus_less_the_search_actors_and_leaves_a_cpu_to_the_reads():
+    """The rule by hand, on free resources: 4 nodes of 8 GPUs and 96 CPUs (the paper's cluster), a laptop."""
+    from wbrag_ray.cluster_nodes import auto_concurrency
+
+    cluster = [{"CPU": 96.0, "GPU": 8.0} for _ in range(4)]
+    engines = _config("generator.concurrency=auto", "generator.num_gpus=1", "embedder.concurrency=auto",
+                      "embedder.num_gpus=1")
+    # 32 GPUs: 32 engines, 28 beside 4 search actors' GPUs (the embed stage runs alone: all 32)
+    assert auto_concurrency(engines, cluster) == {"embedder": 32, "generator": 32}
+    assert auto_concurrency(engines, cluster, search_gpus=4) == {"embedder": 32, "generator": 28}
+    # the search actors' GPUs come off the nodes with the most free GPUs first: a 4-GPU replica per node fits
+    # where 4 GPUs are free on one node, not on 4 nodes of 1
+    sharded = _config("generator.concurrency=auto", "generator.num_gpus=4", "generator.backend=vllm")
+    assert auto_concurrency(sharded, cluster, search_gpus=4) == {"generator": 7}
+    assert auto_concurrency(sharded, [{"CPU": 96.0, "GPU": 4.0}, {"CPU": 96.0, "GPU": 5.0}], search_gpus=1) == \
+        {"generator": 2}
+    stages = _config("generator.concurrency=auto", "generator.num_gpus=8", "generator.pipeline_parallel_size=2",
+                     "generator.backend=vllm")
+    assert auto_concurrency(stages, cluster) == {"generator": 4}  # 8 groups of 4 GPUs, 2 per replica
+    # CPU actors: one CPU of the largest node left to the reads and writes; at least one actor
+    laptop = [{"CPU": 2.0}]
+    cpu = _config("generator.concurrency=auto", "embedder.concurrency=auto", "embedder.num_cpus=0.5")
+    assert auto_concurrency(cpu, laptop) == {"embedder": 2, "generator": 1}
+    assert auto_concurrency(cpu, [{"CPU": 4.0}, {"CPU": 4.0}]) == {"embedder": 14, "generator": 7}
+    assert auto_concurrency(engines, laptop) == {"embedder": 1, "generator": 1}  # no GPU: the checks refuse
+    assert auto_concurrency(_config("generator.concurrency=3"), cluster) == {}  # a number stays as set
+
+
+def test_concurrency_takes_a_positive_number_or_auto():
+    import pytest
+
+    from wbrag_ray.config import ConfigError
+
+    assert _config("generator.concurrency=auto").generator.concurrency == "auto"
+    assert _config("embedder.concurrency=3").embedder.concurrency == 3
+    for bad in ("0", "many", "1.5"):
+        with pytest.raises(ConfigError, match="generator.concurrency.*must be a positive integer or 'auto'"):
+            _config(f"generator.concurrency={bad}")
+
+
+def test_a_command_decides_auto_once_as_it_joins_the_cluster(ray_cluster, tmp_path):
+    """On the session's real cluster: `api.start` sets each `auto` to the rule's number on the nodes' free
+    resources, in the config every stage of the command then reads."""
+    from wbrag_ray import api
+    from wbrag_ray.cluster_nodes import auto_concurrency, free_nodes
+
+    config = _config(f"run={tmp_path / 'run'}", "generator.concurrency=auto", "embedder.concurrency=auto",
+                     "embedder.num_cpus=0.5")
+    free = free_nodes()
+    assert len(free) == 1 and free[0]["CPU"] <= 2  # the session's one 2-CPU node
+    expected = auto_concurrency(config, free)
+    api.start(tmp_path / "run", config)
+    assert (config.embedder.concurrency, config.generator.concurrency) == (expected["embedder"],
+                                                                            expected["generator"])
+    assert all(isinstance(n, int) and n >= 1 for n in expected.values())

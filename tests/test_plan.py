@@ -105,6 +105,21 @@ def test_paper_writeback_places_on_four_nodes_of_eight_gpus():
     assert "up to 24 calls a question" in stage(plan, "evaluation").work  # 1 + 1 + K + (K + 2) + 2 x 5 rounds
 
 
+def test_auto_concurrency_is_planned_as_a_command_decides_it_on_the_cluster():
+    """The paper's write-back config with `concurrency: auto`: every GPU of the 4 x 8 that retrieval does not hold
+    (search actors, query embedders) becomes an engine (the command's rule, `cluster_nodes.auto_concurrency`), and
+    the plan says the number."""
+    auto = load_config(WRITEBACK, overrides=["generator.concurrency=auto", "embedder.concurrency=auto"])
+    plan = make_plan(auto, big_cluster(), passages=WIKI)
+    assert plan.places, plan.problems
+    retrieval = [bundle(stage(plan, "evaluation"), what) for what in ("search actor", "query embedder")]
+    held = int(sum(b.count * b.gpus for b in retrieval))
+    gen = bundle(stage(plan, "write-back training"), "generator actor (vllm)")
+    assert held >= 1 and (gen.count, gen.gpus) == (32 - held, 1.0)
+    assert bundle(stage(plan, "embed"), "embed actor").count == 32  # embedding runs alone: every GPU
+    assert f"generator.concurrency auto: {32 - held} on this cluster" in plan.warnings
+
+
 def test_wbrag_plan_prints_the_plan_and_its_provenance(capsys):
     assert main(["plan", str(ZERO_RAG), *BIG, "--passages", str(WIKI)]) == 0
     out = capsys.readouterr().out

@@ -85,3 +85,71 @@ def refuse_unplaceable(refusal) -> None:
         where = ("" if every_node else f". (The nodes up now; on a cluster that adds nodes on demand, set "
                  f"{AUTOSCALING_ENV}=1 to skip this check.)")
         raise ConfigError(why + where)
+
+
+def free_nodes() -> list[dict[str, float]]:
+    """Each alive node's resources free now (Ray's per-node availability, a private API its own `ray status`
+    reads; where it moved, the cluster's free total as one node)."""
+    import ray
+
+    try:
+        from ray._private.state import state
+
+        return [dict(free) for free in state.available_resources_per_node().values()]
+    except Exception:  # noqa: BLE001 - a private API: the total is what is known
+        return [dict(ray.available_resources())]
+
+
+def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float = 0.0) -> dict[str, int]:
+    """The actor count of each section of `config` whose `concurrency` is "auto" ({"generator": 4, ...}), on
+    `nodes` (the resources free on each): an actor with GPUs (an engine replica: its tensor-parallel GPUs on one
+    node, times its pipeline stages), as many as the free GPUs hold, the generator's less `search_gpus` (what the
+    command's retrieval holds beside it: taken from the nodes with the most GPUs first);
+    a CPU actor, as many as the free CPUs hold with one CPU of the largest node left to the reads and writes that
+    feed it. At least one: a pool the cluster cannot hold is refused by the placement checks, with why."""
+    out = {}
+    for key in ("embedder", "generator"):
+        section = getattr(config, key)
+        if section.concurrency != "auto":
+            continue
+        free = [dict(n) for n in nodes]
+        if section.num_gpus > 0:
+            stages = getattr(section, "pipeline_parallel_size", 1)
+            left = search_gpus if key == "generator" else 0.0
+            for node in sorted(free, key=lambda n: -n.get("GPU", 0.0)):
+                taken = min(left, node.get("GPU", 0.0))
+                node["GPU"] = node.get("GPU", 0.0) - taken
+                left -= taken
+            need = {"GPU": section.num_gpus / stages, "CPU": section.num_cpus if stages == 1 else 0.0}
+            count = room_for(need, free) // stages
+        else:
+            if free:
+                largest = max(free, key=lambda n: n.get("CPU", 0.0))
+                largest["CPU"] = largest.get("CPU", 0.0) - 1.0
+            count = room_for({"CPU": section.num_cpus}, free)
+        out[key] = max(1, count)
+    return out
+
+
+def resolve_auto_concurrency(config, index_dir: str) -> None:
+    """Each `concurrency: auto` of `config` set, in place, to what `auto_concurrency` finds on the joined
+    cluster's free resources now, the generator's GPUs less those retrieval will hold beside it (the search actors
+    of the index at `index_dir`, the query embedders); said in the log. Called once when a command joins Ray: the
+    stages record the numbers they ran with."""
+    import logging
+
+    if "auto" not in (config.generator.concurrency, config.embedder.concurrency):
+        return
+    from wbrag_ray.retrieval.service import search_gpus
+
+    # retrieval's GPUs beside the generator: the search actors', and the query embedders' (a retrieval pass's
+    # actors hold the embedder with its GPUs)
+    held = (search_gpus(index_dir, config.index, config.retrieval)
+            + config.retrieval.concurrency * config.embedder.num_gpus) if config.generator.num_gpus else 0
+    nodes = free_nodes()
+    for key, count in auto_concurrency(config, nodes, held).items():
+        getattr(config, key).concurrency = count
+        logging.getLogger(__name__).info(
+            "%s.concurrency auto: %d (free now: %g CPU, %g GPU on %d node(s)%s)", key, count,
+            sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes), len(nodes),
+            f"; {held:g} GPU(s) left to retrieval" if held else "")

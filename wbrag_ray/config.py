@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 BUNDLED_GENERATOR = "bundled:smollm2"
@@ -23,6 +31,25 @@ BUNDLED_EMBEDDER = "bundled:all-minilm-l6-v2"
 
 class ConfigError(ValueError):
     """A configuration problem, already phrased for a person: the key, the problem, the fix."""
+
+
+def _concurrency(value: Any) -> Any:
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1 or isinstance(value, bool) or (isinstance(value, float) and value != count):
+        raise ValueError(f"must be a positive integer or 'auto', not {value!r}")
+    return count
+
+
+# A pool's actor count: a number, or "auto": as many as the cluster has room for when the command joins Ray
+# (`cluster_nodes.auto_concurrency`; `wbrag plan` decides it on the cluster it plans for).
+Concurrency = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
+AUTO_CONCURRENCY = (" 'auto': as many as fit the resources free when the command joins Ray (GPU actors: the free "
+                    "GPUs, less those the search actors will hold; CPU actors: the free CPUs, less one for reads).")
 
 
 class _Section(BaseModel):
@@ -72,7 +99,7 @@ class EmbedderConfig(_Section):
         None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus))."
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
-    concurrency: int = Field(1, ge=1, description="Number of embed actors.")
+    concurrency: Concurrency = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
     query_prompt: str | None = Field(
         None, description="A prompt the model ships (sentence-transformers' `prompts`), put before every query, not "
@@ -130,7 +157,7 @@ class GeneratorConfig(_Section):
         1, ge=1, description="vllm: stages an engine replica's layers are split into (stages may sit on different "
         "nodes); num_gpus = tensor_parallel_size x pipeline_parallel_size.",
     )
-    concurrency: int = Field(1, ge=1, description="Number of generator actors / engine replicas.")
+    concurrency: Concurrency = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
     calls_per_engine: int = Field(
         4, ge=1, description="vllm, a command's generator service: batches one engine takes at once; their requests "
         "share its running batch, so the engine decodes the next batch while the last one's longest answers finish "

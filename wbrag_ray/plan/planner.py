@@ -81,6 +81,21 @@ class _Builder:
             self.warnings.append(f"embedder {config.embedder.model}: vector dimension unknown, {DIM_ASSUMED} assumed")
         self.units = corpus.units(config.index.unit)
         self.sizing = self._size(self.units, "index") if self.units else None
+        self._decide_auto_concurrency()
+
+    def _decide_auto_concurrency(self) -> None:
+        """`concurrency: auto` as a command would decide it on this cluster, empty (`cluster_nodes`'s rule: the
+        generator's GPUs less retrieval's, its search actors and query embedders)."""
+        from wbrag_ray.cluster_nodes import auto_concurrency
+
+        c = self.c
+        if "auto" not in (c.generator.concurrency, c.embedder.concurrency):
+            return
+        nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in self.cluster.nodes]
+        held = sum(b.count * b.gpus for b in self._retrieval())  # search actors and query embedders
+        counts = auto_concurrency(c, nodes, held)
+        self.c = c.model_copy(update={k: getattr(c, k).model_copy(update={"concurrency": n}) for k, n in counts.items()})
+        self.warnings += [f"{k}.concurrency auto: {n} on this cluster" for k, n in counts.items()]
 
     def _size(self, n: int, what: str) -> IndexSizing | None:
         c = self.c

@@ -119,6 +119,33 @@ def shard_groups(shards: list[dict[str, Any]], budget_bytes: float) -> list[list
     return groups
 
 
+def _manifest_shards(index_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The index's manifest and its shards, each with its bytes (read from storage for indices built before the
+    manifest recorded sizes)."""
+    loc = resolve(index_dir)
+    manifest = load_manifest(loc)
+    shards = manifest.get("shards") or [{"file": f, "count": None, "bytes": 0} for f in manifest["files"]]
+    for s in shards:
+        if not s.get("bytes"):
+            s["bytes"] = loc.join(s["file"]).size()
+    return manifest, shards
+
+
+def search_gpus(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> int:
+    """The GPUs the search pool of the index at `index_dir` will hold, by `SearchPool.start`'s rule: one per search
+    actor (shard groups x replicas) where index.gpu is set, the cluster has GPUs and faiss can use them; 0 where
+    the index is not built yet."""
+    import ray
+
+    if not (index.gpu and ray.cluster_resources().get("GPU", 0) > 0 and faiss_has_gpu()):
+        return 0
+    try:
+        shards = _manifest_shards(index_dir)[1]
+    except IndexError_:
+        return 0
+    return len(shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))) * retrieval.concurrency
+
+
 def _unwrap(exc: Exception) -> Exception:
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, IndexError_ | DocStoreError) else exc
@@ -143,12 +170,7 @@ class SearchPool:
     def start(cls, index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> SearchPool:
         import ray
 
-        manifest = load_manifest(resolve(index_dir))
-        shards = manifest.get("shards") or [{"file": f, "count": None, "bytes": 0} for f in manifest["files"]]
-        loc = resolve(index_dir)
-        for s in shards:  # indices built before the manifest recorded sizes
-            if not s.get("bytes"):
-                s["bytes"] = loc.join(s["file"]).size()
+        manifest, shards = _manifest_shards(index_dir)
         groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
         use_gpu = bool(index.gpu and ray.cluster_resources().get("GPU", 0) > 0)
         if use_gpu and not faiss_has_gpu():
