@@ -92,12 +92,20 @@ def test_training_workers_that_the_cluster_cannot_place_are_refused_with_the_fix
 
 def _committed_step(storage: Path) -> int:
     """The step of the last checkpoint Ray Train has registered (its snapshot in the storage folder): a
-    checkpoint folder may exist before the controller has taken it, and only a registered one is resumed."""
+    checkpoint folder may exist before the controller has taken it, and only a registered one is resumed. Ray
+    rewrites the snapshot in place: a look while it writes finds it empty or cut (CI, 2026-12-03), so a look
+    that cannot parse it looks again."""
     snapshot = storage / "lm-pruner" / "checkpoint_manager_snapshot.json"
-    if not snapshot.exists():
-        return 0
-    latest = json.loads(snapshot.read_text()).get("latest_checkpoint_result") or {}
-    return int(latest.get("metrics", {}).get("step", 0))
+    for _ in range(200):
+        if not snapshot.exists():
+            return 0
+        try:
+            latest = json.loads(snapshot.read_text()).get("latest_checkpoint_result") or {}
+        except json.JSONDecodeError:
+            time.sleep(0.01)
+            continue
+        return int(latest.get("metrics", {}).get("step", 0))
+    raise AssertionError(f"{snapshot} stayed unreadable for 2 s")
 
 
 def _wait_for(condition, what: str, timeout: float = 240):
