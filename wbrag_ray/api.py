@@ -16,7 +16,7 @@ Errors a person can fix (a missing input, a changed config, a stage to run first
 message says the fix; anything else is a bug. Each function checks what it can before Ray starts (inputs, ranges,
 names, the stages it reads, a changed setting), so a mistake costs a second, not a cluster start.
 
-Over 400 lines (about 425), not split: one function per command of the library, each with the checks it makes
+Over 400 lines (about 445), not split: one function per command of the library, each with the checks it makes
 before any work, in one module so the API reads as one table, as the CLI (`cli.py`) that calls it does.
 """
 
@@ -61,7 +61,10 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
 
     init_ray(config.ray, run.uri)
     check_model_paths(config)
-    resolve_auto_concurrency(config, run.layout.index.uri)
+    if "auto" in (config.generator.concurrency, config.embedder.concurrency):
+        from wbrag_ray.retrieval.service import search_gpus
+
+        resolve_auto_concurrency(config, search_gpus(run.layout.index.uri, config.index, config.retrieval))
 
 
 

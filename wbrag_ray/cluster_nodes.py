@@ -131,21 +131,15 @@ def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float =
     return out
 
 
-def resolve_auto_concurrency(config, index_dir: str) -> None:
+def resolve_auto_concurrency(config, search_gpus: float = 0.0) -> None:
     """Each `concurrency: auto` of `config` set, in place, to what `auto_concurrency` finds on the joined
-    cluster's free resources now, the generator's GPUs less those retrieval will hold beside it (the search actors
-    of the index at `index_dir`, the query embedders); said in the log. Called once when a command joins Ray: the
+    cluster's free resources now, the generator's GPUs less those retrieval holds beside it: `search_gpus` (the
+    search actors of the run's index, `retrieval.service.search_gpus`) and the query embedders' (a retrieval
+    pass's actors hold the embedder with its GPUs). Said in the log. Called once when a command joins Ray: the
     stages record the numbers they ran with."""
     import logging
 
-    if "auto" not in (config.generator.concurrency, config.embedder.concurrency):
-        return
-    from wbrag_ray.retrieval.service import search_gpus
-
-    # retrieval's GPUs beside the generator: the search actors', and the query embedders' (a retrieval pass's
-    # actors hold the embedder with its GPUs)
-    held = (search_gpus(index_dir, config.index, config.retrieval)
-            + config.retrieval.concurrency * config.embedder.num_gpus) if config.generator.num_gpus else 0
+    held = (search_gpus + config.retrieval.concurrency * config.embedder.num_gpus) if config.generator.num_gpus else 0
     nodes = free_nodes()
     for key, count in auto_concurrency(config, nodes, held).items():
         getattr(config, key).concurrency = count
