@@ -67,7 +67,6 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
         resolve_auto_concurrency(config, search_gpus(run.layout.index.uri, config.index, config.retrieval))
 
 
-
 def check_input(path: str, what: str) -> None:
     """An input file or folder exists and holds .jsonl / .parquet files: checked before Ray starts."""
     from wbrag_ray.formats import input_files

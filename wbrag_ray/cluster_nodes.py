@@ -102,11 +102,11 @@ def free_nodes() -> list[dict[str, float]]:
 
 def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float = 0.0) -> dict[str, int]:
     """The actor count of each section of `config` whose `concurrency` is "auto" ({"generator": 4, ...}), on
-    `nodes` (the resources free on each): an actor with GPUs (an engine replica: its tensor-parallel GPUs on one
-    node, times its pipeline stages), as many as the free GPUs hold, the generator's less `search_gpus` (what the
-    command's retrieval holds beside it: taken from the nodes with the most GPUs first);
-    a CPU actor, as many as the free CPUs hold with one CPU of the largest node left to the reads and writes that
-    feed it. At least one: a pool the cluster cannot hold is refused by the placement checks, with why."""
+    `nodes` (the resources free on each). An actor with GPUs (an engine replica: its tensor-parallel GPUs on one
+    node, times its pipeline stages): as many as the free GPUs hold, the generator's less `search_gpus` (what the
+    command's retrieval holds beside it, taken from the nodes with the most GPUs first). A CPU actor: as many as
+    the free CPUs hold, one CPU of the largest node left to the reads and writes that feed it. At least one: a
+    pool the cluster cannot hold is refused by the placement checks, with why."""
     out = {}
     for key in ("embedder", "generator"):
         section = getattr(config, key)
