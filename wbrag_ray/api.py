@@ -56,12 +56,12 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
 def join_ray(run: RunFolder, config: WbragConfig) -> None:
     """Join or start Ray (`config.ray`); on a cluster of several machines, refuse a local run folder or model path
     the other nodes cannot read, before any work; `concurrency: auto` decided on the cluster, once per command."""
-    from wbrag_ray.cluster_nodes import resolve_auto_concurrency
+    from wbrag_ray.cluster_nodes import has_auto, resolve_auto_concurrency
     from wbrag_ray.ray_runtime import check_model_paths, init_ray
 
     init_ray(config.ray, run.uri)
     check_model_paths(config)
-    if "auto" in (config.generator.concurrency, config.embedder.concurrency):
+    if has_auto(config):
         from wbrag_ray.retrieval.service import search_gpus
 
         resolve_auto_concurrency(config, search_gpus(run.layout.index.uri, config.index, config.retrieval))

@@ -100,6 +100,13 @@ def free_nodes() -> list[dict[str, float]]:
         return [dict(ray.available_resources())]
 
 
+AUTO_SECTIONS = ("embedder", "generator")  # the sections whose concurrency may be "auto"
+
+
+def has_auto(config) -> bool:
+    return any(getattr(config, key).concurrency == "auto" for key in AUTO_SECTIONS)
+
+
 def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float = 0.0) -> dict[str, int]:
     """The actor count of each section of `config` whose `concurrency` is "auto" ({"generator": 4, ...}), on
     `nodes` (the resources free on each). An actor with GPUs (an engine replica: its tensor-parallel GPUs on one
@@ -108,7 +115,7 @@ def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float =
     the free CPUs hold, one CPU of the largest node left to the reads and writes that feed it. At least one: a
     pool the cluster cannot hold is refused by the placement checks, with why."""
     out = {}
-    for key in ("embedder", "generator"):
+    for key in AUTO_SECTIONS:
         section = getattr(config, key)
         if section.concurrency != "auto":
             continue

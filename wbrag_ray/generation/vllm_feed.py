@@ -79,7 +79,7 @@ class EngineFeed:
         self._calls: dict[str, _Call] = {}  # request id -> the call waiting for it (the stepping thread's own)
         self._stepper: threading.Thread | None = None
         self._start = threading.Lock()  # a call's arrival and the stepping thread's start or end, one at a time
-        self.steps = 0  # engine steps run
+        self._in_engine = 0  # calls with requests in the engine now
         self.max_calls_in_batch = 0  # the most calls with requests in the engine at once (tests read it)
 
     def run(self, add: Callable[[Any], list[str]]) -> list:
@@ -102,6 +102,9 @@ class EngineFeed:
             return
         for rid in call.order:
             self._calls[rid] = call
+        if call.order:
+            self._in_engine += 1
+            self.max_calls_in_batch = max(self.max_calls_in_batch, self._in_engine)
 
     def _step_while_busy(self) -> None:
         """Steps while any call waits, then ends: an idle feed holds no thread, so nothing but its owner keeps
@@ -124,18 +127,19 @@ class EngineFeed:
                 for call in set(self._calls.values()):
                     call.failed(lost)
                 self._calls.clear()
+                self._in_engine = 0
                 continue
-            self.max_calls_in_batch = max(self.max_calls_in_batch, len({id(c) for c in self._calls.values()}))
             try:
                 outputs = engine.step()
             except BaseException as exc:  # the engine failed: every waiting call fails with it, none waits forever
                 for call in set(self._calls.values()):
                     call.failed(exc)
                 self._calls.clear()
+                self._in_engine = 0
                 continue
-            self.steps += 1
             for output in outputs:
                 if output.finished:
                     call = self._calls.pop(output.request_id, None)
                     if call is not None:
                         call.finished(output)
+                        self._in_engine -= call.done.is_set()

@@ -86,10 +86,10 @@ class _Builder:
     def _decide_auto_concurrency(self) -> None:
         """`concurrency: auto` as a command would decide it on this cluster, empty (`cluster_nodes`'s rule: the
         generator's GPUs less retrieval's, its search actors and query embedders)."""
-        from wbrag_ray.cluster_nodes import auto_concurrency
+        from wbrag_ray.cluster_nodes import auto_concurrency, has_auto
 
         c = self.c
-        if "auto" not in (c.generator.concurrency, c.embedder.concurrency):
+        if not has_auto(c):
             return
         nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in self.cluster.nodes]
         held = sum(b.count * b.gpus for b in self._retrieval())  # search actors and query embedders
