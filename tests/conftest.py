@@ -74,6 +74,16 @@ def joining_env(ray) -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
+def last_json_line(stdout: str) -> dict:
+    """The summary a driver subprocess printed last: its stdout's last line that is a JSON object. Ray writes to
+    the driver's stdout too, at any time (the autoscaler's "(autoscaler +41s) Error: No available node types can
+    fulfill..." came after the summary in CI, 2026-12-03), so the last line is not always the driver's."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON summary in the driver's output:\n{stdout[-3000:]}")
+
+
 def write_jsonl(path: Path, records) -> Path:
     """Write records (dicts, or raw bytes lines for bad input) as a jsonl file."""
     path.parent.mkdir(parents=True, exist_ok=True)

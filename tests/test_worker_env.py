@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import joining_env
+from tests.conftest import joining_env, last_json_line
 from wbrag_ray.ray_runtime import QUIET_WORKER_ENV, worker_env_vars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_the_level_reaches_the_workers_of_a_joined_cluster_through_the_jobs_runt
     out = subprocess.run([sys.executable, "-m", "tests.test_worker_env", mode], capture_output=True, text=True,
                          timeout=180, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = last_json_line(out.stdout)
     if mode == "quiet":
         assert seen["job"] == {LEVEL: "WARNING"}  # in the job's runtime env, so on every node
         assert seen["worker"][LEVEL] == "WARNING"

@@ -1,13 +1,12 @@
 """Fault tests on real local Ray clusters (marked slow: one to three minutes each on 2 CPUs; CI runs them)."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import joining_env
+from tests.conftest import joining_env, last_json_line
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +22,7 @@ def test_losing_a_worker_node_mid_embed_loses_and_duplicates_nothing(tmp_path, t
                          capture_output=True, text=True, timeout=600, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = last_json_line(out.stdout)
     killed = summary["killed"]
     assert "node" in killed, (killed, summary["attempts"], out.stderr[-3000:])  # the kill happened
     assert killed["embed_actors_on_node"] and summary["dead_nodes"] == [killed["node"]]  # an embed actor's node

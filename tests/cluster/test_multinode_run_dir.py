@@ -2,12 +2,12 @@
 local run folder and a local model folder are refused up front (allowed on a shared mount), and the adapter travels
 to the workers as its s3:// URI, fetched by the node that loads it."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import last_json_line
 from tests.training.test_lora import QUESTIONS
 from wbrag_ray.config import GeneratorConfig, TuneConfig
 from wbrag_ray.run import RunFolder
@@ -31,7 +31,7 @@ def test_two_nodes_refuse_a_local_run_folder_and_fetch_the_s3_adapter_on_the_wor
     out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_run_dir", str(tmp_path), tiny.generator,
                           run.uri], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = last_json_line(out.stdout)
     assert summary["alive_nodes"] == 2
     refused = summary["local_refused"]
     assert refused and str(tmp_path / "local-run") in refused and "2 nodes" in refused

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import last_json_line
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.generation.parallel import GPU_BUNDLE, placement_refusal, replica_placement
 from wbrag_ray.generation.stage import GenerateStage
@@ -291,7 +292,7 @@ def test_a_sharded_replica_runs_inside_its_placement_group_and_the_cluster_check
     out = subprocess.run([sys.executable, "-m", "tests.generation.test_parallel_sizes"], capture_output=True,
                          text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = last_json_line(out.stdout)
     # the alive nodes: no node holds 4 GPUs; two replicas of 2 x 2 need 4 groups of 2, the nodes hold 2
     assert "no node of the cluster has that many (2 nodes x 2 GPUs, 1 node x 0 GPUs)" in seen["tp4"]
     assert "WBRAG_AUTOSCALING=1" in seen["tp4"]  # the way out on a cluster that adds nodes unannounced

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import joining_env
+from tests.conftest import joining_env, last_json_line
 from tests.drivers import kill_once_half_committed, start
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.checkpoints import progress
@@ -57,7 +57,7 @@ def test_an_index_build_whose_driver_is_killed_resumes_its_finished_tasks(tmp_pa
     again = start(args, env, cwd=ROOT)
     out = again.communicate(timeout=300)[0]
     assert again.returncode == 0, out[-3000:]
-    stats = json.loads(out.strip().splitlines()[-1])
+    stats = last_json_line(out)
     assert f"resumed {committed // 2500} of {shards} add tasks" in out
     assert stats["train_resumed"] and stats["add_tasks_resumed"] == committed // 2500
     assert stats["rows_resumed"] == committed and stats["rows_computed"] == total - committed <= 0.6 * total

@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import last_json_line
 from tests.pipelines.conftest import relocate
 from wbrag_ray.storage import resolve
 from wbrag_ray.zerorag.grid import eval_label
@@ -66,7 +67,7 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
         stderr = script.communicate()[1]  # the script's steps say which stage did not end
         pytest.fail(f"the four-node script ran past {SCRIPT_TIMEOUT_S} s; its log:\n{stderr[-6000:]}")
     assert script.returncode == 0, stderr[-4000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    summary = last_json_line(stdout)
 
     # a worker node died in each stage, part way (of three: the head and the one left remain)
     killed = {k: summary[k] for k in ("predict_killed", "eval_killed")}

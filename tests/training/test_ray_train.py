@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import joining_env
+from tests.conftest import joining_env, last_json_line
 from tests.training.test_lora import KNOWN, UNKNOWN
 from wbrag_ray.config import ConfigError, LMPrunerConfig, TrainerConfig
 from wbrag_ray.storage import resolve
@@ -138,7 +138,7 @@ def uninterrupted(tmp_path_factory, ray_cluster, s3_server, tiny):
     done = subprocess.run([sys.executable, "-m", "tests.training.train_driver", S3_STORAGE, str(out), "2",
                            tiny.generator], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return out, json.loads(done.stdout.strip().splitlines()[-1])
+    return out, last_json_line(done.stdout)
 
 
 def test_a_training_keeps_its_checkpoints_in_a_run_folder_on_object_storage(uninterrupted, s3_env):
