@@ -1,16 +1,25 @@
 """The nodes a Ray cluster may place work on, as the checks that refuse an unplaceable pass or training read
 them before anything waits for resources (a generator's replicas, `generation.parallel`; Ray Train's workers,
-`training.workers`): one reading, one way out for a cluster that adds nodes without announcing them."""
+`training.workers`): one reading, one way out for a cluster that adds nodes without announcing them; and the
+wait for a service's actors to be placed, which ends with what is missing instead of waiting forever."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 from wbrag_ray.config import ConfigError
 
 # Set to 1 on a cluster that adds nodes on demand but publishes no node groups (Ray's v1 autoscaler, which the
 # cluster launcher runs): the nodes up now say nothing about what it can add, so the checks check nothing.
 AUTOSCALING_ENV = "WBRAG_AUTOSCALING"
+
+log = logging.getLogger(__name__)
+
+# How long a service's actors may wait for resources (`ray.pending_timeout_s`; `init_ray` sets it for the
+# driver). As long as vLLM waits for its own placement group: an autoscaler may be adding nodes meanwhile.
+PENDING_TIMEOUT_S = {"seconds": 1800.0}
 
 
 def autoscaling() -> bool:
@@ -60,14 +69,11 @@ def pool_refusal(what: str, count: int, need: dict[str, float], nodes: list[dict
     if fits >= count:
         return None
 
-    def amount(r: str, a: float) -> str:
-        return f"{a / (1 << 30):.3g} GiB memory" if r == "memory" else f"{a:g} {r}"
-
-    each = " and ".join(amount(r, a) for r, a in need.items() if a > 0)
+    each = _amounts(need, need)
     largest = {r: max((n.get(r, 0.0) for n in nodes), default=0.0) for r in need if need[r] > 0}
     short = [r for r in largest if largest[r] + 1e-9 < need[r]]
     fix = (f"lower its concurrency to {fits // groups}" if fits >= groups else
-           "ask less: the largest node has " + " and ".join(amount(r, largest[r]) for r in short) if short else
+           "ask less: the largest node has " + _amounts(largest, {r: 1.0 for r in short}) if short else
            "lower its concurrency")
     return (f"{what}: {count} actor{'s' * (count != 1)} of {each} each do not fit the cluster's {len(nodes)} "
             f"node{'s' * (len(nodes) != 1)} (room for {fits}); {fix}, or add nodes")
@@ -144,13 +150,68 @@ def resolve_auto_concurrency(config, search_gpus: float = 0.0) -> None:
     search actors of the run's index, `retrieval.service.search_gpus`) and the query embedders' (a retrieval
     pass's actors hold the embedder with its GPUs). Said in the log. Called once when a command joins Ray: the
     stages record the numbers they ran with."""
-    import logging
-
     held = (search_gpus + config.retrieval.concurrency * config.embedder.num_gpus) if config.generator.num_gpus else 0
     nodes = free_nodes()
     for key, count in auto_concurrency(config, nodes, held).items():
         getattr(config, key).concurrency = count
-        logging.getLogger(__name__).info(
+        log.info(
             "%s.concurrency auto: %d (free now: %g CPU, %g GPU on %d node(s)%s)", key, count,
             sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes), len(nodes),
             f"; {held:g} GPU(s) left to retrieval" if held else "")
+
+
+def _placed(actor) -> bool:
+    """Whether Ray has given `actor` a node and a process (its constructor may still be loading a model), read
+    from the GCS's actor table: the public state API asks the dashboard, which a local `wbrag` cluster does not
+    run. Where the private table moved, True: nothing is known to be waiting."""
+    try:
+        from ray._private.state import actors
+
+        entry = actors(actor._actor_id.hex())
+        return entry["State"] not in ("DEPENDENCIES_UNREADY", "PENDING_CREATION") or bool(entry["Pid"])
+    except Exception:  # noqa: BLE001 - a private API
+        return True
+
+
+def wait_placed(actors: list, what: str, need: dict[str, float], fix: str, timeout_s: float | None = None) -> None:
+    """Return once every actor of `actors` (each asking for `need`) is placed; a `ConfigError` naming what is
+    missing when some still wait for resources after `timeout_s` (default: `ray.pending_timeout_s`). The
+    capacity checks (`pool_refusal`) refuse a pool the cluster can never hold; this ends the wait for one it
+    could hold but whose resources others hold now (another job, a pass still running), where the driver would
+    otherwise wait on the missing actors forever. Said in the log every minute of the wait. `fix`: the setting
+    that asks for less ("lower generator.concurrency")."""
+    import ray
+
+    timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
+    start = time.monotonic()
+    said, pause = start, 0.02
+    while True:
+        waiting = sum(not _placed(a) for a in actors)
+        if not waiting:
+            return
+        now = time.monotonic()
+        if now - start >= timeout_s:
+            break
+        if now - said >= 60:
+            said = now
+            log.warning("%s: %d of %d actors still wait for resources after %.0f s (free now: %s); failing after "
+                        "%g s (ray.pending_timeout_s)", what, waiting, len(actors), now - start,
+                        _amounts(ray.available_resources(), need), timeout_s)
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+    each = _amounts(need, need)
+    free, total = ray.available_resources(), ray.cluster_resources()
+    held = ", ".join(f"{_amount(r, free.get(r, 0.0))} of {_amount(r, total.get(r, 0.0))}" for r in need if need[r] > 0)
+    raise ConfigError(
+        f"{what}: {waiting} of {len(actors)} actors of {each} each still wait for resources after {timeout_s:g} s. "
+        f"Free now: {held}; the rest is held by other jobs or this run's other actors (`ray status` shows whom). "
+        f"{fix[:1].upper() + fix[1:]}, free the resources, or raise ray.pending_timeout_s where an autoscaler is still adding nodes")
+
+
+def _amount(resource: str, amount: float) -> str:
+    return f"{amount / (1 << 30):.3g} GiB memory" if resource == "memory" else f"{amount:g} {resource}"
+
+
+def _amounts(resources: dict[str, float], need: dict[str, float]) -> str:
+    """`resources`' amounts of the resources `need` asks for, as a message says them ("1 CPU and 1 GPU")."""
+    return " and ".join(_amount(r, resources.get(r, 0.0)) for r, a in need.items() if a > 0)

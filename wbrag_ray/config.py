@@ -65,6 +65,11 @@ class RayConfig(_Section):
         None, description="Ray cluster to join ('auto', 'ray://host:10001', host:port). None starts a local one."
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (local clusters only).")
+    pending_timeout_s: float = Field(
+        1800.0, gt=0, description="How long a service's actors (generator, embedder, search) may wait for a node with "
+        "the resources they ask before the command fails naming what is missing (the resources may be held by "
+        "another job; an autoscaler may be adding nodes)."
+    )
 
 
 class IngestConfig(_Section):

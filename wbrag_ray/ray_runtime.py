@@ -246,6 +246,9 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
     import sys
 
+    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
+
+    PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         _check_reachable(address)  # before the second it takes to import Ray: a wrong address fails at once

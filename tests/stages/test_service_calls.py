@@ -112,3 +112,40 @@ def test_a_service_actor_takes_as_many_calls_at_once_as_its_stage_allows(ray_clu
         assert ray_cluster.get([a.most_calls_at_once.remote() for a in service.actors]) == [calls]
     finally:
         service.close()
+
+
+class Hungry(Sleepy):
+    """Sleepy, two actors of a whole CPU each: what a model service asks of a node."""
+
+    @property
+    def resources(self) -> Resources:
+        return Resources(num_cpus=1.0, concurrency=2, batch_size=2)
+
+
+def test_a_service_whose_resources_are_held_elsewhere_fails_in_seconds_naming_them(ray_cluster, monkeypatch):
+    """Two actors of 1 CPU fit the 2-CPU cluster (the capacity check lets them start), but another actor holds
+    1.5 of its CPUs: the service fails once ray.pending_timeout_s (2 s here) has passed, with what is free and
+    the setting to lower, instead of waiting forever; its waiting actors end with it, and once the CPUs are free
+    the same service starts and answers."""
+    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
+    from wbrag_ray.config import ConfigError
+
+    monkeypatch.setitem(PENDING_TIMEOUT_S, "seconds", 2.0)
+    holder = ray_cluster.remote(num_cpus=1.5)(Timed).remote(0.0)
+    ray_cluster.get(holder.count.remote())  # placed: the CPUs are held
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as refused:
+        StageService(Hungry("a"))
+    took = time.monotonic() - start
+    assert 2.0 <= took < 10, took
+    message = str(refused.value)
+    assert message.startswith("the sleepy service: 2 of 2 actors of 1 CPU each still wait for resources after 2 s")
+    assert "Free now: 0.5 CPU of 2 CPU;" in message and "Lower its concurrency, free the resources" in message
+    assert "ray.pending_timeout_s" in message
+    ray_cluster.kill(holder)
+    service = StageService(Hungry("a"))  # the CPUs the refused actors waited for were not taken by them
+    try:
+        out = service.run_frame(pd.DataFrame({"x": range(4)}), Hungry("a"))
+        assert out["key"].tolist() == ["a"] * 4
+    finally:
+        service.close()

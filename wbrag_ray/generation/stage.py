@@ -26,6 +26,7 @@ class GenerateStage(Stage):
     their next-token distributions, with the columns of `scored`: RePlug)."""
 
     name = "generate"
+    section = "generator"
 
     def __init__(
         self, config: GeneratorConfig, prompt_column: str = "prompt", output_column: str = "answer",

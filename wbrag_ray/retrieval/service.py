@@ -182,14 +182,14 @@ class SearchPool:
             use_gpu = False
         search = {"nprobe": index.nprobe, "ef_search": index.ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
         threads = max(1, math.ceil(retrieval.search_cpus))
-        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
+        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable, wait_placed
 
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
         # largest shard group sizes the memory each asks for)
         most = max(search_actor_memory(sum(shards[i]["bytes"] for i in g)) for g in groups)
+        need = {"CPU": retrieval.search_cpus, "GPU": 1.0 if use_gpu else 0.0, "memory": most}
         refuse_unplaceable(lambda nodes: pool_refusal(
-            "the search pool", len(groups) * retrieval.concurrency,
-            {"CPU": retrieval.search_cpus, "GPU": 1.0 if use_gpu else 0.0, "memory": most}, nodes, len(groups)))
+            "the search pool", len(groups) * retrieval.concurrency, need, nodes, len(groups)))
         actors = []
         for group in groups:
             held = sum(shards[i]["bytes"] for i in group)
@@ -203,10 +203,15 @@ class SearchPool:
                            for _ in range(retrieval.concurrency)])
         pool = cls(index_dir, manifest, actors, pool_placement(index, retrieval))
         try:
+            wait_placed([a for replicas in actors for a in replicas], "the search pool", need,
+                        "lower retrieval.concurrency")
             ready = ray.get([a.ready.remote() for replicas in actors for a in replicas])
         except ray.exceptions.RayTaskError as exc:
             pool.close()
             raise _unwrap(exc) from None
+        except BaseException:
+            pool.close()
+            raise
         quantizers = {fingerprint for _, fingerprint in ready}  # one trained quantizer in every group
         pool.shared_assignment = len(actors) > 1 and len(quantizers) == 1 and None not in quantizers
         return pool

@@ -35,6 +35,7 @@ class RetrieveStage(Stage):
     """
 
     name = "retrieve"
+    section = "retrieval"
     output_columns = ("docs",)
 
     def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,

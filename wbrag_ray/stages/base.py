@@ -45,6 +45,7 @@ class Resources:
 
 class Stage(ABC):
     name: ClassVar[str]
+    section: ClassVar[str | None] = None  # the config section that sizes its pool, as messages name it
     input_columns: ClassVar[tuple[str, ...]] = ()
     output_columns: ClassVar[tuple[str, ...]] = ()
     # "pandas" for text work; "pyarrow" where a batch is mostly vectors (no per-row Python objects).

@@ -16,6 +16,7 @@ class EmbedStage(Stage):
     checkpointing can follow it from the read to the write."""
 
     name = "embed"
+    section = "embedder"
 
     def __init__(self, config: EmbedderConfig, id_column: str = "id"):
         self.config = config

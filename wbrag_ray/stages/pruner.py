@@ -50,6 +50,7 @@ class LMPredictStage(Stage):
     """(sid, text) -> (sid, mastery_pred) with the LoRA LM regressor."""
 
     name = "predict-lm"
+    section = "zerorag.lm_pruner"
     input_columns = ("sid", "text")
     output_columns = ("sid", "mastery_pred")
 

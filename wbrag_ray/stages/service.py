@@ -124,18 +124,24 @@ class StageService:
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
-        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
+        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable, wait_placed
         from wbrag_ray.ray_runtime import start_restartable
 
         # actors that can never be placed would leave the pass waiting on them forever: refused first
-        refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency,
-                                                      {"CPU": res.num_cpus, "GPU": res.num_gpus}, nodes))
+        need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
+        refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, need, nodes))
 
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls)(_ServiceWorker)
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
+        try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
+            wait_placed(self.actors, f"the {stage.name} service", need,
+                        f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency")
+        except BaseException:
+            self.close()
+            raise
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         from wbrag_ray.ray_runtime import LIGHT_CPUS
