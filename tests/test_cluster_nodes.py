@@ -72,6 +72,10 @@ def test_auto_concurrency_fills_the_free_gpus_less_the_search_actors_and_leaves_
     assert auto_concurrency(cpu, [{"CPU": 4.0}, {"CPU": 4.0}]) == {"embedder": 14, "generator": 7}
     assert auto_concurrency(engines, laptop) == {"embedder": 1, "generator": 1}  # no GPU: the checks refuse
     assert auto_concurrency(_config("generator.concurrency=3"), cluster) == {}  # a number stays as set
+    # the LM pruner's prediction actors: a pass of its own, so every free GPU (or CPU less one)
+    pruner = _config("zerorag.lm_pruner.concurrency=auto", "zerorag.lm_pruner.num_gpus=0.5")
+    assert auto_concurrency(pruner, cluster, search_gpus=4) == {"zerorag.lm_pruner": 64}
+    assert auto_concurrency(_config("zerorag.lm_pruner.concurrency=auto"), laptop) == {"zerorag.lm_pruner": 1}
 
 
 def test_concurrency_takes_a_positive_number_or_auto():
@@ -93,7 +97,7 @@ def test_a_command_decides_auto_once_as_it_joins_the_cluster(ray_cluster, tmp_pa
     from wbrag_ray.cluster_nodes import auto_concurrency, free_nodes
 
     config = _config(f"run={tmp_path / 'run'}", "generator.concurrency=auto", "embedder.concurrency=auto",
-                     "embedder.num_cpus=0.5")
+                     "embedder.num_cpus=0.5", "zerorag.lm_pruner.concurrency=auto", "zerorag.lm_pruner.num_cpus=0.25")
     # the actors of the tests before this one end as Ray frees them: read the free resources once all are back
     deadline = time.monotonic() + 30
     while ray_cluster.available_resources().get("CPU", 0.0) < ray_cluster.cluster_resources()["CPU"]:
@@ -103,6 +107,6 @@ def test_a_command_decides_auto_once_as_it_joins_the_cluster(ray_cluster, tmp_pa
     assert len(free) == 1 and free[0]["CPU"] == 2  # the session's one 2-CPU node, idle
     expected = auto_concurrency(config, free)
     api.start(tmp_path / "run", config)
-    assert (config.embedder.concurrency, config.generator.concurrency) == (expected["embedder"],
-                                                                            expected["generator"])
+    assert (config.embedder.concurrency, config.generator.concurrency, config.zerorag.lm_pruner.concurrency) == (
+        expected["embedder"], expected["generator"], expected["zerorag.lm_pruner"]) == (2, 1, 4)
     assert all(isinstance(n, int) and n >= 1 for n in expected.values())

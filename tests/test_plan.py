@@ -118,6 +118,12 @@ def test_auto_concurrency_is_planned_as_a_command_decides_it_on_the_cluster():
     assert held >= 1 and (gen.count, gen.gpus) == (32 - held, 1.0)
     assert bundle(stage(plan, "embed"), "embed actor").count == 32  # embedding runs alone: every GPU
     assert f"generator.concurrency auto: {32 - held} on this cluster" in plan.warnings
+    assert auto.generator.concurrency == "auto"  # the plan decided on a copy
+    # Zero-RAG's prediction pass runs alone: one LM pruner actor per GPU
+    pruning = make_plan(load_config(ZERO_RAG, overrides=["zerorag.lm_pruner.concurrency=auto"]), big_cluster(),
+                        passages=WIKI)
+    assert bundle(stage(pruning, "prediction (LM pruner)"), "LM pruner actor").count == 32
+    assert "zerorag.lm_pruner.concurrency auto: 32 on this cluster" in pruning.warnings
 
 
 def test_wbrag_plan_prints_the_plan_and_its_provenance(capsys):

@@ -106,11 +106,19 @@ def free_nodes() -> list[dict[str, float]]:
         return [dict(ray.available_resources())]
 
 
-AUTO_SECTIONS = ("embedder", "generator")  # the sections whose concurrency may be "auto"
+# the sections whose concurrency may be "auto": the pools of model actors (one pass at a time uses each)
+AUTO_SECTIONS = ("embedder", "generator", "zerorag.lm_pruner")
+
+
+def section(config, key: str):
+    """`config`'s section at a dotted key ("zerorag.lm_pruner")."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
 
 
 def has_auto(config) -> bool:
-    return any(getattr(config, key).concurrency == "auto" for key in AUTO_SECTIONS)
+    return any(section(config, key).concurrency == "auto" for key in AUTO_SECTIONS)
 
 
 def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float = 0.0) -> dict[str, int]:
@@ -122,24 +130,24 @@ def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float =
     pool the cluster cannot hold is refused by the placement checks, with why."""
     out = {}
     for key in AUTO_SECTIONS:
-        section = getattr(config, key)
-        if section.concurrency != "auto":
+        pool = section(config, key)
+        if pool.concurrency != "auto":
             continue
         free = [dict(n) for n in nodes]
-        if section.num_gpus > 0:
-            stages = getattr(section, "pipeline_parallel_size", 1)
+        if pool.num_gpus > 0:
+            stages = getattr(pool, "pipeline_parallel_size", 1)
             left = search_gpus if key == "generator" else 0.0
             for node in sorted(free, key=lambda n: -n.get("GPU", 0.0)):
                 taken = min(left, node.get("GPU", 0.0))
                 node["GPU"] = node.get("GPU", 0.0) - taken
                 left -= taken
-            need = {"GPU": section.num_gpus / stages, "CPU": section.num_cpus if stages == 1 else 0.0}
+            need = {"GPU": pool.num_gpus / stages, "CPU": pool.num_cpus if stages == 1 else 0.0}
             count = room_for(need, free) // stages
         else:
             if free:
                 largest = max(free, key=lambda n: n.get("CPU", 0.0))
                 largest["CPU"] = largest.get("CPU", 0.0) - 1.0
-            count = room_for({"CPU": section.num_cpus}, free)
+            count = room_for({"CPU": pool.num_cpus}, free)
         out[key] = max(1, count)
     return out
 
@@ -153,7 +161,7 @@ def resolve_auto_concurrency(config, search_gpus: float = 0.0) -> None:
     held = (search_gpus + config.retrieval.concurrency * config.embedder.num_gpus) if config.generator.num_gpus else 0
     nodes = free_nodes()
     for key, count in auto_concurrency(config, nodes, held).items():
-        getattr(config, key).concurrency = count
+        section(config, key).concurrency = count
         log.info(
             "%s.concurrency auto: %d (free now: %g CPU, %g GPU on %d node(s)%s)", key, count,
             sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes), len(nodes),

@@ -524,7 +524,7 @@ class LMPrunerConfig(_LoraSection):
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each prediction actor asks Ray for.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per prediction actor.")
-    concurrency: int = Field(1, ge=1, description="Number of prediction actors.")
+    concurrency: Concurrency = Field(1, description="Number of prediction actors." + AUTO_CONCURRENCY)
 
 
 class TuneConfig(_LoraSection):

@@ -86,7 +86,7 @@ class _Builder:
     def _decide_auto_concurrency(self) -> None:
         """`concurrency: auto` as a command would decide it on this cluster, empty (`cluster_nodes`'s rule: the
         generator's GPUs less retrieval's, its search actors and query embedders)."""
-        from wbrag_ray.cluster_nodes import auto_concurrency, has_auto
+        from wbrag_ray.cluster_nodes import auto_concurrency, has_auto, section
 
         c = self.c
         if not has_auto(c):
@@ -94,7 +94,9 @@ class _Builder:
         nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in self.cluster.nodes]
         held = sum(b.count * b.gpus for b in self._retrieval())  # search actors and query embedders
         counts = auto_concurrency(c, nodes, held)
-        self.c = c.model_copy(update={k: getattr(c, k).model_copy(update={"concurrency": n}) for k, n in counts.items()})
+        self.c = c.model_copy(deep=True)  # the caller's config keeps its "auto"
+        for key, n in counts.items():
+            section(self.c, key).concurrency = n
         self.warnings += [f"{k}.concurrency auto: {n} on this cluster" for k, n in counts.items()]
 
     def _size(self, n: int, what: str) -> IndexSizing | None:
