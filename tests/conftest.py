@@ -74,6 +74,17 @@ def joining_env(ray) -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
+def wait_idle(ray, timeout_s: float = 30) -> None:
+    """Return once every CPU of the session's cluster is free again: the actors of the tests before end as Ray
+    frees them, and a test that reads or holds the free resources reads them after."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, "the session's cluster stayed busy"
+        time.sleep(0.1)
+
+
 def last_json_line(stdout: str) -> dict:
     """The summary a driver subprocess printed last: its stdout's last line that is a JSON object. Ray writes to
     the driver's stdout too, at any time (the autoscaler's "(autoscaler +41s) Error: No available node types can

@@ -2,8 +2,7 @@
 actors per node, each resource counted, and a fix that fits. The refusals on a real cluster, before any actor
 starts: tests/stages/test_service.py and tests/retrieval/test_service.py."""
 
-import time
-
+from tests.conftest import wait_idle
 from wbrag_ray.cluster_nodes import pool_refusal, room_for
 
 GIB = 1 << 30
@@ -98,11 +97,7 @@ def test_a_command_decides_auto_once_as_it_joins_the_cluster(ray_cluster, tmp_pa
 
     config = _config(f"run={tmp_path / 'run'}", "generator.concurrency=auto", "embedder.concurrency=auto",
                      "embedder.num_cpus=0.5", "zerorag.lm_pruner.concurrency=auto", "zerorag.lm_pruner.num_cpus=0.25")
-    # the actors of the tests before this one end as Ray frees them: read the free resources once all are back
-    deadline = time.monotonic() + 30
-    while ray_cluster.available_resources().get("CPU", 0.0) < ray_cluster.cluster_resources()["CPU"]:
-        assert time.monotonic() < deadline, "the session's cluster stayed busy"
-        time.sleep(0.1)
+    wait_idle(ray_cluster)
     free = free_nodes()
     assert len(free) == 1 and free[0]["CPU"] == 2  # the session's one 2-CPU node, idle
     expected = auto_concurrency(config, free)

@@ -107,17 +107,22 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         raise
 
 
-def call_actor(actors: list, method: str, *args, attempts: int = 6):
-    """`actors[i].<method>(*args)` on one of interchangeable actors (replicas of a service), waited for; a call
-    that meets an actor being restarted after its node was lost (ActorUnavailableError) or one that died is
-    sent again, to the next actor, after a back-off. The methods called this way are pure functions of their
-    arguments: running one twice loses and duplicates nothing."""
+def call_actor(actors: list, method: str, *args, attempts: int = 6, first: int | None = None):
+    """`actors[i].<method>(*args)` on one of interchangeable actors (replicas of a service), waited for: on
+    `actors[first]` when given, else a random one; a call that meets an actor being restarted after its node was
+    lost (ActorUnavailableError) or one that died is sent again, to the next actor, after a back-off. The
+    methods called this way are pure functions of their arguments: running one twice loses and duplicates
+    nothing."""
     import random
     import time
 
     import ray
 
-    order = random.sample(actors, len(actors))
+    turns = random.sample(range(len(actors)), len(actors))
+    if first is not None:
+        turns.remove(first)
+        turns.insert(0, first)
+    order = [actors[i] for i in turns]
     for attempt in range(attempts):
         actor = order[attempt % len(order)]
         try:

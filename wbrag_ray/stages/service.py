@@ -100,13 +100,57 @@ class _ServiceWorker:
                 self._turn.notify_all()
 
 
-def _forward(batch, actors: list, stage: Stage):
-    """A Ray Data task: send the batch to one of the service's actors and return its answer, again to another
+class _Dispatch:
+    """The unanswered calls of each of a service's actors, for the Ray Data tasks that feed them (tasks run on
+    any node and share nothing else): a task takes the actor with the fewest, waiting while every actor has
+    `most` (what it runs at once, and one queued to start as soon as one ends: as `StageService.run_frame`
+    sends), and gives it back when answered. So the next batch goes to the actor that just answered, not to a
+    random one with calls queued while another idles. Counts are hints: a task lost on a dead node leaves one
+    too many on its actor, and a restarted dispatcher starts from zero."""
+
+    def __init__(self, actors: int, most: int):
+        import asyncio
+
+        self.load, self.most, self.peak, self.turn = [0] * actors, most, 0, 0
+        self.freed = asyncio.Condition()
+
+    async def take(self) -> int:
+        """The least busy actor's index; of equally busy ones, each in turn."""
+        async with self.freed:
+            await self.freed.wait_for(lambda: min(self.load) < self.most)
+            n = len(self.load)
+            j = min(range(n), key=lambda i: (self.load[i], (i - self.turn) % n))
+            self.turn = j + 1
+            self.load[j] += 1
+            self.peak = max(self.peak, self.load[j])
+            return j
+
+    async def give(self, j: int) -> None:
+        async with self.freed:
+            self.load[j] = max(0, self.load[j] - 1)
+            self.freed.notify()
+
+    async def most_unanswered(self) -> int:
+        """The most calls one actor had unanswered at once (what the tests check)."""
+        return self.peak
+
+
+def _forward(batch, actors: list, dispatch, stage: Stage):
+    """A Ray Data task: send the batch to the service's least busy actor and return its answer, again to another
     (or the restarted one) when the node of the one it asked is lost. (A task blocked on `ray.get` gives its
     CPU back to Ray while it waits.)"""
+    import ray
+
     from wbrag_ray.ray_runtime import call_actor
 
-    return call_actor(actors, "run", stage, batch)
+    try:
+        j = ray.get(dispatch.take.remote())
+    except ray.exceptions.RayActorError:  # the dispatcher's node lost and no restart yet: any actor does
+        return call_actor(actors, "run", stage, batch)
+    try:
+        return call_actor(actors, "run", stage, batch, first=j)
+    finally:
+        dispatch.give.remote(j)
 
 
 def _placement(res: Resources) -> tuple:
@@ -136,6 +180,7 @@ class StageService:
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls)(_ServiceWorker)
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
+        self.dispatch = _start_dispatch(len(self.actors), res.calls + 1)
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
             wait_placed(self.actors, f"the {stage.name} service", need,
                         f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency")
@@ -146,7 +191,7 @@ class StageService:
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         from wbrag_ray.ray_runtime import LIGHT_CPUS
 
-        return ds.map_batches(_forward, fn_args=(self.actors, stage), batch_format=stage.batch_format,
+        return ds.map_batches(_forward, fn_args=(self.actors, self.dispatch, stage), batch_format=stage.batch_format,
                               batch_size=stage.resources.batch_size, num_cpus=LIGHT_CPUS)
 
     def run_frame(self, frame: pd.DataFrame, stage: Stage, progress: PassProgress | None = None,
@@ -179,9 +224,19 @@ class StageService:
     def close(self) -> None:
         import ray
 
-        for actor in self.actors:
+        for actor in [*self.actors, self.dispatch]:
             ray.kill(actor)
         self.actors = []
+
+
+def _start_dispatch(actors: int, most: int):
+    """A service's `_Dispatch`, on the driver's node where it can (no CPU: it only counts), restarted where lost."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Dispatch).options(
+        scheduling_strategy=here).remote(actors, most)
 
 
 def run_pass(ds: ray.data.Dataset, stage: Stage, services: Services | None) -> ray.data.Dataset:
