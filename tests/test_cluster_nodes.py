@@ -16,6 +16,9 @@ def test_room_counts_whole_actors_per_node_on_every_resource_they_ask():
     assert room_for({"CPU": 0.1, "memory": 10.0 * GIB}, nodes) == 1 + 6  # memory binds
     assert room_for({"CPU": 1.0, "GPU": 0.0}, nodes) == 11  # asking 0 of a resource asks nothing of it
     assert room_for({"GPU": 1 / 3}, [{"GPU": 1.0}]) == 3  # not floored to 2 by float rounding
+    # a share of a GPU lies on one GPU: 0.4 twice per GPU (not 20 on 8), 0.9 once; shares held on one GPU
+    assert room_for({"GPU": 0.4}, [{"GPU": 8.0}]) == 16 and room_for({"GPU": 0.9}, [{"GPU": 8.0}]) == 8
+    assert room_for({"GPU": 0.9}, [{"GPU": 7.8}]) == 7 and room_for({"GPU": 0.8}, [{"GPU": 7.8}]) == 8
 
 
 def test_a_pool_that_does_not_fit_is_refused_with_a_fix_that_fits():
@@ -64,6 +67,12 @@ def test_auto_concurrency_fills_the_free_gpus_less_the_search_actors_and_leaves_
     stages = _config("generator.concurrency=auto", "generator.num_gpus=8", "generator.pipeline_parallel_size=2",
                      "generator.backend=vllm")
     assert auto_concurrency(stages, cluster) == {"generator": 4}  # 8 groups of 4 GPUs, 2 per replica
+    # retrieval sharing GPUs with the engines (retrieval.search_gpus 0.05 x 4 actors): an engine of 0.8 beside
+    # them on one GPU, so every GPU holds an engine; of 0.9, the GPU they fill holds none
+    shared = _config("generator.concurrency=auto", "generator.num_gpus=0.8")
+    assert auto_concurrency(shared, cluster, search_gpus=0.2) == {"generator": 32}
+    assert auto_concurrency(_config("generator.concurrency=auto", "generator.num_gpus=0.9"), cluster,
+                            search_gpus=0.2) == {"generator": 31}
     # CPU actors: one CPU of the largest node left to the reads and writes; at least one actor
     laptop = [{"CPU": 2.0}]
     cpu = _config("generator.concurrency=auto", "embedder.concurrency=auto", "embedder.num_cpus=0.5")

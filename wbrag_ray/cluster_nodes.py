@@ -55,7 +55,17 @@ def room_for(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
     need = {r: amount for r, amount in need.items() if amount > 0}
     if not need:
         return 1 << 30
-    return sum(min(int(node.get(r, 0.0) / amount + 1e-9) for r, amount in need.items()) for node in nodes)
+    return sum(min(_units(r, node.get(r, 0.0), amount) for r, amount in need.items()) for node in nodes)
+
+
+def _units(resource: str, free: float, amount: float) -> int:
+    """Units of `amount` in `free` of `resource`. A share of a GPU lies on one GPU (Ray packs shares onto the
+    GPUs it has started filling): 7.8 free GPUs (0.2 held by search actors on one of them) hold 7 shares of 0.9
+    and 8 of 0.8."""
+    if resource == "GPU" and amount < 1:
+        whole = int(free + 1e-9)
+        return whole * int(1 / amount + 1e-9) + int((free - whole) / amount + 1e-9)
+    return int(free / amount + 1e-9)
 
 
 def pool_refusal(what: str, count: int, need: dict[str, float], nodes: list[dict[str, float]],

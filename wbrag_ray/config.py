@@ -315,7 +315,7 @@ class RetrievalConfig(_Section):
     """Retrieval passes, and the retrieval service they run on: an index's shards grouped into search actors
     of at most `actor_memory_gb` each, `concurrency` replicas of every group (wbrag_ray.retrieval.service)."""
 
-    RUNTIME_KEYS = frozenset({"batch_size", "search_cpus", "actor_memory_gb"})
+    RUNTIME_KEYS = frozenset({"batch_size", "search_cpus", "search_gpus", "actor_memory_gb"})
 
     top_k: int = Field(5, ge=1, description="Documents retrieved per question (K).")
     batch_size: int = Field(64, ge=1, description="Questions embedded and searched per batch.")
@@ -323,6 +323,12 @@ class RetrievalConfig(_Section):
                             "Ray for.")
     search_cpus: float = Field(0.25, gt=0, description="CPUs each search actor asks Ray for (faiss threads: "
                                "rounded up).")
+    search_gpus: float = Field(
+        1.0, gt=0, le=1, description="GPU share of each search actor where index.gpu is set: 1 holds a whole GPU "
+        "through every generation pass; a share (0.05) places it beside an engine replica of generator.num_gpus "
+        "0.9 on one GPU (vLLM's memory share kept below the replica's), as the query embedders with "
+        "embedder.num_gpus 0.05.",
+    )
     actor_memory_gb: float = Field(
         8.0, gt=0, description="Index bytes one search actor holds at most: an index's shards are grouped up to "
         "this (a shard larger than it is a group of its own) and each group's memory is declared to Ray.",

@@ -107,6 +107,19 @@ def test_engine_kwargs_carry_the_parallel_sizes_and_the_ray_executor_for_a_shard
     assert (cpu["tensor_parallel_size"], cpu["distributed_executor_backend"]) == (1, "mp")
 
 
+def test_an_engine_on_a_share_of_a_gpu_keeps_its_memory_within_the_share():
+    """generator.num_gpus below 1 (a GPU shared with search actors or query embedders): vLLM's memory share is
+    kept below the replica's, and a larger one set by hand is refused (the actors beside it would run out)."""
+    assert VLLMGenerator(vllm(num_gpus=1)).engine_kwargs()["gpu_memory_utilization"] == 0.85  # vLLM's whole GPU
+    assert VLLMGenerator(vllm(num_gpus=0.8)).engine_kwargs()["gpu_memory_utilization"] == 0.75
+    assert VLLMGenerator(vllm(num_gpus=0.9)).engine_kwargs()["gpu_memory_utilization"] == 0.85
+    assert VLLMGenerator(vllm(num_gpus=0.8, vllm_engine_kwargs={"gpu_memory_utilization": 0.7})).engine_kwargs()[
+        "gpu_memory_utilization"] == 0.7
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.9 is more of the GPU than the replica's share "
+                                          r"\(generator.num_gpus=0.8\)"):
+        VLLMGenerator(vllm(num_gpus=0.8, vllm_engine_kwargs={"gpu_memory_utilization": 0.9})).engine_kwargs()
+
+
 def test_the_replica_placement_is_one_gpu_bundle_per_shard_strict_pack_for_tensor_parallel_only():
     assert replica_placement(vllm(num_gpus=4)) == {"bundles": [GPU_BUNDLE] * 4, "strategy": "STRICT_PACK"}
     # pipeline stages may sit on different nodes

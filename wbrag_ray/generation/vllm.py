@@ -194,6 +194,16 @@ class VLLMGenerator(Generator):
         if self.config.lora_adapter:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.config.lora_adapter), max_loras=1)
         kwargs.update(self.config.vllm_engine_kwargs)
+        share = self.config.num_gpus
+        if 0 < share < 1:  # a GPU shared with search actors or query embedders: vLLM's memory within the share
+            if "gpu_memory_utilization" not in self.config.vllm_engine_kwargs:
+                kwargs["gpu_memory_utilization"] = min(kwargs["gpu_memory_utilization"],
+                                                       round(max(share / 2, share - 0.05), 4))
+            elif kwargs["gpu_memory_utilization"] > share:
+                raise ConfigError(
+                    f"generator.vllm_engine_kwargs.gpu_memory_utilization={kwargs['gpu_memory_utilization']:g} is "
+                    f"more of the GPU than the replica's share (generator.num_gpus={share:g}): the actors placed "
+                    "beside it would run out of GPU memory; set it below the share")
         return kwargs
 
     def model_source(self) -> str:

@@ -267,7 +267,7 @@ def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: Retrieval
     queries."""
     from wbrag_ray.retrieval.service import search_actor_memory
 
-    gpu = 1.0 if ic.gpu and cluster.gpus > 0 else 0.0
+    gpu = retrieval.search_gpus if ic.gpu and cluster.gpus > 0 else 0.0
     memory = search_actor_memory(sizing.group_gb * 1e9) / 1e9  # what SearchPool.start declares
     return [Bundle("search actor", sizing.groups * retrieval.concurrency, retrieval.search_cpus, gpu, memory,
                    fix="lower retrieval.concurrency" + (" or set index.gpu: false (search on CPUs)" if gpu else ""),

@@ -131,10 +131,10 @@ def _manifest_shards(index_dir: str) -> tuple[dict[str, Any], list[dict[str, Any
     return manifest, shards
 
 
-def search_gpus(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> int:
-    """The GPUs the search pool of the index at `index_dir` will hold, by `SearchPool.start`'s rule: one per search
-    actor (shard groups x replicas) where index.gpu is set, the cluster has GPUs and faiss can use them; 0 where
-    the index is not built yet."""
+def search_gpus(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> float:
+    """The GPUs the search pool of the index at `index_dir` will hold, by `SearchPool.start`'s rule:
+    `retrieval.search_gpus` per search actor (shard groups x replicas) where index.gpu is set, the cluster has
+    GPUs and faiss can use them; 0 where the index is not built yet."""
     import ray
 
     if not (index.gpu and ray.cluster_resources().get("GPU", 0) > 0 and faiss_has_gpu()):
@@ -143,7 +143,8 @@ def search_gpus(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) 
         shards = _manifest_shards(index_dir)[1]
     except IndexError_:
         return 0
-    return len(shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))) * retrieval.concurrency
+    return len(shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))) * retrieval.concurrency * \
+        retrieval.search_gpus
 
 
 def _unwrap(exc: Exception) -> Exception:
@@ -187,14 +188,14 @@ class SearchPool:
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
         # largest shard group sizes the memory each asks for)
         most = max(search_actor_memory(sum(shards[i]["bytes"] for i in g)) for g in groups)
-        need = {"CPU": retrieval.search_cpus, "GPU": 1.0 if use_gpu else 0.0, "memory": most}
+        need = {"CPU": retrieval.search_cpus, "GPU": retrieval.search_gpus if use_gpu else 0.0, "memory": most}
         refuse_unplaceable(lambda nodes: pool_refusal(
             "the search pool", len(groups) * retrieval.concurrency, need, nodes, len(groups)))
         actors = []
         for group in groups:
             held = sum(shards[i]["bytes"] for i in group)
             remote = ray.remote(
-                num_cpus=retrieval.search_cpus, num_gpus=1 if use_gpu else None,
+                num_cpus=retrieval.search_cpus, num_gpus=retrieval.search_gpus if use_gpu else None,
                 memory=search_actor_memory(held), max_restarts=-1, max_task_retries=3,
             )(SearchActor)
             files = [shards[i]["file"] for i in group]
