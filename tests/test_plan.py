@@ -121,11 +121,13 @@ def test_auto_concurrency_is_planned_as_a_command_decides_it_on_the_cluster():
     assert auto.generator.concurrency == "auto"  # the plan decided on a copy
     # retrieval on shares of the engines' GPUs (search actors and query embedders of 0.05): an engine on every GPU
     shared = load_config(WRITEBACK, overrides=["generator.concurrency=auto", "generator.num_gpus=0.8",
-                                               "retrieval.search_gpus=0.05", "embedder.num_gpus=0.05"])
+                                               "retrieval.search_gpus=0.05", "retrieval.embed_gpus=0.05"])
     plan = make_plan(shared, big_cluster(), passages=WIKI)
     assert plan.places, plan.problems
     assert bundle(stage(plan, "write-back training"), "generator actor (vllm)").count == 32
     assert bundle(stage(plan, "evaluation"), "search actor").gpus == 0.05
+    assert bundle(stage(plan, "evaluation"), "query embedder").gpus == 0.05
+    assert bundle(stage(plan, "embed"), "embed actor").gpus == 1.0  # the bulk embedding keeps whole GPUs
     # Zero-RAG's prediction pass runs alone: one LM pruner actor per GPU
     pruning = make_plan(load_config(ZERO_RAG, overrides=["zerorag.lm_pruner.concurrency=auto"]), big_cluster(),
                         passages=WIKI)

@@ -243,6 +243,11 @@ class GeneratorConfig(_Section):
         if (tp * pp > 1 or gpus > 1) and gpus != tp * pp:
             raise refuse("num_gpus", f"a replica of tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
                          f"shards holds {tp * pp} GPUs, one per shard; make num_gpus and the product equal")
+        memory = self.vllm_engine_kwargs.get("gpu_memory_utilization", 0)
+        if 0 < gpus < 1 and memory > gpus:  # a GPU shared with search actors or query embedders
+            raise refuse("vllm_engine_kwargs", f"gpu_memory_utilization={memory:g} is more of the GPU than the "
+                         f"replica's share (num_gpus={gpus:g}): the actors placed beside it would run out of GPU "
+                         "memory; set it below the share")
         return self
 
 
@@ -315,7 +320,7 @@ class RetrievalConfig(_Section):
     """Retrieval passes, and the retrieval service they run on: an index's shards grouped into search actors
     of at most `actor_memory_gb` each, `concurrency` replicas of every group (wbrag_ray.retrieval.service)."""
 
-    RUNTIME_KEYS = frozenset({"batch_size", "search_cpus", "search_gpus", "actor_memory_gb"})
+    RUNTIME_KEYS = frozenset({"batch_size", "search_cpus", "search_gpus", "embed_gpus", "actor_memory_gb"})
 
     top_k: int = Field(5, ge=1, description="Documents retrieved per question (K).")
     batch_size: int = Field(64, ge=1, description="Questions embedded and searched per batch.")
@@ -326,8 +331,12 @@ class RetrievalConfig(_Section):
     search_gpus: float = Field(
         1.0, gt=0, le=1, description="GPU share of each search actor where index.gpu is set: 1 holds a whole GPU "
         "through every generation pass; a share (0.05) places it beside an engine replica of generator.num_gpus "
-        "0.9 on one GPU (vLLM's memory share kept below the replica's), as the query embedders with "
-        "embedder.num_gpus 0.05.",
+        "0.8 on one GPU (vLLM's memory kept below the replica's share), as retrieval.embed_gpus does the query "
+        "embedders.",
+    )
+    embed_gpus: float | None = Field(
+        None, ge=0, le=1, description="GPU share of each query embedder (a retrieval pass's actor); None: "
+        "embedder.num_gpus, as the bulk embedding's actors. A share (0.05) places it beside an engine replica.",
     )
     actor_memory_gb: float = Field(
         8.0, gt=0, description="Index bytes one search actor holds at most: an index's shards are grouped up to "

@@ -115,9 +115,10 @@ def test_an_engine_on_a_share_of_a_gpu_keeps_its_memory_within_the_share():
     assert VLLMGenerator(vllm(num_gpus=0.9)).engine_kwargs()["gpu_memory_utilization"] == 0.85
     assert VLLMGenerator(vllm(num_gpus=0.8, vllm_engine_kwargs={"gpu_memory_utilization": 0.7})).engine_kwargs()[
         "gpu_memory_utilization"] == 0.7
-    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.9 is more of the GPU than the replica's share "
-                                          r"\(generator.num_gpus=0.8\)"):
-        VLLMGenerator(vllm(num_gpus=0.8, vllm_engine_kwargs={"gpu_memory_utilization": 0.9})).engine_kwargs()
+    with pytest.raises(ConfigError, match=r"generator.vllm_engine_kwargs.*gpu_memory_utilization=0.9 is more of the "
+                                          r"GPU than the replica's share \(num_gpus=0.8\)"):
+        load_config(overrides=["generator.backend=vllm", "generator.num_gpus=0.8",
+                               "generator.vllm_engine_kwargs={gpu_memory_utilization: 0.9}"])
 
 
 def test_the_replica_placement_is_one_gpu_bundle_per_shard_strict_pack_for_tensor_parallel_only():

@@ -180,9 +180,7 @@ class VLLMGenerator(Generator):
         one GPU), LoRA when an adapter is set, and generator.vllm_engine_kwargs over all of them."""
         from wbrag_ray.models.hardware import resolved_dtype_name
 
-        kwargs = dict(VLLM_THROUGHPUT_DEFAULTS)
-        if self.on_cpu:
-            kwargs.update(VLLM_CPU_DEFAULTS)
+        kwargs = {**VLLM_THROUGHPUT_DEFAULTS, **(VLLM_CPU_DEFAULTS if self.on_cpu else {})}
         # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, vLLM decoded 2 tokens/s
         # here), fp32 elsewhere; on GPUs vLLM's own choice
         dtype = resolved_dtype_name(self.config.dtype, self.config.num_gpus)
@@ -193,17 +191,10 @@ class VLLMGenerator(Generator):
             kwargs["distributed_executor_backend"] = "ray"
         if self.config.lora_adapter:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.config.lora_adapter), max_loras=1)
+        share = self.config.num_gpus  # a GPU shared with retrieval: vLLM's memory within the share
+        if 0 < share < 1:  # (one set in vllm_engine_kwargs is checked against it by the config)
+            kwargs["gpu_memory_utilization"] = min(kwargs["gpu_memory_utilization"], round(max(share / 2, share - 0.05), 4))
         kwargs.update(self.config.vllm_engine_kwargs)
-        share = self.config.num_gpus
-        if 0 < share < 1:  # a GPU shared with search actors or query embedders: vLLM's memory within the share
-            if "gpu_memory_utilization" not in self.config.vllm_engine_kwargs:
-                kwargs["gpu_memory_utilization"] = min(kwargs["gpu_memory_utilization"],
-                                                       round(max(share / 2, share - 0.05), 4))
-            elif kwargs["gpu_memory_utilization"] > share:
-                raise ConfigError(
-                    f"generator.vllm_engine_kwargs.gpu_memory_utilization={kwargs['gpu_memory_utilization']:g} is "
-                    f"more of the GPU than the replica's share (generator.num_gpus={share:g}): the actors placed "
-                    "beside it would run out of GPU memory; set it below the share")
         return kwargs
 
     def model_source(self) -> str:
