@@ -102,37 +102,29 @@ class _ServiceWorker:
 
 class _Dispatch:
     """The unanswered calls of each of a service's actors, for the Ray Data tasks that feed them (tasks run on
-    any node and share nothing else): a task takes the actor with the fewest, waiting while every actor has
-    `most` (what it runs at once, and one queued to start as soon as one ends: as `StageService.run_frame`
-    sends), and gives it back when answered. So the next batch goes to the actor that just answered, not to a
-    random one with calls queued while another idles. Counts are hints: a task lost on a dead node leaves one
-    too many on its actor, and a restarted dispatcher starts from zero."""
+    any node and share nothing else): a task takes the actor with the fewest (equally busy ones in turn) and
+    gives it back when answered, so the next batch goes to the actor that just answered, not to a random one
+    with calls queued while another idles. Counts are hints, never a limit: a task lost with its node leaves
+    one too many on its actor (which then gets a little less work), and a restarted dispatcher starts from zero;
+    nothing waits on them."""
 
-    def __init__(self, actors: int, most: int):
-        import asyncio
+    def __init__(self, actors: int):
+        self.load, self.peak, self.turn = [0] * actors, 0, 0
 
-        self.load, self.most, self.peak, self.turn = [0] * actors, most, 0, 0
-        self.freed = asyncio.Condition()
+    def take(self) -> int:
+        n = len(self.load)
+        j = min(range(n), key=lambda i: (self.load[i], (i - self.turn) % n))
+        self.turn = j + 1
+        self.load[j] += 1
+        self.peak = max(self.peak, self.load[j])
+        return j
 
-    async def take(self) -> int:
-        """The least busy actor's index; of equally busy ones, each in turn."""
-        async with self.freed:
-            await self.freed.wait_for(lambda: min(self.load) < self.most)
-            n = len(self.load)
-            j = min(range(n), key=lambda i: (self.load[i], (i - self.turn) % n))
-            self.turn = j + 1
-            self.load[j] += 1
-            self.peak = max(self.peak, self.load[j])
-            return j
+    def give(self, j: int) -> None:
+        self.load[j] = max(0, self.load[j] - 1)
 
-    async def give(self, j: int) -> None:
-        async with self.freed:
-            self.load[j] = max(0, self.load[j] - 1)
-            self.freed.notify()
-
-    async def most_unanswered(self) -> int:
-        """The most calls one actor had unanswered at once (what the tests check)."""
-        return self.peak
+    def counts(self) -> tuple[list[int], int]:
+        """Each actor's unanswered calls now, and the most one had at once (what the tests check)."""
+        return list(self.load), self.peak
 
 
 def _forward(batch, actors: list, dispatch, stage: Stage):
@@ -180,7 +172,7 @@ class StageService:
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls)(_ServiceWorker)
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
-        self.dispatch = _start_dispatch(len(self.actors), res.calls + 1)
+        self.dispatch = _start_dispatch(len(self.actors))
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
             wait_placed(self.actors, f"the {stage.name} service", need,
                         f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency")
@@ -229,14 +221,14 @@ class StageService:
         self.actors = []
 
 
-def _start_dispatch(actors: int, most: int):
+def _start_dispatch(actors: int):
     """A service's `_Dispatch`, on the driver's node where it can (no CPU: it only counts), restarted where lost."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Dispatch).options(
-        scheduling_strategy=here).remote(actors, most)
+        scheduling_strategy=here).remote(actors)
 
 
 def run_pass(ds: ray.data.Dataset, stage: Stage, services: Services | None) -> ray.data.Dataset:
