@@ -24,7 +24,10 @@ whole check ends inside 10 minutes):
    worker, a 1B-class random Llama as the backbone, bf16 weights and fp32 LoRA, 24 steps of 64 sentences with
    a checkpoint every 8: its seconds per step are the GPU rate `wbrag plan` has not measured yet (ray and
    wbrag_ray needed, as in 5);
-7. faiss on the GPU, where faiss-gpu is installed (skipped otherwise): the index types `index.factory: auto`
+7. the engine's feed (vllm and wbrag_ray needed): one vLLM engine on one GPU, a 1B-class random Llama, 8 calls
+   of 32 prompts of mixed answer lengths sent one at a time and then 4 at once (`generator.calls_per_engine`),
+   rows/s of both, their ratio, and whether the answers are the same;
+8. faiss on the GPU, where faiss-gpu is installed (skipped otherwise): the index types `index.factory: auto`
    picks (IVF-PQ96, OPQ96 + an HNSW coarse quantizer + PQ96, IVF-Flat) cloned with faiss's default options and
    with the project's (wbrag_ray/index/gpu_clone.py, loaded by its path), queries/s on CPU and GPU, and the top-10
    ids both return.
@@ -621,6 +624,15 @@ def save_random_llama(run: Run, spec: dict[str, Any], folder: str) -> None:
                             pad_token="<unk>").save_pretrained(folder)
 
 
+def random_prompts(spec: dict[str, Any], tokens: int, count: int, seed: int = 3) -> list[list[dict[str, str]]]:
+    """`count` one-message prompts of `tokens` random words of `save_random_llama`'s tokenizer (one token each)."""
+    g = torch.Generator().manual_seed(seed)
+    low = min(1000, spec["vocab_size"] // 10)  # clear of the special ids
+    return [[{"role": "user", "content": " ".join(
+        f"w{i}" for i in torch.randint(low, spec["vocab_size"], (tokens,), generator=g).tolist())}]
+        for _ in range(count)]
+
+
 def tensor_parallel(run: Run) -> None:
     import importlib.util
     import tempfile
@@ -661,11 +673,8 @@ def tensor_parallel(run: Run) -> None:
             _, seconds = timed(run, generator.setup)
             report("tp engine start", seconds, "s")
             report("tp engine in its own placement group", generator.remote is not None)
-            g = torch.Generator().manual_seed(3)
-            batch, low = (4 if run.quick else 64), min(1000, spec["vocab_size"] // 10)  # clear of special ids
-            prompts = [[{"role": "user", "content": " ".join(
-                f"w{i}" for i in torch.randint(low, spec["vocab_size"], (sizes.prompt_tokens,), generator=g).tolist())}]
-                for _ in range(batch)]
+            batch = 4 if run.quick else 64
+            prompts = random_prompts(spec, sizes.prompt_tokens, batch)
             generator.generate_scored(prompts[:2])  # warm-up
             answers, seconds = timed(run, lambda: generator.generate_scored(prompts))
             tokens = sum(len(a.tokens) for a in answers)
@@ -675,6 +684,50 @@ def tensor_parallel(run: Run) -> None:
                 generator.remote.close()
         finally:
             ray.shutdown()
+
+
+def engine_feed(run: Run) -> None:
+    """One vLLM engine on one GPU (a 1B-class random Llama) fed the project's way (wbrag_ray/generation/
+    vllm_feed.py): 8 calls of 32 prompts, every other one asking 8 times the tokens, sent one after another (a
+    one-call-at-a-time service actor: `generator.calls_per_engine: 1`) and then from 4 threads at once (the
+    default 4: the engine adds a call's requests between its steps, so short calls run beside long ones and the
+    GPU does not wait on the caller). Rows/s of both, their ratio, and whether the greedy answers are the same."""
+    import importlib.util
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    missing = [m for m in ("vllm", "wbrag_ray") if importlib.util.find_spec(m) is None]
+    if missing:
+        report("vllm engine feed", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
+        return
+    if not run.cuda and not run.quick:
+        report("vllm engine feed", "skipped (no GPU visible)")
+        return
+    from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.generation.vllm import VLLMGenerator
+
+    spec, sizes = (SMALL_LLAMA if run.quick else LLAMA_1B), run.sizes
+    calls, rows = 8, (4 if run.quick else 32)
+    short, long = max(2, sizes.new_tokens // 8), sizes.new_tokens
+    with tempfile.TemporaryDirectory() as folder:
+        save_random_llama(run, spec, folder)
+        config = GeneratorConfig(
+            backend="vllm", model=folder, num_gpus=1.0 if run.cuda else 0.0, chat_template=False, stop=[],
+            dtype="bfloat16" if run.cuda else "float32",
+            vllm_engine_kwargs={"max_model_len": sizes.prompt_tokens + long + 8, "enforce_eager": True})
+        generator = VLLMGenerator(config)
+        _, seconds = timed(run, generator.setup)
+        report("feed engine start", seconds, "s")
+        prompts = random_prompts(spec, sizes.prompt_tokens, calls * rows)
+        work = [(prompts[i * rows:(i + 1) * rows], long if i % 2 else short) for i in range(calls)]
+        generator.generate(prompts[:2], short)  # warm-up
+        one, blocking = timed(run, lambda: [generator.generate(p, n) for p, n in work])
+        with ThreadPoolExecutor(4) as pool:
+            fed, shared = timed(run, lambda: list(pool.map(lambda call: generator.generate(*call), work)))
+        report("feed one call at a time", calls * rows / blocking, "rows/s")
+        report("feed 4 calls at once", calls * rows / shared, "rows/s")
+        report("feed speedup (4 at once / 1)", blocking / shared, "x", 2)
+        report("feed answers identical", f"{sum(a == b for a, b in zip(one, fed, strict=True))} of {calls} calls")
 
 
 # --- 6. the project's training on a Ray Train worker ----------------------------------------------------
@@ -868,7 +921,8 @@ def main(argv: list[str] | None = None) -> int:
     section(run, "lora llama-1b", lora_training)
     section(run, "vllm tensor parallel", tensor_parallel)
     section(run, "ray train lm pruner", ray_train)
-    section(run, "faiss gpu clone", faiss_gpu_clone)
+    section(run, "vllm engine feed", engine_feed)
+    section(run, "faiss gpu clone", faiss_gpu_clone)  # last: PQ96's training is the slowest step
 
     report("total", run.elapsed(), "s")
     report("failures", ", ".join(run.failures) if run.failures else "none")
