@@ -169,8 +169,7 @@ def resolve_auto_concurrency(config, search_gpus: float = 0.0) -> None:
     pass's actors hold the embedder with its GPUs). Said in the log. Called once when a command joins Ray: the
     stages record the numbers they ran with."""
     r = config.retrieval
-    query_gpus = config.embedder.num_gpus if r.embed_gpus is None else r.embed_gpus
-    held = (search_gpus + r.concurrency * query_gpus) if config.generator.num_gpus else 0
+    held = (search_gpus + r.concurrency * r.query_embedder(config.embedder).num_gpus) if config.generator.num_gpus else 0
     nodes = free_nodes()
     for key, count in auto_concurrency(config, nodes, held).items():
         section(config, key).concurrency = count

@@ -2,7 +2,7 @@
 
 Validation happens once, before any stage starts; every error names the dotted key and what would fix it.
 
-Over 600 lines (about 740) on purpose: one model per config section, every field with its description, in one module
+Over 600 lines (about 765) on purpose: one model per config section, every field with its description, in one module
 that is the reference a user reads (`wbrag_ray/config.py` is what the README points to); splitting the sections
 into modules would split that reference, and the loader and override parser below serve them all.
 """
@@ -363,6 +363,11 @@ class RetrievalConfig(_Section):
                        "1 / (rrf_k + its rank in its own index).")
     gate_margin: float = Field(0.0, description="Union 'gate': how far below the query's best passage's score a "
                                "write-back unit may score and still take a slot (negative: it must score above).")
+
+    def query_embedder(self, embedder: EmbedderConfig) -> EmbedderConfig:
+        """The embedder as a retrieval pass's actors hold it: with `embed_gpus` where set (the bulk embedding
+        keeps `embedder.num_gpus`)."""
+        return embedder if self.embed_gpus is None else embedder.model_copy(update={"num_gpus": self.embed_gpus})
 
 
 RagMethod = Literal["no-retrieval", "naive", "replug", "replug-vote", "self-rag", "flare"]

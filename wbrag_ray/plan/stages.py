@@ -273,9 +273,8 @@ def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: Retrieval
                    fix="lower retrieval.concurrency" + (" or set index.gpu: false (search on CPUs)" if gpu else ""),
                    fix_node="lower retrieval.actor_memory_gb (more, smaller search actors)",
                    detail=f"{sizing.groups} group(s) of shards x {retrieval.concurrency} replica(s)"),
-            embedder_bundle(embedder if retrieval.embed_gpus is None else
-                            embedder.model_copy(update={"num_gpus": retrieval.embed_gpus}), "query embedder",
-                            retrieval.concurrency, retrieval.num_cpus, "retrieval.concurrency")]
+            embedder_bundle(retrieval.query_embedder(embedder), "query embedder", retrieval.concurrency,
+                            retrieval.num_cpus, "retrieval.concurrency")]
 
 
 def search_time(queries: int | None, sizing: IndexSizing, retrieval: RetrievalConfig) -> float | None:

@@ -41,9 +41,7 @@ class RetrieveStage(Stage):
     def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,
                  router_dir: str | None = None, query_column: str = "question"):
         check_embedder(service.pools[0].manifest, service.pools[0].index_dir, embedder)
-        if retrieval.embed_gpus is not None:  # the query embedders' own GPU share (the bulk embed keeps its own)
-            embedder = embedder.model_copy(update={"num_gpus": retrieval.embed_gpus})
-        self.service, self.embedder_config, self.retrieval = service, embedder, retrieval
+        self.service, self.embedder_config, self.retrieval = service, retrieval.query_embedder(embedder), retrieval
         self.router_dir = router_dir
         self.query_column = query_column
         self.input_columns = tuple(dict.fromkeys((query_column, "question") if router_dir else (query_column,)))
