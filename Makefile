@@ -53,11 +53,12 @@ demo: setup
 # Two pytest workers (pytest-xdist): run one at a time, the tests kept a 2-core machine's cores about 70% busy
 # (one process importing torch or starting an actor while the other core waits); two keep them busy. Each test
 # file runs in one worker, and the files sharing a session build (the Zero-RAG chain, the naive-RAG run) in the
-# same one: tests/conftest.py.
+# same one: tests/conftest.py, which also orders the groups longest first (xdist would order them by how many
+# tests each holds: --no-loadscope-reorder).
 # TEST_WORKERS=0 runs them in this process. The 25 slowest tests close every run's output (and CI's log).
 TEST_WORKERS ?= 2
 test: setup
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check wbrag_ray tests benchmarks jobs

@@ -22,6 +22,12 @@ os.environ["WBRAG_CPU_BF16"] = "0"
 # look: nothing next to a real step of seconds, most of a tiny test training that checkpoints every 2 steps of
 # milliseconds. The session's cluster and every driver a test starts inherit this.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Ray's log monitor (one per cluster: the session's, each multi-node script's) looks for new worker log files
+# with a glob of the logs folder on every 0.1 s loop while it holds under this many; a session leaves hundreds
+# (a worker process: two files), and those globs took about 190 of the suite's 4,200 CPU seconds (2026-12-03,
+# per-process CPU over a full run). Every 0.5 s instead (LOG_NAME_UPDATE_INTERVAL_S): a new worker's first
+# lines reach the driver that much later, nothing else changes.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 # The session fixtures a whole group of test files builds on, each minutes of work: under pytest-xdist
 # (`make test` runs `-n 2 --dist loadgroup`) every file that uses one runs in one worker, so it is built once.
@@ -31,7 +37,8 @@ SHARED_BUILDS = ("chain", "built_run", "demo_run")
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
     """Under xdist's loadgroup: one group per test file (its module fixtures are built once), except that the
-    files using a shared build form one group; those groups go first, the longest work starting earliest."""
+    files using a shared build form one group; those groups go first, then the files of slow tests, so the
+    longest work starts earliest and the short files fill the end on both workers."""
     # xdist's workers, which collect, see `--dist loadgroup` as this flag (their own `dist` is "no")
     if not config.getoption("loadgroup", False):
         return
@@ -41,9 +48,15 @@ def pytest_collection_modifyitems(config, items):
         used = next((name for name in SHARED_BUILDS if name in getattr(item, "fixturenames", ())), None)
         if used or path not in group:
             group[path] = used or group.get(path, path)
+    slow = {group[item.nodeid.split("::")[0]] for item in items if item.get_closest_marker("slow")}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group[item.nodeid.split("::")[0]]))
-    items.sort(key=lambda item: group[item.nodeid.split("::")[0]] not in SHARED_BUILDS)  # stable: files stay whole
+
+    def first(item) -> tuple[bool, bool]:  # the shared builds, then the groups holding slow tests, then the rest
+        name = group[item.nodeid.split("::")[0]]
+        return name not in SHARED_BUILDS, name not in slow
+
+    items.sort(key=first)  # stable: files stay whole (`make test` keeps this order: --no-loadscope-reorder)
 
 
 def pytest_collection_finish(session):

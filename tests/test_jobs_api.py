@@ -123,6 +123,7 @@ def ray_head(tmp_path_factory):
         proc.wait(30)
 
 
+@pytest.mark.slow
 def test_submit_runs_a_pipeline_to_completion(ray_head, tmp_path, tiny):
     """The job builds a knowledge base with the tiny embedder (a local folder on this one-machine cluster): what is
     checked is the submission, the job's stages and the job commands, not the embeddings."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pyarrow as pa
+import pytest
 
 from tests.conftest import DEMO_CORPUS, DEMO_QA
 from wbrag_ray.index.faiss_index import INDEX_FILE, MANIFEST
@@ -57,6 +58,7 @@ def test_a_model_folder_travels_to_s3_and_back_to_a_local_copy(s3_env, tmp_path,
     assert second != first and open(os.path.join(second, "sub", "weights.bin"), "rb").read() == b"version 2"
 
 
+@pytest.mark.slow
 def test_whole_run_folder_on_s3(s3_env, tmp_path, tiny):
     """ingest -> embed -> index -> eval with corpus, dataset and run folder all on s3://, in a fresh process
     (the tiny models: what is checked is where everything lands)."""
@@ -143,7 +145,6 @@ def test_the_mount_of_a_path_and_whether_other_machines_share_it():
 def test_a_folder_is_made_local_on_the_node_that_uses_it(s3_env, tmp_path, monkeypatch):
     """node_local_dir: a local folder as it is; an s3:// one fetched into this node's cache; a local path that
     this node does not have refused with the fix."""
-    import pytest
 
     from wbrag_ray.config import ConfigError
     from wbrag_ray.storage import node_local_dir
@@ -164,7 +165,6 @@ def test_a_local_run_folder_on_one_node_is_not_checked_further(ray_cluster, tmp_
     here is made a local disk, so a check would refuse it) and without a warning; s3:// is accepted anywhere,
     without asking Ray for its nodes. The same local folder with two alive nodes is refused: the node count is
     what spared it."""
-    import pytest
 
     from wbrag_ray import storage
     from wbrag_ray.config import ConfigError
@@ -214,8 +214,6 @@ def test_a_node_builds_a_cached_folder_once_while_its_other_processes_wait(tmp_p
     and read the same folder; a failed build leaves nothing behind and the next caller tries again."""
     import multiprocessing
 
-    import pytest
-
     from wbrag_ray.storage import node_cached
 
     dest, log = str(tmp_path / "cache" / "converted" / "model"), str(tmp_path / "builds.log")
@@ -239,7 +237,6 @@ def test_a_node_builds_a_cached_folder_once_while_its_other_processes_wait(tmp_p
 def test_a_generator_loads_its_model_folder_from_object_storage(s3_env, tmp_path, monkeypatch, tiny):
     """generator.model = s3://...: the driver only checks the folder exists; the worker that loads it fetches it
     into its node's cache, and answers as the local folder does."""
-    import pytest
 
     from wbrag_ray.config import ConfigError, GeneratorConfig
     from wbrag_ray.generation.backends import make_generator

@@ -82,7 +82,7 @@ class NodeKiller:
                     while not self._stop.wait(15):
                         self._report()
                     return
-            self._stop.wait(0.1)
+            self._stop.wait(0.25)  # each look asks the state API for every task: not 10 times a second
 
     def _live_actors(self) -> list:
         from ray.util.state import list_actors

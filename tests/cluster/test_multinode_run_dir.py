@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import last_json_line
 from tests.training.test_lora import QUESTIONS
 from wbrag_ray.config import GeneratorConfig, TuneConfig
@@ -17,6 +19,7 @@ from wbrag_ray.zerorag.tune import TUNE
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_two_nodes_refuse_a_local_run_folder_and_fetch_the_s3_adapter_on_the_worker_node(tmp_path, s3_env, tiny,
                                                                                         ray_cluster):
     # the tuned adapter as `wbrag tune` leaves it in a run folder on object storage (one step of the real tuning)

@@ -31,7 +31,7 @@ from wbrag_ray.storage import resolve
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: `make setup-vllm` installs its CPU build", allow_module_level=True)
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # The generator settings of both backends: fp32 whatever the CPU, greedy, one-line answers.
 GENERATOR = ["generator.dtype=float32", "generator.max_new_tokens=16", "generator.batch_size=16",

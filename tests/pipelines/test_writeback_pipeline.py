@@ -158,6 +158,7 @@ def test_rerun_skips_a_trained_version_and_refuses_other_settings(trained, capsy
     assert _base_index_hash(trained["run"]) == trained["base_hash"]
 
 
+@pytest.mark.slow
 def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_version(trained, capsys):
     """A second version trained under FLARE (threshold 1: every answer retrieves), then `wbrag eval --methods-grid`:
     the five methods on the base and beside both versions, same-method and cross-method."""
@@ -207,6 +208,7 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
     assert _base_index_hash(run) == trained["base_hash"]
 
 
+@pytest.mark.slow
 def test_same_writeback_trains_a_version_per_method_that_has_none_and_shows_table2(trained, capsys):
     """`--same-writeback` (WriteBack-RAG's Table 2, Same-WB): of naive and replug-vote, the second has a version
     written back under it from this training set (the fixture's), so only naive's is trained; each method is then

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig, TuneConfig
 from wbrag_ray.metrics import normalize_answer
@@ -30,6 +31,7 @@ UNKNOWN = [
 ]
 
 
+@pytest.mark.slow
 def test_lm_pruner_learns_on_two_ray_train_workers_and_predicts_in_input_order(tmp_path, ray_cluster):
     texts, scores = KNOWN + UNKNOWN, [1.0] * len(KNOWN) + [0.0] * len(UNKNOWN)
     config = LMPrunerConfig(epochs=3, batch_size=4, max_length=32, threads=THREADS, trainer={"num_workers": 2})
@@ -133,6 +135,7 @@ def test_prompts_are_cut_from_the_left_so_the_answer_fits():
     assert cut == 0 and len(ids) < 64
 
 
+@pytest.mark.slow
 def test_noise_tolerant_tuning_on_two_ray_train_workers_lowers_loss_and_loads_in_the_generator(tmp_path, ray_cluster):
     import torch
     from transformers import AutoModelForCausalLM

@@ -154,6 +154,7 @@ def test_a_training_keeps_its_checkpoints_in_a_run_folder_on_object_storage(unin
     assert any(p.endswith("train_state.pt") for p in kept) and any(p.endswith("adapter_model.safetensors") for p in kept)
 
 
+@pytest.mark.slow
 def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_uninterrupted_run(tmp_path,
                                                                                                   ray_cluster, tiny,
                                                                                                   uninterrupted):

@@ -172,13 +172,21 @@ class StageService:
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls)(_ServiceWorker)
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
-        self.dispatch = _start_dispatch(len(self.actors))
+        self._dispatch = None  # started by the first Ray Data pass (`apply`): `run_frame` counts in the driver
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
             wait_placed(self.actors, f"the {stage.name} service", need,
                         f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency")
         except BaseException:
             self.close()
             raise
+
+    @property
+    def dispatch(self):
+        """The `_Dispatch` of this service's Ray Data passes, started by the first (a process of its own: a
+        command whose passes all go through `run_frame` never starts one)."""
+        if self._dispatch is None:
+            self._dispatch = _start_dispatch(len(self.actors))
+        return self._dispatch
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         from wbrag_ray.ray_runtime import LIGHT_CPUS
@@ -216,9 +224,9 @@ class StageService:
     def close(self) -> None:
         import ray
 
-        for actor in [*self.actors, self.dispatch]:
+        for actor in [*self.actors, *([self._dispatch] if self._dispatch is not None else [])]:
             ray.kill(actor)
-        self.actors = []
+        self.actors, self._dispatch = [], None
 
 
 def _start_dispatch(actors: int):

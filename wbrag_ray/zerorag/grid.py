@@ -8,6 +8,7 @@ from typing import Any
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder
+from wbrag_ray.stages.service import Services
 from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
 from wbrag_ray.zerorag.tune import with_adapter
 
@@ -33,10 +34,12 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     vectors = Embedder(config.embedder).encode_queries(questions["question"].to_pylist())
     rows: list[dict[str, Any]] = []
     latency: dict[float, float] = {}
-    for adapter in adapters:
-        cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
-        # one generator (with or without the adapter) for every cell; the retrieval service follows the cell
-        with GeneratorPasses(cfg.generator) as passes:
+    # One set of services for the whole grid: the tuned adapter loads in the processes that served the cells
+    # without it (no second model process), and the retrieval service follows the cell.
+    with Services() as services:
+        for adapter in adapters:
+            cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
+            passes = GeneratorPasses(cfg.generator, services)  # with or without the adapter, for every cell
             for ratio in ratios:
                 index = index_for_ratio(run, ratio)
                 manifest = load_manifest(index)
