@@ -99,7 +99,10 @@ def test_tuning_and_router_and_the_grid(chain):
     assert run.layout.zero_rag.adapter.join("adapter_config.json").exists()  # the adapter's own (peft) file
     router = run.layout.zero_rag.router_metrics.read_json()
     assert router["n_train"] + router["n_val"] == 10 and router["adapter"] is True
-    rows = run.layout.zero_rag.grid.read_json()["rows"]
+    grid = run.layout.zero_rag.grid.read_json()
+    rows = grid["rows"]
+    # one generator process for every cell: the tuned adapter set up in it after the cells without it
+    assert grid["services"]["started"]["generate"] == 1 and grid["services"]["loads"]["generate"] == 2
     settings = {(r["ratio"], r["router"], r["adapter"], r["method"]) for r in rows}
     for ratio in (0.0, 0.3):
         for router in (False, True):

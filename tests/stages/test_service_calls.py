@@ -173,11 +173,22 @@ def test_the_tasks_of_a_streaming_pass_take_the_least_busy_actor(ray_cluster):
         ray_cluster.kill(dispatch)
 
 
+def _live_dispatchers() -> set[str]:
+    """The ids of the live `_Dispatch` actors in Ray's own actor table."""
+    from ray._private.state import actors
+
+    return {i for i, a in actors().items() if a["State"] == "ALIVE" and a["ActorClassName"].endswith("_Dispatch")}
+
+
 def test_a_streaming_pass_through_a_service_answers_every_row_once(ray_cluster):
     """`StageService.apply` over a dataset of many blocks: every row answered once, on the pass's stage, through
-    the dispatcher (what it counted is all given back)."""
+    the dispatcher (what it counted is all given back). The dispatcher is a process of its own, started by the
+    first Ray Data pass: passes of rows the driver holds (`run_frame`) never start one."""
+    before = _live_dispatchers()
     service = StageService(Sleepy("a", seconds=0.05))
     try:
+        assert service.run_frame(pd.DataFrame({"x": [0, 1, 2]}), Sleepy("a"))["x"].tolist() == [0, 1, 2]
+        assert _live_dispatchers() == before
         frames = [pd.DataFrame({"x": [2 * i, 2 * i + 1]}) for i in range(12)]
         out = service.apply(ray_cluster.data.from_pandas(frames), Sleepy("a")).to_pandas()
         assert sorted(out["x"]) == list(range(24)) and set(out["key"]) == {"a"}
@@ -185,5 +196,6 @@ def test_a_streaming_pass_through_a_service_answers_every_row_once(ray_cluster):
         while (counts := ray_cluster.get(service.dispatch.counts.remote()))[0] != [0] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert counts[0] == [0] and counts[1] >= 1  # every batch taken through it, every one given back
+        assert len(_live_dispatchers() - before) == 1
     finally:
         service.close()

@@ -37,10 +37,12 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     # One set of services for the whole grid: the tuned adapter loads in the processes that served the cells
     # without it (no second model process), and the retrieval service follows the cell.
     with Services() as services:
-        for adapter in adapters:
+        for turn, adapter in enumerate(adapters):
             cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
             passes = GeneratorPasses(cfg.generator, services)  # with or without the adapter, for every cell
-            for ratio in ratios:
+            # back and forth over the ratios: the index the last adapter's cells ended on serves the next first
+            # (one index loaded at a time, and a load of a large one takes minutes)
+            for ratio in ratios if turn % 2 == 0 else ratios[::-1]:
                 index = index_for_ratio(run, ratio)
                 manifest = load_manifest(index)
                 if ratio not in latency:  # measured by the search actors that then serve the cell's passes
@@ -71,7 +73,10 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                             "index_bytes": index_bytes(index), "sentences": int(manifest["count"]),
                             "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
                         })
-    run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows})
+        # what the grid started and set up, per service kind (what the shared set saved: one generator process)
+        started = {"started": dict(services.started), "loads": dict(services.loads)}
+    rows.sort(key=lambda r: (r["adapter"], r["ratio"]))  # stable: each cell's rows as evaluated
+    run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows, "services": started})
     print(format_grid(rows), flush=True)
     return rows
 
