@@ -22,6 +22,9 @@ os.environ["WBRAG_CPU_BF16"] = "0"
 # look: nothing next to a real step of seconds, most of a tiny test training that checkpoints every 2 steps of
 # milliseconds. The session's cluster and every driver a test starts inherit this.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Ray Train starts a preemption watcher (an actor: a process) beside each training, for the node drains a cloud
+# announces; none comes here, and the tests lose workers and drivers by killing them.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Ray's log monitor (one per cluster: the session's, each multi-node script's) looks for new worker log files
 # with a glob of the logs folder on every 0.1 s loop while it holds under this many; a session leaves hundreds
 # (a worker process: two files), and those globs took about 190 of the suite's 4,200 CPU seconds (2026-12-03,

@@ -31,11 +31,18 @@ def start(args: list[str], env: dict[str, str], cwd: str | os.PathLike[str] | No
                             start_new_session=True)
 
 
-def kill_once_half_committed(driver: subprocess.Popen, checkpoint: Location, total: int,
+def kill_once_half_committed(driver: subprocess.Popen, checkpoint: Location, total: int, ray_cluster,
                              timeout_s: float = 300, poll_s: float = 0.02) -> tuple[int, str]:
     """SIGKILL `driver`'s process group once the stage checkpoint at `checkpoint` holds `total / 2` committed rows
     (or the driver ended, or `timeout_s` passed), looking every `poll_s` (each look lists a few folders: on object
-    storage, a few requests): (the rows committed after the kill, the driver's output)."""
+    storage, a few requests): (the rows committed after the kill, the driver's output).
+
+    The rows are counted once the session's cluster (`ray_cluster`, which the driver joined) is idle: a task of
+    the killed driver that was writing its output records it a moment after the driver is gone, until Ray ends
+    the dead job's workers (CI, 2026-12-03: an index build's add task recorded after the kill, and the rerun
+    resumed 8 shards where the count taken at the kill said 7)."""
+    from tests.conftest import wait_idle
+
     deadline = time.time() + timeout_s
     try:
         while time.time() < deadline and driver.poll() is None and progress(checkpoint)["committed"] < total / 2:
@@ -43,6 +50,7 @@ def kill_once_half_committed(driver: subprocess.Popen, checkpoint: Location, tot
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         log = driver.communicate(timeout=60)[0]
+    wait_idle(ray_cluster, timeout_s=60)
     return progress(checkpoint)["committed"], log
 
 

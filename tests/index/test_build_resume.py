@@ -50,7 +50,7 @@ def test_an_index_build_whose_driver_is_killed_resumes_its_finished_tasks(tmp_pa
     total = len(vecs)
     # a look every 0.1 s (a dozen small files read): a task takes longer, so the kill lands within a task or two
     committed, log = kill_once_half_committed(start(args, env, cwd=ROOT), run.layout.checkpoint("index"), total,
-                                              poll_s=0.1)
+                                              ray_cluster, poll_s=0.1)
     assert total / 2 <= committed < total, (committed, log[-3000:])
     assert not run.is_complete("index") and progress(run.layout.checkpoint("index"))["pass"] == "index"
 

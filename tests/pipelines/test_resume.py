@@ -49,7 +49,7 @@ def _kill_when_half_committed(args: list[str], run: RunFolder, stage: str, total
     """Run `wbrag ARGS` as a driver on the session's cluster and SIGKILL it once `total / 2` answers of `stage`
     are committed; returns how many were."""
     driver = start([sys.executable, "-m", "wbrag_ray.cli", *args], joining_env(ray_cluster), cwd=ROOT)
-    committed, log = kill_once_half_committed(driver, run.layout.checkpoint(stage), total)
+    committed, log = kill_once_half_committed(driver, run.layout.checkpoint(stage), total, ray_cluster)
     assert total / 2 <= committed < total, (committed, total, log[-3000:])
     assert not run.is_complete(stage)
     return committed
@@ -201,7 +201,7 @@ def test_pruner_prediction_resumes_after_the_driver_is_killed(chain, ray_cluster
 
     driver = start([sys.executable, "-m", "wbrag_ray.cli", "prune", run.uri, *prune], joining_env(ray_cluster),
                    cwd=ROOT)
-    committed, log = kill_once_half_committed(driver, run.layout.checkpoint("predict"), total)
+    committed, log = kill_once_half_committed(driver, run.layout.checkpoint("predict"), total, ray_cluster)
     assert total / 2 <= committed < total and not run.is_complete("predict"), (committed, total, log[-3000:])
     assert main(["prune", run.uri, *prune]) == 0
     stats = run.stats("predict")
