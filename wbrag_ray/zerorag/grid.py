@@ -74,9 +74,9 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                             "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
                         })
         # what the grid started and set up, per service kind (what the shared set saved: one generator process)
-        started = {"started": dict(services.started), "loads": dict(services.loads)}
+        used = {"started": dict(services.started), "loads": dict(services.loads)}
     rows.sort(key=lambda r: (r["adapter"], r["ratio"]))  # stable: each cell's rows as evaluated
-    run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows, "services": started})
+    run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows, "services": used})
     print(format_grid(rows), flush=True)
     return rows
 
