@@ -31,6 +31,11 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # per-process CPU over a full run). Every 0.5 s instead (LOG_NAME_UPDATE_INTERVAL_S): a new worker's first
 # lines reach the driver that much later, nothing else changes.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+# torch's OpenMP threads wait passively, as a wbrag command's workers do (ray_runtime.SHARED_CORES_WORKER_ENV),
+# in the session's cluster too (started here, not by a command) and in this process: two test workers and their
+# actors share 2 cores, and threads spinning for work took about a fifth of the CPU of the adaptive-RAG and
+# evaluation files (328 against 260 CPU-seconds, 2026-12-03).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The session fixtures a whole group of test files builds on, each minutes of work: under pytest-xdist
 # (`make test` runs `-n 2 --dist loadgroup`) every file that uses one runs in one worker, so it is built once.
