@@ -31,10 +31,12 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # per-process CPU over a full run). Every 0.5 s instead (LOG_NAME_UPDATE_INTERVAL_S): a new worker's first
 # lines reach the driver that much later, nothing else changes.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
-# torch's OpenMP threads wait passively, as a wbrag command's workers do (ray_runtime.SHARED_CORES_WORKER_ENV),
-# in the session's cluster too (started here, not by a command) and in this process: two test workers and their
-# actors share 2 cores, and threads spinning for work took about a fifth of the CPU of the adaptive-RAG and
-# evaluation files (328 against 260 CPU-seconds, 2026-12-03).
+# torch's OpenMP threads (and faiss's) wait passively in this process and in everything it starts (the session's
+# cluster, the drivers and multi-node clusters of the fault tests): two test workers and their actors share 2
+# cores, and a thread spinning for work burns the CPU another process waits for. Measured 2026-12-03: the tiny
+# generator's same answers beside a busy core took 1.77 CPU-s spinning and 0.88 passive; the adaptive-RAG and
+# evaluation files 328 CPU-s spinning and 260 passive (wall 186 -> 150 s). Not a default of wbrag's own workers:
+# a command alone on its cores (the demo) ran about 10% longer with passive threads (87 s against 79 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The session fixtures a whole group of test files builds on, each minutes of work: under pytest-xdist

@@ -1,7 +1,6 @@
 """vLLM's logging kept at WARNING in the workers unless -v: vLLM reads VLLM_LOGGING_LEVEL from the environment of
 the process that imports it (a generator service's actor, Ray Data LLM's engine stage), so the setting has to
-reach the workers of a cluster the driver joins, whose processes do not inherit the driver's environment; torch's
-OpenMP threads wait passively (OMP_WAIT_POLICY, read when torch loads) the same way, -v or not.
+reach the workers of a cluster the driver joins, whose processes do not inherit the driver's environment.
 No engine starts here: a worker reports the environment it got.
 
     python -m tests.test_worker_env quiet|verbose   (a driver joining RAY_ADDRESS's cluster; prints JSON)
@@ -19,30 +18,27 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import joining_env, last_json_line
-from wbrag_ray.ray_runtime import QUIET_WORKER_ENV, SHARED_CORES_WORKER_ENV, worker_env_vars
+from wbrag_ray.ray_runtime import QUIET_WORKER_ENV, worker_env_vars
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVEL = "VLLM_LOGGING_LEVEL"
-WAIT = "OMP_WAIT_POLICY"
 
 
-def test_workers_get_vllm_at_warning_unless_verbose_and_passive_openmp_threads(monkeypatch):
+def test_workers_get_vllm_at_warning_unless_verbose(monkeypatch):
     monkeypatch.delenv(LEVEL, raising=False)
-    monkeypatch.delenv(WAIT, raising=False)
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
-    assert QUIET_WORKER_ENV == {LEVEL: "WARNING"} and SHARED_CORES_WORKER_ENV == {WAIT: "PASSIVE"}
-    assert worker_env_vars(verbose=False) == {LEVEL: "WARNING", WAIT: "PASSIVE"}
-    assert worker_env_vars(verbose=True) == {WAIT: "PASSIVE"}  # vLLM's own default (INFO)
+    assert QUIET_WORKER_ENV == {LEVEL: "WARNING"}
+    assert worker_env_vars(verbose=False) == {LEVEL: "WARNING"}
+    assert worker_env_vars(verbose=True) == {}  # vLLM's own default (INFO)
 
 
-def test_values_the_user_set_reach_the_workers_and_one_the_submitted_job_sets_is_left_to_the_job(monkeypatch):
+def test_a_level_the_user_set_reaches_the_workers_and_one_the_submitted_job_sets_is_left_to_the_job(monkeypatch):
     monkeypatch.setenv(LEVEL, "DEBUG")
-    monkeypatch.setenv(WAIT, "ACTIVE")  # actors that own their cores: spinning threads answer sooner
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
-    assert worker_env_vars(verbose=False) == worker_env_vars(verbose=True) == {LEVEL: "DEBUG", WAIT: "ACTIVE"}
+    assert worker_env_vars(verbose=False) == worker_env_vars(verbose=True) == {LEVEL: "DEBUG"}
     # a submitted job's runtime env already carries it (Ray refuses a driver's runtime env that sets it again)
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"env_vars": {LEVEL: "ERROR"}}}))
-    assert worker_env_vars(verbose=False) == {WAIT: "ACTIVE"}
+    assert worker_env_vars(verbose=False) == {}
 
 
 def main(mode: str) -> None:
@@ -59,7 +55,7 @@ def main(mode: str) -> None:
 
     @ray.remote(num_cpus=0.1)
     def worker_env() -> dict[str, str | None]:
-        return {k: os.environ.get(k) for k in (LEVEL, "VLLM_BATCH_INVARIANT", WAIT)}
+        return {k: os.environ.get(k) for k in (LEVEL, "VLLM_BATCH_INVARIANT")}
 
     job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
     own = worker_env.options(runtime_env={"env_vars": {"VLLM_BATCH_INVARIANT": "1"}})
@@ -67,22 +63,20 @@ def main(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["quiet", "verbose"])
-def test_the_variables_reach_the_workers_of_a_joined_cluster_through_the_jobs_runtime_env(ray_cluster, mode):
-    # neither in the driver's environment: what reaches the workers is the job's runtime env, not inherited
-    env = {k: v for k, v in joining_env(ray_cluster).items() if k not in (LEVEL, WAIT)}
+def test_the_level_reaches_the_workers_of_a_joined_cluster_through_the_jobs_runtime_env(ray_cluster, mode):
+    env = {k: v for k, v in joining_env(ray_cluster).items() if k != LEVEL}
     out = subprocess.run([sys.executable, "-m", "tests.test_worker_env", mode], capture_output=True, text=True,
                          timeout=180, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = last_json_line(out.stdout)
     if mode == "quiet":
-        assert seen["job"] == {LEVEL: "WARNING", WAIT: "PASSIVE"}  # in the job's runtime env, so on every node
+        assert seen["job"] == {LEVEL: "WARNING"}  # in the job's runtime env, so on every node
         assert seen["worker"][LEVEL] == "WARNING"
         # a task or actor with a runtime env of its own keeps the job's variables beside its own
-        assert seen["with_own_env"] == {LEVEL: "WARNING", "VLLM_BATCH_INVARIANT": "1", WAIT: "PASSIVE"}
+        assert seen["with_own_env"] == {LEVEL: "WARNING", "VLLM_BATCH_INVARIANT": "1"}
     else:
         assert LEVEL not in seen["job"]  # -v: vLLM's INFO lines come through
         assert seen["with_own_env"]["VLLM_BATCH_INVARIANT"] == "1"
-    assert seen["worker"][WAIT] == "PASSIVE"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 435): the environment every worker of a job gets (`worker_env_vars`) is set
+Over 400 lines (about 420): the environment every worker of a job gets (`worker_env_vars`) is set
 where Ray starts or is joined, and belongs beside `init_ray`."""
 
 from __future__ import annotations
@@ -234,24 +234,15 @@ def stable_names(prefix: str):
 # vLLM logs about 150 INFO lines per engine start, in the workers that start engines, at the level it reads from
 # the environment on import: the job's runtime env carries the setting to every worker (-v: vLLM's own default).
 QUIET_WORKER_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
-# torch's CPU threads (GNU OpenMP) spin between parallel regions by default, on the core they hold. A node's
-# model actors share its cores (fractional num_cpus, `threads` above them, light tasks beside), and a spinning
-# thread burns the CPU its neighbour is waiting for: measured on 2 cores with another process busy, the tiny
-# generator's same answers took 1.77 CPU-s with spinning threads and 0.88 passive (wall 1.35 s and 0.89 s); on
-# idle cores the wall time was the same, and a batch of embeddings the same both ways. Read by libgomp when torch
-# loads, so it goes in the workers' environment, not a setting made later.
-SHARED_CORES_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def worker_env_vars(verbose: bool) -> dict[str, str]:
-    """Variables for every worker of the job (`init_ray`'s runtime env): QUIET_WORKER_ENV unless `verbose`, and
-    SHARED_CORES_WORKER_ENV; a value in this process's environment wins (OMP_WAIT_POLICY=ACTIVE for a node whose
-    actors each own their cores); none that the job's own runtime env sets (Ray refuses a repeat)."""
+    """Variables for every worker of the job (`init_ray`'s runtime env): QUIET_WORKER_ENV unless `verbose`, where
+    a value in this process's environment wins; none that the job's own runtime env sets (Ray refuses a repeat)."""
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR as JOB
 
     job_env = (json.loads(os.environ.get(JOB) or "{}").get("runtime_env") or {}).get("env_vars") or {}
-    wanted = {**({} if verbose else QUIET_WORKER_ENV), **SHARED_CORES_WORKER_ENV}
-    env = {**wanted, **{k: os.environ[k] for k in (*QUIET_WORKER_ENV, *SHARED_CORES_WORKER_ENV) if k in os.environ}}
+    env = {k: os.environ.get(k, v) for k, v in QUIET_WORKER_ENV.items() if k in os.environ or not verbose}
     return {k: v for k, v in env.items() if k not in job_env}
 
 
