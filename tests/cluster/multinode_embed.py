@@ -21,18 +21,16 @@ import ray
 import ray.data
 
 from tests.cluster.local import local_cluster
+from tests.ray_actors import live_actors
 from wbrag_ray import api, build_kb
 from wbrag_ray.config import load_config
 
 
 def embed_actors() -> dict[str, list[str]]:
     """Node id -> ids of the embed stage's live actors there (Ray Data names its pool actors after the map)."""
-    from ray._private.state import actors
-
     out: dict[str, list[str]] = {}
-    for actor_id, a in actors().items():
-        if a["State"] == "ALIVE" and "_StageWorker" in a["ActorClassName"]:
-            out.setdefault(a["Address"]["NodeID"], []).append(actor_id)
+    for a in live_actors("_StageWorker"):
+        out.setdefault(a["Address"]["NodeID"], []).append(a["ActorID"])
     return out
 
 

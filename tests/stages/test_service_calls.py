@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from tests.conftest import wait_idle
+from tests.ray_actors import live_actors
 from wbrag_ray.ray_runtime import call_actors
 from wbrag_ray.stages.base import Resources, Stage
 from wbrag_ray.stages.service import StageService, _ServiceWorker
@@ -69,6 +70,9 @@ class Timed:
 def test_each_next_call_goes_to_the_actor_that_just_answered(ray_cluster):
     remote = ray_cluster.remote(num_cpus=0.25)(Timed)
     slow, fast = remote.remote(0.4), remote.remote(0.02)
+    # both processes up first: on a busy machine one can take seconds to start, and the other would take the
+    # calls meanwhile whatever the dispatch does (2026-12-03, beside the other test worker: [11, 13])
+    assert ray_cluster.get([slow.count.remote(), fast.count.remote()]) == [0, 0]
     out = call_actors([slow, fast], "run", [(i,) for i in range(24)], in_flight=1)
     assert out == list(range(24))  # in the order of the calls
     took = ray_cluster.get([slow.count.remote(), fast.count.remote()])
@@ -174,10 +178,8 @@ def test_the_tasks_of_a_streaming_pass_take_the_least_busy_actor(ray_cluster):
 
 
 def _live_dispatchers() -> set[str]:
-    """The ids of the live `_Dispatch` actors in Ray's own actor table."""
-    from ray._private.state import actors
-
-    return {i for i, a in actors().items() if a["State"] == "ALIVE" and a["ActorClassName"].endswith("_Dispatch")}
+    """The ids of the live `_Dispatch` actors."""
+    return {a["ActorID"] for a in live_actors("_Dispatch")}
 
 
 def test_a_streaming_pass_through_a_service_answers_every_row_once(ray_cluster):

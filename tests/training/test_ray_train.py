@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import joining_env, last_json_line
+from tests.ray_actors import live_actors
 from tests.training.test_lora import KNOWN, UNKNOWN
 from wbrag_ray.config import ConfigError, LMPrunerConfig, TrainerConfig
 from wbrag_ray.storage import resolve
@@ -119,7 +120,8 @@ def _wait_for(condition, what: str, timeout: float = 240):
 
 
 def _train_workers() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+    """This cluster's Ray Train workers (the other pytest worker may be training on its own cluster)."""
+    return [psutil.Process(a["Pid"]) for a in live_actors("RayTrainWorker")]
 
 
 def _adapter(folder: Path) -> dict[str, np.ndarray]:

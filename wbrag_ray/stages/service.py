@@ -33,7 +33,8 @@ that need those CPUs (embedding, index builds).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -310,6 +311,11 @@ class Services:
 
         return {name: ray.get([a.setup_count.remote() for a in service.actors]) for name, service in self._live.items()}
 
+    def actor_ids(self) -> dict[str, list[str]]:
+        """Per live service, its actors' ids: which processes served the passes (the steps of one command that
+        share these services name the same ones)."""
+        return {name: [a._actor_id.hex() for a in service.actors] for name, service in self._live.items()}
+
     def calls_at_once(self) -> dict[str, list[int]]:
         """Per live service, the most calls each of its actors ran at once (`Resources.calls`)."""
         import ray
@@ -354,3 +360,14 @@ class Services:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@contextmanager
+def shared_or_own(services: Services | None) -> Iterator[Services]:
+    """`services` where a caller shares its own (and closes them itself), else a set of this block's own, closed
+    at its end."""
+    if services is not None:
+        yield services
+        return
+    with Services() as own:
+        yield own

@@ -27,6 +27,7 @@ from wbrag_ray.run import RunFolder
 def run_zero_rag(run: RunFolder, config: WbragConfig, force: bool = False) -> None:
     """The whole chain after the index: mastery -> pruners -> prediction -> every ratio -> [tune] -> [router]
     -> the evaluation grid (when eval.dataset is set)."""
+    from wbrag_ray.stages.service import Services
     from wbrag_ray.zerorag.grid import evaluate_grid
     from wbrag_ray.zerorag.mastery import mastery
     from wbrag_ray.zerorag.prune import predict, prune
@@ -42,10 +43,13 @@ def run_zero_rag(run: RunFolder, config: WbragConfig, force: bool = False) -> No
             prune(run, config, ratio, force=force)
     if config.zerorag.tune.enabled:
         tune(run, config, force=force)
-    if config.zerorag.router:
-        train_router(run, config, force=force)
-    if config.eval.dataset:
-        evaluate_grid(run, config, config.eval.dataset, force=force)
+    # The router's closed-book answers and the grid on one generator service: its actors, started for the
+    # router, go on to the grid's cells (a model or adapter the cells need next loads in the same processes).
+    with Services() as services:
+        if config.zerorag.router:
+            train_router(run, config, force=force, services=services)
+        if config.eval.dataset:
+            evaluate_grid(run, config, config.eval.dataset, force=force, services=services)
 
 
 __all__: list[Any] = ["run_zero_rag"]

@@ -8,15 +8,17 @@ from typing import Any
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder
-from wbrag_ray.stages.service import Services
+from wbrag_ray.stages.service import Services, shared_or_own
 from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
 from wbrag_ray.zerorag.tune import with_adapter
 
 
-def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False) -> list[dict[str, Any]]:
+def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False,
+                  services: Services | None = None) -> list[dict[str, Any]]:
     """Evaluate every pruning ratio of zerorag.ratios (and 0, the full index), without and with the router
     (zerorag.router), the tuned adapter (zerorag.tune.enabled) and the active write-back index (a pruned base
-    plus write-back: the two methods combined); write RUN/zero_rag/grid.json."""
+    plus write-back: the two methods combined); write RUN/zero_rag/grid.json. `services`: the caller's (the
+    router's generator service, still loaded), else the grid's own."""
     from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
     from wbrag_ray.formats import read_dataset
     from wbrag_ray.index.faiss_index import load_manifest
@@ -28,15 +30,17 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     name = dataset_name(config, dataset)
     ratios = sorted({0.0, *z.ratios})
     routers = [False, True] if z.router else [False]
-    adapters = [False, True] if z.tune.enabled else [False]
+    # the tuned adapter's cells first: `wbrag run` labels the router's questions with it on the services it
+    # then hands the grid, which so start on the model they hold
+    adapters = [True, False] if z.tune.enabled else [False]
     writebacks = [False, True] if read_active(run)["version"] else [False]
     questions, _ = read_dataset(resolve(dataset), limit=config.eval.limit)
     vectors = Embedder(config.embedder).encode_queries(questions["question"].to_pylist())
     rows: list[dict[str, Any]] = []
     latency: dict[float, float] = {}
-    # One set of services for the whole grid: the tuned adapter loads in the processes that served the cells
-    # without it (no second model process), and the retrieval service follows the cell.
-    with Services() as services:
+    # One set of services for the whole grid: the model without the adapter loads in the processes that served
+    # the adapter's cells (no second model process), and the retrieval service follows the cell.
+    with shared_or_own(services) as services:
         for turn, adapter in enumerate(adapters):
             cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
             passes = GeneratorPasses(cfg.generator, services)  # with or without the adapter, for every cell
@@ -73,8 +77,10 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                             "index_bytes": index_bytes(index), "sentences": int(manifest["count"]),
                             "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
                         })
-        # what the grid started and set up, per service kind (what the shared set saved: one generator process)
-        used = {"started": dict(services.started), "loads": dict(services.loads)}
+        # what the grid's services started and set up, per service kind, the router's labels included where they
+        # came with them (what sharing saved: a generator process per step)
+        used = {"started": dict(services.started), "loads": dict(services.loads),
+                "generator_actors": services.actor_ids().get("generate", [])}
     rows.sort(key=lambda r: (r["adapter"], r["ratio"]))  # stable: each cell's rows as evaluated
     run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows, "services": used})
     print(format_grid(rows), flush=True)

@@ -14,6 +14,7 @@ from wbrag_ray.config import WbragConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.stages.service import Services
 from wbrag_ray.zerorag.tune import TUNE, train_questions, with_adapter
 
 ROUTER = RunStage(
@@ -25,18 +26,21 @@ ROUTER = RunStage(
 )
 
 
-def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
+def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False,
+                 services: Services | None = None) -> dict[str, Any]:
     """Label each training question by whether the generator answers it correctly without retrieval, and train
-    the router on the query embeddings."""
+    the router on the query embeddings. `services`: the caller's (and closed by it), for a generator service
+    that goes on serving the stage after this one."""
     train, questions, rejected = train_questions(config, train)
-    stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected), params={"train": train},
-                        force=force)
+    stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected, services),
+                        params={"train": train}, force=force)
     print(f"query router: {stats['positives']} of {stats['rows_out']} training questions answered closed-book; "
           f"held-out accuracy {stats['val_accuracy']}, AUC {stats['val_auc']}", flush=True)
     return stats
 
 
-def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int) -> dict[str, Any]:
+def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int,
+           services: Services | None) -> dict[str, Any]:
     from sklearn.metrics import roc_auc_score
 
     from wbrag_ray import prompts
@@ -48,8 +52,9 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     adapter = run.is_complete(TUNE.name)
     df = questions[["id", "question", "golden_answers"]].copy()
     df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
-    with GeneratorPasses(with_adapter(run, config) if adapter else config.generator) as passes:
+    with GeneratorPasses(with_adapter(run, config) if adapter else config.generator, services) as passes:
         answered = passes.generate("closed_book", df, "prompt", "prediction").sort_values("id")
+        actors = passes.services.actor_ids().get("generate", [])
     answered = answered.reset_index(drop=True)
     labels = np.array([metric(z.router_metric, p, list(g)) > 0
                        for p, g in zip(answered["prediction"], answered["golden_answers"], strict=True)])
@@ -67,6 +72,7 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
         if len(val) and 0 < labels[val].sum() < len(val) else None,
         "val_skip_rate": round(float((p_val >= z.router_threshold).mean()), 4) if len(val) else None,
         "adapter": adapter, "generator_calls": passes.calls,
+        "generator_actors": actors,  # the processes that answered (the grid after it in `wbrag run` names the same)
     }
     folder = run.layout.zero_rag
     with tempfile.TemporaryDirectory() as tmp:
