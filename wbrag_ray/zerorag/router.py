@@ -72,7 +72,6 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
         if len(val) and 0 < labels[val].sum() < len(val) else None,
         "val_skip_rate": round(float((p_val >= z.router_threshold).mean()), 4) if len(val) else None,
         "adapter": adapter, "generator_calls": passes.calls,
-        "generator_actors": actors,  # the processes that answered (the grid after it in `wbrag run` names the same)
     }
     folder = run.layout.zero_rag
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,4 +80,7 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     folder.router_metrics.write_json(metrics)
     answered = answered.assign(label=labels, p_mastered=router.probability(vectors))
     folder.router_labels.write_table(plain_table(answered[["id", "question", "prediction", "label", "p_mastered"]]))
-    return {"rows_in": len(questions) + rejected, "rows_out": len(answered), "rows_rejected": rejected, **metrics}
+    # the stage's stats also name the processes that answered (in `wbrag run` the grid after it names the same);
+    # not the router's metrics, which a rerun of the same labels reproduces
+    return {"rows_in": len(questions) + rejected, "rows_out": len(answered), "rows_rejected": rejected, **metrics,
+            "generator_actors": actors}
