@@ -30,8 +30,8 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     name = dataset_name(config, dataset)
     ratios = sorted({0.0, *z.ratios})
     routers = [False, True] if z.router else [False]
-    # the tuned adapter's cells first: `wbrag run` labels the router's questions with it on the services it
-    # then hands the grid, which so start on the model they hold
+    # the tuned adapter's cells first: `wbrag run` labels the router's questions with it on the services it then
+    # hands the grid, so the first cells run on the model those services already hold
     adapters = [True, False] if z.tune.enabled else [False]
     writebacks = [False, True] if read_active(run)["version"] else [False]
     questions, _ = read_dataset(resolve(dataset), limit=config.eval.limit)
