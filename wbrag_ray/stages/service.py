@@ -311,10 +311,11 @@ class Services:
 
         return {name: ray.get([a.setup_count.remote() for a in service.actors]) for name, service in self._live.items()}
 
-    def actor_ids(self) -> dict[str, list[str]]:
-        """Per live service, its actors' ids: which processes served the passes (the steps of one command that
-        share these services name the same ones)."""
-        return {name: [a._actor_id.hex() for a in service.actors] for name, service in self._live.items()}
+    def actor_ids(self, kind: str) -> list[str]:
+        """The ids of the actors of the live service of stage kind `kind` (`Stage.name`; none if there is none):
+        which processes served the passes (the steps of one command that share these services name the same)."""
+        service = self._live.get(kind)
+        return [a._actor_id.hex() for a in service.actors] if service is not None else []
 
     def calls_at_once(self) -> dict[str, list[int]]:
         """Per live service, the most calls each of its actors ran at once (`Resources.calls`)."""

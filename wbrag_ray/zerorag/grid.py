@@ -7,6 +7,7 @@ from typing import Any
 
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.run import RunFolder
 from wbrag_ray.stages.service import Services, shared_or_own
 from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
@@ -80,7 +81,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
         # what the grid's services started and set up, per service kind, the router's labels included where they
         # came with them (what sharing saved: a generator process per step)
         used = {"started": dict(services.started), "loads": dict(services.loads),
-                "generator_actors": services.actor_ids().get("generate", [])}
+                "generator_actors": services.actor_ids(GenerateStage.name)}
     rows.sort(key=lambda r: (r["adapter"], r["ratio"]))  # stable: each cell's rows as evaluated
     run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows, "services": used})
     print(format_grid(rows), flush=True)

@@ -13,6 +13,7 @@ import pandas as pd
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.service import Services
 from wbrag_ray.zerorag.tune import TUNE, train_questions, with_adapter
@@ -54,7 +55,7 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
     with GeneratorPasses(with_adapter(run, config) if adapter else config.generator, services) as passes:
         answered = passes.generate("closed_book", df, "prompt", "prediction").sort_values("id")
-        actors = passes.services.actor_ids().get("generate", [])
+        actors = passes.services.actor_ids(GenerateStage.name)
     answered = answered.reset_index(drop=True)
     labels = np.array([metric(z.router_metric, p, list(g)) > 0
                        for p, g in zip(answered["prediction"], answered["golden_answers"], strict=True)])
