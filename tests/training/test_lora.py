@@ -1,11 +1,14 @@
 """LoRA training of Zero-RAG's LM pruner and noise-tolerant tuning, with the real bundled SmolLM2-135M."""
 
 import json
+import signal
+import time
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from tests.ray_actors import live_actors
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig, TuneConfig
 from wbrag_ray.metrics import normalize_answer
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
@@ -35,7 +38,19 @@ UNKNOWN = [
 def test_lm_pruner_learns_on_two_ray_train_workers_and_predicts_in_input_order(tmp_path, ray_cluster):
     texts, scores = KNOWN + UNKNOWN, [1.0] * len(KNOWN) + [0.0] * len(UNKNOWN)
     config = LMPrunerConfig(epochs=3, batch_size=4, max_length=32, threads=THREADS, trainer={"num_workers": 2})
-    stats = train_lm_pruner(texts, scores, config, str(tmp_path / "pruner"), val_texts=texts)
+    controllers = {a["ActorID"] for a in live_actors("TrainController")}
+    previous = signal.signal(signal.SIGINT, _callers_handler)
+    try:
+        stats = train_lm_pruner(texts, scores, config, str(tmp_path / "pruner"), val_texts=texts)
+        # Ctrl-C is this process's own again (Ray Train's fit installs a handler that aborts its run), and the
+        # finished run's controller ends (that handler held it)
+        assert signal.getsignal(signal.SIGINT) is _callers_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    deadline = time.monotonic() + 30
+    while {a["ActorID"] for a in live_actors("TrainController")} - controllers:
+        assert time.monotonic() < deadline, "the finished training's controller is still alive"
+        time.sleep(0.1)
 
     losses = stats["losses"]
     assert stats["steps"] == len(losses) == 12 and stats["seconds"] > 0 and stats["examples_per_s"] > 0
@@ -67,6 +82,10 @@ def test_lm_pruner_learns_on_two_ray_train_workers_and_predicts_in_input_order(t
     batched = exact.predict(texts)
     alone = np.array([exact.predict([t])[0] for t in texts[::5]])
     np.testing.assert_allclose(alone, batched[::5], atol=1e-4)
+
+
+def _callers_handler(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _hits(*docs):

@@ -163,6 +163,9 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
     reference_folder, reference = uninterrupted
     # the driver of a 2-worker run, killed once it has committed a checkpoint
     storage = tmp_path / "storage"
+    # a training this process ran before (test_lora.py's) leaves its controller alive while Ray Train's SIGINT
+    # handler holds it: only the killed driver's must end below
+    controllers_before = {a["ActorID"] for a in live_actors("TrainController")}
     driver = subprocess.Popen([sys.executable, "-m", "tests.training.train_driver", str(storage), str(tmp_path / "o"),
                                "2", tiny.generator], cwd=ROOT, env=joining_env(ray_cluster), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
@@ -175,8 +178,8 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
     assert not (tmp_path / "o").exists()
     # read once Ray has ended the dead job's workers and controller: one of them could still record a checkpoint
     # a moment after the driver is gone, and the resume starts from what is recorded then
-    _wait_for(lambda: not _train_workers() and not live_actors("TrainController"), "the killed job's workers to end",
-              timeout=60)
+    _wait_for(lambda: not _train_workers() and {a["ActorID"] for a in live_actors("TrainController")} <= controllers_before,
+              "the killed job's workers and controller to end", timeout=60)
     killed_driver_at = _committed_step(storage)
     assert 0 < killed_driver_at < STEPS
 

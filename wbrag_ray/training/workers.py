@@ -20,7 +20,9 @@ import logging
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +272,23 @@ def check_placement(trainer: TrainerConfig, key: str) -> None:
     refuse_unplaceable(lambda nodes: placement_refusal(trainer, nodes, key))
 
 
+@contextlib.contextmanager
+def _callers_sigint_handler():
+    """The SIGINT handler of the caller's main thread, put back when the training ends. Ray Train's fit installs
+    one that aborts its run and leaves it installed: afterwards Ctrl-C in the same process (the next steps of
+    `wbrag run`, a notebook) only logged "Gracefully aborting the training run", the third press exited with
+    status 0, and the handler's closure kept the finished run's controller actor alive."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Ray Train installs none there
+        return
+    saved = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if saved is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, saved)
+
+
 def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key: str,
         storage: Location | None = None) -> dict[str, Any]:
     """Run `training` as a Ray Train job and copy its adapter into the local folder `out_dir`; returns the
@@ -308,6 +327,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
                 logging_config=ray.train.LoggingConfig(log_level="DEBUG" if verbose else "WARNING")),
         )
+        stack.enter_context(_callers_sigint_handler())
         try:
             result = trainer.fit()
         except ray.train.WorkerGroupError as error:
