@@ -12,3 +12,8 @@ def live_actors(class_name: str) -> list[dict]:
 
     return [a for a in actors().values()
             if a["State"] == "ALIVE" and class_name in a["ActorClassName"]]
+
+
+def live_actor_ids(class_name: str) -> set[str]:
+    """The ids of `live_actors(class_name)`: what a test compares before and after a step to see which it left."""
+    return {a["ActorID"] for a in live_actors(class_name)}

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.ray_actors import live_actors
+from tests.ray_actors import live_actor_ids
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig, TuneConfig
 from wbrag_ray.metrics import normalize_answer
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
@@ -38,7 +38,7 @@ UNKNOWN = [
 def test_lm_pruner_learns_on_two_ray_train_workers_and_predicts_in_input_order(tmp_path, ray_cluster):
     texts, scores = KNOWN + UNKNOWN, [1.0] * len(KNOWN) + [0.0] * len(UNKNOWN)
     config = LMPrunerConfig(epochs=3, batch_size=4, max_length=32, threads=THREADS, trainer={"num_workers": 2})
-    controllers = {a["ActorID"] for a in live_actors("TrainController")}
+    controllers = live_actor_ids("TrainController")
     previous = signal.signal(signal.SIGINT, _callers_handler)
     try:
         stats = train_lm_pruner(texts, scores, config, str(tmp_path / "pruner"), val_texts=texts)
@@ -48,7 +48,7 @@ def test_lm_pruner_learns_on_two_ray_train_workers_and_predicts_in_input_order(t
     finally:
         signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 30
-    while {a["ActorID"] for a in live_actors("TrainController")} - controllers:
+    while live_actor_ids("TrainController") - controllers:
         assert time.monotonic() < deadline, "the finished training's controller is still alive"
         time.sleep(0.1)
 

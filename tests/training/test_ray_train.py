@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import joining_env, last_json_line
-from tests.ray_actors import live_actors
+from tests.ray_actors import live_actor_ids, live_actors
 from tests.training.test_lora import KNOWN, UNKNOWN
 from wbrag_ray.config import ConfigError, LMPrunerConfig, TrainerConfig
 from wbrag_ray.storage import resolve
@@ -165,7 +165,7 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
     storage = tmp_path / "storage"
     # only the killed driver's controller must end below: one of a training this process ran before may be
     # alive (CI, 2026-12-04: test_lora.py's, held by Ray Train's SIGINT handler until `fit` put the caller's back)
-    controllers_before = {a["ActorID"] for a in live_actors("TrainController")}
+    controllers_before = live_actor_ids("TrainController")
     driver = subprocess.Popen([sys.executable, "-m", "tests.training.train_driver", str(storage), str(tmp_path / "o"),
                                "2", tiny.generator], cwd=ROOT, env=joining_env(ray_cluster), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
@@ -178,7 +178,7 @@ def test_a_training_that_loses_its_driver_then_a_worker_resumes_and_ends_as_an_u
     assert not (tmp_path / "o").exists()
     # read once Ray has ended the dead job's workers and controller: one of them could still record a checkpoint
     # a moment after the driver is gone, and the resume starts from what is recorded then
-    _wait_for(lambda: not _train_workers() and {a["ActorID"] for a in live_actors("TrainController")} <= controllers_before,
+    _wait_for(lambda: not _train_workers() and live_actor_ids("TrainController") <= controllers_before,
               "the killed job's workers and controller to end", timeout=60)
     killed_driver_at = _committed_step(storage)
     assert 0 < killed_driver_at < STEPS
