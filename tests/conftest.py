@@ -38,6 +38,15 @@ os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 # evaluation files 328 CPU-s spinning and 260 passive (wall 186 -> 150 s). Not a default of wbrag's own workers:
 # a command alone on its cores (the demo) ran about 10% longer with passive threads (87 s against 79 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A raylet ends an idle worker process once it has more than num_workers_soft_limit (default: its CPUs, 2 here)
+# and the worker has been idle for idle_worker_killing_time_threshold_ms (default 1 s). A test runs pass after
+# pass seconds apart, each of Ray Data's light tasks a worker: ended after each pass, the next pass started new
+# ones, each importing ray, pandas, pyarrow and wbrag again. Kept (up to 8 a node, the ones past that for a
+# minute), the processes are reused. Measured 2026-12-04, CPU-s of the whole machine, with idle workers past 8
+# kept 10 minutes: the demo run's test files 146 and 154 -> 138 and 137 (two runs each); test_writeback_pipeline.py
+# 191 -> 178 (40 -> 36 worker processes). The whole suite with these settings: 18:26 and 19:31 on the slow kind.
+os.environ.setdefault("RAY_num_workers_soft_limit", "8")
+os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", "60000")
 
 # The session fixtures a whole group of test files builds on, each minutes of work: under pytest-xdist
 # (`make test` runs `-n 2 --dist loadgroup`) every file that uses one runs in one worker, so it is built once.

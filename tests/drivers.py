@@ -1,5 +1,5 @@
 """Drivers the resume tests kill: a command started in a process group of its own and SIGKILLed, with every
-process it started, once half of a stage's rows are committed to the stage's checkpoint, as a lost driver would
+process it started, once some of a stage's rows are committed to the stage's checkpoint, as a lost driver would
 leave them (tests/pipelines/test_resume.py, tests/index/test_build_resume.py); or a driver that SIGKILLs itself
 right after a commit brings its committed answers to N or more (tests/cluster/multinode_zero_rag.py,
 the router's test in tests/pipelines/test_resume.py), run as
@@ -10,7 +10,14 @@ Why both: a look from outside counts what the checkpoint holds, and its kill lan
 (in a commit, between two). With the tiny models a batch of answers comes back in milliseconds and a look at a
 checkpoint on object storage takes longer, so a kill from outside at "half" of 12 answers committed 4 at a time
 can land after the last commit (CI, 2026-12-02: 12 of 12 committed at the kill). The self-kill lands between two
-commits every time; the passes of many rows on a local disk keep the kill from outside."""
+commits every time; the passes of many rows on a local disk keep the kill from outside.
+
+What bounds a kill from outside: the tasks already running when the driver dies finish and commit; no task it had
+not handed out yet runs. So a test that needs rows left after the kill lets fewer tasks run at once than the
+commits it leaves (the index build's test: 12 add tasks, 2 at a time, killed at 6). The time a commit takes
+bounds nothing: a Ray Data pass's model actor can finish every block before the first write commits (the LM
+pruner's 4 blocks of 510 sentences: all 4 committed within 0.25 s, 15 s into the pass; CI, 2026-12-04: 510 of 510
+committed at a kill at "half")."""
 
 from __future__ import annotations
 
@@ -22,7 +29,12 @@ import sys
 import time
 
 from wbrag_ray.checkpoints import progress
+from wbrag_ray.ray_runtime import LIGHT_CPUS
 from wbrag_ray.storage import Location
+
+# What a killed driver's model actor asks for so that one read or write task (LIGHT_CPUS) runs beside it on the
+# session's 2-CPU cluster: its pass commits one block at a time, and a kill at the first commit leaves the rest.
+ONE_WRITE_AT_A_TIME_CPUS = 2 - LIGHT_CPUS
 
 
 def start(args: list[str], env: dict[str, str], cwd: str | os.PathLike[str] | None = None) -> subprocess.Popen:
@@ -31,21 +43,22 @@ def start(args: list[str], env: dict[str, str], cwd: str | os.PathLike[str] | No
                             start_new_session=True)
 
 
-def kill_once_half_committed(driver: subprocess.Popen, checkpoint: Location, total: int, ray_cluster,
-                             timeout_s: float = 300, poll_s: float = 0.02) -> tuple[int, str]:
-    """SIGKILL `driver`'s process group once the stage checkpoint at `checkpoint` holds `total / 2` committed rows
+def kill_once_committed(driver: subprocess.Popen, checkpoint: Location, rows: float, ray_cluster,
+                        timeout_s: float = 300, poll_s: float = 0.02) -> tuple[int, str]:
+    """SIGKILL `driver`'s process group once the stage checkpoint at `checkpoint` holds `rows` committed rows
     (or the driver ended, or `timeout_s` passed), looking every `poll_s` (each look lists a few folders: on object
     storage, a few requests): (the rows committed after the kill, the driver's output).
 
     The rows are counted once the session's cluster (`ray_cluster`, which the driver joined) is idle: a task of
     the killed driver that was writing its output records it a moment after the driver is gone, until Ray ends
     the dead job's workers (CI, 2026-12-03: an index build's add task recorded after the kill, and the rerun
-    resumed 8 shards where the count taken at the kill said 7)."""
+    resumed 8 shards where the count taken at the kill said 7): the rows returned are at most `rows` plus what
+    the tasks running at the kill commit."""
     from tests.conftest import wait_idle
 
     deadline = time.time() + timeout_s
     try:
-        while time.time() < deadline and driver.poll() is None and progress(checkpoint)["committed"] < total / 2:
+        while time.time() < deadline and driver.poll() is None and progress(checkpoint)["committed"] < rows:
             time.sleep(poll_s)
     finally:
         os.killpg(driver.pid, signal.SIGKILL)

@@ -109,3 +109,25 @@ def build_tiny_embedder(out: Path, dim: int = 32) -> str:
 def build_tiny_models(root: Path) -> TinyModels:
     root.mkdir(parents=True, exist_ok=True)
     return TinyModels(build_tiny_generator(root / "generator"), build_tiny_embedder(root / "embedder"), 32)
+
+
+def save_random_adapter(model: str, out: Path, lora_b_std: float = 0.0) -> Path:
+    """A LoRA adapter on `model` (a local folder) saved as noise-tolerant tuning saves one (peft, the tune
+    section's rank and target modules), without a training: for tests of how an adapter travels and is served,
+    not of what it learned. `lora_b_std` > 0 draws the B matrices (zero after peft's initialization, where the
+    adapter changes nothing) from N(0, std), seeded, so the adapter changes answers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from wbrag_ray.config import TuneConfig
+    from wbrag_ray.training.lora import with_lora
+
+    torch.manual_seed(SEED)
+    peft_model = with_lora(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), TuneConfig(), "CAUSAL_LM")
+    if lora_b_std:
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, lora_b_std)
+    peft_model.save_pretrained(out)
+    return out

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests.conftest import joining_env, last_json_line, wait_idle
+from tests.drivers import ONE_WRITE_AT_A_TIME_CPUS
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +61,19 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
     # 2-CPU node.
     common = [*tiny.set_args(), "--set", "embedder.num_cpus=0.5", "--set", "embedder.threads=2",
               "--set", "embedder.batch_size=16", "--set", "embedder.checkpoint_rows=100"]
-    # 14 shards, a block (a file, a checkpoint commit) each: files come a few at a time, so fewer shards let the
-    # stage finish before the kill after three files lands (seen with 7)
+    # 14 shards; the stage writes blocks of `resumable_write`'s 64 KiB floor: about 177 rows, 7 files
     assert main(["ingest", str(run), "--corpus", str(corpus), "--set", "ingest.shard_bytes=32768", *common]) == 0
 
-    p = _cli(["embed", str(run)], ray_cluster)
+    # The killed driver's embed actor asks for 1.75 of the node's 2 CPUs, so one read or write task (0.25 CPU) runs
+    # beside it and the files are written one at a time: killed at its first file, at most the write then running
+    # ends after the kill (measured: 1 file of 7 when Ray had ended the job, twice; 3-4 with the kill at three
+    # files, looking every 0.2 s). With the writes six at a time beside a 0.5-CPU actor, the stage could end
+    # before the kill (seen with 7 shards and the kill at three files): the tasks running at a kill still finish
+    # (tests/drivers.py).
+    p = _cli(["embed", str(run), "--set", f"embedder.num_cpus={ONE_WRITE_AT_A_TIME_CPUS:g}"], ray_cluster)
     deadline = time.time() + 300
-    while time.time() < deadline and len(layout.embed.list_files(".parquet")) < 3:
-        time.sleep(0.2)
+    while time.time() < deadline and not layout.embed.list_files(".parquet"):
+        time.sleep(0.05)
     os.killpg(p.pid, signal.SIGKILL)  # the driver, mid-stage
     p.wait(60)
     # counted once Ray has ended the dead job's workers: a write task in flight at the kill finishes its file a
@@ -88,10 +94,11 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
     assert refused.returncode != 0 and "the cluster's CPUs (2) have no room" in err, err[-2000:]
     assert "--set embedder.num_cpus=0.75 fits" in err, err[-2000:]
     assert sorted(f.name for f in layout.checkpoint("embed").list_files()) == checkpointed
-    assert RunFolder(str(run)).load_config().embedder.num_cpus == 0.5  # the refused setting is not recorded
+    # the killed run's setting; the refused one is not recorded
+    assert RunFolder(str(run)).load_config().embedder.num_cpus == ONE_WRITE_AT_A_TIME_CPUS
     assert sum(rows_by_file(layout.embed).values()) == written_before
 
-    p = _cli(["embed", str(run)], ray_cluster)
+    p = _cli(["embed", str(run), "--set", "embedder.num_cpus=0.5"], ray_cluster)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert f"of {len(records):,} rows from the checkpoint" in out

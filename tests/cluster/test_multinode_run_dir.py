@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import last_json_line
-from tests.training.test_lora import QUESTIONS
-from wbrag_ray.config import GeneratorConfig, TuneConfig
+from tests.tiny_models import save_random_adapter
 from wbrag_ray.run import RunFolder
-from wbrag_ray.training.noise_tolerant import build_examples, tune_generator
 from wbrag_ray.zerorag.tune import TUNE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,13 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_two_nodes_refuse_a_local_run_folder_and_fetch_the_s3_adapter_on_the_worker_node(tmp_path, s3_env, tiny,
                                                                                         ray_cluster):
-    # the tuned adapter as `wbrag tune` leaves it in a run folder on object storage (one step of the real tuning)
-    examples = build_examples(QUESTIONS, docs_per_format=2, seed=0)
-    tune_generator(examples, GeneratorConfig(model=tiny.generator, dtype="float32"),
-                   TuneConfig(max_steps=1, batch_size=4, max_length=64, threads=1), str(tmp_path / "adapter"))
+    # an adapter (peft's files, untrained) where `wbrag tune` leaves one, in a run folder on object storage: how it
+    # travels is tested, not what it learned (the training itself: tests/training/test_lora.py)
     run = RunFolder("s3://wbrag/runs/multinode")
-    run.layout.zero_rag.adapter.upload_dir(tmp_path / "adapter")
-    run.mark_complete(TUNE.name, {"rows_out": len(examples)})
+    run.layout.zero_rag.adapter.upload_dir(save_random_adapter(tiny.generator, tmp_path / "adapter"))
+    run.mark_complete(TUNE.name, {"rows_out": 0})
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WBRAG_SHARED_RUN_DIR")}
     out = subprocess.run([sys.executable, "-m", "tests.cluster.multinode_run_dir", str(tmp_path), tiny.generator,

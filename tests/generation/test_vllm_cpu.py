@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import DEMO_CORPUS, DEMO_QA
 from wbrag_ray import rag
-from wbrag_ray.config import GeneratorConfig, TuneConfig, load_config
+from wbrag_ray.config import GeneratorConfig, load_config
 from wbrag_ray.formats import read_dataset
 from wbrag_ray.generation.hf import HFGenerator
 from wbrag_ray.generation.passes import GeneratorPasses, from_pandas, generate_pass
@@ -172,24 +172,13 @@ def test_flare_and_self_rag_run_on_the_shared_vllm_engine(kb, search, questions,
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
-    """A LoRA adapter as noise-tolerant tuning writes it (peft, the tune section's rank and modules) with random
-    weights that change most answers: what is tested is how vLLM serves it, not what it learned."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """A LoRA adapter as noise-tolerant tuning writes it with random weights that change most answers: what is
+    tested is how vLLM serves it, not what it learned."""
+    from tests.tiny_models import save_random_adapter
     from wbrag_ray.generation.hf_loading import hf_model_source
-    from wbrag_ray.training.lora import with_lora
 
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(hf_model_source(GeneratorConfig()), dtype=torch.float32)
-    model = with_lora(base, TuneConfig(), "CAUSAL_LM")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # zero after peft's initialization: the adapter would change nothing
-                p.normal_(0.0, 0.1)
-    path = tmp_path_factory.mktemp("adapter") / "noise-tolerant"
-    model.save_pretrained(path)
-    return path
+    return save_random_adapter(hf_model_source(GeneratorConfig()), tmp_path_factory.mktemp("adapter") / "noise-tolerant",
+                               lora_b_std=0.1)
 
 
 @pytest.fixture(scope="module")

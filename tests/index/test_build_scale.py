@@ -21,6 +21,7 @@ from wbrag_ray.index.faiss_index import (
     train_resources,
     train_sample_cap,
 )
+from wbrag_ray.index.sizing import TASK_BASE_BYTES
 from wbrag_ray.index.tasks import cluster_gpus
 from wbrag_ray.storage import resolve
 
@@ -253,7 +254,14 @@ def test_train_and_merge_tasks_get_the_cpus_and_memory_they_use_from_rays_schedu
     assert train["CPU"] == min(2.0, float(int(free))) and train["memory"] >= 512 * 2**20
     assert merge["CPU"] == 1.0 and merge["memory"] >= 512 * 2**20
     assert stats["merge_tasks"] == 2
-    assert max(stats["merge_task_peak_rss_mb"]) * 2**20 <= merge["memory"]
+    # A merge's own growth (its peak over what its worker held when it began), on top of the leanest worker of the
+    # build, fits its declaration: Ray reuses workers, and one that ran an earlier test's task may start hundreds
+    # of MiB above a fresh one (measured in CI: 546 MiB at its peak against 306 for the fresh one beside it)
+    starts = stats["merge_task_start_rss_mb"]
+    lean = min(starts)
+    assert lean * 2**20 <= TASK_BASE_BYTES
+    for peak, start in zip(stats["merge_task_peak_rss_mb"], starts, strict=True):
+        assert start <= peak and (peak - start + lean) * 2**20 <= merge["memory"], (peak, start, merge["memory"])
     # a Flat index trains nothing: its train task takes one CPU, not the node
     flat = _build(tmp_path / "flat", "Flat", parallel=True, emb=tmp_path / "emb")
     assert flat["train_task_resources"]["CPU"] == 1.0

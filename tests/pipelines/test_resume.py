@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import joining_env
-from tests.drivers import die_once_half_committed, kill_once_half_committed, start
+from tests.drivers import ONE_WRITE_AT_A_TIME_CPUS, die_once_half_committed, kill_once_committed, start
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
@@ -49,7 +49,7 @@ def _kill_when_half_committed(args: list[str], run: RunFolder, stage: str, total
     """Run `wbrag ARGS` as a driver on the session's cluster and SIGKILL it once `total / 2` answers of `stage`
     are committed; returns how many were."""
     driver = start([sys.executable, "-m", "wbrag_ray.cli", *args], joining_env(ray_cluster), cwd=ROOT)
-    committed, log = kill_once_half_committed(driver, run.layout.checkpoint(stage), total, ray_cluster)
+    committed, log = kill_once_committed(driver, run.layout.checkpoint(stage), total / 2, ray_cluster)
     assert total / 2 <= committed < total, (committed, total, log[-3000:])
     assert not run.is_complete(stage)
     return committed
@@ -164,7 +164,8 @@ def test_router_labels_resume_after_the_driver_is_killed(chain, ray_cluster, tmp
 def _spread_sentences(run: RunFolder, copies: int, files: int) -> int:
     """The copy's sentences `copies` times over (new ids, the same texts) in `files` files, each beside a copy of
     the passages under its name (a sentence finds its title in the passages file of its own name), as a larger
-    corpus's ingest lays them out: a pass over them commits a file at a time. Returns the sentences."""
+    corpus's ingest lays them out: a pass over them reads them in several tasks and commits a block per task.
+    Returns the sentences."""
     import pyarrow as pa
 
     sentences, passages = run.layout.ingest.sentences, run.layout.ingest.passages
@@ -186,24 +187,31 @@ def _spread_sentences(run: RunFolder, copies: int, files: int) -> int:
 @pytest.mark.slow
 def test_pruner_prediction_resumes_after_the_driver_is_killed(chain, ray_cluster, tmp_path):
     """The LM pruner's prediction over every sentence, a Ray Data pass under its row-level checkpoint (the
-    embedding pruner's runs the same way): killed once half the scores are committed, the rerun of the same
-    `wbrag prune` predicts only the sentences of no committed file, and writes the scores and the keep mask of an
-    uninterrupted prediction of the same sentences (scores to float rounding: the rerun batches the rest
-    otherwise)."""
+    embedding pruner's runs the same way): killed once its first block of scores is committed, the rerun of the
+    same `wbrag prune` predicts only the sentences of no committed block, and writes the scores and the keep mask of
+    an uninterrupted prediction of the same sentences (scores to float rounding: the rerun batches the rest
+    otherwise).
+
+    Ray Data reads the 12 files in 4 tasks (twice the CPUs), so the pass commits 4 blocks, and its model actor
+    can finish all 4 before the first write commits. What leaves blocks for the rerun is how many writes run at
+    once (tests/drivers.py): the killed driver's actor asks for 1.75 of the node's 2 CPUs, so one read or write
+    task (0.25 CPU) runs beside it, and the kill at the first commit finds at most one more write running."""
     source, _ = chain
+    prune = ["--ratio", "0.3", "--pruner", "lm"]
     # half a CPU: on resume Ray Data adds a CheckpointFilter actor that holds 1 CPU of this 2-CPU node
-    prune = ["--ratio", "0.3", "--pruner", "lm", "--set", "zerorag.lm_pruner.num_cpus=0.5"]
+    half_cpu = ["--set", "zerorag.lm_pruner.num_cpus=0.5"]
     whole = _copy(source, tmp_path / "whole", "predict", "prune-0.3")
     total = _spread_sentences(whole, copies=6, files=12)
-    assert main(["prune", whole.uri, *prune]) == 0
+    assert main(["prune", whole.uri, *prune, *half_cpu]) == 0
     run = _copy(source, tmp_path / "run", "predict", "prune-0.3")
     _spread_sentences(run, copies=6, files=12)
 
-    driver = start([sys.executable, "-m", "wbrag_ray.cli", "prune", run.uri, *prune], joining_env(ray_cluster),
-                   cwd=ROOT)
-    committed, log = kill_once_half_committed(driver, run.layout.checkpoint("predict"), total, ray_cluster)
-    assert total / 2 <= committed < total and not run.is_complete("predict"), (committed, total, log[-3000:])
-    assert main(["prune", run.uri, *prune]) == 0
+    one_write_at_a_time = ["--set", f"zerorag.lm_pruner.num_cpus={ONE_WRITE_AT_A_TIME_CPUS:g}"]
+    driver = start([sys.executable, "-m", "wbrag_ray.cli", "prune", run.uri, *prune, *one_write_at_a_time],
+                   joining_env(ray_cluster), cwd=ROOT)
+    committed, log = kill_once_committed(driver, run.layout.checkpoint("predict"), 1, ray_cluster)
+    assert 0 < committed < total and not run.is_complete("predict"), (committed, total, log[-3000:])
+    assert main(["prune", run.uri, *prune, *half_cpu]) == 0
     stats = run.stats("predict")
     assert stats["rows_resumed"] == committed and stats["rows_computed"] == total - committed, stats
     assert not run.layout.checkpoint("predict").exists()

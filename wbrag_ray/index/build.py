@@ -210,13 +210,13 @@ def _merge_task(shared: dict[str, Any], item: tuple[str, list[dict[str, Any]]]) 
     """Fill one index shard with its parts (`parts.merge_parts`), one part in memory at a time besides it."""
     set_threads(shared["threads"])
     out_uri, parts, *record = item
-    reset_peak_rss()
+    base_rss = reset_peak_rss()
     t0 = time.perf_counter()
     index = merge_parts(resolve(shared["trained_file"]), [resolve(p["file"]) for p in parts])
     size = write_index_file(index, resolve(out_uri))
     return recorded(record, {"file": out_uri, "count": int(index.ntotal), **_id_range(parts), "bytes": size,
                               "dropped": sum(p["dropped"] for p in parts), "peak_rss_mb": peak_rss_mb(),
-                              "seconds": time.perf_counter() - t0, "pid": os.getpid(),
+                              "base_rss_mb": base_rss, "seconds": time.perf_counter() - t0, "pid": os.getpid(),
                               "assigned": assigned_resources(shared["parallel"])})
 
 
@@ -443,6 +443,11 @@ def build_index(
         "add_peak_rss_mb": round(add_peak, 1),
         "merge_peak_rss_mb": max(merge_peaks) if merge_peaks else None,
         "merge_task_peak_rss_mb": merge_peaks,  # one per index shard, in shard order
+        # what each merge's worker held when the task began: a reused Ray worker keeps what earlier tasks grew
+        # (another stage's imports, freed memory the allocator kept), which its peak above includes (None: a merge
+        # recorded by an attempt of a version that did not measure it)
+        "merge_task_start_rss_mb": [None if m.get("base_rss_mb") is None else round(m["base_rss_mb"], 1)
+                                    for m in merged],
         # the processes that ran the tasks (Ray workers, or this one when not parallel): where the peaks were measured
         "add_task_pids": [a["pid"] for a in added],
         "merge_task_pids": [m["pid"] for m in merged],
