@@ -86,6 +86,28 @@ def pytest_collection_finish(session):
                                 "later: pytest-xdist issue 1386); install the pyproject's pytest (<9.2)")
 
 
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config):
+    _CONFIG.append(config)
+
+
+def pytest_runtest_logreport(report):
+    """A failure's test and error line when it happens, not only in the summary at the end: a run killed from
+    outside still says what failed (CI, 2026-12-04: a test failed at 75% and the run was killed at its 90 minutes
+    before the summary, naming nothing). Written by xdist's controller, which gets both workers' reports, or by a
+    run in one process."""
+    if not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)  # absent where a worker crashed (the timeout below)
+    reason = (f"{crash.path}:{crash.lineno}: {crash.message}" if crash else str(report.longrepr)).strip()
+    terminal = _CONFIG[0].pluginmanager.get_plugin("terminalreporter")
+    terminal.write("\n")
+    terminal.write_line(f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s): "
+                        f"{reason.splitlines()[0][:300] if reason else ''}")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray cluster (2 CPUs, as on the target machine), shared by every test that needs one."""
@@ -112,8 +134,13 @@ def wait_idle(ray, timeout_s: float = 30) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
-    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources()["CPU"]:
-        assert time.monotonic() < deadline, "the session's cluster stayed busy"
+    while (free := ray.available_resources().get("CPU", 0.0)) < (total := ray.cluster_resources()["CPU"]):
+        if time.monotonic() >= deadline:
+            from ray._private.state import actors
+
+            held = [(a["ActorClassName"], a["JobID"]) for a in actors().values() if a["State"] == "ALIVE"]
+            raise AssertionError(f"the session's cluster stayed busy: {free:g} of {total:g} CPUs free after "
+                                 f"{timeout_s:g} s; live actors (class, job): {held}")
         time.sleep(0.1)
 
 

@@ -26,6 +26,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from wbrag_ray.checkpoints import progress
@@ -43,28 +44,40 @@ def start(args: list[str], env: dict[str, str], cwd: str | os.PathLike[str] | No
                             start_new_session=True)
 
 
-def kill_once_committed(driver: subprocess.Popen, checkpoint: Location, rows: float, ray_cluster,
-                        timeout_s: float = 300, poll_s: float = 0.02) -> tuple[int, str]:
-    """SIGKILL `driver`'s process group once the stage checkpoint at `checkpoint` holds `rows` committed rows
-    (or the driver ended, or `timeout_s` passed), looking every `poll_s` (each look lists a few folders: on object
-    storage, a few requests): (the rows committed after the kill, the driver's output).
+def kill_once_committed(args: list[str], env: dict[str, str], checkpoint: Location, rows: float, ray_cluster,
+                        cwd: str | os.PathLike[str] | None = None, timeout_s: float = 300,
+                        poll_s: float = 0.02) -> tuple[int, str]:
+    """Start `args` (`start`) on the session's idle cluster (`ray_cluster`, which `env` joins) and SIGKILL its
+    process group once the stage checkpoint at `checkpoint` holds `rows` committed rows (or the driver ended, or
+    `timeout_s` passed), looking every `poll_s` (each look lists a few folders: on object storage, a few
+    requests): (the rows committed after the kill, the driver's output).
 
-    The rows are counted once the session's cluster (`ray_cluster`, which the driver joined) is idle: a task of
-    the killed driver that was writing its output records it a moment after the driver is gone, until Ray ends
-    the dead job's workers (CI, 2026-12-03: an index build's add task recorded after the kill, and the rerun
-    resumed 8 shards where the count taken at the kill said 7): the rows returned are at most `rows` plus what
-    the tasks running at the kill commit."""
+    Idle first: what bounds the rows committed after the kill is what runs at once, which the test sets through
+    the resources its driver asks for; an actor an earlier test's work still holds would change that, or keep a
+    driver whose actor needs most of the node waiting until the timeout. The driver's output is read as it
+    comes: Ray forwards its workers' log lines to it, and a driver whose pipe nobody reads stops at 64 KiB.
+
+    The rows are counted once the cluster is idle again: a task of the killed driver that was writing its output
+    records it a moment after the driver is gone, until Ray ends the dead job's workers (CI, 2026-12-03: an index
+    build's add task recorded after the kill, and the rerun resumed 8 shards where the count taken at the kill
+    said 7): the rows returned are at most `rows` plus what the tasks running at the kill commit."""
     from tests.conftest import wait_idle
 
+    wait_idle(ray_cluster, timeout_s=60)
+    driver = start(args, env, cwd=cwd)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(driver.stdout), daemon=True)
+    reader.start()
     deadline = time.time() + timeout_s
     try:
         while time.time() < deadline and driver.poll() is None and progress(checkpoint)["committed"] < rows:
             time.sleep(poll_s)
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
-        log = driver.communicate(timeout=60)[0]
+        driver.wait(60)
+        reader.join(60)
     wait_idle(ray_cluster, timeout_s=60)
-    return progress(checkpoint)["committed"], log
+    return progress(checkpoint)["committed"], "".join(output)
 
 
 def die_once_half_committed(args: list[str], env: dict[str, str], checkpoint: Location, total: int,

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from tests.conftest import joining_env, last_json_line, wait_idle
-from tests.drivers import ONE_WRITE_AT_A_TIME_CPUS
+from tests.conftest import joining_env, last_json_line
+from tests.drivers import ONE_WRITE_AT_A_TIME_CPUS, kill_once_committed
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +45,6 @@ def _cli(args, ray_cluster):
 
 
 def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_path, ray_cluster, tiny):
-    import signal
-    import time
-
     from tests.conftest import demo_records, write_jsonl
     from wbrag_ray.cli import main
     from wbrag_ray.run import RunFolder
@@ -65,24 +62,19 @@ def test_killed_driver_resumes_the_embed_stage_without_loss_or_duplicates(tmp_pa
     assert main(["ingest", str(run), "--corpus", str(corpus), "--set", "ingest.shard_bytes=32768", *common]) == 0
 
     # The killed driver's embed actor asks for 1.75 of the node's 2 CPUs, so one read or write task (0.25 CPU) runs
-    # beside it and the files are written one at a time: killed at its first file, at most the write then running
-    # ends after the kill (measured: 1 file of 7 when Ray had ended the job, twice; 3-4 with the kill at three
-    # files, looking every 0.2 s). With the writes six at a time beside a 0.5-CPU actor, the stage could end
+    # beside it and the files are written one at a time: killed at its first commit, at most the write then
+    # running ends after the kill (measured: 1 file of 7 when Ray had ended the job, twice; 3-4 with the kill at
+    # three files, looking every 0.2 s). With the writes six at a time beside a 0.5-CPU actor, the stage could end
     # before the kill (seen with 7 shards and the kill at three files): the tasks running at a kill still finish
     # (tests/drivers.py).
-    p = _cli(["embed", str(run), "--set", f"embedder.num_cpus={ONE_WRITE_AT_A_TIME_CPUS:g}"], ray_cluster)
-    deadline = time.time() + 300
-    while time.time() < deadline and not layout.embed.list_files(".parquet"):
-        time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)  # the driver, mid-stage
-    p.wait(60)
-    # counted once Ray has ended the dead job's workers: a write task in flight at the kill finishes its file a
-    # moment after the driver is gone (CI, 2026-12-03: 354 rows at the kill, 532 by the refused resume below)
-    wait_idle(ray_cluster, timeout_s=60)
+    committed, log = kill_once_committed(
+        [sys.executable, "-m", "wbrag_ray.cli", "embed", str(run), "--set",
+         f"embedder.num_cpus={ONE_WRITE_AT_A_TIME_CPUS:g}"], joining_env(ray_cluster), layout.checkpoint("embed"), 1,
+        ray_cluster)
     from wbrag_ray.checkpoints import rows_by_file
 
     written_before = sum(rows_by_file(layout.embed).values())  # a file the kill cut short holds none
-    assert 0 < written_before < len(records)
+    assert 0 < committed <= written_before < len(records), (committed, written_before, log[-3000:])
     assert not layout.stage("embed").success.exists()
 
     # A resume that could not make progress on this 2-CPU node (a 1-CPU embed actor, Ray Data's 1-CPU

@@ -49,8 +49,8 @@ def test_an_index_build_whose_driver_is_killed_resumes_its_finished_tasks(tmp_pa
     env = joining_env(ray_cluster)
     total = len(vecs)
     # a look every 0.1 s (a dozen small files read): a task takes longer, so the kill lands within a task or two
-    committed, log = kill_once_committed(start(args, env, cwd=ROOT), run.layout.checkpoint("index"), total / 2,
-                                         ray_cluster, poll_s=0.1)
+    committed, log = kill_once_committed(args, env, run.layout.checkpoint("index"), total / 2, ray_cluster,
+                                         cwd=ROOT, poll_s=0.1)
     assert total / 2 <= committed < total, (committed, log[-3000:])
     assert not run.is_complete("index") and progress(run.layout.checkpoint("index"))["pass"] == "index"
 

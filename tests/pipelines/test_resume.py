@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import joining_env
-from tests.drivers import ONE_WRITE_AT_A_TIME_CPUS, die_once_half_committed, kill_once_committed, start
+from tests.drivers import ONE_WRITE_AT_A_TIME_CPUS, die_once_half_committed, kill_once_committed
 from tests.pipelines.conftest import relocate
 from wbrag_ray.cli import main
 from wbrag_ray.run import RunFolder
@@ -48,8 +48,8 @@ def _copy(chain_run: RunFolder, dest: Path, *invalidate: str) -> RunFolder:
 def _kill_when_half_committed(args: list[str], run: RunFolder, stage: str, total: int, ray_cluster) -> int:
     """Run `wbrag ARGS` as a driver on the session's cluster and SIGKILL it once `total / 2` answers of `stage`
     are committed; returns how many were."""
-    driver = start([sys.executable, "-m", "wbrag_ray.cli", *args], joining_env(ray_cluster), cwd=ROOT)
-    committed, log = kill_once_committed(driver, run.layout.checkpoint(stage), total / 2, ray_cluster)
+    committed, log = kill_once_committed([sys.executable, "-m", "wbrag_ray.cli", *args], joining_env(ray_cluster),
+                                         run.layout.checkpoint(stage), total / 2, ray_cluster, cwd=ROOT)
     assert total / 2 <= committed < total, (committed, total, log[-3000:])
     assert not run.is_complete(stage)
     return committed
@@ -207,9 +207,9 @@ def test_pruner_prediction_resumes_after_the_driver_is_killed(chain, ray_cluster
     _spread_sentences(run, copies=6, files=12)
 
     one_write_at_a_time = ["--set", f"zerorag.lm_pruner.num_cpus={ONE_WRITE_AT_A_TIME_CPUS:g}"]
-    driver = start([sys.executable, "-m", "wbrag_ray.cli", "prune", run.uri, *prune, *one_write_at_a_time],
-                   joining_env(ray_cluster), cwd=ROOT)
-    committed, log = kill_once_committed(driver, run.layout.checkpoint("predict"), 1, ray_cluster)
+    committed, log = kill_once_committed([sys.executable, "-m", "wbrag_ray.cli", "prune", run.uri, *prune,
+                                          *one_write_at_a_time], joining_env(ray_cluster),
+                                         run.layout.checkpoint("predict"), 1, ray_cluster, cwd=ROOT)
     assert 0 < committed < total and not run.is_complete("predict"), (committed, total, log[-3000:])
     assert main(["prune", run.uri, *prune, *half_cpu]) == 0
     stats = run.stats("predict")
