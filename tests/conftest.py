@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,10 +89,36 @@ def pytest_collection_finish(session):
 
 
 _CONFIG: list[pytest.Config] = []
+_STDERR: list = []  # this process's stderr as it was before any test's output capture
 
 
 def pytest_configure(config):
     _CONFIG.append(config)
+    _STDERR.append(os.fdopen(os.dup(sys.stderr.fileno()), "w"))
+
+
+# A minute past a test's own timeout (pytest-timeout's, which fails it gracefully where Python can be interrupted)
+STUCK_GRACE_S = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The backstop for a test stuck where pytest-timeout cannot end it: its SIGALRM handler, and the timer thread
+    of its other method, need the main thread to give up the GIL, which a native call deadlocked while holding it
+    never does (Ray: an actor dying while the driver submits, ray-project/ray#26414). faulthandler's watchdog is a
+    native thread: past the test's timeout and a minute, it writes every thread's stack to stderr (which reaches the
+    terminal and CI's log from an xdist worker) and ends the process; xdist names the test and starts another
+    worker for the tests left. Without it one such test kept CI running until its 90-minute limit killed the run,
+    naming nothing (2026-12-04)."""
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if limit:
+        faulthandler.dump_traceback_later(limit + STUCK_GRACE_S, exit=True, file=_STDERR[0])
+    try:
+        yield
+    finally:
+        if limit:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_runtest_logreport(report):
