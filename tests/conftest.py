@@ -128,9 +128,11 @@ def pytest_runtest_logreport(report):
     run in one process."""
     if not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    crash = getattr(report.longrepr, "reprcrash", None)  # absent where a worker crashed (the timeout below)
-    reason = (f"{crash.path}:{crash.lineno}: {crash.message}" if crash else str(report.longrepr)).strip()
     terminal = _CONFIG[0].pluginmanager.get_plugin("terminalreporter")
+    if terminal is None:  # -p no:terminal
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)  # absent where a worker crashed (the backstop above)
+    reason = (f"{crash.path}:{crash.lineno}: {crash.message}" if crash else str(report.longrepr)).strip()
     terminal.write("\n")
     terminal.write_line(f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s): "
                         f"{reason.splitlines()[0][:300] if reason else ''}")

@@ -21,6 +21,7 @@ committed at a kill at "half")."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import signal
@@ -73,7 +74,8 @@ def kill_once_committed(args: list[str], env: dict[str, str], checkpoint: Locati
         while time.time() < deadline and driver.poll() is None and progress(checkpoint)["committed"] < rows:
             time.sleep(poll_s)
     finally:
-        os.killpg(driver.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # a driver that ended by itself, and all it started
+            os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(60)
         reader.join(60)
     wait_idle(ray_cluster, timeout_s=60)
