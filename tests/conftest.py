@@ -166,9 +166,9 @@ def wait_idle(ray, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while (free := ray.available_resources().get("CPU", 0.0)) < (total := ray.cluster_resources()["CPU"]):
         if time.monotonic() >= deadline:
-            from ray._private.state import actors
+            from tests.ray_actors import live_actors
 
-            held = [(a["ActorClassName"], a["JobID"]) for a in actors().values() if a["State"] == "ALIVE"]
+            held = [(a["ActorClassName"], a["JobID"]) for a in live_actors("")]
             raise AssertionError(f"the session's cluster stayed busy: {free:g} of {total:g} CPUs free after "
                                  f"{timeout_s:g} s; live actors (class, job): {held}")
         time.sleep(0.1)
