@@ -151,6 +151,18 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture
+def one_command(monkeypatch):
+    """A test whose passes are one command's (`Services`): nothing an earlier command of this process left up to
+    take over, and the services end when it closes them (`ray.keep_services_s` 0; `wbrag_ray.stages.kept`)."""
+    from wbrag_ray.stages import kept
+
+    kept.release_kept()
+    monkeypatch.setitem(kept.KEEP_S, "seconds", 0)
+    yield
+    kept.release_kept()
+
+
 def joining_env(ray) -> dict[str, str]:
     """This process's environment with RAY_ADDRESS naming the session's cluster (`ray`: the `ray_cluster`
     fixture): a `wbrag` subprocess started with it joins that cluster, as a submitted job's driver joins its own,
@@ -163,6 +175,9 @@ def wait_idle(ray, timeout_s: float = 30) -> None:
     frees them, and a test that reads or holds the free resources reads them after."""
     import time
 
+    from wbrag_ray.stages.kept import release_kept
+
+    release_kept()  # what this process's last command left up for the next (`Services.close`)
     deadline = time.monotonic() + timeout_s
     while (free := ray.available_resources().get("CPU", 0.0)) < (total := ray.cluster_resources()["CPU"]):
         if time.monotonic() >= deadline:

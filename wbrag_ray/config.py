@@ -70,6 +70,12 @@ class RayConfig(_Section):
         "the resources they ask before the command fails naming what is missing (the resources may be held by "
         "another job; an autoscaler may be adding nodes)."
     )
+    keep_services_s: float = Field(
+        10.0, ge=0, description="How long the services of a command that ended (generator, embedder and search "
+        "actors, their models loaded) stay up for the next command of the same process to take over: a script or "
+        "notebook calling wbrag_ray.api, the next stage of `wbrag run`. Anything that needs their CPUs ends them "
+        "first. 0: they end with their command."
+    )
 
 
 class IngestConfig(_Section):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from wbrag_ray.config import ConfigError, RayConfig
+from wbrag_ray.stages.kept import KEEP_S, release_kept
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         parallel = ray.is_initialized()
     if not parallel:
         return [fn(shared, item) for item in items]
+    if num_cpus > LIGHT_CPUS or num_gpus:  # light tasks run beside a finished command's services; these need them
+        release_kept()
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, memory=memory or None, max_retries=2)(fn)
     ref = ray.put(shared)
     refs = [remote.remote(ref, item) for item in items]
@@ -254,6 +257,7 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
 
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
+    KEEP_S["seconds"] = config.keep_services_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         _check_reachable(address)  # before the second it takes to import Ray: a wrong address fails at once

@@ -16,6 +16,9 @@ from wbrag_ray.retrieval.service import shard_groups
 from wbrag_ray.stages.service import Services
 from wbrag_ray.storage import resolve
 
+# each test's searches are one command's: its pools end when it closes them, none is taken over from another
+pytestmark = pytest.mark.usefixtures("one_command")
+
 DIM = 16
 
 

@@ -298,6 +298,9 @@ def _part_batches(part: Part, trained: bytes | None, parallel: bool,
             if found is not None:
                 yield found if trained is None else (encoder(trained)(found[0]), found[1])
         return
+    from wbrag_ray.stages.kept import release_kept
+
+    release_kept()  # a CPU per task: what a finished command's services hold
     task = ray.remote(num_cpus=LIGHT_CPUS + 0.75, max_retries=2)(_shard_batch)
     shared = (ray.put(readers), ray.put(np.frombuffer(trained, np.uint8)))
     pending = [task.remote(*shared, uri) for uri in files[:EXPORT_IN_FLIGHT]]

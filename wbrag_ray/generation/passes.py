@@ -30,6 +30,7 @@ from wbrag_ray.generation.vllm import VLLMGenerator
 from wbrag_ray.progress import log as progress_log
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import local_dataset
+from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.stages.service import Services, run_pass
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ def generate_pass(
     openai in a pool of their own, vllm as a Ray Data LLM processor (engine replicas started for this pass)."""
     generator = _checked(config, mode)
     if isinstance(generator, VLLMGenerator) and services is None:
+        release_kept()  # the pass's engines need what a finished command's services hold
         return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
     return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
 

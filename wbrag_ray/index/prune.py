@@ -50,6 +50,9 @@ def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]
         ids = scan_drop_ids(resolve(uri))
         return ids, len(ids)
 
+    from wbrag_ray.stages.kept import release_kept
+
+    release_kept()  # the scan's CPUs: what a finished command's services hold
     ids, count = ray.remote(num_cpus=num_cpus, num_returns=2, max_retries=2)(scan).remote(loc.uri)
     return ids, ray.get(count)
 

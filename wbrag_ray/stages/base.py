@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import pandas as pd
 
+from wbrag_ray.stages.kept import release_kept
+
 if TYPE_CHECKING:
     import ray.data
 
@@ -110,6 +112,7 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     import ray
     from ray.data import ActorPoolStrategy
 
+    release_kept()  # the pool's workers need the CPUs a finished command's services hold
     res = stage.resources
     common = {"batch_format": stage.batch_format, "batch_size": res.batch_size, "num_cpus": res.num_cpus,
               "num_gpus": res.num_gpus or None}

@@ -256,10 +256,13 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
     """Ingest `corpus` into `out_uri` with one Ray task per shard; return totals (rows in = out + rejected)."""
     import ray
 
+    from wbrag_ray.stages.kept import release_kept
+
     shards = plan_shards(corpus, config)
     out = IngestFolder(resolve(out_uri))
     done = out.finished_shards()
     todo = [s for s in shards if s.name not in done]
+    release_kept()  # a CPU per task: what a finished command's services hold
     task = ray.remote(num_cpus=1, max_retries=3)(ingest_shard)
     max_in_flight = max_in_flight or max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
     pending: list[Any] = []

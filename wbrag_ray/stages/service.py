@@ -28,6 +28,11 @@ ends at `close()` (or when its owner is garbage-collected: Ray ends actors whose
 service per stage kind (`Stage.name`) lives at a time, so two generator roles (mastery's QA writer and target
 model) never hold two model actors' CPUs at once, and a command closes its services before it runs stages
 that need those CPUs (embedding, index builds).
+
+A closed command's services stay up `ray.keep_services_s` seconds for the next command of this process (a
+script or notebook calling `wbrag_ray.api`, the next stage of `wbrag run`), which takes them over with the model
+loaded (`Services.adopted`) instead of starting actors that import torch and load it again (4-5 CPU-s each on 2
+cores: most of a small evaluation); `wbrag_ray.stages.kept` holds them meanwhile.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked
+from wbrag_ray.stages.kept import KEEP_S, KEPT, release_kept
 
 if TYPE_CHECKING:
     import ray.data
@@ -251,6 +257,7 @@ class Services:
     def __init__(self) -> None:
         self._live: dict[str, StageService] = {}
         self.started: dict[str, int] = {}  # actor sets started per stage kind (what reusing them saves)
+        self.adopted: dict[str, int] = {}  # actor sets taken over from a command that ended (`close`)
         self.loads: dict[str, int] = {}  # what was set up per stage kind: one per service key a pass needed
         self._pools: dict[tuple, Any] = {}  # retrieval: (index folder, placement) -> SearchPool
 
@@ -295,12 +302,17 @@ class Services:
         if service is not None and service.placement != _placement(stage.resources):
             service.close()
             service = None
+        if service is None and (service := KEPT.take_service(stage.name, _placement(stage.resources))) is not None:
+            self._live[stage.name] = service
+            self.adopted[stage.name] = self.adopted.get(stage.name, 0) + 1
+            log.info("took over the %s service a command before left up", stage.name)
         if service is None:
+            release_kept()  # its actors need the CPUs the kept ones hold
             service = self._live[stage.name] = StageService(stage)
             self.started[stage.name] = self.started.get(stage.name, 0) + 1
             self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
             log.info("started the %s service (%d actors)", stage.name, len(service.actors))
-        elif service.key != key:
+        if service.key != key:
             service.key = key  # its actors set the pass's stage up on its first batch
             self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
         return service
@@ -339,22 +351,35 @@ class Services:
             for key in [k for k in self._pools if k not in keys]:
                 self._pools.pop(key).close()
             for key in keys:
-                if key not in self._pools:
-                    self._pools[key] = SearchPool.start(key[0], index, retrieval)
-                    self.started["search"] = self.started.get("search", 0) + 1
-                    log.info("started the search pool of %s (%d shard groups x %d)", key[0],
-                             len(self._pools[key].actors), retrieval.concurrency)
+                if key in self._pools:
+                    continue
+                if (pool := KEPT.take_pool(key)) is not None:
+                    self._pools[key] = pool
+                    self.adopted["search"] = self.adopted.get("search", 0) + 1
+                    log.info("took over the search pool of %s a command before left up", key[0])
+                    continue
+                release_kept()
+                self._pools[key] = SearchPool.start(key[0], index, retrieval)
+                self.started["search"] = self.started.get("search", 0) + 1
+                log.info("started the search pool of %s (%d shard groups x %d)", key[0],
+                         len(self._pools[key].actors), retrieval.concurrency)
         return RetrievalService([Member(self._pools[key], source, docs)
                                  for key, (_i, docs, source) in zip(keys, members, strict=True)],
                                 UnionRule.of(retrieval))
 
     def close(self) -> None:
-        for service in self._live.values():
-            service.close()
+        """End this command's services, or keep them `KEEP_S` seconds for the next command of this process (see
+        the module's docstring)."""
+        services, pools = list(self._live.items()), list(self._pools.items())
         self._live.clear()
-        for pool in self._pools.values():
-            pool.close()
         self._pools.clear()
+        if KEEP_S["seconds"] > 0:
+            KEPT.keep(services, pools, KEEP_S["seconds"])
+            return
+        for _name, service in services:
+            service.close()
+        for _key, pool in pools:
+            pool.close()
 
     def __enter__(self) -> Services:
         return self

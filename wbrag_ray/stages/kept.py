@@ -1,0 +1,117 @@
+"""Services kept from a command that ended, for the next command of the same process (`Services.close` in
+`wbrag_ray.stages.service`): at most one per stage kind and one search pool per index, taken over by the next
+command on the same Ray job or ended when something needs their CPUs (`release_kept`: a service of another kind
+or size, an actor pool, a training, tasks of a whole CPU) or when their time is up (a timer thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wbrag_ray.stages.service import StageService
+
+log = logging.getLogger(__name__)
+
+# How long a closed command's services stay up for the next command of this process (`ray.keep_services_s`,
+# set by `init_ray`; 0: they end with their command).
+KEEP_S = {"seconds": 10.0}
+
+
+class Kept:
+    """What this process keeps (see the module's docstring). Its lock is held only to move handles in and out;
+    actors are ended outside it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.services: dict[str, StageService] = {}
+        self.pools: dict[tuple, Any] = {}
+        self._job: str | None = None  # the Ray job they belong to: a later `ray.init` is another cluster
+        self._timer: threading.Timer | None = None
+
+    def keep(self, services: list[tuple[str, StageService]], pools: list[tuple[tuple, Any]], seconds: float) -> None:
+        """Keep a closed command's services and search pools `seconds` from now (the time starts again with each
+        command that leaves some); one kept before of the same kind (index) ends."""
+        import ray
+
+        if not (services or pools):
+            return
+        job = ray.get_runtime_context().get_job_id()
+        with self._lock:
+            ended = self._clear() if job != self._job else []
+            self._job = job
+            for name, service in services:
+                if name in self.services:
+                    ended.append(self.services[name])
+                self.services[name] = service
+            for key, pool in pools:
+                if key in self.pools:
+                    ended.append(self.pools[key])
+                self.pools[key] = pool
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(seconds, self.release)
+            self._timer.daemon = True
+            self._timer.start()
+        _end(ended)
+
+    def take_service(self, name: str, placement: tuple) -> StageService | None:
+        """The kept service of stage kind `name`, if its actors have `placement` (one that has not ends)."""
+        with self._lock:
+            service = self.services.pop(name, None) if self._current() else None
+        if service is not None and service.placement != placement:
+            _end([service])
+            return None
+        return service
+
+    def take_pool(self, key: tuple) -> Any:
+        """The kept search pool of `key` ((index folder, placement)), if any."""
+        with self._lock:
+            return self.pools.pop(key, None) if self._current() else None
+
+    def release(self) -> None:
+        with self._lock:
+            ended = self._clear()
+        _end(ended)
+
+    def _current(self) -> bool:
+        """Whether what is kept belongs to this process's Ray job (a lock holder calls it)."""
+        if not self._job:
+            return False
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_job_id() == self._job
+
+    def _clear(self) -> list:
+        ended = [*self.services.values(), *self.pools.values()] if self._current() else []
+        self.services, self.pools = {}, {}
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return ended
+
+
+def _end(held: list) -> None:
+    for service_or_pool in held:
+        try:
+            service_or_pool.close()
+        except Exception as exc:  # Ray shut down meanwhile: its actors went with it
+            log.debug("ending a kept service: %s", exc)
+
+
+KEPT = Kept()
+
+
+def kept_services() -> dict[str, list[str]]:
+    """Per stage kind, the actor ids of the service kept from a command that ended (what the next can take over)."""
+    with KEPT._lock:
+        return {name: [a._actor_id.hex() for a in service.actors] for name, service in KEPT.services.items()}
+
+
+def release_kept() -> None:
+    """End the services kept from commands that ended (see `Services.close`): what runs next needs their CPUs."""
+    KEPT.release()
+
+
