@@ -52,7 +52,7 @@ def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]
 
     from wbrag_ray.stages.kept import release_kept
 
-    release_kept()  # the scan's CPUs: what a finished command's services hold
+    release_kept()  # the scan holds every dropped id in memory: not beside models a finished command left up
     ids, count = ray.remote(num_cpus=num_cpus, num_returns=2, max_retries=2)(scan).remote(loc.uri)
     return ids, ray.get(count)
 
