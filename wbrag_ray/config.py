@@ -2,7 +2,7 @@
 
 Validation happens once, before any stage starts; every error names the dotted key and what would fix it.
 
-Over 600 lines (about 765) on purpose: one model per config section, every field with its description, in one module
+Over 600 lines (about 770) on purpose: one model per config section, every field with its description, in one module
 that is the reference a user reads (`wbrag_ray/config.py` is what the README points to); splitting the sections
 into modules would split that reference, and the loader and override parser below serve them all.
 """

@@ -40,6 +40,7 @@ from wbrag_ray.formats import (
     parse_corpus_line,
 )
 from wbrag_ray.layout import IngestFolder
+from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location, resolve
 
 FILE_BITS = 48
@@ -255,8 +256,6 @@ def resolve_duplicate_ids(out: IngestFolder) -> int:
 def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: int | None = None) -> dict[str, Any]:
     """Ingest `corpus` into `out_uri` with one Ray task per shard; return totals (rows in = out + rejected)."""
     import ray
-
-    from wbrag_ray.stages.kept import release_kept
 
     shards = plan_shards(corpus, config)
     out = IngestFolder(resolve(out_uri))

@@ -58,13 +58,11 @@ class Kept:
         _end(ended)
 
     def take_service(self, name: str, placement: tuple) -> StageService | None:
-        """The kept service of stage kind `name`, if its actors have `placement` (one that has not ends)."""
+        """The kept service of stage kind `name`, if its actors have `placement` (one that has not stays kept: the
+        caller starts another and ends the kept ones first)."""
         with self._lock:
-            service = self.services.pop(name, None) if self._current() else None
-        if service is not None and service.placement != placement:
-            _end([service])
-            return None
-        return service
+            service = self.services.get(name) if self._current() else None
+            return self.services.pop(name) if service is not None and service.placement == placement else None
 
     def take_pool(self, key: tuple) -> Any:
         """The kept search pool of `key` ((index folder, placement)), if any."""
@@ -85,7 +83,8 @@ class Kept:
         return ray.is_initialized() and ray.get_runtime_context().get_job_id() == self._job
 
     def _clear(self) -> list:
-        ended = [*self.services.values(), *self.pools.values()] if self._current() else []
+        held = [*self.services.values(), *self.pools.values()]
+        ended = held if held and self._current() else []  # nothing kept: no call into Ray
         self.services, self.pools = {}, {}
         if self._timer is not None:
             self._timer.cancel()
