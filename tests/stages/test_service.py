@@ -123,6 +123,14 @@ def test_the_next_command_takes_over_the_service_a_command_left_up_until_its_cpu
     # a pass of whole-CPU tasks ends the kept service before it starts: it would wait for that CPU otherwise
     assert run_tasks(lambda _shared, i: i, None, [1, 2], num_cpus=2) == [1, 2]
     assert kept.kept_services() == {} and _cpus_free(ray_cluster, 2, timeout=10)
+    # work that passes no release point (a plain task here; Ray Data's own 1-CPU tasks in a pipeline) waits a
+    # moment, not the kept time: the watcher sees it pending and ends the kept service
+    with GeneratorPasses(config) as watched:
+        watched.generate("w", _frame(), "prompt", "answer")
+    assert list(kept.kept_services()) == ["generate"]
+    start = time.monotonic()
+    assert ray_cluster.get(ray_cluster.remote(num_cpus=2)(lambda: 7).remote(), timeout=30) == 7
+    assert time.monotonic() - start < 10 and kept.kept_services() == {}  # the kept time is 60 s
     # left alone, a kept service ends when its time is up
     monkeypatch.setitem(kept.KEEP_S, "seconds", 1)
     with GeneratorPasses(config) as third:

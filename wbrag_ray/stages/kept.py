@@ -2,6 +2,11 @@
 `wbrag_ray.stages.service`): at most one per stage kind and one search pool per index, taken over by the next
 command on the same Ray job or ended when something needs their CPUs (`release_kept`: a service of another kind
 or size, an actor pool, a training, tasks of a whole CPU) or when their time is up (a timer thread).
+
+Work that asks for resources without passing a release point (Ray Data's own tasks, such as the 1-CPU tasks that
+sample a Parquet dataset's files; a user's tasks; another job's) would wait for the timer. A watcher thread asks
+the GCS for the cluster's pending demand (what `ray status` shows) every `WATCH_S` while anything is kept, and ends
+the kept services as soon as any task, actor or placement group waits: nothing waits on them longer than that.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ log = logging.getLogger(__name__)
 # How long a closed command's services stay up for the next command of this process (`ray.keep_services_s`,
 # set by `init_ray`; 0: they end with their command).
 KEEP_S = {"seconds": 10.0}
+# How often the watcher asks for the cluster's pending demand (a call of about 3 ms to the GCS).
+WATCH_S = 0.2
 
 
 class Kept:
@@ -30,6 +37,7 @@ class Kept:
         self.pools: dict[tuple, Any] = {}
         self._job: str | None = None  # the Ray job they belong to: a later `ray.init` is another cluster
         self._timer: threading.Timer | None = None
+        self._watcher: threading.Thread | None = None
 
     def keep(self, services: list[tuple[str, StageService]], pools: list[tuple[tuple, Any]], seconds: float) -> None:
         """Keep a closed command's services and search pools `seconds` from now (the time starts again with each
@@ -55,7 +63,24 @@ class Kept:
             self._timer = threading.Timer(seconds, self.release)
             self._timer.daemon = True
             self._timer.start()
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch, args=(ray.get_runtime_context().gcs_address,),
+                                                 name="wbrag-kept-watcher", daemon=True)
+                self._watcher.start()
         _end(ended)
+
+    def _watch(self, gcs_address: str) -> None:
+        """While anything is kept: end it once work waits for resources (see the module's docstring)."""
+        import time
+
+        while True:
+            time.sleep(WATCH_S)
+            with self._lock:
+                if not (self.services or self.pools):
+                    self._watcher = None
+                    return
+            if _work_waits(gcs_address):
+                self.release()
 
     def take_service(self, name: str, placement: tuple) -> StageService | None:
         """The kept service of stage kind `name`, if its actors have `placement` (one that has not stays kept: the
@@ -90,6 +115,20 @@ class Kept:
             self._timer.cancel()
             self._timer = None
         return ended
+
+
+def _work_waits(gcs_address: str) -> bool:
+    """Whether a task, an actor or a placement group of the cluster waits for resources (the demand the GCS
+    reports to the autoscaler). False where it cannot be read (Ray shut down meanwhile): the timer still ends
+    what is kept."""
+    try:
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        demand = get_cluster_status(gcs_address, timeout=5).resource_demands
+    except Exception as exc:
+        log.debug("reading the cluster's pending demand: %s", exc)
+        return False
+    return bool(demand.ray_task_actor_demand or demand.placement_group_demand)
 
 
 def _end(held: list) -> None:
