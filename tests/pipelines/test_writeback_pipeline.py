@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -90,6 +91,24 @@ def test_corpus_has_provenance_and_its_own_id_namespace(trained):
     assert {u["source_example_id"] for u in units} <= {t["id"] for t in trained["train"]}
     assert all(u["source_doc_ranks"] == [0, 1] and len(u["source_doc_ids"]) == 2 and u["fallback"] for u in units)
     assert all(u["title"] and u["text"] for u in units)
+
+
+def test_units_are_embedded_as_the_bulk_embed_pass_embeds_passages(trained):
+    """The units' vectors come from the command's retrieval actors (`PassageVectorsStage`); they are the ones the
+    embed pass's own stage gives the same 'Title\\ntext' in this process."""
+    from wbrag_ray.build_kb import unit_text
+    from wbrag_ray.index.files import vectors_of
+    from wbrag_ray.stages.base import run_local
+    from wbrag_ray.stages.embed import EmbedStage
+
+    run = RunFolder(str(trained["run"]))
+    config = load_config(extra=run.load_config().model_dump(mode="json"))
+    folder = run.layout.writeback_version("train")
+    units = pq.read_table(folder.units.path).to_pandas()
+    stored = folder.embed_file.read_table()
+    assert stored["id"].to_pylist() == units["id"].tolist()
+    want = vectors_of(run_local(EmbedStage(config.embedder), unit_text(units[["id", "title", "text"]], "id")))
+    np.testing.assert_allclose(vectors_of(stored), want, atol=1e-5)
 
 
 def test_no_prompt_sent_to_the_distiller_contains_a_gold_answer(trained):

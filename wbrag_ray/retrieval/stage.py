@@ -90,6 +90,44 @@ class RetrieveStage(Stage):
         return batch
 
 
+
+class PassageVectorsStage(Stage):
+    """(id, text) -> (id, vector), passages embedded by a retrieval pass's actors with the embedder they hold for
+    the queries: the index's own embedder (`check_embedder`), so the vectors are the ones a bulk embed pass
+    writes. Write-back's units (a few per training example) go through it on the command's retrieval service,
+    whose actors already loaded the model for the scoring passes, instead of through an actor pool of their own
+    that would start a process, import torch and load the model again, and first end the services the next
+    command takes over (`stages.kept`)."""
+
+    name = RetrieveStage.name  # the retrieval service's actors run it
+    section = RetrieveStage.section
+    input_columns = ("id", "text")
+    output_columns = ("id", "vector")
+
+    def __init__(self, search: RetrieveStage):
+        self.search = search
+        self.embedder = self.router = None
+
+    @property
+    def resources(self) -> Resources:
+        return self.search.resources
+
+    def setup(self) -> None:  # an actor that has loaded nothing yet (or that Ray restarted) loads the pass's stage
+        self.search.setup()
+        self.adopt(self.search)
+
+    def service_key(self) -> tuple:
+        return self.search.service_key()
+
+    def adopt(self, loaded: RetrieveStage | PassageVectorsStage) -> None:
+        self.embedder, self.router = loaded.embedder, loaded.router
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        vectors = self.embedder.encode_passages(batch["text"].tolist())
+        if self.search.embedder_config.storage_dtype == "float16":  # as the embed pass stores them
+            vectors = vectors.astype(np.float16)
+        return pd.DataFrame({"id": batch["id"].to_numpy(np.int64), "vector": list(vectors.astype(np.float32))})
+
 @dataclass(frozen=True)
 class RetrievalSetting:
     """What a RAG method searches and how: the base index (its documents from `docs_dir`, default the

@@ -19,7 +19,7 @@ because a gate needs every answer of its example at once.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -35,6 +35,9 @@ from wbrag_ray.writeback.units import UNITS, build_units, embed_units
 from wbrag_ray.writeback.validation import validate
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
+if TYPE_CHECKING:
+    from wbrag_ray.retrieval.stage import RetrievalSetting
+
 
 def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
     """The write-back settings with `metric: auto` resolved to the paper's metric for the training set."""
@@ -46,6 +49,13 @@ def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
     return wb.model_copy(update={"metric": gate_metric(dataset_name(train))})
 
 
+def base_search(run: RunFolder, config: WbragConfig) -> RetrievalSetting:
+    """What write-back searches: the run's base index, with the base embedder."""
+    from wbrag_ray.retrieval.stage import RetrievalSetting
+
+    return RetrievalSetting(run.layout.index.uri, None, config.embedder, config.retrieval, config.index)
+
+
 def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:
     """Answer without and with retrieval by writeback.rag_method, and apply both gates.
 
@@ -54,7 +64,6 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     An example whose method retrieved nothing has nothing to write back and is not kept."""
     from wbrag_ray import rag
     from wbrag_ray.formats import read_questions
-    from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
     from wbrag_ray.writeback.validation import split
@@ -62,10 +71,8 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
     questions = split(questions, wb.validation)[0]  # the held-out questions validate the version instead
-    search = RetrievalSetting(
-        run.layout.index.uri, None, config.embedder, config.retrieval, config.index
-    )
-    answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
+    answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, base_search(run, config), passes,
+                          "answer")
 
     nr = answered[answered["method"] == "no-retrieval"].set_index("id")
     examples = answered[answered["method"] == wb.rag_method].set_index("id")
@@ -139,7 +146,6 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
     folder = run.layout.writeback_version(version)
     folder.root.delete()
     t0 = time.perf_counter()
-    # The passes' services (the generator's and the index's actors) end before the units are embedded.
     with GeneratorPasses(config.generator) as passes:
         examples = score_examples(run, config, train, passes)
         folder.scored.write_table(plain_table(examples))
@@ -149,9 +155,10 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
             distilled = distill(config, kept, passes)
             folder.distill.write_table(plain_table(distilled))
             units, empty = build_units(version, kept, distilled)
+        # on the scoring passes' retrieval actors, the embedder loaded: no pool of its own (`embed_units`)
+        vectors = embed_units(units, base_search(run, config), passes.services)
     merged: dict[int, int] = {}
     if len(units):
-        vectors = embed_units(config, units)
         merged = dedupe(vectors, wb.dedupe_threshold) if wb.dedupe_threshold is not None else {}
         for dup, keep in merged.items():  # merge: the kept unit also cites the duplicate's example
             units.at[keep, "merged_from"] = [*units.at[keep, "merged_from"], units.at[dup, "source_example_id"]]
@@ -159,10 +166,13 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         units, vectors = units.iloc[keep_rows].reset_index(drop=True), vectors[keep_rows]
         folder.units.write_table(pa.Table.from_pandas(units, UNITS, preserve_index=False))
         folder.embed_file.write_table(embeddings_table(units["id"].to_numpy(np.int64), vectors))
-        write_doc_store(folder.corpus, "passage", folder.docs)
+        # A unit per kept example: written and indexed here, in the driver, not in Ray tasks, which would need
+        # the CPUs the command's services hold now, kept for the next command (`stages.kept`), and end them.
+        write_doc_store(folder.corpus, "passage", folder.docs, parallel=False)
         build_index(
             folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
             docs=folder.docs.uri,  # the manifest names its documents: the index folder is self-contained
+            parallel=False,
         )
         # each unit's source documents, for the provenance-aware union (retrieval.union)
         write_provenance(folder.index, units["id"].tolist(), units["source_doc_ids"].tolist(),

@@ -4,14 +4,17 @@ ranks), in their own id namespace; embedded with the base embedder, deduplicated
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from wbrag_ray.config import WbragConfig
-from wbrag_ray.generation.passes import from_pandas
 from wbrag_ray.writeback.distill import kept_hits, parse_unit, word_count
+
+if TYPE_CHECKING:
+    from wbrag_ray.retrieval.stage import RetrievalSetting
+    from wbrag_ray.stages.service import Services
 
 # Write-back ids live in their own namespace: far above any base pid / sid, and named by Hit.source.
 WRITEBACK_ID_BASE = 1 << 62
@@ -67,18 +70,17 @@ def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tu
     return pd.DataFrame(rows, columns=UNITS.names), empty
 
 
-def embed_units(config: WbragConfig, units: pd.DataFrame) -> np.ndarray:
-    """Unit vectors from the base embedder, as the base passages are embedded ('Title\\ntext'), in unit order."""
-    import ray
-
+def embed_units(units: pd.DataFrame, search: RetrievalSetting, services: Services) -> np.ndarray:
+    """Unit vectors from the base embedder, as the base passages are embedded ('Title\\ntext'), in unit order: on
+    the retrieval service of `services` (the actors the command's searches of `search` loaded the embedder in)."""
     from wbrag_ray.build_kb import unit_text
-    from wbrag_ray.index.faiss_index import vectors_of
-    from wbrag_ray.stages.base import apply_stage
-    from wbrag_ray.stages.embed import EmbedStage
+    from wbrag_ray.retrieval.stage import PassageVectorsStage
 
-    ds = from_pandas(unit_text(units[["id", "title", "text"]], id_col="id"))
-    table = pa.concat_tables(ray.get(apply_stage(ds, EmbedStage(config.embedder)).to_arrow_refs())).sort_by("id")
-    return vectors_of(table)
+    if not len(units):
+        return np.zeros((0, 0), np.float32)
+    stage = PassageVectorsStage(search.stage(services))
+    out = services.run_frame(unit_text(units[["id", "title", "text"]], id_col="id"), stage, "embed_units")
+    return np.stack(out["vector"].to_numpy()).astype(np.float32)
 
 
 def dedupe(vectors: np.ndarray, threshold: float) -> dict[int, int]:
