@@ -90,7 +90,6 @@ class RetrieveStage(Stage):
         return batch
 
 
-
 class PassageVectorsStage(Stage):
     """(id, text) -> (id, vector), passages embedded by a retrieval pass's actors with the embedder they hold for
     the queries: the index's own embedder (`check_embedder`), so the vectors are the ones a bulk embed pass
@@ -127,6 +126,7 @@ class PassageVectorsStage(Stage):
         if self.search.embedder_config.storage_dtype == "float16":  # as the embed pass stores them
             vectors = vectors.astype(np.float16)
         return pd.DataFrame({"id": batch["id"].to_numpy(np.int64), "vector": list(vectors.astype(np.float32))})
+
 
 @dataclass(frozen=True)
 class RetrievalSetting:
