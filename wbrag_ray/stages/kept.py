@@ -63,21 +63,27 @@ class Kept:
             self._timer = threading.Timer(seconds, self.release)
             self._timer.daemon = True
             self._timer.start()
-            if self._watcher is None or not self._watcher.is_alive():
-                self._watcher = threading.Thread(target=self._watch, args=(ray.get_runtime_context().gcs_address,),
-                                                 name="wbrag-kept-watcher", daemon=True)
+            if self._watcher is None or not self._watcher.is_alive() or self._watcher.name != f"kept-watcher-{job}":
+                # one per job: the watcher of a job before (another cluster) ends at its next look
+                self._watcher = threading.Thread(target=self._watch, args=(job,), name=f"kept-watcher-{job}", daemon=True)
                 self._watcher.start()
         _end(ended)
 
-    def _watch(self, gcs_address: str) -> None:
+    def _watch(self, job: str) -> None:
         """While anything is kept: end it once work waits for resources (see the module's docstring)."""
         import time
 
+        import ray
+
+        try:
+            gcs_address = ray.get_runtime_context().gcs_address
+        except Exception as exc:  # a Ray Client driver (ray://) has no GCS to ask: the timer alone ends them
+            log.debug("no GCS address to watch the cluster's demand: %s", exc)
+            return
         while True:
             time.sleep(WATCH_S)
             with self._lock:
-                if not (self.services or self.pools):
-                    self._watcher = None
+                if self._job != job or not (self.services or self.pools):
                     return
             if _work_waits(gcs_address):
                 self.release()
