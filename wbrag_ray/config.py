@@ -74,7 +74,8 @@ class RayConfig(_Section):
         10.0, ge=0, description="How long the services of a command that ended (generator, embedder and search "
         "actors, their models loaded) stay up for the next command of the same process to take over: a script or "
         "notebook calling wbrag_ray.api, the next stage of `wbrag run`. What wbrag runs next ends them first if it "
-        "needs their CPUs; other work on the cluster waits at most this long for them. 0: they end with their command."
+        "needs their CPUs, and any other work waiting for resources ends them within a fifth of a second (a watcher "
+        "reads the cluster's pending demand). 0: they end with their command."
     )
 
 

@@ -122,9 +122,9 @@ class PassageVectorsStage(Stage):
         self.embedder, self.router = loaded.embedder, loaded.router
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        vectors = self.embedder.encode_passages(batch["text"].tolist())
-        if self.search.embedder_config.storage_dtype == "float16":  # as the embed pass stores them
-            vectors = vectors.astype(np.float16)
+        from wbrag_ray.stages.embed import stored
+
+        vectors = stored(self.embedder.encode_passages(batch["text"].tolist()), self.search.embedder_config)
         return pd.DataFrame({"id": batch["id"].to_numpy(np.int64), "vector": list(vectors.astype(np.float32))})
 
 

@@ -36,7 +36,11 @@ class EmbedStage(Stage):
         self.embedder.setup()
 
     def process_batch(self, batch: pd.DataFrame) -> pa.Table:
-        vecs = self.embedder.encode_passages(batch["text"].tolist())
-        dtype = np.float16 if self.config.storage_dtype == "float16" else np.float32
+        vecs = stored(self.embedder.encode_passages(batch["text"].tolist()), self.config)
         # Only id and vector travel on: the text is already in the passages/sentences shards.
-        return embeddings_table(batch[self.id_column].to_numpy(np.int64), vecs.astype(dtype), self.id_column)
+        return embeddings_table(batch[self.id_column].to_numpy(np.int64), vecs, self.id_column)
+
+
+def stored(vectors: np.ndarray, config: EmbedderConfig) -> np.ndarray:
+    """Vectors in the dtype embedding shards store them in (`embedder.storage_dtype`)."""
+    return vectors.astype(np.float16 if config.storage_dtype == "float16" else np.float32)

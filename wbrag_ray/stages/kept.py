@@ -38,6 +38,7 @@ class Kept:
         self._job: str | None = None  # the Ray job they belong to: a later `ray.init` is another cluster
         self._timer: threading.Timer | None = None
         self._watcher: threading.Thread | None = None
+        self._watched_job: str | None = None
 
     def keep(self, services: list[tuple[str, StageService]], pools: list[tuple[tuple, Any]], seconds: float) -> None:
         """Keep a closed command's services and search pools `seconds` from now (the time starts again with each
@@ -63,9 +64,10 @@ class Kept:
             self._timer = threading.Timer(seconds, self.release)
             self._timer.daemon = True
             self._timer.start()
-            if self._watcher is None or not self._watcher.is_alive() or self._watcher.name != f"kept-watcher-{job}":
+            if self._watcher is None or not self._watcher.is_alive() or self._watched_job != job:
                 # one per job: the watcher of a job before (another cluster) ends at its next look
-                self._watcher = threading.Thread(target=self._watch, args=(job,), name=f"kept-watcher-{job}", daemon=True)
+                self._watched_job = job
+                self._watcher = threading.Thread(target=self._watch, args=(job,), name="wbrag-kept-watcher", daemon=True)
                 self._watcher.start()
         _end(ended)
 

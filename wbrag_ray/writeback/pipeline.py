@@ -56,7 +56,8 @@ def base_search(run: RunFolder, config: WbragConfig) -> RetrievalSetting:
     return RetrievalSetting(run.layout.index.uri, None, config.embedder, config.retrieval, config.index)
 
 
-def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses) -> pd.DataFrame:
+def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses,
+                   search: RetrievalSetting) -> pd.DataFrame:
     """Answer without and with retrieval by writeback.rag_method, and apply both gates.
 
     The documents an example is distilled from are the ones its method answered from: the top K for naive
@@ -71,8 +72,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
     questions = split(questions, wb.validation)[0]  # the held-out questions validate the version instead
-    answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, base_search(run, config), passes,
-                          "answer")
+    answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
 
     nr = answered[answered["method"] == "no-retrieval"].set_index("id")
     examples = answered[answered["method"] == wb.rag_method].set_index("id")
@@ -146,8 +146,9 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
     folder = run.layout.writeback_version(version)
     folder.root.delete()
     t0 = time.perf_counter()
+    search = base_search(run, config)
     with GeneratorPasses(config.generator) as passes:
-        examples = score_examples(run, config, train, passes)
+        examples = score_examples(run, config, train, passes, search)
         folder.scored.write_table(plain_table(examples))
         kept = examples[examples["useful"]]
         units, empty = pd.DataFrame(columns=UNITS.names), 0
@@ -156,7 +157,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
             folder.distill.write_table(plain_table(distilled))
             units, empty = build_units(version, kept, distilled)
         # on the scoring passes' retrieval actors, the embedder loaded: no pool of its own (`embed_units`)
-        vectors = embed_units(units, base_search(run, config), passes.services)
+        vectors = embed_units(units, search, passes.services)
     merged: dict[int, int] = {}
     if len(units):
         merged = dedupe(vectors, wb.dedupe_threshold) if wb.dedupe_threshold is not None else {}
