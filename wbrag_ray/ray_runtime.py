@@ -2,8 +2,8 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 420): the environment every worker of a job gets (`worker_env_vars`) is set
-where Ray starts or is joined, and belongs beside `init_ray`."""
+Over 400 lines (about 430): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
+starts or is joined, from the same settings, and belongs beside `init_ray`."""
 
 from __future__ import annotations
 
@@ -234,18 +234,23 @@ def stable_names(prefix: str):
     return StableNames()
 
 
-# vLLM logs about 150 INFO lines per engine start, in the workers that start engines, at the level it reads from
-# the environment on import: the job's runtime env carries the setting to every worker (-v: vLLM's own default).
-QUIET_WORKER_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
+# vLLM logs about 150 INFO lines per engine start, at the level it reads from the environment as it is imported
+# (-v: vLLM's own default). The workers that import it start with the setting in a runtime env of their own (a
+# generator stage's, `Resources.env`; Ray Data LLM's engine stage): the job's runtime env would carry it to every
+# worker, and any runtime env starts its worker through a second interpreter (0.3 CPU-s a worker, measured).
+QUIET_VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
-def worker_env_vars(verbose: bool) -> dict[str, str]:
-    """Variables for every worker of the job (`init_ray`'s runtime env): QUIET_WORKER_ENV unless `verbose`, where
-    a value in this process's environment wins; none that the job's own runtime env sets (Ray refuses a repeat)."""
+def vllm_env(verbose: bool | None = None) -> dict[str, str]:
+    """The environment of the workers that import vLLM: QUIET_VLLM_ENV unless `verbose` (by default: this process
+    logs at DEBUG, as -v sets it), where a value in this process's environment wins; none that the job's own
+    runtime env sets (a submitted job's value reaches every worker already, and stays the job's)."""
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR as JOB
 
+    if verbose is None:
+        verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
     job_env = (json.loads(os.environ.get(JOB) or "{}").get("runtime_env") or {}).get("env_vars") or {}
-    env = {k: os.environ.get(k, v) for k, v in QUIET_WORKER_ENV.items() if k in os.environ or not verbose}
+    env = {k: os.environ.get(k, v) for k, v in QUIET_VLLM_ENV.items() if k in os.environ or not verbose}
     return {k: v for k, v in env.items() if k not in job_env}
 
 
@@ -270,10 +275,8 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
             check_run_dir(run_dir)
         return
     kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
-    env = worker_env_vars(verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
-    os.environ.update(env)  # a driver that imports vllm obeys it too
-    if env:
-        kwargs["runtime_env"] = {"env_vars": env}
+    # a driver that imports vllm obeys it too (and a local cluster's processes, which inherit this environment)
+    os.environ.update(vllm_env())
     if address:
         try:
             ray.init(address=address, **kwargs)

@@ -18,6 +18,7 @@ from wbrag_ray.generation.types import choices_from_logprobs, scored_from_logpro
 from wbrag_ray.generation.vllm import VLLMGenerator, lora_source
 from wbrag_ray.models.bundled import bundled_path, resolve_model
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+from wbrag_ray.ray_runtime import vllm_env
 from wbrag_ray.retrieval.hits import Hit
 
 
@@ -176,6 +177,8 @@ def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path, ray_cluster):
     # no GPUs asked for: a CPU bundle per engine replica, vLLM's CPU settings, fp32 on a CPU without native bf16
     assert [b["CPU"] for b in cfg.placement_group_config["bundles"]] == [1.0]
     assert cfg.engine_kwargs["distributed_executor_backend"] == "mp" and cfg.engine_kwargs["enforce_eager"]
+    # vLLM's log level goes to the engine stage's workers in their own runtime env (tests/test_worker_env.py)
+    assert cfg.runtime_env == ({"env_vars": vllm_env()} if vllm_env() else None)
     processor = gen.build_processor("prompt", "answer")
     # Ray's chain of map_batches stages around the engine (which tokenizes and detokenizes itself)
     assert processor.list_stage_names() == ["ChatTemplateStage", "vLLMEngineStage"]

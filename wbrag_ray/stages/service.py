@@ -153,8 +153,8 @@ def _forward(batch, actors: list, dispatch, stage: Stage):
 
 
 def _placement(res: Resources) -> tuple:
-    """What a service's actors hold (a pass's batch size is its own)."""
-    return res.num_cpus, res.num_gpus, res.concurrency, res.threads, res.calls
+    """What a service's actors hold (a pass's batch size is its own), and the environment they started with."""
+    return res.num_cpus, res.num_gpus, res.concurrency, res.threads, res.calls, res.env
 
 
 class StageService:
@@ -177,7 +177,7 @@ class StageService:
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
-                            max_task_retries=3, max_concurrency=res.calls)(_ServiceWorker)
+                            max_task_retries=3, max_concurrency=res.calls, **res.remote_args())(_ServiceWorker)
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
         self._dispatch = None  # started by the first Ray Data pass (`apply`): `run_frame` counts in the driver
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
