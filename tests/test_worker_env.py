@@ -7,6 +7,11 @@ would make every worker of every command pay for it. No engine starts here: acto
 resources report the environment they got.
 
     python -m tests.test_worker_env quiet|verbose   (a driver joining RAY_ADDRESS's cluster; prints JSON)
+
+And a local cluster's workers reach its own State API (Ray Train asks it about each training's controller),
+whatever other clusters run on the machine:
+
+    python -m tests.test_worker_env local
 """
 
 from __future__ import annotations
@@ -81,6 +86,42 @@ class EnvProbe(Stage):
         return batch
 
 
+def local_state_api() -> None:
+    """Start a local cluster as a `wbrag` command does (`init_ray`, no address) and print what a worker of it
+    learns from the State API about an actor of it: what Ray Train's placement-group cleaner asks each second
+    about the training's controller."""
+    import ray
+
+    from wbrag_ray.config import RayConfig
+    from wbrag_ray.ray_runtime import init_ray
+
+    init_ray(RayConfig(num_cpus=2))
+
+    @ray.remote(num_cpus=0)
+    class Alive:
+        pass
+
+    @ray.remote(num_cpus=0.1)
+    def state_of(actor_id: str) -> str:
+        from ray.util.state import get_actor
+
+        return get_actor(actor_id, timeout=30).state
+
+    actor = Alive.remote()
+    print(json.dumps({"state": ray.get(state_of.remote(actor._actor_id.hex()))}))
+
+
+def test_a_local_clusters_workers_reach_its_state_api_beside_other_clusters_on_the_machine(ray_cluster):
+    """Here beside the session's own cluster (and the other test worker's): a worker that looked for "the" cluster
+    among the machine's failed ("Found multiple active Ray instances"), and one of a cluster started without its
+    dashboard had no State API to ask."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    out = subprocess.run([sys.executable, "-m", "tests.test_worker_env", "local"], capture_output=True, text=True,
+                         timeout=180, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert last_json_line(out.stdout) == {"state": "ALIVE"}
+
+
 def main(mode: str) -> None:
     """Join the cluster as a `wbrag` command does (`init_ray`), at INFO or, as -v sets it, DEBUG logging; print the
     job's runtime env, a plain task's, and the level the actors of a vLLM generator stage's resources got: a
@@ -127,4 +168,4 @@ def test_the_level_reaches_the_vllm_workers_of_a_joined_cluster_and_no_other_wor
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    local_state_api() if sys.argv[1] == "local" else main(sys.argv[1])

@@ -2,7 +2,7 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 430): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
+Over 400 lines (about 455): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
 starts or is joined, from the same settings, and belongs beside `init_ray`."""
 
 from __future__ import annotations
@@ -289,10 +289,34 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
         # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
         if not logging.getLogger().isEnabledFor(logging.DEBUG):  # -v: each worker's model-loading bars
             os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the local workers inherit it
-        ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False, **kwargs)
+        _start_local(config.num_cpus, kwargs)
     configure_data_context()
     if run_dir is not None:
         check_run_dir(run_dir)
+
+
+def _start_local(num_cpus: int | None, kwargs: dict) -> None:
+    """A local cluster with its dashboard on a port of its own, which its processes find by RAY_API_SERVER_ADDRESS
+    (set while it starts: only they inherit it). Ray Train's placement-group cleaner asks the dashboard's State API
+    each second whether the training's controller still lives: with no dashboard it warned each second of every
+    training (14 times in the demo Zero-RAG chain) and could not clean up; with one but no address it looked for
+    the cluster among the machine's, and failed where there were two."""
+    import socket
+
+    import ray
+
+    with socket.socket() as probe:  # a free port (another cluster's dashboard may hold Ray's 8265)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    saved = os.environ.get("RAY_API_SERVER_ADDRESS")
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    try:  # the dashboard where Ray can start one (its default)
+        ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1", dashboard_port=port, **kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+        else:
+            os.environ["RAY_API_SERVER_ADDRESS"] = saved
 
 
 # Set to 1 when a local run folder is on storage every node sees at the same path but that /proc/mounts does
