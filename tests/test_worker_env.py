@@ -99,7 +99,8 @@ def local_state_api() -> None:
 
     @ray.remote(num_cpus=0)
     class Alive:
-        pass
+        def ready(self) -> bool:
+            return True
 
     @ray.remote(num_cpus=0.1)
     def state_of(actor_id: str) -> str:
@@ -108,6 +109,7 @@ def local_state_api() -> None:
         return get_actor(actor_id, timeout=30).state
 
     actor = Alive.remote()
+    ray.get(actor.ready.remote())  # alive before it is asked about
     print(json.dumps({"state": ray.get(state_of.remote(actor._actor_id.hex()))}))
 
 
