@@ -2,11 +2,12 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 455): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
+Over 400 lines (about 465): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
 starts or is joined, from the same settings, and belongs beside `init_ray`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -308,15 +309,24 @@ def _start_local(num_cpus: int | None, kwargs: dict) -> None:
     with socket.socket() as probe:  # a free port (another cluster's dashboard may hold Ray's 8265)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    saved = os.environ.get("RAY_API_SERVER_ADDRESS")
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    try:  # the dashboard where Ray can start one (its default)
+    with environ_while({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}):  # dashboard: where Ray can start one
         ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1", dashboard_port=port, **kwargs)
+
+
+@contextlib.contextmanager
+def environ_while(values: dict[str, str]):
+    """`values` in this process's environment while a start that reads them runs (a cluster's processes, an
+    engine), the previous values (or none) back after: what this process starts later does not inherit them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
     finally:
-        if saved is None:
-            os.environ.pop("RAY_API_SERVER_ADDRESS", None)
-        else:
-            os.environ["RAY_API_SERVER_ADDRESS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # Set to 1 when a local run folder is on storage every node sees at the same path but that /proc/mounts does

@@ -34,7 +34,7 @@ from wbrag_ray.generation.types import (
     scored_from_logprobs,
 )
 from wbrag_ray.generation.vllm_feed import EngineFeed
-from wbrag_ray.ray_runtime import LIGHT_CPUS, vllm_env
+from wbrag_ray.ray_runtime import LIGHT_CPUS, environ_while, vllm_env
 
 # Throughput defaults: prefix caching (every RAG prompt starts with the same instruction), chunked prefill
 # (long retrieved contexts don't stall decoding). The batch token budget is vLLM's own on GPUs (sized there for
@@ -323,17 +323,12 @@ class VLLMGenerator(Generator):
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
         self.source = self.model_source()
-        # read while the engine starts, and only then: the process's later Ray workers must not inherit it
-        saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        if in_process and saved is None:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.batch_invariant:
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the engine (and its processes) as it starts
-        try:
+        # read while the engine starts, and only then: the process's later Ray workers must not inherit it
+        in_process_core = in_process and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+        with environ_while({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process_core else {}):
             self.llm = LLM(model=self.source, **kwargs)
-        finally:
-            if in_process and saved is None:
-                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.lora = self._lora_request()
         self.feed = EngineFeed(self.llm)
 
