@@ -1,7 +1,13 @@
 """Services kept from a command that ended, for the next command of the same process (`Services.close` in
 `wbrag_ray.stages.service`): at most one per stage kind and one search pool per index, taken over by the next
-command on the same Ray job or ended when something needs their CPUs (`release_kept`: a service of another kind
-or size, an actor pool, a training, tasks of a whole CPU) or when their time is up (a timer thread).
+command on the same Ray job or ended when something needs their CPUs (`release_kept`: an actor pool, a training,
+tasks of a whole CPU) or when their time is up (a timer thread).
+
+A service or search pool that starts ends only the kept one it replaces (its kind, its index) and leaves the
+others up where its actors fit the nodes' free resources beside them (`make_room`): a command takes over the
+services it uses as it first uses them, so one that starts a new pool first (an evaluation beside a write-back
+index not searched before) would otherwise end the retrieval service it takes over next and start it again,
+torch imported and the embedder loaded once more (2026-12-05: every such evaluation of the Zero-RAG chain).
 
 Work that asks for resources without passing a release point (Ray Data's own tasks, such as the 1-CPU tasks that
 sample a Parquet dataset's files; a user's tasks; another job's) would wait for the timer. A watcher thread asks
@@ -107,6 +113,18 @@ class Kept:
             ended = self._clear()
         _end(ended)
 
+    def release_one(self, name: str | None = None, index_dir: str | None = None) -> None:
+        """End the kept service of stage kind `name`, or the kept search pools of the index at `index_dir`."""
+        with self._lock:
+            ended = [self.services.pop(name)] if name in self.services and self._current() else []
+            if index_dir is not None and self._current():
+                ended += [self.pools.pop(key) for key in [k for k in self.pools if k[0] == index_dir]]
+        _end(ended)
+
+    def holds(self) -> bool:
+        with self._lock:
+            return bool(self.services or self.pools)
+
     def _current(self) -> bool:
         """Whether what is kept belongs to this process's Ray job (a lock holder calls it)."""
         if not self._job:
@@ -159,5 +177,22 @@ def kept_services() -> dict[str, list[str]]:
 def release_kept() -> None:
     """End the services kept from commands that ended (see `Services.close`): what runs next needs their CPUs."""
     KEPT.release()
+
+
+def make_room(need: dict[str, float], count: int, name: str | None = None, index_dir: str | None = None) -> None:
+    """Before `count` actors asking for `need` each start (a service of stage kind `name`, or the search pool of
+    `index_dir`): end the kept one they replace, and the others unless the actors fit the nodes' free resources
+    beside them (see the module's docstring). Where nodes hold others' work as well, a fit that no longer holds
+    when the actors are placed leaves them waiting, and the watcher ends what is kept at its next look. A Ray
+    Client driver has no watcher: everything kept ends."""
+    if not KEPT.holds():
+        return
+    KEPT.release_one(name, index_dir)
+    import ray
+
+    from wbrag_ray.cluster_nodes import free_nodes, room_for
+
+    if ray.util.client.ray.is_connected() or room_for(need, free_nodes()) < count:
+        KEPT.release()
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked
-from wbrag_ray.stages.kept import KEEP_S, KEPT, release_kept
+from wbrag_ray.stages.kept import KEEP_S, KEPT, make_room
 
 if TYPE_CHECKING:
     import ray.data
@@ -173,6 +173,7 @@ class StageService:
         # actors that can never be placed would leave the pass waiting on them forever: refused first
         need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
         refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, need, nodes))
+        make_room(need, res.concurrency, name=stage.name)  # from what a command before left up
 
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
@@ -307,7 +308,6 @@ class Services:
             self.adopted[stage.name] = self.adopted.get(stage.name, 0) + 1
             log.info("took over the %s service a command before left up", stage.name)
         if service is None:
-            release_kept()  # its actors need the CPUs the kept ones hold
             service = self._live[stage.name] = StageService(stage)
             self.started[stage.name] = self.started.get(stage.name, 0) + 1
             self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
@@ -358,7 +358,6 @@ class Services:
                     self.adopted["search"] = self.adopted.get("search", 0) + 1
                     log.info("took over the search pool of %s a command before left up", key[0])
                     continue
-                release_kept()
                 self._pools[key] = SearchPool.start(key[0], index, retrieval)
                 self.started["search"] = self.started.get("search", 0) + 1
                 log.info("started the search pool of %s (%d shard groups x %d)", key[0],
