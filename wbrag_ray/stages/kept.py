@@ -7,7 +7,8 @@ A service or search pool that starts ends only the kept one it replaces (its kin
 others up where its actors fit the nodes' free resources beside them (`make_room`): a command takes over the
 services it uses as it first uses them, so one that starts a new pool first (an evaluation beside a write-back
 index not searched before) would otherwise end the retrieval service it takes over next and start it again,
-torch imported and the embedder loaded once more (2026-12-05: every such evaluation of the Zero-RAG chain).
+torch imported and the embedder loaded once more (seen 2026-12-05: on the Zero-RAG chain's run, an evaluation
+beside the write-back index right after one on the pruned index).
 
 Work that asks for resources without passing a release point (Ray Data's own tasks, such as the 1-CPU tasks that
 sample a Parquet dataset's files; a user's tasks; another job's) would wait for the timer. A watcher thread asks
@@ -194,5 +195,3 @@ def make_room(need: dict[str, float], count: int, name: str | None = None, index
 
     if ray.util.client.ray.is_connected() or room_for(need, free_nodes()) < count:
         KEPT.release()
-
-
