@@ -158,7 +158,6 @@ def test_a_service_whose_resources_are_held_elsewhere_fails_in_seconds_naming_th
         service.close()
 
 
-
 class Other(Sleepy):
     """Another stage kind, as light."""
 
