@@ -117,9 +117,10 @@ class Kept:
     def release_one(self, name: str | None = None, index_dir: str | None = None) -> None:
         """End the kept service of stage kind `name`, or the kept search pools of the index at `index_dir`."""
         with self._lock:
-            ended = [self.services.pop(name)] if name in self.services and self._current() else []
-            if index_dir is not None and self._current():
-                ended += [self.pools.pop(key) for key in [k for k in self.pools if k[0] == index_dir]]
+            if not self._current():
+                return
+            ended = [self.services.pop(name)] if name in self.services else []
+            ended += [self.pools.pop(key) for key in [k for k in self.pools if k[0] == index_dir]]
         _end(ended)
 
     def holds(self) -> bool:
