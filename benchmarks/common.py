@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import wbrag_ray
 from wbrag_ray.formats import Passage, corpus_record
+from wbrag_ray.models.hardware import cpu_matmul_flags
 
 T = TypeVar("T")
 
@@ -61,18 +62,6 @@ def header(name: str, args: argparse.Namespace) -> None:
     report("nproc", os.cpu_count())
     report("cpu matmul flags", cpu_matmul_flags())
     report_pressure("before start")
-
-
-def cpu_matmul_flags() -> str:
-    """The CPU flags that decide the speed of every model here: without avx512_bf16, bf16 is emulated (about
-    0.3 GFLOP/s against 100+ for fp32) and `dtype: auto` runs fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return " ".join(w for w in wanted if w in flags) or "none of " + " ".join(wanted)
 
 
 def cpu_pressure() -> float | None:

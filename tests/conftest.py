@@ -88,6 +88,23 @@ def pytest_collection_finish(session):
                                 "later: pytest-xdist issue 1386); install the pyproject's pytest (<9.2)")
 
 
+def _cpu_line() -> str:
+    from wbrag_ray.models.hardware import cpu_kind, usable_cpus
+
+    return f"cpu: {cpu_kind()}; {usable_cpus()} usable CPUs"
+
+
+def pytest_report_header(config):
+    """The CPU kind at the top of a run's output and again at its end (`pytest_terminal_summary`), beside its time:
+    the suite takes about half again as long on an AVX2-only machine as on one with AVX512-BF16 (README), and a
+    time read from a log means nothing without the kind it ran on."""
+    return _cpu_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_cpu_line())
+
+
 _CONFIG: list[pytest.Config] = []
 _STDERR: list = []  # this process's stderr as it was before any test's output capture
 

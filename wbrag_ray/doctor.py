@@ -144,9 +144,10 @@ def check_shm() -> Check:
 
 
 def check_cpus() -> Check:
-    from wbrag_ray.models.hardware import usable_cpus
+    from wbrag_ray.models.hardware import cpu_kind, resolved_dtype_name, usable_cpus
 
-    return Check("cpus", OK, f"{usable_cpus()} usable of the host's {os.cpu_count()} (affinity and cgroup quota)")
+    return Check("cpus", OK, f"{usable_cpus()} usable of the host's {os.cpu_count()} (affinity and cgroup quota); "
+                             f"{cpu_kind()}, so dtype auto runs {resolved_dtype_name('auto', 0)} on them")
 
 
 def check_packages() -> Check:

@@ -1,0 +1,42 @@
+"""The CPU kind read from /proc/cpuinfo: the two kinds the project's timings are given for, told apart by their
+flags, on cpuinfo files written here (an AVX2-only EPYC, an AVX512-BF16 Xeon) and on this machine's own."""
+
+from __future__ import annotations
+
+from wbrag_ray.doctor import check_cpus
+from wbrag_ray.models.hardware import cpu_has_native_bf16, cpu_kind, cpu_matmul_flags
+
+EPYC = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse sse2 avx avx2 fma bmi2
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse sse2 avx avx2 fma bmi2
+"""
+XEON = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8481C
+flags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile
+"""
+
+
+def test_the_two_cpu_kinds_are_told_apart_by_their_flags(tmp_path):
+    (epyc := tmp_path / "epyc").write_text(EPYC)
+    (xeon := tmp_path / "xeon").write_text(XEON)
+    assert not cpu_has_native_bf16(str(epyc)) and cpu_has_native_bf16(str(xeon))
+    assert cpu_matmul_flags(str(epyc)) == "avx2"
+    assert cpu_matmul_flags(str(xeon)) == "avx2 avx512f avx512_bf16 amx_bf16"
+    assert cpu_kind(str(epyc)) == "AMD EPYC 7B13, flags avx2: AVX2 only"
+    assert cpu_kind(str(xeon)) == "Intel(R) Xeon(R) Platinum 8481C, flags avx2 avx512f avx512_bf16 amx_bf16: AVX512-BF16"
+    assert cpu_kind(str(tmp_path / "absent")) == "unknown model, flags unknown: no AVX2"
+
+
+def test_the_doctor_names_this_machines_kind_and_the_dtype_auto_takes_here(monkeypatch):
+    flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    monkeypatch.delenv("WBRAG_CPU_BF16")  # the suite's float32 pin (tests/conftest.py) off: the user's default
+    detail = check_cpus().detail
+    kind = "AVX512-BF16" if native else "AVX2 only" if "avx2" in flags else "no AVX2"
+    assert f"{kind}, so dtype auto runs {'bfloat16' if native else 'float32'} on them" in detail
+    monkeypatch.setenv("WBRAG_CPU_BF16", "0")
+    assert "dtype auto runs float32" in check_cpus().detail
