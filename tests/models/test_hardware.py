@@ -1,10 +1,22 @@
 """The CPU kind read from /proc/cpuinfo: the two kinds the project's timings are given for, told apart by their
-flags, on cpuinfo files written here (an AVX2-only EPYC, an AVX512-BF16 Xeon) and on this machine's own."""
+flags, on cpuinfo files written here (an AVX2-only EPYC, an AVX512-BF16 Xeon) and on this machine's own; and the
+variables `make test-avx2` holds the kernels lower with, checked on torch in a process of their own."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from wbrag_ray.doctor import check_cpus
-from wbrag_ray.models.hardware import cpu_has_native_bf16, cpu_kind, cpu_matmul_flags
+from wbrag_ray.models.hardware import (
+    AVX2_ONLY_ENV,
+    cpu_has_native_bf16,
+    cpu_kind,
+    cpu_matmul_flags,
+    cpu_supports_bf16,
+    held_kernels,
+)
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -26,17 +38,41 @@ def test_the_two_cpu_kinds_are_told_apart_by_their_flags(tmp_path):
     assert not cpu_has_native_bf16(str(epyc)) and cpu_has_native_bf16(str(xeon))
     assert cpu_matmul_flags(str(epyc)) == "avx2"
     assert cpu_matmul_flags(str(xeon)) == "avx2 avx512f avx512_bf16 amx_bf16"
-    assert cpu_kind(str(epyc)) == "AMD EPYC 7B13, flags avx2: AVX2 only"
-    assert cpu_kind(str(xeon)) == "Intel(R) Xeon(R) Platinum 8481C, flags avx2 avx512f avx512_bf16 amx_bf16: AVX512-BF16"
-    assert cpu_kind(str(tmp_path / "absent")) == "unknown model, flags unknown: no AVX2"
+    assert cpu_kind(str(epyc), {}) == "AMD EPYC 7B13, flags avx2: AVX2 only"
+    assert cpu_kind(str(xeon), {}) == "Intel(R) Xeon(R) Platinum 8481C, flags avx2 avx512f avx512_bf16 amx_bf16: AVX512-BF16"
+    assert cpu_kind(str(tmp_path / "absent"), {}) == "unknown model, flags unknown: no AVX2"
+    held = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "PATH": "/bin"}
+    assert cpu_kind(str(xeon), held).endswith(": AVX512-BF16, kernels held by ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2")
 
 
 def test_the_doctor_names_this_machines_kind_and_the_dtype_auto_takes_here(monkeypatch):
     flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
     native = "avx512_bf16" in flags or "amx_bf16" in flags
-    monkeypatch.delenv("WBRAG_CPU_BF16", raising=False)  # the suite's float32 pin (tests/conftest.py) off: the user's default
+    # the user's default: the suite's float32 pin (tests/conftest.py) off, and no kernels held (`make test-avx2`)
+    for name in ("WBRAG_CPU_BF16", *AVX2_ONLY_ENV):
+        monkeypatch.delenv(name, raising=False)
     detail = check_cpus().detail
     kind = "AVX512-BF16" if native else "AVX2 only" if "avx2" in flags else "no AVX2"
     assert f"{kind}, so dtype auto runs {'bfloat16' if native else 'float32'} on them" in detail
     monkeypatch.setenv("WBRAG_CPU_BF16", "0")
     assert "dtype auto runs float32" in check_cpus().detail
+
+
+def test_the_avx2_variables_hold_torchs_kernels_to_avx2_and_dtype_auto_to_float32():
+    """In a process started under `make test-avx2`'s variables, torch dispatches its AVX2 kernels whatever the CPU
+    has; and `dtype: auto` takes float32 where oneDNN is held below bf16 (bf16 is emulated there)."""
+    flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    env = {k: v for k, v in os.environ.items() if k not in AVX2_ONLY_ENV}
+    free = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    held = subprocess.run([sys.executable, "-c", script], env={**env, **AVX2_ONLY_ENV}, capture_output=True,
+                          text=True, check=True)
+    assert held.stdout.strip() == ("AVX2" if "avx2" in flags else free.stdout.strip())
+    if "avx512f" in flags:  # the variables made the difference
+        assert free.stdout.strip().startswith("AVX512")
+
+    assert held_kernels({}) == "" and held_kernels(AVX2_ONLY_ENV) == " ".join(f"{k}={v}" for k, v in AVX2_ONLY_ENV.items())
+    assert not cpu_supports_bf16({"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert not cpu_supports_bf16({"ONEDNN_MAX_CPU_ISA": "avx512_core"})
+    assert cpu_supports_bf16({}) == cpu_has_native_bf16()
+    assert cpu_supports_bf16({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) == cpu_has_native_bf16()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +45,40 @@ def cpu_matmul_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
     return " ".join(w for w in MATMUL_FLAGS if w in flags) or "none of " + " ".join(MATMUL_FLAGS)
 
 
-def cpu_kind(cpuinfo: str = "/proc/cpuinfo") -> str:
+# The variables that hold the math libraries below this CPU's instruction set, at the values `make test-avx2` sets
+# to run the code paths of an AVX2-only CPU on a faster one: torch's own kernels, oneDNN's, MKL's and OpenBLAS's.
+# faiss and vLLM pick their kernels from the CPU's flags alone and are not held.
+AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                 "OPENBLAS_CORETYPE": "Haswell"}
+# oneDNN's instruction sets below AVX512_CORE_BF16: held to one of them, bf16 is emulated whatever the CPU has
+ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+
+
+def held_kernels(environ: Mapping[str, str] | None = None) -> str:
+    """The variables of AVX2_ONLY_ENV that `environ` (this process's) sets, "NAME=value ...": "" where none."""
+    environ = os.environ if environ is None else environ
+    return " ".join(f"{k}={environ[k]}" for k in AVX2_ONLY_ENV if environ.get(k))
+
+
+def cpu_kind(cpuinfo: str = "/proc/cpuinfo", environ: Mapping[str, str] | None = None) -> str:
     """The CPU for a log line: its model, its matmul flags, and which of the two kinds the project's timings are
-    given for (AVX512-BF16, or AVX2 only, where bf16 is emulated and everything takes longer)."""
+    given for (AVX512-BF16, or AVX2 only, where bf16 is emulated and everything takes longer); then the variables
+    that hold its kernels lower, where `environ` (this process's) sets any."""
     model, flags = _cpuinfo(cpuinfo)
     kind = "AVX512-BF16" if cpu_has_native_bf16(cpuinfo) else "AVX2 only" if "avx2" in flags else "no AVX2"
-    return f"{model or 'unknown model'}, flags {cpu_matmul_flags(cpuinfo)}: {kind}"
+    held = held_kernels(environ)
+    return f"{model or 'unknown model'}, flags {cpu_matmul_flags(cpuinfo)}: {kind}" + (f", kernels held by {held}"
+                                                                                       if held else "")
 
 
-def cpu_supports_bf16() -> bool:
-    """Whether `dtype: auto` takes bf16 on this CPU: where it is native, unless WBRAG_CPU_BF16=0 asks for float32
-    on every CPU kind (numbers that do not depend on the CPU a job lands on; the test suite sets it). The variable
-    reaches Ray workers started from this process's environment."""
-    return cpu_has_native_bf16() and os.environ.get("WBRAG_CPU_BF16", "1") != "0"
+def cpu_supports_bf16(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `dtype: auto` takes bf16 on this CPU: where it is native and oneDNN is not held below it
+    (ONEDNN_MAX_CPU_ISA, as `make test-avx2` holds it), unless WBRAG_CPU_BF16=0 asks for float32 on every CPU kind
+    (numbers that do not depend on the CPU a job lands on; the test suite sets it). The variables reach Ray
+    workers started from this process's environment."""
+    environ = os.environ if environ is None else environ
+    held_below = environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_WITHOUT_BF16
+    return cpu_has_native_bf16() and not held_below and environ.get("WBRAG_CPU_BF16", "1") != "0"
 
 
 def pick_dtype(requested: str, device: str):
@@ -163,3 +185,7 @@ def resolved_dtype_name(requested: str, num_gpus: float) -> str:
     if num_gpus > 0:
         return "auto (gpu)"
     return "bfloat16" if cpu_supports_bf16() else "float32"
+
+
+if __name__ == "__main__":  # `make test-avx2`: the variables to run under
+    print(" ".join(f"{k}={v}" for k, v in AVX2_ONLY_ENV.items()))
