@@ -66,9 +66,9 @@ def cpu_kind(cpuinfo: str = "/proc/cpuinfo", environ: Mapping[str, str] | None =
     that hold its kernels lower, where `environ` (this process's) sets any."""
     model, flags = _cpuinfo(cpuinfo)
     kind = "AVX512-BF16" if cpu_has_native_bf16(cpuinfo) else "AVX2 only" if "avx2" in flags else "no AVX2"
+    line = f"{model or 'unknown model'}, flags {cpu_matmul_flags(cpuinfo)}: {kind}"
     held = held_kernels(environ)
-    return f"{model or 'unknown model'}, flags {cpu_matmul_flags(cpuinfo)}: {kind}" + (f", kernels held by {held}"
-                                                                                       if held else "")
+    return f"{line}, kernels held by {held}" if held else line
 
 
 def cpu_supports_bf16(environ: Mapping[str, str] | None = None) -> bool:
