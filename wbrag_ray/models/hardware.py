@@ -188,4 +188,4 @@ def resolved_dtype_name(requested: str, num_gpus: float) -> str:
 
 
 if __name__ == "__main__":  # `make test-avx2`: the variables to run under
-    print(" ".join(f"{k}={v}" for k, v in AVX2_ONLY_ENV.items()))
+    print(held_kernels(AVX2_ONLY_ENV))
