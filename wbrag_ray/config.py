@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -45,11 +46,13 @@ def _concurrency(value: Any) -> Any:
     return count
 
 
-# A pool's actor count: a number, or "auto": as many as the cluster has room for when the command joins Ray
-# (`cluster_nodes.auto_concurrency`; `wbrag plan` decides it on the cluster it plans for).
+# A pool's actor count (or a training's workers): a number, or "auto": as many as the cluster has room for, decided
+# by each command as it joins Ray, after the commands before it built what it uses (`cluster_nodes.auto_concurrency`;
+# `wbrag plan` decides it on the cluster it plans for).
 Concurrency = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
-AUTO_CONCURRENCY = (" 'auto': as many as fit the resources free when the command joins Ray (GPU actors: the free "
-                    "GPUs, less those the search actors will hold; CPU actors: the free CPUs, less one for reads).")
+AUTO_CONCURRENCY = (" 'auto': as many as the cluster holds (an autoscaling cluster: its declared maximum), decided by "
+                    "each command as it joins Ray (GPU actors: the GPUs, the generator's less those the index's search "
+                    "actors and query embedders hold; CPU actors: the CPUs, less one for reads).")
 
 
 class _Section(BaseModel):
@@ -499,14 +502,22 @@ class TrainerConfig(_Section):
     optimization (the weights agree up to rounding): it is a placement setting, left out of the stage's
     fingerprint."""
 
-    RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures"})
+    RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures", "strategy"})
 
-    num_workers: int = Field(1, ge=1, description="Ray Train workers (data-parallel; each holds the whole model).")
+    num_workers: Concurrency = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
+                             "model, under fsdp each holds 1 / num_workers of it)." + AUTO_CONCURRENCY + " At most batch_size.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="How the workers share the model. ddp: each worker holds all of it (on its GPU, or spread "
+        "over its num_gpus GPUs layer by layer, one GPU busy at a time). fsdp: torch FSDP2 shards the frozen base and "
+        "the adapter over all the workers, one GPU each (num_gpus: 1, or 0 on CPU workers), with gradient "
+        "checkpointing: for a generator no single GPU holds (the paper's 70B), every GPU of the training busy.",
+    )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each training worker asks Ray for (its torch threads).")
     num_gpus: float = Field(
         0.0, ge=0, description="GPUs each training worker asks Ray for: 0 trains on CPU (fp32, gloo); 1 trains on one "
         "GPU (bf16 weights where the GPU has bf16, else fp16, LoRA weights in fp32; nccl); more than 1 spreads one "
-        "worker's model over that many GPUs of its node (layers placed by accelerate), for models one GPU cannot hold.",
+        "worker's model over that many GPUs of its node (a layer split by accelerate, one GPU busy at a time; strategy: "
+        "fsdp keeps every GPU busy instead), for models one GPU cannot hold.",
     )
     checkpoint_steps: int = Field(
         50, ge=1, description="Optimizer steps between checkpoints in the run folder's stage checkpoint: what a lost "
@@ -514,6 +525,14 @@ class TrainerConfig(_Section):
     )
     max_failures: int = Field(2, ge=0, description="Worker-group failures Ray Train recovers from (from the last "
                               "checkpoint) before the stage fails.")
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> TrainerConfig:
+        if self.strategy == "fsdp" and self.num_gpus > 1:
+            raise ValueError(f"strategy fsdp runs one worker per GPU (num_gpus: 1) and shards the model over all of "
+                             f"them; for {self.num_workers} workers of {self.num_gpus:g} GPUs set num_workers: "
+                             f"{self.num_workers * int(self.num_gpus)} and num_gpus: 1")
+        return self
 
 
 class _LoraSection(_Section):
@@ -660,6 +679,9 @@ class WbragConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     writeback: WritebackConfig = Field(default_factory=WritebackConfig)
     zerorag: ZeroRagConfig = Field(default_factory=ZeroRagConfig)
+    # the counts that were "auto" before a command decided them (`cluster_nodes.resolve_auto_concurrency`): each
+    # command decides them again, after what the commands before it built
+    _auto_sections: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
     @field_validator("index")
     @classmethod

@@ -23,9 +23,10 @@ from wbrag_ray.training.workers import Placement, fit
 STATS_FILE = "pruner.json"
 
 
-def load_backbone(backbone: str, **load_kwargs):
+def load_backbone(backbone: str, load=None, **load_kwargs):
     """(resolved source, model with a fresh 1-output head, right-padding tokenizer) for `backbone`;
-    `load_kwargs` go to `from_pretrained` (dtype, device_map)."""
+    `load_kwargs` go to `from_pretrained` (dtype, device_map); `load(auto_cls, source, **kwargs)` loads instead
+    where given (a training worker's `Placement.load`)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     source = hf_model_source(GeneratorConfig(model=backbone))
@@ -33,7 +34,10 @@ def load_backbone(backbone: str, **load_kwargs):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
-    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, **load_kwargs)
+    if load is not None:
+        model = load(AutoModelForSequenceClassification, source, num_labels=1)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, **load_kwargs)
     # Without a pad id the head reads the very last position, which is padding in every shorter row.
     model.config.pad_token_id = tokenizer.pad_token_id
     return source, model, tokenizer
@@ -62,10 +66,14 @@ class PrunerTraining:
     def num_examples(self) -> int:
         return len(self.texts)
 
+    @property
+    def model(self) -> str:
+        return self.config.backbone
+
     def build(self, place: Placement):
         import torch
 
-        self.source, model, self.tokenizer = load_backbone(self.config.backbone, **place.load_kwargs())
+        self.source, model, self.tokenizer = load_backbone(self.config.backbone, place.load)
         # SEQ_CLS makes peft train the new head ("score") in full and save it with the adapter.
         model = place.place(with_lora(model, self.config, "SEQ_CLS"))
         ids = encode(self.tokenizer, self.texts, self.config.max_length)
@@ -79,10 +87,11 @@ class PrunerTraining:
 
         return model, per_example_loss
 
-    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement) -> dict[str, Any]:
+    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
+               trainable: dict[str, Any]) -> dict[str, Any]:
         saved = {"backbone": self.config.backbone, "source": self.source, "max_length": self.config.max_length,
                  "examples": len(self.texts), **loss_stats(stats), "config": self.config.model_dump(mode="json")}
-        save_adapter(model, out_dir, STATS_FILE, saved)
+        save_adapter(model, out_dir, STATS_FILE, saved, trainable)
         predictor = LMPrunerPredictor.of_model(model, self.tokenizer, self.config.max_length,
                                                self.config.predict_batch_size, place.inputs_device(model))
         return {"validation": predictor.predict(self.val_texts).tolist()}

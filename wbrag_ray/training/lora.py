@@ -43,16 +43,17 @@ def loss_stats(stats: dict[str, Any]) -> dict[str, Any]:
         "seconds_per_step": seconds / max(1, len(losses)),
         "examples_per_s": stats["examples_seen"] / seconds if seconds > 0 else 0.0,
         **{k: stats[k] for k in ("examples_seen", "epochs_seen", "examples_per_step", "resumed_from_steps", "workers",
-                                 "threads", "device", "dtype")},
+                                 "threads", "device", "dtype", "strategy")},
     }
 
 
-def save_adapter(model, out_dir: str, stats_name: str, stats: dict[str, Any]) -> None:
+def save_adapter(model, out_dir: str, stats_name: str, stats: dict[str, Any], state_dict: dict | None = None) -> None:
     """The adapter (peft layout, loadable by `PeftModel.from_pretrained`), then the stats JSON, written last
-    so that its presence means the adapter beside it is complete."""
+    so that its presence means the adapter beside it is complete. `state_dict`: the trainable weights gathered
+    whole (an FSDP model's own hold only their shards)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), state_dict=state_dict)
     tmp = out / f".{stats_name}.tmp"
     tmp.write_text(json.dumps(stats, indent=2))
     tmp.replace(out / stats_name)

@@ -149,6 +149,10 @@ class TuneTraining:
         return len(self.messages)
 
     @property
+    def model(self) -> str:
+        return self.generator.model
+
+    @property
     def weights(self) -> np.ndarray:
         weight_of = {"none": self.config.weight_retrieval_free, "relevant": self.config.weight_relevant,
                      "distracting": self.config.weight_noise}
@@ -170,7 +174,7 @@ class TuneTraining:
                 "to tune on completion prompts (base models)"
             )
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        model = AutoModelForCausalLM.from_pretrained(self.source, **place.load_kwargs())
+        model = place.load(AutoModelForCausalLM, self.source)
         model.config.use_cache = False  # no generation while training; the cache only costs memory
         model = place.place(with_lora(model, self.config, "CAUSAL_LM"))
         device = place.inputs_device(model)
@@ -206,14 +210,15 @@ class TuneTraining:
             prompt, answer = messages_to_text(messages), " " + str(target)
         return prompt, tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
-    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement) -> dict[str, Any]:
+    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
+               trainable: dict[str, Any]) -> dict[str, Any]:
         per_term = list(zip(*stats["group_loss"], strict=True)) if stats["group_loss"] else [[]] * len(FORMATS)
         figures = {"source": self.source, "truncated_prompts": self.truncated_prompts,
                    "term_losses": {f: _term_summary(list(v)) for f, v in zip(FORMATS, per_term, strict=True)}}
         save_adapter(model, out_dir, STATS_FILE, {"generator": self.generator.model,
                                                   "chat_template": self.generator.chat_template,
                                                   **figures, **loss_stats(stats),
-                                                  "config": self.config.model_dump(mode="json")})
+                                                  "config": self.config.model_dump(mode="json")}, trainable)
         return figures
 
 

@@ -16,6 +16,7 @@ is: its batches and dropout masks are functions of the step, and the checkpoint 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -33,10 +34,12 @@ import numpy as np
 from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
 from wbrag_ray.storage import Location
 
+log = logging.getLogger(__name__)
 # Gradient-norm cap: a few badly scaled batches (long prompts, saturated sigmoids) must not wreck the adapter.
 MAX_GRAD_NORM = 1.0
 STATE_FILE = "train_state.pt"  # in every checkpoint: trainable weights, optimizer, step, losses
 ADAPTER_DIR = "adapter"  # in the last checkpoint: what the driver copies into the run folder
+RESULT_FILE = "result.json"  # in the last checkpoint: worker 0's stats and figures (losses per step and the like)
 
 
 class Training(Protocol):
@@ -47,33 +50,129 @@ class Training(Protocol):
     groups: np.ndarray | None  # each example's group (e.g. a loss term), whose mean loss is logged per step
     group_names: tuple[str, ...]
 
-    def build(self, place: Placement) -> tuple[Any, Any]:
-        """(LoRA-wrapped model placed by `place`, per_example_loss(module, indices) -> 1-d tensor)."""
+    @property
+    def model(self) -> str:
+        """The frozen model's spec (path, hub id, bundled:*), for its size before it loads."""
 
-    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement) -> dict[str, Any]:
-        """On worker 0 after the last step: save the adapter to `out_dir`; return figures for the driver."""
+    def build(self, place: Placement) -> tuple[Any, Any]:
+        """(LoRA-wrapped model loaded through `place.load` and placed by `place.place`,
+        per_example_loss(module, indices) -> 1-d tensor)."""
+
+    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
+               trainable: dict[str, Any]) -> dict[str, Any]:
+        """After the last step, on worker 0 (on every worker under fsdp, whose forward needs them all): save the
+        adapter (`trainable`: its whole weights by name, on the CPU) to `out_dir`; return figures for the driver."""
+
+
+# What a layer split may fill of each of its GPUs: the rest holds activations, the adapter's optimizer state and
+# the CUDA context (accelerate's `max_memory`, per GPU of the worker).
+GPU_MEMORY_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class DeviceRule:
+    """Where one training worker's model goes: `device`, the local CUDA index of its first GPU (None: CPU), and,
+    for a worker of several GPUs under ddp, `spread`: the local indices a layer split places the model over, with
+    `max_memory` (bytes) for each and for no other GPU of the node."""
+
+    device: int | None
+    spread: tuple[int, ...] = ()
+    max_memory: dict[int, int] | None = None
+
+
+def own_gpus(gpu_ids: list, visible: str | None) -> list[int]:
+    """The local CUDA indices of the GPUs Ray assigned to this worker (`ray.get_gpu_ids()`), in the worker's
+    CUDA_VISIBLE_DEVICES (`visible`). Ray Train makes every training worker on a node see all the training GPUs of
+    that node (so NCCL can use peer links): `torch.cuda.device_count()` is the node's count, not the worker's."""
+    order = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    ids = [str(g) for g in gpu_ids]
+    if not order:  # nothing hidden: CUDA index i is GPU i
+        return sorted(int(g) for g in ids)
+    missing = [g for g in ids if g not in order]
+    if missing:
+        raise RuntimeError(f"GPUs {missing} assigned by Ray are not in CUDA_VISIBLE_DEVICES={visible!r}")
+    return sorted(order.index(g) for g in ids)
+
+
+def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes: float | None, strategy: str,
+                world: int, key: str) -> DeviceRule:
+    """The device and map of a worker given its own GPUs (`assigned`, local indices), the GPUs it sees
+    (`visible`), each GPU's memory in bytes, the frozen model's size in bytes (None: unknown) and the
+    training's strategy over `world` workers. A worker never touches a GPU it was not assigned (its neighbours'
+    ranks run there); one GPU: the model on it; several under ddp: a layer split over exactly those, each
+    filled to GPU_MEMORY_FRACTION; fsdp: one GPU a rank, the model sharded over the ranks. A model that cannot
+    fit is refused here, naming the setting, before any weight loads. `key`: the config section (zerorag.tune)."""
+    if not assigned:
+        return DeviceRule(None)
+    if len(set(assigned)) != len(assigned) or min(assigned) < 0 or max(assigned) >= visible:
+        raise RuntimeError(f"a worker's GPUs {assigned} are not distinct GPUs among the {visible} it sees")
+    if strategy == "fsdp" and len(assigned) > 1:
+        raise ConfigError(f"{key}.trainer.strategy fsdp runs one worker per GPU; set {key}.trainer.num_gpus: 1")
+    budget = int(gpu_memory * GPU_MEMORY_FRACTION)
+    holds = budget / world if strategy == "fsdp" else budget * len(assigned)
+    share = model_bytes / world if model_bytes and strategy == "fsdp" else model_bytes
+    if share and share > (budget if strategy == "fsdp" else holds):
+        fix = (f"raise {key}.trainer.num_workers" if strategy == "fsdp" else
+               f"set {key}.trainer.strategy: fsdp with num_gpus: 1 (the model sharded over every worker), or raise "
+               f"{key}.trainer.num_gpus")
+        raise ConfigError(f"{key}: the frozen model ({model_bytes / 2**30:.1f} GiB) does not fit a training worker's "
+                          f"{len(assigned)} GPU{'s' * (len(assigned) > 1)} of {gpu_memory / 2**30:.0f} GiB "
+                          f"({GPU_MEMORY_FRACTION:.0%} of each for weights, {strategy}); {fix}")
+    if len(assigned) == 1:
+        return DeviceRule(assigned[0])
+    return DeviceRule(assigned[0], tuple(assigned), {i: budget for i in assigned})
+
+
+def collective_device(backend: str, device):
+    """Where a tensor for a collective of the process group lives: NCCL takes only CUDA tensors, gloo CPU ones."""
+    import torch
+
+    return device if backend == "nccl" else torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class Placement:
     """A worker's device and the dtype its frozen weights load in: fp32 on CPU (bf16 there is emulated on many
-    CPUs, and LoRA's small updates lose precision in it); bf16 on GPUs that have it, else fp16."""
+    CPUs, and LoRA's small updates lose precision in it); bf16 on GPUs that have it, else fp16. Under fsdp, the
+    workers other than rank 0 build the model on the meta device (no weights read): rank 0's are broadcast to
+    them shard by shard once the model is sharded (`shard_fsdp`)."""
 
     device: Any
     dtype: Any
-    spread: bool = False  # a worker with several GPUs: accelerate places the model's layers over them
+    rule: DeviceRule = DeviceRule(None)
+    fsdp: bool = False
+    rank: int = 0
 
-    def load_kwargs(self) -> dict[str, Any]:
-        """`from_pretrained` arguments of the frozen weights."""
-        return {"dtype": self.dtype, **({"device_map": "auto"} if self.spread else {})}
+    @property
+    def spread(self) -> bool:
+        return bool(self.rule.spread)
+
+    @property
+    def meta(self) -> bool:
+        return self.fsdp and self.rank != 0
+
+    def load(self, auto_cls, source: str, **kwargs):
+        """`auto_cls.from_pretrained(source, ...)` where this worker holds weights; an empty model of the same
+        architecture on the meta device where it receives them (fsdp ranks above 0)."""
+        if self.meta:
+            import torch
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(source, **kwargs)
+            with torch.device("meta"):
+                return auto_cls.from_config(config, dtype=self.dtype)
+        load = {"dtype": self.dtype}
+        if self.spread:
+            load.update(device_map="auto", max_memory=dict(self.rule.max_memory))
+        return auto_cls.from_pretrained(source, **load, **kwargs)
 
     def place(self, model):
-        return model if self.spread else model.to(self.device)
+        return model if self.spread or self.fsdp else model.to(self.device)
 
-    @staticmethod
-    def inputs_device(model):
-        """Where a batch goes: the device of the input embeddings (the first layer when spread)."""
-        return model.get_input_embeddings().weight.device
+    def inputs_device(self, model):
+        """Where a batch goes: the device of the input embeddings (the first layer when spread); the worker's own
+        under fsdp (a rank's model is on the meta device until it is sharded)."""
+        return self.device if self.fsdp else model.get_input_embeddings().weight.device
 
     @property
     def autocast(self):
@@ -84,15 +183,63 @@ class Placement:
         return torch.autocast(device_type="cuda", dtype=self.dtype)
 
 
-def worker_placement() -> Placement:
-    import ray.train.torch
+def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, model: str | None = None) -> Placement:
+    """This worker's placement (`device_rule` on the GPUs Ray assigned to it). A training configured for GPUs on
+    a worker that sees none fails here, before any weight loads, naming the setting."""
+    import ray
     import torch
 
-    device = ray.train.torch.get_device()
-    if device.type != "cuda":
-        return Placement(torch.device("cpu"), torch.float32)
+    fsdp = trainer.strategy == "fsdp"
+    if not trainer.num_gpus:
+        return Placement(torch.device("cpu"), torch.float32, fsdp=fsdp, rank=rank)
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}.trainer.num_gpus is {trainer.num_gpus:g} but training worker {rank} runs on a node "
+                          "where torch sees no GPU (no CUDA device, or a CPU build of torch); set "
+                          f"{key}.trainer.num_gpus: 0 to train on CPUs")
+    assigned = own_gpus(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return Placement(device, dtype, spread=torch.cuda.device_count() > 1)
+    model_bytes = None
+    if model is not None:
+        from wbrag_ray.plan.models import model_size
+
+        params = model_size(model).params
+        model_bytes = params * torch.finfo(dtype).bits / 8 if params else None
+    rule = device_rule(assigned, torch.cuda.device_count(), torch.cuda.get_device_properties(assigned[0]).total_memory,
+                       model_bytes, trainer.strategy, world, key)
+    torch.cuda.set_device(rule.device)  # NCCL's and every default allocation's device: the worker's own
+    if rule.spread:
+        log.warning("%s: worker %d splits its model's layers over its %d GPUs (one busy at a time); "
+                    "%s.trainer.strategy: fsdp with num_gpus: 1 keeps every GPU busy", key, rank, len(rule.spread), key)
+    return Placement(torch.device("cuda", rule.device), dtype, rule, fsdp, rank)
+
+
+def shard_fsdp(model, place: Placement):
+    """`model` sharded with FSDP2 (`fully_shard` on each decoder layer, then the whole) over the process group,
+    gradient checkpointing on, its weights materialized on the worker's device: rank 0's (loaded, the adapter
+    initialized from the training's seed) broadcast to the others, whose model was built on the meta device.
+    Returns the sharded model (the same object)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    full = model.state_dict() if place.rank == 0 else {}
+    # non-persistent buffers (rotary frequencies) are in no state dict: rank 0's values are sent as they are
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if place.rank == 0 else {}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]  # the decoder's is the longest
+    for block in (max(layers, key=len) if layers else []):
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device=place.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    comm = collective_device(dist.get_backend(), place.device)
+    for name, buffer in model.named_buffers():
+        value = buffers[name].to(comm) if place.rank == 0 else torch.empty_like(buffer, device=comm)
+        dist.broadcast(value, src=0)
+        buffer.copy_(value.to(buffer.device))
+    return model
 
 
 def plan_steps(section: _LoraSection, num_examples: int, workers: int) -> tuple[int, int]:
@@ -138,15 +285,23 @@ def train_loop(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     threads = section.threads or max(1, math.ceil(section.trainer.num_cpus))
     torch.set_num_threads(threads)
-    place = worker_placement()
+    place = worker_placement(section.trainer, rank, world, config["key"], config.get("model"))
     torch.manual_seed(section.seed)  # before the model loads: new heads and LoRA's A matrices draw from it
     model, per_example_loss = training.build(place)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:  # trainable weights in fp32 whatever the frozen ones load in (autocast computes in bf16)
-        p.data = p.data.float()
+    for p in model.parameters():  # trainable weights in fp32 whatever the frozen ones load in (autocast: bf16)
+        if p.requires_grad:
+            p.data = p.data.float()
+    if place.fsdp and world > 1:
+        module = model = shard_fsdp(model, place)
+    elif world > 1:  # one GPU: DDP on it; a layer split: DDP of a module over several devices (no device_ids)
+        one = place.device.type == "cuda" and not place.spread
+        module = torch.nn.parallel.DistributedDataParallel(model, device_ids=[place.device] if one else None)
+    else:
+        module = model
+    params = [p for p in model.parameters() if p.requires_grad]  # after sharding: FSDP replaces the parameters
     optimizer = torch.optim.AdamW(params, lr=section.learning_rate)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
-    module = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    comm = collective_device(dist.get_backend(), place.device) if world > 1 else None
 
     steps, batch = plan_steps(section, training.num_examples, world)
     n_groups = len(training.group_names)
@@ -169,14 +324,14 @@ def train_loop(config: dict[str, Any]) -> None:
         with place.autocast:
             per_example = per_example_loss(module, mine.tolist()).float()
         w = weights[mine].to(per_example.device)
-        # this worker's share of the batch's weighted mean; DDP averages gradients over the workers
+        # this worker's share of the batch's weighted mean; DDP and FSDP average gradients over the workers
         loss = (w * per_example).sum() / weights[both].sum().clamp(min=1e-12)
         figures = [float(loss.detach())]
         for g in range(n_groups):
             sel = torch.as_tensor(groups[mine] == g, device=per_example.device)
             figures += [float(per_example.detach()[sel].sum()), float(sel.sum())]
         if world > 1:
-            summed = torch.tensor(figures, dtype=torch.float64)
+            summed = torch.tensor(figures, dtype=torch.float64, device=comm)
             dist.all_reduce(summed)
             figures = summed.tolist()
         if not math.isfinite(figures[0]):
@@ -184,7 +339,7 @@ def train_loop(config: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss * world).backward()
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)  # FSDP2's DTensor gradients: the global norm
         scaler.step(optimizer)
         scaler.update()
         losses.append(figures[0])
@@ -199,14 +354,27 @@ def train_loop(config: dict[str, Any]) -> None:
     stats = {"steps": len(losses), "losses": losses, "group_loss": group_loss, "seconds": seconds,
              "resumed_from_steps": resumes, "examples": training.num_examples, "examples_per_step": batch,
              "examples_seen": len(losses) * batch, "epochs_seen": round(len(losses) * batch / training.num_examples, 4),
-             "workers": world, "threads": threads, "device": place.device.type, "dtype": str(place.dtype).split(".")[-1]}
+             "workers": world, "threads": threads, "device": place.device.type, "dtype": str(place.dtype).split(".")[-1],
+             "strategy": "fsdp" if place.fsdp and world > 1 else "layer split" if place.spread else "ddp"}
+    trainable = _trainable_state(model, optimizer)[0]  # every rank: gathering FSDP shards is a collective
     with tempfile.TemporaryDirectory() as tmp:
         figures = {}
-        if rank == 0:
+        if rank == 0 or place.fsdp:  # an FSDP model's forward (the pruner's validation) needs every rank
             with place.autocast:
-                figures = training.finish(model, str(Path(tmp) / ADAPTER_DIR), stats, place)
-        _report(rank, {"step": len(losses), "final": True, **stats, **figures}, model, optimizer, losses, group_loss,
-                resumes, seconds, tmp)
+                figures = training.finish(model, str(Path(tmp) / ADAPTER_DIR), stats, place, trainable)
+        if rank == 0:  # the figures with lists (losses per step, predictions) ride in the checkpoint, not the metrics
+            (Path(tmp) / RESULT_FILE).write_text(json.dumps({**stats, **figures}))
+        _report(rank, {"step": len(losses), "final": True, "loss": losses[-1] if losses else math.nan}, model,
+                optimizer, losses, group_loss, resumes, seconds, tmp)
+
+
+def _trainable_state(model, optimizer) -> tuple[dict, dict]:
+    """(trainable weights, optimizer state), whole and on the CPU, keyed by parameter name: the same under ddp
+    and fsdp (whose shards are gathered here, so every rank must call it), and loadable by any worker count."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                     ignore_frozen_params=True))
 
 
 def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_loss, resumes, seconds: float,
@@ -216,33 +384,31 @@ def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_
     import ray.train
     import torch
 
+    trainable, optimizer_state = _trainable_state(model, optimizer)  # every rank: a collective under fsdp
     if rank != 0:
         ray.train.report(metrics, checkpoint=None)
         return
     with contextlib.ExitStack() as stack:
         folder = folder or stack.enter_context(tempfile.TemporaryDirectory())
-        trainable = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
         torch.save({"step": metrics["step"], "losses": losses, "group_loss": group_loss, "resumes": resumes,
-                    "seconds": seconds,
-                    "trainable": trainable, "optimizer": optimizer.state_dict()}, Path(folder) / STATE_FILE)
+                    "seconds": seconds, "trainable": trainable, "optimizer": optimizer_state}, Path(folder) / STATE_FILE)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
 def _restore(model, optimizer) -> dict[str, Any] | None:
-    """The last checkpoint's state loaded into `model` and `optimizer` (every worker loads the same one)."""
+    """The last checkpoint's state loaded into `model` and `optimizer` (every worker loads the same one; under fsdp
+    each keeps its shards of it)."""
     import ray.train
     import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as folder:
         state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
-    named = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in state["trainable"].items():
-            named[name].copy_(value.to(named[name].device))
-    optimizer.load_state_dict(state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["trainable"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
     return state
 
 
@@ -319,7 +485,8 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
         verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
         trainer = TorchTrainer(
             train_loop,
-            train_loop_config={"training": training, "section": section, "verbose": verbose},
+            train_loop_config={"training": training, "section": section, "verbose": verbose, "key": key,
+                               "model": getattr(training, "model", None)},
             scaling_config=ray.train.ScalingConfig(
                 num_workers=trainer_config.num_workers, use_gpu=gpus > 0,
                 resources_per_worker={"CPU": trainer_config.num_cpus, **({"GPU": gpus} if gpus else {})}),
@@ -340,4 +507,4 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
             raise
         with result.checkpoint.as_directory() as folder:
             shutil.copytree(Path(folder) / ADAPTER_DIR, out_dir, dirs_exist_ok=True)
-        return {k: v for k, v in result.metrics.items() if k not in ("final", "step")}
+            return json.loads((Path(folder) / RESULT_FILE).read_text())
