@@ -23,7 +23,8 @@ whole check ends inside 10 minutes):
 6. the project's own training path: the LM pruner's Ray Train job (wbrag_ray/training/workers.py) on one GPU
    worker, a 1B-class random Llama as the backbone, bf16 weights and fp32 LoRA, 24 steps of 64 sentences with
    a checkpoint every 8: its seconds per step are the GPU rate `wbrag plan` has not measured yet (ray and
-   wbrag_ray needed, as in 5);
+   wbrag_ray needed, as in 5); then, where 2 GPUs are visible, the multi-GPU placements: 2 workers x 1 GPU under
+   ddp and under fsdp (their loss curves compared), and 1 worker x 2 GPUs (a layer split over its own two);
 7. the engine's feed (vllm and wbrag_ray needed): one vLLM engine on one GPU, a 1B-class random Llama, 8 calls
    of 32 prompts of mixed answer lengths sent one at a time and then 4 at once (`generator.calls_per_engine`),
    rows/s of both, their ratio, and whether the answers are the same;
@@ -733,52 +734,116 @@ def engine_feed(run: Run) -> None:
 # --- 6. the project's training on a Ray Train worker ----------------------------------------------------
 
 
+def _ray_train_modules() -> list[str]:
+    import importlib.util
+
+    return [m for m in ("ray", "wbrag_ray") if importlib.util.find_spec(m) is None]
+
+
+def _pruner_sentences(spec: dict[str, Any], count: int, words: int) -> tuple[list[str], list[float]]:
+    g = torch.Generator().manual_seed(5)
+    texts = [" ".join(f"w{i}" for i in torch.randint(3, spec["vocab_size"], (words,), generator=g).tolist())
+             for _ in range(count)]
+    return texts, torch.rand(len(texts), generator=g).tolist()
+
+
+def _fit_pruner(folder: str, label: str, texts: list[str], scores: list[float], **section: Any) -> dict[str, Any]:
+    """The LM pruner's Ray Train job (wbrag_ray.training.workers.fit) on the random backbone in `folder`, with
+    its checkpoints beside it; the stats worker 0 reported."""
+    from wbrag_ray.config import LMPrunerConfig
+    from wbrag_ray.storage import resolve
+    from wbrag_ray.training.lm_pruner import PrunerTraining
+    from wbrag_ray.training.workers import fit
+
+    config = LMPrunerConfig(backbone=f"{folder}/backbone", epochs=1, max_length=64, **section)
+    training = PrunerTraining(texts, scores, config, texts[:64])
+    return fit(training, config, f"{folder}/{label}-adapter", label, "zerorag.lm_pruner",
+               storage=resolve(f"{folder}/{label}-train"))
+
+
 def ray_train(run: Run) -> None:
     """The project's own training path (wbrag_ray.training.workers): the LM pruner's Ray Train job on one GPU
     worker (bf16 weights, fp32 LoRA, autocast), a 1B-class random Llama as the backbone, with its checkpoints in
     a local folder; its steps per second are the GPU rate `wbrag plan` has no measurement of yet."""
-    import importlib.util
     import tempfile
 
-    missing = [m for m in ("ray", "wbrag_ray") if importlib.util.find_spec(m) is None]
+    missing = _ray_train_modules()
     if missing:
         report("ray train", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
         return
     import ray
 
-    from wbrag_ray.config import LMPrunerConfig, RayConfig
+    from wbrag_ray.config import RayConfig
     from wbrag_ray.ray_runtime import init_ray
-    from wbrag_ray.storage import resolve
-    from wbrag_ray.training.lm_pruner import PrunerTraining
     from wbrag_ray.training.lora import loss_stats
-    from wbrag_ray.training.workers import fit
 
     spec = SMALL_LLAMA if run.quick else LLAMA_1B
-    g = torch.Generator().manual_seed(5)
-    words = 8 if run.quick else 48  # about a Wikipedia sentence
-    texts = [" ".join(f"w{i}" for i in torch.randint(3, spec["vocab_size"], (words,), generator=g).tolist())
-             for _ in range(64 if run.quick else 2048)]
-    scores = torch.rand(len(texts), generator=g).tolist()
+    texts, scores = _pruner_sentences(spec, 64 if run.quick else 2048, 8 if run.quick else 48)  # ~ wiki sentences
     with tempfile.TemporaryDirectory() as folder:
         save_random_llama(run, spec, f"{folder}/backbone")
-        section_ = LMPrunerConfig(backbone=f"{folder}/backbone", epochs=1, batch_size=8 if run.quick else 64,
-                                  max_length=64, max_steps=4 if run.quick else 24,
-                                  trainer={"num_workers": 1, "num_gpus": 1.0 if run.cuda else 0.0,
-                                           "num_cpus": 1.0, "checkpoint_steps": 8})
+        batch = 8 if run.quick else 64
         init_ray(RayConfig(num_cpus=os.cpu_count()))
         try:
-            training = PrunerTraining(texts, scores, section_, texts[:64])
-            raw, seconds = timed(run, lambda: fit(training, section_, f"{folder}/adapter", "lm-pruner",
-                                                  "zerorag.lm_pruner", storage=resolve(f"{folder}/train")))
+            raw, seconds = timed(run, lambda: _fit_pruner(
+                folder, "lm-pruner", texts, scores, batch_size=batch, max_steps=4 if run.quick else 24,
+                trainer={"num_workers": 1, "num_gpus": 1.0 if run.cuda else 0.0, "num_cpus": 1.0,
+                         "checkpoint_steps": 8}))
             stats = loss_stats(raw)
             report("ray train job (worker start, load, steps, checkpoints)", seconds, "s")
             report("ray train worker device / dtype", f"{stats['device']} / {stats['dtype']}")
             report("ray train steps", stats["steps"])
-            report(f"ray train seconds per step (batch of {section_.batch_size} x up to 64 tokens)", stats["seconds_per_step"], "s", 3)
+            report(f"ray train seconds per step (batch of {batch} x up to 64 tokens)", stats["seconds_per_step"], "s", 3)
             report("ray train examples/s", stats["examples_per_s"], "examples/s")
             report("ray train loss first -> last", f"{stats['first_loss']:.4f} -> {stats['last_loss']:.4f}")
         finally:
             ray.shutdown()
+
+
+def ray_train_multi_gpu(run: Run) -> None:
+    """The trainings' multi-GPU placements, where 2 GPUs are visible (on a CPU dry run, the two CPU-worker cases):
+    2 workers x 1 GPU under ddp (each on its own GPU: wbrag_ray.training.workers.device_rule, NCCL collectives on
+    CUDA tensors), the same under fsdp (FSDP2, the frozen base sharded, its loss curve against ddp's), and 1 worker
+    x 2 GPUs (a layer split over exactly its two). Each case: the device, the strategy, seconds and the losses."""
+    import tempfile
+
+    missing = _ray_train_modules()
+    if missing:
+        report("ray train multi-gpu", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
+        return
+    gpus = torch.cuda.device_count() if run.cuda else 0
+    if run.cuda and gpus < 2:
+        report("ray train multi-gpu", f"skipped (needs 2 GPUs, {gpus} visible)")
+        return
+    import ray
+
+    from wbrag_ray.config import RayConfig
+    from wbrag_ray.ray_runtime import init_ray
+
+    spec = SMALL_LLAMA if run.quick else LLAMA_1B
+    texts, scores = _pruner_sentences(spec, 64 if run.quick else 512, 8 if run.quick else 48)
+    each = {"num_gpus": 1.0 if run.cuda else 0.0, "num_cpus": 1.0 if run.cuda else 0.5, "checkpoint_steps": 4}
+    cases = {"2 workers x 1 ddp": {"num_workers": 2, **each}, "2 workers x 1 fsdp": {"num_workers": 2, "strategy": "fsdp",
+                                                                                    **each}}
+    if run.cuda:
+        cases["1 worker x 2 layer split"] = {"num_workers": 1, "num_gpus": 2.0, "num_cpus": 1.0, "checkpoint_steps": 4}
+    losses = {}
+    with tempfile.TemporaryDirectory() as folder:
+        save_random_llama(run, spec, f"{folder}/backbone")
+        init_ray(RayConfig(num_cpus=os.cpu_count()))
+        try:
+            for i, (name, trainer) in enumerate(cases.items()):
+                stats, seconds = timed(run, lambda t=trainer, i=i: _fit_pruner(
+                    folder, f"case{i}", texts, scores, batch_size=8, max_steps=6, lora_dropout=0.0, trainer=t))
+                losses[name] = stats["losses"]
+                report(f"ray train {name}: device / strategy / workers",
+                       f"{stats['device']} / {stats['strategy']} / {stats['workers']}")
+                report(f"ray train {name}: seconds", seconds, "s")
+                report(f"ray train {name}: losses", " ".join(f"{v:.4f}" for v in stats["losses"]))
+        finally:
+            ray.shutdown()
+    ddp, fsdp = losses["2 workers x 1 ddp"], losses["2 workers x 1 fsdp"]
+    gap = max(abs(a - b) / max(abs(a), 1e-9) for a, b in zip(ddp, fsdp, strict=True))
+    report("ray train fsdp vs ddp largest relative loss gap", gap, "", 5)
 
 
 def load_gpu_clone_rule():
@@ -921,6 +986,7 @@ def main(argv: list[str] | None = None) -> int:
     section(run, "lora llama-1b", lora_training)
     section(run, "vllm tensor parallel", tensor_parallel)
     section(run, "ray train lm pruner", ray_train)
+    section(run, "ray train multi-gpu", ray_train_multi_gpu)
     section(run, "vllm engine feed", engine_feed)
     section(run, "faiss gpu clone", faiss_gpu_clone)  # last: PQ96's training is the slowest step
 

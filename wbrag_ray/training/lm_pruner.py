@@ -91,7 +91,8 @@ class PrunerTraining:
                trainable: dict[str, Any]) -> dict[str, Any]:
         saved = {"backbone": self.config.backbone, "source": self.source, "max_length": self.config.max_length,
                  "examples": len(self.texts), **loss_stats(stats), "config": self.config.model_dump(mode="json")}
-        save_adapter(model, out_dir, STATS_FILE, saved, trainable)
+        if place.rank == 0:  # the others (fsdp) only take part in the forward passes below
+            save_adapter(model, out_dir, STATS_FILE, saved, trainable)
         predictor = LMPrunerPredictor.of_model(model, self.tokenizer, self.config.max_length,
                                                self.config.predict_batch_size, place.inputs_device(model))
         return {"validation": predictor.predict(self.val_texts).tolist()}

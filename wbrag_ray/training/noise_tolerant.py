@@ -215,6 +215,8 @@ class TuneTraining:
         per_term = list(zip(*stats["group_loss"], strict=True)) if stats["group_loss"] else [[]] * len(FORMATS)
         figures = {"source": self.source, "truncated_prompts": self.truncated_prompts,
                    "term_losses": {f: _term_summary(list(v)) for f, v in zip(FORMATS, per_term, strict=True)}}
+        if place.rank != 0:  # under fsdp every rank finishes; rank 0 alone holds the gathered weights
+            return figures
         save_adapter(model, out_dir, STATS_FILE, {"generator": self.generator.model,
                                                   "chat_template": self.generator.chat_template,
                                                   **figures, **loss_stats(stats),

@@ -61,7 +61,8 @@ class Training(Protocol):
     def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
                trainable: dict[str, Any]) -> dict[str, Any]:
         """After the last step, on worker 0 (on every worker under fsdp, whose forward needs them all): save the
-        adapter (`trainable`: its whole weights by name, on the CPU) to `out_dir`; return figures for the driver."""
+        adapter on worker 0 (`trainable`: its whole weights by name, on the CPU; empty on the others) to `out_dir`;
+        return figures for the driver."""
 
 
 # What a layer split may fill of each of its GPUs: the rest holds activations, the adapter's optimizer state and
@@ -356,7 +357,7 @@ def train_loop(config: dict[str, Any]) -> None:
              "examples_seen": len(losses) * batch, "epochs_seen": round(len(losses) * batch / training.num_examples, 4),
              "workers": world, "threads": threads, "device": place.device.type, "dtype": str(place.dtype).split(".")[-1],
              "strategy": "fsdp" if place.fsdp and world > 1 else "layer split" if place.spread else "ddp"}
-    trainable = _trainable_state(model, optimizer)[0]  # every rank: gathering FSDP shards is a collective
+    trainable = _trainable_state(model, optimizer)[0]  # every rank: a collective under fsdp (rank 0 gets it all)
     with tempfile.TemporaryDirectory() as tmp:
         figures = {}
         if rank == 0 or place.fsdp:  # an FSDP model's forward (the pruner's validation) needs every rank
@@ -370,7 +371,8 @@ def train_loop(config: dict[str, Any]) -> None:
 
 def _trainable_state(model, optimizer) -> tuple[dict, dict]:
     """(trainable weights, optimizer state), whole and on the CPU, keyed by parameter name: the same under ddp
-    and fsdp (whose shards are gathered here, so every rank must call it), and loadable by any worker count."""
+    and fsdp (whose shards are gathered here, so every rank must call it; under fsdp only rank 0 receives them),
+    and loadable by any worker count."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
