@@ -98,19 +98,108 @@ def test_concurrency_takes_a_positive_number_or_auto():
             _config(f"generator.concurrency={bad}")
 
 
-def test_a_command_decides_auto_once_as_it_joins_the_cluster(ray_cluster, tmp_path):
-    """On the session's real cluster: `api.start` sets each `auto` to the rule's number on the nodes' free
-    resources, in the config every stage of the command then reads."""
+def test_a_command_decides_auto_as_it_joins_the_cluster(ray_cluster, tmp_path):
+    """On the session's real cluster: `api.start` sets each `auto` to the rule's number on the cluster's nodes, in
+    the config every stage of the command then reads (and the next command decides again)."""
     from wbrag_ray import api
-    from wbrag_ray.cluster_nodes import auto_concurrency, free_nodes
+    from wbrag_ray.cluster_nodes import auto_concurrency, auto_nodes, free_nodes
 
     config = _config(f"run={tmp_path / 'run'}", "generator.concurrency=auto", "embedder.concurrency=auto",
                      "embedder.num_cpus=0.5", "zerorag.lm_pruner.concurrency=auto", "zerorag.lm_pruner.num_cpus=0.25")
     wait_idle(ray_cluster)
     free = free_nodes()
     assert len(free) == 1 and free[0]["CPU"] == 2  # the session's one 2-CPU node, idle
-    expected = auto_concurrency(config, free)
+    nodes, source = auto_nodes()
+    assert [n["CPU"] for n in nodes] == [f["CPU"] for f in free] and source == "the nodes up now"  # idle: all free
+    expected = auto_concurrency(config, nodes)
     api.start(tmp_path / "run", config)
     assert (config.embedder.concurrency, config.generator.concurrency, config.zerorag.lm_pruner.concurrency) == (
         expected["embedder"], expected["generator"], expected["zerorag.lm_pruner"]) == (2, 1, 4)
     assert all(isinstance(n, int) and n >= 1 for n in expected.values())
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+PAPER_ZERO_RAG = ROOT / "jobs" / "configs" / "paper_zero_rag.yaml"
+PAPER_WRITEBACK = ROOT / "jobs" / "configs" / "paper_writeback.yaml"
+FOUR_BY_EIGHT = [{"CPU": 96.0, "GPU": 8.0} for _ in range(4)]
+
+
+def test_auto_sizes_every_gpu_stage_of_the_paper_configs_to_the_four_by_eight_cluster():
+    """The rule on the paper configs' own shapes (4 nodes x 8 GPUs): an embed actor, an LM pruner actor and a pruner
+    training worker per GPU; 70B replicas of 4 GPUs on every 4 GPUs the search actors leave; the 70B tuning's workers
+    of 4 GPUs on every 4; the write-back generator on every GPU beside retrieval."""
+    from wbrag_ray.cluster_nodes import auto_concurrency
+    from wbrag_ray.config import load_config
+
+    zero_rag = load_config(PAPER_ZERO_RAG)
+    assert auto_concurrency(zero_rag, FOUR_BY_EIGHT) == {
+        "embedder": 32, "generator": 8, "zerorag.lm_pruner": 32, "zerorag.lm_pruner.trainer": 32,
+        "zerorag.tune.trainer": 8}
+    # the grid's search actors (2) and query embedder (1) hold 3 GPUs: the generator takes the 7 whole groups left,
+    # the stages that run alone keep every GPU
+    held = auto_concurrency(zero_rag, FOUR_BY_EIGHT, search_gpus=3)
+    assert held["generator"] == 7 and held["embedder"] == held["zerorag.lm_pruner"] == 32
+    writeback = load_config(PAPER_WRITEBACK)
+    assert auto_concurrency(writeback, FOUR_BY_EIGHT) == {"embedder": 32, "generator": 32}
+    assert auto_concurrency(writeback, FOUR_BY_EIGHT, search_gpus=2)["generator"] == 30
+    # a training's workers at most its batch: every worker gets an example a step
+    small_batch = load_config(PAPER_ZERO_RAG, ["zerorag.tune.batch_size=4", "zerorag.lm_pruner.batch_size=16"])
+    counts = auto_concurrency(small_batch, FOUR_BY_EIGHT)
+    assert counts["zerorag.tune.trainer"] == 4 and counts["zerorag.lm_pruner.trainer"] == 16
+
+
+def test_a_training_takes_auto_workers_and_a_bad_count_is_named():
+    import pytest
+
+    from wbrag_ray.config import ConfigError
+
+    assert _config("zerorag.tune.trainer.num_workers=auto").zerorag.tune.trainer.num_workers == "auto"
+    with pytest.raises(ConfigError, match="zerorag.tune.trainer.num_workers.*positive integer or 'auto'"):
+        _config("zerorag.tune.trainer.num_workers=0")
+
+
+def test_auto_sizes_an_autoscaling_cluster_from_its_declared_maximum(monkeypatch):
+    """Before any GPU node is up, an autoscaling cluster's auto counts come from the most nodes it may run: the node
+    groups its autoscaler publishes, or (WBRAG_AUTOSCALING=1) the launcher config's node types; the project's own
+    launcher config declares the 4 x 8 GPUs the paper configs name."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from wbrag_ray import cluster_nodes
+    from wbrag_ray.config import load_config
+
+    launcher = ROOT / "cluster" / "cluster.yaml"
+    declared = cluster_nodes.launcher_nodes(yaml.safe_load(launcher.read_text()))
+    assert sum(n.get("GPU", 0) for n in declared) == 32 and max(n.get("GPU", 0) for n in declared) == 8
+    monkeypatch.setattr(cluster_nodes, "_published_groups", lambda: [])
+    monkeypatch.setenv(cluster_nodes.AUTOSCALING_ENV, "1")
+    monkeypatch.setenv(cluster_nodes.LAUNCHER_CONFIG_ENV, str(launcher))
+    nodes, source = cluster_nodes.auto_nodes()
+    assert nodes == declared and "launcher config" in source
+    assert cluster_nodes.auto_concurrency(load_config(PAPER_ZERO_RAG), nodes)["generator"] == 8
+    # node groups the autoscaler published (KubeRay, autoscaler v2): each group's max_count
+    groups = [SimpleNamespace(resources={"CPU": 8.0}, max_count=1),
+              SimpleNamespace(resources={"CPU": 96.0, "GPU": 8.0}, max_count=4)]
+    monkeypatch.setattr(cluster_nodes, "_published_groups", lambda: groups)
+    nodes, source = cluster_nodes.auto_nodes()
+    assert sum(n.get("GPU", 0) for n in nodes) == 32 and source == "the autoscaler's declared maximum"
+
+
+def test_each_command_decides_auto_again_after_the_index_exists(monkeypatch):
+    """`resolve_auto_concurrency` remembers which counts were "auto": the first command (the build, no index yet)
+    gives the generator every GPU; a later one (write-back, evaluation) decides again with the search actors'
+    GPUs held, instead of keeping the first number."""
+    from wbrag_ray import cluster_nodes
+    from wbrag_ray.config import load_config
+
+    monkeypatch.setattr(cluster_nodes, "auto_nodes", lambda: (FOUR_BY_EIGHT, "stated"))
+    config = load_config(PAPER_WRITEBACK)
+    cluster_nodes.resolve_auto_concurrency(config)  # query embedder only: 1 GPU held
+    assert (config.embedder.concurrency, config.generator.concurrency) == (32, 31)
+    assert cluster_nodes.has_auto(config)  # numbers now, decided again by the next command
+    cluster_nodes.resolve_auto_concurrency(config, search_gpus=4)
+    assert (config.embedder.concurrency, config.generator.concurrency) == (32, 27)
+    fixed = load_config(PAPER_WRITEBACK, ["generator.concurrency=4", "embedder.concurrency=8"])
+    cluster_nodes.resolve_auto_concurrency(fixed, search_gpus=4)
+    assert (fixed.embedder.concurrency, fixed.generator.concurrency) == (8, 4)  # a number stays as set

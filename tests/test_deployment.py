@@ -133,3 +133,37 @@ def test_the_image_pins_the_vllm_release_built_for_the_pinned_torch():
                 and (Requirement(r).marker is None or Requirement(r).marker.evaluate())]
     assert str(wanted.specifier).split("+")[0] == str(torch_pin.specifier)
     assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:13\.0\.\d+-", (ROOT / "Dockerfile").read_text())  # torch's CUDA
+
+
+def _largest_gpu_group() -> int:
+    """The most GPUs one bundle of the paper configs needs on one node: a vLLM replica's tensor-parallel group, a
+    one-GPU-per-stage engine, a training worker's GPUs (its model spreads over its own node's GPUs only)."""
+    from wbrag_ray.config import load_config
+
+    need = 0.0
+    for name in ("paper_zero_rag.yaml", "paper_writeback.yaml"):
+        config = load_config(ROOT / "jobs" / "configs" / name)
+        need = max(need, config.generator.parallel_sizes()[0], config.embedder.num_gpus,
+                   config.zerorag.lm_pruner.num_gpus, config.zerorag.lm_pruner.trainer.num_gpus,
+                   config.zerorag.tune.trainer.num_gpus)
+    return int(need)
+
+
+def test_gpu_nodes_hold_the_paper_configs_tensor_parallel_groups_and_their_four_by_eight_cluster():
+    """The launcher's and KubeRay's GPU nodes hold the paper configs' largest one-node group (the 70B generator's
+    tensor-parallel group of 4, the 70B tuning's 4-GPU workers), and at most the 4 x 8 GPUs the configs name: the
+    declared maximum `concurrency: auto` sizes for on an autoscaling cluster."""
+    from wbrag_ray.cluster_nodes import launcher_nodes
+
+    group = _largest_gpu_group()
+    assert group == 4
+    launcher = yaml.safe_load((ROOT / "cluster" / "cluster.yaml").read_text())
+    gpu_types = [t for t in launcher["available_node_types"].values() if t["resources"].get("GPU")]
+    assert gpu_types and all(t["resources"]["GPU"] >= group and t["resources"]["GPU"] % group == 0 for t in gpu_types)
+    assert all(t["resources"]["CPU"] >= 8 * t["resources"]["GPU"] for t in gpu_types)  # CPUs for Ray Data's tasks
+    assert sum(n.get("GPU", 0) for n in launcher_nodes(launcher)) == 32
+    rc = yaml.safe_load((ROOT / "cluster" / "raycluster.yaml").read_text())
+    gpu_groups = [(g, int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)))
+                  for g in rc["spec"]["workerGroupSpecs"]]
+    assert all(gpus >= group and gpus % group == 0 for _, gpus in gpu_groups if gpus)
+    assert sum(g["maxReplicas"] * gpus for g, gpus in gpu_groups) == 32

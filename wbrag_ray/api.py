@@ -55,7 +55,9 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
 
 def join_ray(run: RunFolder, config: WbragConfig) -> None:
     """Join or start Ray (`config.ray`); on a cluster of several machines, refuse a local run folder or model path
-    the other nodes cannot read, before any work; `concurrency: auto` decided on the cluster, once per command."""
+    the other nodes cannot read, before any work; each "auto" count (`concurrency`, a training's `num_workers`)
+    decided on the cluster by every command, after what the commands before it built: the index's search actors,
+    whose GPUs the generator leaves to them (`cluster_nodes.resolve_auto_concurrency`)."""
     from wbrag_ray.cluster_nodes import has_auto, resolve_auto_concurrency
     from wbrag_ray.ray_runtime import check_model_paths, init_ray
 

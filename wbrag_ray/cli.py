@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "config's `run` key)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--address", help="plan for this Ray cluster's nodes (joins it, submits nothing)")
+    p.add_argument("--json", action="store_true", help="print the plan as data: {\"stages\": [{\"name\", \"seconds\", "
+                   "\"rate_source\", \"gpus\", \"gpu_hours\", \"fits\"}], \"total_seconds\", \"gpus_total\", ...}")
     p.add_argument("-v", "--verbose", action="store_true")
 
     p = sub.add_parser("submit", help="submit `wbrag run CONFIG` to a Ray cluster with the Ray Jobs API")
@@ -368,7 +370,12 @@ def cmd_plan(args) -> None:
     else:
         cluster = plan.stated_cluster(*shape, gpu_memory_gb=args.gpu_memory_gb)
     result = plan.make_plan(config, cluster, passages=args.passages, run=args.run, name=args.config_file)
-    print(plan.format_plan(result), flush=True)
+    if args.json:
+        import json
+
+        print(json.dumps(plan.plan_data(result), indent=1), flush=True)
+    else:
+        print(plan.format_plan(result), flush=True)
     if not result.places:
         raise ConfigError(f"{args.config_file} cannot be placed on this cluster: {len(result.problems)} problem(s), "
                           "each with what to change, above")

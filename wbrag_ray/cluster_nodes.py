@@ -5,6 +5,7 @@ wait for a service's actors to be placed, which ends with what is missing instea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -34,19 +35,26 @@ def cluster_nodes() -> tuple[list[dict[str, float]], bool]:
     (False: an autoscaler of the cluster launcher may add more)."""
     import ray
 
+    groups = _published_groups()
+    if groups:
+        nodes = []
+        for group in groups:
+            count = 1024 if group.max_count < 0 else group.max_count
+            nodes.extend(dict(group.resources) for _ in range(count))
+        return nodes, True
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")], False
+
+
+def _published_groups() -> list:
+    """The node groups Ray's autoscaler published (autoscaler v2, KubeRay: each with `resources` and `max_count`,
+    negative where unbounded), or [] where it published none."""
     try:  # Ray's own checks read it so (ray.train v2's worker group, ray.data's hash shuffle)
         from ray._private.state import state
 
         published = state.get_cluster_config()
     except Exception:  # noqa: BLE001 - a private API: where it moved or fails, the alive nodes are what is known
         published = None
-    if published is not None and published.node_group_configs:
-        nodes = []
-        for group in published.node_group_configs:
-            count = 1024 if group.max_count < 0 else group.max_count
-            nodes.extend(dict(group.resources) for _ in range(count))
-        return nodes, True
-    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")], False
+    return list(published.node_group_configs) if published is not None else []
 
 
 def room_for(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
@@ -116,8 +124,15 @@ def free_nodes() -> list[dict[str, float]]:
         return [dict(ray.available_resources())]
 
 
-# the sections whose concurrency may be "auto": the pools of model actors (one pass at a time uses each)
-AUTO_SECTIONS = ("embedder", "generator", "zerorag.lm_pruner")
+# The settings that may be "auto": section -> the count it sizes, of a pool of model actors (`concurrency`) or of a
+# Ray Train worker group (`num_workers`). One pass or training at a time uses each.
+AUTO_SETTINGS = {"embedder": "concurrency", "generator": "concurrency", "zerorag.lm_pruner": "concurrency",
+                 "zerorag.lm_pruner.trainer": "num_workers", "zerorag.tune.trainer": "num_workers"}
+AUTO_SECTIONS = tuple(AUTO_SETTINGS)
+# With WBRAG_AUTOSCALING=1 on a cluster of Ray's cluster launcher, the launcher config whose node types declare the
+# most nodes the cluster may run (`ray up` copies it to the head as this file; `ray job submit` runs drivers there).
+LAUNCHER_CONFIG_ENV = "WBRAG_CLUSTER_CONFIG"
+LAUNCHER_CONFIG = "~/ray_bootstrap_config.yaml"
 
 
 def section(config, key: str):
@@ -127,22 +142,34 @@ def section(config, key: str):
     return config
 
 
+def _auto_now(config) -> list[str]:
+    return [key for key, count in AUTO_SETTINGS.items() if getattr(section(config, key), count) == "auto"]
+
+
+def auto_keys(config) -> list[str]:
+    """The sections of `config` whose count is "auto", or was before a command decided it (remembered by
+    `resolve_auto_concurrency`, so that the next command decides it again)."""
+    was = getattr(config, "_auto_sections", None) or ()
+    return [key for key in AUTO_SETTINGS if key in was or key in _auto_now(config)]
+
+
 def has_auto(config) -> bool:
-    return any(section(config, key).concurrency == "auto" for key in AUTO_SECTIONS)
+    return bool(auto_keys(config))
 
 
 def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float = 0.0) -> dict[str, int]:
-    """The actor count of each section of `config` whose `concurrency` is "auto" ({"generator": 4, ...}), on
-    `nodes` (the resources free on each). An actor with GPUs (an engine replica: its tensor-parallel GPUs on one
-    node, times its pipeline stages): as many as the free GPUs hold, the generator's less `search_gpus` (what the
-    command's retrieval holds beside it, taken from the nodes with the most GPUs first). A CPU actor: as many as
-    the free CPUs hold, one CPU of the largest node left to the reads and writes that feed it. At least one: a
-    pool the cluster cannot hold is refused by the placement checks, with why."""
+    """The count of each section of `config` whose count is "auto" ({"generator": 4, "zerorag.tune.trainer": 8,
+    ...}) on `nodes` (each node's resources: the cluster's, or its declared maximum). The one rule of the plan and
+    of the commands. A stage runs alone, so each pool may take the cluster, except the generator, which shares it
+    with retrieval: `search_gpus` (what the search actors and query embedders hold beside it, taken from the nodes
+    with the most GPUs first). An actor or worker with GPUs (an engine replica: its tensor-parallel GPUs on one node,
+    times its pipeline stages; a training worker: its GPUs on one node): as many as the GPUs hold. On CPUs: as many
+    as the CPUs hold, one CPU of the largest node left to the reads and writes that feed them. A training's workers
+    at most its batch (`plan_steps` gives every worker an example a step). At least one: a pool the cluster cannot
+    hold is refused by the placement checks, with why."""
     out = {}
-    for key in AUTO_SECTIONS:
+    for key in _auto_now(config):
         pool = section(config, key)
-        if pool.concurrency != "auto":
-            continue
         free = [dict(n) for n in nodes]
         if pool.num_gpus > 0:
             stages = getattr(pool, "pipeline_parallel_size", 1)
@@ -158,25 +185,78 @@ def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float =
                 largest = max(free, key=lambda n: n.get("CPU", 0.0))
                 largest["CPU"] = largest.get("CPU", 0.0) - 1.0
             count = room_for({"CPU": pool.num_cpus}, free)
+        if AUTO_SETTINGS[key] == "num_workers":
+            count = min(count, section(config, key.rsplit(".", 1)[0]).batch_size)
         out[key] = max(1, count)
     return out
 
 
+def launcher_nodes(doc: dict) -> list[dict[str, float]]:
+    """The most nodes a cluster launcher config (`ray up`'s YAML) may run: the head, and each worker node type's
+    `resources` times its max_workers, the types with the most GPUs first within the cluster's max_workers."""
+    types = doc.get("available_node_types") or {}
+    head = doc.get("head_node_type")
+    budget = doc.get("max_workers", 1 << 30)
+    nodes = [{r: float(v) for r, v in (types[head].get("resources") or {}).items()}] if head in types else []
+    workers = sorted((t for name, t in types.items() if name != head),
+                     key=lambda t: -float((t.get("resources") or {}).get("GPU", 0)))
+    for t in workers:
+        count = min(int(t.get("max_workers", 0)), budget)
+        budget -= count
+        nodes += [{r: float(v) for r, v in (t.get("resources") or {}).items()} for _ in range(count)]
+    return nodes
+
+
+def auto_nodes() -> tuple[list[dict[str, float]], str]:
+    """The nodes `auto` sizes for, and what they are: an autoscaling cluster's declared maximum (the node groups
+    Ray's autoscaler publishes, where each is bounded; or, with WBRAG_AUTOSCALING=1, the node types of the cluster
+    launcher's config, WBRAG_CLUSTER_CONFIG or the head's ~/ray_bootstrap_config.yaml), else every alive node's
+    resources: the cluster's, not what is free this moment (what this run's finished commands still hold is given
+    back when a stage needs it, `stages.kept.make_room`; another job's hold ends a pool's wait with a message,
+    `wait_placed`)."""
+    import ray
+
+    groups = _published_groups()
+    if groups and all(g.max_count >= 0 for g in groups):
+        return [dict(g.resources) for g in groups for _ in range(g.max_count)], "the autoscaler's declared maximum"
+    if autoscaling():
+        import yaml
+
+        path = os.path.expanduser(os.environ.get(LAUNCHER_CONFIG_ENV, LAUNCHER_CONFIG))
+        try:
+            with open(path) as f:
+                nodes = launcher_nodes(yaml.safe_load(f) or {})
+        except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError) as exc:
+            log.warning("concurrency auto: no declared maximum in %s (%s): the nodes up now", path, exc)
+            nodes = []
+        if nodes:
+            return nodes, f"the launcher config's maximum ({path})"
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")], "the nodes up now"
+
+
 def resolve_auto_concurrency(config, search_gpus: float = 0.0) -> None:
-    """Each `concurrency: auto` of `config` set, in place, to what `auto_concurrency` finds on the joined
-    cluster's free resources now, the generator's GPUs less those retrieval holds beside it: `search_gpus` (the
-    search actors of the run's index, `retrieval.service.search_gpus`) and the query embedders' (a retrieval
-    pass's actors hold the embedder with its GPUs). Said in the log. Called once when a command joins Ray: the
-    stages record the numbers they ran with."""
+    """Each "auto" count of `config` set, in place, to what `auto_concurrency` finds on `auto_nodes`, the generator's
+    GPUs less those retrieval holds beside it: `search_gpus` (the search actors of the run's index,
+    `retrieval.service.search_gpus`) and the query embedders' (a retrieval pass's actors hold the embedder with its
+    GPUs). Said in the log. Called by every command as it joins Ray (`api.join_ray`), and decided again by each: the
+    config remembers which counts were "auto", so a command that runs after the index exists (write-back, evaluation,
+    Zero-RAG after `build_kb` in `wbrag run`) counts its search actors' GPUs. The stages record the numbers they ran
+    with."""
+    keys = auto_keys(config)
+    if not keys:
+        return
+    config._auto_sections = frozenset(keys)
+    for key in keys:
+        setattr(section(config, key), AUTO_SETTINGS[key], "auto")
     r = config.retrieval
     held = (search_gpus + r.concurrency * r.query_embedder(config.embedder).num_gpus) if config.generator.num_gpus else 0
-    nodes = free_nodes()
+    nodes, source = auto_nodes()
     for key, count in auto_concurrency(config, nodes, held).items():
-        section(config, key).concurrency = count
+        setattr(section(config, key), AUTO_SETTINGS[key], count)
         log.info(
-            "%s.concurrency auto: %d (free now: %g CPU, %g GPU on %d node(s)%s)", key, count,
+            "%s.%s auto: %d (%s: %g CPU, %g GPU on %d node(s)%s)", key, AUTO_SETTINGS[key], count, source,
             sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes), len(nodes),
-            f"; {held:g} GPU(s) left to retrieval" if held else "")
+            f"; {held:g} GPU(s) left to retrieval" if held and key == "generator" else "")
 
 
 def _placed(actor) -> bool:
@@ -218,13 +298,96 @@ def wait_placed(actors: list, what: str, need: dict[str, float], fix: str, timeo
                         _amounts(ray.available_resources(), need), timeout_s)
         time.sleep(pause)
         pause = min(pause * 2, 1.0)
-    each = _amounts(need, need)
+    raise ConfigError(_still_waiting(f"{what}: {waiting} of {len(actors)} actors", need,
+                                     f"still wait for resources after {timeout_s:g} s", fix))
+
+
+def _still_waiting(who: str, need: dict[str, float], waited: str, fix: str, why: str = "") -> str:
+    """The message of a wait for resources that ended: `who` (the pool, how many of its actors) of `need` each,
+    `waited` ("still wait for resources after 30 s"), what is free of what `need` asks, and `fix`."""
+    import ray
+
     free, total = ray.available_resources(), ray.cluster_resources()
     held = ", ".join(f"{_amount(r, free.get(r, 0.0))} of {_amount(r, total.get(r, 0.0))}" for r in need if need[r] > 0)
-    raise ConfigError(
-        f"{what}: {waiting} of {len(actors)} actors of {each} each still wait for resources after {timeout_s:g} s. "
-        f"Free now: {held}; the rest is held by other jobs or this run's other actors (`ray status` shows whom). "
-        f"{fix[:1].upper() + fix[1:]}, free the resources, or raise ray.pending_timeout_s where an autoscaler is still adding nodes")
+    return (f"{who} of {_amounts(need, need)} each {waited}{why}. "
+            f"Free now: {held}; the rest is held by other jobs or this run's other actors (`ray status` shows whom). "
+            f"{fix[:1].upper() + fix[1:]}, free the resources, or raise ray.pending_timeout_s where an autoscaler is "
+            "still adding nodes")
+
+
+# Ray Data's own error when a pool's actors have not all started within DataContext.wait_for_min_actors_s
+_POOL_START_TIMEOUT = "Timed out while starting actors"
+
+
+def pool_start_timeout_s() -> float:
+    """How long a Ray Data actor pool may take to start (`ray.pending_timeout_s`): `apply_stage` sets it as the
+    pass's DataContext.wait_for_min_actors_s, Ray Data's own wait for a pool's actors (without it Ray Data waits
+    forever for actors no node has room for). Ray Data waits for the actors to be placed and constructed, and a
+    stage's actor loads its model in its constructor: the time covers the load too."""
+    return PENDING_TIMEOUT_S["seconds"]
+
+
+@contextlib.contextmanager
+def pool_start_wait(what: str, count: int, need: dict[str, float], fix: str):
+    """Run (execute, write) a Ray Data pipeline holding the actor pool `what` (`count` actors asking for `need`
+    each, started by `apply_stage`): where its actors do not start within `pool_start_timeout_s`, Ray Data's bare
+    GetTimeoutError ("Timed out while starting actors", an OSError a CLI would call a storage error) becomes a
+    `ConfigError` naming the pool, what each actor asks, what is free and `fix`, the setting that asks for less."""
+    try:
+        yield
+    except Exception as exc:
+        import ray.exceptions
+
+        if not (isinstance(exc, ray.exceptions.GetTimeoutError) and str(exc).startswith(_POOL_START_TIMEOUT)):
+            raise
+        timeout_s = pool_start_timeout_s()
+        raise ConfigError(_still_waiting(
+            f"{what}: its {count} actor{'s' * (count != 1)}", need, f"did not start within {timeout_s:g} s",
+            fix, " (ray.pending_timeout_s: how long Ray Data waits for a pool's actors to be placed and to load "
+            "their model)")) from None
+
+
+# Ray Train's wait for its worker group's placement group (ray.train v2's WorkerGroup reads it in the controller
+# actor, which gets it from the driver's environment at `fit()`); its default is 60 s, after which the controller
+# starts the group again, forever: a start that timed out is a "controller failure", retried without limit unless
+# the run's FailureConfig says otherwise (TRAIN_START_FAILURE).
+TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# The FailureConfig keywords of a training that ends when its workers cannot start in time (the training's own
+# failures stay `max_failures`'s)
+TRAIN_START_FAILURE = {"controller_failure_limit": 0}
+
+
+@contextlib.contextmanager
+def train_start_wait(what: str, num_workers: int, need: dict[str, float], fix: str, timeout_s: float | None = None):
+    """Run a Ray Train `fit()` whose worker group (`num_workers` workers asking for `need` each) may not be
+    placed: inside, Ray Train waits `timeout_s` (default `ray.pending_timeout_s`) for its workers' placement group
+    (TRAIN_START_TIMEOUT_ENV, set for the fit only); with the trainer's `FailureConfig(**TRAIN_START_FAILURE, ...)`
+    the timeout ends the fit, and its error becomes a `ConfigError` naming `what` (the training), what each worker
+    asks, what is free and `fix` ("lower zerorag.tune.trainer.num_workers"). The capacity check (`check_placement`)
+    refuses a group the cluster can never hold; this ends the wait for one whose resources others hold now."""
+    from wbrag_ray.ray_runtime import environ_while
+
+    timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
+    try:
+        with environ_while({TRAIN_START_TIMEOUT_ENV: f"{timeout_s:g}"}):
+            yield
+    except Exception as exc:
+        if not train_start_timed_out(exc):
+            raise
+        raise ConfigError(_still_waiting(
+            f"{what}: {num_workers} training worker{'s' * (num_workers != 1)}", need,
+            f"still wait for resources after {timeout_s:g} s", fix)) from None
+
+
+def train_start_timed_out(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a Ray Train `fit()`, says its worker group was not placed in time (Ray Train v2's
+    ControllerError around a WorkerGroupStartupTimeoutError)."""
+    failure = getattr(exc, "controller_failure", None)
+    try:
+        from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    except ImportError:  # a private module: where it moved, by name
+        return type(failure).__name__ == "WorkerGroupStartupTimeoutError"
+    return isinstance(failure, WorkerGroupStartupTimeoutError)
 
 
 def _amount(resource: str, amount: float) -> str:

@@ -531,7 +531,8 @@ class TrainerConfig(_Section):
         if self.strategy == "fsdp" and self.num_gpus > 1:
             raise ValueError(f"strategy fsdp runs one worker per GPU (num_gpus: 1) and shards the model over all of "
                              f"them; for {self.num_workers} workers of {self.num_gpus:g} GPUs set num_workers: "
-                             f"{self.num_workers * int(self.num_gpus)} and num_gpus: 1")
+                             f"{'auto' if self.num_workers == 'auto' else self.num_workers * int(self.num_gpus)} and "
+                             "num_gpus: 1")
         return self
 
 

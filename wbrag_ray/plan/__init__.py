@@ -18,7 +18,7 @@ import logging
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.plan.models import MEMORY_RULE
 from wbrag_ray.plan.placement import Cluster, Node, cluster_from_ray, stated_cluster
-from wbrag_ray.plan.planner import Plan, make_plan
+from wbrag_ray.plan.planner import Plan, idle_gpus, make_plan
 from wbrag_ray.plan.rates import RATES
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GPU_MEMORY_GB = 80.0
 
 __all__ = ["Cluster", "Node", "Plan", "cluster_from_ray", "format_plan", "format_summary", "make_plan",
-           "run_summary", "stated_cluster"]
+           "plan_data", "run_summary", "stated_cluster"]
 
 
 def duration(seconds: float | None) -> str:
@@ -54,6 +54,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"      work: {stage.work}")
         if stage.how:
             lines.append(f"      time: {stage.how}")
+        if plan.cluster.gpus:
+            lines.append(f"      {_gpus(stage, plan.cluster.gpus)}")
         lines += [f"      - {note}" for note in stage.notes]
     lines += ["", _totals(plan)]
     lines += [f"warning: {w}" for w in plan.warnings]
@@ -70,12 +72,34 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _gpus(stage, total: float) -> str:
+    """"GPUs: 28 of 32", with its GPU-hours where the stage has a time, and where a GPU stage leaves more than a
+    quarter idle, what would use them or why nothing would."""
+    hours, idle = stage.gpu_hours, idle_gpus(stage, total)
+    return (f"GPUs: {stage.gpus:g} of {total:g}" + (f", {hours:,.1f} GPU-hours" if hours else "")
+            + (f" ({total - stage.gpus:g} idle: {stage.more_gpus})" if idle else ""))
+
+
+def plan_data(plan: Plan) -> dict:
+    """The plan as data (`wbrag plan --json`): each stage's seconds (None: no estimate), the source of its rate
+    ("benchmark", "estimate", None), its GPUs of the cluster's, GPU-hours and whether it fits; the timed stages'
+    total, the cluster's GPUs, and the plan's warnings and problems."""
+    timed = [s.seconds for s in plan.stages if s.seconds is not None]
+    return {"stages": [{"name": s.name, "seconds": s.seconds, "rate_source": s.rate_source, "gpus": s.gpus,
+                        "gpu_hours": s.gpu_hours, "fits": s.fits} for s in plan.stages],
+            "total_seconds": sum(timed) if timed else None, "gpus_total": plan.cluster.gpus,
+            "gpu_hours_total": sum(s.gpu_hours or 0.0 for s in plan.stages), "places": plan.places,
+            "warnings": plan.warnings, "problems": plan.problems}
+
+
 def _totals(plan: Plan) -> str:
     timed = [s for s in plan.stages if s.seconds is not None]
     untimed = [s.name for s in plan.stages if s.seconds is None]
     left_out = [f"{s.left_out} ({s.name})" for s in timed if s.left_out]
     text = f"estimated time of {len(timed)} stage(s) with measured rates: {duration(sum(s.seconds for s in timed))}"
     text += f" + {', '.join(left_out)}" if left_out else ""
+    hours = sum(s.gpu_hours or 0.0 for s in timed)
+    text += f" ({hours:,.1f} GPU-hours)" if hours else ""
     return text + (f"; no estimate for {len(untimed)}: {', '.join(untimed)}" if untimed else "")
 
 

@@ -61,10 +61,30 @@ def make_plan(config: WbragConfig, cluster: Cluster, passages: int | None = None
     where: dict[str, list[str]] = {}  # one problem of the stages that share it (one generator in several stages)
     for stage in stages:
         found += stage.refusals  # refused as configured (a replica no node holds): not packed as well
-        for problem in [] if stage.refusals else problems(stage.bundles, cluster):
+        placed = [] if stage.refusals else problems(stage.bundles, cluster)
+        stage.fits = not stage.refusals and not placed
+        for problem in placed:
             where.setdefault(problem, []).append(stage.name)
     found += [f"{', '.join(names)}: {problem}" for problem, names in where.items()]
-    return Plan(name, cluster, corpus, stages, list(dict.fromkeys(found)), list(dict.fromkeys(builder.warnings)))
+    warnings = builder.warnings + [f"{s.name}: {idle}" for s in stages if (idle := idle_gpus(s, cluster.gpus))]
+    return Plan(name, cluster, corpus, stages, list(dict.fromkeys(found)), list(dict.fromkeys(warnings)))
+
+
+IDLE_SHARE = 0.25  # a GPU stage that leaves more than this share of the cluster's GPUs idle is warned of
+
+
+def idle_gpus(stage: Stage, total: float) -> str:
+    """Where a GPU stage leaves more than a quarter of the cluster's `total` GPUs idle, a warning with the setting
+    that would use them or why none would; "" otherwise."""
+    used = stage.gpus
+    if not used or used >= (1 - IDLE_SHARE) * total - 1e-9:
+        return ""
+    return f"{used:g} of the cluster's {total:g} GPUs, {total - used:g} idle; {stage.more_gpus}"
+
+
+KMEANS_GPU = "k-means trains as one task on one GPU (faiss); the add and merge tasks run on CPUs: nothing spreads it"
+RETRIEVAL_GPUS = ("a retrieval pass holds its search actors (index shard groups x retrieval.concurrency) and query "
+                  "embedders (retrieval.concurrency): raise retrieval.concurrency to search on more GPUs at once")
 
 
 class _Builder:
@@ -81,23 +101,41 @@ class _Builder:
             self.warnings.append(f"embedder {config.embedder.model}: vector dimension unknown, {DIM_ASSUMED} assumed")
         self.units = corpus.units(config.index.unit)
         self.sizing = self._size(self.units, "index") if self.units else None
+        self.nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
+        self.held = sum(b.count * b.gpus for b in self._retrieval())  # search actors and query embedders
+        self.auto: set[str] = set()
         self._decide_auto_concurrency()
 
     def _decide_auto_concurrency(self) -> None:
-        """`concurrency: auto` as a command would decide it on this cluster, empty (`cluster_nodes`'s rule: the
-        generator's GPUs less retrieval's, its search actors and query embedders)."""
-        from wbrag_ray.cluster_nodes import auto_concurrency, has_auto, section
+        """Each "auto" count (`concurrency`, a training's `num_workers`) as a command would decide it on this
+        cluster, empty (`cluster_nodes.auto_concurrency`, the commands' own rule: the generator's GPUs less
+        retrieval's, its search actors and query embedders, counted from the index this plan sizes)."""
+        from wbrag_ray.cluster_nodes import AUTO_SETTINGS, auto_concurrency, section
 
-        c = self.c
-        if not has_auto(c):
-            return
-        nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in self.cluster.nodes]
-        held = sum(b.count * b.gpus for b in self._retrieval())  # search actors and query embedders
-        counts = auto_concurrency(c, nodes, held)
-        self.c = c.model_copy(deep=True)  # the caller's config keeps its "auto"
+        counts = auto_concurrency(self.c, self.nodes, self.held)
+        self.c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
         for key, n in counts.items():
-            section(self.c, key).concurrency = n
-        self.warnings += [f"{k}.concurrency auto: {n} on this cluster" for k, n in counts.items()]
+            setattr(section(self.c, key), AUTO_SETTINGS[key], n)
+        self.auto = set(counts)
+        self.warnings += [f"{k}.{AUTO_SETTINGS[k]} auto: {n} on this cluster" for k, n in counts.items()]
+
+    def _more(self, key: str) -> str:
+        """What would use more GPUs in a stage sized by `key`'s count: "auto" where it is a number, else why auto
+        stops where it does (the rule's count on this cluster)."""
+        from wbrag_ray.cluster_nodes import AUTO_SETTINGS, auto_concurrency, section
+
+        setting = f"{key}.{AUTO_SETTINGS[key]}"
+        config = self.c.model_copy(deep=True)
+        setattr(section(config, key), AUTO_SETTINGS[key], "auto")
+        n = auto_concurrency(config, self.nodes, self.held)[key]
+        parent = key.rsplit(".", 1)[0]
+        if AUTO_SETTINGS[key] == "num_workers" and n == section(config, parent).batch_size:
+            why = f"a step's batch of {n} examples feeds at most {n} workers: raise {parent}.batch_size"
+            return why if key in self.auto else f"set {setting}: auto ({n} here); {why}"
+        if key not in self.auto:
+            return f"set {setting}: auto ({n} on this cluster)"
+        return (f"{setting} auto: {n}, what the cluster holds" + (" beside retrieval's GPUs (search actors, query "
+                "embedders)" if key == "generator" and self.held else ""))
 
     def _size(self, n: int, what: str) -> IndexSizing | None:
         c = self.c
@@ -142,10 +180,12 @@ class _Builder:
         e, unit, n = self.c.embedder, self.c.index.unit, self.units
         bundle = embedder_bundle(e, "embed actor", e.concurrency, e.num_cpus, "embedder.concurrency")
         work = f"{n:,} {unit}s" if n else "corpus size unknown"
+        more = self._more("embedder")
         if not n:
-            return Stage("embed", [bundle], work)
+            return Stage("embed", [bundle], work, more_gpus=more)
         if e.num_gpus > 0:
-            return Stage("embed", [bundle], work, how=f"no measured rate: {n:,} {unit}s embedded on GPUs")
+            return Stage("embed", [bundle], work, how=f"no measured rate: {n:,} {unit}s embedded on GPUs",
+                         more_gpus=more)
         per_actor, how = scaled_rate("embed", model_size(e.model), threads_of(e.num_cpus, e.threads))
         if per_actor is None:
             return Stage("embed", [bundle], work, how=how)
@@ -153,7 +193,7 @@ class _Builder:
             per_actor /= RATES["sentences_per_passage"].value
             how += f" / {RATES['sentences_per_passage'].value} sentences a passage"
         return Stage("embed", [bundle], work, n / (per_actor * e.concurrency),
-                     f"{n:,} / ({how} x {e.concurrency} actors)",
+                     f"{n:,} / ({how} x {e.concurrency} actors)", more_gpus=more,
                      rates=("embed",) + (("sentences_per_passage",) if unit == "passage" else ()))
 
     def index(self) -> Stage:
@@ -162,7 +202,7 @@ class _Builder:
             return Stage("index", [], "corpus size unknown" if not n else "refused by the sizing rules")
         seconds, how, keys, left_out = index_time(s, n, self.dim, self.cluster.cpus)
         return Stage("index", list(s.bundles), f"{n:,} vectors of {self.dim} dimensions", seconds, how, rates=keys,
-                     left_out=left_out,
+                     left_out=left_out, more_gpus=KMEANS_GPU,
                      notes=[s.describe(), f"retrieval service: {s.groups} search actor group(s) of up to "
                             f"{s.group_gb:,.3g} GB (retrieval.actor_memory_gb={self.c.retrieval.actor_memory_gb})"])
 
@@ -192,7 +232,7 @@ class _Builder:
         `g`, beside the retrieval service when it searches."""
         bundles, notes, refusals = generator_bundles(g, key, self.cluster)
         stage = Stage(name, bundles + (self._retrieval() if retrieval else []), work, 0.0, notes=notes,
-                      refusals=refusals)
+                      refusals=refusals, more_gpus=self._more(key))
         if questions is None:
             stage.seconds, stage.how = None, "questions not counted: no time"
             return stage
@@ -287,14 +327,15 @@ class _Builder:
         trainer = section.trainer
         bundles, warn = training_bundles(model, trainer, f"{key}.trainer", self.cluster.gpu_memory_gb)
         self.warnings += [warn] if warn else []
+        more = self._more(f"{key}.trainer")
         try:
             steps, batch = plan_steps(section, examples, trainer.num_workers)
         except (ConfigError, ValueError) as exc:
-            return Stage(name, bundles, f"{examples:,} examples", refusals=[f"{name}: {exc}"])
+            return Stage(name, bundles, f"{examples:,} examples", refusals=[f"{name}: {exc}"], more_gpus=more)
         seconds, how, keys = training_time(model, trainer, steps, batch, section.max_length)
         capped = f", capped by {key}.max_steps" if section.max_steps and steps == section.max_steps else ""
         return Stage(name, bundles, f"{examples:,} examples: {steps:,} steps of {batch}{capped}, "
-                     f"{trainer.num_workers} worker(s)", seconds, how, rates=keys)
+                     f"{trainer.num_workers} worker(s)", seconds, how, rates=keys, more_gpus=more)
 
     def prediction(self) -> Stage:
         z, n = self.c.zerorag, self.corpus.sentences
@@ -312,13 +353,14 @@ class _Builder:
         memory = serving_gb(size, "auto", on_gpu)
         bundle = Bundle("LM pruner actor", lm.concurrency, lm.num_cpus, lm.num_gpus, None if on_gpu else memory,
                         memory if on_gpu else None, detail=size.describe(), fix="lower zerorag.lm_pruner.concurrency")
+        more = self._more("zerorag.lm_pruner")
         if on_gpu or not n:
             return Stage("prediction (LM pruner)", [bundle], work, how=f"no measured rate: {n or 0:,} sentences "
-                         "predicted on GPUs" if on_gpu else "corpus size unknown")
+                         "predicted on GPUs" if on_gpu else "corpus size unknown", more_gpus=more)
         per_actor, how = scaled_rate("predict_lm", size, threads_of(lm.num_cpus, lm.threads))
         seconds = n / (per_actor * lm.concurrency) if per_actor else None
         return Stage("prediction (LM pruner)", [bundle], work, seconds, f"{n:,} / ({how} x {lm.concurrency} actors)",
-                     rates=("predict_lm",))
+                     rates=("predict_lm",), more_gpus=more)
 
     def pruning(self, ratio: float) -> Stage:
         n = self.corpus.sentences
@@ -331,7 +373,8 @@ class _Builder:
         at_once = self._parallel(max(1, math.ceil(n / self.c.zerorag.checkpoint_rows)))
         return Stage(name, list(sizing.bundles) if sizing else [], f"{n:,} sentences -> {kept:,} kept",
                      n / (rate.value * at_once), f"{n:,} / ({rate.value:,g} per CPU-second [prune] x {at_once:g} CPUs)",
-                     notes=[f"pruned index: {sizing.describe()}"] if sizing else [], rates=("prune",))
+                     notes=[f"pruned index: {sizing.describe()}"] if sizing else [], rates=("prune",),
+                     more_gpus=KMEANS_GPU)
 
     def tuning(self, q: int | None, counted: str) -> list[Stage]:
         t, g = self.c.zerorag.tune, self.c.generator
@@ -339,7 +382,7 @@ class _Builder:
                          f"{max(t.retrieve_k, self.c.retrieval.top_k)} each",
                          search_time(q, self.sizing, self.c.retrieval) if self.sizing else None,
                          "CPU search rate [search] x the search actors' CPUs" if q else "questions not counted",
-                         rates=("search",) if q else ())
+                         rates=("search",) if q else (), more_gpus=RETRIEVAL_GPUS)
         if q:  # relevant, distracting and no documents: at most three rows a question
             return [retrieve, self._training("tuning: LoRA training", g.model, t, 3 * q, "zerorag.tune")]
         if t.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
@@ -349,4 +392,5 @@ class _Builder:
         bundles, warn = training_bundles(g.model, t.trainer, "zerorag.tune.trainer", self.cluster.gpu_memory_gb)
         self.warnings += [warn] if warn else []
         return [retrieve, Stage("tuning: LoRA training", bundles, f"questions not counted: {t.epochs:g} epoch(s) "
-                                f"over up to 3 rows a question, {t.batch_size} a step", how="no time")]
+                                f"over up to 3 rows a question, {t.batch_size} a step", how="no time",
+                                more_gpus=self._more("zerorag.tune.trainer"))]

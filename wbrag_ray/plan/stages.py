@@ -35,6 +35,33 @@ class Stage:
     refusals: list[str] = field(default_factory=list)  # config-level: placement is checked by the plan
     rates: tuple[str, ...] = ()
     left_out: str = ""  # a part of the stage `seconds` does not count (no measured rate for it)
+    # what would use more of the cluster's GPUs (the setting), or why nothing would: said where GPUs stay idle
+    more_gpus: str = ""
+    fits: bool = True  # set by the plan: its bundles place on the cluster and no rule refused it
+
+    @property
+    def gpus(self) -> float:
+        """GPUs the stage holds at once: its actors' and training workers' together (they live side by side), and
+        one task's (tasks queue: the index's k-means is one task on one GPU)."""
+        resident = sum(b.gpus * b.count for b in self.bundles if b.kind != "task")
+        return float(resident + max((b.gpus for b in self.bundles if b.kind == "task"), default=0.0))
+
+    @property
+    def gpu_hours(self) -> float | None:
+        """GPU-hours of the stage: its actors' and workers' GPUs for its time; None where it has no time, or where its
+        GPUs are a task's that its time leaves out (k-means on a GPU: no measured rate)."""
+        resident = sum(b.gpus * b.count for b in self.bundles if b.kind != "task")
+        if self.seconds is None or (self.gpus and not resident):
+            return None
+        return resident * self.seconds / 3600
+
+    @property
+    def rate_source(self) -> str | None:
+        """Where the stage's time comes from: "benchmark" (rates the project's benchmarks measured, scaled to the
+        model and threads), "estimate" (a time without a measured rate), None where it has no time."""
+        if self.seconds is None:
+            return None
+        return "benchmark" if self.rates else "estimate"
 
 
 def threads_of(num_cpus: float, threads: int | None) -> int:
