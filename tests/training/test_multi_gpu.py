@@ -105,3 +105,13 @@ def test_fsdp_on_two_cpu_workers_trains_as_ddp_does(tmp_path, ray_cluster, tiny)
     for name in ddp_weights:  # the adapter trained: lora_B starts at zero
         np.testing.assert_allclose(fsdp_weights[name], ddp_weights[name], rtol=1e-3, atol=1e-6, err_msg=name)
     assert any(np.abs(w).max() > 0 for k, w in fsdp_weights.items() if "lora_B" in k)
+
+
+def test_each_worker_holds_a_contiguous_shard_and_draws_its_part_of_every_batch():
+    from wbrag_ray.training.workers import local_batch, shard_bounds
+
+    assert shard_bounds(10, 3) == [3, 6] and shard_bounds(16, 1) == []
+    sizes = np.diff([0, *shard_bounds(100_003, 8), 100_003])
+    assert sizes.sum() == 100_003 and sizes.max() - sizes.min() <= 1  # every example in one shard, none dropped
+    assert [local_batch(64, 8, r) for r in range(8)] == [8] * 8
+    assert [local_batch(10, 4, r) for r in range(4)] == [3, 3, 2, 2]

@@ -8,6 +8,7 @@ sentence does not depend on its batch. Predictions are sigmoid(logit): always in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,14 @@ class PrunerTraining:
     @property
     def model(self) -> str:
         return self.config.backbone
+
+    def rows(self):
+        import pandas as pd
+
+        return pd.DataFrame({"text": self.texts, "score": self.scores})
+
+    def with_rows(self, rows) -> PrunerTraining:
+        return dataclasses.replace(self, texts=rows["text"].tolist(), scores=rows["score"].tolist())
 
     def build(self, place: Placement):
         import torch

@@ -8,6 +8,7 @@ them; the adapter is saved where `GeneratorConfig.lora_adapter` can point.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -151,6 +152,13 @@ class TuneTraining:
     @property
     def model(self) -> str:
         return self.generator.model
+
+    def rows(self) -> pd.DataFrame:
+        return pd.DataFrame({"messages": self.messages, "target": self.targets, "format": self.formats})
+
+    def with_rows(self, rows: pd.DataFrame) -> TuneTraining:
+        return dataclasses.replace(self, messages=rows["messages"].tolist(), targets=rows["target"].tolist(),
+                                   formats=rows["format"].tolist())
 
     @property
     def weights(self) -> np.ndarray:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import pandas as pd
 
 from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
 from wbrag_ray.storage import Location
@@ -43,7 +44,8 @@ RESULT_FILE = "result.json"  # in the last checkpoint: worker 0's stats and figu
 
 
 class Training(Protocol):
-    """What one training needs from its module; pickled to the workers (it holds the examples)."""
+    """What one training needs from its module. Its settings are pickled to the workers; its examples reach them as
+    Ray Data shards (`rows` on the driver, `with_rows` on a worker: each holds only its own)."""
 
     num_examples: int
     weights: np.ndarray | None  # each example's weight in a batch's mean (None: equal)
@@ -53,6 +55,12 @@ class Training(Protocol):
     @property
     def model(self) -> str:
         """The frozen model's spec (path, hub id, bundled:*), for its size before it loads."""
+
+    def rows(self) -> pd.DataFrame:
+        """The examples, one row each, in their order (on the driver)."""
+
+    def with_rows(self, rows: pd.DataFrame) -> Training:
+        """A copy holding `rows` only: a worker's shard (positions in it are what `per_example_loss` takes)."""
 
     def build(self, place: Placement) -> tuple[Any, Any]:
         """(LoRA-wrapped model loaded through `place.load` and placed by `place.place`,
@@ -256,17 +264,57 @@ def plan_steps(section: _LoraSection, num_examples: int, workers: int) -> tuple[
     return (min(steps, section.max_steps) if section.max_steps else steps), batch
 
 
-def batch_indices(step: int, batch: int, num_examples: int, seed: int) -> np.ndarray:
+def batch_indices(step: int, batch: int, num_examples: int, seed: int, stream: int | None = None) -> np.ndarray:
     """The examples of global step `step`: positions [step*batch, (step+1)*batch) of the concatenated seeded
     permutations (one per epoch), so any step's batch is known without replaying the run: a resumed worker
-    takes the same batches an uninterrupted run would."""
+    takes the same batches an uninterrupted run would. `stream`: a worker's rank, drawing from its own shard
+    with its own permutations (None: one worker over every example)."""
     start = step * batch
     out = []
+    key = [seed] if stream is None else [seed, 1 << 20, stream]  # no stream's key is the single worker's
     while len(out) < batch:
         epoch, offset = divmod(start + len(out), num_examples)
-        order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+        order = np.random.default_rng([*key, epoch]).permutation(num_examples)
         out.extend(order[offset : offset + batch - len(out)].tolist())
     return np.asarray(out, dtype=np.int64)
+
+
+# The examples travel as Ray Data: worker r reads dataset SHARD.format(r), a contiguous slice of the rows split on
+# the driver (sizes differ by at most one), the same on every run of the same worker count, so a resumed worker
+# holds the rows it held (Ray Data's streaming split deals blocks as they come, and its equal split drops rows).
+SHARD = "examples-{}"
+ROW, WEIGHT, GROUP = "_row", "_weight", "_group"  # columns fit adds: position, weight in a batch's mean, group
+
+
+def shard_bounds(num_examples: int, world: int) -> list[int]:
+    """The row positions where workers 1..world-1's shards start."""
+    return [r * num_examples // world for r in range(1, world)]
+
+
+def local_batch(batch: int, world: int, rank: int) -> int:
+    """How many of a step's `batch` examples worker `rank` draws from its shard (the first ranks one more)."""
+    return batch // world + (rank < batch % world)
+
+
+def example_shards(training: Training, world: int) -> dict[str, Any]:
+    """The training's examples as one Ray dataset a worker (`SHARD`), with the columns the step loop reads."""
+    import ray
+
+    frame = training.rows().reset_index(drop=True)
+    n = len(frame)
+    frame[ROW] = np.arange(n, dtype=np.int64)
+    frame[WEIGHT] = np.asarray(training.weights if training.weights is not None else np.ones(n), dtype=np.float32)
+    frame[GROUP] = np.asarray(training.groups if training.groups is not None else np.zeros(n), dtype=np.int64)
+    shards = ray.data.from_pandas(frame).split_at_indices(shard_bounds(n, world))
+    return {SHARD.format(r): shard for r, shard in enumerate(shards)}
+
+
+def _own_shard(rank: int) -> pd.DataFrame:
+    """This worker's examples, in their order."""
+    import ray.train
+
+    parts = list(ray.train.get_dataset_shard(SHARD.format(rank)).iter_batches(batch_format="pandas", batch_size=None))
+    return pd.concat(parts, ignore_index=True).sort_values(ROW, ignore_index=True)
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -286,6 +334,8 @@ def train_loop(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     threads = section.threads or max(1, math.ceil(section.trainer.num_cpus))
     torch.set_num_threads(threads)
+    shard = _own_shard(rank)
+    training = training.with_rows(shard)
     place = worker_placement(section.trainer, rank, world, config["key"], config.get("model"))
     torch.manual_seed(section.seed)  # before the model loads: new heads and LoRA's A matrices draw from it
     model, per_example_loss = training.build(place)
@@ -304,7 +354,8 @@ def train_loop(config: dict[str, Any]) -> None:
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     comm = collective_device(dist.get_backend(), place.device) if world > 1 else None
 
-    steps, batch = plan_steps(section, training.num_examples, world)
+    num_examples = config["num_examples"]
+    steps, batch = plan_steps(section, num_examples, world)
     n_groups = len(training.group_names)
     state = _restore(model, optimizer)
     start_step = state["step"] if state else 0
@@ -312,22 +363,21 @@ def train_loop(config: dict[str, Any]) -> None:
     group_loss: list[list[float]] = state["group_loss"] if state else []
     seconds = state["seconds"] if state else 0.0
     resumes: list[int] = [*state["resumes"], start_step] if state else []  # every step this training resumed from
-    weights = torch.as_tensor(training.weights if training.weights is not None
-                              else np.ones(training.num_examples), dtype=torch.float32)
-    groups = training.groups
+    weights = torch.as_tensor(shard[WEIGHT].to_numpy(), dtype=torch.float32)
+    groups = shard[GROUP].to_numpy()
+    own = local_batch(batch, world, rank)
     model.train()
     t0 = time.perf_counter()
     for step in range(start_step, steps):
         # LoRA dropout's masks from a seed of (seed, step, rank): a resumed worker draws what it would have drawn
         torch.manual_seed(int(np.random.SeedSequence([section.seed, step, rank]).generate_state(1)[0]))
-        both = batch_indices(step, batch, training.num_examples, section.seed)
-        mine = both[rank::world]
+        mine = batch_indices(step, own, len(shard), section.seed, stream=rank if world > 1 else None)
         with place.autocast:
             per_example = per_example_loss(module, mine.tolist()).float()
         w = weights[mine].to(per_example.device)
-        # this worker's share of the batch's weighted mean; DDP and FSDP average gradients over the workers
-        loss = (w * per_example).sum() / weights[both].sum().clamp(min=1e-12)
-        figures = [float(loss.detach())]
+        weighted = (w * per_example).sum()
+        # [weight, weighted loss, (loss sum, rows) per group], summed over the workers in one collective
+        figures = [float(w.sum()), float(weighted.detach())]
         for g in range(n_groups):
             sel = torch.as_tensor(groups[mine] == g, device=per_example.device)
             figures += [float(per_example.detach()[sel].sum()), float(sel.sum())]
@@ -335,6 +385,10 @@ def train_loop(config: dict[str, Any]) -> None:
             summed = torch.tensor(figures, dtype=torch.float64, device=comm)
             dist.all_reduce(summed)
             figures = summed.tolist()
+        total = max(figures.pop(0), 1e-12)
+        figures[0] /= total  # the batch's weighted mean loss
+        # this worker's share of that mean; DDP and FSDP average gradients over the workers (hence x world below)
+        loss = weighted / total
         if not math.isfinite(figures[0]):
             raise FloatingPointError(f"training loss is {figures[0]} at step {step}; lower learning_rate")
         optimizer.zero_grad(set_to_none=True)
@@ -353,8 +407,8 @@ def train_loop(config: dict[str, Any]) -> None:
     seconds += time.perf_counter() - t0
     model.eval()
     stats = {"steps": len(losses), "losses": losses, "group_loss": group_loss, "seconds": seconds,
-             "resumed_from_steps": resumes, "examples": training.num_examples, "examples_per_step": batch,
-             "examples_seen": len(losses) * batch, "epochs_seen": round(len(losses) * batch / training.num_examples, 4),
+             "resumed_from_steps": resumes, "examples": num_examples, "examples_per_step": batch,
+             "examples_seen": len(losses) * batch, "epochs_seen": round(len(losses) * batch / num_examples, 4),
              "workers": world, "threads": threads, "device": place.device.type, "dtype": str(place.dtype).split(".")[-1],
              "strategy": "fsdp" if place.fsdp and world > 1 else "layer split" if place.spread else "ddp"}
     trainable = _trainable_state(model, optimizer)[0]  # every rank: a collective under fsdp (rank 0 gets it all)
@@ -487,8 +541,12 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
         verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
         trainer = TorchTrainer(
             train_loop,
-            train_loop_config={"training": training, "section": section, "verbose": verbose, "key": key,
-                               "model": getattr(training, "model", None)},
+            # the settings; the examples go as Ray Data shards, one a worker
+            train_loop_config={"training": training.with_rows(training.rows().iloc[:0]), "section": section,
+                               "verbose": verbose, "key": key, "model": getattr(training, "model", None),
+                               "num_examples": training.num_examples},
+            datasets=example_shards(training, trainer_config.num_workers),
+            dataset_config=ray.train.DataConfig(datasets_to_split=[]),
             scaling_config=ray.train.ScalingConfig(
                 num_workers=trainer_config.num_workers, use_gpu=gpus > 0,
                 resources_per_worker={"CPU": trainer_config.num_cpus, **({"GPU": gpus} if gpus else {})}),
