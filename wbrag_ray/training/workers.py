@@ -5,12 +5,16 @@ lost driver (the same command again: Ray Train finds the checkpoints under the s
 driver only starts the job and reads its result; it never loads the model.
 
 What is trained is a `Training` (its module builds the model and the per-example loss on the worker); the step
-loop here is the same for both. A step's batch is `batch_size` examples drawn from a seeded permutation per
-epoch, split across the workers; each worker's loss is its share of the batch's weighted mean, so the averaged
-gradients are those of the whole batch on one worker: more workers run the same optimization faster. (Not
-bit for bit: a worker pads its share of the batch alone and draws its own dropout masks, and Adam amplifies
-small differences in weights whose gradients are near zero. A resumed training on the same number of workers
-is: its batches and dropout masks are functions of the step, and the checkpoint holds the optimizer state.)
+loop here is the same for both. Its examples reach the workers as Ray Data shards, one contiguous slice a worker;
+a step's batch is `batch_size` examples, each worker drawing its part from its own shard through a seeded
+permutation per epoch; each worker's loss is its share of the batch's weighted mean, so the averaged gradients are
+those of the whole batch on one worker: more workers run the same optimization faster. (Not bit for bit: which
+examples share a batch depends on the worker count, a worker pads its share alone, and Adam amplifies small
+differences in weights whose gradients are near zero. A resumed training on the same number of workers is: its
+batches and dropout masks are functions of the step, and the checkpoint holds the optimizer state.)
+
+Where the model goes: each worker uses exactly the GPUs Ray assigned to it (`device_rule`); `trainer.strategy`
+fsdp shards a model no GPU holds over all the workers (FSDP2), ddp gives each worker all of it.
 """
 
 from __future__ import annotations
