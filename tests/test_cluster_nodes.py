@@ -126,15 +126,15 @@ FOUR_BY_EIGHT = [{"CPU": 96.0, "GPU": 8.0} for _ in range(4)]
 
 def test_auto_sizes_every_gpu_stage_of_the_paper_configs_to_the_four_by_eight_cluster():
     """The rule on the paper configs' own shapes (4 nodes x 8 GPUs): an embed actor, an LM pruner actor and a pruner
-    training worker per GPU; 70B replicas of 4 GPUs on every 4 GPUs the search actors leave; the 70B tuning's workers
-    of 4 GPUs on every 4; the write-back generator on every GPU beside retrieval."""
+    training worker per GPU; 70B replicas of 4 GPUs on every 4 GPUs the search actors leave; the 70B tuning's FSDP
+    workers on every GPU (its batch of 32 feeds 32); the write-back generator on every GPU beside retrieval."""
     from wbrag_ray.cluster_nodes import auto_concurrency
     from wbrag_ray.config import load_config
 
     zero_rag = load_config(PAPER_ZERO_RAG)
     assert auto_concurrency(zero_rag, FOUR_BY_EIGHT) == {
         "embedder": 32, "generator": 8, "zerorag.lm_pruner": 32, "zerorag.lm_pruner.trainer": 32,
-        "zerorag.tune.trainer": 8}
+        "zerorag.tune.trainer": 32}
     # the grid's search actors (2) and query embedder (1) hold 3 GPUs: the generator takes the 7 whole groups left,
     # the stages that run alone keep every GPU
     held = auto_concurrency(zero_rag, FOUR_BY_EIGHT, search_gpus=3)

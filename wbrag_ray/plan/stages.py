@@ -156,11 +156,16 @@ def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb
                     f"{gpu_memory_gb:g} GB: use nodes of {max(need, math.ceil(trainer.num_gpus))} GPUs"
                     + (f", or set {key}.num_gpus: {need}" if need < trainer.num_gpus else "")
                     if need else f"lower {key}.num_gpus")
+        # fsdp: each worker holds 1 / num_workers of the model; ddp: all of it, over its own GPUs
+        fsdp = trainer.strategy == "fsdp" and isinstance(trainer.num_workers, int)
+        share = trainer.num_workers if fsdp else max(1.0, trainer.num_gpus)
         return [Bundle("Ray Train worker", trainer.num_workers, trainer.num_cpus, trainer.num_gpus,
-                       gpu_memory_gb=memory / max(1.0, trainer.num_gpus) if memory else None, kind="worker",
-                       detail=size.describe(), fix=f"lower {key}.num_workers", fix_node=fix_node,
-                       fix_memory=f"spread each worker's model over {need or 'more'} GPUs of its node "
-                       f"({key}.num_gpus)")], ""
+                       gpu_memory_gb=memory / share if memory else None, kind="worker",
+                       detail=size.describe() + (f", sharded over {share} workers (fsdp)" if fsdp else ""),
+                       fix=f"lower {key}.num_workers", fix_node=fix_node,
+                       fix_memory=f"raise {key}.num_workers (fsdp shards the model over them)" if fsdp else
+                       f"set {key}.strategy: fsdp (the model sharded over every worker), or spread each worker's "
+                       f"model over {need or 'more'} GPUs of its node ({key}.num_gpus)")], ""
     warn = (f"{key}: {size.describe()} trains on CPUs (num_gpus 0): set {key}.num_gpus to train on GPUs"
             if size.params and size.params > 1e9 else "")
     return [Bundle("Ray Train worker", trainer.num_workers, trainer.num_cpus, memory_gb=memory, kind="worker",
