@@ -108,7 +108,8 @@ def test_the_papers_headline_rows_sit_beside_the_runs_comparable_results(tmp_pat
     section = paper_section(run)
     assert section.title == "Paper vs this run"
     assert section.tables[0].rows == [["WriteBack-RAG", "nq", "naive", "base", "acc", 31.44, 30.0, "Llama-3.1-8B",
-                                       "bundled:smollm2", "t-naive"]]
+                                       "bundled:smollm2", "t-naive", f"table not recorded; row not recorded; column not "
+                                       f"recorded; {rows[0]['source']}", "; ".join(rows[0]["differs"])]]
 
 
 def test_the_methods_departures_are_named_for_the_methods_and_data_a_run_uses():
@@ -143,3 +144,64 @@ def test_the_methods_departures_are_named_for_the_methods_and_data_a_run_uses():
     naive = load_config(str(CONFIGS / "paper_writeback.yaml"), ["eval.methods=[no-retrieval, naive]"])
     assert method_departures(naive, WRITEBACK) == method_departures(writeback, WRITEBACK)[2:]
     assert method_departures(naive, ZERO_RAG) == []  # Zero-RAG off in that config
+
+
+def test_a_runs_departures_are_resolved_and_only_for_the_papers_it_follows():
+    from wbrag_ray.papers import papers_followed, run_departures
+
+    # a write-back run on FlashRAG's NQ: only WriteBack-RAG's choices, the default gate metric resolved (acc is the
+    # paper's for NQ: no departure), the bundled generator by the model it is
+    wb_only = load_config(overrides=["writeback.train=s3://b/flashrag/nq/train.jsonl"])
+    assert papers_followed(wb_only) == (WRITEBACK,) and papers_followed(wb_only, True, False) == (WRITEBACK,)
+    found = run_departures(wb_only, dataset="s3://b/flashrag/nq/test.jsonl")
+    assert found and {d.paper for d in found} == {WRITEBACK}
+    assert not any("zerorag." in d.what or "Zero-RAG" in d.what or "top_k" in d.what for d in found)
+    assert not any(d.what.startswith("writeback.metric") for d in found)
+    auto = load_config(overrides=["writeback.train=s3://b/flashrag/nq/train.jsonl", "writeback.metric=auto"])
+    assert not any(d.what.startswith("writeback.metric") for d in run_departures(auto))  # auto -> acc on nq
+    assert ("the generator is bundled:smollm2 (SmolLM2-135M-Instruct) (the WriteBack-RAG paper: Llama-3.1-8B and "
+            "Gemma-3-12B)") in [d.what for d in found]
+    # the same default on FEVER is not the paper's metric; an evaluation outside the paper's six datasets is named
+    fever = load_config(overrides=["writeback.train=/d/flashrag/fever/train.jsonl"])
+    assert any(d.what.startswith("writeback.metric: 'acc' for fever") for d in run_departures(fever))
+    assert any(d.what.startswith("evaluated on my_questions (the WriteBack-RAG paper: nq, boolq, zsre") for d in
+               run_departures(wb_only, dataset="/d/my_questions.jsonl"))
+    # Zero-RAG: the LM regressor's backbone and training length against the paper config's, a QA writer other
+    # than the paper's
+    zero_rag = load_config(str(CONFIGS / "paper_zero_rag.yaml"), [
+        "zerorag.lm_pruner.backbone=bundled:smollm2", "zerorag.lm_pruner.epochs=1",
+        "zerorag.qa_generator.model=Qwen/Qwen2.5-7B-Instruct"])
+    whats = [d.what for d in run_departures(zero_rag)]
+    assert {d.paper for d in run_departures(zero_rag)} == {ZERO_RAG}
+    assert any(w.startswith("zerorag.lm_pruner.backbone: 'bundled:smollm2' (SmolLM2-135M-Instruct) (the Zero-RAG "
+                            "paper: 'meta-llama/Llama-3.2-1B'") for w in whats)
+    assert any(w.startswith("zerorag.lm_pruner.epochs: 1.0 (the Zero-RAG paper: 2.0") for w in whats)
+    assert "Qwen/Qwen2.5-7B-Instruct writes the mastery QA pairs (the Zero-RAG paper: GPT-4o-mini writes them)" in whats
+    # an embedding pruner trains no LM regressor: its settings are not compared
+    assert not any("lm_pruner" in d.what for d in run_departures(load_config(overrides=["zerorag.enabled=true"])))
+
+
+def test_each_papers_number_carries_its_source_and_the_run_settings_that_differ_sit_beside_it():
+    from wbrag_ray.papers import HEADLINES, NOT_RECORDED, format_paper_vs_run
+
+    for h in HEADLINES:  # paper, table, row, column, metric and where the repository has the number from
+        assert all([h.paper, h.table, h.row, h.column, h.metric]) and h.source != NOT_RECORDED
+        assert all([h.model, h.retriever, h.top_k, h.answer_form])  # the settings that made it
+    assert [h.union for h in HEADLINES] == [None, "score", None]  # the paper's merge beside its write-back number
+    paper_like = _result("/d/nq/test.jsonl", version="v1", acc=0.35, generator={"model": "meta-llama/Llama-3.1-8B-Instruct"},
+                         embedder="intfloat/e5-base-v2", top_k=5, union={"union": "score"}, answer_form="as generated")
+    demo = _result("/d/nq/test.jsonl", version="v1", acc=0.2, embedder="bundled:all-minilm-l6-v2", top_k=3,
+                   union={"union": "gate"}, answer_form="span")
+    rows = paper_vs_run({"paper-like": paper_like, "demo": demo}, [])
+    assert [r["run_result"] for r in rows] == ["paper-like", "demo"] and rows[0]["differs"] == []
+    assert rows[1]["differs"] == [
+        "generator bundled:smollm2 (SmolLM2-135M-Instruct) (the paper: Llama-3.1-8B)",
+        "retriever bundled:all-minilm-l6-v2 (all-MiniLM-L6-v2) (the paper: e5-base-v2)",
+        "K 3 (the paper: 5)", "union gate (the paper: score)", "answers scored span (the paper: as generated)"]
+    text = format_paper_vs_run(rows)
+    assert "source: table not recorded, row not recorded, column not recorded; issue 29" in text
+    assert "differs: generator bundled:smollm2" in text and "K 3 (the paper: 5)" in text
+    # the Zero-RAG grid's settings are the run's config's
+    grid = [{"ratio": 0.3, "method": "naive", "retrieval_speedup_pct": 18.5}]
+    (row,) = paper_vs_run({}, grid, load_config(str(CONFIGS / "paper_zero_rag.yaml"), ["retrieval.top_k=5"]))
+    assert row["differs"] == ["K 5 (the paper: 20)"] and row["table"].startswith("7 ")

@@ -190,14 +190,21 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         from wbrag_ray.zerorag.grid import eval_label
 
         label = eval_label(name, prune_ratio, writeback, router, adapter)
+    from wbrag_ray.papers import papers_followed, print_departures
+
+    wb_setting, zero_rag_setting = writeback or methods_grid, prune_ratio is not None or router or adapter
+    print_departures(config, papers_followed(config, wb_setting, zero_rag_setting)
+                     if wb_setting or zero_rag_setting else None, dataset=dataset)
     if methods_grid:
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
         if same_writeback:  # before Ray starts, as every input
             check_input(config.writeback.train, "writeback.train")
         join_ray(run, config)
-        return evaluate_methods_grid(run, config, dataset, label or name, force=force, same_writeback=same_writeback,
+        grid = evaluate_methods_grid(run, config, dataset, label or name, force=force, same_writeback=same_writeback,
                                      **kwargs)
+        print_paper_vs_run(run, config)
+        return grid
     if writeback:  # the version searched is part of what the results are: resolved now, refused if there is none
         from wbrag_ray.writeback.versions import active_index
 
@@ -208,11 +215,23 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     if label:
         kwargs["setting"] = label  # the Zero-RAG setting's name, recorded in metrics.json
     label = label or (f"{name}-writeback" if writeback else name)
-    run.check(EVAL, config, eval_params(label, dataset, kwargs, config), force=force)  # a change refused before Ray starts
+    run.check(EVAL, config, eval_params(label, dataset, kwargs, config, run), force=force)  # a change refused before Ray starts
     from wbrag_ray.evaluation.evaluate import evaluate_stage
 
     join_ray(run, config)
-    return evaluate_stage(run, config, dataset, name, label, force=force, **kwargs)["methods"]
+    results = evaluate_stage(run, config, dataset, name, label, force=force, **kwargs)["methods"]
+    print_paper_vs_run(run, config)
+    return results
+
+
+def print_paper_vs_run(run: RunFolder, config: WbragConfig) -> None:
+    """The papers' numbers beside the run's comparable results (`papers.paper_vs_run`), as `wbrag eval` ends."""
+    from wbrag_ray.evaluation.evaluate import load_results
+    from wbrag_ray.papers import format_paper_vs_run, paper_vs_run
+
+    grid = run.layout.zero_rag.grid
+    print(format_paper_vs_run(paper_vs_run(load_results(run), grid.read_json().get("rows", []) if grid.exists() else [],
+                                           config)), flush=True)
 
 
 def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:
@@ -376,8 +395,10 @@ def run(run: RunLike, config: WbragConfig, force: bool = False) -> dict[str, dic
     router, the evaluation grid] -> eval (base, then base + write-back), skipping completed stages. Returns every
     completed stage's stats."""
     from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
+    from wbrag_ray.papers import print_departures
 
     folder = open_run(run)
+    print_departures(config)  # the papers the run follows: write-back training, Zero-RAG, or both
     build_kb(folder, config, force=force)
     evaluated = [False]
     if config.writeback.train:

@@ -59,21 +59,36 @@ def test_spans_score_exact_matches_the_sentences_never_do():
 
 
 @pytest.mark.slow
-def test_an_evaluation_scores_the_spans_and_keeps_the_generated_text(demo_run):
+def test_an_evaluation_scores_the_spans_and_keeps_the_generated_text(demo_run, tmp_path):
     """`--set eval.answer_form=span` on a built run (the tiny generator): every metric is computed on the span the
     rule cuts from the prediction, both are in the predictions, and metrics.json says which was scored and how
-    long the scored answers are; the unchanged evaluation scored the generated text."""
+    long the scored answers are; the unchanged evaluation scored the generated text.
+
+    The random-weight generator answers no question, so the questions' gold answers here are the spans of what it
+    generated for them in the run's own evaluation (`qa`, the same prompts): by hand, every span's em is 1, and a
+    generated text longer than its span scores em 0."""
+    import json
+
+    from tests.conftest import demo_questions, write_jsonl
     from wbrag_ray.cli import main
     from wbrag_ray.metrics import METRICS, score_answer
     from wbrag_ray.run import RunFolder
 
-    run, qa = demo_run
+    run, _ = demo_run
+    layout = RunFolder(str(run)).layout
+    generated = {r["id"]: r["prediction"] for r in pq.read_table(layout.eval_result("qa", "naive").predictions.path)
+                 .to_pylist()}
+    questions = [{**q, "golden_answers": [short_answer(generated[q["id"]], q["question"])]} for q in demo_questions(4)]
+    qa = write_jsonl(tmp_path / "qa-spans.jsonl", questions)
+    longer = [q["id"] for q in questions if len(q["golden_answers"][0].split()) < len(generated[q["id"]].split())]
+    assert longer, json.dumps(generated)  # else scoring the text would score the same
     assert main(["eval", str(run), "--dataset", str(qa), "--name", "spans", "--methods", "naive",
                  "--set", "eval.answer_form=span"]) == 0
-    layout = RunFolder(str(run)).layout
     rows = pq.read_table(layout.eval_result("spans", "naive").predictions.path).to_pylist()
     metrics = layout.eval_result("spans", "naive").metrics.read_json()
     assert metrics["answer_form"] == "span" and len(rows) == metrics["n"] == 4
+    assert {r["id"]: r["prediction"] for r in rows} == generated  # the same prompts, the same text
+    assert [r["em"] for r in rows] == [1.0] * 4 and metrics["em"] == 1.0
     for row in rows:
         assert row["answer"] == short_answer(row["prediction"], row["question"])
         assert {m: row[m] for m in METRICS} == score_answer(row["answer"], row["golden_answers"])

@@ -153,3 +153,20 @@ def test_the_rule_built_without_a_config_is_the_configs_default():
     from wbrag_ray.config import RetrievalConfig
 
     assert UnionRule() == UnionRule.of(RetrievalConfig())
+
+
+def test_one_union_serves_the_in_process_retriever_and_the_service(monkeypatch):
+    """`cut_union` is the union of both searchers: each member's hits get its provenance (read from the index, so
+    the hits carry none), then each query's lists are cut by the rule; a lone index is its own top K. Both the
+    in-process `UnionRetriever` and the service's `RetrievalService` hand their members' hits to it."""
+    from wbrag_ray.retrieval import local, service
+    from wbrag_ray.retrieval.union import cut_union
+
+    units = [unit(0, 0.85, 0), unit(1, 0.65, 1)]  # no sources on the hits: the provenance map gives them
+    provenance = [{}, {0: [10], 1: [99]}]
+    top = cut_union([[BASE], [units]], provenance, UnionRule("provenance"), 5)
+    # u0's source p10 is taken, so u0 takes no slot; u1's p99 is not retrieved: it keeps its place by score
+    assert [keys(q) for q in top] == [["p10", "p11", "u1", "p12", "p13"]]
+    assert top[0][2].sources == [99]
+    assert cut_union([[BASE]], [{}], UnionRule("provenance"), 5) == [BASE]
+    assert local.cut_union is cut_union and service.cut_union is cut_union

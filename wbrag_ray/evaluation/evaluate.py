@@ -19,7 +19,7 @@ from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_se
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
-from wbrag_ray.papers import departures, method_departures
+from wbrag_ray.papers import papers_followed, run_departures
 from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
@@ -68,6 +68,11 @@ def evaluate(
     name = name or dataset_name(config, dataset)
     folder_prefix = label or (f"{name}-writeback" if writeback else name)
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
+    # the papers this evaluation follows: WriteBack-RAG beside a version, Zero-RAG on a pruned or routed base or
+    # with the tuned adapter; a plain base evaluation the run's (either paper's baseline)
+    zero_rag = base_index != run.layout.index.uri or bool(router) or bool(config.generator.lora_adapter)
+    papers = papers_followed(config, bool(wb_version), zero_rag) if wb_version or zero_rag else papers_followed(config)
+    departed = run_departures(config, papers, writeback_train(run, wb_version), dataset)
 
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
@@ -117,8 +122,9 @@ def evaluate(
             "rag_settings": config.rag.model_dump(mode="json").get(method.replace("-", "_")),
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
-            "departs_from_papers": departures(config),
-            "departs_from_papers_in_method": method_departures(config),
+            "papers": list(papers),
+            "departs_from_papers": [d.what for d in departed if d.kind == "setting"],
+            "departs_from_papers_in_method": [d.what for d in departed if d.kind == "method"],
             "seconds": round(seconds, 2),
         }
         out.metrics.write_json(metrics)
@@ -127,6 +133,14 @@ def evaluate(
         results[method] = metrics
     print(format_table(f"{folder_prefix} ({setting})", results), flush=True)
     return results
+
+
+def writeback_train(run: RunFolder, version: str | None) -> str | None:
+    """The training set a write-back version was made from (its gate metric is resolved from it)."""
+    if not version:
+        return None
+    stats = run.layout.writeback_version(version).stats
+    return stats.read_json().get("settings", {}).get("params", {}).get("train") if stats.exists() else None
 
 
 def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:
@@ -145,7 +159,7 @@ def evaluate_stage(
     """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
     rerun with the same settings skips it and prints the stored table again; changed settings (another
     method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
-    params = eval_params(label, dataset, kwargs, config)
+    params = eval_params(label, dataset, kwargs, config, run)
 
     def work() -> dict[str, Any]:
         results = evaluate(run, config, dataset, name, label=label, passes=passes, **kwargs)

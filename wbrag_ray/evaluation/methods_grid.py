@@ -106,22 +106,85 @@ def format_same_writeback(grid: dict[str, Any]) -> str:
 
 
 def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, str]:
-    """{method: the write-back version written back under it}, for every retrieving method of eval.methods: a
-    version trained from writeback.train under the method is reused (the first by name), the others are
-    trained now as `<version>-<method>` (not activated: the grid evaluates beside each version in turn)."""
+    """{method: the write-back version written back under it}, for every retrieving method of eval.methods. A
+    version trained from writeback.train under the method is reused only when it was made as the grid would make
+    it: the same generator, gates (thresholds, n_min, the resolved gate metric), union and K
+    (`same_writeback_differences`); otherwise one is trained now as `<version>-<method>` (`-2`, `-3`... where that
+    name is taken), not activated (the grid evaluates beside each version in turn). Each choice is printed, a
+    version passed over with what differs."""
     from wbrag_ray.writeback.pipeline import train_writeback
-    from wbrag_ray.writeback.versions import default_version, versions_by_method
+    from wbrag_ray.writeback.versions import default_version, versions
 
     train = config.writeback.train
-    own = versions_by_method(run, train)
-    for method in config.eval.methods:
-        if method == "no-retrieval" or method in own:
+    trained = sorted(versions(run))
+    own: dict[str, str] = {}
+    for method in dict.fromkeys(config.eval.methods):
+        if method == "no-retrieval":
+            continue
+        passed_over = []
+        for version in trained:
+            stats = run.layout.writeback_version(version).stats.read_json()
+            if stats.get("settings", {}).get("params", {}).get("train") != train or \
+                    stats.get("rag_method", "naive") != method:
+                continue
+            differs = same_writeback_differences(config, method, stats)
+            if not differs:
+                own[method] = version
+                print(f"Same-WB {method}: reusing write-back version {version} (same generator, gates, union and K)",
+                      flush=True)
+                break
+            passed_over.append(f"{version} ({'; '.join(differs)})")
+        if method in own:
             continue
         wb = config.writeback.model_copy(update={"rag_method": method, "activate": False, "version": None})
-        version = f"{default_version(config, train)}-{method}"
+        version = name = f"{default_version(config, train)}-{method}"
+        n = 1
+        while run.layout.writeback_version(version).root.exists():
+            n += 1
+            version = f"{name}-{n}"
+        why = f": {', '.join(passed_over)} differ from the grid" if passed_over else ": none was trained under it"
+        print(f"Same-WB {method}: training write-back version {version}{why}", flush=True)
         train_writeback(run, config.model_copy(update={"writeback": wb}), train, version)
         own[method] = version
     return {m: own[m] for m in config.eval.methods if m in own}
+
+
+def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str, Any]) -> list[str]:
+    """What a trained version's stats (`stats.json`) record that differs from what the grid under `config` would
+    train for `method`: 'what: the version's (the grid: its)' for the generator, each gate setting, the union and K.
+    A version trained before its union was recorded differs in it ('not recorded')."""
+    from wbrag_ray.evaluation.stage import union_settings
+    from wbrag_ray.run import settings_value
+    from wbrag_ray.writeback.pipeline import with_gate_metric
+
+    made = stats.get("settings", {}).get("config", {})
+    wb = with_gate_metric(config.writeback, config.writeback.train or "")
+    wanted: dict[str, Any] = {
+        "generator": settings_value(config.generator),
+        **{f"writeback.{k}": getattr(wb, k) for k in ("tau_s", "tau_delta", "tau_doc", "n_min")},
+        "writeback.metric": wb.metric,
+        "retrieval.union": union_settings(config),
+        "retrieval.top_k": config.retrieval.top_k,
+    }
+    recorded = made.get("writeback", {})
+    have: dict[str, Any] = {
+        "generator": made.get("generator"),
+        **{f"writeback.{k}": recorded.get(k) for k in ("tau_s", "tau_delta", "tau_doc", "n_min")},
+        "writeback.metric": stats.get("gate_metric", recorded.get("metric")),
+        "retrieval.union": stats.get("union", "not recorded"),
+        "retrieval.top_k": made.get("retrieval", {}).get("top_k"),
+    }
+    out = []
+    for key, value in wanted.items():
+        if have[key] == value:
+            continue
+        if key == "generator" and isinstance(have[key], dict):  # name the generator's settings that differ
+            keys = [k for k in sorted(set(value) | set(have[key])) if have[key].get(k) != value.get(k)]
+            out.append(f"generator: {', '.join(f'{k} {have[key].get(k)!r}' for k in keys)} (the grid: "
+                       f"{', '.join(f'{k} {value.get(k)!r}' for k in keys)})")
+        else:
+            out.append(f"{key}: {have[key]!r} (the grid: {value!r})")
+    return out
 
 
 def format_methods_grid(grid: dict[str, Any], metric: str = "acc") -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.retrieval.union import OWN_SETTING
-from wbrag_ray.run import RunStage
+from wbrag_ray.run import RunFolder, RunStage
 
 # Results are never silently replaced: other settings under the same label are refused, naming what changed.
 EVAL = RunStage(
@@ -29,14 +29,38 @@ def dataset_name(config: WbragConfig, dataset: str) -> str:
     return config.eval.name or dataset_stem(dataset)
 
 
-def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragConfig | None = None) -> dict[str, Any]:
+def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragConfig | None = None,
+                run: RunFolder | None = None) -> dict[str, Any]:
     """The evaluation stage's parameters: its label, the dataset, and the setting's own arguments (index, router,
     write-back version; the `setting` label only names them); beside a write-back index, the union settings
-    (`union_settings`)."""
+    (`union_settings`); with `config`, what the evaluation reads by content (`made_from`)."""
     params = {"label": label, "dataset": dataset, **{k: v for k, v in kwargs.items() if k != "setting"}}
     if config is not None and (kwargs.get("writeback") or kwargs.get("writeback_version")):
         params["union"] = union_settings(config)
+    if config is not None:
+        params["made_from"] = made_from(config, kwargs, run)
     return params
+
+
+def made_from(config: WbragConfig, kwargs: dict[str, Any], run: RunFolder | None = None) -> dict[str, Any]:
+    """The content identity (`wbrag_ray.identity`) of every input an evaluation reads by path: the generator's
+    model and adapter (a tuned adapter), the embedder, the base index (the run's, or a pruned one), the router and
+    the write-back version's index; each changes when its folder is made again in place (`--force`), so the
+    results and the answers of the old one are never taken for the new."""
+    from wbrag_ray.identity import content_identity, index_identity
+
+    base = kwargs.get("base_index") or (run.layout.index.uri if run is not None else None)
+    version = kwargs.get("writeback_version")
+    out = {
+        "generator.model": content_identity(config.generator.model),
+        "generator.lora_adapter": content_identity(config.generator.lora_adapter),
+        "embedder.model": content_identity(config.embedder.model),
+        "base_index": index_identity(base),
+        "router": content_identity(kwargs.get("router")),
+        "writeback_version": index_identity(run.layout.writeback_version(version).index.uri)
+        if version and run is not None else None,
+    }
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def union_settings(config: WbragConfig) -> dict[str, Any]:

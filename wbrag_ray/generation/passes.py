@@ -170,7 +170,8 @@ class GeneratorPasses:
 
 class AnswerMemo:
     """Greedy answers a command already generated, by what decides them: the generator's settings that shape
-    answers (model, adapter, dtype, token budget, stop strings, chat template: not where or how wide it runs),
+    answers (model, adapter, dtype, token budget, stop strings, chat template: not where or how wide it runs), the
+    content of the model and adapter given by path, the dtype and device kind they decode on (`identity`),
     the pass's mode and choices, and the prompt (with a mixture's weights). A grid asks the same prompt again and
     again (a question whose top K the write-back index does not change, a router that skips retrieval,
     Self-RAG's answer where it keeps one document: replug-vote's prompt for it); each is decoded once per
@@ -190,9 +191,12 @@ class AnswerMemo:
     def _keys(df: pd.DataFrame, stage: GenerateStage) -> list[bytes]:
         import hashlib
 
+        from wbrag_ray.identity import generator_identity
         from wbrag_ray.run import settings_value
 
-        setting = json.dumps([settings_value(stage.config), stage.mode, list(stage.choices)], sort_keys=True)
+        # the model's and adapter's content, not only their paths: an adapter retrained in place answers anew
+        setting = json.dumps([settings_value(stage.config), generator_identity(stage.config), stage.mode,
+                              list(stage.choices)], sort_keys=True)
         weights = df[stage.weight_column] if stage.mode == "mixture" else [""] * len(df)
         return [hashlib.blake2b(f"{setting}\x00{p}\x00{w}".encode(), digest_size=16).digest()
                 for p, w in zip(df[stage.prompt_column], weights, strict=True)]

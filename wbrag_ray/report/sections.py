@@ -37,6 +37,8 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
     """Every section the run has; the figures are written to the local folder `out`."""
     stats = {name: run.stats(name) or {} for name in run.completed_stages()}
     sections = [stages_section(stats, out)]
+    if (planned := plan_section(run, stats)) is not None:
+        sections.append(planned)
     if INGEST.name in stats:
         sections.append(corpus_section(run, stats[INGEST.name], out))
     sections += evaluation_sections(run, out)
@@ -57,6 +59,24 @@ def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
     sec.tables.append(Table("per-stage summary", ["stage", "rows in", "rows out", "rejected", "seconds", "rows/s"], rows))
     if img := plots.plot_stage_times(stats, out):
         sec.images.append((img, "Wall time per stage: the slowest stage is the one to scale out."))
+    return sec
+
+
+def plan_section(run: RunFolder, stats: dict[str, dict[str, Any]]) -> Section | None:
+    """Planned against measured: the plan `wbrag run` stored when it started, each stage's planned time (and where
+    its rate came from) beside the time the run measured, and the ratio; None where no plan was stored."""
+    from wbrag_ray.plan.against_run import load_plan, planned_vs_measured, run_wall_seconds
+
+    plan = load_plan(run)
+    if plan is None:
+        return None
+    rows = planned_vs_measured(plan, stats, run_wall_seconds(run, plan))
+    sec = Section("Planned against measured")
+    sec.tables.append(Table(f"the plan made {plan.get('made')} ({plan.get('gpus_total', 0):g} GPUs; measured / "
+                            "planned: over 1, the run took longer)",
+                            ["stage", "planned s", "rate source", "measured s", "measured / planned", "run stages"],
+                            [[r["stage"], r["planned_s"], r["rate_source"], r["measured_s"], r["ratio"],
+                              ", ".join(r["run_stages"])] for r in rows]))
     return sec
 
 
@@ -167,7 +187,7 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
 
 def config_section(run: RunFolder) -> Section:
     """The run's config, and first the choices in it that differ from the papers (for the methods the run used)."""
-    from wbrag_ray.papers import WRITEBACK, ZERO_RAG, departures, method_departures
+    from wbrag_ray.papers import WRITEBACK, ZERO_RAG, run_departures
 
     run_json = run.layout.run_json.read_json() if run.layout.run_json.exists() else {}
     sec = Section("Configuration")
@@ -175,10 +195,11 @@ def config_section(run: RunFolder) -> Section:
         config = run.load_config()
         used = [p for p, on in ((ZERO_RAG, run.layout.zero_rag.root.exists()),
                                 (WRITEBACK, bool(run.layout.writeback_versions()))) if on]
-        rows = [[p, d] for p in used for d in departures(config, p)]
+        found = run_departures(config, tuple(used)) if used else []
+        rows = [[d.paper, d.what] for d in found if d.kind == "setting"]
         if rows:
             sec.tables.append(Table("choices of this run that differ from the papers", ["paper", "choice"], rows))
-        method = [[p, d] for p in used for d in method_departures(config, p)]
+        method = [[d.paper, d.what] for d in found if d.kind == "method"]
         if method:
             sec.tables.append(Table("where this run's method differs from the papers'", ["paper", "departure"],
                                     method))

@@ -19,7 +19,7 @@ from wbrag_ray.index.gpu_clone import to_gpu
 from wbrag_ray.models.hardware import gpus_usable
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
-from wbrag_ray.retrieval.union import BASE, UnionRule, read_provenance, with_provenance
+from wbrag_ray.retrieval.union import BASE, UnionRule, cut_union, read_provenance
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -326,7 +326,8 @@ def union_base_unit(members: list[tuple[str, dict]]) -> str:
 class UnionRetriever:
     """Several indices built with the same embedder (the base index and the write-back index), searched
     independently; each query's hits are the union cut to the top K by `union` (default: retrieval.union's
-    default, the paper's merge by score), tagged with their source, a write-back unit with its provenance.
+    default, the gate; the paper's merge by score is `UnionRule("score")`), tagged with their source, a write-back
+    unit with its provenance: the same union as the retrieval service's (`union.cut_union`).
 
     Same `search` / `search_vectors` interface as `Retriever`; queries are embedded once, by the first
     member that has an embedder.
@@ -350,9 +351,7 @@ class UnionRetriever:
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
         if not self._loaded:
             self.setup()
-        per_member = [with_provenance(m.search_vectors(vectors, k), p)
-                      for m, p in zip(self.members, self.provenance, strict=True)]
-        return [self.union(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
+        return cut_union([m.search_vectors(vectors, k) for m in self.members], self.provenance, self.union, k)
 
     def encode(self, queries: list[str]) -> np.ndarray:
         if not self._loaded:

@@ -45,7 +45,7 @@ from wbrag_ray.retrieval.local import (
     to_hits,
     union_base_unit,
 )
-from wbrag_ray.retrieval.union import BASE, UnionRule, read_provenance, with_provenance
+from wbrag_ray.retrieval.union import BASE, PROVENANCE, UnionRule, cut_union, read_provenance
 from wbrag_ray.stages.kept import make_room
 from wbrag_ray.storage import resolve
 
@@ -153,8 +153,10 @@ def _unwrap(exc: Exception) -> Exception:
     return cause if isinstance(cause, IndexError_ | DocStoreError) else exc
 
 
-_STORES: dict[tuple[str, str], DocStore] = {}  # per process: a store is opened (and mapped) once
-_PROVENANCE: dict[tuple[str, str], dict[int, list[int]]] = {}  # per process: a write-back index's, read once
+# Per process, keyed by the files' identity (`identity.content_identity`) as well as their place: a store is opened
+# (and mapped) once, a write-back index's provenance read once, and a version trained again in place is read anew.
+_STORES: dict[tuple[str, str, str | None], DocStore] = {}
+_PROVENANCE: dict[tuple[str, str, str | None], dict[int, list[int]]] = {}
 
 
 @dataclass
@@ -294,23 +296,33 @@ class Member:
         loc = docs_location(resolve(self.pool.index_dir), self.pool.manifest, self.docs_dir)
         if loc is None:
             return None
-        unit = self.pool.manifest.get("unit", "passage")
-        if (loc.uri, unit) not in _STORES:
-            _STORES[(loc.uri, unit)] = open_doc_store(loc, unit)
-        return _STORES[(loc.uri, unit)]
+        key = (loc.uri, self.pool.manifest.get("unit", "passage"), self._identity(loc.uri))
+        if key not in _STORES:
+            _STORES[key] = open_doc_store(loc, key[1])
+        return _STORES[key]
+
+    def _identity(self, uri: str) -> str | None:
+        """The content identity of the files at `uri`, listed once per member (a member lives for one command)."""
+        from wbrag_ray.identity import content_identity
+
+        known = self.__dict__.setdefault("_identities", {})  # frozen: the cache lives beside the fields
+        if uri not in known:
+            known[uri] = content_identity(uri)
+        return known[uri]
 
     def provenance(self, base_unit: str) -> dict[int, list[int]]:
         """A write-back index's units' source documents ({} for the base), read once per process."""
         if self.source == BASE:
             return {}
-        key = (self.pool.index_dir, base_unit)
+        key = (self.pool.index_dir, base_unit, self._identity(resolve(self.pool.index_dir).join(PROVENANCE).uri))
         if key not in _PROVENANCE:
             _PROVENANCE[key] = read_provenance(resolve(self.pool.index_dir), base_unit)
         return _PROVENANCE[key]
 
-    def search_vectors(self, vectors: np.ndarray, k: int, base_unit: str = "passage") -> list[list[Hit]]:
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        """This index's top k of each query, as hits tagged with its source (provenance is the union's to add)."""
         scores, ids, _ = self.pool.search_ids(vectors, k)
-        return with_provenance(to_hits(scores, ids, self.docs(), self.source), self.provenance(base_unit))
+        return to_hits(scores, ids, self.docs(), self.source)
 
 
 class RetrievalService:
@@ -335,10 +347,8 @@ class RetrievalService:
         return self.pools[0].manifest["embedder"]
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        per_member = [m.search_vectors(vectors, k, self.base_unit) for m in self.members]
-        if len(per_member) == 1:
-            return per_member[0]
-        return [self.union(list(hit_lists), k) for hit_lists in zip(*per_member, strict=True)]
+        return cut_union([m.search_vectors(vectors, k) for m in self.members],
+                         [m.provenance(self.base_unit) for m in self.members], self.union, k)
 
     def latency_ms(self, vectors: np.ndarray, k: int, min_seconds: float = 0.5) -> float:
         """Milliseconds per query of the search itself, as the search actors measure it (the slowest group of

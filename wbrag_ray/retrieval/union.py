@@ -182,3 +182,15 @@ def with_provenance(hits: list[list[Hit]], provenance: dict[int, list[int]]) -> 
     if not provenance:
         return hits
     return [[replace(h, sources=provenance.get(h.id)) for h in row] for row in hits]
+
+
+def cut_union(per_member: list[list[list[Hit]]], provenance: list[dict[int, list[int]]], rule: UnionRule,
+              k: int) -> list[list[Hit]]:
+    """Each query's top k of several indices searched as one: `per_member[i][q]` are index i's hits for query q,
+    `provenance[i]` its units' sources ({} for the base), `rule` the union (`UnionRule.of(retrieval)`). The one
+    union of the in-process retriever (`retrieval.local.UnionRetriever`) and the service
+    (`retrieval.service.RetrievalService`); one index alone is its own top k."""
+    tagged = [with_provenance(hits, p) for hits, p in zip(per_member, provenance, strict=True)]
+    if len(tagged) == 1:
+        return tagged[0]
+    return [rule(list(hit_lists), k) for hit_lists in zip(*tagged, strict=True)]

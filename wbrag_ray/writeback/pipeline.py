@@ -135,6 +135,7 @@ def train_writeback(
 
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
+    from wbrag_ray.evaluation.stage import union_settings
     from wbrag_ray.formats import dataset_name, embeddings_table
     from wbrag_ray.index.faiss_index import build_index, load_manifest
     from wbrag_ray.retrieval.docstore import write_doc_store
@@ -182,6 +183,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         "version": version,
         "rag_method": wb.rag_method,
         "gate_metric": with_gate_metric(wb, train).metric,
+        "union": union_settings(config),  # the union it was validated under and is meant to be searched with
         "dataset": dataset_name(train),  # the name the gate metric was resolved from (FlashRAG's layout)
         **table3(examples, units, config.retrieval.top_k),
         "units_written": len(units),
