@@ -51,11 +51,11 @@ class TinyModels:
         )
 
 
-def build_tiny_generator(out: Path) -> str:
+def build_tiny_generator(out: Path, **shape) -> str:
     """SmolLM2-135M-Instruct's config and tokenizer with 2 layers of width 64: about 3.2M parameters, nearly all
     of them the tied 49K-token embedding. Read from the bundled GGUF's converted copy (converted once per machine
     and shared with every test and demo that runs the bundled generator; reading the tokenizer out of the GGUF
-    itself takes 20 s on a slow CPU)."""
+    itself takes 20 s on a slow CPU). `shape`: other config values (vLLM's CPU attention takes head_dim 64)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -66,7 +66,7 @@ def build_tiny_generator(out: Path) -> str:
     tokenizer = AutoTokenizer.from_pretrained(source)
     config = AutoConfig.from_pretrained(source)
     config.update({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.5})
+                   "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.5, **shape})
     config._name_or_path = "tiny-smollm2"
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

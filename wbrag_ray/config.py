@@ -133,7 +133,7 @@ class EmbedderConfig(_Section):
 
 
 class GeneratorConfig(_Section):
-    RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env", "calls_per_engine"})
+    RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env", "calls_per_engine", "pipeline_across_nodes"})
 
     backend: Literal["hf", "vllm", "openai"] = Field("hf", description="hf (transformers), vllm, or openai (HTTP).")
     model: str = Field(
@@ -165,12 +165,18 @@ class GeneratorConfig(_Section):
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
     tensor_parallel_size: int | None = Field(
-        None, ge=1, description="vllm: GPUs of one node that each layer of an engine replica is sharded over. Default: "
+        None, ge=1, description="vllm: GPUs of one node that each layer of an engine replica is sharded over (with "
+        "num_gpus: 0, vLLM's CPU build: rank processes of one node, num_cpus split between them). Default: "
         "num_gpus / pipeline_parallel_size when num_gpus > 1, else 1 (a replica that asks for 4 GPUs uses all 4).",
     )
     pipeline_parallel_size: int = Field(
-        1, ge=1, description="vllm: stages an engine replica's layers are split into (stages may sit on different "
-        "nodes); num_gpus = tensor_parallel_size x pipeline_parallel_size.",
+        1, ge=1, description="vllm: stages an engine replica's layers are split into; num_gpus = "
+        "tensor_parallel_size x pipeline_parallel_size (GPUs only).",
+    )
+    pipeline_across_nodes: bool = Field(
+        False, description="vllm: a replica's pipeline stages may sit on different nodes (placement PACK: each "
+        "stage's tensor_parallel_size GPUs still on one node). Off: the whole replica on one node (STRICT_PACK), "
+        "its stages' hand-over at node-local speed.",
     )
     concurrency: Concurrency = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
     calls_per_engine: int = Field(
@@ -205,7 +211,8 @@ class GeneratorConfig(_Section):
         """(tensor_parallel_size, pipeline_parallel_size) of one engine replica. The rule: pipeline_parallel_size
         as given; tensor_parallel_size as given, else num_gpus / pipeline_parallel_size when num_gpus > 1 (a
         replica that asks for 4 GPUs shards each layer over all 4, or over 2 per stage with 2 stages), else 1.
-        A validated config has num_gpus = tp x pp whenever either is above 1 (`_check_parallel_sizes`). Other
+        A validated config has num_gpus = tp x pp whenever either is above 1, except a tensor-parallel replica of
+        vLLM's CPU build (num_gpus 0, pp 1: ranks as processes) (`_check_parallel_sizes`). Other
         backends than vllm run a model whole: (1, 1)."""
         if self.backend != "vllm":
             return 1, 1
@@ -247,9 +254,12 @@ class GeneratorConfig(_Section):
             raise refuse("num_gpus", f"{gpus:g} GPUs do not split into pipeline_parallel_size={pp} stages of "
                          "equal size; set tensor_parallel_size too (num_gpus = tensor_parallel_size x "
                          "pipeline_parallel_size)")
+        if gpus == 0 and pp == 1:  # vLLM's CPU build: tensor-parallel ranks as processes (`parallel.replica_placement`)
+            return self
         if tp * pp > 1 and gpus < 1:
+            cpu = "; on CPUs (num_gpus: 0) only tensor_parallel_size shards a replica" if gpus == 0 else ""
             raise refuse("num_gpus", f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} runs on GPUs, "
-                         f"one per shard; set num_gpus: {tp * pp}")
+                         f"one per shard; set num_gpus: {tp * pp}{cpu}")
         if (tp * pp > 1 or gpus > 1) and gpus != tp * pp:
             raise refuse("num_gpus", f"a replica of tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
                          f"shards holds {tp * pp} GPUs, one per shard; make num_gpus and the product equal")
@@ -746,8 +756,50 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
         key = key.strip()
         if not key:
             raise ConfigError(f"--set {pair!r}: the key is empty")
-        _set_dotted(tree, key, yaml.safe_load(raw) if raw.strip() else None)
+        _set_dotted(tree, key, _override_value(key, raw))
     return tree
+
+
+def _leaf_kinds(key: str) -> set[type] | None:
+    """The types a dotted config key's field takes (None left out; Literal choices by their values' types), or
+    None where the key names no field of the typed config (a section, a free-form mapping, a typo)."""
+    import typing
+
+    model: Any = WbragConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        options = typing.get_args(field.annotation) or (field.annotation,)
+        if typing.get_origin(field.annotation) is Literal:
+            return {type(v) for v in options}
+        if i == len(parts) - 1:
+            return {typing.get_origin(o) or o for o in options if o is not type(None)}
+        model = next((o for o in options if isinstance(o, type) and issubclass(o, BaseModel)), None)
+        if model is None:
+            return None
+    return None
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """A --set value: text for a text setting (a name such as 2024 stays '2024'); else a YAML scalar, where a
+    yes / no meant for a number is refused rather than read as 1 / 0."""
+    if not raw.strip():
+        return None
+    return yaml.safe_load(raw)
+    kinds = _leaf_kinds(key)
+    if kinds == {str} and raw.strip() not in ("null", "~"):
+        return raw
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"--set {key}={raw}: not a YAML value ({problem}); quote text: --set '{key}=\"{raw}\"'"
+                          ) from None
+    if isinstance(value, bool) and kinds and bool not in kinds and kinds & {int, float}:
+        raise ConfigError(f"--set {key}={raw}: {key} is a number, not yes / no")
+    return value
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -779,12 +831,20 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if False:
+            raise ConfigError(f"config file {str(p)!r} is a folder: name a YAML file in it (e.g. jobs/configs/demo.yaml)")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except KeyError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}): save "
+                              "it as UTF-8") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {problem}{at}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections (ingest:, generator:, ...)")
         data = loaded

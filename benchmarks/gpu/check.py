@@ -18,8 +18,11 @@ whole check ends inside 10 minutes):
 4. LoRA training (peft, r=8 on q/v) on a 1B-class Llama in bf16, batch 8 x 512 tokens;
 5. a tensor-parallel vLLM engine, where 2 or more GPUs are visible (skipped with the reason otherwise): a
    1B-class Llama sharded over the GPUs the project's way (`generator.num_gpus` = tensor_parallel_size, the
-   engine in its placement group: wbrag_ray/generation/parallel.py), greedy answers at batch 64. This section
-   alone needs vllm, ray and wbrag_ray (`pip install '.[gpu]'`); without them it says so and is skipped;
+   engine in its placement group: wbrag_ray/generation/parallel.py), greedy answers at batch 64, then the same
+   prompts on one GPU (tensor_parallel_size=1) and how many answers are the same (as
+   tests/generation/test_vllm_tp_cpu.py checks with vLLM's CPU ranks; --quick without a GPU runs those: 2 CPU
+   ranks). This section alone needs vllm, ray and wbrag_ray (`pip install '.[gpu]'`); without them it says so
+   and is skipped;
 6. the project's own training path: the LM pruner's Ray Train job (wbrag_ray/training/workers.py) on one GPU
    worker, a 1B-class random Llama as the backbone, bf16 weights and fp32 LoRA, 24 steps of 64 sentences with
    a checkpoint every 8: its seconds per step are the GPU rate `wbrag plan` has not measured yet (ray and
@@ -648,8 +651,12 @@ def tensor_parallel(run: Run) -> None:
     if missing:
         report("vllm tensor parallel", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
         return
-    if tp < 2:  # --quick on one GPU or none: the same path, unsharded, as a smoke run
-        report("vllm tensor parallel", f"{gpus} GPU{'s' * (gpus != 1)} visible: --quick runs the path unsharded")
+    cpu_ranks = tp < 2 and not run.cuda  # --quick without a GPU: vLLM's CPU build, 2 ranks as processes
+    if cpu_ranks:
+        tp = 2
+        report("vllm tensor parallel", "no GPU visible: --quick runs 2 CPU ranks (vLLM's CPU build)")
+    elif tp < 2:  # --quick on one GPU: the same path, unsharded, as a smoke run
+        report("vllm tensor parallel", "1 GPU visible: --quick runs the path unsharded")
     import ray
 
     from wbrag_ray.config import GeneratorConfig, RayConfig
@@ -662,7 +669,8 @@ def tensor_parallel(run: Run) -> None:
         _, seconds = timed(run, lambda: save_random_llama(run, spec, folder))
         report("tp llama saved (random init)", seconds, "s")
         config = GeneratorConfig(
-            backend="vllm", model=folder, num_gpus=float(tp if tp > 1 else min(gpus, 1)), chat_template=False,
+            backend="vllm", model=folder, num_gpus=0.0 if cpu_ranks else float(tp if tp > 1 else min(gpus, 1)),
+            tensor_parallel_size=tp, num_cpus=1.0, threads=2, chat_template=False,
             stop=[], max_new_tokens=sizes.new_tokens, dtype="bfloat16" if run.cuda else "float32",
             vllm_engine_kwargs={"max_model_len": 2 * sizes.prompt_tokens, "enforce_eager": True})
         report("tp tensor_parallel_size x pipeline_parallel_size", "{} x {}".format(*config.parallel_sizes()))
@@ -682,7 +690,22 @@ def tensor_parallel(run: Run) -> None:
             report(f"tp b{batch} generate {sizes.new_tokens}", seconds, "s", 3)
             report(f"tp b{batch} generated tokens/s", tokens / seconds, "tokens/s")
             if generator.remote is not None:
-                generator.remote.close()
+                generator.remote.close()  # its process ends and its GPUs are free for the one-GPU engine
+            if tp > 1:
+                # the same prompts on one shard, the engine in this process: greedy answers the same as the
+                # sharded replica's (an all-reduce sums in another order: a near tie may flip, in bf16 more often)
+                single = VLLMGenerator(config.model_copy(update={"tensor_parallel_size": 1,
+                                                                 "num_gpus": 0.0 if cpu_ranks else 1.0}))
+                _, seconds = timed(run, single.setup)
+                report("tp=1 engine start", seconds, "s")
+                ones = single.generate_scored(prompts)
+                same = sum(a.tokens == b.tokens for a, b in zip(answers, ones, strict=True))
+                report(f"tp={tp} answers the same as tp=1", f"{same} of {len(prompts)}")
+                differ = [i for i, (a, b) in enumerate(zip(answers, ones, strict=True)) if a.tokens != b.tokens]
+                if differ:  # where the first one parts: a late token is a near tie, token 0 a wiring fault
+                    a, b = answers[differ[0]].tokens, ones[differ[0]].tokens
+                    step = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                    report("tp first differing answer", f"prompt {differ[0]}, token {step} of {len(a)}")
         finally:
             ray.shutdown()
 

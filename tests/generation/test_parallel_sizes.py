@@ -65,8 +65,11 @@ def test_the_paper_configs_validate_and_the_70b_generator_shards_over_its_4_gpus
      "an engine replica larger than one GPU takes whole GPUs"),
     (["generator.backend=vllm", "generator.num_gpus=6", "generator.pipeline_parallel_size=4"], "generator.num_gpus",
      "6 GPUs do not split into pipeline_parallel_size=4 stages of equal size; set tensor_parallel_size too"),
-    (["generator.backend=vllm", "generator.tensor_parallel_size=2"], "generator.num_gpus",
+    (["generator.backend=vllm", "generator.num_gpus=0.5", "generator.tensor_parallel_size=2"], "generator.num_gpus",
      "tensor_parallel_size x pipeline_parallel_size = 2 x 1 runs on GPUs, one per shard; set num_gpus: 2"),
+    # on CPUs only tensor parallel: vLLM's CPU ranks are processes of one node
+    (["generator.backend=vllm", "generator.pipeline_parallel_size=2"], "generator.num_gpus",
+     "= 1 x 2 runs on GPUs, one per shard; set num_gpus: 2; on CPUs (num_gpus: 0) only tensor_parallel_size shards"),
     (["generator.backend=vllm", "generator.num_gpus=0.5", "generator.pipeline_parallel_size=2"], "generator.num_gpus",
      "= 1 x 2 runs on GPUs, one per shard; set num_gpus: 2"),
     (["generator.backend=vllm", "generator.num_gpus=4", "generator.tensor_parallel_size=2"], "generator.num_gpus",
@@ -83,6 +86,14 @@ def test_a_replica_whose_gpus_and_shards_disagree_is_refused_naming_the_key_and_
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides)
     assert f"config key '{key}'" in str(err.value) and says in str(err.value)
+
+
+def test_tensor_parallel_on_cpus_is_accepted_for_vllm_only():
+    """vLLM's CPU build runs tensor-parallel ranks as processes (num_gpus: 0); the hf backend still refuses."""
+    config = load_config(overrides=["generator.backend=vllm", "generator.tensor_parallel_size=2"])
+    assert config.generator.parallel_sizes() == (2, 1)
+    with pytest.raises(ConfigError, match="only the vllm backend shards a model"):
+        load_config(overrides=["generator.backend=hf", "generator.tensor_parallel_size=2"])
 
 
 def test_consistent_sharded_replicas_are_accepted_for_the_generator_and_the_qa_writer():
@@ -105,6 +116,9 @@ def test_engine_kwargs_carry_the_parallel_sizes_and_the_ray_executor_for_a_shard
     assert "distributed_executor_backend" not in one  # vLLM's own choice on one GPU (uni)
     cpu = VLLMGenerator(vllm()).engine_kwargs()  # the CPU build keeps its executor
     assert (cpu["tensor_parallel_size"], cpu["distributed_executor_backend"]) == (1, "mp")
+    # tensor parallel on CPUs: vLLM's multiprocessing executor, a process per rank
+    cpu_tp = VLLMGenerator(vllm(tensor_parallel_size=2)).engine_kwargs()
+    assert (cpu_tp["tensor_parallel_size"], cpu_tp["distributed_executor_backend"]) == (2, "mp")
 
 
 def test_an_engine_on_a_share_of_a_gpu_keeps_its_memory_within_the_share():
@@ -121,27 +135,68 @@ def test_an_engine_on_a_share_of_a_gpu_keeps_its_memory_within_the_share():
                                "generator.vllm_engine_kwargs={gpu_memory_utilization: 0.9}"])
 
 
-def test_the_replica_placement_is_one_gpu_bundle_per_shard_strict_pack_for_tensor_parallel_only():
+def test_the_replica_placement_is_one_bundle_per_shard_strict_pack_unless_stages_may_cross_nodes():
+    """The paper configs' shapes: the 70B generator as tp=4 x pp=1; tp=4 x pp=2 with and without
+    pipeline_across_nodes; and vLLM's CPU ranks (tp=2, num_gpus: 0)."""
     assert replica_placement(vllm(num_gpus=4)) == {"bundles": [GPU_BUNDLE] * 4, "strategy": "STRICT_PACK"}
-    # pipeline stages may sit on different nodes
-    assert replica_placement(vllm(num_gpus=4, pipeline_parallel_size=2)) == {"bundles": [GPU_BUNDLE] * 4,
-                                                                             "strategy": "PACK"}
+    # pipeline stages on one node (their tensor-parallel groups with them), unless the config lets them cross
+    assert replica_placement(vllm(num_gpus=8, pipeline_parallel_size=2)) == {"bundles": [GPU_BUNDLE] * 8,
+                                                                             "strategy": "STRICT_PACK"}
+    assert replica_placement(vllm(num_gpus=8, pipeline_parallel_size=2, pipeline_across_nodes=True)) == {
+        "bundles": [GPU_BUNDLE] * 8, "strategy": "PACK"}
+    # nothing to cross without stages
+    assert replica_placement(vllm(num_gpus=4, pipeline_across_nodes=True))["strategy"] == "STRICT_PACK"
     assert GPU_BUNDLE == {"GPU": 1.0, "CPU": 1.0}  # vLLM starts one worker per one-GPU bundle
     assert replica_placement(vllm(num_gpus=1)) is None and replica_placement(vllm()) is None
+    # CPU ranks: a bundle each, the replica's num_cpus split between them, on one node
+    assert replica_placement(vllm(tensor_parallel_size=2, num_cpus=1)) == {"bundles": [{"CPU": 0.5}, {"CPU": 0.5}],
+                                                                           "strategy": "STRICT_PACK"}
+    assert replica_placement(vllm(tensor_parallel_size=2, num_cpus=16)) == {"bundles": [{"CPU": 8.0}] * 2,
+                                                                            "strategy": "STRICT_PACK"}
+
+
+def test_cpu_ranks_get_cores_of_their_own():
+    """VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU ranks: the replica's threads split between them (vLLM's own "auto"
+    wants a NUMA node per rank, and this machine has one); wrapped where there are fewer cores than ranks."""
+    from wbrag_ray.generation.parallel import cpu_rank_env
+
+    assert cpu_rank_env(vllm(tensor_parallel_size=2, threads=2), [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert cpu_rank_env(vllm(tensor_parallel_size=3, threads=2), [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
+    assert cpu_rank_env(vllm(tensor_parallel_size=2, num_cpus=8), list(range(4, 20))) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "4,5,6,7|8,9,10,11"}
+    assert cpu_rank_env(vllm(), [0, 1]) == {} and cpu_rank_env(vllm(num_gpus=2), [0, 1]) == {}
 
 
 def test_a_sharded_replicas_service_actor_asks_for_no_gpu_and_an_unsharded_one_for_its_own():
+    from wbrag_ray.ray_runtime import LIGHT_CPUS
+
     assert GenerateStage(vllm(num_gpus=4, num_cpus=2)).resources.num_gpus == 0.0  # the placement group holds them
-    assert GenerateStage(vllm(num_gpus=4, num_cpus=2)).resources.num_cpus == 2
+    # and the engine's CPU: the actor only forwards batches
+    assert GenerateStage(vllm(num_gpus=4, num_cpus=2)).resources.num_cpus == LIGHT_CPUS
+    assert GenerateStage(vllm(tensor_parallel_size=2, num_cpus=2)).resources.num_cpus == LIGHT_CPUS
     assert GenerateStage(vllm(num_gpus=1)).resources.num_gpus == 1.0
     assert GenerateStage(GeneratorConfig(num_gpus=0.5)).resources.num_gpus == 0.5
+
+
+def test_a_service_actor_waits_for_its_replicas_placement_group_as_long_as_the_driver_says(monkeypatch):
+    """ray.pending_timeout_s reaches the generator service's actor with its stage: `RemoteEngine` waits that long."""
+    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
+
+    monkeypatch.setitem(PENDING_TIMEOUT_S, "seconds", 42.0)
+    stage = GenerateStage(vllm(num_gpus=2))
+    monkeypatch.setitem(PENDING_TIMEOUT_S, "seconds", 1800.0)  # the actor's own module, before setup
+    monkeypatch.setattr("wbrag_ray.generation.stage.make_generator", lambda config: type(
+        "Loaded", (), {"setup": lambda self: None})())
+    stage.setup()
+    assert PENDING_TIMEOUT_S["seconds"] == 42.0
 
 
 def test_ray_data_llm_gets_the_parallel_sizes_and_the_bundles_and_asks_no_gpu_for_the_engine_actor(tmp_path,
                                                                                                    ray_cluster):
     """Built, not run: Ray Data LLM's engine stage reads tp / pp from the engine arguments, and with the ray
     executor schedules its actor into a placement group of the given bundles instead of reserving GPUs."""
-    gen = VLLMGenerator(vllm(model=str(tmp_path), num_gpus=4, pipeline_parallel_size=2, concurrency=3))
+    gen = VLLMGenerator(vllm(model=str(tmp_path), num_gpus=4, pipeline_parallel_size=2, concurrency=3,
+                             pipeline_across_nodes=True))
     config = gen.processor_config()
     assert (config.engine_kwargs["tensor_parallel_size"], config.engine_kwargs["pipeline_parallel_size"]) == (2, 2)
     assert config.placement_group_config["bundles"] == [GPU_BUNDLE] * 4
@@ -154,6 +209,12 @@ def test_ray_data_llm_gets_the_parallel_sizes_and_the_bundles_and_asks_no_gpu_fo
     single = VLLMGenerator(vllm(model=str(tmp_path), num_gpus=1))
     assert single.processor_config().placement_group_config is None
     assert single.build_processor().get_stage_by_name("vLLMEngineStage").map_batches_kwargs["num_gpus"] == 1
+    # CPU ranks: the multiprocessing executor in one actor holding every rank's bundle, their threads bound
+    cpu = VLLMGenerator(vllm(model=str(tmp_path), tensor_parallel_size=2, num_cpus=1, threads=2))
+    assert cpu.processor_config().runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    stage = cpu.build_processor().get_stage_by_name("vLLMEngineStage")
+    assert stage.fn_constructor_kwargs["engine_kwargs"]["distributed_executor_backend"] == "mp"
+    assert stage.map_batches_kwargs["num_cpus"] == 1 and not stage.map_batches_kwargs.get("num_gpus")
 
 
 # --- the cluster check ------------------------------------------------------------------------------------
@@ -167,24 +228,37 @@ def test_a_cluster_without_a_node_of_tensor_parallel_size_gpus_is_refused_saying
     why = placement_refusal(vllm(num_gpus=4), nodes(0, 1, 1, 1, 1))
     assert why == ("generator: tensor_parallel_size=4 x pipeline_parallel_size=1 needs 4 GPUs on one node, and no "
                    "node of the cluster has that many (4 nodes x 1 GPU, 1 node x 0 GPUs); lower "
-                   "tensor_parallel_size and raise pipeline_parallel_size (pipeline stages may sit on different "
-                   "nodes), or add nodes with 4 GPUs")
-    # the same GPUs as four pipeline stages of one GPU fit
-    assert placement_refusal(vllm(num_gpus=4, tensor_parallel_size=1, pipeline_parallel_size=4),
-                             nodes(0, 1, 1, 1, 1)) is None
+                   "tensor_parallel_size and raise pipeline_parallel_size with pipeline_across_nodes: true "
+                   "(pipeline stages may then sit on different nodes), or add nodes with 4 GPUs")
+    # the same GPUs as four pipeline stages of one GPU fit where the stages may cross nodes, and only then
+    stages = {"num_gpus": 4, "tensor_parallel_size": 1, "pipeline_parallel_size": 4}
+    assert placement_refusal(vllm(**stages, pipeline_across_nodes=True), nodes(0, 1, 1, 1, 1)) is None
+    assert "set pipeline_across_nodes: true (its 4 stages on different nodes, 1 GPUs of one node each)" in \
+        placement_refusal(vllm(**stages), nodes(0, 1, 1, 1, 1))
     one = placement_refusal(vllm(num_gpus=1), nodes(0), key="zerorag.qa_generator")
     assert one.startswith("zerorag.qa_generator: num_gpus=1 needs 1 GPU on one node") and "num_gpus: 0" in one
 
 
 def test_a_cluster_with_fewer_gpus_than_the_replicas_need_is_refused_with_the_concurrency_that_fits():
-    # 2 replicas of 4 x 2: four groups of 4 GPUs; two 8-GPU nodes and a 4-GPU one hold 5
+    # tp=4 x pp=2 on one node each (the default): two 8-GPU nodes and a 4-GPU one hold 2 replicas
     assert placement_refusal(vllm(num_gpus=8, pipeline_parallel_size=2, concurrency=2), nodes(8, 8, 4)) is None
     why = placement_refusal(vllm(num_gpus=8, pipeline_parallel_size=2, concurrency=3), nodes(8, 8, 4))
+    assert why.startswith("generator: concurrency=3 replicas of tensor_parallel_size=4 x pipeline_parallel_size=2 "
+                          "need 3 groups of 8 GPUs on one node each (24 GPUs), and the cluster holds 2") and \
+        why.endswith("; set concurrency: 2")
+    assert "needs 8 GPUs on one node" in placement_refusal(vllm(num_gpus=8, pipeline_parallel_size=2), nodes(4, 4))
+    # with pipeline_across_nodes, 2 replicas of 4 x 2: four groups of 4 GPUs; the same nodes hold 5
+    across = {"num_gpus": 8, "pipeline_parallel_size": 2, "pipeline_across_nodes": True}
+    assert placement_refusal(vllm(**across), nodes(4, 4)) is None
+    assert placement_refusal(vllm(**across, concurrency=2), nodes(8, 8, 4)) is None
+    why = placement_refusal(vllm(**across, concurrency=3), nodes(8, 8, 4))
     assert why == ("generator: concurrency=3 replicas of tensor_parallel_size=4 x pipeline_parallel_size=2 need 6 "
                    "groups of 4 GPUs on one node each (24 GPUs), and the cluster holds 5 (2 nodes x 8 GPUs, 1 node "
                    "x 4 GPUs); set concurrency: 2")
     # a group never straddles two nodes: two 6-GPU nodes hold two groups of 4, not three
     assert "holds 2" in placement_refusal(vllm(num_gpus=4, concurrency=3), nodes(6, 6))
+    # nor does a group of tp=4 with pipeline_across_nodes: 3 x 2 GPUs hold no stage of 4
+    assert "needs 4 GPUs on one node" in placement_refusal(vllm(**across), nodes(2, 2, 2, 2))
     # fractional replicas pack by whole counts per node
     assert placement_refusal(vllm(num_gpus=0.5, concurrency=4), nodes(1, 1)) is None
     assert "set concurrency: 4" in placement_refusal(vllm(num_gpus=0.5, concurrency=5), nodes(1, 1))
@@ -192,6 +266,7 @@ def test_a_cluster_with_fewer_gpus_than_the_replicas_need_is_refused_with_the_co
 
 def test_the_cluster_check_asks_nothing_of_cpu_and_http_generators():
     assert placement_refusal(vllm(concurrency=64), nodes(0)) is None
+    assert placement_refusal(vllm(tensor_parallel_size=2), nodes(0)) is None
     assert placement_refusal(GeneratorConfig(backend="openai", model="m", num_gpus=1), nodes(0)) is None
 
 
@@ -228,6 +303,35 @@ class PlacementProbe:
                 "worker_nodes": ray.get(workers)}
 
 
+def test_a_killed_actors_engine_group_stays_held_until_its_service_removes_it(ray_cluster):
+    """Ray removes a placement group only once its creator and the creator's job have ended: a service actor killed
+    with its sharded engine (here CPU ranks, a probe in place of vLLM) would hold the group's CPUs until the driver
+    exits. `release_engine_groups`, which `StageService.close` calls, removes it."""
+    import time
+
+    import ray
+    from ray.util import placement_group_table
+
+    from wbrag_ray.generation.parallel import RemoteEngine, release_engine_groups
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def __init__(self):
+            self.engine = RemoteEngine(vllm(tensor_parallel_size=2, num_cpus=0.5), PlacementProbe, timeout_s=60)
+
+        def group(self) -> str:
+            return self.engine.pg.id.hex()
+
+    owner = Owner.remote()
+    group = ray.get(owner.group.remote())
+    assert placement_group_table()[group]["strategy"] == "STRICT_PACK"
+    ray.kill(owner)
+    time.sleep(1)
+    assert placement_group_table()[group]["state"] == "CREATED"  # Ray's own lifetime: the job's
+    assert release_engine_groups([owner._actor_id.hex()]) == 1
+    assert placement_group_table()[group]["state"] == "REMOVED"
+
+
 def main() -> None:
     """Two worker nodes of 2 declared GPUs and a GPU-less head: the cluster check on the alive nodes, and the
     placement group a service's sharded replica takes, for tensor parallel (STRICT_PACK) and pipeline parallel
@@ -244,8 +348,8 @@ def main() -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     out: dict = {}
-    refusals = {"tp4": vllm(num_gpus=4), "tp2pp2x2": vllm(num_gpus=4, tensor_parallel_size=2,
-                                                          pipeline_parallel_size=2, concurrency=2)}
+    refusals = {"tp4": vllm(num_gpus=4), "tp2pp2x2": vllm(num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                          concurrency=2, pipeline_across_nodes=True)}
     for name, config in refusals.items():
         try:
             check_placement(config)
@@ -281,7 +385,8 @@ def main() -> None:
     out["autoscaling_skips"] = True
     del os.environ["WBRAG_AUTOSCALING"]
     for name, config in {"tp2": vllm(num_gpus=2, max_new_tokens=7),
-                         "tp2pp2": vllm(num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2)}.items():
+                         "tp2pp2": vllm(num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                        pipeline_across_nodes=True)}.items():
         check_placement(config)
         engine = RemoteEngine(config, PlacementProbe)
         seen = engine.call(config, "generate", ["prompt"])
@@ -296,6 +401,16 @@ def main() -> None:
         out["unplaceable"] = None
     except ConfigError as exc:
         out["unplaceable"] = str(exc)
+    # by default the wait is ray.pending_timeout_s (the driver's, or the one a service's stage carries to its actor)
+    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
+
+    PENDING_TIMEOUT_S["seconds"] = 2
+    try:
+        # 2 x 2 without pipeline_across_nodes: all 4 GPUs on one node (STRICT_PACK), and nodes hold 2
+        RemoteEngine(vllm(num_gpus=4, tensor_parallel_size=2, pipeline_parallel_size=2), PlacementProbe)
+        out["unplaceable_pp"] = None
+    except ConfigError as exc:
+        out["unplaceable_pp"] = str(exc)
     print(json.dumps(out))
     ray.shutdown()
     cluster.shutdown()
@@ -330,7 +445,14 @@ def test_a_sharded_replica_runs_inside_its_placement_group_and_the_cluster_check
     # the pass's call arrives with its own settings
     assert seen["tp2"]["method"] == "generate" and seen["tp2"]["args"] == [["prompt"]]
     assert seen["tp2"]["max_new_tokens"] == 7
-    assert "no room for an engine replica of tensor_parallel_size=4" in seen["unplaceable"]
+    assert seen["unplaceable"].startswith(
+        "generator: no room for an engine replica of tensor_parallel_size=4 x pipeline_parallel_size=1 after 3 s "
+        "(ray.pending_timeout_s): its placement group needs 4 bundles of {'GPU': 1.0, 'CPU': 1.0} (4 GPU + 4 CPU) "
+        "on one node (STRICT_PACK), and the cluster has free [")
+    # pipeline stages stay on one node unless the config lets them cross; the wait is the setting's (2 s here)
+    assert "tensor_parallel_size=2 x pipeline_parallel_size=2 after 2 s (ray.pending_timeout_s)" in \
+        seen["unplaceable_pp"] and "(4 GPU + 4 CPU) on one node (STRICT_PACK)" in seen["unplaceable_pp"]
+    assert "2 GPU" in seen["unplaceable_pp"].split("free [")[1]  # the free GPUs of a node, named
 
 
 if __name__ == "__main__":

@@ -216,8 +216,7 @@ class AnswerMemo:
                 continue
             if k in committed:
                 resumed.add(k)
-            else:
-                first_row[k] = i
+            first_row[k] = i
         columns = _output_columns(stage)
         made: dict[bytes, tuple] = {k: committed[k] for k in resumed}
         if first_row:

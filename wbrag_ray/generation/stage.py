@@ -7,11 +7,12 @@ import json
 
 import pandas as pd
 
+from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.parallel import sharded
 from wbrag_ray.generation.types import Scored, check_mode, scored_columns
-from wbrag_ray.ray_runtime import vllm_env
+from wbrag_ray.ray_runtime import LIGHT_CPUS, vllm_env
 from wbrag_ray.stages.base import Resources, Stage
 
 # Generator settings each pass sets for itself on the loaded model: another value loads nothing again.
@@ -45,27 +46,37 @@ class GenerateStage(Stage):
         # vLLM's log level for the workers that import it, decided here in the driver (its -v) and carried in
         # their own runtime env: no other worker of the job starts through one (`Resources.env`)
         self.env = tuple(sorted(vllm_env().items())) if config.backend == "vllm" else ()
+        # the weights' content (`identity.content_identity`): a model or adapter rewritten in place is loaded anew,
+        # never answered for by a service that loaded the old files (a kept one, or one of an earlier pass)
+        from wbrag_ray.identity import content_identity
+
+        self.weights = (content_identity(config.model), content_identity(config.lora_adapter))
+        # ray.pending_timeout_s, as the driver has it, for the waits in the actor (a sharded replica's placement group)
+        self.pending_timeout_s = PENDING_TIMEOUT_S["seconds"]
 
     @property
     def resources(self) -> Resources:
         c = self.config
-        # A replica larger than one GPU holds its GPUs in a placement group of its own (`parallel.RemoteEngine`):
-        # the actor that forwards the passes' batches to it asks for none.
+        # A replica of several shards holds its GPUs (on CPUs: its ranks' CPUs) in a placement group of its own
+        # (`parallel.RemoteEngine`): the actor that forwards the passes' batches to it asks for no GPU, and a light
+        # share of a CPU.
         gpus = 0.0 if sharded(c) else c.num_gpus
+        cpus = LIGHT_CPUS if sharded(c) else c.num_cpus
         # One Ray batch holds several generate batches, so length bucketing has room to sort.
         # A vLLM engine takes several batches at once (`generation.vllm_feed`); the other backends one at a time.
         calls = c.calls_per_engine if c.backend == "vllm" else 1
-        return Resources(c.num_cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads, calls=calls,
+        return Resources(cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads, calls=calls,
                          env=self.env)
 
     def setup(self) -> None:
+        PENDING_TIMEOUT_S["seconds"] = self.pending_timeout_s
         self.generator = make_generator(self.config)
         self.generator.setup()
 
     def service_key(self) -> str:
         # What setup loads: the generator's settings except those a pass sets for itself (its token budget, stop
         # strings, batch and checkpoint sizes are read per pass: `adopt` lends the loaded model the pass's config).
-        return self.config.model_dump_json(exclude=PASS_KEYS)
+        return self.config.model_dump_json(exclude=PASS_KEYS) + json.dumps(self.weights)
 
     def adopt(self, loaded: GenerateStage) -> None:
         self.generator = loaded.generator.with_config(self.config)

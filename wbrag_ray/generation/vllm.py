@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import posixpath
 from pathlib import Path
 from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
-from wbrag_ray.generation.parallel import RemoteEngine, replica_placement, sharded
+from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env, replica_placement, sharded
 from wbrag_ray.generation.types import (
     CHOICE_TOP_K,
     Generator,
@@ -180,7 +181,8 @@ class VLLMGenerator(Generator):
     def engine_kwargs(self) -> dict[str, Any]:
         """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the tensor /
         pipeline parallel sizes (`GeneratorConfig.parallel_sizes`; vLLM's ray executor for a replica larger than
-        one GPU), LoRA when an adapter is set, and generator.vllm_engine_kwargs over all of them."""
+        one GPU, its multiprocessing executor for a tensor-parallel one on CPUs: a process per rank), LoRA when an
+        adapter is set, and generator.vllm_engine_kwargs over all of them."""
         from wbrag_ray.models.hardware import resolved_dtype_name
 
         kwargs = {**VLLM_THROUGHPUT_DEFAULTS, **(VLLM_CPU_DEFAULTS if self.on_cpu else {})}
@@ -190,8 +192,8 @@ class VLLMGenerator(Generator):
         kwargs["dtype"] = "auto" if dtype.startswith("auto") else dtype
         tp, pp = self.config.parallel_sizes()
         kwargs.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-        if tp * pp > 1:  # one worker per GPU bundle of the replica's placement group, as Ray Data LLM runs them
-            kwargs["distributed_executor_backend"] = "ray"
+        if tp * pp > 1 and not self.on_cpu:  # one worker per GPU bundle of the replica's placement group, as Ray
+            kwargs["distributed_executor_backend"] = "ray"  # Data LLM runs them (on CPUs: "mp", ranks as processes)
         if self.config.lora_adapter:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.config.lora_adapter), max_loras=1)
         share = self.config.num_gpus  # a GPU shared with retrieval: vLLM's memory within the share
@@ -217,10 +219,15 @@ class VLLMGenerator(Generator):
         from ray.data.llm import vLLMEngineProcessorConfig
 
         # a replica larger than one GPU: its GPU bundles, placed by Ray Data LLM (no GPU for the engine's actor
-        # itself); one GPU: Ray Data LLM's default
-        placement = {"bundles": [{"CPU": self.config.num_cpus}]} if self.on_cpu else replica_placement(self.config)
+        # itself); one GPU: Ray Data LLM's default. On CPUs a bundle per tensor-parallel rank, which Ray Data LLM
+        # adds up into the CPUs of the engine's actor (vLLM's "mp" executor starts the ranks as its processes),
+        # the ranks' threads bound to the first cores of that actor's node (`cpu_rank_env`).
+        placement = replica_placement(self.config)
+        if self.on_cpu and placement is None:
+            placement = {"bundles": [{"CPU": self.config.num_cpus}]}
         remote = "://" in self.config.model and not self.config.model.startswith("file://")
         env = {**vllm_env(), **({"VLLM_BATCH_INVARIANT": "1"} if self.batch_invariant else {})}
+        env.update(cpu_rank_env(self.config, list(range(math.ceil(self.config.threads or self.config.num_cpus)))))
         return vLLMEngineProcessorConfig(
             # a folder on object storage goes as its URI: Ray Data LLM fetches it on each engine's node
             model_source=self.config.model if remote else self.model_source(),
@@ -305,7 +312,9 @@ class VLLMGenerator(Generator):
 
         A replica larger than one GPU (tensor / pipeline parallel) runs in a process of its own inside the
         replica's placement group (`RemoteEngine`), which vLLM's ray executor fills with one worker per GPU;
-        this process forwards the passes' calls to it."""
+        this process forwards the passes' calls to it. A tensor-parallel replica on CPUs too: its group holds a
+        CPU bundle per rank, and vLLM's multiprocessing executor starts the ranks as processes beside the engine's,
+        each rank's OpenMP threads bound to cores of their own (`cpu_rank_env`)."""
         import os
 
         if sharded(self.config) and not _in_placement_group():
@@ -319,7 +328,8 @@ class VLLMGenerator(Generator):
                 "pip install 'wbrag-ray[gpu]' on GPUs"
             ) from None
         kwargs = self.engine_kwargs()
-        in_process = self.on_cpu and "distributed_executor_backend" not in self.config.vllm_engine_kwargs
+        in_process = (self.on_cpu and not sharded(self.config)
+                      and "distributed_executor_backend" not in self.config.vllm_engine_kwargs)
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
         self.source = self.model_source()
@@ -327,7 +337,9 @@ class VLLMGenerator(Generator):
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the engine (and its processes) as it starts
         # read while the engine starts, and only then: the process's later Ray workers must not inherit it
         in_process_core = in_process and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
-        with environ_while({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process_core else {}):
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process_core else {}
+        env.update(cpu_rank_env(self.config, sorted(os.sched_getaffinity(0))))
+        with environ_while(env):
             self.llm = LLM(model=self.source, **kwargs)
         self.lora = self._lora_request()
         self.feed = EngineFeed(self.llm)
