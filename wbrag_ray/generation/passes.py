@@ -216,7 +216,8 @@ class AnswerMemo:
                 continue
             if k in committed:
                 resumed.add(k)
-            first_row[k] = i
+            else:
+                first_row[k] = i
         columns = _output_columns(stage)
         made: dict[bytes, tuple] = {k: committed[k] for k in resumed}
         if first_row:

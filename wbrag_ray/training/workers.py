@@ -309,7 +309,8 @@ def example_shards(training: Training, world: int) -> dict[str, Any]:
     frame[ROW] = np.arange(n, dtype=np.int64)
     frame[WEIGHT] = np.asarray(training.weights if training.weights is not None else np.ones(n), dtype=np.float32)
     frame[GROUP] = np.asarray(training.groups if training.groups is not None else np.zeros(n), dtype=np.int64)
-    shards = ray.data.from_pandas(frame).split_at_indices(shard_bounds(n, world))
+    dataset = ray.data.from_pandas(frame)
+    shards = dataset.split_at_indices(shard_bounds(n, world)) if world > 1 else [dataset]  # Ray refuses no index
     return {SHARD.format(r): shard for r, shard in enumerate(shards)}
 
 
