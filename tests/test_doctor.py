@@ -34,12 +34,28 @@ def test_a_gpu_required_on_a_machine_without_one_fails_the_command_and_says_whic
     assert "without GPU support" in checks["faiss"]["detail"]
 
 
-def test_without_flags_the_same_findings_report_and_exit_zero():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the findings below are those of a machine without a GPU")
+def test_without_flags_the_same_findings_report_and_exit_zero(capsys):
+    """The table, without flags and with --gpu: the same rows (this machine has no GPU: torch, the driver and faiss
+    warn), "ready" and exit 0 only where no flag requires them; --gpu marks the same rows FAIL and names them."""
     out = subprocess.run([WBRAG, "doctor"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[-1] == "doctor: ready"
-    assert any(line.startswith("torch") and " warn " in line for line in lines)
+    gpu_checks = ("torch", "nvidia driver", "faiss")
+
+    def marks(table: list[str]) -> dict[str, str]:  # each check's row: its name, then its mark
+        return {n: row[len(n):].split()[0] for row in table[:-1]
+                for n in (*gpu_checks, row.split()[0]) if row.startswith(n + " ")}
+
+    plain = marks(lines)
+    assert {plain[n] for n in gpu_checks} == {"warn"}
+    # --gpu on the same machine (in process: the command's own function): the same rows, those three FAIL, exit 1
+    assert doctor.main(["--gpu"]) == 1
+    gpu = capsys.readouterr().out.splitlines()
+    assert gpu[-1].startswith("doctor: failed: ")
+    assert set(gpu_checks) <= set(gpu[-1].removeprefix("doctor: failed: ").split(", "))
+    assert marks(gpu).keys() == plain.keys() and {marks(gpu)[n] for n in gpu_checks} == {"FAIL"}
 
 
 @pytest.fixture

@@ -190,20 +190,53 @@ def test_auto_build_in_several_shards_searches_like_one_shard(tmp_path):
 # --- Ray: merges as parallel tasks, their memory, and where training runs --------------------------------
 
 
-def test_merges_run_one_ray_task_per_shard_and_report_each_tasks_peak_memory(tmp_path, ray_cluster):
+def test_merges_run_one_ray_task_per_shard_and_report_each_tasks_peak_memory(tmp_path, ray_cluster, monkeypatch):
     """The adds and merges run in Ray worker processes, not this one (each result names the process that made it
     and measured its peak), one merge per shard file; the in-process build of the same data, for contrast, runs
-    every task here and makes the same index."""
+    every task here and makes the same index. What each merge task saw of itself is written down by a wrapper
+    around it (Ray's task id, the process, the kernel's resident and peak-resident figures just before and after
+    it): one task per shard, and each reported peak lies between the two figures the kernel gave."""
     import os
 
+    from wbrag_ray.index import build
+
+    merge, seen = build._merge_task, tmp_path / "merges"
+    seen.mkdir()
+
+    def observed(shared, item):  # a closure: travels to the workers by value, calls the real task there
+        import json as json_
+        import uuid
+
+        import ray
+
+        def status_mb(key):
+            return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+        before = status_mb("VmRSS")
+        out = merge(shared, item)
+        (seen / uuid.uuid4().hex).write_text(json_.dumps({
+            "task": ray.get_runtime_context().get_task_id(), "pid": os.getpid(), "file": item[0],
+            "rss_before": before, "hwm_after": status_mb("VmHWM")}))
+        return out
+
+    monkeypatch.setattr(build, "_merge_task", observed)
     write_shards(tmp_path / "emb", clustered(3000, 16), parts=6)
     stats = _build(tmp_path, "IVF16,Flat", num_shards=3, parallel=True)
+    monkeypatch.undo()
     assert stats["parallel"] and stats["add_tasks"] == 6 and stats["merge_tasks"] == 3
     workers = set(stats["add_task_pids"]) | set(stats["merge_task_pids"])
     assert len(stats["merge_task_pids"]) == 3 and os.getpid() not in workers
     for pid in workers:  # live Ray worker processes (Ray titles them ray::<task>, ray::IDLE between tasks)
         assert open(f"/proc/{pid}/cmdline").read().startswith("ray::"), pid
-    assert len(stats["merge_task_peak_rss_mb"]) == 3 and min(stats["merge_task_peak_rss_mb"]) > 0
+    tasks = [json.loads(f.read_text()) for f in seen.iterdir()]
+    assert len({t["task"] for t in tasks}) == len(tasks) == 3  # three Ray tasks, each merging one shard
+    by_file = {t["file"].rsplit("/", 1)[-1]: t for t in tasks}
+    assert sorted(by_file) == [f"index-{j:05d}.faiss" for j in range(3)]
+    for j, (pid, peak) in enumerate(zip(stats["merge_task_pids"], stats["merge_task_peak_rss_mb"], strict=True)):
+        task = by_file[f"index-{j:05d}.faiss"]
+        # the peak since the task began: at least what the process held then (less a MiB the allocator may have
+        # given back), at most the kernel's peak read after it (rounded to 0.1 in the stats)
+        assert task["pid"] == pid and task["rss_before"] - 1 <= peak <= task["hwm_after"] + 0.05, (task, peak)
     assert stats["train_peak_rss_mb"] > 0 and stats["add_peak_rss_mb"] > 0
     assert stats["peak_rss_mb"] == max(stats["train_peak_rss_mb"], stats["add_peak_rss_mb"], stats["merge_peak_rss_mb"])
     manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())

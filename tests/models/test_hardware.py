@@ -71,8 +71,34 @@ def test_the_avx2_variables_hold_torchs_kernels_to_avx2_and_dtype_auto_to_float3
     if "avx512f" in flags:  # the variables made the difference
         assert free.stdout.strip().startswith("AVX512")
 
-    assert held_kernels({}) == "" and held_kernels(AVX2_ONLY_ENV) == " ".join(f"{k}={v}" for k, v in AVX2_ONLY_ENV.items())
+    # the line `make test-avx2` puts before pytest, written out by hand; and only what an environment sets, at its value
+    assert held_kernels({}) == "" and held_kernels(AVX2_ONLY_ENV) == (
+        "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell")
+    assert held_kernels({"PATH": "/bin", "OPENBLAS_CORETYPE": "Zen", "ATEN_CPU_CAPABILITY": "",
+                         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}) == "ONEDNN_MAX_CPU_ISA=AVX512_CORE OPENBLAS_CORETYPE=Zen"
     assert not cpu_supports_bf16({"ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert not cpu_supports_bf16({"ONEDNN_MAX_CPU_ISA": "avx512_core"})
     assert cpu_supports_bf16({}) == cpu_has_native_bf16()
     assert cpu_supports_bf16({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) == cpu_has_native_bf16()
+
+
+def test_a_stage_configured_for_gpus_is_refused_where_torch_sees_none_naming_the_stage_and_the_setting():
+    """This machine's torch sees no GPU: a stage asking for one is refused (a CPU run of a GPU stage would take days,
+    silently), one asking for none passes; where a setting other than `<key>.num_gpus` decides, it is named."""
+    import pytest
+    import torch
+
+    from wbrag_ray.config import ConfigError
+    from wbrag_ray.models.hardware import require_gpu
+
+    assert not torch.cuda.is_available()
+    require_gpu("the LM pruner's training", "zerorag.lm_pruner.trainer", 0)
+    with pytest.raises(ConfigError) as refused:
+        require_gpu("the LM pruner's training", "zerorag.lm_pruner.trainer", 1)
+    message = str(refused.value)
+    assert message.startswith("the LM pruner's training asks for 1 GPU (zerorag.lm_pruner.trainer.num_gpus) but the "
+                              f"node it runs on has none visible to torch (torch {torch.__version__}")
+    assert message.endswith("; set zerorag.lm_pruner.trainer.num_gpus: 0 to run on CPU")
+    with pytest.raises(ConfigError, match=r"^the retrieve stage asks for 0\.5 GPUs \(retrieval\.embed_gpus\) .*"
+                                          r"set retrieval\.embed_gpus: 0 to run on CPU$"):
+        require_gpu("the retrieve stage", "retrieval", 0.5, "retrieval.embed_gpus")

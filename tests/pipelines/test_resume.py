@@ -82,9 +82,25 @@ def _check_resumed(run: RunFolder, stage: str, total: int, committed: int) -> No
     assert not run.layout.checkpoint(stage).exists()  # removed once the stage is complete
 
 
+def _sent_to_the_generator(monkeypatch) -> dict[str, list[str]]:
+    """The prompts each generator pass of this process sends to its service, recorded as they are sent (a resumed
+    pass sends only what no attempt committed), by pass name."""
+    from wbrag_ray.stages.service import Services
+
+    sent: dict[str, list[str]] = {}
+    real = Services.run_frame
+
+    def run_frame(self, frame, stage, name=None, on_batch=None):
+        sent.setdefault(name or stage.name, []).extend(frame[stage.prompt_column])
+        return real(self, frame, stage, name, on_batch)
+
+    monkeypatch.setattr(Services, "run_frame", run_frame)
+    return sent
+
+
 @pytest.mark.slow
 def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chain, ray_cluster, tmp_path, caplog,
-                                                                           capsys):
+                                                                           capsys, monkeypatch):
     source, _ = chain
     run = _copy(source, tmp_path / "run", "mastery")
     total = source.stats("mastery")["valid"]  # the QA pairs the closed-book pass answers
@@ -93,8 +109,12 @@ def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chai
     assert main(["status", run.uri]) == 0  # what a person sees of the stopped stage
     status = capsys.readouterr().out
     assert f"{committed:,} of {total:,} rows committed in pass closed_book: the same command resumes it" in status
+    sent = _sent_to_the_generator(monkeypatch)
     with caplog.at_level("INFO", logger="wbrag_ray.progress"):
         assert main(["mastery", run.uri]) == 0
+    # what the rerun sent the model as it went: only the prompts no attempt committed, each once
+    assert len(sent["closed_book"]) == len(set(sent["closed_book"])) == total - committed, (len(sent["closed_book"]),
+                                                                                             total, committed)
     assert f"resumed {committed:,} of {total:,} rows" in caplog.text
     _check_resumed(run, "mastery", total, committed)
     assert main(["status", run.uri]) == 0
@@ -105,6 +125,37 @@ def test_mastery_resumes_its_closed_book_answers_after_the_driver_is_killed(chai
         got = pq.read_table(getattr(run.layout.zero_rag, table).path).to_pandas()
         key = ["sid", "qa_index"] if table == "qa" else ["sid"]
         assert got.sort_values(key).reset_index(drop=True).equals(want.sort_values(key).reset_index(drop=True))
+
+
+@pytest.mark.slow
+def test_mastery_resumes_the_llm_qa_writer_after_the_driver_is_killed(chain, ray_cluster, tmp_path, monkeypatch):
+    """zerorag.qa_mode llm: the QA writer is a generator pass of the stage too. Killed while it writes (half of the
+    sentences' QA outputs committed), the rerun sends the model only the sentences no attempt committed, and writes
+    the QA pairs (the writer's raw outputs included) and scores of an uninterrupted run of the same settings."""
+    source, _ = chain
+    llm = ["--mode", "llm", "--sample", "24", "--set", "zerorag.qa_max_new_tokens=24"]
+    reference = _copy(source, tmp_path / "reference", "mastery")
+    assert main(["mastery", reference.uri, *llm]) == 0
+    want = reference.stats("mastery")
+    assert want["mode"] == "llm" and want["sentences"] == 24
+    total = want["sentences"] + want["valid"]  # the writer's prompts, then the closed-book answers to its pairs
+
+    run = _copy(source, tmp_path / "run", "mastery")
+    committed = _kill_when_half_committed(["mastery", run.uri, *llm, *SMALL_BLOCKS], run, "mastery", 24, ray_cluster)
+    sent = _sent_to_the_generator(monkeypatch)
+    assert main(["mastery", run.uri, *llm]) == 0
+    # what the rerun sent the QA writer as it went: the sentences whose output no attempt committed, each once
+    assert len(sent["qa_write"]) == len(set(sent["qa_write"])) == 24 - committed, (len(sent["qa_write"]), committed)
+    assert len(sent.get("closed_book", [])) == want["valid"]  # its pairs: none committed before the kill
+    stats = run.stats("mastery")
+    assert stats["passes"]["qa_write"]["rows_resumed"] == committed and "rows_resumed" not in stats["passes"].get(
+        "closed_book", {})
+    _check_resumed(run, "mastery", total, committed)
+    for table in ("qa", "scores"):
+        want_t = pq.read_table(getattr(reference.layout.zero_rag, table).path).to_pandas()
+        got = pq.read_table(getattr(run.layout.zero_rag, table).path).to_pandas()
+        key = ["sid", "qa_index"] if table == "qa" else ["sid"]
+        assert got.sort_values(key).reset_index(drop=True).equals(want_t.sort_values(key).reset_index(drop=True))
 
 
 @pytest.mark.slow

@@ -168,6 +168,12 @@ def test_a_service_actor_killed_after_its_arguments_were_released_restarts_and_s
     # an argument too large to travel inside the creation spec is refused, not left to fail a later restart
     with pytest.raises(ValueError, match="pass large inputs by path"):
         start_restartable(ray_cluster.remote(num_cpus=0)(object), b"x" * (200 * 1024))
+    # and so is a service whose stage pickles past what Ray inlines (100 KiB): the stage above is a few KiB, which
+    # any `.remote(stage)` would inline; this one would go to the object store, where a restart finds it no more
+    large = GenerateStage(config)
+    large.ballast = b"x" * (150 * 1024)
+    with pytest.raises(ValueError, match="pass large inputs by path"):
+        StageService(large)
 
 
 def test_a_service_the_cluster_cannot_place_is_refused_in_seconds_before_any_actor_starts(ray_cluster, tiny):

@@ -1,5 +1,5 @@
 """A write-back version's effect where it can act (won / lost over the questions whose top K changed), the held-out
-validation split, the verdict on a version that hurts, and the grid's columns: hand-made rows, no Ray."""
+validation split, the verdict on a version that hurts, the grid's columns and Same-WB's table: hand-made rows, no Ray."""
 
 import hashlib
 
@@ -20,13 +20,16 @@ def docs(*keys):
 P = [("base", 1), ("base", 2), ("base", 3)]
 
 
-def test_won_and_lost_are_counted_only_where_the_top_k_changed():
+def test_won_and_lost_are_counted_only_where_the_top_k_changed_and_a_flip_under_an_unchanged_top_k_is_not():
+    """The counting rule on hand-made rows. Row a's flip is one a real command cannot make (the same prompt gets the
+    same answer: `AnswerMemo`); that an unchanged top K keeps its base answer on real answers is checked in
+    tests/pipelines/test_writeback_pipeline.py (the validation and the Same-WB grid)."""
     base = pd.DataFrame({"id": ["a", "b", "c", "d", "e"], "docs": [docs(*P)] * 5, "acc": [1.0, 0.0, 1.0, 0.0, 1.0]})
     union = pd.DataFrame({
         "id": ["e", "d", "c", "b", "a"],  # another order: matched by id
         "docs": [docs(*P), docs(("writeback", 9), *P[:2]), docs(("writeback", 9), *P[:2]),
                  docs(P[0], ("writeback", 7), P[1]), docs(*P)],
-        # a: unchanged top K, answer flipped (batch noise): not counted; b: changed and won; c: changed and lost;
+        # a: unchanged top K, answer flipped (hand-made): not counted; b: changed and won; c: changed and lost;
         # d: changed, still wrong; e: unchanged
         "acc": [1.0, 0.0, 0.0, 1.0, 0.0],
     })
@@ -68,3 +71,26 @@ def test_the_grid_shows_each_union_setting_with_its_units_won_and_lost():
     assert "+wb v1 [naive] provenance" in lines[1] and "+wb v1 [naive] score" in lines[1]
     assert lines[2].split() == ["naive", "0.500", "0.550", "(+0.050)*", "0.450", "(-0.050)*"]
     assert lines[-1].split() == ["naive", "4:", "+2", "-0", "9:", "+1", "-3"]
+
+
+def test_same_wb_shows_each_method_beside_its_own_version_not_a_cross_cell():
+    """WriteBack-RAG's Table 2 (`--same-writeback`) from hand-made cells, every one of them a different number: each
+    method's line holds its base cell and its cell beside the version written back under it, never the cell beside
+    the other method's version (the cross cell); a row kept from a grid of another union setting is not shown."""
+    from wbrag_ray.evaluation.methods_grid import format_same_writeback
+
+    def row(method, version, em, union="gate"):
+        return {"method": method, "version": version, "union": None if version is None else union,
+                "em": em, "f1": em + 0.01, "acc": em + 0.02}
+
+    own = {"naive": "train-naive", "replug-vote": "train"}
+    rows = [row("naive", None, 0.10), row("naive", "train-naive", 0.30), row("naive", "train", 0.50),
+            row("replug-vote", None, 0.20), row("replug-vote", "train-naive", 0.70), row("replug-vote", "train", 0.40),
+            row("replug-vote", "train", 0.90, union="score")]  # kept from an earlier grid under another union
+    lines = format_same_writeback({"name": "sw", "rows": rows, "same_writeback": own}).splitlines()
+    assert lines[0] == "Same-WB on sw: each method beside the version written back under it" and len(lines) == 4
+    # by hand: em, em Same-WB (change), f1, f1 Same-WB (change), acc, acc Same-WB (change)
+    assert lines[2].split() == ["naive", "train-naive", "0.100", "0.300", "(+0.200)", "0.110", "0.310", "(+0.200)",
+                                "0.120", "0.320", "(+0.200)"]
+    assert lines[3].split() == ["replug-vote", "train", "0.200", "0.400", "(+0.200)", "0.210", "0.410", "(+0.200)",
+                                "0.220", "0.420", "(+0.200)"]
