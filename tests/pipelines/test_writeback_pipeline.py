@@ -272,7 +272,10 @@ def test_same_writeback_trains_a_version_per_method_that_has_none_and_shows_tabl
 
     assert main(grid_args) == 0
     printed = capsys.readouterr().out
-    assert "[writeback-" not in printed and printed.count("complete, skipped") == 4  # no training, 4 cells kept
+    # no training, no stage run again: each of the grid's three evaluations (base, beside each version) kept
+    assert "[writeback-" not in printed and "] done:" not in printed, printed
+    for label in ("sw-grid", "sw-grid-wb-train", "sw-grid-wb-train-naive"):
+        assert f"[eval-{label}] complete, skipped" in printed, (label, printed)
     assert _base_index_hash(run) == trained["base_hash"]
 
 
