@@ -28,7 +28,10 @@ def run_job(description: str, steps: Steps, options: Sequence[Option] = ()) -> i
         run = args.run or config.run
         if not run:
             raise ConfigError(f"no run folder: pass --run RUN or set `run:` in {args.config}")
-        steps(run, config, args.force, **{dest: getattr(args, dest) for dest in own})
+        from wbrag_ray.lease import run_lease
+
+        with run_lease(run, " ".join([parser.prog, *sys.argv[1:]])):  # one writer per run folder, as `wbrag`
+            steps(run, config, args.force, **{dest: getattr(args, dest) for dest in own})
     except ConfigError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2

@@ -130,7 +130,7 @@ RUN_FOLDER_NAMES = frozenset({
     "eval", "writeback", "ACTIVE", "zero_rag", "mastery", "qa.parquet", "scores.parquet", "pruner", "predictions",
     "keep", "router", "adapter", "grid.json", "metrics.json", "predictions.parquet", "scored.parquet",
     "distill.parquet", "corpus", "units.parquet", "validation.parquet", "labels.parquet", "methods_grid.json",
-    "report", "index.html", "report.md", "_checkpoints",
+    "report", "index.html", "report.md", "_checkpoints", "_lease.json",
 })
 RUN_FOLDER_PREFIXES = ("prune-", "methods_grid")  # a pruned level's folder, a methods grid's file: anywhere
 

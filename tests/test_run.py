@@ -36,23 +36,28 @@ def test_a_failed_stage_leaves_no_marker(tmp_path):
     assert run.completed_stages() == []
 
 
-def test_a_stage_refused_by_its_check_leaves_the_recorded_config_as_it_was(tmp_path):
-    """A stage whose check refuses the settings it was started with (a ConfigError, e.g. a placement no node
-    can meet) made nothing with them: run.json keeps the config that made the run; another failure records."""
+@pytest.mark.parametrize("stop", [ConfigError("embedder.num_cpus: no room"), RuntimeError("died part way"),
+                                  KeyboardInterrupt()], ids=["refused", "failed", "ctrl-c"])
+def test_run_json_only_ever_holds_the_settings_of_completed_stages(tmp_path, stop):
+    """A stage that does not complete (refused by its check, failed, interrupted by Ctrl-C) leaves run.json as it
+    was before the command, so its --set never becomes the next command's base; on a new run folder, where there
+    was none, it leaves none. A stage that completes records its settings."""
+    def stopped():
+        raise stop
+
     run = RunFolder(str(tmp_path / "run"))
+    run.bind_config(load_config(overrides=["embedder.num_cpus=0.75"]), record="when_a_stage_runs")
+    with pytest.raises(type(stop)):
+        run.run_stage("first", stopped)
+    assert not run.is_run()  # nothing completed: no config recorded
     run.bind_config(load_config(overrides=["embedder.num_cpus=0.5"]))
     run.bind_config(load_config(overrides=["embedder.num_cpus=1"]), record="when_a_stage_runs")
-
-    def refused():
-        raise ConfigError("embedder.num_cpus: no room")
-
-    with pytest.raises(ConfigError):
-        run.run_stage("s", refused)
+    with pytest.raises(type(stop)):
+        run.run_stage("s", stopped)
     assert run.load_config().embedder.num_cpus == 0.5
     run.bind_config(load_config(overrides=["embedder.num_cpus=1"]), record="when_a_stage_runs")
-    with pytest.raises(RuntimeError):
-        run.run_stage("s", lambda: (_ for _ in ()).throw(RuntimeError("died part way")))
-    assert run.load_config().embedder.num_cpus == 1  # it ran with them: what it wrote, they made
+    run.run_stage("s", lambda: {"rows_out": 1})
+    assert run.load_config().embedder.num_cpus == 1  # it completed with them: what it wrote, they made
 
 
 def test_marker_is_written_after_stats(tmp_path, monkeypatch):

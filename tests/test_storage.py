@@ -34,6 +34,36 @@ def test_s3_roundtrip(s3_env):
     assert resolve("s3://wbrag/storage-test").uri == "s3://wbrag/storage-test"
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_write_is_seen_whole_or_not_at_all_and_two_writers_of_one_file_never_collide(where, tmp_path, request):
+    """Temp-then-move: while a write is open, readers see the old file (never a half-written one), and a write that
+    fails part way leaves the old file and nothing else; two writers of one file at once (overlapping writes, as two
+    commands on one run folder would) both finish, and the file is one of them whole."""
+    if where == "s3":
+        request.getfixturevalue("s3_env")
+    root = resolve(str(tmp_path / "root") if where == "local" else "s3://wbrag/atomic-test")
+    target = root.join("metrics.json")
+    target.write_bytes(b"old")
+    with target.open_write() as f:
+        f.write(b"new, half written")
+        assert target.read_bytes() == b"old"  # the reader's view until the write is complete
+        assert [g.name for g in root.list_files()] == ["metrics.json"]  # and folder listings never show the half
+    assert target.read_bytes() == b"new, half written"
+    with pytest.raises(RuntimeError), target.open_write() as f:
+        f.write(b"cut short")
+        raise RuntimeError("the writer died")
+    assert target.read_bytes() == b"new, half written"
+    if where == "local":
+        assert sorted(os.listdir(root.path)) == ["metrics.json"]  # no temporary file left behind
+    first, second = target.open_write(), target.open_write()
+    a, b = first.__enter__(), second.__enter__()
+    a.write(b"from the first writer")
+    b.write(b"from the second writer")
+    second.__exit__(None, None, None)
+    first.__exit__(None, None, None)  # its temporary file was its own: not truncated or moved away by the second
+    assert target.read_bytes() == b"from the first writer"
+
+
 def _wbrag(args, env, timeout=600):
     return subprocess.run([sys.executable, "-m", "wbrag_ray.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -318,3 +318,259 @@ def test_a_missing_faiss_names_the_extra_that_installs_it(monkeypatch):
     assert user_error(missing.value) == expected
     assert user_error(ray.exceptions.RayTaskError("build_part", "traceback", missing.value)) == expected
     assert user_error(ModuleNotFoundError("No module named 'torchvision'", name="torchvision")) is None
+
+
+# --- 10. --set values YAML would read as something else, and config files that are not YAML text ------------------
+
+
+@pytest.mark.parametrize("override, words", [
+    ("eval.name=@x", ["eval.name", "'@x' is not a plain name"]),  # YAML's reserved '@': the name as typed, refused
+    ("eval.name=[a", ["'[a' is not a plain name"]),  # an unclosed YAML list
+    ("eval.name=a: b", ["'a: b' is not a plain name"]),  # a YAML mapping
+    ("retrieval.top_k=yes", ["retrieval.top_k=yes", "a number, not yes / no"]),  # was read as 1
+    ("generator.max_new_tokens=[a", ["generator.max_new_tokens=[a", "not a YAML value", "quote"]),
+])
+def test_set_values_that_yaml_reads_otherwise_are_one_line(demo_run, override, words):
+    run, qa = demo_run
+    before = snapshot(run)
+    assert_refused_fast(["eval", str(run), "--dataset", str(qa), "--set", override], *words)
+    assert snapshot(run) == before
+
+
+def test_a_number_given_as_a_name_stays_the_name_typed():
+    from wbrag_ray.config import load_config
+
+    assert load_config(overrides=["eval.name=2024", "writeback.version=007"]).eval.name == "2024"  # was refused
+    assert load_config(overrides=["writeback.version=007"]).writeback.version == "007"  # not 7
+    assert load_config(overrides=["retrieval.top_k=7", "eval.name=null"]).retrieval.top_k == 7
+
+
+def test_a_utf16_config_and_a_folder_given_as_config_are_one_line(demo_run, tmp_path):
+    run, qa = demo_run
+    before = snapshot(run)
+    utf16 = tmp_path / "utf16.yaml"
+    utf16.write_bytes("retrieval:\n  top_k: 3\n".encode("utf-16"))
+    assert_refused_fast(["eval", str(run), "--dataset", str(qa), "--config", str(utf16)], "utf16.yaml", "not UTF-8",
+                        "save it as UTF-8")
+    assert_refused_fast(["eval", str(run), "--dataset", str(qa), "--config", str(tmp_path)], "is a folder",
+                        "a YAML file")
+    assert snapshot(run) == before
+
+
+def test_methods_naming_no_method_are_refused(demo_run):
+    run, qa = demo_run
+    before = snapshot(run)
+    assert_refused_fast(["eval", str(run), "--dataset", str(qa), "--methods", ","], "--methods ','", "names no method")
+    assert snapshot(run) == before
+
+
+# --- 11. `wbrag run` checks every stage's inputs and names before the first --------------------------------------
+
+
+@pytest.mark.parametrize("section, words", [
+    ("eval:\n  dataset: {missing}\n", ["eval.dataset", "does not exist"]),
+    ("eval:\n  dataset: {qa}\n  name: ../../x\n", ["eval.name", "'../../x' is not a plain name"]),
+    ("writeback:\n  train: {missing}\n", ["writeback.train", "does not exist"]),
+    ("writeback:\n  train: {qa}\n  version: ../x\n", ["writeback.version", "not a plain name"]),
+    ("zerorag:\n  enabled: true\n  train: {missing}\n", ["zerorag.train", "does not exist"]),
+])
+def test_run_checks_every_stages_inputs_and_names_before_the_first(tmp_path, section, words):
+    qa = write_jsonl(tmp_path / "qa.jsonl", demo_questions(2))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"ingest:\n  corpus: {DEMO_CORPUS}\n" + section.format(missing=tmp_path / "nope.jsonl", qa=qa))
+    run = tmp_path / "run"
+    assert_refused_fast(["run", str(config), "--run", str(run)], *words)
+    assert not run.exists()  # nothing ingested, and not even the folder made
+
+
+# --- 12. flags that one action would drop silently -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["eval", "{run}", "--dataset", "{qa}", "--grid", "--name", "x"], ["--grid", "drop --name"]),
+    (["eval", "{run}", "--dataset", "{qa}", "--grid", "--prune-ratio", "0.3", "--router"],
+     ["drop --prune-ratio, --router"]),
+    (["eval", "{run}", "--dataset", "{qa}", "--grid", "--adapter", "--writeback"], ["drop --adapter, --writeback"]),
+    (["writeback", "{run}", "--list", "--activate", "v1"], ["--activate and --list are different actions"]),
+    (["writeback", "{run}", "--sweep", "v1", "--train", "{qa}"], ["--train and --sweep are different actions"]),
+    (["index", "{run}", "--factory", "HNSW32"], ["stage 'index'", "index.factory: 'auto' -> 'HNSW32'", "--force"]),
+])
+def test_flags_an_action_would_drop_and_a_built_index_replaced_without_force_are_refused(demo_run, args, words):
+    run, qa = demo_run
+    before = snapshot(run)
+    assert_refused_fast([a.format(run=run, qa=qa) for a in args], *words)
+    assert snapshot(run) == before
+
+
+def test_the_grid_checks_its_inputs_before_ray(tmp_path, demo_run):
+    _, qa = demo_run
+    assert_refused_fast(["eval", str(tmp_path / "nope"), "--dataset", str(qa), "--grid"], "not a run folder")
+
+
+# --- 13. names and grids of several datasets -----------------------------------------------------------------------
+
+
+def test_flashrag_split_files_are_named_by_their_dataset_too():
+    from wbrag_ray.config import load_config
+    from wbrag_ray.evaluation.stage import dataset_name
+    from wbrag_ray.writeback.versions import default_version
+
+    config = load_config()
+    assert dataset_name(config, "/data/flashrag/nq/test.jsonl") == "nq-test"
+    assert dataset_name(config, "s3://b/flashrag/popqa/test.jsonl") == "popqa-test"  # not both 'test'
+    assert default_version(config, "/data/flashrag/nq/train.jsonl") == "nq-train"
+    assert default_version(config, "/data/flashrag/triviaqa/train.jsonl") == "triviaqa-train"  # not both 'train'
+    assert dataset_name(config, "/data/my_questions.jsonl") == "my_questions"  # anything else: the stem
+
+
+def test_a_second_datasets_grid_does_not_replace_the_first_without_force(demo_run, tmp_path):
+    run, qa = demo_run
+    folder = RunFolder(str(run))
+    other = write_jsonl(tmp_path / "other.jsonl", demo_questions(2))
+    grid = folder.layout.methods_grid()
+    grid.write_json({"dataset": str(other), "rows": []})  # the grid an earlier `--methods-grid` wrote
+    try:
+        before = snapshot(run)
+        assert_refused_fast(["eval", str(run), "--dataset", str(qa), "--name", "g", "--methods-grid"],
+                            "methods_grid.json holds the grid of", str(other), "--force")
+        assert snapshot(run) == before
+    finally:
+        grid.delete()
+    zero_rag = RunFolder(str(tmp_path / "zr"))
+    zero_rag.bind_config(RunFolder(str(run)).load_config())
+    zero_rag.layout.zero_rag.grid.write_json({"dataset": str(other), "rows": []})
+    before = snapshot(tmp_path / "zr")
+    assert_refused_fast(["eval", str(tmp_path / "zr"), "--dataset", str(qa), "--grid"], "grid.json holds the grid of",
+                        "--force")
+    assert snapshot(tmp_path / "zr") == before
+
+
+def test_a_dataset_edited_in_place_is_another_input_not_complete_and_skipped(demo_run):
+    run, qa = demo_run
+    before, original = snapshot(run), qa.read_bytes()
+    questions = demo_questions(4)
+    questions[0]["golden_answers"] = ["something else"]  # same file, same name, another answer key
+    write_jsonl(qa, questions)
+    try:
+        assert_refused_fast(["eval", str(run), "--dataset", str(qa), "--name", "qa", "--methods", "naive"],
+                            "stage 'eval-qa'", "made_from.dataset", "--force")
+    finally:
+        qa.write_bytes(original)
+    assert snapshot(run) == before
+
+
+# --- 14. the two front doors record one evaluation alike ------------------------------------------------------------
+
+
+def test_eval_then_run_of_the_same_config_reuses_the_evaluation(demo_run, tmp_path, capsys):
+    """`wbrag eval` passes no write-back flag and `wbrag run` passes writeback=False: the same evaluation, which the
+    run finds complete and skips (it was refused as 'params.writeback: None -> False')."""
+    import yaml
+
+    run, qa = demo_run
+    config = json.loads((run / "run.json").read_text())["config"]  # the built run's config, one evaluation added
+    config["eval"].update(dataset=str(qa), name="front", methods=["naive"], limit=1)
+    path = tmp_path / "same.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["eval", str(run), "--config", str(path)]) == 0
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["run", str(path), "--run", str(run)]) == 0, capsys.readouterr().err[-2000:]
+    assert "[eval-front] complete, skipped" in capsys.readouterr().out
+    after = {k: v for k, v in snapshot(run).items() if not k.startswith("plan/")}  # the run's plan, written first
+    assert after == {k: v for k, v in before.items() if not k.startswith("plan/")}
+
+
+# --- 15. Ctrl-C, and a replacing --force cut short --------------------------------------------------------------------
+
+
+def test_ctrl_c_is_one_line_and_a_forced_evaluation_cut_short_leaves_the_old_results_and_config(demo_run, monkeypatch,
+                                                                                              capsys):
+    from wbrag_ray.evaluation import evaluate as evaluate_module
+
+    run, qa = demo_run
+    args = ["eval", str(run), "--dataset", str(qa), "--name", "cut", "--methods", "no-retrieval,naive", "--limit", "2"]
+    assert main(args) == 0
+    folder = RunFolder(str(run))
+    old = {m: folder.layout.eval_result("cut", m).metrics.read_json() for m in ("no-retrieval", "naive")}
+    before = snapshot(run)
+    written = []
+    plain_table = evaluate_module.plain_table
+
+    def ctrl_c_at_the_second_method(table):
+        written.append(1)
+        if len(written) == 2:
+            raise KeyboardInterrupt  # as Ctrl-C arrives in the driver
+        return plain_table(table)
+
+    monkeypatch.setattr(evaluate_module, "plain_table", ctrl_c_at_the_second_method)
+    capsys.readouterr()
+    assert main([*args, "--set", "generator.max_new_tokens=8", "--force"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("wbrag eval: interrupted"), err[-2000:]
+    assert len(written) == 2  # the first method's new results were written (beside the old) before the interruption
+    for method, metrics in old.items():
+        assert folder.layout.eval_result("cut", method).metrics.read_json() == metrics  # old results, whole
+    assert snapshot(run)["run.json"] == before["run.json"]  # not the interrupted command's --set
+    assert not (run / "_lease.json").exists()  # the lease was given back
+    monkeypatch.undo()
+    assert main([*args, "--set", "generator.max_new_tokens=8", "--force"]) == 0  # the rerun replaces them, together
+    for method in old:
+        assert folder.layout.eval_result("cut", method).metrics.read_json()["generator"]["max_new_tokens"] == 8
+    assert not [p for p in (run / "eval").iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_a_training_set_edited_in_place_is_another_input_for_a_write_back_version(tmp_path, monkeypatch, capsys):
+    """The write-back version's stage records its training set's identity (so do tune's and the router's): the same
+    file again is the version trained, the file edited in place is refused as another input (--force retrains)."""
+    from wbrag_ray.build_kb import KB_STAGES
+    from wbrag_ray.config import ConfigError, load_config
+    from wbrag_ray.writeback import pipeline
+
+    run = RunFolder(str(tmp_path / "run"))
+    config = load_config()
+    run.bind_config(config, guard=KB_STAGES)
+    for stage in KB_STAGES:  # a built base (its work faked: only the records matter here)
+        run.execute(stage, config, lambda: {"rows_out": 1})
+    trained = []
+    monkeypatch.setattr(pipeline, "_train", lambda run, config, train, params: trained.append(train) or {})
+    monkeypatch.setattr(pipeline, "validate", lambda *args: None)
+    train = write_jsonl(tmp_path / "train.jsonl", demo_questions(4))
+    pipeline.train_writeback(run, config, train=str(train), version="v")
+    pipeline.train_writeback(run, config, train=str(train), version="v")
+    assert len(trained) == 1 and "[writeback-v] complete, skipped" in capsys.readouterr().out
+    questions = demo_questions(4)
+    questions[0]["golden_answers"] = ["something else"]
+    write_jsonl(train, questions)  # same path, same name: other labels
+    with pytest.raises(ConfigError, match=r"stage 'writeback-v' .* other settings \(params\.made_from\.train: .*--force"):
+        pipeline.train_writeback(run, config, train=str(train), version="v")
+    assert len(trained) == 1
+
+
+@pytest.mark.parametrize("after_s", [0.5, 4.0])
+def test_a_real_ctrl_c_during_an_evaluation_is_one_line_and_exit_130(demo_run, ray_cluster, tmp_path, after_s):
+    """SIGINT to a `wbrag eval` process joined to the session's cluster, early (starting) and later (answering):
+    one line, exit code 130, no traceback; the lease is given back and run.json is as it was."""
+    import signal
+    import time
+
+    from tests.conftest import joining_env
+
+    run, _ = demo_run
+    qa = write_jsonl(tmp_path / "many.jsonl", demo_questions())
+    before = (run / "run.json").read_bytes()
+    proc = subprocess.Popen([WBRAG, "eval", str(run), "--dataset", str(qa), "--name", f"sigint{int(after_s)}",
+                             "--methods", "naive", "--set", "generator.max_new_tokens=24"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=joining_env(ray_cluster))
+    deadline = time.time() + 60
+    while not (run / "_lease.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(after_s)
+    assert proc.poll() is None, "finished before the interrupt: nothing to test"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("wbrag eval: interrupted"), err[-3000:]
+    assert not (run / "_lease.json").exists()
+    assert (run / "run.json").read_bytes() == before

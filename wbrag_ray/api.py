@@ -16,7 +16,7 @@ Errors a person can fix (a missing input, a changed config, a stage to run first
 message says the fix; anything else is a bug. Each function checks what it can before Ray starts (inputs, ranges,
 names, the stages it reads, a changed setting), so a mistake costs a second, not a cluster start.
 
-Over 400 lines (about 445), not split: one function per command of the library, each with the checks it makes
+Over 400 lines (about 500), not split: one function per command of the library, each with the checks it makes
 before any work, in one module so the API reads as one table, as the CLI (`cli.py`) that calls it does.
 """
 
@@ -100,12 +100,12 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
     # What can be refused is refused before a Ray cluster is started for nothing: a missing corpus, another corpus
     # than the run's, a step whose input stage is not complete, a factory string faiss cannot parse.
     first = next(step for step in BUILD_STEPS if step in steps)
+    if "index" in steps:  # a string faiss cannot parse is named as such, before "another factory: --force"
+        kb.check_factory(run, config)
     if first == "ingest":
         run.check(kb.INGEST, config, kb.corpus_params(config, run, force), force=force)
     else:
         run.check(getattr(kb, first.upper()), config, force=force)
-    if "index" in steps:
-        kb.check_factory(run, config)
     run = start(run, config, force)
     return {step: getattr(kb, step)(run, config, force=force) for step in BUILD_STEPS if step in steps}
 
@@ -200,6 +200,8 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
 
         if same_writeback:  # before Ray starts, as every input
             check_input(config.writeback.train, "writeback.train")
+        if label is None:  # the plain grid (a Zero-RAG setting's grid has its own file)
+            check_grid_dataset(run.layout.methods_grid(), dataset, force)
         join_ray(run, config)
         grid = evaluate_methods_grid(run, config, dataset, label or name, force=force, same_writeback=same_writeback,
                                      **kwargs)
@@ -257,8 +259,20 @@ def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | Non
     if not dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
     run = open_run(run)
+    run.require_run()  # before Ray, as a single evaluation's checks
+    check_input(dataset, "dataset")
+    check_grid_dataset(run.layout.zero_rag.grid, dataset, force)
     join_ray(run, config)
     return evaluate_grid(run, config, dataset, force=force)
+
+
+def check_grid_dataset(grid, dataset: str, force: bool) -> None:
+    """A run's grid (RUN/zero_rag/grid.json, RUN/eval/methods_grid.json) holds one dataset's rows: another dataset's
+    grid does not silently replace it."""
+    earlier = grid.read_json().get("dataset") if grid.exists() else None
+    if earlier not in (None, dataset) and not force:
+        raise ConfigError(f"{grid.uri} holds the grid of {earlier}: the grid of {dataset} would replace it; pass "
+                          "--force to replace it, or evaluate the other dataset in another run folder")
 
 
 # --- WriteBack-RAG -----------------------------------------------------------------------------------------
@@ -390,15 +404,22 @@ def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None
 # --- whole runs --------------------------------------------------------------------------------------------
 
 
-def run(run: RunLike, config: WbragConfig, force: bool = False) -> dict[str, dict[str, Any]]:
+def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str = "") -> dict[str, dict[str, Any]]:
     """ingest -> embed -> index -> [write-back training] -> [Zero-RAG: mastery, pruners, pruned indices, tuning,
     router, the evaluation grid] -> eval (base, then base + write-back), skipping completed stages. Returns every
-    completed stage's stats."""
+    completed stage's stats. Once the inputs are checked, the plan of the run (`plan_name`: its config file) is
+    stored in the run folder, and a config it says cannot be placed is refused before any work, unless `force`."""
     from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
     from wbrag_ray.papers import print_departures
 
     folder = open_run(run)
+    check_run_inputs(config)
+    if config.zerorag.enabled and config.eval.dataset:
+        check_grid_dataset(folder.layout.zero_rag.grid, config.eval.dataset, force)
     print_departures(config)  # the papers the run follows: write-back training, Zero-RAG, or both
+    from wbrag_ray.plan.against_run import record_plan
+
+    record_plan(config, folder.uri, plan_name, force=force)  # RUN/plan/plan.json; refused here if it cannot fit
     build_kb(folder, config, force=force)
     evaluated = [False]
     if config.writeback.train:
@@ -413,6 +434,24 @@ def run(run: RunLike, config: WbragConfig, force: bool = False) -> dict[str, dic
             evaluate_stage(folder, config, config.eval.dataset, name, f"{name}-writeback" if wb else name, force=force,
                            writeback=wb)
     return {s: folder.stats(s) for s in folder.completed_stages()}
+
+
+def check_run_inputs(config: WbragConfig) -> None:
+    """Every input and name of every stage `run` will reach, before the first (a typo in eval.dataset must not
+    surface after ingest, embed and index; eval.name must not name a folder outside the run)."""
+    from wbrag_ray.evaluation.stage import dataset_name
+    from wbrag_ray.layout import plain_name
+
+    if config.writeback.train:
+        from wbrag_ray.writeback.versions import default_version
+
+        check_input(config.writeback.train, "writeback.train")
+        plain_name(default_version(config, config.writeback.train), "writeback.version", reserved=("base", "ACTIVE"))
+    if config.zerorag.enabled and config.zerorag.train:
+        check_input(config.zerorag.train, "zerorag.train")
+    if config.eval.dataset:
+        check_input(config.eval.dataset, "eval.dataset")
+        plain_name(dataset_name(config, config.eval.dataset), "eval.name")
 
 
 def demo_data(name: str) -> str:

@@ -334,6 +334,7 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
+    from wbrag_ray.cluster_nodes import pool_start_wait
     from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
 
     checkpoint = active()
@@ -359,9 +360,12 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
     ctx.target_max_block_size = max(64 << 10, block_bytes)
     ctx.checkpoint_config = CheckpointConfig(id_column=id_column, checkpoint_path=ckpt.path,
                                              override_filesystem=ckpt.fs, delete_checkpoint_on_success=True)
-    try:
-        build().write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
-                              ray_remote_args={"num_cpus": LIGHT_CPUS})
+    r = pass_resources
+    try:  # a pool whose actors others' work keeps from starting ends within ray.pending_timeout_s, naming it
+        with pool_start_wait(f"the {label} pass", r.concurrency, {"CPU": r.num_cpus, "GPU": r.num_gpus},
+                             f"lower {resources_key}.concurrency" if resources_key else "lower its concurrency"):
+            build().write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
+                                  ray_remote_args={"num_cpus": LIGHT_CPUS})
     finally:
         ctx.checkpoint_config = None
         ctx.target_max_block_size = saved_block_size

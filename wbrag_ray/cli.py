@@ -3,7 +3,9 @@
 Every subcommand takes --config FILE and repeated --set key=value; a run folder records the resolved config
 in run.json, so later subcommands on the same run read it back and only need overrides. Errors a person can
 fix (ConfigError, InputError, a missing or damaged file, storage; also when raised in a Ray worker) exit with
-code 2 and one line (-v adds the traceback); anything else is a bug and shows its traceback.
+code 2 and one line (-v adds the traceback); anything else is a bug and shows its traceback. Ctrl-C is one line
+and exit code 130. A command that writes its run folder holds the folder's lease while it runs
+(wbrag_ray.lease): a second writer exits 2, naming the first.
 
 Over 500 lines, not split: one parser block and one short command function per subcommand, in one file so
 the whole command line reads as one table; each command's work is in the API.
@@ -162,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="plan for this Ray cluster's nodes (joins it, submits nothing)")
     p.add_argument("--json", action="store_true", help="print the plan as data: {\"stages\": [{\"name\", \"seconds\", "
                    "\"rate_source\", \"gpus\", \"gpu_hours\", \"fits\"}], \"total_seconds\", \"gpus_total\", ...}")
+    p.add_argument("--gpu", default="H100", help="the accelerator GPU stages without a calibrated rate are estimated "
+                   "for: A100-40GB, A100-80GB, H100, H200, L4, L40S, A10G (default H100)")
+    p.add_argument("--gpu-hour-price", type=float, metavar="PRICE", help="price of one GPU-hour: the plan adds the cost")
+    p.add_argument("--calibrate", action="store_true", help="first time each model of the config on one worker of "
+                   "the cluster (--address, or a local one) and record the rates with its hardware (the run folder "
+                   "with --run, and ~/.cache/wbrag/rates.json), for this plan and later ones")
+    p.add_argument("--calibrate-seconds", type=float, default=30.0, metavar="S",
+                   help="seconds each model runs when calibrating (default 30; a minute on a cluster)")
     p.add_argument("-v", "--verbose", action="store_true")
 
     p = sub.add_parser("submit", help="submit `wbrag run CONFIG` to a Ray cluster with the Ray Jobs API")
@@ -267,7 +277,7 @@ def cmd_embed(args) -> None:
 
 def cmd_index(args) -> None:
     run, config = _on_run(args, {"index": {"factory": args.factory}} if args.factory else None)
-    api.build_kb(run, config, force=args.force or bool(args.factory), steps=("index",))
+    api.build_kb(run, config, force=args.force, steps=("index",))  # another factory on a built index: --force
 
 
 def cmd_search(args) -> None:
@@ -283,8 +293,10 @@ def _eval_extra(args) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if args.dataset:
         extra["dataset"] = args.dataset
-    if args.methods:
+    if args.methods is not None:
         extra["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if not extra["methods"]:
+            raise ConfigError(f"--methods {args.methods!r} names no method: e.g. --methods no-retrieval,naive")
     if args.limit is not None:  # 0 too: refused by eval.limit's range, not read as "no limit"
         extra["limit"] = args.limit
     return {"eval": extra} if extra else {}
@@ -296,6 +308,14 @@ def cmd_eval(args) -> None:
         raise ConfigError("--grid (Zero-RAG settings) and --methods-grid (RAG methods x write-back) are two grids: "
                           "run them one at a time")
     if args.grid:
+        # the grid's settings come from zerorag.*: a flag for one setting would be dropped silently
+        ignored = [flag for flag, given in (("--name", args.name), ("--prune-ratio", args.prune_ratio is not None),
+                                            ("--router", args.router), ("--adapter", args.adapter),
+                                            ("--writeback", args.writeback), ("--same-writeback", args.same_writeback))
+                   if given]
+        if ignored:
+            raise ConfigError(f"--grid evaluates every zerorag.ratios setting (router, adapter and write-back as "
+                              f"configured): drop {', '.join(ignored)}, or evaluate one setting without --grid")
         api.evaluate_zero_rag_grid(run, config, force=args.force)
         return
     if args.methods_grid and not args.methods:  # the grid's point is every method
@@ -333,6 +353,11 @@ def cmd_train_router(args) -> None:
 
 
 def cmd_writeback(args) -> None:
+    actions = [flag for flag, given in (("--train", args.train), ("--activate", args.activate),
+                                        ("--rollback", args.rollback is not None), ("--list", args.list),
+                                        ("--sweep", args.sweep)) if given]
+    if len(actions) > 1:
+        raise ConfigError(f"{' and '.join(actions)} are different actions: run one at a time")
     if args.list:
         trained, active = api.writeback_versions(args.run)
         for v in trained:
@@ -361,7 +386,16 @@ def cmd_plan(args) -> None:
     config = _resolve_config(args, {})
     if args.passages is not None and args.passages < 1:
         raise ConfigError(f"--passages {args.passages}: a corpus has at least one passage")
+    from wbrag_ray.plan.accelerators import accelerator
+    from wbrag_ray.plan.calibrate import calibrate, load_records
+
+    try:
+        accelerator(args.gpu)
+    except ValueError as exc:
+        raise ConfigError(f"--gpu: {exc}") from None
     shape = (args.nodes, args.gpus_per_node, args.cpus_per_node, args.memory_per_node)
+    if args.calibrate:  # on the cluster the run will use: --address, or a local one started here
+        calibrate(config, args.calibrate_seconds, run=args.run)
     if args.address and all(v is None for v in shape):
         from wbrag_ray.ray_runtime import init_ray
 
@@ -369,7 +403,8 @@ def cmd_plan(args) -> None:
         cluster = plan.cluster_from_ray(args.gpu_memory_gb)
     else:
         cluster = plan.stated_cluster(*shape, gpu_memory_gb=args.gpu_memory_gb)
-    result = plan.make_plan(config, cluster, passages=args.passages, run=args.run, name=args.config_file)
+    result = plan.make_plan(config, cluster, passages=args.passages, run=args.run, name=args.config_file,
+                            gpu=args.gpu, records=load_records(args.run), gpu_hour_price=args.gpu_hour_price)
     if args.json:
         import json
 
@@ -403,8 +438,12 @@ def cmd_run(args) -> None:
     run_dir = args.run or config.run
     if not run_dir:
         raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
-    _print_plan_summary(config, run_dir)
-    api.run(run_dir, config, force=args.force)
+    from wbrag_ray.lease import run_lease
+
+    with run_lease(run_dir, args.holder):
+        api.check_run_inputs(config)  # every stage's inputs and names, before a cluster is joined
+        _print_plan_summary(config, run_dir)
+        api.run(run_dir, config, force=args.force, plan_name=args.config_file)
     print(api.stage_time_split(run_dir), flush=True)
 
 
@@ -539,13 +578,36 @@ COMMANDS = {
 }
 
 
+# Commands that write their RUN folder take its lease first (wbrag_ray.lease): one writer per run folder. `run`
+# takes it once its config names the folder; readers (report, inspect, status, search, export, writeback --list)
+# take none.
+WRITERS = {"ingest", "embed", "index", "eval", "mastery", "train-pruner", "prune", "tune", "train-router",
+           "writeback", "demo"}
+
+
+def _writer_lease(args):
+    import contextlib
+
+    if args.command not in WRITERS or (args.command == "writeback" and args.list):
+        return contextlib.nullcontext()
+    from wbrag_ray.lease import run_lease
+
+    return run_lease(args.run, args.holder)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:  # which CPU build faiss tried first ("Could not load library with AVX2 support") is noise
         logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    args.holder = " ".join(["wbrag", *(sys.argv[1:] if argv is None else argv)])[:300]
     try:
-        code = COMMANDS[args.command](args)
+        with _writer_lease(args):
+            code = COMMANDS[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for it; what was committed stays for a rerun
+        print(f"wbrag {args.command}: interrupted; completed stages and committed blocks are kept: rerun the same "
+              "command to resume", file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - sorted below: a person's mistake is one line, a bug its traceback
         message = user_error(exc)
         if message is None:

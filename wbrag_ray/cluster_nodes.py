@@ -335,16 +335,40 @@ def pool_start_wait(what: str, count: int, need: dict[str, float], fix: str):
     `ConfigError` naming the pool, what each actor asks, what is free and `fix`, the setting that asks for less."""
     try:
         yield
+        return
     except Exception as exc:
         import ray.exceptions
 
         if not (isinstance(exc, ray.exceptions.GetTimeoutError) and str(exc).startswith(_POOL_START_TIMEOUT)):
             raise
         timeout_s = pool_start_timeout_s()
-        raise ConfigError(_still_waiting(
+        refusal = ConfigError(_still_waiting(
             f"{what}: its {count} actor{'s' * (count != 1)}", need, f"did not start within {timeout_s:g} s",
             fix, " (ray.pending_timeout_s: how long Ray Data waits for a pool's actors to be placed and to load "
-            "their model)")) from None
+            "their model)"))
+        _drop_pool(exc)
+    raise refusal  # outside the handler: the refusal holds no reference to Ray Data's error
+
+
+def _drop_pool(exc: BaseException) -> None:
+    """End the actors of a Ray Data pool that did not start: Ray Data raises before its executor runs, so nothing
+    shuts the pool down, and its waiting actors would be placed once the resources come free and hold them, idle,
+    as long as the handles live (a callback on each actor's start holds the operator). The operator is the frame
+    that waited, in the traceback of the error Ray Data's own raise chained (its frames are dropped after)."""
+    seen = exc
+    while seen is not None:
+        tb = seen.__traceback__
+        while tb is not None:
+            pool = getattr(tb.tb_frame.f_locals.get("self"), "_actor_pool", None)
+            if pool is not None and hasattr(pool, "shutdown"):
+                try:
+                    pool.shutdown(force=True)
+                except Exception as error:  # noqa: BLE001 - a private API: where it moved, the actors wait on
+                    log.debug("ending a Ray Data pool that did not start: %s", error)
+            tb = tb.tb_next
+        following = seen.__context__
+        seen.__traceback__ = seen.__context__ = seen.__cause__ = None
+        seen = following
 
 
 # Ray Train's wait for its worker group's placement group (ray.train v2's WorkerGroup reads it in the controller

@@ -2,7 +2,7 @@
 
 Validation happens once, before any stage starts; every error names the dotted key and what would fix it.
 
-Over 600 lines (about 770) on purpose: one model per config section, every field with its description, in one module
+Over 600 lines (about 850) on purpose: one model per config section, every field with its description, in one module
 that is the reference a user reads (`wbrag_ray/config.py` is what the README points to); splitting the sections
 into modules would split that reference, and the loader and override parser below serve them all.
 """
@@ -787,7 +787,6 @@ def _override_value(key: str, raw: str) -> Any:
     yes / no meant for a number is refused rather than read as 1 / 0."""
     if not raw.strip():
         return None
-    return yaml.safe_load(raw)
     kinds = _leaf_kinds(key)
     if kinds == {str} and raw.strip() not in ("null", "~"):
         return raw
@@ -831,13 +830,13 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if False:
+        if p.is_dir():
             raise ConfigError(f"config file {str(p)!r} is a folder: name a YAML file in it (e.g. jobs/configs/demo.yaml)")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except KeyError as exc:
+        except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}): save "
                               "it as UTF-8") from None
         except yaml.YAMLError as exc:

@@ -4,9 +4,10 @@
 Both papers evaluate on FlashRAG's preprocessed data: its QA datasets (`nq/train.jsonl`, `triviaqa/test.jsonl`,
 ... one folder per dataset, a JSON line per question with `id`, `question`, `golden_answers`) and its wiki-18
 corpus (21M 100-word passages, `retrieval-corpus/wiki18_100w.zip`, one JSON line per passage with `id` and
-`contents`), all in one dataset repository on the Hugging Face hub. `fetch` downloads only the files the named
-datasets and corpus need (huggingface_hub's snapshot download with file patterns: the repository holds tens of
-GB), unzips the corpus, checks the layout and, for an s3:// destination, uploads the folder. `check` reads a
+`contents`), all in one dataset repository on the Hugging Face hub. `fetch` lists the repository once (at a revision),
+refuses a name it does not hold and a disk too small before any download, downloads only the files the named
+datasets and corpus need (the repository holds tens of GB; a partial download resumes with a range request),
+unzips the corpus, checks the layout and, for an s3:// destination, uploads the folder. `check` reads a
 folder downloaded by hand the same way: which splits each dataset has, and whether the first records of each
 file parse as the run will read them (`formats.dataset_record`, `formats.corpus_record`).
 
@@ -17,8 +18,8 @@ After either, `ingest.corpus: OUT/retrieval-corpus/wiki18_100w.jsonl` and `eval.
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,15 @@ REPO = "RUC-NLPIR/FlashRAG_datasets"  # a dataset repository
 CORPORA = {"wiki18": "retrieval-corpus/wiki18_100w.zip"}  # the corpus both papers retrieve from
 # the hub's folder where it differs from the dataset's usual name (its README's config names)
 FOLDERS = {"msmarco-qa": "ms_marco", "wikiqa": "wiki_qa"}
+# The dataset folders of FlashRAG's repository (its README's configs and its file listing; EntityQuestions, one of
+# Zero-RAG's datasets, is not among them). Names a split file in one of them `<folder>-<split>` (`nq-test`), and
+# says offline which names exist; `fetch` checks against the repository's own listing at the revision fetched.
+DATASET_FOLDERS = frozenset({
+    "nq", "triviaqa", "popqa", "domainrag", "squad", "ms_marco", "narrativeqa", "wiki_qa", "web_questions",
+    "curatedtrec", "ambig_qa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle", "asqa", "eli5", "mmlu",
+    "truthful_qa", "hellaswag", "arc", "openbookqa", "quartz", "siqa", "piqa", "commonsenseqa", "boolq", "fermi",
+    "fever", "wow", "wned", "trex", "zsre", "ay2", "wikiasp",
+})
 CHECKED_RECORDS = 5  # the first records of each file that must parse: enough to catch another format
 
 
@@ -147,15 +157,121 @@ def finish(staging: Path, datasets: list[str], corpus: str | None, out: str) -> 
     return layout
 
 
-def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: str | None = None) -> Layout:
-    """Download `datasets` (every split) and `corpus` from FlashRAG's repository on the hub into `out` (a local
-    folder, or s3:// through a local staging folder); a local `out` keeps what is there and adds the rest."""
-    from huggingface_hub import snapshot_download
+UNZIP_FACTOR = 3.0  # a zipped JSON-lines corpus unzips to about this many times its size (wiki18: 5.1 GB -> ~14 GB)
+CHUNK = 8 << 20
 
-    patterns = allow_patterns(datasets, corpus)
-    with tempfile.TemporaryDirectory(prefix="wbrag-flashrag-") as tmp:
-        staging = Path(tmp) if _remote(out) else Path(out)
-        staging.mkdir(parents=True, exist_ok=True)
-        snapshot_download(repo_id=REPO, repo_type="dataset", revision=revision, allow_patterns=patterns,
-                          local_dir=str(staging))
-        return finish(staging, datasets, corpus, out)
+
+def endpoint() -> str:
+    """The hub's address: HF_ENDPOINT (a mirror), else huggingface.co."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def repository_listing(revision: str | None = None, hub: str | None = None) -> dict[str, int]:
+    """{path: size} of every file of FlashRAG's repository at `revision` (default main): one listing call."""
+    from huggingface_hub import HfApi
+
+    try:
+        entries = HfApi(endpoint=hub or endpoint()).list_repo_tree(REPO, recursive=True, repo_type="dataset",
+                                                                   revision=revision)
+        return {e.path: int(e.size) for e in entries if getattr(e, "size", None) is not None}
+    except Exception as exc:  # noqa: BLE001 - the hub's HTTP errors and its HTTP client's connection errors alike
+        raise ConfigError(f"cannot list {REPO} on {hub or endpoint()} (revision {revision or 'main'}): "
+                          f"{' '.join(str(exc).split())[:300]}; check the network, HF_ENDPOINT and HF_TOKEN") from None
+
+
+def files_to_fetch(listing: dict[str, int], datasets: list[str], corpus: str | None) -> dict[str, int]:
+    """The repository's files the named datasets (every split) and corpus need, {path: size}; a name the
+    repository does not hold is refused, naming the ones it does, before anything is downloaded."""
+    allow_patterns(datasets, corpus)  # an unknown corpus
+    folders = sorted({p.split("/", 1)[0] for p in listing if "/" in p and p.endswith(".jsonl")})
+    missing = [d for d in datasets if folder_of(d) not in folders]
+    if missing:
+        raise ConfigError(f"{REPO} holds no dataset {', '.join(repr(m) for m in missing)}; it holds: "
+                          f"{', '.join(f for f in folders if f != 'retrieval-corpus')}")
+    wanted = {p: n for p, n in listing.items()
+              if any(p.startswith(folder_of(d) + "/") and p.endswith(".jsonl") and p.count("/") == 1 for d in datasets)}
+    if corpus is not None:
+        if CORPORA[corpus] not in listing:
+            raise ConfigError(f"{REPO} holds no {CORPORA[corpus]} at this revision")
+        wanted[CORPORA[corpus]] = listing[CORPORA[corpus]]
+    return wanted
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def download(url: str, dest: Path, size: int) -> int:
+    """`url` into `dest` (`size` bytes), resuming a partial download (`dest`.incomplete) with a range request;
+    returns the bytes transferred. A file already complete is not fetched again."""
+    import urllib.request
+
+    if dest.exists() and dest.stat().st_size == size:
+        return 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".incomplete")
+    have = partial.stat().st_size if partial.exists() else 0
+    if have > size:  # not this file's beginning
+        partial.unlink()
+        have = 0
+    moved = 0
+    if have < size:
+        request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+        from huggingface_hub import get_token
+
+        if (token := get_token()) is not None:
+            request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            if have and response.status != 206:  # the server ignored the range: start over
+                have = 0
+            with partial.open("ab" if have else "wb") as f:
+                while chunk := response.read(CHUNK):
+                    f.write(chunk)
+                    moved += len(chunk)
+    got = partial.stat().st_size
+    if got != size:
+        raise ConfigError(f"{url}: got {got} of {size} bytes; run the same command again to resume")
+    os.replace(partial, dest)
+    return moved
+
+
+def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: str | None = None,
+          hub: str | None = None) -> Layout:
+    """Download `datasets` (every split) and `corpus` from FlashRAG's repository on the hub (`hub`, default
+    HF_ENDPOINT or huggingface.co) into `out` (a local folder, or s3:// through a staging folder in this node's
+    cache). Before any download: the names are checked against the repository's listing at `revision`, and the
+    disk it needs (files not yet here, plus the unzipped corpus) against the free space. A partial download is
+    resumed; a local `out` keeps what is there and adds the rest."""
+    import hashlib
+
+    from wbrag_ray.storage import cache_root
+
+    wanted = files_to_fetch(repository_listing(revision, hub), datasets, corpus)
+    if _remote(out):
+        staging = Path(cache_root()) / "flashrag-staging" / hashlib.sha1(out.encode()).hexdigest()[:16]
+    else:
+        staging = Path(out)
+    staging.mkdir(parents=True, exist_ok=True)
+    here = {p: (staging / p).stat().st_size if (staging / p).exists() else 0 for p in wanted}
+    partial = {p: (staging / (p + ".incomplete")).stat().st_size if (staging / (p + ".incomplete")).exists() else 0
+               for p in wanted}
+    todo = sum(n - (n if here[p] == n else partial[p]) for p, n in wanted.items())
+    unzip = UNZIP_FACTOR * wanted.get(CORPORA.get(corpus or "", ""), 0)
+    free = shutil.disk_usage(staging).free
+    print(f"{REPO}@{revision or 'main'}: {len(wanted)} files, {_gb(sum(wanted.values()))}; to download "
+          f"{_gb(todo)}{f' and about {_gb(unzip)} to unzip the corpus' if unzip else ''}; {_gb(free)} free at "
+          f"{staging}", flush=True)
+    if todo + unzip > free:
+        raise ConfigError(f"{staging} has {_gb(free)} free; the fetch needs about {_gb(todo + unzip)}: free some "
+                          "space or fetch to another folder (--out)")
+    base = f"{(hub or endpoint()).rstrip('/')}/datasets/{REPO}/resolve/{revision or 'main'}/"
+    from urllib.parse import quote
+
+    for path, size in sorted(wanted.items()):
+        moved = download(base + quote(path), staging / path, size)
+        resumed = f" (resumed at {_gb(partial[path])})" if partial[path] and moved < size else ""
+        print(f"  {path}: {_gb(size)}{resumed}" if moved or resumed else f"  {path}: already here", flush=True)
+    layout = finish(staging, datasets, corpus, out)
+    if _remote(out):
+        shutil.rmtree(staging, ignore_errors=True)  # uploaded: the staging copy goes
+    return layout

@@ -59,6 +59,34 @@ def listing_identity(loc: Location) -> dict[str, Any]:
     return {"files": len(files), "bytes": total, "digest": digest}
 
 
+SMALL_INPUT_BYTES = 64 << 20  # inputs up to this size are identified by their content too
+
+
+def input_identity(loc: Location, what: str) -> str:
+    """A short digest identifying a question set (a dataset, a training set) for a stage's fingerprint: its files'
+    names and sizes, and, up to SMALL_INPUT_BYTES, their bytes, so a file edited in place is another input (a copy
+    elsewhere is the same); larger inputs add their modification times instead of reading them."""
+    import hashlib
+
+    files = input_files(loc, what)
+    sizes = [f.size() for f in files]
+    digest = hashlib.sha256(json.dumps([(f.name, n) for f, n in zip(files, sizes, strict=True)]).encode())
+    for f in files:
+        if sum(sizes) <= SMALL_INPUT_BYTES:
+            digest.update(f.read_bytes())
+        else:
+            digest.update(str(f.fs.get_file_info(f.path).mtime_ns).encode())
+    return digest.hexdigest()[:16]
+
+
+def input_params(path: str, what: str) -> dict[str, Any]:
+    """A stage's parameters for a question set it reads by path (`train`): the path and, under `made_from`, its
+    identity (`input_identity`), so a file edited in place is another input."""
+    from wbrag_ray.storage import resolve
+
+    return {"train": path, "made_from": {"train": input_identity(resolve(path), what)}}
+
+
 def reject_reasons(rejects: pa.Table | list[str], top: int = 3) -> str:
     """The leading reasons of a rejects table (or list of reasons), with counts: '21 x invalid UTF-8 at byte 0, ...'.
     Reasons that differ only in a position ('at column 7') count as one."""
@@ -270,9 +298,18 @@ def plain_table(df) -> pa.Table:
 
 
 def dataset_stem(path: str) -> str:
-    """A dataset's name from its path: the file (or folder) name before its first dot ('nq/train.jsonl' -> 'train',
-    's3://b/fever_dev.parquet' -> 'fever_dev'): names results, write-back versions and the paper's gate metric."""
-    return path.rstrip("/").rsplit("/", 1)[-1].split(".")[0]
+    """A dataset's name from its path: the file (or folder) name before its first dot ('s3://b/fever_dev.parquet'
+    -> 'fever_dev'), and for a split file in one of FlashRAG's dataset folders, the folder too ('nq/test.jsonl' ->
+    'nq-test', 'popqa/test.jsonl' -> 'popqa-test': not both 'test'). Names results and write-back versions."""
+    parts = path.rstrip("/").split("://", 1)[-1].split("/")
+    if "://" in path:
+        parts = parts[1:]  # the bucket is no dataset's folder
+    stem = parts[-1].split(".")[0]
+    from wbrag_ray.flashrag_data import DATASET_FOLDERS
+
+    if stem.lower() in SPLITS and len(parts) > 1 and parts[-2].lower() in DATASET_FOLDERS:
+        return f"{parts[-2]}-{stem}"
+    return stem
 
 
 SPLITS = ("train", "dev", "test", "val", "valid", "validation")  # FlashRAG's split file names

@@ -56,7 +56,8 @@ def subdirs(loc: Location) -> list[str]:
     if not loc.exists():
         return []
     infos = loc.fs.get_file_info(pafs.FileSelector(loc.path))
-    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+    # hidden names are a writer's staging folders (new results before they replace the old), never results
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and not i.base_name.startswith("."))
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,7 @@ class RunLayout:
 
     root: Location
     run_json = _at("run.json")
+    lease = _at("_lease.json")  # the writer holding the folder (wbrag_ray.lease)
     stages = _at(STAGES_DIR)
     embed = _at("embed")
     checkpoints = _at("_checkpoints")
@@ -226,6 +228,10 @@ class RunLayout:
 
     def eval_result(self, label: str, method: str) -> EvalResult:
         return EvalResult(self.eval.join(f"{label}-{method}"))
+
+    def eval_staging(self, label: str, method: str) -> EvalResult:
+        """New results written beside `eval_result(label, method)` until they replace it (hidden: never listed)."""
+        return EvalResult(self.eval.join(f".{label}-{method}.new"))
 
     def eval_results(self) -> list[EvalResult]:
         """Every evaluated (label, method) folder, by name."""

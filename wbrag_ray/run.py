@@ -234,6 +234,17 @@ class RunFolder:
             previous = {"config": previous["config"]}
         elif "params" not in previous:  # recorded before the stage recorded its parameters (ingest's corpus)
             fingerprint = {k: v for k, v in fingerprint.items() if k != "params"}
+        elif isinstance(previous["params"], dict) and isinstance(fingerprint.get("params"), dict):
+            previous = {**previous, "params": _plain_params(previous["params"])}
+            new = _plain_params(fingerprint["params"])
+            made_before = previous["params"].get("made_from")
+            if isinstance(new.get("made_from"), dict):
+                # an input identity a stage made by an earlier version did not record is no change
+                new["made_from"] = {k: v for k, v in new["made_from"].items()
+                                    if isinstance(made_before, dict) and k in made_before}
+                if not new["made_from"] and not made_before:
+                    del new["made_from"]
+            fingerprint = {**fingerprint, "params": new}
         return _diff(previous, fingerprint)
 
     def execute(self, stage: RunStage, config: WbragConfig, work: Callable[[], dict[str, Any]],
@@ -262,18 +273,22 @@ class RunFolder:
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
             return stats
         self.invalidate(name)
-        recorded = self.layout.run_json.read_json() if self._unrecorded is not None and self.is_run() else None
+        # run.json only ever describes completed stages: the config this command records for its first stage goes
+        # back to the one before it (or away, where there was none) if that stage does not complete, whatever
+        # stops it (a refused check, an error, Ctrl-C), so a failed command's --set never becomes the next one's base
+        records = self._unrecorded is not None
+        recorded = self.layout.run_json.read_json() if records and self.is_run() else None
         self._record_config()
         t0 = time.perf_counter()
         checkpoint_folder = self.layout.checkpoint(name)
         try:
             with stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
                 stats = dict(fn() or {})
-        except ConfigError:
-            # refused by a check before its work (a placement that cannot be met): the settings that asked for
-            # it did not make anything, so run.json goes back to the config that did
+        except BaseException:
             if recorded is not None:
                 self.layout.run_json.write_json(recorded)
+            elif records:
+                self.layout.run_json.delete()
             raise
         stats = {**checkpoint.stats(), **stats}
         stats.setdefault("seconds", round(time.perf_counter() - t0, 3))
@@ -288,6 +303,12 @@ class RunFolder:
 def _summary(stats: dict[str, Any]) -> str:
     keys = ("rows_in", "rows_out", "rows_rejected", "rows_resumed", "seconds", "rows_per_s")
     return ", ".join(f"{k.replace('rows_', '')}={stats[k]}" for k in keys if k in stats)
+
+
+def _plain_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A stage's call parameters as they shape its output: one not given, None and False are one setting (`wbrag
+    eval` passes no `writeback`, `wbrag run` passes False), so the same evaluation is never refused as changed."""
+    return {k: v for k, v in params.items() if v is not None and v is not False}
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import posixpath
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,19 @@ def _s3_filesystem() -> pafs.S3FileSystem:
     if region:
         kwargs["region"] = region
     return pafs.S3FileSystem(**kwargs)
+
+
+def s3_client():
+    """A boto3 S3 client on the same endpoint and region, for what pyarrow.fs lacks (conditional puts, copies of
+    objects past 5 GB); one per process and set of AWS variables (a client takes about 0.1 s to make)."""
+    return _s3_client(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+
+
+@functools.cache
+def _s3_client(env_key: tuple):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_endpoint(), region_name=s3_region())
 
 
 @dataclass(frozen=True)
@@ -125,14 +139,40 @@ class Location:
         parent = self.parent()
         parent.mkdir()
         # Write to a temporary name, then move: a reader never sees half a file (local disks; S3 PUTs are atomic).
-        if self.is_local:
-            tmp = self.path + ".tmp"
+        # The name is this writer's own (a hidden name, so folder listings skip it): two writers of one file never
+        # write into, or move away, each other's temporary file; the last move wins whole.
+        tmp = posixpath.join(parent.path, f".{self.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            # On S3 too: pyarrow's output stream completes its upload when closed, also by an exception, so a
+            # write cut short would replace the object; the temporary object is copied in place by the server.
             with self.fs.open_output_stream(tmp) as f:
                 yield f
-            self.fs.move(tmp, self.path)
-        else:
-            with self.fs.open_output_stream(self.path) as f:
-                yield f
+            if self.is_local:
+                self.fs.move(tmp, self.path)
+            else:
+                bucket, key = self.path.split("/", 1)
+                s3_client().copy({"Bucket": bucket, "Key": tmp.split("/", 1)[1]}, bucket, key)  # multipart past 5 GB
+        finally:
+            if self.fs.get_file_info(tmp).type != pafs.FileType.NotFound:  # nothing left behind
+                self.fs.delete_file(tmp)
+
+    def replace_with(self, staged: Location) -> None:
+        """Make this folder hold `staged`'s files instead of its own, and remove `staged`: on a local disk by two
+        renames (the old folder moved aside first, so a reader sees the old files or the new, never a mix of
+        them); on object storage by a copy."""
+        if self.is_local:
+            aside = posixpath.join(self.parent().path, f".{self.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.old")
+            if os.path.exists(self.path):
+                os.rename(self.path, aside)
+            os.rename(staged.path, self.path)
+            if os.path.exists(aside):
+                import shutil
+
+                shutil.rmtree(aside, ignore_errors=True)
+            return
+        self.delete()
+        pafs.copy_files(staged.path, self.path, source_filesystem=staged.fs, destination_filesystem=self.fs)
+        staged.delete()
 
     def read_json(self) -> Any:
         return json.loads(self.read_bytes().decode("utf-8"))

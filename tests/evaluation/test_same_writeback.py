@@ -33,15 +33,15 @@ def test_same_wb_reuses_a_version_only_when_generator_gates_union_and_k_match(tm
     made = []
     monkeypatch.setattr(pipeline, "train_writeback", lambda run, config, train, version: made.append(
         (version, config.writeback.rag_method, config.writeback.activate)))
-    assert same_writeback_versions(run, grid) == {"naive": "a", "replug-vote": "train-replug-vote"}
-    assert made == [("train-replug-vote", "replug-vote", False)]
+    assert same_writeback_versions(run, grid) == {"naive": "a", "replug-vote": "nq-train-replug-vote"}
+    assert made == [("nq-train-replug-vote", "replug-vote", False)]
     printed = capsys.readouterr().out
     assert "Same-WB naive: reusing write-back version a (same generator, gates, union and K)" in printed
-    said = printed[printed.index("Same-WB replug-vote: training write-back version train-replug-vote: "):]
+    said = printed[printed.index("Same-WB replug-vote: training write-back version nq-train-replug-vote: "):]
     assert "b (writeback.tau_s: 0.3 (the grid: 0.1); retrieval.union: {'union': 'score'" in said
     assert "c (generator: model 'org/other' (the grid: model 'bundled:smollm2'); retrieval.top_k: 3 (the grid: 5))" \
         in said
     # a version under the new name that differs too: the next name, not the other's stage
-    trained("train-replug-vote", "writeback.rag_method=replug-vote", "writeback.n_min=1")
+    trained("nq-train-replug-vote", "writeback.rag_method=replug-vote", "writeback.n_min=1")
     made.clear()
-    assert same_writeback_versions(run, grid)["replug-vote"] == "train-replug-vote-2"
+    assert same_writeback_versions(run, grid)["replug-vote"] == "nq-train-replug-vote-2"

@@ -76,7 +76,8 @@ def test_a_collective_runs_on_the_process_groups_device():
 def test_a_training_asking_for_gpus_fails_before_loading_where_torch_sees_none():
     from wbrag_ray.training.workers import worker_placement
 
-    with pytest.raises(ConfigError, match=r"zerorag.tune.trainer.num_gpus is 1 .* set zerorag.tune.trainer.num_gpus: 0"):
+    with pytest.raises(ConfigError, match=r"zerorag.tune's training worker 0 asks for 1 GPU \(zerorag.tune.trainer"
+                       r".num_gpus\) but .* none .* set zerorag.tune.trainer.num_gpus: 0"):
         worker_placement(TrainerConfig(num_gpus=1), 0, 1, "zerorag.tune")
 
 

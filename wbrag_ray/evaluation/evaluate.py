@@ -88,14 +88,23 @@ def evaluate(
             passes.close()
     seconds = time.perf_counter() - t0
 
+    from wbrag_ray.layout import EvalResult
+
     results: dict[str, dict[str, Any]] = {}
+    staged: list[tuple[EvalResult, EvalResult]] = []
     for method in methods:
         part = df[df["method"] == method].sort_values("id").reset_index(drop=True)
         part["answer"] = scored_answers(part, config.eval.answer_form)
         scores = [score_answer(a, g) for a, g in zip(part["answer"], part["golden_answers"], strict=True)]
         for m in METRICS:
             part[m] = [s[m] for s in scores]
-        out = run.layout.eval_result(folder_prefix, method)
+        # written beside the stored results (a hidden folder no listing reads), which every method's new results
+        # then replace together: an evaluation cut short (Ctrl-C, a failure, a --force rerun stopped) leaves the
+        # old results whole, never some methods' new results beside others' old ones
+        final = run.layout.eval_result(folder_prefix, method)
+        out = run.layout.eval_staging(folder_prefix, method)
+        out.root.delete()  # one left by an evaluation cut short
+        staged.append((out, final))
         keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", "answer",
                 *METRICS, "retrieval_skipped", "generator_calls", "trace"]
         out.predictions.write_table(plain_table(part[keep]))
@@ -131,6 +140,8 @@ def evaluate(
         if rejects.num_rows:
             out.rejects.write_table(rejects)
         results[method] = metrics
+    for out, final in staged:
+        final.root.replace_with(out.root)
     print(format_table(f"{folder_prefix} ({setting})", results), flush=True)
     return results
 

@@ -38,7 +38,11 @@ def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragC
     if config is not None and (kwargs.get("writeback") or kwargs.get("writeback_version")):
         params["union"] = union_settings(config)
     if config is not None:
-        params["made_from"] = made_from(config, kwargs, run)
+        from wbrag_ray.formats import input_identity
+        from wbrag_ray.storage import resolve
+
+        # the questions by content too: a dataset edited in place is not the one the stored results answered
+        params["made_from"] = {**made_from(config, kwargs, run), "dataset": input_identity(resolve(dataset), "dataset")}
     return params
 
 

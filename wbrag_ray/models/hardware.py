@@ -118,6 +118,29 @@ def pick_device(num_gpus: float) -> str:
     return "cpu"
 
 
+def require_gpu(stage: str, key: str, num_gpus: float, setting: str | None = None) -> None:
+    """Refuse, before any work, `stage` configured for `num_gpus` GPUs (`setting`, by default `<key>.num_gpus`)
+    where the process it runs in has no GPU visible to torch: a GPU stage run on CPU would take days, silently.
+    Nothing to check where it asks for none. Called where model actors and training workers start (the node they
+    run on is the one whose GPUs count), and by a driver that runs such a stage itself."""
+    if num_gpus <= 0:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from wbrag_ray.config import ConfigError
+
+    setting = setting or f"{key}.num_gpus"
+    granted = granted_gpus()
+    what = (f"; Ray granted it GPU {', '.join(map(str, granted))}: install the torch build for the node's CUDA "
+            "driver (the project's GPU image does)" if granted else "")
+    raise ConfigError(
+        f"{stage} asks for {num_gpus:g} GPU{'s' * (num_gpus != 1)} ({setting}) but the node it runs on has none "
+        f"visible to torch (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none, a CPU-only build'}"
+        f"{what}); set {setting}: 0 to run on CPU")
+
+
 def granted_gpus() -> list:
     """The GPU ids Ray assigned to this worker process (none in a driver, or outside Ray)."""
     try:

@@ -1,6 +1,10 @@
 """`wbrag plan`: what a config will ask of a cluster before it runs, and about how long it will take.
 
     rates:      the rates the estimates come from, each with its benchmark, date and hardware kind
+    accelerators  common GPUs' peak figures, and the FLOPs and bytes of a stage where no rate was measured
+    calibrate   `--calibrate`: the config's models timed on one actor each, recorded with their hardware
+    timing      a model stage's time from the best rate there is: calibrated, benchmark, or estimate
+    tokens      the prompt shapes of a run, counted from its questions and corpus
     models:     a model's parameter count (config.json, a table of known ids, or its name) and memory per actor
     corpus:     the corpus size (--passages, a run's ingest stats, the corpus files) and QA-file question counts
     placement:  the cluster (stated, or the connected Ray cluster), bundles, and whether a stage's bundles place
@@ -26,7 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GPU_MEMORY_GB = 80.0
 
 __all__ = ["Cluster", "Node", "Plan", "cluster_from_ray", "format_plan", "format_summary", "make_plan",
-           "plan_data", "run_summary", "stated_cluster"]
+           "plan_data", "run_plan", "run_summary", "stated_cluster"]
 
 
 def duration(seconds: float | None) -> str:
@@ -53,9 +57,9 @@ def format_plan(plan: Plan) -> str:
         lines += [f"      asks: {b.describe()}" for b in stage.bundles] or ["      asks: nothing of the cluster"]
         lines.append(f"      work: {stage.work}")
         if stage.how:
-            lines.append(f"      time: {stage.how}")
+            lines.append(f"      time ({stage.rate_source or 'none'}): {stage.how}")
         if plan.cluster.gpus:
-            lines.append(f"      {_gpus(stage, plan.cluster.gpus)}")
+            lines.append(f"      {_gpus(stage, plan.cluster.gpus, plan.gpu_hour_price)}")
         lines += [f"      - {note}" for note in stage.notes]
     lines += ["", _totals(plan)]
     lines += [f"warning: {w}" for w in plan.warnings]
@@ -65,30 +69,44 @@ def format_plan(plan: Plan) -> str:
     else:
         lines.append("placement: every stage's bundles fit this cluster")
     used = dict.fromkeys([*plan.corpus.rates, *(k for s in plan.stages for k in s.rates)])
-    lines += ["", "rates (measured by the project's benchmarks, on CPUs; no GPU figure is recorded yet: "
-              "benchmarks/gpu/check.py measures one):"]
-    lines += [f"  [{k}] {RATES[k].provenance()}" for k in used] or ["  none used"]
+    lines += ["", "rates: calibrated (measured by `wbrag plan --calibrate` on this hardware), benchmark (measured by "
+              "the project's benchmarks, on CPUs), estimate (FLOPs and bytes against the accelerator's peaks)"]
+    lines += [f"  [{k}] {RATES[k].provenance()}" for k in used] or ["  no benchmark rate used"]
+    lines += [f"  calibrated: {r}" for r in plan.calibrated]
+    if any(s.rate_source == "estimate" for s in plan.stages) and plan.cluster.gpus:
+        from wbrag_ray.plan.accelerators import EFFICIENCY_NOTE
+
+        lines += [f"  GPU: {plan.gpu.describe()}; {EFFICIENCY_NOTE}"]
+    lines += [f"  prompt tokens: {plan.tokens.source}"] if plan.tokens else []
     lines += [f"memory: {MEMORY_RULE}"]
     return "\n".join(lines)
 
 
-def _gpus(stage, total: float) -> str:
-    """"GPUs: 28 of 32", with its GPU-hours where the stage has a time, and where a GPU stage leaves more than a
-    quarter idle, what would use them or why nothing would."""
+def _gpus(stage, total: float, price: float | None = None) -> str:
+    """"GPUs: 28 of 32", with its GPU-hours (and their cost at `price` a GPU-hour) where the stage has a time, and
+    where a GPU stage leaves more than a quarter idle, what would use them or why nothing would."""
     hours, idle = stage.gpu_hours, idle_gpus(stage, total)
     return (f"GPUs: {stage.gpus:g} of {total:g}" + (f", {hours:,.1f} GPU-hours" if hours else "")
+            + (f" ({_money(hours * price)})" if hours and price else "")
             + (f" ({total - stage.gpus:g} idle: {stage.more_gpus})" if idle else ""))
+
+
+def _money(amount: float) -> str:
+    return f"{amount:,.2f} at the stated GPU-hour price"
 
 
 def plan_data(plan: Plan) -> dict:
     """The plan as data (`wbrag plan --json`): each stage's seconds (None: no estimate), the source of its rate
-    ("benchmark", "estimate", None), its GPUs of the cluster's, GPU-hours and whether it fits; the timed stages'
-    total, the cluster's GPUs, and the plan's warnings and problems."""
+    ("calibrated", "benchmark", "estimate", None), its GPUs of the cluster's, GPU-hours and whether it fits; the
+    timed stages' total (the run's start included, where calibrated), the cluster's GPUs, the accelerator of the
+    estimates, GPU-hours and their cost (with --gpu-hour-price), and the plan's warnings and problems."""
     timed = [s.seconds for s in plan.stages if s.seconds is not None]
+    hours = sum(s.gpu_hours or 0.0 for s in plan.stages)
     return {"stages": [{"name": s.name, "seconds": s.seconds, "rate_source": s.rate_source, "gpus": s.gpus,
                         "gpu_hours": s.gpu_hours, "fits": s.fits} for s in plan.stages],
-            "total_seconds": sum(timed) if timed else None, "gpus_total": plan.cluster.gpus,
-            "gpu_hours_total": sum(s.gpu_hours or 0.0 for s in plan.stages), "places": plan.places,
+            "total_seconds": sum(timed) + plan.start_seconds if timed else None, "start_seconds": plan.start_seconds,
+            "gpus_total": plan.cluster.gpus, "gpu": plan.gpu.name, "gpu_hours_total": hours,
+            "cost": hours * plan.gpu_hour_price if plan.gpu_hour_price else None, "places": plan.places,
             "warnings": plan.warnings, "problems": plan.problems}
 
 
@@ -96,10 +114,15 @@ def _totals(plan: Plan) -> str:
     timed = [s for s in plan.stages if s.seconds is not None]
     untimed = [s.name for s in plan.stages if s.seconds is None]
     left_out = [f"{s.left_out} ({s.name})" for s in timed if s.left_out]
-    text = f"estimated time of {len(timed)} stage(s) with measured rates: {duration(sum(s.seconds for s in timed))}"
+    total = sum(s.seconds for s in timed) + (plan.start_seconds if timed else 0.0)
+    sources = ", ".join(f"{n} {k}" for k in ("calibrated", "benchmark", "estimate")
+                        if (n := sum(s.rate_source == k for s in timed)))
+    text = f"estimated time of {len(timed)} stage(s) ({sources or 'none timed'}): {duration(total)}"
+    text += f" ({total:,.0f} s, the run's start {plan.start_seconds:.0f} s included)" if plan.start_seconds else ""
     text += f" + {', '.join(left_out)}" if left_out else ""
     hours = sum(s.gpu_hours or 0.0 for s in timed)
-    text += f" ({hours:,.1f} GPU-hours)" if hours else ""
+    text += f" ({hours:,.1f} GPU-hours" + (f", {_money(hours * plan.gpu_hour_price)}" if plan.gpu_hour_price else "") \
+        + ")" if hours else ""
     return text + (f"; no estimate for {len(untimed)}: {', '.join(untimed)}" if untimed else "")
 
 
@@ -119,12 +142,23 @@ def format_summary(plan: Plan) -> str:
 def run_summary(config: WbragConfig, run: str | None = None,
                 gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB) -> str | None:
     """The plan's summary on the Ray cluster this process is connected to; None when it is not connected or the
-    plan cannot be made (a plan never stops a run: the run's own checks decide)."""
-    cluster = cluster_from_ray(gpu_memory_gb)
+    plan cannot be made (the summary stops nothing: `api.run` refuses a config its stored plan cannot place)."""
+    plan = run_plan(config, run, gpu_memory_gb)
+    return None if plan is None else format_summary(plan)
+
+
+def run_plan(config: WbragConfig, run: str | None = None, gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB,
+             cluster: Cluster | None = None) -> Plan | None:
+    """The plan of `config` on `cluster` (default: the Ray cluster this process is connected to), with the
+    calibration records of the run folder and the cache; None when there is no cluster or the plan cannot be
+    made."""
+    from wbrag_ray.plan.calibrate import load_records
+
+    cluster = cluster or cluster_from_ray(gpu_memory_gb)
     if cluster is None:
         return None
     try:
-        return format_summary(make_plan(config, cluster, run=run))
-    except Exception as exc:  # noqa: BLE001 - a summary is advice: whatever fails here, the run goes on
-        log.debug("no plan summary: %s", exc, exc_info=exc)
+        return make_plan(config, cluster, run=run, records=load_records(run))
+    except Exception as exc:  # noqa: BLE001 - a plan is advice here: whatever fails, the run's own checks decide
+        log.debug("no plan: %s", exc, exc_info=exc)
         return None

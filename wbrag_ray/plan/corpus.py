@@ -107,8 +107,13 @@ def question_count(path: str | None, limit: int | None) -> tuple[int | None, str
     downloaded to count it)."""
     if not path:
         return None, "no file"
-    if "://" in path:
-        return None, f"{path} is not local: not counted"
+    if "://" in path or not _exists(path):
+        known = _known_split(path)
+        why = "is not local" if "://" in path else "is not here"
+        if known is None:
+            return None, f"{path} {why}: not counted"
+        n = min(known, limit) if limit is not None else known
+        return n, f"{n:,}: FlashRAG's {known:,} questions of this split ({path} {why}: not counted)"
     from wbrag_ray.formats import InputError, file_kind, input_files
     from wbrag_ray.storage import resolve
 
@@ -125,6 +130,25 @@ def question_count(path: str | None, limit: int | None) -> tuple[int | None, str
     if limit is not None and limit < n:
         return limit, f"the first {limit:,} of {n:,} in {path}"
     return n, f"{n:,} in {path}"
+
+
+# questions of FlashRAG's benchmark splits (its dataset card), for a QA file a plan cannot count (remote)
+FLASHRAG_SPLITS = {("nq", "train"): 79_168, ("nq", "dev"): 8_757, ("nq", "test"): 3_610,
+                   ("triviaqa", "train"): 78_785, ("triviaqa", "dev"): 8_837, ("triviaqa", "test"): 11_313,
+                   ("popqa", "test"): 14_267, ("hotpotqa", "train"): 90_447, ("hotpotqa", "dev"): 7_405}
+
+
+def _known_split(path: str) -> int | None:
+    parts = path.rstrip("/").split("/")
+    if len(parts) < 2:
+        return None
+    return FLASHRAG_SPLITS.get((parts[-2].lower(), parts[-1].rsplit(".", 1)[0].lower()))
+
+
+def _exists(path: str) -> bool:
+    import os
+
+    return os.path.exists(path)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -2,8 +2,11 @@
 ingest -> embed -> index -> [write-back training] -> [Zero-RAG: mastery, pruners, prediction, every ratio, tuning,
 router, the evaluation grid] -> [evaluation, base then base + write-back, when Zero-RAG is off].
 
-Generator calls per question are upper bounds: every method's rounds are counted as taken (FLARE retrieving
-for every sentence, Self-RAG retrieving for every question), every write-back example as kept, no answer memo.
+Generator calls per question are upper bounds where a method decides at run time (FLARE retrieving for every
+sentence, Self-RAG retrieving for every question); write-back's document gate and distiller run for the share
+of examples the utility gate keeps (a measured selection rate); the Zero-RAG grid's router cells reuse their
+twins' answers (the passes' answer memo). Each stage's time comes from `timing` (calibrated, benchmark or
+estimate) and says which.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.plan.accelerators import DEFAULT_GPU, Accelerator, accelerator, encode_seconds, kmeans_seconds
 from wbrag_ray.plan.corpus import CorpusSize, corpus_size, question_count
 from wbrag_ray.plan.models import model_size, serving_gb
 from wbrag_ray.plan.placement import Bundle, Cluster, problems
@@ -20,7 +24,6 @@ from wbrag_ray.plan.stages import (
     IndexSizing,
     Stage,
     embedder_bundle,
-    generation_time,
     generator_bundles,
     index_time,
     retrieval_bundles,
@@ -31,8 +34,28 @@ from wbrag_ray.plan.stages import (
     training_bundles,
     training_time,
 )
+from wbrag_ray.plan.timing import Timing, describe_record
+from wbrag_ray.plan.tokens import TEMPLATE_TOKENS, TokenShape, token_shape
 
 DIM_ASSUMED = 768
+# an OpenAI-compatible endpoint: its rate is the provider's; assumed, and labeled an estimate
+ENDPOINT_LATENCY_S = 0.5  # a request's time to its first token
+ENDPOINT_TOKENS_PER_S = 60.0  # output tokens a second of one request
+HEAD_SECONDS = 5.0  # the embedding pruner's head: a regression on a few thousand stored vectors, in the driver
+TRAIN_START = RATES["train_start"].value
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Generator calls a question (or a sentence) makes in one kind of prompt: `docs` documents of `doc_tokens`
+    (a corpus passage by default), up to `new_tokens` (default: generator.max_new_tokens); `mixture`: RePlug's
+    group of `docs` one-document prompts decoded as one answer."""
+
+    calls: float
+    docs: int
+    new_tokens: int | None = None
+    mixture: bool = False
+    doc_tokens: float | None = None
 
 
 @dataclass
@@ -45,6 +68,11 @@ class Plan:
     stages: list[Stage]
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    gpu: Accelerator = field(default_factory=lambda: accelerator(DEFAULT_GPU))
+    tokens: TokenShape | None = None
+    start_seconds: float = 0.0  # the run's start (the driver, Ray), calibrated; 0 without a record
+    calibrated: list[str] = field(default_factory=list)  # the calibration records the plan used, described
+    gpu_hour_price: float | None = None
 
     @property
     def places(self) -> bool:
@@ -52,10 +80,14 @@ class Plan:
 
 
 def make_plan(config: WbragConfig, cluster: Cluster, passages: int | None = None, run: str | None = None,
-              name: str = "") -> Plan:
-    """The plan of `config` on `cluster`: every stage's bundles, work and time, and why it cannot be placed."""
+              name: str = "", gpu: str = DEFAULT_GPU, records: list[dict] | None = None,
+              gpu_hour_price: float | None = None) -> Plan:
+    """The plan of `config` on `cluster`: every stage's bundles, work and time, and why it cannot be placed.
+    `gpu`: the accelerator GPU stages without a rate are estimated for (`accelerators.ACCELERATORS`); `records`:
+    calibration records (`calibrate.load_records`) whose hardware a stage's may match."""
     corpus = corpus_size(config, passages, run)
-    builder = _Builder(config, cluster, corpus)
+    timing = Timing(accelerator(gpu), list(records or []), token_shape(config))
+    builder = _Builder(config, cluster, corpus, timing)
     stages = builder.stages()
     found: list[str] = list(builder.refusals)
     where: dict[str, list[str]] = {}  # one problem of the stages that share it (one generator in several stages)
@@ -67,7 +99,9 @@ def make_plan(config: WbragConfig, cluster: Cluster, passages: int | None = None
             where.setdefault(problem, []).append(stage.name)
     found += [f"{', '.join(names)}: {problem}" for problem, names in where.items()]
     warnings = builder.warnings + [f"{s.name}: {idle}" for s in stages if (idle := idle_gpus(s, cluster.gpus))]
-    return Plan(name, cluster, corpus, stages, list(dict.fromkeys(found)), list(dict.fromkeys(warnings)))
+    start = timing.cluster_start(cluster.cpus)
+    return Plan(name, cluster, corpus, stages, list(dict.fromkeys(found)), list(dict.fromkeys(warnings)),
+                timing.gpu, timing.shape, start, [describe_record(r) for r in timing.used], gpu_hour_price)
 
 
 IDLE_SHARE = 0.25  # a GPU stage that leaves more than this share of the cluster's GPUs idle is warned of
@@ -91,8 +125,8 @@ class _Builder:
     """One config's stages on one cluster; the base index is sized once (its search actors serve every stage that
     retrieves), and a sizing rule's refusal is kept with its fix."""
 
-    def __init__(self, config: WbragConfig, cluster: Cluster, corpus: CorpusSize):
-        self.c, self.cluster, self.corpus = config, cluster, corpus
+    def __init__(self, config: WbragConfig, cluster: Cluster, corpus: CorpusSize, timing: Timing):
+        self.c, self.cluster, self.corpus, self.timing = config, cluster, corpus, timing
         self.refusals: list[str] = []
         self.warnings: list[str] = []
         size = model_size(config.embedder.model)
@@ -183,9 +217,17 @@ class _Builder:
         more = self._more("embedder")
         if not n:
             return Stage("embed", [bundle], work, more_gpus=more)
+        shape = self.timing.shape
+        tokens = shape.passage if unit == "passage" else self._sentence_tokens()
+        seconds, how, source = self.timing.embedding(e, n, tokens, e.concurrency)
+        if seconds is not None:
+            stage = Stage("embed", [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
+            stage.add_source(source, seconds)
+            self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
+                        service="embed actor")
+            return stage
         if e.num_gpus > 0:
-            return Stage("embed", [bundle], work, how=f"no measured rate: {n:,} {unit}s embedded on GPUs",
-                         more_gpus=more)
+            return Stage("embed", [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)
         per_actor, how = scaled_rate("embed", model_size(e.model), threads_of(e.num_cpus, e.threads))
         if per_actor is None:
             return Stage("embed", [bundle], work, how=how)
@@ -196,29 +238,42 @@ class _Builder:
                      f"{n:,} / ({how} x {e.concurrency} actors)", more_gpus=more,
                      rates=("embed",) + (("sentences_per_passage",) if unit == "passage" else ()))
 
+    def _sentence_tokens(self) -> float:
+        """A sentence's tokens: the passage's over the run's sentences a passage where the ingest counted them."""
+        c = self.corpus
+        if c.passages and c.sentences and not c.rates:
+            return self.timing.shape.passage * c.passages / c.sentences
+        return self.timing.shape.sentence
+
     def index(self) -> Stage:
         s, n = self.sizing, self.units
         if s is None or not n:
             return Stage("index", [], "corpus size unknown" if not n else "refused by the sizing rules")
         seconds, how, keys, left_out = index_time(s, n, self.dim, self.cluster.cpus)
-        return Stage("index", list(s.bundles), f"{n:,} vectors of {self.dim} dimensions", seconds, how, rates=keys,
-                     left_out=left_out, more_gpus=KMEANS_GPU,
-                     notes=[s.describe(), f"retrieval service: {s.groups} search actor group(s) of up to "
-                            f"{s.group_gb:,.3g} GB (retrieval.actor_memory_gb={self.c.retrieval.actor_memory_gb})"])
+        stage = Stage("index", list(s.bundles), f"{n:,} vectors of {self.dim} dimensions", seconds, how, rates=keys,
+                      more_gpus=KMEANS_GPU,
+                      notes=[s.describe(), f"retrieval service: {s.groups} search actor group(s) of up to "
+                             f"{s.group_gb:,.3g} GB (retrieval.actor_memory_gb={self.c.retrieval.actor_memory_gb})"])
+        stage.add_source("benchmark", seconds)
+        if left_out:  # k-means on a GPU: from its FLOPs
+            self._kmeans_on_gpu(stage, s)
+        return stage
 
     # --- model passes --------------------------------------------------------------------------------------
 
-    def _calls_per_question(self, method: str) -> tuple[int, int]:
-        """(prompts without documents, prompts with documents) a method makes per question, at most: they run at
-        the closed-book and the RAG-prompt rates. Self-RAG: its retrieval judgement, then a relevance judgement per
-        document and the answer; FLARE: a look-ahead and a rewrite with documents per round."""
+    def _passes(self, method: str) -> list[Pass]:
+        """The generator passes a method makes per question, at most: (calls, documents a prompt, new tokens,
+        mixture). Self-RAG: its retrieval judgement, a relevance judgement per document (one token each) and the
+        answer; FLARE: a look-ahead and a rewrite with documents per round; RePlug on a backend that decodes
+        mixtures: one group of K one-document prompts."""
         k, rounds = self.c.retrieval.top_k, self.c.rag.flare.max_rounds
-        return {"no-retrieval": (1, 0), "naive": (0, 1), "replug": (0, k), "replug-vote": (0, k),
-                "self-rag": (1, k + 1), "flare": (rounds, rounds)}[method]
+        replug = [Pass(1, k, mixture=True)] if self.c.generator.backend == "hf" else [Pass(k, 1)]
+        return {"no-retrieval": [Pass(1, 0)], "naive": [Pass(1, k)], "replug": replug, "replug-vote": [Pass(k, 1)],
+                "self-rag": [Pass(1, 0, 1), Pass(k, 1, 1), Pass(1, k)],
+                "flare": [Pass(rounds, 0), Pass(rounds, k)]}[method]
 
-    def _per_question(self, methods: list[str]) -> tuple[int, int]:
-        calls = [self._calls_per_question(m) for m in methods]
-        return sum(c for c, _ in calls), sum(r for _, r in calls)
+    def _method_passes(self, methods: list[str]) -> list[Pass]:
+        return [p for m in methods for p in self._passes(m)]
 
     def _retrieval(self) -> list[Bundle]:
         if self.sizing is None:
@@ -226,46 +281,72 @@ class _Builder:
         c = self.c
         return retrieval_bundles(self.sizing, c.index, c.retrieval, c.embedder, self.cluster)
 
-    def _model_stage(self, name: str, g: GeneratorConfig, questions: int | None, per: tuple[int, int], work: str,
+    def _model_stage(self, name: str, g: GeneratorConfig, questions: int | None, passes: list[Pass], work: str,
                      retrieval: bool, key: str = "generator") -> Stage:
-        """A stage of generator passes: `questions` x `per` (closed-book, with documents) calls on the service of
-        `g`, beside the retrieval service when it searches."""
+        """A stage of generator passes: `questions` x each pass's calls on the service of `g`, beside the
+        retrieval service when it searches; the services' start where this is the first stage to ask for them."""
         bundles, notes, refusals = generator_bundles(g, key, self.cluster)
         stage = Stage(name, bundles + (self._retrieval() if retrieval else []), work, 0.0, notes=notes,
                       refusals=refusals, more_gpus=self._more(key))
         if questions is None:
             stage.seconds, stage.how = None, "questions not counted: no time"
             return stage
-        for calls, rate in ((per[0], "closed_book"), (per[1], "rag")):
-            if calls:
-                self._add_time(stage, g, questions * calls, rate)
+        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend)
+        if retrieval:
+            e = self.c.retrieval.query_embedder(self.c.embedder)
+            self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
+                        service="query embedder")
+        for p in passes:
+            self._add_time(stage, g, round(questions * p.calls), p)
         return stage
 
-    @staticmethod
-    def _add_time(stage: Stage, g: GeneratorConfig, calls: int | None, rate: str, label: str = "") -> None:
-        seconds, how, keys = generation_time(g, calls, rate)
+    def _start(self, stage: Stage, role: str, model: str, num_gpus: float, dtype: str, threads: int,
+               backend: str | None = None, service: str | None = None) -> None:
+        seconds, how = self.timing.service_start(role, model, num_gpus, dtype, threads, backend, service)
+        if seconds:
+            stage.seconds = None if stage.seconds is None else stage.seconds + seconds
+            stage.how = f"{stage.how}; {how}" if stage.how else how
+            stage.add_source("calibrated", seconds)
+
+    def _add_time(self, stage: Stage, g: GeneratorConfig, calls: int | None, p: Pass, label: str = "") -> None:
+        if calls is None:
+            seconds, how, source = None, "questions not counted: no time", None
+        elif g.backend == "openai":  # the endpoint's own rate: a stated latency and output speed, per request
+            per_call = ENDPOINT_LATENCY_S + (p.new_tokens or g.max_new_tokens) / ENDPOINT_TOKENS_PER_S
+            seconds, source = calls * per_call / max(1, g.concurrency), "estimate"
+            how = (f"estimate: {calls:,} calls to the endpoint x ({ENDPOINT_LATENCY_S:g} s + {p.new_tokens or g.max_new_tokens}"
+                   f" tokens at {ENDPOINT_TOKENS_PER_S:g}/s) / {g.concurrency} in flight")
+        else:
+            seconds, how, source = self.timing.generation(g, calls, p.docs, p.new_tokens, p.doc_tokens, p.mixture)
         stage.seconds = None if seconds is None or stage.seconds is None else stage.seconds + seconds
         stage.how = f"{stage.how}; {label}{how}" if stage.how else label + how
-        stage.rates += keys
+        stage.add_source(source, seconds)
+        if source == "benchmark":
+            stage.rates += ("closed_book",) if p.docs == 0 and not p.mixture else (f"rag_prompt_{g.backend}",)
 
     def writeback(self) -> Stage:
         wb, k = self.c.writeback, self.c.retrieval.top_k
         q, counted = question_count(wb.train, wb.limit)
-        closed, rag = self._calls_per_question(wb.rag_method)
-        per = (1 + closed, rag + k + 2)  # s_nr; s_rag, the document gate, extract + rewrite
-        stage = self._model_stage("write-back training", self.c.generator, q, per,
-                                  f"questions: {counted}; up to {sum(per)} generator calls each (s_nr, "
-                                  f"{wb.rag_method} s_rag, the document gate over K={k}, extract + rewrite)", True)
+        kept = RATES["writeback_selection"].value
+        passes = [Pass(1, 0), *self._passes(wb.rag_method), Pass(k * kept, 1),  # s_nr, s_rag, the document gate
+                  Pass(kept, k, wb.extract_max_new_tokens),  # extract from the retained documents (at most K)
+                  Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens)]  # rewrite
+        calls = sum(p.calls for p in passes)
+        stage = self._model_stage("write-back training", self.c.generator, q, passes,
+                                  f"questions: {counted}; about {calls:.3g} generator calls each (s_nr, "
+                                  f"{wb.rag_method} s_rag; for the {kept:.0%} the utility gate keeps [writeback_"
+                                  f"selection]: the document gate over K={k}, extract + rewrite)", True)
+        stage.rates += ("writeback_selection",)
         stage.notes.append(f"the units are embedded with the embedder's actors and indexed ({wb.index_factory})")
         return stage
 
     def evaluation(self, writeback: bool) -> Stage:
         ev = self.c.eval
         q, counted = question_count(ev.dataset, ev.limit)
-        per = self._per_question(ev.methods)
+        passes = self._method_passes(ev.methods)
         name = "evaluation" + (" with write-back" if writeback else "")
-        return self._model_stage(name, self.c.generator, q, per, f"questions: {counted}; methods "
-                                 f"{', '.join(ev.methods)}: up to {sum(per)} calls a question",
+        return self._model_stage(name, self.c.generator, q, passes, f"questions: {counted}; methods "
+                                 f"{', '.join(ev.methods)}: up to {sum(p.calls for p in passes):g} calls a question",
                                  any(m != "no-retrieval" for m in ev.methods))
 
     # --- Zero-RAG ----------------------------------------------------------------------------------------
@@ -281,16 +362,22 @@ class _Builder:
         if z.tune.enabled:
             out += self.tuning(q, counted)
         if z.router:
-            out.append(self._model_stage("router", c.generator, q, (1, 0), f"training questions: {counted}; one "
+            out.append(self._model_stage("router", c.generator, q, [Pass(1, 0)], f"training questions: {counted}; one "
                                          "closed-book answer each (labels), embedded in the driver", False))
         if c.eval.dataset:
             n, counted = question_count(c.eval.dataset, c.eval.limit)
-            cells = (len({0.0, *z.ratios}) * (2 if z.router else 1) * (2 if z.tune.enabled else 1)
-                     * (2 if c.writeback.train else 1))
-            closed, rag = self._per_question(c.eval.methods)
-            out.append(self._model_stage("evaluation grid", c.generator, n * cells if n else None, (closed, rag),
+            adapters, writebacks = (2 if z.tune.enabled else 1), (2 if c.writeback.train else 1)
+            cells = len({0.0, *z.ratios}) * (2 if z.router else 1) * adapters * writebacks
+            # what the grid generates: no-retrieval once per adapter (no index), the other methods in every cell of
+            # ratio x write-back x adapter; a router cell's prompts are its no-router twin's or the closed-book ones,
+            # which the passes' answer memo reuses
+            passes = [Pass(p.calls * adapters * (1 if m == "no-retrieval" else len({0.0, *z.ratios}) * writebacks),
+                           p.docs, p.new_tokens, p.mixture, p.doc_tokens)
+                      for m in c.eval.methods for p in self._passes(m)]
+            out.append(self._model_stage("evaluation grid", c.generator, n, passes,
                                          f"questions: {counted}; {cells} settings (ratios x router x adapter x "
-                                         f"write-back) x up to {closed + rag} calls a question", True))
+                                         f"write-back), up to {sum(p.calls for p in passes):g} calls a question "
+                                         "(the router's cells reuse their twins' answers)", True))
         return out
 
     def mastery(self) -> Stage:
@@ -300,7 +387,7 @@ class _Builder:
             answers, written = sample * z.qa_per_sentence, sample
         else:
             answers, written = round(sample * z.qa_per_sentence * RATES["cloze_calls_per_pair"].value), 0
-        stage = self._model_stage("mastery", g, answers, (1, 0), f"{sample:,} sentences: {written:,} QA-writing "
+        stage = self._model_stage("mastery", g, answers, [Pass(1, 0, z.answer_max_new_tokens)], f"{sample:,} sentences: {written:,} QA-writing "
                                   f"calls, {answers:,} closed-book answers", False)
         if written:  # the QA writer's prompts hold the sentence and its answers run long: the RAG-prompt rate
             writer = z.qa_generator or g
@@ -309,15 +396,18 @@ class _Builder:
                 stage.bundles += bundles
                 stage.notes += notes
                 stage.refusals += refusals
-            self._add_time(stage, writer, written, "rag", "QA writing: ")
+            self._start(stage, "generator", writer.model, writer.num_gpus, writer.dtype,
+                        threads_of(writer.num_cpus, writer.threads), writer.backend)
+            self._add_time(stage, writer, written, Pass(1, 1, z.qa_max_new_tokens, doc_tokens=self.timing.shape.sentence),
+                           "QA writing: ")
         return stage
 
     def pruner_training(self, kind: str) -> Stage:
         z = self.c.zerorag
         fit = max(1, round(z.sample * (1 - z.val_fraction)))
-        if kind == "embedding":
+        if kind == "embedding":  # a small regression head fit in the driver: reading the sample's vectors, seconds
             return Stage("pruner training (embedding head)", [], f"a head on {fit:,} stored vectors, in the driver",
-                         how="small: not estimated")
+                         HEAD_SECONDS, f"small: about {HEAD_SECONDS:g} s (a head on stored vectors)")
         lm = z.lm_pruner
         return self._training("pruner training (LM regressor)", lm.backbone, lm, fit, "zerorag.lm_pruner")
 
@@ -332,10 +422,25 @@ class _Builder:
             steps, batch = plan_steps(section, examples, trainer.num_workers)
         except (ConfigError, ValueError) as exc:
             return Stage(name, bundles, f"{examples:,} examples", refusals=[f"{name}: {exc}"], more_gpus=more)
-        seconds, how, keys = training_time(model, trainer, steps, batch, section.max_length)
+        seconds, how, source = self.timing.training(model, trainer, section.threads, steps, batch,
+                                                    section.max_length, self.c.generator.model)
+        keys: tuple = ()
+        if seconds is None:
+            seconds, how, keys = training_time(model, trainer, steps, batch, section.max_length)
+            source = "benchmark" if keys else None
         capped = f", capped by {key}.max_steps" if section.max_steps and steps == section.max_steps else ""
-        return Stage(name, bundles, f"{examples:,} examples: {steps:,} steps of {batch}{capped}, "
-                     f"{trainer.num_workers} worker(s)", seconds, how, rates=keys, more_gpus=more)
+        stage = Stage(name, bundles, f"{examples:,} examples: {steps:,} steps of {batch}{capped}, "
+                      f"{trainer.num_workers} worker(s)", seconds, how, rates=keys, more_gpus=more)
+        stage.add_source(source, seconds)
+        if seconds is not None and source == "calibrated":  # Ray Train's workers start and load the model
+            start = self.timing.record("training", self.c.generator.model, trainer.num_gpus, "auto",
+                                       threads_of(trainer.num_cpus, section.threads))
+            extra = TRAIN_START + start.get("load_seconds", 0.0)
+            stage.seconds += extra
+            stage.how += f"; Ray Train start {TRAIN_START:g} s [train_start] + model load {extra - TRAIN_START:.0f} s"
+            stage.rates += ("train_start",)
+            stage.add_source("benchmark", TRAIN_START)
+        return stage
 
     def prediction(self) -> Stage:
         z, n = self.c.zerorag, self.corpus.sentences
@@ -354,6 +459,12 @@ class _Builder:
         bundle = Bundle("LM pruner actor", lm.concurrency, lm.num_cpus, lm.num_gpus, None if on_gpu else memory,
                         memory if on_gpu else None, detail=size.describe(), fix="lower zerorag.lm_pruner.concurrency")
         more = self._more("zerorag.lm_pruner")
+        if on_gpu and n and size.params:  # a forward pass over each sentence (and its prompt), like an encoder's
+            seconds, how = encode_seconds(self.timing.gpu, size.params, n, TEMPLATE_TOKENS + self._sentence_tokens(),
+                                          lm.num_gpus, lm.concurrency)
+            stage = Stage("prediction (LM pruner)", [bundle], work, seconds, how, more_gpus=more)
+            stage.add_source("estimate", seconds)
+            return stage
         if on_gpu or not n:
             return Stage("prediction (LM pruner)", [bundle], work, how=f"no measured rate: {n or 0:,} sentences "
                          "predicted on GPUs" if on_gpu else "corpus size unknown", more_gpus=more)
@@ -371,10 +482,22 @@ class _Builder:
         sizing = self._size(kept, name)
         rate = RATES["prune"]
         at_once = self._parallel(max(1, math.ceil(n / self.c.zerorag.checkpoint_rows)))
-        return Stage(name, list(sizing.bundles) if sizing else [], f"{n:,} sentences -> {kept:,} kept",
-                     n / (rate.value * at_once), f"{n:,} / ({rate.value:,g} per CPU-second [prune] x {at_once:g} CPUs)",
-                     notes=[f"pruned index: {sizing.describe()}"] if sizing else [], rates=("prune",),
-                     more_gpus=KMEANS_GPU)
+        stage = Stage(name, list(sizing.bundles) if sizing else [], f"{n:,} sentences -> {kept:,} kept",
+                      n / (rate.value * at_once), f"{n:,} / ({rate.value:,g} per CPU-second [prune] x {at_once:g} CPUs)",
+                      notes=[f"pruned index: {sizing.describe()}"] if sizing else [], rates=("prune",),
+                      more_gpus=KMEANS_GPU)
+        stage.add_source("benchmark", stage.seconds)
+        if sizing and sizing.nlist and sizing.bundles[0].gpus:  # the pruned index's k-means, on a GPU
+            self._kmeans_on_gpu(stage, sizing)
+        return stage
+
+    def _kmeans_on_gpu(self, stage: Stage, sizing: IndexSizing) -> None:
+        """An index train task's k-means on one GPU, added to `stage` from its FLOPs (no GPU rate measured)."""
+        kmeans, why = kmeans_seconds(self.timing.gpu, sizing.train_sample, sizing.nlist, self.dim)
+        stage.seconds += kmeans
+        stage.how = stage.how.replace("; k-means on a GPU: no measured rate", "") + f"; {why}"
+        stage.task_gpu_seconds = kmeans
+        stage.add_source("estimate", kmeans)
 
     def tuning(self, q: int | None, counted: str) -> list[Stage]:
         t, g = self.c.zerorag.tune, self.c.generator

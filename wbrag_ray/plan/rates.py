@@ -1,10 +1,9 @@
 """The rates `wbrag plan` estimates times from: each one measured by the project's own benchmarks, with the
 benchmark, the date and the hardware kind it came from (benchmarks/RESULTS.md holds the full runs).
 
-Every rate here was measured on CPUs: no GPU figure has been recorded yet (`benchmarks/gpu/check.py` measures
-the generator, the embedder and LoRA training on one GPU; add its figures here, with `hardware` naming the GPU,
-and the planner uses them). Until then a stage whose actors ask for GPUs gets no time estimate: the plan says
-"no measured rate" and prints the amount of work instead, rather than scaling a CPU figure by a guessed factor.
+Every rate here was measured on CPUs. A stage whose actors ask for GPUs is not timed from them (no CPU figure is
+scaled by a guessed factor): it takes a rate `wbrag plan --calibrate` measured on the cluster's own hardware
+(`calibrate`), else a first-principles estimate against the GPU's peaks (`accelerators`), labeled so.
 
 Model-bound rates were measured with one small model; `reference_params` says which size, so a rate can be scaled
 to another model by parameter count (compute per token grows with it) and by torch threads (the benchmarks ran
@@ -91,6 +90,14 @@ _RATES = (
          "wiki-18 (FlashRAG's 21M 100-word passages, about 138M sentences); the demo passages the ingest "
          "benchmark segments have 3.96",
          "DESIGN.md target scale (Zero-RAG's sentence count)", "date not recorded", "corpus figure, no hardware"),
+    Rate("writeback_selection", 0.233, "of the training questions pass the utility gate",
+         "the write-back demo (SmolLM2-135M, K = 5, acc): 7 of 30 kept, each then through the document gate and "
+         "the distiller",
+         "wbrag run jobs/configs/writeback_demo.yaml", "2026-12-05", "count, no hardware"),
+    Rate("train_start", 30.0, "seconds to start a Ray Train run",
+         "TorchTrainer with 2 CPU workers, gloo, checkpoints under RunConfig(storage_path): a 20-step toy loop took "
+         "about 31 s with start-up",
+         "DESIGN.md, facts measured on the build machine (no benchmark module)", "date not recorded", AVX512),
     Rate("cloze_calls_per_pair", 0.675, "closed-book calls per cloze pair requested",
          "cloze mode writes a pair only where a sentence has a name, number or date to blank: 534 calls for 396 "
          "demo sentences at n = 2",

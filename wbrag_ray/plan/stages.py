@@ -38,6 +38,7 @@ class Stage:
     # what would use more of the cluster's GPUs (the setting), or why nothing would: said where GPUs stay idle
     more_gpus: str = ""
     fits: bool = True  # set by the plan: its bundles place on the cluster and no rule refused it
+    task_gpu_seconds: float = 0.0  # GPU-seconds of its tasks (the index's k-means on one GPU), where estimated
 
     @property
     def gpus(self) -> float:
@@ -48,20 +49,31 @@ class Stage:
 
     @property
     def gpu_hours(self) -> float | None:
-        """GPU-hours of the stage: its actors' and workers' GPUs for its time; None where it has no time, or where its
-        GPUs are a task's that its time leaves out (k-means on a GPU: no measured rate)."""
+        """GPU-hours of the stage: its actors' and workers' GPUs for its time, and its GPU tasks' own time (the
+        index's k-means); None where it has no time, or where its GPUs are a task's it has no time for."""
         resident = sum(b.gpus * b.count for b in self.bundles if b.kind != "task")
-        if self.seconds is None or (self.gpus and not resident):
+        if self.seconds is None or (self.gpus and not resident and not self.task_gpu_seconds):
             return None
-        return resident * self.seconds / 3600
+        return (resident * self.seconds + self.task_gpu_seconds) / 3600
+
+    # seconds of the stage's time by where their rate came from (calibrated, benchmark, estimate)
+    sources: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate_source(self) -> str | None:
-        """Where the stage's time comes from: "benchmark" (rates the project's benchmarks measured, scaled to the
-        model and threads), "estimate" (a time without a measured rate), None where it has no time."""
+        """Where most of the stage's time comes from: "calibrated" (rates `wbrag plan --calibrate` measured on
+        this hardware), "benchmark" (rates the project's benchmarks measured, scaled to the model and threads),
+        "estimate" (FLOPs and bytes against an accelerator's peaks, or a time without a measured rate); None where
+        it has no time."""
         if self.seconds is None:
             return None
+        if self.sources:
+            return max(self.sources.items(), key=lambda kv: kv[1])[0]
         return "benchmark" if self.rates else "estimate"
+
+    def add_source(self, source: str | None, seconds: float | None) -> None:
+        if source and seconds is not None:
+            self.sources[source] = self.sources.get(source, 0.0) + seconds
 
 
 def threads_of(num_cpus: float, threads: int | None) -> int:

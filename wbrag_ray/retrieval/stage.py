@@ -36,6 +36,7 @@ class RetrieveStage(Stage):
 
     name = "retrieve"
     section = "retrieval"
+    gpu_setting = "retrieval.embed_gpus"  # the query embedder's GPUs (embedder.num_gpus where unset)
     output_columns = ("docs",)
 
     def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,
@@ -100,6 +101,7 @@ class PassageVectorsStage(Stage):
 
     name = RetrieveStage.name  # the retrieval service's actors run it
     section = RetrieveStage.section
+    gpu_setting = RetrieveStage.gpu_setting
     input_columns = ("id", "text")
     output_columns = ("id", "vector")
 
@@ -126,6 +128,77 @@ class PassageVectorsStage(Stage):
 
         vectors = stored(self.embedder.encode_passages(batch["text"].tolist()), self.search.embedder_config)
         return pd.DataFrame({"id": batch["id"].to_numpy(np.int64), "vector": list(vectors.astype(np.float32))})
+
+
+class QueryVectorsStage(Stage):
+    """question -> vector, embedded by a retrieval pass's actors with the query embedder they hold (GPUs
+    included), for the work that needs the vectors themselves in the driver: the Zero-RAG router's training and
+    the grid's latency measurement. No index is needed: the actors load the embedder only."""
+
+    name = RetrieveStage.name  # the retrieval service's actors run it (a retrieval pass after it loads its own)
+    section = RetrieveStage.section
+    gpu_setting = RetrieveStage.gpu_setting
+    input_columns = ("question",)
+    output_columns = ("vector",)
+
+    def __init__(self, embedder: EmbedderConfig, retrieval: RetrievalConfig):
+        self.embedder_config, self.retrieval = retrieval.query_embedder(embedder), retrieval
+        self.embedder = None
+
+    @property
+    def resources(self) -> Resources:
+        return Resources(num_cpus=self.retrieval.num_cpus, num_gpus=self.embedder_config.num_gpus,
+                         concurrency=self.retrieval.concurrency, batch_size=self.retrieval.batch_size)
+
+    def setup(self) -> None:
+        from wbrag_ray.models.embedder import Embedder
+
+        self.embedder = Embedder(self.embedder_config)
+        self.embedder.setup()
+
+    def service_key(self) -> tuple:
+        return ("queries", self.embedder_config.model_dump_json())
+
+    def adopt(self, loaded: QueryVectorsStage) -> None:
+        self.embedder = loaded.embedder
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        vectors = self.embedder.encode_queries(batch["question"].tolist())
+        return pd.DataFrame({"vector": list(vectors.astype(np.float32))})
+
+
+def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalConfig):
+    """Refuse, before any work, `what` (a stage that embeds queries: the Zero-RAG router, its grid) whose query
+    embedder asks for GPUs on a cluster with no node holding that many, naming the setting
+    (`cluster_nodes.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
+    from wbrag_ray.cluster_nodes import refuse_unplaceable
+
+    gpus = retrieval.query_embedder(embedder).num_gpus
+    if gpus <= 0:
+        return
+    setting = "retrieval.embed_gpus" if retrieval.embed_gpus is not None else "embedder.num_gpus"
+    refuse_unplaceable(lambda nodes: None if any(n.get("GPU", 0.0) + 1e-9 >= gpus for n in nodes) else (
+        f"{what} embeds its queries on the retrieval actors, which ask for {gpus:g} GPU{'s' * (gpus != 1)} each "
+        f"({setting}), but no node of the cluster has {'one' if gpus <= 1 else 'that many'}; set "
+        "retrieval.embed_gpus: 0 to embed queries on CPU (the bulk embedding keeps embedder.num_gpus)"))
+
+
+def query_vectors(texts: list[str], embedder: EmbedderConfig, retrieval: RetrievalConfig,
+                  services: Services | None = None) -> np.ndarray:
+    """`texts` embedded as queries, as a retrieval pass embeds them: where the query embedder asks for GPUs, on
+    the retrieval actors of `services` (or of a set of this call's own), which hold them (a driver, often a head
+    node without GPUs, would embed them on its CPU, silently); else in this process, on CPU as configured."""
+    config = retrieval.query_embedder(embedder)
+    if config.num_gpus <= 0:
+        from wbrag_ray.models.embedder import Embedder
+
+        return Embedder(config).encode_queries(list(texts))
+    from wbrag_ray.stages.service import shared_or_own
+
+    with shared_or_own(services) as own:
+        out = own.run_frame(pd.DataFrame({"question": list(texts)}), QueryVectorsStage(embedder, retrieval),
+                            "embed queries")
+    return np.stack(out["vector"].to_list()).astype(np.float32) if len(out) else np.zeros((0, 0), np.float32)
 
 
 @dataclass(frozen=True)

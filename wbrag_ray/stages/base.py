@@ -56,6 +56,8 @@ class Resources:
 class Stage(ABC):
     name: ClassVar[str]
     section: ClassVar[str | None] = None  # the config section that sizes its pool, as messages name it
+    # the setting of its GPUs, as messages name it, where it is not `<section>.num_gpus`
+    gpu_setting: ClassVar[str | None] = None
     input_columns: ClassVar[tuple[str, ...]] = ()
     output_columns: ClassVar[tuple[str, ...]] = ()
     # "pandas" for text work; "pyarrow" where a batch is mostly vectors (no per-row Python objects).
@@ -93,12 +95,24 @@ class _StageWorker:
     def __init__(self, stage: Stage):
         from wbrag_ray.models.hardware import set_threads
 
+        require_stage_gpu(stage)
         set_threads(stage.resources.threads or stage.resources.num_cpus)
         self.stage = stage
         stage.setup()
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         return process_checked(self.stage, batch)
+
+
+def require_stage_gpu(stage: Stage) -> None:
+    """In a Ray worker, before a stage's setup imports or downloads anything: a stage configured for GPUs whose
+    node has none visible to torch is refused, naming the stage and its setting (`hardware.require_gpu`). A driver
+    running a stage itself (`run_local`: a search, a few queries) keeps `pick_device`'s CPU fallback."""
+    from wbrag_ray.models.hardware import in_ray_worker, require_gpu
+
+    if stage.resources.num_gpus > 0 and in_ray_worker():
+        require_gpu(f"the {stage.name} stage", stage.section or stage.name, stage.resources.num_gpus,
+                    stage.gpu_setting)
 
 
 def process_checked(stage: Stage, batch):
@@ -126,24 +140,35 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
               "num_gpus": res.num_gpus or None, **res.remote_args()}
     if not res.actors:
         return ds.map_batches(_run_in_task, fn_args=(stage,), **common)
-    if ray.is_initialized():
-        _check_pool(stage)
-    return ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=res.concurrency),
-                          **common)
+    size = _check_pool(stage) if ray.is_initialized() else res.concurrency
+    out = ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=size), **common)
+    # Ray Data's own wait for the pool's actors, which is otherwise endless where others hold their resources: the
+    # pipeline's execution then raises, and `cluster_nodes.pool_start_wait` around it names the pool (the setting
+    # reaches every operator of the pipeline this dataset ends, and those built on it)
+    from wbrag_ray.cluster_nodes import pool_start_timeout_s
+
+    out.context.wait_for_min_actors_s = pool_start_timeout_s()
+    return out
 
 
-def _check_pool(stage: Stage) -> None:
-    """Ray Data starts a pass's actors as the cluster places them and runs on those that started: a pool of
-    which none fits waits forever (refused), one of which only some fit runs narrower than asked (a warning)."""
-    from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable
+def _check_pool(stage: Stage) -> int:
+    """The size of a pass's pool: a pool of which none fits the cluster is refused; one of which only some fit
+    runs narrower than asked, on as many actors as fit (a warning): Ray Data waits for every actor of a pool to
+    start (`pool_start_timeout_s`), and actors no node can hold would end the pass."""
+    from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
 
     res = stage.resources
     need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
     what = f"the {stage.name} pass"
     refuse_unplaceable(lambda nodes: pool_refusal(what, 1, need, nodes))
-    partly = None if autoscaling() else pool_refusal(what, res.concurrency, need, cluster_nodes()[0])
-    if partly is not None:
-        log.warning("%s; it runs on the actors that fit", partly)
+    if autoscaling():
+        return res.concurrency
+    nodes = cluster_nodes()[0]
+    partly = pool_refusal(what, res.concurrency, need, nodes)
+    if partly is None:
+        return res.concurrency
+    log.warning("%s; it runs on the actors that fit", partly)
+    return max(1, min(res.concurrency, room_for(need, nodes)))
 
 
 def _run_in_task(batch, stage: Stage):

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked
+from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked, require_stage_gpu
 from wbrag_ray.stages.kept import KEEP_S, KEPT, make_room
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class _ServiceWorker:
         # The old model or index goes before the new one comes (and stays gone if the new setup fails).
         self.loaded, self.key = None, None
         gc.collect()
+        require_stage_gpu(stage)
         stage.setup()
         self.setups += 1
         self.loaded, self.key = stage, stage.service_key()
@@ -232,9 +233,14 @@ class StageService:
     def close(self) -> None:
         import ray
 
+        ids = [actor._actor_id.hex() for actor in self.actors]
         for actor in [*self.actors, *([self._dispatch] if self._dispatch is not None else [])]:
             ray.kill(actor)
         self.actors, self._dispatch = [], None
+        if ids:  # a sharded engine's placement groups, which Ray keeps past a killed actor (`generation.parallel`)
+            from wbrag_ray.generation.parallel import release_engine_groups
+
+            release_engine_groups(ids)
 
 
 def _start_dispatch(actors: int):
@@ -281,7 +287,13 @@ class Services:
 
         with running(name or stage.name, len(frame)) as progress:
             if stage.service_key() is None:
-                out = apply_stage(local_dataset(frame), stage).to_pandas()
+                from wbrag_ray.cluster_nodes import pool_start_wait
+
+                res = stage.resources
+                need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
+                fix = f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency"
+                with pool_start_wait(f"the {stage.name} pass", res.concurrency, need, fix):
+                    out = apply_stage(local_dataset(frame), stage).to_pandas()
                 progress.update(len(out))
                 if on_batch is not None:
                     on_batch(0, out)

@@ -202,13 +202,12 @@ def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, mo
     import ray
     import torch
 
+    from wbrag_ray.models.hardware import require_gpu
+
     fsdp = trainer.strategy == "fsdp"
     if not trainer.num_gpus:
         return Placement(torch.device("cpu"), torch.float32, fsdp=fsdp, rank=rank)
-    if not torch.cuda.is_available():
-        raise ConfigError(f"{key}.trainer.num_gpus is {trainer.num_gpus:g} but training worker {rank} runs on a node "
-                          "where torch sees no GPU (no CUDA device, or a CPU build of torch); set "
-                          f"{key}.trainer.num_gpus: 0 to train on CPUs")
+    require_gpu(f"{key}'s training worker {rank}", f"{key}.trainer", trainer.num_gpus)  # before any weight loads
     assigned = own_gpus(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     model_bytes = None
@@ -525,6 +524,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
     from ray.train.torch import TorchTrainer
 
     from wbrag_ray import checkpoints
+    from wbrag_ray.cluster_nodes import TRAIN_START_FAILURE, train_start_wait
     from wbrag_ray.stages.kept import release_kept
 
     trainer_config = section.trainer
@@ -557,13 +557,16 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
                 resources_per_worker={"CPU": trainer_config.num_cpus, **({"GPU": gpus} if gpus else {})}),
             run_config=ray.train.RunConfig(
                 name=label, storage_path=storage.path, storage_filesystem=storage.fs,
-                failure_config=ray.train.FailureConfig(max_failures=trainer_config.max_failures),
+                failure_config=ray.train.FailureConfig(max_failures=trainer_config.max_failures, **TRAIN_START_FAILURE),
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
                 logging_config=ray.train.LoggingConfig(log_level="DEBUG" if verbose else "WARNING")),
         )
         stack.enter_context(_callers_sigint_handler())
         try:
-            result = trainer.fit()
+            # workers that cannot be placed within ray.pending_timeout_s end the fit, naming what is missing
+            with train_start_wait(f"the {label} training", trainer_config.num_workers,
+                                  {"CPU": trainer_config.num_cpus, "GPU": gpus}, f"lower {key}.trainer.num_workers"):
+                result = trainer.fit()
         except ray.train.WorkerGroupError as error:
             # A mistake in the inputs (a ConfigError, a diverging loss) is the user's to read as it was raised.
             for failure in error.worker_failures.values():

@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
-from wbrag_ray.formats import plain_table
+from wbrag_ray.formats import input_params, plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.layout import plain_name
 from wbrag_ray.run import RunFolder
@@ -119,7 +119,7 @@ def train_writeback(
     print_departures(config, PAPER, train)
     method = config.writeback.rag_method
     # the adaptive method's own thresholds decide what is written back
-    params = {"version": version, "train": train,
+    params = {"version": version, **input_params(train, "writeback.train"),
               "method": method.replace("-", "_") if method in ("self-rag", "flare") else None}
     stats = run.execute(WRITEBACK, config, lambda: _train(run, config, train, params), params=params, force=force)
     print(format_table3(stats), flush=True)

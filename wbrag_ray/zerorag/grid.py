@@ -23,11 +23,12 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
     from wbrag_ray.formats import read_dataset
     from wbrag_ray.index.faiss_index import load_manifest
-    from wbrag_ray.models.embedder import Embedder
+    from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
     from wbrag_ray.storage import resolve
     from wbrag_ray.writeback.versions import read_active
 
     z = config.zerorag
+    query_gpu_refusal("the Zero-RAG grid", config.embedder, config.retrieval)  # before any cell
     name = dataset_name(config, dataset)
     ratios = sorted({0.0, *z.ratios})
     routers = [False, True] if z.router else [False]
@@ -36,12 +37,13 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     adapters = [True, False] if z.tune.enabled else [False]
     writebacks = [False, True] if read_active(run)["version"] else [False]
     questions, _ = read_dataset(resolve(dataset), limit=config.eval.limit)
-    vectors = Embedder(config.embedder).encode_queries(questions["question"].to_pylist())
     rows: list[dict[str, Any]] = []
     latency: dict[float, float] = {}
     # One set of services for the whole grid: the model without the adapter loads in the processes that served
     # the adapter's cells (no second model process), and the retrieval service follows the cell.
     with shared_or_own(services) as services:
+        # the latency queries, as the retrieval actors embed them (on their GPUs where the embedder asks for some)
+        vectors = query_vectors(questions["question"].to_pylist(), config.embedder, config.retrieval, services)
         for turn, adapter in enumerate(adapters):
             cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
             passes = GeneratorPasses(cfg.generator, services)  # with or without the adapter, for every cell

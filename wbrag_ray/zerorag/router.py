@@ -33,8 +33,10 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
     the router on the query embeddings. `services`: the caller's (and closed by it), for a generator service
     that goes on serving the stage after this one."""
     train, questions, rejected = train_questions(config, train)
+    from wbrag_ray.formats import input_params
+
     stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected, services),
-                        params={"train": train}, force=force)
+                        params=input_params(train, "zerorag.train"), force=force)
     print(f"query router: {stats['positives']} of {stats['rows_out']} training questions answered closed-book; "
           f"held-out accuracy {stats['val_accuracy']}, AUC {stats['val_auc']}", flush=True)
     return stats
@@ -46,20 +48,22 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
 
     from wbrag_ray import prompts
     from wbrag_ray.metrics import metric
-    from wbrag_ray.models.embedder import Embedder
     from wbrag_ray.models.router import QueryRouter
+    from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
 
     z = config.zerorag
+    query_gpu_refusal("the query router", config.embedder, config.retrieval)  # before the generator's pass
     adapter = run.is_complete(TUNE.name)
     df = questions[["id", "question", "golden_answers"]].copy()
     df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
     with GeneratorPasses(with_adapter(run, config) if adapter else config.generator, services) as passes:
         answered = passes.generate("closed_book", df, "prompt", "prediction").sort_values("id")
         actors = passes.services.actor_ids(GenerateStage.name)
-    answered = answered.reset_index(drop=True)
+        answered = answered.reset_index(drop=True)
+        # as the evaluation's retrieval actors embed them (on their GPUs where the query embedder asks for some)
+        vectors = query_vectors(answered["question"].tolist(), config.embedder, config.retrieval, passes.services)
     labels = np.array([metric(z.router_metric, p, list(g)) > 0
                        for p, g in zip(answered["prediction"], answered["golden_answers"], strict=True)])
-    vectors = Embedder(config.embedder).encode_queries(answered["question"].tolist())
     order = np.random.default_rng(z.seed).permutation(len(answered))
     n_val = max(1, int(round(len(order) * z.val_fraction))) if len(order) > 4 else 0
     val, fit = order[:n_val], order[n_val:]

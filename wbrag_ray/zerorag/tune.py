@@ -40,8 +40,10 @@ def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
 def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
     """Noise-tolerant LoRA tuning of the generator; the adapter goes to RUN/zero_rag/adapter."""
     train, questions, rejected = train_questions(config, train)
-    stats = run.execute(TUNE, config, lambda: _tune(run, config, questions, rejected), params={"train": train},
-                        force=force)
+    from wbrag_ray.formats import input_params
+
+    stats = run.execute(TUNE, config, lambda: _tune(run, config, questions, rejected),
+                        params=input_params(train, "zerorag.train"), force=force)
     print(f"noise-tolerant adapter: {run.layout.zero_rag.adapter.uri} (loss {stats.get('first_loss')} -> "
           f"{stats.get('last_loss')})", flush=True)
     return stats

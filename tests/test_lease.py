@@ -1,0 +1,145 @@
+"""One writer per run folder (wbrag_ray.lease), local and on the S3-compatible server on loopback: a second writer
+is refused at once naming the holder; a killed holder's lease is taken over; another host's lease only once its
+heartbeat expired; the holder's heartbeat keeps a long command's lease; readers take none."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wbrag_ray.layout import RunLayout
+from wbrag_ray.lease import LeaseHeld, RunLease, _Store
+from wbrag_ray.storage import resolve
+
+WBRAG = str(Path(sys.executable).parent / "wbrag")
+HOLDER = "wbrag eval RUN --dataset nq-test (the first writer)"
+HOLD = ("import sys, time\nfrom wbrag_ray.lease import run_lease\n"
+        "with run_lease(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n    time.sleep(300)\n")
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_uri(request, tmp_path):
+    if request.param == "s3":
+        request.getfixturevalue("s3_env")
+        return f"s3://wbrag/lease-{tmp_path.name}/run"
+    return str(tmp_path / "run")
+
+
+def lease_record(uri: str) -> dict | None:
+    current = _Store(RunLayout(resolve(uri)).lease).read()
+    return None if current is None else current[0]
+
+
+def start_holder(uri: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A writer in its own process, holding the run folder's lease until it is killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, uri, HOLDER], stdout=subprocess.PIPE, text=True,
+                            env=env or dict(os.environ))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_writer_exits_2_at_once_naming_the_holder_and_a_killed_holders_lease_is_taken_over(run_uri,
+                                                                                                     tmp_path):
+    holder = start_holder(run_uri)
+    try:
+        t0 = time.perf_counter()
+        out = subprocess.run([WBRAG, "eval", run_uri, "--dataset", str(tmp_path / "nq" / "test.jsonl")],
+                             capture_output=True, text=True, timeout=60)
+        seconds = time.perf_counter() - t0
+        assert out.returncode == 2, out.stderr
+        line = out.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in out.stderr and line.startswith("wbrag eval: ")
+        assert HOLDER in line and f"pid {holder.pid}" in line and socket.gethostname() in line, line
+        assert f"{run_uri}/_lease.json" in line and "expires" in line, line  # how to break a stale one
+        assert seconds < 5, f"refused after {seconds:.1f} s"
+        assert lease_record(run_uri)["pid"] == holder.pid  # the refused writer left the holder's lease alone
+    finally:
+        holder.send_signal(signal.SIGKILL)
+    # killed: no release, its lease is still there, and the next writer takes it over (its process is gone, though
+    # not yet reaped by its parent: a zombie is no holder)
+    time.sleep(0.5)
+    assert lease_record(run_uri)["pid"] == holder.pid
+    out = subprocess.run([WBRAG, "eval", run_uri, "--dataset", str(tmp_path / "nq" / "test.jsonl")],
+                         capture_output=True, text=True, timeout=60)
+    assert "took over the stale lease" in out.stderr and f"process {holder.pid} on this host is gone" in out.stderr
+    assert out.returncode == 2 and "not a run folder" in out.stderr.strip().splitlines()[-1]  # past the lease
+    assert lease_record(run_uri) is None  # released when the command ended
+    holder.wait()
+
+
+def test_another_hosts_lease_is_taken_over_only_after_its_heartbeat_expired(run_uri):
+    root = resolve(run_uri)
+    root.mkdir()
+    planted = {"holder": "wbrag run jobs/configs/paper.yaml", "host": "another-node", "pid": 4242,
+               "start": time.time(), "heartbeat": time.time(), "ttl_s": 2.0, "token": "theirs"}
+    assert _Store(RunLayout(root).lease).create(json.dumps(planted).encode())
+    with pytest.raises(LeaseHeld, match="being written by another command: `wbrag run jobs/configs/paper.yaml` "
+                                        r"\(host another-node, pid 4242"):
+        RunLease(root, "wbrag embed RUN").acquire()
+    time.sleep(2.5)  # its heartbeat is now older than its time to live: a holder that died with its node
+    lease = RunLease(root, "wbrag embed RUN").acquire()
+    try:
+        assert lease_record(run_uri)["token"] == lease.record["token"]
+    finally:
+        lease.release()
+    assert lease_record(run_uri) is None
+
+
+def test_the_holders_heartbeat_keeps_its_lease_past_the_time_to_live_and_readers_take_none(run_uri, monkeypatch):
+    monkeypatch.setenv("WBRAG_LEASE_TTL", "1")
+    lease = RunLease(resolve(run_uri), HOLDER).acquire()
+    try:
+        first = lease_record(run_uri)["heartbeat"]
+        time.sleep(2.5)  # past the time to live: a lease without heartbeats would be stale now
+        assert lease_record(run_uri)["heartbeat"] > first
+        with pytest.raises(LeaseHeld, match="being written by another command"):
+            RunLease(resolve(run_uri), "wbrag index RUN").acquire()
+        # readers are not refused by the lease (the folder is no run: their own error, not the lease's)
+        for command in (["report", run_uri], ["inspect", run_uri], ["status", run_uri]):
+            out = subprocess.run([WBRAG, *command], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 2 and "not a run folder" in out.stderr and "being written" not in out.stderr
+    finally:
+        lease.release()
+    assert lease_record(run_uri) is None
+
+
+def test_a_refused_writer_on_a_new_folder_leaves_no_folder(tmp_path):
+    new = tmp_path / "new-run"
+    out = subprocess.run([WBRAG, "eval", str(new), "--dataset", str(tmp_path / "missing.jsonl")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and not new.exists()
+
+
+def test_the_lease_is_created_only_where_none_is_and_replaced_only_where_it_is_still_the_one_read(run_uri):
+    """The two conditional writes that make two writers starting at the same moment safe: of two creates, the
+    second fails (O_EXCL / If-None-Match); a replace of a version another writer has replaced since fails (the
+    bytes compared under a host lock / If-Match)."""
+    root = resolve(run_uri)
+    root.mkdir()
+    store = _Store(RunLayout(root).lease)
+    assert store.create(b'{"token": "a"}') and not store.create(b'{"token": "b"}')
+    record, version_a = store.read()
+    assert record == {"token": "a"}
+    assert store.replace(b'{"token": "c"}', version_a)  # the version read: replaced
+    assert not store.replace(b'{"token": "d"}', version_a)  # read before c replaced it: refused
+    assert store.read()[0] == {"token": "c"}
+
+
+def test_writers_starting_at_the_same_moment_get_one_lease(run_uri):
+    start = time.time() + 2
+    race = ("import sys, time\nfrom wbrag_ray.lease import LeaseHeld, RunLease\nfrom wbrag_ray.storage import "
+            "resolve\ntime.sleep(max(0, float(sys.argv[2]) - time.time()))\ntry:\n"
+            "    RunLease(resolve(sys.argv[1]), 'racer').acquire()\n    print('held', flush=True)\n"
+            "    time.sleep(4)\nexcept LeaseHeld:\n    print('refused', flush=True)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", race, run_uri, str(start)], stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    assert results == ["held", "refused", "refused", "refused"]

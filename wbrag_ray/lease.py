@@ -1,0 +1,276 @@
+"""One writer per run folder: the lease (`RUN/_lease.json`) every command that writes a run folder takes before
+anything else, and gives back when it ends.
+
+Two commands writing one run folder at once would duplicate Ray Data outputs and delete each other's checkpoints,
+so the second is refused, naming the holder (its command, host, pid, start and last heartbeat) and how to break a
+stale lease. Commands that only read a run (report, inspect, status, search) take none.
+
+The lease is a small JSON object beside the run's files. It is created only where none exists (a local file opened
+with O_EXCL; on object storage a conditional PUT, `If-None-Match: *`), and renewed by a heartbeat thread every
+quarter of its time to live. A lease is stale when its heartbeat is older than its time to live (the holder was
+killed, or its machine lost), or at once when its holder ran on this host and its process is gone; a stale lease
+is replaced only where it is still the one read (on object storage `If-Match` on its ETag; on a local disk under a
+lock of this host, compared byte for byte). Where a store refuses conditional requests, the lease is written and
+read back after a pause: the writer whose lease is there holds it.
+
+The time to live is `WBRAG_LEASE_TTL` seconds (default 60): a killed holder's lease is taken over that long after
+its last heartbeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from wbrag_ray.config import ConfigError
+from wbrag_ray.layout import RunLayout
+from wbrag_ray.storage import Location, resolve, s3_client
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 60.0
+SETTLE_S = 1.0  # where a store has no conditional writes: the pause before the lease is read back
+
+
+class LeaseHeld(ConfigError):
+    """Another writer holds the run folder's lease: one line naming it and how to break a stale lease."""
+
+
+def ttl_s() -> float:
+    return float(os.environ.get("WBRAG_LEASE_TTL", DEFAULT_TTL_S))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    try:  # killed but not yet reaped by its parent (a zombie): gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def stale_reason(record: dict[str, Any], now: float | None = None) -> str | None:
+    """Why a lease no longer holds (its heartbeat expired, or its process on this host is gone), or None."""
+    now = time.time() if now is None else now
+    age = now - float(record.get("heartbeat", 0))
+    if age > float(record.get("ttl_s", DEFAULT_TTL_S)):
+        return f"its last heartbeat was {age:.0f} s ago"
+    if record.get("host") == socket.gethostname() and not _pid_alive(int(record.get("pid", 0))):
+        return f"its process {record.get('pid')} on this host is gone"
+    return None
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds")
+
+
+def held_message(uri: str, record: dict[str, Any], lease_uri: str) -> str:
+    beat = time.time() - float(record.get("heartbeat", 0))
+    return (f"run folder {uri} is being written by another command: `{record.get('holder')}` (host "
+            f"{record.get('host')}, pid {record.get('pid')}, since {_when(float(record.get('start', 0)))}, last "
+            f"heartbeat {beat:.0f} s ago); wait for it to end, or, if that process is gone, delete "
+            f"{lease_uri} (a lease also expires {float(record.get('ttl_s', DEFAULT_TTL_S)):g} s after its "
+            "last heartbeat)")
+
+
+# --- the store: create where absent, replace only the version read ------------------------------------------
+
+
+class _Store:
+    def __init__(self, loc: Location):
+        self.loc = loc
+
+    def read(self) -> tuple[dict[str, Any], Any] | None:
+        """(record, version) or None; the version is what a replace compares (an ETag, or the bytes)."""
+        if self.loc.is_local:
+            try:
+                with open(self.loc.path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+            return _parse(data), data
+        bucket, key = self.loc.path.split("/", 1)
+        try:
+            got = s3_client().get_object(Bucket=bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001 - botocore's errors: a missing key is "no lease"
+            if _code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+        return _parse(got["Body"].read()), got["ETag"]
+
+    def create(self, data: bytes) -> bool:
+        if self.loc.is_local:
+            try:
+                fd = os.open(self.loc.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        return self._put(data, IfNoneMatch="*")
+
+    def replace(self, data: bytes, version: Any) -> bool:
+        if self.loc.is_local:
+            with _host_lock(self.loc.path):
+                current = self.read()
+                if current is None or current[1] != version:
+                    return False
+                tmp = f"{self.loc.path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, self.loc.path)
+                return True
+        return self._put(data, IfMatch=version)
+
+    def delete(self) -> None:
+        self.loc.delete()
+
+    def _put(self, data: bytes, **condition: str) -> bool:
+        bucket, key = self.loc.path.split("/", 1)
+        try:
+            s3_client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
+            return True
+        except Exception as exc:  # noqa: BLE001 - botocore's errors, sorted by their code
+            code = _code(exc)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                return False
+            if code not in ("NotImplemented", "InvalidArgument", "InvalidRequest", "501"):
+                raise
+        # a store without conditional writes: write, pause, read back; the lease that is there holds
+        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        time.sleep(SETTLE_S)
+        back = self.read()
+        return back is not None and back[0].get("token") == _parse(data).get("token")
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        record = None
+    return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}
+
+
+def _code(exc: Exception) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+
+@contextlib.contextmanager
+def _host_lock(path: str) -> Iterator[None]:
+    """A lock of this host around a local lease's compare-and-replace (kept apart from the run folder)."""
+    locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
+    os.makedirs(locks, exist_ok=True)
+    name = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + ".lease.lock"
+    with open(os.path.join(locks, name), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+# --- the lease ------------------------------------------------------------------------------------------------
+
+
+class RunLease:
+    """The lease of one run folder, held by this process: renewed by a heartbeat thread until `release`."""
+
+    def __init__(self, root: Location, holder: str):
+        self.root = root
+        self.store = _Store(RunLayout(root).lease)
+        self.ttl = ttl_s()
+        now = time.time()
+        self.record = {"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "start": now,
+                       "heartbeat": now, "ttl_s": self.ttl, "token": uuid.uuid4().hex}
+        self.version: Any = None
+        self.created_root = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _data(self) -> bytes:
+        return (json.dumps(self.record, indent=1) + "\n").encode("utf-8")
+
+    def acquire(self) -> RunLease:
+        if self.root.is_local and not os.path.isdir(self.root.path):
+            self.root.mkdir()
+            self.created_root = True
+        try:
+            for _ in range(5):  # a few rounds: another writer may create or replace it between a read and a write
+                current = self.store.read()
+                if current is None:
+                    if self.store.create(self._data()):
+                        break
+                    continue
+                record, version = current
+                why = stale_reason(record)
+                if why is None:
+                    raise LeaseHeld(held_message(self.root.uri, record, self.store.loc.uri))
+                if self.store.replace(self._data(), version):
+                    print(f"took over the stale lease of `{record.get('holder')}` on {self.root.uri} ({why})",
+                          file=sys.stderr, flush=True)
+                    break
+            else:
+                current = self.store.read()
+                raise LeaseHeld(held_message(self.root.uri, current[0] if current else {"holder": "another command"},
+                                             self.store.loc.uri))
+        except BaseException:
+            self._remove_created_root()
+            raise
+        self.version = self.store.read()[1]  # type: ignore[index]
+        self._thread = threading.Thread(target=self._beat, name="wbrag-lease-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
+            self.record["heartbeat"] = time.time()
+            data = self._data()
+            try:
+                if not self.store.replace(data, self.version):
+                    log.warning("the lease of %s was taken by another command: this one no longer holds it",
+                                self.root.uri)
+                    return
+                self.version = data if self.root.is_local else self.store.read()[1]  # type: ignore[index]
+            except Exception as exc:  # noqa: BLE001 - a missed beat (storage hiccup) is retried next time
+                log.warning("could not renew the lease of %s: %s", self.root.uri, exc)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        current = self.store.read()
+        if current is not None and current[0].get("token") == self.record["token"]:
+            self.store.delete()
+        self._remove_created_root()
+
+    def _remove_created_root(self) -> None:
+        """A folder this lease created and nothing else wrote into goes again (a refused command leaves nothing)."""
+        if self.created_root:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.root.path)
+
+
+@contextlib.contextmanager
+def run_lease(uri: str, holder: str) -> Iterator[RunLease]:
+    """Hold the lease of the run folder at `uri` (local or s3://) while the block runs; `LeaseHeld` (a
+    ConfigError) where another writer holds it."""
+    lease = RunLease(resolve(uri), holder).acquire()
+    try:
+        yield lease
+    finally:
+        lease.release()
