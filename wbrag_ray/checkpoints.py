@@ -334,8 +334,8 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
-    from wbrag_ray.cluster_nodes import pool_start_wait
     from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
+    from wbrag_ray.waits import pool_start_wait
 
     checkpoint = active()
     if checkpoint is None:

@@ -33,15 +33,6 @@ REPO = "RUC-NLPIR/FlashRAG_datasets"  # a dataset repository
 CORPORA = {"wiki18": "retrieval-corpus/wiki18_100w.zip"}  # the corpus both papers retrieve from
 # the hub's folder where it differs from the dataset's usual name (its README's config names)
 FOLDERS = {"msmarco-qa": "ms_marco", "wikiqa": "wiki_qa"}
-# The dataset folders of FlashRAG's repository (its README's configs and its file listing; EntityQuestions, one of
-# Zero-RAG's datasets, is not among them). Names a split file in one of them `<folder>-<split>` (`nq-test`), and
-# says offline which names exist; `fetch` checks against the repository's own listing at the revision fetched.
-DATASET_FOLDERS = frozenset({
-    "nq", "triviaqa", "popqa", "domainrag", "squad", "ms_marco", "narrativeqa", "wiki_qa", "web_questions",
-    "curatedtrec", "ambig_qa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle", "asqa", "eli5", "mmlu",
-    "truthful_qa", "hellaswag", "arc", "openbookqa", "quartz", "siqa", "piqa", "commonsenseqa", "boolq", "fermi",
-    "fever", "wow", "wned", "trex", "zsre", "ay2", "wikiasp",
-})
 CHECKED_RECORDS = 5  # the first records of each file that must parse: enough to catch another format
 
 

@@ -305,14 +305,22 @@ def dataset_stem(path: str) -> str:
     if "://" in path:
         parts = parts[1:]  # the bucket is no dataset's folder
     stem = parts[-1].split(".")[0]
-    from wbrag_ray.flashrag_data import DATASET_FOLDERS
-
     if stem.lower() in SPLITS and len(parts) > 1 and parts[-2].lower() in DATASET_FOLDERS:
         return f"{parts[-2]}-{stem}"
     return stem
 
 
 SPLITS = ("train", "dev", "test", "val", "valid", "validation")  # FlashRAG's split file names
+
+# The dataset folders of FlashRAG's repository (its README's configs and its file listing; EntityQuestions, one of
+# Zero-RAG's datasets, is not among them). Names a split file in one of them `<folder>-<split>` (`nq-test`), and
+# says offline which names exist; `fetch` checks against the repository's own listing at the revision fetched.
+DATASET_FOLDERS = frozenset({
+    "nq", "triviaqa", "popqa", "domainrag", "squad", "ms_marco", "narrativeqa", "wiki_qa", "web_questions",
+    "curatedtrec", "ambig_qa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle", "asqa", "eli5", "mmlu",
+    "truthful_qa", "hellaswag", "arc", "openbookqa", "quartz", "siqa", "piqa", "commonsenseqa", "boolq", "fermi",
+    "fever", "wow", "wned", "trex", "zsre", "ay2", "wikiasp",
+})
 
 
 def dataset_name(path: str) -> str:

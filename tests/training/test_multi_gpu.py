@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from wbrag_ray.config import ConfigError, GeneratorConfig, TrainerConfig, TuneConfig
-from wbrag_ray.training.workers import collective_device, device_rule, own_gpus
+from wbrag_ray.training.placement import collective_device, device_rule, own_gpus
 
 GIB = 1 << 30
 H100 = 80 * GIB  # bytes of one GPU
@@ -74,7 +74,7 @@ def test_a_collective_runs_on_the_process_groups_device():
 
 
 def test_a_training_asking_for_gpus_fails_before_loading_where_torch_sees_none():
-    from wbrag_ray.training.workers import worker_placement
+    from wbrag_ray.training.placement import worker_placement
 
     with pytest.raises(ConfigError, match=r"zerorag.tune's training worker 0 asks for 1 GPU \(zerorag.tune.trainer"
                        r".num_gpus\) but .* none .* set zerorag.tune.trainer.num_gpus: 0"):

@@ -5,7 +5,7 @@ The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vll
 installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below. A replica
 larger than one GPU (tensor / pipeline parallel) is placed as `wbrag_ray.generation.parallel` says.
 
-About 400 lines, kept whole: both ways to the engine (the processor, the in-process engine) build it from the same
+Over 400 lines (about 410), kept whole: both ways to the engine (the processor, the in-process engine) build it from the same
 settings (`engine_kwargs`) and read its outputs with the same sampling and logprob code, which one module keeps.
 """
 

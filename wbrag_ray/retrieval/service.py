@@ -186,7 +186,8 @@ class SearchPool:
             use_gpu = False
         search = {"nprobe": index.nprobe, "ef_search": index.ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
         threads = max(1, math.ceil(retrieval.search_cpus))
-        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable, wait_placed
+        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
+        from wbrag_ray.waits import wait_placed
 
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
         # largest shard group sizes the memory each asks for)

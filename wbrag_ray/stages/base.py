@@ -143,9 +143,9 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     size = _check_pool(stage) if ray.is_initialized() else res.concurrency
     out = ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=size), **common)
     # Ray Data's own wait for the pool's actors, which is otherwise endless where others hold their resources: the
-    # pipeline's execution then raises, and `cluster_nodes.pool_start_wait` around it names the pool (the setting
+    # pipeline's execution then raises, and `waits.pool_start_wait` around it names the pool (the setting
     # reaches every operator of the pipeline this dataset ends, and those built on it)
-    from wbrag_ray.cluster_nodes import pool_start_timeout_s
+    from wbrag_ray.waits import pool_start_timeout_s
 
     out.context.wait_for_min_actors_s = pool_start_timeout_s()
     return out

@@ -23,6 +23,9 @@ next pass needs the same way).
 index folder (`wbrag_ray.retrieval.service`), started by the first pass that searches it and used by every
 later one, alone or in a union with the write-back index.
 
+Over 400 lines (about 410), kept whole: the service, its actors and the pools and services a command keeps are one
+mechanism, read together.
+
 `Services` is the set one command owns (`GeneratorPasses.services`): a service starts on its first pass and
 ends at `close()` (or when its owner is garbage-collected: Ray ends actors whose handles are gone). One
 service per stage kind (`Stage.name`) lives at a time, so two generator roles (mastery's QA writer and target
@@ -168,8 +171,9 @@ class StageService:
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
-        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable, wait_placed
+        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
         from wbrag_ray.ray_runtime import start_restartable
+        from wbrag_ray.waits import wait_placed
 
         # actors that can never be placed would leave the pass waiting on them forever: refused first
         need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
@@ -287,7 +291,7 @@ class Services:
 
         with running(name or stage.name, len(frame)) as progress:
             if stage.service_key() is None:
-                from wbrag_ray.cluster_nodes import pool_start_wait
+                from wbrag_ray.waits import pool_start_wait
 
                 res = stage.resources
                 need = {"CPU": res.num_cpus, "GPU": res.num_gpus}

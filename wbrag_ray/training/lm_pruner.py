@@ -19,7 +19,8 @@ import numpy as np
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
-from wbrag_ray.training.workers import Placement, fit
+from wbrag_ray.training.placement import Placement
+from wbrag_ray.training.workers import fit
 
 STATS_FILE = "pruner.json"
 

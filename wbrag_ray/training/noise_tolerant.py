@@ -25,7 +25,8 @@ from wbrag_ray.layout import ADAPTER_STATS as STATS_FILE
 from wbrag_ray.metrics import normalize_answer
 from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
-from wbrag_ray.training.workers import Placement, fit
+from wbrag_ray.training.placement import Placement
+from wbrag_ray.training.workers import fit
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,171 @@
+"""Waits for resources that end: a service's actors (`wait_placed`), a Ray Data actor pool (`pool_start_wait`) and a
+Ray Train worker group (`train_start_wait`) each wait at most `ray.pending_timeout_s`
+(`cluster_nodes.PENDING_TIMEOUT_S`), then fail naming what is missing, what is free and the setting that asks for
+less. The capacity checks (`cluster_nodes.pool_refusal`, `refuse_unplaceable`) refuse what the cluster can never
+hold before anything waits; these end the waits for what it could hold but others hold now."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S, _amount, _amounts
+from wbrag_ray.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _placed(actor) -> bool:
+    """Whether Ray has given `actor` a node and a process (its constructor may still be loading a model), read
+    from the GCS's actor table: the public state API asks the dashboard, which a local `wbrag` cluster does not
+    run. Where the private table moved, True: nothing is known to be waiting."""
+    try:
+        from ray._private.state import actors
+
+        entry = actors(actor._actor_id.hex())
+        return entry["State"] not in ("DEPENDENCIES_UNREADY", "PENDING_CREATION") or bool(entry["Pid"])
+    except Exception:  # noqa: BLE001 - a private API
+        return True
+
+
+def wait_placed(actors: list, what: str, need: dict[str, float], fix: str, timeout_s: float | None = None) -> None:
+    """Return once every actor of `actors` (each asking for `need`) is placed; a `ConfigError` naming what is
+    missing when some still wait for resources after `timeout_s` (default: `ray.pending_timeout_s`). The
+    capacity checks (`pool_refusal`) refuse a pool the cluster can never hold; this ends the wait for one it
+    could hold but whose resources others hold now (another job, a pass still running), where the driver would
+    otherwise wait on the missing actors forever. Said in the log every minute of the wait. `fix`: the setting
+    that asks for less ("lower generator.concurrency")."""
+    import ray
+
+    timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
+    start = time.monotonic()
+    said, pause = start, 0.02
+    while True:
+        waiting = sum(not _placed(a) for a in actors)
+        if not waiting:
+            return
+        now = time.monotonic()
+        if now - start >= timeout_s:
+            break
+        if now - said >= 60:
+            said = now
+            log.warning("%s: %d of %d actors still wait for resources after %.0f s (free now: %s); failing after "
+                        "%g s (ray.pending_timeout_s)", what, waiting, len(actors), now - start,
+                        _amounts(ray.available_resources(), need), timeout_s)
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+    raise ConfigError(_still_waiting(f"{what}: {waiting} of {len(actors)} actors", need,
+                                     f"still wait for resources after {timeout_s:g} s", fix))
+
+
+def _still_waiting(who: str, need: dict[str, float], waited: str, fix: str, why: str = "") -> str:
+    """The message of a wait for resources that ended: `who` (the pool, how many of its actors) of `need` each,
+    `waited` ("still wait for resources after 30 s"), what is free of what `need` asks, and `fix`."""
+    import ray
+
+    free, total = ray.available_resources(), ray.cluster_resources()
+    held = ", ".join(f"{_amount(r, free.get(r, 0.0))} of {_amount(r, total.get(r, 0.0))}" for r in need if need[r] > 0)
+    return (f"{who} of {_amounts(need, need)} each {waited}{why}. "
+            f"Free now: {held}; the rest is held by other jobs or this run's other actors (`ray status` shows whom). "
+            f"{fix[:1].upper() + fix[1:]}, free the resources, or raise ray.pending_timeout_s where an autoscaler is "
+            "still adding nodes")
+
+
+# Ray Data's own error when a pool's actors have not all started within DataContext.wait_for_min_actors_s
+_POOL_START_TIMEOUT = "Timed out while starting actors"
+
+
+def pool_start_timeout_s() -> float:
+    """How long a Ray Data actor pool may take to start (`ray.pending_timeout_s`): `apply_stage` sets it as the
+    pass's DataContext.wait_for_min_actors_s, Ray Data's own wait for a pool's actors (without it Ray Data waits
+    forever for actors no node has room for). Ray Data waits for the actors to be placed and constructed, and a
+    stage's actor loads its model in its constructor: the time covers the load too."""
+    return PENDING_TIMEOUT_S["seconds"]
+
+
+@contextlib.contextmanager
+def pool_start_wait(what: str, count: int, need: dict[str, float], fix: str):
+    """Run (execute, write) a Ray Data pipeline holding the actor pool `what` (`count` actors asking for `need`
+    each, started by `apply_stage`): where its actors do not start within `pool_start_timeout_s`, Ray Data's bare
+    GetTimeoutError ("Timed out while starting actors", an OSError a CLI would call a storage error) becomes a
+    `ConfigError` naming the pool, what each actor asks, what is free and `fix`, the setting that asks for less."""
+    try:
+        yield
+        return
+    except Exception as exc:
+        import ray.exceptions
+
+        if not (isinstance(exc, ray.exceptions.GetTimeoutError) and str(exc).startswith(_POOL_START_TIMEOUT)):
+            raise
+        timeout_s = pool_start_timeout_s()
+        refusal = ConfigError(_still_waiting(
+            f"{what}: its {count} actor{'s' * (count != 1)}", need, f"did not start within {timeout_s:g} s",
+            fix, " (ray.pending_timeout_s: how long Ray Data waits for a pool's actors to be placed and to load "
+            "their model)"))
+        _drop_pool(exc)
+    raise refusal  # outside the handler: the refusal holds no reference to Ray Data's error
+
+
+def _drop_pool(exc: BaseException) -> None:
+    """End the actors of a Ray Data pool that did not start: Ray Data raises before its executor runs, so nothing
+    shuts the pool down, and its waiting actors would be placed once the resources come free and hold them, idle,
+    as long as the handles live (a callback on each actor's start holds the operator). The operator is the frame
+    that waited, in the traceback of the error Ray Data's own raise chained (its frames are dropped after)."""
+    seen = exc
+    while seen is not None:
+        tb = seen.__traceback__
+        while tb is not None:
+            pool = getattr(tb.tb_frame.f_locals.get("self"), "_actor_pool", None)
+            if pool is not None and hasattr(pool, "shutdown"):
+                try:
+                    pool.shutdown(force=True)
+                except Exception as error:  # noqa: BLE001 - a private API: where it moved, the actors wait on
+                    log.debug("ending a Ray Data pool that did not start: %s", error)
+            tb = tb.tb_next
+        following = seen.__context__
+        seen.__traceback__ = seen.__context__ = seen.__cause__ = None
+        seen = following
+
+
+# Ray Train's wait for its worker group's placement group (ray.train v2's WorkerGroup reads it in the controller
+# actor, which gets it from the driver's environment at `fit()`); its default is 60 s, after which the controller
+# starts the group again, forever: a start that timed out is a "controller failure", retried without limit unless
+# the run's FailureConfig says otherwise (TRAIN_START_FAILURE).
+TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# The FailureConfig keywords of a training that ends when its workers cannot start in time (the training's own
+# failures stay `max_failures`'s)
+TRAIN_START_FAILURE = {"controller_failure_limit": 0}
+
+
+@contextlib.contextmanager
+def train_start_wait(what: str, num_workers: int, need: dict[str, float], fix: str, timeout_s: float | None = None):
+    """Run a Ray Train `fit()` whose worker group (`num_workers` workers asking for `need` each) may not be
+    placed: inside, Ray Train waits `timeout_s` (default `ray.pending_timeout_s`) for its workers' placement group
+    (TRAIN_START_TIMEOUT_ENV, set for the fit only); with the trainer's `FailureConfig(**TRAIN_START_FAILURE, ...)`
+    the timeout ends the fit, and its error becomes a `ConfigError` naming `what` (the training), what each worker
+    asks, what is free and `fix` ("lower zerorag.tune.trainer.num_workers"). The capacity check (`check_placement`)
+    refuses a group the cluster can never hold; this ends the wait for one whose resources others hold now."""
+    from wbrag_ray.ray_runtime import environ_while
+
+    timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
+    try:
+        with environ_while({TRAIN_START_TIMEOUT_ENV: f"{timeout_s:g}"}):
+            yield
+    except Exception as exc:
+        if not train_start_timed_out(exc):
+            raise
+        raise ConfigError(_still_waiting(
+            f"{what}: {num_workers} training worker{'s' * (num_workers != 1)}", need,
+            f"still wait for resources after {timeout_s:g} s", fix)) from None
+
+
+def train_start_timed_out(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a Ray Train `fit()`, says its worker group was not placed in time (Ray Train v2's
+    ControllerError around a WorkerGroupStartupTimeoutError)."""
+    failure = getattr(exc, "controller_failure", None)
+    try:
+        from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    except ImportError:  # a private module: where it moved, by name
+        return type(failure).__name__ == "WorkerGroupStartupTimeoutError"
+    return isinstance(failure, WorkerGroupStartupTimeoutError)
