@@ -13,6 +13,7 @@ search) and the tests all reach a file through these classes, never through a ty
     RUN/writeback/ACTIVE, <version>/...       WritebackVersion
     RUN/zero_rag/...                          ZeroRagFolder
     RUN/report/index.html, report.md          the HTML report, its Markdown twin and their plots
+    RUN/plan/plan.json, calibration.json      the run's plan when it started; calibrated rates (wbrag_ray.plan)
 
 Each class holds a root Location and only derives paths from it; nothing here reads or writes.
 """
@@ -210,6 +211,8 @@ class RunLayout:
     report = _at("report")  # the report's two renderings and their plots
     report_html = _at("report", "index.html")
     report_markdown = _at("report", "report.md")
+    plan = _at("plan", "plan.json")  # the plan `wbrag run` made when it started (wbrag_ray.plan.against_run)
+    calibration = _at("plan", "calibration.json")  # the rates `wbrag plan --calibrate --run RUN` measured
 
     @property
     def ingest(self) -> IngestFolder:

@@ -7,6 +7,9 @@ sentence, Self-RAG retrieving for every question); write-back's document gate an
 of examples the utility gate keeps (a measured selection rate); the Zero-RAG grid's router cells reuse their
 twins' answers (the passes' answer memo). Each stage's time comes from `timing` (calibrated, benchmark or
 estimate) and says which.
+
+Over 400 lines: one builder walks a config's stages in run order, a method a stage, and reads best top to bottom
+in one file; the rules it applies live in `stages` (bundles, index sizing) and `timing` (rates).
 """
 
 from __future__ import annotations

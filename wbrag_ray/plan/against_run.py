@@ -1,0 +1,121 @@
+"""The plan beside the run: `wbrag run` stores the plan in the run folder when it starts (RUN/plan/plan.json: the
+plan as data, its text, and when it was made) and refuses, before any work, a config with a stage the plan says
+cannot be placed (`--force` runs it anyway); the report reads the stored plan and puts each stage's planned time
+beside the time the run measured (the stages' own stats), with the ratio.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from wbrag_ray.config import ConfigError, WbragConfig
+
+# a plan stage's name -> the run stages (by name) whose seconds measure it; a grid's cells are many eval stages
+_RUN_STAGES: tuple[tuple[str, str], ...] = (
+    ("ingest", r"ingest"),
+    ("embed", r"embed"),
+    ("index", r"index"),
+    ("write-back training", r"writeback-.+"),
+    ("evaluation with write-back", r"eval-.+-writeback"),
+    ("evaluation grid", r"eval-.+"),
+    ("evaluation", r"eval-(?!.*-writeback$).+"),
+    ("mastery", r"mastery"),
+    ("pruner training (embedding head)", r"pruner-embedding"),
+    ("pruner training (LM regressor)", r"pruner-lm"),
+    ("prediction", r"predict"),
+    ("pruning at ", "{level}"),  # the ratio's level (layout.PRUNE_LEVEL)
+    ("tuning: LoRA training", r"tune"),  # the run's one tune stage retrieves, then trains: its retrieval (small)
+    # is measured inside it, and the plan's "tuning: retrieval" stays out of the comparison
+    ("router", r"router"),
+)
+
+
+def run_stages_of(plan_stage: str, names: list[str]) -> list[str]:
+    """The run's stage names (of `names`) that measure the plan's stage `plan_stage`."""
+    for prefix, pattern in _RUN_STAGES:
+        if plan_stage.startswith(prefix):
+            if pattern == "{level}":
+                from wbrag_ray.layout import PRUNE_LEVEL
+
+                pattern = re.escape(PRUNE_LEVEL.format(ratio=float(plan_stage[len(prefix):])))
+            return [n for n in names if re.fullmatch(pattern, n)]
+    return []
+
+
+def record_plan(config: WbragConfig, run_dir: str, name: str = "", force: bool = False) -> dict[str, Any] | None:
+    """Make the plan of `config` on the Ray cluster the run uses (joined or started here, as the run would),
+    store it in the run folder, and refuse, unless `force`, a config with a stage that cannot be placed. Returns
+    the stored record; None where no plan could be made (the run goes on: its own checks decide)."""
+    from wbrag_ray.plan import format_plan, plan_data, run_plan
+    from wbrag_ray.ray_runtime import init_ray
+    from wbrag_ray.run import RunFolder
+
+    init_ray(config.ray, run_dir)
+    plan = run_plan(config, run_dir)
+    if plan is None:
+        return None
+    plan.config_name = name
+    import psutil
+
+    record = {**plan_data(plan), "config": name, "made": time.strftime("%Y-%m-%d %H:%M:%S"), "forced": force,
+              "started_at": psutil.Process().create_time(), "text": format_plan(plan)}
+    RunFolder(run_dir).layout.plan.write_json(record)
+    unplaced = [s.name for s in plan.stages if not s.fits]
+    if not plan.places and not force:
+        raise ConfigError(f"the plan says {len(unplaced) or 'some'} stage(s) cannot be placed on this cluster "
+                          f"({', '.join(unplaced) or 'see below'}), so nothing ran: "
+                          + "; ".join(plan.problems[:3]) + ". Change what each problem names (`wbrag plan CONFIG` "
+                          "prints all of it), or pass --force to run anyway")
+    return record
+
+
+def load_plan(run) -> dict[str, Any] | None:
+    """The plan `wbrag run` stored in the run folder (a RunFolder), or None."""
+    loc = run.layout.plan
+    try:
+        return loc.read_json() if loc.exists() else None
+    except (OSError, ValueError):
+        return None
+
+
+def planned_vs_measured(plan: dict[str, Any], stats: dict[str, dict[str, Any]],
+                        wall: float | None = None) -> list[dict[str, Any]]:
+    """Each planned stage: its planned seconds and rate source, the run stages that measured it, their seconds
+    together, and measured / planned; then the stages together, and the run's wall time (`wall`, from its start
+    to its last stage) against the planned total (the run's start included). A stage not run (yet) has no
+    measured time."""
+    names = list(stats)
+    rows, planned_sum, measured_sum, claimed = [], 0.0, 0.0, set()
+    for s in plan.get("stages", []):
+        matched = run_stages_of(s["name"], names)
+        run_names = [n for n in matched if n not in claimed]  # a run stage measures one plan stage, the first
+        claimed.update(run_names)
+        measured = sum((stats[n] or {}).get("seconds", 0.0) for n in run_names) if run_names else None
+        planned = s.get("seconds")
+        rows.append({"stage": s["name"], "planned_s": planned, "rate_source": s.get("rate_source"),
+                     "run_stages": run_names or [f"with {n}" for n in matched], "measured_s": measured,
+                     "ratio": measured / planned if measured is not None and planned else None})
+        if planned is not None and matched:
+            planned_sum += planned
+            measured_sum += measured or 0.0
+    rows.append({"stage": "the stages together", "planned_s": planned_sum, "rate_source": None, "run_stages": [],
+                 "measured_s": measured_sum, "ratio": measured_sum / planned_sum if planned_sum else None})
+    if wall is not None:
+        total = plan.get("total_seconds")
+        rows.append({"stage": "the run, start to last stage (wall)", "planned_s": total, "rate_source": None,
+                     "run_stages": [], "measured_s": wall, "ratio": wall / total if total else None})
+    return rows
+
+
+def run_wall_seconds(run, plan: dict[str, Any]) -> float | None:
+    """Seconds from the start of the `wbrag run` that stored `plan` to the last stage's completion marker."""
+    started = plan.get("started_at")
+    ends = []
+    for name in run.completed_stages():
+        loc = run.layout.stage(name).success
+        info = loc.fs.get_file_info(loc.path)
+        if info.mtime is not None:
+            ends.append(info.mtime.timestamp())
+    return max(ends) - started if started and ends and max(ends) > started else None

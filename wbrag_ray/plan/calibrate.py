@@ -1,0 +1,390 @@
+"""Calibration: the rates of a config's models measured on the cluster's own hardware (`wbrag plan CONFIG
+--calibrate`), where later plans on the same hardware find them.
+
+Each model of the config runs in one Ray worker, with the resources its stage's actor asks for, for a bounded time, on
+prompts shaped like the config's: its own questions and corpus passages, its K, its `max_new_tokens`, its batch
+size. What is measured:
+
+    generator   seconds a call, closed-book prompts and prompts of K documents (two prompt lengths: the plan
+                interpolates a cost per prompt token and a cost per call), warm (each batch run a second time);
+                the first use of the prompt shapes (the cold run's extra), the model's load, and the start of
+                the run's own generator service to a first answer
+    embedder    seconds a token of the corpus's texts (the index unit's), and the model's load
+    training    seconds a training token of a LoRA step (forward, backward, optimizer) of the generator at the
+                tuning's batch and length (scaled by parameters for another backbone)
+
+A record holds the hardware it ran on (the device's name, the CPU's model and matmul flags
+(`models.hardware`), the dtype, the torch threads); a plan takes a record only where its stage would run on
+the same hardware. Records go to the run folder (RUN/plan/calibration.json, with --run) and to a cache
+(`WBRAG_RATES_CACHE`, default ~/.cache/wbrag/rates.json), the newest record of a model and hardware replacing
+the older one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.plan.tokens import CHARS_PER_TOKEN
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SECONDS = 30.0  # per model: a minute on a cluster; the 2-core build machine keeps it shorter
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("WBRAG_RATES_CACHE", "~/.cache/wbrag/rates.json")).expanduser()
+
+
+def text_tokens(text: str) -> float:
+    """Tokens as the plan counts them (characters / CHARS_PER_TOKEN), so measured and planned agree in units."""
+    return len(text) / CHARS_PER_TOKEN
+
+
+def prompt_tokens(messages: list[dict[str, str]]) -> float:
+    from wbrag_ray.plan.tokens import TEMPLATE_TOKENS
+
+    system = sum(text_tokens(m["content"]) for m in messages if m["role"] == "system")
+    user = sum(text_tokens(m["content"]) for m in messages if m["role"] != "system")
+    # the plan's prompt is the template's tokens + the question + the documents: the instruction counts as template
+    return TEMPLATE_TOKENS + user + max(0.0, system - _instruction_tokens(messages))
+
+
+def _instruction_tokens(messages: list[dict[str, str]]) -> float:
+    from wbrag_ray.prompts import NO_RETRIEVAL_SYSTEM, RAG_SYSTEM
+
+    system = "".join(m["content"] for m in messages if m["role"] == "system")
+    base = RAG_SYSTEM.format(reference="") if system.startswith(RAG_SYSTEM[:40]) else NO_RETRIEVAL_SYSTEM
+    return text_tokens(base)
+
+
+def hardware(device: str, dtype: str, threads: int) -> dict[str, Any]:
+    """The hardware a rate was measured on: what must match for a plan to use it."""
+    from wbrag_ray.models.hardware import _cpuinfo, cpu_matmul_flags
+
+    return {"device": device, "cpu": _cpuinfo()[0] or "unknown", "cpu_flags": cpu_matmul_flags(), "dtype": dtype,
+            "threads": threads}
+
+
+# --- what runs on the actor ------------------------------------------------------------------------------------
+
+def _timed_batches(run_batch, batches: list, budget: float) -> tuple[int, float, float]:
+    """Run `batches` in turn, each once, until half of `budget` passes (at least one): the cold pass, which pays
+    each prompt shape's first call (on CPUs oneDNN builds its kernels per shape; a run pays that once, in its
+    first pass); then the same batches again: the warm pass, a run's steady rate. (batches, cold seconds, warm
+    seconds)."""
+    t0, n = time.perf_counter(), 0
+    while n == 0 or (time.perf_counter() - t0 < budget / 2 and n < len(batches)):
+        run_batch(batches[n])
+        n += 1
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for b in batches[:n]:
+        run_batch(b)
+    return n, cold, time.perf_counter() - t0
+
+
+def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tuple[str, str]],
+                        budget: float) -> dict[str, Any]:
+    """Load the generator, then time batches of closed-book and K-document prompts (and RePlug's mixtures of K
+    one-document prompts where the config evaluates replug on a backend that decodes them), the budget shared."""
+    import torch
+
+    from wbrag_ray.generation.backends import make_generator
+    from wbrag_ray.models.hardware import resolved_dtype_name, set_threads
+    from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+    from wbrag_ray.retrieval.hits import Hit
+
+    g, k = config.generator, config.retrieval.top_k
+    threads = g.threads or set_threads(g.num_cpus)
+    if g.threads:
+        torch.set_num_threads(g.threads)
+    t0 = time.perf_counter()
+    gen = make_generator(g)
+    gen.setup()
+    load = time.perf_counter() - t0
+    loaded_at = time.time()
+    hits = [Hit(i, 1.0, i, title, text) for i, (title, text) in enumerate(docs)]
+    batch = max(1, g.batch_size or 16)
+    points = []
+    mixture = gen.supports_mixture and "replug" in config.eval.methods  # RePlug's ensemble: K prompts as one
+    share = budget / (3 if mixture else 2)
+    for shape, make in (("closed-book", lambda q, i: no_retrieval_messages(q)),
+                        (f"{k} documents", lambda q, i: rag_messages(q, [hits[(i + j) % len(hits)] for j in range(k)]))):
+        prompts = [make(q, i) for i, q in enumerate(questions)]
+        batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] or [prompts]
+        n, cold, seconds = _timed_batches(lambda b: gen.generate(b, g.max_new_tokens), batches, share)
+        calls = sum(len(batches[i]) for i in range(n))
+        tokens = sum(prompt_tokens(p) for i in range(n) for p in batches[i]) / calls
+        points.append({"shape": shape, "prompt_tokens": tokens, "new_tokens": g.max_new_tokens, "calls": calls,
+                       "seconds": seconds, "seconds_per_call": seconds / calls, "first_use_seconds": cold - seconds})
+    if mixture:
+        groups = [[rag_messages(q, [hits[(i + j) % len(hits)]]) for j in range(k)] for i, q in enumerate(questions)]
+        weights = [[1.0] * k for _ in groups]
+        per = max(1, batch // k)
+        packs = [(groups[i:i + per], weights[i:i + per]) for i in range(0, len(groups), per)]
+        n, cold, seconds = _timed_batches(lambda p: gen.generate_mixture(p[0], p[1], g.max_new_tokens), packs, share)
+        calls = sum(len(packs[i][0]) for i in range(n))
+        points.append({"shape": "mixture", "prompt_tokens": prompt_tokens(groups[0][0]), "new_tokens": g.max_new_tokens,
+                       "calls": calls, "seconds": seconds, "seconds_per_call": seconds / calls, "prompts_per_call": k,
+                       "first_use_seconds": cold - seconds})
+    device = torch.cuda.get_device_name() if getattr(gen, "device", "cpu").startswith("cuda") else "cpu"
+    return {"role": "generator", "model": g.model, "backend": g.backend, "batch_size": batch, "load_seconds": load, "loaded_at": loaded_at,
+            "points": points, "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
+
+
+def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> dict[str, Any]:
+    """Load the embedder, then encode the corpus's texts for the budget."""
+    import torch
+
+    from wbrag_ray.models.embedder import Embedder
+    from wbrag_ray.models.hardware import resolved_dtype_name
+
+    e = config.embedder
+    threads = e.threads or max(1, int(-(-e.num_cpus // 1)))
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    emb = Embedder(e)
+    emb.setup()
+    load = time.perf_counter() - t0
+    loaded_at = time.time()
+    batch = max(1, e.batch_size)
+    batches = [texts[i:i + batch] for i in range(0, len(texts), batch)] or [texts]
+    n, _, seconds = _timed_batches(emb.encode_passages, batches, budget)
+    done = [t for i in range(n) for t in batches[i]]
+    tokens = sum(text_tokens(t) for t in done)
+    device = torch.cuda.get_device_name() if str(emb.model.device).startswith("cuda") else "cpu"
+    return {"role": "embedder", "model": e.model, "load_seconds": load, "loaded_at": loaded_at, "texts": len(done), "tokens": tokens,
+            "seconds": seconds, "seconds_per_token": seconds / max(tokens, 1e-9),
+            "hardware": hardware(device, resolved_dtype_name(e.dtype, e.num_gpus), threads)}
+
+
+def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
+    """LoRA steps of the generator's model at the tuning's per-worker batch and length, on random tokens: seconds
+    a training token (the first step, a warm-up, not counted)."""
+    import torch
+
+    from wbrag_ray.generation.hf_loading import load_hf_causal_lm
+    from wbrag_ray.models.hardware import pick_device, pick_dtype, resolved_dtype_name
+    from wbrag_ray.training.lora import with_lora
+
+    tune, g = config.zerorag.tune, config.generator
+    trainer = tune.trainer
+    threads = tune.threads or max(1, int(-(-trainer.num_cpus // 1)))
+    torch.set_num_threads(threads)
+    device = pick_device(trainer.num_gpus)
+    dtype = pick_dtype("auto", device)
+    t0 = time.perf_counter()
+    model, _ = load_hf_causal_lm(g, dtype, device)
+    model = with_lora(model, tune, "CAUSAL_LM")
+    load = time.perf_counter() - t0
+    loaded_at = time.time()
+    workers = trainer.num_workers if isinstance(trainer.num_workers, int) else 1
+    batch, length = max(1, tune.batch_size // max(1, workers)), tune.max_length
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+
+    def step(_):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    n, _, seconds = _timed_batches(step, [None] * 1000, budget)
+    tokens = n * batch * length
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    return {"role": "training", "model": g.model, "load_seconds": load, "loaded_at": loaded_at, "steps": n, "batch": batch,
+            "length": length, "seconds": seconds, "seconds_per_token": seconds / tokens,
+            "hardware": hardware(name, resolved_dtype_name("auto", trainer.num_gpus), threads)}
+
+
+# --- the driver: one actor per model, then the records saved -------------------------------------------------
+
+def _sample(config: WbragConfig, n: int = 128) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """(questions, (title, text) documents, texts to embed) from the config's own files; a few stand-ins where a
+    file is not readable here."""
+    questions: list[str] = []  # every QA file's: prompts the run will not meet twice
+    for path in dict.fromkeys((config.eval.dataset, config.writeback.train, config.zerorag.train)):
+        questions += _jsonl_field(path, "question", n)
+    contents = _jsonl_field(config.ingest.corpus, "contents", n)
+    docs = [(c.split("\n", 1)[0], c.split("\n", 1)[-1]) for c in contents]
+    if config.index.unit == "sentence":
+        from wbrag_ray.stages.ingest import Segmenter
+
+        split = Segmenter().split
+        texts = [s for _, text in docs for s in split(text)][: 4 * n]
+    else:
+        texts = [text for _, text in docs]
+    filler = "The river flows north through several countries and reaches the sea after many miles."
+    return (questions or ["What is the capital of France?"] * 8, docs or [("Filler", filler)] * 8,
+            texts or [filler] * 32)
+
+
+def _jsonl_field(path: str | None, field: str, n: int) -> list[str]:
+    if not path or "://" in path:
+        return []
+    from wbrag_ray.formats import InputError, input_files
+    from wbrag_ray.storage import resolve
+
+    out: list[str] = []
+    try:
+        for f in input_files(resolve(path), path):
+            if not f.path.endswith((".jsonl", ".json")):
+                continue
+            with open(f.path, encoding="utf-8") as handle:
+                for line in handle:
+                    if line.strip():
+                        out.append(str(json.loads(line)[field]))
+                    if len(out) >= n:
+                        return out
+    except (OSError, InputError, ValueError, KeyError):
+        return out
+    return out
+
+
+def roles(config: WbragConfig) -> list[str]:
+    """The models a config runs that calibration can time: its generator (not an HTTP endpoint), its embedder,
+    and its LoRA tuning where Zero-RAG tunes."""
+    out = ["embedder"]
+    if config.generator.backend != "openai":
+        out.append("generator")
+        if config.zerorag.enabled and config.zerorag.tune.enabled:
+            out.append("training")
+    return out
+
+
+def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | None = None,
+              cache: Path | None = None) -> list[dict[str, Any]]:
+    """Time each model of `config` on one actor of the connected (or a new local) Ray cluster for about
+    `seconds`; save the records (the run folder's, with `run`, and the cache); return them."""
+    import psutil
+    import ray
+
+    from wbrag_ray.ray_runtime import init_ray
+
+    started = ray.is_initialized()
+    init_ray(config.ray)
+    date = time.strftime("%Y-%m-%d %H:%M")
+    records = []
+    if not started and not (config.ray.address or os.environ.get("RAY_ADDRESS")):
+        # this process's start and the local cluster's, as `wbrag run` starts them: the run's own start
+        cpus = float(ray.cluster_resources().get("CPU", 0))
+        records.append({"role": "cluster", "model": "", "cpus": cpus, "date": date, "hardware": hardware("cpu", "", 0),
+                        "start_seconds": time.time() - psutil.Process().create_time()})
+    questions, docs, texts = _sample(config)
+    for role in roles(config):
+        num_cpus, num_gpus = _resources(config, role)
+        # max_calls=1: a fresh worker process for each model, as each stage's actor starts one (imports included)
+        task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0, max_calls=1)(_calibrate_role)
+        log.info("calibrating the %s on one actor (%g CPUs, %g GPUs) for about %g s", role, num_cpus, num_gpus, seconds)
+        submitted = time.time()
+        record = ray.get(task.remote(config.model_dump(), role, questions, docs, texts, seconds))
+        record["start_seconds"] = max(0.0, record.pop("entered") - submitted)  # scheduling and the worker's start
+        if role == "generator":
+            record["service_start_seconds"] = _service_start(config, questions)
+        record["date"] = date
+        records.append(record)
+    save(records, run, cache)
+    return records
+
+
+def _service_start(config: WbragConfig, questions: list[str]) -> float:
+    """Seconds from nothing to a first answer through the run's own generator service (`Services`: its actor,
+    its Ray Data pass, the model's load) on two one-token prompts: what the first generating stage of a run
+    spends before its work, which a bare worker's load leaves out."""
+    import pandas as pd
+
+    from wbrag_ray.generation.passes import GeneratorPasses
+    from wbrag_ray.prompts import dumps, no_retrieval_messages
+    from wbrag_ray.stages.service import Services
+
+    frame = pd.DataFrame({"prompt": [dumps(no_retrieval_messages(q)) for q in questions[:2]]})
+    t0 = time.perf_counter()
+    with Services() as services:
+        GeneratorPasses(config.generator, services).generate("calibration", frame, "prompt", "answer", 1)
+    return time.perf_counter() - t0
+
+
+def _resources(config: WbragConfig, role: str) -> tuple[float, float]:
+    if role == "generator":
+        return config.generator.num_cpus, config.generator.num_gpus
+    if role == "embedder":
+        return config.embedder.num_cpus, config.embedder.num_gpus
+    t = config.zerorag.tune.trainer
+    return t.num_cpus, t.num_gpus
+
+
+def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: float) -> dict[str, Any]:
+    entered = time.time()
+    config = WbragConfig.model_validate(config)
+    if role == "generator":
+        record = calibrate_generator(config, questions, docs, seconds)
+    elif role == "embedder":
+        record = calibrate_embedder(config, texts, seconds)
+    else:
+        record = calibrate_training(config, seconds)
+    # the worker's imports (torch, transformers) and the model's load: what a stage's actor spends before its work
+    return {**record, "entered": entered, "load_seconds": record.pop("loaded_at") - entered}
+
+
+def _key(record: dict[str, Any]) -> str:
+    return json.dumps([record["role"], record["model"], record.get("backend"), record.get("batch_size"),
+                       record["hardware"]], sort_keys=True)
+
+
+def save(records: list[dict[str, Any]], run: str | None = None, cache: Path | None = None) -> None:
+    """Merge `records` into the cache (a newer record of the same model, role and hardware replaces the older)
+    and, with `run`, write them to the run folder."""
+    path = cache or cache_path()
+    found = {_key(r): r for r in load_cache(path)}
+    found.update({_key(r): r for r in records})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(list(found.values()), indent=1))
+    tmp.replace(path)
+    if run:
+        from wbrag_ray.run import RunFolder
+
+        RunFolder(run).layout.calibration.write_json(records)
+
+
+def load_cache(path: Path | None = None) -> list[dict[str, Any]]:
+    path = path or cache_path()
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else []
+    except (OSError, ValueError):
+        return []
+
+
+def load_records(run: str | None = None, cache: Path | None = None) -> list[dict[str, Any]]:
+    """The run folder's records (with `run`, where it has them), then the cache's."""
+    out: list[dict[str, Any]] = []
+    if run:
+        from wbrag_ray.run import RunFolder
+
+        try:
+            out += RunFolder(run).layout.calibration.read_json()
+        except (OSError, ValueError, TypeError):
+            pass
+    return out + load_cache(cache)
+
+
+def this_hardware(device: str, dtype: str, threads: int) -> dict[str, Any]:
+    """The hardware a stage of this machine would run on, to match records against (`hardware`'s fields)."""
+    return hardware(device, dtype, threads)
+
+
+def find(records: list[dict[str, Any]], role: str, model: str, want: dict[str, Any],
+         backend: str | None = None) -> dict[str, Any] | None:
+    """The first record of `role` for `model` (and `backend`) measured on hardware `want`: None where none was."""
+    for r in records:
+        if r.get("role") == role and r.get("model") == model and r.get("hardware") == want \
+                and (backend is None or r.get("backend") in (None, backend)):
+            return r
+    return None
