@@ -176,12 +176,7 @@ def method_departures(config: WbragConfig, paper: str | None = None, dataset: st
         if not any(m.lower() in config.generator.model.lower() for m in models):
             out.append((who, f"the generator is {model_name(config.generator.model)} (the {who} paper: "
                              f"{' and '.join(models)})"))
-    if WRITEBACK_RETRIEVER not in config.embedder.model:
-        out.append((WRITEBACK, f"the retriever is {model_name(config.embedder.model)} (the WriteBack-RAG paper: "
-                               f"{WRITEBACK_RETRIEVER})"))
-    if evaluated and evaluated not in WRITEBACK_DATASETS:
-        out.append((WRITEBACK, f"evaluated on {evaluated} (the WriteBack-RAG paper: "
-                               f"{', '.join(WRITEBACK_DATASETS)})"))
+    out += _retriever_and_dataset(WRITEBACK, WRITEBACK_RETRIEVER, WRITEBACK_DATASETS, config, evaluated)
     if wb.train and dataset_name(wb.train) not in WRITEBACK_DATASETS:
         out.append((WRITEBACK, f"written back from {dataset_name(wb.train)}, whose gate metric the paper did not "
                                f"choose: acc (the WriteBack-RAG paper: {', '.join(WRITEBACK_DATASETS)})"))
@@ -193,13 +188,19 @@ def method_departures(config: WbragConfig, paper: str | None = None, dataset: st
         elif z.qa_mode == "llm" and ZERO_RAG_QA_WRITER not in z.qa_generator.model.lower():
             out.append((ZERO_RAG, f"{model_name(z.qa_generator.model)} writes the mastery QA pairs (the Zero-RAG "
                                   "paper: GPT-4o-mini writes them)"))
-        if ZERO_RAG_RETRIEVER not in config.embedder.model:
-            out.append((ZERO_RAG, f"the retriever is {config.embedder.model} (the Zero-RAG paper: "
-                                  f"{ZERO_RAG_RETRIEVER})"))
-        if evaluated and evaluated not in ZERO_RAG_DATASETS:
-            out.append((ZERO_RAG, f"evaluated on {evaluated} (the Zero-RAG paper: "
-                                  f"{', '.join(ZERO_RAG_DATASETS)})"))
+        out += _retriever_and_dataset(ZERO_RAG, ZERO_RAG_RETRIEVER, ZERO_RAG_DATASETS, config, evaluated)
     return [what for who, what in out if paper in (None, who)]
+
+
+def _retriever_and_dataset(who: str, retriever: str, datasets, config: WbragConfig,
+                           evaluated: str | None) -> list[tuple[str, str]]:
+    """`who`'s departures in the retriever and the evaluated dataset."""
+    out = []
+    if retriever not in config.embedder.model:
+        out.append((who, f"the retriever is {model_name(config.embedder.model)} (the {who} paper: {retriever})"))
+    if evaluated and evaluated not in datasets:
+        out.append((who, f"evaluated on {evaluated} (the {who} paper: {', '.join(datasets)})"))
+    return out
 
 
 @dataclass(frozen=True)
