@@ -71,7 +71,7 @@ test: bytecode
 # The suite on the code paths of an AVX2-only CPU (the slow kind a CI run may land on), on a faster one: torch's
 # kernels, oneDNN, MKL and OpenBLAS held to AVX2 (AVX2_ONLY_ENV in wbrag_ray/models/hardware.py; faiss and vLLM
 # pick theirs from the CPU's flags and are not held), so a check that holds only under AVX512 kernels fails here
-# too. Its CPU line says what held them. The instruction set alone cost no more than a run's noise (README).
+# too. Its CPU line says what held them. The instruction set alone cost no more than a run's noise (benchmarks/RESULTS.md).
 test-avx2: bytecode
 	env $$($(PY) -m wbrag_ray.models.hardware) $(PYTEST_RUN)
 

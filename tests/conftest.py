@@ -96,7 +96,7 @@ def _cpu_line() -> str:
 
 def pytest_report_header(config):
     """The CPU kind at the top of a run's output and again at its end (`pytest_terminal_summary`), beside its time:
-    the suite took half again as long or more on an AVX2-only machine as on one with AVX512-BF16 (README), and a
+    the suite took half again as long or more on an AVX2-only machine as on one with AVX512-BF16 (benchmarks/RESULTS.md), and a
     time read from a log means nothing without the kind it ran on."""
     return _cpu_line()
 

@@ -44,3 +44,12 @@ def test_malformed_override_and_missing_file(tmp_path):
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
+
+
+def test_a_set_list_value_is_read_as_yaml_and_a_text_setting_stays_text():
+    """`--set` of a list setting (generator.stop: list[str]) is parsed as YAML, not kept as one string; a text
+    setting keeps its text (a name such as 2024)."""
+    from wbrag_ray.config import load_config
+
+    config = load_config(overrides=['generator.stop=["\\n", "Question:"]', "eval.name=2024"])
+    assert config.generator.stop == ["\n", "Question:"] and config.eval.name == "2024"

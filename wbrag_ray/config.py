@@ -763,6 +763,7 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 def _leaf_kinds(key: str) -> set[type] | None:
     """The types a dotted config key's field takes (None left out; Literal choices by their values' types), or
     None where the key names no field of the typed config (a section, a free-form mapping, a typo)."""
+    import types
     import typing
 
     model: Any = WbragConfig
@@ -771,8 +772,11 @@ def _leaf_kinds(key: str) -> set[type] | None:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return None
-        options = typing.get_args(field.annotation) or (field.annotation,)
-        if typing.get_origin(field.annotation) is Literal:
+        origin = typing.get_origin(field.annotation)
+        # a union's members are its options; list[str]'s argument is not (the value is a list)
+        union = origin is typing.Union or origin is types.UnionType
+        options = typing.get_args(field.annotation) if union or origin is Literal else (field.annotation,)
+        if origin is Literal:
             return {type(v) for v in options}
         if i == len(parts) - 1:
             return {typing.get_origin(o) or o for o in options if o is not type(None)}
