@@ -272,7 +272,7 @@ HEADLINES = (
              retriever=WRITEBACK_RETRIEVER, top_k=5, union="score", source=_ISSUE_29),
     Headline(ZERO_RAG, "*", "naive", "pruned 30%", "retrieval_speedup_pct", 22.0, "Llama-3.3-70B",
              "30% of Wikipedia pruned: the retrieval stage 22% faster, RAG's answers not worse",
-             retriever=ZERO_RAG_RETRIEVER, top_k=20, table="7 (as README.md's Zero-RAG section attributes "
+             retriever=ZERO_RAG_RETRIEVER, top_k=20, table="7 (as the Zero-RAG section of docs/guide.md attributes "
              "the retrieval speedup)", row="30% pruning (issue 29)",
              source="issue 29 and benchmarks/RESULTS.md ('the paper reports 22% at 30% pruning')"),
 )
