@@ -109,7 +109,7 @@ def test_fsdp_on_two_cpu_workers_trains_as_ddp_does(tmp_path, ray_cluster, tiny)
 
 
 def test_each_worker_holds_a_contiguous_shard_and_draws_its_part_of_every_batch():
-    from wbrag_ray.training.workers import local_batch, shard_bounds
+    from wbrag_ray.training.shards import local_batch, shard_bounds
 
     assert shard_bounds(10, 3) == [3, 6] and shard_bounds(16, 1) == []
     sizes = np.diff([0, *shard_bounds(100_003, 8), 100_003])

@@ -13,7 +13,8 @@ examples share a batch depends on the worker count, a worker pads its share alon
 differences in weights whose gradients are near zero. A resumed training on the same number of workers is: its
 batches and dropout masks are functions of the step, and the checkpoint holds the optimizer state.)
 
-Where the model goes (each worker's own GPUs; ddp, or fsdp over all the workers) is `training.placement`'s.
+Where the model goes (each worker's own GPUs; ddp, or fsdp over all the workers) is `training.placement`'s, how the
+examples reach the workers `training.shards`'.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import pandas as pd
 from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
 from wbrag_ray.storage import Location
 from wbrag_ray.training.placement import Placement, collective_device, shard_fsdp, worker_placement
+from wbrag_ray.training.shards import GROUP, WEIGHT, example_shards, local_batch, own_shard
 
 log = logging.getLogger(__name__)
 # Gradient-norm cap: a few badly scaled batches (long prompts, saturated sigmoids) must not wreck the adapter.
@@ -104,47 +106,6 @@ def batch_indices(step: int, batch: int, num_examples: int, seed: int, stream: i
     return np.asarray(out, dtype=np.int64)
 
 
-# The examples travel as Ray Data: worker r reads dataset SHARD.format(r), a contiguous slice of the rows split on
-# the driver (sizes differ by at most one), the same on every run of the same worker count, so a resumed worker
-# holds the rows it held (Ray Data's streaming split deals blocks as they come, and its equal split drops rows).
-SHARD = "examples-{}"
-ROW, WEIGHT, GROUP = "_row", "_weight", "_group"  # columns fit adds: position, weight in a batch's mean, group
-
-
-def shard_bounds(num_examples: int, world: int) -> list[int]:
-    """The row positions where workers 1..world-1's shards start."""
-    return [r * num_examples // world for r in range(1, world)]
-
-
-def local_batch(batch: int, world: int, rank: int) -> int:
-    """How many of a step's `batch` examples worker `rank` draws from its shard (the first ranks one more)."""
-    return batch // world + (rank < batch % world)
-
-
-def example_shards(training: Training, world: int) -> dict[str, Any]:
-    """The training's examples as one Ray dataset a worker (`SHARD`), with the columns the step loop reads."""
-    import ray
-
-    frame = training.rows().reset_index(drop=True)
-    n = len(frame)
-    frame[ROW] = np.arange(n, dtype=np.int64)
-    frame[WEIGHT] = np.asarray(training.weights if training.weights is not None else np.ones(n), dtype=np.float32)
-    frame[GROUP] = np.asarray(training.groups if training.groups is not None else np.zeros(n), dtype=np.int64)
-    # from_items builds its blocks in this process: from_pandas and split_at_indices run Ray tasks of a CPU, which
-    # wait without a word where other work holds the cluster's CPUs (seen: a fit hung 10 min beside 1.5 held of 2)
-    records = frame.to_dict("records")
-    bounds = [0, *shard_bounds(n, world), n]
-    return {SHARD.format(r): ray.data.from_items(records[bounds[r]:bounds[r + 1]]) for r in range(world)}
-
-
-def _own_shard(rank: int) -> pd.DataFrame:
-    """This worker's examples, in their order."""
-    import ray.train
-
-    parts = list(ray.train.get_dataset_shard(SHARD.format(rank)).iter_batches(batch_format="pandas", batch_size=None))
-    return pd.concat(parts, ignore_index=True).sort_values(ROW, ignore_index=True)
-
-
 def train_loop(config: dict[str, Any]) -> None:
     """The body of every Ray Train worker."""
     import ray.train
@@ -162,7 +123,7 @@ def train_loop(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     threads = section.threads or max(1, math.ceil(section.trainer.num_cpus))
     torch.set_num_threads(threads)
-    shard = _own_shard(rank)
+    shard = own_shard(rank)
     training = training.with_rows(shard)
     place = worker_placement(section.trainer, rank, world, config["key"], config.get("model"))
     torch.manual_seed(section.seed)  # before the model loads: new heads and LoRA's A matrices draw from it
