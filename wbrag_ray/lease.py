@@ -133,10 +133,7 @@ class _Store:
                 current = self.read()
                 if current is None or current[1] != version:
                     return False
-                tmp = f"{self.loc.path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, self.loc.path)
+                self.loc.write_bytes(data)  # temp-then-move under a name of this writer's own
                 return True
         return self._put(data, IfMatch=version)
 

@@ -74,6 +74,12 @@ def _s3_client(env_key: tuple):
     return boto3.client("s3", endpoint_url=s3_endpoint(), region_name=s3_region())
 
 
+def writer_suffix() -> str:
+    """A part of a temporary name that is this writer's own (its process and a random tag): two writers of one
+    file never write into, or move away, each other's temporary file."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 @dataclass(frozen=True)
 class Location:
     """A filesystem and a path inside it; `uri` is what users typed and what goes into manifests."""
@@ -141,7 +147,7 @@ class Location:
         # Write to a temporary name, then move: a reader never sees half a file (local disks; S3 PUTs are atomic).
         # The name is this writer's own (a hidden name, so folder listings skip it): two writers of one file never
         # write into, or move away, each other's temporary file; the last move wins whole.
-        tmp = posixpath.join(parent.path, f".{self.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+        tmp = posixpath.join(parent.path, f".{self.name}.{writer_suffix()}.tmp")
         try:
             # On S3 too: pyarrow's output stream completes its upload when closed, also by an exception, so a
             # write cut short would replace the object; the temporary object is copied in place by the server.
@@ -161,7 +167,7 @@ class Location:
         renames (the old folder moved aside first, so a reader sees the old files or the new, never a mix of
         them); on object storage by a copy."""
         if self.is_local:
-            aside = posixpath.join(self.parent().path, f".{self.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.old")
+            aside = posixpath.join(self.parent().path, f".{self.name}.{writer_suffix()}.old")
             if os.path.exists(self.path):
                 os.rename(self.path, aside)
             os.rename(staged.path, self.path)

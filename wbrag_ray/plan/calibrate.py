@@ -343,10 +343,9 @@ def save(records: list[dict[str, Any]], run: str | None = None, cache: Path | No
     path = cache or cache_path()
     found = {_key(r): r for r in load_cache(path)}
     found.update({_key(r): r for r in records})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(list(found.values()), indent=1))
-    tmp.replace(path)
+    from wbrag_ray.storage import resolve
+
+    resolve(str(path)).write_json(list(found.values()))  # temp-then-move, a name of this writer's own
     if run:
         from wbrag_ray.run import RunFolder
 
