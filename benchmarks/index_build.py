@@ -46,26 +46,26 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def clustered_chunks(n: int, dim: int, chunk: int, clusters: int = 1000, seed: int = 0):
+def clustered_chunks(n: int, dim: int, chunk: int, clusters: int = 1000, seed: int = 0, spread: float = 0.6):
     """Unit vectors around `clusters` centres, `chunk` rows at a time (so 1M x 384 never needs two copies)."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(clusters, dim)).astype(np.float32)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
-        v = centres[rng.integers(clusters, size=m)] + 0.6 * rng.normal(size=(m, dim)).astype(np.float32)
+        v = centres[rng.integers(clusters, size=m)] + spread * rng.normal(size=(m, dim)).astype(np.float32)
         v /= np.linalg.norm(v, axis=1, keepdims=True)
         yield start, v
 
 
-def write_corpus(folder: Path, n: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+def write_corpus(folder: Path, n: int, dim: int, **shape) -> tuple[np.ndarray, np.ndarray]:
     """Embedding shards of n clustered vectors (ids 0..n-1) plus held-out queries from the same clusters;
-    returns (queries, exact top-10 ids), computed shard by shard."""
+    returns (queries, exact top-10 ids), computed shard by shard. `shape`: `clustered_chunks`'s clusters, spread."""
     import pyarrow.parquet as pq
 
     from wbrag_ray.formats import embeddings_table
 
     folder.mkdir(parents=True)
-    gen = clustered_chunks(n + QUERIES, dim, SHARD_ROWS)
+    gen = clustered_chunks(n + QUERIES, dim, SHARD_ROWS, **shape)
     queries, best_s, best_i = None, None, None
     for shard, (start, v) in enumerate(gen):
         if queries is None:  # the first QUERIES vectors are queries, not corpus

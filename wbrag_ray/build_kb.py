@@ -20,7 +20,8 @@ EMBED = RunStage("embed", settings=("embedder", "index.unit"), ignore=("embedder
 # Query-time index settings (nprobe, ef_search, k_factor, gpu) shape searches, not the built index (gpu also moves
 # the k-means training onto a GPU: where it runs, not what it makes).
 INDEX = RunStage("index", settings=("index.factory", "index.train_sample", "index.train_memory_gb", "index.num_shards",
-                                    "index.shard_memory_gb", "index.memory_budget_gb"),
+                                    "index.shard_memory_gb", "index.memory_budget_gb", "index.target_recall",
+                                    "index.recall_queries"),
                  requires=(EMBED,), command="wbrag index RUN")
 # The stages run.json's config describes: a changed config that would change them is refused for the whole run.
 KB_STAGES = (INGEST, EMBED, INDEX)
@@ -148,6 +149,10 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
             gpu=ic.gpu,
             num_cpus=ic.num_cpus,
             docs=docs.uri,  # the manifest names its documents: a search needs only the index folder
+            target_recall=ic.target_recall,
+            recall_queries=ic.recall_queries,
+            nprobe=ic.nprobe,
+            ef_search=ic.ef_search,
         )
         return {**stats, "doc_store_files": store["files"]}
 

@@ -294,10 +294,23 @@ class IndexConfig(_Section):
         "or fewer lists): a factory you chose is never silently changed.",
     )
     nprobe: int | Literal["auto"] = Field(
-        "auto", description="IVF lists visited per query: an integer, or 'auto': max(min(nlist, 32), sqrt(nlist)) "
-        "(every list up to 32 lists, 64 at 4,096 lists, 256 at 65,536, 362 at 131,072: the share of lists a query "
-        "visits falls as the index grows, the codes it scans grow about as sqrt(n)). An HNSW coarse quantizer then "
-        "searches with efSearch = max(2 x nprobe, index.ef_search), so it finds the nprobe nearest lists."
+        "auto", description="IVF lists visited per query: an integer, or 'auto': the fewest lists that find "
+        "index.target_recall of exact search's top 10, measured when the index is built on index.recall_queries of "
+        "its own vectors and recorded in its manifest (`search`; the build prints it). An index built without the "
+        "measurement (index.target_recall: null, or an older build) takes max(min(nlist, 32), sqrt(nlist)). An HNSW "
+        "coarse quantizer then searches with efSearch = max(2 x nprobe, index.ef_search), so it finds the nprobe "
+        "nearest lists."
+    )
+    target_recall: float | None = Field(
+        0.95, gt=0, le=1, description="The recall@10 of exact search the index build measures its search setting "
+        "to: nprobe (IVF, with index.nprobe: auto) or efSearch (HNSW, index.ef_search unset) is the smallest that "
+        "reaches it (where the codes cap recall below it, the smallest at the cap, with a warning); a setting given "
+        "explicitly is what searches use, measured beside the choice. null: no measurement (no exact search at "
+        "build time).",
+    )
+    recall_queries: int = Field(
+        500, ge=10, description="Vectors of the index searched exactly and at each candidate setting to measure "
+        "recall (index.target_recall): 500 give recall@10 to about +-0.01.",
     )
     num_shards: int | Literal["auto"] = Field(
         "auto", description="Index shards the build merges into, each built by its own merge task and loaded by "
@@ -313,7 +326,8 @@ class IndexConfig(_Section):
         16.0, gt=0, description="Memory the whole index may take at search time; index.factory=auto picks codes "
         "that fit it."
     )
-    ef_search: int | None = Field(None, ge=1, description="HNSW efSearch at query time (None: faiss's default, 16).")
+    ef_search: int | None = Field(None, ge=1, description="HNSW efSearch at query time (None: the one the build "
+                                  "measured to index.target_recall, else faiss's default, 16).")
     k_factor: float | None = Field(
         None, ge=1, description="Refine indices (...,RFlat): candidates re-ranked per result (None: faiss's default, 1)."
     )

@@ -141,7 +141,7 @@ class View:
         run's search settings (nprobe, efSearch, k_factor) set: faiss saves them with the index."""
         import faiss
 
-        from wbrag_ray.retrieval.local import set_search_params
+        from wbrag_ray.index.search_params import set_search_params
 
         base = self.parts[0].index
         trained = base.join(self.manifest.get("trained", TRAINED_FILE))
@@ -154,15 +154,22 @@ class View:
         if index.ntotal:
             raise IndexError_(f"trained index {trained.uri} is not empty ({index.ntotal} vectors)")
         ic = config.index
-        set_search_params(index, ic.nprobe, ic.ef_search, ic.k_factor)
+        set_search_params(index, *self.search_settings(config), ic.k_factor)
         self.empty_index_bytes = to_bytes(index)
         return index
 
-    def nprobe(self, config: WbragConfig) -> int | None:
-        """The nprobe saved in the exported index (index.nprobe, 'auto' resolved on the trained index)."""
-        from wbrag_ray.retrieval.local import search_nprobe
+    def search_settings(self, config: WbragConfig) -> tuple[int | str | None, int | None]:
+        """(nprobe, ef_search) the export saves: the run's, 'auto' taking what the base index's build measured."""
+        from wbrag_ray.index.search_params import measured_settings
 
-        nprobe = config.index.nprobe
+        return measured_settings(self.manifest, config.index.nprobe, config.index.ef_search)
+
+    def nprobe(self, config: WbragConfig) -> int | None:
+        """The nprobe saved in the exported index (index.nprobe; 'auto': the measured one, else the formula's on
+        the trained index)."""
+        from wbrag_ray.index.search_params import search_nprobe
+
+        nprobe = self.search_settings(config)[0]
         return search_nprobe(self.empty_index(config), nprobe) if nprobe == "auto" else nprobe
 
     def describe(self, config: WbragConfig) -> dict[str, Any]:
@@ -177,7 +184,7 @@ class View:
             "indices": {p.source: p.index.uri for p in self.parts},
             "embedder": embedder_info(config.embedder, self.dim),
             "index": {"factory": self.manifest.get("factory"), "metric": "inner_product", "nprobe": self.nprobe(config),
-                      "ef_search": config.index.ef_search, "k_factor": config.index.k_factor},
+                      "ef_search": self.search_settings(config)[1], "k_factor": config.index.k_factor},
         }
 
 

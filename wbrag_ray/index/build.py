@@ -18,7 +18,7 @@ Inside a stage, each task records its result once its file is written (`checkpoi
 checkpoint): a rerun after a killed driver takes the trained index, the parts and the merged shards an earlier
 attempt finished and runs only the other tasks (`tasks.run_recorded`).
 
-Over 400 lines (about 445), not split: the tasks and the one function that sequences them, so the build reads top
+Over 400 lines (about 450), not split: the tasks and the one function that sequences them, so the build reads top
 to bottom in one file; its pure rules are in `sizing.py`, the part formats in `parts.py`, the files in `files.py`.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ from wbrag_ray.index.files import (
     from_bytes,
     new_index,
     read_embedding_shard,
+    sample_vectors,
     shard_dim,
     shards_rows,
     storage_dtype,
@@ -61,6 +61,7 @@ from wbrag_ray.index.parts import (
     merge_parts,
     write_code_part,
 )
+from wbrag_ray.index.recall import measure_search
 from wbrag_ray.index.sizing import (
     balanced_groups,
     choose_factory,
@@ -105,7 +106,7 @@ def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool
     index = new_index(shared["factory"], shared["dim"])
     on_gpu = False
     if not index.is_trained:
-        sample = _train_sample(files, shared["counts"], shared["train_sample"], shared["dim"])
+        sample = sample_vectors(files, shared["counts"], shared["train_sample"], shared["dim"])[1]
         on_gpu = shared["gpu"] and reserved_gpu(shared["parallel"])
         if on_gpu:
             _train_on_gpu(index, sample)
@@ -131,34 +132,6 @@ def _train_on_gpu(index, sample: np.ndarray) -> None:
         index.train(sample)
     finally:
         ivf.clustering_index = None
-
-
-def _train_sample(files: list[Location], counts: list[int], n: int, dim: int, seed: int = 0) -> np.ndarray:
-    """n vectors drawn from shards chosen at random, each shard read alone, into one preallocated array (the
-    sample is never held twice): the corpus order groups topics, so shards from all over it make a fair sample
-    without reading every shard."""
-    rng = np.random.default_rng(seed)
-    total = sum(counts)
-    n = min(n, total)
-    # Read whole shards until twice the sample is covered, then take an even fraction of each.
-    order, covered, chosen = rng.permutation(len(files)), 0, []
-    for i in order:
-        chosen.append(i)
-        covered += counts[i]
-        if covered >= min(total, 2 * n):
-            break
-    sample = np.empty((n, dim), np.float32)
-    filled = 0
-    for i in sorted(chosen):
-        if filled == n:
-            break
-        _ids, vecs = read_embedding_shard(files[i])
-        take = min(len(vecs), math.ceil(n * len(vecs) / max(covered, 1)), n - filled)
-        rows = rng.choice(len(vecs), take, replace=False) if take < len(vecs) else slice(None)
-        sample[filled:filled + take] = vecs[rows]
-        filled += take
-        del vecs
-    return sample[:filled]
 
 
 def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, Any]:
@@ -252,6 +225,10 @@ def build_index(
     drop_ids: np.ndarray | ObjectRef | None = None,
     docs: str | None = None,
     extra: dict[str, Any] | None = None,
+    target_recall: float | None = None,
+    recall_queries: int = 500,
+    nprobe: int | str = "auto",
+    ef_search: int | None = None,
 ) -> dict[str, Any]:
     """Build a sharded index from embedding shards into `out` (index shards, trained.faiss, manifest.json).
 
@@ -263,6 +240,9 @@ def build_index(
     drop_ids: ids left out of the index, or a reference to them sorted in Ray's object store (the add tasks
     read them there; the driver need not hold them: `index.prune.drop_ids_ref`). docs: where the documents of
     the ids live (an ingest folder or a Parquet folder of id, title, text), recorded in the manifest.
+    target_recall: measure the search setting against exact search on `recall_queries` of the vectors and
+    record it in the manifest (`recall.measure_search`: chosen for nprobe 'auto' / ef_search None, else measured
+    as given); None: not measured.
     Returns stage stats: counts, seconds per step, the peak memory of each kind of task.
     """
     t0 = time.perf_counter()
@@ -382,6 +362,12 @@ def build_index(
         for s in shards
     ]
     ranges = _id_range(shards)
+    t_merged = time.perf_counter()
+    search = None
+    if target_recall is not None:  # before the manifest: a build killed while measuring measures again
+        search = measure_search(
+            files, counts, out, shard_entries, from_bytes(trained, TRAINED_FILE), target=target_recall,
+            queries=recall_queries, nprobe=nprobe, ef_search=ef_search, threads=threads, num_cpus=num_cpus, parallel=parallel)
     manifest = {
         "format": FORMAT,
         "factory": factory,
@@ -402,6 +388,7 @@ def build_index(
         "docs": docs,
         "dropped": dropped,
         **(extra or {}),
+        **({"search": search} if search else {}),
     }
     manifest_loc.write_json(manifest)  # last: its presence means every file it names is written
     if mergeable:  # after the manifest: a build killed before it resumes with its parts
@@ -436,6 +423,9 @@ def build_index(
         "train_s": round(t_train - t0, 3),
         "add_s": round(t_add - t_train, 3),
         "merge_s": round(t_merge - t_add, 3),
+        "search_measure_s": round(time.perf_counter() - t_merged, 3) if search else 0.0,
+        # the search setting measured against exact search (the manifest's `search`), without every step tried
+        "search": {k: v for k, v in search.items() if k != "measured"} if search else None,
         "seconds": round(time.perf_counter() - t0, 3),
         "index_bytes": sum(s["bytes"] for s in shard_entries),
         "peak_rss_mb": round(max([*train_rss, add_peak, *merge_peaks]), 1),

@@ -8,6 +8,7 @@ All file access goes through `Location` (local or s3://); faiss reads and writes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,6 +62,35 @@ def read_embedding_shard(f: Location) -> tuple[np.ndarray, np.ndarray]:
     except Exception as exc:  # pyarrow raises several types for truncated / garbage / missing files
         raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
     return t[id_col].to_numpy().astype(np.int64), vectors_of(t)
+
+
+def sample_vectors(files: list[Location], counts: list[int], n: int, dim: int,
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, vectors) of n vectors drawn from shards chosen at random, each shard read alone, into one
+    preallocated array (the sample is never held twice): the corpus order groups topics, so shards from all over
+    it make a fair sample without reading every shard."""
+    rng = np.random.default_rng(seed)
+    total = sum(counts)
+    n = min(n, total)
+    # Read whole shards until twice the sample is covered, then take an even fraction of each.
+    order, covered, chosen = rng.permutation(len(files)), 0, []
+    for i in order:
+        chosen.append(i)
+        covered += counts[i]
+        if covered >= min(total, 2 * n):
+            break
+    ids, sample = np.empty(n, np.int64), np.empty((n, dim), np.float32)
+    filled = 0
+    for i in sorted(chosen):
+        if filled == n:
+            break
+        shard_ids, vecs = read_embedding_shard(files[i])
+        take = min(len(vecs), math.ceil(n * len(vecs) / max(covered, 1)), n - filled)
+        rows = rng.choice(len(vecs), take, replace=False) if take < len(vecs) else slice(None)
+        ids[filled:filled + take], sample[filled:filled + take] = shard_ids[rows], vecs[rows]
+        filled += take
+        del vecs
+    return ids[:filled], sample[:filled]
 
 
 def shard_rows(f: Location) -> int:

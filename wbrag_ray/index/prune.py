@@ -101,5 +101,7 @@ def prune_index(
         trained=trained_loc.read_bytes(),
         drop_ids=drop_ids,
         docs=manifest.get("docs"),
-        extra={"pruned_from": src.uri, "source_count": manifest["count"]},
+        # a pruned view is searched as its source was measured (the same lists, fewer vectors in each)
+        extra={"pruned_from": src.uri, "source_count": manifest["count"],
+               **({"search": {**manifest["search"], "inherited_from": src.uri}} if manifest.get("search") else {})},
     )

@@ -111,6 +111,25 @@ def plot_sentences_per_passage(histogram: np.ndarray, out: Path) -> str | None:
     return _save(plt, fig, out, "sentences_per_passage.png")
 
 
+def plot_search_setting(search: dict[str, Any], out: Path) -> str | None:
+    """Recall against exact search and time per query at each setting the index build tried (its `search`)."""
+    steps = search.get("measured") or []
+    if len(steps) < 2:
+        return None
+    plt, fig, ax = _figure()
+    ms = [m["ms_per_query"] for m in steps]
+    ax.plot(ms, [m["recall"] for m in steps], "o-", color="#4C72B0")
+    for m in steps:
+        ax.annotate(str(m["value"]), (m["ms_per_query"], m["recall"]), textcoords="offset points", xytext=(4, -10),
+                    fontsize=8)
+    ax.axhline(search["target_recall"], color="#C44E52", linestyle="--", linewidth=1, label="target")
+    ax.set_xlabel("ms per query (one shard's search)")
+    ax.set_ylabel(f"recall@{search['k']} of exact search")
+    ax.set_title(f"index search: {search['parameter']} {search['value']} chosen")
+    ax.legend(loc="lower right")
+    return _save(plt, fig, out, "search_setting.png")
+
+
 def plot_token_scatter(units: pa.Table | None, out: Path, version: str) -> str | None:
     if units is None or units.num_rows == 0:
         return None

@@ -88,6 +88,18 @@ def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
     if sentences.exists():
         if img := plots.plot_sentences_per_passage(sentences_per_passage(sentences), out):
             sec.images.append((img, "How many sentences (Zero-RAG's pruning unit) each passage holds."))
+    from wbrag_ray.index.files import MANIFEST
+
+    manifest = run.layout.index.join(MANIFEST)
+    search = (manifest.read_json().get("search") if manifest.exists() else None) or {}
+    if search.get("measured"):  # the search setting the index build measured (wbrag_ray.index.recall)
+        sec.tables.append(Table(
+            f"index search, measured at build time on {search['queries']} of its vectors (target recall@"
+            f"{search['k']} {search['target_recall']:g}; chosen: {search['parameter']} {search['value']})",
+            [search["parameter"] or "setting", f"recall@{search['k']}", "ms/query"],
+            [[m["value"], m["recall"], m["ms_per_query"]] for m in search["measured"]]))
+        if img := plots.plot_search_setting(search, out):
+            sec.images.append((img, "Recall of exact search's top 10 against time per query at each setting tried."))
     return sec
 
 
@@ -182,6 +194,8 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
         sec.tables.append(Table(f"validation on {v['questions']} held-out training questions ({v['method']})", [
             "union", f"{v['metric']} base", f"{v['metric']} base + version", "unit in top K", "won", "lost"],
             [[v["union"], v["base"], v["with_version"], v["unit_in_top_k"], v["won"], v["lost"]]]))
+    elif isinstance(stats.get("validation"), str):  # nothing held out, and why (writeback.validation)
+        sec.tables.append(Table("validation", ["figure", "value"], [["validation", stats["validation"]]]))
     return sec
 
 

@@ -8,7 +8,6 @@ top K by `retrieval.union` (wbrag_ray.retrieval.union). Both share the query emb
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,6 +15,7 @@ import numpy as np
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_shards
 from wbrag_ray.index.gpu_clone import to_gpu
+from wbrag_ray.index.search_params import measured_settings, set_search_params
 from wbrag_ray.models.hardware import gpus_usable
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
@@ -24,53 +24,6 @@ from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
     from wbrag_ray.config import WbragConfig
-
-
-def auto_nprobe(nlist: int) -> int:
-    """index.nprobe=auto: every list of a small index (up to 32), sqrt(nlist) lists of a large one."""
-    return max(min(nlist, 32), round(math.sqrt(nlist)))
-
-
-def search_nprobe(index, nprobe: int | str | None) -> int | None:
-    """The nprobe a search of `index` uses: `nprobe`, or for 'auto' the rule of `auto_nprobe` on the index's lists
-    (None for an index that is not an IVF)."""
-    import faiss
-
-    if nprobe != "auto":
-        return nprobe
-    ivf = faiss.try_extract_index_ivf(index)
-    return auto_nprobe(ivf.nlist) if ivf is not None else None
-
-
-def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_factor: float | None) -> None:
-    """Apply the settings that exist for this index type (IVF: nprobe, HNSW: efSearch, refine: k_factor);
-    the others do not apply and are skipped. `nprobe` may be 'auto' (`search_nprobe`); an IVF's HNSW coarse
-    quantizer searches with efSearch = max(2 x nprobe, ef_search): faiss's default (16) finds too few of the
-    nearest lists once nprobe passes it."""
-    import faiss
-
-    nprobe = search_nprobe(index, nprobe)
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None and nprobe is not None:
-        quantizer = faiss.downcast_index(ivf.quantizer)
-        if isinstance(quantizer, faiss.IndexHNSW):
-            quantizer.hnsw.efSearch = max(2 * min(nprobe, ivf.nlist), ef_search or 0)
-    ps = faiss.ParameterSpace()
-    for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
-        if value is not None:
-            try:
-                ps.set_index_parameter(index, name, value)
-            except RuntimeError:
-                pass  # this index type has no such parameter
-    inner = index
-    while k_factor is not None:
-        inner = faiss.downcast_index(inner)
-        if isinstance(inner, faiss.IndexRefine):
-            inner.k_factor = float(k_factor)
-            break
-        if not isinstance(inner, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
-            break
-        inner = inner.index
 
 
 def check_embedder(manifest: dict, index_dir: str, embedder: EmbedderConfig | None) -> None:
@@ -259,8 +212,9 @@ class Retriever:
         loc = resolve(self.index_dir)
         self.shards, self.manifest = load_shards(loc)
         check_embedder(self.manifest, self.index_dir, self.embedder_config)
+        nprobe, ef_search = measured_settings(self.manifest, self.nprobe, self.ef_search)
         for i, shard in enumerate(self.shards):
-            set_search_params(shard, self.nprobe, self.ef_search, self.k_factor)
+            set_search_params(shard, nprobe, ef_search, self.k_factor)
             if self.gpu:
                 self.shards[i] = to_gpu(shard, f"{self.index_dir}/{self.manifest['files'][i]}")
         self.searcher = ShardSearch(self.shards, self.batch_size)

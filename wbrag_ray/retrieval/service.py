@@ -32,6 +32,7 @@ from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.faiss_index import IndexError_, load_manifest
 from wbrag_ray.index.files import load_shard
 from wbrag_ray.index.gpu_clone import faiss_has_gpu, to_gpu
+from wbrag_ray.index.search_params import measured_settings, set_search_params
 from wbrag_ray.ray_runtime import call_actor, start_restartable
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
@@ -41,7 +42,6 @@ from wbrag_ray.retrieval.local import (
     check_query_vectors,
     check_union,
     docs_location,
-    set_search_params,
     to_hits,
     union_base_unit,
 )
@@ -184,7 +184,8 @@ class SearchPool:
             log.warning("index.gpu is set, but this faiss (%s) has no GPU support: the search actors reserve no GPU "
                         "and search on the CPU (install faiss-gpu, as the project's image does)", faiss.__version__)
             use_gpu = False
-        search = {"nprobe": index.nprobe, "ef_search": index.ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
+        nprobe, ef_search = measured_settings(manifest, index.nprobe, index.ef_search)  # 'auto': what the build measured
+        search = {"nprobe": nprobe, "ef_search": ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
         threads = max(1, math.ceil(retrieval.search_cpus))
         from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
         from wbrag_ray.waits import wait_placed

@@ -1,0 +1,272 @@
+"""The index's search setting measured at build time, not a formula (`index.nprobe: auto`, `index.target_recall`).
+
+A sample of the index's own vectors (`index.recall_queries`) is searched exactly, by inner product over every
+embedding shard (a task per shard, merged), for each one's RECALL_K nearest neighbours other than itself. Then
+the built index shards, each loaded once by a probe (a Ray actor, or an object in this process), are searched at
+growing settings, nprobe for an IVF and efSearch for an HNSW graph, and their merged results compared with the
+exact ones. Recall grows with the lists (or graph nodes) a query visits and so does its time, so the setting
+chosen is the smallest that reaches the target. Where the codes cap recall below the target (PQ codes, SQ8 on
+near ties), the growing stops once recall stops rising, the smallest setting within PLATEAU of the best is
+taken, and the shortfall is logged with the fix. A setting given explicitly (`index.nprobe`, `index.ef_search`)
+is what searches use; it is measured beside the choice, and a warning says when it falls short of the target.
+
+The result is the manifest's `search` entry (the value, its recall and milliseconds per query, every setting
+tried, the sample, what the formula would have used); a search with `index.nprobe: auto` takes its value
+(`search_params.measured_settings`). Its cost: one more read of the embeddings, as the add tasks read them, and
+recall_queries multiply-adds per stored number (500 queries: under a tenth of what an IVF4096 assignment costs
+the add tasks), and a few searches of the sample per shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wbrag_ray.index.files import load_shard, read_embedding_shard, sample_vectors
+from wbrag_ray.index.search_params import auto_nprobe, set_search_params
+from wbrag_ray.index.sizing import balanced_groups
+from wbrag_ray.index.tasks import run_tasks, set_threads
+from wbrag_ray.retrieval.hits import merge_results
+from wbrag_ray.storage import Location, resolve
+
+log = logging.getLogger(__name__)
+
+RECALL_K = 10  # recall@10 of exact search: the figure faiss's own benchmarks report
+PLATEAU = 0.005  # recall within this of the best measured counts as the best (codes cap it)
+EF_STEPS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+def nprobe_steps(nlist: int) -> list[int]:
+    """The nprobe values tried, ascending: 1, 2, 3, 4, 6, 8, 12, ... (steps of 1.5x and 2x) and every list."""
+    steps, p = [], 1
+    while p < nlist:
+        steps += [p] + ([p * 3 // 2] if p >= 2 and p * 3 // 2 < nlist else [])
+        p *= 2
+    return [*steps, nlist]
+
+
+def parameter_of(index) -> tuple[str | None, list | None]:
+    """(the setting a search of `index` trades recall for time with, the values to try): ("nprobe", ...) for an
+    IVF, ("efSearch", ...) for an HNSW graph; (None, None) for an exact (flat) index, where nothing is to measure;
+    (None, [None]) for other approximate codes, measured once as they are."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        return "nprobe", nprobe_steps(ivf.nlist)
+    inner = faiss.downcast_index(index)
+    while isinstance(inner, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
+        inner = faiss.downcast_index(inner.index)
+    if isinstance(inner, faiss.IndexHNSW):
+        return "efSearch", [v for v in EF_STEPS if v > RECALL_K]
+    if isinstance(inner, faiss.IndexFlat):
+        return None, None
+    return None, [None]
+
+
+def without(ids: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
+    """Each row's first k ids other than the query's own (-1 pads a short row)."""
+    out = np.full((len(ids), k), -1, np.int64)
+    for r, (row, me) in enumerate(zip(ids, own, strict=True)):
+        kept = row[(row != me) & (row >= 0)][:k]
+        out[r, :len(kept)] = kept
+    return out
+
+
+def recall(found: np.ndarray, truth: np.ndarray) -> float:
+    """The share of the exact neighbours (ids >= 0 in `truth`) that `found` holds, over all queries."""
+    hits = sum(len(set(f[f >= 0]) & set(t[t >= 0])) for f, t in zip(found, truth, strict=True))
+    return hits / max(int((truth >= 0).sum()), 1)
+
+
+# --- exact search: a task per embedding shard --------------------------------------------------------
+
+
+def _exact_task(shared: dict[str, Any], uri: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids) of the sample's k nearest vectors of one embedding shard, by inner product."""
+    import faiss
+
+    set_threads(shared["threads"])
+    ids, vecs = read_embedding_shard(resolve(uri))
+    k = min(shared["k"], len(ids))
+    scores, rows = faiss.knn(shared["queries"], np.ascontiguousarray(vecs, np.float32), k,
+                             metric=faiss.METRIC_INNER_PRODUCT)
+    return scores, np.where(rows >= 0, ids[np.maximum(rows, 0)], -1)
+
+
+def exact_neighbours(files: list[Location], queries: np.ndarray, own: np.ndarray, *, threads: int,
+                     num_cpus: float, parallel: bool) -> np.ndarray:
+    """The exact RECALL_K nearest ids of each query, other than itself, over every embedding shard."""
+    shared = {"queries": queries, "k": RECALL_K + 1, "threads": threads}
+    parts = run_tasks(_exact_task, shared, [f.uri for f in files], num_cpus=num_cpus, parallel=parallel)
+    return without(merge_results(parts, RECALL_K + 1)[1], own, RECALL_K)
+
+
+# --- the built shards searched at each setting -----------------------------------------------------------
+
+
+class ShardProbe:
+    """Some index shards, loaded once, searched with the sample at one setting per call."""
+
+    def __init__(self, index_uri: str, shards: list[tuple[str, int]], dim: int, queries: np.ndarray, threads: int):
+        set_threads(threads)
+        self.shards = [load_shard(resolve(index_uri), name, dim, count) for name, count in shards]
+        self.queries = queries
+        for shard in self.shards:  # pages each shard in: the first timed search is not its load
+            shard.search(queries[:8], RECALL_K + 1)
+
+    def search(self, parameter: str | None, value: int | None) -> list[tuple[np.ndarray, np.ndarray, float]]:
+        """(scores, ids, seconds) of the sample's top K + 1 at `parameter` = `value`, per shard."""
+        out = []
+        for shard in self.shards:
+            if parameter is not None:
+                set_search_params(shard, value if parameter == "nprobe" else None,
+                                  value if parameter == "efSearch" else None, None)
+            t0 = time.perf_counter()
+            scores, ids = shard.search(self.queries, RECALL_K + 1)
+            out.append((scores, ids, time.perf_counter() - t0))
+        return out
+
+
+@dataclass
+class Probes:
+    """The shards' probes: Ray actors (parallel; as many as the free CPUs hold, each over a contiguous group of
+    shards), or one object in this process."""
+
+    probes: list
+    parallel: bool
+
+    @classmethod
+    def start(cls, index: Location, shards: list[dict[str, Any]], dim: int, queries: np.ndarray, threads: int,
+              num_cpus: float, parallel: bool) -> Probes:
+        named = [(s["file"], s["count"]) for s in shards]
+        if not parallel:
+            return cls([ShardProbe(index.uri, named, dim, queries, threads)], False)
+        import ray
+
+        # actors that cannot all be placed would leave the first ones waiting on the rest
+        free = ray.available_resources().get("CPU", 0.0)
+        groups = balanced_groups([s["count"] for s in shards], max(1, int(free // num_cpus)))
+        queries_ref = ray.put(queries)
+        actors = [ray.remote(ShardProbe).options(
+            num_cpus=num_cpus, memory=int(sum(shards[i]["bytes"] for i in g) * 1.5) + (256 << 20),
+        ).remote(index.uri, [named[i] for i in g], dim, queries_ref, threads) for g in groups]
+        return cls(actors, True)
+
+    def search(self, parameter: str | None, value: int | None) -> list[tuple[np.ndarray, np.ndarray, float]]:
+        """Every shard's (scores, ids, seconds), in shard order."""
+        if not self.parallel:
+            return self.probes[0].search(parameter, value)
+        import ray
+
+        return [r for group in ray.get([p.search.remote(parameter, value) for p in self.probes]) for r in group]
+
+    def close(self) -> None:
+        if self.parallel:
+            import ray
+
+            for p in self.probes:
+                ray.kill(p)
+
+
+# --- the choice ------------------------------------------------------------------------------------------
+
+
+def choose(measured: list[dict[str, Any]], target: float) -> tuple[dict[str, Any], bool]:
+    """(the smallest measured setting that reaches `target`, True), or where none does, (the smallest within
+    PLATEAU of the best recall, False)."""
+    reached = [m for m in measured if m["recall"] >= target]
+    if reached:
+        return reached[0], True
+    best = max(m["recall"] for m in measured)
+    return next(m for m in measured if m["recall"] >= best - PLATEAU), False
+
+
+def levelled(measured: list[dict[str, Any]]) -> bool:
+    """Recall stopped rising: the last two steps together (a doubling of the setting) added less than PLATEAU
+    (the codes cap it)."""
+    return len(measured) >= 3 and measured[-1]["recall"] - measured[-3]["recall"] < PLATEAU
+
+
+def measure_search(files: list[Location], counts: list[int], index: Location, shards: list[dict[str, Any]],
+                   trained_index, *, target: float, queries: int, nprobe: int | str = "auto",
+                   ef_search: int | None = None, threads: int, num_cpus: float,
+                   parallel: bool) -> dict[str, Any] | None:
+    """Measure recall against exact search and choose the search setting (module docstring), or measure the
+    one set (an nprobe other than 'auto'; an HNSW's ef_search); the manifest's `search` entry, or None for an
+    exact index (nothing to trade)."""
+    parameter, steps = parameter_of(trained_index)
+    if steps is None:
+        return None
+    explicit = {"nprobe": None if nprobe == "auto" else int(nprobe), "efSearch": ef_search}.get(parameter)
+    own, sample = sample_vectors(files, counts, queries, trained_index.d, seed=1)
+    t0 = time.perf_counter()
+    truth = exact_neighbours(files, sample, own, threads=threads, num_cpus=num_cpus, parallel=parallel)
+    exact_s = time.perf_counter() - t0
+    probes = Probes.start(index, shards, trained_index.d, sample, threads, num_cpus, parallel)
+    measured: list[dict[str, Any]] = []
+
+    def measure(value: int | None) -> dict[str, Any]:
+        results = probes.search(parameter, value)
+        found = without(merge_results([(s, i) for s, i, _ in results], RECALL_K + 1)[1], own, RECALL_K)
+        seconds = [t for _, _, t in results]
+        return {"value": value, "recall": round(recall(found, truth), 4),
+                # shards are searched side by side (a search actor each): a query waits for the slowest
+                "ms_per_query": round(1000 * max(seconds) / len(sample), 4),
+                "cpu_ms_per_query": round(1000 * sum(seconds) / len(sample), 4)}
+
+    def beside(value: int | None) -> dict[str, Any] | None:
+        """A setting that is not chosen, measured for comparison (taken from the steps where it was one)."""
+        if value is None:
+            return None
+        return next((m for m in measured if m["value"] == value), None) or measure(value)
+
+    try:
+        for value in steps:
+            measured.append(measure(value))
+            if measured[-1]["recall"] >= target or levelled(measured):
+                break
+        formula = beside(auto_nprobe(steps[-1]) if parameter == "nprobe" else None)
+        as_set = beside(explicit)  # what the config's explicit setting gives: searches use it, not the choice
+    finally:
+        probes.close()
+    pick, reached = choose(measured, target)
+    entry = {
+        "parameter": parameter, "value": pick["value"], "chosen": parameter is not None,
+        "recall": pick["recall"], "ms_per_query": pick["ms_per_query"], "cpu_ms_per_query": pick["cpu_ms_per_query"],
+        "k": RECALL_K, "target_recall": target, "reached": reached, "queries": len(sample),
+        "exact_search_s": round(exact_s, 2), "measured": measured, "formula": formula, "as_set": as_set,
+    }
+    print(describe(entry, trained_index), flush=True)
+    if not reached:
+        log.warning("index.target_recall %.3f is out of reach for this index's codes: the best measured recall@%d "
+                    "is %.3f; finer codes (SQ8 -> Flat, more PQ bytes) or a refine stage (',RFlat') would reach "
+                    "it", target, RECALL_K, max(m["recall"] for m in measured))
+    if as_set is not None and as_set["recall"] < min(target, pick["recall"]):
+        log.warning("the index's search as set (%s %d) finds %.3f of exact search's top %d, below index.target_recall "
+                    "%.3f: %s would measure and use %s %s", parameter, explicit, as_set["recall"], RECALL_K, target,
+                    "index.nprobe: auto" if parameter == "nprobe" else "leaving index.ef_search unset", parameter,
+                    pick["value"])
+    return entry
+
+
+def describe(entry: dict[str, Any], trained_index=None) -> str:
+    """One line: the setting chosen, its recall against exact search and its time per query; the formula's
+    and the one set explicitly beside it."""
+    what = f"{entry['parameter']} {entry['value']}" if entry["parameter"] else "as built"
+    if entry["parameter"] == "nprobe" and trained_index is not None:
+        import faiss
+
+        what += f" of {faiss.extract_index_ivf(trained_index).nlist} lists"
+    line = (f"[index] {what}: recall@{entry['k']} {entry['recall']:.3f} of exact search (target "
+            f"{entry['target_recall']:g}) at {entry['ms_per_query']:.3f} ms/query, measured on {entry['queries']} of "
+            f"the index's vectors")
+    for label, other in (("the formula's", entry.get("formula")), ("as set", entry.get("as_set"))):
+        if other is not None and other["value"] != entry["value"]:
+            line += (f"; {label} {entry['parameter']} {other['value']}: recall {other['recall']:.3f} at "
+                     f"{other['ms_per_query']:.3f} ms/query")
+    return line
