@@ -186,3 +186,28 @@ def test_the_report_puts_planned_and_measured_side_by_side(tmp_path):
     table = plan_section(run, stats).tables[0]
     assert table.header[:5] == ["stage", "planned s", "rate source", "measured s", "measured / planned"]
     assert table.rows[0][:5] == ["ingest", 10.0, "benchmark", 12.0, pytest.approx(1.2)]
+
+
+def test_ray_train_start_is_calibrated_and_planned_in_place_of_the_benchmark(ray_cluster, no_cache):
+    """A fit whose loop does nothing times Ray Train's own start and end on this cluster; a plan with that record
+    adds the measured start to each training instead of the benchmark's 30 s."""
+    from wbrag_ray.models.hardware import resolved_dtype_name
+    from wbrag_ray.plan.calibrate import _train_start, hardware
+    from wbrag_ray.plan.stages import threads_of
+
+    config = load_config(ROOT / "jobs" / "configs" / "zero_rag_demo.yaml")
+    measured = _train_start(config)
+    assert 0 < measured < 120
+    trainer, tune = config.zerorag.tune.trainer, config.zerorag.tune
+    record = {"role": "training", "model": config.generator.model, "seconds_per_token": 1e-4, "load_seconds": 2.0,
+              "train_start_seconds": measured,
+              "hardware": hardware("cpu", resolved_dtype_name("auto", 0), threads_of(trainer.num_cpus, tune.threads))}
+    cluster = Cluster.uniform(1, 2, 0, 8, 80, "stated")
+    tuning = next(s for s in make_plan(config, cluster, records=[record]).stages if s.name == "tuning: LoRA training")
+    assert f"Ray Train start {measured:.0f} s [calibrated]" in tuning.how, tuning.how
+    assert tuning.sources.get("calibrated", 0) >= measured
+    without = next(s for s in make_plan(config, cluster, records=[{k: v for k, v in record.items()
+                                                                   if k != "train_start_seconds"}]).stages
+                   if s.name == "tuning: LoRA training")
+    assert "[train_start]" in without.how
+    assert without.seconds - tuning.seconds == pytest.approx(30.0 - measured, abs=0.01)

@@ -11,7 +11,8 @@ size. What is measured:
                 the run's own generator service to a first answer
     embedder    seconds a token of the corpus's texts (the index unit's), and the model's load
     training    seconds a training token of a LoRA step (forward, backward, optimizer) of the generator at the
-                tuning's batch and length (scaled by parameters for another backbone)
+                tuning's batch and length (scaled by parameters for another backbone); and Ray Train's own start
+                and end, a fit of the tuning's workers whose loop does nothing
 
 A record holds the hardware it ran on (the device's name, the CPU's model and matmul flags
 (`models.hardware`), the dtype, the torch threads); a plan takes a record only where its stage would run on
@@ -287,6 +288,8 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
         record["start_seconds"] = max(0.0, record.pop("entered") - submitted)  # scheduling and the worker's start
         if role == "generator":
             record["service_start_seconds"] = _service_start(config, questions)
+        if role == "training":
+            record["train_start_seconds"] = _train_start(config)
         record["date"] = date
         records.append(record)
     save(records, run, cache)
@@ -308,6 +311,35 @@ def _service_start(config: WbragConfig, questions: list[str]) -> float:
     with Services() as services:
         GeneratorPasses(config.generator, services).generate("calibration", frame, "prompt", "answer", 1)
     return time.perf_counter() - t0
+
+
+def _noop_loop(_config: dict) -> None:
+    """A Ray Train loop that does nothing: what remains of a fit is Ray Train's own start and end."""
+
+
+def _train_start(config: WbragConfig) -> float:
+    """Seconds of a Ray Train fit whose loop does nothing, with the tuning's workers and resources: the
+    controller, the worker group, the torch process group and the shutdown, which every training stage spends
+    beside its steps and its model's load (both measured apart)."""
+    import tempfile
+
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    t = config.zerorag.tune.trainer
+    workers = t.num_workers if isinstance(t.num_workers, int) else 1
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
+    with tempfile.TemporaryDirectory(prefix="wbrag-calibrate-train-") as storage:
+        trainer = TorchTrainer(
+            _noop_loop,
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=workers, use_gpu=t.num_gpus > 0,
+                resources_per_worker={"CPU": t.num_cpus, **({"GPU": t.num_gpus} if t.num_gpus else {})}),
+            run_config=ray.train.RunConfig(name="calibrate-train-start", storage_path=storage,
+                                           logging_config=ray.train.LoggingConfig(log_level="WARNING")))
+        t0 = time.perf_counter()
+        trainer.fit()
+        return time.perf_counter() - t0
 
 
 def _resources(config: WbragConfig, role: str) -> tuple[float, float]:
