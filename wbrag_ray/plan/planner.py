@@ -260,6 +260,13 @@ class _Builder:
         stage.add_source("benchmark", seconds)
         if left_out:  # k-means on a GPU: from its FLOPs
             self._kmeans_on_gpu(stage, s)
+        ic = self.c.index
+        if ic.target_recall is not None and ("IVF" in s.factory or "HNSW" in s.factory):
+            # index.recall: an exact search of the sample over every vector, one more read of the embeddings
+            flops = 2.0 * ic.recall_queries * n * self.dim
+            stage.notes.append(f"search setting measured to recall@10 {ic.target_recall:g} of exact search: "
+                               f"{ic.recall_queries} exact searches over every vector ({flops:.2g} FLOPs, a task "
+                               "per embedding shard), then a few searches of them per shard")
         return stage
 
     # --- model passes --------------------------------------------------------------------------------------
