@@ -97,11 +97,12 @@ def _single_process_build(emb: str, out: str, factory: str, trained: bytes, n: i
                        num_shards=num_shards(n), parallel=False, trained=trained)
 
 
-def search(index_dir: str, queries: np.ndarray, truth: np.ndarray, k_factor: float | None = None) -> tuple[float, float]:
-    """(recall@10, ms per query) with the default nprobe; median of 3 passes over all query batches."""
+def search(index_dir: str, queries: np.ndarray, truth: np.ndarray, k_factor: float | None = None,
+           nprobe: int | str = "auto") -> tuple[float, float]:
+    """(recall@10, ms per query) at `nprobe` (default: the index's own); median of 3 passes over all query batches."""
     from wbrag_ray.retrieval.local import Retriever
 
-    r = Retriever(index_dir, k_factor=k_factor, batch_size=QUERY_BATCH)
+    r = Retriever(index_dir, nprobe=nprobe, k_factor=k_factor, batch_size=QUERY_BATCH)
     r.setup()
     times = []
     for _ in range(3):

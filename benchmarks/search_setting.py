@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Stopwatch, header, local_ray, report, report_ratio, run_module_main
-from benchmarks.index_build import QUERY_BATCH, write_corpus
+from benchmarks.index_build import search, write_corpus
 
 DIM = 384
 TARGET = 0.95
@@ -45,18 +45,8 @@ def held_out_search(index_dir: str, nprobe: int, queries: np.ndarray, truth: np.
     """(recall@10, ms per query) of the held-out queries at `nprobe`, one thread; median of 3 passes."""
     import faiss
 
-    from wbrag_ray.retrieval.local import Retriever
-
     faiss.omp_set_num_threads(1)
-    retriever = Retriever(index_dir, nprobe=nprobe, gpu=False, batch_size=QUERY_BATCH)
-    retriever.setup()
-    times = []
-    for _ in range(3):
-        with Stopwatch() as sw:
-            _, got = retriever.search_ids(queries, 10)
-        times.append(sw.seconds)
-    recall = float(np.mean([len(set(g) & set(t)) / 10 for g, t in zip(got, truth, strict=True)]))
-    return recall, 1000 * float(np.median(times)) / len(queries)
+    return search(index_dir, queries, truth, nprobe=nprobe)
 
 
 def measure_size(root: Path, n: int, topics: int) -> dict:
