@@ -24,7 +24,7 @@ def test_the_demo_defaults_name_each_departure_with_the_papers_choice():
     defaults = departures(load_config(), WRITEBACK)
     assert any(d.startswith("writeback.dedupe_threshold: 0.95") and "no deduplication" in d for d in defaults)
     assert any(d.startswith("rag.flare.look_ahead_tokens: 32") for d in defaults)
-    # the default union is the gate, which measured best on held-out questions: named against the paper's merge
+    # the default union is the gate, chosen on a validation half of held-out questions: named against the paper's merge
     assert any(d.startswith("retrieval.union: 'gate'") and "merged by score" in d for d in defaults)
     paper = departures(load_config(overrides=["retrieval.union=score"]), WRITEBACK)
     assert not any(d.startswith("retrieval.union") for d in paper)

@@ -18,7 +18,7 @@ from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import WRITEBACK_ID_BASE
-from wbrag_ray.writeback.versions import active_index, read_active
+from wbrag_ray.writeback.versions import active_index, hurts, read_active
 
 SENTINEL = "Quxilon-42"  # a gold alias that is in no question and no document: it must reach no distiller prompt
 N_TRAIN = 2
@@ -78,6 +78,9 @@ def test_table3_stats_json(trained):
     assert stats["source_tokens"] > stats["distilled_tokens"] > 0
     assert stats["compression_ratio"] == pytest.approx(stats["source_tokens"] / stats["distilled_tokens"], abs=1e-3)
     assert stats["units_written"] + stats["duplicates_merged"] + stats["empty_units"] == N_TRAIN
+    # writeback.validation 'auto': too few training questions to hold any out, and the stats say so
+    assert stats["validation"] == f"skipped, only {N_TRAIN} training questions (auto needs 100)"
+    assert stats["activated"] is True
     # generator calls per pass: no-retrieval + K single-document answers, then one call per distiller step
     passes = stats["passes"]
     assert passes["answer"]["generator_calls"] == N_TRAIN * (1 + 5)
@@ -360,6 +363,9 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
     assert result["unit_in_top_k"] == int(any(h["source"] == "writeback" for h in json.loads(union[0]["docs"])))
     assert (result["won"], result["lost"]) == ((int(changed and acc[1] > acc[0]), int(changed and acc[1] < acc[0])))
     assert result["union"] == "gate" and result["method"] == "naive"
+    # the version's stats hold the same result, and that it was not activated (writeback.activate false)
+    assert version.stats.read_json()["validation"] == {**result, "hurts": hurts(result), "activated": False}
+    assert version.stats.read_json()["activated"] is False
 
     hurt = {**result, "base": 1.0, "with_version": 0.0, "won": 0, "lost": 1}
     run.layout.writeback_version("train").validation.write_json(hurt)

@@ -89,28 +89,54 @@ def test_reciprocal_rank_fusion_ranks_each_index_by_its_own_order():
 
 
 def test_the_gate_lets_a_unit_in_only_at_the_level_of_the_querys_best_passage():
-    # The benchmark's two cases, in small: a unit restating the top passage at a higher cosine (u0, 0.90 against
-    # p10's 0.80) takes rank 0 as in the paper's merge; a unit about a neighbouring fact (u1, 0.65: above p12,
-    # below p10) would push p14 out under the paper's merge, and stays out.
+    # The benchmark's two cases, in small, under the gate without the provenance rule: a unit restating the top
+    # passage at a higher cosine (u0, 0.90 against p10's 0.80) takes rank 0 as in the paper's merge; a unit about a
+    # neighbouring fact (u1, 0.65: above p12, below p10) would push p14 out under the paper's merge, and stays out.
     units = [unit(0, 0.90, 0, [10]), unit(1, 0.65, 1, [99])]
+    gate = "gate-no-provenance"
     assert keys(UnionRule("score")([BASE, units], 5)) == ["u0", "p10", "p11", "u1", "p12"]
-    assert keys(UnionRule("gate")([BASE, units], 5)) == ["u0", "p10", "p11", "p12", "p13"]
-    # no provenance rule: u0's source p10 is in the top K and u0 keeps its slot
+    assert keys(UnionRule(gate)([BASE, units], 5)) == ["u0", "p10", "p11", "p12", "p13"]
     # a margin of 0.2 lets in what scores >= 0.60 (u1 at 0.65); -0.15, only what beats p10 by 0.15 (nothing)
-    assert keys(UnionRule("gate", gate_margin=0.2)([BASE, units], 5)) == ["u0", "p10", "p11", "u1", "p12"]
-    assert keys(UnionRule("gate", gate_margin=-0.15)([BASE, units], 5)) == ["p10", "p11", "p12", "p13", "p14"]
+    assert keys(UnionRule(gate, gate_margin=0.2)([BASE, units], 5)) == ["u0", "p10", "p11", "u1", "p12"]
+    assert keys(UnionRule(gate, gate_margin=-0.15)([BASE, units], 5)) == ["p10", "p11", "p12", "p13", "p14"]
     # max_units applies; with no passage retrieved there is nothing to calibrate against and units stay
-    assert keys(UnionRule("gate", gate_margin=0.2, max_units=1)([BASE, units], 3)) == ["u0", "p10", "p11"]
-    assert keys(UnionRule("gate")([[], units], 5)) == ["u0", "u1"]
+    assert keys(UnionRule(gate, gate_margin=0.2, max_units=1)([BASE, units], 3)) == ["u0", "p10", "p11"]
+    assert keys(UnionRule(gate)([[], units], 5)) == ["u0", "u1"]
+
+
+def test_under_the_gate_a_covered_unit_above_the_gate_takes_no_slot_and_the_next_passage_gets_it():
+    # u0 (0.90, source p10) and u2 (0.85, p11's text) pass the gate (p10's 0.80) but add nothing: p10 is in the top
+    # K, p11 holds u2's text; u1 (0.95, source p99, not retrieved) passes the gate and brings something new.
+    units = [unit(1, 0.95, 0, [99]), unit(0, 0.90, 1, [10]), unit(2, 0.85, 2, text="passage 11 says fact 11")]
+    # without the rule: u1 u0 u2 p10 p11
+    assert keys(UnionRule("gate-no-provenance")([BASE, units], 5)) == ["u1", "u0", "u2", "p10", "p11"]
+    # with it (union 'gate'): cut 1 u1 u0 u2 p10 p11 -> u0 (p10 taken) and u2 (inside p11) dropped; cut 2 u1 p10
+    # p11 p12 p13: their slots go to the next passages by score
+    assert keys(UnionRule("gate")([BASE, units], 5)) == ["u1", "p10", "p11", "p12", "p13"]
+    # a covered unit below the gate never counts: the gate drops u3 (0.50 < 0.80) before the rule looks
+    assert keys(UnionRule("gate")([BASE, [unit(3, 0.5, 0, [99])]], 3)) == ["p10", "p11", "p12"]
+    # the gate's margin still decides what reaches the rule: at 0.2 u4 (0.65, source p14 outside the top 3) enters
+    assert keys(UnionRule("gate", gate_margin=0.2)([BASE, [unit(4, 0.65, 0, [14])]], 3)) == ["p10", "p11", "u4"]
+
+
+def test_whether_the_provenance_rule_applies_is_a_function_of_the_union_name_alone():
+    import typing
+
+    from wbrag_ray.config import RetrievalConfig
+    from wbrag_ray.retrieval.union import PROVENANCE_RULE, UNIONS
+
+    assert set(typing.get_args(RetrievalConfig.model_fields["union"].annotation)) == set(UNIONS)
+    assert PROVENANCE_RULE == ("provenance", "rrf", "gate")
+    assert {n for n, u in UNIONS.items() if u.gate} == {"gate", "gate-no-provenance"}
 
 
 def test_a_query_without_units_keeps_the_base_top_k_in_every_setting():
-    for name in ("score", "provenance", "rrf", "gate"):
+    for name in ("score", "provenance", "rrf", "gate", "gate-no-provenance"):
         assert keys(UnionRule(name)([BASE, []], 3)) == ["p10", "p11", "p12"]
 
 
 def test_unknown_union_is_named():
-    with pytest.raises(ValueError, match="retrieval.union: 'max' is not one of score, provenance, rrf, gate"):
+    with pytest.raises(ValueError, match="retrieval.union: 'max' is not one of score, provenance, rrf, gate, gate-no-provenance"):
         UnionRule("max")
 
 

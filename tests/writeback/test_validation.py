@@ -94,3 +94,63 @@ def test_same_wb_shows_each_method_beside_its_own_version_not_a_cross_cell():
                                 "0.120", "0.320", "(+0.200)"]
     assert lines[3].split() == ["replug-vote", "train", "0.200", "0.400", "(+0.200)", "0.210", "0.410", "(+0.200)",
                                 "0.220", "0.420", "(+0.200)"]
+
+
+def test_auto_validation_holds_out_a_fifth_from_100_training_questions_and_says_why_not_below():
+    from wbrag_ray.config import AUTO_VALIDATION_MIN, WritebackConfig
+    from wbrag_ray.writeback.validation import skipped
+
+    auto = WritebackConfig()
+    assert auto.validation == "auto" and AUTO_VALIDATION_MIN == 100
+    assert auto.validation_fraction(99) is None and auto.validation_fraction(100) == 0.2
+    assert len(held_out([f"q{i}" for i in range(100)], auto.validation_fraction(100))) == 20  # at least 20 held out
+    assert skipped(auto, 30) == "skipped, only 30 training questions (auto needs 100)"
+    assert skipped(auto, 100) is None
+    assert skipped(WritebackConfig(validation=None), 1000) == "off (writeback.validation: null)"
+    fixed = WritebackConfig(validation=0.5)
+    assert skipped(fixed, 2) is None and fixed.validation_fraction(2) == 0.5  # an explicit fraction at any size
+
+
+def test_the_versions_stats_hold_its_validation_and_whether_it_was_activated(tmp_path, monkeypatch):
+    """train_writeback with the stage, the validation and the activation stubbed: what it returns and what the
+    version's stats file holds afterwards."""
+    from types import SimpleNamespace
+
+    from wbrag_ray.config import load_config
+    from wbrag_ray.storage import resolve
+    from wbrag_ray.writeback import pipeline
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"id": "a", "question": "q", "golden_answers": ["x"]}\n')
+    own = resolve(str(tmp_path / "stats.json"))
+
+    class Run:
+        layout = SimpleNamespace(writeback_version=lambda version: SimpleNamespace(stats=own))
+
+        def execute(self, stage, config, work, params, force):
+            own.write_json({"version": params["version"], "units_written": 3})
+            return {"rows_in": 5, "version": params["version"], "units_written": 3}
+
+    activated = []
+    monkeypatch.setattr(pipeline, "activate", lambda run, version: activated.append(version))
+    config = load_config()
+
+    def train_with(validation):
+        monkeypatch.setattr(pipeline, "validate", lambda *a, **k: validation)
+        activated.clear()
+        return pipeline.train_writeback(Run(), config, str(train), "v")
+
+    why = "skipped, only 1 training questions (auto needs 100)"
+    stats = train_with(why)
+    assert stats["validation"] == why and stats["activated"] is True and activated == ["v"]
+    assert own.read_json() == {"version": "v", "units_written": 3, "validation": why, "activated": True}
+
+    result = {"metric": "acc", "base": 0.5, "with_version": 0.4, "won": 1, "lost": 2}
+    stats = train_with(result)
+    expected = {**result, "hurts": "acc 0.400 with it against 0.500 without; 2 questions lost against 1 won",
+                "activated": False}
+    assert stats["validation"] == expected and stats["activated"] is False and activated == []
+    assert own.read_json()["validation"] == expected and own.read_json()["activated"] is False
+
+    stats = train_with({**result, "with_version": 0.6, "lost": 0})
+    assert stats["validation"]["hurts"] is None and stats["validation"]["activated"] is True and activated == ["v"]

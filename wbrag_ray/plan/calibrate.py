@@ -19,6 +19,9 @@ A record holds the hardware it ran on (the device's name, the CPU's model and ma
 the same hardware. Records go to the run folder (RUN/plan/calibration.json, with --run) and to a cache
 (`WBRAG_RATES_CACHE`, default ~/.cache/wbrag/rates.json), the newest record of a model and hardware replacing
 the older one.
+
+Over 400 lines (about 425), not split: each measurement (generator, embedder, training, Ray Train's start) and
+the driver that runs them on the cluster and keeps the records, one place for what `--calibrate` does.
 """
 
 from __future__ import annotations

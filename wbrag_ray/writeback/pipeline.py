@@ -71,7 +71,8 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
 
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
-    questions = split(questions, wb.validation)[0]  # the held-out questions validate the version instead
+    # the held-out questions validate the version instead
+    questions = split(questions, wb.validation_fraction(questions.num_rows))[0]
     answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
 
     nr = answered[answered["method"] == "no-retrieval"].set_index("id")
@@ -107,7 +108,9 @@ def train_writeback(
     run: RunFolder, config: WbragConfig, train: str | None = None, version: str | None = None, force: bool = False
 ) -> dict[str, Any]:
     """Train one write-back index version from a labeled QA set, validate it on the held-out part of the set
-    (writeback.validation), and activate it when writeback.activate and it does not hurt there."""
+    (writeback.validation), and activate it when writeback.activate and it does not hurt there. The stats returned,
+    and the version's stats file, hold the validation's result ('validation': the metric both ways, won, lost, why
+    it hurts; or why nothing was held out) and whether the version was activated ('activated')."""
     train = train or config.writeback.train
     if not train:
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
@@ -124,14 +127,20 @@ def train_writeback(
     stats = run.execute(WRITEBACK, config, lambda: _train(run, config, train, params), params=params, force=force)
     print(format_table3(stats), flush=True)
     validation = validate(run, config, train, version, with_gate_metric(config.writeback, train).metric, force)
+    why = hurts(validation) if isinstance(validation, dict) else None
+    activated = False
     if config.writeback.activate and stats.get("units_written"):
-        why = hurts(validation)
         if why:
             print(f"write-back {version} is not activated: on its validation questions it hurts ({why}); "
                   f"`wbrag writeback RUN --activate {version}` activates it anyway", flush=True)
         else:
             activate(run, version)
-    return {**stats, "validation": validation} if validation else stats
+            activated = True
+    record = {**validation, "hurts": why, "activated": activated} if isinstance(validation, dict) else validation
+    own = run.layout.writeback_version(version).stats  # the version's stats file: written by its stage
+    if own.exists():
+        own.write_json({**own.read_json(), "validation": record, "activated": activated})
+    return {**stats, "validation": record, "activated": activated}
 
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -5,8 +5,10 @@ is activated.
 The held-out questions are chosen by a hash of their ids (the same ones whatever the file's order), the version is
 trained on the others, and both evaluations run in one command with the version's RAG method, so a question whose
 top K the version leaves alone keeps its base answer; won and lost are counted where the top K changed
-(`evaluation.effect`). The result is RUN/writeback/<version>/validation.json; `versions.hurts` says why a version
-hurt.
+(`evaluation.effect`). The result is RUN/writeback/<version>/validation.json, and with whether the version was
+activated it is also in the version's stats (`pipeline.train_writeback`); `versions.hurts` says why a version hurt.
+Under 'auto' (the default) a training set of fewer than `config.AUTO_VALIDATION_MIN` questions holds nothing out,
+and the stats say why (`skipped`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from wbrag_ray.config import WbragConfig
+from wbrag_ray.config import AUTO_VALIDATION_MIN, WbragConfig, WritebackConfig
 from wbrag_ray.run import RunFolder
 
 
@@ -38,10 +40,19 @@ def split(questions: pa.Table, fraction: float | None) -> tuple[pa.Table, pa.Tab
     return questions.filter(pc.invert(mask)), questions.filter(mask)
 
 
+def skipped(wb: WritebackConfig, questions: int) -> str | None:
+    """Why nothing is held out of `questions` training questions (None: a fraction is)."""
+    if wb.validation is None:
+        return "off (writeback.validation: null)"
+    if wb.validation_fraction(questions) is None:
+        return f"skipped, only {questions} training questions (auto needs {AUTO_VALIDATION_MIN})"
+    return None
+
+
 def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metric: str,
-             force: bool = False) -> dict[str, Any] | None:
-    """Base vs base + `version` on the held-out training questions, by `metric` (the gates' metric); None without
-    writeback.validation."""
+             force: bool = False) -> dict[str, Any] | str:
+    """Base vs base + `version` on the held-out training questions, by `metric` (the gates' metric); or why nothing
+    was held out (`skipped`)."""
     from wbrag_ray.evaluation.effect import writeback_effect
     from wbrag_ray.evaluation.evaluate import evaluate_stage
     from wbrag_ray.evaluation.stage import union_settings
@@ -49,11 +60,15 @@ def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metr
     from wbrag_ray.generation.passes import GeneratorPasses
 
     wb = config.writeback
-    if not wb.validation:
-        return None
+    if wb.validation is None:  # off: the training file is not read again
+        return skipped(wb, 0) or ""
     questions, _ = read_questions(train, "writeback.train", limit=wb.limit)
+    why = skipped(wb, questions.num_rows)
+    if why:
+        print(f"write-back {version}: validation {why}", flush=True)
+        return why
     folder = run.layout.writeback_version(version)
-    folder.validation_questions.write_table(split(questions, wb.validation)[1])
+    folder.validation_questions.write_table(split(questions, wb.validation_fraction(questions.num_rows))[1])
     method = wb.rag_method
     cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": [method], "limit": None})})
     label, dataset = f"writeback-{version}-validation", folder.validation_questions.uri
