@@ -557,7 +557,10 @@ def test_a_real_ctrl_c_during_an_evaluation_is_one_line_and_exit_130(demo_run, r
     from tests.conftest import joining_env
 
     run, _ = demo_run
-    qa = write_jsonl(tmp_path / "many.jsonl", demo_questions())
+    # questions no earlier test answered (answers are reused by prompt): the command is still answering when it
+    # is interrupted, not finishing from the answer store
+    qa = write_jsonl(tmp_path / "many.jsonl", [{**q, "question": f"{q['question']} (asked at {after_s} s)"}
+                                                for q in demo_questions()])
     before = (run / "run.json").read_bytes()
     proc = subprocess.Popen([WBRAG, "eval", str(run), "--dataset", str(qa), "--name", f"sigint{int(after_s)}",
                              "--methods", "naive", "--set", "generator.max_new_tokens=24"],

@@ -605,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         with _writer_lease(args):
             code = COMMANDS[args.command](args)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for it; what was committed stays for a rerun
+        # a thread still starting a service (a prestarted generator) logs nothing after the line: it is the last
+        logging.disable(logging.CRITICAL)
         print(f"wbrag {args.command}: interrupted; completed stages and committed blocks are kept: rerun the same "
               "command to resume", file=sys.stderr)
         return 130
