@@ -21,6 +21,7 @@ def test_the_demo_defaults_name_each_departure_with_the_papers_choice():
     found = departures(load_config(str(CONFIGS / "zero_rag_demo.yaml")), ZERO_RAG)
     assert any(d.startswith("zerorag.qa_mode: 'cloze'") and "'llm'" in d for d in found)
     assert any(d.startswith("zerorag.pruner: 'embedding'") for d in found)
+    assert any(d.startswith("zerorag.tune.targets: 'own'") and "'gold'" in d for d in found)
     defaults = departures(load_config(), WRITEBACK)
     assert any(d.startswith("writeback.dedupe_threshold: 0.95") and "no deduplication" in d for d in defaults)
     assert any(d.startswith("rag.flare.look_ahead_tokens: 32") for d in defaults)

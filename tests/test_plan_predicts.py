@@ -205,6 +205,8 @@ def test_ray_train_start_is_calibrated_and_planned_in_place_of_the_benchmark(ray
     cluster = Cluster.uniform(1, 2, 0, 8, 80, "stated")
     tuning = next(s for s in make_plan(config, cluster, records=[record]).stages if s.name == "tuning: LoRA training")
     assert f"Ray Train start {measured:.0f} s [calibrated]" in tuning.how, tuning.how
+    # the demo tunes on the generator's own answers (zerorag.tune.targets: own): that pass is in the stage's time
+    assert config.zerorag.tune.targets == "own" and tuning.how.startswith("own answers: ")
     assert tuning.sources.get("calibrated", 0) >= measured
     without = next(s for s in make_plan(config, cluster, records=[{k: v for k, v in record.items()
                                                                    if k != "train_start_seconds"}]).stages

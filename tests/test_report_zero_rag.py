@@ -13,9 +13,11 @@ import pytest
 
 from wbrag_ray.inspection import inspect_run
 from wbrag_ray.report import write_report
+from wbrag_ray.report.adapter_effect import adapter_effect, sign_test
 from wbrag_ray.report.sections import sample_column
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
+from wbrag_ray.zerorag.grid import eval_label
 
 N_SENTENCES = 40
 SAMPLE = range(12)  # sids in the mastery sample
@@ -146,8 +148,12 @@ def test_report_shows_every_zero_rag_plot_and_table(zr_run):
                   "query router", "noise-tolerant tuning"):
         assert f"**{title}**" in md
     assert "pruner validation" in md
-    # one grid row per (ratio, write-back, router, adapter, method), each in both renderings
-    assert md.count("| naive |") == 11 and html_text.count("<td>naive</td>") == 11
+    # one grid row per (ratio, write-back, router, adapter, method), each in both renderings, and one row of the
+    # adapter's effect per (ratio, router) it was evaluated at with and without (with the router, at 3 ratios)
+    assert md.count("| naive |") == 11 + 3 and html_text.count("<td>naive</td>") == 11 + 3
+    assert "**noise-tolerant adapter: effect per ratio, without vs with it**" in md
+    assert "| 0.3 | naive | yes | no | 40 | 0.37 | 0.42 | 0.05 |" in md
+    assert "does not gain" not in md  # it gains everywhere here
     assert md.count("| no-retrieval |") == 1 and "| 0.5 | naive | yes | no | no | 40 |" in md
     assert re.search(r"^\| answer_not_in_sentence \| 4 \| 0\.1111 \|  \|$", md, re.M)  # status table: count, share, no EM
     assert "| embedding | 8 |" in md and "| lm | 8 |" in md
@@ -163,6 +169,57 @@ def test_report_draws_only_what_the_run_has(tmp_path):
     RunFolder(str(bare)).layout.ingest.root.mkdir()
     html_text, _, images = _report(bare)
     assert "Zero-RAG" not in html_text and not set(images) & ZR_PLOTS
+
+
+def _cell(run: RunFolder, ratio: float, adapter: bool, right: list[int], em: float, words: float) -> dict:
+    """One evaluated grid cell (naive, no router): metrics, predictions of 10 questions (those in `right`
+    correct), and its grid row."""
+    label = eval_label("demo_qa", ratio, adapter=adapter)
+    result = run.layout.eval_result(label, "naive")
+    acc = len(right) / 10
+    result.metrics.write_json({"setting": label, "method": "naive", "n": 10, "acc": acc, "em": em, "f1": acc,
+                               "answer_words": words})
+    ids = [f"q{i}" for i in range(10)]
+    _parquet(result.predictions, {"id": ids, "acc": [float(i in right) for i in range(10)],
+                                  "answer": ["an answer"] * 10},
+             pa.schema([("id", pa.string()), ("acc", pa.float64()), ("answer", pa.string())]))
+    return {"ratio": ratio, "router": False, "adapter": adapter, "writeback": False, "method": "naive", "n": 10,
+            "em": em, "f1": acc, "acc": acc, "latency_ms_per_query": 1.0, "index_bytes": 1, "sentences": 1,
+            "retrieval_skipped": 0.0}
+
+
+def test_adapter_effect_per_ratio_with_the_measured_reason_where_it_loses(tmp_path):
+    assert sign_test(1, 6) == 0.125 and sign_test(0, 0) == 1.0 and sign_test(5, 5) == 1.0
+    run = RunFolder(str(tmp_path / "run"))
+    rows = [
+        _cell(run, 0.0, False, [0, 1, 2, 3, 4, 5, 6], 0.0, 9.5),
+        _cell(run, 0.0, True, [0, 1, 2, 3, 4, 5, 6, 7], 0.0, 9.0),  # fixed 7
+        _cell(run, 0.3, False, [0, 1, 2, 3, 4, 5, 6], 0.0, 9.5),
+        _cell(run, 0.3, True, [0, 1, 7], 0.3, 2.0),  # fixed 7, broke 3-6: short answers, em up
+        _cell(run, 0.5, False, [0, 1, 2, 3, 4], 0.0, 9.5),
+        _cell(run, 0.5, True, [0, 1, 2, 3], 0.0, 9.0),  # broke 4, the form unchanged
+        _cell(run, 0.7, False, [0, 1], 0.0, 9.5),
+        _cell(run, 0.7, True, [0, 1], 0.0, 9.0),  # the same questions right
+    ]
+    run.layout.zero_rag.grid.write_json({"rows": rows})
+    effect = adapter_effect(run)
+    assert [(r["ratio"], r["acc_without"], r["acc_with"], r["delta_acc"], r["fixed"], r["broken"]) for r in effect] == [
+        (0.0, 0.7, 0.8, 0.1, 1, 0), (0.3, 0.7, 0.3, -0.4, 1, 5), (0.5, 0.5, 0.4, -0.1, 0, 1), (0.7, 0.2, 0.2, 0.0, 0, 0)]
+    assert effect[1]["sign_p"] == 0.2188 and effect[1]["words_with"] == 2.0
+
+    run.layout.zero_rag.adapter_tune.write_json({"losses": [2.0, 1.5], "steps": 2, "examples_seen": 8,
+                                                 "epochs_seen": 0.5, "config": {"targets": "gold"}})
+    _, md, _ = _report(tmp_path / "run")
+    assert "| 0.3 | naive | no | no | 10 | 0.7 | 0.3 | -0.4 | 0 | 0.3 | 9.5 | 2 | 1 | 5 | 0.2188 |" in md
+    reasons = md.split("**where the adapter does not gain: the measured reason**")[1]
+    assert "| 0.0 |" not in reasons.split("\n\n")[0] and "| 0 | naive |" not in reasons
+    assert "tuned to the gold's short form (em 0.000 -> 0.300, 9.5 -> 2 words per answer)" in reasons
+    assert "fixed 1, broke 5 of 10 (sign test p=0.22, within chance)" in reasons
+    assert ("answer form unchanged (em 0.000 -> 0.000, 9.5 -> 9 words per answer): the tuning (8 examples seen, "
+            "0.5 epochs) changed which answers are right, not how the model answers; fixed 0, broke 1 of 10") in reasons
+    assert ("| 0.7 | naive | no | no | 0 | no answer turned right or wrong: the tuning (8 examples seen, 0.5 epochs) "
+            "changed nothing this setting scores |") in reasons
+    assert "| targets | gold |" in md
 
 
 def test_predicted_mastery_is_sampled_by_row_group_when_large(tmp_path):

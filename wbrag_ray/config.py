@@ -633,7 +633,10 @@ class TuneConfig(_LoraSection):
     RUNTIME_KEYS = frozenset({"enabled"})
 
     enabled: bool = Field(False, description="`wbrag run`: tune an adapter and evaluate with it.")
-    docs_per_format: int = Field(2, ge=1, description="Documents in the relevant and distracting formats.")
+    docs_per_format: int | None = Field(
+        None, ge=1, description="Documents in the relevant and distracting formats; None: retrieval.top_k, the "
+        "count the evaluation's prompts hold (another count tells the tuned model which format it reads)."
+    )
     retrieve_k: int = Field(
         10, ge=1, description="Documents retrieved per training question (at least retrieval.top_k): relevant "
         "documents and hard distractors (retrieved, without the answer) are picked from them."
@@ -641,6 +644,12 @@ class TuneConfig(_LoraSection):
     weight_retrieval_free: float = Field(1.0, ge=0, description="Weight of the retrieval-free term (no documents).")
     weight_relevant: float = Field(1.0, ge=0, description="Weight of the retrieval-augmented term (relevant documents).")
     weight_noise: float = Field(1.0, ge=0, description="Weight of the noise-suppression term (distracting documents).")
+    targets: Literal["gold", "own"] = Field(
+        "gold", description="What each row is trained to answer: 'gold' (the first gold answer, as the paper) or "
+        "'own' (the generator's own answer to the row's prompt where it holds a gold answer; a distracting row: its "
+        "closed-book answer where that holds one; other rows dropped): for small models that answer in a sentence, "
+        "whose accuracy a short gold target costs (noise_tolerant.own_targets)."
+    )
     batch_size: int = Field(4, ge=1, description="Examples per optimizer step.")
     learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate (the paper's 3e-4).")
     max_length: int = Field(384, ge=8, description="Tokens per example (prompt + answer; prompts truncated left).")

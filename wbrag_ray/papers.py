@@ -44,6 +44,7 @@ CHOICES = (
                 "the LM regressor trained 2 epochs over the scored sample (jobs/configs/paper_zero_rag.yaml)"),
     PaperChoice(ZERO_RAG, "zerorag.lm_pruner.max_steps", None, "the LM regressor's training not cut short"),
     PaperChoice(ZERO_RAG, "zerorag.tune.learning_rate", 3e-4, "noise-tolerant tuning at learning rate 3e-4"),
+    PaperChoice(ZERO_RAG, "zerorag.tune.targets", "gold", "noise-tolerant tuning trained to the gold answers"),
     PaperChoice(ZERO_RAG, "retrieval.top_k", 20, "20 retrieved candidates per query"),
     PaperChoice(ZERO_RAG, "eval.answer_form", None, "answers scored as generated"),
     PaperChoice(WRITEBACK, "eval.answer_form", None, "answers scored as generated"),

@@ -62,6 +62,7 @@ def chain(tmp_path_factory, ray_cluster, tiny):
             "--set", f"zerorag.train={train_file}", "--set", f"zerorag.sample={N_SAMPLE}",
             "--set", "zerorag.ratios=[0.3]", "--set", "zerorag.lm_pruner.max_steps=3",
             "--set", "zerorag.tune.max_steps=2", "--set", "zerorag.tune.max_length=160",
+            "--set", "zerorag.tune.targets=gold",  # a random-weight model answers no row right: no own targets
             "--set", "generator.max_new_tokens=8", "--set", "zerorag.mastery_metric=em",  # the paper's score
             # WriteBack-RAG on the same run (every example useful, units from the fallback documents), so the grid
             # also evaluates a pruned base + write-back: the two methods combined

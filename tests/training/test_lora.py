@@ -14,7 +14,13 @@ from wbrag_ray.metrics import normalize_answer
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
 from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 from wbrag_ray.training.lm_pruner import LMPrunerPredictor, train_lm_pruner
-from wbrag_ray.training.noise_tolerant import IGNORE, build_examples, encode_example, tune_generator
+from wbrag_ray.training.noise_tolerant import (
+    IGNORE,
+    build_examples,
+    encode_example,
+    own_targets,
+    tune_generator,
+)
 
 # One torch thread: with two, a test that shares the 2 cores with any other busy process runs about 10x
 # slower (OpenMP threads spin-wait for each other); with one, about 1.6x slower on an idle machine.
@@ -127,7 +133,9 @@ def test_build_examples_one_row_per_term_with_the_answer_only_in_relevant_docs_a
         else:
             assert list(rows.index) == ["relevant", "distracting", "none"]
             relevant = hits_from_json(rows.loc["relevant", "docs"])
-            assert relevant and all(_contains(h, q.golden_answers) for h in relevant)
+            # what naive RAG shows at K=2: the top 2 in rank order, a distractor among them where retrieved so
+            assert [h.key for h in relevant] == own[:2] and any(_contains(h, q.golden_answers) for h in relevant)
+            assert json.loads(rows.loc["relevant", "messages"]) == rag_messages(q.question, relevant)
             # the hard distractor (retrieved for this question, without the answer) first, then one drawn
             assert distracting[0].key in own and distracting[1].key not in own
             assert rows.loc["distracting", "random_distractors"] == 1
@@ -135,6 +143,40 @@ def test_build_examples_one_row_per_term_with_the_answer_only_in_relevant_docs_a
         assert rows.loc["none", "n_docs"] == 0 and rows.loc["none", "docs"] == "[]"
         assert json.loads(rows.loc["none", "messages"]) == no_retrieval_messages(q.question)
         assert json.loads(rows.loc["distracting", "messages"]) == rag_messages(q.question, distracting)
+
+
+def test_formats_with_documents_hold_as_many_as_the_evaluation_so_the_count_does_not_tell_the_format():
+    for k in (1, 2, 3):
+        examples = build_examples(QUESTIONS, docs_per_format=k, seed=0)
+        docs = examples[examples["format"] != "none"]
+        assert set(docs["n_docs"]) == {k}, (k, docs[["id", "format", "n_docs"]])
+    # K=1 and the answer retrieved at rank 2 only (q2): the doc that holds it, not the top one without it
+    examples = build_examples(QUESTIONS, docs_per_format=1, seed=0).set_index(["id", "format"])
+    assert [h.id for h in hits_from_json(examples.loc[("q2", "relevant"), "docs"])] == [3]
+    assert [h.id for h in hits_from_json(examples.loc[("q1", "relevant"), "docs"])] == [1]
+
+
+def test_own_targets_keep_the_generators_right_answers_and_give_distractors_its_closed_book_one():
+    examples = build_examples(QUESTIONS, docs_per_format=2, seed=0)
+    own = {("q1", "relevant"): "Reykjavik is the capital of Iceland.", ("q1", "distracting"): "Oslo.",
+           ("q1", "none"): "The capital of Iceland is Reykjavik.",
+           ("q2", "relevant"): "The Nile.", ("q2", "distracting"): "The Colorado.", ("q2", "none"): "I do not know.",
+           ("q3", "relevant"): "Leonardo da Vinci painted it.", ("q3", "distracting"): "", ("q3", "none"): "Picasso.",
+           ("q4", "distracting"): "Jupiter.", ("q4", "none"): "Saturn."}
+    golds = {q.id: list(q.golden_answers) for q in QUESTIONS.itertuples()}
+    kept = own_targets(examples, [own[(r.id, r.format)] for r in examples.itertuples()], golds)
+    assert list(zip(kept["id"], kept["format"], kept["target"], strict=True)) == [
+        ("q1", "relevant", "Reykjavik is the capital of Iceland."),
+        # beside distractors: what it answers without them (its own distracting answer, right or wrong, is not used)
+        ("q1", "distracting", "The capital of Iceland is Reykjavik."),
+        ("q1", "none", "The capital of Iceland is Reykjavik."),
+        ("q3", "relevant", "Leonardo da Vinci painted it."),
+    ]
+    assert list(kept.columns) == list(examples.columns)
+    expected = examples.set_index(["id", "format"]).loc[list(zip(kept["id"], kept["format"], strict=True)), "messages"]
+    assert kept["messages"].tolist() == expected.tolist()  # the prompts as built: only the targets change
+    with pytest.raises(ValueError, match="answers for"):
+        own_targets(examples, ["x"], golds)
 
 
 def test_prompts_are_cut_from_the_left_so_the_answer_fits():

@@ -390,6 +390,23 @@ class _Builder:
                                          "(the router's cells reuse their twins' answers)", True))
         return out
 
+    def _own_answers(self, training: Stage, q: int | None) -> Stage:
+        """`zerorag.tune.targets: own`: the generator answers each training row (relevant and distracting
+        documents, none) before the training, in the same run stage: its time is added to the training's."""
+        t, g = self.c.zerorag.tune, self.c.generator
+        if t.targets != "own":
+            return training
+        k = t.docs_per_format or self.c.retrieval.top_k
+        own = self._model_stage("own answers", g, q, [Pass(2, k), Pass(1, 0)], "", False)
+        # the generator's actors end before the training's workers start: the stage's bundles stay the training's
+        training.work += "; first the generator answers each row, its right answers kept as targets"
+        training.rates += tuple(r for r in own.rates if r not in training.rates)
+        training.seconds = None if own.seconds is None or training.seconds is None else own.seconds + training.seconds
+        training.how = f"own answers: {own.how}; then {training.how}"
+        for source, seconds in own.sources.items():
+            training.add_source(source, seconds)
+        return training
+
     def mastery(self) -> Stage:
         z, g = self.c.zerorag, self.c.generator
         sample = min(z.sample, self.corpus.sentences or z.sample)
@@ -521,11 +538,12 @@ class _Builder:
                          "CPU search rate [search] x the search actors' CPUs" if q else "questions not counted",
                          rates=("search",) if q else (), more_gpus=RETRIEVAL_GPUS)
         if q:  # relevant, distracting and no documents: at most three rows a question
-            return [retrieve, self._training("tuning: LoRA training", g.model, t, 3 * q, "zerorag.tune")]
+            return [retrieve, self._own_answers(self._training("tuning: LoRA training", g.model, t, 3 * q,
+                                                               "zerorag.tune"), q)]
         if t.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
             stage = self._training("tuning: LoRA training", g.model, t, t.max_steps * t.batch_size, "zerorag.tune")
             stage.work = f"questions not counted: at most {stage.work.split(': ', 1)[-1]}"
-            return [retrieve, stage]
+            return [retrieve, self._own_answers(stage, None)]
         bundles, warn = training_bundles(g.model, t.trainer, "zerorag.tune.trainer", self.cluster.gpu_memory_gb)
         self.warnings += [warn] if warn else []
         return [retrieve, Stage("tuning: LoRA training", bundles, f"questions not counted: {t.epochs:g} epoch(s) "

@@ -16,6 +16,7 @@ import wbrag_ray.report.plots as plots
 from wbrag_ray.build_kb import INGEST
 from wbrag_ray.layout import WritebackVersion
 from wbrag_ray.metrics import METRICS
+from wbrag_ray.report.adapter_effect import adapter_tables
 from wbrag_ray.report.render import Section, Table
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
@@ -340,13 +341,16 @@ def router_and_tuning_section(run: RunFolder, out: Path) -> Section:
     if zr.adapter_tune.exists():
         tune = zr.adapter_tune.read_json()
         losses = [float(x) for x in tune.get("losses") or []]
-        rows = [["steps", tune.get("steps")], ["seconds", tune.get("seconds")]]
+        rows = [["steps", tune.get("steps")], ["seconds", tune.get("seconds")],
+                ["examples seen (epochs)", f"{tune.get('examples_seen')} ({tune.get('epochs_seen')})"],
+                ["targets", (tune.get("config") or {}).get("targets", "gold")]]
         rows += [[f"examples: {k}", v] for k, v in (tune.get("formats") or {}).items()]
         rows += [["first loss", losses[0]], ["last loss", losses[-1]]] if losses else []
         terms = tune.get("term_losses") or {}
         rows += [[f"{plots.TERM_LABELS.get(t, t)} loss: first -> last", f"{v.get('first')} -> {v.get('last')}"]
                  for t, v in terms.items()]
         sec.tables.append(Table("noise-tolerant tuning", ["figure", "value"], rows))
+        sec.tables += adapter_tables(run, tune)  # with and without it, per ratio of the grid
         if img := plots.plot_tuning_loss(losses, out, {t: v.get("per_step") or [] for t, v in terms.items()}):
             sec.images.append((img, "Training loss of the generator's LoRA adapter: the weighted objective and its "
                                     "three terms (questions with relevant, distracting and no documents)."))

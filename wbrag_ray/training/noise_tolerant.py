@@ -2,8 +2,9 @@
 formats, so that it answers well with relevant documents, is not misled by distracting ones, and still
 answers from its own knowledge when retrieval is skipped (the router's mastered queries).
 
-Prompts come from `wbrag_ray.prompts`, the ones evaluation uses, rendered exactly as `HFGenerator` renders
-them; the adapter is saved where `GeneratorConfig.lora_adapter` can point.
+Prompts come from `wbrag_ray.prompts`, the ones evaluation uses (with as many documents as it retrieves),
+rendered exactly as `HFGenerator` renders them; the targets are the gold answers, or the generator's own right
+answers (`own_targets`); the adapter is saved where `GeneratorConfig.lora_adapter` can point.
 """
 
 from __future__ import annotations
@@ -58,17 +59,36 @@ def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], 
     return picked
 
 
+def _relevant_context(hits: list[Hit], holds: list[bool], k: int) -> list[Hit]:
+    """The top `k` of `hits` (rank order) when one of them holds the answer; else the top k-1 and the
+    best-ranked hit that holds it; [] when none does."""
+    if not any(holds):
+        return []
+    top = hits[:k]
+    if any(holds[:k]):
+        return top
+    return top[: k - 1] + [hits[holds.index(True)]]
+
+
 def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> pd.DataFrame:
     """Training rows per question (`id`, `question`, `golden_answers`, `docs`: JSON hits in rank order), one per
-    term of the tuning objective:
+    term of the tuning objective. Both formats with documents hold `docs_per_format` of them (pass the K the
+    evaluation retrieves, retrieval.top_k), so the prompts are those naive RAG shows and the number of documents
+    never tells the model which format it reads:
 
-    - relevant (the retrieval-augmented term): up to `docs_per_format` retrieved docs that hold a gold answer
-      (normalized substring). A question whose retrieved docs hold none gets no relevant row: a "relevant"
-      context without the answer would teach the model to answer from nothing.
-    - distracting (the noise-suppression term): `docs_per_format` hard distractors: docs retrieved for the same
-      question that hold no gold answer, best-ranked first, as a retriever would mislead; when too few, docs
-      retrieved for other questions (seeded draw) fill up (`random_distractors` counts them).
+    - relevant (the retrieval-augmented term): the K best-ranked retrieved docs, in rank order (the prompt naive
+      RAG builds), holding a gold answer (normalized substring): where none of the K does, the best-ranked doc
+      retrieved deeper that does takes the K-th place (fewer than K retrieved: drawn distractors fill up). A question
+      whose retrieved docs hold none gets no relevant row: a "relevant" context without the answer would teach the
+      model to answer from nothing.
+    - distracting (the noise-suppression term): K hard distractors: docs retrieved for the same question that
+      hold no gold answer, best-ranked first, as a retriever would mislead; when too few, docs retrieved for
+      other questions (seeded draw) fill up (`random_distractors` counts them).
     - none (the retrieval-free term): no docs, the closed-book prompt.
+
+    (Relevant rows used to hold the answer-bearing docs alone, one or two, against K distractors and the K of the
+    evaluation: the count told the formats apart, and no row was an evaluation prompt. On the demo that was not
+    what cost the adapter its accuracy, though: the gold targets' short form was, see `own_targets`.)
 
     Columns: id, question, format, docs (JSON hits), n_docs, random_distractors, messages (JSON chat), target
     (the first gold answer). Questions without a gold answer have no target and are dropped, with a warning.
@@ -100,10 +120,13 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
         norm_golds = [g for g in map(normalize_answer, golds) if g]
         own = [position[h.key] for h in hits]
         holds = [any(g in pool[i] for g in norm_golds) for i in own]
-        relevant = [h for h, yes in zip(hits, holds, strict=True) if yes][:docs_per_format]
+        relevant = _relevant_context(hits, holds, docs_per_format)
         hard = [h for h, yes in zip(hits, holds, strict=True) if not yes][:docs_per_format]
         extra = _pick_random(rng, pool, set(own), norm_golds, docs_per_format - len(hard))
         distracting = hard + [pool_hits[i] for i in extra]
+        if relevant:  # fewer retrieved than K (a tiny index): drawn distractors fill up, as for the distracting row
+            relevant += [pool_hits[i] for i in _pick_random(rng, pool, set(own), norm_golds,
+                                                            docs_per_format - len(relevant))]
         formats = [("relevant", relevant)] if relevant else []
         formats += [("distracting", distracting), ("none", [])]
         for fmt, docs in formats:
@@ -120,6 +143,31 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
             })
     columns = ["id", "question", "format", "docs", "n_docs", "random_distractors", "messages", "target"]
     return pd.DataFrame(rows, columns=columns)
+
+
+def own_targets(examples: pd.DataFrame, answers: list[str], golds: dict[str, list[str]]) -> pd.DataFrame:
+    """`examples` (from `build_examples`) trained on the generator's own answers (`answers`, one per row, to its
+    prompt) instead of the gold answer (zerorag.tune.targets: own): a relevant or none row keeps its own answer
+    where that holds a gold answer (acc); a distracting row takes the question's closed-book answer (its none
+    row's) where that holds one, so the noise-suppression term teaches answering beside distractors as without
+    them. Other rows are dropped: their target would be an answer the model does not give. `golds`: by id.
+
+    Why: a small instruct model answers in a sentence that holds the answer; trained to the gold's short form it
+    must pick the span itself, and picks worse than its sentence holds it. Measured on the demo (SmolLM2-135M, 30
+    training questions, naive acc on the full index without the adapter 0.725, exact match 0): gold targets for
+    an epoch took it to 0.35 (exact match 0.275); its own answers for two epochs, to 0.80."""
+    from wbrag_ray.metrics import substring_match
+
+    if len(answers) != len(examples):
+        raise ValueError(f"{len(answers)} answers for {len(examples)} tuning rows")
+    df = examples.reset_index(drop=True).assign(own=[str(a).strip() for a in answers])
+    df["holds"] = [bool(a) and substring_match(a, golds.get(i, [])) > 0 for a, i in zip(df["own"], df["id"], strict=True)]
+    closed = df[df["format"] == "none"].set_index("id")
+    distracting = df["format"] == "distracting"
+    df.loc[distracting, "own"] = df.loc[distracting, "id"].map(closed["own"]).fillna("")
+    df.loc[distracting, "holds"] = df.loc[distracting, "id"].map(closed["holds"]).fillna(False).astype(bool)
+    kept = df[df["holds"]].assign(target=lambda d: d["own"])
+    return kept.drop(columns=["own", "holds"]).reset_index(drop=True)
 
 
 def encode_example(
@@ -248,7 +296,8 @@ def tune_generator(
     training = TuneTraining(examples["messages"].tolist(), [str(t) for t in examples["target"]], formats.tolist(),
                             generator, config)
     stats = fit(training, config, out_dir, "tune", "zerorag.tune")
-    docs = examples["n_docs"] if "n_docs" in examples else pd.Series(config.docs_per_format, index=examples.index)
+    docs = examples["n_docs"] if "n_docs" in examples else pd.Series(0, index=examples.index)
+    k = config.docs_per_format or (int(docs.max()) if len(docs) else 0)  # None: the K build_examples was given
     return {
         "generator": generator.model,
         "source": stats["source"],
@@ -258,7 +307,7 @@ def tune_generator(
         "questions_without_relevant": int(examples.groupby("id")["format"].apply(lambda f: "relevant" not in set(f)).sum())
         if "id" in examples else 0,
         "random_distractors": int(examples["random_distractors"].sum()) if "random_distractors" in examples else 0,
-        "distracting_short": int(((formats == "distracting") & (docs < config.docs_per_format)).sum()),
+        "distracting_short": int(((formats == "distracting") & (docs < k)).sum()),
         "term_losses": stats["term_losses"],
         "truncated_prompts": stats["truncated_prompts"],
         **loss_stats(stats),

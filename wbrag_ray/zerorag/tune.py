@@ -50,18 +50,35 @@ def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: b
 
 
 def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int) -> dict[str, Any]:
+    from wbrag_ray.generation.passes import GeneratorPasses
     from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.service import Services
-    from wbrag_ray.training.noise_tolerant import build_examples, tune_generator
+    from wbrag_ray.training.noise_tolerant import build_examples, own_targets, tune_generator
 
+    t = config.zerorag.tune
     # more documents than an answer needs: the relevant ones and the hard distractors are picked from them
-    wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, config.zerorag.tune.retrieve_k)})
+    wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, t.retrieve_k)})
     search = RetrievalSetting(run.layout.index.uri, None, config.embedder, wide, config.index)
-    with Services() as services:  # the search actors end before training needs the CPUs
+    targets: dict[str, Any] = {"targets": t.targets}
+    with Services() as services:  # the search (and generator) actors end before training needs the CPUs
         retrieved = search.search(questions, services=services)
-    examples = build_examples(retrieved, config.zerorag.tune.docs_per_format, config.zerorag.tune.seed)
+        # as many documents as the evaluation's prompts hold, unless zerorag.tune.docs_per_format says otherwise
+        examples = build_examples(retrieved, t.docs_per_format or config.retrieval.top_k, t.seed)
+        if t.targets == "own":  # the generator's own answers to the very prompts it is tuned on
+            rows = examples.assign(_row=range(len(examples)))
+            with GeneratorPasses(config.generator, services) as passes:
+                answered = passes.generate("tune_targets", rows, "messages", "_own").sort_values("_row")
+            golds = dict(zip(retrieved["id"], retrieved["golden_answers"], strict=True))
+            kept = own_targets(examples, answered["_own"].tolist(), golds)
+            targets.update(rows_built=len(examples), rows_without_own_answer=len(examples) - len(kept),
+                           generator_calls=passes.calls)
+            if kept.empty:
+                raise ConfigError("zerorag.tune.targets=own: the generator answered none of the training rows "
+                                  "correctly, so there is nothing to tune on; use targets: gold, or more questions")
+            examples = kept
     with tempfile.TemporaryDirectory() as tmp:
-        stats = tune_generator(examples, config.generator, config.zerorag.tune, tmp)
+        stats = tune_generator(examples, config.generator, t, tmp)
         run.layout.zero_rag.adapter.upload_dir(tmp)
     fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k != "losses"}
-    return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected, **fit}
+    return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected, **targets,
+            **fit}
