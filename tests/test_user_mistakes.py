@@ -564,7 +564,10 @@ def test_a_real_ctrl_c_during_an_evaluation_is_one_line_and_exit_130(demo_run, r
     before = (run / "run.json").read_bytes()
     proc = subprocess.Popen([WBRAG, "eval", str(run), "--dataset", str(qa), "--name", f"sigint{int(after_s)}",
                              "--methods", "naive", "--set", "generator.max_new_tokens=24"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=joining_env(ray_cluster))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=joining_env(ray_cluster),
+                            # as a terminal's foreground command gets it: a suite started in the background by a
+                            # non-interactive shell ignores SIGINT, and Python keeps an ignored SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not (run / "_lease.json").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
