@@ -230,6 +230,9 @@ class RunFolder:
         previous = (self.stats(name) or {}).get("settings") if self.is_complete(name) else None
         if not isinstance(previous, dict) or "config" not in previous:
             return []
+        # a setting the version that made the stage did not have is no change: an upgrade that adds one (at the
+        # default that keeps what that version did) does not refuse the run folders it made
+        fingerprint = {**fingerprint, "config": _recorded_only(fingerprint.get("config"), previous["config"])}
         if only_config:
             previous = {"config": previous["config"]}
         elif "params" not in previous:  # recorded before the stage recorded its parameters (ingest's corpus)
@@ -309,6 +312,13 @@ def _plain_params(params: dict[str, Any]) -> dict[str, Any]:
     """A stage's call parameters as they shape its output: one not given, None and False are one setting (`wbrag
     eval` passes no `writeback`, `wbrag run` passes False), so the same evaluation is never refused as changed."""
     return {k: v for k, v in params.items() if v is not None and v is not False}
+
+
+def _recorded_only(new: Any, old: Any) -> Any:
+    """`new` without the keys (at any depth) that `old`, recorded by an earlier version, does not have."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        return {k: _recorded_only(v, old[k]) for k, v in new.items() if k in old}
+    return new
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
