@@ -61,7 +61,7 @@ from wbrag_ray.index.parts import (
     merge_parts,
     write_code_part,
 )
-from wbrag_ray.index.recall import measure_search
+from wbrag_ray.index.recall import measure_search, parameter_of
 from wbrag_ray.index.sizing import (
     balanced_groups,
     choose_factory,
@@ -322,6 +322,7 @@ def build_index(
     # copies (not made for an IVF: two more copies of its quantizer in the driver, which grows with the lists)
     code_parts = code_part_ivf(trained_index) is not None
     mergeable = code_parts or can_merge(trained_index)
+    search_space = parameter_of(trained_index)  # what the search measurement tries, read while the index is here
     del trained_index
     # an array, not bytes: every add task on a node reads it from Ray's object store without a copy of its own
     shared = {"trained": np.frombuffer(trained, np.uint8), "drop_ids": drop_ids, "threads": threads,
@@ -366,7 +367,7 @@ def build_index(
     search = None
     if target_recall is not None:  # before the manifest: a build killed while measuring measures again
         search = measure_search(
-            files, counts, out, shard_entries, from_bytes(trained, TRAINED_FILE), target=target_recall,
+            files, counts, out, shard_entries, search_space, dim, target=target_recall,
             queries=recall_queries, nprobe=nprobe, ef_search=ef_search, threads=threads, num_cpus=num_cpus, parallel=parallel)
     manifest = {
         "format": FORMAT,

@@ -193,21 +193,22 @@ def levelled(measured: list[dict[str, Any]]) -> bool:
 
 
 def measure_search(files: list[Location], counts: list[int], index: Location, shards: list[dict[str, Any]],
-                   trained_index, *, target: float, queries: int, nprobe: int | str = "auto",
+                   space: tuple[str | None, list | None], dim: int, *, target: float, queries: int,
+                   nprobe: int | str = "auto",
                    ef_search: int | None = None, threads: int, num_cpus: float,
                    parallel: bool) -> dict[str, Any] | None:
     """Measure recall against exact search and choose the search setting (module docstring), or measure the
     one set (an nprobe other than 'auto'; an HNSW's ef_search); the manifest's `search` entry, or None for an
     exact index (nothing to trade)."""
-    parameter, steps = parameter_of(trained_index)
+    parameter, steps = space  # `parameter_of` the trained index
     if steps is None:
         return None
     explicit = {"nprobe": None if nprobe == "auto" else int(nprobe), "efSearch": ef_search}.get(parameter)
-    own, sample = sample_vectors(files, counts, queries, trained_index.d, seed=1)
+    own, sample = sample_vectors(files, counts, queries, dim, seed=1)
     t0 = time.perf_counter()
     truth = exact_neighbours(files, sample, own, threads=threads, num_cpus=num_cpus, parallel=parallel)
     exact_s = time.perf_counter() - t0
-    probes = Probes.start(index, shards, trained_index.d, sample, threads, num_cpus, parallel)
+    probes = Probes.start(index, shards, dim, sample, threads, num_cpus, parallel)
     measured: list[dict[str, Any]] = []
 
     def measure(value: int | None) -> dict[str, Any]:
@@ -238,10 +239,10 @@ def measure_search(files: list[Location], counts: list[int], index: Location, sh
     entry = {
         "parameter": parameter, "value": pick["value"], "chosen": parameter is not None,
         "recall": pick["recall"], "ms_per_query": pick["ms_per_query"], "cpu_ms_per_query": pick["cpu_ms_per_query"],
-        "k": RECALL_K, "target_recall": target, "reached": reached, "queries": len(sample),
+        "lists": steps[-1] if parameter == "nprobe" else None, "k": RECALL_K, "target_recall": target, "reached": reached, "queries": len(sample),
         "exact_search_s": round(exact_s, 2), "measured": measured, "formula": formula, "as_set": as_set,
     }
-    print(describe(entry, trained_index), flush=True)
+    print(describe(entry), flush=True)
     if not reached:
         log.warning("index.target_recall %.3f is out of reach for this index's codes: the best measured recall@%d "
                     "is %.3f; finer codes (SQ8 -> Flat, more PQ bytes) or a refine stage (',RFlat') would reach "
@@ -254,14 +255,12 @@ def measure_search(files: list[Location], counts: list[int], index: Location, sh
     return entry
 
 
-def describe(entry: dict[str, Any], trained_index=None) -> str:
+def describe(entry: dict[str, Any]) -> str:
     """One line: the setting chosen, its recall against exact search and its time per query; the formula's
     and the one set explicitly beside it."""
     what = f"{entry['parameter']} {entry['value']}" if entry["parameter"] else "as built"
-    if entry["parameter"] == "nprobe" and trained_index is not None:
-        import faiss
-
-        what += f" of {faiss.extract_index_ivf(trained_index).nlist} lists"
+    if entry.get("lists"):
+        what += f" of {entry['lists']} lists"
     line = (f"[index] {what}: recall@{entry['k']} {entry['recall']:.3f} of exact search (target "
             f"{entry['target_recall']:g}) at {entry['ms_per_query']:.3f} ms/query, measured on {entry['queries']} of "
             f"the index's vectors")
