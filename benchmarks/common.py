@@ -83,6 +83,32 @@ def report_pressure(when: str) -> None:
     report(f"cpu pressure {when} (some, avg60)", "n/a" if value is None else value, "%" if value is not None else "")
 
 
+def cpu_times() -> dict[str, int] | None:
+    """The machine's CPU time since boot by kind (/proc/stat's first line, in ticks); None where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), values, strict=False))
+
+
+@contextmanager
+def cpu_shares(what: str) -> Iterator[None]:
+    """Print the shares of the machine's CPU time that went idle and to the hypervisor (steal) while the block
+    ran: a run slowed by a neighbour on the same host shows steal, one slowed inside this machine shows no idle
+    where its own work leaves some."""
+    before = cpu_times()
+    yield
+    after = cpu_times()
+    if before is None or after is None:
+        return
+    delta = {k: after[k] - before[k] for k in after}
+    total = sum(delta.values()) or 1
+    report(f"cpu idle during {what}", 100.0 * (delta["idle"] + delta["iowait"]) / total, "%")
+    report(f"cpu steal during {what}", 100.0 * delta["steal"] / total, "%")
+
+
 def report(name: str, value: Any, unit: str = "", digits: int = 1) -> Any:
     """Print one figure as `name: value unit` (floats with `digits` decimals) and return the value."""
     if isinstance(value, float):

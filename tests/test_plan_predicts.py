@@ -213,3 +213,88 @@ def test_ray_train_start_is_calibrated_and_planned_in_place_of_the_benchmark(ray
                    if s.name == "tuning: LoRA training")
     assert "[train_start]" in without.how
     assert without.seconds - tuning.seconds == pytest.approx(30.0 - measured, abs=0.01)
+
+
+def test_the_plans_prompt_tokens_track_the_tokenizers_across_prompt_kinds():
+    """A calibrated cost a token, measured on closed-book and five-document prompts, carries to the other prompts a
+    run sends (Zero-RAG's few-shot cloze prompt of eight messages, QA writing) only where the plan counts each
+    kind's tokens in the same proportion to the tokenizer's. Counted against the bundled SmolLM2's chat template."""
+    from transformers import AutoTokenizer
+
+    from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.generation.hf_loading import hf_model_source
+    from wbrag_ray.plan.tokens import messages_tokens
+    from wbrag_ray.prompts import closed_book_messages, no_retrieval_messages, qa_write_messages, rag_messages
+    from wbrag_ray.retrieval.hits import Hit
+
+    tok = AutoTokenizer.from_pretrained(hf_model_source(GeneratorConfig(model="bundled:smollm2")))
+    rows = [json.loads(line) for line in DEMO_CORPUS.read_text().splitlines()[:5]]
+    docs = [Hit(i, 1.0, i, r["contents"].split("\n", 1)[0], r["contents"].split("\n", 1)[1]) for i, r in enumerate(rows)]
+    question = json.loads(DEMO_QA.read_text().splitlines()[0])["question"]
+    sentence = "Mount Everest: Edmund Hillary and Tenzing Norgay made the first confirmed ascent in ____."
+    kinds = {"closed-book": no_retrieval_messages(question), "5 documents": rag_messages(question, docs),
+             "cloze few-shot": closed_book_messages(sentence, cloze=True),
+             "QA writing": qa_write_messages(sentence, 2, chat=True)}
+    ratios = {}
+    for kind, messages in kinds.items():
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ratios[kind] = messages_tokens(messages) / len(tok(text, add_special_tokens=False)["input_ids"])
+    assert all(0.8 < r < 1.2 for r in ratios.values()), ratios
+    assert max(ratios.values()) / min(ratios.values()) < 1.2, ratios  # the same proportion, whatever the kind
+
+
+def _generator_record(config, **extra):
+    from wbrag_ray.models.hardware import resolved_dtype_name
+    from wbrag_ray.plan.calibrate import hardware
+    from wbrag_ray.plan.stages import threads_of
+    from wbrag_ray.plan.tokens import TOKEN_UNITS
+
+    g = config.generator
+    # a line through (76 tokens, 0.05 s) and (524 tokens, 0.40 s) at 16 new tokens: the demo machine's shape
+    points = [{"shape": "closed-book", "prompt_tokens": 76.0, "new_tokens": 16, "calls": 80, "seconds": 4.0,
+               "seconds_per_call": 0.05},
+              {"shape": "5 documents", "prompt_tokens": 524.0, "new_tokens": 16, "calls": 20, "seconds": 8.0,
+               "seconds_per_call": 0.40}]
+    return {"role": "generator", "model": g.model, "backend": g.backend, "batch_size": g.batch_size, "points": points,
+            "token_units": TOKEN_UNITS, "load_seconds": 2.0, "start_seconds": 0.1, "date": "2026-12-05 23:00",
+            "hardware": hardware("cpu", resolved_dtype_name(g.dtype, 0), threads_of(g.num_cpus, g.threads)), **extra}
+
+
+def test_mastery_is_planned_at_its_few_shot_cloze_prompts_length(no_cache):
+    """Zero-RAG's mastery answers cloze texts with a few-shot prompt (an instruction, three solved examples, the
+    blanked sentence): planned at that prompt's tokens, about twice a closed-book question's, not at the
+    closed-book prompt's (the demo's mastery ran 2.7x its plan when it was). A record counted in an earlier
+    version's units is not used, and the plan says to calibrate again."""
+    from wbrag_ray.plan.tokens import messages_tokens
+    from wbrag_ray.prompts import closed_book_messages
+
+    config = load_config(ROOT / "jobs" / "configs" / "zero_rag_demo.yaml")
+    cluster = Cluster.uniform(1, 2, 0, 8, 80, "stated")
+    plan = make_plan(config, cluster, records=[_generator_record(config)])
+    mastery = next(s for s in plan.stages if s.name == "mastery")
+    assert mastery.rate_source == "calibrated", mastery.how
+    tokens = float(re.search(r"calls x \([\d.]+ s \+ ([\d,]+) prompt tokens", mastery.how).group(1).replace(",", ""))
+    closed = plan.tokens.prompt(0)
+    cloze = messages_tokens(closed_book_messages("", cloze=True)) + plan.tokens.sentence
+    assert tokens == pytest.approx(cloze, abs=1) and tokens > 1.8 * closed, (tokens, closed)
+    old = _generator_record(config)
+    del old["token_units"]
+    stale = make_plan(config, cluster, records=[old])
+    assert next(s for s in stale.stages if s.name == "mastery").rate_source == "benchmark"
+    assert any("calibrate" in w and "earlier version" in w for w in stale.warnings), stale.warnings
+
+
+def test_retrieved_documents_are_planned_at_the_index_units_length(no_cache):
+    """Zero-RAG's index holds sentences: the grid's RAG prompts carry K sentences, not K passages (planned at
+    passages, the demo's grid ran at 0.56 of its plan)."""
+    from wbrag_ray.plan.tokens import DOC_FORMAT_TOKENS, template_tokens
+
+    config = load_config(ROOT / "jobs" / "configs" / "zero_rag_demo.yaml")
+    assert config.index.unit == "sentence"
+    plan = make_plan(config, Cluster.uniform(1, 2, 0, 8, 80, "stated"), records=[_generator_record(config)])
+    grid = next(s for s in plan.stages if s.name == "evaluation grid")
+    tokens = sorted(float(t.replace(",", "")) for t in re.findall(r"\+ ([\d,]+) prompt tokens", grid.how))
+    k, shape = config.retrieval.top_k, plan.tokens
+    assert tokens[-1] == pytest.approx(template_tokens(True) + shape.question + k * (shape.sentence + DOC_FORMAT_TOKENS),
+                                       abs=1), grid.how
+    assert tokens[-1] < template_tokens(True) + shape.question + k * shape.passage / 2

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.plan.tokens import CHARS_PER_TOKEN
+from wbrag_ray.plan.tokens import TOKEN_UNITS, messages_tokens, text_tokens
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +43,6 @@ DEFAULT_SECONDS = 30.0  # per model: a minute on a cluster; the 2-core build mac
 
 def cache_path() -> Path:
     return Path(os.environ.get("WBRAG_RATES_CACHE", "~/.cache/wbrag/rates.json")).expanduser()
-
-
-def text_tokens(text: str) -> float:
-    """Tokens as the plan counts them (characters / CHARS_PER_TOKEN), so measured and planned agree in units."""
-    return len(text) / CHARS_PER_TOKEN
-
-
-def prompt_tokens(messages: list[dict[str, str]]) -> float:
-    from wbrag_ray.plan.tokens import TEMPLATE_TOKENS
-
-    system = sum(text_tokens(m["content"]) for m in messages if m["role"] == "system")
-    user = sum(text_tokens(m["content"]) for m in messages if m["role"] != "system")
-    # the plan's prompt is the template's tokens + the question + the documents: the instruction counts as template
-    return TEMPLATE_TOKENS + user + max(0.0, system - _instruction_tokens(messages))
-
-
-def _instruction_tokens(messages: list[dict[str, str]]) -> float:
-    from wbrag_ray.prompts import NO_RETRIEVAL_SYSTEM, RAG_SYSTEM
-
-    system = "".join(m["content"] for m in messages if m["role"] == "system")
-    base = RAG_SYSTEM.format(reference="") if system.startswith(RAG_SYSTEM[:40]) else NO_RETRIEVAL_SYSTEM
-    return text_tokens(base)
 
 
 def hardware(device: str, dtype: str, threads: int) -> dict[str, Any]:
@@ -124,7 +102,7 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
         batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] or [prompts]
         n, cold, seconds = _timed_batches(lambda b: gen.generate(b, g.max_new_tokens), batches, share)
         calls = sum(len(batches[i]) for i in range(n))
-        tokens = sum(prompt_tokens(p) for i in range(n) for p in batches[i]) / calls
+        tokens = sum(messages_tokens(p) for i in range(n) for p in batches[i]) / calls
         points.append({"shape": shape, "prompt_tokens": tokens, "new_tokens": g.max_new_tokens, "calls": calls,
                        "seconds": seconds, "seconds_per_call": seconds / calls, "first_use_seconds": cold - seconds})
     if mixture:
@@ -134,12 +112,12 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
         packs = [(groups[i:i + per], weights[i:i + per]) for i in range(0, len(groups), per)]
         n, cold, seconds = _timed_batches(lambda p: gen.generate_mixture(p[0], p[1], g.max_new_tokens), packs, share)
         calls = sum(len(packs[i][0]) for i in range(n))
-        points.append({"shape": "mixture", "prompt_tokens": prompt_tokens(groups[0][0]), "new_tokens": g.max_new_tokens,
+        points.append({"shape": "mixture", "prompt_tokens": messages_tokens(groups[0][0]), "new_tokens": g.max_new_tokens,
                        "calls": calls, "seconds": seconds, "seconds_per_call": seconds / calls, "prompts_per_call": k,
                        "first_use_seconds": cold - seconds})
     device = torch.cuda.get_device_name() if getattr(gen, "device", "cpu").startswith("cuda") else "cpu"
     return {"role": "generator", "model": g.model, "backend": g.backend, "batch_size": batch, "load_seconds": load, "loaded_at": loaded_at,
-            "points": points, "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
+            "points": points, "token_units": TOKEN_UNITS, "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
 
 
 def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> dict[str, Any]:

@@ -15,8 +15,9 @@ in one file; the rules it applies live in `stages` (bundles, index sizing) and `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
 from wbrag_ray.plan.accelerators import DEFAULT_GPU, Accelerator, accelerator, encode_seconds, kmeans_seconds
 from wbrag_ray.plan.corpus import CorpusSize, corpus_size, question_count
@@ -38,7 +39,7 @@ from wbrag_ray.plan.stages import (
     training_time,
 )
 from wbrag_ray.plan.timing import Timing, describe_record
-from wbrag_ray.plan.tokens import TEMPLATE_TOKENS, TokenShape, token_shape
+from wbrag_ray.plan.tokens import DOC_FORMAT_TOKENS, TokenShape, messages_tokens, template_tokens, token_shape
 
 DIM_ASSUMED = 768
 # an OpenAI-compatible endpoint: its rate is the provider's; assumed, and labeled an estimate
@@ -52,13 +53,26 @@ TRAIN_START = RATES["train_start"].value
 class Pass:
     """Generator calls a question (or a sentence) makes in one kind of prompt: `docs` documents of `doc_tokens`
     (a corpus passage by default), up to `new_tokens` (default: generator.max_new_tokens); `mixture`: RePlug's
-    group of `docs` one-document prompts decoded as one answer."""
+    group of `docs` one-document prompts decoded as one answer; `template`: the tokens of the prompt's instruction,
+    solved examples and chat markers, where it is not the RAG or closed-book prompt (`template_of`); `question`:
+    the tokens of what it asks about, where that is not the run's question (a sentence)."""
 
     calls: float
     docs: int
     new_tokens: int | None = None
     mixture: bool = False
     doc_tokens: float | None = None
+    template: float | None = None
+    question: float | None = None
+
+
+def template_of(build, docs: int = 0) -> float:
+    """The tokens a prompt kind adds beside its question and documents: `build(question, docs)` (a `prompts`
+    function) made with an empty question and `docs` empty documents, less those documents' own markers."""
+    from wbrag_ray.retrieval.hits import Hit
+
+    empty = [Hit(0, 0.0, 0, "", "")] * docs
+    return messages_tokens(build("", empty) if docs else build("", [])) - docs * DOC_FORMAT_TOKENS
 
 
 @dataclass
@@ -102,6 +116,10 @@ def make_plan(config: WbragConfig, cluster: Cluster, passages: int | None = None
             where.setdefault(problem, []).append(stage.name)
     found += [f"{', '.join(names)}: {problem}" for problem, names in where.items()]
     warnings = builder.warnings + [f"{s.name}: {idle}" for s in stages if (idle := idle_gpus(s, cluster.gpus))]
+    if timing.stale and not any(r.get("role") == "generator" for r in timing.used):
+        warnings.append(f"a calibration of {timing.stale[0].get('model')} ({timing.stale[0].get('date')}) counted "
+                        "prompt tokens as an earlier version did and is not used: run `wbrag plan CONFIG --calibrate` "
+                        "again")
     start = timing.cluster_start(cluster.cpus)
     return Plan(name, cluster, corpus, stages, list(dict.fromkeys(found)), list(dict.fromkeys(warnings)),
                 timing.gpu, timing.shape, start, [describe_record(r) for r in timing.used], gpu_hour_price)
@@ -276,11 +294,25 @@ class _Builder:
         mixture). Self-RAG: its retrieval judgement, a relevance judgement per document (one token each) and the
         answer; FLARE: a look-ahead and a rewrite with documents per round; RePlug on a backend that decodes
         mixtures: one group of K one-document prompts."""
-        k, rounds = self.c.retrieval.top_k, self.c.rag.flare.max_rounds
-        replug = [Pass(1, k, mixture=True)] if self.c.generator.backend == "hf" else [Pass(k, 1)]
-        return {"no-retrieval": [Pass(1, 0)], "naive": [Pass(1, k)], "replug": replug, "replug-vote": [Pass(k, 1)],
-                "self-rag": [Pass(1, 0, 1), Pass(k, 1, 1), Pass(1, k)],
-                "flare": [Pass(rounds, 0), Pass(rounds, k)]}[method]
+        k, rounds, doc = self.c.retrieval.top_k, self.c.rag.flare.max_rounds, self._doc_tokens
+        replug = ([Pass(1, k, mixture=True, doc_tokens=doc)] if self.c.generator.backend == "hf"
+                  else [Pass(k, 1, doc_tokens=doc)])
+        judge = template_of(lambda q, _: prompts.retrieval_judge_messages(q))  # few-shot, as the relevance judge
+        return {"no-retrieval": [Pass(1, 0)], "naive": [Pass(1, k, doc_tokens=doc)], "replug": replug,
+                "replug-vote": [Pass(k, 1, doc_tokens=doc)],
+                "self-rag": [Pass(1, 0, 1, template=judge), Pass(k, 1, 1, doc_tokens=doc, template=self._relevance_template),
+                             Pass(1, k, doc_tokens=doc)],
+                "flare": [Pass(rounds, 0), Pass(rounds, k, doc_tokens=doc)]}[method]
+
+    @property
+    def _doc_tokens(self) -> float:
+        """A retrieved document's tokens: the index unit's (a passage, or a sentence of Zero-RAG's index)."""
+        return self.timing.shape.passage if self.c.index.unit == "passage" else self._sentence_tokens()
+
+    @property
+    def _relevance_template(self) -> float:
+        """Self-RAG's relevance judgement of one document (WriteBack-RAG's document gate): few-shot."""
+        return template_of(lambda q, d: prompts.relevance_judge_messages(q, d[0]), 1)
 
     def _method_passes(self, methods: list[str]) -> list[Pass]:
         return [p for m in methods for p in self._passes(m)]
@@ -327,7 +359,8 @@ class _Builder:
             how = (f"estimate: {calls:,} calls to the endpoint x ({ENDPOINT_LATENCY_S:g} s + {p.new_tokens or g.max_new_tokens}"
                    f" tokens at {ENDPOINT_TOKENS_PER_S:g}/s) / {g.concurrency} in flight")
         else:
-            seconds, how, source = self.timing.generation(g, calls, p.docs, p.new_tokens, p.doc_tokens, p.mixture)
+            seconds, how, source = self.timing.generation(g, calls, p.docs, p.new_tokens, p.doc_tokens, p.mixture,
+                                                          p.template, p.question)
         stage.seconds = None if seconds is None or stage.seconds is None else stage.seconds + seconds
         stage.how = f"{stage.how}; {label}{how}" if stage.how else label + how
         stage.add_source(source, seconds)
@@ -338,9 +371,14 @@ class _Builder:
         wb, k = self.c.writeback, self.c.retrieval.top_k
         q, counted = question_count(wb.train, wb.limit)
         kept = RATES["writeback_selection"].value
-        passes = [Pass(1, 0), *self._passes(wb.rag_method), Pass(k * kept, 1),  # s_nr, s_rag, the document gate
-                  Pass(kept, k, wb.extract_max_new_tokens),  # extract from the retained documents (at most K)
-                  Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens)]  # rewrite
+        passes = [Pass(1, 0), *self._passes(wb.rag_method),  # s_nr, s_rag
+                  Pass(k * kept, 1, doc_tokens=self._doc_tokens, template=self._relevance_template),  # the
+                  # document gate: a judgement a document; extract from the retained documents (at most K), then
+                  # rewrite what was extracted
+                  Pass(kept, k, wb.extract_max_new_tokens, doc_tokens=self._doc_tokens,
+                       template=template_of(prompts.extract_messages, k)),
+                  Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens,
+                       template=template_of(lambda q, _: prompts.rewrite_messages(q, "")))]
         calls = sum(p.calls for p in passes)
         stage = self._model_stage("write-back training", self.c.generator, q, passes,
                                   f"questions: {counted}; about {calls:.3g} generator calls each (s_nr, "
@@ -381,8 +419,7 @@ class _Builder:
             # what the grid generates: no-retrieval once per adapter (no index), the other methods in every cell of
             # ratio x write-back x adapter; a router cell's prompts are its no-router twin's or the closed-book ones,
             # which the passes' answer memo reuses
-            passes = [Pass(p.calls * adapters * (1 if m == "no-retrieval" else len({0.0, *z.ratios}) * writebacks),
-                           p.docs, p.new_tokens, p.mixture, p.doc_tokens)
+            passes = [replace(p, calls=p.calls * adapters * (1 if m == "no-retrieval" else len({0.0, *z.ratios}) * writebacks))
                       for m in c.eval.methods for p in self._passes(m)]
             out.append(self._model_stage("evaluation grid", c.generator, n, passes,
                                          f"questions: {counted}; {cells} settings (ratios x router x adapter x "
@@ -397,7 +434,7 @@ class _Builder:
         if t.targets != "own":
             return training
         k = t.docs_per_format or self.c.retrieval.top_k
-        own = self._model_stage("own answers", g, q, [Pass(2, k), Pass(1, 0)], "", False)
+        own = self._model_stage("own answers", g, q, [Pass(2, k, doc_tokens=self._doc_tokens), Pass(1, 0)], "", False)
         # the generator's actors end before the training's workers start: the stage's bundles stay the training's
         training.work += "; first the generator answers each row, its right answers kept as targets"
         training.rates += tuple(r for r in own.rates if r not in training.rates)
@@ -414,7 +451,13 @@ class _Builder:
             answers, written = sample * z.qa_per_sentence, sample
         else:
             answers, written = round(sample * z.qa_per_sentence * RATES["cloze_calls_per_pair"].value), 0
-        stage = self._model_stage("mastery", g, answers, [Pass(1, 0, z.answer_max_new_tokens)], f"{sample:,} sentences: {written:,} QA-writing "
+        # a cloze answer's prompt is few-shot (its instruction and three solved examples, then the blanked
+        # sentence): about twice a closed-book question's tokens
+        cloze = z.qa_mode == "cloze"
+        answer = Pass(1, 0, z.answer_max_new_tokens, template=template_of(
+            lambda q, _: prompts.closed_book_messages(q, cloze=True)) if cloze else None,
+            question=self.timing.shape.sentence if cloze else None)
+        stage = self._model_stage("mastery", g, answers, [answer], f"{sample:,} sentences: {written:,} QA-writing "
                                   f"calls, {answers:,} closed-book answers", False)
         if written:  # the QA writer's prompts hold the sentence and its answers run long: the RAG-prompt rate
             writer = z.qa_generator or g
@@ -425,8 +468,9 @@ class _Builder:
                 stage.refusals += refusals
             self._start(stage, "generator", writer.model, writer.num_gpus, writer.dtype,
                         threads_of(writer.num_cpus, writer.threads), writer.backend)
-            self._add_time(stage, writer, written, Pass(1, 1, z.qa_max_new_tokens, doc_tokens=self.timing.shape.sentence),
-                           "QA writing: ")
+            template = template_of(lambda q, _: prompts.qa_write_messages(q, z.qa_per_sentence, writer.chat_template))
+            self._add_time(stage, writer, written, Pass(1, 0, z.qa_max_new_tokens, template=template,
+                                                        question=self.timing.shape.sentence), "QA writing: ")
         return stage
 
     def pruner_training(self, kind: str) -> Stage:
@@ -491,7 +535,7 @@ class _Builder:
                         memory if on_gpu else None, detail=size.describe(), fix="lower zerorag.lm_pruner.concurrency")
         more = self._more("zerorag.lm_pruner")
         if on_gpu and n and size.params:  # a forward pass over each sentence (and its prompt), like an encoder's
-            seconds, how = encode_seconds(self.timing.gpu, size.params, n, TEMPLATE_TOKENS + self._sentence_tokens(),
+            seconds, how = encode_seconds(self.timing.gpu, size.params, n, template_tokens(False) + self._sentence_tokens(),
                                           lm.num_gpus, lm.concurrency)
             stage = Stage("prediction (LM pruner)", [bundle], work, seconds, how, more_gpus=more)
             stage.add_source("estimate", seconds)

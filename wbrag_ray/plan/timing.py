@@ -19,7 +19,7 @@ from typing import Any
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig
 from wbrag_ray.plan.accelerators import Accelerator, encode_seconds, generation_seconds, training_seconds
 from wbrag_ray.plan.models import model_size
-from wbrag_ray.plan.tokens import TokenShape
+from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape
 
 SOURCES = ("calibrated", "benchmark", "estimate")
 
@@ -34,6 +34,7 @@ class Timing:
     shape: TokenShape
     started: set[str] = field(default_factory=set)
     used: list[dict[str, Any]] = field(default_factory=list)  # the records a stage's time came from
+    stale: list[dict[str, Any]] = field(default_factory=list)  # generator records of an earlier version's units
 
     # --- matching a record to the hardware a stage runs on ----------------------------------------------------
 
@@ -51,6 +52,10 @@ class Timing:
         for r in self.records:
             hw = r.get("hardware") or {}
             if r.get("role") != role or r.get("model") != model or (backend and r.get("backend") not in (None, backend)):
+                continue
+            if role == "generator" and r.get("token_units") != TOKEN_UNITS:
+                if not any(x is r for x in self.stale):  # its prompt tokens counted otherwise: not comparable
+                    self.stale.append(r)
                 continue
             if num_gpus > 0:
                 name = hw.get("device", "").replace("-", "").replace(" ", "").lower()
@@ -80,14 +85,15 @@ class Timing:
     # --- generation ------------------------------------------------------------------------------------------
 
     def generation(self, g: GeneratorConfig, calls: int, docs: int, new_tokens: int | None = None,
-                   doc_tokens: float | None = None, mixture: bool = False) -> tuple[float | None, str, str | None]:
+                   doc_tokens: float | None = None, mixture: bool = False, template: float | None = None,
+                   question: float | None = None) -> tuple[float | None, str, str | None]:
         """(seconds, how, source) of `calls` calls of prompts holding `docs` documents (of `doc_tokens`), each
         decoding up to `new_tokens` (default max_new_tokens); `mixture`: RePlug's groups of `docs` one-document
-        prompts decoded as one answer (a call each)."""
+        prompts decoded as one answer (a call each); `template`, `question`: see `TokenShape.prompt`."""
         from wbrag_ray.plan.stages import generation_time, threads_of
 
         new = new_tokens or g.max_new_tokens
-        prompt = self.shape.prompt(1 if mixture else docs, doc_tokens)
+        prompt = self.shape.prompt(1 if mixture else docs, doc_tokens, template, question)
         threads = threads_of(g.num_cpus, g.threads)
         rec = self.record("generator", g.model, g.num_gpus, g.dtype, threads, g.backend)
         if rec is not None:

@@ -2,8 +2,13 @@
 question of its QA files, the mean passage (and sentence) of its corpus; otherwise wiki-18's shapes.
 
 Tokens are counted as characters / `CHARS_PER_TOKEN` (English text under the BPE vocabularies of the Llama, Gemma
-and SmolLM2 families), without loading a tokenizer: a plan loads no model. A prompt adds `TEMPLATE_TOKENS` for its
-instruction and chat template (FlashRAG's RAG instruction and a chat template come to about that).
+and SmolLM2 families), without loading a tokenizer: a plan loads no model. A chat prompt adds `MESSAGE_TOKENS`
+for each message (its role and markers) and `GENERATION_TOKENS` for the answer's opening; its instruction is
+counted from the prompt's own text (`prompts`). Against SmolLM2's tokenizer these units come to 0.99-1.12 of the
+real tokens across the run's prompt kinds (closed-book 1.12, five documents 1.08, the few-shot cloze prompt of
+eight messages 0.99, QA writing 1.06, the relevance judge 1.09, extraction 1.09), so a cost per token calibrated
+on closed-book and five-document prompts carries to the others. (A fixed 60 tokens for any instruction, before,
+made it 1.53 for closed-book prompts and 0.93 for the cloze prompt: the demo's mastery ran 2.7x its plan.)
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from dataclasses import dataclass
 from wbrag_ray.config import WbragConfig
 
 CHARS_PER_TOKEN = 4.0
-TEMPLATE_TOKENS = 60
+MESSAGE_TOKENS = 5  # "<|im_start|>user\n ... <|im_end|>\n" (SmolLM2, Qwen); Llama 3's header ids about the same
+GENERATION_TOKENS = 3  # the assistant's opening, after the last message
+DOC_FORMAT_TOKENS = 3  # a document's "Doc i(Title: ...)" beside its title and text (`prompts.format_reference`)
+# A record's prompt tokens are in these units: records of other units (TEMPLATE_TOKENS = 60 for any instruction)
+# are not used, the plan asks to calibrate again
+TOKEN_UNITS = 2
 SAMPLE_LINES = 2000  # a file's first lines are its sample: the counts stay cheap on a 13 GB corpus
 # wiki-18's shapes, where the corpus or the questions cannot be read here: 100-word passages (about 1.3 tokens a
 # word), their 6.57 sentences, and NQ-style questions of about 9 words
@@ -32,9 +42,36 @@ class TokenShape:
     sentence: float
     source: str
 
-    def prompt(self, docs: int, doc_tokens: float | None = None) -> float:
-        """Tokens of a prompt holding a question and `docs` documents of `doc_tokens` (a passage by default)."""
-        return TEMPLATE_TOKENS + self.question + docs * (self.passage if doc_tokens is None else doc_tokens)
+    def prompt(self, docs: int, doc_tokens: float | None = None, template: float | None = None,
+               question: float | None = None) -> float:
+        """Tokens of a prompt holding a question (of `question` tokens; the run's mean by default) and `docs`
+        documents of `doc_tokens` (a passage by default), in a template of `template` tokens (its instruction,
+        solved examples and chat markers; the RAG or closed-book prompt's by default)."""
+        doc = self.passage if doc_tokens is None else doc_tokens
+        return ((template_tokens(docs > 0) if template is None else template)
+                + (self.question if question is None else question) + docs * (doc + DOC_FORMAT_TOKENS))
+
+
+def text_tokens(text: str) -> float:
+    """Tokens of `text` as the plan counts them (characters / CHARS_PER_TOKEN), so measured and planned agree."""
+    return len(text) / CHARS_PER_TOKEN
+
+
+def messages_tokens(messages: list[dict[str, str]]) -> float:
+    """Tokens of a chat prompt: its messages' text, each message's template markers, the answer's opening."""
+    return (sum(text_tokens(m["content"]) for m in messages) + MESSAGE_TOKENS * len(messages)
+            + GENERATION_TOKENS)
+
+
+def template_tokens(with_docs: bool) -> float:
+    """Tokens of the RAG (`with_docs`) or closed-book prompt without its question and documents: the instruction,
+    the question's label, the chat template."""
+    from wbrag_ray.prompts import no_retrieval_messages, rag_messages
+    from wbrag_ray.retrieval.hits import Hit
+
+    if not with_docs:
+        return messages_tokens(no_retrieval_messages(""))
+    return messages_tokens(rag_messages("", [Hit(0, 0.0, 0, "", "")])) - DOC_FORMAT_TOKENS  # an empty document's
 
 
 def _mean_chars(path: str, field: str) -> float | None:
