@@ -95,6 +95,8 @@ def test_tuning_and_router_and_the_grid(chain):
     formats = tune["formats"]
     assert formats["distracting"] == formats["none"] == 10 and tune["rows_out"] == sum(formats.values())
     assert formats["relevant"] == 10 - tune["questions_without_relevant"]
+    # the stage's seconds are all of it (retrieval, Ray Train's start), the training loop's its own part
+    assert 0 < tune["train_seconds"] < tune["seconds"]
     assert {t for t, v in tune["term_losses"].items() if v["first"] is not None} >= {"distracting", "none"}
     assert run.layout.zero_rag.adapter.join("adapter_config.json").exists()  # the adapter's own (peft) file
     router = run.layout.zero_rag.router_metrics.read_json()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
 from wbrag_ray.plan.accelerators import DEFAULT_GPU, Accelerator, accelerator, encode_seconds, kmeans_seconds
+from wbrag_ray.plan.calibrate import training_dtype
 from wbrag_ray.plan.corpus import CorpusSize, corpus_size, question_count
 from wbrag_ray.plan.models import model_size, serving_gb
 from wbrag_ray.plan.placement import Bundle, Cluster, problems
@@ -342,6 +343,12 @@ class _Builder:
             self._add_time(stage, g, round(questions * p.calls), p)
         return stage
 
+    def _services_end(self) -> None:
+        """After a Ray Train stage: its workers took the CPUs (or GPUs) the services held, and a kept service ends
+        once idle for ray.keep_services_s anyway (`stages.kept`), far less than a training: the next stage to
+        generate or embed queries starts its services again."""
+        self.timing.started.clear()
+
     def _start(self, stage: Stage, role: str, model: str, num_gpus: float, dtype: str, threads: int,
                backend: str | None = None, service: str | None = None) -> None:
         seconds, how = self.timing.service_start(role, model, num_gpus, dtype, threads, backend, service)
@@ -404,14 +411,22 @@ class _Builder:
         out = [self.mastery()]
         for kind in dict.fromkeys([*z.train_pruners, z.pruner]):
             out.append(self.pruner_training(kind))
+            if kind == "lm":
+                self._services_end()
         out.append(self.prediction())
         out += [self.pruning(r) for r in z.ratios if r > 0]
         q, counted = question_count(z.train, z.train_limit)
         if z.tune.enabled:
             out += self.tuning(q, counted)
+            self._services_end()
         if z.router:
-            out.append(self._model_stage("router", c.generator, q, [Pass(1, 0)], f"training questions: {counted}; one "
-                                         "closed-book answer each (labels), embedded in the driver", False))
+            router = self._model_stage("router", c.generator, q, [Pass(1, 0)], f"training questions: {counted}; one "
+                                       "closed-book answer each (labels), their embeddings from the query embedder",
+                                       False)
+            e = c.retrieval.query_embedder(c.embedder)
+            self._start(router, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
+                        service="query embedder")
+            out.append(router)
         if c.eval.dataset:
             n, counted = question_count(c.eval.dataset, c.eval.limit)
             adapters, writebacks = (2 if z.tune.enabled else 1), (2 if c.writeback.train else 1)
@@ -504,7 +519,7 @@ class _Builder:
                       f"{trainer.num_workers} worker(s)", seconds, how, rates=keys, more_gpus=more)
         stage.add_source(source, seconds)
         if seconds is not None and source == "calibrated":  # Ray Train's workers start and load the model
-            start = self.timing.record("training", self.c.generator.model, trainer.num_gpus, "auto",
+            start = self.timing.record("training", self.c.generator.model, trainer.num_gpus, training_dtype(trainer.num_gpus),
                                        threads_of(trainer.num_cpus, section.threads))
             measured = start.get("train_start_seconds")  # a fit with a loop that does nothing, where calibrated
             train_start = TRAIN_START if measured is None else measured

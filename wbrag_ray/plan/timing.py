@@ -153,7 +153,10 @@ class Timing:
         tokens = steps * batch * max_length
         workers = trainer.num_workers if isinstance(trainer.num_workers, int) else 1
         size, measured = model_size(model), model_size(generator_model)
-        rec = self.record("training", generator_model, trainer.num_gpus, "auto", threads_of(trainer.num_cpus, threads))
+        from wbrag_ray.plan.calibrate import training_dtype
+
+        rec = self.record("training", generator_model, trainer.num_gpus, training_dtype(trainer.num_gpus),
+                          threads_of(trainer.num_cpus, threads))
         if rec is not None and size.params and measured.params:
             scale = size.params / measured.params
             seconds = tokens / max(1, workers) * rec["seconds_per_token"] * scale
