@@ -40,7 +40,7 @@ from wbrag_ray.plan.stages import (
     training_time,
 )
 from wbrag_ray.plan.timing import Timing, describe_record
-from wbrag_ray.plan.tokens import DOC_FORMAT_TOKENS, TokenShape, messages_tokens, template_tokens, token_shape
+from wbrag_ray.plan.tokens import TokenShape, template_of, template_tokens, token_shape
 
 DIM_ASSUMED = 768
 # an OpenAI-compatible endpoint: its rate is the provider's; assumed, and labeled an estimate
@@ -65,15 +65,6 @@ class Pass:
     doc_tokens: float | None = None
     template: float | None = None
     question: float | None = None
-
-
-def template_of(build, docs: int = 0) -> float:
-    """The tokens a prompt kind adds beside its question and documents: `build(question, docs)` (a `prompts`
-    function) made with an empty question and `docs` empty documents, less those documents' own markers."""
-    from wbrag_ray.retrieval.hits import Hit
-
-    empty = [Hit(0, 0.0, 0, "", "")] * docs
-    return messages_tokens(build("", empty) if docs else build("", [])) - docs * DOC_FORMAT_TOKENS
 
 
 @dataclass

@@ -63,15 +63,20 @@ def messages_tokens(messages: list[dict[str, str]]) -> float:
             + GENERATION_TOKENS)
 
 
+def template_of(build, docs: int = 0) -> float:
+    """The tokens a prompt kind adds beside its question and documents: `build(question, docs)` (a `prompts`
+    function) made with an empty question and `docs` empty documents, less those documents' own markers."""
+    from wbrag_ray.retrieval.hits import Hit
+
+    return messages_tokens(build("", [Hit(0, 0.0, 0, "", "")] * docs)) - docs * DOC_FORMAT_TOKENS
+
+
 def template_tokens(with_docs: bool) -> float:
     """Tokens of the RAG (`with_docs`) or closed-book prompt without its question and documents: the instruction,
     the question's label, the chat template."""
     from wbrag_ray.prompts import no_retrieval_messages, rag_messages
-    from wbrag_ray.retrieval.hits import Hit
 
-    if not with_docs:
-        return messages_tokens(no_retrieval_messages(""))
-    return messages_tokens(rag_messages("", [Hit(0, 0.0, 0, "", "")])) - DOC_FORMAT_TOKENS  # an empty document's
+    return template_of(rag_messages, 1) if with_docs else template_of(lambda q, _: no_retrieval_messages(q))
 
 
 def _mean_chars(path: str, field: str) -> float | None:
