@@ -29,13 +29,24 @@ BASE_GB = TASK_BASE_BYTES / GB
 @dataclass(frozen=True)
 class ModelSize:
     """What a plan knows of a model: parameters, hidden size (an embedder's vector dimension), attention heads
-    (a tensor-parallel group must divide them), and where the figures came from."""
+    (a tensor-parallel group must divide them), and where the figures came from; for a decoder, what sizes its KV
+    cache (layers, key-value heads, head dimension), where known."""
 
     name: str
     params: float | None
     hidden: int | None = None
     heads: int | None = None
     source: str = "unknown"
+    layers: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> float | None:
+        """Bytes of KV cache one token takes in every layer (keys and values at the key-value heads), or None
+        where the layout is unknown."""
+        if not (self.layers and self.kv_heads and self.head_dim):
+            return None
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
     def describe(self) -> str:
         if self.params is None:
@@ -43,7 +54,20 @@ class ModelSize:
         return f"{self.name} ({_count(self.params)} parameters, {self.source})"
 
 
-# (parameters, hidden size, attention heads) of the models the project's configs and docs name
+# (parameters, hidden size, attention heads) of the models the project's configs and docs name; and of the
+# decoders, (layers, key-value heads, head dimension) from their config.json files (KV cache sizing)
+DECODER_LAYOUT: dict[str, tuple[int, int, int]] = {
+    "meta-llama/llama-3.3-70b-instruct": (80, 8, 128),
+    "meta-llama/llama-3.1-70b-instruct": (80, 8, 128),
+    "meta-llama/llama-3.1-8b-instruct": (32, 8, 128),
+    "meta-llama/llama-3.1-8b": (32, 8, 128),
+    "meta-llama/llama-3.2-1b": (16, 8, 64),
+    "meta-llama/llama-3.2-1b-instruct": (16, 8, 64),
+    "google/gemma-3-12b-it": (48, 8, 256),
+    "google/gemma-3-270m": (18, 1, 256),
+    "huggingfacetb/smollm2-135m-instruct": (30, 3, 64),
+    "bundled:smollm2": (30, 3, 64),
+}
 KNOWN: dict[str, tuple[float, int, int]] = {
     "meta-llama/llama-3.3-70b-instruct": (70.6e9, 8192, 64),
     "meta-llama/llama-3.1-70b-instruct": (70.6e9, 8192, 64),
@@ -72,13 +96,16 @@ def model_size(model: str) -> ModelSize:
         try:
             cfg = json.loads((folder / "config.json").read_text())
             params, hidden, heads = params_from_config(cfg)
-            return ModelSize(model, params, hidden, heads, "from its config.json")
+            text = cfg.get("text_config") or cfg
+            layout = (int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads),
+                      int(text.get("head_dim") or hidden // heads))
+            return ModelSize(model, params, hidden, heads, "from its config.json", *layout)
         except (ValueError, KeyError, TypeError, OSError):
             pass  # an unusual layout: fall back to the name
     key = model.lower().rstrip("/")
     for known, (params, hidden, heads) in KNOWN.items():
         if key == known or key.endswith("/" + known.split("/")[-1]):
-            return ModelSize(model, params, hidden, heads, "known model")
+            return ModelSize(model, params, hidden, heads, "known model", *DECODER_LAYOUT.get(known, (None,) * 3))
     match = _SIZE_IN_NAME.search(model.rstrip("/").rsplit("/", 1)[-1])
     if match:
         params = float(match.group(1)) * (1e9 if match.group(2).lower() == "b" else 1e6)
