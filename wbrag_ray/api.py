@@ -190,11 +190,16 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         from wbrag_ray.zerorag.grid import eval_label
 
         label = eval_label(name, prune_ratio, writeback, router, adapter)
-    from wbrag_ray.papers import papers_followed, print_departures
+    from wbrag_ray.evaluation.made_by import print_result_departures
 
-    wb_setting, zero_rag_setting = writeback or methods_grid, prune_ratio is not None or router or adapter
-    print_departures(config, papers_followed(config, wb_setting, zero_rag_setting)
-                     if wb_setting or zero_rag_setting else None, dataset=dataset)
+    # from what will make the results: the version's and the adapter's recorded settings (resolved again below)
+    version = None
+    if writeback:
+        from wbrag_ray.writeback.versions import active_index
+
+        version = active_index(run)[0]
+    print_result_departures(run, config, dataset, version, bool(adapter), prune_ratio is not None or bool(router),
+                            writeback=methods_grid)
     if methods_grid:
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
@@ -228,12 +233,10 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
 
 def print_paper_vs_run(run: RunFolder, config: WbragConfig) -> None:
     """The papers' numbers beside the run's comparable results (`papers.paper_vs_run`), as `wbrag eval` ends."""
-    from wbrag_ray.evaluation.evaluate import load_results
-    from wbrag_ray.papers import format_paper_vs_run, paper_vs_run
+    from wbrag_ray.paper_vs_run import format_paper_vs_run
+    from wbrag_ray.report.paper_rows import run_paper_rows
 
-    grid = run.layout.zero_rag.grid
-    print(format_paper_vs_run(paper_vs_run(load_results(run), grid.read_json().get("rows", []) if grid.exists() else [],
-                                           config)), flush=True)
+    print(format_paper_vs_run(run_paper_rows(run, config)), flush=True)
 
 
 def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:

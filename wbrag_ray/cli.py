@@ -394,6 +394,10 @@ def cmd_plan(args) -> None:
     except ValueError as exc:
         raise ConfigError(f"--gpu: {exc}") from None
     shape = (args.nodes, args.gpus_per_node, args.cpus_per_node, args.memory_per_node)
+    if not args.json:
+        from wbrag_ray.papers import print_departures
+
+        print_departures(config)  # as `wbrag run` will start: where the config departs from the papers it follows
     if args.calibrate:  # on the cluster the run will use: --address, or a local one started here
         calibrate(config, args.calibrate_seconds, run=args.run)
     if args.address and all(v is None for v in shape):

@@ -1,5 +1,5 @@
 """Same-WB (WriteBack-RAG's Table 2) reuses a write-back version for a method only when it was made as the grid
-would make it: the same generator, gates, union and K; otherwise it trains one, saying which version differs and
+would make it: the same generator, embedder, training questions, gates, deduplication, validation, union and K; otherwise it trains one, saying which version differs and
 in what. Versions are written by hand as `train_writeback` records them; the training itself is stubbed."""
 
 from wbrag_ray.config import load_config
@@ -8,7 +8,7 @@ from wbrag_ray.run import RunFolder
 TRAIN = "/d/flashrag/nq/train.jsonl"
 
 
-def test_same_wb_reuses_a_version_only_when_generator_gates_union_and_k_match(tmp_path, monkeypatch, capsys):
+def test_same_wb_reuses_a_version_only_when_every_setting_that_changes_its_units_matches(tmp_path, monkeypatch, capsys):
     from wbrag_ray.evaluation.methods_grid import same_writeback_versions
     from wbrag_ray.evaluation.stage import union_settings
     from wbrag_ray.writeback import pipeline
@@ -27,6 +27,10 @@ def test_same_wb_reuses_a_version_only_when_generator_gates_union_and_k_match(tm
         folder.stats.write_json(stats)
         run.mark_complete(WRITEBACK.instance(params), stats)
 
+    # naive: deduplicated otherwise, trained on the first 80 questions, or another hold-out: each passed over
+    trained("1-dedupe", "writeback.dedupe_threshold=0.5")  # listed before "a": tried first
+    trained("2-limit", "writeback.limit=80")
+    trained("3-validation", "writeback.validation=null")
     trained("a")  # naive, as the grid would train it
     trained("b", "writeback.rag_method=replug-vote", "writeback.tau_s=0.3", "retrieval.union=score")
     trained("c", "writeback.rag_method=replug-vote", "generator.model=org/other", "retrieval.top_k=3")
@@ -36,7 +40,8 @@ def test_same_wb_reuses_a_version_only_when_generator_gates_union_and_k_match(tm
     assert same_writeback_versions(run, grid) == {"naive": "a", "replug-vote": "nq-train-replug-vote"}
     assert made == [("nq-train-replug-vote", "replug-vote", False)]
     printed = capsys.readouterr().out
-    assert "Same-WB naive: reusing write-back version a (same generator, gates, union and K)" in printed
+    assert "Same-WB naive: reusing write-back version a (same generator, embedder, questions, gates, deduplication, " \
+        "validation, union and K)" in printed
     said = printed[printed.index("Same-WB replug-vote: training write-back version nq-train-replug-vote: "):]
     assert "b (writeback.tau_s: 0.3 (the grid: 0.1); retrieval.union: {'union': 'score'" in said
     assert "c (generator: model 'org/other' (the grid: model 'bundled:smollm2'); retrieval.top_k: 3 (the grid: 5))" \

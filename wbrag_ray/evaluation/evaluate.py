@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.evaluation.made_by import made_by, result_departures
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
-from wbrag_ray.papers import papers_followed, run_departures
+from wbrag_ray.papers import papers_followed
 from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ def evaluate(
     # with the tuned adapter; a plain base evaluation the run's (either paper's baseline)
     zero_rag = base_index != run.layout.index.uri or bool(router) or bool(config.generator.lora_adapter)
     papers = papers_followed(config, bool(wb_version), zero_rag) if wb_version or zero_rag else papers_followed(config)
-    departed = run_departures(config, papers, writeback_train(run, wb_version), dataset)
+    # from what made the results: the version's and the adapter's recorded settings, not this config's
+    departed = result_departures(run, config, dataset, wb_version, own_adapter(run, config), zero_rag)
 
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
@@ -132,10 +134,11 @@ def evaluate(
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
             "papers": list(papers),
-            "departs_from_papers": [d.what for d in departed if d.kind == "setting"],
-            "departs_from_papers_in_method": [d.what for d in departed if d.kind == "method"],
+            "departures": [d.record() for d in departed],
             "seconds": round(seconds, 2),
         }
+        metrics["made_by"] = made_by(run, config, dataset, len(part), method, wb_version, base_index, router,
+                                     (metrics["union"] or {}).get("union"))
         out.metrics.write_json(metrics)
         if rejects.num_rows:
             out.rejects.write_table(rejects)
@@ -146,12 +149,9 @@ def evaluate(
     return results
 
 
-def writeback_train(run: RunFolder, version: str | None) -> str | None:
-    """The training set a write-back version was made from (its gate metric is resolved from it)."""
-    if not version:
-        return None
-    stats = run.layout.writeback_version(version).stats
-    return stats.read_json().get("settings", {}).get("params", {}).get("train") if stats.exists() else None
+def own_adapter(run: RunFolder, config: WbragConfig) -> bool:
+    """Whether the generator carries the run's tuned adapter (its settings are recorded by the run)."""
+    return bool(config.generator.lora_adapter) and config.generator.lora_adapter == run.layout.zero_rag.adapter.uri
 
 
 def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:

@@ -130,8 +130,8 @@ def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, st
             differs = same_writeback_differences(config, method, stats)
             if not differs:
                 own[method] = version
-                print(f"Same-WB {method}: reusing write-back version {version} (same generator, gates, union and K)",
-                      flush=True)
+                print(f"Same-WB {method}: reusing write-back version {version} (same generator, embedder, "
+                      "questions, gates, deduplication, validation, union and K)", flush=True)
                 break
             passed_over.append(f"{version} ({'; '.join(differs)})")
         if method in own:
@@ -151,17 +151,21 @@ def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, st
 
 def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str, Any]) -> list[str]:
     """What a trained version's stats (`stats.json`) record that differs from what the grid under `config` would
-    train for `method`: 'what: the version's (the grid: its)' for the generator, each gate setting, the union and K.
-    A version trained before its union was recorded differs in it ('not recorded')."""
+    train for `method`: 'what: the version's (the grid: its)' for the generator, the embedder, the training questions'
+    limit, each gate setting, deduplication, the validation hold-out, the union and K. A version trained before one
+    of them was recorded differs in it ('not recorded')."""
     from wbrag_ray.evaluation.stage import union_settings
     from wbrag_ray.run import settings_value
     from wbrag_ray.writeback.pipeline import with_gate_metric
 
     made = stats.get("settings", {}).get("config", {})
     wb = with_gate_metric(config.writeback, config.writeback.train or "")
+    # every write-back setting that changes the version's units: the question subset, gates, deduplication, hold-out
+    written = ("limit", "tau_s", "tau_delta", "tau_doc", "n_min", "dedupe_threshold", "validation")
     wanted: dict[str, Any] = {
         "generator": settings_value(config.generator),
-        **{f"writeback.{k}": getattr(wb, k) for k in ("tau_s", "tau_delta", "tau_doc", "n_min")},
+        "embedder": settings_value(config.embedder),
+        **{f"writeback.{k}": settings_value(getattr(wb, k)) for k in written},
         "writeback.metric": wb.metric,
         "retrieval.union": union_settings(config),
         "retrieval.top_k": config.retrieval.top_k,
@@ -169,7 +173,8 @@ def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str
     recorded = made.get("writeback", {})
     have: dict[str, Any] = {
         "generator": made.get("generator"),
-        **{f"writeback.{k}": recorded.get(k) for k in ("tau_s", "tau_delta", "tau_doc", "n_min")},
+        "embedder": made.get("embedder"),
+        **{f"writeback.{k}": recorded.get(k, "not recorded") for k in written},
         "writeback.metric": stats.get("gate_metric", recorded.get("metric")),
         "retrieval.union": stats.get("union", "not recorded"),
         "retrieval.top_k": made.get("retrieval", {}).get("top_k"),

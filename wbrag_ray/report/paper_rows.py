@@ -1,31 +1,72 @@
-"""The report's "paper vs this run" section: each headline number of the two papers (`papers.HEADLINES`) that
-the run evaluated something comparable to, beside the run's own, with its source and the run's settings that differ
-from the paper's; the models are named, as they may differ."""
+"""The report's view of the papers: the "Paper vs this run" section (each number of the two papers a result of the
+run measures, `papers.paper_vs_run`, beside it, with the settings that differ) and the departures the Configuration
+section lists, as the evaluations' metrics.json recorded them: the report says what the results say."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from wbrag_ray.evaluation.evaluate import load_results
-from wbrag_ray.papers import paper_vs_run
+from wbrag_ray.paper_vs_run import paper_vs_run
 from wbrag_ray.report.render import Section, Table
 from wbrag_ray.run import RunFolder
 
+if TYPE_CHECKING:
+    from wbrag_ray.config import WbragConfig
+
 
 def paper_section(run: RunFolder) -> Section | None:
-    grid = run.layout.zero_rag.grid
-    config = run.load_config() if run.layout.run_json.exists() else None
-    rows = paper_vs_run(load_results(run), grid.read_json().get("rows", []) if grid.exists() else [], config)
+    rows = run_paper_rows(run, run.load_config() if run.layout.run_json.exists() else None)
     if not rows:
         return None
     sec = Section("Paper vs this run")
-    sec.text = ("The papers' headline numbers where this run evaluated the same dataset and method; acc in %. The "
-                "paper's model and the run's are both named: with another model, the numbers compare the method, "
-                "not the reproduction. Each number's source (table, row, column where the repository records them) "
-                "and the run's settings that differ from the ones that made it are beside it.")
-    sec.tables.append(Table("headline rows", ["paper", "dataset", "method", "knowledge base", "metric", "paper",
-                                              "this run", "paper's model", "run's model", "run's result",
-                                              "source", "run's settings that differ"],
-                            [[r["paper"], r["dataset"], r["method"], r["knowledge_base"], r["metric"],
-                              r["paper_value"], r["run_value"], r["paper_model"], r["run_model"] or "",
-                              r["run_result"], f"table {r['table']}; row {r['row']}; column {r['column']}; {r['source']}",
-                              "; ".join(r["differs"])] for r in rows]))
+    sec.text = ("Each number of the papers (wbrag_ray/paper_numbers.py, cited from their texts) that a result of this "
+                "run measures: the same paper's dataset, RAG method and setting (write-back or not, the gates of a "
+                "Table 4 row; the pruning ratio, router and adapter of a Zero-RAG row). Acc, EM and F1 in %. Both "
+                "models are named: with another model the numbers compare the method, not the reproduction. Every "
+                "setting of the run's result that changes a number and differs from what made the paper's is listed.")
+    sec.tables.append(Table("the paper's row and the run's", [
+        "paper", "where", "row", "column", "paper", "paper's model", "this run", "run's model", "run's result",
+        "run's settings that differ", "the paper's words"],
+        [[r["paper"], r["where"], r["row"], r["column"], r["paper_shown"], r["paper_model"], r["run_value"],
+          r["run_model"] or "", r["run_result"], "; ".join(r["differs"]) or "none", r["quote"]] for r in rows]))
     return sec
+
+
+def run_paper_rows(run: RunFolder, config: WbragConfig | None) -> list[dict[str, Any]]:
+    """`papers.paper_vs_run` over a run's evaluations and its Zero-RAG grid: what `wbrag eval` prints as it ends and
+    the report shows."""
+    grid_file = run.layout.zero_rag.grid
+    grid = grid_file.read_json() if grid_file.exists() else {}
+    return paper_vs_run(load_results(run), grid.get("rows", []), config, grid.get("dataset"))
+
+
+def recorded_departures(results: dict[str, dict[str, Any]]) -> list[tuple[dict[str, str], list[str]]]:
+    """Each departure the evaluations recorded (metrics.json's `departures`), once, with the results that recorded
+    it, in the order first seen."""
+    seen: dict[tuple[str, str, str], tuple[dict[str, str], list[str]]] = {}
+    for name, result in results.items():
+        for d in result.get("departures") or []:
+            seen.setdefault((d["paper"], d["kind"], d["what"]), (d, []))[1].append(name)
+    return list(seen.values())
+
+
+def departures_tables(run: RunFolder) -> list[Table]:
+    """The run's departures from the papers: those its evaluations recorded, each with the results it applies to;
+    for a run that evaluated nothing yet, those of its config as `wbrag run` printed them."""
+    results = load_results(run)
+    found = recorded_departures(results)
+    if found:
+        every = len(results)
+        rows = [[d["paper"], d["kind"], d["what"], d.get("cites", ""),
+                 "all" if len(names) == every else ", ".join(names)] for d, names in found]
+        return [Table("where this run's results depart from the papers (as each metrics.json records them)",
+                      ["paper", "kind", "departure", "the paper's words (or whose choice)", "results"], rows)]
+    from wbrag_ray.papers import run_departures
+
+    departed = run_departures(run.load_config())
+    if not departed:
+        return []
+    return [Table("where this run's config departs from the papers (nothing evaluated yet)",
+                  ["paper", "kind", "departure", "the paper's words (or whose choice)"],
+                  [[d.paper, d.kind, d.what, d.cites] for d in departed])]

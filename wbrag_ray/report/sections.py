@@ -202,22 +202,12 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
 
 def config_section(run: RunFolder) -> Section:
     """The run's config, and first the choices in it that differ from the papers (for the methods the run used)."""
-    from wbrag_ray.papers import WRITEBACK, ZERO_RAG, run_departures
+    from wbrag_ray.report.paper_rows import departures_tables
 
     run_json = run.layout.run_json.read_json() if run.layout.run_json.exists() else {}
     sec = Section("Configuration")
     if run_json:
-        config = run.load_config()
-        used = [p for p, on in ((ZERO_RAG, run.layout.zero_rag.root.exists()),
-                                (WRITEBACK, bool(run.layout.writeback_versions()))) if on]
-        found = run_departures(config, tuple(used)) if used else []
-        rows = [[d.paper, d.what] for d in found if d.kind == "setting"]
-        if rows:
-            sec.tables.append(Table("choices of this run that differ from the papers", ["paper", "choice"], rows))
-        method = [[d.paper, d.what] for d in found if d.kind == "method"]
-        if method:
-            sec.tables.append(Table("where this run's method differs from the papers'", ["paper", "departure"],
-                                    method))
+        sec.tables += departures_tables(run)  # as the evaluations' metrics.json recorded them
     sec.text = json.dumps(run_json.get("config", {}), indent=2)
     return sec
 

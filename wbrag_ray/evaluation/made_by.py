@@ -1,0 +1,179 @@
+"""What made an evaluation's results, as the papers are compared with it: the settings each input recorded when it
+was made, not the evaluating config's.
+
+A write-back version was made under its own gates, deduplication, validation, training set, method, K and generator
+(its stats.json's `settings`); a tuned adapter under its own tuning settings (the `tune` stage's); a pruned index by
+the pruner and mastery settings their stages recorded. `--set writeback.dedupe_threshold=null` at evaluation changes
+none of them, so none of it is read from the evaluating config where the run recorded it.
+
+`made_config` is the evaluating config with those sections put back as recorded, for `papers.run_departures`;
+`made_by` is the record metrics.json keeps (`made_by`) and `papers.paper_vs_run` compares with the papers' settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.papers import Departure, MadeBy, papers_followed, print_departures, run_departures
+from wbrag_ray.run import RunFolder
+
+# the tuning settings whose recorded values replace the evaluating config's (the `tune` stage's declared path)
+_TUNE_SETTINGS, _LM_PRUNER_SETTINGS = "zerorag.tune", "zerorag.lm_pruner"
+_WRITEBACK_KEYS = ("tau_s", "tau_delta", "tau_doc", "n_min", "metric", "dedupe_threshold", "validation", "limit",
+                   "rag_method")
+
+
+def _recorded(stats: dict[str, Any] | None) -> dict[str, Any]:
+    return ((stats or {}).get("settings") or {}).get("config") or {}
+
+
+def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
+    """The settings write-back `version` was made with: its gates, deduplication, validation, limit, method, gate
+    metric, training set, K and generator, from its stats.json; {} for a version that recorded none."""
+    stats_file = run.layout.writeback_version(version).stats
+    stats = stats_file.read_json() if stats_file.exists() else {}
+    made = _recorded(stats)
+    wb = made.get("writeback") or {}
+    out: dict[str, Any] = {k: wb[k] for k in _WRITEBACK_KEYS if k in wb}
+    if stats.get("gate_metric"):
+        out["metric"] = stats["gate_metric"]
+    if stats.get("rag_method"):
+        out["rag_method"] = stats["rag_method"]
+    train = ((stats.get("settings") or {}).get("params") or {}).get("train")
+    return {"version": version, **out, **({"train": train} if train else {}),
+            **({"top_k": made["retrieval"].get("top_k")} if isinstance(made.get("retrieval"), dict) else {}),
+            **({"generator": made["generator"].get("model")} if isinstance(made.get("generator"), dict) else {})}
+
+
+def adapter_settings(run: RunFolder) -> dict[str, Any]:
+    """The settings the run's tuned adapter was made with (the `tune` stage's record), and the rows its own-answer
+    targets dropped; {} where none was recorded."""
+    from wbrag_ray.zerorag.tune import TUNE
+
+    stats = run.stats(TUNE.name) or {}
+    tune = dict(_recorded(stats).get(_TUNE_SETTINGS) or {})
+    for key in ("rows_built", "rows_without_own_answer"):
+        if key in stats:
+            tune[key] = stats[key]
+    train = ((stats.get("settings") or {}).get("params") or {}).get("train")
+    return {**tune, **({"train": train} if train else {})}
+
+
+def pruner_settings(run: RunFolder) -> dict[str, Any]:
+    """The pruner the run's pruned indices were made by, and its LM backbone's recorded settings."""
+    from wbrag_ray.zerorag.mastery import MASTERY
+    from wbrag_ray.zerorag.prune import PREDICT
+    from wbrag_ray.zerorag.pruners import PRUNERS
+
+    out: dict[str, Any] = {}
+    predict = _recorded(run.stats(PREDICT.name))
+    if "zerorag.pruner" in predict:
+        out["pruner"] = predict["zerorag.pruner"]
+    lm = _recorded(run.stats(PRUNERS["lm"].name)).get(_LM_PRUNER_SETTINGS)
+    if lm:
+        out["lm_pruner"] = lm
+    mastery = _recorded(run.stats(MASTERY.name))
+    out.update({k.removeprefix("zerorag."): v for k, v in mastery.items()
+                if k in ("zerorag.qa_mode", "zerorag.mastery_metric", "zerorag.qa_generator")})
+    return out
+
+
+def _section(section, recorded: dict[str, Any]):
+    """A config section with the recorded values in place of its own (those it still has fields for)."""
+    data = {**section.model_dump(mode="json"), **{k: v for k, v in recorded.items() if k in type(section).model_fields}}
+    return type(section).model_validate(data)
+
+
+def made_config(run: RunFolder, config: WbragConfig, version: str | None = None, adapter: bool = False,
+                zero_rag: bool = False) -> tuple[WbragConfig, MadeBy]:
+    """`config` with what made a result in place of its own values: write-back `version`'s recorded settings (its
+    gates, deduplication, validation, limit, method, training set), the tuned adapter's (`adapter`), the pruner's
+    and mastery's (`zero_rag`: a pruned, routed or tuned evaluation); and what else they recorded (`MadeBy`)."""
+    distiller = rows = dropped = None
+    if version:
+        wb = version_settings(run, version)
+        update: dict[str, Any] = {"writeback": _section(config.writeback, wb)}
+        distiller = wb.get("generator")
+        config = config.model_copy(update=update)
+    z = config.zerorag
+    if adapter:
+        tune = adapter_settings(run)
+        rows, dropped = tune.get("rows_built"), tune.get("rows_without_own_answer")
+        z = z.model_copy(update={"tune": _section(z.tune, {**tune, "enabled": True})})
+    if zero_rag:
+        pruner = pruner_settings(run)
+        update = {k: pruner[k] for k in ("pruner", "qa_mode", "mastery_metric") if k in pruner}
+        if "lm_pruner" in pruner:
+            update["lm_pruner"] = _section(z.lm_pruner, pruner["lm_pruner"])
+        if isinstance(pruner.get("qa_generator"), dict) and z.qa_generator is not None:
+            update["qa_generator"] = _section(z.qa_generator, pruner["qa_generator"])
+        z = z.model_copy(update={**update, "enabled": True})
+    if adapter or zero_rag:
+        config = config.model_copy(update={"zerorag": z})
+    return config, MadeBy(distiller, rows, dropped)
+
+
+def _compared(run: RunFolder, config: WbragConfig, version: str | None, adapter: bool, zero_rag: bool,
+              writeback: bool = False):
+    """What `run_departures` compares for one evaluation: the config that made it, the papers it follows (WriteBack-RAG
+    beside a version, Zero-RAG on a pruned or routed base or with the adapter, the run's papers otherwise), the
+    version's training set and what else was recorded."""
+    made, facts = made_config(run, config, version, adapter, zero_rag)
+    wb = writeback or bool(version)
+    papers = papers_followed(config, wb, zero_rag or adapter) if wb or zero_rag or adapter else papers_followed(config)
+    train = version_settings(run, version).get("train") if version else made.writeback.train
+    return made, papers, train, facts
+
+
+def result_departures(run: RunFolder, config: WbragConfig, dataset: str | None, version: str | None = None,
+                      adapter: bool = False, zero_rag: bool = False) -> list[Departure]:
+    """The departures of one evaluation's results from the papers it follows, from what made them."""
+    made, papers, train, facts = _compared(run, config, version, adapter, zero_rag)
+    return run_departures(made, papers, train, dataset, facts)
+
+
+def print_result_departures(run: RunFolder, config: WbragConfig, dataset: str | None, version: str | None = None,
+                            adapter: bool = False, zero_rag: bool = False, writeback: bool = False) -> list[Departure]:
+    """`result_departures` as `wbrag eval` prints them when it starts (`papers.print_departures`); `writeback`: it
+    evaluates beside write-back versions (the methods grid's) without one version to read."""
+    made, papers, train, facts = _compared(run, config, version, adapter, zero_rag, writeback)
+    return print_departures(made, papers, train, dataset, facts)
+
+
+def pruning_ratio(run: RunFolder, base_index: str | None) -> float | None:
+    """The pruning ratio of the base index an evaluation searched: 0 for the run's full index, the level's for a
+    pruned one, None for another folder."""
+    if base_index in (None, run.layout.index.uri):
+        return 0.0
+    from wbrag_ray.layout import PRUNE_LEVEL
+
+    prefix = PRUNE_LEVEL.split("{")[0]
+    for level in run.layout.zero_rag.pruned_levels():
+        if level.index.uri == base_index:
+            return float(level.root.name.removeprefix(prefix))
+    return None
+
+
+def made_by(run: RunFolder, config: WbragConfig, dataset: str, n: int, method: str, version: str | None,
+            base_index: str | None, router: str | None, union: str | None) -> dict[str, Any]:
+    """The record of what made one method's results (metrics.json's `made_by`): the questions (dataset, count,
+    eval.limit), the generator, retriever, K, answer form, the union beside a version, the write-back version's
+    recorded settings, the adapter's, the router and the pruning ratio."""
+    from wbrag_ray.formats import dataset_name as flashrag_name
+
+    retrieves = method != "no-retrieval"
+    return {
+        "dataset": flashrag_name(dataset),
+        "questions": {"dataset": dataset, "n": n, "limit": config.eval.limit},
+        "method": method,
+        "generator": config.generator.model,
+        "retriever": config.embedder.model if retrieves else None,
+        "top_k": config.retrieval.top_k if retrieves else 0,
+        "answer_form": config.eval.answer_form or "as generated",
+        "union": union if version and retrieves else None,
+        "writeback": version_settings(run, version) if version and retrieves else None,
+        "adapter": adapter_settings(run) if config.generator.lora_adapter == run.layout.zero_rag.adapter.uri else None,
+        "router": bool(router) if retrieves else False,
+        "pruning_ratio": pruning_ratio(run, base_index) if retrieves else None,
+    }
