@@ -124,6 +124,10 @@ PAPER_WRITEBACK = ROOT / "jobs" / "configs" / "paper_writeback.yaml"
 FOUR_BY_EIGHT = [{"CPU": 96.0, "GPU": 8.0} for _ in range(4)]
 
 
+# what tensor_parallel_size auto decides for the Zero-RAG paper config's 70B on GPUs of 80 GB
+TP4 = ["generator.num_gpus=4", "generator.tensor_parallel_size=4"]
+
+
 def test_auto_sizes_every_gpu_stage_of_the_paper_configs_to_the_four_by_eight_cluster():
     """The rule on the paper configs' own shapes (4 nodes x 8 GPUs): an embed actor, an LM pruner actor and a pruner
     training worker per GPU; 70B replicas of 4 GPUs on every 4 GPUs the search actors leave; the 70B tuning's FSDP
@@ -131,7 +135,8 @@ def test_auto_sizes_every_gpu_stage_of_the_paper_configs_to_the_four_by_eight_cl
     from wbrag_ray.cluster_nodes import auto_concurrency
     from wbrag_ray.config import load_config
 
-    zero_rag = load_config(PAPER_ZERO_RAG)
+    # tensor_parallel_size auto on 80 GB GPUs: 4 (tests/test_gpu_layout.py)
+    zero_rag = load_config(PAPER_ZERO_RAG, TP4)
     assert auto_concurrency(zero_rag, FOUR_BY_EIGHT) == {
         "embedder": 32, "generator": 8, "zerorag.lm_pruner": 32, "zerorag.lm_pruner.trainer": 32,
         "zerorag.tune.trainer": 32}
@@ -143,7 +148,7 @@ def test_auto_sizes_every_gpu_stage_of_the_paper_configs_to_the_four_by_eight_cl
     assert auto_concurrency(writeback, FOUR_BY_EIGHT) == {"embedder": 32, "generator": 32}
     assert auto_concurrency(writeback, FOUR_BY_EIGHT, search_gpus=2)["generator"] == 30
     # a training's workers at most its batch: every worker gets an example a step
-    small_batch = load_config(PAPER_ZERO_RAG, ["zerorag.tune.batch_size=4", "zerorag.lm_pruner.batch_size=16"])
+    small_batch = load_config(PAPER_ZERO_RAG, ["zerorag.tune.batch_size=4", "zerorag.lm_pruner.batch_size=16", *TP4])
     counts = auto_concurrency(small_batch, FOUR_BY_EIGHT)
     assert counts["zerorag.tune.trainer"] == 4 and counts["zerorag.lm_pruner.trainer"] == 16
 
@@ -177,7 +182,7 @@ def test_auto_sizes_an_autoscaling_cluster_from_its_declared_maximum(monkeypatch
     monkeypatch.setenv(cluster_nodes.LAUNCHER_CONFIG_ENV, str(launcher))
     nodes, source = cluster_nodes.auto_nodes()
     assert nodes == declared and "launcher config" in source
-    assert cluster_nodes.auto_concurrency(load_config(PAPER_ZERO_RAG), nodes)["generator"] == 8
+    assert cluster_nodes.auto_concurrency(load_config(PAPER_ZERO_RAG, TP4), nodes)["generator"] == 8
     # node groups the autoscaler published (KubeRay, autoscaler v2): each group's max_count
     groups = [SimpleNamespace(resources={"CPU": 8.0}, max_count=1),
               SimpleNamespace(resources={"CPU": 96.0, "GPU": 8.0}, max_count=4)]

@@ -58,15 +58,22 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     the other nodes cannot read, before any work; each "auto" count (`concurrency`, a training's `num_workers`)
     decided on the cluster by every command, after what the commands before it built: the index's search actors,
     whose GPUs the generator leaves to them (`cluster_nodes.resolve_auto_concurrency`)."""
-    from wbrag_ray.cluster_nodes import has_auto, resolve_auto_concurrency
+    from wbrag_ray.cluster_nodes import has_auto, needs_layout, resolve_auto_concurrency
     from wbrag_ray.ray_runtime import check_model_paths, init_ray
 
     init_ray(config.ray, run.uri)
     check_model_paths(config)
-    if has_auto(config):
-        from wbrag_ray.retrieval.service import search_gpus
+    import ray
 
-        resolve_auto_concurrency(config, search_gpus(run.layout.index.uri, config.index, config.retrieval))
+    from wbrag_ray.gpu_layout import index_on_gpu
+    from wbrag_ray.index.gpu_clone import faiss_has_gpu
+
+    # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
+    index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
+    if has_auto(config) or needs_layout(config):
+        from wbrag_ray.retrieval.service import search_actors
+
+        resolve_auto_concurrency(config, search=search_actors(run.layout.index.uri, config.index, config.retrieval))
 
 
 def check_input(path: str, what: str) -> None:

@@ -110,6 +110,29 @@ def refuse_unplaceable(refusal) -> None:
         raise ConfigError(why + where)
 
 
+def beside_generator(gpus: float) -> dict:
+    """The Ray options of a retrieval actor asking for `gpus` (a search actor, a query embedder) on a cluster of
+    several GPU nodes: started on the node `gpu_layout.best_fit_node` picks from the free GPUs now (soft: where that
+    node is gone, anywhere), so retrieval's GPUs break no more tensor-parallel groups than the plan counted.
+    Nothing where it asks for no GPU or the cluster has one GPU node."""
+    if gpus <= 0:
+        return {}
+    try:
+        from ray._private.state import state
+
+        free = {node: float(res.get("GPU", 0.0)) for node, res in state.available_resources_per_node().items()}
+    except Exception:  # noqa: BLE001 - a private API: where it moved, Ray's own placement
+        return {}
+    if sum(1 for gpus_free in free.values() if gpus_free > 0) < 2:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from wbrag_ray.gpu_layout import best_fit_node
+
+    node = best_fit_node(free, gpus)
+    return {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+
+
 def free_nodes() -> list[dict[str, float]]:
     """Each alive node's resources free now (Ray's per-node availability, a private API its own `ray status`
     reads; where it moved, the cluster's free total as one node)."""
@@ -233,15 +256,71 @@ def auto_nodes() -> tuple[list[dict[str, float]], str]:
     return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")], "the nodes up now"
 
 
-def resolve_auto_concurrency(config, search_gpus: float = 0.0) -> None:
+# The settings `gpu_layout.apply_gpu_layout` decides where they are "auto" (dotted paths), and the ones it may set
+# beside them: each command restores what the config said before deciding again (the index may exist by then).
+LAYOUT_SETTINGS = ("generator.tensor_parallel_size", "generator.num_gpus", "generator.gpu_share",
+                   "generator.vllm_engine_kwargs", "retrieval.search_gpus", "retrieval.embed_gpus", "index.gpu")
+
+
+def needs_layout(config) -> bool:
+    """Whether `config` has GPU placement for `gpu_layout.apply_gpu_layout` to decide (its "auto" GPU settings),
+    now or before a command decided them."""
+    g, r = config.generator, config.retrieval
+    return (getattr(config, "_layout_said", None) is not None or g.tensor_parallel_size == "auto"
+            or r.search_gpus == "auto" or r.embed_gpus == "auto")
+
+
+def _restore_layout(config) -> None:
+    """The GPU settings as the config said them before a command decided its "auto" ones, remembered the first time."""
+    import copy
+
+    said = getattr(config, "_layout_said", None)
+    if said is None:
+        config._layout_said = {key: copy.deepcopy(_get(config, key)) for key in LAYOUT_SETTINGS}
+        return
+    for key, value in said.items():
+        _set(config, key, copy.deepcopy(value))
+
+
+def _get(config, key: str):
+    parent, name = key.rsplit(".", 1)
+    return getattr(section(config, parent), name)
+
+
+def _set(config, key: str, value) -> None:
+    parent, name = key.rsplit(".", 1)
+    object.__setattr__(section(config, parent), name, value)
+
+
+def resolve_auto_concurrency(config, search_gpus: float = 0.0, search: tuple[int, float] | None = None) -> None:
     """Each "auto" count of `config` set, in place, to what `auto_concurrency` finds on `auto_nodes`, the generator's
     GPUs less those retrieval holds beside it: `search_gpus` (the search actors of the run's index,
     `retrieval.service.search_gpus`) and the query embedders' (a retrieval pass's actors hold the embedder with its
-    GPUs). Said in the log. Called by every command as it joins Ray (`api.join_ray`), and decided again by each: the
-    config remembers which counts were "auto", so a command that runs after the index exists (write-back, evaluation,
-    Zero-RAG after `build_kb` in `wbrag run`) counts its search actors' GPUs. The stages record the numbers they ran
-    with."""
+    GPUs). First, the "auto" GPU settings (`gpu_layout.apply_gpu_layout`: the generator's tensor-parallel size,
+    whether retrieval takes whole GPUs or shares beside the replicas), from `search`: the search actors that will
+    search on GPUs and the bytes of the largest (`retrieval.service.search_actors`; where given, `search_gpus`
+    follows from it). Said in the log. Called by every command as it joins Ray (`api.join_ray`), and decided again
+    by each: the config remembers which settings were "auto", so a command that runs after the index exists
+    (write-back, evaluation, Zero-RAG after `build_kb` in `wbrag run`) counts its search actors' GPUs. The stages
+    record the numbers they ran with."""
     keys = auto_keys(config)
+    layout = needs_layout(config)
+    if not keys and not layout:
+        return
+    nodes, source = auto_nodes()
+    shares = False
+    if layout:
+        from wbrag_ray.gpu_layout import apply_gpu_layout, gpu_memory_of, holds_whole_gpus
+
+        _restore_layout(config)
+        memory, where = gpu_memory_of(nodes, config.ray.gpu_memory_gb)
+        found = search or (0, 0.0)
+        said, decided = apply_gpu_layout(config, nodes, found, memory)
+        for line in said:
+            log.info("%s (GPU memory %g GB: %s)", line, memory, where)
+        shares = not holds_whole_gpus(decided)
+        if search is not None:
+            search_gpus = found[0] * config.retrieval.search_share if config.index.gpu is not False else 0.0
     if not keys:
         return
     config._auto_sections = frozenset(keys)
@@ -249,7 +328,8 @@ def resolve_auto_concurrency(config, search_gpus: float = 0.0) -> None:
         setattr(section(config, key), AUTO_SETTINGS[key], "auto")
     r = config.retrieval
     held = (search_gpus + r.concurrency * r.query_embedder(config.embedder).num_gpus) if config.generator.num_gpus else 0
-    nodes, source = auto_nodes()
+    if shares:  # retrieval's shares sit in what the replicas' GPUs leave: no whole GPU is held
+        held = 0.0
     for key, count in auto_concurrency(config, nodes, held).items():
         setattr(section(config, key), AUTO_SETTINGS[key], count)
         log.info(

@@ -73,6 +73,11 @@ class RayConfig(_Section):
         "the resources they ask before the command fails naming what is missing (the resources may be held by "
         "another job; an autoscaler may be adding nodes)."
     )
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, description="Memory of one GPU of the cluster, for the placement rules that size "
+        "tensor_parallel_size auto and retrieval's GPU shares. None: from the GPU model Ray labels the nodes with "
+        "(accelerator_type: H100 80 GB, H200 141 GB, ...; wbrag_ray.plan.accelerators), else 80 GB, said in the log.",
+    )
     keep_services_s: float = Field(
         10.0, ge=0, description="How long the services of a command that ended (generator, embedder and search "
         "actors, their models loaded) stay up for the next command of the same process to take over: a script or "
@@ -133,7 +138,8 @@ class EmbedderConfig(_Section):
 
 
 class GeneratorConfig(_Section):
-    RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env", "calls_per_engine", "pipeline_across_nodes"})
+    RUNTIME_KEYS = frozenset({"batch_size", "cache_dir", "api_key_env", "calls_per_engine", "pipeline_across_nodes",
+                              "gpu_share"})
 
     backend: Literal["hf", "vllm", "openai"] = Field("hf", description="hf (transformers), vllm, or openai (HTTP).")
     model: str = Field(
@@ -164,10 +170,19 @@ class GeneratorConfig(_Section):
         None, ge=1, description="torch threads per generator actor (default: ceil(num_cpus))."
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
-    tensor_parallel_size: int | None = Field(
-        None, ge=1, description="vllm: GPUs of one node that each layer of an engine replica is sharded over (with "
+    tensor_parallel_size: int | Literal["auto"] | None = Field(
+        None, description="vllm: GPUs of one node that each layer of an engine replica is sharded over (with "
         "num_gpus: 0, vLLM's CPU build: rank processes of one node, num_cpus split between them). Default: "
-        "num_gpus / pipeline_parallel_size when num_gpus > 1, else 1 (a replica that asks for 4 GPUs uses all 4).",
+        "num_gpus / pipeline_parallel_size when num_gpus > 1, else 1 (a replica that asks for 4 GPUs uses all 4). "
+        "'auto' (GPUs: num_gpus >= 1): the fewest GPUs of one node that hold the weights and a KV cache for "
+        "batch_size prompts (2 H200s or 4 80 GB GPUs for a 70B in bf16), decided as a command joins the cluster and "
+        "by `wbrag plan`; num_gpus then follows (tensor_parallel_size x pipeline_parallel_size).",
+    )
+    gpu_share: float = Field(
+        1.0, gt=0, le=1, description="What each GPU of a replica of several GPUs asks Ray for (vLLM's "
+        "VLLM_RAY_PER_WORKER_GPUS): 1, or less to leave room for retrieval's actors beside a tensor-parallel "
+        "replica; set by retrieval.search_gpus auto where retrieval takes shares (a one-GPU replica's share is "
+        "num_gpus itself).",
     )
     pipeline_parallel_size: int = Field(
         1, ge=1, description="vllm: stages an engine replica's layers are split into; num_gpus = "
@@ -192,8 +207,13 @@ class GeneratorConfig(_Section):
         "passes); vllm on GPUs: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, compute capability >= 8.0).",
     )
     checkpoint_rows: int = Field(
-        1024, ge=1, description="Answers per committed block of a stage's answer checkpoint (blocks are also "
-        "committed a minute after the last one): what a killed generator pass can lose at most.",
+        1024, ge=1, description="Answers per committed block of a stage's answer checkpoint (or fewer: see "
+        "checkpoint_seconds): what a killed generator pass can lose at most.",
+    )
+    checkpoint_seconds: float = Field(
+        60.0, gt=0, description="The answers decoded since the last committed block are committed once this "
+        "many seconds have passed, at the next finished batch, if checkpoint_rows did not come first: a slow pass "
+        "(long prompts, a large model, an API) loses at most about this much decoding to a kill.",
     )
     cache_dir: str | None = Field(
         None, description="Where GGUF models are cached after de-quantization (default ~/.cache/wbrag/converted)."
@@ -217,6 +237,9 @@ class GeneratorConfig(_Section):
         if self.backend != "vllm":
             return 1, 1
         pp = self.pipeline_parallel_size
+        if self.tensor_parallel_size == "auto":
+            raise ConfigError("generator.tensor_parallel_size auto is decided on the cluster before the engine starts "
+                              "(`cluster_nodes.resolve_auto_concurrency`, `wbrag plan`); nothing decided it here")
         if self.tensor_parallel_size is not None:
             return self.tensor_parallel_size, pp
         if self.num_gpus > 1:
@@ -239,7 +262,7 @@ class GeneratorConfig(_Section):
                 raise refuse("num_gpus", "the hf backend runs a model on one GPU; set backend: vllm to shard it "
                              f"over {gpus:g} GPUs (tensor / pipeline parallel), or num_gpus: 1")
             for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-                if (getattr(self, key) or 1) > 1:
+                if getattr(self, key) == "auto" or (getattr(self, key) or 1) > 1:
                     raise refuse(key, f"only the vllm backend shards a model over GPUs (backend: {self.backend}); "
                                  f"set backend: vllm, or drop {key}")
             return self
@@ -247,6 +270,13 @@ class GeneratorConfig(_Section):
             if key in self.vllm_engine_kwargs:
                 raise refuse("vllm_engine_kwargs", f"set {key} itself, not in vllm_engine_kwargs: the engine "
                              "replica's GPU bundles are placed from it")
+        if self.tensor_parallel_size == "auto":
+            if gpus < 1:
+                raise refuse("tensor_parallel_size", "auto sizes a replica in whole GPUs: set num_gpus: 1 (or more) "
+                             "with it (num_gpus then follows the size chosen), or give tensor_parallel_size itself")
+            return self
+        if isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size < 1:
+            raise refuse("tensor_parallel_size", "at least 1, or 'auto'")
         tp, pp = self.parallel_sizes()
         if gpus > 1 and gpus != int(gpus):
             raise refuse("num_gpus", "an engine replica larger than one GPU takes whole GPUs")
@@ -332,8 +362,11 @@ class IndexConfig(_Section):
         None, ge=1, description="Refine indices (...,RFlat): candidates re-ranked per result (None: faiss's default, 1)."
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each index build task (train, add, merge) asks Ray for.")
-    gpu: bool = Field(True, description="Search on the GPU when faiss has GPU support and a GPU is present; and "
-                      "train an IVF's k-means on a GPU (the train task asks Ray for one) when the cluster has one.")
+    gpu: bool | Literal["auto"] = Field(
+        "auto", description="Search (and train an IVF's k-means) on GPUs. 'auto' (default): where the cluster has "
+        "GPUs and faiss has GPU support (faiss-gpu, as the project's image installs), else on CPUs, said in the log. "
+        "true: on GPUs or not at all: refused before any work where the cluster has no GPU or faiss no GPU support. "
+        "false: on CPUs.")
 
     @field_validator("nprobe")
     @classmethod
@@ -362,15 +395,17 @@ class RetrievalConfig(_Section):
                             "Ray for.")
     search_cpus: float = Field(0.25, gt=0, description="CPUs each search actor asks Ray for (faiss threads: "
                                "rounded up).")
-    search_gpus: float = Field(
-        1.0, gt=0, le=1, description="GPU share of each search actor where index.gpu is set: 1 holds a whole GPU "
-        "through every generation pass; a share (0.05) places it beside an engine replica of generator.num_gpus "
+    search_gpus: float | Literal["auto"] = Field(
+        "auto", description="GPU share of each search actor where it searches on a GPU (index.gpu): 1 holds a whole "
+        "GPU through every generation pass; a share (0.05) places it beside an engine replica of generator.num_gpus "
         "0.8 on one GPU (vLLM's memory kept below the replica's share), as retrieval.embed_gpus does the query "
-        "embedders.",
+        "embedders. 'auto' (default): whole GPUs where that costs the generator at most one replica in eight, else "
+        "a share sized from the index's bytes beside every replica (wbrag_ray.gpu_layout; said in the log).",
     )
-    embed_gpus: float | None = Field(
-        None, ge=0, le=1, description="GPU share of each query embedder (a retrieval pass's actor); None: "
-        "embedder.num_gpus, as the bulk embedding's actors. A share (0.05) places it beside an engine replica.",
+    embed_gpus: float | Literal["auto"] | None = Field(
+        "auto", description="GPU share of each query embedder (a retrieval pass's actor); None: embedder.num_gpus, "
+        "as the bulk embedding's actors. A share (0.05) places it beside an engine replica. 'auto' (default): "
+        "embedder.num_gpus, or a share sized from the model where retrieval.search_gpus auto takes shares.",
     )
     actor_memory_gb: float = Field(
         8.0, gt=0, description="Index bytes one search actor holds at most: an index's shards are grouped up to "
@@ -381,31 +416,52 @@ class RetrievalConfig(_Section):
     replug_temperature: float = Field(
         0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval score / temperature)."
     )
-    union: Literal["score", "provenance", "rrf", "gate", "gate-no-provenance"] = Field(
-        "gate",
-        description="How the base and write-back indices' hits share the K slots (wbrag_ray.retrieval.union): "
+    union: Literal["auto", "score", "provenance", "rrf", "gate", "gate-no-provenance", "additive"] = Field(
+        "auto",
+        description="How the base and write-back indices' hits share the prompt (wbrag_ray.retrieval.union): "
         "'score' is WriteBack-RAG's plain merge by score; 'provenance' the same merge, but a unit whose source "
         "documents are all in the top K (or whose text a taken hit holds) takes no slot; 'rrf' reciprocal rank "
         "fusion under the same rule; 'gate' the merge by score, a unit taking a slot only if its score is at least "
         "the query's best passage's less gate_margin, then the same rule; 'gate-no-provenance' the gate without the "
-        "rule. The default, 'gate', was chosen on a validation half (60) of the 120 held-out questions of "
-        "benchmarks/writeback_union.py: only the two gates kept the base's acc there (no question lost; the tie went "
-        "to the one giving fewer questions a unit). On the other half, not used to choose, it measured the base's "
-        "acc (a unit in 2 of 60 top Ks, none won, none lost): it keeps a version from hurting, it did not make one "
-        "help (benchmarks/RESULTS.md, 'Write-back that never hurts').",
+        "rule; 'additive' the base's top K kept whole and up to max_units units (1 where unset) appended after it, "
+        "each scoring at least the best passage's score less additive_margin and not covered by the rule. 'auto' "
+        "(the default): the rule the write-back version chose on its own validation split (the best acc of score, "
+        "provenance, gate at three margins and additive at two; wbrag_ray.writeback.validation), or 'provenance' "
+        "where its split was too small to choose or none was held out. No one fixed rule served: 'gate', the "
+        "earlier default, kept the base's acc on the held-out questions of benchmarks/writeback_union.py and let "
+        "almost no unit in (benchmarks/RESULTS.md, 'Write-back that helps').",
     )
     max_units: int | None = Field(
-        None, ge=0, description="Write-back units per query at most (none: no cap); not applied by union 'score'.",
+        None, ge=0, description="Write-back units per query at most (none: no cap; under union 'additive', 1: "
+        "a prompt then holds up to top_k + max_units documents); not applied by union 'score'.",
     )
     rrf_k: int = Field(60, ge=1, description="Reciprocal rank fusion's constant: a hit's fused score is "
                        "1 / (rrf_k + its rank in its own index).")
     gate_margin: float = Field(0.0, description="Union 'gate': how far below the query's best passage's score a "
                                "write-back unit may score and still take a slot (negative: it must score above).")
+    additive_margin: float = Field(
+        0.1, description="Union 'additive': how far below the query's best passage's score a write-back unit may "
+        "score and still be appended after the base's top K (a unit then never takes a passage's slot).",
+    )
+
+    @field_validator("search_gpus", "embed_gpus")
+    @classmethod
+    def _share(cls, v, info):
+        if isinstance(v, int | float) and not (0 <= v <= 1) or v == 0 and info.field_name == "search_gpus":
+            raise ValueError("a share of one GPU: above 0 (search) or at least 0 (query embedders), at most 1; or 'auto'")
+        return v
+
+    @property
+    def search_share(self) -> float:
+        """What each search actor asks of a GPU where it searches on one: `search_gpus`, 1 while still 'auto'."""
+        return 1.0 if self.search_gpus == "auto" else float(self.search_gpus)
 
     def query_embedder(self, embedder: EmbedderConfig) -> EmbedderConfig:
         """The embedder as a retrieval pass's actors hold it: with `embed_gpus` where set (the bulk embedding
-        keeps `embedder.num_gpus`)."""
-        return embedder if self.embed_gpus is None else embedder.model_copy(update={"num_gpus": self.embed_gpus})
+        keeps `embedder.num_gpus`; 'auto' until placement decides keeps it too)."""
+        if self.embed_gpus is None or self.embed_gpus == "auto":
+            return embedder
+        return embedder.model_copy(update={"num_gpus": self.embed_gpus})
 
 
 RagMethod = Literal["no-retrieval", "naive", "replug", "replug-vote", "self-rag", "flare"]
@@ -554,15 +610,18 @@ class TrainerConfig(_Section):
     optimization (the weights agree up to rounding): it is a placement setting, left out of the stage's
     fingerprint."""
 
-    RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures", "strategy"})
+    RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures", "strategy", "timeout_s"})
 
     num_workers: Concurrency = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
                              "model, under fsdp each holds 1 / num_workers of it)." + AUTO_CONCURRENCY + " At most batch_size.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How the workers share the model. ddp: each worker holds all of it (on its GPU, or spread "
         "over its num_gpus GPUs layer by layer, one GPU busy at a time). fsdp: torch FSDP2 shards the frozen base and "
-        "the adapter over all the workers, one GPU each (num_gpus: 1, or 0 on CPU workers), with gradient "
-        "checkpointing: for a generator no single GPU holds (the paper's 70B), every GPU of the training busy.",
+        "the adapter over the workers, one GPU each (num_gpus: 1, or 0 on CPU workers), with gradient "
+        "checkpointing: for a generator no single GPU holds (the paper's 70B), every GPU of the training busy. On "
+        "several nodes of as many workers each, fsdp is hybrid: sharded over the workers of a node (NVLink), "
+        "replicated across nodes (a 2-D device mesh), so the weights' all-gathers never cross the network. One "
+        "worker has nothing to shard over: it trains as ddp (said in the log).",
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each training worker asks Ray for (its torch threads).")
     num_gpus: float = Field(
@@ -577,6 +636,22 @@ class TrainerConfig(_Section):
     )
     max_failures: int = Field(2, ge=0, description="Worker-group failures Ray Train recovers from (from the last "
                               "checkpoint) before the stage fails.")
+    timeout_s: int | Literal["auto"] = Field(
+        "auto", description="Seconds a collective of the training's process group may wait (Ray Train's TorchConfig "
+        "timeout_s) before the training fails. The first one waits while worker 0 reads the whole model (fsdp: the "
+        "others wait for its broadcast): 'auto' allows the model's weights read at 50 MB/s (a slow network volume), "
+        "at least Ray Train's 1800 s.",
+    )
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_gpus(cls, value: float) -> float:
+        # A worker's GPUs are its own: two ranks Ray packs onto one GPU make NCCL fail at the first collective.
+        if value != int(value):
+            whole = max(1, round(value))
+            raise ValueError(f"a training worker takes whole GPUs (NCCL refuses two ranks on one GPU): set num_gpus: "
+                             f"{whole} (or 0 to train on CPUs), and num_workers to the GPUs the training may use")
+        return value
 
     @model_validator(mode="after")
     def _check_strategy(self) -> TrainerConfig:
@@ -744,6 +819,9 @@ class WbragConfig(_Section):
     # the counts that were "auto" before a command decided them (`cluster_nodes.resolve_auto_concurrency`): each
     # command decides them again, after what the commands before it built
     _auto_sections: frozenset[str] = PrivateAttr(default_factory=frozenset)
+    # the GPU settings as the config said them before a command decided its "auto" ones (`cluster_nodes.
+    # LAYOUT_SETTINGS`): None until one did
+    _layout_said: dict[str, Any] | None = PrivateAttr(default=None)
 
     @field_validator("index")
     @classmethod

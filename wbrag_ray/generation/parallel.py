@@ -68,7 +68,18 @@ def replica_placement(config: GeneratorConfig) -> dict[str, Any] | None:
     if not config.num_gpus:
         return {"bundles": [cpu_rank_bundle(config) for _ in range(tp)], "strategy": "STRICT_PACK"}
     across = pp > 1 and config.pipeline_across_nodes
-    return {"bundles": [dict(GPU_BUNDLE) for _ in range(tp * pp)], "strategy": "PACK" if across else "STRICT_PACK"}
+    bundle = {**GPU_BUNDLE, "GPU": config.gpu_share}  # less than a GPU where retrieval's shares sit beside it
+    return {"bundles": [dict(bundle) for _ in range(tp * pp)], "strategy": "PACK" if across else "STRICT_PACK"}
+
+
+def replica_env(config: GeneratorConfig) -> dict[str, str]:
+    """The environment of a replica of several GPUs whose bundles ask for less than a GPU each (generator.gpu_share,
+    set where retrieval's actors share its GPUs): vLLM's ray executor asks Ray for VLLM_RAY_PER_WORKER_GPUS of a
+    bundle for each worker (1 by default, which such a bundle cannot give), and each worker still uses its whole
+    GPU, its memory bounded by gpu_memory_utilization. Nothing otherwise."""
+    if config.num_gpus <= 0 or not sharded(config) or config.gpu_share >= 1:
+        return {}
+    return {"VLLM_RAY_PER_WORKER_GPUS": f"{config.gpu_share:g}"}
 
 
 def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
@@ -243,8 +254,10 @@ class RemoteEngine:
         # the engine's process takes its bundle's CPUs (on CPUs: rank 0's, whose process it starts beside it)
         cpus = spec["bundles"][0]["CPU"]
         # the service actor's concurrent calls reach the engine's feed together (`generation.vllm_feed`)
+        env = replica_env(config)
         self.actor = ray.remote(num_cpus=cpus, num_gpus=0, max_concurrency=config.calls_per_engine)(
-            host_cls).options(scheduling_strategy=strategy).remote(config)
+            host_cls).options(scheduling_strategy=strategy,
+                              **({"runtime_env": {"env_vars": env}} if env else {})).remote(config)
         self._finalizer = weakref.finalize(self, _release, self.actor, self.pg)
         try:
             ray.get(self.actor.ready.remote())  # the engine's start, and its errors, here

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
-from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env, replica_placement, sharded
+from wbrag_ray.gpu_layout import ENGINE_MEMORY_UTILIZATION
+from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env, replica_env, replica_placement, sharded
 from wbrag_ray.generation.types import (
     CHOICE_TOP_K,
     Generator,
@@ -44,7 +45,7 @@ VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "max_model_len": 4096,
-    "gpu_memory_utilization": 0.85,
+    "gpu_memory_utilization": ENGINE_MEMORY_UTILIZATION,
 }
 
 # vLLM's CPU build (generator.num_gpus: 0), as measured on 2 AVX2 cores with SmolLM2-135M:
@@ -228,6 +229,7 @@ class VLLMGenerator(Generator):
         remote = "://" in self.config.model and not self.config.model.startswith("file://")
         env = {**vllm_env(), **({"VLLM_BATCH_INVARIANT": "1"} if self.batch_invariant else {})}
         env.update(cpu_rank_env(self.config, list(range(math.ceil(self.config.threads or self.config.num_cpus)))))
+        env.update(replica_env(self.config))
         return vLLMEngineProcessorConfig(
             # a folder on object storage goes as its URI: Ray Data LLM fetches it on each engine's node
             model_source=self.config.model if remote else self.model_source(),

@@ -19,10 +19,20 @@ from dataclasses import dataclass, field, replace
 
 from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
-from wbrag_ray.plan.accelerators import DEFAULT_GPU, Accelerator, accelerator, encode_seconds, kmeans_seconds
+from wbrag_ray.plan.accelerators import (
+    DEFAULT_GPU,
+    DEFAULT_INTERCONNECT,
+    STORAGE_READ_GBS,
+    Accelerator,
+    Interconnect,
+    accelerator,
+    encode_seconds,
+    interconnect,
+    kmeans_seconds,
+)
 from wbrag_ray.plan.calibrate import training_dtype
 from wbrag_ray.plan.corpus import CorpusSize, corpus_size, question_count
-from wbrag_ray.plan.models import model_size, serving_gb
+from wbrag_ray.plan.models import embedding_dim, model_size, serving_gb
 from wbrag_ray.plan.placement import Bundle, Cluster, problems
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.plan.stages import (
@@ -40,12 +50,13 @@ from wbrag_ray.plan.stages import (
     training_time,
 )
 from wbrag_ray.plan.timing import Timing, describe_record
-from wbrag_ray.plan.tokens import TokenShape, template_of, template_tokens, token_shape
+from wbrag_ray.plan.tokens import TokenShape, template_of, token_shape
 
 DIM_ASSUMED = 768
 # an OpenAI-compatible endpoint: its rate is the provider's; assumed, and labeled an estimate
 ENDPOINT_LATENCY_S = 0.5  # a request's time to its first token
 ENDPOINT_TOKENS_PER_S = 60.0  # output tokens a second of one request
+ANSWER_TOKENS = 4  # a short gold answer (NQ, TriviaQA), a tuning row's target
 HEAD_SECONDS = 5.0  # the embedding pruner's head: a regression on a few thousand stored vectors, in the driver
 TRAIN_START = RATES["train_start"].value
 
@@ -65,6 +76,7 @@ class Pass:
     doc_tokens: float | None = None
     template: float | None = None
     question: float | None = None
+    kind: str | None = None  # a prompt kind `--calibrate` times on the config's own data (write-back's distiller)
 
 
 @dataclass
@@ -82,6 +94,8 @@ class Plan:
     start_seconds: float = 0.0  # the run's start (the driver, Ray), calibrated; 0 without a record
     calibrated: list[str] = field(default_factory=list)  # the calibration records the plan used, described
     gpu_hour_price: float | None = None
+    network: Interconnect | None = None  # between nodes, for the collectives of multi-node stages
+    storage_gbs: float = STORAGE_READ_GBS
 
     @property
     def places(self) -> bool:
@@ -90,12 +104,16 @@ class Plan:
 
 def make_plan(config: WbragConfig, cluster: Cluster, passages: int | None = None, run: str | None = None,
               name: str = "", gpu: str = DEFAULT_GPU, records: list[dict] | None = None,
-              gpu_hour_price: float | None = None) -> Plan:
+              gpu_hour_price: float | None = None, network: str = DEFAULT_INTERCONNECT,
+              storage_gbs: float = STORAGE_READ_GBS) -> Plan:
     """The plan of `config` on `cluster`: every stage's bundles, work and time, and why it cannot be placed.
     `gpu`: the accelerator GPU stages without a rate are estimated for (`accelerators.ACCELERATORS`); `records`:
-    calibration records (`calibrate.load_records`) whose hardware a stage's may match."""
+    calibration records (`calibrate.load_records`) whose hardware a stage's may match; `network`: the
+    interconnect between nodes (`accelerators.INTERCONNECTS`); `storage_gbs`: a node's read rate of model files."""
     corpus = corpus_size(config, passages, run)
-    timing = Timing(accelerator(gpu), list(records or []), token_shape(config))
+    per_node = int(max((n.gpus for n in cluster.nodes), default=0)) or 1
+    timing = Timing(accelerator(gpu), list(records or []), token_shape(config), interconnect(network), storage_gbs,
+                    per_node)
     builder = _Builder(config, cluster, corpus, timing)
     stages = builder.stages()
     found: list[str] = list(builder.refusals)
@@ -114,7 +132,8 @@ def make_plan(config: WbragConfig, cluster: Cluster, passages: int | None = None
                         "again")
     start = timing.cluster_start(cluster.cpus)
     return Plan(name, cluster, corpus, stages, list(dict.fromkeys(found)), list(dict.fromkeys(warnings)),
-                timing.gpu, timing.shape, start, [describe_record(r) for r in timing.used], gpu_hour_price)
+                timing.gpu, timing.shape, start, [describe_record(r) for r in timing.used], gpu_hour_price,
+                timing.net, timing.storage_gbs)
 
 
 IDLE_SHARE = 0.25  # a GPU stage that leaves more than this share of the cluster's GPUs idle is warned of
@@ -142,16 +161,47 @@ class _Builder:
         self.c, self.cluster, self.corpus, self.timing = config, cluster, corpus, timing
         self.refusals: list[str] = []
         self.warnings: list[str] = []
-        size = model_size(config.embedder.model)
-        self.dim = size.hidden or DIM_ASSUMED
-        if size.hidden is None:
+        dim, self.dim_source = embedding_dim(config.embedder.model, model_size(config.embedder.model))
+        self.dim = dim or DIM_ASSUMED
+        if dim is None:
+            self.dim_source = f"{DIM_ASSUMED} assumed"
             self.warnings.append(f"embedder {config.embedder.model}: vector dimension unknown, {DIM_ASSUMED} assumed")
         self.units = corpus.units(config.index.unit)
         self.sizing = self._size(self.units, "index") if self.units else None
         self.nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
-        self.held = sum(b.count * b.gpus for b in self._retrieval())  # search actors and query embedders
+        self.shares = False  # retrieval's actors as shares of the replicas' GPUs (`gpu_layout`)
+        self._decide_gpu_layout()
+        # search actors and query embedders on GPUs of their own (shares beside the replicas hold no whole GPU)
+        self.held = 0.0 if self.shares else sum(b.count * b.gpus for b in self._retrieval())
         self.auto: set[str] = set()
         self._decide_auto_concurrency()
+
+    def _decide_gpu_layout(self) -> None:
+        """The "auto" GPU settings as a command would decide them on this cluster (`gpu_layout.apply_gpu_layout`,
+        the commands' own rule): the generator's tensor-parallel size, retrieval's whole GPUs or shares beside the
+        replicas. The faiss of a GPU cluster is assumed to have GPU support (the project's image installs it)."""
+        from wbrag_ray.cluster_nodes import needs_layout
+        from wbrag_ray.gpu_layout import apply_gpu_layout, holds_whole_gpus, index_on_gpu, tp_candidates
+
+        if not needs_layout(self.c):
+            return
+        self.c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
+        try:
+            on_gpu = index_on_gpu(self.c.index.gpu, self.cluster.gpus, self.cluster.gpus > 0)
+            search = ((self.sizing.groups * self.c.retrieval.concurrency, self.sizing.group_gb * 1e9)
+                      if on_gpu and self.sizing else (0, 0.0))
+            said, layout = apply_gpu_layout(self.c, self.nodes, search, self.cluster.gpu_memory_gb)
+        except ConfigError as exc:
+            self.refusals.append(str(exc))
+            g = self.c.generator
+            if g.tensor_parallel_size == "auto":  # refused: planned at the largest size a node has, to show the rest
+                size = model_size(g.model)
+                most = int(max((n.gpus for n in self.cluster.nodes), default=1) or 1)
+                g.num_gpus = float(max(tp_candidates(size.heads, size.kv_heads, most)) * g.pipeline_parallel_size)
+                g.tensor_parallel_size = int(g.num_gpus) // g.pipeline_parallel_size
+            return
+        self.shares = not holds_whole_gpus(layout)
+        self.warnings += said
 
     def _decide_auto_concurrency(self) -> None:
         """Each "auto" count (`concurrency`, a training's `num_workers`) as a command would decide it on this
@@ -237,7 +287,7 @@ class _Builder:
             stage = Stage("embed", [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
             stage.add_source(source, seconds)
             self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service="embed actor")
+                        service="embed actor", actors=e.concurrency)
             return stage
         if e.num_gpus > 0:
             return Stage("embed", [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)
@@ -263,7 +313,8 @@ class _Builder:
         if s is None or not n:
             return Stage("index", [], "corpus size unknown" if not n else "refused by the sizing rules")
         seconds, how, keys, left_out = index_time(s, n, self.dim, self.cluster.cpus)
-        stage = Stage("index", list(s.bundles), f"{n:,} vectors of {self.dim} dimensions", seconds, how, rates=keys,
+        stage = Stage("index", list(s.bundles), f"{n:,} vectors of {self.dim} dimensions ({self.dim_source})",
+                      seconds, how, rates=keys,
                       more_gpus=KMEANS_GPU,
                       notes=[s.describe(), f"retrieval service: {s.groups} search actor group(s) of up to "
                              f"{s.group_gb:,.3g} GB (retrieval.actor_memory_gb={self.c.retrieval.actor_memory_gb})"])
@@ -284,9 +335,10 @@ class _Builder:
     def _passes(self, method: str) -> list[Pass]:
         """The generator passes a method makes per question, at most: (calls, documents a prompt, new tokens,
         mixture). Self-RAG: its retrieval judgement, a relevance judgement per document (one token each) and the
-        answer; FLARE: a look-ahead and a rewrite with documents per round; RePlug on a backend that decodes
-        mixtures: one group of K one-document prompts."""
+        answer; FLARE: a look-ahead and a rewrite with documents per round, each decoding rag.flare's
+        look_ahead_tokens; RePlug on a backend that decodes mixtures: one group of K one-document prompts."""
         k, rounds, doc = self.c.retrieval.top_k, self.c.rag.flare.max_rounds, self._doc_tokens
+        look = self.c.rag.flare.look_ahead_tokens  # both FLARE passes decode its look-ahead (`rag.flare`)
         replug = ([Pass(1, k, mixture=True, doc_tokens=doc)] if self.c.generator.backend == "hf"
                   else [Pass(k, 1, doc_tokens=doc)])
         judge = template_of(lambda q, _: prompts.retrieval_judge_messages(q))  # few-shot, as the relevance judge
@@ -294,7 +346,7 @@ class _Builder:
                 "replug-vote": [Pass(k, 1, doc_tokens=doc)],
                 "self-rag": [Pass(1, 0, 1, template=judge), Pass(k, 1, 1, doc_tokens=doc, template=self._relevance_template),
                              Pass(1, k, doc_tokens=doc)],
-                "flare": [Pass(rounds, 0), Pass(rounds, k, doc_tokens=doc)]}[method]
+                "flare": [Pass(rounds, 0, look), Pass(rounds, k, look, doc_tokens=doc)]}[method]
 
     @property
     def _doc_tokens(self) -> float:
@@ -316,22 +368,24 @@ class _Builder:
         return retrieval_bundles(self.sizing, c.index, c.retrieval, c.embedder, self.cluster)
 
     def _model_stage(self, name: str, g: GeneratorConfig, questions: int | None, passes: list[Pass], work: str,
-                     retrieval: bool, key: str = "generator") -> Stage:
+                     retrieval: bool, key: str = "generator", kinds: dict | None = None) -> Stage:
         """A stage of generator passes: `questions` x each pass's calls on the service of `g`, beside the
-        retrieval service when it searches; the services' start where this is the first stage to ask for them."""
+        retrieval service when it searches; the services' start where this is the first stage to ask for them.
+        `kinds`: a calibration record whose prompt kinds (points) time the passes of that kind."""
         bundles, notes, refusals = generator_bundles(g, key, self.cluster)
         stage = Stage(name, bundles + (self._retrieval() if retrieval else []), work, 0.0, notes=notes,
                       refusals=refusals, more_gpus=self._more(key))
         if questions is None:
             stage.seconds, stage.how = None, "questions not counted: no time"
             return stage
-        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend)
+        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
+                    actors=g.concurrency)
         if retrieval:
             e = self.c.retrieval.query_embedder(self.c.embedder)
             self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service="query embedder")
+                        service="query embedder", actors=self.c.retrieval.concurrency)
         for p in passes:
-            self._add_time(stage, g, round(questions * p.calls), p)
+            self._add_time(stage, g, round(questions * p.calls), p, kinds=kinds)
         return stage
 
     def _services_end(self) -> None:
@@ -341,14 +395,18 @@ class _Builder:
         self.timing.started.clear()
 
     def _start(self, stage: Stage, role: str, model: str, num_gpus: float, dtype: str, threads: int,
-               backend: str | None = None, service: str | None = None) -> None:
-        seconds, how = self.timing.service_start(role, model, num_gpus, dtype, threads, backend, service)
+               backend: str | None = None, service: str | None = None, actors: int = 1) -> None:
+        """Add a service's start (its `actors`, spread over the cluster's nodes, loading the model at once)."""
+        per_node = max(1, math.ceil(actors / max(1, len(self.cluster.nodes))))
+        seconds, how, source = self.timing.service_start(role, model, num_gpus, dtype, threads, backend, service,
+                                                         actors, per_node)
         if seconds:
             stage.seconds = None if stage.seconds is None else stage.seconds + seconds
             stage.how = f"{stage.how}; {how}" if stage.how else how
-            stage.add_source("calibrated", seconds)
+            stage.add_source(source, seconds)
 
-    def _add_time(self, stage: Stage, g: GeneratorConfig, calls: int | None, p: Pass, label: str = "") -> None:
+    def _add_time(self, stage: Stage, g: GeneratorConfig, calls: int | None, p: Pass, label: str = "",
+                  kinds: dict | None = None) -> None:
         if calls is None:
             seconds, how, source = None, "questions not counted: no time", None
         elif g.backend == "openai":  # the endpoint's own rate: a stated latency and output speed, per request
@@ -357,8 +415,9 @@ class _Builder:
             how = (f"estimate: {calls:,} calls to the endpoint x ({ENDPOINT_LATENCY_S:g} s + {p.new_tokens or g.max_new_tokens}"
                    f" tokens at {ENDPOINT_TOKENS_PER_S:g}/s) / {g.concurrency} in flight")
         else:
+            point = next((pt for pt in (kinds or {}).get("points", []) if pt["shape"] == p.kind), None)
             seconds, how, source = self.timing.generation(g, calls, p.docs, p.new_tokens, p.doc_tokens, p.mixture,
-                                                          p.template, p.question)
+                                                          p.template, p.question, point)
         stage.seconds = None if seconds is None or stage.seconds is None else stage.seconds + seconds
         stage.how = f"{stage.how}; {label}{how}" if stage.how else label + how
         stage.add_source(source, seconds)
@@ -366,25 +425,64 @@ class _Builder:
             stage.rates += ("closed_book",) if p.docs == 0 and not p.mixture else (f"rag_prompt_{g.backend}",)
 
     def writeback(self) -> Stage:
-        wb, k = self.c.writeback, self.c.retrieval.top_k
+        """s_nr and s_rag for every training question; for the share the utility gate keeps, the document gate's
+        answer from each of the K documents alone (none for replug-vote, whose slots are those answers), the
+        distiller's extraction from the retained documents and its rewrite. The keep rate, retained documents and
+        the distiller's calls are measured on the config's own data where calibrated (`selection`), else the
+        paper's stated figures for its dataset, else the demo's, each said so."""
+        wb, k, g = self.c.writeback, self.c.retrieval.top_k, self.c.generator
         q, counted = question_count(wb.train, wb.limit)
-        kept = RATES["writeback_selection"].value
-        passes = [Pass(1, 0), *self._passes(wb.rag_method),  # s_nr, s_rag
-                  Pass(k * kept, 1, doc_tokens=self._doc_tokens, template=self._relevance_template),  # the
-                  # document gate: a judgement a document; extract from the retained documents (at most K), then
-                  # rewrite what was extracted
-                  Pass(kept, k, wb.extract_max_new_tokens, doc_tokens=self._doc_tokens,
-                       template=template_of(prompts.extract_messages, k)),
-                  Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens,
-                       template=template_of(lambda q, _: prompts.rewrite_messages(q, "")))]
+        measured = self.timing.writeback_record(g, wb.train, k)
+        kept, retained, why = self._keep_rate(measured)
+        extract = Pass(kept, round(retained), wb.extract_max_new_tokens, doc_tokens=self._doc_tokens,
+                       template=template_of(prompts.extract_messages, round(retained)), kind="extract")
+        rewrite = Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens,
+                       template=template_of(lambda q, _: prompts.rewrite_messages(q, "")), kind="rewrite")
+        # the document gate answers each document alone, in the RAG prompt (`rag.expand`'s replug-vote rows)
+        gate = [] if wb.rag_method == "replug-vote" else [Pass(k * kept, 1, doc_tokens=self._doc_tokens)]
+        passes = [Pass(1, 0), *self._passes(wb.rag_method), *gate, extract, rewrite]
         calls = sum(p.calls for p in passes)
-        stage = self._model_stage("write-back training", self.c.generator, q, passes,
-                                  f"questions: {counted}; about {calls:.3g} generator calls each (s_nr, "
-                                  f"{wb.rag_method} s_rag; for the {kept:.0%} the utility gate keeps [writeback_"
-                                  f"selection]: the document gate over K={k}, extract + rewrite)", True)
-        stage.rates += ("writeback_selection",)
+        total = f", {q * calls:,.0f} in all" if q else ""
+        stage = self._model_stage("write-back training", g, q, passes,
+                                  f"questions: {counted}; about {calls:.3g} generator calls each{total} (s_nr, "
+                                  f"{wb.rag_method} s_rag; for the {kept:.1%} the utility gate keeps ({why}): "
+                                  f"the document gate over K={k}, extract from {retained:.2g} retained documents, "
+                                  "rewrite)", True, kinds=measured)
+        if measured is None:
+            stage.rates += ("writeback_selection",) if "demo" in why else ("writeback_selection_nq",)
+        else:
+            first = sum(max(0.0, pt.get("first_use_seconds", 0.0)) for pt in measured["points"])
+            stage.seconds = None if stage.seconds is None else stage.seconds + first
+            stage.how += f"; the distiller's prompt shapes' first use {first:.0f} s [calibrated]"
+            stage.add_source("calibrated", first)
+        paper = RATES["writeback_calls_nq"]
+        if measured is None and "paper" in why and q:
+            stage.notes.append(f"the paper states about {paper.value:,.0f} generator calls for NQ's training set "
+                               f"[writeback_calls_nq] (its distiller one call a kept example); this plan counts "
+                               f"{q * calls:,.0f} (extraction and rewrite two calls, as `writeback.distill` runs)")
+            stage.rates += ("writeback_calls_nq",)
         stage.notes.append(f"the units are embedded with the embedder's actors and indexed ({wb.index_factory})")
         return stage
+
+    def _keep_rate(self, measured: dict | None) -> tuple[float, float, str]:
+        """(the utility gate's keep rate, documents the document gate retains, where they come from)."""
+        wb, k = self.c.writeback, self.c.retrieval.top_k
+        if measured is not None:
+            lo, hi = measured["keep_interval"]
+            return (measured["keep_rate"], measured["retained_docs"],
+                    f"{measured['kept']} of {measured['questions']} sampled, 95% interval {lo:.0%}-{hi:.0%} "
+                    "[calibrated]")
+        from wbrag_ray.formats import dataset_name
+
+        if dataset_name(wb.train) == "nq" and "train" in wb.train.rsplit("/", 1)[-1] and k == 5:
+            return (RATES["writeback_selection_nq"].value, k,
+                    "the paper's NQ figure [writeback_selection_nq]; assumed: `wbrag plan --calibrate` measures it "
+                    "where the training set is local; retained documents assumed K")
+        self.warnings.append("write-back: the utility gate's keep rate is the demo's "
+                             f"{RATES['writeback_selection'].value:.1%} [writeback_selection], and the distiller's "
+                             "calls are timed at their max_new_tokens: `wbrag plan CONFIG --calibrate` measures them "
+                             "on this config's own training questions and corpus")
+        return RATES["writeback_selection"].value, k, "the demo's [writeback_selection], assumed; retained K assumed"
 
     def evaluation(self, writeback: bool) -> Stage:
         ev = self.c.eval
@@ -416,7 +514,7 @@ class _Builder:
                                        False)
             e = c.retrieval.query_embedder(c.embedder)
             self._start(router, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service="query embedder")
+                        service="query embedder", actors=c.retrieval.concurrency)
             out.append(router)
         if c.eval.dataset:
             n, counted = question_count(c.eval.dataset, c.eval.limit)
@@ -467,6 +565,11 @@ class _Builder:
                                   f"calls, {answers:,} closed-book answers", False)
         if written:  # the QA writer's prompts hold the sentence and its answers run long: the RAG-prompt rate
             writer = z.qa_generator or g
+            if writer is not g and (writer.backend == "openai" or not writer.num_gpus) and stage.seconds is not None:
+                # the generator's GPUs are held for the answer pass only: the writer's API (or CPU) pass runs first
+                stage.held_seconds = stage.seconds
+                stage.notes.append(f"the generator's GPUs are held for the answer pass only ({stage.seconds:,.0f} s; "
+                                   "the QA pairs are written first, without them)")
             if z.qa_generator is not None:
                 bundles, notes, refusals = generator_bundles(writer, "zerorag.qa_generator", self.cluster)
                 stage.bundles += bundles
@@ -486,9 +589,15 @@ class _Builder:
             return Stage("pruner training (embedding head)", [], f"a head on {fit:,} stored vectors, in the driver",
                          HEAD_SECONDS, f"small: about {HEAD_SECONDS:g} s (a head on stored vectors)")
         lm = z.lm_pruner
-        return self._training("pruner training (LM regressor)", lm.backbone, lm, fit, "zerorag.lm_pruner")
+        # its rows are `title: sentence`, no chat template (`zerorag.prune`), cut at max_length
+        row = min(lm.max_length, self.timing.shape.title + 1 + self._sentence_tokens())
+        return self._training("pruner training (LM regressor)", lm.backbone, lm, fit, "zerorag.lm_pruner", row,
+                              f"rows of `title: sentence`, {row:,.0f} tokens")
 
-    def _training(self, name: str, model: str, section, examples: int, key: str) -> Stage:
+    def _training(self, name: str, model: str, section, examples: int, key: str, row_tokens: float,
+                  rows: str) -> Stage:
+        """A Ray Train stage of `examples` rows of `row_tokens` each as the trainer pads them (`rows`: what they
+        are): its compute, on GPUs its collectives and the model's load, and Ray Train's start."""
         from wbrag_ray.training.workers import plan_steps
 
         trainer = section.trainer
@@ -499,29 +608,51 @@ class _Builder:
             steps, batch = plan_steps(section, examples, trainer.num_workers)
         except (ConfigError, ValueError) as exc:
             return Stage(name, bundles, f"{examples:,} examples", refusals=[f"{name}: {exc}"], more_gpus=more)
-        seconds, how, source = self.timing.training(model, trainer, section.threads, steps, batch,
-                                                    section.max_length, self.c.generator.model)
+        seconds, how, source, parts = self.timing.training(model, trainer, section.threads, steps, batch, row_tokens,
+                                                           self.c.generator.model, section)
         keys: tuple = ()
         if seconds is None:
-            seconds, how, keys = training_time(model, trainer, steps, batch, section.max_length)
+            seconds, how, keys = training_time(model, trainer, steps, batch, row_tokens)
             source = "benchmark" if keys else None
         capped = f", capped by {key}.max_steps" if section.max_steps and steps == section.max_steps else ""
         stage = Stage(name, bundles, f"{examples:,} examples: {steps:,} steps of {batch}{capped}, "
-                      f"{trainer.num_workers} worker(s)", seconds, how, rates=keys, more_gpus=more)
+                      f"{trainer.num_workers} worker(s); {rows}: {steps * batch * row_tokens:,.0f} tokens",
+                      seconds, how, rates=keys, more_gpus=more)
         stage.add_source(source, seconds)
-        if seconds is not None and source == "calibrated":  # Ray Train's workers start and load the model
-            start = self.timing.record("training", self.c.generator.model, trainer.num_gpus, training_dtype(trainer.num_gpus),
-                                       threads_of(trainer.num_cpus, section.threads))
-            measured = start.get("train_start_seconds")  # a fit with a loop that does nothing, where calibrated
-            train_start = TRAIN_START if measured is None else measured
-            stage.seconds += train_start + start.get("load_seconds", 0.0)
-            stage.how += (f"; Ray Train start {train_start:.0f} s "
-                          f"{'[train_start]' if measured is None else '[calibrated]'} + model load "
-                          f"{start.get('load_seconds', 0.0):.0f} s")
-            if measured is None:
-                stage.rates += ("train_start",)
-            stage.add_source("benchmark" if measured is None else "calibrated", train_start)
+        if seconds is None:
+            return stage
+        # Ray Train's controller, worker group and process group, measured where calibrated; the model's load is
+        # the calibrated worker's (measured), or in the estimate already
+        rec = self.timing.record("training", self.c.generator.model, trainer.num_gpus,
+                                 training_dtype(trainer.num_gpus), threads_of(trainer.num_cpus, section.threads))
+        measured = (rec or {}).get("train_start_seconds") if source == "calibrated" else None
+        train_start = TRAIN_START if measured is None else measured
+        load = (rec or {}).get("load_seconds", 0.0) if source == "calibrated" else 0.0
+        stage.seconds += train_start + load
+        stage.how += (f"; Ray Train start {train_start:.0f} s {'[train_start]' if measured is None else '[calibrated]'}"
+                      + (f" + model load {load:.0f} s" if source == "calibrated" else ""))
+        if measured is None:
+            stage.rates += ("train_start",)
+        stage.add_source("benchmark" if measured is None else "calibrated", train_start)
+        if len(parts) > 1:  # the estimate's parts, each on its own line of the plan
+            stage.notes.append("time by part: " + ", ".join(f"{k} {v:,.0f} s" for k, v in parts.items())
+                               + f", Ray Train start {train_start:.0f} s")
         return stage
+
+    def _tuning_row_tokens(self) -> tuple[float, str]:
+        """A tuning step's rows as the trainer pads them: relevant and distracting rows hold docs_per_format
+        documents (the index unit's), the retrieval-free row none; each worker pads to its longest row and the
+        step waits for the slowest, so a step costs its longest row, nearly always a row with documents (all
+        `batch` rows without: 1 in 3^batch), each at most max_length."""
+        t, g = self.c.zerorag.tune, self.c.generator
+        d = t.docs_per_format or self.c.retrieval.top_k
+        answer = (g.max_new_tokens if t.targets == "own" else ANSWER_TOKENS) + 1  # the answer and its end token
+        with_docs = min(t.max_length, self.timing.shape.prompt(d, self._doc_tokens) + answer)
+        without = min(t.max_length, self.timing.shape.prompt(0) + answer)
+        none_only = (1 / 3) ** max(1, min(t.batch_size, 64))
+        padded = with_docs * (1 - none_only) + without * none_only
+        return padded, (f"rows of {with_docs:,.0f} tokens ({d} documents) and {without:,.0f} (none), a step at its "
+                        f"longest")
 
     def prediction(self) -> Stage:
         z, n = self.c.zerorag, self.corpus.sentences
@@ -540,9 +671,9 @@ class _Builder:
         bundle = Bundle("LM pruner actor", lm.concurrency, lm.num_cpus, lm.num_gpus, None if on_gpu else memory,
                         memory if on_gpu else None, detail=size.describe(), fix="lower zerorag.lm_pruner.concurrency")
         more = self._more("zerorag.lm_pruner")
-        if on_gpu and n and size.params:  # a forward pass over each sentence (and its prompt), like an encoder's
-            seconds, how = encode_seconds(self.timing.gpu, size.params, n, template_tokens(False) + self._sentence_tokens(),
-                                          lm.num_gpus, lm.concurrency)
+        if on_gpu and n and size.params:  # a forward pass over each `title: sentence` (no chat template), as an encoder's
+            tokens = min(lm.max_length, self.timing.shape.title + 1 + self._sentence_tokens())
+            seconds, how = encode_seconds(self.timing.gpu, size.params, n, tokens, lm.num_gpus, lm.concurrency)
             stage = Stage("prediction (LM pruner)", [bundle], work, seconds, how, more_gpus=more)
             stage.add_source("estimate", seconds)
             return stage
@@ -563,13 +694,13 @@ class _Builder:
         sizing = self._size(kept, name)
         rate = RATES["prune"]
         at_once = self._parallel(max(1, math.ceil(n / self.c.zerorag.checkpoint_rows)))
-        stage = Stage(name, list(sizing.bundles) if sizing else [], f"{n:,} sentences -> {kept:,} kept",
+        # the pruned index is the trained one without the dropped ids (`index.prune`): no k-means, CPU tasks only
+        tasks = [b for b in sizing.bundles if b.what != "index train task"] if sizing else []
+        stage = Stage(name, tasks, f"{n:,} sentences -> {kept:,} kept",
                       n / (rate.value * at_once), f"{n:,} / ({rate.value:,g} per CPU-second [prune] x {at_once:g} CPUs)",
-                      notes=[f"pruned index: {sizing.describe()}"] if sizing else [], rates=("prune",),
-                      more_gpus=KMEANS_GPU)
+                      notes=[f"pruned index: {sizing.describe()}; its quantizer is the full index's (no k-means)"]
+                      if sizing else [], rates=("prune",))
         stage.add_source("benchmark", stage.seconds)
-        if sizing and sizing.nlist and sizing.bundles[0].gpus:  # the pruned index's k-means, on a GPU
-            self._kmeans_on_gpu(stage, sizing)
         return stage
 
     def _kmeans_on_gpu(self, stage: Stage, sizing: IndexSizing) -> None:
@@ -587,11 +718,13 @@ class _Builder:
                          search_time(q, self.sizing, self.c.retrieval) if self.sizing else None,
                          "CPU search rate [search] x the search actors' CPUs" if q else "questions not counted",
                          rates=("search",) if q else (), more_gpus=RETRIEVAL_GPUS)
+        row, rows = self._tuning_row_tokens()
         if q:  # relevant, distracting and no documents: at most three rows a question
             return [retrieve, self._own_answers(self._training("tuning: LoRA training", g.model, t, 3 * q,
-                                                               "zerorag.tune"), q)]
+                                                               "zerorag.tune", row, rows), q)]
         if t.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
-            stage = self._training("tuning: LoRA training", g.model, t, t.max_steps * t.batch_size, "zerorag.tune")
+            stage = self._training("tuning: LoRA training", g.model, t, t.max_steps * t.batch_size, "zerorag.tune",
+                                   row, rows)
             stage.work = f"questions not counted: at most {stage.work.split(': ', 1)[-1]}"
             return [retrieve, self._own_answers(stage, None)]
         bundles, warn = training_bundles(g.model, t.trainer, "zerorag.tune.trainer", self.cluster.gpu_memory_gb)

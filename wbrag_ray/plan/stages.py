@@ -39,6 +39,9 @@ class Stage:
     more_gpus: str = ""
     fits: bool = True  # set by the plan: its bundles place on the cluster and no rule refused it
     task_gpu_seconds: float = 0.0  # GPU-seconds of its tasks (the index's k-means on one GPU), where estimated
+    # seconds its actors' GPUs are held, where that is less than the stage (mastery's answer pass after an API
+    # wrote the QA pairs); None: all of it
+    held_seconds: float | None = None
 
     @property
     def gpus(self) -> float:
@@ -49,12 +52,14 @@ class Stage:
 
     @property
     def gpu_hours(self) -> float | None:
-        """GPU-hours of the stage: its actors' and workers' GPUs for its time, and its GPU tasks' own time (the
-        index's k-means); None where it has no time, or where its GPUs are a task's it has no time for."""
+        """GPU-hours of the stage: its actors' and workers' GPUs for the time they are held (`held_seconds`, else
+        its time), and its GPU tasks' own time (the index's k-means); None where it has no time, or where its GPUs
+        are a task's it has no time for."""
         resident = sum(b.gpus * b.count for b in self.bundles if b.kind != "task")
         if self.seconds is None or (self.gpus and not resident and not self.task_gpu_seconds):
             return None
-        return (resident * self.seconds + self.task_gpu_seconds) / 3600
+        held = self.seconds if self.held_seconds is None else self.held_seconds
+        return (resident * held + self.task_gpu_seconds) / 3600
 
     # seconds of the stage's time by where their rate came from (calibrated, benchmark, estimate)
     sources: dict[str, float] = field(default_factory=dict)
@@ -122,7 +127,7 @@ def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[l
                             "heads (vLLM shards heads evenly); choose a divisor")
         return [Bundle(f"{key} service actor", g.concurrency, g.num_cpus, fix=f"lower {key}.concurrency"),
                 Bundle(f"{key} tensor-parallel group", g.concurrency * pp, GPU_BUNDLE["CPU"] * tp,
-                       GPU_BUNDLE["GPU"] * tp, gpu_memory_gb=memory / (tp * pp) if memory else None, gpu_budget=util,
+                       GPU_BUNDLE["GPU"] * g.gpu_share * tp, gpu_memory_gb=memory / (tp * pp) if memory else None, gpu_budget=util,
                        fix_node=f"lower {key}.tensor_parallel_size and raise pipeline_parallel_size (stages may sit "
                        f"on different nodes), or use nodes of {tp} GPUs", **fixes)], notes, refusals
     what = f"{key} actor ({g.backend})"
@@ -311,7 +316,7 @@ def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: Retrieval
     queries."""
     from wbrag_ray.retrieval.service import search_actor_memory
 
-    gpu = retrieval.search_gpus if ic.gpu and cluster.gpus > 0 else 0.0
+    gpu = retrieval.search_share if ic.gpu is not False and cluster.gpus > 0 else 0.0
     memory = search_actor_memory(sizing.group_gb * 1e9) / 1e9  # what SearchPool.start declares
     return [Bundle("search actor", sizing.groups * retrieval.concurrency, retrieval.search_cpus, gpu, memory,
                    fix="lower retrieval.concurrency" + (" or set index.gpu: false (search on CPUs)" if gpu else ""),

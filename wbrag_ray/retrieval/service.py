@@ -132,20 +132,28 @@ def _manifest_shards(index_dir: str) -> tuple[dict[str, Any], list[dict[str, Any
     return manifest, shards
 
 
-def search_gpus(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> float:
-    """The GPUs the search pool of the index at `index_dir` will hold, by `SearchPool.start`'s rule:
-    `retrieval.search_gpus` per search actor (shard groups x replicas) where index.gpu is set, the cluster has
-    GPUs and faiss can use them; 0 where the index is not built yet."""
+def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> tuple[int, float]:
+    """The search actors the pool of the index at `index_dir` will start on GPUs, by `SearchPool.start`'s rule
+    (shard groups x replicas where `gpu_layout.index_on_gpu`), and the bytes of the largest group: (0, 0) where
+    they search on CPUs or the index is not built yet."""
     import ray
 
-    if not (index.gpu and ray.cluster_resources().get("GPU", 0) > 0 and faiss_has_gpu()):
-        return 0
+    from wbrag_ray.gpu_layout import index_on_gpu
+
+    if not index_on_gpu(index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu()):
+        return 0, 0.0
     try:
         shards = _manifest_shards(index_dir)[1]
     except IndexError_:
-        return 0
-    return len(shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))) * retrieval.concurrency * \
-        retrieval.search_gpus
+        return 0, 0.0
+    groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
+    return len(groups) * retrieval.concurrency, float(max(sum(shards[i]["bytes"] for i in g) for g in groups))
+
+
+def search_gpus(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> float:
+    """The GPUs the search pool of the index at `index_dir` will hold: `retrieval.search_gpus` per search actor
+    (`search_actors`)."""
+    return search_actors(index_dir, index, retrieval)[0] * retrieval.search_share
 
 
 def _unwrap(exc: Exception) -> Exception:
@@ -176,24 +184,23 @@ class SearchPool:
 
         manifest, shards = _manifest_shards(index_dir)
         groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
-        use_gpu = bool(index.gpu and ray.cluster_resources().get("GPU", 0) > 0)
-        if use_gpu and not faiss_has_gpu():
-            import faiss
+        from wbrag_ray.gpu_layout import index_on_gpu
 
-            # a GPU per search actor that faiss cannot use would idle beside a CPU search: none is reserved
-            log.warning("index.gpu is set, but this faiss (%s) has no GPU support: the search actors reserve no GPU "
-                        "and search on the CPU (install faiss-gpu, as the project's image does)", faiss.__version__)
-            use_gpu = False
+        # index.gpu true where no GPU search can run is refused; auto searches on CPUs there (a GPU reserved per
+        # search actor that faiss cannot use would idle beside a CPU search)
+        use_gpu = index_on_gpu(index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
+        if index.gpu == "auto" and not use_gpu and ray.cluster_resources().get("GPU", 0) > 0:
+            log.info("index.gpu auto: this faiss has no GPU support, the search actors search on CPUs")
         nprobe, ef_search = measured_settings(manifest, index.nprobe, index.ef_search)  # 'auto': what the build measured
         search = {"nprobe": nprobe, "ef_search": ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
         threads = max(1, math.ceil(retrieval.search_cpus))
-        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
+        from wbrag_ray.cluster_nodes import beside_generator, pool_refusal, refuse_unplaceable
         from wbrag_ray.waits import wait_placed
 
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
         # largest shard group sizes the memory each asks for)
         most = max(search_actor_memory(sum(shards[i]["bytes"] for i in g)) for g in groups)
-        need = {"CPU": retrieval.search_cpus, "GPU": retrieval.search_gpus if use_gpu else 0.0, "memory": most}
+        need = {"CPU": retrieval.search_cpus, "GPU": retrieval.search_share if use_gpu else 0.0, "memory": most}
         refuse_unplaceable(lambda nodes: pool_refusal(
             "the search pool", len(groups) * retrieval.concurrency, need, nodes, len(groups)))
         make_room(need, len(groups) * retrieval.concurrency, index_dir=index_dir)  # from what a command before left up
@@ -201,9 +208,9 @@ class SearchPool:
         for group in groups:
             held = sum(shards[i]["bytes"] for i in group)
             remote = ray.remote(
-                num_cpus=retrieval.search_cpus, num_gpus=retrieval.search_gpus if use_gpu else None,
+                num_cpus=retrieval.search_cpus, num_gpus=retrieval.search_share if use_gpu else None,
                 memory=search_actor_memory(held), max_restarts=-1, max_task_retries=3,
-            )(SearchActor)
+            )(SearchActor).options(**beside_generator(retrieval.search_share if use_gpu else 0.0))
             files = [shards[i]["file"] for i in group]
             counts = [shards[i].get("count") for i in group]
             actors.append([start_restartable(remote, index_dir, files, counts, int(manifest["dim"]), search, threads)
@@ -337,7 +344,8 @@ class RetrievalService:
         check_comparable([(m.pool.index_dir, m.pool.manifest) for m in members])
         self.members = members
         self.pools = [m.pool for m in members]
-        self.union = union or UnionRule()
+        # `auto`: the rule the write-back version chose, read once here (the driver) and sent with the service
+        self.union = (union or UnionRule()).resolved([resolve(m.pool.index_dir) for m in members if m.source != BASE])
         self.base_unit = union_base_unit([(m.source, m.pool.manifest) for m in members])
 
     @property

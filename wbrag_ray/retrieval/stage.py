@@ -37,6 +37,7 @@ class RetrieveStage(Stage):
     name = "retrieve"
     section = "retrieval"
     gpu_setting = "retrieval.embed_gpus"  # the query embedder's GPUs (embedder.num_gpus where unset)
+    beside_generator = True
     output_columns = ("docs",)
 
     def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,
@@ -102,6 +103,7 @@ class PassageVectorsStage(Stage):
     name = RetrieveStage.name  # the retrieval service's actors run it
     section = RetrieveStage.section
     gpu_setting = RetrieveStage.gpu_setting
+    beside_generator = True
     input_columns = ("id", "text")
     output_columns = ("id", "vector")
 
@@ -138,6 +140,7 @@ class QueryVectorsStage(Stage):
     name = RetrieveStage.name  # the retrieval service's actors run it (a retrieval pass after it loads its own)
     section = RetrieveStage.section
     gpu_setting = RetrieveStage.gpu_setting
+    beside_generator = True
     input_columns = ("question",)
     output_columns = ("vector",)
 

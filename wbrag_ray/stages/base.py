@@ -58,6 +58,9 @@ class Stage(ABC):
     section: ClassVar[str | None] = None  # the config section that sizes its pool, as messages name it
     # the setting of its GPUs, as messages name it, where it is not `<section>.num_gpus`
     gpu_setting: ClassVar[str | None] = None
+    # a retrieval actor that sits beside the generator's replicas: started where its GPUs break the fewest
+    # tensor-parallel groups (`cluster_nodes.beside_generator`)
+    beside_generator: ClassVar[bool] = False
     input_columns: ClassVar[tuple[str, ...]] = ()
     output_columns: ClassVar[tuple[str, ...]] = ()
     # "pandas" for text work; "pyarrow" where a batch is mostly vectors (no per-row Python objects).

@@ -182,8 +182,12 @@ class StageService:
 
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
+        from wbrag_ray.cluster_nodes import beside_generator
+
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls, **res.remote_args())(_ServiceWorker)
+        if stage.beside_generator:
+            remote = remote.options(**beside_generator(res.num_gpus))
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
         self._dispatch = None  # started by the first Ray Data pass (`apply`): `run_frame` counts in the driver
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)

@@ -1,0 +1,146 @@
+"""The GPU placement rules (wbrag_ray.gpu_layout) on simulated inventories: one GPU, two H200s (the WriteBack-RAG
+paper's), one node of 8 and 4 nodes of 8 (the paper configs'). No GPU is used: every rule is a function of the
+nodes' GPU counts and a GPU's memory, as the commands apply them to Ray's nodes and `wbrag plan` to the stated
+cluster; the plan of each paper config on each shape is checked end to end through `make_plan`."""
+
+import pytest
+
+from wbrag_ray.config import ConfigError, load_config
+from wbrag_ray.gpu_layout import (
+    RetrievalActors,
+    apply_gpu_layout,
+    best_fit_node,
+    gpu_layout,
+    gpu_memory_of,
+    index_on_gpu,
+    retrieval_node,
+    share_of,
+    tensor_parallel_auto,
+    tp_candidates,
+)
+from wbrag_ray.plan.models import model_size
+
+PAPER_WRITEBACK = "jobs/configs/paper_writeback.yaml"
+PAPER_ZERO_RAG = "jobs/configs/paper_zero_rag.yaml"
+SHAPES = {"1x1 H100": (1, 1, 80.0), "1x2 H200": (1, 2, 141.0), "1x8 H100": (1, 8, 80.0), "4x8 H100": (4, 8, 80.0)}
+RETRIEVAL = [RetrievalActors("search actor", 1, 3.3), RetrievalActors("query embedder", 1, 0.3)]
+
+
+def test_tensor_parallel_sizes_vllm_can_shard_divide_the_heads_or_replicate_the_kv_heads():
+    assert tp_candidates(64, 8, 8) == [1, 2, 4, 8]  # Llama-3.3-70B
+    assert tp_candidates(9, 3, 8) == [1, 3]  # SmolLM2-135M: 2 divides neither 9 heads nor 3 KV heads
+    assert tp_candidates(4, 1, 8) == [1, 2, 4]  # Gemma-3-270M: one KV head, replicated on every rank
+
+
+def test_tensor_parallel_auto_is_the_fewest_gpus_of_a_node_that_hold_a_70b_and_its_kv_cache():
+    llama70 = model_size("meta-llama/Llama-3.3-70B-Instruct")
+    assert tensor_parallel_auto(llama70, [2], 141.0, 0.85, 64, 1032) == 2  # two H200s hold 141 GB of weights
+    assert tensor_parallel_auto(llama70, [8], 80.0, 0.85, 64, 1032) == 4
+    assert tensor_parallel_auto(model_size("meta-llama/Llama-3.1-8B-Instruct"), [1], 80.0, 0.85, 64, 1032) == 1
+    with pytest.raises(ConfigError, match=r"^generator.tensor_parallel_size auto: .* needs 141 GB of bf16 weights .*"
+                                          r"4 GPUs of one node of 80 GB .* the largest node has 1 GPU"):
+        tensor_parallel_auto(llama70, [1], 80.0, 0.85, 64, 1032)
+
+
+def test_retrieval_takes_whole_gpus_only_where_that_costs_at_most_one_replica_in_eight():
+    """4 x 8 keeps the paper configs' layout (a whole GPU each; 30 one-GPU replicas, or 7 of 8 four-GPU ones);
+    every smaller shape gives retrieval shares beside every replica, which then asks for what they leave."""
+    whole = gpu_layout([8] * 4, 80.0, 1, None, RETRIEVAL, 0.85)
+    assert whole.whole and whole.replicas == 30 and whole.shares == (1.0, 1.0)
+    assert gpu_layout([8] * 4, 80.0, 4, None, RETRIEVAL, 0.85).replicas == 7
+    for nodes, group, replicas in (([1], 1, 1), ([2], 1, 2), ([8], 1, 8), ([8], 4, 2), ([2], 2, 1)):
+        layout = gpu_layout(nodes, 80.0, group, None, RETRIEVAL, 0.85)
+        assert not layout.whole and layout.replicas == replicas, (nodes, group, layout)
+        assert layout.shares == (share_of(3.3, 80.0), share_of(0.3, 80.0)) == (0.06, 0.02)
+        # the shares fit beside the replicas on the GPUs, and vLLM leaves them their memory
+        assert layout.replica_gpu + max(layout.shares) <= 1.0 + 1e-9
+        assert layout.utilization <= layout.replica_gpu
+    one = gpu_layout([1], 80.0, 1, None, RETRIEVAL, 0.85)
+    assert one.replica_gpu == pytest.approx(0.92)  # both shares on the one GPU
+
+
+def test_retrieval_too_large_for_a_share_runs_on_cpus_or_is_refused_where_gpu_search_was_demanded():
+    huge = [RetrievalActors("search actor", 1, 40.0)]
+    layout = gpu_layout([1], 80.0, 1, None, huge, 0.85)
+    assert layout.shares == (0.0,) and "retrieval on CPUs" in layout.why
+    with pytest.raises(ConfigError, match="set index.gpu: auto"):
+        gpu_layout([1], 80.0, 1, None, huge, 0.85, on_cpus_ok=False)
+
+
+def test_retrievals_whole_gpus_go_to_the_node_where_they_break_the_fewest_tensor_parallel_groups():
+    """Defect 3 of issue 66: spread over nodes by Ray's default scheduler, 3 search / embedder GPUs on 4 x 8 with
+    4-GPU replicas left 4 whole groups, not the 7 counted; on one node they cost one group."""
+    assert retrieval_node([8, 8, 8, 8], 4, 3) == 0
+    assert retrieval_node([8, 7, 8], 4, 3) == 1  # 3 of 7 GPUs leave its one group whole: nothing lost
+    assert retrieval_node([2, 2], 4, 3) is None
+    # at run time, each retrieval actor starts on the node with the fewest free GPUs that hold it: after 7 replicas
+    # of 4 GPUs on 4 x 8, the node with 4 free; on a fresh cluster the search actor's node, then the embedder's too
+    assert best_fit_node({"a": 0.0, "b": 4.0, "c": 0.0, "d": 0.0}, 1.0) == "b"
+    assert best_fit_node({"a": 8.0, "b": 7.0, "c": 8.0}, 1.0) == "b"
+    assert best_fit_node({"a": 0.5}, 1.0) is None
+
+
+def test_index_gpu_true_without_a_gpu_search_is_refused_and_auto_says_cpus():
+    """Defect 6 of issue 66: a run that asked for GPU search no longer runs at CPU speed without a word."""
+    assert index_on_gpu("auto", 0, False) is False and index_on_gpu("auto", 8, True) is True
+    assert index_on_gpu(False, 8, True) is False
+    with pytest.raises(ConfigError, match=r"^index.gpu: true, but the cluster has no GPU; set index.gpu: auto"):
+        index_on_gpu(True, 0, True)
+    with pytest.raises(ConfigError, match=r"this faiss has no GPU support"):
+        index_on_gpu(True, 8, False)
+
+
+def test_gpu_memory_comes_from_the_setting_or_the_gpu_model_ray_labels_the_nodes_with():
+    assert gpu_memory_of([{"GPU": 2.0, "accelerator_type:H200": 1.0}], None) == (141.0, "the nodes' accelerator_type H200")
+    assert gpu_memory_of([{"GPU": 2.0}], 40.0)[0] == 40.0
+    assert gpu_memory_of([{"GPU": 2.0}], None)[0] == 80.0
+
+
+def test_applying_the_layout_sets_the_replicas_share_and_vllms_memory_and_decides_again():
+    from wbrag_ray.cluster_nodes import _restore_layout
+
+    config = load_config(PAPER_ZERO_RAG)
+    nodes = [{"CPU": 96.0, "GPU": 2.0}]
+    _restore_layout(config)
+    said, layout = apply_gpu_layout(config, nodes, (2, 9.5e9), 141.0)
+    assert not layout.whole and layout.replicas == 1
+    g, r = config.generator, config.retrieval
+    assert (g.tensor_parallel_size, g.num_gpus) == (2, 2.0) and g.gpu_share < 1
+    assert 0 < r.search_gpus < 1 and 0 < r.embed_gpus < 1
+    assert g.vllm_engine_kwargs["gpu_memory_utilization"] <= g.gpu_share
+    assert any("tensor_parallel_size auto: 2" in line for line in said)
+    _restore_layout(config)  # the next command decides again from what the config said
+    assert g.tensor_parallel_size == "auto" and r.search_gpus == "auto" and g.gpu_share == 1.0
+
+
+def _plan(config: str, shape: str):
+    from wbrag_ray.plan import make_plan
+    from wbrag_ray.plan.placement import Cluster
+
+    nodes, gpus, memory = SHAPES[shape]
+    cluster = Cluster.uniform(nodes, 96.0, gpus, 1024.0, memory)
+    return make_plan(load_config(config), cluster, passages=21_000_000, gpu=shape.split()[1])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_paper_writeback_places_on_every_shape_using_seven_of_every_eight_gpus(shape):
+    plan = _plan(PAPER_WRITEBACK, shape)
+    assert plan.places, plan.problems
+    total = plan.cluster.gpus
+    for stage in plan.stages:
+        if stage.gpus and stage.name not in ("index",):  # the index's k-means is one task on one GPU (said)
+            assert stage.gpus >= min(total, 7 / 8 * total) - 1e-9, (shape, stage.name, stage.gpus)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_paper_zero_rag_places_where_the_gpus_hold_a_70b_and_is_refused_on_one_gpu_naming_why(shape):
+    plan = _plan(PAPER_ZERO_RAG, shape)
+    if shape == "1x1 H100":
+        assert not plan.places
+        assert any("tensor_parallel_size auto" in p and "141 GB of bf16 weights" in p for p in plan.problems)
+        return
+    assert plan.places, plan.problems
+    total = plan.cluster.gpus
+    generation = [s for s in plan.stages if s.name in ("mastery", "evaluation grid")]
+    for stage in generation:
+        assert stage.gpus >= 7 / 8 * total - 1e-9, (shape, stage.name, stage.gpus)
