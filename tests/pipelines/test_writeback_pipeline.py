@@ -77,7 +77,8 @@ def test_table3_stats_json(trained):
     assert stats["rank_distribution"] == {"1": N_TRAIN, "2": N_TRAIN, "3": 0, "4": 0, "5": 0}
     assert stats["source_tokens"] > stats["distilled_tokens"] > 0
     assert stats["compression_ratio"] == pytest.approx(stats["source_tokens"] / stats["distilled_tokens"], abs=1e-3)
-    assert stats["units_written"] + stats["duplicates_merged"] + stats["empty_units"] == N_TRAIN
+    dropped = sum(stats["units_dropped"].values())  # no retrievable statement (writeback.distill.statement_check)
+    assert stats["units_written"] + stats["duplicates_merged"] + stats["empty_units"] + dropped == N_TRAIN
     # writeback.validation 'auto': too few training questions to hold any out, and the stats say so
     assert stats["validation"] == f"skipped, only {N_TRAIN} training questions (auto needs 100)"
     assert stats["activated"] is True
@@ -199,7 +200,8 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
     for ex in scored:  # the documents distilled are the ones FLARE retrieved and answered from
         rounds = json.loads(ex["rag_trace"])["rounds"]
         assert [h["id"] for h in json.loads(ex["docs"])] == rounds[0]["doc_ids"] and ex["useful"]
-    assert stats["units_written"] + stats["duplicates_merged"] + stats["empty_units"] == N_TRAIN
+    dropped = sum(stats["units_dropped"].values())  # no retrievable statement (writeback.distill.statement_check)
+    assert stats["units_written"] + stats["duplicates_merged"] + stats["empty_units"] + dropped == N_TRAIN
 
     capsys.readouterr()
     assert main(["eval", str(run), "--dataset", str(trained["test"]), "--name", "m", "--methods-grid",
@@ -334,8 +336,11 @@ def test_the_gates_sweep_reuses_one_scoring_pass_and_reproduces_the_trained_gate
 def test_validation_answers_held_out_questions_with_and_without_the_version_and_activate_warns(trained, capsys):
     """writeback.validation: a version trained with half of the two training questions held out (the one whose id
     hashes first, by hand below) is trained on the other alone and answers the held-out one with the base and with
-    the version, checked against the two evaluations' own predictions (an unchanged top K keeps its base answer);
-    then --activate warns on a version that hurt. (Last in this file: its version is another naive one.)"""
+    the version under every candidate union rule, checked against the evaluations' own predictions (an unchanged
+    top K keeps its base answer); one question is too few to choose on, so `auto` searches it with the paper's merge
+    with the provenance guard, written beside its index and said at the end of the command; a search under `auto`
+    uses the rule written there; then --activate warns on a version that hurt. (Last in this file: its version is
+    another naive one.)"""
     import hashlib
 
     from wbrag_ray.metrics import substring_match
@@ -352,9 +357,10 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
     assert version.scored.read_table()["id"].to_pylist() == [i for i in ids if i != held]  # trained without it
     assert version.validation_questions.read_table()["id"].to_pylist() == [held]
     result = version.validation.read_json()
+    out = capsys.readouterr().out
     preds = {name: pq.read_table(run.layout.eval_result(name, result["method"]).predictions.path).to_pylist()
-             for name in ("writeback-held-validation-base", "writeback-held-validation")}
-    base, union = preds["writeback-held-validation-base"], preds["writeback-held-validation"]
+             for name in ("writeback-held-validation-base", "writeback-held-validation-provenance")}
+    base, union = preds["writeback-held-validation-base"], preds["writeback-held-validation-provenance"]
     assert len(base) == len(union) == result["questions"] == 1 and base[0]["id"] == union[0]["id"] == held
     acc = [substring_match(p[0]["prediction"], p[0]["golden_answers"]) for p in (base, union)]
     changed = [h["id"] for h in json.loads(base[0]["docs"])] != [h["id"] for h in json.loads(union[0]["docs"])]
@@ -362,10 +368,56 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
     assert (result["base"], result["with_version"]) == (acc[0], acc[1])
     assert result["unit_in_top_k"] == int(any(h["source"] == "writeback" for h in json.loads(union[0]["docs"])))
     assert (result["won"], result["lost"]) == ((int(changed and acc[1] > acc[0]), int(changed and acc[1] < acc[0])))
-    assert result["union"] == "gate" and result["method"] == "naive"
+    assert result["method"] == "naive" and result["configured"] == "auto"
+    assert result["chosen"] == result["applied"] == result["union"] == "provenance"
+    assert result["choice"] == ("1 validation questions are too few to choose on (at least 60): the paper's merge "
+                                "with the provenance guard")
+    # every candidate answered the held-out question, each in its own evaluation, its figures recorded
+    from wbrag_ray.writeback.validation import CANDIDATES
+
+    assert list(result["candidates"]) == [label for label, _ in CANDIDATES]
+    for label, settings in CANDIDATES:
+        ev = run.layout.eval_result(f"writeback-held-validation-{label.replace(' ', '-')}", "naive").metrics.read_json()
+        assert ev["union"] == {"max_units": None, **settings} and ev["n"] == 1
+        assert result["candidates"][label]["acc"] == ev["acc"] and result["candidates"][label]["union"] == settings[
+            "union"]
+    additive = pq.read_table(run.layout.eval_result("writeback-held-validation-additive-0.1", "naive")
+                             .predictions.path).to_pylist()[0]
+    assert len(json.loads(additive["docs"])) in (5, 6)  # the base's 5, and at most one unit after them
+    assert [h["id"] for h in json.loads(additive["docs"])][:5] == [h["id"] for h in json.loads(base[0]["docs"])]
+    # the choice beside the index, which `auto` reads; the command says what the version did
+    assert version.index.join("union.json").read_json() == {"union": "provenance", "max_units": None,
+                                                            "why": result["choice"]}
+    assert version.stats.read_json()["union_auto"] == {"union": "provenance", "why": result["choice"]}
+    assert "  chosen: provenance (1 validation questions are too few" in out
+    assert (f"write-back held: {version.stats.read_json()['units_written']} units written, not active; union "
+            "provenance (chosen on them: 1 validation questions") in out
     # the version's stats hold the same result, and that it was not activated (writeback.activate false)
     assert version.stats.read_json()["validation"] == {**result, "hurts": hurts(result), "activated": False}
     assert version.stats.read_json()["activated"] is False
+
+    # a search under `auto` uses the rule beside the version's index (the paper's merge, once written there), in a
+    # command's retrieval service and in the in-process retriever alike; the fallback where none is written
+    from wbrag_ray.retrieval.stage import RetrievalSetting
+    from wbrag_ray.retrieval.union import UnionRule, write_choice
+    from wbrag_ray.stages.service import Services
+
+    config = load_config(extra=run.load_config().model_dump(mode="json"))
+    setting = RetrievalSetting(run.layout.index.uri, None, config.embedder, config.retrieval, config.index,
+                               ((version.index.uri, None, "writeback"),))
+    members = [Retriever(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder),
+               Retriever(version.index.uri, None, config.embedder, source="writeback")]
+    assert config.retrieval.union == "auto"
+    for written, searched in ((UnionRule("score"), UnionRule("score")), (None, UnionRule("provenance"))):
+        if written is None:
+            version.index.join("union.json").delete()
+        else:
+            write_choice(version.index, written, "written by this test")
+        with Services() as services:
+            assert setting.service(services).union == searched
+        retriever = UnionRetriever(members, UnionRule.of(config.retrieval))
+        retriever.setup()
+        assert retriever.union == searched
 
     hurt = {**result, "base": 1.0, "with_version": 0.0, "won": 0, "lost": 1}
     run.layout.writeback_version("train").validation.write_json(hurt)

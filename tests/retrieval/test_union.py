@@ -125,18 +125,19 @@ def test_whether_the_provenance_rule_applies_is_a_function_of_the_union_name_alo
     from wbrag_ray.config import RetrievalConfig
     from wbrag_ray.retrieval.union import PROVENANCE_RULE, UNIONS
 
-    assert set(typing.get_args(RetrievalConfig.model_fields["union"].annotation)) == set(UNIONS)
-    assert PROVENANCE_RULE == ("provenance", "rrf", "gate")
+    assert set(typing.get_args(RetrievalConfig.model_fields["union"].annotation)) == {"auto", *UNIONS}
+    assert PROVENANCE_RULE == ("provenance", "rrf", "gate", "additive")
     assert {n for n, u in UNIONS.items() if u.gate} == {"gate", "gate-no-provenance"}
 
 
 def test_a_query_without_units_keeps_the_base_top_k_in_every_setting():
-    for name in ("score", "provenance", "rrf", "gate", "gate-no-provenance"):
+    for name in ("auto", "score", "provenance", "rrf", "gate", "gate-no-provenance", "additive"):
         assert keys(UnionRule(name)([BASE, []], 3)) == ["p10", "p11", "p12"]
 
 
 def test_unknown_union_is_named():
-    with pytest.raises(ValueError, match="retrieval.union: 'max' is not one of score, provenance, rrf, gate, gate-no-provenance"):
+    with pytest.raises(ValueError, match="retrieval.union: 'max' is not one of auto, score, provenance, rrf, gate, "
+                       "gate-no-provenance, additive"):
         UnionRule("max")
 
 
@@ -165,8 +166,11 @@ def test_an_evaluation_records_and_names_the_setting_its_union_reads():
     def config(*overrides):
         return load_config(overrides=list(overrides))
 
-    assert union_label(config()) == "gate" and union_suffix(config()) == ""  # the default
-    assert union_settings(config()) == {"union": "gate", "max_units": None, "gate_margin": 0.0}
+    assert union_label(config()) == "auto" and union_suffix(config()) == ""  # the default
+    assert union_settings(config()) == {"union": "auto", "max_units": None}
+    assert union_settings(config("retrieval.union=gate")) == {"union": "gate", "max_units": None, "gate_margin": 0.0}
+    assert union_settings(config("retrieval.union=additive", "retrieval.additive_margin=0.3")) == {
+        "union": "additive", "max_units": None, "additive_margin": 0.3}
     assert union_label(config("retrieval.union=score")) == "score" and union_suffix(
         config("retrieval.union=score")) == "-score"
     gate = config("retrieval.union=gate", "retrieval.gate_margin=0.05", "retrieval.rrf_k=10")
@@ -196,3 +200,53 @@ def test_one_union_serves_the_in_process_retriever_and_the_service(monkeypatch):
     assert top[0][2].sources == [99]
     assert cut_union([[BASE]], [{}], UnionRule("provenance"), 5) == [BASE]
     assert local.cut_union is cut_union and service.cut_union is cut_union
+
+
+def test_the_additive_rule_keeps_the_base_top_k_whole_and_appends_units_that_pass_its_margin():
+    """Worked by hand: BASE's best passage scores 0.80. additive_margin 0.1: a unit needs 0.70; 0.3: 0.50."""
+    units = [unit(0, 0.95, 0, [50]), unit(1, 0.75, 1, [51]), unit(2, 0.60, 2, [52])]
+    top = UnionRule("additive", additive_margin=0.1)([BASE, units], 3)
+    # the base's 3 whole and in order; one unit where max_units is unset (ADDITIVE_UNITS): the best, u0
+    assert keys(top) == ["p10", "p11", "p12", "u0"] and [h.rank for h in top] == [0, 1, 2, 3]
+    # max_units 2: u1 (0.75 >= 0.70) too; u2 (0.60) is below the margin even with room for it
+    assert keys(UnionRule("additive", max_units=2, additive_margin=0.1)([BASE, units], 3)) == [
+        "p10", "p11", "p12", "u0", "u1"]
+    assert keys(UnionRule("additive", max_units=3, additive_margin=0.3)([BASE, units], 3)) == [
+        "p10", "p11", "p12", "u0", "u1", "u2"]
+    # a unit scoring above every passage still takes no passage's slot: the merge by score would have cut p12
+    assert keys(UnionRule("score")([BASE, units[:1]], 3)) == ["u0", "p10", "p11"]
+    assert keys(UnionRule("additive", max_units=0)([BASE, units], 3)) == ["p10", "p11", "p12"]
+
+
+def test_the_additive_rule_appends_no_unit_the_taken_passages_or_an_earlier_unit_already_hold():
+    units = [unit(0, 0.95, 0, [10]),  # its source p10 is in the top 3: covered
+             unit(1, 0.90, 1, text="passage 11 says fact 11"),  # p11's text: covered
+             unit(2, 0.85, 2, [60], text="fact 60 holds"),
+             unit(3, 0.84, 3, [61], text="fact 60 holds")]  # u2's text, appended before it: covered
+    top = UnionRule("additive", max_units=3, additive_margin=0.1)([BASE, units], 3)
+    assert keys(top) == ["p10", "p11", "p12", "u2"]
+    # a unit whose source is p12: appended after the top 2, which lack it; covered by the top 3, which hold it
+    late = [unit(4, 0.95, 0, [12])]
+    assert keys(UnionRule("additive", additive_margin=0.1)([BASE, late], 2)) == ["p10", "p11", "u4"]
+    assert keys(UnionRule("additive", additive_margin=0.1)([BASE, late], 3)) == ["p10", "p11", "p12"]
+
+
+def test_auto_searches_with_the_rule_the_version_chose_else_the_papers_merge_with_the_provenance_guard(tmp_path):
+    from wbrag_ray.retrieval.union import FALLBACK_UNION, UNION_CHOICE, read_choice, write_choice
+
+    chosen, unchosen = resolve(str(tmp_path / "chosen")), resolve(str(tmp_path / "unchosen"))
+    write_choice(chosen, UnionRule("gate", max_units=2, gate_margin=0.2), "the best of 7 rules")
+    assert chosen.join(UNION_CHOICE).read_json() == {"union": "gate", "max_units": 2, "gate_margin": 0.2,
+                                                     "why": "the best of 7 rules"}
+    assert read_choice(chosen) == {"union": "gate", "max_units": 2, "gate_margin": 0.2}
+    assert read_choice(unchosen) is None
+    auto = UnionRule("auto", max_units=1, additive_margin=0.4)
+    assert auto.resolved([chosen]) == UnionRule("gate", max_units=2, gate_margin=0.2, additive_margin=0.4)
+    assert auto.resolved([unchosen]) == UnionRule(FALLBACK_UNION, max_units=1, additive_margin=0.4)
+    assert FALLBACK_UNION == "provenance"
+    # an explicit rule is searched as set, whatever the version chose
+    assert UnionRule("score").resolved([chosen]) == UnionRule("score")
+    # what the resolved rule does: the version's gate at 0.2, where the default gate (margin 0) keeps u0 out
+    units = [unit(0, 0.70, 0, [99])]  # 0.10 below the best passage: in under gate 0.2, out under gate 0
+    assert keys(auto.resolved([chosen])([BASE, units], 3)) == ["p10", "p11", "u0"]  # a tie: the base's first
+    assert keys(UnionRule("gate")([BASE, units], 3)) == ["p10", "p11", "p12"]

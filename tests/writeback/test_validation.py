@@ -111,9 +111,11 @@ def test_auto_validation_holds_out_a_fifth_from_100_training_questions_and_says_
     assert skipped(fixed, 2) is None and fixed.validation_fraction(2) == 0.5  # an explicit fraction at any size
 
 
-def test_the_versions_stats_hold_its_validation_and_whether_it_was_activated(tmp_path, monkeypatch):
-    """train_writeback with the stage, the validation and the activation stubbed: what it returns and what the
-    version's stats file holds afterwards."""
+def test_the_versions_stats_hold_its_validation_and_whether_it_was_activated(tmp_path, monkeypatch, capsys):
+    """train_writeback with the stage, the validation and the activation stubbed (the validation's real run is
+    tests/pipelines/test_writeback_pipeline.py's): what it returns, what the version's stats file holds afterwards
+    (the rule `auto` searches it with among them), and what the command says at its end: a version with no
+    measured effect is said to be one, not only active."""
     from types import SimpleNamespace
 
     from wbrag_ray.config import load_config
@@ -142,15 +144,37 @@ def test_the_versions_stats_hold_its_validation_and_whether_it_was_activated(tmp
 
     why = "skipped, only 1 training questions (auto needs 100)"
     stats = train_with(why)
+    fallback = {"union": "provenance", "why": f"no validation split ({why}): the paper's merge with the provenance "
+                "guard"}
     assert stats["validation"] == why and stats["activated"] is True and activated == ["v"]
-    assert own.read_json() == {"version": "v", "units_written": 3, "validation": why, "activated": True}
+    assert own.read_json() == {"version": "v", "units_written": 3, "validation": why, "activated": True,
+                               "union_auto": fallback}
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"write-back v: 3 units written, active; its effect is not measured (validation {why}); retrieval.union auto "
+        "searches it with provenance")
 
-    result = {"metric": "acc", "base": 0.5, "with_version": 0.4, "won": 1, "lost": 2}
+    result = {"questions": 70, "metric": "acc", "base": 0.5, "with_version": 0.4, "won": 1, "lost": 2,
+              "unit_in_top_k": 9, "units_reached": 4, "answers_changed": 5, "configured": "auto", "applied": "gate 0.1",
+              "chosen": "gate 0.1", "choice": "the best of 7 rules"}
     stats = train_with(result)
     expected = {**result, "hurts": "acc 0.400 with it against 0.500 without; 2 questions lost against 1 won",
                 "activated": False}
     assert stats["validation"] == expected and stats["activated"] is False and activated == []
     assert own.read_json()["validation"] == expected and own.read_json()["activated"] is False
+    assert own.read_json()["union_auto"] == {"union": "gate 0.1", "why": "the best of 7 rules"}
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "write-back v: 3 units written, not active; union gate 0.1 (chosen on them: the best of 7 rules). On its 70 "
+        "validation questions: 4 units reached a top K (of 9 questions), 5 answers changed, won 1, lost 2")
 
     stats = train_with({**result, "with_version": 0.6, "lost": 0})
     assert stats["validation"]["hurts"] is None and stats["validation"]["activated"] is True and activated == ["v"]
+
+    # a version whose units changed no answer, and one whose units reached no top K, are said to be ones
+    train_with({**result, "with_version": 0.5, "won": 0, "lost": 0, "answers_changed": 0})
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "write-back v: it changed no validation answer: it has no measured effect")
+    train_with({**result, "with_version": 0.5, "won": 0, "lost": 0, "answers_changed": 0, "unit_in_top_k": 0,
+                "units_reached": 0, "configured": "gate", "applied": "gate"})
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "write-back v: no unit reached a validation top K: it has no measured effect"
+    assert "union gate (retrieval.union). On its 70 validation questions: 0 units reached a top K" in out[-2]

@@ -7,7 +7,7 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.retrieval.union import OWN_SETTING
+from wbrag_ray.retrieval.union import OWN_SETTING, UnionRule
 from wbrag_ray.run import RunFolder, RunStage
 
 # Results are never silently replaced: other settings under the same label are refused, naming what changed.
@@ -17,7 +17,8 @@ EVAL = RunStage(
               "index.ef_search", "index.k_factor"),
     uses=(INDEX,),
     # the union of base and write-back hits matters only beside a write-back index: a parameter there
-    ignore=("retrieval.union", "retrieval.max_units", "retrieval.rrf_k", "retrieval.gate_margin"),
+    ignore=("retrieval.union", "retrieval.max_units", "retrieval.rrf_k", "retrieval.gate_margin",
+            "retrieval.additive_margin"),
     fix="pass --force to replace its results, or --name NEW to keep both",
 )
 
@@ -69,9 +70,7 @@ def made_from(config: WbragConfig, kwargs: dict[str, Any], run: RunFolder | None
 
 def union_settings(config: WbragConfig) -> dict[str, Any]:
     """retrieval.union and the settings it reads, as recorded with an evaluation beside a write-back index."""
-    r = config.retrieval
-    own = OWN_SETTING.get(r.union)
-    return {"union": r.union, "max_units": r.max_units, **({own: getattr(r, own)} if own else {})}
+    return UnionRule.of(config.retrieval).settings()
 
 
 def union_label(config: WbragConfig) -> str:

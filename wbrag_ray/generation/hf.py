@@ -107,7 +107,8 @@ class HFGenerator(Generator):
             raise ConfigError(
                 f"a prompt of {prompt_tokens:,} tokens plus {new_tokens} new tokens is longer than the context of "
                 f"generator.model {self.config.model!r} ({context:,} tokens): lower retrieval.top_k (documents per "
-                "prompt) or ingest.max_passage_chars, or use a model with a longer context")
+                "prompt; under retrieval.union additive, top_k + retrieval.max_units) or ingest.max_passage_chars, or "
+                "use a model with a longer context")
 
     @property
     def _bucket(self) -> int | None:

@@ -30,6 +30,10 @@ TABLE3 = [
     ("distilled_tokens", "distilled tokens"),
     ("compression_ratio", "compression ratio"),
     ("fallback_rate", "fallback rate"),
+    # not the paper's: the distilled texts that were no retrievable statement (writeback.distill.statement_check)
+    ("rewrite_drop_rate", "rewrites dropped (bare answer or unsupported; the extraction kept)"),
+    ("unit_drop_rate", "units dropped (bare answer or unsupported)"),
+    ("units_written", "units written"),
 ]
 QA_STATUSES = (OK, UNPARSEABLE, NOT_IN_SENTENCE)  # the order the report and `wbrag inspect` show them in
 
@@ -190,14 +194,42 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
         sec.images.append((img, "Each knowledge unit: tokens of its retained documents vs tokens after distillation."))
     if img := plots.plot_rank_distribution(stats.get("rank_distribution") or {}, out, version):
         sec.images.append((img, "Retrieval ranks of the documents that passed the document gate."))
+    for kind in ("rewrites", "units"):  # the statement check's drops, by reason
+        if any((counts := stats.get(f"{kind}_dropped") or {}).values()):
+            sec.tables.append(Table(f"{kind} dropped by the statement check", ["reason", "count"],
+                                    [[why, n] for why, n in counts.items()]))
     if folder.validation.exists():  # writeback.validation: base vs base + version on held-out training questions
         v = folder.validation.read_json()
-        sec.tables.append(Table(f"validation on {v['questions']} held-out training questions ({v['method']})", [
-            "union", f"{v['metric']} base", f"{v['metric']} base + version", "unit in top K", "won", "lost"],
-            [[v["union"], v["base"], v["with_version"], v["unit_in_top_k"], v["won"], v["lost"]]]))
+        m = v["metric"]
+        rows = [[name + (" (chosen)" if name == v.get("chosen") else "") + (" (searched)" if name == v.get("applied")
+                                                                            else ""), v["base"], f[m],
+                 f["unit_in_top_k"], f.get("units_reached"), f.get("answers_changed"), f["won"], f["lost"]]
+                for name, f in v.get("candidates", {v["union"]: {**v, m: v["with_version"]}}).items()]
+        sec.tables.append(Table(f"validation on {v['questions']} held-out training questions ({v['method']}), per "
+                                "union rule", ["union", f"{m} base", f"{m} base + version", "questions with a unit",
+                                               "units that reached a top K", "answers changed", "won", "lost"], rows))
+        if v.get("choice"):
+            sec.text = f"retrieval.union auto searches this version with {v['chosen']}: {v['choice']}."
     elif isinstance(stats.get("validation"), str):  # nothing held out, and why (writeback.validation)
         sec.tables.append(Table("validation", ["figure", "value"], [["validation", stats["validation"]]]))
+    if (outcome := no_effect(stats)) is not None:
+        sec.text = " ".join(filter(None, [sec.text, outcome]))
     return sec
+
+
+def no_effect(stats: dict) -> str | None:
+    """What the report says of a version that had no measured effect: units written, units that reached a top K,
+    answers changed, won, lost on its validation questions (or that it was not validated), not only 'active'."""
+    v = stats.get("validation")
+    state = "active" if stats.get("activated") else "not active"
+    if not isinstance(v, dict):
+        return (f"This version ({state}, {stats.get('units_written', 0)} units written) was not validated"
+                f"{f' ({v})' if v else ''}: its effect is not measured.")
+    if v.get("units_reached", v.get("unit_in_top_k")) and v.get("answers_changed", v.get("changed")):
+        return None
+    return (f"This version ({state}) had no measured effect on its {v['questions']} validation questions: "
+            f"{stats.get('units_written', 0)} units written, {v.get('units_reached', v.get('unit_in_top_k'))} reached "
+            f"a top K, {v.get('answers_changed', v.get('changed'))} answers changed, won {v['won']}, lost {v['lost']}.")
 
 
 def config_section(run: RunFolder) -> Section:

@@ -300,6 +300,7 @@ class UnionRetriever:
         base_unit = union_base_unit([(m.source, m.manifest) for m in self.members])
         self.provenance = [{} if m.source == BASE else read_provenance(resolve(m.index_dir), base_unit)
                            for m in self.members]
+        self.union = self.union.resolved([resolve(m.index_dir) for m in self.members if m.source != BASE])
         self._loaded = True
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:

@@ -16,26 +16,33 @@ each name does is one entry of UNIONS):
                  each index is calibrated against the other per query, so a unit about a neighbouring fact,
                  which a short text's high cosine lets into the paper's top K, stays out; then the provenance rule
     gate-no-provenance   the gate without the provenance rule (kept to measure what the rule does under the gate)
+    additive     the base's top K whole, then up to `retrieval.max_units` units (ADDITIVE_UNITS where unset)
+                 appended after it, each scoring at least the query's best passage's score less
+                 `retrieval.additive_margin` and not covered by the provenance rule: a unit never pushes a base
+                 passage out, so what it can cost is a longer prompt (K + max_units documents), not evidence
+    auto         (the default) the rule the write-back version chose on its own validation split
+                 (wbrag_ray.writeback.validation), read from UNION_CHOICE beside its index; a version that chose
+                 none (its split too small, or no split) is searched with FALLBACK_UNION
 
-`retrieval.max_units` caps the write-back hits per query in every setting but `score`. The default is `gate`, chosen
-on the validation half of the 120 held-out questions of benchmarks/writeback_union.py (60, split by a hash of
-their ids, 30 of each group) and reported on the other half (benchmarks/RESULTS.md, "Write-back that never hurts"):
-on the validation half only the two gates did not fall below the base (acc 0.733 both, none lost; the tie went to
-`gate`, which gave fewer questions a unit), while `score`, `provenance` and a quota of one lost a question and
-`rrf` nine. On the test half `gate` measured the base's acc (0.733; a unit in 2 top Ks, none won, none lost): it
-guards against a version that hurts, it did not make this one help. The provenance rule under the gate measured
-neither better nor worse than the gate without it (the same acc on both halves; it took 2 of 4 units out), so it
-applies. A unit's provenance (the ids of the base documents it was distilled from, and the kind of unit that index
-holds) is written beside the write-back index (`provenance.parquet`) when the version is trained, and read by
-whoever searches the union.
+`retrieval.max_units` caps the write-back hits per query in every setting but `score`. Why `auto`: one fixed rule
+did not serve every version. On the 60-question test half of benchmarks/writeback_union.py (RESULTS.md,
+"Write-back that never hurts") `gate`, the earlier default chosen on the other half, measured the base's acc (a
+unit in 2 top Ks, none won): it keeps a version from hurting and lets almost no unit in, because a one-sentence
+unit rarely outscores a 100-word passage under a sentence embedder; `provenance` won 2 and lost none there but
+lost one question on the validation half. Which rule a version's units need depends on how they score against
+the base's passages, which its own held-out questions measure. A unit's provenance (the ids of the base documents
+it was distilled from, and the kind of unit that index holds) is written beside the write-back index
+(`provenance.parquet`) when the version is trained, its chosen rule (`union.json`) when it is validated, and both
+are read by whoever searches the union.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
 
 BASE = "base"  # the source of the base index's hits; every other source is a write-back index
 PROVENANCE = "provenance.parquet"
+UNION_CHOICE = "union.json"  # beside a write-back index: the rule its validation chose (what `auto` searches with)
 UNIT_KEY = b"wbrag.source_unit"  # schema metadata: the unit (passage / sentence) the source ids number
 
 # --- orderings: the candidates of one query, best first --------------------------------------------------
@@ -69,11 +77,13 @@ def by_reciprocal_rank(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
 @dataclass(frozen=True)
 class UnionKind:
     """What one `retrieval.union` name does: how it orders the candidates, whether units must reach the query's
-    best passage (the gate), whether the provenance rule drops covered units, whether `retrieval.max_units` caps
-    them, and the retrieval setting only it reads."""
+    best passage (the gate), whether they are appended after the base's top K instead of competing for its slots
+    (additive), whether the provenance rule drops covered units, whether `retrieval.max_units` caps them, and the
+    retrieval setting only it reads."""
 
     ordering: Callable[[list[list[Hit]], int], list[Hit]]
     gate: bool = False
+    additive: bool = False
     provenance_rule: bool = True
     cap: bool = True
     own_setting: str | None = None
@@ -86,8 +96,13 @@ UNIONS: dict[str, UnionKind] = {
     "rrf": UnionKind(by_reciprocal_rank, own_setting="rrf_k"),
     "gate": UnionKind(by_score, gate=True, own_setting="gate_margin"),
     "gate-no-provenance": UnionKind(by_score, gate=True, provenance_rule=False, own_setting="gate_margin"),
+    "additive": UnionKind(by_score, additive=True, own_setting="additive_margin"),
 }
 PAPER_UNION = "score"
+AUTO = "auto"  # retrieval.union's default: the version's own choice (UNION_CHOICE)
+# auto's rule where the version chose none: the paper's merge by score, with the provenance guard
+FALLBACK_UNION = "provenance"
+ADDITIVE_UNITS = 1  # units the additive rule appends where retrieval.max_units is unset: a prompt of K + 1 documents
 PROVENANCE_RULE = tuple(name for name, u in UNIONS.items() if u.provenance_rule)  # a covered unit takes no slot
 OWN_SETTING = {name: u.own_setting for name, u in UNIONS.items() if u.own_setting}  # the setting only it reads
 
@@ -99,6 +114,20 @@ def gated(ordered: list[Hit], margin: float) -> list[Hit]:
     if best is None:
         return ordered
     return [h for h in ordered if h.source == BASE or h.score >= best - margin]
+
+
+def appended(ordered: list[Hit], k: int, margin: float, rule: bool, max_units: int) -> list[Hit]:
+    """The additive union: the base's first k hits of `ordered`, whole and in their order, then up to `max_units`
+    units that pass the gate at `margin` (`gated`), in score order, each not covered (`covered`) by those passages
+    or a unit appended before it when `rule`. No unit takes a passage's slot: the list is k + the units long."""
+    passages = [h for h in ordered if h.source == BASE][:k]
+    units: list[Hit] = []
+    for h in gated(passages + [h for h in ordered if h.source != BASE], margin):
+        if len(units) >= max_units:
+            break
+        if h.source != BASE and not (rule and covered(h, units, passages)):
+            units.append(h)
+    return passages + units
 
 
 # --- the provenance rule -----------------------------------------------------------------------------
@@ -151,27 +180,64 @@ class UnionRule:
     """How one query's hits from several indices become its top K (`retrieval.union`, `retrieval.max_units`,
     `retrieval.rrf_k`, `retrieval.gate_margin`)."""
 
-    union: str = "gate"  # retrieval.union's default
+    union: str = AUTO  # retrieval.union's default
     max_units: int | None = None
     rrf_k: int = 60
     gate_margin: float = 0.0
+    additive_margin: float = 0.1  # retrieval.additive_margin's default
 
     def __post_init__(self):
-        if self.union not in UNIONS:
-            raise ValueError(f"retrieval.union: {self.union!r} is not one of {', '.join(UNIONS)}")
+        if self.union not in UNIONS and self.union != AUTO:
+            raise ValueError(f"retrieval.union: {self.union!r} is not one of {', '.join([AUTO, *UNIONS])}")
 
     @classmethod
     def of(cls, retrieval: RetrievalConfig) -> UnionRule:
-        return cls(retrieval.union, retrieval.max_units, retrieval.rrf_k, retrieval.gate_margin)
+        return cls(retrieval.union, retrieval.max_units, retrieval.rrf_k, retrieval.gate_margin,
+                   retrieval.additive_margin)
+
+    def resolved(self, writeback_indices: list[Location]) -> UnionRule:
+        """The rule a search of the base beside these write-back indices uses: under `auto`, the first one's
+        chosen rule (`read_choice`), else FALLBACK_UNION with this rule's other settings; any other rule as is."""
+        if self.union != AUTO:
+            return self
+        chosen = next((c for c in map(read_choice, writeback_indices) if c is not None), None)
+        return replace(self, **(chosen or {"union": FALLBACK_UNION}))
+
+    def settings(self) -> dict[str, Any]:
+        """The rule's name and the settings it reads (`retrieval.max_units`, its own one), as recorded."""
+        own = OWN_SETTING.get(self.union)
+        return {"union": self.union, "max_units": self.max_units, **({own: getattr(self, own)} if own else {})}
 
     def __call__(self, hit_lists: list[list[Hit]], k: int) -> list[Hit]:
-        """The top k, re-ranked 0..k-1; each hit keeps its source, score and provenance."""
-        kind = UNIONS[self.union]
+        """The top k (the additive rule: k passages and its units after them), re-ranked from 0; each hit keeps
+        its source, score and provenance. An `auto` rule never resolved against a version is FALLBACK_UNION."""
+        kind = UNIONS[FALLBACK_UNION if self.union == AUTO else self.union]
         ordered = kind.ordering(hit_lists, self.rrf_k)
-        if kind.gate:
-            ordered = gated(ordered, self.gate_margin)
-        top = take(ordered, k, rule=kind.provenance_rule, max_units=self.max_units if kind.cap else None)
+        if kind.additive:
+            cap = ADDITIVE_UNITS if self.max_units is None else self.max_units
+            top = appended(ordered, k, self.additive_margin, kind.provenance_rule, cap)
+        else:
+            if kind.gate:
+                ordered = gated(ordered, self.gate_margin)
+            top = take(ordered, k, rule=kind.provenance_rule, max_units=self.max_units if kind.cap else None)
         return [replace(h, rank=r) for r, h in enumerate(top)]
+
+
+# --- the rule a version chose, beside its index ------------------------------------------------------
+
+
+def write_choice(index: Location, rule: UnionRule, why: str) -> None:
+    """The rule `auto` searches this write-back index with (`UnionRule.settings`), and why it was chosen."""
+    index.join(UNION_CHOICE).write_json({**rule.settings(), "why": why})
+
+
+def read_choice(index: Location) -> dict[str, Any] | None:
+    """The UnionRule fields a write-back index's validation chose (None: it chose none)."""
+    f = index.join(UNION_CHOICE)
+    if not f.exists():
+        return None
+    known = {field.name for field in dataclasses.fields(UnionRule)}
+    return {k: v for k, v in f.read_json().items() if k in known}
 
 
 # --- provenance beside the write-back index --------------------------------------------------------------

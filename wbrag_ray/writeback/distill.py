@@ -34,11 +34,29 @@ def _tokens(text: str) -> set[str]:
     return set(normalize_answer(text).split())
 
 
-def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 0.6) -> str:
+MIN_OVERLAP = 0.6  # the share of a sentence's words one source sentence must hold for it to copy that sentence
+# Fewer words than a subject, a verb and what is said of it: a bare answer ("2018", "Alan Turing", "February 1990"),
+# which nothing retrieves (a query is a question, not its answer) and which says nothing a reader can check.
+MIN_STATEMENT_WORDS = 4
+BARE_ANSWER, UNSUPPORTED = "bare answer", "unsupported by its source passages"
+
+
+def source_sentences(docs) -> list[str]:
+    return [s for d in docs for s in _SENTENCE_END.split(d.text) if s.strip()]
+
+
+def best_source(words: set[str], source_tokens: list[set[str]]) -> tuple[int, float]:
+    """(the source sentence sharing most of `words`, the share of them it holds)."""
+    overlap = [len(words & t) / len(words) for t in source_tokens]
+    best = int(np.argmax(overlap))
+    return best, overlap[best]
+
+
+def ground_extraction(extracted: str, docs, question: str, min_overlap: float = MIN_OVERLAP) -> str:
     """Step 1 must be verbatim: each extracted sentence is replaced by the source sentence it copies (the one
     sharing most of its words, at least `min_overlap`), so a small model's paraphrase or invention never
     reaches the rewrite step. When nothing matches, the two source sentences closest to the question."""
-    source = [s for d in docs for s in _SENTENCE_END.split(d.text) if s.strip()]
+    source = source_sentences(docs)
     if not source:
         return ""
     source_tokens = [_tokens(s) for s in source]
@@ -47,14 +65,33 @@ def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 
         words = _tokens(line)
         if not words:
             continue
-        overlap = [len(words & t) / len(words) for t in source_tokens]
-        best = int(np.argmax(overlap))
-        if overlap[best] >= min_overlap:
+        best, overlap = best_source(words, source_tokens)
+        if overlap >= min_overlap:
             picked.add(best)
     if not picked:
         q = _tokens(question)
         picked = set(sorted(range(len(source)), key=lambda i: -len(q & source_tokens[i]))[:2])
     return "\n".join(source[i] for i in sorted(picked))
+
+
+def statement_check(text: str, docs, min_overlap: float = MIN_OVERLAP) -> str | None:
+    """Why a distilled unit is not a retrievable statement its source passages support (None: it is one): it is a
+    bare answer (under MIN_STATEMENT_WORDS words), or one of its sentences fails the check step 1's extraction is
+    grounded by (`ground_extraction`): no one source sentence, read with its document's title (a rewrite names
+    what the passage's "It" is), holds `min_overlap` of its words and every number in it. Numbers are where a small rewriter joins two facts into a wrong one ("The peak position of Let Them Eat
+    Bingo on the UK Albums Chart was February 1990": the chart sentence holds no 1990), and one source sentence
+    must carry the fact with its figure."""
+    if len(_tokens(text)) < MIN_STATEMENT_WORDS:
+        return BARE_ANSWER
+    source_tokens = [_tokens(s) | _tokens(d.title) for d in docs for s in source_sentences([d])]
+    for sentence in _SENTENCE_END.split(text):
+        words = _tokens(sentence)
+        if not words:
+            continue
+        numbers = {w for w in words if any(c.isdigit() for c in w)}
+        if not any(len(words & t) >= min_overlap * len(words) and numbers <= t for t in source_tokens):
+            return UNSUPPORTED
+    return None
 
 
 def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str, str] | None:

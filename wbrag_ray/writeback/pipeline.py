@@ -28,7 +28,7 @@ import pyarrow as pa
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
 from wbrag_ray.formats import input_params, plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
-from wbrag_ray.layout import plain_name
+from wbrag_ray.layout import WritebackVersion, plain_name
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.distill import distill
 from wbrag_ray.writeback.units import UNITS, build_units, embed_units
@@ -137,10 +137,44 @@ def train_writeback(
             activate(run, version)
             activated = True
     record = {**validation, "hurts": why, "activated": activated} if isinstance(validation, dict) else validation
+    outcome = {"validation": record, "activated": activated, "union_auto": union_auto(record)}
     own = run.layout.writeback_version(version).stats  # the version's stats file: written by its stage
     if own.exists():
-        own.write_json({**own.read_json(), "validation": record, "activated": activated})
-    return {**stats, "validation": record, "activated": activated}
+        own.write_json({**own.read_json(), **outcome})
+    print(format_outcome(version, stats.get("units_written", 0), record, activated), flush=True)
+    return {**stats, **outcome}
+
+
+def union_auto(record: dict[str, Any] | str) -> dict[str, str]:
+    """The rule `retrieval.union: auto` searches the version with, and why: its validation's choice, or the
+    fallback where nothing was held out."""
+    from wbrag_ray.retrieval.union import FALLBACK_UNION
+
+    if isinstance(record, dict):
+        return {"union": record["chosen"], "why": record["choice"]}
+    return {"union": FALLBACK_UNION, "why": f"no validation split ({record}): the paper's merge with the provenance "
+            "guard"}
+
+
+def format_outcome(version: str, units: int, record: dict[str, Any] | str, activated: bool) -> str:
+    """The end of `wbrag writeback`: the units written, whether the version is active, and what it did on its
+    validation questions under the rule the run searches it with; a version that changed no answer there, or whose
+    units reached no top K, is said to be one, not only active."""
+    state = "active" if activated else "not active"
+    auto = union_auto(record)
+    if not isinstance(record, dict):
+        return (f"write-back {version}: {units} units written, {state}; its effect is not measured (validation "
+                f"{record}); retrieval.union auto searches it with {auto['union']}")
+    r = record
+    how = f"chosen on them: {r['choice']}" if r["configured"] == "auto" else "retrieval.union"
+    line = (f"write-back {version}: {units} units written, {state}; union {r['applied']} ({how}). On its "
+            f"{r['questions']} validation questions: {r['units_reached']} units reached a top K (of "
+            f"{r['unit_in_top_k']} questions), {r['answers_changed']} answers changed, won {r['won']}, lost {r['lost']}")
+    if not r["units_reached"]:
+        return line + f"\nwrite-back {version}: no unit reached a validation top K: it has no measured effect"
+    if not r["answers_changed"]:
+        return line + f"\nwrite-back {version}: it changed no validation answer: it has no measured effect"
+    return line
 
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +187,8 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
 
     wb = config.writeback
     version = params["version"]
-    folder = run.layout.writeback_version(version)
+    final = run.layout.writeback_version(version)
+    folder = WritebackVersion(run.output(final.root))  # beside the version in use while --force retrains it
     folder.root.delete()
     t0 = time.perf_counter()
     search = base_search(run, config)
@@ -161,11 +196,11 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         examples = score_examples(run, config, train, passes, search)
         folder.scored.write_table(plain_table(examples))
         kept = examples[examples["useful"]]
-        units, empty = pd.DataFrame(columns=UNITS.names), 0
+        units, drops = pd.DataFrame(columns=UNITS.names), None
         if len(kept):
             distilled = distill(config, kept, passes)
             folder.distill.write_table(plain_table(distilled))
-            units, empty = build_units(version, kept, distilled)
+            units, drops = build_units(version, kept, distilled)
         # on the scoring passes' retrieval actors, the embedder loaded: no pool of its own (`embed_units`)
         vectors = embed_units(units, search, passes.services)
     merged: dict[int, int] = {}
@@ -182,7 +217,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         write_doc_store(folder.corpus, "passage", folder.docs, parallel=False)
         build_index(
             folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
-            docs=folder.docs.uri,  # the manifest names its documents: the index folder is self-contained
+            docs=final.docs.uri,  # the manifest names its documents: the index folder is self-contained
             parallel=False,
         )
         # each unit's source documents, for the provenance-aware union (retrieval.union)
@@ -192,12 +227,12 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         "version": version,
         "rag_method": wb.rag_method,
         "gate_metric": with_gate_metric(wb, train).metric,
-        "union": union_settings(config),  # the union it was validated under and is meant to be searched with
+        # retrieval.union when it was trained; under auto, the rule it is searched with is chosen by its validation
+        "union": union_settings(config),
         "dataset": dataset_name(train),  # the name the gate metric was resolved from (FlashRAG's layout)
-        **table3(examples, units, config.retrieval.top_k),
+        **table3(examples, units, config.retrieval.top_k, drops),
         "units_written": len(units),
         "duplicates_merged": len(merged),
-        "empty_units": empty,
         "rejected_examples": int(examples["rejected_questions"].iloc[0]),
         "passes": passes.stats,
         "generator_calls": sum(p["generator_calls"] for p in passes.stats.values()),
@@ -218,10 +253,19 @@ def format_table3(stats: dict[str, Any]) -> str:
         ("source tokens", stats.get("source_tokens")),
         ("distilled tokens", stats.get("distilled_tokens")),
         ("compression ratio", stats.get("compression_ratio")),
+        ("rewrites dropped", _by_reason(stats, "rewrite")),
+        ("units dropped", _by_reason(stats, "unit")),
         ("units written", stats.get("units_written")),
         ("duplicates merged", stats.get("duplicates_merged")),
         ("retained ranks", ranks),
         ("generator calls", stats.get("generator_calls")),
     ]
     return "\n".join([f"write-back {stats.get('version')} (Table 3)"] + [f"  {k:<20}{v}" for k, v in rows])
+
+
+def _by_reason(stats: dict[str, Any], kind: str) -> str:
+    """'rate (n reason, ...)' of the rewrites or units the statement check dropped."""
+    counts = stats.get(f"{kind}s_dropped") or {}
+    reasons = ", ".join(f"{n} {why}" for why, n in counts.items() if n)
+    return f"{stats.get(f'{kind}_drop_rate')}" + (f" ({reasons})" if reasons else "")
 

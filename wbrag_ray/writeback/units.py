@@ -10,12 +10,20 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from wbrag_ray.writeback.distill import kept_hits, parse_unit, word_count
+from wbrag_ray.writeback.distill import (
+    BARE_ANSWER,
+    UNSUPPORTED,
+    kept_hits,
+    parse_unit,
+    statement_check,
+    word_count,
+)
 
 if TYPE_CHECKING:
     from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.service import Services
 
+CHECKS = (BARE_ANSWER, UNSUPPORTED)  # why a distilled text is no unit (`distill.statement_check`)
 # Write-back ids live in their own namespace: far above any base pid / sid, and named by Hit.source.
 WRITEBACK_ID_BASE = 1 << 62
 
@@ -38,17 +46,35 @@ UNITS = pa.schema(
 )
 
 
-def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """Knowledge units with provenance, in example order; returns (units, examples that produced nothing)."""
+def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """Knowledge units with provenance, in example order, each a retrievable statement its source passages support
+    (`distill.statement_check`). A rewrite that fails the check is dropped and the example's unit is its grounded
+    extraction (step 1's verbatim sentences, as for an empty rewrite); an example whose extraction fails too writes
+    none. Returns (units, drops): {"empty": examples that produced nothing, "rewrites": {reason: rewrites dropped},
+    "units": {reason: examples dropped}}."""
     out = distilled.set_index("id")
-    rows, empty = [], 0
+    rows: list[dict] = []
+    drops: dict = {"empty": 0, "rewrites": dict.fromkeys(CHECKS, 0), "units": dict.fromkeys(CHECKS, 0)}
     for ex in kept.sort_values("id").itertuples(index=False):
         hits = kept_hits(ex.docs, ex.kept_ranks)
-        unit = parse_unit(out.at[ex.id, "rewritten"], out.at[ex.id, "extracted_verbatim"], hits[0].title if hits else "")
+        default_title = hits[0].title if hits else ""
+        extracted = " ".join(out.at[ex.id, "extracted_verbatim"].split())
+        unit = parse_unit(out.at[ex.id, "rewritten"], extracted, default_title)
         if unit is None:
-            empty += 1
+            drops["empty"] += 1
             continue
         title, text = unit
+        why = statement_check(text, hits)
+        if why and text != extracted:  # the rewrite failed the check: the example's unit is what step 1 copied
+            drops["rewrites"][why] += 1
+            title, text = default_title, extracted
+            why = statement_check(text, hits) if text else None
+            if not text:
+                drops["empty"] += 1
+                continue
+        if why:
+            drops["units"][why] += 1
+            continue
         n = len(rows)
         rows.append(
             {
@@ -67,7 +93,7 @@ def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tu
                 "merged_from": [],
             }
         )
-    return pd.DataFrame(rows, columns=UNITS.names), empty
+    return pd.DataFrame(rows, columns=UNITS.names), drops
 
 
 def embed_units(units: pd.DataFrame, search: RetrievalSetting, services: Services) -> np.ndarray:
@@ -110,8 +136,9 @@ def dedupe(vectors: np.ndarray, threshold: float) -> dict[int, int]:
     return merged
 
 
-def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int) -> dict:
-    """The paper's Table 3 from the scored examples and the written units, as plain JSON numbers."""
+def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int, drops: dict | None = None) -> dict:
+    """The paper's Table 3 from the scored examples and the written units, as plain JSON numbers, and what the
+    statement check dropped (`build_units`' drops; rates over the selected examples)."""
     n = len(scored)
     kept = scored[scored["useful"]]
     retained = [json.loads(r) for r in kept["kept_ranks"]] if len(kept) else []
@@ -134,4 +161,9 @@ def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int) -> dict:
         "rank_distribution": {str(r + 1): ranks.count(r) for r in range(top_k)},
         "mean_s_nr": round(float(scored["s_nr"].mean()), 4) if n else 0.0,
         "mean_s_rag": round(float(scored["s_rag"].mean()), 4) if n else 0.0,
+        "empty_units": drops["empty"] if drops else 0,
+        **{f"{kind}s_dropped": dict(drops[f"{kind}s"]) if drops else dict.fromkeys(CHECKS, 0)
+           for kind in ("rewrite", "unit")},
+        **{f"{kind}_drop_rate": round(sum(drops[f"{kind}s"].values()) / len(kept), 4) if drops and len(kept) else 0.0
+           for kind in ("rewrite", "unit")},
     }

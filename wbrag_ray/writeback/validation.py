@@ -1,9 +1,11 @@
 """A write-back version's own validation (`writeback.validation`): part of the training questions is held out of
-training and answered with the base alone and with base + the version, so a version that hurts is seen before it
-is activated.
+training and answered with the base alone and with base + the version under each union rule of CANDIDATES, so a
+version that hurts is seen before it is activated, and the rule `retrieval.union: auto` searches it with is the
+one that did best there (`choose_union`; below UNION_CHOICE_MIN questions the paper's merge with the provenance
+guard, said so).
 
 The held-out questions are chosen by a hash of their ids (the same ones whatever the file's order), the version is
-trained on the others, and both evaluations run in one command with the version's RAG method, so a question whose
+trained on the others, and every evaluation runs in one command with the version's RAG method, so a question whose
 top K the version leaves alone keeps its base answer; won and lost are counted where the top K changed
 (`evaluation.effect`). The result is RUN/writeback/<version>/validation.json, and with whether the version was
 activated it is also in the version's stats (`pipeline.train_writeback`); `versions.hurts` says why a version hurt.
@@ -15,13 +17,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from wbrag_ray.config import AUTO_VALIDATION_MIN, WbragConfig, WritebackConfig
 from wbrag_ray.run import RunFolder
+
+if TYPE_CHECKING:
+    from wbrag_ray.config import RetrievalConfig
+    from wbrag_ray.retrieval.union import UnionRule
 
 
 def held_out(ids: Sequence[str], fraction: float | None) -> set[str]:
@@ -49,15 +55,99 @@ def skipped(wb: WritebackConfig, questions: int) -> str | None:
     return None
 
 
+# The union rules a version's validation answers its held-out questions under (label, retrieval settings), the
+# paper's merge first: its merge with the provenance guard, the gate at three margins, the additive rule at two.
+# Margins are in cosine: the units the earlier benchmark saw win scored 0.09 and 0.26 below the best passage.
+CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("score", {"union": "score"}),
+    ("provenance", {"union": "provenance"}),
+    ("gate", {"union": "gate", "gate_margin": 0.0}),
+    ("gate 0.1", {"union": "gate", "gate_margin": 0.1}),
+    ("gate 0.2", {"union": "gate", "gate_margin": 0.2}),
+    ("additive 0.1", {"union": "additive", "additive_margin": 0.1}),
+    ("additive 0.3", {"union": "additive", "additive_margin": 0.3}),
+)
+CONFIGURED = "configured"  # the label of an explicit retrieval.union that is none of the candidates
+# The fewest held-out questions a union is chosen on. Rules differ only where a unit changes an answer, and
+# choosing one over the paper's merge bets that it wins more than it loses there; under the null that a question
+# it decides is as likely lost as won, 5 decided questions are the fewest at which even all won is significant at
+# 5% (one-sided sign test: 0.5^5 = 0.031). On the demo's held-out questions the paper's merge decided 1 question in
+# 12 (benchmarks/RESULTS.md: 5 of the test half's 60, won 3, lost 2), so 5 are to be expected from 60 questions
+# on; on fewer, one or two questions would choose, as they chose the earlier fixed default.
+UNION_CHOICE_MIN = 60
+
+
+def choose_union(figures: dict[str, dict[str, Any]], questions: int, metric: str = "acc") -> tuple[str, str]:
+    """(the label of the rule `auto` searches with, why) from each candidate's figures on `questions` held-out
+    questions: the best `metric`, ties broken by fewest lost, then the paper's rule, then CANDIDATES' order. Below
+    UNION_CHOICE_MIN questions, FALLBACK_UNION (the paper's merge with the provenance guard), said so."""
+    from wbrag_ray.retrieval.union import FALLBACK_UNION, PAPER_UNION
+
+    if questions < UNION_CHOICE_MIN:
+        return FALLBACK_UNION, (f"{questions} validation questions are too few to choose on (at least "
+                                f"{UNION_CHOICE_MIN}): the paper's merge with the provenance guard")
+    order = [label for label, _ in CANDIDATES if label in figures] + [k for k in figures if k not in dict(CANDIDATES)]
+    best = min(order, key=lambda c: (-figures[c][metric], figures[c]["lost"], c != PAPER_UNION, order.index(c)))
+    f = figures[best]
+    return best, (f"the best of {len(figures)} rules on {questions} validation questions ({metric} {f[metric]:.3f}, "
+                  f"won {f['won']}, lost {f['lost']}; ties: fewest lost, then the paper's rule)")
+
+
+def effect_figures(base, union, metric: str) -> dict[str, Any]:
+    """One rule's figures against the base's on the same questions: its metric and `writeback_effect`'s counts,
+    the distinct units that reached a top K, and the answers that changed (a changed top K can keep its answer)."""
+    from wbrag_ray.evaluation.effect import writeback_effect
+    from wbrag_ray.retrieval.hits import hits_from_json
+    from wbrag_ray.retrieval.union import BASE
+
+    both = base[["id", "prediction"]].merge(union[["id", "prediction"]], on="id", suffixes=("_base", "_wb"))
+    units = {h.id for docs in union["docs"] for h in hits_from_json(docs) if h.source != BASE}
+    return {metric: round(float(union[metric].mean()), 4), **writeback_effect(base, union, metric),
+            "units_reached": len(units),
+            "answers_changed": int((both["prediction_base"] != both["prediction_wb"]).sum())}
+
+
+def candidate_rules(retrieval: RetrievalConfig) -> dict[str, UnionRule]:
+    """{label: rule} of CANDIDATES, each with the rest of `retrieval` (its max_units)."""
+    from wbrag_ray.retrieval.union import UnionRule
+
+    return {label: UnionRule.of(retrieval.model_copy(update=settings)) for label, settings in CANDIDATES}
+
+
+def answer_under_each_rule(run: RunFolder, config: WbragConfig, dataset: str, label: str, version: str,
+                           rules: dict[str, UnionRule], passes, force: bool = False):
+    """The predictions of `dataset` with the base alone and beside `version` under each rule of `rules`, by
+    config.eval.methods' first method, all on `passes` (one command: an unchanged prompt keeps its answer).
+    Results are evaluations `<label>-base` and `<label>-<rule's label, spaces as dashes>`. Returns (base, {label:
+    predictions})."""
+    from wbrag_ray.evaluation.evaluate import evaluate_stage
+
+    method = config.eval.methods[0]
+
+    def predictions(name: str):
+        return run.layout.eval_result(name, method).predictions.read_table().to_pandas()
+
+    evaluate_stage(run, config, dataset, label, f"{label}-base", force=force, passes=passes)
+    frames = {}
+    for name, rule in rules.items():
+        ev = f"{label}-{name.replace(' ', '-')}"
+        cfg = config.model_copy(update={"retrieval": config.retrieval.model_copy(update=rule.settings())})
+        evaluate_stage(run, cfg, dataset, label, ev, force=force, passes=passes, writeback_version=version,
+                       setting=f"base+writeback:{version} ({name})")
+        frames[name] = predictions(ev)
+    return predictions(f"{label}-base"), frames
+
+
 def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metric: str,
              force: bool = False) -> dict[str, Any] | str:
-    """Base vs base + `version` on the held-out training questions, by `metric` (the gates' metric); or why nothing
-    was held out (`skipped`)."""
-    from wbrag_ray.evaluation.effect import writeback_effect
-    from wbrag_ray.evaluation.evaluate import evaluate_stage
-    from wbrag_ray.evaluation.stage import union_settings
+    """Base vs base + `version` on the held-out training questions, by `metric` (the gates' metric), under every
+    union rule of CANDIDATES (and an explicit retrieval.union that is none of them); the rule `auto` searches the
+    version with is chosen on them (`choose_union`) and written beside its index (`union.write_choice`). The
+    result's headline figures are those of the rule the run searches with (retrieval.union, or under `auto` the
+    chosen one), `candidates` every rule's. Or why nothing was held out (`skipped`)."""
     from wbrag_ray.formats import read_questions
     from wbrag_ray.generation.passes import GeneratorPasses
+    from wbrag_ray.retrieval.union import AUTO, UnionRule, write_choice
 
     wb = config.writeback
     if wb.validation is None:  # off: the training file is not read again
@@ -71,22 +161,37 @@ def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metr
     folder.validation_questions.write_table(split(questions, wb.validation_fraction(questions.num_rows))[1])
     method = wb.rag_method
     cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": [method], "limit": None})})
-    label, dataset = f"writeback-{version}-validation", folder.validation_questions.uri
+    rules = candidate_rules(cfg.retrieval)
+    configured = UnionRule.of(cfg.retrieval)
+    if configured.union != AUTO and configured.settings() not in [r.settings() for r in rules.values()]:
+        rules[CONFIGURED] = configured
     with GeneratorPasses(config.generator) as passes:  # one command: an unchanged top K keeps its answer
-        evaluate_stage(run, cfg, dataset, label, f"{label}-base", force=force, passes=passes)
-        evaluate_stage(run, cfg, dataset, label, label, force=force, passes=passes, writeback_version=version,
-                       setting=f"base+writeback:{version}")
-    base, union = (run.layout.eval_result(name, method).predictions.read_table().to_pandas()
-                   for name in (f"{label}-base", label))
+        base, frames = answer_under_each_rule(run, cfg, folder.validation_questions.uri,
+                                              f"writeback-{version}-validation", version, rules, passes, force)
+    figures = {name: {**rules[name].settings(), **effect_figures(base, frame, metric)} for name, frame in frames.items()}
+    # the fallback (FALLBACK_UNION) is the candidate of its own name: every choice is one of `rules`
+    chosen, reason = choose_union({k: v for k, v in figures.items() if k != CONFIGURED}, len(base), metric)
+    write_choice(folder.index, rules[chosen], reason)
+    applied = chosen if configured.union == AUTO else next(
+        k for k, r in rules.items() if r.settings() == configured.settings())
+    head = figures[applied]
     result = {"version": version, "method": method, "metric": metric, "base": round(float(base[metric].mean()), 4),
-              "with_version": round(float(union[metric].mean()), 4), **union_settings(config),
-              **writeback_effect(base, union, metric)}
+              "with_version": head[metric], "configured": configured.union, "applied": applied,
+              **{k: v for k, v in head.items() if k != metric}, "chosen": chosen, "choice": reason,
+              "candidates": {k: {c: v for c, v in f.items() if not c.endswith("_ids")} for k, f in figures.items()}}
     folder.validation.write_json(result)
     print(format_validation(result), flush=True)
     return result
 
 
 def format_validation(r: dict[str, Any]) -> str:
-    return (f"write-back {r['version']} on {r['questions']} held-out training questions ({r['method']}, union "
-            f"{r['union']}): {r['metric']} base {r['base']:.3f}, base + version {r['with_version']:.3f}; a unit in the "
-            f"top K of {r['unit_in_top_k']}, won {r['won']}, lost {r['lost']}")
+    """What the version's validation measured: every rule's figures, the chosen one, and the applied one's."""
+    lines = [f"write-back {r['version']} on {r['questions']} held-out training questions ({r['method']}): "
+             f"{r['metric']} {r['base']:.3f} with the base alone; per union rule:",
+             f"  {'rule':<14}{r['metric']:>7}{'unit in top K':>15}{'units':>7}{'changed':>9}{'won':>5}{'lost':>6}"]
+    for name, f in r.get("candidates", {}).items():
+        mark = " <- chosen" if name == r.get("chosen") else ""
+        lines.append(f"  {name:<14}{f[r['metric']]:>7.3f}{f['unit_in_top_k']:>15}{f['units_reached']:>7}"
+                     f"{f['answers_changed']:>9}{f['won']:>5}{f['lost']:>6}{mark}")
+    lines.append(f"  chosen: {r['chosen']} ({r['choice']})")
+    return "\n".join(lines)

@@ -18,7 +18,7 @@ WRITEBACK = RunStage(
     settings=("writeback", "retrieval", "index.nprobe", "generator", "embedder", "rag.{method}"),
     # the union settings shape what a search of base + write-back returns; training searches the base alone
     ignore=("writeback.train", "writeback.version", "writeback.activate", "writeback.evaluate", "retrieval.union",
-            "retrieval.max_units", "retrieval.rrf_k"),
+            "retrieval.max_units", "retrieval.rrf_k", "retrieval.gate_margin", "retrieval.additive_margin"),
     requires=(INDEX,),
     command="wbrag writeback RUN --train PATH",
     fix="pick another --version (writeback.version) or pass --force to retrain it",
