@@ -46,9 +46,13 @@ def test_tensor_parallel_size_defaults_to_the_replicas_gpus_over_its_pipeline_st
     assert GeneratorConfig(backend="openai", model="m", num_gpus=2).parallel_sizes() == (1, 1)
 
 
-def test_the_paper_configs_validate_and_the_70b_generator_shards_over_its_4_gpus():
+def test_the_paper_configs_validate_and_the_70b_generator_is_sized_on_the_cluster():
+    """The 70B's tensor-parallel size is decided where the GPUs are known (tests/test_gpu_layout.py: 2 on H200s, 4 on
+    80 GB GPUs); before that, nothing may read a size from it."""
     zero_rag = load_config(ROOT / "jobs" / "configs" / "paper_zero_rag.yaml")
-    assert zero_rag.generator.parallel_sizes() == (4, 1)
+    assert zero_rag.generator.tensor_parallel_size == "auto"
+    with pytest.raises(ConfigError, match="tensor_parallel_size auto is decided on the cluster"):
+        zero_rag.generator.parallel_sizes()
     assert load_config(ROOT / "jobs" / "configs" / "paper_writeback.yaml").generator.parallel_sizes() == (1, 1)
 
 
@@ -290,15 +294,16 @@ class PlacementProbe:
 
         pg = ray.util.get_current_placement_group()
         gpu_bundles = [i for i, b in enumerate(pg.bundle_specs) if b.get("GPU")]
+        share = float(os.environ.get("VLLM_RAY_PER_WORKER_GPUS", "1"))  # what vLLM's ray executor asks a worker for
 
-        @ray.remote(num_cpus=0, num_gpus=1)
+        @ray.remote(num_cpus=0, num_gpus=share)
         def worker():
             return ray.get_runtime_context().get_node_id()
 
         workers = [worker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True)).remote()
             for i in gpu_bundles]
-        return {"method": method, "args": list(args), "max_new_tokens": config.max_new_tokens,
+        return {"method": method, "args": list(args), "max_new_tokens": config.max_new_tokens, "worker_share": share,
                 "pg": pg.id.hex(), "own_gpus": ray.get_gpu_ids(), "node": ray.get_runtime_context().get_node_id(),
                 "worker_nodes": ray.get(workers)}
 
@@ -396,6 +401,25 @@ def main() -> None:
         engine.close()
         seen["state_after_close"] = placement_group_table(engine.pg)["state"]
         out[name] = seen
+    # retrieval's shares beside a tensor-parallel replica whose GPUs ask for 0.9 each (gpu_layout): the workers get
+    # their share through VLLM_RAY_PER_WORKER_GPUS, and a search actor's 0.05 starts on the replica's node (the
+    # best fit), not on the idle node, whose two whole GPUs stay free for another replica
+    from wbrag_ray.cluster_nodes import beside_generator
+
+    shared = vllm(num_gpus=2, gpu_share=0.9)
+    engine = RemoteEngine(shared, PlacementProbe)
+    seen = engine.call(shared, "generate", ["prompt"])
+
+    @ray.remote(num_cpus=0, num_gpus=0.05)
+    class Search:
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
+    search = Search.options(**beside_generator(0.05)).remote()
+    seen.update(bundles=placement_group_table(engine.pg)["bundles"], search_node=ray.get(search.node.remote()))
+    ray.kill(search)
+    engine.close()
+    out["tp2_shared"] = seen
     try:  # a replica no node can hold: refused once the wait for its placement group is over
         RemoteEngine(vllm(num_gpus=4), PlacementProbe, timeout_s=3)
         out["unplaceable"] = None
@@ -442,6 +466,11 @@ def test_a_sharded_replica_runs_inside_its_placement_group_and_the_cluster_check
         assert len(set(replica["bundle_nodes"])) == nodes_used
         assert replica["state_after_close"] == "REMOVED"  # the GPUs are free again
     assert seen["tp2"]["strategy"] == "STRICT_PACK" and seen["tp2pp2"]["strategy"] == "PACK"
+    # issue 66: a replica of GPUs shared with retrieval, and retrieval placed where it breaks no free GPU group
+    shared = seen["tp2_shared"]
+    assert shared["worker_share"] == 0.9 and seen["tp2"]["worker_share"] == 1.0
+    assert all(bundle.get("GPU") == 0.9 for bundle in shared["bundles"].values())
+    assert set(shared["worker_nodes"]) == {shared["search_node"]}
     # the pass's call arrives with its own settings
     assert seen["tp2"]["method"] == "generate" and seen["tp2"]["args"] == [["prompt"]]
     assert seen["tp2"]["max_new_tokens"] == 7
