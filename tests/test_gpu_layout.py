@@ -144,3 +144,24 @@ def test_paper_zero_rag_places_where_the_gpus_hold_a_70b_and_is_refused_on_one_g
     generation = [s for s in plan.stages if s.name in ("mastery", "evaluation grid")]
     for stage in generation:
         assert stage.gpus >= 7 / 8 * total - 1e-9, (shape, stage.name, stage.gpus)
+
+
+def test_each_command_decides_the_layout_again_from_what_the_config_said(monkeypatch):
+    """As the commands apply it (`resolve_auto_concurrency`, on Ray's nodes): the build (no index yet) and a later
+    evaluation (its search actor known) on one H100, then the same config on two H200s Ray labels as such."""
+    from wbrag_ray import cluster_nodes
+
+    config = load_config(PAPER_WRITEBACK)
+    monkeypatch.setattr(cluster_nodes, "auto_nodes", lambda: ([{"CPU": 32.0, "GPU": 1.0}], "stated"))
+    cluster_nodes.resolve_auto_concurrency(config, search=(0, 0.0))  # the build: the query embedder only
+    g, r = config.generator, config.retrieval
+    assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.98) and r.embed_gpus == 0.02
+    cluster_nodes.resolve_auto_concurrency(config, search=(1, 3.3e9))  # the evaluation: its search actor too
+    assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.92) and (r.search_gpus, r.embed_gpus) == (0.06, 0.02)
+    assert g.vllm_engine_kwargs["gpu_memory_utilization"] == 0.85
+    zero_rag = load_config(PAPER_ZERO_RAG)
+    h200 = [{"CPU": 64.0, "GPU": 2.0, "accelerator_type:H200": 1.0}]
+    monkeypatch.setattr(cluster_nodes, "auto_nodes", lambda: (h200, "stated"))
+    cluster_nodes.resolve_auto_concurrency(zero_rag, search=(2, 9.5e9))
+    assert zero_rag.generator.parallel_sizes() == (2, 1) and zero_rag.generator.concurrency == 1
+    assert zero_rag.zerorag.tune.trainer.num_workers == 2  # the FSDP tuning still takes both GPUs

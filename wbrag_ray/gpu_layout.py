@@ -271,7 +271,7 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
         group = tp * pp if tp * pp > 1 else int(g.num_gpus)
         concurrency = None if g.concurrency == "auto" else int(g.concurrency)
         layout = gpu_layout(node_gpus, gpu_memory_gb, group, concurrency, actors, util,
-                            on_cpus_ok=config.index.gpu != True)  # noqa: E712 - True, not "auto"
+                            on_cpus_ok=config.index.gpu is not True)  # True, not "auto"
         if not layout.whole and any(layout.shares):
             if group > 1:
                 g.gpu_share = layout.replica_gpu
