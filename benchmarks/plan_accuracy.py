@@ -57,13 +57,23 @@ def questions(n: int) -> list[dict]:
     return out[:n]
 
 
-def sized_config(source: Path, folder: Path, scale: int) -> Path:
-    """The config `source` at `scale` times its 40 test questions, with a run folder of its own."""
+def sized_config(source: Path, folder: Path, scale: int, data: Path | None = None) -> Path:
+    """The config `source` at `scale` times its 40 test questions, with a run folder of its own; with `data`, a
+    folder's corpus.jsonl, train.jsonl and test.jsonl (those there are) replace the config's corpus, write-back
+    training set and test set (its test set at 1x: larger sizes add the demo's questions)."""
     config = yaml.safe_load(source.read_text())
-    data = folder / f"questions-{scale}x.jsonl"
-    data.write_text("".join(json.dumps(q) + "\n" for q in questions(BASE_QUESTIONS * scale)))
     config["run"] = str(folder / f"run-{scale}x")
-    config["eval"] = {**config.get("eval", {}), "dataset": str(data), "name": f"questions_{scale}x"}
+    if data is not None:
+        for name, section, key in (("corpus", "ingest", "corpus"), ("train", "writeback", "train"),
+                                   ("test", "eval", "dataset")):
+            if (data / f"{name}.jsonl").is_file() and (section != "writeback" or config.get("writeback")):
+                config[section] = {**config.get(section, {}), key: str((data / f"{name}.jsonl").resolve())}
+        if config.get("zerorag", {}).get("enabled") and (data / "train.jsonl").is_file():
+            config["zerorag"] = {**config["zerorag"], "train": str((data / "train.jsonl").resolve())}
+    if data is None or scale > 1 or not (data / "test.jsonl").is_file():
+        questions_file = folder / f"questions-{scale}x.jsonl"
+        questions_file.write_text("".join(json.dumps(q) + "\n" for q in questions(BASE_QUESTIONS * scale)))
+        config["eval"] = {**config.get("eval", {}), "dataset": str(questions_file), "name": f"questions_{scale}x"}
     path = folder / f"config-{scale}x.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -90,11 +100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1x and 2x only (a smoke run, not a measurement)")
     parser.add_argument("--config", default=str(CONFIG), help="a demo config (default: the write-back demo's)")
-    parser.add_argument("--scales", default="1,4,10", help="sizes, as multiples of the config's 40 test questions")
+    parser.add_argument("--data", default=None, help="a data folder (corpus.jsonl, train.jsonl, test.jsonl; e.g. "
+                        "`python -m benchmarks.long_passages OUT`'s) replacing the config's files")
+    parser.add_argument("--scales", default=None, help="sizes, as multiples of the config's 40 test questions "
+                        "(default 1,4,10; 1 with --data)")
     parser.add_argument("--folder", default="/tmp/wbrag-bench-plan-accuracy")
     parser.add_argument("--calibrate-seconds", default="30")
     args = parser.parse_args(argv)
-    scales = [1, 2] if args.quick else [int(s) for s in args.scales.split(",")]
+    scales = [1, 2] if args.quick else [int(s) for s in (args.scales or ("1" if args.data else "1,4,10")).split(",")]
+    data = Path(args.data) if args.data else None
     header("plan_accuracy", args)
     folder = Path(args.folder)
     shutil.rmtree(folder, ignore_errors=True)
@@ -102,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the calibration's records in a cache of the benchmark's own: no record of another machine or version
     env = {**os.environ, "WBRAG_RATES_CACHE": str(folder / "rates.json")}
     report("config", args.config)
-    configs = {scale: sized_config(Path(args.config), folder, scale) for scale in scales}
+    report("data", args.data or "the config's own files")
+    configs = {scale: sized_config(Path(args.config), folder, scale, data) for scale in scales}
     wbrag("plan", str(configs[scales[0]]), "--calibrate", "--calibrate-seconds", args.calibrate_seconds, env=env)
     summary = []
     for scale in scales:

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=float, help="GPUs of each node (default 0)")
     p.add_argument("--cpus-per-node", type=float, help="CPUs of each node (default: this machine's)")
     p.add_argument("--memory-per-node", type=float, metavar="GB", help="memory of each node (default: this machine's)")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
+    p.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU (default: --gpu's, 80 for the H100)")
     p.add_argument("--passages", type=int, help="corpus passages (default: the run folder's ingest stats, else "
                    "estimated from the corpus files)")
     p.add_argument("--run", dest="run", help="run folder whose ingest stats give the corpus size (default: the "
@@ -165,7 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as data: {\"stages\": [{\"name\", \"seconds\", "
                    "\"rate_source\", \"gpus\", \"gpu_hours\", \"fits\"}], \"total_seconds\", \"gpus_total\", ...}")
     p.add_argument("--gpu", default="H100", help="the accelerator GPU stages without a calibrated rate are estimated "
-                   "for: A100-40GB, A100-80GB, H100, H200, L4, L40S, A10G (default H100)")
+                   "for, and its memory: A100-40GB, A100-80GB, H100, H100-PCIe, H100-NVL, H200, H200-NVL, L4, L40S, "
+                   "A10G (default H100)")
+    p.add_argument("--interconnect", default="ib-ndr-400", help="the network between nodes, for the collectives of "
+                   "multi-node trainings: ib-ndr-400, ib-hdr-200, efa-3200, efa-400, ethernet-100 (default ib-ndr-400)")
+    p.add_argument("--storage-read-gbs", type=float, default=2.0, metavar="GBS", help="GB/s a node reads model files "
+                   "at, for each model's load (default 2)")
     p.add_argument("--gpu-hour-price", type=float, metavar="PRICE", help="price of one GPU-hour: the plan adds the cost")
     p.add_argument("--calibrate", action="store_true", help="first time each model of the config on one worker of "
                    "the cluster (--address, or a local one) and record the rates with its hardware (the run folder "
@@ -386,13 +391,19 @@ def cmd_plan(args) -> None:
     config = _resolve_config(args, {})
     if args.passages is not None and args.passages < 1:
         raise ConfigError(f"--passages {args.passages}: a corpus has at least one passage")
-    from wbrag_ray.plan.accelerators import accelerator
+    from wbrag_ray.plan.accelerators import accelerator, interconnect
     from wbrag_ray.plan.calibrate import calibrate, load_records
 
     try:
-        accelerator(args.gpu)
+        gpu_memory_gb = args.gpu_memory_gb or accelerator(args.gpu).memory_gb
     except ValueError as exc:
         raise ConfigError(f"--gpu: {exc}") from None
+    try:
+        interconnect(args.interconnect)
+    except ValueError as exc:
+        raise ConfigError(f"--interconnect: {exc}") from None
+    if args.storage_read_gbs <= 0:
+        raise ConfigError(f"--storage-read-gbs {args.storage_read_gbs:g}: a read rate is positive")
     shape = (args.nodes, args.gpus_per_node, args.cpus_per_node, args.memory_per_node)
     if not args.json:
         from wbrag_ray.papers import print_departures
@@ -404,11 +415,12 @@ def cmd_plan(args) -> None:
         from wbrag_ray.ray_runtime import init_ray
 
         init_ray(config.ray)
-        cluster = plan.cluster_from_ray(args.gpu_memory_gb)
+        cluster = plan.cluster_from_ray(gpu_memory_gb)
     else:
-        cluster = plan.stated_cluster(*shape, gpu_memory_gb=args.gpu_memory_gb)
+        cluster = plan.stated_cluster(*shape, gpu_memory_gb=gpu_memory_gb)
     result = plan.make_plan(config, cluster, passages=args.passages, run=args.run, name=args.config_file,
-                            gpu=args.gpu, records=load_records(args.run), gpu_hour_price=args.gpu_hour_price)
+                            gpu=args.gpu, records=load_records(args.run), gpu_hour_price=args.gpu_hour_price,
+                            network=args.interconnect, storage_gbs=args.storage_read_gbs)
     if args.json:
         import json
 

@@ -77,6 +77,11 @@ def format_plan(plan: Plan) -> str:
         from wbrag_ray.plan.accelerators import EFFICIENCY_NOTE
 
         lines += [f"  GPU: {plan.gpu.describe()}; {EFFICIENCY_NOTE}"]
+        if plan.network is not None and len(plan.cluster.nodes) > 1:
+            lines += [f"  network between nodes (--interconnect): {plan.network.describe()}"]
+    if any("(estimate)" in s.how for s in plan.stages):
+        lines += [f"  model files: read at {plan.storage_gbs:g} GB/s a node (--storage-read-gbs; assumed); an actor's "
+                  "start and a vLLM engine's are assumed where no calibration measured them"]
     lines += [f"  prompt tokens: {plan.tokens.source}"] if plan.tokens else []
     lines += [f"memory: {MEMORY_RULE}"]
     return "\n".join(lines)

@@ -1,29 +1,41 @@
 """First-principles times for the model stages where no rate was measured on the hardware they will run on: the
-peak figures of common accelerators (vendor datasheets), the efficiency a stage reaches of them, and the FLOPs and
-bytes of generation, embedding, training and k-means.
+peak figures of common accelerators (vendor datasheets), the links between them (`INTERCONNECTS`), the
+efficiency a stage reaches of them, and the FLOPs and bytes of generation, embedding, training and k-means.
 
     generation  prefill: 2 x params x prompt tokens, at `COMPUTE_EFFICIENCY` of the peak bf16 rate;
-                decode: a step per new token for a batch of `DECODE_BATCH` sequences, each step the longer of
-                reading the weights once (at `BANDWIDTH_EFFICIENCY` of the memory bandwidth) and the batch's
-                2 x params FLOPs per sequence
+                decode: a step per new token for a batch of `DECODE_BATCH` sequences (fewer where their KV cache
+                does not fit what the weights leave of the GPUs), each step the longer of reading the weights and
+                the batch's KV cache once (at `BANDWIDTH_EFFICIENCY` of the memory bandwidth) and the batch's
+                2 x params FLOPs per sequence; a tensor-parallel replica adds two all-reduces of the activations
+                a layer (prefill's tokens, decode's batch) over NVLink
     embedding   2 x params x tokens per text (an encoder's forward), at `ENCODER_EFFICIENCY` of the peak
     training    6 x params x tokens: forward (2P) and backward of the frozen base (2P for the activations' gradients),
-                and the forward again that gradient checkpointing recomputes (2P); the LoRA weights are negligible
+                and the forward again that gradient checkpointing recomputes (2P); the LoRA weights are negligible.
+                Communication a step (`training_communication`): FSDP all-gathers the bf16 weights twice (forward,
+                and backward after the forward resharded them) and reduce-scatters the LoRA gradients; hybrid FSDP
+                the same within a node, then all-reduces the LoRA gradients across nodes; DDP all-reduces them
     k-means     2 x sample x lists x dimensions per iteration, faiss's default `KMEANS_ITERATIONS` (the build sets
                 none), at the fp32 rate
+    collectives NCCL's bus-bandwidth model (nccl-tests' PERFORMANCE.md): an all-gather or reduce-scatter of S bytes
+                over n ranks moves S x (n - 1) / n through each rank's link, an all-reduce twice that; the link
+                is NVLink within a node and the network (`--interconnect`) as soon as the group spans nodes, at
+                `LINK_EFFICIENCY` of its peak, plus `COLLECTIVE_LATENCY_S` a collective
+    load        a model's bytes over the storage's read rate (`STORAGE_READ_GBS` a node unless stated)
 
 Every figure says where it came from; `--gpu NAME` picks the accelerator (`ACCELERATORS`), H100 by default.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Accelerator:
     """One GPU's peak figures: dense bf16 tensor TFLOP/s (no sparsity), fp32 TFLOP/s (no tensor cores), memory
-    bandwidth (TB/s) and memory (GB), with the datasheet they come from."""
+    bandwidth (TB/s) and memory (GB), and its link to the other GPUs of its node (GB/s each way: NVLink, or PCIe
+    where it has none), with the datasheet they come from."""
 
     name: str
     bf16_tflops: float
@@ -31,24 +43,66 @@ class Accelerator:
     bandwidth_tbs: float
     memory_gb: float
     source: str
+    link_gbs: float = 32.0  # GB/s each way to another GPU of the node
+    link: str = "PCIe Gen4 x16"
 
     def describe(self) -> str:
         return (f"{self.name}: {self.bf16_tflops:g} TFLOP/s bf16 dense, {self.fp32_tflops:g} TFLOP/s fp32, "
-                f"{self.bandwidth_tbs:g} TB/s, {self.memory_gb:g} GB ({self.source})")
+                f"{self.bandwidth_tbs:g} TB/s, {self.memory_gb:g} GB, {self.link} {self.link_gbs:g} GB/s each way "
+                f"({self.source})")
 
 
+# NVLink figures are the datasheets' totals of both directions, halved; PCIe Gen5 x16: 64 GB/s each way, Gen4: 32
 _ACCELERATORS = (
-    Accelerator("A100-40GB", 312, 19.5, 1.555, 40, "NVIDIA A100 Tensor Core GPU datasheet (SXM)"),
-    Accelerator("A100-80GB", 312, 19.5, 2.039, 80, "NVIDIA A100 Tensor Core GPU datasheet (SXM)"),
-    Accelerator("H100", 989, 67, 3.35, 80, "NVIDIA H100 Tensor Core GPU datasheet (SXM; 1,979 bf16 is with sparsity)"),
-    Accelerator("H200", 989, 67, 4.8, 141, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-    Accelerator("L4", 121, 30.3, 0.3, 24, "NVIDIA L4 Tensor Core GPU datasheet (242 bf16 is with sparsity)"),
-    Accelerator("L40S", 362, 91.6, 0.864, 48, "NVIDIA L40S GPU datasheet (733 bf16 is with sparsity)"),
+    Accelerator("A100-40GB", 312, 19.5, 1.555, 40, "NVIDIA A100 Tensor Core GPU datasheet (SXM)", 300, "NVLink 3"),
+    Accelerator("A100-80GB", 312, 19.5, 2.039, 80, "NVIDIA A100 Tensor Core GPU datasheet (SXM)", 300, "NVLink 3"),
+    Accelerator("H100", 989, 67, 3.35, 80, "NVIDIA H100 Tensor Core GPU datasheet (SXM; 1,979 bf16 is with sparsity; "
+                "NVLink 900 GB/s)", 450, "NVLink 4"),
+    Accelerator("H100-PCIe", 756, 51, 2.0, 80, "NVIDIA H100 Tensor Core GPU datasheet (PCIe; 1,513 bf16 is with "
+                "sparsity; PCIe Gen5 128 GB/s, NVLink bridges only between pairs)", 64, "PCIe Gen5 x16"),
+    Accelerator("H100-NVL", 835, 60, 3.9, 94, "NVIDIA H100 Tensor Core GPU datasheet (NVL; 1,671 bf16 is with "
+                "sparsity; NVLink bridge 600 GB/s between a pair, PCIe Gen5 to the rest)", 64, "PCIe Gen5 x16"),
+    Accelerator("H200", 989, 67, 4.8, 141, "NVIDIA H200 Tensor Core GPU datasheet (SXM; NVLink 900 GB/s)", 450,
+                "NVLink 4"),
+    Accelerator("H200-NVL", 835, 60, 4.8, 141, "NVIDIA H200 Tensor Core GPU datasheet (NVL; 1,671 bf16 is with "
+                "sparsity; 2- or 4-way NVLink bridge 900 GB/s)", 450, "NVLink bridge"),
+    Accelerator("L4", 121, 30.3, 0.3, 24, "NVIDIA L4 Tensor Core GPU datasheet (242 bf16 is with sparsity; PCIe Gen4 "
+                "x16 64 GB/s)"),
+    Accelerator("L40S", 362, 91.6, 0.864, 48, "NVIDIA L40S GPU datasheet (733 bf16 is with sparsity; PCIe Gen4 x16 "
+                "64 GB/s)"),
     Accelerator("A10G", 70, 31.2, 0.6, 24, "AWS EC2 G5 instance specifications (A10G, an A10 variant NVIDIA publishes "
                 "no datasheet for; the A10's is 125 TFLOP/s bf16)"),
 )
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in _ACCELERATORS}
 DEFAULT_GPU = "H100"
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The network between nodes: GB/s each way a GPU has of it (a node's NICs shared by its GPUs), and its
+    source."""
+
+    name: str
+    gbs_per_gpu: float
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.gbs_per_gpu:g} GB/s each way a GPU ({self.source})"
+
+
+_INTERCONNECTS = (
+    Interconnect("ib-ndr-400", 50, "InfiniBand NDR, a 400 Gb/s ConnectX-7 port a GPU (NVIDIA DGX H100 / H200 user "
+                 "guide: 8 single-port ConnectX-7 for the compute fabric)"),
+    Interconnect("ib-hdr-200", 25, "InfiniBand HDR, a 200 Gb/s ConnectX-6 port a GPU (NVIDIA DGX A100 user guide: "
+                 "8 single-port ConnectX-6 for the compute fabric)"),
+    Interconnect("efa-3200", 50, "AWS EFA, 3,200 Gb/s an 8-GPU instance (EC2 P5 specifications): 400 Gb/s a GPU"),
+    Interconnect("efa-400", 6.25, "AWS EFA, 400 Gb/s an 8-GPU instance (EC2 P4d specifications): 50 Gb/s a GPU"),
+    Interconnect("ethernet-100", 1.5625, "100 Gb/s Ethernet a node, shared by its 8 GPUs"),
+)
+INTERCONNECTS: dict[str, Interconnect] = {i.name: i for i in _INTERCONNECTS}
+DEFAULT_INTERCONNECT = "ib-ndr-400"
+# a node's read rate of model files: local NVMe, or an object store in the region (assumed; `--storage-read-gbs`)
+STORAGE_READ_GBS = 2.0
 
 # the share of a peak a stage reaches: stated, not measured (calibration replaces them with the cluster's own rates)
 # (benchmarks/RESULTS.md, "GPU check on one H200": Llama-3.1-8B prefill at 65-67% of the bf16 peak, e5-base-v2's
@@ -59,13 +113,24 @@ TRAINING_EFFICIENCY = 0.3  # a LoRA step (forward, backward, recomputation, opti
 BANDWIDTH_EFFICIENCY = 0.7  # decode: reading the weights (and KV cache) once per step
 ENCODER_EFFICIENCY = 0.25  # small encoders (e5-base, MiniLM) on short texts
 KMEANS_EFFICIENCY = 0.5  # faiss GPU k-means: a matmul at fp32 plus the assignment
+LINK_EFFICIENCY = 0.7  # collectives: NCCL's bus bandwidth of a link's peak (nccl-tests reach 70-85% on NVLink)
+COLLECTIVE_LATENCY_S = 20e-6  # a collective's fixed cost (a layer's all-gather is one)
 DECODE_BATCH = 256  # sequences decoded together per replica (vLLM's max_num_seqs default)
+KV_MEMORY_SHARE = 0.9  # of a GPU's memory vLLM fills, weights then KV cache (its gpu_memory_utilization default)
 KMEANS_ITERATIONS = 25  # faiss's Clustering default niter
 EFFICIENCY_NOTE = (f"estimates assume {COMPUTE_EFFICIENCY:.0%} of the peak bf16 rate for prefill, "
                    f"{TRAINING_EFFICIENCY:.0%} for training, "
-                   f"{BANDWIDTH_EFFICIENCY:.0%} of the memory bandwidth for decode ({DECODE_BATCH} sequences a step), "
-                   f"{ENCODER_EFFICIENCY:.0%} for embedding, {KMEANS_EFFICIENCY:.0%} of fp32 for k-means "
-                   f"({KMEANS_ITERATIONS} iterations)")
+                   f"{BANDWIDTH_EFFICIENCY:.0%} of the memory bandwidth for decode (up to {DECODE_BATCH} sequences a "
+                   f"step, weights and KV cache read once a step), {ENCODER_EFFICIENCY:.0%} for embedding, "
+                   f"{KMEANS_EFFICIENCY:.0%} of fp32 for k-means ({KMEANS_ITERATIONS} iterations), "
+                   f"{LINK_EFFICIENCY:.0%} of a link's peak for collectives (+ {COLLECTIVE_LATENCY_S * 1e6:g} us each)")
+
+
+def interconnect(name: str) -> Interconnect:
+    """The table's entry for `name`; ValueError naming the choices."""
+    if name.lower() not in INTERCONNECTS:
+        raise ValueError(f"unknown interconnect {name!r}; choose one of {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[name.lower()]
 
 
 def accelerator(name: str) -> Accelerator:
@@ -77,20 +142,46 @@ def accelerator(name: str) -> Accelerator:
     raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join(ACCELERATORS)}")
 
 
+def collective_seconds(kind: str, size_bytes: float, ranks: int, link_gbs: float, count: int = 1) -> float:
+    """Seconds of `count` collectives of `size_bytes` over `ranks` ranks whose slowest link is `link_gbs` GB/s
+    each way: "all-gather" / "reduce-scatter" move size x (n - 1) / n through each rank's link, "all-reduce"
+    twice that (NCCL's bus bandwidth), at `LINK_EFFICIENCY`, plus `COLLECTIVE_LATENCY_S` each."""
+    if ranks <= 1 or size_bytes <= 0:
+        return 0.0
+    moved = size_bytes * (ranks - 1) / ranks * (2 if kind == "all-reduce" else 1)
+    return count * (moved / (link_gbs * 1e9 * LINK_EFFICIENCY) + COLLECTIVE_LATENCY_S)
+
+
 def generation_seconds(gpu: Accelerator, params: float, calls: int, prompt_tokens: float, new_tokens: int,
-                       gpus: float, replicas: int) -> tuple[float, str]:
+                       gpus: float, replicas: int, kv_bytes_per_token: float | None = None, tp: int = 1,
+                       hidden: int | None = None, layers: int | None = None) -> tuple[float, str]:
     """Seconds for `calls` generations of `prompt_tokens` + `new_tokens` on `replicas` replicas of `gpus` GPUs
-    each (a tensor-parallel replica's GPUs add their FLOPs and bandwidth together), and how."""
+    each (a tensor-parallel replica's GPUs add their FLOPs and bandwidth together), and how. A decode step reads
+    the weights and its batch's KV cache (`kv_bytes_per_token` of every token so far; the batch is what the
+    memory the weights leave holds, at most `DECODE_BATCH`); a tensor-parallel group of `tp` adds two all-reduces
+    of the activations (`hidden` wide) in each of `layers` layers, over NVLink."""
     per_replica = max(1, replicas)
     flops = gpu.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY * gpus
+    bandwidth = gpu.bandwidth_tbs * 1e12 * BANDWIDTH_EFFICIENCY * gpus
+    weights = params * 2
+    context = prompt_tokens + new_tokens / 2  # the mean sequence a decode step reads the cache of
+    kv = (kv_bytes_per_token or 0.0) * context  # a sequence's cache, on average over its decode
+    fits = int((gpu.memory_gb * 1e9 * KV_MEMORY_SHARE * gpus - weights) / kv) if kv else DECODE_BATCH
+    batch = max(1, min(DECODE_BATCH, math.ceil(calls / per_replica), fits))
+    step = max((weights + batch * kv) / bandwidth, batch * 2 * params / flops)
     prefill = calls * 2 * params * prompt_tokens / flops
-    weights = params * 2 / (gpu.bandwidth_tbs * 1e12 * BANDWIDTH_EFFICIENCY * gpus)
-    step = max(weights, DECODE_BATCH * 2 * params / flops)
-    decode = calls / DECODE_BATCH * new_tokens * step
-    seconds = (prefill + decode) / per_replica
+    comm, comm_how = 0.0, ""
+    if tp > 1 and hidden and layers:  # two all-reduces of a layer's activations (attention out, MLP out)
+        step += collective_seconds("all-reduce", batch * hidden * 2, tp, gpu.link_gbs, 2 * layers)
+        comm = calls * collective_seconds("all-reduce", prompt_tokens * hidden * 2, tp, gpu.link_gbs, 2 * layers)
+        comm_how = f", tensor-parallel all-reduces {2 * layers} a step over {gpu.link}"
+    steps = math.ceil(calls / per_replica / batch) * new_tokens
+    seconds = prefill / per_replica + comm / per_replica + steps * step
+    cache = f" + KV cache {batch * kv / 1e9:,.1f} GB" if kv else " (KV cache not counted: the model's layout unknown)"
     return seconds, (f"estimate: {calls:,} calls x ({prompt_tokens:,.0f} prompt tokens prefilled at 2 x params, "
-                     f"{new_tokens} new tokens decoded {DECODE_BATCH} at once at {step * 1e3:.3g} ms a step) on "
-                     f"{gpu.name} x {gpus:g} a replica, {per_replica} replica(s)")
+                     f"{new_tokens} new tokens decoded {batch} at once at {step * 1e3:.3g} ms a step: weights "
+                     f"{weights / 1e9:,.1f} GB{cache} a step{comm_how}) on {gpu.name} x {gpus:g} a replica, "
+                     f"{per_replica} replica(s)")
 
 
 def encode_seconds(gpu: Accelerator, params: float, texts: int, tokens: float, gpus: float,
@@ -103,10 +194,46 @@ def encode_seconds(gpu: Accelerator, params: float, texts: int, tokens: float, g
 
 
 def training_seconds(gpu: Accelerator, params: float, tokens: float, gpus: float) -> tuple[float, str]:
-    """Seconds to train on `tokens` tokens (steps x batch x length) over `gpus` GPUs in all."""
+    """Seconds to train on `tokens` tokens (steps x batch x the rows' padded length) over `gpus` GPUs in all."""
     flops = gpu.bf16_tflops * 1e12 * TRAINING_EFFICIENCY * max(gpus, 1e-9)
     seconds = tokens * 6 * params / flops
-    return seconds, f"estimate: {tokens:,.0f} tokens x 6 x params on {gpu.name} x {gpus:g}"
+    return seconds, f"{tokens:,.0f} tokens x 6 x params on {gpu.name} x {gpus:g}"
+
+
+def training_communication(gpu: Accelerator, net: Interconnect, params: float, trainable: float, workers: int,
+                           per_node: int, strategy: str, layers: int | None, hybrid: bool = True) -> tuple[float, str]:
+    """Seconds of one training step's collectives, and how: `workers` ranks, `per_node` of them a node.
+
+    fsdp: each decoder layer's bf16 weights all-gathered in the forward and again in the backward (FSDP2
+    reshards after the forward), and the trainable (LoRA) gradients reduce-scattered in fp32, over the shard
+    group: with `hybrid`, a node's ranks (the weights replicated across nodes, the gradient shards then
+    all-reduced across them), else every rank, over the network as soon as they span nodes. ddp: the trainable
+    gradients all-reduced. Over NVLink (the GPU's link) within a node, the network across nodes."""
+    nodes = max(1, math.ceil(workers / max(1, per_node)))
+    n_layers = layers or 1
+    grads = trainable * 4
+    if strategy == "fsdp":
+        group = min(workers, max(1, per_node)) if hybrid else workers
+        link = gpu.link_gbs if group <= per_node else min(gpu.link_gbs, net.gbs_per_gpu)
+        over = gpu.link if group <= per_node else f"{net.name} (the group spans {nodes} nodes)"
+        # a layer's weights at a time (`shard_fsdp` wraps each decoder layer), twice a step; its gradients once
+        gather = collective_seconds("all-gather", params * 2 / n_layers, group, link, 2 * n_layers)
+        scatter = collective_seconds("reduce-scatter", grads / n_layers, group, link, n_layers)
+        across = collective_seconds("all-reduce", grads / group, nodes, net.gbs_per_gpu) if hybrid and nodes > 1 else 0.0
+        how = (f"all-gathers of {params * 2 / 1e9:,.1f} GB of bf16 weights x 2 a step over {group} ranks' {over} "
+               f"({gather:.3g} s), LoRA gradients reduce-scattered ({scatter:.2g} s)"
+               + (f" and all-reduced across {nodes} nodes over {net.name} ({across:.2g} s; hybrid: sharded within a "
+                  "node, replicated across nodes)" if across else ""))
+        return gather + scatter + across, how
+    link = gpu.link_gbs if nodes == 1 else min(gpu.link_gbs, net.gbs_per_gpu)
+    seconds = collective_seconds("all-reduce", grads, workers, link)
+    return seconds, (f"LoRA gradients ({trainable / 1e6:,.3g}M) all-reduced over {workers} ranks "
+                     f"({gpu.link if nodes == 1 else net.name}): {seconds:.2g} s")
+
+
+def load_seconds(model_bytes: float, readers: int, storage_gbs: float) -> float:
+    """Seconds for `readers` processes of a node to read `model_bytes` each at the node's `storage_gbs` GB/s."""
+    return model_bytes * max(1, readers) / (storage_gbs * 1e9)
 
 
 def kmeans_seconds(gpu: Accelerator, sample: int, lists: int, dim: int) -> tuple[float, str]:

@@ -247,10 +247,13 @@ def _jsonl_field(path: str | None, field: str, n: int) -> list[str]:
 
 def roles(config: WbragConfig) -> list[str]:
     """The models a config runs that calibration can time: its generator (not an HTTP endpoint), its embedder,
-    and its LoRA tuning where Zero-RAG tunes."""
+    write-back's figures of its own data (`selection`) where it trains write-back, and its LoRA tuning where
+    Zero-RAG tunes."""
     out = ["embedder"]
     if config.generator.backend != "openai":
         out.append("generator")
+        if config.writeback.train:  # the keep rate and the distiller's prompt kinds on the config's own data
+            out.append("writeback")
         if config.zerorag.enabled and config.zerorag.tune.enabled:
             out.append("training")
     return out
@@ -340,7 +343,7 @@ def _train_start(config: WbragConfig) -> float:
 
 
 def _resources(config: WbragConfig, role: str) -> tuple[float, float]:
-    if role == "generator":
+    if role in ("generator", "writeback"):
         return config.generator.num_cpus, config.generator.num_gpus
     if role == "embedder":
         return config.embedder.num_cpus, config.embedder.num_gpus
@@ -353,6 +356,18 @@ def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: fl
     config = WbragConfig.model_validate(config)
     if role == "generator":
         record = calibrate_generator(config, questions, docs, seconds)
+    elif role == "writeback":
+        from wbrag_ray.plan.selection import SAMPLE_PASSAGES, calibrate_writeback, sample_rows
+
+        contents = _jsonl_field(config.ingest.corpus, "contents", SAMPLE_PASSAGES)
+        passages = [(c.split("\n", 1)[0], c.split("\n", 1)[-1]) for c in contents]
+        whole = len(passages) if len(passages) < SAMPLE_PASSAGES else None  # read to its end: the whole corpus
+        rows = sample_rows(config.writeback.train)
+        if not rows or not passages:
+            raise ValueError(f"write-back calibration needs a local training set and corpus (writeback.train "
+                             f"{config.writeback.train!r}, ingest.corpus {config.ingest.corpus!r})")
+        record = calibrate_writeback(config, rows, passages, whole, seconds)
+        record["loaded_at"] = entered  # its loads are inside its measurement; the generator record has them
     elif role == "embedder":
         record = calibrate_embedder(config, texts, seconds)
     else:
@@ -363,7 +378,7 @@ def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: fl
 
 def _key(record: dict[str, Any]) -> str:
     return json.dumps([record["role"], record["model"], record.get("backend"), record.get("batch_size"),
-                       record["hardware"]], sort_keys=True)
+                       record["hardware"], record.get("train")], sort_keys=True)
 
 
 def save(records: list[dict[str, Any]], run: str | None = None, cache: Path | None = None) -> None:

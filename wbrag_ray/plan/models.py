@@ -13,6 +13,7 @@ and optimizer state). A CPU process adds the worker's own base (`index.sizing.TA
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -40,6 +41,27 @@ class ModelSize:
     layers: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
+    context: int | None = None  # the positions it was trained for (max_position_embeddings, GGUF context_length)
+
+    def tensor_parallel_refusal(self, tp: int) -> str | None:
+        """Why vLLM cannot shard this model's attention over `tp` tensor-parallel ranks, or None (also where its
+        heads are unknown). vLLM 0.32's rule: `ModelConfig.verify_with_parallel_config` (vllm/config/model.py)
+        refuses attention heads that `tp` does not divide; `QKVParallelLinear` (vllm/model_executor/layers/
+        linear.py) splits the key-value heads over the ranks where there are more heads than ranks (tp must
+        divide them) and repeats each head on tp / kv_heads ranks otherwise (kv_heads must divide tp)."""
+        if tp <= 1 or not self.heads:
+            return None
+        if self.heads % tp:
+            return f"its {self.heads} attention heads do not split evenly over {tp} ranks"
+        kv = self.kv_heads or self.heads
+        if (kv % tp if tp < kv else tp % kv):
+            return (f"its {kv} key-value heads neither split evenly over {tp} ranks nor repeat evenly on them "
+                    f"({'a multiple' if tp > kv else 'a divisor'} of {kv} would)")
+        return None
+
+    def tensor_parallel_sizes(self, most: int = 64) -> list[int]:
+        """The tensor-parallel sizes up to `most` that vLLM can shard this model over (`tensor_parallel_refusal`)."""
+        return [tp for tp in range(1, most + 1) if self.tensor_parallel_refusal(tp) is None]
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> float | None:
         """Bytes of KV cache one token takes in every layer (keys and values at the key-value heads), or None
@@ -81,6 +103,9 @@ KNOWN: dict[str, tuple[float, int, int]] = {
     "bundled:smollm2": (134.5e6, 576, 9),
     "intfloat/e5-base-v2": (109.5e6, 768, 12),
     "intfloat/e5-large-v2": (335e6, 1024, 16),
+    # its config.json (hidden_size 1024, 24 layers, a gated MLP of 4096: 434M) and its sentence-transformers
+    # Dense layer 2_Dense_1024 (1024 -> 1024), the hub repository's files: 1024-d vectors
+    "novasearch/stella_en_400m_v5": (434e6, 1024, 16),
     "sentence-transformers/all-minilm-l6-v2": (22.7e6, 384, 12),
     "bundled:all-minilm-l6-v2": (22.7e6, 384, 12),
 }
@@ -94,14 +119,21 @@ def model_size(model: str) -> ModelSize:
     folder = Path(model)
     if "://" not in model and (folder / "config.json").is_file():
         try:
-            cfg = json.loads((folder / "config.json").read_text())
-            params, hidden, heads = params_from_config(cfg)
-            text = cfg.get("text_config") or cfg
-            layout = (int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads),
-                      int(text.get("head_dim") or hidden // heads))
-            return ModelSize(model, params, hidden, heads, "from its config.json", *layout)
+            return size_from_config(model, json.loads((folder / "config.json").read_text()), "from its config.json")
         except (ValueError, KeyError, TypeError, OSError):
             pass  # an unusual layout: fall back to the name
+    gguf = _gguf_file(model)
+    if gguf is not None:
+        try:
+            return size_from_config(model, _gguf_config(str(gguf), gguf.stat().st_mtime_ns), "from its GGUF metadata")
+        except (ValueError, KeyError, TypeError, OSError):
+            pass
+    cached = _cached_hub_config(model)
+    if cached is not None:
+        try:
+            return size_from_config(model, json.loads(Path(cached).read_text()), "from its cached config.json")
+        except (ValueError, KeyError, TypeError, OSError):
+            pass
     key = model.lower().rstrip("/")
     for known, (params, hidden, heads) in KNOWN.items():
         if key == known or key.endswith("/" + known.split("/")[-1]):
@@ -111,6 +143,122 @@ def model_size(model: str) -> ModelSize:
         params = float(match.group(1)) * (1e9 if match.group(2).lower() == "b" else 1e6)
         return ModelSize(model, params, None, None, f"estimated from '{match.group(0)}' in the name")
     return ModelSize(model, None)
+
+
+def size_from_config(model: str, cfg: dict, source: str) -> ModelSize:
+    """The size and shape of `model` from its transformers config (`cfg`, read from `source`)."""
+    params, hidden, heads = params_from_config(cfg)
+    text = cfg.get("text_config") or cfg
+    layout = (int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads),
+              int(text.get("head_dim") or hidden // heads))
+    return ModelSize(model, params, hidden, heads, source, *layout, context=_context(text))
+
+
+# RoPE scalings whose max_position_embeddings is already the scaled context (vLLM's `_get_and_verify_max_len`,
+# vllm/config/model.py, multiplies the others' by their factor, and takes Gemma 3's as it is)
+_SCALED_ALREADY = {"default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+
+
+def _context(text: dict) -> int | None:
+    """The tokens a decoder reads at once, as vLLM derives its longest max_model_len from a config."""
+    positions = text.get("max_position_embeddings")
+    if not positions:
+        return None
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    factor = rope.get("factor") if isinstance(rope, dict) and kind not in _SCALED_ALREADY else None
+    scaled = "gemma3" not in str(text.get("model_type", "")) and factor
+    return int(positions * float(factor)) if scaled else int(positions)
+
+
+def _gguf_file(model: str) -> Path | None:
+    """The GGUF file `model` names (a path, or a bundled model that is one), if any."""
+    if model.startswith("bundled:"):
+        from wbrag_ray.config import ConfigError
+        from wbrag_ray.models.bundled import bundled_path
+
+        try:
+            path = bundled_path(model.split(":", 1)[1])
+        except ConfigError:  # not installed here: the table of known models has it
+            return None
+    else:
+        path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+# GGUF's value types (its specification, ggml's docs/gguf.md): the struct format of each scalar type, by its code
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_config(path: str, _mtime_ns: int) -> dict:
+    """A transformers-style config from a GGUF file's header (its key-value metadata and its tensors' names),
+    read as the GGUF format lays it out (little-endian, version 2 or later) without reading the weights: the
+    `gguf` package's reader parses the whole tokenizer too, and its import takes numpy (2.7 s for the bundled
+    SmolLM2 on this machine, against 0.07 s here)."""
+    import struct
+
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            data = f.read(struct.calcsize(fmt))
+            if len(data) < struct.calcsize(fmt):
+                raise ValueError(f"{path}: its GGUF header ends early")
+            return struct.unpack(fmt, data)[0]
+
+        def string() -> str:
+            return f.read(read("<Q")).decode("utf-8", "replace")
+
+        def value(kind: int):
+            if kind == _GGUF_STRING:
+                return string()
+            if kind != _GGUF_ARRAY:
+                return read(_GGUF_SCALARS[kind])
+            item, count = read("<I"), read("<Q")
+            if item == _GGUF_STRING:
+                for _ in range(count):  # skipped: only how many there are is used (the vocabulary's size)
+                    f.seek(read("<Q"), 1)
+            elif item == _GGUF_ARRAY:
+                raise ValueError("nested GGUF arrays")
+            else:
+                f.seek(count * struct.calcsize(_GGUF_SCALARS[item]), 1)
+            return [count]  # an array stands for its length
+
+        if f.read(4) != b"GGUF" or read("<I") < 2:
+            raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+        tensors, kvs = read("<Q"), read("<Q")
+        meta = {}
+        for _ in range(kvs):
+            key = string()
+            meta[key] = value(read("<I"))
+        names = set()
+        for _ in range(tensors):
+            names.add(string())
+            f.seek(read("<I") * 8 + 4 + 8, 1)  # dimensions, type, offset
+    arch = meta["general.architecture"]
+
+    def get(name: str):
+        found = meta.get(f"{arch}.{name}")
+        return found[0] if isinstance(found, list) else found
+
+    heads = get("attention.head_count")
+    return {"model_type": arch, "hidden_size": get("embedding_length"), "num_hidden_layers": get("block_count"),
+            "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv") or heads,
+            "head_dim": get("attention.key_length"), "intermediate_size": get("feed_forward_length"),
+            "vocab_size": get("vocab_size") or meta.get("tokenizer.ggml.tokens", [None])[0],
+            "max_position_embeddings": get("context_length"), "tie_word_embeddings": "output.weight" not in names}
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_hub_config(model: str) -> str | None:
+    """The config.json of a hub id (org/name) in this machine's Hugging Face cache, without the network; None
+    where it was never downloaded here (or `model` is no hub id)."""
+    if model.count("/") != 1 or model.startswith(("/", ".", "~")) or ":" in model or Path(model).exists():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(model, "config.json")
+    return found if isinstance(found, str) else None
 
 
 def params_from_config(cfg: dict) -> tuple[float, int, int]:
@@ -130,6 +278,35 @@ def params_from_config(cfg: dict) -> tuple[float, int, int]:
     tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
     embeddings = int(text["vocab_size"]) * hidden * (1 if tied else 2)
     return float(layers * (attention + mlp) + embeddings), hidden, heads
+
+
+def embedding_dim(model: str, size: ModelSize) -> tuple[int | None, str]:
+    """(dimension of a sentence-transformers model's vectors, where it came from): a local folder's last Dense
+    module's out_features (modules.json), else its pooling's word_embedding_dimension, else the hidden size."""
+    folder = Path(model)
+    if "://" not in model and (folder / "modules.json").is_file():
+        try:
+            modules = json.loads((folder / "modules.json").read_text())
+            for m in reversed(modules):
+                cfg = folder / m.get("path", "") / "config.json"
+                if m.get("type", "").endswith("Dense") and cfg.is_file():
+                    return int(json.loads(cfg.read_text())["out_features"]), f"its {m['path']} layer"
+                if m.get("type", "").endswith("Pooling") and cfg.is_file():
+                    return int(json.loads(cfg.read_text())["word_embedding_dimension"]), f"its {m['path']} config"
+        except (ValueError, KeyError, TypeError, OSError):
+            pass
+    return size.hidden, ("its hidden size" if size.hidden else "unknown")
+
+
+def lora_params(size: ModelSize, r: int, targets: list[str]) -> float:
+    """Trainable parameters of LoRA at rank `r` on `targets` in every layer: r x (inputs + outputs) a module
+    (q, o: hidden -> heads x head dim; k, v: to the key-value heads; others taken as hidden -> hidden)."""
+    hidden = size.hidden or 4096
+    head_dim = size.head_dim or hidden // max(1, size.heads or 32)
+    widths = {"q_proj": (size.heads or 32) * head_dim, "o_proj": (size.heads or 32) * head_dim,
+              "k_proj": (size.kv_heads or size.heads or 32) * head_dim,
+              "v_proj": (size.kv_heads or size.heads or 32) * head_dim}
+    return float((size.layers or 32) * sum(r * (hidden + widths.get(t, hidden)) for t in targets))
 
 
 def bytes_per_param(dtype: str, on_gpu: bool) -> int:

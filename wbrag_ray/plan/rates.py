@@ -94,6 +94,13 @@ _RATES = (
          "the write-back demo (SmolLM2-135M, K = 5, acc): 7 of 30 kept, each then through the document gate and "
          "the distiller",
          "wbrag run jobs/configs/writeback_demo.yaml", "2026-12-05", "count, no hardware"),
+    Rate("writeback_selection_nq", 12_295 / 79_168, "of the training questions pass the utility gate",
+         "WriteBack-RAG on NQ's training set: |D_util| = 12,295 of N = 79,168 (K = 5; Llama-3.1-8B-Instruct)",
+         "the WriteBack-RAG paper, its training-cost paragraph", "paper", "count, no hardware"),
+    Rate("writeback_calls_nq", 220_000, "generator calls of write-back training on NQ",
+         "2N baseline scoring + up to |D_util| x K document gating + |D_util| distillation: about 220K calls, "
+         "0.5 h on two H200 GPUs",
+         "the WriteBack-RAG paper, its training-cost paragraph", "paper", "count, two H200 GPUs"),
     Rate("train_start", 30.0, "seconds to start a Ray Train run",
          "TorchTrainer with 2 CPU workers, gloo, checkpoints under RunConfig(storage_path): a 20-step toy loop took "
          "about 31 s with start-up",

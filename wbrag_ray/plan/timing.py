@@ -17,8 +17,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig
-from wbrag_ray.plan.accelerators import Accelerator, encode_seconds, generation_seconds, training_seconds
-from wbrag_ray.plan.models import model_size
+from wbrag_ray.plan.accelerators import (
+    DEFAULT_INTERCONNECT,
+    STORAGE_READ_GBS,
+    Accelerator,
+    Interconnect,
+    encode_seconds,
+    generation_seconds,
+    interconnect,
+    load_seconds,
+    training_communication,
+    training_seconds,
+)
+from wbrag_ray.plan.models import lora_params, model_size, weights_gb
 from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape
 
 SOURCES = ("calibrated", "benchmark", "estimate")
@@ -32,6 +43,9 @@ class Timing:
     gpu: Accelerator
     records: list[dict[str, Any]]
     shape: TokenShape
+    net: Interconnect = field(default_factory=lambda: interconnect(DEFAULT_INTERCONNECT))
+    storage_gbs: float = STORAGE_READ_GBS  # a node's read rate of model files
+    gpus_per_node: int = 8
     started: set[str] = field(default_factory=set)
     used: list[dict[str, Any]] = field(default_factory=list)  # the records a stage's time came from
     stale: list[dict[str, Any]] = field(default_factory=list)  # generator records of an earlier version's units
@@ -47,11 +61,15 @@ class Timing:
         return hardware("cpu", resolved_dtype_name(dtype, 0), threads)
 
     def record(self, role: str, model: str, num_gpus: float, dtype: str, threads: int,
-               backend: str | None = None) -> dict[str, Any] | None:
+               backend: str | None = None, **fields: Any) -> dict[str, Any] | None:
+        """The first record of `role` for `model` measured on the hardware a stage of these resources runs on,
+        and whose `fields` (e.g. the training set of a write-back record) are these; None where there is none."""
         want = self._want(num_gpus, dtype, threads)
         for r in self.records:
             hw = r.get("hardware") or {}
             if r.get("role") != role or r.get("model") != model or (backend and r.get("backend") not in (None, backend)):
+                continue
+            if any(r.get(k) != v for k, v in fields.items()):
                 continue
             if role == "generator" and r.get("token_units") != TOKEN_UNITS:
                 if not any(x is r for x in self.stale):  # its prompt tokens counted otherwise: not comparable
@@ -82,16 +100,33 @@ class Timing:
                 return self._use(r).get("start_seconds", 0.0)
         return 0.0
 
+    def writeback_record(self, g: GeneratorConfig, train: str | None, top_k: int) -> dict[str, Any] | None:
+        """The write-back record (`selection`) of this training set, K and generator hardware, where calibrated."""
+        from wbrag_ray.plan.stages import threads_of
+
+        if not train:
+            return None
+        return self.record("writeback", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
+                           train=train, top_k=top_k)
+
     # --- generation ------------------------------------------------------------------------------------------
 
     def generation(self, g: GeneratorConfig, calls: int, docs: int, new_tokens: int | None = None,
                    doc_tokens: float | None = None, mixture: bool = False, template: float | None = None,
-                   question: float | None = None) -> tuple[float | None, str, str | None]:
+                   question: float | None = None, point: dict[str, Any] | None = None,
+                   ) -> tuple[float | None, str, str | None]:
         """(seconds, how, source) of `calls` calls of prompts holding `docs` documents (of `doc_tokens`), each
         decoding up to `new_tokens` (default max_new_tokens); `mixture`: RePlug's groups of `docs` one-document
-        prompts decoded as one answer (a call each); `template`, `question`: see `TokenShape.prompt`."""
+        prompts decoded as one answer (a call each); `template`, `question`: see `TokenShape.prompt`; `point`: a
+        calibrated prompt kind (`selection`: seconds a call of this kind on the config's own data), used as
+        measured."""
         from wbrag_ray.plan.stages import generation_time, threads_of
 
+        if point is not None:
+            seconds = calls * point["seconds_per_call"] / max(1, g.concurrency)
+            return seconds, (f"{point['shape']}: {calls:,} calls x {point['seconds_per_call']:.3g} s ("
+                             f"{point['prompt_tokens']:,.0f} prompt + {point['generated_tokens']:,.0f} generated "
+                             f"tokens a call, measured) / {g.concurrency} actor(s) [calibrated]"), "calibrated"
         new = new_tokens or g.max_new_tokens
         prompt = self.shape.prompt(1 if mixture else docs, doc_tokens, template, question)
         threads = threads_of(g.num_cpus, g.threads)
@@ -106,26 +141,43 @@ class Timing:
             tp, pp = g.parallel_sizes()
             gpus = max(g.num_gpus, tp * pp)
             n = calls * (docs if mixture else 1)
-            seconds, how = generation_seconds(self.gpu, size.params, n, prompt, new, gpus, g.concurrency)
+            seconds, how = generation_seconds(self.gpu, size.params, n, prompt, new, gpus, g.concurrency,
+                                              size.kv_bytes_per_token(), tp, size.hidden, size.layers)
             return seconds, how, "estimate"
         key = "closed_book" if docs == 0 and not mixture else "rag"
         seconds, how, keys = generation_time(g, calls * (docs if mixture else 1), key)
         return seconds, how, "benchmark" if keys else None
 
     def service_start(self, role: str, model: str, num_gpus: float, dtype: str, threads: int,
-                      backend: str | None = None, service: str | None = None) -> tuple[float, str]:
-        """Seconds to start a service's actor and load its model (`service`: which actors, default the role's),
-        the first time a plan's stage asks for it (calibrated only: the benchmarks timed steady rates); (0, "")
-        after that or without a record."""
+                      backend: str | None = None, service: str | None = None, actors: int = 1,
+                      per_node: int = 1) -> tuple[float, str, str | None]:
+        """(seconds, how, source) to start a service's actors and load their model (`service`: which actors,
+        default the role's), the first time a plan's stage asks for it; (0, "", None) after that. Calibrated
+        where a record has it (the worker's start, the model's load and the prompt shapes' first use, measured);
+        else estimated: the actor's start (`ACTOR_START_S`; a vLLM engine's `ENGINE_START_S`) and the model's
+        bytes read at the storage's rate by the `per_node` actors of a node at once."""
         key = f"{service or role}:{model}"
-        rec = self.record(role, model, num_gpus, dtype, threads, backend)
-        if key in self.started or rec is None or role == "cluster":
-            return 0.0, ""
+        if key in self.started or role == "cluster":
+            return 0.0, "", None
         self.started.add(key)
-        seconds = rec.get("service_start_seconds") or rec.get("start_seconds", 0.0) + rec.get("load_seconds", 0.0)
-        # the prompt shapes' first use: paid once per run, by its first pass (kernels built per shape on CPUs)
-        seconds += sum(max(0.0, p.get("first_use_seconds", 0.0)) for p in rec.get("points", []))
-        return seconds, f"{service or role} start, load and first use {seconds:.0f} s [calibrated]"
+        rec = self.record(role, model, num_gpus, dtype, threads, backend)
+        if rec is not None:
+            seconds = rec.get("service_start_seconds") or rec.get("start_seconds", 0.0) + rec.get("load_seconds", 0.0)
+            # the prompt shapes' first use: paid once per run, by its first pass (kernels built per shape on CPUs)
+            seconds += sum(max(0.0, p.get("first_use_seconds", 0.0)) for p in rec.get("points", []))
+            return seconds, f"{service or role} start, load and first use {seconds:.0f} s [calibrated]", "calibrated"
+        if backend == "openai":
+            return 0.0, "", None
+        size = model_size(model)
+        weights = weights_gb(size, dtype, num_gpus > 0)
+        if weights is None:
+            return 0.0, "", None
+        start = ENGINE_START_S if backend == "vllm" and num_gpus > 0 else ACTOR_START_S
+        load = load_seconds(weights * 1e9, per_node, self.storage_gbs)
+        what = "vLLM engine start (compile, CUDA graphs, memory profiling)" if start == ENGINE_START_S else "actor start"
+        return start + load, (f"{service or role}: {what} {start:.0f} s (assumed) + load {weights:,.1f} GB x "
+                              f"{per_node} actor(s) a node at {self.storage_gbs:g} GB/s a node {load:.0f} s "
+                              f"(estimate)"), "estimate"
 
     # --- embedding and training ------------------------------------------------------------------------------
 
@@ -145,27 +197,57 @@ class Timing:
         return None, "", None
 
     def training(self, model: str, trainer: TrainerConfig, threads: int | None, steps: int, batch: int,
-                 max_length: int, generator_model: str) -> tuple[float | None, str, str | None]:
-        """A LoRA training's compute: calibrated seconds a token (scaled by parameters from the generator's
-        model it was measured with), or on GPUs tokens x 6 x params; None: the caller's benchmark rule."""
+                 row_tokens: float, generator_model: str, section: Any = None,
+                 ) -> tuple[float | None, str, str | None, dict[str, float]]:
+        """A LoRA training's time: (seconds, how, source, parts). `row_tokens`: a step's rows as the trainer pads
+        them (each worker's rows to its longest, and the step waits for the slowest worker). Compute from
+        calibrated seconds a token (scaled by parameters from the generator's model it was measured with), or on
+        GPUs tokens x 6 x params; on GPUs also each step's collectives (`training_communication`) and the model's
+        load (rank 0's read of the whole model under fsdp, every worker's under ddp), each a part of its own.
+        None: the caller's benchmark rule."""
+        from wbrag_ray.plan.calibrate import training_dtype
         from wbrag_ray.plan.stages import threads_of
 
-        tokens = steps * batch * max_length
+        tokens = steps * batch * row_tokens
         workers = trainer.num_workers if isinstance(trainer.num_workers, int) else 1
         size, measured = model_size(model), model_size(generator_model)
-        from wbrag_ray.plan.calibrate import training_dtype
-
         rec = self.record("training", generator_model, trainer.num_gpus, training_dtype(trainer.num_gpus),
                           threads_of(trainer.num_cpus, threads))
         if rec is not None and size.params and measured.params:
             scale = size.params / measured.params
             seconds = tokens / max(1, workers) * rec["seconds_per_token"] * scale
-            return seconds, (f"{tokens:,} tokens / {workers} worker(s) x {rec['seconds_per_token'] * 1e3:.3g} ms a "
-                             f"token x {scale:.3g} (params) [calibrated]"), "calibrated"
+            return seconds, (f"{tokens:,.0f} tokens / {workers} worker(s) x {rec['seconds_per_token'] * 1e3:.3g} ms a "
+                             f"token x {scale:.3g} (params) [calibrated]"), "calibrated", {"compute": seconds}
         if trainer.num_gpus > 0 and size.params:
-            seconds, how = training_seconds(self.gpu, size.params, tokens, trainer.num_gpus * workers)
-            return seconds, how, "estimate"
-        return None, "", None
+            compute, how = training_seconds(self.gpu, size.params, tokens, trainer.num_gpus * workers)
+            per_node = max(1, min(workers, int(self.gpus_per_node // max(trainer.num_gpus, 1e-9)) or 1))
+            r, targets = (section.lora_r, section.target_modules) if section is not None else (8, ["q_proj", "v_proj"])
+            comm_step, comm_how = training_communication(self.gpu, self.net, size.params, lora_params(size, r, targets),
+                                                         workers, per_node, trainer.strategy, size.layers,
+                                                         hybrid=FSDP_HYBRID)
+            comm = steps * comm_step
+            # FSDP2 prefetches the next layer's all-gather while a layer computes (and DDP's all-reduce overlaps
+            # the backward): a step takes the longer of the two, the rest of the communication is exposed
+            exposed = max(0.0, comm - compute)
+            weights = (weights_gb(size, "auto", True) or 0.0) * 1e9
+            readers = 1 if trainer.strategy == "fsdp" else per_node
+            load = load_seconds(weights, readers, self.storage_gbs)
+            parts = {"compute": compute, "communication": comm, "of it exposed": exposed, "load": load}
+            return compute + exposed + load, (
+                f"compute {compute:,.0f} s: {how}; communication {comm:,.0f} s, {exposed:,.0f} s of it beyond the "
+                f"compute it overlaps: {steps:,} steps x {comm_step:.3g} s ({comm_how}); load {load:,.0f} s: "
+                f"{weights / 1e9:,.1f} GB x {readers} reader(s) a node at {self.storage_gbs:g} GB/s (estimate)"), \
+                "estimate", parts
+        return None, "", None, {}
+
+
+# Ray's start of an actor process (imports, the model's class): assumed where no calibration measured it; the
+# CPU benchmarks measured 7-11 s for a generator actor with its cached load (RESULTS.md, "Ray overhead")
+ACTOR_START_S = 10.0
+# a vLLM engine's start beside its weights' read: torch.compile, CUDA graph capture, the memory profile (assumed)
+ENGINE_START_S = 60.0
+# multi-node fsdp shards within a node and replicates across nodes (training.placement)
+FSDP_HYBRID = True
 
 
 def _per_call(rec: dict[str, Any], prompt: float, new: int, group: int) -> tuple[float | None, str]:
@@ -198,6 +280,10 @@ def describe_record(r: dict[str, Any]) -> str:
     where = f"{hw.get('device')}, {hw.get('cpu')} ({hw.get('cpu_flags')}), {hw.get('dtype')}, {hw.get('threads')} threads"
     if r.get("role") == "cluster":
         return f"the run's start {r.get('start_seconds', 0):.1f} s ({r.get('cpus'):g} CPUs, {hw.get('cpu')}), {r.get('date')}"
+    if r.get("role") == "writeback":
+        from wbrag_ray.plan.selection import describe
+
+        return f"{describe(r)}; on {where}, {r.get('date')}"
     if r.get("role") == "generator":
         pts = "; ".join(f"{p['shape']}: {p['seconds_per_call']:.3g} s a call at {p['prompt_tokens']:.0f} prompt tokens"
                         for p in r.get("points", []))

@@ -31,6 +31,7 @@ SAMPLE_LINES = 2000  # a file's first lines are its sample: the counts stay chea
 WIKI_PASSAGE_TOKENS = 130.0
 WIKI_SENTENCE_TOKENS = WIKI_PASSAGE_TOKENS / 6.57
 QUESTION_TOKENS = 12.0
+WIKI_TITLE_TOKENS = 4.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class TokenShape:
     passage: float
     sentence: float
     source: str
+    title: float = WIKI_TITLE_TOKENS  # a passage's title (the LM pruner reads `title: sentence`)
 
     def prompt(self, docs: int, doc_tokens: float | None = None, template: float | None = None,
                question: float | None = None) -> float:
@@ -79,9 +81,9 @@ def template_tokens(with_docs: bool) -> float:
     return template_of(rag_messages, 1) if with_docs else template_of(lambda q, _: no_retrieval_messages(q))
 
 
-def _mean_chars(path: str, field: str) -> float | None:
-    """Mean characters of `field` over a local jsonl file's first lines; None where it is not a readable local
-    jsonl (Parquet and remote files are not read for this)."""
+def _mean_chars(path: str, field: str, part=str) -> float | None:
+    """Mean characters of `field` (of `part` of it: its first line, a title) over a local jsonl file's first
+    lines; None where it is not a readable local jsonl (Parquet and remote files are not read for this)."""
     if not path or "://" in path:
         return None
     from wbrag_ray.formats import InputError, file_kind, input_files
@@ -97,7 +99,7 @@ def _mean_chars(path: str, field: str) -> float | None:
                     if n >= SAMPLE_LINES:
                         break
                     if line.strip():
-                        total += len(str(json.loads(line).get(field, "")))
+                        total += len(part(str(json.loads(line).get(field, ""))))
                         n += 1
         return total / n if n else None
     except (OSError, InputError, ValueError):
@@ -115,6 +117,7 @@ def token_shape(config: WbragConfig) -> TokenShape:
             sources.append(f"questions of {path}")
             break
     passage_chars = _mean_chars(config.ingest.corpus or "", "contents")
+    title_chars = _mean_chars(config.ingest.corpus or "", "contents", lambda v: v.split("\n", 1)[0])
     if passage_chars is not None:
         passage = passage_chars / CHARS_PER_TOKEN
         sentence = passage / 4.0  # the demo passages' 3.96 sentences; a wiki passage's 6.57 (rates.RATES)
@@ -124,4 +127,5 @@ def token_shape(config: WbragConfig) -> TokenShape:
     if question is None:
         question = QUESTION_TOKENS
     how = ("counted from the " + " and the ".join(sources) if sources else "wiki-18's shapes (nothing readable here)")
-    return TokenShape(question, passage, sentence, f"{how}, at {CHARS_PER_TOKEN:g} characters a token")
+    title = title_chars / CHARS_PER_TOKEN if title_chars is not None else WIKI_TITLE_TOKENS
+    return TokenShape(question, passage, sentence, f"{how}, at {CHARS_PER_TOKEN:g} characters a token", title)
