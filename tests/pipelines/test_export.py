@@ -213,7 +213,7 @@ def test_base_export_in_each_format_returns_what_wbrag_search_returns(passage_ru
     n = load_manifest(run.layout.index)["count"]
     for fmt in FORMATS:
         manifest = _export(run, config, fmt, tmp_path / fmt, writeback="none")
-        assert manifest["counts"] == {"base": n} and manifest["writeback_version"] is None
+        assert manifest["counts"] == {"base": n} and manifest["writeback_version"] is None and manifest["union"] is None
         assert manifest["embedder"]["name"] == config.embedder.model and manifest["embedder"]["query_prefix"] == ""
         assert READERS[fmt](tmp_path / fmt, embedder) == expected, fmt
 
@@ -230,6 +230,9 @@ def test_write_back_export_holds_the_active_units_with_provenance_and_returns_th
     for fmt in FORMATS:
         manifest = _export(run, config, fmt, tmp_path / fmt)  # default: the active version
         assert manifest["writeback_version"] == version == "v1" and manifest["counts"]["writeback"] == N_UNITS
+        # the export says it is a score merge, and which rule the run searches the version with
+        assert manifest["union"]["export"] == "score" and manifest["union"]["what"].startswith("base passages and")
+        assert manifest["union"]["same_as_run"] == (manifest["union"]["run"]["union"] == "score")
         assert READERS[fmt](tmp_path / fmt, embedder) == expected, fmt
     units = [m for m in _exported_metadata(tmp_path / "flashrag") if m["source"] == "writeback"]
     passages = run.layout.ingest.passages.read_table(["pid", "doc_id"]).to_pandas().set_index("doc_id")["pid"]

@@ -9,9 +9,11 @@ One view of the run (the base, or the base pruned by Zero-RAG at a ratio, plus t
     langchain.py    index.faiss + index.pkl: what `FAISS.load_local` reads (docstore and id map)
     llamaindex.py   a persisted FaissVectorStore + docstore + index store: what `load_index_from_storage` reads
 
-Each export also writes wbrag_export.json last: the view, the counts, the index settings and the embedder
-(name, path, query and passage prefixes) that queries of the export must be embedded with. The LangChain and
-LlamaIndex modules also hold the embedding adapters and loaders their users need.
+Each export also writes wbrag_export.json last: the view, the counts, the index settings, the embedder
+(name, path, query and passage prefixes) that queries of the export must be embedded with, and with a write-back
+version `union`: the export is a score merge of passages and units (one index), beside the rule the run searches the
+version with (printed where the two differ). The LangChain and LlamaIndex modules also hold the embedding adapters
+and loaders their users need.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Locat
     manifest = {"format": format, "wbrag_version": __version__, **described, "files": files,
                 "seconds": round(time.perf_counter() - t0, 3)}
     out.join(MANIFEST_FILE).write_json(manifest)
+    union = manifest.get("union")
+    if union and not union["same_as_run"]:
+        print(f"note: this export is a score merge ({union['what']}); the run searches write-back version "
+              f"{view.version} with union {union['run']['union']!r}, so the export's top K may differ from the run's",
+              flush=True)
     return manifest
 
 
