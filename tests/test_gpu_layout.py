@@ -107,7 +107,12 @@ def test_applying_the_layout_sets_the_replicas_share_and_vllms_memory_and_decide
     g, r = config.generator, config.retrieval
     assert (g.tensor_parallel_size, g.num_gpus) == (2, 2.0) and g.gpu_share < 1
     assert 0 < r.search_gpus < 1 and 0 < r.embed_gpus < 1
-    assert g.vllm_engine_kwargs["gpu_memory_utilization"] <= g.gpu_share
+    # the engine keeps its memory within its share of each GPU (a placement setting: not in vllm_engine_kwargs,
+    # which would make a run resumed on another cluster's layout "made with other settings")
+    from wbrag_ray.generation.vllm import VLLMGenerator
+
+    assert "gpu_memory_utilization" not in g.vllm_engine_kwargs
+    assert VLLMGenerator(g).engine_kwargs()["gpu_memory_utilization"] == pytest.approx(g.gpu_share - 0.05)
     assert any("tensor_parallel_size auto: 2" in line for line in said)
     _restore_layout(config)  # the next command decides again from what the config said
     assert g.tensor_parallel_size == "auto" and r.search_gpus == "auto" and g.gpu_share == 1.0
@@ -158,7 +163,9 @@ def test_each_command_decides_the_layout_again_from_what_the_config_said(monkeyp
     assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.98) and r.embed_gpus == 0.02
     cluster_nodes.resolve_auto_concurrency(config, search=(1, 3.3e9))  # the evaluation: its search actor too
     assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.92) and (r.search_gpus, r.embed_gpus) == (0.06, 0.02)
-    assert g.vllm_engine_kwargs["gpu_memory_utilization"] == 0.85
+    assert config.fingerprint()["generator"]["num_gpus"] == 1.0  # run.json records what the config said
+    assert config.fingerprint()["retrieval"]["search_gpus"] == "auto"
+    assert config.fingerprint()["generator"]["concurrency"] == "auto"
     zero_rag = load_config(PAPER_ZERO_RAG)
     h200 = [{"CPU": 64.0, "GPU": 2.0, "accelerator_type:H200": 1.0}]
     monkeypatch.setattr(cluster_nodes, "auto_nodes", lambda: (h200, "stated"))

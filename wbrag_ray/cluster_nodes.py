@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from wbrag_ray.config import ConfigError
+from wbrag_ray.config import AUTO_SETTINGS, ConfigError
 
 # Set to 1 on a cluster that adds nodes on demand but publishes no node groups (Ray's v1 autoscaler, which the
 # cluster launcher runs): the nodes up now say nothing about what it can add, so the checks check nothing.
@@ -146,10 +146,7 @@ def free_nodes() -> list[dict[str, float]]:
         return [dict(ray.available_resources())]
 
 
-# The settings that may be "auto": section -> the count it sizes, of a pool of model actors (`concurrency`) or of a
-# Ray Train worker group (`num_workers`). One pass or training at a time uses each.
-AUTO_SETTINGS = {"embedder": "concurrency", "generator": "concurrency", "zerorag.lm_pruner": "concurrency",
-                 "zerorag.lm_pruner.trainer": "num_workers", "zerorag.tune.trainer": "num_workers"}
+# The settings that may be "auto" (`config.AUTO_SETTINGS`): one pass or training at a time uses each.
 AUTO_SECTIONS = tuple(AUTO_SETTINGS)
 # With WBRAG_AUTOSCALING=1 on a cluster of Ray's cluster launcher, the launcher config whose node types declare the
 # most nodes the cluster may run (`ray up` copies it to the head as this file; `ray job submit` runs drivers there).
@@ -259,7 +256,7 @@ def auto_nodes() -> tuple[list[dict[str, float]], str]:
 # The settings `gpu_layout.apply_gpu_layout` decides where they are "auto" (dotted paths), and the ones it may set
 # beside them: each command restores what the config said before deciding again (the index may exist by then).
 LAYOUT_SETTINGS = ("generator.tensor_parallel_size", "generator.num_gpus", "generator.gpu_share",
-                   "generator.vllm_engine_kwargs", "retrieval.search_gpus", "retrieval.embed_gpus", "index.gpu")
+                   "retrieval.search_gpus", "retrieval.embed_gpus", "index.gpu")
 
 
 def needs_layout(config) -> bool:

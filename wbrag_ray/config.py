@@ -802,6 +802,12 @@ class ZeroRagConfig(_Section):
         return v
 
 
+# The settings that may be "auto": section -> the count it sizes, of a pool of model actors (`concurrency`) or of a
+# Ray Train worker group (`num_workers`), decided by `cluster_nodes.auto_concurrency`.
+AUTO_SETTINGS = {"embedder": "concurrency", "generator": "concurrency", "zerorag.lm_pruner": "concurrency",
+                 "zerorag.lm_pruner.trainer": "num_workers", "zerorag.tune.trainer": "num_workers"}
+
+
 class WbragConfig(_Section):
     """The whole configuration of one run; `run.json` in the run folder holds its resolved form."""
 
@@ -831,10 +837,20 @@ class WbragConfig(_Section):
         return v
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings that decide a run's outputs (ray placement excluded), for change detection."""
+        """The settings that decide a run's outputs (ray placement excluded), for change detection and run.json: the
+        "auto" placement settings as the config said them, not what a command decided on its cluster (the next
+        command, maybe on another cluster or after the index exists, decides them again)."""
         data = self.model_dump(mode="json")
         data.pop("ray", None)
         data.pop("run", None)
+        said = {f"{key}.{AUTO_SETTINGS[key]}": "auto" for key in self._auto_sections}
+        said.update(self._layout_said or {})
+        for path, value in said.items():
+            *parents, name = path.split(".")
+            node = data
+            for part in parents:
+                node = node[part]
+            node[name] = value
         return data
 
 

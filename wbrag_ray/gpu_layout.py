@@ -32,11 +32,19 @@ SHARE_STEP = 0.01
 # vLLM's gpu_memory_utilization unless a config sets it (`generation.vllm.VLLM_THROUGHPUT_DEFAULTS` takes it from
 # here): the rest of a GPU holds the CUDA graphs, the sampler's buffers and other processes' contexts
 ENGINE_MEMORY_UTILIZATION = 0.85
-ENGINE_MARGIN = 0.02  # of a GPU's memory between vLLM's budget and the shares beside it (fragmentation)
+ENGINE_MARGIN = 0.05  # of a GPU's memory between vLLM's budget and the shares beside it (fragmentation)
 # Tokens of a prompt the KV budget counts when no longer context is set: an instruction and a question (about 200
 # tokens) and each retrieved document (a 100-word passage is about 140 tokens of Llama's tokenizer; a sentence 40)
 PROMPT_BASE_TOKENS = 200
 DOC_TOKENS = {"passage": 140, "sentence": 40}
+
+
+def engine_utilization(configured: float, share: float) -> float:
+    """vLLM's gpu_memory_utilization on GPUs a replica holds `share` of (retrieval's actors in the rest): the
+    configured value, at most the share less `ENGINE_MARGIN` (at least half the share)."""
+    if share >= 1:
+        return configured
+    return min(configured, round(max(share / 2, share - ENGINE_MARGIN), 4))
 
 
 def prompt_tokens(top_k: int, unit: str) -> int:
@@ -183,7 +191,7 @@ def gpu_layout(node_gpus: list[float], gpu_memory_gb: float, group: int, concurr
         return GpuLayout(1.0, tuple(0.0 for _ in retrieval), None, total if concurrency is None else concurrency, False,
                          why + ": retrieval on CPUs")
     replica_gpu = round(1.0 - capacity, 4)
-    util = min(utilization, round(replica_gpu - ENGINE_MARGIN, 4))
+    util = engine_utilization(utilization, replica_gpu)
     return GpuLayout(replica_gpu, tuple(shares), util, total if concurrency is None else concurrency, False,
                      f"retrieval as shares of GPUs beside the replicas ({', '.join(f'{r.what} {s:g}' for r, s in zip(retrieval, shares, strict=True))}"
                      f" of a GPU); each replica GPU asks for {replica_gpu:g}, vLLM's gpu_memory_utilization {util:g}")
@@ -273,12 +281,12 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
         layout = gpu_layout(node_gpus, gpu_memory_gb, group, concurrency, actors, util,
                             on_cpus_ok=config.index.gpu is not True)  # True, not "auto"
         if not layout.whole and any(layout.shares):
+            # the engine keeps its memory within the share (`engine_utilization`, applied where vLLM starts): a
+            # placement setting, so a run resumed on another cluster's layout is not "made with other settings"
             if group > 1:
                 g.gpu_share = layout.replica_gpu
             else:
                 g.num_gpus = layout.replica_gpu
-            if g.backend == "vllm" and layout.utilization is not None:
-                g.vllm_engine_kwargs = {**g.vllm_engine_kwargs, "gpu_memory_utilization": layout.utilization}
     for actor, share in zip(actors, layout.shares, strict=True):
         if actor.what == "search actor":
             if share > 0:

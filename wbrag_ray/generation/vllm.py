@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import posixpath
+import re
 from pathlib import Path
 from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
-from wbrag_ray.gpu_layout import ENGINE_MEMORY_UTILIZATION
 from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env, replica_env, replica_placement, sharded
 from wbrag_ray.generation.types import (
     CHOICE_TOP_K,
@@ -28,6 +29,7 @@ from wbrag_ray.generation.types import (
     Scored,
     check_mode,
     choices_from_logprobs,
+    context_refusal,
     continues_answer,
     cut_at_stop,
     messages_to_text,
@@ -36,7 +38,11 @@ from wbrag_ray.generation.types import (
     scored_from_logprobs,
 )
 from wbrag_ray.generation.vllm_feed import EngineFeed
+from wbrag_ray.gpu_layout import ENGINE_MEMORY_UTILIZATION, engine_utilization
+from wbrag_ray.plan.models import ModelSize, model_size, size_from_config
 from wbrag_ray.ray_runtime import LIGHT_CPUS, environ_while, vllm_env
+
+log = logging.getLogger(__name__)
 
 # Throughput defaults: prefix caching (every RAG prompt starts with the same instruction), chunked prefill
 # (long retrieved contexts don't stall decoding). The batch token budget is vLLM's own on GPUs (sized there for
@@ -122,6 +128,77 @@ def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: i
     return scored
 
 
+def model_shape(model: str) -> ModelSize:
+    """The shape of `model` as the driver can read it without loading it (`plan.models.model_size`: a local
+    folder's config.json, a GGUF file's metadata, a hub id's config.json in this machine's cache, the table of
+    known models), an s3:// folder's by its config.json on storage."""
+    if "://" in model and not model.startswith("file://"):
+        from wbrag_ray.storage import resolve
+
+        try:
+            return size_from_config(model, resolve(model).join("config.json").read_json(), "from its config.json")
+        except (OSError, ValueError, KeyError, TypeError):  # no config.json there (ConfigError is a ValueError)
+            pass
+    return model_size(model.removeprefix("file://"))
+
+
+def engine_context(config: GeneratorConfig, size: ModelSize) -> int:
+    """The max_model_len the engine runs with: generator.vllm_engine_kwargs' own, else the throughput default
+    within the model's context (vLLM refuses a max_model_len past it)."""
+    if "max_model_len" in config.vllm_engine_kwargs:
+        return int(config.vllm_engine_kwargs["max_model_len"])
+    return min(VLLM_THROUGHPUT_DEFAULTS["max_model_len"], size.context or VLLM_THROUGHPUT_DEFAULTS["max_model_len"])
+
+
+def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSize | None = None) -> str | None:
+    """Why the vllm engine of `config` cannot run its model, from the model's shape (`size`, by default
+    `model_shape`), or None: a tensor-parallel size its attention or key-value heads do not split over
+    (`ModelSize.tensor_parallel_refusal`), a max_model_len past its context, or a token budget that leaves no
+    room for a prompt. vLLM would refuse the first two only inside the engine's process, after the actors and
+    the placement group are up; the last, on every request. `key`: the config section, for the message."""
+    if config.backend != "vllm":
+        return None
+    size = size or model_shape(config.model)
+    tp, _ = config.parallel_sizes()
+    why = size.tensor_parallel_refusal(tp) if isinstance(tp, int) else None  # "auto" is resolved before work
+    if why:
+        sizes = ", ".join(map(str, size.tensor_parallel_sizes(min(64, size.heads or 64))))
+        return (f"{key}.tensor_parallel_size={tp} cannot shard {key}.model {config.model!r}: {why} ({size.heads} "
+                f"attention heads, {size.kv_heads or size.heads} key-value heads, {size.source}; vLLM gives every "
+                f"rank as many); choose one of {sizes}")
+    context = engine_context(config, size)
+    if size.context and context > size.context:
+        return (f"{key}.vllm_engine_kwargs.max_model_len={context:,} is longer than the context of {key}.model "
+                f"{config.model!r} ({size.context:,} tokens, {size.source}): vLLM refuses it; set it to "
+                f"{size.context} or less")
+    if config.max_new_tokens >= context:
+        return (f"{key}.max_new_tokens={config.max_new_tokens} leaves no room for a prompt in the engine's context "
+                f"of {context:,} tokens (max_model_len): lower it, or raise {key}.vllm_engine_kwargs.max_model_len "
+                f"(at most the model's {size.context or 'context'})")
+    return None
+
+
+def check_shape(config: GeneratorConfig, key: str = "generator") -> None:
+    """`shape_refusal` as a `ConfigError`, before any actor starts; where the model's shape cannot be read here (a
+    hub id never downloaded to this machine, and not among the known models), said once, and left to the engine."""
+    if config.backend != "vllm":
+        return
+    size = model_shape(config.model)
+    why = shape_refusal(config, key, size)
+    if why:
+        raise ConfigError(why)
+    tp, _ = config.parallel_sizes()
+    if size.heads is None and isinstance(tp, int) and tp > 1:
+        _say_unchecked(config.model, key, tp)
+
+
+@functools.cache
+def _say_unchecked(model: str, key: str, tp: int) -> None:
+    log.warning("%s.model %r: its shape could not be read here (no config.json or GGUF metadata on this machine), "
+                "so %s.tensor_parallel_size=%d was not checked against its attention heads; vLLM checks it as its "
+                "engine starts", key, model, key, tp)
+
+
 def _where_the_engine_is(method):
     """A generator method that runs where the engine is: in this process, or, for a replica larger than one GPU,
     in its remote engine's (`RemoteEngine`), under this generator's settings (the calling pass's)."""
@@ -187,6 +264,7 @@ class VLLMGenerator(Generator):
         from wbrag_ray.models.hardware import resolved_dtype_name
 
         kwargs = {**VLLM_THROUGHPUT_DEFAULTS, **(VLLM_CPU_DEFAULTS if self.on_cpu else {})}
+        kwargs["max_model_len"] = engine_context(self.config, model_shape(self.config.model))
         # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, vLLM decoded 2 tokens/s
         # here), fp32 elsewhere; on GPUs vLLM's own choice
         dtype = resolved_dtype_name(self.config.dtype, self.config.num_gpus)
@@ -197,9 +275,10 @@ class VLLMGenerator(Generator):
             kwargs["distributed_executor_backend"] = "ray"  # Data LLM runs them (on CPUs: "mp", ranks as processes)
         if self.config.lora_adapter:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.config.lora_adapter), max_loras=1)
-        share = self.config.num_gpus  # a GPU shared with retrieval: vLLM's memory within the share
-        if 0 < share < 1:  # (one set in vllm_engine_kwargs is checked against it by the config)
-            kwargs["gpu_memory_utilization"] = min(kwargs["gpu_memory_utilization"], round(max(share / 2, share - 0.05), 4))
+        # GPUs shared with retrieval: vLLM's memory within the replica's share of each (a one-GPU replica's num_gpus,
+        # a larger one's gpu_share; one set in vllm_engine_kwargs is checked against it by the config)
+        share = self.config.num_gpus if 0 < self.config.num_gpus < 1 else self.config.gpu_share
+        kwargs["gpu_memory_utilization"] = engine_utilization(kwargs["gpu_memory_utilization"], share)
         kwargs.update(self.config.vllm_engine_kwargs)
         return kwargs
 
@@ -335,6 +414,11 @@ class VLLMGenerator(Generator):
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
         self.source = self.model_source()
+        # the model as this node loads it (a folder fetched from s3://, a GGUF converted): its shape read exactly, a
+        # refusal raised here ends the command with its line (the service does not retry a ConfigError)
+        why = shape_refusal(self.config, size=model_shape(self.source))
+        if why:
+            raise ConfigError(why)
         if self.batch_invariant:
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the engine (and its processes) as it starts
         # read while the engine starts, and only then: the process's later Ray workers must not inherit it
@@ -343,6 +427,7 @@ class VLLMGenerator(Generator):
         env.update(cpu_rank_env(self.config, sorted(os.sched_getaffinity(0))))
         with environ_while(env):
             self.llm = LLM(model=self.source, **kwargs)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.lora = self._lora_request()
         self.feed = EngineFeed(self.llm)
 
@@ -365,7 +450,8 @@ class VLLMGenerator(Generator):
         sampling = SamplingParams(**params)
         if not self.config.chat_template:
             texts = [messages_to_text(p) for p in prompts]
-            return self.feed.run(lambda llm: llm.enqueue(texts, sampling, use_tqdm=False, lora_request=self.lora))
+            return self._within_context(
+                lambda llm: llm.enqueue(texts, sampling, use_tqdm=False, lora_request=self.lora), params)
         # new answers and continued answers take different template flags: two groups of one call
         groups = [[i for i, p in enumerate(prompts) if continues_answer(p) == cont] for cont in (False, True)]
 
@@ -376,7 +462,27 @@ class VLLMGenerator(Generator):
                                                 continue_final_message=cont)]
 
         order = [i for idx in groups for i in idx]
-        return [out for _, out in sorted(zip(order, self.feed.run(add), strict=True), key=lambda pair: pair[0])]
+        outs = self._within_context(add, params)
+        return [out for _, out in sorted(zip(order, outs, strict=True), key=lambda pair: pair[0])]
+
+    def _within_context(self, add, params: dict[str, Any]) -> list:
+        """The feed's outputs for the requests `add` enqueues, refused (`context_refusal`, as the hf backend
+        refuses them) where a prompt and its token budget do not fit the engine's max_model_len: vLLM refuses a
+        longer prompt alone as it enqueues it, and ends an answer that reaches max_model_len as if its budget were
+        spent (a cut answer that would pass as a poor score)."""
+        budget = params["max_tokens"]
+        try:
+            outs = self.feed.run(add)
+        except ValueError as exc:  # vLLM's VLLMValidationError: "The decoder prompt (length N) is longer than ..."
+            longer = re.search(r"prompt \(length (\d+)\) is longer than the maximum model length", str(exc))
+            if longer is None:
+                raise
+            raise context_refusal(self.config, int(longer.group(1)), budget, self.max_model_len,
+                                  "the engine's max_model_len for") from None
+        longest = max((len(o.prompt_token_ids or ()) for o in outs), default=0)
+        if longest + budget > self.max_model_len:
+            raise context_refusal(self.config, longest, budget, self.max_model_len, "the engine's max_model_len for")
+        return outs
 
     @_where_the_engine_is
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
@@ -405,9 +511,15 @@ class _EngineHost:
 
     def __init__(self, config: GeneratorConfig):
         self.generator = VLLMGenerator(config)
-        self.generator.setup()
+        self.failed: BaseException | None = None
+        try:
+            self.generator.setup()
+        except Exception as exc:  # raised by `ready` as itself (a ConfigError stays one), not as a dead actor
+            self.failed = exc
 
     def ready(self) -> bool:
+        if self.failed is not None:
+            raise self.failed
         return True
 
     def call(self, config: GeneratorConfig, method: str, *args, **kwargs):

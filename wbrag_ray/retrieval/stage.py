@@ -179,7 +179,7 @@ def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalC
     gpus = retrieval.query_embedder(embedder).num_gpus
     if gpus <= 0:
         return
-    setting = "retrieval.embed_gpus" if retrieval.embed_gpus is not None else "embedder.num_gpus"
+    setting = "retrieval.embed_gpus" if retrieval.embed_gpus not in (None, "auto") else "embedder.num_gpus"
     refuse_unplaceable(lambda nodes: None if any(n.get("GPU", 0.0) + 1e-9 >= gpus for n in nodes) else (
         f"{what} embeds its queries on the retrieval actors, which ask for {gpus:g} GPU{'s' * (gpus != 1)} each "
         f"({setting}), but no node of the cluster has {'one' if gpus <= 1 else 'that many'}; set "
