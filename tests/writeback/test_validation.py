@@ -178,3 +178,38 @@ def test_the_versions_stats_hold_its_validation_and_whether_it_was_activated(tmp
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "write-back v: no unit reached a validation top K: it has no measured effect"
     assert "union gate (retrieval.union). On its 70 validation questions: 0 units reached a top K" in out[-2]
+
+
+def test_the_report_shows_every_rule_the_version_was_validated_under_and_says_when_it_had_no_effect(tmp_path):
+    """The report's write-back section from a version folder written by hand: the statement check's drops by reason,
+    each candidate rule's figures with the chosen and the searched one marked, why auto chose it, and a version
+    that changed no validation answer said to have had no measured effect (units written, units that reached a top
+    K, answers changed, won, lost), not only 'active'."""
+    from wbrag_ray.layout import WritebackVersion
+    from wbrag_ray.report.sections import writeback_section
+    from wbrag_ray.storage import resolve
+
+    folder = WritebackVersion(resolve(str(tmp_path / "v")))
+    rule = {"unit_in_top_k": 3, "units_reached": 2, "answers_changed": 0, "won": 0, "lost": 0}
+    validation = {"version": "v", "method": "naive", "metric": "acc", "questions": 64, "base": 0.5,
+                  "with_version": 0.5, "union": "gate", "configured": "auto", "applied": "gate", "chosen": "gate",
+                  "choice": "the best of 2 rules", **rule,
+                  "candidates": {"score": {**rule, "union": "score", "acc": 0.45, "answers_changed": 4, "lost": 3},
+                                 "gate": {**rule, "union": "gate", "acc": 0.5}}}
+    folder.validation.write_json(validation)
+    folder.stats.write_json({"version": "v", "units_written": 7, "activated": True, "validation": validation,
+                             "rewrites_dropped": {"bare answer": 2, "unsupported by its source passages": 1},
+                             "units_dropped": {"bare answer": 0, "unsupported by its source passages": 0},
+                             "rewrite_drop_rate": 0.3, "unit_drop_rate": 0.0})
+    sec = writeback_section(folder, tmp_path)
+    tables = {t.title: t for t in sec.tables}
+    assert tables["rewrites dropped by the statement check"].rows == [
+        ["bare answer", 2], ["unsupported by its source passages", 1]]
+    assert "units dropped by the statement check" not in tables  # none dropped: no table
+    rules = tables["validation on 64 held-out training questions (naive), per union rule"]
+    assert rules.rows == [["score", 0.5, 0.45, 3, 2, 4, 0, 3], ["gate (chosen) (searched)", 0.5, 0.5, 3, 2, 0, 0, 0]]
+    table3 = dict((row[0], row[1]) for row in tables["selection (the paper's Table 3)"].rows)
+    assert table3["rewrites dropped (bare answer or unsupported; the extraction kept)"] == 0.3
+    assert sec.text == ("retrieval.union auto searches this version with gate: the best of 2 rules. This version "
+                        "(active) had no measured effect on its 64 validation questions: 7 units written, 2 reached a "
+                        "top K, 0 answers changed, won 0, lost 0.")
