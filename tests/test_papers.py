@@ -275,3 +275,45 @@ def test_every_statement_a_departure_cites_is_a_key_of_says():
 
     assert {c.cites for c in CHOICES if c.cites} <= set(SAYS)
     assert all(c.cites or c.source for c in CHOICES)  # the paper's words, or whose choice it is
+
+
+def test_an_evaluations_departures_come_from_the_version_and_adapter_that_made_it(tmp_path):
+    """Hand-written records, as the write-back and tuning stages write them (the stages themselves run in
+    tests/pipelines/test_departures_recorded.py): the evaluating config's values do not hide the version's."""
+    from wbrag_ray.evaluation.made_by import made_by, result_departures
+    from wbrag_ray.retrieval.union import UnionRule, write_choice
+    from wbrag_ray.run import RunFolder
+    from wbrag_ray.writeback.versions import WRITEBACK as WRITEBACK_STAGE
+    from wbrag_ray.zerorag.tune import TUNE
+
+    run = RunFolder(str(tmp_path / "run"))
+    train = "/d/flashrag/nq/train.jsonl"
+    made = load_config(overrides=[f"writeback.train={train}", "writeback.dedupe_threshold=0.95",
+                                  "writeback.limit=80", "zerorag.tune.targets=own"])
+    params = {"version": "v", "train": train, "method": None}
+    folder = run.layout.writeback_version("v")
+    folder.index.mkdir()
+    folder.stats.write_json({"version": "v", "rag_method": "naive", "gate_metric": "acc",
+                             "settings": run.fingerprint(WRITEBACK_STAGE, made, params)})
+    tune = {"rows_built": 90, "rows_without_own_answer": 40, "settings": run.fingerprint(TUNE, made)}
+    run.mark_complete(TUNE.name, tune)
+    # evaluated under the paper's settings: no deduplication, every question, gold targets, the paper's union
+    paper_like = load_config(overrides=["writeback.dedupe_threshold=null", "writeback.validation=null",
+                                        "zerorag.tune.targets=gold", "retrieval.union=auto"])
+    found = [d.what for d in result_departures(run, paper_like, "/d/nq/test.jsonl", "v")]
+    assert any(w.startswith("writeback.dedupe_threshold: 0.95") for w in found)
+    assert any(w.startswith("writeback.validation: 'auto'") for w in found)
+    # auto searches this version with its fallback rule (no choice written): that rule is named
+    assert any(w.startswith("retrieval.union: 'provenance'") for w in found)
+    write_choice(folder.index, UnionRule("score"), "chosen by this test")
+    assert not any(w.startswith("retrieval.union") for w in
+                   (d.what for d in result_departures(run, paper_like, "/d/nq/test.jsonl", "v")))
+    record = made_by(run, paper_like, "/d/nq/test.jsonl", 10, "naive", "v", None, None)
+    assert record["writeback"]["dedupe_threshold"] == 0.95 and record["writeback"]["limit"] == 80
+    assert record["union"] == "score" and record["pruning_ratio"] == 0.0 and record["dataset"] == "nq"
+    # with the run's adapter: its own targets, and the rows they dropped
+    adapted = load_config(overrides=["zerorag.tune.enabled=true", "zerorag.tune.targets=gold"])
+    found = [d.what for d in result_departures(run, adapted, "/d/triviaqa/test.jsonl", adapter=True)]
+    assert any(w.startswith("zerorag.tune.targets: 'own'") for w in found)
+    assert any("targets: own): 40 of 90 rows dropped: the model is tuned only on questions it already answers" in w
+               for w in found)

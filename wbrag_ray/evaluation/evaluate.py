@@ -137,8 +137,7 @@ def evaluate(
             "departures": [d.record() for d in departed],
             "seconds": round(seconds, 2),
         }
-        metrics["made_by"] = made_by(run, config, dataset, len(part), method, wb_version, base_index, router,
-                                     (metrics["union"] or {}).get("union"))
+        metrics["made_by"] = made_by(run, config, dataset, len(part), method, wb_version, base_index, router)
         out.metrics.write_json(metrics)
         if rejects.num_rows:
             out.rejects.write_table(rejects)

@@ -46,6 +46,14 @@ def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
             **({"generator": made["generator"].get("model")} if isinstance(made.get("generator"), dict) else {})}
 
 
+def searched_union(run: RunFolder, config: WbragConfig, version: str) -> dict[str, Any]:
+    """The union rule a search beside `version` uses (`UnionRule.resolved`: under `auto`, the rule the version's
+    validation chose), as `UnionRule.settings` records it."""
+    from wbrag_ray.retrieval.union import UnionRule
+
+    return UnionRule.of(config.retrieval).resolved([run.layout.writeback_version(version).index]).settings()
+
+
 def adapter_settings(run: RunFolder) -> dict[str, Any]:
     """The settings the run's tuned adapter was made with (the `tune` stage's record), and the rows its own-answer
     targets dropped; {} where none was recorded."""
@@ -80,20 +88,24 @@ def pruner_settings(run: RunFolder) -> dict[str, Any]:
 
 
 def _section(section, recorded: dict[str, Any]):
-    """A config section with the recorded values in place of its own (those it still has fields for)."""
-    data = {**section.model_dump(mode="json"), **{k: v for k, v in recorded.items() if k in type(section).model_fields}}
-    return type(section).model_validate(data)
+    """A config section with the recorded values in place of its own: the plain values it still has fields for (not
+    validated again: a section's checks across fields, placement among them, are the evaluating config's to pass)."""
+    fields = type(section).model_fields
+    return section.model_copy(update={k: v for k, v in recorded.items() if k in fields and not isinstance(v, dict)})
 
 
 def made_config(run: RunFolder, config: WbragConfig, version: str | None = None, adapter: bool = False,
                 zero_rag: bool = False) -> tuple[WbragConfig, MadeBy]:
     """`config` with what made a result in place of its own values: write-back `version`'s recorded settings (its
-    gates, deduplication, validation, limit, method, training set), the tuned adapter's (`adapter`), the pruner's
+    gates, deduplication, validation, limit, method, training set) and the union rule searched beside it (`auto`
+    resolved to the version's choice), the tuned adapter's (`adapter`), the pruner's
     and mastery's (`zero_rag`: a pruned, routed or tuned evaluation); and what else they recorded (`MadeBy`)."""
     distiller = rows = dropped = None
     if version:
         wb = version_settings(run, version)
-        update: dict[str, Any] = {"writeback": _section(config.writeback, wb)}
+        rule = searched_union(run, config, version)
+        update: dict[str, Any] = {"writeback": _section(config.writeback, wb),
+                                  "retrieval": config.retrieval.model_copy(update={"union": rule["union"]})}
         distiller = wb.get("generator")
         config = config.model_copy(update=update)
     z = config.zerorag
@@ -108,9 +120,9 @@ def made_config(run: RunFolder, config: WbragConfig, version: str | None = None,
             update["lm_pruner"] = _section(z.lm_pruner, pruner["lm_pruner"])
         if isinstance(pruner.get("qa_generator"), dict) and z.qa_generator is not None:
             update["qa_generator"] = _section(z.qa_generator, pruner["qa_generator"])
-        z = z.model_copy(update={**update, "enabled": True})
-    if adapter or zero_rag:
-        config = config.model_copy(update={"zerorag": z})
+        z = z.model_copy(update=update)
+    if adapter or zero_rag:  # a Zero-RAG result, whatever the evaluating config's zerorag.enabled
+        config = config.model_copy(update={"zerorag": z.model_copy(update={"enabled": True})})
     return config, MadeBy(distiller, rows, dropped)
 
 
@@ -156,9 +168,9 @@ def pruning_ratio(run: RunFolder, base_index: str | None) -> float | None:
 
 
 def made_by(run: RunFolder, config: WbragConfig, dataset: str, n: int, method: str, version: str | None,
-            base_index: str | None, router: str | None, union: str | None) -> dict[str, Any]:
+            base_index: str | None, router: str | None) -> dict[str, Any]:
     """The record of what made one method's results (metrics.json's `made_by`): the questions (dataset, count,
-    eval.limit), the generator, retriever, K, answer form, the union beside a version, the write-back version's
+    eval.limit), the generator, retriever, K, answer form, the union searched beside a version, the version's
     recorded settings, the adapter's, the router and the pruning ratio."""
     from wbrag_ray.formats import dataset_name as flashrag_name
 
@@ -171,7 +183,7 @@ def made_by(run: RunFolder, config: WbragConfig, dataset: str, n: int, method: s
         "retriever": config.embedder.model if retrieves else None,
         "top_k": config.retrieval.top_k if retrieves else 0,
         "answer_form": config.eval.answer_form or "as generated",
-        "union": union if version and retrieves else None,
+        "union": searched_union(run, config, version)["union"] if version and retrieves else None,
         "writeback": version_settings(run, version) if version and retrieves else None,
         "adapter": adapter_settings(run) if config.generator.lora_adapter == run.layout.zero_rag.adapter.uri else None,
         "router": bool(router) if retrieves else False,
