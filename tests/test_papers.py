@@ -222,9 +222,12 @@ def test_a_result_is_set_beside_the_same_papers_number_and_every_setting_that_di
         "llama-naive": _result("/d/flashrag/nq/test.jsonl", acc=0.31),
         "gemma-wb": _result("/d/nq/test.jsonl", acc=0.35, generator="google/gemma-3-12b-it", union="score",
                             writeback=PAPER_VERSION),
-        "deduped-wb": _result("/d/nq/test.jsonl", acc=0.36, union="auto", top_k=3, answer_form="span",
+        "deduped-wb": _result("/d/nq/test.jsonl", acc=0.36, union="provenance", top_k=3, answer_form="span",
                               questions={"dataset": "/d/nq/test.jsonl", "n": 40, "limit": 40},
-                              writeback={**PAPER_VERSION, "dedupe_threshold": 0.95, "validation": "auto", "limit": 80}),
+                              writeback={**PAPER_VERSION, "dedupe_threshold": 0.95, "validation": "auto", "limit": 80,
+                                         "held_out": 16}),
+        "small-wb": _result("/d/nq/test.jsonl", acc=0.35, generator="google/gemma-3-12b-it", union="score",
+                            writeback={**PAPER_VERSION, "validation": "auto", "held_out": 0}),  # none held out
         "tau-doc-wb": _result("/d/nq/test.jsonl", acc=0.338, generator="google/gemma-3-12b-it", union="score",
                               writeback={**PAPER_VERSION, "tau_doc": 0.05}),
         "adapter-nq": _result("/d/nq/test.jsonl", acc=0.5, adapter={"targets": "own"}),  # a Zero-RAG setting
@@ -251,9 +254,16 @@ def test_a_result_is_set_beside_the_same_papers_number_and_every_setting_that_di
         "K 3 (the paper: 5)", "answers scored span (the paper: as generated)",
         "the first 40 questions of /d/nq/test.jsonl (eval.limit 40; the paper: the whole test set)",
         "deduplicated at 0.95 (the paper: no deduplication)",
-        "auto of the training questions held out for validation (the paper: every one trained on)",
+        "16 training questions held out for validation (writeback.validation 'auto'; the paper: every one trained on)",
         "trained on the first 80 training questions (the paper: every one)",
-        "union auto (the paper: score, the merge into one top K)"]
+        "union provenance (the paper: score, the merge into one top K)"]
+    assert differs("small-wb", "34.82") == []  # validation 'auto' that held out none of its questions
+    # a result recorded before `made_by` (its fields only): the version's gates are not recorded, and said so
+    old = {"method": "naive", "dataset": "/d/nq/test.jsonl", "acc": 0.3, "writeback_version": "v", "top_k": 5,
+           "generator": {"model": "google/gemma-3-12b-it"}, "embedder": "intfloat/e5-base-v2",
+           "union": {"union": "score"}}
+    (row,) = paper_vs_run({"old": old})
+    assert row["paper_shown"] == "34.82" and row["differs"][0] == "tau_s not recorded (the paper: 0.1)"
     assert "adapter tuned to targets 'own', only the rows it answered right (the paper: every training query, in three " \
         "formats)" in differs("zr-triviaqa", "82.42")
     # one row per setting: the paper's main model's where the run's generator is none it ran

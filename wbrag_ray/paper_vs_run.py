@@ -65,16 +65,17 @@ def paper_settings_differ(n: PaperNumber, made: dict[str, Any]) -> list[str]:
         version = made.get("writeback") or {}
         gates = dict(n.gates) if n.gates is not None else None
         for key in ("tau_s", "tau_delta", "tau_doc", "n_min"):
-            have = version.get(key)
+            have = repr(version[key]) if key in version else "not recorded"
             if gates is None:
-                out.append(f"{key} {have!r} (the paper: {NOT_STATED})")
-            elif have != gates[key]:
-                out.append(f"{key} {have!r} (the paper: {gates[key]!r})")
+                out.append(f"{key} {have} (the paper: {NOT_STATED})")
+            elif key not in version or version[key] != gates[key]:
+                out.append(f"{key} {have} (the paper: {gates[key]!r})")
         if version.get("dedupe_threshold") is not None:
             out.append(f"deduplicated at {version['dedupe_threshold']} (the paper: no deduplication)")
-        if version.get("validation") is not None:
-            out.append(f"{version['validation']} of the training questions held out for validation (the paper: "
-                       "every one trained on)")
+        held_out = version.get("held_out")
+        if held_out or (held_out is None and version.get("validation") is not None):
+            out.append(f"{held_out if held_out else 'some'} training questions held out for validation "
+                       f"(writeback.validation {version.get('validation')!r}; the paper: every one trained on)")
         if version.get("limit"):
             out.append(f"trained on the first {version['limit']} training questions (the paper: every one)")
         train = version.get("train")

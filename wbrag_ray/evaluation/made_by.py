@@ -29,8 +29,9 @@ def _recorded(stats: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
-    """The settings write-back `version` was made with: its gates, deduplication, validation, limit, method, gate
-    metric, training set, K and generator, from its stats.json; {} for a version that recorded none."""
+    """The settings write-back `version` was made with: its gates, deduplication, validation (and the questions it
+    held out), limit, method, gate metric, training set, K and generator, from its stats.json; {"version"} alone for
+    a version that recorded none."""
     stats_file = run.layout.writeback_version(version).stats
     stats = stats_file.read_json() if stats_file.exists() else {}
     made = _recorded(stats)
@@ -41,6 +42,12 @@ def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
     if stats.get("rag_method"):
         out["rag_method"] = stats["rag_method"]
     train = ((stats.get("settings") or {}).get("params") or {}).get("train")
+    # the training questions validation held out: its result's count; a string says why none was
+    validation = stats.get("validation")
+    if isinstance(validation, dict) and isinstance(validation.get("questions"), int):
+        out["held_out"] = validation["questions"]
+    elif isinstance(validation, str):
+        out["held_out"] = 0
     return {"version": version, **out, **({"train": train} if train else {}),
             **({"top_k": made["retrieval"].get("top_k")} if isinstance(made.get("retrieval"), dict) else {}),
             **({"generator": made["generator"].get("model")} if isinstance(made.get("generator"), dict) else {})}
