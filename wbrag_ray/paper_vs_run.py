@@ -203,7 +203,7 @@ def _speedup_rows(rows: list[dict[str, Any]], config: WbragConfig | None, grid_d
     changes the search) beside the paper's: the overview's 22%, and Table 4's, computed from its two latencies for
     the dataset the grid evaluated (`grid_dataset`; their average for another dataset)."""
     cells = [r for r in rows if r.get("ratio") == 0.3 and r.get("method") == "naive" and not r.get("writeback")
-             and not r.get("router") and not r.get("adapter")]
+             and not r.get("router") and not r.get("adapter") and r.get("retrieval_speedup_pct") is not None]
     if not cells:
         return []
     from wbrag_ray.formats import dataset_name
