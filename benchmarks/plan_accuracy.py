@@ -96,6 +96,21 @@ def compare(run_dir: str) -> list[dict]:
     return planned_vs_measured(plan, stats, run_wall_seconds(run, plan))
 
 
+def keep_rates(folder: Path, run_dir: Path) -> None:
+    """The utility gate's keep rate the calibration measured (its sample and interval) beside the run's."""
+    records = json.loads((folder / "rates.json").read_text()) if (folder / "rates.json").exists() else []
+    for r in records:
+        if r.get("role") == "writeback":
+            lo, hi = r["keep_interval"]
+            report("keep rate, calibrated", f"{r['keep_rate']:.3f} ({r['kept']} of {r['questions']} sampled, 95% "
+                   f"Wilson {lo:.3f}-{hi:.3f})")
+    for stats in sorted(run_dir.glob("writeback/*/stats.json")):
+        data = json.loads(stats.read_text())
+        if "selection_rate" in data:
+            report("keep rate, the run's", f"{data['selection_rate']:.3f} (of {data.get('examples')} training "
+                   "questions)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1x and 2x only (a smoke run, not a measurement)")
@@ -134,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"| {r['stage']} | {r['planned_s']:.1f} | {r['measured_s']:.1f} | {ratio} | {r['rate_source'] or ''} |")
         wall = rows[-1]
         summary.append((scale, wall["planned_s"], wall["measured_s"]))
+        keep_rates(folder, folder / f"run-{scale}x")
     for scale, planned, measured in summary:
         report(f"{scale}x planned", planned, "s")
         report(f"{scale}x measured (wall, start to last stage)", measured, "s")

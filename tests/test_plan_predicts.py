@@ -108,6 +108,8 @@ def test_calibration_is_recorded_with_its_hardware_and_found_again(tiny, ray_clu
     assert gen["service_start_seconds"] > 0  # the run's own generator service, to a first answer
     assert gen["hardware"]["device"] == "cpu" and gen["hardware"]["dtype"] == "float32"
     assert gen["hardware"]["cpu_flags"] and gen["hardware"]["threads"] == 1
+    # the embedder's texts: tokens a text as the plan counts them and as the model's tokenizer does
+    assert records[0]["tokens_per_text"] > 0 and records[0]["tokenizer_tokens_per_text"] > 0
     # the run folder's copy and the cache's
     assert json.loads((tmp_path / "run" / "plan" / "calibration.json").read_text()) == records
     assert len(json.loads(no_cache.read_text())) == 2

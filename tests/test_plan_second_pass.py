@@ -216,6 +216,31 @@ def test_the_pruner_reads_title_and_sentence_and_flare_decodes_its_look_ahead():
     assert "64 new tokens decoded" in stage(wb, "evaluation").how  # rag.flare.look_ahead_tokens: 64
 
 
+def test_an_embedders_dimension_comes_from_its_files_where_readable(tmp_path):
+    """A sentence-transformers folder whose Dense layer projects the hidden size (stella's 2_Dense_1024 does
+    1024 -> 1024; others project down): the vectors are the Dense layer's width, not the hidden size."""
+    import json
+
+    from wbrag_ray.plan.models import embedding_dim, model_size
+
+    folder = tmp_path / "encoder"
+    (folder / "2_Dense_256").mkdir(parents=True)
+    (folder / "1_Pooling").mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 1024, "num_hidden_layers": 2,
+                                                    "num_attention_heads": 16, "vocab_size": 100}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense_256", "type": "sentence_transformers.models.Dense"}]))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 1024}))
+    (folder / "2_Dense_256" / "config.json").write_text(json.dumps({"in_features": 1024, "out_features": 256}))
+    assert embedding_dim(str(folder), model_size(str(folder))) == (256, "its 2_Dense_256 layer")
+    stella = model_size("NovaSearch/stella_en_400M_v5")
+    assert stella.hidden == 1024 and embedding_dim("NovaSearch/stella_en_400M_v5", stella)[0] == 1024
+    plan = make_plan(load_config(ZERO_RAG), four_by_eight(), passages=WIKI)
+    assert not any("dimension unknown" in w for w in plan.warnings)
+
+
 def test_gpu_sets_the_gpus_memory_and_the_table_holds_pcie_and_nvl(capsys):
     args = [str(WRITEBACK), "--nodes", "1", "--gpus-per-node", "2", "--cpus-per-node", "64", "--memory-per-node",
             "512", "--passages", str(WIKI)]

@@ -147,8 +147,12 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
     n, _, seconds = _timed_batches(emb.encode_passages, batches, budget)
     done = [t for i in range(n) for t in batches[i]]
     tokens = sum(text_tokens(t) for t in done)
+    # the model's own tokens a text (cut at its max_seq_length), beside the plan's count (characters / 4)
+    limit = emb.model.max_seq_length or 10**9
+    own = sum(min(limit, len(ids)) for ids in emb.model.tokenizer(done)["input_ids"]) / max(1, len(done))
     device = torch.cuda.get_device_name() if str(emb.model.device).startswith("cuda") else "cpu"
     return {"role": "embedder", "model": e.model, "load_seconds": load, "loaded_at": loaded_at, "texts": len(done), "tokens": tokens,
+            "tokens_per_text": tokens / max(1, len(done)), "tokenizer_tokens_per_text": own,
             "seconds": seconds, "seconds_per_token": seconds / max(tokens, 1e-9),
             "hardware": hardware(device, resolved_dtype_name(e.dtype, e.num_gpus), threads)}
 

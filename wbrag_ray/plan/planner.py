@@ -601,7 +601,8 @@ class _Builder:
         from wbrag_ray.training.workers import plan_steps
 
         trainer = section.trainer
-        bundles, warn = training_bundles(model, trainer, f"{key}.trainer", self.cluster.gpu_memory_gb)
+        bundles, warn = training_bundles(model, trainer, f"{key}.trainer", self.cluster.gpu_memory_gb,
+                                         self.timing.gpus_per_node)
         self.warnings += [warn] if warn else []
         more = self._more(f"{key}.trainer")
         try:
@@ -727,7 +728,8 @@ class _Builder:
                                    row, rows)
             stage.work = f"questions not counted: at most {stage.work.split(': ', 1)[-1]}"
             return [retrieve, self._own_answers(stage, None)]
-        bundles, warn = training_bundles(g.model, t.trainer, "zerorag.tune.trainer", self.cluster.gpu_memory_gb)
+        bundles, warn = training_bundles(g.model, t.trainer, "zerorag.tune.trainer", self.cluster.gpu_memory_gb,
+                                         self.timing.gpus_per_node)
         self.warnings += [warn] if warn else []
         return [retrieve, Stage("tuning: LoRA training", bundles, f"questions not counted: {t.epochs:g} epoch(s) "
                                 f"over up to 3 rows a question, {t.batch_size} a step", how="no time",

@@ -161,9 +161,20 @@ def embedder_bundle(e: EmbedderConfig, what: str, count: int, num_cpus: float, k
                   fix_memory="raise embedder.num_gpus (a larger share of a GPU)", fix_node="lower embedder.num_gpus")
 
 
-def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb: float) -> tuple[list[Bundle], str]:
-    """The Ray Train workers of a training of `model` (`key`: its trainer section), and a warning when a model
-    over 1B parameters would train on CPUs."""
+def fsdp_mesh(workers: int, per_node: int, min_shards: int = 1) -> tuple[int, int]:
+    """(replicas, shards) of an fsdp training of `workers` one-GPU workers on nodes of `per_node` GPUs, filled in
+    turn, as `training.placement.fsdp_mesh_shape` decides it: hybrid (sharded within a node, replicated across
+    nodes) where whole nodes of at least `min_shards` workers hold them, else sharded over every worker."""
+    from wbrag_ray.training.placement import fsdp_mesh_shape
+
+    per = max(1, per_node)
+    return fsdp_mesh_shape([i // per for i in range(max(1, workers))], min_shards)
+
+
+def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb: float,
+                     per_node: int = 0) -> tuple[list[Bundle], str]:
+    """The Ray Train workers of a training of `model` (`key`: its trainer section; `per_node`: GPUs a node, for
+    fsdp's mesh), and a warning when a model over 1B parameters would train on CPUs."""
     size = model_size(model)
     on_gpu = trainer.num_gpus > 0
     memory = training_gb(size, on_gpu)
@@ -173,12 +184,17 @@ def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb
                     f"{gpu_memory_gb:g} GB: use nodes of {max(need, math.ceil(trainer.num_gpus))} GPUs"
                     + (f", or set {key}.num_gpus: {need}" if need < trainer.num_gpus else "")
                     if need else f"lower {key}.num_gpus")
-        # fsdp: each worker holds 1 / num_workers of the model; ddp: all of it, over its own GPUs
+        # fsdp: each worker holds 1 / shards of the model (the workers of a node under hybrid sharding, else all of
+        # them); ddp: all of it, over its own GPUs
         fsdp = trainer.strategy == "fsdp" and isinstance(trainer.num_workers, int)
-        share = trainer.num_workers if fsdp else max(1.0, trainer.num_gpus)
+        replicas, shards = (fsdp_mesh(trainer.num_workers, per_node, need or 1) if fsdp and per_node
+                            else (1, trainer.num_workers))
+        share = shards if fsdp else max(1.0, trainer.num_gpus)
+        sharded = (f", sharded over the {shards} workers of a node and replicated across {replicas} nodes (hybrid "
+                   "fsdp)" if replicas > 1 else f", sharded over {share} workers (fsdp)")
         return [Bundle("Ray Train worker", trainer.num_workers, trainer.num_cpus, trainer.num_gpus,
                        gpu_memory_gb=memory / share if memory else None, kind="worker",
-                       detail=size.describe() + (f", sharded over {share} workers (fsdp)" if fsdp else ""),
+                       detail=size.describe() + (sharded if fsdp else ""),
                        fix=f"lower {key}.num_workers", fix_node=fix_node,
                        fix_memory=f"raise {key}.num_workers (fsdp shards the model over them)" if fsdp else
                        f"set {key}.strategy: fsdp (the model sharded over every worker), or spread each worker's "
@@ -206,7 +222,10 @@ def generation_time(g: GeneratorConfig, calls: int | None, rate_key: str) -> tup
     return calls / (per_actor * g.concurrency), f"{calls:,} calls / ({how} x {g.concurrency} actors)", (key,)
 
 
-def training_time(model: str, trainer: TrainerConfig, steps: int, batch: int, max_length: int) -> tuple[float | None, str, tuple]:
+def training_time(model: str, trainer: TrainerConfig, steps: int, batch: int,
+                  row_tokens: float) -> tuple[float | None, str, tuple]:
+    """The CPU benchmark's LoRA step ([lora_step]: 4 examples x 128 tokens), scaled to the model, the rows a worker
+    takes a step at their padded length, and its threads."""
     if trainer.num_gpus > 0:
         return None, f"no measured rate: {steps:,} steps of {batch} examples on GPUs", ()
     rate = RATES["lora_step"]
@@ -214,10 +233,10 @@ def training_time(model: str, trainer: TrainerConfig, steps: int, batch: int, ma
     if size.params is None:
         return None, f"{model}: size unknown, no rate", ()
     per_worker = batch / trainer.num_workers
-    factor = (size.params / rate.reference_params * per_worker / 4 * max_length / 128
+    factor = (size.params / rate.reference_params * per_worker / 4 * row_tokens / 128
               * rate.threads / threads_of(trainer.num_cpus, None))
     return steps * rate.value * factor, (f"{steps:,} steps x {rate.value:g} s [lora_step] x {factor:.3g} (params, "
-                                         f"{per_worker:g} examples x {max_length} tokens per worker, threads)"), \
+                                         f"{per_worker:g} examples x {row_tokens:,.0f} tokens per worker, threads)"), \
         ("lora_step",)
 
 

@@ -13,6 +13,7 @@ up from one stage to the next.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from wbrag_ray.plan.accelerators import (
     training_communication,
     training_seconds,
 )
-from wbrag_ray.plan.models import lora_params, model_size, weights_gb
+from wbrag_ray.plan.models import lora_params, model_size, training_gb, weights_gb
 from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape
 
 SOURCES = ("calibrated", "benchmark", "estimate")
@@ -220,11 +221,15 @@ class Timing:
                              f"token x {scale:.3g} (params) [calibrated]"), "calibrated", {"compute": seconds}
         if trainer.num_gpus > 0 and size.params:
             compute, how = training_seconds(self.gpu, size.params, tokens, trainer.num_gpus * workers)
+            from wbrag_ray.plan.stages import fsdp_mesh
+
             per_node = max(1, min(workers, int(self.gpus_per_node // max(trainer.num_gpus, 1e-9)) or 1))
             r, targets = (section.lora_r, section.target_modules) if section is not None else (8, ["q_proj", "v_proj"])
+            need = math.ceil((training_gb(size, True) or 0.0) / max(self.gpu.memory_gb, 1e-9)) or 1
+            replicas, _ = fsdp_mesh(workers, per_node, need)
             comm_step, comm_how = training_communication(self.gpu, self.net, size.params, lora_params(size, r, targets),
                                                          workers, per_node, trainer.strategy, size.layers,
-                                                         hybrid=FSDP_HYBRID)
+                                                         hybrid=replicas > 1)
             comm = steps * comm_step
             # FSDP2 prefetches the next layer's all-gather while a layer computes (and DDP's all-reduce overlaps
             # the backward): a step takes the longer of the two, the rest of the communication is exposed
@@ -246,8 +251,6 @@ class Timing:
 ACTOR_START_S = 10.0
 # a vLLM engine's start beside its weights' read: torch.compile, CUDA graph capture, the memory profile (assumed)
 ENGINE_START_S = 60.0
-# multi-node fsdp shards within a node and replicates across nodes (training.placement)
-FSDP_HYBRID = True
 
 
 def _per_call(rec: dict[str, Any], prompt: float, new: int, group: int) -> tuple[float | None, str]:
@@ -295,4 +298,7 @@ def describe_record(r: dict[str, Any]) -> str:
     else:
         what = (f"{r.get('seconds_per_token', 0) * 1e3:.3g} ms a token; start {r.get('start_seconds', 0):.1f} s + "
                 f"load {r.get('load_seconds', 0):.1f} s")
+        if r.get("tokenizer_tokens_per_text"):
+            what += (f"; {r['tokens_per_text']:.0f} tokens a text at 4 characters a token, "
+                     f"{r['tokenizer_tokens_per_text']:.0f} by its tokenizer")
     return f"{r.get('role')} {r.get('model')}: {what}; on {where}, {r.get('date')}"
