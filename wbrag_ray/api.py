@@ -61,6 +61,7 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     from wbrag_ray.cluster_nodes import has_auto, needs_layout, resolve_auto_concurrency
     from wbrag_ray.ray_runtime import check_model_paths, init_ray
 
+    check_model_shapes(config)
     init_ray(config.ray, run.uri)
     check_model_paths(config)
     import ray
@@ -74,6 +75,16 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
         from wbrag_ray.retrieval.service import search_actors
 
         resolve_auto_concurrency(config, search=search_actors(run.layout.index.uri, config.index, config.retrieval))
+
+
+def check_model_shapes(config: WbragConfig) -> None:
+    """The generators' models against their engines' settings (tensor-parallel size and heads, context), before
+    Ray starts (`generation.vllm.check_shape`)."""
+    from wbrag_ray.generation.vllm import check_shape
+
+    check_shape(config.generator)
+    if config.zerorag.qa_generator is not None:
+        check_shape(config.zerorag.qa_generator, "zerorag.qa_generator")
 
 
 def check_input(path: str, what: str) -> None:
@@ -457,6 +468,7 @@ def check_run_inputs(config: WbragConfig) -> None:
 
         check_input(config.writeback.train, "writeback.train")
         plain_name(default_version(config, config.writeback.train), "writeback.version", reserved=("base", "ACTIVE"))
+    check_model_shapes(config)
     if config.zerorag.enabled and config.zerorag.train:
         check_input(config.zerorag.train, "zerorag.train")
     if config.eval.dataset:

@@ -10,6 +10,7 @@ from wbrag_ray.generation.types import (
     Prompt,
     Scored,
     choice_matches,
+    context_refusal,
     continues_answer,
     cut_at_stop,
     messages_to_text,
@@ -104,11 +105,7 @@ class HFGenerator(Generator):
         model sees garbled (or the position embeddings fail), which would pass as a poor score."""
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context and prompt_tokens + new_tokens > context:
-            raise ConfigError(
-                f"a prompt of {prompt_tokens:,} tokens plus {new_tokens} new tokens is longer than the context of "
-                f"generator.model {self.config.model!r} ({context:,} tokens): lower retrieval.top_k (documents per "
-                "prompt; under retrieval.union additive, top_k + retrieval.max_units) or ingest.max_passage_chars, or "
-                "use a model with a longer context")
+            raise context_refusal(self.config, prompt_tokens, new_tokens, context)
 
     @property
     def _bucket(self) -> int | None:

@@ -26,7 +26,7 @@ from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.parallel import check_placement
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.types import Scored, scored_columns
-from wbrag_ray.generation.vllm import VLLMGenerator
+from wbrag_ray.generation.vllm import VLLMGenerator, check_shape
 from wbrag_ray.progress import log as progress_log
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import local_dataset
@@ -61,10 +61,12 @@ def generate_pass(
 
 
 def _checked(config: GeneratorConfig, mode: str, key: str = "generator"):
-    """`config`'s generator, refused here (not in an actor) on a bad backend, model or mode, and on a cluster
-    whose nodes cannot hold a replica, before anything waits for one; `key`: its config section, for messages."""
+    """`config`'s generator, refused here (not in an actor) on a bad backend, model or mode, a model whose shape
+    the engine's settings do not fit (`vllm.check_shape`), and on a cluster whose nodes cannot hold a replica,
+    before anything waits for one; `key`: its config section, for messages."""
     generator = make_generator(config)
     check_backend_mode(config, mode)
+    check_shape(config, key)
     check_placement(config, key)
     return generator
 

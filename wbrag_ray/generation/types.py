@@ -47,6 +47,18 @@ def mixture_unsupported(config: GeneratorConfig, why: str) -> ConfigError:
     )
 
 
+def context_refusal(config: GeneratorConfig, prompt_tokens: int, new_tokens: int, context: int,
+                    what: str = "the context of") -> ConfigError:
+    """The error of a prompt the model cannot read whole with its answer: past its context the answer is written
+    from a prompt the model sees garbled or cut (vLLM ends it at max_model_len), which would pass as a poor score.
+    `what`: which context (the model's, or the engine's max_model_len)."""
+    return ConfigError(
+        f"a prompt of {prompt_tokens:,} tokens plus {new_tokens} new tokens is longer than {what} generator.model "
+        f"{config.model!r} ({context:,} tokens): lower retrieval.top_k (documents per prompt; under "
+        "retrieval.union additive, top_k + retrieval.max_units) or ingest.max_passage_chars, or use a model with a "
+        "longer context")
+
+
 def mixture_weights(groups: list[list[Prompt]], weights: list[list[float]]) -> list[list[float]]:
     """Each group's weights summing to 1 (equal weights where they sum to nothing); a clear error for a group
     without prompts or with a weight count that is not its prompt count."""

@@ -73,17 +73,30 @@ class _ServiceWorker:
         self.setups = 0  # what this process really loaded (tests count it: a second pass loads nothing)
         self.running = 0  # calls running on the loaded setup
         self.most_running = 0  # the most calls that ran at once (tests read it)
+        self.refused: tuple[Any, BaseException] | None = None  # (service key, what its setup raised)
         self._turn = threading.Condition()
-        self._load(stage)
+        try:
+            self._load(stage)
+        except Exception:  # noqa: BLE001 - kept in self.refused: the pass's first call raises it
+            pass
 
     def _load(self, stage: Stage) -> None:
+        """Set `stage` up in place of what was loaded. A setup that raises (a `ConfigError`: a model its engine's
+        settings do not fit, a GPU stage on a node without one) is kept with its key and raised again by every
+        call for that key, at once and as itself: an actor whose constructor raised would be dead for good
+        (Ray restarts only actors lost with their process or node), and each call to it would be sent again
+        after back-offs (`ray_runtime.call_actor`) to fail the same way; the same setup is not tried again."""
         import gc
 
         # The old model or index goes before the new one comes (and stays gone if the new setup fails).
-        self.loaded, self.key = None, None
+        self.loaded, self.key, self.refused = None, None, None
         gc.collect()
-        require_stage_gpu(stage)
-        stage.setup()
+        try:
+            require_stage_gpu(stage)
+            stage.setup()
+        except Exception as exc:
+            self.refused = (stage.service_key(), exc)
+            raise
         self.setups += 1
         self.loaded, self.key = stage, stage.service_key()
 
@@ -99,6 +112,8 @@ class _ServiceWorker:
             while key != self.key and self.running:
                 self._turn.wait()
             if key != self.key:
+                if self.refused is not None and self.refused[0] == key:
+                    raise self.refused[1]
                 self._load(stage)
             stage.adopt(self.loaded)
             self.running += 1
