@@ -138,7 +138,7 @@ def test_the_demo_defaults_name_each_departure_with_the_papers_words():
     assert any(w.startswith("writeback.dedupe_threshold: 0.95") and "no deduplication" in w for w in whats)
     assert any(w.startswith("writeback.validation: 'auto'") for w in whats)
     flare = next(d for d in defaults if d.what.startswith("rag.flare.look_ahead_tokens: 32"))
-    assert "FlashRAG's defaults (not the WriteBack-RAG text's)" in flare.what  # not the paper's
+    assert "(FlashRAG's default, which the WriteBack-RAG text does not state: 64" in flare.what  # not the paper's
     assert any(w.startswith("the utility gate keeps delta > tau_delta = 0.01") for w in whats)
     assert any(w.startswith("the distiller's output is grounded by heuristics") for w in whats)
     paper = departures(load_config(overrides=["retrieval.union=score"]), WRITEBACK)
@@ -304,6 +304,7 @@ def test_an_evaluations_departures_come_from_the_version_and_adapter_that_made_i
     folder = run.layout.writeback_version("v")
     folder.index.mkdir()
     folder.stats.write_json({"version": "v", "rag_method": "naive", "gate_metric": "acc",
+                             "units_dropped": {"bare answer": 2, "unsupported by its source passages": 1},
                              "settings": run.fingerprint(WRITEBACK_STAGE, made, params)})
     tune = {"rows_built": 90, "rows_without_own_answer": 40, "settings": run.fingerprint(TUNE, made)}
     run.mark_complete(TUNE.name, tune)
@@ -313,6 +314,8 @@ def test_an_evaluations_departures_come_from_the_version_and_adapter_that_made_i
     found = [d.what for d in result_departures(run, paper_like, "/d/nq/test.jsonl", "v")]
     assert any(w.startswith("writeback.dedupe_threshold: 0.95") for w in found)
     assert any(w.startswith("writeback.validation: 'auto'") for w in found)
+    assert any(w.startswith("3 distilled rewrites or units of the version were dropped by its statement check")
+               for w in found)
     # auto searches this version with its fallback rule (no choice written): that rule is named
     assert any(w.startswith("retrieval.union: 'provenance'") for w in found)
     write_choice(folder.index, UnionRule("score"), "chosen by this test")

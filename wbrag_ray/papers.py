@@ -38,7 +38,7 @@ from wbrag_ray.paper_numbers import (
 
 __all__ = ["WRITEBACK", "ZERO_RAG"]
 
-FLASHRAG = "FlashRAG's defaults (not the WriteBack-RAG text's)"
+FLASHRAG = "FlashRAG's default, which the WriteBack-RAG text does not state"
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ CHOICES = (
     PaperChoice(WRITEBACK, "writeback.dedupe_threshold", None, "only additive write-back, no deduplication",
                 "wb.additive"),
     PaperChoice(WRITEBACK, "writeback.validation", None, "every training question scored and written back from "
-                "(N = all 79,168 of NQ's)", "wb.all_questions"),
+                "(N = 79,168 for NQ)", "wb.all_questions"),
     PaperChoice(WRITEBACK, "rag.flare.look_ahead_tokens", 64, "FLARE looks 64 tokens ahead", source=FLASHRAG),
     PaperChoice(WRITEBACK, "rag.flare.max_rounds", 5, "FLARE writes at most 5 sentences", source=FLASHRAG),
 )
@@ -191,7 +191,7 @@ def _setting_departures(config: WbragConfig, paper: str | None, train: str | Non
         if (paper and choice.paper != paper) or not _applies(config, choice):
             continue
         value, wanted = _value(config, choice.path), choice.value
-        whose = f"the {choice.paper} paper" if not choice.source or choice.source != FLASHRAG else FLASHRAG
+        whose = FLASHRAG if choice.source == FLASHRAG else f"the {choice.paper} paper"
         cites = _quote(choice.cites) or choice.source
         if choice.path == "writeback.metric":
             if not train:
@@ -219,6 +219,7 @@ class MadeBy:
     distiller: str | None = None  # the generator that distilled the write-back version searched
     tune_rows: int | None = None  # the tuning rows built (zerorag.tune.targets: own) ...
     tune_rows_dropped: int | None = None  # ... and dropped for want of an own right answer
+    units_dropped: int | None = None  # distilled units the version's checks dropped (its stats' *_dropped counts)
 
 
 def method_departures(config: WbragConfig, paper: str | None = None, dataset: str | None = None,
@@ -257,6 +258,9 @@ def _method_departures(config: WbragConfig, paper: str | None, dataset: str | No
                    "sentence holding at least 0.6 of its words, the two source sentences nearest the question where "
                    "none does, a leading 'The answer is' stripped from the unit (the WriteBack-RAG paper: the "
                    "distiller's units as the LLM writes them)", "wb.distiller")
+    if made.units_dropped:
+        add(WRITEBACK, f"{made.units_dropped} distilled rewrites or units of the version were dropped by its statement "
+                       "check (the WriteBack-RAG paper: every distilled unit is written back)", "wb.distiller")
     if wb.tau_delta > 0:
         add(WRITEBACK, f"the utility gate keeps delta > tau_delta = {wb.tau_delta:g} (the WriteBack-RAG paper sets "
                        "tau_delta = 0.01 and says any strict improvement suffices, delta > 0: the same where the gate "

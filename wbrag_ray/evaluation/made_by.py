@@ -53,6 +53,15 @@ def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
             **({"generator": made["generator"].get("model")} if isinstance(made.get("generator"), dict) else {})}
 
 
+def units_dropped(run: RunFolder, version: str) -> int:
+    """How many distilled rewrites and units the version's checks dropped (its stats' `rewrites_dropped` and
+    `units_dropped` counts by reason; 0 where it recorded none)."""
+    stats_file = run.layout.writeback_version(version).stats
+    stats = stats_file.read_json() if stats_file.exists() else {}
+    return sum(n for kind in ("rewrites_dropped", "units_dropped") for n in (stats.get(kind) or {}).values()
+               if isinstance(n, int))
+
+
 def searched_union(run: RunFolder, config: WbragConfig, version: str) -> dict[str, Any]:
     """The union rule a search beside `version` uses (`UnionRule.resolved`: under `auto`, the rule the version's
     validation chose), as `UnionRule.settings` records it."""
@@ -107,13 +116,13 @@ def made_config(run: RunFolder, config: WbragConfig, version: str | None = None,
     gates, deduplication, validation, limit, method, training set) and the union rule searched beside it (`auto`
     resolved to the version's choice), the tuned adapter's (`adapter`), the pruner's
     and mastery's (`zero_rag`: a pruned, routed or tuned evaluation); and what else they recorded (`MadeBy`)."""
-    distiller = rows = dropped = None
+    distiller = rows = dropped = dropped_units = None
     if version:
         wb = version_settings(run, version)
         rule = searched_union(run, config, version)
         update: dict[str, Any] = {"writeback": _section(config.writeback, wb),
                                   "retrieval": config.retrieval.model_copy(update={"union": rule["union"]})}
-        distiller = wb.get("generator")
+        distiller, dropped_units = wb.get("generator"), units_dropped(run, version)
         config = config.model_copy(update=update)
     z = config.zerorag
     if adapter:
@@ -130,7 +139,7 @@ def made_config(run: RunFolder, config: WbragConfig, version: str | None = None,
         z = z.model_copy(update=update)
     if adapter or zero_rag:  # a Zero-RAG result, whatever the evaluating config's zerorag.enabled
         config = config.model_copy(update={"zerorag": z.model_copy(update={"enabled": True})})
-    return config, MadeBy(distiller, rows, dropped)
+    return config, MadeBy(distiller, rows, dropped, dropped_units)
 
 
 def _compared(run: RunFolder, config: WbragConfig, version: str | None, adapter: bool, zero_rag: bool,
