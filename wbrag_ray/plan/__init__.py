@@ -3,6 +3,8 @@
     rates:      the rates the estimates come from, each with its benchmark, date and hardware kind
     accelerators  common GPUs' peak figures, and the FLOPs and bytes of a stage where no rate was measured
     calibrate   `--calibrate`: the config's models timed on one actor each, recorded with their hardware
+    selection   `--calibrate` for write-back: the utility gate's keep rate and the distiller's calls on the config's data
+    measuring   what the measurements share: the hardware a record matches by, batches timed cold then warm
     timing      a model stage's time from the best rate there is: calibrated, benchmark, or estimate
     tokens      the prompt shapes of a run, counted from its questions and corpus
     models:     a model's parameter count (config.json, a table of known ids, or its name) and memory per actor
@@ -10,6 +12,7 @@
     placement:  the cluster (stated, or the connected Ray cluster), bundles, and whether a stage's bundles place
     stages:     one stage's bundles, work and time; the index sizing and retrieval service rules, reused
     planner:    the stages `wbrag run` runs for a config, in its order
+    example:    docs/plan-example.md, made from what `wbrag plan` prints (`python -m wbrag_ray.plan.example`)
 
 Nothing here starts Ray or loads a model. `make_plan` returns a `Plan`; `format_plan` prints all of it,
 `format_summary` the few lines `wbrag run` prints before it starts.

@@ -20,7 +20,10 @@ the same hardware. Records go to the run folder (RUN/plan/calibration.json, with
 (`WBRAG_RATES_CACHE`, default ~/.cache/wbrag/rates.json), the newest record of a model and hardware replacing
 the older one.
 
-Over 400 lines (about 425), not split: each measurement (generator, embedder, training, Ray Train's start) and
+Write-back's figures of the config's own data (the keep rate, the distiller's calls) are measured by `selection`,
+in a worker this driver starts the same way.
+
+Over 400 lines (about 415), not split: each measurement (generator, embedder, training, Ray Train's start) and
 the driver that runs them on the cluster and keeps the records, one place for what `--calibrate` does.
 """
 
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.plan.measuring import hardware
+from wbrag_ray.plan.measuring import timed_batches as _timed_batches
 from wbrag_ray.plan.tokens import TOKEN_UNITS, messages_tokens, text_tokens
 
 log = logging.getLogger(__name__)
@@ -50,32 +55,6 @@ def training_dtype(num_gpus: float) -> str:
     """The dtype a training worker's weights are in (`training.placement`): fp32 on CPUs, whatever the CPU (bf16
     there is emulated on many, and LoRA's small updates lose precision in it); the GPU's choice on GPUs."""
     return "auto" if num_gpus > 0 else "float32"
-
-
-def hardware(device: str, dtype: str, threads: int) -> dict[str, Any]:
-    """The hardware a rate was measured on: what must match for a plan to use it."""
-    from wbrag_ray.models.hardware import _cpuinfo, cpu_matmul_flags
-
-    return {"device": device, "cpu": _cpuinfo()[0] or "unknown", "cpu_flags": cpu_matmul_flags(), "dtype": dtype,
-            "threads": threads}
-
-
-# --- what runs on the actor ------------------------------------------------------------------------------------
-
-def _timed_batches(run_batch, batches: list, budget: float) -> tuple[int, float, float]:
-    """Run `batches` in turn, each once, until half of `budget` passes (at least one): the cold pass, which pays
-    each prompt shape's first call (on CPUs oneDNN builds its kernels per shape; a run pays that once, in its
-    first pass); then the same batches again: the warm pass, a run's steady rate. (batches, cold seconds, warm
-    seconds)."""
-    t0, n = time.perf_counter(), 0
-    while n == 0 or (time.perf_counter() - t0 < budget / 2 and n < len(batches)):
-        run_batch(batches[n])
-        n += 1
-    cold = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for b in batches[:n]:
-        run_batch(b)
-    return n, cold, time.perf_counter() - t0
 
 
 def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tuple[str, str]],

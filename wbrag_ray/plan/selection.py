@@ -72,12 +72,12 @@ def sample_rows(path: str, n: int = SAMPLE_QUESTIONS) -> list[dict[str, Any]]:
 
 def _timed(generate, prompts: list, batch: int) -> dict[str, Any]:
     """Seconds a call, prompt and generated tokens a call of `prompts` answered in batches of `batch`, each batch
-    run twice (cold, then warm: `calibrate._timed_batches`); the answers."""
-    from wbrag_ray.plan.calibrate import _timed_batches
+    run twice (cold, then warm: `measuring.timed_batches`); the answers."""
+    from wbrag_ray.plan.measuring import timed_batches
 
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     answers: list[str] = []
-    n, cold, seconds = _timed_batches(lambda b: answers.extend(generate(b)), batches, float("inf"))
+    n, cold, seconds = timed_batches(lambda b: answers.extend(generate(b)), batches, float("inf"))
     answers = answers[:len(prompts)]
     return {"calls": len(prompts), "seconds": seconds, "seconds_per_call": seconds / max(1, len(prompts)),
             "prompt_tokens": sum(messages_tokens(p) for p in prompts) / max(1, len(prompts)),
@@ -100,7 +100,7 @@ def calibrate_writeback(config: WbragConfig, rows: list[dict[str, Any]], passage
     from wbrag_ray.metrics import metric
     from wbrag_ray.models.embedder import Embedder
     from wbrag_ray.models.hardware import resolved_dtype_name, set_threads
-    from wbrag_ray.plan.calibrate import hardware
+    from wbrag_ray.plan.measuring import hardware
     from wbrag_ray.prompts import extract_messages, no_retrieval_messages, rag_messages, rewrite_messages
     from wbrag_ray.retrieval.hits import Hit
     from wbrag_ray.writeback.distill import ground_extraction
