@@ -1,14 +1,18 @@
-"""A prepared GPU check: the production models' architectures on one GPU, random weights, one figure a line.
+"""A prepared GPU check: the production models' architectures and the project's torch-level code on one GPU,
+random weights, one figure a line.
 
-Run it by hand on a GPU machine (`python benchmarks/gpu/check.py > gpu.txt`); it is never run in CI and
-`python -m benchmarks` skips it. The machine it is meant for has only torch, transformers,
-sentence-transformers and peft, and no network, so this file imports nothing else (not wbrag_ray, not ray,
-not faiss; sections 5 and 6 import vllm, ray and wbrag_ray, section 7 faiss, where they are installed, and are
-skipped where not) and downloads nothing: every model is built from a config with randomly initialised weights.
-Random weights cost exactly what trained ones do, which is all a throughput check needs.
+Run it by hand on a GPU machine (`python benchmarks/gpu/check.py > gpu.txt`); `python -m benchmarks` skips it,
+and CI runs its CPU dry run (`--quick` without a GPU) where `import ray` fails
+(tests/training/test_gpu_check_dry_run.py). The machine it is meant for has only torch, transformers,
+sentence-transformers and peft, no network, and at most 64 MiB of files brought along (Ray's wheel alone is
+75 MiB): so nothing here needs Ray or vLLM except the sections that say so and are skipped without them, and
+nothing is downloaded: every model is built from a config with randomly initialised weights (or read from
+`--model`, a local folder). Random weights cost exactly what trained ones do, which is all a throughput check
+needs. The project's sections import wbrag_ray from the repository beside this file, which needs pydantic and
+pyyaml besides (the config), and pyarrow for the hf generator: without them they say so and are skipped.
 
-Sections, each reported and survived on failure, skipped once past the time budget (default 540 s, so the
-whole check ends inside 10 minutes):
+Sections, each reported and survived on failure, skipped once past the time budget (default 240 s, so a run
+ends inside 5 minutes; `--budget 540` leaves the Ray and vLLM sections room where they are installed):
 1. the GPU: name, memory, bf16 support, matmul peak TFLOP/s in fp32, tf32, bf16, fp16;
 2. the generator: Llama-3.1-8B-Instruct's architecture in bf16, greedy `generate` of 32 new tokens on
    left-padded batches of ~600-token prompts at batch 1, 8, 32, 64; then SmolLM2-135M's architecture the
@@ -16,29 +20,34 @@ whole check ends inside 10 minutes):
 3. the embedder: e5-base-v2's architecture (BERT base) with mean pooling, fp32 / bf16 / fp16 at batch 256
    on ~32-token sentences, and the cosine of bf16 (and fp16) to fp32 embeddings;
 4. LoRA training (peft, r=8 on q/v) on a 1B-class Llama in bf16, batch 8 x 512 tokens;
-5. a tensor-parallel vLLM engine, where 2 or more GPUs are visible (skipped with the reason otherwise): a
+5. the project's torch-level code, without Ray or vLLM: the trainings' placement rules on this GPU and FSDP's
+   device mesh for 1 x 1 to 4 x 8 GPUs (wbrag_ray/training/placement.py); one training step as a fsdp worker
+   runs it (wbrag_ray/training/step.py: FSDP2 under a one-rank NCCL group, bf16 weights and fp32 LoRA,
+   gradient clipping, `get_state_dict`, then an `inference_mode` forward of the sharded model); the one-worker
+   fsdp case (trains as ddp, the model on the GPU its batch goes to); batched generation by the project's hf
+   generator (wbrag_ray/generation/hf.py);
+6. a tensor-parallel vLLM engine, where 2 or more GPUs are visible (skipped with the reason otherwise): a
    1B-class Llama sharded over the GPUs the project's way (`generator.num_gpus` = tensor_parallel_size, the
    engine in its placement group: wbrag_ray/generation/parallel.py), greedy answers at batch 64, then the same
    prompts on one GPU (tensor_parallel_size=1) and how many answers are the same (as
    tests/generation/test_vllm_tp_cpu.py checks with vLLM's CPU ranks; --quick without a GPU runs those: 2 CPU
-   ranks). This section alone needs vllm, ray and wbrag_ray (`pip install '.[gpu]'`); without them it says so
-   and is skipped;
-6. the project's own training path: the LM pruner's Ray Train job (wbrag_ray/training/workers.py) on one GPU
+   ranks). It needs vllm, ray and wbrag_ray (`pip install '.[gpu]'`); without them it says so and is skipped;
+7. the project's Ray Train path: the LM pruner's Ray Train job (wbrag_ray/training/workers.py) on one GPU
    worker, a 1B-class random Llama as the backbone, bf16 weights and fp32 LoRA, 24 steps of 64 sentences with
    a checkpoint every 8: its seconds per step are the GPU rate `wbrag plan` has not measured yet (ray and
-   wbrag_ray needed, as in 5); then, where 2 GPUs are visible, the multi-GPU placements: 2 workers x 1 GPU under
+   wbrag_ray needed, as in 6); then, where 2 GPUs are visible, the multi-GPU placements: 2 workers x 1 GPU under
    ddp and under fsdp (their loss curves compared), and 1 worker x 2 GPUs (a layer split over its own two);
-7. the engine's feed (vllm and wbrag_ray needed): one vLLM engine on one GPU, a 1B-class random Llama, 8 calls
+8. the engine's feed (vllm and wbrag_ray needed): one vLLM engine on one GPU, a 1B-class random Llama, 8 calls
    of 32 prompts of mixed answer lengths sent one at a time and then 4 at once (`generator.calls_per_engine`),
    rows/s of both, their ratio, and whether the answers are the same;
-8. faiss on the GPU, where faiss-gpu is installed (skipped otherwise): the index types `index.factory: auto`
+9. faiss on the GPU, where faiss-gpu is installed (skipped otherwise): the index types `index.factory: auto`
    picks (IVF-PQ96, OPQ96 + an HNSW coarse quantizer + PQ96, IVF-Flat) cloned with faiss's default options and
    with the project's (wbrag_ray/index/gpu_clone.py, loaded by its path), queries/s on CPU and GPU, and the top-10
    ids both return.
 
 `--quick` shrinks every shape to a tiny model: a smoke run of the code paths, on CPU when there is no GPU
-("cpu dry run"), not a measurement. Figures print as `name: value unit`, like benchmarks/common.py's
-`report`, which this file cannot import.
+("cpu dry run", gloo in place of NCCL), not a measurement. Figures print as `name: value unit`, like
+benchmarks/common.py's `report`, which this file cannot import.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import copy
 import datetime as dt
 import gc
 import importlib.metadata
+import math
 import os
 import sys
 import time
@@ -174,6 +184,8 @@ class Run:
     start: float = field(default_factory=time.perf_counter)
     peaks: dict[str, float] = field(default_factory=dict)  # TFLOP/s by "fp32", "tf32", "bf16", "fp16"
     failures: list[str] = field(default_factory=list)
+    model: str | None = None  # --model: the project sections' causal LM (None: a random Llama in `scratch`)
+    scratch: str = ""  # a temporary folder for the whole check
 
     @property
     def cuda(self) -> bool:
@@ -597,9 +609,9 @@ def lora_training(run: Run) -> None:
     report_peak_memory(f"{name} peak memory", run)
 
 
-# --- 5. a tensor-parallel engine ------------------------------------------------------------------------
+# --- random-weight model folders and prompts (sections 5 to 8) ------------------------------------------
 
-# --quick's model for this section: vLLM's attention kernels want a head size of 64 or more (TINY_LLAMA's is 16)
+# --quick's model for sections 5 to 8: vLLM's attention kernels want a head size of 64 or more (TINY_LLAMA's is 16)
 SMALL_LLAMA = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "intermediate_size": 512, "vocab_size": 1000}
 
@@ -636,6 +648,225 @@ def random_prompts(spec: dict[str, Any], tokens: int, count: int, seed: int = 3)
         f"w{i}" for i in torch.randint(low, spec["vocab_size"], (tokens,), generator=g).tolist())}]
         for _ in range(count)]
 
+
+# --- 5. the project's torch-level code, without Ray or vLLM ---------------------------------------------
+
+# What wbrag_ray's training rules and steps import besides torch, transformers and peft: its config (pydantic,
+# pyyaml) and numpy. Nothing of Ray: these modules import it only inside the functions a Ray worker runs.
+PROJECT_NEEDS = ("wbrag_ray", "pydantic", "yaml", "numpy")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def project_missing(*extra: str) -> list[str]:
+    """The modules a project section needs that this machine lacks (the repository beside this file is
+    importable: `python benchmarks/gpu/check.py` puts only benchmarks/gpu on the path)."""
+    import importlib.util
+
+    if importlib.util.find_spec("wbrag_ray") is None and os.path.isdir(os.path.join(REPO, "wbrag_ray")):
+        sys.path.append(REPO)
+    return [m for m in (*PROJECT_NEEDS, *extra) if importlib.util.find_spec(m) is None]
+
+
+def skipped_for(name: str, missing: list[str]) -> bool:
+    if missing:
+        report(name, f"skipped ({', '.join(missing)} not installed: the project's code needs them; their wheels "
+                     "are small enough to bring, see benchmarks/gpu/README.md)")
+    return bool(missing)
+
+
+def project_model(run: Run) -> str:
+    """The causal LM the project sections train and generate with: `--model` (a local transformers folder), else
+    a random-weight Llama saved once into the check's scratch folder (1B-class; --quick: a small one)."""
+    if run.model:
+        return run.model
+    folder = os.path.join(run.scratch, "random-llama")
+    if not os.path.isdir(folder):
+        _, seconds = timed(run, lambda: save_random_llama(run, SMALL_LLAMA if run.quick else LLAMA_1B, folder))
+        report("project model (random init, saved)", seconds, "s")
+    return folder
+
+
+def training_dtype(run: Run) -> torch.dtype:
+    """The frozen weights' dtype a training worker loads (training.placement.worker_placement's rule)."""
+    if not run.cuda:
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+@contextmanager
+def one_rank_group(run: Run) -> Iterator[str]:
+    """A process group of this process alone (NCCL on the GPU, gloo on the CPU), as a Ray Train worker has, on a
+    free loopback port; destroyed after."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if run.cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            **({"device_id": run.device} if run.cuda else {}))
+    try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
+
+
+def placement_rules(run: Run) -> None:
+    """The trainings' placement rules (wbrag_ray.training.placement) on this machine's GPU (a simulated 80 GiB one
+    on a CPU dry run): where one fsdp worker's model goes, how many GPUs a model's shards need, what is refused
+    before any weight loads; and FSDP's device mesh for the shapes people run (1 x 1 to 4 x 8 GPUs)."""
+    if skipped_for("placement rules", project_missing()):
+        return
+    from wbrag_ray.config import ConfigError
+    from wbrag_ray.training.placement import device_rule, fsdp_mesh_shape, own_gpus, placement_of
+
+    memory = torch.cuda.get_device_properties(run.device).total_memory if run.cuda else 80 * 2**30
+    where = f"{memory / 2**30:.0f} GiB GPU" + ("" if run.cuda else " (simulated)")
+    visible = torch.cuda.device_count() if run.cuda else 1
+    mine = own_gpus([run.device.index or 0], None)  # Ray's GPU of a one-GPU worker, nothing hidden
+    for label, params in (("llama-3.1-8b", 8.03e9), ("llama-3.1-70b", 70.6e9)):
+        weights = params * 2  # bf16
+        try:
+            rule = device_rule(mine, visible, memory, weights, "fsdp", 1, "zerorag.tune")
+            one = placement_of(rule, torch.bfloat16, "fsdp", 0, (1, 1))
+            report(f"rules: {label} fsdp, 1 worker on a {where}", f"{one.strategy} on {one.device}")
+        except ConfigError as exc:
+            report(f"rules: {label} fsdp, 1 worker on a {where}", f"refused ({one_line(exc)})")
+        shards = next(n for n in range(1, 1025) if weights / n <= memory * 0.85)
+        device_rule(mine, visible, memory, weights, "fsdp", shards, "zerorag.tune")  # refuses if the rule disagrees
+        report(f"rules: {label} fsdp, workers of a {where} its shards need", shards)
+    for nodes, per in ((1, 1), (1, 2), (1, 8), (4, 8)):
+        mesh = fsdp_mesh_shape([n for n in range(nodes) for _ in range(per)])
+        report(f"rules: fsdp mesh on {nodes} x {per} GPUs (replicas x shards)", f"{mesh[0]} x {mesh[1]}")
+
+
+def fsdp_step(run: Run) -> None:
+    """One training step as a Ray Train worker under fsdp runs it (wbrag_ray.training.step), without Ray: FSDP2
+    (`fully_shard`, gradient checkpointing, rank 0's weights broadcast) under a one-rank NCCL group (gloo on the
+    CPU), frozen weights in bf16 and LoRA weights in fp32 under autocast, gradients clipped to a global norm, the
+    trainable state gathered whole (`get_state_dict`), then an `inference_mode` forward of the sharded model (the
+    LM pruner's validation runs one)."""
+    if skipped_for("fsdp step", project_missing()):
+        return
+    from transformers import AutoModelForCausalLM
+
+    from wbrag_ray.config import TuneConfig
+    from wbrag_ray.training.lora import with_lora
+    from wbrag_ray.training.placement import DeviceRule, Placement
+    from wbrag_ray.training.step import MAX_GRAD_NORM, apply_gradients, optimizer_of, trainable_state, wrap
+
+    path, sizes = project_model(run), run.sizes
+    with one_rank_group(run) as backend:
+        # one rank of a sharded training: placement_of would make a world of 1 ddp, so the placement is built
+        place = Placement(run.device, training_dtype(run), DeviceRule(run.device.index), fsdp=True, rank=0,
+                          mesh=(1, 1))
+        torch.manual_seed(0)
+        model = with_lora(place.load(AutoModelForCausalLM, path), TuneConfig(lora_dropout=0.0), "CAUSAL_LM")
+        module, model = wrap(model, place, 1)
+        frozen = {str(p.dtype).split(".")[-1] for p in model.parameters() if not p.requires_grad}
+        trained = {str(p.dtype).split(".")[-1] for p in model.parameters() if p.requires_grad}
+        report("fsdp step: process group / frozen / trained dtypes", f"{backend} / {frozen} / {trained}")
+        if trained != {"float32"}:
+            raise RuntimeError(f"LoRA weights train in {trained}, not fp32")
+        params, optimizer, scaler = optimizer_of(model, place, 1e-3)
+        vocab = model.config.vocab_size
+        ids = torch.randint(min(1000, vocab // 10), vocab, (sizes.lora_batch, sizes.lora_tokens),
+                            generator=torch.Generator().manual_seed(2)).to(run.device)
+        reset_peak_memory(run)
+        losses, norms, times = [], [], []
+        for _ in range(sizes.lora_steps + 1):  # the first is the warm-up
+            def step() -> float:
+                with place.autocast:
+                    loss = module(input_ids=ids, labels=ids).loss.float()
+                norms.append(apply_gradients(loss, 1, params, optimizer, scaler))
+                return float(loss.detach())
+            loss, seconds = timed(run, step)
+            losses.append(loss)
+            times.append(seconds)
+        name = f"fsdp step b{sizes.lora_batch}x{sizes.lora_tokens}"
+        report(f"{name} seconds (mean of {sizes.lora_steps} after a warm-up)", sum(times[1:]) / len(times[1:]), "s", 3)
+        report(f"{name} loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
+        report(f"{name} gradient norm before clipping to {MAX_GRAD_NORM:g} (last)", norms[-1], "", 4)
+        report_peak_memory(f"{name} peak memory", run)
+        if not all(map(math.isfinite, losses + norms)):
+            raise FloatingPointError(f"losses {losses}, gradient norms {norms}")
+        trainable, _ = trainable_state(model, optimizer)
+        where = {str(t.device) for t in trainable.values()}
+        report("fsdp step: trainable state gathered (tensors, device)", f"{len(trainable)}, {where}")
+        if where != {"cpu"} or not any("lora_A" in k for k in trainable):
+            raise RuntimeError(f"get_state_dict gave {len(trainable)} tensors on {where}")
+        model.eval()
+        with torch.inference_mode(), place.autocast:
+            logits = module(input_ids=ids[:, : min(8, ids.shape[1])]).logits
+        report("fsdp step: inference_mode forward of the sharded model, finite", bool(torch.isfinite(logits).all()))
+
+
+def one_worker_fsdp(run: Run) -> None:
+    """`strategy: fsdp` with one worker on this GPU (what `num_workers: auto` gives on a one-GPU node): the
+    placement rule makes it ddp, the model on the worker's GPU where its batch goes; one step there."""
+    if skipped_for("one-worker fsdp", project_missing()):
+        return
+    from transformers import AutoModelForCausalLM
+
+    from wbrag_ray.config import TuneConfig
+    from wbrag_ray.training.lora import with_lora
+    from wbrag_ray.training.placement import device_rule, placement_of
+    from wbrag_ray.training.step import apply_gradients, optimizer_of, wrap
+
+    path = project_model(run)
+    assigned = [run.device.index or 0] if run.cuda else []
+    memory = torch.cuda.get_device_properties(run.device).total_memory if run.cuda else 0
+    rule = device_rule(assigned, torch.cuda.device_count() if run.cuda else 0, memory, None, "fsdp", 1,
+                       "zerorag.tune")
+    place = placement_of(rule, training_dtype(run), "fsdp", 0, (1, 1))
+    torch.manual_seed(0)
+    model = place.place(with_lora(place.load(AutoModelForCausalLM, path), TuneConfig(lora_dropout=0.0),
+                                  "CAUSAL_LM"))
+    module, model = wrap(model, place, 1)
+    devices = {str(p.device) for p in model.parameters()}
+    batch_on = place.inputs_device(model)
+    report("one-worker fsdp: runs as / model on / batch on", f"{place.strategy} / {devices} / {batch_on}")
+    if devices != {str(place.device)} or batch_on != place.device:
+        raise RuntimeError(f"the model is on {devices}, its batch goes to {batch_on}")
+    params, optimizer, scaler = optimizer_of(model, place, 1e-3)
+    vocab = model.config.vocab_size
+    ids = torch.randint(min(1000, vocab // 10), vocab, (2, 32), generator=torch.Generator().manual_seed(3))
+    with place.autocast:
+        loss = module(input_ids=ids.to(batch_on), labels=ids.to(batch_on)).loss.float()
+    norm = apply_gradients(loss, 1, params, optimizer, scaler)
+    report("one-worker fsdp: step loss, gradient norm", f"{float(loss.detach()):.4f}, {norm:.4f}")
+
+
+def hf_generation(run: Run) -> None:
+    """The project's transformers generator (wbrag_ray.generation.hf: left padding, length-bucketed batches sized
+    to the memory budget, greedy decoding) on this GPU: batched answers to random prompts."""
+    if skipped_for("hf generation", project_missing("pyarrow")):  # the model cache (wbrag_ray.storage)
+        return
+    from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.generation.hf import HFGenerator
+
+    path, sizes = project_model(run), run.sizes
+    spec = SMALL_LLAMA if run.quick else LLAMA_1B
+    batch = 8 if run.quick else 64
+    config = GeneratorConfig(backend="hf", model=path, num_gpus=1.0 if run.cuda else 0.0, chat_template=False,
+                             stop=[], dtype="bfloat16" if run.cuda else "float32", batch_size=batch,
+                             max_new_tokens=sizes.new_tokens)
+    generator = HFGenerator(config)
+    _, seconds = timed(run, generator.setup)
+    report("hf generation: load", seconds, "s")
+    report("hf generation: device / dtype", f"{generator.device} / {str(generator.dtype).split('.')[-1]}")
+    prompts = random_prompts(spec, sizes.prompt_tokens, batch)
+    generator.generate(prompts[:2], 2)  # warm-up
+    answers, seconds = timed(run, lambda: generator.generate(prompts, sizes.new_tokens))
+    report(f"hf generation b{batch} x {sizes.prompt_tokens} words, {sizes.new_tokens} new tokens", seconds, "s", 3)
+    report("hf generation rows/s", len(answers) / seconds, "rows/s")
+    if len(answers) != len(prompts):
+        raise RuntimeError(f"{len(answers)} answers to {len(prompts)} prompts")
+
+
+# --- 6. a tensor-parallel engine ------------------------------------------------------------------------
 
 def tensor_parallel(run: Run) -> None:
     import importlib.util
@@ -754,7 +985,7 @@ def engine_feed(run: Run) -> None:
         report("feed answers identical", f"{sum(a == b for a, b in zip(one, fed, strict=True))} of {calls} calls")
 
 
-# --- 6. the project's training on a Ray Train worker ----------------------------------------------------
+# --- 7. the project's training on a Ray Train worker ----------------------------------------------------
 
 
 def _ray_train_modules() -> list[str]:
@@ -973,9 +1204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (on CPU if no GPU)")
     parser.add_argument(
-        "--budget", type=float, default=540.0, help="skip what is left after this many seconds"
+        "--budget", type=float, default=240.0, help="skip what is left after this many seconds (540: room for "
+        "the vllm and ray sections where they are installed)"
     )
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads for a CPU dry run")
+    parser.add_argument("--model", help="a local transformers causal-LM folder for the project sections (default: "
+                        "a random-weight 1B-class Llama; --quick: a small one)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
@@ -987,11 +1221,16 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()  # random configs draw warnings that are noise here
+    import tempfile
+
+    scratch = tempfile.TemporaryDirectory(prefix="gpu-check-")
     run = Run(
         torch.device("cuda", 0) if cuda else torch.device("cpu"),
         args.quick,
         QUICK if args.quick else FULL,
         args.budget,
+        model=args.model,
+        scratch=scratch.name,
     )
     torch.manual_seed(0)
     mode = ("quick" if args.quick else "full") + ("" if cuda else ", cpu dry run")
@@ -1007,12 +1246,17 @@ def main(argv: list[str] | None = None) -> int:
     section(run, "generator smollm2-135m", generator_smollm2)
     section(run, "embedder e5-base-v2", embedder)
     section(run, "lora llama-1b", lora_training)
+    section(run, "placement rules", placement_rules)
+    section(run, "fsdp step", fsdp_step)
+    section(run, "one-worker fsdp", one_worker_fsdp)
+    section(run, "hf generation", hf_generation)
     section(run, "vllm tensor parallel", tensor_parallel)
     section(run, "ray train lm pruner", ray_train)
     section(run, "ray train multi-gpu", ray_train_multi_gpu)
     section(run, "vllm engine feed", engine_feed)
     section(run, "faiss gpu clone", faiss_gpu_clone)  # last: PQ96's training is the slowest step
 
+    scratch.cleanup()
     report("total", run.elapsed(), "s")
     report("failures", ", ".join(run.failures) if run.failures else "none")
     return 1 if run.failures else 0

@@ -1,24 +1,36 @@
 """Where a training worker's model goes: the GPUs Ray assigned to it and no other (`own_gpus`, `device_rule`: pure
 functions of the worker's GPUs, the GPUs it sees, the model's size and the GPU's memory, so the paper configs'
-shapes are tested without a GPU), the dtype, a layer split over its own GPUs under ddp, FSDP2 sharding over all the
-workers under fsdp (`shard_fsdp`), and the device of the process group's collectives. The step loop is
-`training.workers`'."""
+shapes are tested without a GPU), the dtype, a layer split over its own GPUs under ddp, FSDP2 sharding under fsdp
+(`shard_fsdp`: over all the workers of one node, hybrid over several: `fsdp_mesh_shape`), the device of the process
+group's collectives and how long they may wait (`process_group_timeout_s`). The step loop is `training.workers`'.
+
+Nothing here imports Ray at module level: the GPU check (benchmarks/gpu/check.py) runs these rules, the sharding
+and a training step on a GPU machine without Ray."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wbrag_ray.config import ConfigError, TrainerConfig
+from wbrag_ray.config import ConfigError
+
+if TYPE_CHECKING:
+    from wbrag_ray.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
 # What a layer split may fill of each of its GPUs: the rest holds activations, the adapter's optimizer state and
 # the CUDA context (accelerate's `max_memory`, per GPU of the worker).
 GPU_MEMORY_FRACTION = 0.85
+# trainer.timeout_s 'auto': the first collective waits while worker 0 reads the whole model. Weights read at this
+# rate (a slow network volume; a local NVMe reads 20-50x faster), and never less than Ray Train's own default.
+LOAD_READ_BYTES_S = 50e6
+TIMEOUT_FLOOR_S = 1800
 
 
 @dataclass(frozen=True)
@@ -47,13 +59,15 @@ def own_gpus(gpu_ids: list, visible: str | None) -> list[int]:
 
 
 def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes: float | None, strategy: str,
-                world: int, key: str) -> DeviceRule:
+                shards: int, key: str, replicas: int = 1) -> DeviceRule:
     """The device and map of a worker given its own GPUs (`assigned`, local indices), the GPUs it sees
     (`visible`), each GPU's memory in bytes, the frozen model's size in bytes (None: unknown) and the
-    training's strategy over `world` workers. A worker never touches a GPU it was not assigned (its neighbours'
-    ranks run there); one GPU: the model on it; several under ddp: a layer split over exactly those, each
-    filled to GPU_MEMORY_FRACTION; fsdp: one GPU a rank, the model sharded over the ranks. A model that cannot
-    fit is refused here, naming the setting, before any weight loads. `key`: the config section (zerorag.tune)."""
+    training's strategy: under fsdp the model is sharded over `shards` workers (all of them on one node; a
+    node's under hybrid sharding, with `replicas` nodes each holding a whole copy: `fsdp_mesh_shape`). A worker
+    never touches a GPU it was not assigned (its neighbours' ranks run there); one GPU: the model on it; several
+    under ddp: a layer split over exactly those, each filled to GPU_MEMORY_FRACTION; fsdp: one GPU a rank, its
+    shard of the model. A model that cannot fit is refused here, naming the setting, before any weight loads.
+    `key`: the config section (zerorag.tune)."""
     if not assigned:
         return DeviceRule(None)
     if len(set(assigned)) != len(assigned) or min(assigned) < 0 or max(assigned) >= visible:
@@ -61,10 +75,12 @@ def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes:
     if strategy == "fsdp" and len(assigned) > 1:
         raise ConfigError(f"{key}.trainer.strategy fsdp runs one worker per GPU; set {key}.trainer.num_gpus: 1")
     budget = int(gpu_memory * GPU_MEMORY_FRACTION)
-    holds = budget / world if strategy == "fsdp" else budget * len(assigned)
-    share = model_bytes / world if model_bytes and strategy == "fsdp" else model_bytes
+    holds = budget * len(assigned)
+    share = model_bytes / shards if model_bytes and strategy == "fsdp" else model_bytes
     if share and share > (budget if strategy == "fsdp" else holds):
-        fix = (f"raise {key}.trainer.num_workers" if strategy == "fsdp" else
+        fix = (f"use nodes of more GPUs (fsdp shards the model over the {shards} workers of a node and replicates "
+               f"it on each of the {replicas} nodes)" if strategy == "fsdp" and replicas > 1 else
+               f"raise {key}.trainer.num_workers" if strategy == "fsdp" else
                f"set {key}.trainer.strategy: fsdp with num_gpus: 1 (the model sharded over every worker), or raise "
                f"{key}.trainer.num_gpus")
         raise ConfigError(f"{key}: the frozen model ({model_bytes / 2**30:.1f} GiB) does not fit a training worker's "
@@ -73,6 +89,30 @@ def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes:
     if len(assigned) == 1:
         return DeviceRule(assigned[0])
     return DeviceRule(assigned[0], tuple(assigned), {i: budget for i in assigned})
+
+
+def fsdp_mesh_shape(node_ranks: list[int], min_shards: int = 1) -> tuple[int, int]:
+    """(replicas, shards): FSDP's device mesh for workers whose nodes are `node_ranks` (each rank's node, in rank
+    order, as Ray Train numbers them). Several nodes of as many workers each, a node's ranks contiguous (Ray Train
+    groups ranks by node) and at least `min_shards` a node (the GPUs the model's shards need): hybrid, (nodes,
+    workers a node): sharded within a node over its NVLink, replicated across nodes, so the weights' two
+    all-gathers a step never cross the network (only the adapter's gradients do). Otherwise (one node, uneven
+    nodes, nodes too small for the model): (1, workers), the model sharded over every worker."""
+    world = len(node_ranks)
+    runs = [len(list(ranks)) for _, ranks in itertools.groupby(node_ranks)]
+    if len(runs) > 1 and len(set(runs)) == 1 and len(runs) == len(set(node_ranks)) and runs[0] >= min_shards:
+        return len(runs), runs[0]
+    return 1, world
+
+
+def process_group_timeout_s(timeout: int | str, model_bytes: float | None) -> int:
+    """Seconds a collective may wait (Ray Train's TorchConfig timeout_s): `trainer.timeout_s`, or for 'auto' the
+    model's weights (`model_bytes` as they load; None: unknown) read at LOAD_READ_BYTES_S, at least
+    TIMEOUT_FLOOR_S. Worker 0 reads the whole model before its first collective (under fsdp the others wait in
+    it for rank 0's broadcast): a 70B in bf16 (141 GB) needs 2,824 s at that rate, past Ray Train's 1800."""
+    if timeout != "auto":
+        return int(timeout)
+    return max(TIMEOUT_FLOOR_S, math.ceil(model_bytes / LOAD_READ_BYTES_S)) if model_bytes else TIMEOUT_FLOOR_S
 
 
 def collective_device(backend: str, device):
@@ -87,13 +127,14 @@ class Placement:
     """A worker's device and the dtype its frozen weights load in: fp32 on CPU (bf16 there is emulated on many
     CPUs, and LoRA's small updates lose precision in it); bf16 on GPUs that have it, else fp16. Under fsdp, the
     workers other than rank 0 build the model on the meta device (no weights read): rank 0's are broadcast to
-    them shard by shard once the model is sharded (`shard_fsdp`)."""
+    them shard by shard once the model is sharded (`shard_fsdp`) over `mesh` ((replicas, shards))."""
 
     device: Any
     dtype: Any
     rule: DeviceRule = DeviceRule(None)
     fsdp: bool = False
     rank: int = 0
+    mesh: tuple[int, int] = (1, 1)
 
     @property
     def spread(self) -> bool:
@@ -118,8 +159,21 @@ class Placement:
             load.update(device_map="auto", max_memory=dict(self.rule.max_memory))
         return auto_cls.from_pretrained(source, **load, **kwargs)
 
+    @property
+    def model_device(self):
+        """Where `place` moves the model: the worker's device, or None where it stays as loaded (a layer split
+        placed by its device map; fsdp, whose sharding materializes it on the device)."""
+        return None if self.spread or self.fsdp else self.device
+
+    @property
+    def strategy(self) -> str:
+        """What the training runs as, for its stats: ddp (one worker under fsdp too), layer split, fsdp, hybrid."""
+        if self.fsdp:
+            return "fsdp" if self.mesh[0] == 1 else f"hybrid fsdp ({self.mesh[0]} nodes x {self.mesh[1]})"
+        return "layer split" if self.spread else "ddp"
+
     def place(self, model):
-        return model if self.spread or self.fsdp else model.to(self.device)
+        return model if self.model_device is None else model.to(self.model_device)
 
     def inputs_device(self, model):
         """Where a batch goes: the device of the input embeddings (the first layer when spread); the worker's own
@@ -135,37 +189,90 @@ class Placement:
         return torch.autocast(device_type="cuda", dtype=self.dtype)
 
 
+def placement_of(rule: DeviceRule, dtype, strategy: str, rank: int, mesh: tuple[int, int]) -> Placement:
+    """A worker's placement from its device rule, the load dtype and the strategy over `mesh` ((replicas,
+    shards): the world is their product). fsdp over one worker has nothing to shard over: it is ddp, the model on
+    the worker's device (left where it loaded, it stayed on the CPU while the batch went to the GPU)."""
+    import torch
+
+    device = torch.device("cpu") if rule.device is None else torch.device("cuda", rule.device)
+    return Placement(device, dtype, rule, strategy == "fsdp" and mesh[0] * mesh[1] > 1, rank, mesh)
+
+
+def model_bytes_of(model: str | None, dtype) -> float | None:
+    """The frozen weights' bytes in `dtype` (None where the model or its size is unknown)."""
+    if model is None:
+        return None
+    import torch
+
+    from wbrag_ray.plan.models import model_size
+
+    params = model_size(model).params
+    return params * torch.finfo(dtype).bits / 8 if params else None
+
+
+def _node_ranks(world: int) -> list[int]:
+    """Each worker's node (Ray Train's node rank), in rank order: a collective of the process group."""
+    import ray.train
+    import torch.distributed as dist
+
+    nodes: list[int] = [0] * world
+    dist.all_gather_object(nodes, ray.train.get_context().get_node_rank())
+    return nodes
+
+
 def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, model: str | None = None) -> Placement:
-    """This worker's placement (`device_rule` on the GPUs Ray assigned to it). A training configured for GPUs on
-    a worker that sees none fails here, before any weight loads, naming the setting."""
-    import ray
+    """This worker's placement (`device_rule` on the GPUs Ray assigned to it; under fsdp over several nodes the
+    hybrid mesh of `fsdp_mesh_shape`). A training configured for GPUs on a worker that sees none fails here,
+    before any weight loads, naming the setting."""
     import torch
 
     from wbrag_ray.models.hardware import require_gpu
 
-    fsdp = trainer.strategy == "fsdp"
+    fsdp = trainer.strategy == "fsdp" and world > 1
+    if trainer.strategy == "fsdp" and world == 1:
+        log.warning("%s: one training worker has nothing to shard its model over: strategy fsdp trains as ddp (the "
+                    "whole model on the worker's %s)", key, "GPU" if trainer.num_gpus else "CPU")
     if not trainer.num_gpus:
-        return Placement(torch.device("cpu"), torch.float32, fsdp=fsdp, rank=rank)
+        mesh = fsdp_mesh_shape(_node_ranks(world)) if fsdp else (1, world)
+        return placement_of(DeviceRule(None), torch.float32, trainer.strategy, rank, mesh)
+    import ray
+
     require_gpu(f"{key}'s training worker {rank}", f"{key}.trainer", trainer.num_gpus)  # before any weight loads
     assigned = own_gpus(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    # NCCL's and every default allocation's device: the worker's own, before the first collective below
+    torch.cuda.set_device(assigned[0])
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    model_bytes = None
-    if model is not None:
-        from wbrag_ray.plan.models import model_size
-
-        params = model_size(model).params
-        model_bytes = params * torch.finfo(dtype).bits / 8 if params else None
-    rule = device_rule(assigned, torch.cuda.device_count(), torch.cuda.get_device_properties(assigned[0]).total_memory,
-                       model_bytes, trainer.strategy, world, key)
-    torch.cuda.set_device(rule.device)  # NCCL's and every default allocation's device: the worker's own
+    model_bytes = model_bytes_of(model, dtype)
+    memory = torch.cuda.get_device_properties(assigned[0]).total_memory
+    mesh = (1, world)
+    if fsdp:
+        need = math.ceil(model_bytes / (memory * GPU_MEMORY_FRACTION)) if model_bytes else 1
+        mesh = fsdp_mesh_shape(_node_ranks(world), min_shards=need)
+    rule = device_rule(assigned, torch.cuda.device_count(), memory, model_bytes, trainer.strategy, mesh[1], key,
+                       replicas=mesh[0])
     if rule.spread:
         log.warning("%s: worker %d splits its model's layers over its %d GPUs (one busy at a time); "
                     "%s.trainer.strategy: fsdp with num_gpus: 1 keeps every GPU busy", key, rank, len(rule.spread), key)
-    return Placement(torch.device("cuda", rule.device), dtype, rule, fsdp, rank)
+    if fsdp and rank == 0:
+        log.info("%s: fsdp over %d workers: %s", key, world, "sharded over all" if mesh[0] == 1 else
+                 f"hybrid, sharded within each of {mesh[0]} nodes of {mesh[1]}, replicated across them")
+    return placement_of(rule, dtype, trainer.strategy, rank, mesh)
+
+
+def fsdp_mesh(place: Placement):
+    """The DeviceMesh of `place.mesh` over the process group: 1-D (every worker a shard) or 2-D (replicate across
+    nodes, shard within one: FSDP2's hybrid sharding)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas, shards = place.mesh
+    if replicas == 1:
+        return init_device_mesh(place.device.type, (shards,), mesh_dim_names=("shard",))
+    return init_device_mesh(place.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
 
 def shard_fsdp(model, place: Placement):
-    """`model` sharded with FSDP2 (`fully_shard` on each decoder layer, then the whole) over the process group,
+    """`model` sharded with FSDP2 (`fully_shard` on each decoder layer, then the whole) over `place.mesh`,
     gradient checkpointing on, its weights materialized on the worker's device: rank 0's (loaded, the adapter
     initialized from the training's seed) broadcast to the others, whose model was built on the meta device.
     Returns the sharded model (the same object)."""
@@ -180,9 +287,10 @@ def shard_fsdp(model, place: Placement):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]  # the decoder's is the longest
+    mesh = fsdp_mesh(place)
     for block in (max(layers, key=len) if layers else []):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     model.to_empty(device=place.device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     comm = collective_device(dist.get_backend(), place.device)

@@ -13,8 +13,8 @@ examples share a batch depends on the worker count, a worker pads its share alon
 differences in weights whose gradients are near zero. A resumed training on the same number of workers is: its
 batches and dropout masks are functions of the step, and the checkpoint holds the optimizer state.)
 
-Where the model goes (each worker's own GPUs; ddp, or fsdp over all the workers) is `training.placement`'s, how the
-examples reach the workers `training.shards`'.
+Where the model goes (each worker's own GPUs; ddp, or fsdp over the workers) is `training.placement`'s, one
+optimizer step's mechanics `training.step`'s, how the examples reach the workers `training.shards`'.
 """
 
 from __future__ import annotations
@@ -37,12 +37,17 @@ import pandas as pd
 
 from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
 from wbrag_ray.storage import Location
-from wbrag_ray.training.placement import Placement, collective_device, shard_fsdp, worker_placement
+from wbrag_ray.training.placement import (
+    Placement,
+    collective_device,
+    model_bytes_of,
+    process_group_timeout_s,
+    worker_placement,
+)
 from wbrag_ray.training.shards import GROUP, WEIGHT, example_shards, local_batch, own_shard
+from wbrag_ray.training.step import apply_gradients, optimizer_of, trainable_state, wrap
 
 log = logging.getLogger(__name__)
-# Gradient-norm cap: a few badly scaled batches (long prompts, saturated sigmoids) must not wreck the adapter.
-MAX_GRAD_NORM = 1.0
 STATE_FILE = "train_state.pt"  # in every checkpoint: trainable weights, optimizer, step, losses
 ADAPTER_DIR = "adapter"  # in the last checkpoint: what the driver copies into the run folder
 RESULT_FILE = "result.json"  # in the last checkpoint: worker 0's stats and figures (losses per step and the like)
@@ -128,19 +133,8 @@ def train_loop(config: dict[str, Any]) -> None:
     place = worker_placement(section.trainer, rank, world, config["key"], config.get("model"))
     torch.manual_seed(section.seed)  # before the model loads: new heads and LoRA's A matrices draw from it
     model, per_example_loss = training.build(place)
-    for p in model.parameters():  # trainable weights in fp32 whatever the frozen ones load in (autocast: bf16)
-        if p.requires_grad:
-            p.data = p.data.float()
-    if place.fsdp and world > 1:
-        module = model = shard_fsdp(model, place)
-    elif world > 1:  # one GPU: DDP on it; a layer split: DDP of a module over several devices (no device_ids)
-        one = place.device.type == "cuda" and not place.spread
-        module = torch.nn.parallel.DistributedDataParallel(model, device_ids=[place.device] if one else None)
-    else:
-        module = model
-    params = [p for p in model.parameters() if p.requires_grad]  # after sharding: FSDP replaces the parameters
-    optimizer = torch.optim.AdamW(params, lr=section.learning_rate)
-    scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
+    module, model = wrap(model, place, world)
+    params, optimizer, scaler = optimizer_of(model, place, section.learning_rate)
     comm = collective_device(dist.get_backend(), place.device) if world > 1 else None
 
     num_examples = config["num_examples"]
@@ -180,12 +174,7 @@ def train_loop(config: dict[str, Any]) -> None:
         loss = weighted / total
         if not math.isfinite(figures[0]):
             raise FloatingPointError(f"training loss is {figures[0]} at step {step}; lower learning_rate")
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss * world).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)  # FSDP2's DTensor gradients: the global norm
-        scaler.step(optimizer)
-        scaler.update()
+        apply_gradients(loss, world, params, optimizer, scaler)
         losses.append(figures[0])
         group_loss.append([figures[1 + 2 * g] / figures[2 + 2 * g] if figures[2 + 2 * g] else math.nan
                            for g in range(n_groups)])
@@ -199,8 +188,8 @@ def train_loop(config: dict[str, Any]) -> None:
              "resumed_from_steps": resumes, "examples": num_examples, "examples_per_step": batch,
              "examples_seen": len(losses) * batch, "epochs_seen": round(len(losses) * batch / num_examples, 4),
              "workers": world, "threads": threads, "device": place.device.type, "dtype": str(place.dtype).split(".")[-1],
-             "strategy": "fsdp" if place.fsdp and world > 1 else "layer split" if place.spread else "ddp"}
-    trainable = _trainable_state(model, optimizer)[0]  # every rank: a collective under fsdp (rank 0 gets it all)
+             "strategy": place.strategy}
+    trainable = trainable_state(model, optimizer)[0]  # every rank: a collective under fsdp (rank 0 gets it all)
     with tempfile.TemporaryDirectory() as tmp:
         figures = {}
         if rank == 0 or place.fsdp:  # an FSDP model's forward (the pruner's validation) needs every rank
@@ -212,16 +201,6 @@ def train_loop(config: dict[str, Any]) -> None:
                 optimizer, losses, group_loss, resumes, seconds, tmp)
 
 
-def _trainable_state(model, optimizer) -> tuple[dict, dict]:
-    """(trainable weights, optimizer state), whole and on the CPU, keyed by parameter name: the same under ddp
-    and fsdp (whose shards are gathered here, so every rank must call it; under fsdp only rank 0 receives them),
-    and loadable by any worker count."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                     ignore_frozen_params=True))
-
-
 def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_loss, resumes, seconds: float,
             folder: str | None = None) -> None:
     """Every worker reports (Ray Train's barrier); worker 0 attaches the checkpoint: the trainable weights and the
@@ -229,7 +208,7 @@ def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_
     import ray.train
     import torch
 
-    trainable, optimizer_state = _trainable_state(model, optimizer)  # every rank: a collective under fsdp
+    trainable, optimizer_state = trainable_state(model, optimizer)  # every rank: a collective under fsdp
     if rank != 0:
         ray.train.report(metrics, checkpoint=None)
         return
@@ -281,6 +260,17 @@ def check_placement(trainer: TrainerConfig, key: str) -> None:
     from wbrag_ray.cluster_nodes import refuse_unplaceable
 
     refuse_unplaceable(lambda nodes: placement_refusal(trainer, nodes, key))
+
+
+def torch_config(trainer: TrainerConfig, model: str | None):
+    """Ray Train's process-group settings for a training of `model`: collectives wait `process_group_timeout_s`
+    (worker 0 reads the whole model before the first one; Ray Train's 1800 s can end a 70B's training in its
+    load). The weights' bytes as a worker loads them: bf16 on GPUs, fp32 on CPUs."""
+    import torch
+    from ray.train.torch import TorchConfig
+
+    dtype = torch.bfloat16 if trainer.num_gpus else torch.float32
+    return TorchConfig(timeout_s=process_group_timeout_s(trainer.timeout_s, model_bytes_of(model, dtype)))
 
 
 @contextlib.contextmanager
@@ -335,6 +325,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
             train_loop_config={"training": training.with_rows(training.rows().iloc[:0]), "section": section,
                                "verbose": verbose, "key": key, "model": getattr(training, "model", None),
                                "num_examples": training.num_examples},
+            torch_config=torch_config(trainer_config, getattr(training, "model", None)),
             datasets=example_shards(training, trainer_config.num_workers),
             dataset_config=ray.train.DataConfig(datasets_to_split=[]),
             scaling_config=ray.train.ScalingConfig(
