@@ -283,8 +283,13 @@ def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | Non
     run.require_run()  # before Ray, as a single evaluation's checks
     check_input(dataset, "dataset")
     check_grid_dataset(run.layout.zero_rag.grid, dataset, force)
+    from wbrag_ray.evaluation.made_by import print_result_departures
+
+    print_result_departures(run, config, dataset, adapter=config.zerorag.tune.enabled, zero_rag=True)
     join_ray(run, config)
-    return evaluate_grid(run, config, dataset, force=force)
+    rows = evaluate_grid(run, config, dataset, force=force)
+    print_paper_vs_run(run, config)
+    return rows
 
 
 def check_grid_dataset(grid, dataset: str, force: bool) -> None:

@@ -119,7 +119,7 @@ def test_tuning_and_router_and_the_grid(chain):
     pruned = next(r for r in rows if r["ratio"] == 0.3 and r["method"] == "naive" and not r["router"] and not r["adapter"])
     assert pruned["sentences"] < full["sentences"] and pruned["index_bytes"] < full["index_bytes"]
     assert all(r["n"] == 6 for r in rows)
-    # the paper's Table 7 figures: the retrieval speedup is the formula over the two latencies the grid recorded (one
+    # the paper's Table 4 figures: the retrieval speedup is the formula over the two latencies the grid recorded (one
     # per index), by hand from them, each rounded to 4 decimals: the tolerance is what that rounding moves. Not
     # checked here: that the pruned cells' latency was measured on the pruned index; a few hundred tiny vectors
     # less search in less time than the timer's noise, so the measured speedup says nothing at this size.
@@ -130,6 +130,28 @@ def test_tuning_and_router_and_the_grid(chain):
     slack = 100 * 5e-5 * (1 + (lat_pruned + 5e-5) / lat_full) / (lat_full - 5e-5) + 0.005
     assert pruned["retrieval_speedup_pct"] == pytest.approx(100 * (1 - lat_pruned / lat_full), abs=slack)
     assert all(r["seconds_per_question"] > 0 for r in rows)
+
+
+def test_each_grid_cell_records_what_made_it_and_its_departures_from_zero_rag(chain, capsys):
+    from wbrag_ray import api
+    from wbrag_ray.evaluation.evaluate import load_results
+
+    run, _ = chain
+    results = load_results(run)
+    (cell,) = [m for name, m in results.items() if name.endswith("-prune0.3-router-adapter-naive")]
+    made = cell["made_by"]
+    assert made["pruning_ratio"] == 0.3 and made["router"] is True and made["writeback"] is None
+    assert made["adapter"]["targets"] == run.load_config().zerorag.tune.targets  # the adapter's recorded settings
+    assert cell["papers"] == ["Zero-RAG"] and {d["paper"] for d in cell["departures"]} == {"Zero-RAG"}
+    assert any(d["what"].startswith("the pruner drops the sentences of highest predicted mastery")
+               for d in cell["departures"])
+    (full,) = [m for name, m in results.items() if name.endswith("-prune0-naive")]
+    assert full["made_by"]["pruning_ratio"] == 0.0
+    # `wbrag eval --grid` (its cells done: each skipped) starts with the departures and ends with the papers' numbers
+    capsys.readouterr()
+    api.evaluate_zero_rag_grid(run, run.load_config())
+    printed = capsys.readouterr().out
+    assert printed.startswith("this run departs from Zero-RAG in ") and "paper vs this run" in printed
 
 
 def test_the_grid_times_each_ratio_on_that_ratios_own_index(chain, monkeypatch):
