@@ -225,7 +225,7 @@ def test_a_result_is_set_beside_the_same_papers_number_and_every_setting_that_di
         "deduped-wb": _result("/d/nq/test.jsonl", acc=0.36, union="provenance", top_k=3, answer_form="span",
                               questions={"dataset": "/d/nq/test.jsonl", "n": 40, "limit": 40},
                               writeback={**PAPER_VERSION, "dedupe_threshold": 0.95, "validation": "auto", "limit": 80,
-                                         "held_out": 16}),
+                                         "held_out": 16, "examples": 64}),
         "small-wb": _result("/d/nq/test.jsonl", acc=0.35, generator="google/gemma-3-12b-it", union="score",
                             writeback={**PAPER_VERSION, "validation": "auto", "held_out": 0}),  # none held out
         "tau-doc-wb": _result("/d/nq/test.jsonl", acc=0.338, generator="google/gemma-3-12b-it", union="score",
@@ -256,6 +256,7 @@ def test_a_result_is_set_beside_the_same_papers_number_and_every_setting_that_di
         "deduplicated at 0.95 (the paper: no deduplication)",
         "16 training questions held out for validation (writeback.validation 'auto'; the paper: every one trained on)",
         "trained on the first 80 training questions (the paper: every one)",
+        "written back from 64 training questions (the paper: NQ's 79,168)",
         "union provenance (the paper: score, the merge into one top K)"]
     assert differs("small-wb", "34.82") == []  # validation 'auto' that held out none of its questions
     # a result recorded before `made_by` (its fields only): the version's gates are not recorded, and said so

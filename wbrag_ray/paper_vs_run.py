@@ -78,6 +78,9 @@ def paper_settings_differ(n: PaperNumber, made: dict[str, Any]) -> list[str]:
                        f"(writeback.validation {version.get('validation')!r}; the paper: every one trained on)")
         if version.get("limit"):
             out.append(f"trained on the first {version['limit']} training questions (the paper: every one)")
+        examples = version.get("examples")
+        if n.dataset == TRAINING_SET[0] and examples is not None and examples != TRAINING_SET[1]:
+            out.append(f"written back from {examples:,} training questions (the paper: NQ's {TRAINING_SET[1]:,})")
         train = version.get("train")
         if n.dataset and train:
             from wbrag_ray.formats import dataset_name
@@ -90,6 +93,10 @@ def paper_settings_differ(n: PaperNumber, made: dict[str, Any]) -> list[str]:
         if union != "score":
             out.append(f"union {union or 'not recorded'} (the paper: score, the merge into one top K)")
     return out
+
+
+# The one training set whose size the WriteBack-RAG text states: NQ's N (§5.2)
+TRAINING_SET = next((n.dataset, int(n.value)) for n in NUMBERS if n.column == "N (training questions)")
 
 
 def _matches(n: PaperNumber, made: dict[str, Any]) -> bool:

@@ -41,6 +41,8 @@ def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
         out["metric"] = stats["gate_metric"]
     if stats.get("rag_method"):
         out["rag_method"] = stats["rag_method"]
+    if isinstance(stats.get("examples"), int):  # the training questions scored (Table 3's)
+        out["examples"] = stats["examples"]
     train = ((stats.get("settings") or {}).get("params") or {}).get("train")
     # the training questions validation held out: its result's count; a string says why none was
     validation = stats.get("validation")
