@@ -183,6 +183,21 @@ def test_fsdp_on_two_cpu_workers_trains_as_ddp_does(tmp_path, ray_cluster, tiny)
     assert any(np.abs(w).max() > 0 for k, w in fsdp_weights.items() if "lora_B" in k)
 
 
+@pytest.mark.slow
+def test_fsdp_with_one_worker_trains_on_a_ray_train_cpu_worker_as_ddp(tmp_path, ray_cluster, tiny):
+    """The one-worker fsdp case for real on a CPU worker of Ray Train (gloo): it trains, as ddp, and says so in the
+    stats (on a GPU the same placement puts the model on the worker's GPU: the simulated test above)."""
+    from wbrag_ray.config import LMPrunerConfig
+    from wbrag_ray.training.lm_pruner import train_lm_pruner
+
+    config = LMPrunerConfig(backbone=tiny.generator, batch_size=2, max_steps=2, max_length=24, threads=1,
+                            trainer={"num_workers": 1, "strategy": "fsdp"})
+    stats = train_lm_pruner(["a sentence", "another one", "a third", "the fourth"], [1.0, 0.0, 1.0, 0.0], config,
+                            str(tmp_path / "pruner"), ["a sentence"])
+    assert stats["strategy"] == "ddp" and stats["workers"] == 1 and stats["steps"] == 2
+    assert all(np.isfinite(stats["losses"])) and len(stats["validation"]) == 1
+
+
 def test_each_worker_holds_a_contiguous_shard_and_draws_its_part_of_every_batch():
     from wbrag_ray.training.shards import local_batch, shard_bounds
 
