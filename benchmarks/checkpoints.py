@@ -96,7 +96,7 @@ def _prediction(n: int, rounds: int, root: Path) -> None:
 
     stage = EmbeddingPredictStage(weights)
 
-    def predicted():
+    def predicted(_placed=None):  # resumable_write passes the placement it runs with: this pass never resumes
         ds = ray.data.read_parquet(str(src), override_num_blocks=files, num_cpus=stage.resources.num_cpus)
         return apply_stage(ds.select_columns(["sid", "vector"]), stage)
 

@@ -295,3 +295,15 @@ def demo_run(tmp_path_factory, ray_cluster, tiny):
     assert main(["eval", str(run), "--dataset", str(qa), "--name", "qa", "--methods", "naive"]) == 0
     return run, qa
 
+
+@pytest.fixture
+def demo_run_copy(demo_run, tmp_path):
+    """A copy of `demo_run` that a test may break (a stage stopped part way, a lease taken): the build copied, not
+    made again."""
+    import shutil
+
+    run, qa = demo_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("_lease.json"))
+    return copy, qa
+

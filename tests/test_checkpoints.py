@@ -55,18 +55,22 @@ def test_a_complete_stage_records_what_it_resumed_and_leaves_no_checkpoint(tmp_p
     assert not run.layout.checkpoint("stage-a").exists()
 
 
-def test_a_resume_that_cannot_make_progress_on_the_cluster_is_refused_with_a_setting_that_fits():
+def test_a_resume_runs_where_the_run_ran_its_actors_narrowed_to_fit_beside_the_checkpoint_filter():
     """On resume Ray Data adds its CheckpointFilter actor (1 CPU): where the pass's model actors (as many as fit)
     and that actor leave no room for a read or write task (0.25 CPU), the pass would wait forever. By hand:
-    a 1-CPU actor on one 2-CPU node leaves 1, the filter 0: refused, and 0.75 is the most that leaves 0.25. (The
-    refusal on a real cluster, through `wbrag embed`: tests/cluster/test_fault_tolerance.py.)"""
-    from wbrag_ray.checkpoints import resume_places, resume_refusal
+    a 1-CPU actor on one 2-CPU node leaves 1, the filter 0, and 0.75 is the most that leaves 0.25: the resume runs
+    at 0.75 (placement only). Refused only where no placement fits. (On a real cluster, through `wbrag embed`:
+    tests/cluster/test_fault_tolerance.py, and tests/test_storage.py's full disk.)"""
+    from wbrag_ray.checkpoints import resume_fit, resume_places, resume_refusal
     from wbrag_ray.stages.base import Resources
 
     laptop = [{"CPU": 2.0}]
-    refused = resume_refusal(Resources(num_cpus=1.0), "embedder", "embed", laptop)
-    assert "beside the pass's 1 actor(s) x 1 CPU, and the cluster's CPUs (2) have no room" in refused
-    assert "--set embedder.num_cpus=0.75 fits" in refused
+    assert not resume_places(Resources(num_cpus=1.0), laptop)
+    assert resume_fit(Resources(num_cpus=1.0), laptop) == Resources(num_cpus=0.75)
+    assert resume_refusal(Resources(num_cpus=1.0), "embed", laptop) is None
+    assert resume_fit(Resources(num_cpus=0.5), laptop) == Resources(num_cpus=0.5)  # fits as it is: unchanged
+    # two 1-CPU actors: 0.75 CPU each, of which one starts beside the filter (a pool runs on the actors that fit)
+    assert resume_fit(Resources(num_cpus=1.0, concurrency=2), laptop) == Resources(num_cpus=0.75, concurrency=2)
     assert resume_places(Resources(num_cpus=0.75), laptop) and resume_places(Resources(num_cpus=0.5), laptop)
     # a pool of which one actor fits runs on it: 2 x 1.5 CPUs on a 1-CPU head and a 2-CPU worker (a worker
     # node lost) places one actor on the worker (0.5 left, the read task's), the filter on the head
@@ -79,5 +83,39 @@ def test_a_resume_that_cannot_make_progress_on_the_cluster_is_refused_with_a_set
     assert not resume_places(Resources(num_cpus=1.5, concurrency=2), [{"CPU": 2.25}])
     # plain tasks (the embedding pruner's, 1 CPU): the filter and one task
     assert resume_places(Resources(num_cpus=1.0, actors=False), laptop)
-    refused = resume_refusal(Resources(num_cpus=1.0, actors=False), None, "predict", [{"CPU": 1.0}])
-    assert "num_cpus" not in refused.split("Fix:")[1] and "more CPUs" in refused  # no setting to lower
+    assert resume_fit(Resources(num_cpus=1.0, actors=False), [{"CPU": 1.0}]) is None  # the filter alone fills it
+    refused = resume_refusal(Resources(num_cpus=1.0, actors=False), "predict", [{"CPU": 1.0}])
+    assert "the cluster's CPUs (1) have no room" in refused and "more CPUs" in refused
+
+
+def test_a_pass_slower_than_its_row_block_commits_by_time_and_a_kill_resumes_those_rows(demo_run_copy, ray_cluster,
+                                                                                       tmp_path):
+    """`generator.checkpoint_seconds`: an evaluation's answer pass of one prompt a batch, whose rows never fill a
+    block of `checkpoint_rows` (1,024), commits what it answered each second instead; the driver SIGKILLed once
+    some answers are committed, the same command resumes those rows and answers every question once."""
+    import sys
+
+    from tests.conftest import demo_questions, joining_env, write_jsonl
+    from tests.drivers import kill_once_committed
+    from wbrag_ray.checkpoints import progress
+    from wbrag_ray.cli import main
+    from wbrag_ray.evaluation.stage import EVAL
+
+    run, _ = demo_run_copy
+    questions = [{**q, "question": f"{q['question']} (answered by time)"} for q in demo_questions()]
+    qa = write_jsonl(tmp_path / "qa.jsonl", questions)
+    args = ["eval", str(run), "--dataset", str(qa), "--name", "bytime", "--methods", "naive",
+            "--set", "generator.batch_size=1", "--set", "generator.checkpoint_seconds=1",
+            "--set", "generator.max_new_tokens=24"]
+    folder = RunFolder(str(run))
+    checkpoint = folder.layout.checkpoint(EVAL.instance({"label": "bytime"}))
+    committed, log = kill_once_committed([sys.executable, "-m", "wbrag_ray.cli", *args], joining_env(ray_cluster),
+                                         checkpoint, 1, ray_cluster)
+    assert 0 < committed < len(questions), (committed, log[-3000:])
+    assert progress(checkpoint)["committed"] == committed  # in blocks far below checkpoint_rows
+    assert not folder.is_complete(EVAL.instance({"label": "bytime"}))
+    assert main(args) == 0
+    stats = folder.stats(EVAL.instance({"label": "bytime"}))
+    assert stats["rows_resumed"] == committed and stats["rows_computed"] == len(questions) - committed, stats
+    predictions = folder.layout.eval_result("bytime", "naive").predictions.read_table(["id"])["id"].to_pylist()
+    assert sorted(predictions) == sorted(q["id"] for q in questions)

@@ -143,3 +143,74 @@ def test_writers_starting_at_the_same_moment_get_one_lease(run_uri):
              for _ in range(4)]
     results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert results == ["held", "refused", "refused", "refused"]
+
+
+def stop_outside_its_lease_write(proc: subprocess.Popen, run: Path) -> None:
+    """SIGSTOP `proc` at a moment it does not hold this host's lock of the run's lease (a process stopped inside
+    its renewal holds it, and a taker waits HOST_LOCK_WAIT_S for it, then gives up: another test)."""
+    import fcntl
+
+    from wbrag_ray.lease import host_lock_path
+
+    lock_file = host_lock_path(str(run / "_lease.json"))
+    for _ in range(100):
+        proc.send_signal(signal.SIGSTOP)
+        with open(lock_file, "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return  # free: released when the file closes
+            except BlockingIOError:
+                proc.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError("the writer held its lease's lock at every look")
+
+
+def test_a_writer_whose_lease_is_taken_stops_within_one_heartbeat_and_writes_nothing_more(demo_run_copy, ray_cluster,
+                                                                                          tmp_path, monkeypatch):
+    """Fencing: a `wbrag eval` stalled past its lease's time to live (SIGSTOP: a paused VM, a stuck process) finds,
+    when it runs again, that another writer took the lease: it stops before its next write, its last line names the
+    new holder (exit 2, no traceback), and nothing in the run folder changes after the takeover; the new holder's
+    own run of the same evaluation then completes with every question answered once."""
+    from tests.conftest import demo_questions, joining_env, write_jsonl
+    from wbrag_ray.cli import main
+
+    run, _ = demo_run_copy
+    ttl = 3.0
+    questions = [{**q, "question": f"{q['question']} (fenced)"} for q in demo_questions()]  # not answered before
+    qa = write_jsonl(tmp_path / "qa.jsonl", questions)
+    args = ["eval", str(run), "--dataset", str(qa), "--name", "fenced", "--methods", "naive",
+            "--set", "generator.max_new_tokens=24"]
+    old = subprocess.Popen([WBRAG, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**joining_env(ray_cluster), "WBRAG_LEASE_TTL": f"{ttl:g}"})
+    deadline = time.time() + 120
+    while not (run / "_lease.json").exists() and old.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # answering by now
+    assert old.poll() is None, "finished before its lease was taken: nothing to test"
+    stop_outside_its_lease_write(old, run)
+    try:
+        time.sleep(ttl + 1.0)  # its heartbeat is older than its time to live
+        monkeypatch.setenv("WBRAG_LEASE_TTL", f"{ttl:g}")
+        new = RunLease(resolve(str(run)), "wbrag eval RUN (the new holder)").acquire()
+    finally:
+        old.send_signal(signal.SIGCONT)
+    try:
+        def files() -> dict[str, int]:
+            return {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*")
+                    if p.is_file() and p.name != "_lease.json"}
+
+        at_takeover = files()
+        out, err = old.communicate(timeout=120)
+        assert old.returncode == 2, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        line = err.strip().splitlines()[-1]
+        assert line.startswith(f"wbrag eval: the lease of run folder {run} was taken by `wbrag eval RUN (the new "
+                               f"holder)` (host {socket.gethostname()}, pid {os.getpid()})"), line
+        assert files() == at_takeover  # nothing written, moved or removed after the takeover
+        assert not (run / "eval" / "fenced-naive").exists()
+    finally:
+        new.release()
+    monkeypatch.delenv("WBRAG_LEASE_TTL")
+    assert main(args) == 0  # the new holder's run: what the old one committed is whole
+    metrics = json.loads((run / "eval" / "fenced-naive" / "metrics.json").read_text())
+    assert metrics["n"] == len(questions)

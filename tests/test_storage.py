@@ -285,3 +285,68 @@ def test_a_generator_loads_its_model_folder_from_object_storage(s3_env, tmp_path
     assert remote.generate(messages) == local.generate(messages)
     with pytest.raises(ConfigError, match="does not exist"):
         make_generator(config.model_copy(update={"model": "s3://wbrag/models/missing"}))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of its own (a real full disk; mounting one needs root: skipped where it cannot be mounted),
+    unmounted after the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _resize(disk, size_bytes: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(disk)], check=True)
+
+
+def test_an_embed_that_filled_the_disk_is_one_line_and_resumes_with_the_default_settings_on_2_cpus(small_disk, tiny,
+                                                                                                  ray_cluster):
+    """A real full disk (a tmpfs) during `wbrag embed`: the command ends with one line naming the folder and the
+    error (exit 2, no traceback), and no file cut short stays among the embeddings. With room made, the same
+    command with the default settings (a 1-CPU embed actor) resumes on the session's 2 CPUs, beside Ray Data's
+    1-CPU CheckpointFilter actor: the pass narrows its actor to fit and says so, and every id is embedded once."""
+    import shutil
+
+    from tests.conftest import joining_env, wait_idle
+    from wbrag_ray.checkpoints import rows_by_file
+    from wbrag_ray.cli import main
+
+    run = small_disk / "run"
+    # many small shards, written a block each: the disk fills part way through the pass
+    assert main(["ingest", str(run), "--corpus", str(DEMO_CORPUS), *tiny.set_args(),
+                 "--set", "ingest.shard_bytes=4096"]) == 0
+    folder = RunFolder(str(run))
+    used = shutil.disk_usage(small_disk).used
+    _resize(small_disk, used + 6 * 4096)  # a few pages: some of the pass's files and checkpoint records fit
+    wait_idle(ray_cluster)
+    wbrag = os.path.join(os.path.dirname(sys.executable), "wbrag")
+    full = subprocess.run([wbrag, "embed", str(run)], capture_output=True, text=True, timeout=600,
+                          env=joining_env(ray_cluster))
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr, full.stderr[-5000:]
+    line = full.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"wbrag embed: storage error: cannot write {run}") and "No space left on device" in line, line
+    files = folder.layout.embed.list_files(".parquet")
+    assert files, "the disk filled before the first file: nothing to resume"
+    assert len(rows_by_file(folder.layout.embed)) == len(files)  # every file left has its footer: none cut short
+    assert not folder.is_complete("embed")
+
+    _resize(small_disk, 64 << 20)  # room made
+    wait_idle(ray_cluster)
+    again = subprocess.run([wbrag, "embed", str(run)], capture_output=True, text=True, timeout=600,
+                           env=joining_env(ray_cluster))
+    assert again.returncode == 0, again.stderr[-3000:]
+    # resumed, the default 1-CPU actor narrowed beside the filter
+    assert "embedder.num_cpus 1 -> 0.75" in again.stdout, again.stdout[-3000:]
+    assert "rows from the checkpoint" in again.stdout, again.stdout[-3000:]
+    ids = folder.layout.embed.read_table(["pid"])["pid"].to_pylist()
+    passages = folder.layout.ingest.passages.read_table(["pid"])["pid"].to_pylist()
+    assert len(ids) == len(set(ids)) == len(passages) and set(ids) == set(passages)

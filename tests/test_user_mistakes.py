@@ -292,6 +292,11 @@ def test_a_dataset_without_usable_questions_says_why(demo_run, tmp_path, capsys)
     (["eval", "{run}", "--dataset", "{qa}", "--prune-ratio", "1.5"], ["--prune-ratio 1.5", "below 1"]),
     (["index", "{run}", "--factory", "IVF12,NoSuchCodec"], ["index.factory 'IVF12,NoSuchCodec'", "Flat"]),
     (["index", "{run}", "--factory", "PQ7"], ["index.factory 'PQ7'", "32-dimensional"]),  # the built vectors' dim
+    # faiss builds IVF0 (it fails on the first vector added) and IVF4096 (k-means on 100 vectors): with --force
+    # these once replaced a working index by a traceback
+    (["index", "{run}", "--factory", "IVF0,Flat", "--force"], ["index.factory 'IVF0,Flat'", "no IVF lists", "Flat"]),
+    (["index", "{run}", "--factory", "IVF4096,Flat", "--force"], ["index.factory 'IVF4096,Flat'", "4,096 IVF lists",
+                                                                   "100 vectors"]),
     (["train-router", "{run}", "--train", "{missing}"], ["zerorag.train", "does not exist"]),
 ])
 def test_ratios_factories_and_inputs_are_checked_before_ray(demo_run, tmp_path, args, words):
@@ -580,3 +585,54 @@ def test_a_real_ctrl_c_during_an_evaluation_is_one_line_and_exit_130(demo_run, r
     assert err.strip().splitlines()[-1].startswith("wbrag eval: interrupted"), err[-3000:]
     assert not (run / "_lease.json").exists()
     assert (run / "run.json").read_bytes() == before
+
+
+# --- 16. a --force that fails or is stopped leaves what worked --------------------------------------------------------
+
+
+def searched(run: Path, capsys) -> list[str]:
+    """The hits `wbrag search` prints for one query (the index must load and answer)."""
+    capsys.readouterr()
+    assert main(["search", str(run), "--query", "mountain", "-k", "3"]) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("   ")]
+
+
+@pytest.mark.parametrize("stage, module, function", [
+    ("index", "wbrag_ray.index.build", "measure_search"),  # the shards built, the manifest not yet written
+    ("embed", "wbrag_ray.checkpoints", "rows_by_file"),  # every vector written, the stage not yet complete
+])
+def test_a_forced_rebuild_stopped_part_way_leaves_the_old_output_complete_and_in_use(demo_run_copy, monkeypatch, capsys,
+                                                                                    stage, module, function):
+    """`--force` writes the new output beside the old (a hidden folder) and swaps them once the stage completes, as
+    an evaluation's results are: Ctrl-C part way leaves the old output, its stats and its marker, and the index
+    answers searches as before; the rerun of the same command finishes and replaces it, leaving no hidden folder."""
+    import importlib
+
+    run, _ = demo_run_copy
+    folder = RunFolder(str(run))
+    before = snapshot(run)
+    hits = searched(run, capsys)
+    assert hits
+    target = importlib.import_module(module)
+    real, calls = getattr(target, function), []
+
+    def stopped(*args, **kwargs):
+        calls.append(1)
+        if stage == "index" or len(calls) == 2:  # embed: after the pass wrote every file
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, function, stopped)
+    assert main([stage, str(run), "--force"]) == 130
+    monkeypatch.undo()
+    assert calls, "the stop was never reached: nothing tested"
+    assert folder.is_complete(stage)
+    after = snapshot(run)
+    kept = [p for p in before if p.startswith((f"{stage}/", f"_stages/{stage}/", "docs/"))]
+    assert kept and all(after.get(p) == before[p] for p in kept)  # the old output, whole
+    assert searched(run, capsys) == hits
+    assert main([stage, str(run), "--force"]) == 0
+    assert not [p for p in run.rglob(".*.new")]  # swapped: no staging folder left
+    if stage == "embed":  # the index was made from the old vectors: it needs its own --force now
+        assert main(["index", str(run), "--force"]) == 0
+    assert len(searched(run, capsys)) == len(hits)

@@ -54,15 +54,14 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
     """Passages and sentences of ingest.corpus, with rejects. A corpus of which no record is usable (another
     encoding, a JSON array, a QA file) fails the stage, which is then not complete, with the leading reasons."""
     from wbrag_ray.formats import reject_reasons
+    from wbrag_ray.layout import IngestFolder
     from wbrag_ray.stages.ingest import run_ingest
 
     corpus = config.ingest.corpus
     params = corpus_params(config, run, force)
-    out = run.layout.ingest.root
-    if force:
-        out.delete()
 
     def work() -> dict[str, Any]:
+        out = run.output(run.layout.ingest.root)  # beside the ingested corpus while --force redoes it
         # Finished shards of an interrupted ingest are kept only for the same corpus.
         started = out.join(CORPUS_RECORD)
         if started.exists() and started.read_json() != params["corpus"]:
@@ -70,7 +69,7 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
         started.write_json(params["corpus"])
         stats = run_ingest(corpus, out.uri, config.ingest)
         if stats["rows_out"] == 0:
-            rejects = run.layout.ingest.rejects.read_table(columns=["reason"]) if stats["rows_rejected"] else None
+            rejects = IngestFolder(out).rejects.read_table(columns=["reason"]) if stats["rows_rejected"] else None
             reasons = reject_reasons(rejects) if rejects is not None else "the corpus is empty"
             out.delete()  # nothing usable: a rerun with the right corpus starts clean, with no --force
             raise InputError(
@@ -95,13 +94,13 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
         from wbrag_ray.checkpoints import resumable_write
         from wbrag_ray.ray_runtime import LIGHT_CPUS
-        from wbrag_ray.stages.base import apply_stage
+        from wbrag_ray.stages.base import Resources, apply_stage
         from wbrag_ray.stages.embed import EmbedStage
 
         src, id_col = run.layout.ingest.units(config.index.unit)
         rows_in = run.stats(INGEST.name)["rows_out" if config.index.unit == "passage" else "sentences"]
 
-        def embedded() -> ray.data.Dataset:
+        def embedded(placed: Resources) -> ray.data.Dataset:
             columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
             # One block per ingest shard: a block is the unit that is written and checkpointed, so this keeps
             # what a crash can lose to one shard (Ray would otherwise pack small files into one read task).
@@ -110,12 +109,15 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
                                        num_cpus=LIGHT_CPUS)
             ds = ds.select_columns(columns)  # pushed down into the Parquet read by Ray's optimizer
             ds = ds.map_batches(unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
-            return apply_stage(ds, stage)
+            # the placement the pass runs with (a resume narrows it to fit the cluster): what it writes is the same
+            placement = {"num_cpus": placed.num_cpus, "concurrency": placed.concurrency}
+            return apply_stage(ds, EmbedStage(config.embedder.model_copy(update=placement), id_column=id_col))
 
         stage = EmbedStage(config.embedder, id_column=id_col)
         bytes_per_row = 8 + 4 * 1024  # an id and up to 1024 float32 dimensions
-        written = resumable_write(embedded, run.layout.embed, id_col, "emb", config.embedder.checkpoint_rows * bytes_per_row,
-                                  "embed", rows_in, stage.resources, "embedder")
+        written = resumable_write(embedded, run.output(run.layout.embed), id_col, "emb",
+                                  config.embedder.checkpoint_rows * bytes_per_row, "embed", rows_in, stage.resources,
+                                  "embedder")
         if written["rows"] != rows_in:
             raise RuntimeError(f"embed wrote {written['rows']} vectors for {rows_in} {config.index.unit}s")
         return {"rows_in": rows_in, "rows_out": written["rows"], "rows_rejected": 0, "unit": config.index.unit,
@@ -134,10 +136,11 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
     def work() -> dict[str, Any]:
         ic = config.index
         docs = run.layout.docs.join(ic.unit)
-        store = write_doc_store(run.layout.ingest.root, ic.unit, docs)
+        # while --force redoes a built index, the new one is built beside it and replaces it once complete
+        store = write_doc_store(run.layout.ingest.root, ic.unit, run.output(docs))
         stats = build_index(
             run.layout.embed,
-            run.layout.index,
+            run.output(run.layout.index),
             ic.factory,
             config.embedder.model,
             ic.unit,
@@ -161,13 +164,16 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
 def check_factory(run: RunFolder, config: WbragConfig) -> None:
     """index.factory parses as a faiss factory string, for the embeddings' dimension when they are built (a
-    dimension most factories divide, else): checked before Ray starts and the vectors are read."""
+    dimension most factories divide, else), and, for built vectors, the training sample holds its IVF lists
+    (`sizing.plan_training`: IVF0, more lists than vectors, a sample past index.train_memory_gb): checked before
+    Ray starts and the vectors are read, so a mistyped factory with --force never gets to replace a built index."""
     factory = config.index.factory
     if factory.strip().lower() == "auto":
         return
     import faiss
 
     from wbrag_ray.index.files import shard_dim
+    from wbrag_ray.index.sizing import plan_training
 
     dim = 3840  # divisible by every usual PQ / OPQ sub-quantizer count (8 ... 128), when the vectors are not built
     files = run.layout.embed.list_files(".parquet") if run.is_complete(EMBED.name) else []
@@ -180,6 +186,13 @@ def check_factory(run: RunFolder, config: WbragConfig) -> None:
         raise ConfigError(
             f"index.factory {factory!r} is not a factory string faiss can build for {dim}-dimensional vectors ({detail}); "
             "for example Flat, HNSW32, IVF4096,Flat, OPQ48,IVF65536_HNSW32,PQ48, or auto") from None
+    vectors = (run.stats(EMBED.name) or {}).get("rows_out") if files else None
+    if vectors:
+        ic = config.index
+        try:
+            plan_training(int(vectors), dim, factory, ic.train_sample, ic.memory_budget_gb, ic.train_memory_gb)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (the run has {int(vectors):,} vectors)") from None
 
 
 def unit_text(batch, id_col: str):

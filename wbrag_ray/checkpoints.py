@@ -27,6 +27,9 @@ Four kinds of work, one folder per stage (`RUN/_checkpoints/<stage>/`, removed w
 
 `stage_checkpoint` opens a stage's checkpoint for the stage's work (`RunFolder.run_stage`); the passes reach it
 through `active()`, so every pass of a stage is resumable without being told where the run folder is.
+
+Over 400 lines (about 430), not split: the four kinds of checkpoint share the stage's folder and its record, and
+the Ray Data pass that writes under one (`resumable_write`) sizes its resume here, beside the checkpoint it reads.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, StorageError, refused_writes
 
 if TYPE_CHECKING:
     import ray.data
@@ -49,7 +52,8 @@ if TYPE_CHECKING:
     from wbrag_ray.stages.base import Resources
 
 # A block of answers is committed once it holds this many rows, or this many seconds after the last one:
-# a killed driver loses at most that much decoding (defaults; `generator.checkpoint_rows` sets the rows).
+# a killed driver loses at most that much decoding (defaults; `generator.checkpoint_rows` and
+# `generator.checkpoint_seconds` set them for each pass).
 BLOCK_ROWS = 1024
 BLOCK_SECONDS = 60.0
 
@@ -158,15 +162,24 @@ class StageCheckpoint:
         """Ray Train's storage of the stage's training (`training.workers.fit`): its checkpoints by step."""
         return self.folder.join("train")
 
-    def answers(self, block_rows: int | None = None) -> AnswerStore:
-        """The stage's answer store, opened (and its committed blocks read) on first use."""
+    def answers(self, block_rows: int | None = None, block_seconds: float | None = None) -> AnswerStore:
+        """The stage's answer store, opened (and its committed blocks read) on first use; each pass sets how many
+        rows or seconds a block holds at most (its generator's `checkpoint_rows` / `checkpoint_seconds`)."""
         if self._answers is None:
             self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows,
                                         before_commit=self.record)
+        if block_rows:
+            self._answers.block_rows = block_rows
+        if block_seconds:
+            self._answers.block_seconds = block_seconds
         return self._answers
 
     def record(self) -> None:
-        """Before anything is committed: the stage's fingerprint (once), and the pass now running."""
+        """Before anything is committed: this command still holds the run folder's lease (`lease.fence`: a command
+        whose lease was taken stops here), the stage's fingerprint (once), and the pass now running."""
+        from wbrag_ray.lease import fence
+
+        fence(self.folder)
         record = self.folder.join("fingerprint.json")
         if self.fingerprint is not None and not record.exists():
             record.write_json(self.fingerprint)
@@ -266,6 +279,20 @@ def rows_by_file(folder: Location) -> dict[str, int]:
     return out
 
 
+def remove_unreadable(folder: Location) -> None:
+    """Remove the Parquet files in `folder` that a failed write left cut short (no footer: a full disk, a kill):
+    none stays among a stage's outputs, and a resumed pass writes their rows again (their checkpoint was never
+    committed)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for f in folder.list_files(".parquet"):
+        try:
+            pq.ParquetFile(f.path, filesystem=f.fs)
+        except (pa.ArrowInvalid, OSError):
+            f.delete()
+
+
 # What Ray Data's CheckpointFilter (the actor that drops the committed rows from a resumed pass's read) asks
 # for: 1 CPU, Ray Data's default for a map actor, which its CheckpointConfig does not let one change (Ray 2.60).
 CHECKPOINT_FILTER_CPUS = 1.0
@@ -299,28 +326,54 @@ def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> b
     return places(True) or places(False)
 
 
-def resume_refusal(pass_resources: Resources, key: str | None, label: str,
-                   nodes: list[dict[str, float]]) -> str | None:
-    """Why a resumed pass cannot make progress on a cluster whose nodes hold `nodes`, or None where it can: on
-    a small one (a laptop's 2 CPUs) the model actors and the CheckpointFilter actor take every CPU and the read
-    and write tasks wait forever. `key`: the config section whose `num_cpus` the user can lower."""
-    if resume_places(pass_resources, nodes):
+def resume_fit(pass_resources: Resources, nodes: list[dict[str, float]]) -> Resources | None:
+    """The placement a resumed pass runs with on `nodes`: its own where it places beside the CheckpointFilter
+    actor (`resume_places`), else the widest that does, its actors' CPUs lowered in quarters of a CPU before
+    their number; None where none does. Placement never changes what a pass writes, so a resume may change it."""
+    r = pass_resources
+    for concurrency in range(r.concurrency, 0, -1):
+        for quarters in range(math.ceil(4 * r.num_cpus), 0, -1):
+            cpus = r.num_cpus if quarters == math.ceil(4 * r.num_cpus) else quarters / 4
+            fitted = dataclasses.replace(r, num_cpus=cpus, concurrency=concurrency)
+            if resume_places(fitted, nodes):
+                return fitted
+    return None
+
+
+def resume_refusal(pass_resources: Resources, label: str, nodes: list[dict[str, float]]) -> str | None:
+    """Why a resumed pass cannot make progress on a cluster whose nodes hold `nodes` at any placement
+    (`resume_fit`), or None where it can."""
+    if resume_fit(pass_resources, nodes) is not None:
         return None
     r = pass_resources
     held = (f"{r.concurrency} actor(s) x {r.num_cpus:g} CPU" if r.actors else f"tasks of {r.num_cpus:g} CPU")
-    # the most each actor (or task) may ask for here, in quarters of a CPU
-    fits = next((q / 4 for q in range(math.ceil(4 * r.num_cpus) - 1, 0, -1)
-                 if resume_places(dataclasses.replace(r, num_cpus=q / 4), nodes)), None)
-    fix = (f"lower {key}.num_cpus (--set {key}.num_cpus={fits:g} fits; it does not change what the pass "
-           f"writes, so the checkpoint is kept) or " if key and fits else "")
     cpus = " + ".join(f"{node.get('CPU', 0.0):g}" for node in nodes)
     return (f"[{label}] resuming from the checkpoint runs Ray Data's CheckpointFilter actor "
             f"({CHECKPOINT_FILTER_CPUS:g} CPU) and a read / write task beside the pass's {held}, and the "
-            f"cluster's CPUs ({cpus}) have no room for them: the pass would wait forever. Fix: {fix}run it on "
-            f"more CPUs")
+            f"cluster's CPUs ({cpus}) have no room for them even with a quarter CPU an actor: the pass would wait "
+            "forever. Fix: run it on more CPUs")
 
 
-def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_column: str, prefix: str,
+def fit_resume(pass_resources: Resources, key: str | None, label: str) -> Resources:
+    """The placement a resumed pass runs with on the connected cluster (`resume_fit`), said in one line where it
+    differs from the configured one (`key`: the config section that sizes the pass); refused where none fits."""
+    from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, refuse_unplaceable
+
+    refuse_unplaceable(lambda nodes: resume_refusal(pass_resources, label, nodes))
+    if autoscaling():
+        return pass_resources
+    fitted = resume_fit(pass_resources, cluster_nodes()[0]) or pass_resources
+    if fitted != pass_resources:
+        section = f"{key}." if key else ""
+        changes = [f"{section}{name} {getattr(pass_resources, name):g} -> {getattr(fitted, name):g}"
+                   for name in ("num_cpus", "concurrency") if getattr(fitted, name) != getattr(pass_resources, name)]
+        print(f"[{label}] resuming runs Ray Data's CheckpointFilter actor ({CHECKPOINT_FILTER_CPUS:g} CPU) beside the "
+              f"pass: {', '.join(changes)} for this run, so both fit the cluster's CPUs (placement only: what the "
+              "pass writes does not change)", flush=True)
+    return fitted
+
+
+def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Location, id_column: str, prefix: str,
                     block_bytes: int, label: str, total: int, pass_resources: Resources,
                     resources_key: str | None) -> dict[str, Any]:
     """Write the dataset `build()` makes (its rows carry the int64 `id_column` from the read to the write) as
@@ -330,7 +383,9 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
     `block_bytes`: the size Ray coalesces a map's output to, so each block, the unit that is written and
     checkpointed, holds a bounded number of rows and progress is committed as it goes. Returns the rows the
     files hold, and how many were resumed from an earlier attempt and computed now. `pass_resources`: what the
-    pass's model stage asks for (`resources_key`: its config section), checked against the cluster on resume."""
+    pass's model stage asks for (`resources_key`: its config section); a resume runs where the run ran: its
+    actors are narrowed where the cluster cannot hold them beside Ray Data's CheckpointFilter actor
+    (`fit_resume`), and `build(resources)` builds the pass with the placement it runs with."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
@@ -342,10 +397,8 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
         raise RuntimeError("resumable_write runs inside a stage (RunFolder.run_stage)")
     ckpt = checkpoint.rows
     resuming = ckpt.exists() and out.exists()
-    if resuming:  # refused before anything waits (not where WBRAG_AUTOSCALING=1 says CPUs come on demand)
-        from wbrag_ray.cluster_nodes import refuse_unplaceable
-
-        refuse_unplaceable(lambda nodes: resume_refusal(pass_resources, resources_key, label, nodes))
+    # sized before anything waits (as configured where WBRAG_AUTOSCALING=1 says CPUs come on demand)
+    r = fit_resume(pass_resources, resources_key, label) if resuming else pass_resources
     if not resuming:  # nothing to resume: leftovers of an older attempt would be duplicates
         out.delete()
         ckpt.delete()
@@ -360,12 +413,15 @@ def resumable_write(build: Callable[[], ray.data.Dataset], out: Location, id_col
     ctx.target_max_block_size = max(64 << 10, block_bytes)
     ctx.checkpoint_config = CheckpointConfig(id_column=id_column, checkpoint_path=ckpt.path,
                                              override_filesystem=ckpt.fs, delete_checkpoint_on_success=True)
-    r = pass_resources
     try:  # a pool whose actors others' work keeps from starting ends within ray.pending_timeout_s, naming it
         with pool_start_wait(f"the {label} pass", r.concurrency, {"CPU": r.num_cpus, "GPU": r.num_gpus},
                              f"lower {resources_key}.concurrency" if resources_key else "lower its concurrency"):
-            build().write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
-                                  ray_remote_args={"num_cpus": LIGHT_CPUS})
+            with refused_writes(out):  # a full disk: one line naming the folder
+                build(r).write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
+                                       ray_remote_args={"num_cpus": LIGHT_CPUS})
+    except StorageError:
+        remove_unreadable(out)
+        raise
     finally:
         ctx.checkpoint_config = None
         ctx.target_max_block_size = saved_block_size

@@ -50,6 +50,12 @@ def _at(*parts: str) -> property:
     return property(path)
 
 
+def staging(final: Location) -> Location:
+    """Where new output is written beside `final` until it replaces it whole (`Location.replace_with`): a hidden
+    name, which no listing reads, and the same on every attempt, so a rerun resumes into it."""
+    return final.parent().join(f".{final.name}.new")
+
+
 def subdirs(loc: Location) -> list[str]:
     """Names of the folders directly below `loc`, sorted (none when it does not exist)."""
     import pyarrow.fs as pafs
@@ -234,7 +240,7 @@ class RunLayout:
 
     def eval_staging(self, label: str, method: str) -> EvalResult:
         """New results written beside `eval_result(label, method)` until they replace it (hidden: never listed)."""
-        return EvalResult(self.eval.join(f".{label}-{method}.new"))
+        return EvalResult(staging(self.eval_result(label, method).root))
 
     def eval_results(self) -> list[EvalResult]:
         """Every evaluated (label, method) folder, by name."""

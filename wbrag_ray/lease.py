@@ -15,6 +15,14 @@ read back after a pause: the writer whose lease is there holds it.
 
 The time to live is `WBRAG_LEASE_TTL` seconds (default 60): a killed holder's lease is taken over that long after
 its last heartbeat.
+
+Fencing: a holder whose renewal came too late (a stalled process, a paused VM, an object store that did not answer)
+may find its lease taken. Every write this process makes below the run folder (`storage.guard_writes`) first checks
+that the lease is still its own: at no cost while its last renewal is younger than half the time to live (no one may
+take a lease before its time to live), else by renewing it now, a conditional write on the version it holds (on
+object storage `If-Match` on its ETag); every commit (an answer block, a stage's marker) renews it so. A lease found
+taken stops the command before that write (`LeaseLost`: one line naming the new holder, exit 2), and a heartbeat
+that finds it taken interrupts the command's main thread at once.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -37,7 +46,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, resolve, s3_client
+from wbrag_ray.storage import Location, guard_writes, resolve, s3_client
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,15 @@ SETTLE_S = 1.0  # where a store has no conditional writes: the pause before the 
 
 class LeaseHeld(ConfigError):
     """Another writer holds the run folder's lease: one line naming it and how to break a stale lease."""
+
+
+class LeaseLost(ConfigError):
+    """This command's lease was taken by another writer: it stops before its next write, naming the new holder."""
+
+
+# The signal a heartbeat that finds the lease taken raises in the command's main thread (simulated: no process
+# sends it), so a command waiting on its cluster stops within one heartbeat, not at its next write.
+LOST_SIGNAL = signal.SIGUSR2
 
 
 def ttl_s() -> float:
@@ -128,8 +146,13 @@ class _Store:
         return self._put(data, IfNoneMatch="*")
 
     def replace(self, data: bytes, version: Any) -> bool:
+        """Write `data` only where the lease is still `version`: False where it is not (on a local disk, also where
+        the host's lock stays held: by a process that stalled inside its own replace)."""
         if self.loc.is_local:
-            with _host_lock(self.loc.path):
+            with _host_lock(self.loc.path) as locked:
+                if not locked:
+                    raise TimeoutError(f"the lease {self.loc.uri} is being replaced by a process that does not "
+                                       f"answer (it holds {host_lock_path(self.loc.path)})")
                 current = self.read()
                 if current is None or current[1] != version:
                     return False
@@ -170,15 +193,32 @@ def _code(exc: Exception) -> str:
     return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
 
 
-@contextlib.contextmanager
-def _host_lock(path: str) -> Iterator[None]:
-    """A lock of this host around a local lease's compare-and-replace (kept apart from the run folder)."""
+def host_lock_path(path: str) -> str:
+    """The file of this host's lock around a local lease's compare-and-replace (kept apart from the run folder)."""
     locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
     os.makedirs(locks, exist_ok=True)
-    name = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + ".lease.lock"
-    with open(os.path.join(locks, name), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    return os.path.join(locks, hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + ".lease.lock")
+
+
+HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is held by a stalled process
+
+
+@contextlib.contextmanager
+def _host_lock(path: str) -> Iterator[bool]:
+    """This host's lock around a local lease's compare-and-replace: yields whether it was taken within
+    HOST_LOCK_WAIT_S (a process stopped inside its replace must not stall every other writer of the host)."""
+    with open(host_lock_path(path), "w") as lock:
+        deadline = time.monotonic() + HOST_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.02)
+        yield True
 
 
 # --- the lease ------------------------------------------------------------------------------------------------
@@ -196,8 +236,12 @@ class RunLease:
                        "heartbeat": now, "ttl_s": self.ttl, "token": uuid.uuid4().hex}
         self.version: Any = None
         self.created_root = False
+        self.lost: str | None = None  # the one line saying who took the lease, once it is found taken
+        self.renewed = time.monotonic()  # when the lease was last written by this holder (this process's clock)
+        self._lock = threading.Lock()  # the heartbeat and a write's fence renew one after the other
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._previous_handler: Any = None
 
     def _data(self) -> bytes:
         return (json.dumps(self.record, indent=1) + "\n").encode("utf-8")
@@ -229,27 +273,76 @@ class RunLease:
             self._remove_created_root()
             raise
         self.version = self.store.read()[1]  # type: ignore[index]
+        self.renewed = time.monotonic()
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(LOST_SIGNAL, self._on_lost_signal)
+        guard_writes(self.root, self.fence)
         self._thread = threading.Thread(target=self._beat, name="wbrag-lease-heartbeat", daemon=True)
         self._thread.start()
         return self
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.ttl / 4):
+    def _renew(self) -> None:
+        """Write the lease again with a new heartbeat, only where it is still the version this holder wrote
+        (`LeaseLost` where another writer replaced it)."""
+        with self._lock:
+            if self.lost is not None:
+                raise LeaseLost(self.lost)
+            started = time.monotonic()
             self.record["heartbeat"] = time.time()
             data = self._data()
+            if not self.store.replace(data, self.version):
+                self.lost = self._lost_message(started)
+                raise LeaseLost(self.lost)
+            self.version = data if self.root.is_local else self.store.read()[1]  # type: ignore[index]
+            self.renewed = started
+
+    def _lost_message(self, now: float) -> str:
+        current = self.store.read()
+        record = current[0] if current is not None else {}
+        taker = (f"`{record.get('holder')}` (host {record.get('host')}, pid {record.get('pid')})" if record
+                 else "another command (which has since given it back)")
+        return (f"the lease of run folder {self.root.uri} was taken by {taker}: this command last renewed it "
+                f"{now - self.renewed:.0f} s before (its time to live is {self.ttl:g} s; a stalled process or "
+                "storage that did not answer), so it stopped before writing more; what it committed stays, and the "
+                "new holder resumes from it")
+
+    def fence(self, loc: Location | None = None, commit: bool = False) -> None:
+        """Before a write below the run folder (`loc`; the lease's own file is its own business): refuse it where
+        the lease was taken. A commit (`commit`), or any write once half the time to live has passed since the
+        last renewal, renews the lease now: a conditional write on the version this holder wrote."""
+        if loc is not None and loc.path == self.store.loc.path:
+            return
+        if self.lost is not None:
+            raise LeaseLost(self.lost)
+        if commit or time.monotonic() - self.renewed > self.ttl / 2:
+            self._renew()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
             try:
-                if not self.store.replace(data, self.version):
-                    log.warning("the lease of %s was taken by another command: this one no longer holds it",
-                                self.root.uri)
-                    return
-                self.version = data if self.root.is_local else self.store.read()[1]  # type: ignore[index]
+                self._renew()
+            except LeaseLost:
+                log.debug("the lease of %s was taken: interrupting the command", self.root.uri)
+                if self._previous_handler is not None and not self._stop.is_set():
+                    import _thread
+
+                    _thread.interrupt_main(LOST_SIGNAL)  # raises LeaseLost in the main thread (`_on_lost_signal`)
+                return
             except Exception as exc:  # noqa: BLE001 - a missed beat (storage hiccup) is retried next time
                 log.warning("could not renew the lease of %s: %s", self.root.uri, exc)
+
+    def _on_lost_signal(self, signum: int, frame: Any) -> None:
+        if self.lost is not None and not self._stop.is_set():
+            raise LeaseLost(self.lost)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        guard_writes(self.root, None)
+        if self._previous_handler is not None:
+            signal.signal(LOST_SIGNAL, self._previous_handler)
+            self._previous_handler = None
         current = self.store.read()
         if current is not None and current[0].get("token") == self.record["token"]:
             self.store.delete()
@@ -262,12 +355,25 @@ class RunLease:
                 os.rmdir(self.root.path)
 
 
+_HELD: dict[str, RunLease] = {}  # run folder URI -> the lease this process holds on it
+
+
+def fence(loc: Location) -> None:
+    """A commit below a run folder (an answer block, a stage's marker): where this process holds the folder's lease,
+    it renews it now, and refuses the commit (`LeaseLost`) where another writer took it."""
+    for root, lease in list(_HELD.items()):
+        if loc.uri == root or loc.uri.startswith(root + "/"):
+            lease.fence(loc, commit=True)
+
+
 @contextlib.contextmanager
 def run_lease(uri: str, holder: str) -> Iterator[RunLease]:
     """Hold the lease of the run folder at `uri` (local or s3://) while the block runs; `LeaseHeld` (a
     ConfigError) where another writer holds it."""
     lease = RunLease(resolve(uri), holder).acquire()
+    _HELD[lease.root.uri.rstrip("/")] = lease
     try:
         yield lease
     finally:
+        _HELD.pop(lease.root.uri.rstrip("/"), None)
         lease.release()

@@ -127,4 +127,8 @@ QUIET_RAY_LOGGERS = {
     "ray.data._internal.execution.streaming_executor": logging.WARNING,
     "ray.data._internal.datasource.parquet_datasource": logging.WARNING,
     "ray.data.dataset": logging.WARNING,
+    # a failed task's error, logged with its traceback before the pass raises it: the command says it in one line
+    # (a storage error, a mistake) or raises it with its traceback (a bug); -v shows these too
+    "ray.data._internal.execution.streaming_executor_state": logging.CRITICAL,
+    "ray.data.exceptions": logging.CRITICAL,
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import string
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,15 +23,15 @@ from pydantic import BaseModel
 
 from wbrag_ray import __version__
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, resolve
+from wbrag_ray.layout import RunLayout, staging
+from wbrag_ray.storage import Location, refused_writes, resolve
 
 log = logging.getLogger(__name__)
 
 # Where and how wide a stage runs (CPUs, GPUs, actors, threads, checkpoint size) never changes what it writes:
 # a run may move to a bigger cluster. Keys that only matter to one kind of section say so on the section
 # (`RUNTIME_KEYS` of its config class, e.g. a generator's batch size).
-PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "memory_gb",
+PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "checkpoint_seconds", "memory_gb",
                   "tensor_parallel_size", "pipeline_parallel_size"}
 
 
@@ -108,6 +109,8 @@ class RunFolder:
         self.root: Location = resolve(uri)
         self.layout = RunLayout(self.root)
         self._unrecorded: WbragConfig | None = None  # bound, to be written to run.json when a stage runs
+        # while a complete stage is redone: final output URI -> (final, staged), swapped when it completes
+        self._staged: dict[str, tuple[Location, Location]] | None = None
 
     @property
     def uri(self) -> str:
@@ -165,10 +168,33 @@ class RunFolder:
         loc = self.layout.stage(name).stats
         return loc.read_json() if loc.exists() else None
 
-    def mark_complete(self, name: str, stats: dict[str, Any]) -> None:
+    def mark_complete(self, name: str, stats: dict[str, Any],
+                      staged: Iterable[tuple[Location, Location]] = ()) -> None:
+        """Record the stage's stats, then its marker; `staged`: (final, new) output folders of a redone stage, which
+        replace the old ones first (the old marker goes before, so a stop half way is an incomplete stage)."""
+        from wbrag_ray.lease import fence
+
         record = self.layout.stage(name)
+        fence(record.success)  # a commit: this command must still hold the run folder's lease
+        staged = list(staged)
+        if staged:
+            self.invalidate(name)
+            for final, new in staged:
+                final.replace_with(new)
         record.stats.write_json(stats)
         record.success.write_bytes(b"")  # last: the marker's presence means everything above is written
+
+    def output(self, final: Location) -> Location:
+        """Where the running stage writes its output folder `final`. A stage made for the first time (or again after
+        it failed) writes in place; a complete stage that is redone (--force, or changed settings) writes beside
+        it (`layout.staging`), and the new output replaces the old only once the stage completes, as an
+        evaluation's results do: a redo that fails or is stopped leaves the old output whole and in use, and the
+        same redo run again resumes into the same folder."""
+        if self._staged is None:
+            return final
+        new = staging(final)
+        self._staged.setdefault(final.uri, (final, new))
+        return new
 
     def invalidate(self, name: str) -> None:
         self.layout.stage(name).success.delete()
@@ -275,7 +301,8 @@ class RunFolder:
             stats = self.stats(name) or {}
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
             return stats
-        self.invalidate(name)
+        # a complete stage redone keeps its marker and its outputs (in use) until the new ones replace them
+        outer_staged, self._staged = self._staged, ({} if self.is_complete(name) else None)
         # run.json only ever describes completed stages: the config this command records for its first stage goes
         # back to the one before it (or away, where there was none) if that stage does not complete, whatever
         # stops it (a refused check, an error, Ctrl-C), so a failed command's --set never becomes the next one's base
@@ -285,19 +312,27 @@ class RunFolder:
         t0 = time.perf_counter()
         checkpoint_folder = self.layout.checkpoint(name)
         try:
-            with stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
+            # storage refusing a write in the stage's tasks (a full disk): one line naming the run folder, where
+            # the write itself did not name its file
+            with refused_writes(self.root), stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
                 stats = dict(fn() or {})
         except BaseException:
+            from wbrag_ray.lease import LeaseLost
+
+            self._staged = outer_staged
+            if isinstance(sys.exc_info()[1], LeaseLost):
+                raise  # run.json is the new holder's now
             if recorded is not None:
                 self.layout.run_json.write_json(recorded)
             elif records:
                 self.layout.run_json.delete()
             raise
+        staged, self._staged = self._staged, outer_staged
         stats = {**checkpoint.stats(), **stats}
         stats.setdefault("seconds", round(time.perf_counter() - t0, 3))
         if stats.get("rows_out") is not None and stats["seconds"] > 0:
             stats.setdefault("rows_per_s", round(stats["rows_out"] / stats["seconds"], 1))
-        self.mark_complete(name, stats)
+        self.mark_complete(name, stats, (staged or {}).values())
         checkpoint_folder.delete()
         print(f"[{name}] done: {_summary(stats)}", flush=True)
         return stats

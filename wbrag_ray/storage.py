@@ -2,11 +2,16 @@
 
 S3 endpoint and credentials come from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...);
 they are never written into a run folder.
+
+Over 400 lines (about 430), not split: the one `Location` type and what every write through it goes through
+(fencing by the run folder's lease, storage refusing a write as one error naming the path, temp-then-move), with
+the node cache and the mount checks that decide whether a local path is shared.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -74,10 +79,77 @@ def _s3_client(env_key: tuple):
     return boto3.client("s3", endpoint_url=s3_endpoint(), region_name=s3_region())
 
 
+class StorageError(OSError):
+    """Storage refused a write (a full disk, no permission, a read-only mount, an object store that refuses it): one
+    line naming the path and the error."""
+
+
+# What a store answers when it refuses a write, as errno values and as the words of messages that carry none
+# (pyarrow's "[errno 28] ...", botocore's AccessDenied)
+_REFUSED_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+_REFUSED_WORDS = ("no space left", "disk quota", "read-only file system", "permission denied", "access denied",
+                  "accessdenied", "file too large", "quotaexceeded")
+
+
+def refused_write(exc: BaseException | None, _seen: set[int] | None = None) -> str | None:
+    """The reason, in one line, where `exc` (or what it wraps: Ray keeps a task's error as `cause`) is storage
+    refusing a write; None for any other error. The innermost error says it best (Ray's wrapper repeats it)."""
+    seen = set() if _seen is None else _seen
+    if exc is None or id(exc) in seen:
+        return None
+    seen.add(id(exc))
+    if isinstance(exc, StorageError):
+        return str(exc)
+    cause = getattr(exc, "cause", None)
+    for inner in (cause if isinstance(cause, BaseException) else None, exc.__cause__, exc.__context__):
+        reason = refused_write(inner, seen)
+        if reason is not None:
+            return reason
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+    if isinstance(exc, OSError) and (exc.errno in _REFUSED_ERRNOS or any(w in text.lower() for w in _REFUSED_WORDS)):
+        return exc.strerror if exc.strerror and exc.errno in _REFUSED_ERRNOS else text
+    return None
+
+
+@contextlib.contextmanager
+def refused_writes(loc: Location) -> Iterator[None]:
+    """Storage refusing a write below `loc` becomes one `StorageError` naming it (the original is its cause)."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as exc:
+        reason = refused_write(exc)
+        if reason is None:
+            raise
+        raise StorageError(f"cannot write {loc.uri}: {reason}") from exc
+
+
 def writer_suffix() -> str:
     """A part of a temporary name that is this writer's own (its process and a random tag): two writers of one
     file never write into, or move away, each other's temporary file."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# Fencing: while a command holds a run folder's lease (`lease.py`), every write below the folder asks the lease first
+# (run folder URI -> the check), so a command whose lease another took stops before its next write.
+_WRITE_GUARDS: dict[str, Callable[[Location], None]] = {}
+
+
+def guard_writes(root: Location, check: Callable[[Location], None] | None) -> None:
+    """Run `check(location)` before every write (and delete) below `root` made through a `Location` of this
+    process; None ends it. `check` raises to refuse the write."""
+    if check is None:
+        _WRITE_GUARDS.pop(root.uri.rstrip("/"), None)
+    else:
+        _WRITE_GUARDS[root.uri.rstrip("/")] = check
+
+
+def before_write(loc: Location) -> None:
+    """The guard of the leased folder holding `loc`, if any (`guard_writes`)."""
+    for root, check in list(_WRITE_GUARDS.items()):
+        if loc.uri == root or loc.uri.startswith(root + "/"):
+            check(loc)
 
 
 @dataclass(frozen=True)
@@ -125,6 +197,7 @@ class Location:
         return [self.join(n) for n in names if not n.startswith((".", "_"))]
 
     def delete(self) -> None:
+        before_write(self)
         info = self.fs.get_file_info(self.path)
         if info.type == pafs.FileType.Directory:
             self.fs.delete_dir(self.path)
@@ -142,30 +215,34 @@ class Location:
     @contextlib.contextmanager
     def open_write(self) -> Iterator[pa.NativeFile]:
         """An output stream for writing this file in pieces (large files that should not be built in memory)."""
+        before_write(self)
         parent = self.parent()
-        parent.mkdir()
         # Write to a temporary name, then move: a reader never sees half a file (local disks; S3 PUTs are atomic).
         # The name is this writer's own (a hidden name, so folder listings skip it): two writers of one file never
-        # write into, or move away, each other's temporary file; the last move wins whole.
+        # write into, or move away, each other's temporary file; the last move wins whole. Storage that refuses
+        # the write (a full disk) leaves nothing, and is one error naming this file (`StorageError`).
         tmp = posixpath.join(parent.path, f".{self.name}.{writer_suffix()}.tmp")
-        try:
-            # On S3 too: pyarrow's output stream completes its upload when closed, also by an exception, so a
-            # write cut short would replace the object; the temporary object is copied in place by the server.
-            with self.fs.open_output_stream(tmp) as f:
-                yield f
-            if self.is_local:
-                self.fs.move(tmp, self.path)
-            else:
-                bucket, key = self.path.split("/", 1)
-                s3_client().copy({"Bucket": bucket, "Key": tmp.split("/", 1)[1]}, bucket, key)  # multipart past 5 GB
-        finally:
-            if self.fs.get_file_info(tmp).type != pafs.FileType.NotFound:  # nothing left behind
-                self.fs.delete_file(tmp)
+        with refused_writes(self):
+            parent.mkdir()
+            try:
+                # On S3 too: pyarrow's output stream completes its upload when closed, also by an exception, so a
+                # write cut short would replace the object; the temporary object is copied in place by the server.
+                with self.fs.open_output_stream(tmp) as f:
+                    yield f
+                if self.is_local:
+                    self.fs.move(tmp, self.path)
+                else:
+                    bucket, key = self.path.split("/", 1)
+                    s3_client().copy({"Bucket": bucket, "Key": tmp.split("/", 1)[1]}, bucket, key)  # multipart past 5 GB
+            finally:
+                if self.fs.get_file_info(tmp).type != pafs.FileType.NotFound:  # nothing left behind
+                    self.fs.delete_file(tmp)
 
     def replace_with(self, staged: Location) -> None:
         """Make this folder hold `staged`'s files instead of its own, and remove `staged`: on a local disk by two
         renames (the old folder moved aside first, so a reader sees the old files or the new, never a mix of
         them); on object storage by a copy."""
+        before_write(self)
         if self.is_local:
             aside = posixpath.join(self.parent().path, f".{self.name}.{writer_suffix()}.old")
             if os.path.exists(self.path):
@@ -200,8 +277,9 @@ class Location:
         return pa.concat_tables(pq.read_table(f.path, filesystem=f.fs, columns=columns) for f in files)
 
     def write_table(self, table: pa.Table) -> None:
-        self.parent().mkdir()
-        pq.write_table(table, self.path, filesystem=self.fs)
+        """Write a Parquet file whole or not at all (`open_write`): a full disk leaves no truncated file."""
+        with self.open_write() as f:
+            pq.write_table(table, f)
 
     @property
     def name(self) -> str:
@@ -210,8 +288,10 @@ class Location:
     def upload_dir(self, local: str | os.PathLike[str]) -> None:
         """Copy a local folder (a trained adapter, a model) to this location, replacing what was there."""
         self.delete()
-        self.mkdir()
-        pafs.copy_files(str(local), self.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
+        with refused_writes(self):
+            self.mkdir()
+            pafs.copy_files(str(local), self.path, source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=self.fs)
 
     def local_dir(self) -> str:
         """A local path holding this folder's files: the folder itself on local disk, else a cached download

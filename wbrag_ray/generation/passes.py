@@ -127,7 +127,7 @@ class GeneratorPasses:
             checkpoint = checkpoints.active()
             store = None
             if checkpoint is not None:
-                store = checkpoint.answers(gen_config.checkpoint_rows)
+                store = checkpoint.answers(gen_config.checkpoint_rows, gen_config.checkpoint_seconds)
                 checkpoint.begin_pass(name, len(ds))
             df, reused, resumed = self._memo.run(
                 ds, stage, lambda todo, on_batch: self.services.run_frame(todo, stage, name, on_batch), store)

@@ -17,7 +17,7 @@ from wbrag_ray.stages.base import Resources, Stage
 
 # Generator settings each pass sets for itself on the loaded model: another value loads nothing again.
 # (batch_invariant is not one: a vLLM engine starts with or without its batch-invariant kernels.)
-PASS_KEYS = {"max_new_tokens", "batch_size", "stop", "checkpoint_rows"}
+PASS_KEYS = {"max_new_tokens", "batch_size", "stop", "checkpoint_rows", "checkpoint_seconds"}
 
 
 class GenerateStage(Stage):

@@ -103,6 +103,9 @@ def plan_training(n: int, dim: int, factory: str, train_sample: int, memory_budg
     if nlist is None:
         return TrainingPlan(factory, min(train_sample, cap, n), None)
     want = MIN_POINTS_PER_CENTROID * nlist
+    if nlist < 1:  # faiss builds IVF0 and fails only when the first vector is added (list_no < nlist)
+        raise ValueError(f"index.factory {factory!r} has no IVF lists; use IVF with at least one list, e.g. "
+                         f"IVF{max(1, _floor_pow2(n // MIN_POINTS_PER_CENTROID))}, or Flat")
     if n < nlist:
         raise ValueError(f"index.factory {factory!r} has {nlist:,} IVF lists but the corpus only {n:,} vectors; "
                          f"use an IVF with at most {_floor_pow2(n // MIN_POINTS_PER_CENTROID)} lists, or Flat")

@@ -82,9 +82,10 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
     qa["prediction"] = [predictions.get((s, i)) for s, i in zip(qa["sid"], qa["qa_index"], strict=True)]
     qa = m.score_answers(qa)
     scores = m.mastery_scores(sentences, qa, z.mastery_metric)
-    out.mastery.delete()
-    out.qa.write_table(plain_table(qa))
-    out.scores.write_table(plain_table(scores))
+    mastery = run.output(out.mastery)  # beside the scored sample while --force redoes it
+    mastery.delete()
+    mastery.join(out.qa.name).write_table(plain_table(qa))
+    mastery.join(out.scores.name).write_table(plain_table(scores))
     counts = qa["status"].value_counts()
     scored = scores["mastery"].notna()
     stats = {
@@ -98,5 +99,5 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
     }
     stats["calls_per_s"] = round(stats["generator_calls"] / stats["seconds"], 2) if stats["seconds"] else 0.0
     stats["generator_calls_per_sentence"] = round(passes.calls / max(1, len(sentences)), 2)
-    out.mastery_stats.write_json(stats)
+    mastery.join(out.mastery_stats.name).write_json(stats)
     return {"rows_in": total, "rows_out": int(scored.sum()), "rows_rejected": int((~scored).sum()), **stats}

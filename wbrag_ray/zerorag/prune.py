@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from wbrag_ray.build_kb import INDEX, INGEST
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.layout import PRUNE_LEVEL
+from wbrag_ray.layout import PRUNE_LEVEL, PrunedLevel
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
@@ -44,18 +44,27 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
 
     from wbrag_ray.checkpoints import resumable_write
     from wbrag_ray.models.pruner import EmbeddingHead
-    from wbrag_ray.stages.base import apply_stage
+    from wbrag_ray.stages.base import Resources, apply_stage
     from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 
     model = run.layout.zero_rag.pruner(kind)
     total = run.stats(INGEST.name)["sentences"]
 
-    if kind == "embedding":
-        stage, key = EmbeddingPredictStage(EmbeddingHead.load(model.local_dir()).weights), None
-    else:
-        stage, key = LMPredictStage(model.uri, config.zerorag.lm_pruner), "zerorag.lm_pruner"
+    head = EmbeddingHead.load(model.local_dir()).weights if kind == "embedding" else None
 
-    def predicted() -> ray.data.Dataset:
+    def stage_at(placed: Resources | None = None):
+        """The prediction stage, placed as configured or as a resume narrowed it (placement only)."""
+        if kind == "embedding":
+            return EmbeddingPredictStage(head, **({"num_cpus": placed.num_cpus} if placed else {})), None
+        lm = config.zerorag.lm_pruner
+        if placed is not None:
+            lm = lm.model_copy(update={"num_cpus": placed.num_cpus, "concurrency": placed.concurrency})
+        return LMPredictStage(model.uri, lm), "zerorag.lm_pruner"
+
+    stage, key = stage_at()
+
+    def predicted(placed: Resources) -> ray.data.Dataset:
+        stage = stage_at(placed)[0]
         if kind == "embedding":
             src = run.layout.embed
             # the read runs fused with the prediction task, so it asks for what that task asks for
@@ -66,7 +75,7 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
         return apply_stage(pruner_inputs(run), stage)
 
     # a row is an id and a score: blocks of checkpoint_rows rows are committed as the pass goes
-    written = resumable_write(predicted, run.layout.zero_rag.predictions, "sid", "pred",
+    written = resumable_write(predicted, run.output(run.layout.zero_rag.predictions), "sid", "pred",
                               config.zerorag.checkpoint_rows * 16, "predict", total, stage.resources, key)
     if written["rows"] != total:
         raise RuntimeError(f"mastery prediction wrote {written['rows']} scores for {total} sentences")
@@ -97,7 +106,7 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
 
     bins = config.zerorag.histogram_bins
-    level = run.layout.zero_rag.pruned(ratio)
+    level = PrunedLevel(run.output(run.layout.zero_rag.pruned(ratio).root))  # beside it while --force redoes it
     t0 = time.perf_counter()
     for part in (level.keep, level.sentences, level.stats):  # not the index: its build resumes what it finished
         part.delete()

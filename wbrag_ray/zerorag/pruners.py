@@ -103,7 +103,7 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
 
     z = config.zerorag
     train, val = _scored_split(run, config)
-    out = run.layout.zero_rag.pruner(kind)
+    out = run.output(run.layout.zero_rag.pruner(kind))  # beside the trained pruner while --force redoes it
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if kind == "embedding":
@@ -121,8 +121,8 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
     metrics = {"kind": kind, "n_train": len(train), "n_val": len(val),
                **pruner_metrics(val["mastery"].to_numpy(), predicted, q), "fit": fit,
                "seconds": round(time.perf_counter() - t0, 2)}
-    run.layout.zero_rag.pruner_metrics(kind).write_json(metrics)
-    run.layout.zero_rag.pruner_validation(kind).write_table(plain_table(pd.DataFrame(
+    out.join(run.layout.zero_rag.pruner_metrics(kind).name).write_json(metrics)
+    out.join(run.layout.zero_rag.pruner_validation(kind).name).write_table(plain_table(pd.DataFrame(
         {"sid": val["sid"].astype("int64"), "measured": val["mastery"].astype("float64"),
          "predicted": np.asarray(predicted, np.float64)})))
     return {"rows_in": len(train) + len(val), "rows_out": len(val), **metrics}

@@ -79,12 +79,13 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
         "adapter": adapter, "generator_calls": passes.calls,
     }
     folder = run.layout.zero_rag
+    out = run.output(folder.router)  # beside the trained router while --force redoes it
     with tempfile.TemporaryDirectory() as tmp:
         router.save(tmp, {"settings": run.fingerprint(ROUTER, config), **metrics})
-        folder.router.upload_dir(tmp)
-    folder.router_metrics.write_json(metrics)
+        out.upload_dir(tmp)
+    out.join(folder.router_metrics.name).write_json(metrics)
     answered = answered.assign(label=labels, p_mastered=router.probability(vectors))
-    folder.router_labels.write_table(plain_table(answered[["id", "question", "prediction", "label", "p_mastered"]]))
+    out.join(folder.router_labels.name).write_table(plain_table(answered[["id", "question", "prediction", "label", "p_mastered"]]))
     # the stage's stats also name the processes that answered (in `wbrag run` the grid after it names the same);
     # not the router's metrics, which a rerun of the same labels reproduces
     return {"rows_in": len(questions) + rejected, "rows_out": len(answered), "rows_rejected": rejected, **metrics,

@@ -78,7 +78,7 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
             examples = kept
     with tempfile.TemporaryDirectory() as tmp:
         stats = tune_generator(examples, config.generator, t, tmp)
-        run.layout.zero_rag.adapter.upload_dir(tmp)
+        run.output(run.layout.zero_rag.adapter).upload_dir(tmp)  # beside the adapter in use while --force redoes it
     fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k != "losses"}
     # the training loop's own seconds under their name: the stage's seconds are all of it (its retrieval, the
     # generator's own answers, Ray Train's start), what its plan and report compare
