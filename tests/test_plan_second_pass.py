@@ -80,6 +80,9 @@ def test_the_write_back_plan_takes_the_keep_rate_and_distiller_calls_measured_on
     wb = stage(assumed, "write-back training")
     assert "23.3%" in wb.work and "the demo's [writeback_selection], assumed" in wb.work
     assert any("keep rate is the demo's 23.3%" in w and "--calibrate" in w for w in assumed.warnings)
+    from wbrag_ray.plan import format_plan
+
+    assert "generated tokens: not measured for this config" in format_plan(assumed)
     measured = make_plan(config, cluster, records=[_writeback_record(config)])
     wb = stage(measured, "write-back training")
     lo, hi = wilson(14, 80)

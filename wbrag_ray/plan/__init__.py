@@ -86,6 +86,10 @@ def format_plan(plan: Plan) -> str:
         lines += [f"  model files: read at {plan.storage_gbs:g} GB/s a node (--storage-read-gbs; assumed); an actor's "
                   "start and a vLLM engine's are assumed where no calibration measured them"]
     lines += [f"  prompt tokens: {plan.tokens.source}"] if plan.tokens else []
+    if not any(c.startswith("generator ") for c in plan.calibrated) and any("calls" in s.how for s in plan.stages):
+        lines += ["  generated tokens: not measured for this config (a GPU estimate decodes each pass's max_new_tokens, "
+                  "an upper bound; a CPU benchmark rate is a call's at the benchmark's lengths): `--calibrate` times "
+                  "the calls as they generate on the config's own data"]
     lines += [f"memory: {MEMORY_RULE}"]
     return "\n".join(lines)
 
