@@ -350,3 +350,24 @@ def test_an_embed_that_filled_the_disk_is_one_line_and_resumes_with_the_default_
     ids = folder.layout.embed.read_table(["pid"])["pid"].to_pylist()
     passages = folder.layout.ingest.passages.read_table(["pid"])["pid"].to_pylist()
     assert len(ids) == len(set(ids)) == len(passages) and set(ids) == set(passages)
+
+
+def test_an_object_store_refusing_writes_is_one_error_naming_the_path_and_leaves_nothing(s3_env):
+    """A bucket whose policy denies writes (the S3-compatible server on loopback enforces it): the write is one
+    `StorageError` naming the object and the store's refusal, and no temporary object stays."""
+    import boto3
+
+    from wbrag_ray.cli import user_error
+    from wbrag_ray.storage import StorageError
+
+    s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    s3.create_bucket(Bucket="read-only")
+    s3.put_bucket_policy(Bucket="read-only", Policy=json.dumps({"Version": "2012-10-17", "Statement": [
+        {"Effect": "Deny", "Principal": "*", "Action": "s3:PutObject", "Resource": "arn:aws:s3:::read-only/*"}]}))
+    loc = resolve("s3://read-only/run/stats.json")
+    with pytest.raises(StorageError) as refused:
+        loc.write_json({"rows": 1})
+    message = user_error(refused.value)
+    assert message.startswith("storage error: cannot write s3://read-only/run/stats.json: "), message
+    assert "ACCESS_DENIED" in message, message
+    assert s3.list_objects_v2(Bucket="read-only").get("KeyCount", 0) == 0

@@ -87,7 +87,7 @@ class StorageError(OSError):
 # What a store answers when it refuses a write, as errno values and as the words of messages that carry none
 # (pyarrow's "[errno 28] ...", botocore's AccessDenied)
 _REFUSED_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-_REFUSED_WORDS = ("no space left", "disk quota", "read-only file system", "permission denied", "access denied",
+_REFUSED_WORDS = ("no space left", "disk quota", "read-only file system", "permission denied", "access denied", "access_denied",
                   "accessdenied", "file too large", "quotaexceeded")
 
 
@@ -108,6 +108,9 @@ def refused_write(exc: BaseException | None, _seen: set[int] | None = None) -> s
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
     if isinstance(exc, OSError) and (exc.errno in _REFUSED_ERRNOS or any(w in text.lower() for w in _REFUSED_WORDS)):
         return exc.strerror if exc.strerror and exc.errno in _REFUSED_ERRNOS else text
+    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))  # botocore's errors (boto3 copies)
+    if code and any(w in code.lower() for w in _REFUSED_WORDS):
+        return text
     return None
 
 
