@@ -216,7 +216,9 @@ def _free_port() -> int:
 
 def _sharded_steps(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     """One rank (a spawned process): the same two LoRA steps sharded over all 4 ranks, then hybrid (2 simulated
-    nodes x 2: replicated over the mesh's rows, sharded within one); rank 0 saves the losses and gathered adapters."""
+    nodes x 2: replicated over the mesh's rows, sharded within one), then hybrid with a GPU worker's dtypes (frozen
+    weights in bf16 under autocast, LoRA's in fp32: one FSDP group of two dtypes); rank 0 saves the losses, the
+    gathered adapters and the dtypes."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -229,8 +231,9 @@ def _sharded_steps(rank: int, world: int, port: int, model_dir: str, out: str) -
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {}
-        for mesh in ((1, world), (2, world // 2)):
-            place = placement_of(DeviceRule(None), torch.float32, "fsdp", rank, mesh)
+        for mesh, dtype in (((1, world), torch.float32), ((2, world // 2), torch.float32),
+                            ((2, world // 2), torch.bfloat16)):
+            place = placement_of(DeviceRule(None), dtype, "fsdp", rank, mesh)
             torch.manual_seed(0)  # LoRA's A matrices: rank 0's are broadcast
             model = with_lora(place.load(AutoModelForCausalLM, model_dir), TuneConfig(lora_dropout=0.0), "CAUSAL_LM")
             module, model = wrap(model, place, world)
@@ -238,12 +241,14 @@ def _sharded_steps(rank: int, world: int, port: int, model_dir: str, out: str) -
             ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(rank))  # this rank's part
             losses = []
             for _ in range(2):
-                loss = module(input_ids=ids, labels=ids).loss / world  # this rank's share of the batch's mean
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                    loss = module(input_ids=ids, labels=ids).loss.float() / world  # this rank's share of the mean
                 total = loss.detach().clone()
                 dist.all_reduce(total)
                 apply_gradients(loss, world, params, optimizer, scaler)
                 losses.append(float(total))
-            results[mesh] = (losses, trainable_state(model, optimizer)[0])
+            dtypes = {(p.requires_grad, str(p.dtype)) for p in model.parameters()}
+            results[mesh, str(dtype)] = (losses, trainable_state(model, optimizer)[0], dtypes)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -255,14 +260,14 @@ def test_hybrid_fsdp_on_a_2d_mesh_trains_as_fsdp_over_all_ranks(tmp_path, tiny):
     """FSDP2's hybrid sharding (`fully_shard` on a 2-D DeviceMesh: replicate x shard) on four gloo CPU ranks
     spawned by torch (two simulated nodes of two ranks: the node is the mesh's row, no second machine): rank 0's
     weights broadcast into both meshes, two steps with gradient clipping, the adapter gathered whole; the same
-    losses and adapter as sharding over all four."""
+    losses and adapter as sharding over all four; and with bf16 frozen weights beside fp32 LoRA ones."""
     import torch
     import torch.multiprocessing as mp
 
     out = tmp_path / "results.pt"
     mp.spawn(_sharded_steps, args=(4, _free_port(), tiny.generator, str(out)), nprocs=4, join=True)
     results = torch.load(out, weights_only=False)
-    (flat_losses, flat), (hybrid_losses, hybrid) = results[(1, 4)], results[(2, 2)]
+    (flat_losses, flat, _), (hybrid_losses, hybrid, _) = results[(1, 4), "torch.float32"], results[(2, 2), "torch.float32"]
     np.testing.assert_allclose(hybrid_losses, flat_losses, rtol=1e-5)
     assert flat_losses[1] < flat_losses[0]  # the step trained
     assert flat.keys() == hybrid.keys() and any("lora_B" in k for k in flat)
@@ -271,3 +276,8 @@ def test_hybrid_fsdp_on_a_2d_mesh_trains_as_fsdp_over_all_ranks(tmp_path, tiny):
     for name in flat:
         torch.testing.assert_close(hybrid[name], flat[name], rtol=0, atol=1e-4, msg=name)
     assert any(float(w.abs().max()) > 0 for k, w in hybrid.items() if "lora_B" in k)
+    # a GPU worker's dtypes: frozen bf16 and trained fp32 weights sharded together, the step as in fp32 up to bf16
+    bf16_losses, bf16, dtypes = results[(2, 2), "torch.bfloat16"]
+    assert dtypes == {(False, "torch.bfloat16"), (True, "torch.float32")}
+    np.testing.assert_allclose(bf16_losses, hybrid_losses, rtol=0.02)
+    assert all(w.dtype == torch.float32 for k, w in bf16.items() if "lora_" in k)
