@@ -91,6 +91,7 @@ def test_the_write_back_plan_takes_the_keep_rate_and_distiller_calls_measured_on
     # 30 questions x 17.5% = 5 kept: the distiller's calls at their measured seconds, not an answer call scaled
     assert "extract: 5 calls x 1.5 s (300 prompt + 40 generated tokens a call, measured)" in wb.how
     assert "rewrite: 5 calls x 1 s" in wb.how
+    assert "document gate: 26 calls x 0.4 s" in wb.how  # 5 documents of each of the 5.25 kept, each alone
     assert "the distiller's prompt shapes' first use 6 s [calibrated]" in wb.how
     assert not any("keep rate is the demo's" in w for w in measured.warnings)
     assert any("kept 14 of 80 sampled training questions (17.5%, 95% Wilson interval" in c for c in measured.calibrated)

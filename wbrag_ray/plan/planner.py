@@ -439,7 +439,8 @@ class _Builder:
         rewrite = Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens,
                        template=template_of(lambda q, _: prompts.rewrite_messages(q, "")), kind="rewrite")
         # the document gate answers each document alone, in the RAG prompt (`rag.expand`'s replug-vote rows)
-        gate = [] if wb.rag_method == "replug-vote" else [Pass(k * kept, 1, doc_tokens=self._doc_tokens)]
+        gate = [] if wb.rag_method == "replug-vote" else [Pass(k * kept, 1, doc_tokens=self._doc_tokens,
+                                                                 kind="document gate")]
         passes = [Pass(1, 0), *self._passes(wb.rag_method), *gate, extract, rewrite]
         calls = sum(p.calls for p in passes)
         total = f", {q * calls:,.0f} in all" if q else ""
