@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("ray", "vllm")
 RUN_WITHOUT_RAY = f"""
@@ -32,6 +34,7 @@ finally:
 PROJECT_SECTIONS = ("placement rules", "fsdp step", "one-worker fsdp", "hf generation")
 
 
+@pytest.mark.slow  # about 60 s on 2 CPUs: the whole --quick check, section 5 about 7 s of it
 def test_gpu_check_dry_run_passes_where_import_ray_fails(tiny, tmp_path):
     done = subprocess.run([sys.executable, "-c", RUN_WITHOUT_RAY, "--quick", "--model", tiny.generator],
                           capture_output=True, text=True, timeout=540, cwd=tmp_path)
