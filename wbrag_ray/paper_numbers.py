@@ -24,6 +24,7 @@ NOT_STATED = "not stated"
 # The settings each paper states once for all its numbers
 WRITEBACK_RETRIEVER, WRITEBACK_K = "e5-base-v2", 5  # §5.2: "E5-base-v2 ... as the retriever with K=5 documents"
 ZERO_RAG_RETRIEVER, ZERO_RAG_K = "stella_en_400M_v5", 20  # "Retrieval uses stella_en_400M_v5 with 20 document candidates"
+ZERO_RAG_LEARNING_RATE = 3e-4  # "Fine-tuning uses LoRA with a learning rate of 3×10⁻⁴"
 GEMMA, LLAMA_31_8B = "Gemma-3-12B", "Llama-3.1-8B"
 LLAMA_33_70B, LLAMA_3_70B, LLAMA_3_8B = "Llama3.3-70B", "Llama3-70B", "Llama3-8B"
 # §6.2: "Gemma-3-12B + Naive RAG ... we use Naive RAG as the reference setting throughout the analysis" (Tables 3, 4)

@@ -15,14 +15,14 @@ from wbrag_ray.paper_numbers import (
     WRITEBACK,
     WRITEBACK_GATES,
     ZERO_RAG,
+    ZERO_RAG_K,
+    ZERO_RAG_LEARNING_RATE,
     ZERO_RAG_RETRIEVER,
     PaperNumber,
 )
 from wbrag_ray.papers import model_name, same_model
 
-PERCENT_METRICS = ("em", "f1", "acc")  # 0-1 in metrics.json, in % in the papers
-# What each paper's text reports its accuracy numbers in, by the project's metric keys
-MEASURES = {"acc", "em", "f1"}
+PERCENT_METRICS = ("em", "f1", "acc")  # 0-1 in metrics.json, in % in the papers: the numbers a result is set beside
 
 
 def _named(run: str | None, paper: str | None) -> bool:
@@ -59,8 +59,9 @@ def paper_settings_differ(n: PaperNumber, made: dict[str, Any]) -> list[str]:
             if adapter.get("targets") not in (None, "gold"):
                 out.append(f"adapter tuned to targets {adapter['targets']!r}, only the rows it answered right (the "
                            "paper: every training query, in three formats)")
-            if adapter.get("learning_rate") not in (None, 3e-4):
-                out.append(f"adapter tuned at learning rate {adapter['learning_rate']:g} (the paper: 3e-4)")
+            if adapter.get("learning_rate") not in (None, ZERO_RAG_LEARNING_RATE):
+                out.append(f"adapter tuned at learning rate {adapter['learning_rate']:g} (the paper: "
+                           f"{ZERO_RAG_LEARNING_RATE:g})")
     if n.paper == WRITEBACK and n.knowledge_base == "write-back":
         version = made.get("writeback") or {}
         gates = dict(n.gates) if n.gates is not None else None
@@ -103,7 +104,7 @@ def _matches(n: PaperNumber, made: dict[str, Any]) -> bool:
     """Whether a result measures what the paper's number `n` measures: the same paper's setting (its dataset, RAG
     method, write-back or not, pruning ratio, router, adapter, and a Table 4 row's changed gate), whatever the
     models; a number whose setting the text leaves open where it picks the result is never matched."""
-    if n.metric not in MEASURES or n.dataset is None or n.method is None or made.get("dataset") != n.dataset \
+    if n.metric not in PERCENT_METRICS or n.dataset is None or n.method is None or made.get("dataset") != n.dataset \
             or made.get("method") != n.method:
         return False
     if n.paper == WRITEBACK:
@@ -122,7 +123,7 @@ def _matches(n: PaperNumber, made: dict[str, Any]) -> bool:
             return False
         if n.router is not None and bool(made.get("router")) != n.router:
             return False
-        if n.top_k is not None and n.top_k != 20 and made.get("top_k") != n.top_k:
+        if n.top_k is not None and n.top_k != ZERO_RAG_K and made.get("top_k") != n.top_k:
             return False  # a top-k robustness row is the result at its K
     return n.adapter is None or bool(made.get("adapter")) == n.adapter
 
@@ -201,7 +202,7 @@ def _row(n: PaperNumber, run_value: float, made: dict[str, Any], result: str, di
 
 
 _SEARCH = PaperNumber(ZERO_RAG, "", "", "", "speedup", "0", "", generator=NOT_STATED, retriever=ZERO_RAG_RETRIEVER,
-                      top_k=20)  # what a retrieval speedup's settings are compared with
+                      top_k=ZERO_RAG_K)  # what a retrieval speedup's settings are compared with
 
 
 def _speedup_rows(rows: list[dict[str, Any]], config: WbragConfig | None, grid_dataset: str | None

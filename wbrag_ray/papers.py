@@ -31,8 +31,10 @@ from wbrag_ray.paper_numbers import (
     LLAMA_33_70B,
     SAYS,
     WRITEBACK,
+    WRITEBACK_GATES,
     WRITEBACK_RETRIEVER,
     ZERO_RAG,
+    ZERO_RAG_LEARNING_RATE,
     ZERO_RAG_RETRIEVER,
 )
 
@@ -55,7 +57,8 @@ CHOICES = (
     PaperChoice(ZERO_RAG, "zerorag.qa_mode", "llm", "mastery from QA pairs an LLM writes for each sentence", "zr.qa"),
     PaperChoice(ZERO_RAG, "zerorag.mastery_metric", "em", "mastery = the target model's exact match on them", "zr.qa"),
     PaperChoice(ZERO_RAG, "zerorag.pruner", "lm", "a regression model predicts every sentence's mastery", "zr.pruner"),
-    PaperChoice(ZERO_RAG, "zerorag.tune.learning_rate", 3e-4, "noise-tolerant tuning at learning rate 3e-4", "zr.lr"),
+    PaperChoice(ZERO_RAG, "zerorag.tune.learning_rate", ZERO_RAG_LEARNING_RATE, "noise-tolerant tuning at learning "
+                f"rate {ZERO_RAG_LEARNING_RATE:g}", "zr.lr"),
     PaperChoice(ZERO_RAG, "zerorag.tune.targets", "gold",
                 "every training query tuned on in three formats to its answer", "zr.tuning"),
     PaperChoice(ZERO_RAG, "retrieval.top_k", 20, "20 document candidates per query", "zr.retrieval"),
@@ -68,10 +71,10 @@ CHOICES = (
                 "the base and write-back indices searched apart, their hits merged into one top K", "wb.merge"),
     PaperChoice(WRITEBACK, "writeback.metric", "auto",
                 "the gates' metric per dataset: acc (NQ, BoolQ, zsRE, HotpotQA), F1 (FEVER), EM (SQuAD)", "wb.metrics"),
-    PaperChoice(WRITEBACK, "writeback.tau_s", 0.1, "utility gate tau_s = 0.1", "wb.gates"),
-    PaperChoice(WRITEBACK, "writeback.tau_delta", 0.01, "utility gate tau_delta = 0.01", "wb.gates"),
-    PaperChoice(WRITEBACK, "writeback.tau_doc", 0.01, "document gate tau_doc = 0.01", "wb.doc_gate"),
-    PaperChoice(WRITEBACK, "writeback.n_min", 2, "n_min = 2 fallback documents", "wb.doc_gate"),
+    *(PaperChoice(WRITEBACK, f"writeback.{key}", value, f"{gate} {key} = {value:g}", cites)
+      for (key, value), (gate, cites) in zip(WRITEBACK_GATES, (("utility gate", "wb.gates"), ("utility gate", "wb.gates"),
+                                                              ("document gate", "wb.doc_gate"),
+                                                              ("document gate fallback", "wb.doc_gate")), strict=True)),
     PaperChoice(WRITEBACK, "writeback.dedupe_threshold", None, "only additive write-back, no deduplication",
                 "wb.additive"),
     PaperChoice(WRITEBACK, "writeback.validation", None, "every training question scored and written back from "
