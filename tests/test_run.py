@@ -135,3 +135,38 @@ def test_run_json_holds_no_credentials(tmp_path, monkeypatch):
     run = RunFolder(str(tmp_path / "run"))
     run.bind_config(load_config())
     assert "s3cr3t-value" not in run.layout.run_json.read_bytes().decode()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_forced_redo_writes_beside_the_old_output_and_replaces_it_only_at_completion(where, tmp_path, request):
+    """`RunFolder.output`: a complete stage redone writes its output folder beside the old one (a hidden folder); a
+    redo that fails leaves the old output, stats and marker; the next one resumes into the same folder, and its
+    output replaces the old at completion. A stage made for the first time writes in place."""
+    if where == "s3":
+        request.getfixturevalue("s3_env")
+    uri = f"s3://wbrag/run-output-{tmp_path.name}" if where == "s3" else str(tmp_path / "run")
+    run = RunFolder(uri)
+    final = run.path("out")
+    seen = []
+
+    def work(text: str, fail: bool = False):
+        def stage():
+            out = run.output(final)
+            seen.append(out.uri)
+            out.join("part.txt").write_bytes(text.encode())
+            if fail:
+                raise RuntimeError("died part way")
+            return {"rows_out": 1}
+        return stage
+
+    run.run_stage("s", work("old"))
+    assert seen[-1] == final.uri  # first time: in place
+    with pytest.raises(RuntimeError):
+        run.run_stage("s", work("new", fail=True), force=True)
+    assert seen[-1] != final.uri and seen[-1].endswith("/.out.new")
+    assert run.is_complete("s") and final.join("part.txt").read_bytes() == b"old"
+    assert [f.name for f in run.root.list_files()] == []  # the staging folder is hidden
+    run.run_stage("s", work("new"), force=True)
+    assert seen[-1] == seen[-2]  # the same staging folder: a redo resumes into it
+    assert run.is_complete("s") and final.join("part.txt").read_bytes() == b"new"
+    assert not run.root.join(".out.new").exists()

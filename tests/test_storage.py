@@ -325,7 +325,7 @@ def test_an_embed_that_filled_the_disk_is_one_line_and_resumes_with_the_default_
                  "--set", "ingest.shard_bytes=4096"]) == 0
     folder = RunFolder(str(run))
     used = shutil.disk_usage(small_disk).used
-    _resize(small_disk, used + 6 * 4096)  # a few pages: some of the pass's files and checkpoint records fit
+    _resize(small_disk, used + 8 * 4096)  # a few pages: some of the pass's 9 files and their checkpoint records fit
     wait_idle(ray_cluster)
     wbrag = os.path.join(os.path.dirname(sys.executable), "wbrag")
     full = subprocess.run([wbrag, "embed", str(run)], capture_output=True, text=True, timeout=600,

@@ -180,7 +180,10 @@ class RunFolder:
         if staged:
             self.invalidate(name)
             for final, new in staged:
-                final.replace_with(new)
+                if new.exists():
+                    final.replace_with(new)
+                else:  # the redo wrote nothing there: nor does the stage hold anything there now
+                    final.delete()
         record.stats.write_json(stats)
         record.success.write_bytes(b"")  # last: the marker's presence means everything above is written
 
