@@ -424,7 +424,7 @@ class RetrievalConfig(_Section):
         "fusion under the same rule; 'gate' the merge by score, a unit taking a slot only if its score is at least "
         "the query's best passage's less gate_margin, then the same rule; 'gate-no-provenance' the gate without the "
         "rule; 'additive' the base's top K kept whole and up to max_units units (1 where unset) appended after it, "
-        "each scoring at least the best passage's score less additive_margin and not covered by the rule. 'auto' "
+        "each scoring at least the K-th passage's score less additive_margin and not covered by the rule. 'auto' "
         "(the default): the rule the write-back version chose on its own validation split (the best acc of score, "
         "provenance, gate at three margins and additive at two; wbrag_ray.writeback.validation), or 'provenance' "
         "where its split was too small to choose or none was held out. No one fixed rule served: 'gate', the "
@@ -440,8 +440,9 @@ class RetrievalConfig(_Section):
     gate_margin: float = Field(0.0, description="Union 'gate': how far below the query's best passage's score a "
                                "write-back unit may score and still take a slot (negative: it must score above).")
     additive_margin: float = Field(
-        0.1, description="Union 'additive': how far below the query's best passage's score a write-back unit may "
-        "score and still be appended after the base's top K (a unit then never takes a passage's slot).",
+        0.0, description="Union 'additive': how far below the K-th passage's score a write-back unit may score and "
+        "still be appended after the base's top K (at 0: the units the paper's merge would have let into the top "
+        "K, without the passage they would have pushed out).",
     )
 
     @field_validator("search_gpus", "embed_gpus")

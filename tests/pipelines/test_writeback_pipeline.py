@@ -381,7 +381,7 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
         assert ev["union"] == {"max_units": None, **settings} and ev["n"] == 1
         assert result["candidates"][label]["acc"] == ev["acc"] and result["candidates"][label]["union"] == settings[
             "union"]
-    additive = pq.read_table(run.layout.eval_result("writeback-held-validation-additive-0.1", "naive")
+    additive = pq.read_table(run.layout.eval_result("writeback-held-validation-additive", "naive")
                              .predictions.path).to_pylist()[0]
     assert len(json.loads(additive["docs"])) in (5, 6)  # the base's 5, and at most one unit after them
     assert [h["id"] for h in json.loads(additive["docs"])][:5] == [h["id"] for h in json.loads(base[0]["docs"])]

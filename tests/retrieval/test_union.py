@@ -203,19 +203,21 @@ def test_one_union_serves_the_in_process_retriever_and_the_service(monkeypatch):
 
 
 def test_the_additive_rule_keeps_the_base_top_k_whole_and_appends_units_that_pass_its_margin():
-    """Worked by hand: BASE's best passage scores 0.80. additive_margin 0.1: a unit needs 0.70; 0.3: 0.50."""
-    units = [unit(0, 0.95, 0, [50]), unit(1, 0.75, 1, [51]), unit(2, 0.60, 2, [52])]
-    top = UnionRule("additive", additive_margin=0.1)([BASE, units], 3)
+    """Worked by hand: BASE's 3rd passage (the K-th at K = 3) scores 0.60. additive_margin 0: a unit needs 0.60
+    (what the paper's merge would let into the top 3); 0.15: 0.45."""
+    units = [unit(0, 0.95, 0, [50]), unit(1, 0.65, 1, [51]), unit(2, 0.50, 2, [52])]
+    top = UnionRule("additive")([BASE, units], 3)
     # the base's 3 whole and in order; one unit where max_units is unset (ADDITIVE_UNITS): the best, u0
     assert keys(top) == ["p10", "p11", "p12", "u0"] and [h.rank for h in top] == [0, 1, 2, 3]
-    # max_units 2: u1 (0.75 >= 0.70) too; u2 (0.60) is below the margin even with room for it
-    assert keys(UnionRule("additive", max_units=2, additive_margin=0.1)([BASE, units], 3)) == [
-        "p10", "p11", "p12", "u0", "u1"]
-    assert keys(UnionRule("additive", max_units=3, additive_margin=0.3)([BASE, units], 3)) == [
+    # max_units 3: u1 (0.65 >= 0.60) too; u2 (0.50) is below the K-th passage even with room for it
+    assert keys(UnionRule("additive", max_units=3)([BASE, units], 3)) == ["p10", "p11", "p12", "u0", "u1"]
+    assert keys(UnionRule("additive", max_units=3, additive_margin=0.15)([BASE, units], 3)) == [
         "p10", "p11", "p12", "u0", "u1", "u2"]
-    # a unit scoring above every passage still takes no passage's slot: the merge by score would have cut p12
-    assert keys(UnionRule("score")([BASE, units[:1]], 3)) == ["u0", "p10", "p11"]
+    # where the paper's merge would push p12 out for u0 and u1, the additive rule keeps it
+    assert keys(UnionRule("score")([BASE, units], 3)) == ["u0", "p10", "p11"]
     assert keys(UnionRule("additive", max_units=0)([BASE, units], 3)) == ["p10", "p11", "p12"]
+    # fewer passages than K: nothing to compare with, every unit may join (up to the cap)
+    assert keys(UnionRule("additive", max_units=3)([BASE[:2], units], 3)) == ["p10", "p11", "u0", "u1", "u2"]
 
 
 def test_the_additive_rule_appends_no_unit_the_taken_passages_or_an_earlier_unit_already_hold():
@@ -223,12 +225,12 @@ def test_the_additive_rule_appends_no_unit_the_taken_passages_or_an_earlier_unit
              unit(1, 0.90, 1, text="passage 11 says fact 11"),  # p11's text: covered
              unit(2, 0.85, 2, [60], text="fact 60 holds"),
              unit(3, 0.84, 3, [61], text="fact 60 holds")]  # u2's text, appended before it: covered
-    top = UnionRule("additive", max_units=3, additive_margin=0.1)([BASE, units], 3)
+    top = UnionRule("additive", max_units=3)([BASE, units], 3)
     assert keys(top) == ["p10", "p11", "p12", "u2"]
     # a unit whose source is p12: appended after the top 2, which lack it; covered by the top 3, which hold it
     late = [unit(4, 0.95, 0, [12])]
-    assert keys(UnionRule("additive", additive_margin=0.1)([BASE, late], 2)) == ["p10", "p11", "u4"]
-    assert keys(UnionRule("additive", additive_margin=0.1)([BASE, late], 3)) == ["p10", "p11", "p12"]
+    assert keys(UnionRule("additive")([BASE, late], 2)) == ["p10", "p11", "u4"]
+    assert keys(UnionRule("additive")([BASE, late], 3)) == ["p10", "p11", "p12"]
 
 
 def test_auto_searches_with_the_rule_the_version_chose_else_the_papers_merge_with_the_provenance_guard(tmp_path):

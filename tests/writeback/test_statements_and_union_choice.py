@@ -89,9 +89,9 @@ def test_the_union_is_chosen_by_accuracy_then_fewest_lost_then_the_papers_rule()
     n = UNION_CHOICE_MIN
     figures = {label: _fig(0.70, 1) for label, _ in CANDIDATES}
     assert choose_union(figures, n)[0] == "score"  # all tied: the paper's rule
-    figures["additive 0.1"] = _fig(0.72, 2, won=3)
+    figures["additive 0.05"] = _fig(0.72, 2, won=3)
     chosen, why = choose_union(figures, n)
-    assert chosen == "additive 0.1"
+    assert chosen == "additive 0.05"
     assert why == (f"the best of {len(CANDIDATES)} rules on {n} validation questions (acc 0.720, won 3, lost 2; "
                    "ties: fewest lost, then the paper's rule)")
     figures["gate 0.1"] = _fig(0.72, 0, won=1)  # the same acc, fewer lost

@@ -17,9 +17,10 @@ each name does is one entry of UNIONS):
                  which a short text's high cosine lets into the paper's top K, stays out; then the provenance rule
     gate-no-provenance   the gate without the provenance rule (kept to measure what the rule does under the gate)
     additive     the base's top K whole, then up to `retrieval.max_units` units (ADDITIVE_UNITS where unset)
-                 appended after it, each scoring at least the query's best passage's score less
-                 `retrieval.additive_margin` and not covered by the provenance rule: a unit never pushes a base
-                 passage out, so what it can cost is a longer prompt (K + max_units documents), not evidence
+                 appended after it, each scoring at least the K-th passage's score less `retrieval.additive_margin`
+                 (at 0: the units the paper's merge would have let into the top K) and not covered by the
+                 provenance rule: a unit never pushes a base passage out, so what it can cost is a longer prompt
+                 (K + max_units documents), not evidence
     auto         (the default) the rule the write-back version chose on its own validation split
                  (wbrag_ray.writeback.validation), read from UNION_CHOICE beside its index; a version that chose
                  none (its split too small, or no split) is searched with FALLBACK_UNION
@@ -118,14 +119,18 @@ def gated(ordered: list[Hit], margin: float) -> list[Hit]:
 
 def appended(ordered: list[Hit], k: int, margin: float, rule: bool, max_units: int) -> list[Hit]:
     """The additive union: the base's first k hits of `ordered`, whole and in their order, then up to `max_units`
-    units that pass the gate at `margin` (`gated`), in score order, each not covered (`covered`) by those passages
-    or a unit appended before it when `rule`. No unit takes a passage's slot: the list is k + the units long."""
+    units scoring at least the k-th passage's score less `margin`, in score order, each not covered (`covered`) by
+    those passages or a unit appended before it when `rule`. The k-th passage, not the best: a one-sentence unit
+    rarely outscores the best 100-word passage under a sentence embedder (the gate's measured flaw), while one that
+    outscores the weakest passage is one the paper's merge would have let in. No unit takes a passage's slot: the
+    list is k + the units long (every unit may join where fewer than k passages were retrieved)."""
     passages = [h for h in ordered if h.source == BASE][:k]
+    floor = passages[-1].score - margin if len(passages) == k else float("-inf")
     units: list[Hit] = []
-    for h in gated(passages + [h for h in ordered if h.source != BASE], margin):
+    for h in ordered:
         if len(units) >= max_units:
             break
-        if h.source != BASE and not (rule and covered(h, units, passages)):
+        if h.source != BASE and h.score >= floor and not (rule and covered(h, units, passages)):
             units.append(h)
     return passages + units
 
@@ -184,7 +189,7 @@ class UnionRule:
     max_units: int | None = None
     rrf_k: int = 60
     gate_margin: float = 0.0
-    additive_margin: float = 0.1  # retrieval.additive_margin's default
+    additive_margin: float = 0.0  # retrieval.additive_margin's default
 
     def __post_init__(self):
         if self.union not in UNIONS and self.union != AUTO:

@@ -57,15 +57,16 @@ def skipped(wb: WritebackConfig, questions: int) -> str | None:
 
 # The union rules a version's validation answers its held-out questions under (label, retrieval settings), the
 # paper's merge first: its merge with the provenance guard, the gate at three margins, the additive rule at two.
-# Margins are in cosine: the units the earlier benchmark saw win scored 0.09 and 0.26 below the best passage.
+# Margins are in cosine: the units the earlier benchmark saw win scored 0.09 and 0.26 below the best passage; the
+# additive rule's are below the K-th passage (at 0: the units the paper's merge takes, appended instead).
 CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("score", {"union": "score"}),
     ("provenance", {"union": "provenance"}),
     ("gate", {"union": "gate", "gate_margin": 0.0}),
     ("gate 0.1", {"union": "gate", "gate_margin": 0.1}),
     ("gate 0.2", {"union": "gate", "gate_margin": 0.2}),
-    ("additive 0.1", {"union": "additive", "additive_margin": 0.1}),
-    ("additive 0.3", {"union": "additive", "additive_margin": 0.3}),
+    ("additive", {"union": "additive", "additive_margin": 0.0}),
+    ("additive 0.05", {"union": "additive", "additive_margin": 0.05}),
 )
 CONFIGURED = "configured"  # the label of an explicit retrieval.union that is none of the candidates
 # The fewest held-out questions a union is chosen on. Rules differ only where a unit changes an answer, and
