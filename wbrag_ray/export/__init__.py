@@ -44,8 +44,8 @@ def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Locat
     _clear(out, force)
     t0 = time.perf_counter()
     files, described = _write_in_task(format, view, out.uri, config)
-    manifest = {"format": format, "wbrag_version": __version__, **described, "files": files,
-                "seconds": round(time.perf_counter() - t0, 3)}
+    manifest = {"format": format, "wbrag_version": __version__, **described, "union": union_record(view, config),
+                "files": files, "seconds": round(time.perf_counter() - t0, 3)}
     out.join(MANIFEST_FILE).write_json(manifest)
     union = manifest.get("union")
     if union and not union["same_as_run"]:
@@ -53,6 +53,24 @@ def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Locat
               f"{view.version} with union {union['run']['union']!r}, so the export's top K may differ from the run's",
               flush=True)
     return manifest
+
+
+SCORE_MERGE = ("base passages and write-back units in one index: a search returns the top K of both by score, "
+               "the WriteBack-RAG paper's merge (retrieval.union: score)")
+
+
+def union_record(view, config: WbragConfig) -> dict[str, Any] | None:
+    """How an export merges passages and units (None: it holds no units): one FAISS index searched as one, a merge
+    by score; beside it the rule the run searches the version with (`UnionRule.resolved`: `auto` is the version's
+    choice) and whether the two are the same."""
+    from wbrag_ray.export.view import WRITEBACK
+    from wbrag_ray.retrieval.union import UnionRule
+
+    units = [p for p in view.parts if p.source == WRITEBACK]
+    if not units:
+        return None
+    run_rule = UnionRule.of(config.retrieval).resolved([units[0].index]).settings()
+    return {"export": "score", "what": SCORE_MERGE, "run": run_rule, "same_as_run": run_rule["union"] == "score"}
 
 
 def _write(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:

@@ -9,13 +9,10 @@ pruned level's sentence corpus holds only the kept sentences, so an id it lacks 
 else a missing document is an error. Counts are checked against the manifests of the indices the run searches.
 
 The vectors are the stored embedding shards the run's indices were built from, added to a copy of the base
-index's trained empty index (same quantizer and codes, no id map). A search of an export of the base alone (or
-pruned) returns what the run's `Retriever` returns (Flat: the same ids; IVF: the same ids at the same nprobe, which
-is saved in the file). With a write-back version, base passages and units are one FAISS index, so a search of the
-export is a score merge: the top K of both by score, the WriteBack-RAG paper's merge (`retrieval.union: score`),
-whatever rule the run searched the version with (the gate, provenance, rrf, additive, or `auto`'s choice). The
-manifest says so (`union`: the export's merge, the run's rule for the version, and whether they are the same);
-where they differ, the export returns what a `score` search of the run returns, not what its evaluations searched.
+index's trained empty index (same quantizer and codes, no id map): a search of an export of the base (or a pruned
+base) returns what the run's `Retriever` returns (Flat: the same ids; IVF: the same at the nprobe saved in the
+file). With a write-back version it is a score merge (passages and units in one index: `retrieval.union: score`),
+whatever rule the run searches the version with; the manifest's `union` says so (`export.union_record`).
 """
 
 from __future__ import annotations
@@ -47,8 +44,6 @@ from wbrag_ray.storage import Location
 
 MANIFEST_FILE = "wbrag_export.json"  # an export's view, counts and embedder; written last: the export is complete
 BASE, WRITEBACK = "base", "writeback"  # the id namespaces, as `Hit.source` names them
-SCORE_MERGE = ("base passages and write-back units in one index: a search returns the top K of both by score, "
-               "the WriteBack-RAG paper's merge (retrieval.union: score)")
 
 # Every document carries the same metadata keys (None where a key does not apply), so a reader that infers
 # one schema from the rows (FlashRAG loads its corpus with `datasets`) sees one.
@@ -192,20 +187,7 @@ class View:
             "embedder": embedder_info(config.embedder, self.dim),
             "index": {"factory": self.manifest.get("factory"), "metric": "inner_product", "nprobe": self.nprobe(config),
                       "ef_search": self.search_settings(config)[1], "k_factor": config.index.k_factor},
-            "union": self.union(config),
         }
-
-    def union(self, config: WbragConfig) -> dict[str, Any] | None:
-        """How the export merges base passages and write-back units (None: it holds no units): one FAISS index,
-        searched as one, is a merge by score (`retrieval.union: score`); beside it the rule the run searches this
-        version with (`UnionRule.resolved`: `auto` is the version's chosen rule) and whether the two are the same."""
-        units = [p for p in self.parts if p.source == WRITEBACK]
-        if not units:
-            return None
-        from wbrag_ray.retrieval.union import UnionRule
-
-        run_rule = UnionRule.of(config.retrieval).resolved([units[0].index]).settings()
-        return {"export": "score", "what": SCORE_MERGE, "run": run_rule, "same_as_run": run_rule["union"] == "score"}
 
 
 def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = None,
