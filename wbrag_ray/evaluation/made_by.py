@@ -7,7 +7,8 @@ the pruner and mastery settings their stages recorded. `--set writeback.dedupe_t
 none of them, so none of it is read from the evaluating config where the run recorded it.
 
 `made_config` is the evaluating config with those sections put back as recorded, for `papers.run_departures`;
-`made_by` is the record metrics.json keeps (`made_by`) and `papers.paper_vs_run` compares with the papers' settings.
+`made_by` is the record metrics.json keeps (`made_by`) and `paper_vs_run.paper_vs_run` compares with the papers'
+settings.
 """
 
 from __future__ import annotations
