@@ -57,7 +57,7 @@ def questions(n: int) -> list[dict]:
     return out[:n]
 
 
-def sized_config(source: Path, folder: Path, scale: int, data: Path | None = None) -> Path:
+def sized_config(source: Path, folder: Path, scale: int, data: Path | None = None, limit: int | None = None) -> Path:
     """The config `source` at `scale` times its 40 test questions, with a run folder of its own; with `data`, a
     folder's corpus.jsonl, train.jsonl and test.jsonl (those there are) replace the config's corpus, write-back
     training set and test set (its test set at 1x: larger sizes add the demo's questions)."""
@@ -74,6 +74,8 @@ def sized_config(source: Path, folder: Path, scale: int, data: Path | None = Non
         questions_file = folder / f"questions-{scale}x.jsonl"
         questions_file.write_text("".join(json.dumps(q) + "\n" for q in questions(BASE_QUESTIONS * scale)))
         config["eval"] = {**config.get("eval", {}), "dataset": str(questions_file), "name": f"questions_{scale}x"}
+    if limit:  # the first N test questions only: a shorter run on a busy machine
+        config["eval"] = {**config.get("eval", {}), "limit": limit}
     path = folder / f"config-{scale}x.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -119,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "`python -m benchmarks.long_passages OUT`'s) replacing the config's files")
     parser.add_argument("--scales", default=None, help="sizes, as multiples of the config's 40 test questions "
                         "(default 1,4,10; 1 with --data)")
+    parser.add_argument("--limit", type=int, help="evaluate the first N test questions only (eval.limit)")
     parser.add_argument("--folder", default="/tmp/wbrag-bench-plan-accuracy")
     parser.add_argument("--calibrate-seconds", default="30")
     args = parser.parse_args(argv)
@@ -132,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {**os.environ, "WBRAG_RATES_CACHE": str(folder / "rates.json")}
     report("config", args.config)
     report("data", args.data or "the config's own files")
-    configs = {scale: sized_config(Path(args.config), folder, scale, data) for scale in scales}
+    configs = {scale: sized_config(Path(args.config), folder, scale, data, args.limit) for scale in scales}
     wbrag("plan", str(configs[scales[0]]), "--calibrate", "--calibrate-seconds", args.calibrate_seconds, env=env)
     summary = []
     for scale in scales:
