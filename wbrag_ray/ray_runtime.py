@@ -111,6 +111,31 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         raise
 
 
+# How long an actor's own ending of what it started may take before the actor is killed anyway: vLLM's shutdown
+# gives its engine core 5 s before it kills it (what it took on CPUs, where the model's worker outlived the grace)
+CLOSE_S = 30.0
+
+
+def end_child_processes(timeout_s: float = 1.0) -> list[int]:
+    """End every process this one started that is still up (what a vLLM engine's own shutdown left: its
+    multiprocessing resource tracker, which ignores SIGTERM, an engine core it killed but did not reap, a model
+    worker it killed): SIGTERM, SIGKILL after `timeout_s`, each one waited for; their pids. Ray kills only a worker's
+    direct children when it exits, not their children, and none where the worker crashed
+    (RAY_kill_child_processes_on_worker_exit, a last resort by Ray's docs)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return [child.pid for child in children]
+
+
 def call_actor(actors: list, method: str, *args, attempts: int = 6, first: int | None = None):
     """`actors[i].<method>(*args)` on one of interchangeable actors (replicas of a service), waited for: on
     `actors[first]` when given, else a random one; a call that meets an actor being restarted after its node was

@@ -255,7 +255,8 @@ class RemoteEngine:
         cpus = spec["bundles"][0]["CPU"]
         # the service actor's concurrent calls reach the engine's feed together (`generation.vllm_feed`)
         env = replica_env(config)
-        self.actor = ray.remote(num_cpus=cpus, num_gpus=0, max_concurrency=config.calls_per_engine)(
+        self.actor = ray.remote(num_cpus=cpus, num_gpus=0, max_concurrency=config.calls_per_engine,
+                                concurrency_groups={"close": 1})(
             host_cls).options(scheduling_strategy=strategy,
                               **({"runtime_env": {"env_vars": env}} if env else {})).remote(config)
         self._finalizer = weakref.finalize(self, _release, self.actor, self.pg)
@@ -271,4 +272,12 @@ class RemoteEngine:
         return ray.get(self.actor.call.remote(config, method, *args, **kwargs))
 
     def close(self) -> None:
+        """End the engine in order (the host's `close`: vLLM's shutdown, then any process it left, up to
+        `ray_runtime.CLOSE_S`), then its process and placement group."""
+        import ray
+
+        from wbrag_ray.ray_runtime import CLOSE_S
+
+        if self._finalizer.alive and ray.is_initialized():
+            ray.wait([self.actor.close.options(concurrency_group="close").remote()], timeout=CLOSE_S)
         self._finalizer()

@@ -73,6 +73,10 @@ class GenerateStage(Stage):
         self.generator = make_generator(self.config)
         self.generator.setup()
 
+    def close(self) -> None:
+        if getattr(self, "generator", None) is not None:
+            self.generator.close()
+
     def service_key(self) -> str:
         # What setup loads: the generator's settings except those a pass sets for itself (its token budget, stop
         # strings, batch and checkpoint sizes are read per pass: `adopt` lends the loaded model the pass's config).

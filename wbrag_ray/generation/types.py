@@ -47,13 +47,15 @@ def mixture_unsupported(config: GeneratorConfig, why: str) -> ConfigError:
     )
 
 
-def context_refusal(config: GeneratorConfig, prompt_tokens: int, new_tokens: int, context: int,
+def context_refusal(config: GeneratorConfig, prompt_tokens: int | str, new_tokens: int, context: int,
                     what: str = "the context of") -> ConfigError:
     """The error of a prompt the model cannot read whole with its answer: past its context the answer is written
     from a prompt the model sees garbled or cut (vLLM ends it at max_model_len), which would pass as a poor score.
-    `what`: which context (the model's, or the engine's max_model_len)."""
+    `prompt_tokens`: a count, or how an engine said it ("at least 257"); `what`: which context (the model's, or
+    the engine's max_model_len)."""
+    tokens = f"{prompt_tokens:,}" if isinstance(prompt_tokens, int) else prompt_tokens
     return ConfigError(
-        f"a prompt of {prompt_tokens:,} tokens plus {new_tokens} new tokens is longer than {what} generator.model "
+        f"a prompt of {tokens} tokens plus {new_tokens} new tokens is longer than {what} generator.model "
         f"{config.model!r} ({context:,} tokens): lower retrieval.top_k (documents per prompt; under "
         "retrieval.union additive, top_k + retrieval.max_units) or ingest.max_passage_chars, or use a model with a "
         "longer context")
@@ -102,6 +104,9 @@ class Generator(ABC):
 
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Load weights; called once per worker, never at construction (the object travels to actors)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """End what `setup` started that this object's end would not end in order (an engine's processes)."""
 
     def with_config(self, config: GeneratorConfig) -> Generator:
         """This set-up generator under another pass's settings (token budget, batch size, stop strings), the

@@ -159,8 +159,9 @@ def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSi
     if config.backend != "vllm":
         return None
     size = size or model_shape(config.model)
-    tp, _ = config.parallel_sizes()
-    why = size.tensor_parallel_refusal(tp) if isinstance(tp, int) else None  # "auto" is resolved before work
+    # "auto" is decided on the cluster among the sizes the heads split over (`gpu_layout.tp_candidates`)
+    tp = "auto" if config.tensor_parallel_size == "auto" else config.parallel_sizes()[0]
+    why = size.tensor_parallel_refusal(tp) if isinstance(tp, int) else None
     if why:
         sizes = ", ".join(map(str, size.tensor_parallel_sizes(min(64, size.heads or 64))))
         return (f"{key}.tensor_parallel_size={tp} cannot shard {key}.model {config.model!r}: {why} ({size.heads} "
@@ -187,7 +188,7 @@ def check_shape(config: GeneratorConfig, key: str = "generator") -> None:
     why = shape_refusal(config, key, size)
     if why:
         raise ConfigError(why)
-    tp, _ = config.parallel_sizes()
+    tp = "auto" if config.tensor_parallel_size == "auto" else config.parallel_sizes()[0]
     if size.heads is None and isinstance(tp, int) and tp > 1:
         _say_unchecked(config.model, key, tp)
 
@@ -431,6 +432,18 @@ class VLLMGenerator(Generator):
         self.lora = self._lora_request()
         self.feed = EngineFeed(self.llm)
 
+    def close(self) -> None:
+        """End the engine: a remote engine's process and placement group (`RemoteEngine.close`), or this process's
+        engine by vLLM's own shutdown (`EngineCoreClient.shutdown`: its engine core and model workers, where they
+        are processes, end and give their memory back) rather than by the end of the service's process, which
+        Ray's kill leaves its children to notice. A service that loads another model closes this one first."""
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.close()
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
     def _lora_request(self):
         """The configured adapter as a vLLM LoRA request (one adapter per engine: id 1), from its folder on this
         node (an s3:// adapter fetched into this node's cache)."""
@@ -473,11 +486,11 @@ class VLLMGenerator(Generator):
         budget = params["max_tokens"]
         try:
             outs = self.feed.run(add)
-        except ValueError as exc:  # vLLM's VLLMValidationError: "The decoder prompt (length N) is longer than ..."
-            longer = re.search(r"prompt \(length (\d+)\) is longer than the maximum model length", str(exc))
-            if longer is None:
+        except Exception as exc:  # vLLM's VLLMValidationError is no ValueError
+            tokens = _refused_prompt_tokens(exc)
+            if tokens is None:
                 raise
-            raise context_refusal(self.config, int(longer.group(1)), budget, self.max_model_len,
+            raise context_refusal(self.config, tokens, budget, self.max_model_len,
                                   "the engine's max_model_len for") from None
         longest = max((len(o.prompt_token_ids or ()) for o in outs), default=0)
         if longest + budget > self.max_model_len:
@@ -505,6 +518,16 @@ class VLLMGenerator(Generator):
         return [choices_from_logprobs((o.outputs[0].logprobs or [None])[0], tuple(choices)) for o in outs]
 
 
+def _refused_prompt_tokens(exc: Exception) -> str | None:
+    """How long a prompt vLLM (0.32) refused as longer than max_model_len was, from its error: its renderer's
+    VLLMValidationError (parameter "input_tokens"; "at least" where its tokenizer stopped counting one token
+    past the limit), or its input processor's "prompt (length N)"; None for any other error."""
+    if getattr(exc, "parameter", None) == "input_tokens" and isinstance(getattr(exc, "value", None), int):
+        return f"{'at least ' if 'at least' in str(exc) else ''}{exc.value:,}"
+    found = re.search(r"prompt \(length (\d+)\) is longer than the maximum model length", str(exc))
+    return f"{int(found.group(1)):,}" if found else None
+
+
 class _EngineHost:
     """The process of a `RemoteEngine`: a vLLM generator set up inside its replica's placement group, running the
     generator methods that the service's actor forwards, each under the forwarding pass's settings."""
@@ -521,6 +544,13 @@ class _EngineHost:
         if self.failed is not None:
             raise self.failed
         return True
+
+    def close(self) -> list[int]:
+        """The engine's shutdown, then any process of this host still running (`RemoteEngine.close`)."""
+        from wbrag_ray.ray_runtime import end_child_processes
+
+        self.generator.close()
+        return end_child_processes()
 
     def call(self, config: GeneratorConfig, method: str, *args, **kwargs):
         return getattr(self.generator.with_config(config), method)(*args, **kwargs)

@@ -73,6 +73,9 @@ class Stage(ABC):
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Once per worker: load models, open indices."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """End what `setup` started that outlives this object (an engine's processes), before its worker ends."""
+
     def service_key(self) -> Hashable | None:
         """What `setup` loads, as a hashable value: passes whose stages have equal keys can share one set of
         set-up workers (`stages.service`), each pass with its own stage object. None: never shared."""

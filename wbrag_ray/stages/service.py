@@ -88,8 +88,10 @@ class _ServiceWorker:
         after back-offs (`ray_runtime.call_actor`) to fail the same way; the same setup is not tried again."""
         import gc
 
-        # The old model or index goes before the new one comes (and stays gone if the new setup fails).
-        self.loaded, self.key, self.refused = None, None, None
+        # The old model or index goes before the new one comes (and stays gone if the new setup fails): what its
+        # setup started (a vLLM engine's processes, their GPU memory) ends first.
+        old, self.loaded, self.key, self.refused = self.loaded, None, None, None
+        _close_stage(old)
         gc.collect()
         try:
             require_stage_gpu(stage)
@@ -102,6 +104,16 @@ class _ServiceWorker:
 
     def setup_count(self) -> int:
         return self.setups
+
+    def close(self) -> list[int]:
+        """End what the loaded stage started (`Stage.close`: a vLLM engine by its own shutdown) and any process of
+        this actor still running after it (`ray_runtime.end_child_processes`); the pids that were still up. Called
+        in a concurrency group of its own before the service kills this actor (`StageService.close`)."""
+        from wbrag_ray.ray_runtime import end_child_processes
+
+        loaded, self.loaded, self.key = self.loaded, None, None
+        _close_stage(loaded)
+        return end_child_processes()
 
     def most_calls_at_once(self) -> int:
         return self.most_running
@@ -124,6 +136,16 @@ class _ServiceWorker:
             with self._turn:
                 self.running -= 1
                 self._turn.notify_all()
+
+
+def _close_stage(stage: Stage | None) -> None:
+    """`stage.close()` where a stage was set up; its failure said, not raised (what it started ends with the actor)."""
+    if stage is None:
+        return
+    try:
+        stage.close()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("ending what the %s stage set up: %s", stage.name, exc)
 
 
 class _Dispatch:
@@ -200,7 +222,8 @@ class StageService:
         from wbrag_ray.cluster_nodes import beside_generator
 
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
-                            max_task_retries=3, max_concurrency=res.calls, **res.remote_args())(_ServiceWorker)
+                            max_task_retries=3, max_concurrency=res.calls, concurrency_groups={"close": 1},
+                            **res.remote_args())(_ServiceWorker)
         if stage.beside_generator:
             remote = remote.options(**beside_generator(res.num_gpus))
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
@@ -254,9 +277,17 @@ class StageService:
         return pd.concat(outs, ignore_index=True) if outs else frame.iloc[:0].copy()
 
     def close(self) -> None:
+        """End the service: each actor first ends what its setup started (`_ServiceWorker.close`, in a concurrency
+        group of its own, so a call still running does not hold it back; up to `ray_runtime.CLOSE_S`), then Ray
+        kills the actors, and the placement groups of their remote engines go."""
         import ray
 
+        from wbrag_ray.ray_runtime import CLOSE_S
+
         ids = [actor._actor_id.hex() for actor in self.actors]
+        if self.actors:
+            ends = [actor.close.options(concurrency_group="close").remote() for actor in self.actors]
+            ray.wait(ends, num_returns=len(ends), timeout=CLOSE_S)
         for actor in [*self.actors, *([self._dispatch] if self._dispatch is not None else [])]:
             ray.kill(actor)
         self.actors, self._dispatch = [], None
