@@ -5,8 +5,9 @@ The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vll
 installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below. A replica
 larger than one GPU (tensor / pipeline parallel) is placed as `wbrag_ray.generation.parallel` says.
 
-Over 400 lines (about 410), kept whole: both ways to the engine (the processor, the in-process engine) build it from the same
-settings (`engine_kwargs`) and read its outputs with the same sampling and logprob code, which one module keeps.
+Over 400 lines (about 560), kept whole: both ways to the engine (the processor, the in-process engine) build it from the
+same settings (`engine_kwargs`, within the model's shape: `shape_refusal`) and read its outputs with the same sampling,
+logprob and context checks, which one module keeps.
 """
 
 from __future__ import annotations
