@@ -315,17 +315,18 @@ def test_an_embed_that_filled_the_disk_is_one_line_and_resumes_with_the_default_
     1-CPU CheckpointFilter actor: the pass narrows its actor to fit and says so, and every id is embedded once."""
     import shutil
 
-    from tests.conftest import joining_env, wait_idle
+    from tests.conftest import demo_records, joining_env, wait_idle, write_jsonl
     from wbrag_ray.checkpoints import rows_by_file
     from wbrag_ray.cli import main
 
     run = small_disk / "run"
-    # many small shards, written a block each: the disk fills part way through the pass
-    assert main(["ingest", str(run), "--corpus", str(DEMO_CORPUS), *tiny.set_args(),
-                 "--set", "ingest.shard_bytes=4096"]) == 0
+    # 1,200 passages: the pass writes 3 files of about 37 KB (10 pages each) one after the other (measured)
+    records = [{"id": f"{r['id']}-{k}", "contents": r["contents"]} for k in range(12) for r in demo_records()]
+    corpus = write_jsonl(small_disk.parent / "corpus.jsonl", records)
+    assert main(["ingest", str(run), "--corpus", str(corpus), *tiny.set_args(), "--set", "ingest.shard_bytes=32768"]) == 0
     folder = RunFolder(str(run))
     used = shutil.disk_usage(small_disk).used
-    _resize(small_disk, used + 8 * 4096)  # a few pages: some of the pass's 9 files and their checkpoint records fit
+    _resize(small_disk, used + 16 * 4096)  # the first file and the checkpoint's records fit, not the second
     wait_idle(ray_cluster)
     wbrag = os.path.join(os.path.dirname(sys.executable), "wbrag")
     full = subprocess.run([wbrag, "embed", str(run)], capture_output=True, text=True, timeout=600,
