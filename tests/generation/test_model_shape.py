@@ -136,3 +136,16 @@ def test_a_refusal_in_a_service_actors_setup_ends_the_pass_at_once_as_itself(ray
             passes.generate("again", frame.iloc[:1], "prompt", "answer")
         assert passes.services.setups() == {"generate": [0]}  # the actor is up; its one setup failed
     assert "retrying" not in caplog.text  # no call sent again (`ray_runtime.call_actor`'s back-offs)
+
+
+def test_a_model_folder_on_object_storage_is_checked_by_its_config_json(s3_env):
+    """On a real S3 server (moto, loopback): the driver reads the folder's config.json, not its weights."""
+    from wbrag_ray.storage import resolve
+
+    folder = "s3://wbrag/models/gqa-12"
+    resolve(folder).join("config.json").write_json({**SMOLLM2, "num_attention_heads": 12, "num_key_value_heads": 4,
+                                                    "head_dim": 64})
+    assert model_shape(folder).source == "from its config.json"
+    with pytest.raises(ConfigError, match=r"generator.tensor_parallel_size=6 cannot shard generator.model "
+                                          r"'s3://wbrag/models/gqa-12': its 4 key-value heads"):
+        check_shape(GeneratorConfig(backend="vllm", model=folder, num_gpus=6))

@@ -134,13 +134,23 @@ def model_shape(model: str) -> ModelSize:
     folder's config.json, a GGUF file's metadata, a hub id's config.json in this machine's cache, the table of
     known models), an s3:// folder's by its config.json on storage."""
     if "://" in model and not model.startswith("file://"):
-        from wbrag_ray.storage import resolve
-
+        stored = _stored_config(model)
         try:
-            return size_from_config(model, resolve(model).join("config.json").read_json(), "from its config.json")
-        except (OSError, ValueError, KeyError, TypeError):  # no config.json there (ConfigError is a ValueError)
-            pass
+            return size_from_config(model, stored, "from its config.json") if stored else model_size(model)
+        except (ValueError, KeyError, TypeError):  # an unusual layout: as its name says
+            return model_size(model)
     return model_size(model.removeprefix("file://"))
+
+
+@functools.lru_cache(maxsize=32)
+def _stored_config(model: str) -> dict | None:
+    """The config.json of a model folder on object storage, read once per process (every pass checks the shape)."""
+    from wbrag_ray.storage import resolve
+
+    try:
+        return resolve(model).join("config.json").read_json()
+    except (OSError, ValueError):  # none there, or unreachable (ConfigError is a ValueError): the engine will say
+        return None
 
 
 def engine_context(config: GeneratorConfig, size: ModelSize) -> int:
