@@ -28,9 +28,9 @@ def test_a_bare_answer_is_no_statement():
 
 def test_a_statement_one_source_sentence_holds_with_its_figures_is_supported():
     assert statement_check("The population of the municipality of Albligen in 2010 was 477.", SOURCE) is None
-    # "It was released in February 1990." read with its title: the rewrite names what "It" is
     assert statement_check("Let Them Eat Bingo peaked at number 17 on the UK Albums Chart.", SOURCE) is None
-    # each sentence on its own: two supported sentences are a supported unit
+    # each sentence on its own: two supported sentences are a supported unit; the first is "It was released in
+    # February 1990." read with its passage's title (the rewrite names what "It" is)
     assert statement_check("Let Them Eat Bingo was released in February 1990. Albligen is in the canton of Bern.",
                            SOURCE) is None
 
