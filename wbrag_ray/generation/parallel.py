@@ -260,6 +260,7 @@ class RemoteEngine:
             host_cls).options(scheduling_strategy=strategy,
                               **({"runtime_env": {"env_vars": env}} if env else {})).remote(config)
         self._finalizer = weakref.finalize(self, _release, self.actor, self.pg)
+        self._host_closes = callable(getattr(host_cls, "close", None))
         try:
             ray.get(self.actor.ready.remote())  # the engine's start, and its errors, here
         except BaseException:
@@ -272,12 +273,12 @@ class RemoteEngine:
         return ray.get(self.actor.call.remote(config, method, *args, **kwargs))
 
     def close(self) -> None:
-        """End the engine in order (the host's `close`: vLLM's shutdown, then any process it left, up to
-        `ray_runtime.CLOSE_S`), then its process and placement group."""
+        """End the engine in order (the host's `close`, where its class has one: vLLM's shutdown, then any process
+        it left, up to `ray_runtime.CLOSE_S`), then its process and placement group."""
         import ray
 
         from wbrag_ray.ray_runtime import CLOSE_S
 
-        if self._finalizer.alive and ray.is_initialized():
+        if self._finalizer.alive and ray.is_initialized() and self._host_closes:
             ray.wait([self.actor.close.options(concurrency_group="close").remote()], timeout=CLOSE_S)
         self._finalizer()
