@@ -154,6 +154,9 @@ def test_eval_with_writeback_then_rollback_to_base_only(trained, capsys):
     result = RunFolder(str(run)).layout.eval_result("t-writeback", "naive")
     metrics = result.metrics.read_json()
     assert metrics["setting"] == "base+writeback" and metrics["writeback_version"] == "train" and metrics["n"] == 2
+    # retrieval.union auto, and what it searched with: this version held no questions out, so the fallback
+    assert metrics["union"] == {"union": "auto", "max_units": None}
+    assert metrics["union_searched"] == {"union": "provenance", "max_units": None}
     docs = [json.loads(p["docs"]) for p in pq.read_table(result.predictions.path).to_pylist()]
     assert all(len(d) == 5 for d in docs) and all(h["source"] in ("base", "writeback") for d in docs for h in d)
 

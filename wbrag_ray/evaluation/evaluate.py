@@ -76,6 +76,12 @@ def evaluate(
     # from what made the results: the version's and the adapter's recorded settings, not this config's
     departed = result_departures(run, config, dataset, wb_version, own_adapter(run, config), zero_rag)
 
+    searched_union = None
+    if wb_version:
+        from wbrag_ray.retrieval.union import UnionRule
+        from wbrag_ray.storage import resolve
+
+        searched_union = UnionRule.of(config.retrieval).resolved([resolve(extra[0][0])]).settings()
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
     search = RetrievalSetting(
@@ -120,6 +126,8 @@ def evaluate(
             "setting": setting,
             "writeback_version": wb_version if method != "no-retrieval" else None,
             "union": union_settings(config) if wb_version and method != "no-retrieval" else None,
+            # the rule the searches used: under `auto`, the one the version chose (retrieval.union), read beside its index
+            "union_searched": searched_union if method != "no-retrieval" else None,
             "dataset": dataset,
             "rejected_questions": rejects.num_rows,
             "top_k": config.retrieval.top_k if method != "no-retrieval" else 0,
