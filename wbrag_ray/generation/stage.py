@@ -73,6 +73,10 @@ class GenerateStage(Stage):
         self.generator = make_generator(self.config)
         self.generator.setup()
 
+    @property
+    def starts_processes(self) -> bool:
+        return self.config.backend == "vllm"  # its engine core and model workers (on GPUs; a remote engine's too)
+
     def close(self) -> None:
         if getattr(self, "generator", None) is not None:
             self.generator.close()

@@ -73,6 +73,12 @@ class Stage(ABC):
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Once per worker: load models, open indices."""
 
+    @property
+    def starts_processes(self) -> bool:
+        """Whether `setup` may start processes of its own (a vLLM engine's), which `close` ends: its service then
+        asks each actor to close it before Ray kills the actors (`stages.service.StageService.close`)."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """End what `setup` started that outlives this object (an engine's processes), before its worker ends."""
 

@@ -221,8 +221,13 @@ class StageService:
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
         from wbrag_ray.cluster_nodes import beside_generator
 
+        # An actor whose setup starts processes gets a concurrency group for its close, which then does not wait
+        # behind a call still running (Ctrl-C); only there: an actor with concurrency groups runs even its single
+        # calls in a thread of their own, whose OpenMP threads are not the ones `set_threads` set.
+        self.closes = stage.starts_processes
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
-                            max_task_retries=3, max_concurrency=res.calls, concurrency_groups={"close": 1},
+                            max_task_retries=3, max_concurrency=res.calls,
+                            **({"concurrency_groups": {"close": 1}} if self.closes else {}),
                             **res.remote_args())(_ServiceWorker)
         if stage.beside_generator:
             remote = remote.options(**beside_generator(res.num_gpus))
@@ -277,15 +282,16 @@ class StageService:
         return pd.concat(outs, ignore_index=True) if outs else frame.iloc[:0].copy()
 
     def close(self) -> None:
-        """End the service: each actor first ends what its setup started (`_ServiceWorker.close`, in a concurrency
-        group of its own, so a call still running does not hold it back; up to `ray_runtime.CLOSE_S`), then Ray
-        kills the actors, and the placement groups of their remote engines go."""
+        """End the service: where its stage starts processes, each actor first ends what its setup started
+        (`_ServiceWorker.close`, in a concurrency group of its own, so a call still running does not hold it back;
+        up to `ray_runtime.CLOSE_S`), then Ray kills the actors, and the placement groups of their remote engines
+        go."""
         import ray
 
         from wbrag_ray.ray_runtime import CLOSE_S
 
         ids = [actor._actor_id.hex() for actor in self.actors]
-        if self.actors:
+        if self.actors and self.closes:
             ends = [actor.close.options(concurrency_group="close").remote() for actor in self.actors]
             ray.wait(ends, num_returns=len(ends), timeout=CLOSE_S)
         for actor in [*self.actors, *([self._dispatch] if self._dispatch is not None else [])]:
