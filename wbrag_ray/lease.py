@@ -237,11 +237,14 @@ class RunLease:
         self.version: Any = None
         self.created_root = False
         self.lost: str | None = None  # the one line saying who took the lease, once it is found taken
-        self.renewed = time.monotonic()  # when the lease was last written by this holder (this process's clock)
+        # when this holder last wrote the lease, on the clock takers judge its heartbeat by (a paused VM's monotonic
+        # clock may not advance while it is paused)
+        self.renewed = time.time()
         self._lock = threading.Lock()  # the heartbeat and a write's fence renew one after the other
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_handler: Any = None
+        self._interrupts = False  # whether a lost lease interrupts the main thread (it was taken there)
 
     def _data(self) -> bytes:
         return (json.dumps(self.record, indent=1) + "\n").encode("utf-8")
@@ -273,9 +276,10 @@ class RunLease:
             self._remove_created_root()
             raise
         self.version = self.store.read()[1]  # type: ignore[index]
-        self.renewed = time.monotonic()
+        self.renewed = time.time()
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(LOST_SIGNAL, self._on_lost_signal)
+            self._interrupts = True
         guard_writes(self.root, self.fence)
         self._thread = threading.Thread(target=self._beat, name="wbrag-lease-heartbeat", daemon=True)
         self._thread.start()
@@ -287,8 +291,8 @@ class RunLease:
         with self._lock:
             if self.lost is not None:
                 raise LeaseLost(self.lost)
-            started = time.monotonic()
-            self.record["heartbeat"] = time.time()
+            started = time.time()
+            self.record["heartbeat"] = started
             data = self._data()
             if not self.store.replace(data, self.version):
                 self.lost = self._lost_message(started)
@@ -314,7 +318,7 @@ class RunLease:
             return
         if self.lost is not None:
             raise LeaseLost(self.lost)
-        if commit or time.monotonic() - self.renewed > self.ttl / 2:
+        if commit or time.time() - self.renewed > self.ttl / 2:
             self._renew()
 
     def _beat(self) -> None:
@@ -323,7 +327,7 @@ class RunLease:
                 self._renew()
             except LeaseLost:
                 log.debug("the lease of %s was taken: interrupting the command", self.root.uri)
-                if self._previous_handler is not None and not self._stop.is_set():
+                if self._interrupts and not self._stop.is_set():
                     import _thread
 
                     _thread.interrupt_main(LOST_SIGNAL)  # raises LeaseLost in the main thread (`_on_lost_signal`)
@@ -340,9 +344,9 @@ class RunLease:
         if self._thread is not None:
             self._thread.join(timeout=10)
         guard_writes(self.root, None)
-        if self._previous_handler is not None:
-            signal.signal(LOST_SIGNAL, self._previous_handler)
-            self._previous_handler = None
+        if self._interrupts:
+            signal.signal(LOST_SIGNAL, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
+            self._interrupts = False
         current = self.store.read()
         if current is not None and current[0].get("token") == self.record["token"]:
             self.store.delete()
