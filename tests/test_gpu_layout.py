@@ -16,7 +16,6 @@ from wbrag_ray.gpu_layout import (
     retrieval_node,
     share_of,
     tensor_parallel_auto,
-    tp_candidates,
 )
 from wbrag_ray.plan.models import model_size
 
@@ -27,9 +26,9 @@ RETRIEVAL = [RetrievalActors("search actor", 1, 3.3), RetrievalActors("query emb
 
 
 def test_tensor_parallel_sizes_vllm_can_shard_divide_the_heads_or_replicate_the_kv_heads():
-    assert tp_candidates(64, 8, 8) == [1, 2, 4, 8]  # Llama-3.3-70B
-    assert tp_candidates(9, 3, 8) == [1, 3]  # SmolLM2-135M: 2 divides neither 9 heads nor 3 KV heads
-    assert tp_candidates(4, 1, 8) == [1, 2, 4]  # Gemma-3-270M: one KV head, replicated on every rank
+    assert model_size("meta-llama/Llama-3.3-70B-Instruct").tensor_parallel_sizes(8) == [1, 2, 4, 8]
+    assert model_size("bundled:smollm2").tensor_parallel_sizes(8) == [1, 3]  # 9 heads, 3 KV heads: 2 splits neither
+    assert model_size("google/gemma-3-270m").tensor_parallel_sizes(8) == [1, 2, 4]  # one KV head, repeated
 
 
 def test_tensor_parallel_auto_is_the_fewest_gpus_of_a_node_that_hold_a_70b_and_its_kv_cache():
@@ -172,3 +171,15 @@ def test_each_command_decides_the_layout_again_from_what_the_config_said(monkeyp
     cluster_nodes.resolve_auto_concurrency(zero_rag, search=(2, 9.5e9))
     assert zero_rag.generator.parallel_sizes() == (2, 1) and zero_rag.generator.concurrency == 1
     assert zero_rag.zerorag.tune.trainer.num_workers == 2  # the FSDP tuning still takes both GPUs
+
+
+def test_the_plan_refuses_a_model_shape_the_commands_refuse():
+    """`wbrag plan` applies the commands' shape check (`generation.vllm.shape_refusal`: heads and key-value heads,
+    context), on CPUs too: SmolLM2's 9 heads do not split over 2 vLLM CPU ranks."""
+    from wbrag_ray.plan import make_plan
+    from wbrag_ray.plan.placement import Cluster
+
+    config = load_config(overrides=["generator.backend=vllm", "generator.tensor_parallel_size=2"])
+    problems = make_plan(config, Cluster.uniform(1, 2, 0, 8, 80)).problems
+    assert any(p.startswith("generator.tensor_parallel_size=2 cannot shard") and "choose one of 1, 3, 9" in p
+               for p in problems)

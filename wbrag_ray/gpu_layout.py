@@ -6,7 +6,8 @@ commands, on Ray's nodes) and the plan (on the stated cluster) apply the same on
 
 - `tensor_parallel_auto`: the fewest GPUs of one node that hold the weights plus a KV cache for the configured
   batch, within what vLLM may fill of each (gpu_memory_utilization), and that vLLM can shard the model over
-  (the attention heads split evenly; the key-value heads split evenly or are replicated).
+  (`ModelSize.tensor_parallel_sizes`: the attention heads split evenly; the key-value heads split evenly or are
+  repeated).
 - `gpu_layout`: retrieval takes whole GPUs where that costs the generator at most one replica in eight
   (`WHOLE_GPU_COST`: its own GPU keeps a search actor's memory and kernels off the engine's); otherwise each
   retrieval actor takes a share of a GPU sized from its model or index (`share_of`), every GPU of a replica asks
@@ -52,21 +53,6 @@ def prompt_tokens(top_k: int, unit: str) -> int:
     return PROMPT_BASE_TOKENS + top_k * DOC_TOKENS.get(unit, DOC_TOKENS["passage"])
 
 
-def tp_candidates(heads: int | None, kv_heads: int | None, most: int) -> list[int]:
-    """Tensor-parallel sizes up to `most` that vLLM can shard a model of `heads` attention and `kv_heads`
-    key-value heads over: the attention heads split evenly, and the key-value heads either split evenly or, where
-    there are fewer of them than ranks, replicated (the ranks a multiple of them), as vLLM's attention layers
-    require (`vllm/model_executor/layers/linear.py`, QKVParallelLinear)."""
-    out = []
-    for tp in range(1, most + 1):
-        if heads and heads % tp:
-            continue
-        if kv_heads and kv_heads % tp and tp % kv_heads:
-            continue
-        out.append(tp)
-    return out
-
-
 def tensor_parallel_auto(size, gpus_per_node: list[float], gpu_memory_gb: float, utilization: float, batch: int,
                          tokens: int, key: str = "generator") -> int:
     """The fewest GPUs of one node (`gpus_per_node`: each node's GPU count) whose memory, at `utilization` of each,
@@ -80,10 +66,10 @@ def tensor_parallel_auto(size, gpus_per_node: list[float], gpu_memory_gb: float,
     # unknown layout: a KV cache of a fifth of the weights (the plan's serving headroom)
     kv = batch * tokens * per_token / 1e9 if per_token else 0.2 * weights
     most = int(max(gpus_per_node, default=0) + 1e-9)
-    for tp in tp_candidates(size.heads, size.kv_heads, most):
+    for tp in size.tensor_parallel_sizes(most):  # the sizes vLLM can shard its heads over
         if tp * gpu_memory_gb * utilization >= weights + kv:
             return tp
-    fits = [tp for tp in tp_candidates(size.heads, size.kv_heads, 64) if tp * gpu_memory_gb * utilization >= weights + kv]
+    fits = [tp for tp in size.tensor_parallel_sizes(64) if tp * gpu_memory_gb * utilization >= weights + kv]
     need = (f"{fits[0]} GPUs of one node" if fits else "more GPUs than a node has")
     raise ConfigError(
         f"{key}.tensor_parallel_size auto: {size.name} needs {weights:,.0f} GB of bf16 weights and {kv:,.1f} GB of KV "

@@ -170,7 +170,7 @@ def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSi
     if config.backend != "vllm":
         return None
     size = size or model_shape(config.model)
-    # "auto" is decided on the cluster among the sizes the heads split over (`gpu_layout.tp_candidates`)
+    # "auto" is decided on the cluster among the sizes the heads split over (`ModelSize.tensor_parallel_sizes`)
     tp = "auto" if config.tensor_parallel_size == "auto" else config.parallel_sizes()[0]
     why = size.tensor_parallel_refusal(tp) if isinstance(tp, int) else None
     if why:

@@ -181,7 +181,7 @@ class _Builder:
         the commands' own rule): the generator's tensor-parallel size, retrieval's whole GPUs or shares beside the
         replicas. The faiss of a GPU cluster is assumed to have GPU support (the project's image installs it)."""
         from wbrag_ray.cluster_nodes import needs_layout
-        from wbrag_ray.gpu_layout import apply_gpu_layout, holds_whole_gpus, index_on_gpu, tp_candidates
+        from wbrag_ray.gpu_layout import apply_gpu_layout, holds_whole_gpus, index_on_gpu
 
         if not needs_layout(self.c):
             return
@@ -197,7 +197,7 @@ class _Builder:
             if g.tensor_parallel_size == "auto":  # refused: planned at the largest size a node has, to show the rest
                 size = model_size(g.model)
                 most = int(max((n.gpus for n in self.cluster.nodes), default=1) or 1)
-                g.num_gpus = float(max(tp_candidates(size.heads, size.kv_heads, most)) * g.pipeline_parallel_size)
+                g.num_gpus = float(max(size.tensor_parallel_sizes(most)) * g.pipeline_parallel_size)
                 g.tensor_parallel_size = int(g.num_gpus) // g.pipeline_parallel_size
             return
         self.shares = not holds_whole_gpus(layout)

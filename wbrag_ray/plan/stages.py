@@ -116,15 +116,17 @@ def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[l
     notes = [f"{key}: {size.describe()}" + (f", about {memory:,.1f} GB with headroom" if memory else "")]
     why = placement_refusal(g, [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes], key) if on_gpu else None
     refusals = [why] if why else []
+    # the model's shape as the commands check it before any work (heads and key-value heads, context)
+    from wbrag_ray.generation.vllm import shape_refusal
+
+    if (shape := shape_refusal(g, key, size)) is not None:
+        refusals.append(shape)
     tp, pp = g.parallel_sizes()
     util = {**VLLM_THROUGHPUT_DEFAULTS, **g.vllm_engine_kwargs}["gpu_memory_utilization"] if g.backend == "vllm" else 1.0
     fixes = {"fix": f"lower {key}.concurrency", "fix_memory": _more_gpus_fix(key, memory, cluster.gpu_memory_gb * util, size)}
     if on_gpu and sharded(g):
         notes.append(f"{key}: each replica tensor_parallel_size {tp} x pipeline_parallel_size {pp} "
                      f"({tp * pp} one-GPU bundles; a tensor-parallel group of {tp} on one node)")
-        if size.heads and size.heads % tp:
-            refusals.append(f"{key}: tensor_parallel_size {tp} does not divide the model's {size.heads} attention "
-                            "heads (vLLM shards heads evenly); choose a divisor")
         return [Bundle(f"{key} service actor", g.concurrency, g.num_cpus, fix=f"lower {key}.concurrency"),
                 Bundle(f"{key} tensor-parallel group", g.concurrency * pp, GPU_BUNDLE["CPU"] * tp,
                        GPU_BUNDLE["GPU"] * g.gpu_share * tp, gpu_memory_gb=memory / (tp * pp) if memory else None, gpu_budget=util,
