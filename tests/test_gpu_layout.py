@@ -179,7 +179,7 @@ def test_the_plan_refuses_a_model_shape_the_commands_refuse():
     from wbrag_ray.plan import make_plan
     from wbrag_ray.plan.placement import Cluster
 
-    config = load_config(overrides=["generator.backend=vllm", "generator.tensor_parallel_size=2"])
+    config = load_config(overrides=["generator.backend=vllm", "generator.tensor_parallel_size=2", "eval.dataset=qa.jsonl"])
     problems = make_plan(config, Cluster.uniform(1, 2, 0, 8, 80)).problems
     assert any(p.startswith("generator.tensor_parallel_size=2 cannot shard") and "choose one of 1, 3, 9" in p
                for p in problems)
