@@ -136,13 +136,16 @@ def test_the_image_pins_the_vllm_release_built_for_the_pinned_torch():
 
 
 def _largest_gpu_group() -> int:
-    """The most GPUs one bundle of the paper configs needs on one node: a vLLM replica's tensor-parallel group, a
-    one-GPU-per-stage engine, a training worker's GPUs (its model spreads over its own node's GPUs only)."""
+    """The most GPUs one bundle of the paper configs needs on one node: a vLLM replica's tensor-parallel group (its
+    size `auto` decides on the deployment's nodes of 8 H100s of 80 GB), a one-GPU-per-stage engine, a training
+    worker's GPUs (its model spreads over its own node's GPUs only)."""
     from wbrag_ray.config import load_config
+    from wbrag_ray.gpu_layout import apply_gpu_layout
 
     need = 0.0
     for name in ("paper_zero_rag.yaml", "paper_writeback.yaml"):
         config = load_config(ROOT / "jobs" / "configs" / name)
+        apply_gpu_layout(config, [{"CPU": 96.0, "GPU": 8.0}], (0, 0.0), 80.0)
         need = max(need, config.generator.parallel_sizes()[0], config.embedder.num_gpus,
                    config.zerorag.lm_pruner.num_gpus, config.zerorag.lm_pruner.trainer.num_gpus,
                    config.zerorag.tune.trainer.num_gpus)

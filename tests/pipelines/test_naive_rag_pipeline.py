@@ -68,6 +68,7 @@ def test_changed_config_on_existing_run_is_refused(built_run, capsys):
 
 
 def test_report_has_every_plot_it_references_and_a_markdown_twin(built_run, capsys):
+    import html
     import re
 
     run, _ = built_run
@@ -80,7 +81,7 @@ def test_report_has_every_plot_it_references_and_a_markdown_twin(built_run, caps
         data = layout.report.join(img).read_bytes()  # named by the page, beside it
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, img
     md = layout.report_markdown.read_bytes().decode()
-    html_tables = re.findall(r"<caption>([^<]+)</caption>", html_text)
+    html_tables = [html.unescape(c) for c in re.findall(r"<caption>([^<]+)</caption>", html_text)]  # HTML text
     md_tables = re.findall(r"^\*\*(.+)\*\*$", md, re.M)
     assert html_tables == md_tables and "answer metrics" in md_tables
     assert md.count("| slice-naive |") == 1 and html_text.count("<td>slice-naive</td>") == 1
