@@ -5,6 +5,10 @@ and returns the stage's stats (or results) as plain dicts. The functions that wr
 the config as the run's first (refusing one that would change the built knowledge base, unless `force`) and
 join or start Ray (`config.ray`).
 
+Over 500 lines, kept whole: it is the public surface a user reads in one place (each function short, the work in
+the method packages below it); the checks every command runs before work (inputs, model shapes, joining Ray and
+deciding its "auto" settings) sit beside the functions that call them.
+
     from wbrag_ray import api
     from wbrag_ray.config import load_config
 

@@ -40,7 +40,7 @@ from typing import Any
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.plan.measuring import hardware
 from wbrag_ray.plan.measuring import timed_batches as _timed_batches
-from wbrag_ray.plan.tokens import TOKEN_UNITS, messages_tokens, text_tokens
+from wbrag_ray.plan.tokens import TOKEN_UNITS, jsonl_rows, messages_tokens, text_tokens
 
 log = logging.getLogger(__name__)
 
@@ -207,25 +207,7 @@ def _sample(config: WbragConfig, n: int = 128) -> tuple[list[str], list[tuple[st
 
 
 def _jsonl_field(path: str | None, field: str, n: int) -> list[str]:
-    if not path or "://" in path:
-        return []
-    from wbrag_ray.formats import InputError, input_files
-    from wbrag_ray.storage import resolve
-
-    out: list[str] = []
-    try:
-        for f in input_files(resolve(path), path):
-            if not f.path.endswith((".jsonl", ".json")):
-                continue
-            with open(f.path, encoding="utf-8") as handle:
-                for line in handle:
-                    if line.strip():
-                        out.append(str(json.loads(line)[field]))
-                    if len(out) >= n:
-                        return out
-    except (OSError, InputError, ValueError, KeyError):
-        return out
-    return out
+    return [str(r[field]) for r in jsonl_rows(path, n) if field in r]
 
 
 def roles(config: WbragConfig) -> list[str]:

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.plan.tokens import SAMPLE_LINES, messages_tokens, text_tokens
+from wbrag_ray.plan.tokens import jsonl_rows, messages_tokens, text_tokens
 
 SAMPLE_QUESTIONS = 64  # training questions answered both ways: a 95% interval of about +-0.1 at a 20% keep rate
 MIN_QUESTIONS = 24  # answered whatever the budget (+-0.16 at 20%): past these, batches go on while the budget lasts
@@ -45,26 +45,7 @@ def wilson(kept: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def sample_rows(path: str, n: int = SAMPLE_QUESTIONS) -> list[dict[str, Any]]:
     """`n` question rows spread evenly over a local jsonl file's first `SAMPLE_LINES` lines ([] where it is not
     readable here)."""
-    import json
-
-    from wbrag_ray.formats import InputError, input_files
-    from wbrag_ray.storage import resolve
-
-    if not path or "://" in path:
-        return []
-    rows: list[dict[str, Any]] = []
-    try:
-        for f in input_files(resolve(path), path):
-            if not f.path.endswith((".jsonl", ".json")):
-                continue
-            with open(f.path, encoding="utf-8") as handle:
-                for line in handle:
-                    if line.strip():
-                        rows.append(json.loads(line))
-                    if len(rows) >= SAMPLE_LINES:
-                        break
-    except (OSError, InputError, ValueError):
-        return []
+    rows = jsonl_rows(path)
     rows = [r for r in rows if "question" in r and r.get("golden_answers")]
     step = max(1, len(rows) // n)
     return rows[::step][:n]

@@ -81,29 +81,35 @@ def template_tokens(with_docs: bool) -> float:
     return template_of(rag_messages, 1) if with_docs else template_of(lambda q, _: no_retrieval_messages(q))
 
 
-def _mean_chars(path: str, field: str, part=str) -> float | None:
-    """Mean characters of `field` (of `part` of it: its first line, a title) over a local jsonl file's first
-    lines; None where it is not a readable local jsonl (Parquet and remote files are not read for this)."""
+def jsonl_rows(path: str | None, n: int = SAMPLE_LINES) -> list[dict]:
+    """The first `n` rows of a local jsonl file or folder, parsed ([] where it is not readable here: Parquet and
+    remote files are not read for the plan's samples; the rows read before an unreadable line are kept)."""
     if not path or "://" in path:
-        return None
+        return []
     from wbrag_ray.formats import InputError, file_kind, input_files
     from wbrag_ray.storage import resolve
 
+    rows: list[dict] = []
     try:
-        total = n = 0
         for f in input_files(resolve(path), path):
             if file_kind(f) == "parquet":
                 continue
             with open(f.path, encoding="utf-8") as handle:
                 for line in handle:
-                    if n >= SAMPLE_LINES:
-                        break
+                    if len(rows) >= n:
+                        return rows
                     if line.strip():
-                        total += len(part(str(json.loads(line).get(field, ""))))
-                        n += 1
-        return total / n if n else None
+                        rows.append(json.loads(line))
     except (OSError, InputError, ValueError):
-        return None
+        pass
+    return rows
+
+
+def _mean_chars(path: str, field: str, part=str) -> float | None:
+    """Mean characters of `field` (of `part` of it: its first line, a title) over a local jsonl file's first
+    lines; None where it is not a readable local jsonl."""
+    rows = jsonl_rows(path)
+    return sum(len(part(str(r.get(field, "")))) for r in rows) / len(rows) if rows else None
 
 
 def token_shape(config: WbragConfig) -> TokenShape:
