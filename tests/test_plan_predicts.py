@@ -122,7 +122,8 @@ def test_calibration_is_recorded_with_its_hardware_and_found_again(tiny, ray_clu
     assert "[calibrated]" in next(s for s in plan.stages if s.name == "evaluation").how
     # measured on another CPU kind, or with another dtype: not taken
     # (the evaluation then: benchmark rates, and its services' start assumed, an estimate)
-    other = [{**r, "hardware": {**r["hardware"], "cpu_flags": "avx2"}} for r in records]
+    # (flags this CPU does not have: "avx2" alone is this machine's on an AVX2-only host)
+    other = [{**r, "hardware": {**r["hardware"], "cpu_flags": r["hardware"]["cpu_flags"] + " amx"}} for r in records]
     assert "calibrated" not in make_plan(config, cluster, records=other).stages[-1].sources
     bf16 = [{**r, "hardware": {**r["hardware"], "dtype": "bfloat16"}} for r in records]
     assert set(make_plan(config, cluster, records=bf16).stages[-1].sources) == {"benchmark", "estimate"}

@@ -103,19 +103,20 @@ def test_the_write_back_plan_takes_the_keep_rate_and_distiller_calls_measured_on
 def test_calibration_measures_the_keep_rate_and_the_distillers_prompts_on_the_configs_data(tiny, tmp_path):
     """The real measurement, in this process, with the tiny models over the demo corpus and training set."""
     from tests.conftest import DEMO_CORPUS
-    from wbrag_ray.plan.calibrate import _jsonl_field
-    from wbrag_ray.plan.selection import MIN_QUESTIONS, calibrate_writeback, sample_rows
+    from wbrag_ray.plan.selection import MIN_QUESTIONS, calibrate_writeback, corpus_passages, sample_rows
 
     config = load_config(WB_DEMO, overrides=[*tiny.overrides(), "generator.max_new_tokens=4",
                                              "writeback.extract_max_new_tokens=8", "writeback.rewrite_max_new_tokens=8"],
                          extra={"ingest": {"corpus": str(DEMO_CORPUS)}})
     rows = sample_rows(config.writeback.train)
     assert len(rows) == 30  # the demo's training set, every question (fewer than the sample)
-    contents = _jsonl_field(config.ingest.corpus, "contents", 2000)
-    passages = [(c.split("\n", 1)[0], c.split("\n", 1)[1]) for c in contents]
+    passages = corpus_passages(config.ingest.corpus, 2000)  # as the ingest parses them
     record = calibrate_writeback(config, rows, passages, len(passages), budget=0.0)
-    batch = config.generator.batch_size  # no budget: the minimum sample, in whole batches
-    assert record["questions"] == min(len(rows), math.ceil(MIN_QUESTIONS / batch) * batch) == 30
+    from wbrag_ray.generation.stage import GenerateStage
+
+    part = GenerateStage(config.generator).resources.batch_size // 2  # a pass batch's questions, each asked twice
+    # no budget: the minimum sample, in whole parts
+    assert record["questions"] == min(len(rows), math.ceil(MIN_QUESTIONS / part) * part) == 30
     assert record["kept"] == round(record["keep_rate"] * record["questions"])
     lo, hi = record["keep_interval"]
     assert lo <= record["keep_rate"] <= hi

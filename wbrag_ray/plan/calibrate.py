@@ -9,7 +9,10 @@ size. What is measured:
                 interpolates a cost per prompt token and a cost per call), warm (each batch run a second time);
                 the first use of the prompt shapes (the cold run's extra), the model's load, and the start of
                 the run's own generator service to a first answer
-    embedder    seconds a token of the corpus's texts (the index unit's), and the model's load
+    embedder    seconds a token of the corpus's texts (the index unit's, as the embed stage embeds them), warm, in
+                the run's pass batches; the model's load; and the run's own embed stage on the corpus's first
+                passages, in a run folder of its own: its seconds beyond their tokens are the stage's fixed cost
+                (the Ray Data pass's start, its actors' start and load, first use, write and checkpoint)
     training    seconds a training token of a LoRA step (forward, backward, optimizer) of the generator at the
                 tuning's batch and length (scaled by parameters for another backbone); and Ray Train's own start
                 and end, a fit of the tuning's workers whose loop does nothing
@@ -23,8 +26,9 @@ the older one.
 Write-back's figures of the config's own data (the keep rate, the distiller's calls) are measured by `selection`,
 in a worker this driver starts the same way.
 
-Over 400 lines (about 415), not split: each measurement (generator, embedder, training, Ray Train's start) and
-the driver that runs them on the cluster and keeps the records, one place for what `--calibrate` does.
+Over 400 lines (about 460), not split: each measurement (generator, embedder and the run's embed stage, training,
+Ray Train's start) and the driver that runs them on the cluster and keeps the records, one place for what
+`--calibrate` does.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +50,9 @@ from wbrag_ray.plan.tokens import TOKEN_UNITS, jsonl_rows, messages_tokens, text
 log = logging.getLogger(__name__)
 
 DEFAULT_SECONDS = 30.0  # per model: a minute on a cluster; the 2-core build machine keeps it shorter
+# passages the run's own embed stage is timed on (`_embed_pass`): a pass batch of the embed stage by default, so a
+# corpus of up to this many is planned at its own stage's time
+PROBE_PASSAGES = 512
 
 
 def cache_path() -> Path:
@@ -112,6 +120,7 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
 
     from wbrag_ray.models.embedder import Embedder
     from wbrag_ray.models.hardware import resolved_dtype_name
+    from wbrag_ray.stages.embed import EmbedStage
 
     e = config.embedder
     threads = e.threads or max(1, int(-(-e.num_cpus // 1)))
@@ -121,7 +130,9 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
     emb.setup()
     load = time.perf_counter() - t0
     loaded_at = time.time()
-    batch = max(1, e.batch_size)
+    # as the run's embed actor is handed them: a pass batch at a time (sentence-transformers sorts a call's texts by
+    # length before cutting its forward batches, so a larger call pads less)
+    batch = EmbedStage(e).resources.batch_size
     batches = [texts[i:i + batch] for i in range(0, len(texts), batch)] or [texts]
     n, _, seconds = _timed_batches(emb.encode_passages, batches, budget)
     done = [t for i in range(n) for t in batches[i]]
@@ -187,20 +198,25 @@ def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
 # --- the driver: one actor per model, then the records saved -------------------------------------------------
 
 def _sample(config: WbragConfig, n: int = 128) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-    """(questions, (title, text) documents, texts to embed) from the config's own files; a few stand-ins where a
-    file is not readable here."""
+    """(questions, (title, text) documents, texts to embed) from the config's own files, read as the run reads
+    them (`selection`); a few stand-ins where a file is not readable here."""
+    from wbrag_ray.build_kb import unit_text
+    from wbrag_ray.plan.selection import corpus_passages
+
     questions: list[str] = []  # every QA file's: prompts the run will not meet twice
     for path in dict.fromkeys((config.eval.dataset, config.writeback.train, config.zerorag.train)):
         questions += _jsonl_field(path, "question", n)
-    contents = _jsonl_field(config.ingest.corpus, "contents", n)
-    docs = [(c.split("\n", 1)[0], c.split("\n", 1)[-1]) for c in contents]
+    docs = corpus_passages(config.ingest.corpus, n)
     if config.index.unit == "sentence":
         from wbrag_ray.stages.ingest import Segmenter
 
         split = Segmenter().split
         texts = [s for _, text in docs for s in split(text)][: 4 * n]
-    else:
-        texts = [text for _, text in docs]
+    else:  # as the embed stage embeds a passage: 'Title\ntext'
+        import pandas as pd
+
+        frame = pd.DataFrame({"pid": range(len(docs)), "title": [t for t, _ in docs], "text": [x for _, x in docs]})
+        texts = unit_text(frame, "pid")["text"].tolist()
     filler = "The river flows north through several countries and reaches the sea after many miles."
     return (questions or ["What is the capital of France?"] * 8, docs or [("Filler", filler)] * 8,
             texts or [filler] * 32)
@@ -255,6 +271,8 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
             record["service_start_seconds"] = _service_start(config, questions)
         if role == "training":
             record["train_start_seconds"] = _train_start(config)
+        if role == "embedder":
+            record.update(_embed_pass(config, record))
         record["date"] = date
         records.append(record)
     save(records, run, cache)
@@ -276,6 +294,61 @@ def _service_start(config: WbragConfig, questions: list[str]) -> float:
     with Services() as services:
         GeneratorPasses(config.generator, services).generate("calibration", frame, "prompt", "answer", 1)
     return time.perf_counter() - t0
+
+
+def _embed_pass(config: WbragConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """The run's own embed stage (`build_kb.embed`: a Ray Data pass of read, text, the embed actors' pool and
+    write, under its row checkpoint) on the corpus's first `PROBE_PASSAGES` passages (all of a smaller corpus), in a
+    run folder of its own after their ingest: its seconds beyond their tokens at the warm rate `record` measured are
+    the stage's fixed cost as the plan counts it (the pass's start, its actors' start, imports and load, first use,
+    the write and the checkpoint, which a bare worker's load leaves out; and whatever the pass spends a token beyond
+    a bare worker's warm encode, up to this many passages). Timed once, the first pass of actors on the cluster, as a
+    run's embed stage is (a second pass of the same stage ran faster than the first: its actors start warmer). A
+    corpus not readable here: nothing (the plan keeps the worker's start and load)."""
+    probe = _timed_embed_stage(config, PROBE_PASSAGES)
+    if probe is None:
+        return {}
+    return {"pass_seconds": probe["seconds"], "pass_texts": probe["texts"], "pass_tokens": probe["tokens"],
+            "pass_start_seconds": max(0.0, probe["seconds"] - probe["tokens"] * record["seconds_per_token"])}
+
+
+def _timed_embed_stage(config: WbragConfig, passages: int) -> dict[str, Any] | None:
+    """The run's embed stage on the corpus's first `passages` passages: its seconds (the stage's own, as a run's
+    stats hold them), texts and tokens; None where the corpus is not readable here."""
+    import tempfile
+
+    from wbrag_ray import build_kb
+    from wbrag_ray.api import start
+    from wbrag_ray.plan.selection import corpus_passages
+
+    probe = corpus_passages(config.ingest.corpus, passages)
+    if not probe:
+        return None
+    with tempfile.TemporaryDirectory(prefix="wbrag-calibrate-embed-") as folder:
+        corpus = Path(folder) / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"{title}\n{text}"}) + "\n"
+                                  for i, (title, text) in enumerate(probe)))
+        probing = config.model_copy(update={"ingest": config.ingest.model_copy(update={"corpus": str(corpus)})})
+        # the stages' progress lines to stderr: `wbrag plan --calibrate --json` prints its plan alone on stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            run = start(str(Path(folder) / "run"), probing)
+            build_kb.ingest(run, probing)
+            stats = build_kb.embed(run, probing)
+        texts = _run_units(run, probing)
+    return {"passages": len(probe), "texts": len(texts), "tokens": sum(text_tokens(t) for t in texts),
+            "seconds": float(stats["seconds"])}
+
+
+def _run_units(run, config: WbragConfig) -> list[str]:
+    """The texts the run's embed stage embedded (`build_kb.unit_text` of its ingested units)."""
+    import pyarrow.parquet as pq
+
+    from wbrag_ray.build_kb import unit_text
+
+    src, id_col = run.layout.ingest.units(config.index.unit)
+    columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
+    frame = pq.read_table(src.path, filesystem=src.fs, columns=columns).to_pandas()
+    return unit_text(frame, id_col)["text"].tolist()
 
 
 def _noop_loop(_config: dict) -> None:
@@ -322,10 +395,14 @@ def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: fl
     if role == "generator":
         record = calibrate_generator(config, questions, docs, seconds)
     elif role == "writeback":
-        from wbrag_ray.plan.selection import SAMPLE_PASSAGES, calibrate_writeback, sample_rows
+        from wbrag_ray.plan.selection import (
+            SAMPLE_PASSAGES,
+            calibrate_writeback,
+            corpus_passages,
+            sample_rows,
+        )
 
-        contents = _jsonl_field(config.ingest.corpus, "contents", SAMPLE_PASSAGES)
-        passages = [(c.split("\n", 1)[0], c.split("\n", 1)[-1]) for c in contents]
+        passages = corpus_passages(config.ingest.corpus, SAMPLE_PASSAGES)
         whole = len(passages) if len(passages) < SAMPLE_PASSAGES else None  # read to its end: the whole corpus
         rows = sample_rows(config.writeback.train)
         if not rows or not passages:

@@ -49,7 +49,7 @@ from wbrag_ray.plan.stages import (
     training_bundles,
     training_time,
 )
-from wbrag_ray.plan.timing import Timing, describe_record
+from wbrag_ray.plan.timing import EMBED_PASS, Timing, describe_record
 from wbrag_ray.plan.tokens import TokenShape, template_of, token_shape
 
 DIM_ASSUMED = 768
@@ -287,7 +287,7 @@ class _Builder:
             stage = Stage("embed", [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
             stage.add_source(source, seconds)
             self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service="embed actor", actors=e.concurrency)
+                        service=EMBED_PASS, actors=e.concurrency)
             return stage
         if e.num_gpus > 0:
             return Stage("embed", [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)

@@ -2,9 +2,12 @@
 set and the generator is not an HTTP endpoint), in one worker with the generator's resources:
 
     keep rate   the utility gate's share of a sample of the training questions (`SAMPLE_QUESTIONS`, spread over
-                the file's first lines), with its 95% Wilson interval: each answered closed-book (s_nr) and from
-                its top K of an exact search of the corpus's first `SAMPLE_PASSAGES` passages (s_rag; the whole
-                corpus where it is that small, else a sample, said so), scored with the gate's metric
+                the file's first lines), with its 95% Wilson interval, decided as the run decides it (`score_sample`):
+                the questions and passages read by the run's parsers, the passages embedded as its embed stage
+                embeds them (title and text) and searched exactly for the top K (the corpus's first
+                `SAMPLE_PASSAGES`: the whole corpus where it is that small, else a sample, said so), the closed-book
+                and RAG prompts of `rag.expand` answered by the run's generator stage in the run's batches, and the
+                run's utility gate stage
     retained    documents the document gate keeps of a kept example (each document answered alone, as the run
                 answers them)
     prompt kinds  the document gate's one-document answers, the distiller's extraction and its rewrite, timed on
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.plan.tokens import jsonl_rows, messages_tokens, text_tokens
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SAMPLE_QUESTIONS = 64  # training questions answered both ways: a 95% interval of about +-0.1 at a 20% keep rate
 MIN_QUESTIONS = 24  # answered whatever the budget (+-0.16 at 20%): past these, batches go on while the budget lasts
@@ -43,12 +49,23 @@ def wilson(kept: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def sample_rows(path: str, n: int = SAMPLE_QUESTIONS) -> list[dict[str, Any]]:
-    """`n` question rows spread evenly over a local jsonl file's first `SAMPLE_LINES` lines ([] where it is not
-    readable here)."""
-    rows = jsonl_rows(path)
-    rows = [r for r in rows if "question" in r and r.get("golden_answers")]
+    """`n` question rows spread evenly over a local jsonl file's first `SAMPLE_LINES` lines, as the run reads them
+    (`formats.dataset_record`: the question stripped, the gold answers as strings; rejected rows left out); []
+    where it is not readable here."""
+    from wbrag_ray.formats import dataset_record
+
+    rows = [r for r in map(dataset_record, jsonl_rows(path)) if isinstance(r, dict)]
     step = max(1, len(rows) // n)
     return rows[::step][:n]
+
+
+def corpus_passages(path: str | None, n: int) -> list[tuple[str, str]]:
+    """(title, text) of a local corpus file's first `n` passages, as the ingest parses them
+    (`formats.corpus_record`: a quoted title unquoted, both stripped; rejected lines left out)."""
+    from wbrag_ray.formats import corpus_record
+
+    parsed = [corpus_record(r) for r in jsonl_rows(path, n) if isinstance(r, dict)]
+    return [(p.title, p.text) for p in parsed if not isinstance(p, str)]
 
 
 def _timed(generate, prompts: list, batch: int) -> dict[str, Any]:
@@ -70,22 +87,99 @@ def _mean_tokens(answers: list[str]) -> float:
     return sum(text_tokens(a) for a in answers) / max(1, len(answers))
 
 
+def search_sample(config: WbragConfig, questions: list[str], passages: list[tuple[str, str]]) -> list[list]:
+    """Each question's top K of `passages` ((title, text)) as the run's base index finds them: the passages
+    embedded as its embed stage embeds them (`build_kb.unit_text`: 'Title\\ntext'; stored in
+    `embedder.storage_dtype`), the questions as its retrieval embeds queries, an exact inner-product search (a Flat
+    index's; an approximate index may differ in a few hits)."""
+    import numpy as np
+    import pandas as pd
+
+    from wbrag_ray.build_kb import unit_text
+    from wbrag_ray.models.embedder import Embedder
+    from wbrag_ray.retrieval.hits import Hit
+    from wbrag_ray.stages.embed import stored
+
+    k = config.retrieval.top_k
+    embedder = Embedder(config.retrieval.query_embedder(config.embedder))
+    embedder.setup()
+    units = pd.DataFrame({"pid": range(len(passages)), "title": [t for t, _ in passages],
+                          "text": [x for _, x in passages]})
+    vectors = stored(embedder.encode_passages(unit_text(units, "pid")["text"].tolist()), config.embedder)
+    scores = embedder.encode_queries(questions) @ vectors.astype(np.float32).T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return [[Hit(int(j), float(scores[i, j]), rank, *passages[int(j)]) for rank, j in enumerate(top)]
+            for i, top in enumerate(order)]
+
+
+def gate_method(rag_method: str) -> str:
+    """The method whose answers decide the sample's utility gate: the run's where it is a one-pass text method
+    (naive, replug-vote), else naive standing in (RePlug's mixture and the adaptive methods' own passes are not
+    run by the calibration; the record says so)."""
+    return rag_method if rag_method in ("naive", "replug-vote") else "naive"
+
+
+def score_sample(config: WbragConfig, rows: list[dict[str, Any]], hits: list[list], generate) -> pd.DataFrame:
+    """The utility gate on `rows` (questions as `formats.dataset_record` reads them) with their top K `hits`, as
+    the run's `writeback.pipeline.score_examples` decides it: the closed-book and `gate_method` prompts of
+    `rag.expand`, answered together in one pass (`generate`: a prompts frame -> the frame with `answer`, the run's
+    generator stage over it), folded by `rag.combine`, and scored by the run's `UtilityGateStage` (an example
+    whose method retrieved nothing is not kept). One row per question, in `rows`' order: `nr_answer`,
+    `rag_answer`, `s_nr`, `s_rag`, `delta`, `useful`."""
+    import pandas as pd
+
+    from wbrag_ray import rag
+    from wbrag_ray.retrieval.hits import hits_to_json
+    from wbrag_ray.stages.base import run_local
+    from wbrag_ray.writeback.gates import UtilityGateStage
+    from wbrag_ray.writeback.pipeline import with_gate_metric
+
+    wb = with_gate_metric(config.writeback, config.writeback.train)
+    method = gate_method(config.writeback.rag_method)
+    frame = pd.DataFrame({"id": [r["id"] for r in rows], "question": [r["question"] for r in rows],
+                          "golden_answers": [r["golden_answers"] for r in rows],
+                          "docs": [hits_to_json(h) for h in hits]})
+    answered = rag.combine(generate(rag.expand(frame, ["no-retrieval", method])), "answer")
+    nr = answered[answered["method"] == "no-retrieval"].set_index("id")["answer"]
+    by_method = answered[answered["method"] == method].set_index("id")
+    examples = frame.assign(nr_answer=frame["id"].map(nr), rag_answer=frame["id"].map(by_method["answer"]))
+    examples = run_local(UtilityGateStage(wb), examples)
+    examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
+    return examples
+
+
+def run_pass(stage):
+    """A prompts frame through the set-up generator `stage` (a `GenerateStage`) as the run's service sends a pass
+    to its actor: in batches of the stage's pass batch size (`StageService.run_frame`), each checked and answered
+    by the stage's own batch method."""
+    import pandas as pd
+
+    from wbrag_ray.stages.base import process_checked
+
+    def generate(frame: pd.DataFrame) -> pd.DataFrame:
+        size = stage.resources.batch_size
+        outs = [process_checked(stage, frame.iloc[i:i + size].reset_index(drop=True))
+                for i in range(0, len(frame), size)]
+        return pd.concat(outs, ignore_index=True) if outs else frame.assign(answer=[])
+
+    return generate
+
+
 def calibrate_writeback(config: WbragConfig, rows: list[dict[str, Any]], passages: list[tuple[str, str]],
                         corpus_passages: int | None, budget: float) -> dict[str, Any]:
-    """Measure the keep rate and the distiller's prompt kinds on `rows` (sampled training questions) against
-    `passages` ((title, text), the corpus's first ones; `corpus_passages`: the corpus's count where known)."""
-    import numpy as np
+    """Measure the keep rate and the distiller's prompt kinds on `rows` (sampled training questions, as
+    `sample_rows` reads them) against `passages` ((title, text), the corpus's first ones, as `corpus_passages`
+    reads them; `corpus_passages`: the corpus's count where known)."""
+    import pandas as pd
     import torch
 
-    from wbrag_ray.generation.backends import make_generator
+    from wbrag_ray.generation.stage import GenerateStage
     from wbrag_ray.metrics import metric
-    from wbrag_ray.models.embedder import Embedder
     from wbrag_ray.models.hardware import resolved_dtype_name, set_threads
     from wbrag_ray.plan.measuring import hardware
-    from wbrag_ray.prompts import extract_messages, no_retrieval_messages, rag_messages, rewrite_messages
-    from wbrag_ray.retrieval.hits import Hit
+    from wbrag_ray.prompts import extract_messages, rag_messages, rewrite_messages
     from wbrag_ray.writeback.distill import ground_extraction
-    from wbrag_ray.writeback.gates import document_gate, utility_gate
+    from wbrag_ray.writeback.gates import document_gate
     from wbrag_ray.writeback.pipeline import with_gate_metric
 
     g, k = config.generator, config.retrieval.top_k
@@ -94,32 +188,28 @@ def calibrate_writeback(config: WbragConfig, rows: list[dict[str, Any]], passage
     if g.threads:
         torch.set_num_threads(g.threads)
     t0 = time.perf_counter()
-    embedder = Embedder(config.embedder)
-    embedder.setup()
-    vectors = embedder.encode_passages([text for _, text in passages])
-    queries = embedder.encode_queries([r["question"] for r in rows])
-    order = np.argsort(-(queries @ vectors.T), axis=1)[:, :k]
-    hits = [[Hit(int(j), 1.0, rank, *passages[int(j)]) for rank, j in enumerate(top)] for top in order]
+    hits = search_sample(config, [r["question"] for r in rows], passages)
     search_seconds = time.perf_counter() - t0
 
-    gen = make_generator(g)
-    gen.setup()
-    batch = max(1, g.batch_size or 16)
-    # the answers only decide the gate (the generator record times these prompt kinds): answered once, a batch of
-    # questions at a time, until MIN_QUESTIONS are and the budget is spent
-    nr: list[str] = []
-    rag: list[str] = []
+    stage = GenerateStage(g, "prompt", "answer")  # the run's generator stage, set up as its service's actor does
+    stage.setup()
+    gen, batch = stage.generator, max(1, g.batch_size or 16)
+    # the answers only decide the gate (the generator record times these prompt kinds): a part of the sample at a
+    # time, each part's closed-book and RAG prompts in one pass of the run's batch size (a sample no larger than a
+    # pass batch is answered as the run's one pass answers it), until MIN_QUESTIONS are and the budget is spent
+    part = max(1, stage.resources.batch_size // 2)
+    scored = []
     t0 = time.perf_counter()
-    while len(nr) < len(rows) and (len(nr) < MIN_QUESTIONS or time.perf_counter() - t0 < budget):
-        part = range(len(nr), min(len(rows), len(nr) + batch))
-        nr += gen.generate([no_retrieval_messages(rows[i]["question"]) for i in part], g.max_new_tokens)
-        rag += gen.generate([rag_messages(rows[i]["question"], hits[i]) for i in part], g.max_new_tokens)
-    rows, hits = rows[:len(nr)], hits[:len(nr)]
-    golds = [[str(a) for a in r["golden_answers"]] for r in rows]
+    while sum(map(len, scored)) < len(rows) and (sum(map(len, scored)) < MIN_QUESTIONS
+                                                 or time.perf_counter() - t0 < budget):
+        done = sum(map(len, scored))
+        scored.append(score_sample(config, rows[done:done + part], hits[done:done + part], run_pass(stage)))
+    examples = pd.concat(scored, ignore_index=True)
+    rows, hits = rows[:len(examples)], hits[:len(examples)]
+    golds = [list(r["golden_answers"]) for r in rows]
     questions = [r["question"] for r in rows]
-    s_nr = [metric(wb.metric, a, gd) for a, gd in zip(nr, golds, strict=True)]
-    s_rag = [metric(wb.metric, a, gd) for a, gd in zip(rag, golds, strict=True)]
-    useful = [i for i in range(len(rows)) if utility_gate(s_rag[i], s_nr[i], wb.tau_s, wb.tau_delta)]
+    s_nr, nr, rag = examples["s_nr"].tolist(), examples["nr_answer"].tolist(), examples["rag_answer"].tolist()
+    useful = [i for i, kept in enumerate(examples["useful"]) if kept]
     lo, hi = wilson(len(useful), len(rows))
 
     # the distiller's prompt kinds, on a batch of the kept examples (or stand-ins where the sample keeps none)
@@ -152,6 +242,11 @@ def calibrate_writeback(config: WbragConfig, rows: list[dict[str, Any]], passage
             "search_seconds": search_seconds, "answer_tokens": {"closed-book": _mean_tokens(nr),
                                                                 "rag": _mean_tokens(rag)},
             "points": points, "budget_seconds": budget,
+            # each sampled question's gate as decided, its top K by place among the passages searched: what a
+            # run's scored examples are set against
+            "sample": [{"id": r["id"], "docs": [h.id for h in hs], "s_nr": float(a), "s_rag": float(b), "useful": bool(u)}
+                       for r, hs, a, b, u in zip(rows, hits, examples["s_nr"], examples["s_rag"], examples["useful"],
+                                                 strict=True)],
             "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
 
 
@@ -166,6 +261,7 @@ def describe(record: dict[str, Any]) -> str:
             f"sampled training questions ({record['keep_rate']:.1%}, 95% Wilson interval {lo:.1%}-{hi:.1%}; "
             f"{record['metric']}, top {record['top_k']} of "
             f"{'the whole corpus' if whole else f'the first {searched:,} passages (a sample of the corpus)'}"
-            + ("" if record.get("rag_method") == "naive" else f", naive prompts standing in for {record['rag_method']}")
+            + ("" if gate_method(record.get("rag_method", "naive")) == record.get("rag_method", "naive")
+               else f", naive prompts standing in for {record['rag_method']}")
             + f"); {record['retained_docs']:.2g} documents retained a kept example; {kinds}"
             + f" (timed on {record['distilled_on']})")
