@@ -50,11 +50,14 @@ def test_the_validation_split_holds_out_the_ids_whose_hash_comes_first_whatever_
     assert train.num_rows == 7 and not set(train["id"].to_pylist()) & set(val["id"].to_pylist())
 
 
-def test_a_version_hurts_when_its_metric_falls_or_it_loses_more_than_it_wins():
+def test_a_version_hurts_when_it_loses_more_than_it_wins_beyond_chance():
     ok = {"metric": "acc", "base": 0.5, "with_version": 0.5, "won": 1, "lost": 1}
     assert hurts(ok) is None and hurts(None) is None
-    assert hurts({**ok, "with_version": 0.4}) == "acc 0.400 with it against 0.500 without"
-    assert hurts({**ok, "lost": 2}) == "2 questions lost against 1 won"
+    # one or two questions lost more than won is what a coin gives: the version is activated, its figures said
+    assert hurts({**ok, "with_version": 0.49, "won": 0}) is None
+    assert hurts({**ok, "with_version": 0.48, "lost": 3}) is None
+    assert hurts({**ok, "with_version": 0.42, "won": 0, "lost": 5}) == (
+        "5 questions lost against 0 won (p = 0.031); acc 0.420 with it against 0.500 without")
 
 
 def test_the_grid_shows_each_union_setting_with_its_units_won_and_lost():
@@ -153,18 +156,18 @@ def test_the_versions_stats_hold_its_validation_and_whether_it_was_activated(tmp
         f"write-back v: 3 units written, active; its effect is not measured (validation {why}); retrieval.union auto "
         "searches it with provenance")
 
-    result = {"questions": 70, "metric": "acc", "base": 0.5, "with_version": 0.4, "won": 1, "lost": 2,
+    result = {"questions": 70, "metric": "acc", "base": 0.5, "with_version": 0.4, "won": 1, "lost": 8,
               "unit_in_top_k": 9, "units_reached": 4, "answers_changed": 5, "configured": "auto", "applied": "gate 0.1",
               "chosen": "gate 0.1", "choice": "the best of 7 rules"}
     stats = train_with(result)
-    expected = {**result, "hurts": "acc 0.400 with it against 0.500 without; 2 questions lost against 1 won",
+    expected = {**result, "hurts": "8 questions lost against 1 won (p = 0.020); acc 0.400 with it against 0.500 without",
                 "activated": False}
     assert stats["validation"] == expected and stats["activated"] is False and activated == []
     assert own.read_json()["validation"] == expected and own.read_json()["activated"] is False
     assert own.read_json()["union_auto"] == {"union": "gate 0.1", "why": "the best of 7 rules"}
     assert capsys.readouterr().out.splitlines()[-1] == (
         "write-back v: 3 units written, not active; union gate 0.1 (chosen on them: the best of 7 rules). On its 70 "
-        "validation questions: 4 units reached a top K (of 9 questions), 5 answers changed, won 1, lost 2")
+        "validation questions: 4 units reached a top K (of 9 questions), 5 answers changed, won 1, lost 8")
 
     stats = train_with({**result, "with_version": 0.6, "lost": 0})
     assert stats["validation"]["hurts"] is None and stats["validation"]["activated"] is True and activated == ["v"]

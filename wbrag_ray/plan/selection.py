@@ -130,8 +130,7 @@ def score_sample(config: WbragConfig, rows: list[dict[str, Any]], hits: list[lis
 
     from wbrag_ray import rag
     from wbrag_ray.retrieval.hits import hits_to_json
-    from wbrag_ray.stages.base import run_local
-    from wbrag_ray.writeback.gates import UtilityGateStage
+    from wbrag_ray.writeback.gates import gate_examples
     from wbrag_ray.writeback.pipeline import with_gate_metric
 
     wb = with_gate_metric(config.writeback, config.writeback.train)
@@ -140,11 +139,7 @@ def score_sample(config: WbragConfig, rows: list[dict[str, Any]], hits: list[lis
                           "golden_answers": [r["golden_answers"] for r in rows],
                           "docs": [hits_to_json(h) for h in hits]})
     answered = rag.combine(generate(rag.expand(frame, ["no-retrieval", method])), "answer")
-    nr = answered[answered["method"] == "no-retrieval"].set_index("id")["answer"]
-    by_method = answered[answered["method"] == method].set_index("id")
-    examples = frame.assign(nr_answer=frame["id"].map(nr), rag_answer=frame["id"].map(by_method["answer"]))
-    examples = run_local(UtilityGateStage(wb), examples)
-    examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
+    examples = gate_examples(answered, method, wb).set_index("id").loc[frame["id"]].reset_index()
     return examples
 
 

@@ -73,6 +73,26 @@ class UtilityGateStage(_GateStage):
         return batch
 
 
+
+def gate_examples(answered: pd.DataFrame, method: str, config: WritebackConfig) -> pd.DataFrame:
+    """The utility gate over `rag.combine`'s answers (one row per example and method) of 'no-retrieval' and
+    `method`: one row per example, in `method`'s rows' order, with its question, golden answers and docs, the
+    closed-book answer (`nr_answer`) and the method's (`rag_answer`, and `rag_slot_answers` / `rag_trace` where the
+    method has them), scored by UtilityGateStage. An example whose method retrieved nothing is not kept: it has
+    nothing to write back. What `writeback.pipeline.score_examples` and the plan's calibration both decide by."""
+    from wbrag_ray.stages.base import run_local
+
+    nr = answered[answered["method"] == "no-retrieval"].set_index("id")["answer"]
+    examples = answered[answered["method"] == method].set_index("id")
+    own = {"rag_answer": "answer", "rag_slot_answers": "slot_answers", "rag_trace": "trace"}
+    examples = examples[["question", "golden_answers", "docs"]].assign(
+        nr_answer=nr, **{col: examples[src] for col, src in own.items() if src in examples}).reset_index()
+    # The fan-in already brought every answer to the driver; scoring is microseconds a row, so the gate runs
+    # here, in-process, rather than as another actor pool.
+    examples = run_local(UtilityGateStage(config), examples)
+    examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
+    return examples
+
 class DocumentGateStage(_GateStage):
     """s_j = M(q, a | d_j alone) from each document's own answer (`doc_answers`, JSON, rank order), and the
     document gate's kept ranks, with the n_min fallback."""

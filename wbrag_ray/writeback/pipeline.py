@@ -66,7 +66,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     from wbrag_ray import rag
     from wbrag_ray.formats import read_questions
     from wbrag_ray.stages.base import run_local
-    from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage
+    from wbrag_ray.writeback.gates import DocumentGateStage, gate_examples
     from wbrag_ray.writeback.validation import split
 
     wb = with_gate_metric(config.writeback, train)
@@ -75,16 +75,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     questions = split(questions, wb.validation_fraction(questions.num_rows))[0]
     answered = rag.answer(questions, ["no-retrieval", wb.rag_method], config, search, passes, "answer")
 
-    nr = answered[answered["method"] == "no-retrieval"].set_index("id")
-    examples = answered[answered["method"] == wb.rag_method].set_index("id")
-    examples = examples[["question", "golden_answers", "docs"]].assign(
-        nr_answer=nr["answer"], rag_answer=examples["answer"], rag_slot_answers=examples["slot_answers"],
-        rag_trace=examples["trace"],
-    ).reset_index()
-    # The fan-in already brought every answer to the driver; scoring is microseconds a row, so the gates
-    # run here, in-process, rather than as another actor pool.
-    examples = run_local(UtilityGateStage(wb), examples)
-    examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
+    examples = gate_examples(answered, wb.rag_method, wb)
 
     useful = examples[examples["useful"]].copy()
     if wb.rag_method == "replug-vote":
@@ -174,6 +165,11 @@ def format_outcome(version: str, units: int, record: dict[str, Any] | str, activ
         return line + f"\nwrite-back {version}: no unit reached a validation top K: it has no measured effect"
     if not r["answers_changed"]:
         return line + f"\nwrite-back {version}: it changed no validation answer: it has no measured effect"
+    if r["lost"] > r["won"] and not r.get("hurts"):
+        from wbrag_ray.writeback.validation import sign_test
+
+        return line + (f" (more lost than won, within chance on {r['questions']} questions: p = "
+                       f"{sign_test(r['lost'], r['won']):.2f})")
     return line
 
 

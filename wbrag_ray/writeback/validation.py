@@ -16,6 +16,7 @@ and the stats say why (`skipped`).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -78,20 +79,63 @@ CONFIGURED = "configured"  # the label of an explicit retrieval.union that is no
 UNION_CHOICE_MIN = 60
 
 
+# A rule other than the paper's merge is chosen, and a version is said to hurt, only where the held-out questions
+# tell it from chance: a one-sided sign test over the questions the two answered differently, at this level. A
+# union rule acts on a handful of questions (the demo's held-out halves: 3-10 answers changed in 60), so one
+# question lost or won is what a coin gives; choosing on it made `auto` a rule that acts on nothing whenever the
+# paper's merge happened to lose one validation question (benchmarks/RESULTS.md, issue 69).
+CHANCE = 0.05
+
+
+def sign_test(better: int, worse: int) -> float:
+    """One-sided sign test: the chance that `better` or more of `better + worse` decided questions go one way when
+    each is a fair coin (1.0 when none is decided). 5-0, 7-1 and 9-2 are the first splits under CHANCE (6-1: 0.06)."""
+    n = better + worse
+    return sum(math.comb(n, k) for k in range(better, n + 1)) / 2**n if n else 1.0
+
+
+def _deltas(figures: dict[str, Any]) -> dict[str, int]:
+    """{question id: +1 won, -1 lost} of one rule against the base (its won_ids / lost_ids)."""
+    return {**dict.fromkeys(figures.get("won_ids", ()), 1), **dict.fromkeys(figures.get("lost_ids", ()), -1)}
+
+
+def decided(rule: dict[str, Any], other: dict[str, Any] | None) -> tuple[int, int]:
+    """(questions `rule` answered better than `other`, questions it answered worse), both held against the same
+    base answers (`other` None: the base itself)."""
+    a, b = _deltas(rule), _deltas(other or {})
+    ids = a.keys() | b.keys()
+    return sum(a.get(i, 0) > b.get(i, 0) for i in ids), sum(a.get(i, 0) < b.get(i, 0) for i in ids)
+
+
 def choose_union(figures: dict[str, dict[str, Any]], questions: int, metric: str = "acc") -> tuple[str, str]:
     """(the label of the rule `auto` searches with, why) from each candidate's figures on `questions` held-out
-    questions: the best `metric`, ties broken by fewest lost, then the paper's rule, then CANDIDATES' order. Below
-    UNION_CHOICE_MIN questions, FALLBACK_UNION (the paper's merge with the provenance guard), said so."""
+    questions: the paper's merge, unless a candidate answered better than it beyond chance (`sign_test` under
+    CHANCE over the questions the two answered differently); among those, the best `metric`, ties broken by fewest
+    lost, then CANDIDATES' order. Below UNION_CHOICE_MIN questions, FALLBACK_UNION (the paper's merge with the
+    provenance guard), said so."""
     from wbrag_ray.retrieval.union import FALLBACK_UNION, PAPER_UNION
 
     if questions < UNION_CHOICE_MIN:
         return FALLBACK_UNION, (f"{questions} validation questions are too few to choose on (at least "
                                 f"{UNION_CHOICE_MIN}): the paper's merge with the provenance guard")
     order = [label for label, _ in CANDIDATES if label in figures] + [k for k in figures if k not in dict(CANDIDATES)]
-    best = min(order, key=lambda c: (-figures[c][metric], figures[c]["lost"], c != PAPER_UNION, order.index(c)))
+    paper = figures.get(PAPER_UNION)
+    versus = {c: decided(figures[c], paper) for c in order if c != PAPER_UNION}
+    better = [c for c in versus if sign_test(*versus[c]) < CHANCE]
+    if paper is not None and not better:
+        runner = min(versus, key=lambda c: (-figures[c][metric], figures[c]["lost"], order.index(c)), default=None)
+        beside = "" if runner is None else (
+            f"; the best other, {runner} ({metric} {figures[runner][metric]:.3f}), answered {versus[runner][0]} "
+            f"better and {versus[runner][1]} worse than it (p = {sign_test(*versus[runner]):.2f})")
+        return PAPER_UNION, (f"the paper's merge: no rule did better on {questions} validation questions beyond "
+                             f"chance ({metric} {paper[metric]:.3f}, won {paper['won']}, lost {paper['lost']}{beside})")
+    best = min(better or order, key=lambda c: (-figures[c][metric], figures[c]["lost"], order.index(c)))
     f = figures[best]
+    against = "" if paper is None else (
+        f"; better than the paper's merge on {versus[best][0]} questions, worse on {versus[best][1]}: "
+        f"p = {sign_test(*versus[best]):.3f}")
     return best, (f"the best of {len(figures)} rules on {questions} validation questions ({metric} {f[metric]:.3f}, "
-                  f"won {f['won']}, lost {f['lost']}; ties: fewest lost, then the paper's rule)")
+                  f"won {f['won']}, lost {f['lost']}{against})")
 
 
 def effect_figures(base, union, metric: str) -> dict[str, Any]:

@@ -120,13 +120,15 @@ def read_validation(run: RunFolder, version: str) -> dict[str, Any] | None:
 
 
 def hurts(result: dict[str, Any] | None) -> str | None:
-    """Why a validated version hurts (its metric below the base's, or more questions lost than won); None when it
-    does not, or was not validated."""
+    """Why a validated version hurts: it lost more held-out questions than it won, beyond chance (`validation.
+    sign_test` under `validation.CHANCE`: 1 lost and 0 won is a coin's toss, 5 and 0 is not); None when it does
+    not, or was not validated. Its metric is said beside, as a fall in it is those questions' sum."""
+    from wbrag_ray.writeback.validation import CHANCE, sign_test
+
     if not result:
         return None
-    why = []
-    if result["with_version"] < result["base"]:
-        why.append(f"{result['metric']} {result['with_version']:.3f} with it against {result['base']:.3f} without")
-    if result["lost"] > result["won"]:
-        why.append(f"{result['lost']} questions lost against {result['won']} won")
-    return "; ".join(why) or None
+    p = sign_test(result["lost"], result["won"])
+    if result["lost"] <= result["won"] or p >= CHANCE:
+        return None
+    return (f"{result['lost']} questions lost against {result['won']} won (p = {p:.3f}); {result['metric']} "
+            f"{result['with_version']:.3f} with it against {result['base']:.3f} without")
