@@ -198,6 +198,20 @@ def test_the_cpu_demo_gets_a_time_for_every_stage_from_measured_rates():
     assert "[rag_prompt_hf] 0.71 prompts/s per actor" in text and "`python -m benchmarks.generate`, 2026-12-01" in text
 
 
+def test_the_additive_union_counts_its_appended_units_in_the_write_back_evaluations_prompts():
+    """retrieval.union: additive puts the base's K and up to retrieval.max_units units (1 unset) in a prompt."""
+    def evaluations(**retrieval):  # the paper's config on 4 x 8 GPUs: estimated from the prompts' tokens
+        plan = make_plan(load_config(WRITEBACK, extra={"retrieval": retrieval}), big_cluster(), passages=WIKI)
+        return stage(plan, "evaluation"), stage(plan, "evaluation with write-back")
+
+    base, with_wb = evaluations(union="auto")  # auto (and every other rule): K documents in both
+    assert base.seconds == with_wb.seconds and "additive" not in with_wb.work
+    base, additive = evaluations(union="additive")
+    assert base.seconds < additive.seconds and "up to 5 + 1 documents a prompt" in additive.work
+    _, three = evaluations(union="additive", max_units=3)
+    assert additive.seconds < three.seconds and "up to 5 + 3 documents a prompt" in three.work
+
+
 def test_the_summary_wbrag_run_prints_is_a_few_lines():
     summary = format_summary(make_plan(load_config(ZERO_RAG), big_cluster(), passages=WIKI))
     lines = summary.splitlines()

@@ -490,9 +490,25 @@ class _Builder:
         q, counted = question_count(ev.dataset, ev.limit)
         passes = self._method_passes(ev.methods)
         name = "evaluation" + (" with write-back" if writeback else "")
+        extra = self._appended_units() if writeback else 0
+        k = self.c.retrieval.top_k
+        if extra:  # the prompts that read the top K read its units too
+            passes = [replace(p, docs=p.docs + extra) if p.docs == k and not p.mixture else p for p in passes]
         return self._model_stage(name, self.c.generator, q, passes, f"questions: {counted}; methods "
-                                 f"{', '.join(ev.methods)}: up to {sum(p.calls for p in passes):g} calls a question",
+                                 f"{', '.join(ev.methods)}: up to {sum(p.calls for p in passes):g} calls a question"
+                                 + (f"; the additive union: up to {k} + {extra} documents a prompt" if extra else ""),
                                  any(m != "no-retrieval" for m in ev.methods))
+
+    def _appended_units(self) -> int:
+        """Units `retrieval.union: additive` appends after the base's K, so a prompt beside a write-back index holds
+        up to K + these documents. Under `auto` a version chooses its rule at its validation, after any plan: K
+        documents are counted, as every other rule gives."""
+        from wbrag_ray.retrieval.union import ADDITIVE_UNITS, UNIONS
+
+        r = self.c.retrieval
+        if r.union not in UNIONS or not UNIONS[r.union].additive:
+            return 0
+        return ADDITIVE_UNITS if r.max_units is None else r.max_units
 
     # --- Zero-RAG ----------------------------------------------------------------------------------------
 
