@@ -425,8 +425,9 @@ class RetrievalConfig(_Section):
         "the query's best passage's less gate_margin, then the same rule; 'gate-no-provenance' the gate without the "
         "rule; 'additive' the base's top K kept whole and up to max_units units (1 where unset) appended after it, "
         "each scoring at least the K-th passage's score less additive_margin and not covered by the rule. 'auto' "
-        "(the default): the rule the write-back version chose on its own validation split (the best acc of score, "
-        "provenance, gate at three margins and additive at two; wbrag_ray.writeback.validation), or 'provenance' "
+        "(the default): the rule the write-back version chose on its own validation split (the paper's score unless "
+        "one of provenance, gate at three margins and additive at two answered better beyond chance, a sign test; "
+        "wbrag_ray.writeback.validation), or 'provenance' "
         "where its split was too small to choose or none was held out. No one fixed rule served: 'gate', the "
         "earlier default, kept the base's acc on the held-out questions of benchmarks/writeback_union.py and let "
         "almost no unit in (benchmarks/RESULTS.md, 'Write-back that helps').",

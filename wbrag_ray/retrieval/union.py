@@ -21,8 +21,9 @@ each name does is one entry of UNIONS):
                  (at 0: the units the paper's merge would have let into the top K) and not covered by the
                  provenance rule: a unit never pushes a base passage out, so what it can cost is a longer prompt
                  (K + max_units documents), not evidence
-    auto         (the default) the rule the write-back version chose on its own validation split
-                 (wbrag_ray.writeback.validation), read from UNION_CHOICE beside its index; a version that chose
+    auto         (the default) the rule the write-back version chose on its own validation split (the paper's
+                 `score` unless another answered better beyond chance: wbrag_ray.writeback.validation), read
+                 from UNION_CHOICE beside its index; a version that chose
                  none (its split too small, or no split) is searched with FALLBACK_UNION
 
 `retrieval.max_units` caps the write-back hits per query in every setting but `score`. Why `auto`: one fixed rule
