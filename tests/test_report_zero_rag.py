@@ -12,8 +12,9 @@ import pyarrow as pa
 import pytest
 
 from wbrag_ray.inspection import inspect_run
+from wbrag_ray.metrics import sign_test
 from wbrag_ray.report import write_report
-from wbrag_ray.report.adapter_effect import adapter_effect, sign_test
+from wbrag_ray.report.adapter_effect import adapter_effect
 from wbrag_ray.report.sections import sample_column
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
@@ -189,7 +190,7 @@ def _cell(run: RunFolder, ratio: float, adapter: bool, right: list[int], em: flo
 
 
 def test_adapter_effect_per_ratio_with_the_measured_reason_where_it_loses(tmp_path):
-    assert sign_test(1, 6) == 0.125 and sign_test(0, 0) == 1.0 and sign_test(5, 5) == 1.0
+    assert sign_test(1, 6, two_sided=True) == 0.125 and sign_test(0, 0, True) == 1.0 and sign_test(5, 5, True) == 1.0
     run = RunFolder(str(tmp_path / "run"))
     rows = [
         _cell(run, 0.0, False, [0, 1, 2, 3, 4, 5, 6], 0.0, 9.5),

@@ -6,8 +6,9 @@ the config as the run's first (refusing one that would change the built knowledg
 join or start Ray (`config.ray`).
 
 Over 500 lines, kept whole: it is the public surface a user reads in one place (each function short, the work in
-the method packages below it); the checks every command runs before work (inputs, model shapes, joining Ray and
-deciding its "auto" settings) sit beside the functions that call them.
+the method packages below it); the checks every command runs before work (inputs, the stages it reads) sit beside
+the functions that call them, and opening the run folder and joining Ray (model shapes, "auto" settings) are
+`session`'s, shared with the plan's calibration.
 
     from wbrag_ray import api
     from wbrag_ray.config import load_config
@@ -33,11 +34,8 @@ from typing import Any
 from wbrag_ray.config import ConfigError, WbragConfig, load_config
 from wbrag_ray.run import RunFolder
 
-RunLike = str | os.PathLike[str] | RunFolder
-
-
-def open_run(run: RunLike) -> RunFolder:
-    return run if isinstance(run, RunFolder) else RunFolder(str(run))
+# a command's session, part of the API: `api.start(run, config)` opens a run folder and joins Ray
+from wbrag_ray.session import RunLike, check_model_shapes, join_ray, open_run, start  # noqa: F401
 
 
 def existing_run(run: RunLike) -> RunFolder:
@@ -45,50 +43,6 @@ def existing_run(run: RunLike) -> RunFolder:
     run = open_run(run)
     run.require_run()
     return run
-
-
-def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
-    """Bind `config` to the run folder (refused when a built stage was made with another, unless `force`; recorded
-    in run.json once a stage runs with it) and join or start Ray."""
-    from wbrag_ray.build_kb import KB_STAGES
-    run = open_run(run)
-    run.bind_config(config, force=force, guard=KB_STAGES, record="when_a_stage_runs")
-    join_ray(run, config)
-    return run
-
-
-def join_ray(run: RunFolder, config: WbragConfig) -> None:
-    """Join or start Ray (`config.ray`); on a cluster of several machines, refuse a local run folder or model path
-    the other nodes cannot read, before any work; each "auto" count (`concurrency`, a training's `num_workers`)
-    decided on the cluster by every command, after what the commands before it built: the index's search actors,
-    whose GPUs the generator leaves to them (`cluster_nodes.resolve_auto_concurrency`)."""
-    from wbrag_ray.cluster_nodes import has_auto, needs_layout, resolve_auto_concurrency
-    from wbrag_ray.ray_runtime import check_model_paths, init_ray
-
-    check_model_shapes(config)
-    init_ray(config.ray, run.uri)
-    check_model_paths(config)
-    import ray
-
-    from wbrag_ray.gpu_layout import index_on_gpu
-    from wbrag_ray.index.gpu_clone import faiss_has_gpu
-
-    # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
-    index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
-    if has_auto(config) or needs_layout(config):
-        from wbrag_ray.retrieval.service import search_actors
-
-        resolve_auto_concurrency(config, search=search_actors(run.layout.index.uri, config.index, config.retrieval))
-
-
-def check_model_shapes(config: WbragConfig) -> None:
-    """The generators' models against their engines' settings (tensor-parallel size and heads, context), before
-    Ray starts (`generation.vllm.check_shape`)."""
-    from wbrag_ray.generation.vllm import check_shape
-
-    check_shape(config.generator)
-    if config.zerorag.qa_generator is not None:
-        check_shape(config.zerorag.qa_generator, "zerorag.qa_generator")
 
 
 def check_input(path: str, what: str) -> None:

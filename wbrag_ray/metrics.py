@@ -5,6 +5,7 @@ Every metric is the max over the gold answers.
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -62,3 +63,16 @@ def metric(name: str, prediction: str, golds: Iterable[str]) -> float:
     if fn is None:
         raise ValueError(f"unknown metric {name!r}; choose one of {', '.join(METRICS)}")
     return fn(prediction, golds)
+
+
+def sign_test(better: int, worse: int, two_sided: bool = False) -> float:
+    """Exact sign test over the questions two settings answered differently, `better` of them one way and `worse`
+    the other, each a fair coin under the null: one-sided, the chance of `better` or more going the first way
+    (5-0, 7-1 and 9-2 are the first splits under 0.05; 6-1 is 0.06); two-sided, of a split at least this uneven
+    either way. 1.0 where none differ."""
+    n = better + worse
+    if n == 0:
+        return 1.0
+    if two_sided:
+        return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(better, worse) + 1)) / 2**n)
+    return sum(math.comb(n, k) for k in range(better, n + 1)) / 2**n

@@ -8,17 +8,12 @@ import json
 import pandas as pd
 import pytest
 
+from wbrag_ray.evaluation.effect import CHANCE
+from wbrag_ray.metrics import sign_test
 from wbrag_ray.retrieval.hits import Hit, hits_to_json
 from wbrag_ray.writeback.distill import BARE_ANSWER, UNSUPPORTED, statement_check
 from wbrag_ray.writeback.units import build_units, table3
-from wbrag_ray.writeback.validation import (
-    CANDIDATES,
-    CHANCE,
-    UNION_CHOICE_MIN,
-    choose_union,
-    decided,
-    sign_test,
-)
+from wbrag_ray.writeback.validation import CANDIDATES, UNION_CHOICE_MIN, choose_union, decided
 
 SOURCE = [
     Hit(1, 0.9, 0, "Let Them Eat Bingo", "Let Them Eat Bingo is the debut album of Beats International. It was "

@@ -318,8 +318,8 @@ def _timed_embed_stage(config: WbragConfig, passages: int) -> dict[str, Any] | N
     import tempfile
 
     from wbrag_ray import build_kb
-    from wbrag_ray.api import start
     from wbrag_ray.plan.selection import corpus_passages
+    from wbrag_ray.session import start
 
     probe = corpus_passages(config.ingest.corpus, passages)
     if not probe:

@@ -4,27 +4,17 @@ two evaluations' predictions); and, where the adapter does not gain, the measure
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pandas as pd
 
+from wbrag_ray.metrics import sign_test
 from wbrag_ray.report.render import Table
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
 
 # a gain or loss of fewer questions than a two-sided sign test at this level can tell from chance is "noise"
 SIGNIFICANCE = 0.05
-
-
-def sign_test(fixed: int, broken: int) -> float:
-    """Two-sided exact sign test: the chance of a split at least this uneven among the questions whose answer
-    the adapter turned (right -> wrong or wrong -> right) if either way were equally likely."""
-    n = fixed + broken
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(fixed, broken) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def adapter_effect(run: RunFolder) -> list[dict[str, Any]]:
@@ -86,7 +76,7 @@ def _flips(without: Location, tuned: Location) -> dict[str, Any]:
     both = pd.concat({"a": a, "b": b}, axis=1, join="inner")
     fixed = int(((both["a"] == 0) & (both["b"] > 0)).sum())
     broken = int(((both["a"] > 0) & (both["b"] == 0)).sum())
-    return {"fixed": fixed, "broken": broken, "sign_p": round(sign_test(fixed, broken), 4)}
+    return {"fixed": fixed, "broken": broken, "sign_p": round(sign_test(fixed, broken, two_sided=True), 4)}
 
 
 def loss_reason(row: dict[str, Any], tune: dict[str, Any]) -> str:

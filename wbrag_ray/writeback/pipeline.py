@@ -166,7 +166,7 @@ def format_outcome(version: str, units: int, record: dict[str, Any] | str, activ
     if not r["answers_changed"]:
         return line + f"\nwrite-back {version}: it changed no validation answer: it has no measured effect"
     if r["lost"] > r["won"] and not r.get("hurts"):
-        from wbrag_ray.writeback.validation import sign_test
+        from wbrag_ray.metrics import sign_test
 
         return line + (f" (more lost than won, within chance on {r['questions']} questions: p = "
                        f"{sign_test(r['lost'], r['won']):.2f})")

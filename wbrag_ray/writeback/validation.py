@@ -16,7 +16,6 @@ and the stats say why (`skipped`).
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from wbrag_ray.config import AUTO_VALIDATION_MIN, WbragConfig, WritebackConfig
+from wbrag_ray.evaluation.effect import CHANCE
+from wbrag_ray.metrics import sign_test
 from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
@@ -77,21 +78,6 @@ CONFIGURED = "configured"  # the label of an explicit retrieval.union that is no
 # 12 (benchmarks/RESULTS.md: 5 of the test half's 60, won 3, lost 2), so 5 are to be expected from 60 questions
 # on; on fewer, one or two questions would choose, as they chose the earlier fixed default.
 UNION_CHOICE_MIN = 60
-
-
-# A rule other than the paper's merge is chosen, and a version is said to hurt, only where the held-out questions
-# tell it from chance: a one-sided sign test over the questions the two answered differently, at this level. A
-# union rule acts on a handful of questions (the demo's held-out halves: 3-10 answers changed in 60), so one
-# question lost or won is what a coin gives; choosing on it made `auto` a rule that acts on nothing whenever the
-# paper's merge happened to lose one validation question (benchmarks/RESULTS.md, issue 69).
-CHANCE = 0.05
-
-
-def sign_test(better: int, worse: int) -> float:
-    """One-sided sign test: the chance that `better` or more of `better + worse` decided questions go one way when
-    each is a fair coin (1.0 when none is decided). 5-0, 7-1 and 9-2 are the first splits under CHANCE (6-1: 0.06)."""
-    n = better + worse
-    return sum(math.comb(n, k) for k in range(better, n + 1)) / 2**n if n else 1.0
 
 
 def _deltas(figures: dict[str, Any]) -> dict[str, int]:

@@ -120,10 +120,11 @@ def read_validation(run: RunFolder, version: str) -> dict[str, Any] | None:
 
 
 def hurts(result: dict[str, Any] | None) -> str | None:
-    """Why a validated version hurts: it lost more held-out questions than it won, beyond chance (`validation.
-    sign_test` under `validation.CHANCE`: 1 lost and 0 won is a coin's toss, 5 and 0 is not); None when it does
-    not, or was not validated. Its metric is said beside, as a fall in it is those questions' sum."""
-    from wbrag_ray.writeback.validation import CHANCE, sign_test
+    """Why a validated version hurts: it lost more held-out questions than it won, beyond chance (`metrics.
+    sign_test` under `evaluation.effect.CHANCE`: 1 lost and 0 won is a coin's toss, 5 and 0 is not); None when it
+    does not, or was not validated. Its metric is said beside, as a fall in it is those questions' sum."""
+    from wbrag_ray.evaluation.effect import CHANCE
+    from wbrag_ray.metrics import sign_test
 
     if not result:
         return None
