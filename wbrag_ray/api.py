@@ -393,30 +393,20 @@ def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str =
     router, the evaluation grid] -> eval (base, then base + write-back), skipping completed stages. Returns every
     completed stage's stats. Once the inputs are checked, the plan of the run (`plan_name`: its config file) is
     stored in the run folder, and a config it says cannot be placed is refused before any work, unless `force`."""
-    from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
+    from wbrag_ray import build_kb as kb
     from wbrag_ray.papers import print_departures
+    from wbrag_ray.pipeline import execute
 
     folder = open_run(run)
     check_run_inputs(config)
     if config.zerorag.enabled and config.eval.dataset:
         check_grid_dataset(folder.layout.zero_rag.grid, config.eval.dataset, force)
+    kb.check_factory(folder, config)
     print_departures(config)  # the papers the run follows: write-back training, Zero-RAG, or both
     from wbrag_ray.plan.against_run import record_plan
 
     record_plan(config, folder.uri, plan_name, force=force)  # RUN/plan/plan.json; refused here if it cannot fit
-    build_kb(folder, config, force=force)
-    evaluated = [False]
-    if config.writeback.train:
-        train_writeback(folder, config, force=force)
-        evaluated += [True] if config.writeback.evaluate else []
-    if config.zerorag.enabled:
-        run_zero_rag(folder, config, force=force)
-        evaluated = []  # its grid evaluates the base and the pruned bases, with write-back when there is one
-    if config.eval.dataset:
-        name = dataset_name(config, config.eval.dataset)
-        for wb in evaluated:
-            evaluate_stage(folder, config, config.eval.dataset, name, f"{name}-writeback" if wb else name, force=force,
-                           writeback=wb)
+    execute(start(folder, config, force), config, force=force)
     return {s: folder.stats(s) for s in folder.completed_stages()}
 
 

@@ -25,11 +25,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from wbrag_ray import prompts, rag
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
 from wbrag_ray.formats import input_params, plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.layout import WritebackVersion, plain_name
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.writeback.distill import distill
 from wbrag_ray.writeback.units import UNITS, build_units, embed_units
 from wbrag_ray.writeback.validation import validate
@@ -265,3 +267,36 @@ def _by_reason(stats: dict[str, Any], kind: str) -> str:
     reasons = ", ".join(f"{n} {why}" for why, n in counts.items() if n)
     return f"{stats.get(f'{kind}_drop_rate')}" + (f" ({reasons})" if reasons else "")
 
+
+
+def writeback_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Generate]:
+    """s_nr and s_rag for every training question; for the share the utility gate keeps, the document gate's
+    answer from each of the K documents alone (none for replug-vote, whose slots are those answers), the
+    distiller's extraction from the retained documents and its rewrite."""
+    wb, k = config.writeback, config.retrieval.top_k
+    q, counted = sizes.questions(wb.train, wb.limit)
+    kept, retained, why = sizes.selection()
+    extract = Pass(kept, round(retained), wb.extract_max_new_tokens, prompt=prompts.extract_messages,
+                   prompt_docs=round(retained), kind="extract")
+    rewrite = Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens,
+                   prompt=lambda question, _: prompts.rewrite_messages(question, ""), kind="rewrite")
+    # the document gate answers each document alone, in the RAG prompt (`rag.expand`'s replug-vote rows)
+    gate = [] if wb.rag_method == "replug-vote" else [Pass(k * kept, 1, kind="document gate")]
+    passes = (Pass(1, 0), *rag.passes(wb.rag_method, config), *gate, extract, rewrite)
+    calls = sum(p.calls for p in passes)
+    total = f", {q * calls:,.0f} in all" if q else ""
+    return [Generate(q, passes, f"questions: {counted}; about {calls:.3g} generator calls each{total} (s_nr, "
+                     f"{wb.rag_method} s_rag; for the {kept:.1%} the utility gate keeps ({why}): the document gate "
+                     f"over K={k}, extract from {retained:.2g} retained documents, rewrite)", retrieval=True,
+                     selection=True)]
+
+
+WRITEBACK_STEP = Step(
+    "write-back training", WRITEBACK, writeback_work,
+    lambda folder, config, force, services, params: train_writeback(folder, config, force=force),
+    instances=lambda config: ([{"version": default_version(config, config.writeback.train)}]
+                              if config.writeback.train else []),
+    resources=("generator", "retrieval", "embedder"),
+    outputs=("writeback/{version}/scored.parquet", "writeback/{version}/distill.parquet",
+             "writeback/{version}/corpus", "writeback/{version}/embed", "writeback/{version}/index",
+             "writeback/{version}/validation.json", "writeback/ACTIVE"))
