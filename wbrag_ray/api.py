@@ -380,9 +380,11 @@ def _check_train(run: RunLike, config: WbragConfig, train: str | None) -> RunFol
 
 def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None:
     """mastery -> pruners -> prediction -> every ratio -> [tune] -> [router] -> [the grid]."""
-    from wbrag_ray.zerorag import run_zero_rag as chain
+    from wbrag_ray.pipeline import ZERO_RAG, execute
 
-    chain(start(run, config, force), config, force=force)
+    if not config.zerorag.enabled:
+        raise ConfigError("zerorag.enabled is false: set it (--set zerorag.enabled=true) to run Zero-RAG's stages")
+    execute(start(run, config, force), config, force=force, only=ZERO_RAG)
 
 
 # --- whole runs --------------------------------------------------------------------------------------------

@@ -20,22 +20,24 @@ from wbrag_ray.zerorag.pruners import PRUNER_STEPS
 from wbrag_ray.zerorag.router import ROUTER_STEP
 from wbrag_ray.zerorag.tune import TUNE_STEP
 
+ZERO_RAG = (MASTERY_STEP, *PRUNER_STEPS, PREDICT_STEP, PRUNE_STEP, TUNE_STEP, ROUTER_STEP, GRID_STEP)
 PIPELINE: list[Step] = [
     INGEST_STEP, EMBED_STEP, INDEX_STEP,  # the knowledge base
     WRITEBACK_STEP,  # WriteBack-RAG's training
-    MASTERY_STEP, *PRUNER_STEPS, PREDICT_STEP, PRUNE_STEP, TUNE_STEP, ROUTER_STEP, GRID_STEP,  # Zero-RAG
+    *ZERO_RAG,
     EVAL_STEP, EVAL_WRITEBACK_STEP,  # the evaluation, when Zero-RAG's grid does not evaluate
 ]
 
 
-def instances(config: WbragConfig) -> list[tuple[Step, dict[str, Any]]]:
-    """Every (step, params) a run of `config` makes, in run order."""
-    return [(step, params) for step in PIPELINE for params in step.instances(config)]
+def instances(config: WbragConfig, only: tuple[Step, ...] | None = None) -> list[tuple[Step, dict[str, Any]]]:
+    """Every (step, params) a run of `config` makes, in run order (of the steps `only`, where given)."""
+    return [(step, params) for step in PIPELINE if only is None or step in only for params in step.instances(config)]
 
 
-def execute(folder: RunFolder, config: WbragConfig, force: bool = False) -> None:
-    """Make every stage of the run, skipping complete ones. One set of services for the whole run: a generator or
-    retrieval service a stage started serves the next stage that asks for it (the router's, the grid's)."""
+def execute(folder: RunFolder, config: WbragConfig, force: bool = False, only: tuple[Step, ...] | None = None) -> None:
+    """Make every stage of the run (of `only`), skipping complete ones. One set of services for the whole run: a
+    generator or retrieval service a stage started serves the next stage that asks for it (the router's, the
+    grid's)."""
     with Services() as services:
-        for step, params in instances(config):
+        for step, params in instances(config, only):
             step.run(folder, config, force, services, params)
