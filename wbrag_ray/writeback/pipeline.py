@@ -297,6 +297,4 @@ WRITEBACK_STEP = Step(
     instances=lambda config: ([{"version": default_version(config, config.writeback.train)}]
                               if config.writeback.train else []),
     resources=("generator", "retrieval", "embedder"),
-    outputs=("writeback/{version}/scored.parquet", "writeback/{version}/distill.parquet",
-             "writeback/{version}/corpus", "writeback/{version}/embed", "writeback/{version}/index",
-             "writeback/{version}/validation.json", "writeback/ACTIVE"))
+    outputs=("writeback/{version}", "writeback/ACTIVE"))

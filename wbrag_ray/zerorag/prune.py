@@ -182,4 +182,4 @@ PRUNE_STEP = Step("pruning at {ratio:g}", PRUNE,
                   lambda folder, config, force, services, params: prune(folder, config, params["ratio"], force=force),
                   instances=lambda config: [{"ratio": r} for r in config.zerorag.ratios if r > 0]
                   if config.zerorag.enabled else [],
-                  resources=("index",), outputs=("zero_rag/pruned/<ratio>/keep", "zero_rag/pruned/<ratio>/index"))
+                  resources=("index",), outputs=("zero_rag/prune-{ratio:g}",))
