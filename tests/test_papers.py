@@ -395,7 +395,8 @@ def test_the_router_the_tuning_formats_and_flare_are_named_with_their_config_key
     assert any(w.startswith("the query router is a class-balanced logistic regression") and
                "zerorag.router_threshold = 0.5" in w for w in whats)
     formats = next(w for w in whats if w.startswith("noise-tolerant tuning builds its three formats"))
-    assert "zerorag.tune.retrieve_k = 10" in formats and "deeper one that does, injected last" in formats
+    assert "max(retrieval.top_k, zerorag.tune.retrieve_k) = 10 documents" in formats
+    assert "the best-ranked deeper one that does, injected last" in formats
     assert "no relevant row" in formats and "without a gold answer no rows" in formats
     untuned = [d.what for d in run_departures(load_config(str(CONFIGS / "zero_rag_demo.yaml"),
                                                           ["zerorag.tune.enabled=false"]), (ZERO_RAG,))]

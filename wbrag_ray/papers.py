@@ -242,7 +242,8 @@ def _method_departures(config: WbragConfig, paper: str | None, dataset: str | No
         add(WRITEBACK, f"FLARE retrieves where a look-ahead token's probability is below rag.flare.threshold = "
                        f"{f.threshold:g} and writes at most rag.flare.max_rounds x rag.flare.look_ahead_tokens = "
                        f"{f.max_rounds} x {f.look_ahead_tokens} = {f.max_rounds * f.look_ahead_tokens} new tokens "
-                       f"({FLASHRAG}: threshold 0.2, at most {FLASHRAG_FLARE_TOKENS} tokens in 5 rounds of 64)",
+                       f"(FlashRAG's defaults, which the WriteBack-RAG text does not state: threshold 0.2, at most "
+                       f"{FLASHRAG_FLARE_TOKENS} tokens in 5 rounds of 64)",
             source=FLASHRAG)
     add(WRITEBACK, "distillation is two calls, extract then rewrite from the extract only (the WriteBack-RAG paper: "
                    "one distillation of the retained documents)", "wb.distiller")
@@ -319,11 +320,11 @@ def _zero_rag_methods(config: WbragConfig, made: MadeBy) -> list[Departure]:
             f"P(mastered) >= zerorag.router_threshold = {z.router_threshold:g} (the Zero-RAG paper: a binary "
             "classifier trained with cross-entropy, its input and threshold not stated)", "zr.router")
     if t.enabled:  # training/noise_tolerant.build_examples, zerorag/tune.py
-        k = t.docs_per_format or config.retrieval.top_k
-        add(f"noise-tolerant tuning builds its three formats from zerorag.tune.retrieve_k = {t.retrieve_k} documents "
-            f"retrieved per question, {k} in a prompt (zerorag.tune.docs_per_format, unset: retrieval.top_k): relevant "
-            f"= the top {k} where one holds a gold answer, else the top {k - 1} and the best-ranked deeper one that "
-            "does, injected last; distracting = the best-ranked retrieved without a gold answer, topped up "
+        k, wide = t.docs_per_format or config.retrieval.top_k, max(config.retrieval.top_k, t.retrieve_k)
+        add(f"noise-tolerant tuning builds its three formats from max(retrieval.top_k, zerorag.tune.retrieve_k) = "
+            f"{wide} documents retrieved per question, {k} in a prompt (zerorag.tune.docs_per_format, unset: "
+            f"retrieval.top_k): relevant = the top {k} where one of them holds a gold answer, else the top {k - 1} and "
+            "the best-ranked deeper one that does, injected last; distracting = the best-ranked retrieved without a gold answer, topped up "
             "with documents retrieved for other questions; none = the closed-book prompt; a question whose retrieved "
             "documents hold no gold answer gets no relevant row, one without a gold answer no rows (the Zero-RAG "
             "paper: query with relevant documents, query with distracting documents, and query without retrieval)",
