@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 from wbrag_ray import rag
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.evaluation.made_by import made_by, result_departures
+from wbrag_ray.evaluation.made_by import made_by, made_config
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS, score_answer
-from wbrag_ray.papers import papers_followed
+from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.union import appended_units
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.work import Generate, Sizes
@@ -76,9 +76,9 @@ def evaluate(
     # the papers this evaluation follows: WriteBack-RAG beside a version, Zero-RAG on a pruned or routed base or
     # with the tuned adapter; a plain base evaluation the run's (either paper's baseline)
     zero_rag = base_index != run.layout.index.uri or bool(router) or bool(config.generator.lora_adapter)
-    papers = papers_followed(config, bool(wb_version), zero_rag) if wb_version or zero_rag else papers_followed(config)
     # from what made the results: the version's and the adapter's recorded settings, not this config's
-    departed = result_departures(run, config, dataset, wb_version, own_adapter(run, config), zero_rag)
+    made, facts = made_config(run, config, wb_version, own_adapter(run, config), zero_rag)
+    papers, departed = facts.papers, run_departures(made, dataset=dataset, made=facts)
 
     searched_union = None
     if wb_version:

@@ -95,7 +95,7 @@ _RATES = (
          "the distiller",
          "wbrag run jobs/configs/writeback_demo.yaml", "2026-12-05", "count, no hardware"),
     Rate("writeback_selection_nq", 12_295 / 79_168, "of the training questions pass the utility gate",
-         "WriteBack-RAG on NQ's training set: |D_util| = 12,295 of N = 79,168 (K = 5; Llama-3.1-8B-Instruct)",
+         "WriteBack-RAG on NQ's training set: |D_util| = 12,295 of N = 79,168 (K = 5; the text names no LLM)",
          "the WriteBack-RAG paper, its training-cost paragraph", "paper", "count, no hardware"),
     Rate("writeback_calls_nq", 220_000, "generator calls of write-back training on NQ",
          "2N baseline scoring + up to |D_util| x K document gating + |D_util| distillation: about 220K calls, "

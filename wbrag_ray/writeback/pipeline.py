@@ -27,9 +27,11 @@ import pyarrow as pa
 
 from wbrag_ray import prompts, rag
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
-from wbrag_ray.formats import input_params, plain_table
+from wbrag_ray.formats import dataset_name, input_params, plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.layout import WritebackVersion, plain_name
+from wbrag_ray.papers import WRITEBACK as PAPER
+from wbrag_ray.papers import gate_metric, print_departures
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.writeback.distill import distill
@@ -45,9 +47,6 @@ def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
     """The write-back settings with `metric: auto` resolved to the paper's metric for the training set."""
     if wb.metric != "auto":
         return wb
-    from wbrag_ray.formats import dataset_name
-    from wbrag_ray.papers import gate_metric
-
     return wb.model_copy(update={"metric": gate_metric(dataset_name(train))})
 
 
@@ -109,9 +108,6 @@ def train_writeback(
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
     version = version or default_version(config, train)
     plain_name(version, "writeback.version", reserved=("base", "ACTIVE"))
-    from wbrag_ray.papers import WRITEBACK as PAPER
-    from wbrag_ray.papers import print_departures
-
     print_departures(config, PAPER, train)
     method = config.writeback.rag_method
     # the adaptive method's own thresholds decide what is written back
@@ -177,7 +173,7 @@ def format_outcome(version: str, units: int, record: dict[str, Any] | str, activ
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
     from wbrag_ray.evaluation.stage import union_settings
-    from wbrag_ray.formats import dataset_name, embeddings_table
+    from wbrag_ray.formats import embeddings_table
     from wbrag_ray.index.faiss_index import build_index, load_manifest
     from wbrag_ray.retrieval.docstore import write_doc_store
     from wbrag_ray.retrieval.union import write_provenance

@@ -16,6 +16,7 @@ from wbrag_ray.build_kb import INDEX, INGEST
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.papers import ZERO_RAG, print_departures
 from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.zerorag.sampling import sample_sentences, titled
@@ -39,8 +40,6 @@ def require_sentence_index(run: RunFolder, config: WbragConfig) -> None:
 
 def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
     """Score a sample of sentences: QA pairs -> the target model's closed-book answers -> mean EM."""
-    from wbrag_ray.papers import ZERO_RAG, print_departures
-
     require_sentence_index(run, config)
     print_departures(config, ZERO_RAG)
     n = sample or config.zerorag.sample
