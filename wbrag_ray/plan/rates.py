@@ -87,7 +87,8 @@ _RATES = (
          "longer, so a wiki corpus's count comes out high",
          "python -m benchmarks.segmentation", "2026-11-29", AVX512),
     Rate("sentences_per_passage", 6.57, "sentences per passage",
-         "FlashRAG's 21M 100-word Wikipedia passages against Zero-RAG's 138,390,600 Wikipedia sentences; the demo passages the ingest "
+         "FlashRAG's 21M 100-word Wikipedia passages against Zero-RAG's 138,390,600 Wikipedia sentences; the "
+         "demo passages the ingest "
          "benchmark segments have 3.96",
          "DESIGN.md target scale (Zero-RAG's sentence count)", "date not recorded", "corpus figure, no hardware"),
     Rate("writeback_selection", 0.233, "of the training questions pass the utility gate",
