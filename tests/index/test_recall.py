@@ -12,7 +12,7 @@ import pytest
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.faiss_index import build_index, load_manifest, load_shards
 from wbrag_ray.index.recall import RECALL_K, choose, levelled, nprobe_steps, without
-from wbrag_ray.index.search_params import measured_settings, set_search_params
+from wbrag_ray.index.search import measured_settings, set_search_params
 from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 
@@ -78,7 +78,7 @@ def test_ivf_nprobe_is_the_smallest_reaching_the_target_and_searches_use_it(tmp_
     retriever.setup()
     import faiss
 
-    assert {faiss.extract_index_ivf(s).nprobe for s in retriever.shards} == {chosen}
+    assert {faiss.extract_index_ivf(s).nprobe for s in retriever.searcher.shards} == {chosen}
 
 
 def test_explicit_nprobe_is_measured_beside_the_choice_and_warned_when_short(tmp_path, clustered_shards, caplog):
