@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.index.conftest import clustered, write_shards
-from wbrag_ray.index.faiss_index import build_index, load_manifest, load_shards
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import load_manifest, load_shards
 from wbrag_ray.index.recall import RECALL_K, choose, levelled, nprobe_steps, without
 from wbrag_ray.index.search import measured_settings, set_search_params
 from wbrag_ray.retrieval.local import Retriever

@@ -9,7 +9,8 @@ import pytest
 
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.config import IndexConfig, RetrievalConfig
-from wbrag_ray.index.faiss_index import IndexError_, build_index, load_manifest
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.retrieval.service import shard_groups

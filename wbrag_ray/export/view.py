@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.export.codes import add_codes, adds_codes, encoder
 from wbrag_ray.export.embedder import embedder_info
-from wbrag_ray.index.faiss_index import (
+from wbrag_ray.index.files import (
     TRAINED_FILE,
     IndexError_,
     embedding_files,
