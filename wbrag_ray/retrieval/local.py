@@ -5,7 +5,7 @@ and the retrieval service (`retrieval.service`) are. Every index is searched by 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -181,19 +181,6 @@ class Retriever:
         return self.search_vectors(self.encode(queries), k)
 
 
-class Member(Protocol):
-    """An index of a union: where it is, its manifest, the source its hits carry, its documents, its search."""
-
-    source: str
-
-    @property
-    def index_dir(self) -> str: ...
-    @property
-    def manifest(self) -> dict[str, Any]: ...
-    def docs(self) -> DocStore | None: ...
-    def search_ids(self, vectors: np.ndarray, k: int) -> tuple: ...
-
-
 def check_union(sources: list[str]) -> None:
     """Indices searched as one need at least one member and distinct sources: the source names the id space."""
     if not sources:
@@ -217,9 +204,10 @@ def check_comparable(manifests: list[tuple[str, dict]]) -> None:
 class IndexUnion:
     """Indices built with the same embedder searched as one: each index's top K, tagged with its source, a
     write-back unit with its provenance, cut to the top K by `union` (retrieval.union; `auto` is resolved here,
-    once, against the write-back indices' own choice)."""
+    once, against the write-back indices' own choice). A member has `index_dir`, `manifest`, `source`, `docs()`
+    and `search_ids(vectors, k)` -> (scores, ids, ...): a `Retriever`, or a service's `Member` (a search pool)."""
 
-    def __init__(self, members: list[Member], union: UnionRule | None = None):
+    def __init__(self, members: list, union: UnionRule | None = None):
         check_union([m.source for m in members])
         check_comparable([(m.index_dir, m.manifest) for m in members])
         self.members = members
