@@ -90,7 +90,7 @@ def num_shards(n: int) -> int:
 
 
 def _single_process_build(emb: str, out: str, factory: str, trained: bytes, n: int) -> dict:
-    from wbrag_ray.index.faiss_index import build_index
+    from wbrag_ray.index.build import build_index
     from wbrag_ray.storage import resolve
 
     return build_index(resolve(emb), resolve(out), factory, "synthetic", "sentence",
@@ -120,7 +120,7 @@ def index_bytes(folder: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     header("index_build", args)
-    from wbrag_ray.index.faiss_index import build_index
+    from wbrag_ray.index.build import build_index
     from wbrag_ray.index.prune import prune_index
     from wbrag_ray.storage import resolve
 

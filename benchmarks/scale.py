@@ -269,7 +269,7 @@ def _search_ids(index_dir: str, nprobe: int | str, vectors: np.ndarray, k: int) 
     import faiss
 
     from wbrag_ray.index.files import load_shards
-    from wbrag_ray.retrieval.local import ShardSearch, search_nprobe, set_search_params
+    from wbrag_ray.index.search import ShardSearch, search_nprobe, set_search_params
     from wbrag_ray.storage import resolve
 
     faiss.omp_set_num_threads(1)
@@ -291,8 +291,8 @@ def _search_cpu(index_dir: str, nprobe: int, vectors: np.ndarray, k: int) -> dic
     import faiss
 
     from wbrag_ray.index.files import load_shards
+    from wbrag_ray.index.search import ShardSearch, set_search_params
     from wbrag_ray.retrieval.hits import merge_results
-    from wbrag_ray.retrieval.local import ShardSearch, set_search_params
     from wbrag_ray.storage import resolve
 
     faiss.omp_set_num_threads(1)

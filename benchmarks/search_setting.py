@@ -50,7 +50,8 @@ def held_out_search(index_dir: str, nprobe: int, queries: np.ndarray, truth: np.
 
 
 def measure_size(root: Path, n: int, topics: int) -> dict:
-    from wbrag_ray.index.faiss_index import build_index, load_manifest
+    from wbrag_ray.index.build import build_index
+    from wbrag_ray.index.files import load_manifest
     from wbrag_ray.index.sizing import choose_factory
     from wbrag_ray.storage import resolve
 

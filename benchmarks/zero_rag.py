@@ -76,7 +76,7 @@ def bench_embedding_pruner(folder: Path, n: int) -> float:
     import ray
     import ray.data
 
-    from wbrag_ray.index.faiss_index import vectors_of
+    from wbrag_ray.index.files import vectors_of
     from wbrag_ray.models.pruner import EmbeddingHead
     from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.pruner import EmbeddingPredictStage

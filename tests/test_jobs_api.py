@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import demo_records, write_jsonl
-from wbrag_ray.index.faiss_index import load_manifest
+from wbrag_ray.index.files import load_manifest
 from wbrag_ray.jobs_api import dashboard_url, submission_id
 from wbrag_ray.run import RunFolder
 

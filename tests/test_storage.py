@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from tests.conftest import DEMO_CORPUS, DEMO_QA
-from wbrag_ray.index.faiss_index import INDEX_FILE, MANIFEST
+from wbrag_ray.index.files import INDEX_FILE, MANIFEST
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 

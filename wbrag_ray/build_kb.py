@@ -131,7 +131,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
     """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest; and
     the document store of the indexed unit (one task per ingest shard), which searches look hits up in."""
-    from wbrag_ray.index.faiss_index import build_index
+    from wbrag_ray.index.build import build_index
     from wbrag_ray.retrieval.docstore import write_doc_store
 
     def work() -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 from wbrag_ray import __version__, api
 from wbrag_ray.config import ConfigError, WbragConfig, build_config, deep_merge, load_config, parse_overrides
 from wbrag_ray.formats import InputError
-from wbrag_ray.index.faiss_index import IndexError_
+from wbrag_ray.index.files import IndexError_
 from wbrag_ray.run import RunFolder
 
 DEMO_DIR = "runs/demo"

@@ -96,7 +96,7 @@ def test_a_write_back_index_trained_again_in_place_has_its_new_provenance_read(t
     place, and a new service reads the new units' sources, not the cached ones."""
     import os
 
-    from wbrag_ray.retrieval.service import Member, SearchPool
+    from wbrag_ray.retrieval.local import provenance as read_once
     from wbrag_ray.retrieval.union import write_provenance
     from wbrag_ray.storage import resolve
 
@@ -105,7 +105,7 @@ def test_a_write_back_index_trained_again_in_place_has_its_new_provenance_read(t
     write_provenance(index, [1, 2], [[10], [20]], "passage")
 
     def provenance():
-        return Member(SearchPool(index.uri, {}, [], ()), "writeback").provenance("passage")
+        return read_once(index.uri, "passage")
 
     assert provenance() == {1: [10], 2: [20]}
     write_provenance(index, [1, 2], [[11], [21]], "passage")

@@ -9,19 +9,17 @@ import numpy as np
 import pytest
 
 from tests.index.conftest import clustered, write_shards
-from wbrag_ray.index.build import _add_task
-from wbrag_ray.index.faiss_index import (
+from wbrag_ray.index.build import _add_task, build_index
+from wbrag_ray.index.files import load_index, new_index
+from wbrag_ray.index.sizing import (
     MIN_POINTS_PER_CENTROID,
-    build_index,
+    TASK_BASE_BYTES,
     bytes_per_vector,
-    load_index,
-    new_index,
     plan_training,
     shards_for,
     train_resources,
     train_sample_cap,
 )
-from wbrag_ray.index.sizing import TASK_BASE_BYTES
 from wbrag_ray.index.tasks import cluster_gpus
 from wbrag_ray.storage import resolve
 

@@ -10,14 +10,9 @@ import pytest
 from tests.index.conftest import clustered, exact_top_k, recall_at, write_shards
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.formats import embeddings_table
-from wbrag_ray.index.faiss_index import (
-    IndexError_,
-    balanced_groups,
-    build_index,
-    choose_factory,
-    load_index,
-    load_shards,
-)
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import IndexError_, load_index, load_shards
+from wbrag_ray.index.sizing import balanced_groups, choose_factory
 from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 

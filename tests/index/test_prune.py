@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.index.conftest import clustered, write_shards
-from wbrag_ray.index.faiss_index import IndexError_, build_index, load_shards
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import IndexError_, load_shards
 from wbrag_ray.index.prune import drop_ids_from, drop_ids_ref, prune_index
 from wbrag_ray.ray_runtime import in_sorted
 from wbrag_ray.retrieval.local import Retriever

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from tests.index.conftest import clustered, write_shards
-from wbrag_ray.index.faiss_index import build_index, load_manifest, load_shards
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import load_manifest, load_shards
 from wbrag_ray.index.recall import RECALL_K, choose, levelled, nprobe_steps, without
-from wbrag_ray.index.search_params import measured_settings, set_search_params
+from wbrag_ray.index.search import measured_settings, set_search_params
 from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 
@@ -78,7 +79,7 @@ def test_ivf_nprobe_is_the_smallest_reaching_the_target_and_searches_use_it(tmp_
     retriever.setup()
     import faiss
 
-    assert {faiss.extract_index_ivf(s).nprobe for s in retriever.shards} == {chosen}
+    assert {faiss.extract_index_ivf(s).nprobe for s in retriever.searcher.shards} == {chosen}
 
 
 def test_explicit_nprobe_is_measured_beside_the_choice_and_warned_when_short(tmp_path, clustered_shards, caplog):
@@ -136,3 +137,20 @@ def test_the_report_plots_the_steps_tried(tmp_path, clustered_shards):
                 target_recall=0.9, recall_queries=200)
     name = plot_search_setting(load_manifest(resolve(str(out)))["search"], tmp_path)
     assert name and (tmp_path / name).stat().st_size > 1000
+
+
+def test_the_probes_search_as_the_retriever_does(tmp_path, clustered_shards):
+    """The recall measurement runs the retrieval's own search (`index.search`): its probes' merged top K at one
+    nprobe is the in-process retriever's at that nprobe."""
+    from wbrag_ray.index.recall import Probes
+    from wbrag_ray.retrieval.hits import merge_results
+
+    folder, vecs, _ = clustered_shards
+    out = tmp_path / "same"
+    build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", num_shards=2, parallel=False)
+    queries = vecs[:50]
+    probes = Probes.start(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries, threads=1,
+                          num_cpus=1, parallel=False)
+    got = merge_results([(s, i) for s, i, _ in probes.search("nprobe", 4)], RECALL_K + 1)[1]
+    want = Retriever(str(out), nprobe=4, gpu=False).search_ids(queries, RECALL_K + 1)[1]
+    np.testing.assert_array_equal(got, want)

@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.index.conftest import clustered, write_shards
-from wbrag_ray.index.faiss_index import IndexError_, build_index
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import IndexError_
 from wbrag_ray.retrieval.docstore import DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_top_k
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever

@@ -30,7 +30,8 @@ from wbrag_ray.build_kb import EMBED
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
 from wbrag_ray.formats import embeddings_table
-from wbrag_ray.index.faiss_index import build_index, load_manifest
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import load_manifest
 from wbrag_ray.models.embedder import Embedder
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.retrieval.union import UnionRule

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import demo_questions
 from wbrag_ray.cli import main
-from wbrag_ray.index.faiss_index import load_manifest
+from wbrag_ray.index.files import load_manifest
 from wbrag_ray.models.router import QueryRouter
 from wbrag_ray.retrieval.local import Retriever
 

@@ -7,7 +7,7 @@ import faiss
 import numpy as np
 import pytest
 
-from wbrag_ray.index.search_params import auto_nprobe, set_search_params
+from wbrag_ray.index.search import auto_nprobe, set_search_params
 
 
 @pytest.mark.parametrize("nlist, nprobe", [(8, 8), (32, 32), (1024, 32), (4096, 64), (65536, 256), (131072, 362)])

@@ -9,7 +9,8 @@ import pytest
 
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.config import IndexConfig, RetrievalConfig
-from wbrag_ray.index.faiss_index import IndexError_, build_index, load_manifest
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.retrieval.service import shard_groups
@@ -232,8 +233,8 @@ def test_a_lost_search_actor_mid_search_is_answered_by_its_replica(indices, ivf_
 
 def test_shards_of_different_trainings_search_each_with_its_own_quantizer(indices, ivf_index, tmp_path):
     from wbrag_ray.index.files import load_shards
+    from wbrag_ray.index.search import ShardSearch
     from wbrag_ray.retrieval.hits import merge_results
-    from wbrag_ray.retrieval.local import ShardSearch
 
     vecs = indices[2]
     other = _index(tmp_path, "ivf4", vecs[:1_200], np.arange(1_200, dtype=np.int64) * 10, shards=2,

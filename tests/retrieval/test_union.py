@@ -199,7 +199,8 @@ def test_one_union_serves_the_in_process_retriever_and_the_service(monkeypatch):
     assert [keys(q) for q in top] == [["p10", "p11", "u1", "p12", "p13"]]
     assert top[0][2].sources == [99]
     assert cut_union([[BASE]], [{}], UnionRule("provenance"), 5) == [BASE]
-    assert local.cut_union is cut_union and service.cut_union is cut_union
+    assert local.cut_union is cut_union and issubclass(service.RetrievalService, local.IndexUnion)
+    assert issubclass(local.UnionRetriever, local.IndexUnion)
 
 
 def test_the_additive_rule_keeps_the_base_top_k_whole_and_appends_units_that_pass_its_margin():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wbrag_ray.index.faiss_index import TRAINED_FILE, from_bytes
+from wbrag_ray.index.files import TRAINED_FILE, from_bytes
 from wbrag_ray.storage import Location
 
 

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.export.codes import add_codes, adds_codes, encoder
 from wbrag_ray.export.embedder import embedder_info
-from wbrag_ray.index.faiss_index import (
+from wbrag_ray.index.files import (
     TRAINED_FILE,
     IndexError_,
     embedding_files,
@@ -38,6 +38,7 @@ from wbrag_ray.index.faiss_index import (
     read_embedding_shard,
     to_bytes,
 )
+from wbrag_ray.index.search import measured_settings, search_nprobe, set_search_params
 from wbrag_ray.run import RunFolder
 from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location
@@ -143,8 +144,6 @@ class View:
         run's search settings (nprobe, efSearch, k_factor) set: faiss saves them with the index."""
         import faiss
 
-        from wbrag_ray.index.search_params import set_search_params
-
         base = self.parts[0].index
         trained = base.join(self.manifest.get("trained", TRAINED_FILE))
         if not trained.exists():
@@ -162,15 +161,11 @@ class View:
 
     def search_settings(self, config: WbragConfig) -> tuple[int | str | None, int | None]:
         """(nprobe, ef_search) the export saves: the run's, 'auto' taking what the base index's build measured."""
-        from wbrag_ray.index.search_params import measured_settings
-
         return measured_settings(self.manifest, config.index.nprobe, config.index.ef_search)
 
     def nprobe(self, config: WbragConfig) -> int | None:
         """The nprobe saved in the exported index (index.nprobe; 'auto': the measured one, else the formula's on
         the trained index)."""
-        from wbrag_ray.index.search_params import search_nprobe
-
         nprobe = self.search_settings(config)[0]
         return search_nprobe(self.empty_index(config), nprobe) if nprobe == "auto" else nprobe
 

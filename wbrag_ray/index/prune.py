@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from wbrag_ray.index.faiss_index import TRAINED_FILE, IndexError_, build_index, load_manifest
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import TRAINED_FILE, IndexError_, load_manifest
 from wbrag_ray.ray_runtime import is_object_ref
 from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location, resolve

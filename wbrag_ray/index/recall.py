@@ -1,20 +1,11 @@
-"""The index's search setting measured at build time, not a formula (`index.nprobe: auto`, `index.target_recall`).
+"""The index's search setting measured at build time (`index.nprobe: auto`, `index.target_recall`).
 
-A sample of the index's own vectors (`index.recall_queries`) is searched exactly, by inner product over every
-embedding shard (a task per shard, merged), for each one's RECALL_K nearest neighbours other than itself. Then
-the built index shards, each loaded once by a probe (a Ray actor, or an object in this process), are searched at
-growing settings, nprobe for an IVF and efSearch for an HNSW graph, and their merged results compared with the
-exact ones. Recall grows with the lists (or graph nodes) a query visits and so does its time, so the setting
-chosen is the smallest that reaches the target. Where the codes cap recall below the target (PQ codes, SQ8 on
-near ties), the growing stops once recall stops rising, the smallest setting within PLATEAU of the best is
-taken, and the shortfall is logged with the fix. A setting given explicitly (`index.nprobe`, `index.ef_search`)
-is what searches use; it is measured beside the choice, and a warning says when it falls short of the target.
-
-The result is the manifest's `search` entry (the value, its recall and milliseconds per query, every setting
-tried, the sample, what the formula would have used); a search with `index.nprobe: auto` takes its value
-(`search_params.measured_settings`). Its cost: one more read of the embeddings, as the add tasks read them, and
-recall_queries multiply-adds per stored number (500 queries: under a tenth of what an IVF4096 assignment costs
-the add tasks), and a few searches of the sample per shard.
+A sample of the index's own vectors is searched exactly (inner product, a task per embedding shard) for each
+one's RECALL_K nearest other vectors; then the built shards, loaded once by probes (`search.SearchActor`, the
+search the retrieval service runs), are searched at growing nprobe (IVF) or efSearch (HNSW). The smallest
+setting whose merged results reach the target is chosen; where the codes cap recall, the growing stops once
+recall levels off and the cheapest setting within PLATEAU of the best is taken, with a warning. An explicit
+setting is measured beside the choice. The result is the manifest's `search` entry (`search.measured_settings`).
 """
 
 from __future__ import annotations
@@ -26,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from wbrag_ray.index.files import load_shard, read_embedding_shard, sample_vectors
-from wbrag_ray.index.search_params import auto_nprobe, set_search_params
+from wbrag_ray.index.files import read_embedding_shard, sample_vectors
+from wbrag_ray.index.search import SearchActor, auto_nprobe
 from wbrag_ray.index.sizing import balanced_groups
 from wbrag_ray.index.tasks import run_tasks, set_threads
 from wbrag_ray.retrieval.hits import merge_results
@@ -109,61 +100,51 @@ def exact_neighbours(files: list[Location], queries: np.ndarray, own: np.ndarray
 # --- the built shards searched at each setting -----------------------------------------------------------
 
 
-class ShardProbe:
-    """Some index shards, loaded once, searched with the sample at one setting per call."""
-
-    def __init__(self, index_uri: str, shards: list[tuple[str, int]], dim: int, queries: np.ndarray, threads: int):
-        set_threads(threads)
-        self.shards = [load_shard(resolve(index_uri), name, dim, count) for name, count in shards]
-        self.queries = queries
-        for shard in self.shards:  # pages each shard in: the first timed search is not its load
-            shard.search(queries[:8], RECALL_K + 1)
-
-    def search(self, parameter: str | None, value: int | None) -> list[tuple[np.ndarray, np.ndarray, float]]:
-        """(scores, ids, seconds) of the sample's top K + 1 at `parameter` = `value`, per shard."""
-        out = []
-        for shard in self.shards:
-            if parameter is not None:
-                set_search_params(shard, value if parameter == "nprobe" else None,
-                                  value if parameter == "efSearch" else None, None)
-            t0 = time.perf_counter()
-            scores, ids = shard.search(self.queries, RECALL_K + 1)
-            out.append((scores, ids, time.perf_counter() - t0))
-        return out
-
-
 @dataclass
 class Probes:
-    """The shards' probes: Ray actors (parallel; as many as the free CPUs hold, each over a contiguous group of
-    shards), or one object in this process."""
+    """The shards loaded for measuring: search actors over contiguous groups of shards (as many as the free CPUs
+    hold), or one group in this process."""
 
     probes: list
     parallel: bool
+    queries: Any  # the sample (in the object store, for actors)
 
     @classmethod
     def start(cls, index: Location, shards: list[dict[str, Any]], dim: int, queries: np.ndarray, threads: int,
               num_cpus: float, parallel: bool) -> Probes:
         named = [(s["file"], s["count"]) for s in shards]
+        unset = (None, None, None, False)  # the shards as built: each step sets its own setting
         if not parallel:
-            return cls([ShardProbe(index.uri, named, dim, queries, threads)], False)
-        import ray
+            probes = cls([SearchActor(index.uri, named, dim, unset, threads)], False, queries)
+        else:
+            import ray
 
-        # actors that cannot all be placed would leave the first ones waiting on the rest
-        free = ray.available_resources().get("CPU", 0.0)
-        groups = balanced_groups([s["count"] for s in shards], max(1, int(free // num_cpus)))
-        queries_ref = ray.put(queries)
-        actors = [ray.remote(ShardProbe).options(
-            num_cpus=num_cpus, memory=int(sum(shards[i]["bytes"] for i in g) * 1.5) + (256 << 20),
-        ).remote(index.uri, [named[i] for i in g], dim, queries_ref, threads) for g in groups]
-        return cls(actors, True)
+            # actors that cannot all be placed would leave the first ones waiting on the rest
+            free = ray.available_resources().get("CPU", 0.0)
+            groups = balanced_groups([s["count"] for s in shards], max(1, int(free // num_cpus)))
+            probes = cls([ray.remote(SearchActor).options(
+                num_cpus=num_cpus, memory=int(sum(shards[i]["bytes"] for i in g) * 1.5) + (256 << 20),
+            ).remote(index.uri, [named[i] for i in g], dim, unset, threads) for g in groups], True, ray.put(queries))
+        try:
+            probes._call("ready")
+            probes._call("search", queries[:8], RECALL_K + 1)  # pages the shards in: a timed search is no load
+        except BaseException:
+            probes.close()
+            raise
+        return probes
 
-    def search(self, parameter: str | None, value: int | None) -> list[tuple[np.ndarray, np.ndarray, float]]:
-        """Every shard's (scores, ids, seconds), in shard order."""
+    def _call(self, method: str, *args) -> list:
         if not self.parallel:
-            return self.probes[0].search(parameter, value)
+            return [getattr(self.probes[0], method)(*args)]
         import ray
 
-        return [r for group in ray.get([p.search.remote(parameter, value) for p in self.probes]) for r in group]
+        return ray.get([getattr(p, method).remote(*args) for p in self.probes])
+
+    def search(self, parameter: str | None, value: int | None) -> list[tuple]:
+        """Every group's (scores, ids, seconds) of the sample's top K + 1 at `parameter` = `value`."""
+        if parameter is not None:
+            self._call("configure", value if parameter == "nprobe" else None, value if parameter == "efSearch" else None)
+        return self._call("search", self.queries, RECALL_K + 1)
 
     def close(self) -> None:
         if self.parallel:
@@ -216,7 +197,7 @@ def measure_search(files: list[Location], counts: list[int], index: Location, sh
         found = without(merge_results([(s, i) for s, i, _ in results], RECALL_K + 1)[1], own, RECALL_K)
         seconds = [t for _, _, t in results]
         return {"value": value, "recall": round(recall(found, truth), 4),
-                # shards are searched side by side (a search actor each): a query waits for the slowest
+                # groups are searched side by side (as search actors are): a query waits for the slowest
                 "ms_per_query": round(1000 * max(seconds) / len(sample), 4),
                 "cpu_ms_per_query": round(1000 * sum(seconds) / len(sample), 4)}
 

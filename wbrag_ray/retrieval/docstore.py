@@ -1,23 +1,15 @@
-"""The document store: id -> (title, text) for the units an index holds, without holding the corpus.
-
-A search returns ids; a RAG prompt needs their text. At 21M passages (138M sentences) the text is tens of GB,
-so no process may load it whole. The store is a folder of uncompressed Arrow IPC files, each sorted by id and
-each covering one ingest shard (so one file is written by one task, bounded by the shard):
+"""The document store: id -> (title, text) for the units an index holds, without holding the corpus (tens of GB
+at 21M passages). A folder of uncompressed Arrow IPC files, each sorted by id and covering one ingest shard:
 
     DOCS/docs.json          {"format", "unit", "count", "files": [{"file", "count", "id_min", "id_max"}]}
     DOCS/docs-NNNNN.arrow   record batches of (id int64, title string, text string), ids ascending
 
-A reader memory-maps a file the first time an id falls in its range (ranges come from docs.json, so opening
-the store reads one small JSON), finds the row by binary search over an in-memory sample of the ids (every
-512th: 16 KB per million rows), then in the one page of the mapped id column the sample points to, and
-slices title and text out of the mapped buffers: nothing is decoded or copied but the rows asked for. Pages are the OS's: they are shared by every process on a node
-that maps the same file and dropped under memory pressure. Files on object storage are fetched once per node
-into the node-local cache (WBRAG_CACHE) and mapped from there.
-
-Sources: an ingest folder (passages/, sentences/: sentence rows carry their passage's title, joined per shard
-from the shard's own passages file) or a plain Parquet folder of (id, title, text) (the write-back corpus).
-`open_doc_store` opens a store, or builds one from a source into the node-local cache the first time (small
-corpora, indices built before the store existed).
+A reader memory-maps a file the first time an id falls in its range, finds the row by binary search over an
+in-memory sample of every SPARSE-th id and then one page of the mapped id column, and slices out only the rows
+asked for; pages are the OS's, shared by the node's processes. Remote files are fetched once per node into the
+node-local cache (WBRAG_CACHE). Sources: an ingest folder (sentence rows take their passage's title) or a Parquet
+folder of (id, title, text) (the write-back corpus); `open_doc_store` builds a store from a source into the cache
+the first time.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from wbrag_ray.layout import IngestFolder
+from wbrag_ray.ray_runtime import run_tasks
 from wbrag_ray.storage import Location, cache_root, node_cached, resolve
 
 LISTING = "docs.json"
@@ -103,8 +96,6 @@ def _write_task(_shared: None, item: tuple[str, str | None, str]) -> dict[str, A
 def write_doc_store(source: Location, unit: str, out: Location, *, parallel: bool | None = None) -> dict[str, Any]:
     """Write the store of `source`'s `unit`s (passage / sentence; a plain Parquet folder holds one kind) into
     `out`: one task per source file (Ray tasks when Ray is up), then docs.json, last."""
-    from wbrag_ray.ray_runtime import run_tasks
-
     sources = _sources(source, unit)
     out.join(LISTING).delete()  # a reader never pairs an old listing with half-rewritten files
     items = [(doc, titles, out.join(f"docs-{i:05d}.arrow").uri) for i, (doc, titles) in enumerate(sources)]
@@ -125,12 +116,8 @@ def has_doc_store(loc: Location) -> bool:
 
 class _MappedFile:
     """One memory-mapped store file: its record batches, and every SPARSE-th id of each in memory (from the
-    schema's metadata), so that a lookup's binary search runs in memory and then reads one page of the mapped
-    ids (a search over the mapped column itself would touch a page per step: 16 pages per lookup, all
-    resident afterwards). The mapping is advised random, so a lookup in a file not in the page cache reads
-    its pages, not a read-ahead window. (Pages already cached are mapped 128 KB around each lookup by the
-    kernel's fault-around, for free: after a few hundred lookups a recently written file shows as resident
-    in `ps`, though the page cache holds it, not the process.)"""
+    schema's metadata), so a lookup's binary search runs in memory and then reads one page of the mapped ids.
+    The mapping is advised random: a lookup reads its pages, not a read-ahead window."""
 
     def __init__(self, path: str):
         import mmap

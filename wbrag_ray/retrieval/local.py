@@ -1,25 +1,23 @@
-"""Searching an index in this process: for a few queries, tests, benchmarks and exports (the pipelines search
-through the retrieval service, `retrieval.service`, which holds the shards in search actors instead).
-
-`Retriever` loads an index folder (manifest + shards) and opens its document store; `UnionRetriever` searches
-several indices built with the same embedder (the base and the write-back index) and cuts their union to the
-top K by `retrieval.union` (wbrag_ray.retrieval.union). Both share the query embedding, the shard search and the merge with the service.
+"""An index searched in this process (`Retriever`: tests, exports, benchmarks), and `IndexUnion`, several indices
+built with one embedder (the base and the write-back index) searched as one, which both `UnionRetriever` here
+and the retrieval service (`retrieval.service`) are. Every index is searched by `index.search.ShardSearch`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from wbrag_ray.config import EmbedderConfig
-from wbrag_ray.index.faiss_index import IndexError_, load_shards
-from wbrag_ray.index.gpu_clone import to_gpu
-from wbrag_ray.index.search_params import measured_settings, set_search_params
+from wbrag_ray.identity import content_identity
+from wbrag_ray.index.files import IndexError_, load_manifest, named_shards
+from wbrag_ray.index.search import ShardSearch, measured_settings
+from wbrag_ray.models.embedder import Embedder
 from wbrag_ray.models.hardware import gpus_usable
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
-from wbrag_ray.retrieval.hits import Hit, merge_results
-from wbrag_ray.retrieval.union import BASE, UnionRule, cut_union, read_provenance
+from wbrag_ray.retrieval.hits import Hit
+from wbrag_ray.retrieval.union import BASE, PROVENANCE, UnionRule, cut_union, read_provenance
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -45,93 +43,30 @@ def docs_location(index: Location, manifest: dict, docs_dir: str | None) -> Loca
     return resolve(docs)
 
 
-def _ivf_of(shard):
-    """(the IVF index inside a shard, the vector transforms applied before it), or None where the shard is not
-    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps)."""
-    import faiss
-
-    chain = []
-    inner = faiss.downcast_index(shard)
-    if isinstance(inner, faiss.IndexPreTransform):
-        chain = [faiss.downcast_VectorTransform(inner.chain.at(i)) for i in range(inner.chain.size())]
-        inner = faiss.downcast_index(inner.index)
-    return (inner, chain) if isinstance(inner, faiss.IndexIVF) else None
+# Per process, keyed by the files' identity as well as their place: a store is opened (and mapped) once, a
+# write-back index's provenance read once, and a version trained again in place is read anew.
+_STORES: dict[tuple[str, str, str | None], DocStore] = {}
+_PROVENANCE: dict[tuple[str, str, str | None], dict[int, list[int]]] = {}
 
 
-def quantizer_fingerprint(ivf) -> str | None:
-    """A digest of an IVF's coarse quantizer (its list count and a few of its centroids): equal for the shards of
-    one build, which trains once; None where the quantizer cannot give its centroids back."""
-    import hashlib
-
-    quantizer = ivf.quantizer
-    if quantizer.ntotal == 0:
+def documents(index_dir: str, manifest: dict, docs_dir: str | None) -> DocStore | None:
+    """The document store of an index's ids (`docs_location`), opened once per process; None where none is named."""
+    loc = docs_location(resolve(index_dir), manifest, docs_dir)
+    if loc is None:
         return None
-    digest = hashlib.blake2b(f"{ivf.nlist}:{quantizer.ntotal}".encode(), digest_size=16)
-    try:
-        for row in sorted({0, quantizer.ntotal // 2, quantizer.ntotal - 1}):
-            digest.update(np.ascontiguousarray(quantizer.reconstruct(row)).tobytes())
-    except RuntimeError:  # a quantizer type without reconstruction
-        return None
-    return digest.hexdigest()
+    key = (loc.uri, manifest.get("unit", "passage"), content_identity(loc.uri))
+    if key not in _STORES:
+        _STORES[key] = open_doc_store(loc, key[1])
+    return _STORES[key]
 
 
-class ShardSearch:
-    """Index shards searched as one index: each query's top K over all of them, best first.
-
-    The shards of one IVF index share the trained coarse quantizer, so a batch of queries is assigned to its
-    nprobe lists once (`assign`) and each shard scans only its own part of those lists (faiss's
-    `search_preassigned`): the quantizer is not run again per shard, a cost that grows with the number of
-    shards rather than with what they hold. A retrieval service makes the assignment once for all its search
-    actors. Other index types (HNSW, flat, refine) search shard by shard."""
-
-    def __init__(self, shards: list, batch_size: int = 1024):
-        self.shards, self.batch_size = shards, batch_size
-        ivfs = [_ivf_of(s) for s in shards]
-        self.ivfs = None
-        self.fingerprint = None
-        prints = {quantizer_fingerprint(found[0]) if found else None for found in ivfs}
-        if shards and len(prints) == 1 and None not in prints:
-            self.ivfs = [ivf for ivf, _ in ivfs]
-            self.chain = ivfs[0][1]
-            self.fingerprint = prints.pop()
-            for ivf in self.ivfs:  # faiss searches min(nprobe, nlist) lists; an assignment has that width
-                ivf.nprobe = min(ivf.nprobe, ivf.nlist)
-
-    @property
-    def can_assign(self) -> bool:
-        return self.ivfs is not None
-
-    def _transformed(self, vectors: np.ndarray) -> np.ndarray:
-        for transform in self.chain:
-            vectors = transform.apply(vectors)
-        return vectors
-
-    def assign(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(centroid scores, list ids), each (n, nprobe): the lists each query visits, in every shard."""
-        if self.ivfs is None:
-            raise ValueError("these shards are not IVF shards of one trained index: they cannot share an assignment")
-        ivf = self.ivfs[0]
-        return ivf.quantizer.search(self._transformed(vectors), ivf.nprobe)
-
-    def search(self, vectors: np.ndarray, k: int,
-               assigned: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids), each (n, k), best first, over every shard, `batch_size` queries at a time; `assigned`:
-        the lists the queries visit (`assign`), made here when missing."""
-        out_s = np.full((len(vectors), k), -np.inf, np.float32)
-        out_i = np.full((len(vectors), k), -1, np.int64)
-        for start in range(0, len(vectors), self.batch_size):
-            q = vectors[start : start + self.batch_size]
-            if self.ivfs is None:
-                found = [shard.search(q, k) for shard in self.shards]
-            else:
-                q = self._transformed(q)
-                if assigned is None:
-                    dists, lists = self.ivfs[0].quantizer.search(q, self.ivfs[0].nprobe)
-                else:
-                    dists, lists = (a[start : start + len(q)] for a in assigned)
-                found = [ivf.search_preassigned(q, k, lists, dists) for ivf in self.ivfs]
-            out_s[start : start + len(q)], out_i[start : start + len(q)] = merge_results(found, k)
-        return out_s, out_i
+def provenance(index_dir: str, base_unit: str) -> dict[int, list[int]]:
+    """A write-back index's units' source documents (`union.read_provenance`), read once per process."""
+    loc = resolve(index_dir)
+    key = (index_dir, base_unit, content_identity(loc.join(PROVENANCE).uri))
+    if key not in _PROVENANCE:
+        _PROVENANCE[key] = read_provenance(loc, base_unit)
+    return _PROVENANCE[key]
 
 
 def to_hits(scores: np.ndarray, ids: np.ndarray, docs: DocStore | None, source: str) -> list[list[Hit]]:
@@ -155,10 +90,8 @@ def check_query_vectors(vectors: np.ndarray, dim: int, where: str) -> np.ndarray
     return vectors
 
 
-def load_query_embedder(config: EmbedderConfig, dim: int, where: str):
+def load_query_embedder(config: EmbedderConfig, dim: int, where: str) -> Embedder:
     """The query-side embedder, checked against the index's dimension; on a GPU only where one is usable."""
-    from wbrag_ray.models.embedder import Embedder
-
     if config.num_gpus and not gpus_usable():
         config = config.model_copy(update={"num_gpus": 0.0})
     embedder = Embedder(config)
@@ -170,7 +103,7 @@ def load_query_embedder(config: EmbedderConfig, dim: int, where: str):
 
 
 class Retriever:
-    """Loads an index folder (manifest + shards) and its documents; `search` returns `Hit`s per query.
+    """An index folder (manifest + shards) searched in this process; `search` returns `Hit`s per query.
 
     docs_dir: a document store, an ingest folder or a Parquet folder of (id, title, text); default: the
     manifest's `docs` (hits without documents carry empty title and text). embedder: needed only to search
@@ -193,8 +126,7 @@ class Retriever:
         self.index_dir, self.docs_dir, self.embedder_config = index_dir, docs_dir, embedder
         self.nprobe, self.ef_search, self.k_factor, self.gpu = nprobe, ef_search, k_factor, gpu
         self.source, self.batch_size = source, batch_size
-        self.embedder = None
-        self._loaded = False
+        self.embedder = self._searcher = self._manifest = self._docs = None
 
     @classmethod
     def from_config(cls, index_dir: str, docs_dir: str | None, config: WbragConfig, source: str = "base") -> Retriever:
@@ -204,48 +136,46 @@ class Retriever:
                    ef_search=ic.ef_search, k_factor=ic.k_factor, gpu=ic.gpu)
 
     @property
+    def manifest(self) -> dict[str, Any]:
+        if self._manifest is None:
+            self._manifest = load_manifest(resolve(self.index_dir))
+        return self._manifest
+
+    @property
     def dim(self) -> int:
-        self._ensure_loaded()
         return int(self.manifest["dim"])
 
     def setup(self) -> None:
-        loc = resolve(self.index_dir)
-        self.shards, self.manifest = load_shards(loc)
         check_embedder(self.manifest, self.index_dir, self.embedder_config)
         nprobe, ef_search = measured_settings(self.manifest, self.nprobe, self.ef_search)
-        for i, shard in enumerate(self.shards):
-            set_search_params(shard, nprobe, ef_search, self.k_factor)
-            if self.gpu:
-                self.shards[i] = to_gpu(shard, f"{self.index_dir}/{self.manifest['files'][i]}")
-        self.searcher = ShardSearch(self.shards, self.batch_size)
-        docs = docs_location(loc, self.manifest, self.docs_dir)
-        self.docs = open_doc_store(docs, self.manifest.get("unit", "passage")) if docs else None
-        self._loaded = True
+        self._searcher = ShardSearch.load(self.index_dir, named_shards(self.manifest), self.dim, nprobe, ef_search,
+                                         self.k_factor, gpu=bool(self.gpu), batch_size=self.batch_size)
+        self._docs = documents(self.index_dir, self.manifest, self.docs_dir)
 
-    def _ensure_loaded(self) -> None:
-        if not self._loaded:
+    @property
+    def searcher(self) -> ShardSearch:
+        if self._searcher is None:
             self.setup()
+        return self._searcher
 
-    def _ensure_embedder(self):
-        self._ensure_loaded()
+    def docs(self) -> DocStore | None:
+        if self._searcher is None:
+            self.setup()
+        return self._docs
+
+    def encode(self, queries: list[str]) -> np.ndarray:
         if self.embedder is None:
             if self.embedder_config is None:
                 raise IndexError_(f"retriever for {self.index_dir} has no embedder: search by vectors, or pass one")
-            self.embedder = load_query_embedder(self.embedder_config, self.manifest["dim"], self.index_dir)
-        return self.embedder
+            self.embedder = load_query_embedder(self.embedder_config, self.dim, self.index_dir)
+        return self.embedder.encode_queries(queries)
 
     def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids), each (n, k), best first; missing hits are id -1 with score -inf. Every shard is
-        searched and the results merged, `batch_size` queries at a time."""
-        self._ensure_loaded()
-        vectors = check_query_vectors(vectors, self.manifest["dim"], self.index_dir)
-        return self.searcher.search(vectors, k)
+        """(scores, ids), each (n, k), best first; missing hits are id -1 with score -inf."""
+        return self.searcher.search(check_query_vectors(vectors, self.dim, self.index_dir), k)
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        return to_hits(*self.search_ids(vectors, k), self.docs, self.source)
-
-    def encode(self, queries: list[str]) -> np.ndarray:
-        return self._ensure_embedder().encode_queries(queries)
+        return to_hits(*self.search_ids(vectors, k), self.docs(), self.source)
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         return self.search_vectors(self.encode(queries), k)
@@ -271,46 +201,49 @@ def check_comparable(manifests: list[tuple[str, dict]]) -> None:
                 )
 
 
-def union_base_unit(members: list[tuple[str, dict]]) -> str:
-    """What the base index of a union holds (passage / sentence): a unit's provenance applies only to that kind."""
-    manifest = next((m for source, m in members if source == BASE), members[0][1])
-    return manifest.get("unit", "passage")
+class IndexUnion:
+    """Indices built with the same embedder searched as one: each index's top K, tagged with its source, a
+    write-back unit with its provenance, cut to the top K by `union` (retrieval.union; `auto` is resolved here,
+    once, against the write-back indices' own choice). A member has `index_dir`, `manifest`, `source`, `docs()`
+    and `search_ids(vectors, k)` -> (scores, ids, ...): a `Retriever`, or a service's `Member` (a search pool)."""
 
-
-class UnionRetriever:
-    """Several indices built with the same embedder (the base index and the write-back index), searched
-    independently; each query's hits are the union cut to the top K by `union` (default: retrieval.union's
-    default, the gate; the paper's merge by score is `UnionRule("score")`), tagged with their source, a write-back
-    unit with its provenance: the same union as the retrieval service's (`union.cut_union`).
-
-    Same `search` / `search_vectors` interface as `Retriever`; queries are embedded once, by the first
-    member that has an embedder.
-    """
-
-    def __init__(self, members: list[Retriever], union: UnionRule | None = None):
+    def __init__(self, members: list, union: UnionRule | None = None):
         check_union([m.source for m in members])
+        check_comparable([(m.index_dir, m.manifest) for m in members])
         self.members = members
-        self.union = union or UnionRule()
-        self._loaded = False
+        self.union = (union or UnionRule()).resolved([resolve(m.index_dir) for m in members if m.source != BASE])
+        # a unit's provenance applies only to the kind of document (passage / sentence) the base index holds
+        base = next((m for m in members if m.source == BASE), members[0])
+        self.base_unit = base.manifest.get("unit", "passage")
+        self._opened: list | None = None  # per process: each member's (documents, provenance)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_opened": None}
+
+    @property
+    def dim(self) -> int:
+        return int(self.members[0].manifest["dim"])
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        if self._opened is None:
+            self._opened = [(m.docs(), {} if m.source == BASE else provenance(m.index_dir, self.base_unit))
+                            for m in self.members]
+        hits = [to_hits(*m.search_ids(vectors, k)[:2], docs, m.source)
+                for m, (docs, _) in zip(self.members, self._opened, strict=True)]
+        return cut_union(hits, [p for _, p in self._opened], self.union, k)
+
+
+class UnionRetriever(IndexUnion):
+    """`Retriever`s searched as one (`IndexUnion`; default union: retrieval.union's default; the paper's merge by
+    score is `UnionRule("score")`); queries are embedded once, by the first member that has an embedder."""
+
+    members: list[Retriever]
 
     def setup(self) -> None:
         for m in self.members:
-            m._ensure_loaded()
-        check_comparable([(m.index_dir, m.manifest) for m in self.members])
-        base_unit = union_base_unit([(m.source, m.manifest) for m in self.members])
-        self.provenance = [{} if m.source == BASE else read_provenance(resolve(m.index_dir), base_unit)
-                           for m in self.members]
-        self.union = self.union.resolved([resolve(m.index_dir) for m in self.members if m.source != BASE])
-        self._loaded = True
-
-    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        if not self._loaded:
-            self.setup()
-        return cut_union([m.search_vectors(vectors, k) for m in self.members], self.provenance, self.union, k)
+            m.setup()
 
     def encode(self, queries: list[str]) -> np.ndarray:
-        if not self._loaded:
-            self.setup()
         encoder = next((m for m in self.members if m.embedder_config is not None), None)
         if encoder is None:
             raise IndexError_("no retriever in the union has an embedder: search by vectors, or pass one")

@@ -1,20 +1,11 @@
-"""The retrieval service: an index's shards held by search actors that a command starts once and every
-retrieval pass of it uses.
+"""The retrieval service: an index's shards held by search actors (`index.search.SearchActor`) that a command
+starts once and every retrieval pass of it uses.
 
-An index folder's shards (the build sizes them by `index.shard_memory_gb`) are grouped, in manifest order, into
-groups of at most `retrieval.actor_memory_gb`; each group is loaded by one search actor that declares that
-memory to Ray (`memory=`), so Ray places groups on nodes that can hold them and never packs two big ones on a
-node that cannot. `retrieval.concurrency` replicas of every group serve in parallel. A search sends the
-query vectors to one replica of each group at once (for an IVF index, with the lists one actor assigned the
-queries to: the coarse quantizer runs once per search, not once per shard), and merges the groups' top K by
-score; the union with the write-back index is cut to the top K by `retrieval.union` (wbrag_ray.retrieval.union),
-each hit keeping its source, a unit its provenance. Document text is looked
-up only for the merged top K, by id, in the memory-mapped document store (`retrieval.docstore`), in the
-process that asked. Nothing here loads an index into the driver: the latency figures come from the actors.
-
-Search actors ask for a GPU only where `index.gpu` is set and the cluster has GPUs; they put shards on it
-only when Ray reserved it for them. A lost actor (its node gone) is started again elsewhere and the call
-retried: a search is a pure function of its shards.
+The shards are grouped, in manifest order, into groups of at most `retrieval.actor_memory_gb`, each loaded by
+one search actor that declares that memory to Ray, in `retrieval.concurrency` replicas. A search sends the query
+vectors to one replica of each group at once (for an IVF index with the lists one actor assigned them to) and
+merges the groups' top K; the union with the write-back index is `local.IndexUnion`'s. Documents are looked up
+only for the merged top K, in the process that asked. A lost actor is started again and the call retried.
 """
 
 from __future__ import annotations
@@ -28,26 +19,19 @@ from typing import Any
 
 import numpy as np
 
+from wbrag_ray.cluster_nodes import beside_generator, pool_refusal, refuse_unplaceable
 from wbrag_ray.config import IndexConfig, RetrievalConfig
-from wbrag_ray.index.faiss_index import IndexError_, load_manifest
-from wbrag_ray.index.files import load_shard
-from wbrag_ray.index.gpu_clone import faiss_has_gpu, to_gpu
-from wbrag_ray.index.search_params import measured_settings, set_search_params
+from wbrag_ray.gpu_layout import index_on_gpu
+from wbrag_ray.index.files import IndexError_, load_manifest
+from wbrag_ray.index.gpu_clone import faiss_has_gpu
+from wbrag_ray.index.search import SearchActor, measured_settings
 from wbrag_ray.ray_runtime import call_actor, start_restartable
-from wbrag_ray.retrieval.docstore import DocStore, DocStoreError, open_doc_store
-from wbrag_ray.retrieval.hits import Hit, merge_results
-from wbrag_ray.retrieval.local import (
-    ShardSearch,
-    check_comparable,
-    check_query_vectors,
-    check_union,
-    docs_location,
-    to_hits,
-    union_base_unit,
-)
-from wbrag_ray.retrieval.union import BASE, PROVENANCE, UnionRule, cut_union, read_provenance
+from wbrag_ray.retrieval.docstore import DocStore, DocStoreError
+from wbrag_ray.retrieval.hits import merge_results
+from wbrag_ray.retrieval.local import IndexUnion, check_query_vectors, documents
 from wbrag_ray.stages.kept import make_room
 from wbrag_ray.storage import resolve
+from wbrag_ray.waits import wait_placed
 
 log = logging.getLogger(__name__)
 
@@ -58,51 +42,6 @@ def search_actor_memory(group_bytes: float) -> int:
     """The memory a search actor declares to Ray for a group of shards of `group_bytes`: the shards, a fifth more
     for faiss's search buffers and the id maps, and the process itself (`wbrag plan` asks for the same)."""
     return int(group_bytes * 1.2 + ACTOR_OVERHEAD_BYTES)
-
-
-class SearchActor:
-    """A group of one index's shards, loaded once; `search` returns the group's top K and its own seconds."""
-
-    def __init__(self, index_dir: str, files: list[str], counts: list[int | None], dim: int,
-                 search: dict[str, Any], threads: int):
-        import faiss
-
-        faiss.omp_set_num_threads(threads)
-        self.error: Exception | None = None
-        self.shards = []
-        try:
-            loc = resolve(index_dir)
-            for name, count in zip(files, counts, strict=True):
-                shard = load_shard(loc, name, dim, count)
-                set_search_params(shard, search["nprobe"], search["ef_search"], search["k_factor"])
-                self.shards.append(to_gpu(shard, loc.join(name).uri) if search["gpu"] else shard)
-        except IndexError_ as exc:
-            self.error = exc  # raised by `ready`, as itself: a constructor's error would come back wrapped
-        self.searcher = ShardSearch(self.shards)
-
-    def ready(self) -> tuple[int, str | None]:
-        """(vectors held, the fingerprint of the coarse quantizer the group's shards share: None where they take
-        no assignment made elsewhere)."""
-        if self.error is not None:
-            raise self.error
-        return sum(int(s.ntotal) for s in self.shards), self.searcher.fingerprint
-
-    def assign(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-        """The lists each query visits, made once for every group of the index (see `ShardSearch`)."""
-        t0 = time.perf_counter()
-        dists, lists = self.searcher.assign(vectors)
-        return dists, lists, time.perf_counter() - t0
-
-    def search(self, vectors: np.ndarray, k: int,
-               assigned: tuple[np.ndarray, np.ndarray, float] | None = None) -> tuple[np.ndarray, np.ndarray, float]:
-        t0 = time.perf_counter()
-        scores, ids = self.searcher.search(vectors, k, assigned[:2] if assigned is not None else None)
-        return scores, ids, time.perf_counter() - t0
-
-    def peak_rss_mb(self) -> float:
-        from wbrag_ray.ray_runtime import peak_rss_mb
-
-        return peak_rss_mb()
 
 
 def shard_groups(shards: list[dict[str, Any]], budget_bytes: float) -> list[list[int]]:
@@ -138,8 +77,6 @@ def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig
     they search on CPUs or the index is not built yet."""
     import ray
 
-    from wbrag_ray.gpu_layout import index_on_gpu
-
     if not index_on_gpu(index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu()):
         return 0, 0.0
     try:
@@ -150,21 +87,9 @@ def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig
     return len(groups) * retrieval.concurrency, float(max(sum(shards[i]["bytes"] for i in g) for g in groups))
 
 
-def search_gpus(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> float:
-    """The GPUs the search pool of the index at `index_dir` will hold: `retrieval.search_gpus` per search actor
-    (`search_actors`)."""
-    return search_actors(index_dir, index, retrieval)[0] * retrieval.search_share
-
-
 def _unwrap(exc: Exception) -> Exception:
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, IndexError_ | DocStoreError) else exc
-
-
-# Per process, keyed by the files' identity (`identity.content_identity`) as well as their place: a store is opened
-# (and mapped) once, a write-back index's provenance read once, and a version trained again in place is read anew.
-_STORES: dict[tuple[str, str, str | None], DocStore] = {}
-_PROVENANCE: dict[tuple[str, str, str | None], dict[int, list[int]]] = {}
 
 
 @dataclass
@@ -184,18 +109,14 @@ class SearchPool:
 
         manifest, shards = _manifest_shards(index_dir)
         groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
-        from wbrag_ray.gpu_layout import index_on_gpu
-
         # index.gpu true where no GPU search can run is refused; auto searches on CPUs there (a GPU reserved per
         # search actor that faiss cannot use would idle beside a CPU search)
         use_gpu = index_on_gpu(index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
         if index.gpu == "auto" and not use_gpu and ray.cluster_resources().get("GPU", 0) > 0:
             log.info("index.gpu auto: this faiss has no GPU support, the search actors search on CPUs")
         nprobe, ef_search = measured_settings(manifest, index.nprobe, index.ef_search)  # 'auto': what the build measured
-        search = {"nprobe": nprobe, "ef_search": ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
+        search = (nprobe, ef_search, index.k_factor, use_gpu)
         threads = max(1, math.ceil(retrieval.search_cpus))
-        from wbrag_ray.cluster_nodes import beside_generator, pool_refusal, refuse_unplaceable
-        from wbrag_ray.waits import wait_placed
 
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
         # largest shard group sizes the memory each asks for)
@@ -211,9 +132,8 @@ class SearchPool:
                 num_cpus=retrieval.search_cpus, num_gpus=retrieval.search_share if use_gpu else None,
                 memory=search_actor_memory(held), max_restarts=-1, max_task_retries=3,
             )(SearchActor).options(**beside_generator(retrieval.search_share if use_gpu else 0.0))
-            files = [shards[i]["file"] for i in group]
-            counts = [shards[i].get("count") for i in group]
-            actors.append([start_restartable(remote, index_dir, files, counts, int(manifest["dim"]), search, threads)
+            named = [(shards[i]["file"], shards[i].get("count")) for i in group]
+            actors.append([start_restartable(remote, index_dir, named, int(manifest["dim"]), search, threads)
                            for _ in range(retrieval.concurrency)])
         pool = cls(index_dir, manifest, actors, pool_placement(index, retrieval))
         try:
@@ -293,72 +213,41 @@ def pool_placement(index: IndexConfig, retrieval: RetrievalConfig) -> tuple:
 
 @dataclass(frozen=True)
 class Member:
-    """An index of a retrieval service: its search pool, the source its hits carry, where its documents are
-    (None: the manifest's `docs`)."""
+    """An index of a retrieval service (`local.Member`): its search pool, the source its hits carry, where its
+    documents are (None: the manifest's `docs`)."""
 
     pool: SearchPool
     source: str = "base"
     docs_dir: str | None = None
 
-    def docs(self) -> DocStore | None:
-        """The document store, opened once per process (its files are mapped on first use)."""
-        loc = docs_location(resolve(self.pool.index_dir), self.pool.manifest, self.docs_dir)
-        if loc is None:
-            return None
-        key = (loc.uri, self.pool.manifest.get("unit", "passage"), self._identity(loc.uri))
-        if key not in _STORES:
-            _STORES[key] = open_doc_store(loc, key[1])
-        return _STORES[key]
-
-    def _identity(self, uri: str) -> str | None:
-        """The content identity of the files at `uri`, listed once per member (a member lives for one command)."""
-        from wbrag_ray.identity import content_identity
-
-        known = self.__dict__.setdefault("_identities", {})  # frozen: the cache lives beside the fields
-        if uri not in known:
-            known[uri] = content_identity(uri)
-        return known[uri]
-
-    def provenance(self, base_unit: str) -> dict[int, list[int]]:
-        """A write-back index's units' source documents ({} for the base), read once per process."""
-        if self.source == BASE:
-            return {}
-        key = (self.pool.index_dir, base_unit, self._identity(resolve(self.pool.index_dir).join(PROVENANCE).uri))
-        if key not in _PROVENANCE:
-            _PROVENANCE[key] = read_provenance(resolve(self.pool.index_dir), base_unit)
-        return _PROVENANCE[key]
-
-    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        """This index's top k of each query, as hits tagged with its source (provenance is the union's to add)."""
-        scores, ids, _ = self.pool.search_ids(vectors, k)
-        return to_hits(scores, ids, self.docs(), self.source)
-
-
-class RetrievalService:
-    """One or more indices (the base, and the write-back index beside it) searched as one: each index on its
-    own search pool, the union cut to the top K by `union` (retrieval.union), each hit tagged with its index's
-    source."""
-
-    def __init__(self, members: list[Member], union: UnionRule | None = None):
-        check_union([m.source for m in members])
-        check_comparable([(m.pool.index_dir, m.pool.manifest) for m in members])
-        self.members = members
-        self.pools = [m.pool for m in members]
-        # `auto`: the rule the write-back version chose, read once here (the driver) and sent with the service
-        self.union = (union or UnionRule()).resolved([resolve(m.pool.index_dir) for m in members if m.source != BASE])
-        self.base_unit = union_base_unit([(m.source, m.pool.manifest) for m in members])
+    @property
+    def index_dir(self) -> str:
+        return self.pool.index_dir
 
     @property
-    def dim(self) -> int:
-        return self.pools[0].dim
+    def manifest(self) -> dict[str, Any]:
+        return self.pool.manifest
+
+    def docs(self) -> DocStore | None:
+        return documents(self.index_dir, self.manifest, self.docs_dir)
+
+    def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
+        return self.pool.search_ids(vectors, k)
+
+
+class RetrievalService(IndexUnion):
+    """One or more indices (the base, and the write-back index beside it) searched as one (`IndexUnion`), each
+    on its own search pool. Built in the driver, where `auto` is resolved, and sent with the passes."""
+
+    members: list[Member]
+
+    @property
+    def pools(self) -> list[SearchPool]:
+        return [m.pool for m in self.members]
 
     @property
     def embedder(self) -> str:
-        return self.pools[0].manifest["embedder"]
-
-    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        return cut_union([m.search_vectors(vectors, k) for m in self.members],
-                         [m.provenance(self.base_unit) for m in self.members], self.union, k)
+        return self.members[0].manifest["embedder"]
 
     def latency_ms(self, vectors: np.ndarray, k: int, min_seconds: float = 0.5) -> float:
         """Milliseconds per query of the search itself, as the search actors measure it (the slowest group of

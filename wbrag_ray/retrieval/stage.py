@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from wbrag_ray.cluster_nodes import refuse_unplaceable
 from wbrag_ray.config import EmbedderConfig, IndexConfig, RetrievalConfig
+from wbrag_ray.models.embedder import Embedder
+from wbrag_ray.models.router import QueryRouter
 from wbrag_ray.retrieval.hits import hits_to_json
 from wbrag_ray.retrieval.local import check_embedder, load_query_embedder
 from wbrag_ray.stages.base import Resources, Stage
+from wbrag_ray.stages.embed import stored
+from wbrag_ray.stages.service import run_pass, shared_or_own
+from wbrag_ray.storage import resolve
 
 if TYPE_CHECKING:
     import ray.data
@@ -58,9 +64,6 @@ class RetrieveStage(Stage):
     def setup(self) -> None:
         self.embedder = load_query_embedder(self.embedder_config, self.service.dim, self.service.pools[0].index_dir)
         if self.router_dir:
-            from wbrag_ray.models.router import QueryRouter
-            from wbrag_ray.storage import resolve
-
             self.router = QueryRouter.load(resolve(self.router_dir).local_dir())
 
     def service_key(self) -> tuple:
@@ -93,12 +96,9 @@ class RetrieveStage(Stage):
 
 
 class PassageVectorsStage(Stage):
-    """(id, text) -> (id, vector), passages embedded by a retrieval pass's actors with the embedder they hold for
-    the queries: the index's own embedder (`check_embedder`), so the vectors are the ones a bulk embed pass
-    writes. Write-back's units (a few per training example) go through it on the command's retrieval service,
-    whose actors already loaded the model for the scoring passes, instead of through an actor pool of their own
-    that would start a process, import torch and load the model again, and first end the services the next
-    command takes over (`stages.kept`)."""
+    """(id, text) -> (id, vector): passages embedded by a retrieval pass's actors with the index's own embedder
+    (`check_embedder`), as a bulk embed pass would. Write-back's few units go through the command's retrieval
+    service, whose actors hold the model already, instead of an actor pool of their own loading it again."""
 
     name = RetrieveStage.name  # the retrieval service's actors run it
     section = RetrieveStage.section
@@ -126,8 +126,6 @@ class PassageVectorsStage(Stage):
         self.embedder, self.router = loaded.embedder, loaded.router
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray.stages.embed import stored
-
         vectors = stored(self.embedder.encode_passages(batch["text"].tolist()), self.search.embedder_config)
         return pd.DataFrame({"id": batch["id"].to_numpy(np.int64), "vector": list(vectors.astype(np.float32))})
 
@@ -154,8 +152,6 @@ class QueryVectorsStage(Stage):
                          concurrency=self.retrieval.concurrency, batch_size=self.retrieval.batch_size)
 
     def setup(self) -> None:
-        from wbrag_ray.models.embedder import Embedder
-
         self.embedder = Embedder(self.embedder_config)
         self.embedder.setup()
 
@@ -174,8 +170,6 @@ def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalC
     """Refuse, before any work, `what` (a stage that embeds queries: the Zero-RAG router, its grid) whose query
     embedder asks for GPUs on a cluster with no node holding that many, naming the setting
     (`cluster_nodes.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
-    from wbrag_ray.cluster_nodes import refuse_unplaceable
-
     gpus = retrieval.query_embedder(embedder).num_gpus
     if gpus <= 0:
         return
@@ -193,11 +187,7 @@ def query_vectors(texts: list[str], embedder: EmbedderConfig, retrieval: Retriev
     node without GPUs, would embed them on its CPU, silently); else in this process, on CPU as configured."""
     config = retrieval.query_embedder(embedder)
     if config.num_gpus <= 0:
-        from wbrag_ray.models.embedder import Embedder
-
         return Embedder(config).encode_queries(list(texts))
-    from wbrag_ray.stages.service import shared_or_own
-
     with shared_or_own(services) as own:
         out = own.run_frame(pd.DataFrame({"question": list(texts)}), QueryVectorsStage(embedder, retrieval),
                             "embed queries")
@@ -233,8 +223,6 @@ class RetrievalSetting:
         """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, on the retrieval service of
         `services` (started on the first pass of a command, used by every later one): a Ray Data pass over a
         dataset; a DataFrame the driver holds goes to the service's actors directly (`Services.run_frame`)."""
-        from wbrag_ray.stages.service import run_pass
-
         if services is None:
             raise ValueError("a retrieval pass runs on a command's services: pass `services` (Services())")
         stage = self.stage(services, query_column)

@@ -1,41 +1,28 @@
 """The union of the base index and the write-back index: which of their hits take the K slots of a prompt.
 
 WriteBack-RAG merges the two indices' hits by raw score and cuts the top K (`score`, kept to reproduce the
-paper). Measured on held-out questions (benchmarks/writeback_union.py) that merge lets a unit take a slot while
-adding nothing: a unit distilled from passages already in the top K pushes out a passage the reader needed, and
-units, short and focused, score above full passages about the same entity. So `retrieval.union` chooses (what
-each name does is one entry of UNIONS):
+paper). That merge can let a unit take a slot while adding nothing (a unit distilled from passages already in
+the top K, or a short unit outscoring a full passage on the same entity), so `retrieval.union` chooses
+(each name is one entry of UNIONS):
 
     score        the paper's plain merge by score
-    provenance   the merge by score under the provenance rule: a unit whose source passages are all in the top
-                 K (or whose text a taken hit already holds) takes no slot; its slot goes to the next hit
-    rrf          reciprocal rank fusion (each index ranks its own hits; 1 / (rrf_k + rank)), then the same rule:
-                 the scores of two indices of different text lengths are never compared
-    gate         the merge by score, where a unit takes a slot only if it matches the query at least as well as
-                 the query's best passage does (its score >= the best base score - `retrieval.gate_margin`):
-                 each index is calibrated against the other per query, so a unit about a neighbouring fact,
-                 which a short text's high cosine lets into the paper's top K, stays out; then the provenance rule
-    gate-no-provenance   the gate without the provenance rule (kept to measure what the rule does under the gate)
-    additive     the base's top K whole, then up to `retrieval.max_units` units (ADDITIVE_UNITS where unset)
-                 appended after it, each scoring at least the K-th passage's score less `retrieval.additive_margin`
-                 (at 0: the units the paper's merge would have let into the top K) and not covered by the
-                 provenance rule: a unit never pushes a base passage out, so what it can cost is a longer prompt
-                 (K + max_units documents), not evidence
-    auto         (the default) the rule the write-back version chose on its own validation split (the paper's
-                 `score` unless another answered better beyond chance: wbrag_ray.writeback.validation), read
-                 from UNION_CHOICE beside its index; a version that chose
-                 none (its split too small, or no split) is searched with FALLBACK_UNION
+    provenance   the merge by score, where a unit whose source passages are all in the top K (or whose text a
+                 taken hit already holds) takes no slot (the provenance rule)
+    rrf          reciprocal rank fusion (1 / (rrf_k + rank) in each index), then the provenance rule
+    gate         the merge by score, where a unit takes a slot only if it scores at least the query's best
+                 passage less `retrieval.gate_margin`; then the provenance rule
+    gate-no-provenance   the gate without the provenance rule
+    additive     the base's top K whole, then up to `retrieval.max_units` units (ADDITIVE_UNITS where unset),
+                 each scoring at least the K-th passage less `retrieval.additive_margin` and not covered by the
+                 provenance rule: a unit never pushes a passage out
+    auto         (the default) the rule the write-back version chose on its own validation split
+                 (wbrag_ray.writeback.validation), read from UNION_CHOICE beside its index; FALLBACK_UNION where
+                 it chose none. No fixed rule served every version (benchmarks/RESULTS.md, "Write-back that
+                 never hurts" and "Write-back that helps").
 
-`retrieval.max_units` caps the write-back hits per query in every setting but `score`. Why `auto`: one fixed rule
-did not serve every version. On the 60-question test half of benchmarks/writeback_union.py (RESULTS.md,
-"Write-back that never hurts") `gate`, the earlier default chosen on the other half, measured the base's acc (a
-unit in 2 top Ks, none won): it keeps a version from hurting and lets almost no unit in, because a one-sentence
-unit rarely outscores a 100-word passage under a sentence embedder; `provenance` won 2 and lost none there but
-lost one question on the validation half. Which rule a version's units need depends on how they score against
-the base's passages, which its own held-out questions measure. A unit's provenance (the ids of the base documents
-it was distilled from, and the kind of unit that index holds) is written beside the write-back index
-(`provenance.parquet`) when the version is trained, its chosen rule (`union.json`) when it is validated, and both
-are read by whoever searches the union.
+`retrieval.max_units` caps the write-back hits per query in every setting but `score`. A unit's provenance (the
+ids of the base documents it was distilled from) is written beside the write-back index when the version is
+trained (`provenance.parquet`), its chosen rule (`union.json`) when it is validated.
 """
 
 from __future__ import annotations
@@ -48,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wbrag_ray.metrics import normalize_answer
 from wbrag_ray.retrieval.hits import Hit, merge_top_k
 
 if TYPE_CHECKING:
@@ -150,8 +138,6 @@ def appended(ordered: list[Hit], k: int, margin: float, rule: bool, max_units: i
 
 @functools.lru_cache(maxsize=4096)  # a query's hits are compared pairwise, and again after each dropped unit
 def _words(text: str) -> str:
-    from wbrag_ray.metrics import normalize_answer
-
     return f" {normalize_answer(text)} "  # padded: containment is by whole words
 
 
@@ -291,9 +277,8 @@ def with_provenance(hits: list[list[Hit]], provenance: dict[int, list[int]]) -> 
 def cut_union(per_member: list[list[list[Hit]]], provenance: list[dict[int, list[int]]], rule: UnionRule,
               k: int) -> list[list[Hit]]:
     """Each query's top k of several indices searched as one: `per_member[i][q]` are index i's hits for query q,
-    `provenance[i]` its units' sources ({} for the base), `rule` the union (`UnionRule.of(retrieval)`). The one
-    union of the in-process retriever (`retrieval.local.UnionRetriever`) and the service
-    (`retrieval.service.RetrievalService`); one index alone is its own top k."""
+    `provenance[i]` its units' sources ({} for the base), `rule` the union (`UnionRule.of(retrieval)`), as
+    `retrieval.local.IndexUnion` searches; one index alone is its own top k."""
     tagged = [with_provenance(hits, p) for hits, p in zip(per_member, provenance, strict=True)]
     if len(tagged) == 1:
         return tagged[0]

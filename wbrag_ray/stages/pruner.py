@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from wbrag_ray.index.files import vectors_of
 from wbrag_ray.stages.base import Resources, Stage
 
 
@@ -37,8 +38,6 @@ class EmbeddingPredictStage(Stage):
         self.head = EmbeddingHead(self.head_weights)
 
     def process_batch(self, batch: pa.Table) -> pa.Table:
-        from wbrag_ray.index.faiss_index import vectors_of
-
         vectors = vectors_of(batch)
         if vectors.shape[1] != self.head.dim:
             raise ValueError(f"the embedding pruner expects {self.head.dim}-dimensional vectors, the stored ones "

@@ -29,6 +29,7 @@ from wbrag_ray import prompts, rag
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
 from wbrag_ray.formats import dataset_name, input_params, plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.index.files import load_manifest
 from wbrag_ray.layout import WritebackVersion, plain_name
 from wbrag_ray.papers import WRITEBACK as PAPER
 from wbrag_ray.papers import gate_metric, print_departures
@@ -174,7 +175,7 @@ def format_outcome(version: str, units: int, record: dict[str, Any] | str, activ
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
     from wbrag_ray.evaluation.stage import union_settings
     from wbrag_ray.formats import embeddings_table
-    from wbrag_ray.index.faiss_index import build_index, load_manifest
+    from wbrag_ray.index.build import build_index
     from wbrag_ray.retrieval.docstore import write_doc_store
     from wbrag_ray.retrieval.union import write_provenance
     from wbrag_ray.writeback.units import dedupe, table3

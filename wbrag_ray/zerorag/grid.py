@@ -11,6 +11,7 @@ from wbrag_ray.config import WbragConfig
 from wbrag_ray.evaluation.stage import EVAL
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.stage import GenerateStage
+from wbrag_ray.index.files import load_manifest
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.stages.service import Services, shared_or_own
 from wbrag_ray.work import Generate, Sizes
@@ -26,7 +27,6 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     router's generator service, still loaded), else the grid's own."""
     from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
     from wbrag_ray.formats import read_dataset
-    from wbrag_ray.index.faiss_index import load_manifest
     from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
     from wbrag_ray.storage import resolve
     from wbrag_ray.writeback.versions import read_active
