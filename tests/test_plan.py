@@ -16,9 +16,9 @@ import pytest
 from tests.conftest import DEMO_CORPUS, DEMO_QA, demo_records, write_jsonl
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
+from wbrag_ray.models.size import model_size
 from wbrag_ray.plan import Cluster, format_plan, format_summary, make_plan
 from wbrag_ray.plan.corpus import corpus_size, question_count
-from wbrag_ray.plan.models import model_size
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.run import RunFolder
 from wbrag_ray.training.workers import plan_steps
@@ -114,7 +114,7 @@ def test_paper_writeback_places_on_four_nodes_of_eight_gpus():
 
 def test_auto_concurrency_is_planned_as_a_command_decides_it_on_the_cluster():
     """The paper's write-back config with `concurrency: auto`: every GPU of the 4 x 8 that retrieval does not hold
-    (search actors, query embedders) becomes an engine (the command's rule, `cluster_nodes.auto_concurrency`), and
+    (search actors, query embedders) becomes an engine (the command's rule, `placement.gpus.auto_concurrency`), and
     the plan says the number."""
     auto = load_config(WRITEBACK)
     assert (auto.generator.concurrency, auto.embedder.concurrency) == ("auto", "auto")
@@ -349,8 +349,8 @@ def test_a_gpu_stage_leaving_a_quarter_idle_is_warned_with_the_setting_that_uses
 
 
 def test_gpu_hours_are_a_stages_gpus_for_its_time():
+    from wbrag_ray.placement import Bundle
     from wbrag_ray.plan import plan_data
-    from wbrag_ray.plan.placement import Bundle
     from wbrag_ray.plan.planner import Plan
     from wbrag_ray.plan.stages import Stage
 

@@ -134,11 +134,11 @@ def _manifest_shards(index_dir: str) -> tuple[dict[str, Any], list[dict[str, Any
 
 def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> tuple[int, float]:
     """The search actors the pool of the index at `index_dir` will start on GPUs, by `SearchPool.start`'s rule
-    (shard groups x replicas where `gpu_layout.index_on_gpu`), and the bytes of the largest group: (0, 0) where
+    (shard groups x replicas where `placement.gpus.index_on_gpu`), and the bytes of the largest group: (0, 0) where
     they search on CPUs or the index is not built yet."""
     import ray
 
-    from wbrag_ray.gpu_layout import index_on_gpu
+    from wbrag_ray.placement.gpus import index_on_gpu
 
     if not index_on_gpu(index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu()):
         return 0, 0.0
@@ -184,7 +184,7 @@ class SearchPool:
 
         manifest, shards = _manifest_shards(index_dir)
         groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
-        from wbrag_ray.gpu_layout import index_on_gpu
+        from wbrag_ray.placement.gpus import index_on_gpu
 
         # index.gpu true where no GPU search can run is refused; auto searches on CPUs there (a GPU reserved per
         # search actor that faiss cannot use would idle beside a CPU search)
@@ -194,8 +194,9 @@ class SearchPool:
         nprobe, ef_search = measured_settings(manifest, index.nprobe, index.ef_search)  # 'auto': what the build measured
         search = {"nprobe": nprobe, "ef_search": ef_search, "k_factor": index.k_factor, "gpu": use_gpu}
         threads = max(1, math.ceil(retrieval.search_cpus))
-        from wbrag_ray.cluster_nodes import beside_generator, pool_refusal, refuse_unplaceable
-        from wbrag_ray.waits import wait_placed
+        from wbrag_ray.placement import pool_refusal, refuse_unplaceable
+        from wbrag_ray.placement.gpus import beside_generator
+        from wbrag_ray.placement.waits import wait_placed
 
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
         # largest shard group sizes the memory each asks for)

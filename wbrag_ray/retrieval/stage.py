@@ -173,8 +173,8 @@ class QueryVectorsStage(Stage):
 def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalConfig):
     """Refuse, before any work, `what` (a stage that embeds queries: the Zero-RAG router, its grid) whose query
     embedder asks for GPUs on a cluster with no node holding that many, naming the setting
-    (`cluster_nodes.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
-    from wbrag_ray.cluster_nodes import refuse_unplaceable
+    (`placement.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
+    from wbrag_ray.placement import refuse_unplaceable
 
     gpus = retrieval.query_embedder(embedder).num_gpus
     if gpus <= 0:

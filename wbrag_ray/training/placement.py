@@ -1,11 +1,8 @@
-"""Where a training worker's model goes: the GPUs Ray assigned to it and no other (`own_gpus`, `device_rule`: pure
-functions of the worker's GPUs, the GPUs it sees, the model's size and the GPU's memory, so the paper configs'
-shapes are tested without a GPU), the dtype, a layer split over its own GPUs under ddp, FSDP2 sharding under fsdp
-(`shard_fsdp`: over all the workers of one node, hybrid over several: `fsdp_mesh_shape`), the device of the process
-group's collectives and how long they may wait (`process_group_timeout_s`). The step loop is `training.workers`'.
-
-Nothing here imports Ray at module level: the GPU check (benchmarks/gpu/check.py) runs these rules, the sharding
-and a training step on a GPU machine without Ray."""
+"""Where a training worker's model goes inside its worker: the GPUs Ray assigned to it and no other (`own_gpus`,
+`device_rule`, pure functions so the paper configs' shapes are tested without a GPU), the dtype, a layer split
+under ddp, FSDP2 sharding under fsdp (`shard_fsdp`, hybrid over several nodes: `fsdp_mesh_shape`), and how long
+collectives may wait. Whether the cluster holds the workers is `wbrag_ray.placement`'s. No Ray at module level:
+benchmarks/gpu/check.py runs these rules on a GPU machine without it."""
 
 from __future__ import annotations
 
@@ -18,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.config import ConfigError
+from wbrag_ray.models.hardware import require_gpu
+from wbrag_ray.models.size import model_size
 
 if TYPE_CHECKING:
     from wbrag_ray.config import TrainerConfig
@@ -205,8 +204,6 @@ def model_bytes_of(model: str | None, dtype) -> float | None:
         return None
     import torch
 
-    from wbrag_ray.plan.models import model_size
-
     params = model_size(model).params
     return params * torch.finfo(dtype).bits / 8 if params else None
 
@@ -226,8 +223,6 @@ def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, mo
     hybrid mesh of `fsdp_mesh_shape`). A training configured for GPUs on a worker that sees none fails here,
     before any weight loads, naming the setting."""
     import torch
-
-    from wbrag_ray.models.hardware import require_gpu
 
     fsdp = trainer.strategy == "fsdp" and world > 1
     if trainer.strategy == "fsdp" and world == 1:
