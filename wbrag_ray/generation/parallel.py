@@ -15,6 +15,7 @@ import weakref
 from wbrag_ray.config import ConfigError, GeneratorConfig
 from wbrag_ray.placement import PENDING_TIMEOUT_S, replica_placement, sharded
 from wbrag_ray.placement.waits import placement_wait_message
+from wbrag_ray.ray_runtime import CLOSE_S
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,10 @@ def replica_env(config: GeneratorConfig) -> dict[str, str]:
 
 
 def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
-    """The environment that binds a CPU replica's tensor-parallel ranks (vLLM's CPU build), for an engine started
-    in a process allowed `cpus` (`os.sched_getaffinity`): VLLM_CPU_OMP_THREADS_BIND gives each rank its own
-    consecutive block of the replica's threads (generator.threads, default ceil(num_cpus)) over tp, at least one
-    core; blocks wrap to the first cores where the ranks need more cores than there are. vLLM's default ("auto")
-    binds rank i to NUMA node i and refuses fewer NUMA nodes than ranks ("Not enough allowed NUMA nodes to bind
-    threads of 2 local CPUWorkers": this machine has one). Nothing for a replica of one rank, or where the
-    environment sets the binding already."""
+    """The environment that binds a CPU replica's tensor-parallel ranks, for an engine started in a process allowed
+    `cpus`: VLLM_CPU_OMP_THREADS_BIND gives each rank its own block of the replica's threads over tp (wrapping where
+    there are too few cores). vLLM's default binds rank i to NUMA node i and refuses fewer NUMA nodes than ranks.
+    Nothing for a replica of one rank, or where the environment sets the binding already."""
     import math
     import os
 
@@ -94,17 +92,13 @@ def _release(actor, pg) -> None:
 
 
 class RemoteEngine:
-    """A vLLM generator larger than one GPU, hosted in a process inside its own placement group
-    (`replica_placement`): the process is scheduled in the group's first bundle with child tasks captured, so
-    vLLM's ray executor takes the group as its current one, starts a worker in each GPU bundle, and finds the
-    engine's node among the group's. `call` runs a generator method there, under the calling pass's settings.
-    The group and the process end with the last reference to this object (a service loading another model), or
-    with the actor that made them: Ray ends its child actors with it, and the service that ends it removes the
-    group (`release_engine_groups`; Ray itself would keep it until the job ends)."""
+    """A vLLM generator larger than one GPU, hosted in a process scheduled in its own placement group's first
+    bundle with child tasks captured, so vLLM's ray executor starts a worker in each bundle. `call` runs a generator
+    method there. The group and the process end with the last reference to this object, or with the actor that
+    made them (the service that ends it removes the group: `release_engine_groups`)."""
 
     def __init__(self, config: GeneratorConfig, host_cls: type, timeout_s: float | None = None):
-        """`timeout_s`: how long to wait for the placement group (default `ray.pending_timeout_s`, as a service's
-        actors wait: `placement.PENDING_TIMEOUT_S`, which a service's actor gets from the driver)."""
+        """`timeout_s`: how long to wait for the placement group (default `ray.pending_timeout_s`)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -145,8 +139,6 @@ class RemoteEngine:
         """End the engine in order (the host's `close`, where its class has one: vLLM's shutdown, then any process
         it left, up to `ray_runtime.CLOSE_S`), then its process and placement group."""
         import ray
-
-        from wbrag_ray.ray_runtime import CLOSE_S
 
         if self._finalizer.alive and ray.is_initialized() and self._host_closes:
             ray.wait([self.actor.close.options(concurrency_group="close").remote()], timeout=CLOSE_S)

@@ -14,6 +14,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
 from wbrag_ray.placement import PENDING_TIMEOUT_S, _amount, amounts, free_nodes
+from wbrag_ray.ray_runtime import environ_while
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,6 @@ def train_start_wait(what: str, num_workers: int, need: dict[str, float], fix: s
     placed: Ray Train waits `timeout_s` (default `ray.pending_timeout_s`) for its placement group; with the
     trainer's `FailureConfig(**TRAIN_START_FAILURE, ...)` the timeout ends the fit, and its error becomes a
     `ConfigError` naming `what`, each worker's ask, what is free and `fix`."""
-    from wbrag_ray.ray_runtime import environ_while
-
     timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
     try:
         with environ_while({TRAIN_START_TIMEOUT_ENV: f"{timeout_s:g}"}):
