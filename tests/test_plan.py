@@ -160,7 +160,7 @@ def test_a_cluster_too_small_is_refused_with_what_to_change(capsys):
     captured = capsys.readouterr()
     assert "cannot be placed on this cluster:" in captured.err
     out = captured.out
-    # tensor_parallel_size auto: two 80 GB GPUs do not hold a 70B (two H200s do: tests/test_gpu_layout.py)
+    # tensor_parallel_size auto: two 80 GB GPUs do not hold a 70B (two H200s do: tests/test_placement_gpus.py)
     assert ("generator.tensor_parallel_size auto: meta-llama/Llama-3.3-70B-Instruct needs 141 GB of bf16 weights and "
             "21.6 GB of KV cache (64 sequences of 1032 tokens), 4 GPUs of one node of 80 GB at gpu_memory_utilization "
             "0.85; the largest node has 2 GPUs") in out

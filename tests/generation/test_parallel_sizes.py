@@ -47,7 +47,7 @@ def test_tensor_parallel_size_defaults_to_the_replicas_gpus_over_its_pipeline_st
 
 
 def test_the_paper_configs_validate_and_the_70b_generator_is_sized_on_the_cluster():
-    """The 70B's tensor-parallel size is decided where the GPUs are known (tests/test_gpu_layout.py: 2 on H200s, 4 on
+    """The 70B's tensor-parallel size is decided where the GPUs are known (tests/test_placement_gpus.py: 2 on H200s, 4 on
     80 GB GPUs); before that, nothing may read a size from it."""
     zero_rag = load_config(ROOT / "jobs" / "configs" / "paper_zero_rag.yaml")
     assert zero_rag.generator.tensor_parallel_size == "auto"

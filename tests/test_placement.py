@@ -136,7 +136,7 @@ def test_auto_sizes_every_gpu_stage_of_the_paper_configs_to_the_four_by_eight_cl
     from wbrag_ray.config import load_config
     from wbrag_ray.placement.gpus import auto_concurrency
 
-    # tensor_parallel_size auto on 80 GB GPUs: 4 (tests/test_gpu_layout.py)
+    # tensor_parallel_size auto on 80 GB GPUs: 4 (tests/test_placement_gpus.py)
     zero_rag = load_config(PAPER_ZERO_RAG, TP4)
     assert auto_concurrency(zero_rag, FOUR_BY_EIGHT) == {
         "embedder": 32, "generator": 8, "zerorag.lm_pruner": 32, "zerorag.lm_pruner.trainer": 32,
