@@ -123,6 +123,17 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+# The plan prices work; the runtime must not climb up to it. Model shapes, accelerators and placement live below.
+PLAN_READERS = ("wbrag_ray.plan", "wbrag_ray.cli", "wbrag_ray.api", "wbrag_ray.report")
+
+
+def test_only_the_commands_and_the_report_import_the_plan():
+    offenders = sorted(f"{module} -> {target}" for module, targets in import_graph().items()
+                       if not module.startswith(PLAN_READERS)
+                       for target in targets if target.split(".")[:2] == ["wbrag_ray", "plan"])
+    assert not offenders, "runtime modules importing wbrag_ray.plan: " + ", ".join(offenders)
+
+
 # --- run-folder paths are named once, in wbrag_ray/layout.py --------------------------------------------------
 
 RUN_FOLDER_NAMES = frozenset({

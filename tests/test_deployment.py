@@ -140,7 +140,7 @@ def _largest_gpu_group() -> int:
     size `auto` decides on the deployment's nodes of 8 H100s of 80 GB), a one-GPU-per-stage engine, a training
     worker's GPUs (its model spreads over its own node's GPUs only)."""
     from wbrag_ray.config import load_config
-    from wbrag_ray.gpu_layout import apply_gpu_layout
+    from wbrag_ray.placement.gpus import apply_gpu_layout
 
     need = 0.0
     for name in ("paper_zero_rag.yaml", "paper_writeback.yaml"):
@@ -156,7 +156,7 @@ def test_gpu_nodes_hold_the_paper_configs_tensor_parallel_groups_and_their_four_
     """The launcher's and KubeRay's GPU nodes hold the paper configs' largest one-node group (the 70B generator's
     tensor-parallel group of 4, the 70B tuning's 4-GPU workers), and at most the 4 x 8 GPUs the configs name: the
     declared maximum `concurrency: auto` sizes for on an autoscaling cluster."""
-    from wbrag_ray.cluster_nodes import launcher_nodes
+    from wbrag_ray.placement import launcher_nodes
 
     group = _largest_gpu_group()
     assert group == 4

@@ -9,7 +9,7 @@ import pytest
 
 from wbrag_ray.config import load_config
 from wbrag_ray.pipeline import PIPELINE, instances
-from wbrag_ray.plan.placement import stated_cluster
+from wbrag_ray.placement import stated_cluster
 from wbrag_ray.plan.planner import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]

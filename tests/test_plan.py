@@ -16,9 +16,9 @@ import pytest
 from tests.conftest import DEMO_CORPUS, DEMO_QA, demo_records, write_jsonl
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
+from wbrag_ray.models.size import model_size
 from wbrag_ray.plan import Cluster, format_plan, format_summary, make_plan
 from wbrag_ray.plan.corpus import corpus_size, question_count
-from wbrag_ray.plan.models import model_size
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.run import RunFolder
 from wbrag_ray.training.workers import plan_steps
@@ -114,7 +114,7 @@ def test_paper_writeback_places_on_four_nodes_of_eight_gpus():
 
 def test_auto_concurrency_is_planned_as_a_command_decides_it_on_the_cluster():
     """The paper's write-back config with `concurrency: auto`: every GPU of the 4 x 8 that retrieval does not hold
-    (search actors, query embedders) becomes an engine (the command's rule, `cluster_nodes.auto_concurrency`), and
+    (search actors, query embedders) becomes an engine (the command's rule, `placement.gpus.auto_concurrency`), and
     the plan says the number."""
     auto = load_config(WRITEBACK)
     assert (auto.generator.concurrency, auto.embedder.concurrency) == ("auto", "auto")
@@ -160,7 +160,7 @@ def test_a_cluster_too_small_is_refused_with_what_to_change(capsys):
     captured = capsys.readouterr()
     assert "cannot be placed on this cluster:" in captured.err
     out = captured.out
-    # tensor_parallel_size auto: two 80 GB GPUs do not hold a 70B (two H200s do: tests/test_gpu_layout.py)
+    # tensor_parallel_size auto: two 80 GB GPUs do not hold a 70B (two H200s do: tests/test_placement_gpus.py)
     assert ("generator.tensor_parallel_size auto: meta-llama/Llama-3.3-70B-Instruct needs 141 GB of bf16 weights and "
             "21.6 GB of KV cache (64 sequences of 1032 tokens), 4 GPUs of one node of 80 GB at gpu_memory_utilization "
             "0.85; the largest node has 2 GPUs") in out
@@ -349,8 +349,8 @@ def test_a_gpu_stage_leaving_a_quarter_idle_is_warned_with_the_setting_that_uses
 
 
 def test_gpu_hours_are_a_stages_gpus_for_its_time():
+    from wbrag_ray.placement import Bundle
     from wbrag_ray.plan import plan_data
-    from wbrag_ray.plan.placement import Bundle
     from wbrag_ray.plan.planner import Plan
     from wbrag_ray.plan.stages import Stage
 

@@ -14,8 +14,9 @@ import pytest
 from tests.conftest import DEMO_CORPUS, DEMO_QA
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
+from wbrag_ray.models.accelerators import ACCELERATORS, accelerator
 from wbrag_ray.plan import Cluster, duration, make_plan
-from wbrag_ray.plan.accelerators import ACCELERATORS, accelerator, generation_seconds
+from wbrag_ray.plan.accelerators import generation_seconds
 from wbrag_ray.plan.timing import SOURCES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ import pytest
 
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
+from wbrag_ray.models.accelerators import ACCELERATORS
 from wbrag_ray.plan import Cluster, make_plan
 from wbrag_ray.plan.accelerators import (
-    ACCELERATORS,
     INTERCONNECTS,
     collective_seconds,
     generation_seconds,
@@ -226,7 +226,7 @@ def test_an_embedders_dimension_comes_from_its_files_where_readable(tmp_path):
     1024 -> 1024; others project down): the vectors are the Dense layer's width, not the hidden size."""
     import json
 
-    from wbrag_ray.plan.models import embedding_dim, model_size
+    from wbrag_ray.models.size import embedding_dim, model_size
 
     folder = tmp_path / "encoder"
     (folder / "2_Dense_256").mkdir(parents=True)

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 
 from tests.conftest import wait_idle
-from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.placement import PENDING_TIMEOUT_S
 from wbrag_ray.stages.base import Resources, Stage
 
 TIMEOUT_S = 3.0

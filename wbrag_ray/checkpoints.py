@@ -357,7 +357,7 @@ def resume_refusal(pass_resources: Resources, label: str, nodes: list[dict[str, 
 def fit_resume(pass_resources: Resources, key: str | None, label: str) -> Resources:
     """The placement a resumed pass runs with on the connected cluster (`resume_fit`), said in one line where it
     differs from the configured one (`key`: the config section that sizes the pass); refused where none fits."""
-    from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, refuse_unplaceable
+    from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
 
     refuse_unplaceable(lambda nodes: resume_refusal(pass_resources, label, nodes))
     if autoscaling():
@@ -389,8 +389,8 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
+    from wbrag_ray.placement.waits import pool_start_wait
     from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
-    from wbrag_ray.waits import pool_start_wait
 
     checkpoint = active()
     if checkpoint is None:

@@ -391,7 +391,8 @@ def cmd_plan(args) -> None:
     config = _resolve_config(args, {})
     if args.passages is not None and args.passages < 1:
         raise ConfigError(f"--passages {args.passages}: a corpus has at least one passage")
-    from wbrag_ray.plan.accelerators import accelerator, interconnect
+    from wbrag_ray.models.accelerators import accelerator
+    from wbrag_ray.plan.accelerators import interconnect
     from wbrag_ray.plan.calibrate import calibrate, load_records
 
     try:

@@ -47,7 +47,7 @@ def _concurrency(value: Any) -> Any:
 
 
 # A pool's actor count (or a training's workers): a number, or "auto": as many as the cluster has room for, decided
-# by each command as it joins Ray, after the commands before it built what it uses (`cluster_nodes.auto_concurrency`;
+# by each command as it joins Ray, after the commands before it built what it uses (`placement.gpus.auto_concurrency`;
 # `wbrag plan` decides it on the cluster it plans for).
 Concurrency = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
 AUTO_CONCURRENCY = (" 'auto': as many as the cluster holds (an autoscaling cluster: its declared maximum), decided by "
@@ -76,7 +76,7 @@ class RayConfig(_Section):
     gpu_memory_gb: float | None = Field(
         None, gt=0, description="Memory of one GPU of the cluster, for the placement rules that size "
         "tensor_parallel_size auto and retrieval's GPU shares. None: from the GPU model Ray labels the nodes with "
-        "(accelerator_type: H100 80 GB, H200 141 GB, ...; wbrag_ray.plan.accelerators), else 80 GB, said in the log.",
+        "(accelerator_type: H100 80 GB, H200 141 GB, ...; wbrag_ray.models.accelerators), else 80 GB, said in the log.",
     )
     keep_services_s: float = Field(
         10.0, ge=0, description="How long the services of a command that ended (generator, embedder and search "
@@ -239,7 +239,7 @@ class GeneratorConfig(_Section):
         pp = self.pipeline_parallel_size
         if self.tensor_parallel_size == "auto":
             raise ConfigError("generator.tensor_parallel_size auto is decided on the cluster before the engine starts "
-                              "(`cluster_nodes.resolve_auto_concurrency`, `wbrag plan`); nothing decided it here")
+                              "(`placement.gpus.resolve_auto_concurrency`, `wbrag plan`); nothing decided it here")
         if self.tensor_parallel_size is not None:
             return self.tensor_parallel_size, pp
         if self.num_gpus > 1:
@@ -400,7 +400,7 @@ class RetrievalConfig(_Section):
         "GPU through every generation pass; a share (0.05) places it beside an engine replica of generator.num_gpus "
         "0.8 on one GPU (vLLM's memory kept below the replica's share), as retrieval.embed_gpus does the query "
         "embedders. 'auto' (default): whole GPUs where that costs the generator at most one replica in eight, else "
-        "a share sized from the index's bytes beside every replica (wbrag_ray.gpu_layout; said in the log).",
+        "a share sized from the index's bytes beside every replica (wbrag_ray.placement.gpus; said in the log).",
     )
     embed_gpus: float | Literal["auto"] | None = Field(
         "auto", description="GPU share of each query embedder (a retrieval pass's actor); None: embedder.num_gpus, "
@@ -805,7 +805,7 @@ class ZeroRagConfig(_Section):
 
 
 # The settings that may be "auto": section -> the count it sizes, of a pool of model actors (`concurrency`) or of a
-# Ray Train worker group (`num_workers`), decided by `cluster_nodes.auto_concurrency`.
+# Ray Train worker group (`num_workers`), decided by `placement.gpus.auto_concurrency`.
 AUTO_SETTINGS = {"embedder": "concurrency", "generator": "concurrency", "zerorag.lm_pruner": "concurrency",
                  "zerorag.lm_pruner.trainer": "num_workers", "zerorag.tune.trainer": "num_workers"}
 
@@ -824,10 +824,10 @@ class WbragConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     writeback: WritebackConfig = Field(default_factory=WritebackConfig)
     zerorag: ZeroRagConfig = Field(default_factory=ZeroRagConfig)
-    # the counts that were "auto" before a command decided them (`cluster_nodes.resolve_auto_concurrency`): each
+    # the counts that were "auto" before a command decided them (`placement.gpus.resolve_auto_concurrency`): each
     # command decides them again, after what the commands before it built
     _auto_sections: frozenset[str] = PrivateAttr(default_factory=frozenset)
-    # the GPU settings as the config said them before a command decided its "auto" ones (`cluster_nodes.
+    # the GPU settings as the config said them before a command decided its "auto" ones (`placement.gpus.
     # LAYOUT_SETTINGS`): None until one did
     _layout_said: dict[str, Any] | None = PrivateAttr(default=None)
 

@@ -285,7 +285,7 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
     import sys
 
-    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
+    from wbrag_ray.placement import PENDING_TIMEOUT_S
 
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
     KEEP_S["seconds"] = config.keep_services_s

@@ -30,8 +30,8 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     """Join or start Ray (`config.ray`); on a cluster of several machines, refuse a local run folder or model path
     the other nodes cannot read, before any work; each "auto" count (`concurrency`, a training's `num_workers`)
     decided on the cluster by every command, after what the commands before it built: the index's search actors,
-    whose GPUs the generator leaves to them (`cluster_nodes.resolve_auto_concurrency`)."""
-    from wbrag_ray.cluster_nodes import has_auto, needs_layout, resolve_auto_concurrency
+    whose GPUs the generator leaves to them (`placement.gpus.resolve_auto_concurrency`)."""
+    from wbrag_ray.placement.gpus import has_auto, index_on_gpu, needs_layout, resolve_auto_concurrency
     from wbrag_ray.ray_runtime import check_model_paths, init_ray
 
     check_model_shapes(config)
@@ -39,7 +39,6 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     check_model_paths(config)
     import ray
 
-    from wbrag_ray.gpu_layout import index_on_gpu
     from wbrag_ray.index.gpu_clone import faiss_has_gpu
 
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)

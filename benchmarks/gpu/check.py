@@ -891,8 +891,8 @@ def tensor_parallel(run: Run) -> None:
     import ray
 
     from wbrag_ray.config import GeneratorConfig, RayConfig
-    from wbrag_ray.generation.parallel import check_placement, replica_placement
     from wbrag_ray.generation.vllm import VLLMGenerator
+    from wbrag_ray.placement import check_placement, replica_placement
     from wbrag_ray.ray_runtime import init_ray
 
     sizes = run.sizes

@@ -1,5 +1,5 @@
 """A model's shape checked against its engine's settings before any work (`generation.vllm.check_shape`), read
-from the model itself without loading it (`plan.models.model_size`: a folder's config.json, a GGUF file's
+from the model itself without loading it (`models.size.model_size`: a folder's config.json, a GGUF file's
 metadata, a hub id's config.json in this machine's cache, the known models' table): a tensor-parallel size that
 vLLM cannot shard the attention or key-value heads over, a max_model_len past the model's context, a token budget
 that leaves no room for a prompt. Each is one line, exit 2, from the real `wbrag run` in a fresh process that
@@ -25,7 +25,7 @@ from tests.conftest import DEMO_CORPUS
 from tests.test_user_mistakes import assert_refused_fast
 from wbrag_ray.config import ConfigError, GeneratorConfig
 from wbrag_ray.generation.vllm import VLLMGenerator, check_shape, model_shape
-from wbrag_ray.plan.models import model_size
+from wbrag_ray.models.size import model_size
 
 # SmolLM2-135M's own config.json values (its GGUF metadata, the bundled model, says the same)
 SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,

@@ -20,9 +20,9 @@ import pytest
 
 from tests.conftest import last_json_line
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
-from wbrag_ray.generation.parallel import GPU_BUNDLE, placement_refusal, replica_placement
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.vllm import VLLMGenerator
+from wbrag_ray.placement import GPU_BUNDLE, placement_refusal, replica_placement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def test_tensor_parallel_size_defaults_to_the_replicas_gpus_over_its_pipeline_st
 
 
 def test_the_paper_configs_validate_and_the_70b_generator_is_sized_on_the_cluster():
-    """The 70B's tensor-parallel size is decided where the GPUs are known (tests/test_gpu_layout.py: 2 on H200s, 4 on
+    """The 70B's tensor-parallel size is decided where the GPUs are known (tests/test_placement_gpus.py: 2 on H200s, 4 on
     80 GB GPUs); before that, nothing may read a size from it."""
     zero_rag = load_config(ROOT / "jobs" / "configs" / "paper_zero_rag.yaml")
     assert zero_rag.generator.tensor_parallel_size == "auto"
@@ -184,7 +184,7 @@ def test_a_sharded_replicas_service_actor_asks_for_no_gpu_and_an_unsharded_one_f
 
 def test_a_service_actor_waits_for_its_replicas_placement_group_as_long_as_the_driver_says(monkeypatch):
     """ray.pending_timeout_s reaches the generator service's actor with its stage: `RemoteEngine` waits that long."""
-    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
+    from wbrag_ray.placement import PENDING_TIMEOUT_S
 
     monkeypatch.setitem(PENDING_TIMEOUT_S, "seconds", 42.0)
     stage = GenerateStage(vllm(num_gpus=2))
@@ -345,7 +345,8 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
 
-    from wbrag_ray.generation.parallel import RemoteEngine, check_placement
+    from wbrag_ray.generation.parallel import RemoteEngine
+    from wbrag_ray.placement import check_placement
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for _ in range(2):
@@ -362,7 +363,7 @@ def main() -> None:
         except ConfigError as exc:
             out[name] = str(exc)
     from wbrag_ray.config import TrainerConfig
-    from wbrag_ray.training.workers import check_placement as check_training
+    from wbrag_ray.placement import check_workers as check_training
 
     for name, check in {"qa_writer": lambda: check_placement(refusals["tp4"], "zerorag.qa_generator"),
                         "training": lambda: check_training(TrainerConfig(num_workers=3, num_gpus=2), "zerorag.tune")
@@ -404,7 +405,7 @@ def main() -> None:
     # retrieval's shares beside a tensor-parallel replica whose GPUs ask for 0.9 each (gpu_layout): the workers get
     # their share through VLLM_RAY_PER_WORKER_GPUS, and a search actor's 0.05 starts on the replica's node (the
     # best fit), not on the idle node, whose two whole GPUs stay free for another replica
-    from wbrag_ray.cluster_nodes import beside_generator
+    from wbrag_ray.placement.gpus import beside_generator
 
     shared = vllm(num_gpus=2, gpu_share=0.9)
     engine = RemoteEngine(shared, PlacementProbe)
@@ -426,7 +427,7 @@ def main() -> None:
     except ConfigError as exc:
         out["unplaceable"] = str(exc)
     # by default the wait is ray.pending_timeout_s (the driver's, or the one a service's stage carries to its actor)
-    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
+    from wbrag_ray.placement import PENDING_TIMEOUT_S
 
     PENDING_TIMEOUT_S["seconds"] = 2
     try:

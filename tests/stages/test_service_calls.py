@@ -133,8 +133,8 @@ def test_a_service_whose_resources_are_held_elsewhere_fails_in_seconds_naming_th
     1.5 of its CPUs: the service fails once ray.pending_timeout_s (2 s here) has passed, with what is free and
     the setting to lower, instead of waiting forever; its waiting actors end with it, and once the CPUs are free
     the same service starts and answers."""
-    from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
     from wbrag_ray.config import ConfigError
+    from wbrag_ray.placement import PENDING_TIMEOUT_S
 
     monkeypatch.setitem(PENDING_TIMEOUT_S, "seconds", 2.0)
     wait_idle(ray_cluster)

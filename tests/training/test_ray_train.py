@@ -20,9 +20,10 @@ from tests.conftest import joining_env, last_json_line
 from tests.ray_actors import live_actor_ids, live_actors
 from tests.training.test_lora import KNOWN, UNKNOWN
 from wbrag_ray.config import ConfigError, LMPrunerConfig, TrainerConfig
+from wbrag_ray.placement import workers_refusal
 from wbrag_ray.storage import resolve
 from wbrag_ray.training.lm_pruner import PrunerTraining
-from wbrag_ray.training.workers import batch_indices, fit, placement_refusal, plan_steps
+from wbrag_ray.training.workers import batch_indices, fit, plan_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16  # 2 epochs of 16 sentences in batches of 2: long enough to be killed twice between checkpoints
@@ -79,16 +80,16 @@ def test_steps_come_from_epochs_with_max_steps_as_a_cap_and_each_epoch_sees_ever
 def test_training_workers_that_the_cluster_cannot_place_are_refused_with_the_fix():
     trainer = TrainerConfig(num_workers=8, num_gpus=1, num_cpus=8)
     gpu_nodes = [{"CPU": 96.0, "GPU": 8.0}, {"CPU": 16.0}]
-    assert placement_refusal(trainer, gpu_nodes, "zerorag.lm_pruner") is None
-    why = placement_refusal(trainer.model_copy(update={"num_workers": 9}), gpu_nodes, "zerorag.lm_pruner")
+    assert workers_refusal(trainer, gpu_nodes, "zerorag.lm_pruner") is None
+    why = workers_refusal(trainer.model_copy(update={"num_workers": 9}), gpu_nodes, "zerorag.lm_pruner")
     assert why == ("zerorag.lm_pruner.trainer: 9 training workers of 8 CPU and 1 GPU each do not fit the cluster's 2 "
                    "nodes (room for 8); set zerorag.lm_pruner.trainer.num_workers: 8, or add nodes")
     # a worker that needs more GPUs than any node has
-    why = placement_refusal(TrainerConfig(num_workers=2, num_gpus=16), gpu_nodes, "zerorag.tune")
+    why = workers_refusal(TrainerConfig(num_workers=2, num_gpus=16), gpu_nodes, "zerorag.tune")
     assert "room for 0" in why and "lower zerorag.tune.trainer.num_gpus (the largest node has 8)" in why
     # CPU workers on this machine's shape
-    assert placement_refusal(TrainerConfig(num_workers=2), [{"CPU": 2.0}], "zerorag.tune") is None
-    assert "room for 1" in placement_refusal(TrainerConfig(num_workers=2, num_cpus=2), [{"CPU": 2.0}], "zerorag.tune")
+    assert workers_refusal(TrainerConfig(num_workers=2), [{"CPU": 2.0}], "zerorag.tune") is None
+    assert "room for 1" in workers_refusal(TrainerConfig(num_workers=2, num_cpus=2), [{"CPU": 2.0}], "zerorag.tune")
 
 
 def _committed_step(storage: Path) -> int:

@@ -23,10 +23,10 @@ import pandas as pd
 from wbrag_ray import checkpoints
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
-from wbrag_ray.generation.parallel import check_placement
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.types import Scored, scored_columns
 from wbrag_ray.generation.vllm import VLLMGenerator, check_shape
+from wbrag_ray.placement import check_placement
 from wbrag_ray.progress import log as progress_log
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import local_dataset

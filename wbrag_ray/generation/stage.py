@@ -7,11 +7,10 @@ import json
 
 import pandas as pd
 
-from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import make_generator
-from wbrag_ray.generation.parallel import sharded
 from wbrag_ray.generation.types import Scored, check_mode, scored_columns
+from wbrag_ray.placement import PENDING_TIMEOUT_S, sharded
 from wbrag_ray.ray_runtime import LIGHT_CPUS, vllm_env
 from wbrag_ray.stages.base import Resources, Stage
 

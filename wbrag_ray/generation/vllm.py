@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
-from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env, replica_env, replica_placement, sharded
+from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env, replica_env
 from wbrag_ray.generation.types import (
     CHOICE_TOP_K,
     Generator,
@@ -39,8 +39,9 @@ from wbrag_ray.generation.types import (
     scored_from_logprobs,
 )
 from wbrag_ray.generation.vllm_feed import EngineFeed
-from wbrag_ray.gpu_layout import ENGINE_MEMORY_UTILIZATION, engine_utilization
-from wbrag_ray.plan.models import ModelSize, model_size, size_from_config
+from wbrag_ray.models.size import ModelSize, model_size, size_from_config
+from wbrag_ray.placement import replica_placement, sharded
+from wbrag_ray.placement.gpus import ENGINE_MEMORY_UTILIZATION, engine_utilization
 from wbrag_ray.ray_runtime import LIGHT_CPUS, environ_while, vllm_env
 
 log = logging.getLogger(__name__)

@@ -23,14 +23,13 @@ from __future__ import annotations
 import logging
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.plan.models import MEMORY_RULE
-from wbrag_ray.plan.placement import Cluster, Node, cluster_from_ray, stated_cluster
+from wbrag_ray.models.accelerators import DEFAULT_GPU_MEMORY_GB
+from wbrag_ray.models.size import MEMORY_RULE
+from wbrag_ray.placement import Cluster, Node, cluster_from_ray, stated_cluster
 from wbrag_ray.plan.planner import Plan, idle_gpus, make_plan
 from wbrag_ray.plan.rates import RATES
 
 log = logging.getLogger(__name__)
-
-DEFAULT_GPU_MEMORY_GB = 80.0
 
 __all__ = ["Cluster", "Node", "Plan", "cluster_from_ray", "format_plan", "format_summary", "make_plan",
            "plan_data", "run_plan", "run_summary", "stated_cluster"]

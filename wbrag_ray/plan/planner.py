@@ -18,21 +18,19 @@ import math
 from dataclasses import dataclass, field
 
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.models.accelerators import DEFAULT_GPU, Accelerator, accelerator
+from wbrag_ray.models.size import embedding_dim, model_size, serving_gb
+from wbrag_ray.placement import Bundle, Cluster, problems
 from wbrag_ray.plan.accelerators import (
-    DEFAULT_GPU,
     DEFAULT_INTERCONNECT,
     STORAGE_READ_GBS,
-    Accelerator,
     Interconnect,
-    accelerator,
     encode_seconds,
     interconnect,
     kmeans_seconds,
 )
 from wbrag_ray.plan.calibrate import training_dtype
 from wbrag_ray.plan.corpus import CorpusSize, corpus_size, question_count
-from wbrag_ray.plan.models import embedding_dim, model_size, serving_gb
-from wbrag_ray.plan.placement import Bundle, Cluster, problems
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.plan.stages import (
     IndexSizing,
@@ -152,7 +150,7 @@ class _Builder:
             self.warnings.append(f"embedder {config.embedder.model}: vector dimension unknown, {DIM_ASSUMED} assumed")
         units = corpus.units(config.index.unit)
         self.sizing = self._size(units, "index") if units else None
-        self.nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
+        self.nodes = cluster.resources()
         self.shares = False  # retrieval's actors as shares of the replicas' GPUs (`gpu_layout`)
         self._decide_gpu_layout()
         # search actors and query embedders on GPUs of their own (shares beside the replicas hold no whole GPU)
@@ -161,11 +159,10 @@ class _Builder:
         self._decide_auto_concurrency()
 
     def _decide_gpu_layout(self) -> None:
-        """The "auto" GPU settings as a command would decide them on this cluster (`gpu_layout.apply_gpu_layout`,
+        """The "auto" GPU settings as a command would decide them on this cluster (`placement.gpus.apply_gpu_layout`,
         the commands' own rule): the generator's tensor-parallel size, retrieval's whole GPUs or shares beside the
         replicas. The faiss of a GPU cluster is assumed to have GPU support (the project's image installs it)."""
-        from wbrag_ray.cluster_nodes import needs_layout
-        from wbrag_ray.gpu_layout import apply_gpu_layout, holds_whole_gpus, index_on_gpu
+        from wbrag_ray.placement.gpus import apply_gpu_layout, holds_whole_gpus, index_on_gpu, needs_layout
 
         if not needs_layout(self.c):
             return
@@ -189,9 +186,9 @@ class _Builder:
 
     def _decide_auto_concurrency(self) -> None:
         """Each "auto" count (`concurrency`, a training's `num_workers`) as a command would decide it on this
-        cluster, empty (`cluster_nodes.auto_concurrency`, the commands' own rule: the generator's GPUs less
+        cluster, empty (`placement.gpus.auto_concurrency`, the commands' own rule: the generator's GPUs less
         retrieval's, its search actors and query embedders, counted from the index this plan sizes)."""
-        from wbrag_ray.cluster_nodes import AUTO_SETTINGS, auto_concurrency, section
+        from wbrag_ray.placement.gpus import AUTO_SETTINGS, auto_concurrency, section
 
         counts = auto_concurrency(self.c, self.nodes, self.held)
         self.c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
@@ -203,7 +200,7 @@ class _Builder:
     def _more(self, key: str) -> str:
         """What would use more GPUs in a stage sized by `key`'s count: "auto" where it is a number, else why auto
         stops where it does (the rule's count on this cluster)."""
-        from wbrag_ray.cluster_nodes import AUTO_SETTINGS, auto_concurrency, section
+        from wbrag_ray.placement.gpus import AUTO_SETTINGS, auto_concurrency, section
 
         setting = f"{key}.{AUTO_SETTINGS[key]}"
         config = self.c.model_copy(deep=True)

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, IndexConfig, RetrievalConfig, TrainerConfig
-from wbrag_ray.plan.models import ModelSize, model_size, serving_gb, training_gb
-from wbrag_ray.plan.placement import Bundle, Cluster
+from wbrag_ray.models.size import ModelSize, model_size, serving_gb, training_gb
+from wbrag_ray.placement import GPU_BUNDLE, Bundle, Cluster, placement_refusal, sharded
 from wbrag_ray.plan.rates import RATES
 
 GiB = 1 << 30
@@ -106,7 +106,6 @@ def _m(params: float) -> str:
 def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[list[Bundle], list[str], list[str]]:
     """(bundles, notes, refusals) of a generator service of `g` (`key`: its config section). A replica larger
     than one GPU is placed as `generation.parallel` places it, and refused by its `placement_refusal`."""
-    from wbrag_ray.generation.parallel import GPU_BUNDLE, placement_refusal, sharded
     from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS
 
     size = model_size(g.model)
@@ -115,7 +114,7 @@ def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[l
     on_gpu = g.num_gpus > 0
     memory = serving_gb(size, g.dtype, on_gpu)
     notes = [f"{key}: {size.describe()}" + (f", about {memory:,.1f} GB with headroom" if memory else "")]
-    why = placement_refusal(g, [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes], key) if on_gpu else None
+    why = placement_refusal(g, cluster.resources(), key) if on_gpu else None
     refusals = [why] if why else []
     # the model's shape as the commands check it before any work (heads and key-value heads, context)
     from wbrag_ray.generation.vllm import shape_refusal

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig
+from wbrag_ray.models.accelerators import Accelerator
+from wbrag_ray.models.size import lora_params, model_size, training_gb, weights_gb
 from wbrag_ray.plan.accelerators import (
     DEFAULT_INTERCONNECT,
     STORAGE_READ_GBS,
-    Accelerator,
     Interconnect,
     encode_seconds,
     generation_seconds,
@@ -30,7 +31,6 @@ from wbrag_ray.plan.accelerators import (
     training_communication,
     training_seconds,
 )
-from wbrag_ray.plan.models import lora_params, model_size, training_gb, weights_gb
 from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape
 
 SOURCES = ("calibrated", "benchmark", "estimate")

@@ -19,19 +19,19 @@ from typing import Any
 
 import numpy as np
 
-from wbrag_ray.cluster_nodes import beside_generator, pool_refusal, refuse_unplaceable
 from wbrag_ray.config import IndexConfig, RetrievalConfig
-from wbrag_ray.gpu_layout import index_on_gpu
 from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
 from wbrag_ray.index.search import SearchActor, measured_settings
+from wbrag_ray.placement import pool_refusal, refuse_unplaceable
+from wbrag_ray.placement.gpus import beside_generator, index_on_gpu
+from wbrag_ray.placement.waits import wait_placed
 from wbrag_ray.ray_runtime import call_actor, start_restartable
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError
 from wbrag_ray.retrieval.hits import merge_results
 from wbrag_ray.retrieval.local import IndexUnion, check_query_vectors, documents
 from wbrag_ray.stages.kept import make_room
 from wbrag_ray.storage import resolve
-from wbrag_ray.waits import wait_placed
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _manifest_shards(index_dir: str) -> tuple[dict[str, Any], list[dict[str, Any
 
 def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> tuple[int, float]:
     """The search actors the pool of the index at `index_dir` will start on GPUs, by `SearchPool.start`'s rule
-    (shard groups x replicas where `gpu_layout.index_on_gpu`), and the bytes of the largest group: (0, 0) where
+    (shard groups x replicas where `placement.gpus.index_on_gpu`), and the bytes of the largest group: (0, 0) where
     they search on CPUs or the index is not built yet."""
     import ray
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from wbrag_ray.cluster_nodes import refuse_unplaceable
 from wbrag_ray.config import EmbedderConfig, IndexConfig, RetrievalConfig
 from wbrag_ray.models.embedder import Embedder
 from wbrag_ray.models.router import QueryRouter
+from wbrag_ray.placement import refuse_unplaceable
 from wbrag_ray.retrieval.hits import hits_to_json
 from wbrag_ray.retrieval.local import check_embedder, load_query_embedder
 from wbrag_ray.stages.base import Resources, Stage
@@ -169,7 +169,7 @@ class QueryVectorsStage(Stage):
 def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalConfig):
     """Refuse, before any work, `what` (a stage that embeds queries: the Zero-RAG router, its grid) whose query
     embedder asks for GPUs on a cluster with no node holding that many, naming the setting
-    (`cluster_nodes.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
+    (`placement.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
     gpus = retrieval.query_embedder(embedder).num_gpus
     if gpus <= 0:
         return

@@ -59,7 +59,7 @@ class Stage(ABC):
     # the setting of its GPUs, as messages name it, where it is not `<section>.num_gpus`
     gpu_setting: ClassVar[str | None] = None
     # a retrieval actor that sits beside the generator's replicas: started where its GPUs break the fewest
-    # tensor-parallel groups (`cluster_nodes.beside_generator`)
+    # tensor-parallel groups (`placement.gpus.beside_generator`)
     beside_generator: ClassVar[bool] = False
     input_columns: ClassVar[tuple[str, ...]] = ()
     output_columns: ClassVar[tuple[str, ...]] = ()
@@ -155,9 +155,9 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     size = _check_pool(stage) if ray.is_initialized() else res.concurrency
     out = ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=size), **common)
     # Ray Data's own wait for the pool's actors, which is otherwise endless where others hold their resources: the
-    # pipeline's execution then raises, and `waits.pool_start_wait` around it names the pool (the setting
+    # pipeline's execution then raises, and `placement.waits.pool_start_wait` around it names the pool (the setting
     # reaches every operator of the pipeline this dataset ends, and those built on it)
-    from wbrag_ray.waits import pool_start_timeout_s
+    from wbrag_ray.placement.waits import pool_start_timeout_s
 
     out.context.wait_for_min_actors_s = pool_start_timeout_s()
     return out
@@ -167,7 +167,7 @@ def _check_pool(stage: Stage) -> int:
     """The size of a pass's pool: a pool of which none fits the cluster is refused; one of which only some fit
     runs narrower than asked, on as many actors as fit (a warning): Ray Data waits for every actor of a pool to
     start (`pool_start_timeout_s`), and actors no node can hold would end the pass."""
-    from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
+    from wbrag_ray.placement import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
 
     res = stage.resources
     need = {"CPU": res.num_cpus, "GPU": res.num_gpus}

@@ -192,7 +192,7 @@ def make_room(need: dict[str, float], count: int, name: str | None = None, index
     KEPT.release_one(name, index_dir)
     import ray
 
-    from wbrag_ray.cluster_nodes import free_nodes, room_for
+    from wbrag_ray.placement import free_nodes, room_for
 
     if ray.util.client.ray.is_connected() or room_for(need, free_nodes()) < count:
         KEPT.release()

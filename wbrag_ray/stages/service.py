@@ -208,9 +208,9 @@ class StageService:
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
-        from wbrag_ray.cluster_nodes import pool_refusal, refuse_unplaceable
+        from wbrag_ray.placement import pool_refusal, refuse_unplaceable
+        from wbrag_ray.placement.waits import wait_placed
         from wbrag_ray.ray_runtime import start_restartable
-        from wbrag_ray.waits import wait_placed
 
         # actors that can never be placed would leave the pass waiting on them forever: refused first
         need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
@@ -219,7 +219,7 @@ class StageService:
 
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
-        from wbrag_ray.cluster_nodes import beside_generator
+        from wbrag_ray.placement.gpus import beside_generator
 
         # An actor whose setup starts processes gets a concurrency group for its close, which then does not wait
         # behind a call still running (Ctrl-C); only there: an actor with concurrency groups runs even its single
@@ -347,7 +347,7 @@ class Services:
 
         with running(name or stage.name, len(frame)) as progress:
             if stage.service_key() is None:
-                from wbrag_ray.waits import pool_start_wait
+                from wbrag_ray.placement.waits import pool_start_wait
 
                 res = stage.resources
                 need = {"CPU": res.num_cpus, "GPU": res.num_gpus}

@@ -1,11 +1,8 @@
-"""Where a training worker's model goes: the GPUs Ray assigned to it and no other (`own_gpus`, `device_rule`: pure
-functions of the worker's GPUs, the GPUs it sees, the model's size and the GPU's memory, so the paper configs'
-shapes are tested without a GPU), the dtype, a layer split over its own GPUs under ddp, FSDP2 sharding under fsdp
-(`shard_fsdp`: over all the workers of one node, hybrid over several: `fsdp_mesh_shape`), the device of the process
-group's collectives and how long they may wait (`process_group_timeout_s`). The step loop is `training.workers`'.
-
-Nothing here imports Ray at module level: the GPU check (benchmarks/gpu/check.py) runs these rules, the sharding
-and a training step on a GPU machine without Ray."""
+"""Where a training worker's model goes inside its worker: the GPUs Ray assigned to it and no other (`own_gpus`,
+`device_rule`, pure functions so the paper configs' shapes are tested without a GPU), the dtype, a layer split
+under ddp, FSDP2 sharding under fsdp (`shard_fsdp`, hybrid over several nodes: `fsdp_mesh_shape`), and how long
+collectives may wait. Whether the cluster holds the workers is `wbrag_ray.placement`'s. No Ray at module level:
+benchmarks/gpu/check.py runs these rules on a GPU machine without it."""
 
 from __future__ import annotations
 
@@ -18,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.config import ConfigError
+from wbrag_ray.models.hardware import require_gpu
+from wbrag_ray.models.size import model_size
 
 if TYPE_CHECKING:
     from wbrag_ray.config import TrainerConfig
@@ -60,14 +59,11 @@ def own_gpus(gpu_ids: list, visible: str | None) -> list[int]:
 
 def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes: float | None, strategy: str,
                 shards: int, key: str, replicas: int = 1) -> DeviceRule:
-    """The device and map of a worker given its own GPUs (`assigned`, local indices), the GPUs it sees
-    (`visible`), each GPU's memory in bytes, the frozen model's size in bytes (None: unknown) and the
-    training's strategy: under fsdp the model is sharded over `shards` workers (all of them on one node; a
-    node's under hybrid sharding, with `replicas` nodes each holding a whole copy: `fsdp_mesh_shape`). A worker
-    never touches a GPU it was not assigned (its neighbours' ranks run there); one GPU: the model on it; several
-    under ddp: a layer split over exactly those, each filled to GPU_MEMORY_FRACTION; fsdp: one GPU a rank, its
-    shard of the model. A model that cannot fit is refused here, naming the setting, before any weight loads.
-    `key`: the config section (zerorag.tune)."""
+    """The device and map of a worker from its own GPUs (`assigned`, local indices), the GPUs it sees, a GPU's
+    memory and the frozen model's bytes (None: unknown): one GPU holds the model; several under ddp split its layers
+    over exactly those; fsdp shards it over `shards` workers (`replicas` nodes each holding a copy). A worker never
+    touches a GPU it was not assigned. A model that cannot fit is refused, naming the setting (`key`'s), before any
+    weight loads."""
     if not assigned:
         return DeviceRule(None)
     if len(set(assigned)) != len(assigned) or min(assigned) < 0 or max(assigned) >= visible:
@@ -92,12 +88,10 @@ def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes:
 
 
 def fsdp_mesh_shape(node_ranks: list[int], min_shards: int = 1) -> tuple[int, int]:
-    """(replicas, shards): FSDP's device mesh for workers whose nodes are `node_ranks` (each rank's node, in rank
-    order, as Ray Train numbers them). Several nodes of as many workers each, a node's ranks contiguous (Ray Train
-    groups ranks by node) and at least `min_shards` a node (the GPUs the model's shards need): hybrid, (nodes,
-    workers a node): sharded within a node over its NVLink, replicated across nodes, so the weights' two
-    all-gathers a step never cross the network (only the adapter's gradients do). Otherwise (one node, uneven
-    nodes, nodes too small for the model): (1, workers), the model sharded over every worker."""
+    """(replicas, shards): FSDP's device mesh for workers whose nodes are `node_ranks` (in rank order). Several
+    nodes of as many contiguous workers each, at least `min_shards` a node: hybrid (nodes, workers a node), sharded
+    within a node and replicated across nodes, so the weights' all-gathers never cross the network. Otherwise
+    (1, workers): the model sharded over every worker."""
     world = len(node_ranks)
     runs = [len(list(ranks)) for _, ranks in itertools.groupby(node_ranks)]
     if len(runs) > 1 and len(set(runs)) == 1 and len(runs) == len(set(node_ranks)) and runs[0] >= min_shards:
@@ -107,9 +101,8 @@ def fsdp_mesh_shape(node_ranks: list[int], min_shards: int = 1) -> tuple[int, in
 
 def process_group_timeout_s(timeout: int | str, model_bytes: float | None) -> int:
     """Seconds a collective may wait (Ray Train's TorchConfig timeout_s): `trainer.timeout_s`, or for 'auto' the
-    model's weights (`model_bytes` as they load; None: unknown) read at LOAD_READ_BYTES_S, at least
-    TIMEOUT_FLOOR_S. Worker 0 reads the whole model before its first collective (under fsdp the others wait in
-    it for rank 0's broadcast): a 70B in bf16 (141 GB) needs 2,824 s at that rate, past Ray Train's 1800."""
+    time to read the model's weights at LOAD_READ_BYTES_S (worker 0 reads them all before its first collective),
+    at least TIMEOUT_FLOOR_S."""
     if timeout != "auto":
         return int(timeout)
     return max(TIMEOUT_FLOOR_S, math.ceil(model_bytes / LOAD_READ_BYTES_S)) if model_bytes else TIMEOUT_FLOOR_S
@@ -205,8 +198,6 @@ def model_bytes_of(model: str | None, dtype) -> float | None:
         return None
     import torch
 
-    from wbrag_ray.plan.models import model_size
-
     params = model_size(model).params
     return params * torch.finfo(dtype).bits / 8 if params else None
 
@@ -226,8 +217,6 @@ def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, mo
     hybrid mesh of `fsdp_mesh_shape`). A training configured for GPUs on a worker that sees none fails here,
     before any weight loads, naming the setting."""
     import torch
-
-    from wbrag_ray.models.hardware import require_gpu
 
     fsdp = trainer.strategy == "fsdp" and world > 1
     if trainer.strategy == "fsdp" and world == 1:

@@ -236,32 +236,6 @@ def _restore(model, optimizer) -> dict[str, Any] | None:
     return state
 
 
-def placement_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key: str) -> str | None:
-    """Why a cluster whose nodes hold `nodes` (each node's resources as Ray reports them) cannot place
-    `trainer.num_workers` workers of `trainer.num_cpus` CPUs and `trainer.num_gpus` GPUs each (a worker sits on one
-    node), or None where it can. `key`: the config section named in the message."""
-    from wbrag_ray.cluster_nodes import room_for
-
-    need = {"CPU": trainer.num_cpus, **({"GPU": trainer.num_gpus} if trainer.num_gpus else {})}
-    fits = room_for(need, nodes)  # whole workers per node
-    if fits >= trainer.num_workers:
-        return None
-    worker = " and ".join(f"{amount:g} {r}" for r, amount in need.items())
-    largest = max((n.get("GPU" if trainer.num_gpus else "CPU", 0.0) for n in nodes), default=0.0)
-    fix = (f"set {key}.trainer.num_workers: {fits}" if fits else
-           f"lower {key}.trainer.num_{'gpus' if trainer.num_gpus else 'cpus'} (the largest node has {largest:g})")
-    return (f"{key}.trainer: {trainer.num_workers} training workers of {worker} each do not fit the cluster's "
-            f"{len(nodes)} node{'s' * (len(nodes) != 1)} (room for {fits}); {fix}, or add nodes")
-
-
-def check_placement(trainer: TrainerConfig, key: str) -> None:
-    """A ConfigError before any worker starts when the connected cluster cannot place the training workers (Ray
-    Train would wait for them); skipped where WBRAG_AUTOSCALING=1 says nodes come on demand."""
-    from wbrag_ray.cluster_nodes import refuse_unplaceable
-
-    refuse_unplaceable(lambda nodes: placement_refusal(trainer, nodes, key))
-
-
 def torch_config(trainer: TrainerConfig, model: str | None):
     """Ray Train's process-group settings for a training of `model`: collectives wait `process_group_timeout_s`
     (worker 0 reads the whole model before the first one; Ray Train's 1800 s can end a 70B's training in its
@@ -299,12 +273,13 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
     from ray.train.torch import TorchTrainer
 
     from wbrag_ray import checkpoints
+    from wbrag_ray.placement import check_workers
+    from wbrag_ray.placement.waits import TRAIN_START_FAILURE, train_start_wait
     from wbrag_ray.stages.kept import release_kept
-    from wbrag_ray.waits import TRAIN_START_FAILURE, train_start_wait
 
     trainer_config = section.trainer
     plan_steps(section, training.num_examples, trainer_config.num_workers)  # refuse before any worker starts
-    check_placement(trainer_config, key)
+    check_workers(trainer_config, key)
     release_kept()  # the training workers need the CPUs (GPUs) a finished command's services hold
     stage = checkpoints.active()
     with contextlib.ExitStack() as stack:

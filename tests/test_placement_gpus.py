@@ -1,4 +1,4 @@
-"""The GPU placement rules (wbrag_ray.gpu_layout) on simulated inventories: one GPU, two H200s (the WriteBack-RAG
+"""The GPU placement rules (wbrag_ray.placement.gpus) on simulated inventories: one GPU, two H200s (the WriteBack-RAG
 paper's), one node of 8 and 4 nodes of 8 (the paper configs'). No GPU is used: every rule is a function of the
 nodes' GPU counts and a GPU's memory, as the commands apply them to Ray's nodes and `wbrag plan` to the stated
 cluster; the plan of each paper config on each shape is checked end to end through `make_plan`."""
@@ -6,7 +6,8 @@ cluster; the plan of each paper config on each shape is checked end to end throu
 import pytest
 
 from wbrag_ray.config import ConfigError, load_config
-from wbrag_ray.gpu_layout import (
+from wbrag_ray.models.size import model_size
+from wbrag_ray.placement.gpus import (
     RetrievalActors,
     apply_gpu_layout,
     best_fit_node,
@@ -17,7 +18,6 @@ from wbrag_ray.gpu_layout import (
     share_of,
     tensor_parallel_auto,
 )
-from wbrag_ray.plan.models import model_size
 
 PAPER_WRITEBACK = "jobs/configs/paper_writeback.yaml"
 PAPER_ZERO_RAG = "jobs/configs/paper_zero_rag.yaml"
@@ -96,7 +96,7 @@ def test_gpu_memory_comes_from_the_setting_or_the_gpu_model_ray_labels_the_nodes
 
 
 def test_applying_the_layout_sets_the_replicas_share_and_vllms_memory_and_decides_again():
-    from wbrag_ray.cluster_nodes import _restore_layout
+    from wbrag_ray.placement.gpus import _restore_layout
 
     config = load_config(PAPER_ZERO_RAG)
     nodes = [{"CPU": 96.0, "GPU": 2.0}]
@@ -118,8 +118,8 @@ def test_applying_the_layout_sets_the_replicas_share_and_vllms_memory_and_decide
 
 
 def _plan(config: str, shape: str):
+    from wbrag_ray.placement import Cluster
     from wbrag_ray.plan import make_plan
-    from wbrag_ray.plan.placement import Cluster
 
     nodes, gpus, memory = SHAPES[shape]
     cluster = Cluster.uniform(nodes, 96.0, gpus, 1024.0, memory)
@@ -153,22 +153,22 @@ def test_paper_zero_rag_places_where_the_gpus_hold_a_70b_and_is_refused_on_one_g
 def test_each_command_decides_the_layout_again_from_what_the_config_said(monkeypatch):
     """As the commands apply it (`resolve_auto_concurrency`, on Ray's nodes): the build (no index yet) and a later
     evaluation (its search actor known) on one H100, then the same config on two H200s Ray labels as such."""
-    from wbrag_ray import cluster_nodes
+    from wbrag_ray.placement import gpus
 
     config = load_config(PAPER_WRITEBACK)
-    monkeypatch.setattr(cluster_nodes, "auto_nodes", lambda: ([{"CPU": 32.0, "GPU": 1.0}], "stated"))
-    cluster_nodes.resolve_auto_concurrency(config, search=(0, 0.0))  # the build: the query embedder only
+    monkeypatch.setattr(gpus, "auto_nodes", lambda: ([{"CPU": 32.0, "GPU": 1.0}], "stated"))
+    gpus.resolve_auto_concurrency(config, search=(0, 0.0))  # the build: the query embedder only
     g, r = config.generator, config.retrieval
     assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.98) and r.embed_gpus == 0.02
-    cluster_nodes.resolve_auto_concurrency(config, search=(1, 3.3e9))  # the evaluation: its search actor too
+    gpus.resolve_auto_concurrency(config, search=(1, 3.3e9))  # the evaluation: its search actor too
     assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.92) and (r.search_gpus, r.embed_gpus) == (0.06, 0.02)
     assert config.fingerprint()["generator"]["num_gpus"] == 1.0  # run.json records what the config said
     assert config.fingerprint()["retrieval"]["search_gpus"] == "auto"
     assert config.fingerprint()["generator"]["concurrency"] == "auto"
     zero_rag = load_config(PAPER_ZERO_RAG)
     h200 = [{"CPU": 64.0, "GPU": 2.0, "accelerator_type:H200": 1.0}]
-    monkeypatch.setattr(cluster_nodes, "auto_nodes", lambda: (h200, "stated"))
-    cluster_nodes.resolve_auto_concurrency(zero_rag, search=(2, 9.5e9))
+    monkeypatch.setattr(gpus, "auto_nodes", lambda: (h200, "stated"))
+    gpus.resolve_auto_concurrency(zero_rag, search=(2, 9.5e9))
     assert zero_rag.generator.parallel_sizes() == (2, 1) and zero_rag.generator.concurrency == 1
     assert zero_rag.zerorag.tune.trainer.num_workers == 2  # the FSDP tuning still takes both GPUs
 
@@ -176,8 +176,8 @@ def test_each_command_decides_the_layout_again_from_what_the_config_said(monkeyp
 def test_the_plan_refuses_a_model_shape_the_commands_refuse():
     """`wbrag plan` applies the commands' shape check (`generation.vllm.shape_refusal`: heads and key-value heads,
     context), on CPUs too: SmolLM2's 9 heads do not split over 2 vLLM CPU ranks."""
+    from wbrag_ray.placement import Cluster
     from wbrag_ray.plan import make_plan
-    from wbrag_ray.plan.placement import Cluster
 
     config = load_config(overrides=["generator.backend=vllm", "generator.tensor_parallel_size=2", "eval.dataset=qa.jsonl"])
     problems = make_plan(config, Cluster.uniform(1, 2, 0, 8, 80)).problems

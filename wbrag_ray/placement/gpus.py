@@ -1,27 +1,24 @@
-"""How a config's GPU work shares the GPUs people have, from one GPU to nodes of eight: the rules that pick a
-generator's tensor-parallel size, whether retrieval (search actors, query embedders) takes whole GPUs or shares
-of the generator's, and the node retrieval's whole GPUs go on. Pure functions of a node inventory (each node's GPU
-count) and a GPU's memory, so every shape is tested without a GPU; `cluster_nodes.resolve_auto_concurrency` (the
-commands, on Ray's nodes) and the plan (on the stated cluster) apply the same ones.
-
-- `tensor_parallel_auto`: the fewest GPUs of one node that hold the weights plus a KV cache for the configured
-  batch, within what vLLM may fill of each (gpu_memory_utilization), and that vLLM can shard the model over
-  (`ModelSize.tensor_parallel_sizes`: the attention heads split evenly; the key-value heads split evenly or are
-  repeated).
-- `gpu_layout`: retrieval takes whole GPUs where that costs the generator at most one replica in eight
-  (`WHOLE_GPU_COST`: its own GPU keeps a search actor's memory and kernels off the engine's); otherwise each
-  retrieval actor takes a share of a GPU sized from its model or index (`share_of`), every GPU of a replica asks
-  Ray for what the shares leave, and vLLM's gpu_memory_utilization is lowered so the engine leaves them their memory.
-- `retrieval_node`: whole GPUs for retrieval all on the one node where taking them costs the fewest replicas
-  (Ray's default scheduler would spread them over nodes and break more tensor-parallel groups than were counted).
+"""GPU shares and "auto" settings: what a config's "auto" GPU settings and counts become on a node inventory,
+as pure functions so every shape is tested without a GPU. The commands apply them on Ray's nodes
+(`resolve_auto_concurrency`), the plan on its stated cluster. Retrieval (search actors, query embedders) takes
+whole GPUs where that costs the generator at most one replica in eight (`WHOLE_GPU_COST`), on the node where they
+break the fewest replicas; otherwise shares of the replicas' GPUs, vLLM's memory lowered to leave them room.
+Over 400 lines: the "auto" counts depend on the GPU layout decided first, so both rules live together.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 from dataclasses import dataclass
 
-from wbrag_ray.config import ConfigError
+from wbrag_ray.config import AUTO_SETTINGS, ConfigError
+from wbrag_ray.models.accelerators import DEFAULT_GPU_MEMORY_GB, accelerator
+from wbrag_ray.models.size import model_size, serving_gb
+from wbrag_ray.placement import auto_nodes, room_for
+
+log = logging.getLogger(__name__)
 
 # Retrieval on whole GPUs while that costs the generator at most this share of its replicas (1 of 8 on 4 x 8 with
 # 4-GPU replicas); beyond it, shares beside the replicas: a search actor uses a few GB and little compute.
@@ -56,8 +53,8 @@ def prompt_tokens(top_k: int, unit: str) -> int:
 def tensor_parallel_auto(size, gpus_per_node: list[float], gpu_memory_gb: float, utilization: float, batch: int,
                          tokens: int, key: str = "generator") -> int:
     """The fewest GPUs of one node (`gpus_per_node`: each node's GPU count) whose memory, at `utilization` of each,
-    holds the model's bf16 weights and the KV cache of `batch` sequences of `tokens` (`size`: a
-    `plan.models.ModelSize`). Raises ConfigError naming why where no node holds it."""
+    holds the model's bf16 weights and the KV cache of `batch` sequences of `tokens` (`size`: a `ModelSize`), and
+    that vLLM can shard the model over. Raises ConfigError naming why where no node holds it."""
     if size.params is None:
         raise ConfigError(f"{key}.tensor_parallel_size auto: the size of {size.name} is unknown (no config.json, "
                           "not a known model); set tensor_parallel_size and num_gpus")
@@ -123,7 +120,7 @@ def _packs(shares: list[float], bins: int, capacity: float) -> bool:
 
 
 def _groups(node_gpus: list[float], group: int) -> int:
-    return sum(int(g / group + 1e-9) for g in node_gpus)
+    return room_for({"GPU": group}, [{"GPU": g} for g in node_gpus])
 
 
 def retrieval_node(node_gpus: list[float], group: int, need: int) -> int | None:
@@ -133,7 +130,7 @@ def retrieval_node(node_gpus: list[float], group: int, need: int) -> int | None:
     for i, gpus in enumerate(node_gpus):
         if gpus + 1e-9 < need:
             continue
-        lost = int(gpus / group + 1e-9) - int((gpus - need) / group + 1e-9)
+        lost = _groups([gpus], group) - _groups([gpus - need], group)
         key = (lost, -(gpus - need))
         if best_key is None or key < best_key:
             best, best_key = i, key
@@ -142,11 +139,9 @@ def retrieval_node(node_gpus: list[float], group: int, need: int) -> int | None:
 
 def gpu_layout(node_gpus: list[float], gpu_memory_gb: float, group: int, concurrency: int | None,
                retrieval: list[RetrievalActors], utilization: float, on_cpus_ok: bool = True) -> GpuLayout:
-    """The layout of a generation stage: engine replicas of `group` whole GPUs (tensor x pipeline parallel; 1 for
-    a one-GPU replica), `concurrency` of them (None: auto, as many as fit), beside `retrieval`'s actors, on nodes of
-    `node_gpus` GPUs of `gpu_memory_gb`; `utilization`: vLLM's gpu_memory_utilization as configured. Where retrieval
-    cannot take whole GPUs or shares (shares over `MAX_SHARE` of a GPU), it runs on CPUs where `on_cpus_ok`, else
-    ConfigError."""
+    """The layout of a generation stage: `concurrency` engine replicas (None: as many as fit) of `group` whole GPUs
+    beside `retrieval`'s actors, on nodes of `node_gpus` GPUs of `gpu_memory_gb`. Where retrieval fits neither
+    whole GPUs nor shares of at most `MAX_SHARE`, it runs on CPUs where `on_cpus_ok`, else ConfigError."""
     need = sum(r.count for r in retrieval)
     total = _groups(node_gpus, group)
     if not need:
@@ -185,8 +180,7 @@ def gpu_layout(node_gpus: list[float], gpu_memory_gb: float, group: int, concurr
 
 def index_on_gpu(setting: bool | str, cluster_gpus: float, faiss_gpu: bool) -> bool:
     """Whether the index searches (and trains k-means) on GPUs, by `index.gpu`: 'auto' where the cluster has GPUs
-    and faiss GPU support; true only there, refused before any work elsewhere (a run that asked for GPU search
-    must not run at CPU speed without a word); false never."""
+    and faiss GPU support; true only there, refused elsewhere before any work; false never."""
     if setting is False:
         return False
     usable = cluster_gpus > 0 and faiss_gpu
@@ -197,17 +191,11 @@ def index_on_gpu(setting: bool | str, cluster_gpus: float, faiss_gpu: bool) -> b
     return usable
 
 
-DEFAULT_GPU_MEMORY_GB = 80.0
-
-
 def gpu_memory_of(nodes: list[dict[str, float]], stated: float | None) -> tuple[float, str]:
     """One GPU's memory (GB) for the rules, and where it came from: `ray.gpu_memory_gb` where stated, else the GPU
-    model Ray labels the nodes with (resources `accelerator_type:H100`; the smallest where they differ), else
-    `DEFAULT_GPU_MEMORY_GB`."""
+    model Ray labels the nodes with (`accelerator_type:H100`; the smallest where they differ), else a default."""
     if stated:
         return stated, "ray.gpu_memory_gb"
-    from wbrag_ray.plan.accelerators import accelerator
-
     found = []
     for node in nodes:
         for key in node:
@@ -225,14 +213,10 @@ def gpu_memory_of(nodes: list[dict[str, float]], stated: float | None) -> tuple[
 
 def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, float],
                      gpu_memory_gb: float) -> tuple[list[str], GpuLayout | None]:
-    """Decide, in place, what `config`'s 'auto' GPU settings are on `nodes` (each node's resources): the generator's
-    tensor_parallel_size (num_gpus following it), retrieval.search_gpus and embed_gpus, and where retrieval takes
-    shares, the replica's GPU ask (generator.num_gpus of a one-GPU replica, generator.gpu_share of a larger one)
-    and vLLM's gpu_memory_utilization. `search`: the search actors that will search on GPUs and the bytes of the
-    largest one's shards (0, 0 where none, or no index yet: the layout is decided again once it exists). What was
-    decided, as lines for the log and the plan, and retrieval's layout (None where nothing was "auto")."""
-    from wbrag_ray.plan.models import model_size, serving_gb
-
+    """Decide `config`'s 'auto' GPU settings in place on `nodes`: the generator's tensor_parallel_size,
+    retrieval.search_gpus and embed_gpus, and where retrieval takes shares, the replica's GPU ask. `search`: the
+    search actors that will search on GPUs and the bytes of the largest (0, 0: none, or no index yet). Returns
+    lines for the log and the plan, and retrieval's layout (None where nothing was "auto")."""
     g, r, e = config.generator, config.retrieval, config.embedder
     node_gpus = [float(n.get("GPU", 0.0)) for n in nodes]
     said = []
@@ -291,15 +275,161 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
 
 
 def holds_whole_gpus(layout: GpuLayout | None) -> bool:
-    """Whether retrieval's actors hold GPUs of their own (auto concurrency counts them off the generator's), not
-    shares inside what each replica's GPUs leave."""
+    """Whether retrieval's actors hold GPUs of their own (counted off the generator's), not shares of its GPUs."""
     return layout is None or layout.whole
 
 
 def best_fit_node(free: dict[str, float], need: float) -> str | None:
-    """The node (an id of `free`: each node's free GPUs) with the fewest free GPUs that still hold `need`: where a
-    retrieval actor starts, so that the GPUs it takes come out of a node already broken into (the one the
-    generator's whole groups left, or the one retrieval started on) and other nodes keep whole tensor-parallel
-    groups free; Ray's default scheduler spreads them instead. None where no node holds it."""
+    """The node (an id of `free`: each node's free GPUs) with the fewest free GPUs that still hold `need`, so a
+    retrieval actor takes GPUs from a node already broken into and others keep whole tensor-parallel groups
+    (Ray's default scheduler spreads them). None where no node holds it."""
     fits = [(gpus, node) for node, gpus in free.items() if gpus + 1e-9 >= need]
     return min(fits)[1] if fits else None
+
+
+def beside_generator(gpus: float) -> dict:
+    """The Ray options of a retrieval actor asking for `gpus` on a cluster of several GPU nodes: a soft affinity to
+    the node `best_fit_node` picks from the free GPUs now, so retrieval breaks no more tensor-parallel groups than
+    the plan counted. Nothing where it asks for no GPU or the cluster has one GPU node."""
+    if gpus <= 0:
+        return {}
+    try:
+        from ray._private.state import state
+
+        free = {node: float(res.get("GPU", 0.0)) for node, res in state.available_resources_per_node().items()}
+    except Exception:  # noqa: BLE001 - a private API: where it moved, Ray's own placement
+        return {}
+    if sum(1 for gpus_free in free.values() if gpus_free > 0) < 2:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = best_fit_node(free, gpus)
+    return {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+
+
+# --- "auto" counts ----------------------------------------------------------------------------------------
+
+
+def section(config, key: str):
+    """`config`'s section at a dotted key ("zerorag.lm_pruner")."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _auto_now(config) -> list[str]:
+    return [key for key, count in AUTO_SETTINGS.items() if getattr(section(config, key), count) == "auto"]
+
+
+def auto_keys(config) -> list[str]:
+    """The sections of `config` whose count is "auto", or was before a command decided it (remembered by
+    `resolve_auto_concurrency`, so that the next command decides it again)."""
+    was = getattr(config, "_auto_sections", None) or ()
+    return [key for key in AUTO_SETTINGS if key in was or key in _auto_now(config)]
+
+
+def has_auto(config) -> bool:
+    return bool(auto_keys(config))
+
+
+def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float = 0.0) -> dict[str, int]:
+    """The count of each section of `config` whose count is "auto" ({"generator": 4, ...}) on `nodes`, the one rule
+    of the plan and the commands. A stage runs alone, so each pool may take the cluster, except the generator,
+    which leaves retrieval `search_gpus` (taken from the nodes with the most GPUs first). With GPUs: as many as
+    the GPUs hold (a replica's tensor-parallel GPUs on one node); on CPUs: as many as the CPUs hold, one CPU of
+    the largest node left to the reads and writes. A training's workers at most its batch. At least one: a pool
+    the cluster cannot hold is refused by the placement checks, with why."""
+    out = {}
+    for key in _auto_now(config):
+        pool = section(config, key)
+        free = [dict(n) for n in nodes]
+        if pool.num_gpus > 0:
+            stages = getattr(pool, "pipeline_parallel_size", 1)
+            left = search_gpus if key == "generator" else 0.0
+            for node in sorted(free, key=lambda n: -n.get("GPU", 0.0)):
+                taken = min(left, node.get("GPU", 0.0))
+                node["GPU"] = node.get("GPU", 0.0) - taken
+                left -= taken
+            need = {"GPU": pool.num_gpus / stages, "CPU": pool.num_cpus if stages == 1 else 0.0}
+            count = room_for(need, free) // stages
+        else:
+            if free:
+                largest = max(free, key=lambda n: n.get("CPU", 0.0))
+                largest["CPU"] = largest.get("CPU", 0.0) - 1.0
+            count = room_for({"CPU": pool.num_cpus}, free)
+        if AUTO_SETTINGS[key] == "num_workers":
+            count = min(count, section(config, key.rsplit(".", 1)[0]).batch_size)
+        out[key] = max(1, count)
+    return out
+
+
+# The settings `apply_gpu_layout` decides where they are "auto" (dotted paths), and the ones it may set beside
+# them: each command restores what the config said before deciding again (the index may exist by then).
+LAYOUT_SETTINGS = ("generator.tensor_parallel_size", "generator.num_gpus", "generator.gpu_share",
+                   "retrieval.search_gpus", "retrieval.embed_gpus", "index.gpu")
+
+
+def needs_layout(config) -> bool:
+    """Whether `config` has "auto" GPU settings for `apply_gpu_layout`, now or before a command decided them."""
+    g, r = config.generator, config.retrieval
+    return (getattr(config, "_layout_said", None) is not None or g.tensor_parallel_size == "auto"
+            or r.search_gpus == "auto" or r.embed_gpus == "auto")
+
+
+def _restore_layout(config) -> None:
+    """The GPU settings as the config said them before a command decided its "auto" ones, remembered the first time."""
+    said = getattr(config, "_layout_said", None)
+    if said is None:
+        config._layout_said = {key: copy.deepcopy(_get(config, key)) for key in LAYOUT_SETTINGS}
+        return
+    for key, value in said.items():
+        _set(config, key, copy.deepcopy(value))
+
+
+def _get(config, key: str):
+    parent, name = key.rsplit(".", 1)
+    return getattr(section(config, parent), name)
+
+
+def _set(config, key: str, value) -> None:
+    parent, name = key.rsplit(".", 1)
+    object.__setattr__(section(config, parent), name, value)
+
+
+def resolve_auto_concurrency(config, search_gpus: float = 0.0, search: tuple[int, float] | None = None) -> None:
+    """Decide `config`'s "auto" settings in place on `auto_nodes`, said in the log: first the GPU settings
+    (`apply_gpu_layout`, from `search`: the search actors that will search on GPUs and the bytes of the largest,
+    `retrieval.service.search_actors`), then each count (`auto_concurrency`), the generator's GPUs less what
+    retrieval holds beside it (`search_gpus`, and the query embedders'). Every command calls it as it joins Ray;
+    the config remembers what was "auto", so a command that runs after the index exists counts its search GPUs."""
+    keys = auto_keys(config)
+    layout = needs_layout(config)
+    if not keys and not layout:
+        return
+    nodes, source = auto_nodes()
+    shares = False
+    if layout:
+        _restore_layout(config)
+        memory, where = gpu_memory_of(nodes, config.ray.gpu_memory_gb)
+        found = search or (0, 0.0)
+        said, decided = apply_gpu_layout(config, nodes, found, memory)
+        for line in said:
+            log.info("%s (GPU memory %g GB: %s)", line, memory, where)
+        shares = not holds_whole_gpus(decided)
+        if search is not None:
+            search_gpus = found[0] * config.retrieval.search_share if config.index.gpu is not False else 0.0
+    if not keys:
+        return
+    config._auto_sections = frozenset(keys)
+    for key in keys:
+        setattr(section(config, key), AUTO_SETTINGS[key], "auto")
+    r = config.retrieval
+    held = (search_gpus + r.concurrency * r.query_embedder(config.embedder).num_gpus) if config.generator.num_gpus else 0
+    if shares:  # retrieval's shares sit in what the replicas' GPUs leave: no whole GPU is held
+        held = 0.0
+    for key, count in auto_concurrency(config, nodes, held).items():
+        setattr(section(config, key), AUTO_SETTINGS[key], count)
+        log.info(
+            "%s.%s auto: %d (%s: %g CPU, %g GPU on %d node(s)%s)", key, AUTO_SETTINGS[key], count, source,
+            sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes), len(nodes),
+            f"; {held:g} GPU(s) left to retrieval" if held and key == "generator" else "")

@@ -1,14 +1,10 @@
 """How big a model is, and how much memory an actor that holds it takes, without loading it.
 
-Parameter counts come, in this order, from the model's config.json when the model is a local folder (exact for
-the usual decoder and BERT layouts), from a small table of the hub ids and bundled models the project's configs
-name, or from a size in the name ("70B", "1B", "135M"); each says which, since the last two are estimates.
-
-Memory per actor: weights = parameters x bytes per parameter (bf16 on GPUs, fp32 on CPUs: `dtype: auto` takes
-bf16 only on CPUs with native bf16, which a plan cannot know), plus `SERVING_HEADROOM` of the weights for the KV
-cache and activations of a batch (vLLM then fills what `gpu_memory_utilization` leaves with more KV cache), or
-`TRAINING_HEADROOM` for a LoRA training worker (activations kept for the backward pass, the adapter's gradients
-and optimizer state). A CPU process adds the worker's own base (`index.sizing.TASK_BASE_BYTES`).
+The shape comes, in this order, from a local folder's config.json, a GGUF file's header, the Hugging Face cache's
+config.json, a table of the models the project's configs name, or a size in the name ("70B", "135M"); each says
+which, since the last two are estimates. Memory per actor: the weights (bf16 on GPUs, fp32 assumed on CPUs) plus
+`SERVING_HEADROOM` for a batch's KV cache and activations, or `TRAINING_HEADROOM` for a LoRA training worker; a
+CPU process adds the worker's own base (`index.sizing.TASK_BASE_BYTES`).
 """
 
 from __future__ import annotations
@@ -16,10 +12,13 @@ from __future__ import annotations
 import functools
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from wbrag_ray.config import ConfigError
 from wbrag_ray.index.sizing import TASK_BASE_BYTES
+from wbrag_ray.models.bundled import bundled_path
 
 GB = 1e9
 SERVING_HEADROOM = 0.2
@@ -45,10 +44,8 @@ class ModelSize:
 
     def tensor_parallel_refusal(self, tp: int) -> str | None:
         """Why vLLM cannot shard this model's attention over `tp` tensor-parallel ranks, or None (also where its
-        heads are unknown). vLLM 0.32's rule: `ModelConfig.verify_with_parallel_config` (vllm/config/model.py)
-        refuses attention heads that `tp` does not divide; `QKVParallelLinear` (vllm/model_executor/layers/
-        linear.py) splits the key-value heads over the ranks where there are more heads than ranks (tp must
-        divide them) and repeats each head on tp / kv_heads ranks otherwise (kv_heads must divide tp)."""
+        heads are unknown): `tp` must divide the attention heads, and either divide the key-value heads (split over
+        the ranks) or be a multiple of them (each repeated on tp / kv_heads ranks), as vLLM's QKVParallelLinear."""
         if tp <= 1 or not self.heads:
             return None
         if self.heads % tp:
@@ -174,9 +171,6 @@ def _context(text: dict) -> int | None:
 def _gguf_file(model: str) -> Path | None:
     """The GGUF file `model` names (a path, or a bundled model that is one), if any."""
     if model.startswith("bundled:"):
-        from wbrag_ray.config import ConfigError
-        from wbrag_ray.models.bundled import bundled_path
-
         try:
             path = bundled_path(model.split(":", 1)[1])
         except ConfigError:  # not installed here: the table of known models has it
@@ -194,11 +188,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 @functools.lru_cache(maxsize=16)
 def _gguf_config(path: str, _mtime_ns: int) -> dict:
     """A transformers-style config from a GGUF file's header (its key-value metadata and its tensors' names),
-    read as the GGUF format lays it out (little-endian, version 2 or later) without reading the weights: the
-    `gguf` package's reader parses the whole tokenizer too, and its import takes numpy (2.7 s for the bundled
-    SmolLM2 on this machine, against 0.07 s here)."""
-    import struct
-
+    read as the GGUF format lays it out (little-endian, version 2 or later) without reading the weights or the
+    tokenizer, as the `gguf` package's reader would."""
     with open(path, "rb") as f:
         def read(fmt: str):
             data = f.read(struct.calcsize(fmt))

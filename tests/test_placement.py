@@ -1,9 +1,9 @@
-"""What a pool of actors needs against what the cluster's nodes hold (wbrag_ray.cluster_nodes), by hand: whole
+"""What a pool of actors needs against what the cluster's nodes hold (wbrag_ray.placement), by hand: whole
 actors per node, each resource counted, and a fix that fits. The refusals on a real cluster, before any actor
 starts: tests/stages/test_service.py and tests/retrieval/test_service.py."""
 
 from tests.conftest import wait_idle
-from wbrag_ray.cluster_nodes import pool_refusal, room_for
+from wbrag_ray.placement import pool_refusal, room_for
 
 GIB = 1 << 30
 
@@ -50,7 +50,7 @@ def _config(*overrides: str):
 
 def test_auto_concurrency_fills_the_free_gpus_less_the_search_actors_and_leaves_a_cpu_to_the_reads():
     """The rule by hand, on free resources: 4 nodes of 8 GPUs and 96 CPUs (the paper's cluster), a laptop."""
-    from wbrag_ray.cluster_nodes import auto_concurrency
+    from wbrag_ray.placement.gpus import auto_concurrency
 
     cluster = [{"CPU": 96.0, "GPU": 8.0} for _ in range(4)]
     engines = _config("generator.concurrency=auto", "generator.num_gpus=1", "embedder.concurrency=auto",
@@ -102,7 +102,8 @@ def test_a_command_decides_auto_as_it_joins_the_cluster(ray_cluster, tmp_path):
     """On the session's real cluster: `api.start` sets each `auto` to the rule's number on the cluster's nodes, in
     the config every stage of the command then reads (and the next command decides again)."""
     from wbrag_ray import api
-    from wbrag_ray.cluster_nodes import auto_concurrency, auto_nodes, free_nodes
+    from wbrag_ray.placement import auto_nodes, free_nodes
+    from wbrag_ray.placement.gpus import auto_concurrency
 
     config = _config(f"run={tmp_path / 'run'}", "generator.concurrency=auto", "embedder.concurrency=auto",
                      "embedder.num_cpus=0.5", "zerorag.lm_pruner.concurrency=auto", "zerorag.lm_pruner.num_cpus=0.25")
@@ -132,10 +133,10 @@ def test_auto_sizes_every_gpu_stage_of_the_paper_configs_to_the_four_by_eight_cl
     """The rule on the paper configs' own shapes (4 nodes x 8 GPUs): an embed actor, an LM pruner actor and a pruner
     training worker per GPU; 70B replicas of 4 GPUs on every 4 GPUs the search actors leave; the 70B tuning's FSDP
     workers on every GPU (its batch of 32 feeds 32); the write-back generator on every GPU beside retrieval."""
-    from wbrag_ray.cluster_nodes import auto_concurrency
     from wbrag_ray.config import load_config
+    from wbrag_ray.placement.gpus import auto_concurrency
 
-    # tensor_parallel_size auto on 80 GB GPUs: 4 (tests/test_gpu_layout.py)
+    # tensor_parallel_size auto on 80 GB GPUs: 4 (tests/test_placement_gpus.py)
     zero_rag = load_config(PAPER_ZERO_RAG, TP4)
     assert auto_concurrency(zero_rag, FOUR_BY_EIGHT) == {
         "embedder": 32, "generator": 8, "zerorag.lm_pruner": 32, "zerorag.lm_pruner.trainer": 32,
@@ -171,23 +172,24 @@ def test_auto_sizes_an_autoscaling_cluster_from_its_declared_maximum(monkeypatch
 
     import yaml
 
-    from wbrag_ray import cluster_nodes
+    from wbrag_ray import placement
     from wbrag_ray.config import load_config
+    from wbrag_ray.placement import gpus
 
     launcher = ROOT / "cluster" / "cluster.yaml"
-    declared = cluster_nodes.launcher_nodes(yaml.safe_load(launcher.read_text()))
+    declared = placement.launcher_nodes(yaml.safe_load(launcher.read_text()))
     assert sum(n.get("GPU", 0) for n in declared) == 32 and max(n.get("GPU", 0) for n in declared) == 8
-    monkeypatch.setattr(cluster_nodes, "_published_groups", lambda: [])
-    monkeypatch.setenv(cluster_nodes.AUTOSCALING_ENV, "1")
-    monkeypatch.setenv(cluster_nodes.LAUNCHER_CONFIG_ENV, str(launcher))
-    nodes, source = cluster_nodes.auto_nodes()
+    monkeypatch.setattr(placement, "_published_groups", lambda: [])
+    monkeypatch.setenv(placement.AUTOSCALING_ENV, "1")
+    monkeypatch.setenv(placement.LAUNCHER_CONFIG_ENV, str(launcher))
+    nodes, source = placement.auto_nodes()
     assert nodes == declared and "launcher config" in source
-    assert cluster_nodes.auto_concurrency(load_config(PAPER_ZERO_RAG, TP4), nodes)["generator"] == 8
+    assert gpus.auto_concurrency(load_config(PAPER_ZERO_RAG, TP4), nodes)["generator"] == 8
     # node groups the autoscaler published (KubeRay, autoscaler v2): each group's max_count
     groups = [SimpleNamespace(resources={"CPU": 8.0}, max_count=1),
               SimpleNamespace(resources={"CPU": 96.0, "GPU": 8.0}, max_count=4)]
-    monkeypatch.setattr(cluster_nodes, "_published_groups", lambda: groups)
-    nodes, source = cluster_nodes.auto_nodes()
+    monkeypatch.setattr(placement, "_published_groups", lambda: groups)
+    nodes, source = placement.auto_nodes()
     assert sum(n.get("GPU", 0) for n in nodes) == 32 and source == "the autoscaler's declared maximum"
 
 
@@ -195,16 +197,16 @@ def test_each_command_decides_auto_again_after_the_index_exists(monkeypatch):
     """`resolve_auto_concurrency` remembers which counts were "auto": the first command (the build, no index yet)
     gives the generator every GPU; a later one (write-back, evaluation) decides again with the search actors'
     GPUs held, instead of keeping the first number."""
-    from wbrag_ray import cluster_nodes
     from wbrag_ray.config import load_config
+    from wbrag_ray.placement import gpus
 
-    monkeypatch.setattr(cluster_nodes, "auto_nodes", lambda: (FOUR_BY_EIGHT, "stated"))
+    monkeypatch.setattr(gpus, "auto_nodes", lambda: (FOUR_BY_EIGHT, "stated"))
     config = load_config(PAPER_WRITEBACK)
-    cluster_nodes.resolve_auto_concurrency(config)  # query embedder only: 1 GPU held
+    gpus.resolve_auto_concurrency(config)  # query embedder only: 1 GPU held
     assert (config.embedder.concurrency, config.generator.concurrency) == (32, 31)
-    assert cluster_nodes.has_auto(config)  # numbers now, decided again by the next command
-    cluster_nodes.resolve_auto_concurrency(config, search_gpus=4)
+    assert gpus.has_auto(config)  # numbers now, decided again by the next command
+    gpus.resolve_auto_concurrency(config, search_gpus=4)
     assert (config.embedder.concurrency, config.generator.concurrency) == (32, 27)
     fixed = load_config(PAPER_WRITEBACK, ["generator.concurrency=4", "embedder.concurrency=8"])
-    cluster_nodes.resolve_auto_concurrency(fixed, search_gpus=4)
+    gpus.resolve_auto_concurrency(fixed, search_gpus=4)
     assert (fixed.embedder.concurrency, fixed.generator.concurrency) == (8, 4)  # a number stays as set

@@ -1,17 +1,20 @@
-"""Waits for resources that end: a service's actors (`wait_placed`), a Ray Data actor pool (`pool_start_wait`) and a
-Ray Train worker group (`train_start_wait`) each wait at most `ray.pending_timeout_s`
-(`cluster_nodes.PENDING_TIMEOUT_S`), then fail naming what is missing, what is free and the setting that asks for
-less. The capacity checks (`cluster_nodes.pool_refusal`, `refuse_unplaceable`) refuse what the cluster can never
-hold before anything waits; these end the waits for what it could hold but others hold now."""
+"""Waits for resources that end: a service's actors (`wait_placed`), a Ray Data actor pool (`pool_start_wait`), a
+Ray Train worker group (`train_start_wait`) and an engine replica's placement group each wait at most
+`ray.pending_timeout_s`, then fail naming what is missing, what is free and the setting that asks for less. The
+fit checks of `wbrag_ray.placement` refuse what the cluster can never hold; these end the waits for what it could
+hold but others hold now."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
+from typing import Any
 
-from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S, _amount, _amounts
-from wbrag_ray.config import ConfigError
+from wbrag_ray.config import ConfigError, GeneratorConfig
+from wbrag_ray.placement import PENDING_TIMEOUT_S, _amount, amounts, free_nodes
+from wbrag_ray.ray_runtime import environ_while
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +34,8 @@ def _placed(actor) -> bool:
 
 def wait_placed(actors: list, what: str, need: dict[str, float], fix: str, timeout_s: float | None = None) -> None:
     """Return once every actor of `actors` (each asking for `need`) is placed; a `ConfigError` naming what is
-    missing when some still wait for resources after `timeout_s` (default: `ray.pending_timeout_s`). The
-    capacity checks (`pool_refusal`) refuse a pool the cluster can never hold; this ends the wait for one it
-    could hold but whose resources others hold now (another job, a pass still running), where the driver would
-    otherwise wait on the missing actors forever. Said in the log every minute of the wait. `fix`: the setting
-    that asks for less ("lower generator.concurrency")."""
+    missing when some still wait after `timeout_s` (default: `ray.pending_timeout_s`), where the driver would
+    otherwise wait on them forever. Said in the log every minute. `fix`: the setting that asks for less."""
     import ray
 
     timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
@@ -52,7 +52,7 @@ def wait_placed(actors: list, what: str, need: dict[str, float], fix: str, timeo
             said = now
             log.warning("%s: %d of %d actors still wait for resources after %.0f s (free now: %s); failing after "
                         "%g s (ray.pending_timeout_s)", what, waiting, len(actors), now - start,
-                        _amounts(ray.available_resources(), need), timeout_s)
+                        amounts(ray.available_resources(), need), timeout_s)
         time.sleep(pause)
         pause = min(pause * 2, 1.0)
     raise ConfigError(_still_waiting(f"{what}: {waiting} of {len(actors)} actors", need,
@@ -66,7 +66,7 @@ def _still_waiting(who: str, need: dict[str, float], waited: str, fix: str, why:
 
     free, total = ray.available_resources(), ray.cluster_resources()
     held = ", ".join(f"{_amount(r, free.get(r, 0.0))} of {_amount(r, total.get(r, 0.0))}" for r in need if need[r] > 0)
-    return (f"{who} of {_amounts(need, need)} each {waited}{why}. "
+    return (f"{who} of {amounts(need, need)} each {waited}{why}. "
             f"Free now: {held}; the rest is held by other jobs or this run's other actors (`ray status` shows whom). "
             f"{fix[:1].upper() + fix[1:]}, free the resources, or raise ray.pending_timeout_s where an autoscaler is "
             "still adding nodes")
@@ -77,19 +77,16 @@ _POOL_START_TIMEOUT = "Timed out while starting actors"
 
 
 def pool_start_timeout_s() -> float:
-    """How long a Ray Data actor pool may take to start (`ray.pending_timeout_s`): `apply_stage` sets it as the
-    pass's DataContext.wait_for_min_actors_s, Ray Data's own wait for a pool's actors (without it Ray Data waits
-    forever for actors no node has room for). Ray Data waits for the actors to be placed and constructed, and a
-    stage's actor loads its model in its constructor: the time covers the load too."""
+    """How long a Ray Data actor pool may take to start, its model's load included (`ray.pending_timeout_s`):
+    `apply_stage` sets it as DataContext.wait_for_min_actors_s, without which Ray Data waits forever."""
     return PENDING_TIMEOUT_S["seconds"]
 
 
 @contextlib.contextmanager
 def pool_start_wait(what: str, count: int, need: dict[str, float], fix: str):
-    """Run (execute, write) a Ray Data pipeline holding the actor pool `what` (`count` actors asking for `need`
-    each, started by `apply_stage`): where its actors do not start within `pool_start_timeout_s`, Ray Data's bare
-    GetTimeoutError ("Timed out while starting actors", an OSError a CLI would call a storage error) becomes a
-    `ConfigError` naming the pool, what each actor asks, what is free and `fix`, the setting that asks for less."""
+    """Run a Ray Data pipeline holding the actor pool `what` (`count` actors asking for `need` each): where they do
+    not start within `pool_start_timeout_s`, Ray Data's bare GetTimeoutError (an OSError a CLI would call a
+    storage error) becomes a `ConfigError` naming the pool, its ask, what is free and `fix`."""
     try:
         yield
         return
@@ -141,13 +138,9 @@ TRAIN_START_FAILURE = {"controller_failure_limit": 0}
 @contextlib.contextmanager
 def train_start_wait(what: str, num_workers: int, need: dict[str, float], fix: str, timeout_s: float | None = None):
     """Run a Ray Train `fit()` whose worker group (`num_workers` workers asking for `need` each) may not be
-    placed: inside, Ray Train waits `timeout_s` (default `ray.pending_timeout_s`) for its workers' placement group
-    (TRAIN_START_TIMEOUT_ENV, set for the fit only); with the trainer's `FailureConfig(**TRAIN_START_FAILURE, ...)`
-    the timeout ends the fit, and its error becomes a `ConfigError` naming `what` (the training), what each worker
-    asks, what is free and `fix` ("lower zerorag.tune.trainer.num_workers"). The capacity check (`check_placement`)
-    refuses a group the cluster can never hold; this ends the wait for one whose resources others hold now."""
-    from wbrag_ray.ray_runtime import environ_while
-
+    placed: Ray Train waits `timeout_s` (default `ray.pending_timeout_s`) for its placement group; with the
+    trainer's `FailureConfig(**TRAIN_START_FAILURE, ...)` the timeout ends the fit, and its error becomes a
+    `ConfigError` naming `what`, each worker's ask, what is free and `fix`."""
     timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
     try:
         with environ_while({TRAIN_START_TIMEOUT_ENV: f"{timeout_s:g}"}):
@@ -169,3 +162,24 @@ def train_start_timed_out(exc: BaseException) -> bool:
     except ImportError:  # a private module: where it moved, by name
         return type(failure).__name__ == "WorkerGroupStartupTimeoutError"
     return isinstance(failure, WorkerGroupStartupTimeoutError)
+
+
+def placement_wait_message(config: GeneratorConfig, spec: dict[str, Any], timeout_s: float) -> str:
+    """What an engine replica's placement group still waits for after `timeout_s`: its bundles, what they add up
+    to, on how many nodes, and the free resources of each node now."""
+    tp, pp = config.parallel_sizes()
+    total = collections.Counter()
+    for bundle in spec["bundles"]:
+        total.update(bundle)
+    need = " + ".join(f"{v:g} {k}" for k, v in sorted(total.items(), key=lambda kv: kv[0] != "GPU"))
+    where = "one node" if spec["strategy"] == "STRICT_PACK" else "as few nodes as fit"
+    try:
+        free = "; ".join(", ".join(f"{v:g} {k}" for k, v in sorted(n.items()) if k in ("CPU", "GPU")) or "nothing"
+                         for n in free_nodes())
+    except Exception:  # noqa: BLE001 - the message matters more than the detail
+        free = "unknown"
+    return (f"generator: no room for an engine replica of tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
+            f"after {timeout_s:g} s (ray.pending_timeout_s): its placement group needs {len(spec['bundles'])} "
+            f"bundles of {spec['bundles'][0]} ({need}) on {where} ({spec['strategy']}), and the cluster has free "
+            f"[{free}]: its resources are held by other work, or no node has that many (`ray status`); free them, "
+            "add nodes, or raise ray.pending_timeout_s where an autoscaler is adding nodes")
