@@ -1,14 +1,8 @@
 """The library API: what the `wbrag` command and the job entry points call, and what a Python user calls.
 
 Every function takes a run folder (a path, an s3:// URI or a RunFolder) and a resolved config (`load_config`),
-and returns the stage's stats (or results) as plain dicts. The functions that write to the run folder record
-the config as the run's first (refusing one that would change the built knowledge base, unless `force`) and
-join or start Ray (`config.ray`).
-
-Over 500 lines, kept whole: it is the public surface a user reads in one place (each function short, the work in
-the method packages below it); the checks every command runs before work (inputs, the stages it reads) sit beside
-the functions that call them, and opening the run folder and joining Ray (model shapes, "auto" settings) are
-`session`'s, shared with the plan's calibration.
+and returns plain dicts. Each checks what it can before Ray starts (inputs, ranges, names, the stages it reads, a
+changed setting); an error a person can fix is a `ConfigError` whose message says the fix.
 
     from wbrag_ray import api
     from wbrag_ray.config import load_config
@@ -17,12 +11,7 @@ the functions that call them, and opening the run folder and joining Ray (model 
     api.build_kb("runs/demo", config)
     api.evaluate("runs/demo", config, "questions.jsonl")
 
-Errors a person can fix (a missing input, a changed config, a stage to run first) are `ConfigError`s whose
-message says the fix; anything else is a bug. Each function checks what it can before Ray starts (inputs, ranges,
-names, the stages it reads, a changed setting), so a mistake costs a second, not a cluster start.
-
-Over 400 lines (about 500), not split: one function per command of the library, each with the checks it makes
-before any work, in one module so the API reads as one table, as the CLI (`cli.py`) that calls it does.
+Over 400 lines, kept whole: one function a command, read as one table (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -74,8 +63,7 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
     if unknown:
         raise ConfigError(f"unknown build steps {sorted(unknown)}; choose from {', '.join(BUILD_STEPS)}")
     run = open_run(run)
-    # What can be refused is refused before a Ray cluster is started for nothing: a missing corpus, another corpus
-    # than the run's, a step whose input stage is not complete, a factory string faiss cannot parse.
+    # refused before a Ray cluster is started for nothing
     first = next(step for step in BUILD_STEPS if step in steps)
     if "index" in steps:  # a string faiss cannot parse is named as such, before "another factory: --force"
         kb.check_factory(run, config)
@@ -88,8 +76,7 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
 
 
 def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
-    """The top `k` hits of each query on the run's index: the queries embedded here, the shards searched by
-    the retrieval service's actors, and only the hits' documents read (from the memory-mapped store)."""
+    """The top `k` hits of each query on the run's index (embedded here, searched by the retrieval service)."""
     from wbrag_ray.build_kb import INDEX
     from wbrag_ray.retrieval.local import load_query_embedder
     from wbrag_ray.stages.service import Services
@@ -115,16 +102,10 @@ def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
 def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name: str | None = None, *,
              writeback: bool = False, prune_ratio: float | None = None, router: bool = False, adapter: bool = False,
              methods_grid: bool = False, same_writeback: bool = False, force: bool = False) -> dict[str, Any]:
-    """Evaluate eval.methods on `dataset` (default eval.dataset): on the base index, or beside the active
-    write-back index, or in a Zero-RAG setting (the index pruned at `prune_ratio`, the query `router`, the tuned
-    `adapter`), each setting named in the results' label. `methods_grid`: every method on this base and beside
-    every trained write-back version; `same_writeback` first trains, from writeback.train, a version under
-    each method that has none (WriteBack-RAG's Same-WB cells). Returns {method: metrics} (the grid for
-    `methods_grid`).
-
-    An evaluation is a stage of the run (`eval-<label>`): the same settings again print the stored results; other
-    settings under the same name are refused, naming what changed, unless `force` replaces the results (or
-    another `name` keeps both)."""
+    """Evaluate eval.methods on `dataset` (default eval.dataset): on the base index, beside the active write-back
+    index, or in a Zero-RAG setting (`prune_ratio`, `router`, `adapter`). `methods_grid`: every method on the base
+    and beside every write-back version (`same_writeback`: first train one per method). Returns {method: metrics}
+    (the grid for `methods_grid`). Other settings under the same name are refused unless `force`."""
     from wbrag_ray.build_kb import INDEX
     from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params
     from wbrag_ray.layout import plain_name
@@ -145,7 +126,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     check_input(dataset, "dataset")
     name = plain_name(dataset_name(config, dataset) if name is None else name, "--name (eval.name)")
     kwargs: dict[str, Any] = {}
-    # Zero-RAG's modules are imported only for its settings: a plain evaluation's checks stay quick.
     if prune_ratio is not None:
         from wbrag_ray.zerorag.prune import index_for_ratio
 
@@ -169,7 +149,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         label = eval_label(name, prune_ratio, writeback, router, adapter)
     from wbrag_ray.evaluation.made_by import made_config
 
-    # from what will make the results: the version's and the adapter's recorded settings (resolved again below)
     version = None
     if writeback:
         from wbrag_ray.writeback.versions import active_index
@@ -190,7 +169,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
                                      **kwargs)
         print_paper_vs_run(run, config)
         return grid
-    if writeback:  # the version searched is part of what the results are: resolved now, refused if there is none
+    if writeback:  # the version searched is part of the results: refused if there is none
         from wbrag_ray.writeback.versions import active_index
 
         kwargs.update(writeback=True, writeback_version=active_index(run)[0])
@@ -217,8 +196,7 @@ def print_paper_vs_run(run: RunFolder, config: WbragConfig) -> None:
 
 
 def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:
-    """retrieval.top_k capped at the documents the searched indices hold, saying so (a K past them would only
-    ask for hits that do not exist)."""
+    """retrieval.top_k capped at the documents the searched indices hold, saying so."""
     from wbrag_ray.index.files import load_manifest
     from wbrag_ray.storage import resolve
 
@@ -253,8 +231,7 @@ def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | Non
 
 
 def check_grid_dataset(grid, dataset: str, force: bool) -> None:
-    """A run's grid (RUN/zero_rag/grid.json, RUN/eval/methods_grid.json) holds one dataset's rows: another dataset's
-    grid does not silently replace it."""
+    """A run's grid holds one dataset's rows: another dataset's does not silently replace it."""
     earlier = grid.read_json().get("dataset") if grid.exists() else None
     if earlier not in (None, dataset) and not force:
         raise ConfigError(f"{grid.uri} holds the grid of {earlier}: the grid of {dataset} would replace it; pass "
@@ -266,8 +243,7 @@ def check_grid_dataset(grid, dataset: str, force: bool) -> None:
 
 def train_writeback(run: RunLike, config: WbragConfig, train: str | None = None, version: str | None = None,
                     force: bool = False) -> dict[str, Any]:
-    """Train one write-back version from a labeled QA set (default writeback.train); activate it when
-    writeback.activate."""
+    """Train one write-back version from a labeled QA set; activate it when writeback.activate."""
     from wbrag_ray.layout import plain_name
     from wbrag_ray.writeback.pipeline import train_writeback as train_version
     from wbrag_ray.writeback.versions import default_version
@@ -304,8 +280,7 @@ def rollback_writeback(run: RunLike, version: str | None = None) -> dict[str, An
 
 def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: list[float], tau_doc: list[float],
                     n_min: list[int]) -> list[dict[str, Any]]:
-    """The gates re-applied to a trained version's scores under every setting (the paper's Table 4): one row
-    per setting, printed and written to RUN/writeback/<version>/sweep.json."""
+    """The gates re-applied to a trained version's scores under every setting (the paper's Table 4)."""
     from wbrag_ray.writeback.sweep import format_sweep, gate_sweep
 
     rows = gate_sweep(existing_run(run), version, tau_s, tau_delta, tau_doc, n_min)
@@ -393,10 +368,8 @@ def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None
 
 
 def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str = "") -> dict[str, dict[str, Any]]:
-    """ingest -> embed -> index -> [write-back training] -> [Zero-RAG: mastery, pruners, pruned indices, tuning,
-    router, the evaluation grid] -> eval (base, then base + write-back), skipping completed stages. Returns every
-    completed stage's stats. Once the inputs are checked, the plan of the run (`plan_name`: its config file) is
-    stored in the run folder, and a config it says cannot be placed is refused before any work, unless `force`."""
+    """Every stage of `pipeline.PIPELINE` the config enables, skipping completed ones; the plan is stored first and
+    a config it cannot place is refused unless `force`. Returns every completed stage's stats."""
     from wbrag_ray import build_kb as kb
     from wbrag_ray.pipeline import execute
 
@@ -405,7 +378,7 @@ def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str =
     if config.zerorag.enabled and config.eval.dataset:
         check_grid_dataset(folder.layout.zero_rag.grid, config.eval.dataset, force)
     kb.check_factory(folder, config)
-    print_departures(config)  # the papers the run follows: write-back training, Zero-RAG, or both
+    print_departures(config)
     from wbrag_ray.plan.against_run import record_plan
 
     record_plan(config, folder.uri, plan_name, force=force)  # RUN/plan/plan.json; refused here if it cannot fit
@@ -414,8 +387,7 @@ def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str =
 
 
 def check_run_inputs(config: WbragConfig) -> None:
-    """Every input and name of every stage `run` will reach, before the first (a typo in eval.dataset must not
-    surface after ingest, embed and index; eval.name must not name a folder outside the run)."""
+    """Every input and name of every stage `run` will reach, checked before the first."""
     from wbrag_ray.evaluation.stage import dataset_name
     from wbrag_ray.layout import plain_name
 
@@ -468,15 +440,12 @@ def stage_time_split(run: RunLike) -> str:
 
 def export(run: RunLike, config: WbragConfig, format: str, out: str, *, prune_ratio: float | None = None,
            writeback: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Write the knowledge base in a RAG stack's own format (`format`: flashrag, langchain or llamaindex) into the
-    folder `out`: the base index, or the base pruned at `prune_ratio`, plus the units of write-back version
-    `writeback` (a name, 'active' or 'none'; default: the active version, if any). Reads the run (local or s3://)
-    one embedding shard per Ray task (documents and codes) and writes nothing to it; returns the export's manifest
-    (OUT/wbrag_export.json)."""
+    """Write the knowledge base (pruned at `prune_ratio`, plus write-back version `writeback`) in a RAG stack's
+    format (flashrag, langchain, llamaindex) into `out`; returns the export's manifest."""
     from wbrag_ray.export import export_kb
 
     if prune_ratio is not None:
         check_ratio(prune_ratio, "--prune-ratio")
     run = existing_run(run)
-    join_ray(run, config)  # the shards are read, matched with their documents and encoded in Ray tasks
+    join_ray(run, config)
     return export_kb(run, config, format, out, prune_ratio=prune_ratio, writeback=writeback, force=force)

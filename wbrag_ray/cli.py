@@ -1,14 +1,10 @@
 """The `wbrag` command: parses, calls the library API (wbrag_ray.api), prints.
 
-Every subcommand takes --config FILE and repeated --set key=value; a run folder records the resolved config
-in run.json, so later subcommands on the same run read it back and only need overrides. Errors a person can
-fix (ConfigError, InputError, a missing or damaged file, storage; also when raised in a Ray worker) exit with
-code 2 and one line (-v adds the traceback); anything else is a bug and shows its traceback. Ctrl-C is one line
-and exit code 130. A command that writes its run folder holds the folder's lease while it runs
-(wbrag_ray.lease): a second writer exits 2, naming the first.
+A run folder records the resolved config, so later subcommands on it need only overrides (--set). Errors a person
+can fix exit 2 with one line (-v adds the traceback); a bug shows its traceback; Ctrl-C exits 130. A command that
+writes its run folder holds the folder's lease (wbrag_ray.lease).
 
-Over 500 lines, not split: one parser block and one short command function per subcommand, in one file so
-the whole command line reads as one table; each command's work is in the API.
+Over 500 lines, kept whole: one parser block and one function a subcommand, read as one table.
 """
 
 from __future__ import annotations
@@ -91,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every RAG method on the base and beside each trained write-back version "
                    "(same- and cross-method): RUN/eval/methods_grid.json")
     p.add_argument("--same-writeback", action="store_true",
-                   help="with --methods-grid: first train (or reuse) one write-back version per method from "
-                   "writeback.train, written back under that method, for WriteBack-RAG's Figure 4 (Same-WB)")
+                   help="with --methods-grid: first train (or reuse) a write-back version per method from "
+                   "writeback.train (WriteBack-RAG's Same-WB)")
     _common(p)
 
     p = sub.add_parser("mastery", help="Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")
@@ -162,19 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "config's `run` key)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--address", help="plan for this Ray cluster's nodes (joins it, submits nothing)")
-    p.add_argument("--json", action="store_true", help="print the plan as data: {\"stages\": [{\"name\", \"seconds\", "
-                   "\"rate_source\", \"gpus\", \"gpu_hours\", \"fits\"}], \"total_seconds\", \"gpus_total\", ...}")
-    p.add_argument("--gpu", default="H100", help="the accelerator GPU stages without a calibrated rate are estimated "
-                   "for, and its memory: A100-40GB, A100-80GB, H100, H100-PCIe, H100-NVL, H200, H200-NVL, L4, L40S, "
-                   "A10G (default H100)")
-    p.add_argument("--interconnect", default="ib-ndr-400", help="the network between nodes, for the collectives of "
-                   "multi-node trainings: ib-ndr-400, ib-hdr-200, efa-3200, efa-400, ethernet-100 (default ib-ndr-400)")
+    p.add_argument("--json", action="store_true", help="print the plan as data (stages, seconds, GPUs, fit)")
+    p.add_argument("--gpu", default="H100", help="the GPU uncalibrated stages are estimated for: A100-40GB, "
+                   "A100-80GB, H100, H100-PCIe, H100-NVL, H200, H200-NVL, L4, L40S, A10G (default H100)")
+    p.add_argument("--interconnect", default="ib-ndr-400", help="the network between nodes: ib-ndr-400, ib-hdr-200, "
+                   "efa-3200, efa-400, ethernet-100 (default ib-ndr-400)")
     p.add_argument("--storage-read-gbs", type=float, default=2.0, metavar="GBS", help="GB/s a node reads model files "
                    "at, for each model's load (default 2)")
     p.add_argument("--gpu-hour-price", type=float, metavar="PRICE", help="price of one GPU-hour: the plan adds the cost")
-    p.add_argument("--calibrate", action="store_true", help="first time each model of the config on one worker of "
-                   "the cluster (--address, or a local one) and record the rates with its hardware (the run folder "
-                   "with --run, and ~/.cache/wbrag/rates.json), for this plan and later ones")
+    p.add_argument("--calibrate", action="store_true", help="first time each model on one worker of the cluster "
+                   "and record the rates with its hardware (in --run and ~/.cache/wbrag/rates.json)")
     p.add_argument("--calibrate-seconds", type=float, default=30.0, metavar="S",
                    help="seconds each model runs when calibrating (default 30; a minute on a cluster)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -409,7 +402,7 @@ def cmd_plan(args) -> None:
     if not args.json:
         from wbrag_ray.papers import print_departures
 
-        print_departures(config)  # as `wbrag run` will start: where the config departs from the papers it follows
+        print_departures(config)  # as `wbrag run` will start
     if args.calibrate:  # on the cluster the run will use: --address, or a local one started here
         calibrate(config, args.calibrate_seconds, run=args.run)
     if args.address and all(v is None for v in shape):
@@ -434,9 +427,7 @@ def cmd_plan(args) -> None:
 
 
 def _print_plan_summary(config: WbragConfig, run_dir: str) -> None:
-    """The plan's summary on the Ray cluster the run uses, before it starts: joined first when an address is
-    configured (the run joins it next anyway); nothing for a local cluster not started yet (its shape is this
-    machine's: `wbrag plan` shows it)."""
+    """The plan's summary on the run's Ray cluster (none for a local cluster not started yet)."""
     import os
 
     from wbrag_ray.plan import run_summary
@@ -595,9 +586,7 @@ COMMANDS = {
 }
 
 
-# Commands that write their RUN folder take its lease first (wbrag_ray.lease): one writer per run folder. `run`
-# takes it once its config names the folder; readers (report, inspect, status, search, export, writeback --list)
-# take none.
+# Commands that write their RUN folder take its lease first: one writer per run folder (`run` takes it itself).
 WRITERS = {"ingest", "embed", "index", "eval", "mastery", "train-pruner", "prune", "tune", "train-router",
            "writeback", "demo"}
 
@@ -621,9 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _writer_lease(args):
             code = COMMANDS[args.command](args)
-    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for it; what was committed stays for a rerun
-        # a thread still starting a service (a prestarted generator) logs nothing after the line: it is the last
-        logging.disable(logging.CRITICAL)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for it
+        logging.disable(logging.CRITICAL)  # a thread still starting a service logs nothing after the line
         print(f"wbrag {args.command}: interrupted; completed stages and committed blocks are kept: rerun the same "
               "command to resume", file=sys.stderr)
         return 130
@@ -639,8 +627,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def user_error(exc: BaseException) -> str | None:
-    """The one-line message of an error a person can fix (a config, a missing or unreadable input, storage), also
-    when it was raised in a Ray worker or actor (Ray wraps it with the worker's traceback); None for a bug."""
+    """The one-line message of an error a person can fix, also raised in a Ray worker; None for a bug."""
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError / RayActorError keep the worker's error
     if isinstance(cause, BaseException) and cause is not exc:
         return user_error(cause)
@@ -649,7 +636,6 @@ def user_error(exc: BaseException) -> str | None:
     if isinstance(exc, OSError):  # storage: permissions, unreachable endpoints, object-store errors
         return f"storage error: {exc}"
     if isinstance(exc, ModuleNotFoundError) and exc.name == "faiss":
-        # faiss comes with an extra (faiss-cpu and faiss-gpu write the same module): plain `pip install` has none
         return ("faiss is not installed: pip install 'wbrag-ray[cpu]' (faiss-cpu) on a CPU machine, or "
                 "'wbrag-ray[gpu]' (faiss-gpu and vLLM) on a GPU one")
     return None

@@ -1,7 +1,5 @@
-"""The pipeline of `wbrag run`: every stage in run order, each declared once beside its code (`run.Step`: its
-settings, inputs, outputs, resources and work as data) and listed here. `wbrag run` executes this list, `wbrag plan`
-prices it (`plan.planner`), the report matches planned stages to run stages through it. A new stage is a `Step`
-beside its code and its line here."""
+"""The pipeline of `wbrag run`: every stage in run order, each declared beside its code (`run.Step`) and listed
+here; `wbrag run` executes it, `wbrag plan` prices it. A new stage is a `Step` and its line here."""
 
 from __future__ import annotations
 
@@ -35,9 +33,7 @@ def instances(config: WbragConfig, only: tuple[Step, ...] | None = None) -> list
 
 
 def execute(folder: RunFolder, config: WbragConfig, force: bool = False, only: tuple[Step, ...] | None = None) -> None:
-    """Make every stage of the run (of `only`), skipping complete ones. One set of services for the whole run: a
-    generator or retrieval service a stage started serves the next stage that asks for it (the router's, the
-    grid's)."""
+    """Make every stage of the run (of `only`), skipping complete ones; one set of services serves them all."""
     with Services() as services:
         for step, params in instances(config, only):
             step.run(folder, config, force, services, params)

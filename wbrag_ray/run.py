@@ -1,12 +1,8 @@
 """The run folder: every stage's outputs, the resolved config, per-stage stats and completion markers.
 
-Paths are named in wbrag_ray.layout. Rerunning a run skips stages whose marker exists.
-
-A stage is declared once (`RunStage`): its name, the stages whose outputs it reads, and the config paths that
-shape what it writes. Its fingerprint is derived from those: the declared config values (placement keys and
-each section's runtime-only keys left out, `dtype: auto` resolved to the dtype this machine uses), the call's
-parameters (a ratio, a training file) and the fingerprints of the stages it reads. A complete stage whose
-fingerprint changed is refused (costly stages: a person decides, with --force) or redone (evaluations).
+Paths are named in wbrag_ray.layout. Rerunning a run skips stages whose marker exists. A stage's fingerprint
+is derived from its declaration (`RunStage`): its config values, the call's parameters and the fingerprints of
+the stages it reads; a complete stage whose fingerprint changed is refused (unless --force) or redone.
 """
 
 from __future__ import annotations
@@ -29,17 +25,14 @@ from wbrag_ray.storage import Location, refused_writes, resolve
 
 log = logging.getLogger(__name__)
 
-# Where and how wide a stage runs (CPUs, GPUs, actors, threads, checkpoint size) never changes what it writes:
-# a run may move to a bigger cluster. Keys that only matter to one kind of section say so on the section
-# (`RUNTIME_KEYS` of its config class, e.g. a generator's batch size).
+# Where and how wide a stage runs never changes what it writes (a section's own such keys: its `RUNTIME_KEYS`).
 PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "checkpoint_seconds", "memory_gb",
                   "tensor_parallel_size", "pipeline_parallel_size"}
 
 
 def settings_value(value: Any) -> Any:
-    """A config value as it shapes outputs: JSON, without placement or runtime-only keys, and with `dtype: auto`
-    resolved to what a stage on this machine uses (bf16 where the CPU has it, fp32 elsewhere), so the same
-    config on another CPU kind counts as a change."""
+    """A config value as it shapes outputs: without placement or runtime-only keys, `dtype: auto` resolved to this
+    machine's dtype (so another CPU kind counts as a change)."""
     if isinstance(value, BaseModel):
         skip = PLACEMENT_KEYS | set(getattr(type(value), "RUNTIME_KEYS", ()))
         out = {k: settings_value(getattr(value, k)) for k in type(value).model_fields if k not in skip}
@@ -64,13 +57,9 @@ class _Keep(dict):
 
 @dataclass(frozen=True)
 class RunStage:
-    """One stage of a run, declared once.
-
-    `name` may hold the call's parameters ("pruner-{kind}"). `settings` are config paths ("zerorag.sample",
-    "generator"; a path may name a parameter, "rag.{method}", and is left out when the parameter is empty);
-    `ignore` are paths under them that do not shape the output. `requires`: stages whose outputs this one
-    reads (they must be complete, and their fingerprints are part of this one's); `uses`: the same, where the
-    input is optional. `command`: how a person makes this stage (named when a later stage needs it)."""
+    """One stage of a run, declared once. `name` and `settings` (config paths) may hold the call's parameters
+    ("pruner-{kind}", "rag.{method}"); `ignore`: paths under them that do not shape the output; `requires` /
+    `uses`: stages it reads (required / optional); `command`: how a person makes it."""
 
     name: str
     settings: tuple[str, ...] = ()
@@ -107,14 +96,10 @@ class RunStage:
 
 @dataclass(frozen=True)
 class Step:
-    """A stage of `wbrag run` as every reader sees it (the registry is `wbrag_ray.pipeline.PIPELINE`): the run
-    stage it makes (`stage`: the settings that fingerprint it, the stages it reads), the run-folder outputs it
-    writes (`outputs`: `RunLayout` attribute paths), the config sections whose actors, tasks or workers it holds
-    (`resources`), the work it will do as data (`work(config, sizes, params)`: `wbrag_ray.work` items, which the
-    plan prices), how `wbrag run` makes it (`run(folder, config, force, services, **params)`), and which of its
-    instances a config's run makes (`instances(config)`: one params dict each; [] where the config leaves it out).
-    `title`: its name in the plan (may hold params: "pruning at {ratio}"); `measured_by`: a pattern of the run
-    stage names whose stats measure it (default: the stage's own name)."""
+    """A stage of `wbrag run` as every reader sees it (registry: `wbrag_ray.pipeline.PIPELINE`): its run `stage`,
+    `outputs` (`RunLayout` paths), the config sections it holds (`resources`), its `work(config, sizes, params)`
+    as `wbrag_ray.work` items (which the plan prices), how `run` makes it, and its `instances(config)` (params
+    dicts). `title`: its name in the plan; `measured_by`: a pattern of the run stages whose stats measure it."""
 
     title: str
     stage: RunStage
@@ -153,11 +138,9 @@ class RunFolder:
 
     def bind_config(self, config: WbragConfig, force: bool = False, guard: Iterable[RunStage] = (),
                     record: Literal["now", "when_a_stage_runs"] = "now") -> None:
-        """Bind the resolved config to the run; refuse it, unless `force`, when a complete stage of `guard` (the
-        knowledge-base stages, whose config run.json is) was made with other settings. Every other stage checks
-        its own settings when it runs. `record`: write run.json now, or only once a stage of this process really
-        runs (a command whose stages are all complete and skipped leaves the recorded config as it was, so
-        run.json always describes what made the files beside it)."""
+        """Bind the resolved config to the run; refuse it, unless `force`, when a complete stage of `guard` was made
+        with other settings. `record`: write run.json now, or once a stage really runs (so run.json always
+        describes what made the files beside it)."""
         if not force:
             for stage in guard:
                 changed = self._changed(stage, {"config": stage.config_settings(config)}, only_config=True)
@@ -218,11 +201,8 @@ class RunFolder:
         record.success.write_bytes(b"")  # last: the marker's presence means everything above is written
 
     def output(self, final: Location) -> Location:
-        """Where the running stage writes its output folder `final`. A stage made for the first time (or again after
-        it failed) writes in place; a complete stage that is redone (--force, or changed settings) writes beside
-        it (`layout.staging`), and the new output replaces the old only once the stage completes, as an
-        evaluation's results do: a redo that fails or is stopped leaves the old output whole and in use, and the
-        same redo run again resumes into the same folder."""
+        """Where the running stage writes its output folder `final`: in place, or, for a complete stage redone,
+        beside it (`layout.staging`), replacing the old only once the stage completes."""
         if self._staged is None:
             return final
         new = staging(final)
@@ -254,8 +234,7 @@ class RunFolder:
             self.require(dep, params)
 
     def fingerprint(self, stage: RunStage, config: WbragConfig, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What `stage` would be made from now: its declared config values, the call's parameters and the
-        fingerprints of the stages it reads."""
+        """What `stage` would be made from now: its config values, parameters and inputs' fingerprints."""
         inputs = {}
         for dep in (*stage.requires, *stage.uses):
             name = dep.instance(params)
@@ -270,9 +249,8 @@ class RunFolder:
 
     def check(self, stage: RunStage, config: WbragConfig, params: dict[str, Any] | None = None,
               force: bool = False) -> tuple[dict[str, Any], list[str]]:
-        """What `execute` checks before any work, callable before Ray starts: the stage's inputs are complete, and a
-        complete stage made with other settings is refused (`stage.on_change`, unless `force`). Returns the
-        fingerprint and what changed (for a stage that is redone on a change)."""
+        """What `execute` checks before any work (callable before Ray starts): inputs complete, a changed stage
+        refused per `stage.on_change` unless `force`. Returns the fingerprint and what changed."""
         self.require_inputs(stage, params)
         fingerprint = self.fingerprint(stage, config, params)
         changed = [] if force else self._changed(stage, fingerprint, params)
@@ -283,14 +261,12 @@ class RunFolder:
 
     def _changed(self, stage: RunStage, fingerprint: dict[str, Any], params: dict[str, Any] | None = None,
                  only_config: bool = False) -> list[str]:
-        """What differs between `fingerprint` and the one the complete stage recorded ([] when it is not
-        complete, or was made by a version that recorded none)."""
+        """What differs from the complete stage's recorded fingerprint ([] where there is none)."""
         name = stage.instance(params)
         previous = (self.stats(name) or {}).get("settings") if self.is_complete(name) else None
         if not isinstance(previous, dict) or "config" not in previous:
             return []
-        # a setting the version that made the stage did not have is no change: an upgrade that adds one (at the
-        # default that keeps what that version did) does not refuse the run folders it made
+        # a setting the making version did not have is no change: an upgrade does not refuse older run folders
         fingerprint = {**fingerprint, "config": _recorded_only(fingerprint.get("config"), previous["config"])}
         if only_config:
             previous = {"config": previous["config"]}
@@ -325,9 +301,8 @@ class RunFolder:
 
     def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False,
                   fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Run `fn` unless the stage is complete; record its stats and marker; print a one-line summary. `fn`
-        runs with the stage's checkpoint open (`wbrag_ray.checkpoints`): what an earlier attempt with the same
-        `fingerprint` committed is resumed, and the checkpoint goes once the stage is complete."""
+        """Run `fn` unless the stage is complete, with its checkpoint open (resumed for the same `fingerprint`);
+        record its stats and marker; print a one-line summary."""
         from wbrag_ray.checkpoints import stage_checkpoint
 
         if self.is_complete(name) and not force:
@@ -336,17 +311,14 @@ class RunFolder:
             return stats
         # a complete stage redone keeps its marker and its outputs (in use) until the new ones replace them
         outer_staged, self._staged = self._staged, ({} if self.is_complete(name) else None)
-        # run.json only ever describes completed stages: the config this command records for its first stage goes
-        # back to the one before it (or away, where there was none) if that stage does not complete, whatever
-        # stops it (a refused check, an error, Ctrl-C), so a failed command's --set never becomes the next one's base
+        # run.json describes completed stages only: restored if this stage does not complete
         records = self._unrecorded is not None
         recorded = self.layout.run_json.read_json() if records and self.is_run() else None
         self._record_config()
         t0 = time.perf_counter()
         checkpoint_folder = self.layout.checkpoint(name)
         try:
-            # storage refusing a write in the stage's tasks (a full disk): one line naming the run folder, where
-            # the write itself did not name its file
+            # a refused write (a full disk): one line naming the run folder
             with refused_writes(self.root), stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
                 stats = dict(fn() or {})
         except BaseException:
@@ -377,8 +349,7 @@ def _summary(stats: dict[str, Any]) -> str:
 
 
 def _plain_params(params: dict[str, Any]) -> dict[str, Any]:
-    """A stage's call parameters as they shape its output: one not given, None and False are one setting (`wbrag
-    eval` passes no `writeback`, `wbrag run` passes False), so the same evaluation is never refused as changed."""
+    """A stage's call parameters as they shape its output: not given, None and False are one setting."""
     return {k: v for k, v in params.items() if v is not None and v is not False}
 
 

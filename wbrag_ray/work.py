@@ -1,8 +1,5 @@
-"""The work a stage declares it will do, as data: what `wbrag plan` prices and `wbrag run` does.
-
-A stage (`run.RunStage`) declares `work(config, sizes, params)`: a list of these items, counted from the config and
-the input sizes the plan knows (`Sizes`). The stage's code does the work; the plan (`wbrag_ray.plan`) keeps only the
-rates that price it. A count the plan cannot know (a corpus not yet read) is None.
+"""The work a stage declares it will do, as data (`run.Step.work`): what `wbrag plan` prices and `wbrag run` does.
+Counts come from the config and the plan's `Sizes`; a count the plan cannot know is None.
 """
 
 from __future__ import annotations
@@ -36,12 +33,9 @@ class Sizes(Protocol):
 
 @dataclass(frozen=True)
 class Pass:
-    """Generator calls an item (a question, a sentence) makes in one kind of prompt: `docs` documents of
-    `doc_tokens` (None: the index unit's), up to `new_tokens` (None: generator.max_new_tokens). `mixture`: RePlug's
-    group of `docs` one-document prompts decoded as one answer. `prompt`: the `prompts` builder of a prompt kind
-    other than the RAG or closed-book one (its instruction and examples are counted), `prompt_docs` documents in
-    it. `question`: "sentence" where the item asked about is a corpus sentence. `kind`: a prompt kind the
-    calibration times on the config's own data."""
+    """Generator calls an item makes in one kind of prompt of `docs` documents. `mixture`: RePlug's group decoded
+    as one answer; `prompt`: the `prompts` builder of another prompt kind (`prompt_docs` documents in it);
+    `question`: "sentence" where the item is a corpus sentence; `kind`: a prompt kind calibration times."""
 
     calls: float
     docs: int
@@ -92,9 +86,8 @@ class AddVectors:
 
 @dataclass(frozen=True)
 class Train:
-    """A Ray Train stage: `examples` rows of `model` under config section `section` (its trainer), each row
-    `row_tokens` as the trainer pads them (`rows`: what they are). `first`: generator passes the stage runs before
-    it trains (its own answers as targets). `head`: a small regression fit in the driver, not Ray Train."""
+    """A Ray Train stage: `examples` rows of `row_tokens` under config section `section`. `first`: generator passes
+    run before it (its targets); `head`: a small regression fit in the driver instead."""
 
     model: str
     section: str

@@ -1,21 +1,8 @@
 """`wbrag plan`: what a config will ask of a cluster before it runs, and about how long it will take.
 
-    rates:      the rates the estimates come from, each with its benchmark, date and hardware kind
-    accelerators  common GPUs' peak figures, and the FLOPs and bytes of a stage where no rate was measured
-    calibrate   `--calibrate`: the config's models timed on one actor each, recorded with their hardware
-    selection   `--calibrate` for write-back: the utility gate's keep rate and the distiller's calls on the config's data
-    measuring   what the measurements share: the hardware a record matches by, batches timed cold then warm
-    timing      a model stage's time from the best rate there is: calibrated, benchmark, or estimate
-    tokens      the prompt shapes of a run, counted from its questions and corpus
-    models:     a model's parameter count (config.json, a table of known ids, or its name) and memory per actor
-    corpus:     the corpus size (--passages, a run's ingest stats, the corpus files) and QA-file question counts
-    placement:  the cluster (stated, or the connected Ray cluster), bundles, and whether a stage's bundles place
-    stages:     one stage's bundles, work and time; the index sizing and retrieval service rules, reused
-    planner:    the stages `wbrag run` runs for a config, in its order
-    example:    docs/plan-example.md, made from what `wbrag plan` prints (`python -m wbrag_ray.plan.example`)
-
-Nothing here starts Ray or loads a model. `make_plan` returns a `Plan`; `format_plan` prints all of it,
-`format_summary` the few lines `wbrag run` prints before it starts.
+`planner` walks the run's stages, `stages` sizes each, `timing` prices it from `calibrate`d, benchmark (`rates`) or
+estimated rates. Nothing here starts Ray or loads a model, except `--calibrate`. `make_plan` returns a `Plan`;
+`format_plan` prints all of it, `format_summary` the few lines `wbrag run` prints before it starts.
 """
 
 from __future__ import annotations
@@ -94,8 +81,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def _gpus(stage, total: float, price: float | None = None) -> str:
-    """"GPUs: 28 of 32", with its GPU-hours (and their cost at `price` a GPU-hour) where the stage has a time, and
-    where a GPU stage leaves more than a quarter idle, what would use them or why nothing would."""
+    """"GPUs: 28 of 32", with GPU-hours, their cost at `price`, and what would use idle GPUs."""
     hours, idle = stage.gpu_hours, idle_gpus(stage, total)
     return (f"GPUs: {stage.gpus:g} of {total:g}" + (f", {hours:,.1f} GPU-hours" if hours else "")
             + (f" ({_money(hours * price)})" if hours and price else "")
@@ -107,10 +93,7 @@ def _money(amount: float) -> str:
 
 
 def plan_data(plan: Plan) -> dict:
-    """The plan as data (`wbrag plan --json`): each stage's seconds (None: no estimate), the source of its rate
-    ("calibrated", "benchmark", "estimate", None), its GPUs of the cluster's, GPU-hours and whether it fits; the
-    timed stages' total (the run's start included, where calibrated), the cluster's GPUs, the accelerator of the
-    estimates, GPU-hours and their cost (with --gpu-hour-price), and the plan's warnings and problems."""
+    """The plan as data (`wbrag plan --json`): each stage's seconds, rate source, GPUs and fit; the totals."""
     timed = [s.seconds for s in plan.stages if s.seconds is not None]
     hours = sum(s.gpu_hours or 0.0 for s in plan.stages)
     return {"stages": [{"name": s.name, "seconds": s.seconds, "rate_source": s.rate_source, "gpus": s.gpus,
@@ -139,8 +122,7 @@ def _totals(plan: Plan) -> str:
 
 
 def format_summary(plan: Plan) -> str:
-    """A few lines: the cluster, the largest GPU ask and its stage, the time of the estimated stages, and the
-    first problems."""
+    """A few lines: the cluster, the largest GPU ask, the estimated time and the first problems."""
     gpu_ask = [(sum(b.gpus * b.count for b in s.bundles if b.kind != "task"), s.name) for s in plan.stages]
     gpus, where = max(gpu_ask, default=(0.0, ""))
     lines = [f"plan ({len(plan.stages)} stages on {plan.cluster.describe()}; `wbrag plan CONFIG` prints all of it):",
@@ -153,17 +135,15 @@ def format_summary(plan: Plan) -> str:
 
 def run_summary(config: WbragConfig, run: str | None = None,
                 gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB) -> str | None:
-    """The plan's summary on the Ray cluster this process is connected to; None when it is not connected or the
-    plan cannot be made (the summary stops nothing: `api.run` refuses a config its stored plan cannot place)."""
+    """The plan's summary on the connected Ray cluster; None when not connected or no plan can be made."""
     plan = run_plan(config, run, gpu_memory_gb)
     return None if plan is None else format_summary(plan)
 
 
 def run_plan(config: WbragConfig, run: str | None = None, gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB,
              cluster: Cluster | None = None) -> Plan | None:
-    """The plan of `config` on `cluster` (default: the Ray cluster this process is connected to), with the
-    calibration records of the run folder and the cache; None when there is no cluster or the plan cannot be
-    made."""
+    """The plan of `config` on `cluster` (default: the connected one) with the stored calibration records; None
+    when there is no cluster or no plan can be made."""
     from wbrag_ray.plan.calibrate import load_records
 
     cluster = cluster or cluster_from_ray(gpu_memory_gb)

@@ -1,7 +1,5 @@
-"""The plan beside the run: `wbrag run` stores the plan in the run folder when it starts (RUN/plan/plan.json: the
-plan as data, its text, and when it was made) and refuses, before any work, a config with a stage the plan says
-cannot be placed (`--force` runs it anyway); the report reads the stored plan and puts each stage's planned time
-beside the time the run measured (the stages' own stats), with the ratio.
+"""The plan beside the run: `wbrag run` stores it (RUN/plan/plan.json) and refuses a config it cannot place; the
+report puts each stage's planned time beside the measured one.
 """
 
 from __future__ import annotations
@@ -14,9 +12,8 @@ from wbrag_ray.config import ConfigError, WbragConfig
 
 
 def record_plan(config: WbragConfig, run_dir: str, name: str = "", force: bool = False) -> dict[str, Any] | None:
-    """Make the plan of `config` on the Ray cluster the run uses (joined or started here, as the run would),
-    store it in the run folder, and refuse, unless `force`, a config with a stage that cannot be placed. Returns
-    the stored record; None where no plan could be made (the run goes on: its own checks decide)."""
+    """Store the plan of `config` on the run's Ray cluster in the run folder and refuse, unless `force`, a config
+    it cannot place. Returns the record; None where no plan could be made."""
     from wbrag_ray.plan import format_plan, plan_data, run_plan
     from wbrag_ray.ray_runtime import init_ray
     from wbrag_ray.run import RunFolder
@@ -51,14 +48,11 @@ def load_plan(run) -> dict[str, Any] | None:
 
 def planned_vs_measured(plan: dict[str, Any], stats: dict[str, dict[str, Any]],
                         wall: float | None = None) -> list[dict[str, Any]]:
-    """Each planned stage: its planned seconds and rate source, the run stages that measured it, their seconds
-    together, and measured / planned; then the stages together, and the run's wall time (`wall`, from its start
-    to its last stage) against the planned total (the run's start included). A stage not run (yet) has no
-    measured time."""
+    """Each planned stage's planned and measured seconds, then the totals and the run's `wall` time."""
     names = list(stats)
     rows, planned_sum, measured_sum, claimed = [], 0.0, 0.0, set()
     for s in plan.get("stages", []):
-        # from the step the stage prices (`pipeline`; "": a part of a stage); a plan stored before: its own name
+        # a plan stored before `measured_by` existed: the stage's own name
         pattern = s.get("measured_by", re.escape(s["name"]))
         matched = [n for n in names if pattern and re.fullmatch(pattern, n)]
         run_names = [n for n in matched if n not in claimed]  # a run stage measures one plan stage, the first

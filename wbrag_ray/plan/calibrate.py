@@ -1,34 +1,13 @@
 """Calibration: the rates of a config's models measured on the cluster's own hardware (`wbrag plan CONFIG
 --calibrate`), where later plans on the same hardware find them.
 
-Each model of the config runs in one Ray worker, with the resources its stage's actor asks for, for a bounded time, on
-prompts shaped like the config's: its own questions and corpus passages, its K, its `max_new_tokens`, its batch
-size. What is measured:
+Each model runs in one Ray worker with its stage's resources, for a bounded time, on the config's own questions and
+passages: the generator's seconds a call at two prompt lengths (and its service's start), the embedder's seconds a
+token (and the run's own embed stage's fixed cost), a LoRA step's seconds a token (and Ray Train's start).
+Write-back's keep rate is measured by `selection`. A record holds the hardware it ran on, and a plan uses it only
+for a stage on the same hardware. Records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`).
 
-    generator   seconds a call, closed-book prompts and prompts of K documents (two prompt lengths: the plan
-                interpolates a cost per prompt token and a cost per call), warm (each batch run a second time);
-                the first use of the prompt shapes (the cold run's extra), the model's load, and the start of
-                the run's own generator service to a first answer
-    embedder    seconds a token of the corpus's texts (the index unit's, as the embed stage embeds them), warm, in
-                the run's pass batches; the model's load; and the run's own embed stage on the corpus's first
-                passages, in a run folder of its own: its seconds beyond their tokens are the stage's fixed cost
-                (the Ray Data pass's start, its actors' start and load, first use, write and checkpoint)
-    training    seconds a training token of a LoRA step (forward, backward, optimizer) of the generator at the
-                tuning's batch and length (scaled by parameters for another backbone); and Ray Train's own start
-                and end, a fit of the tuning's workers whose loop does nothing
-
-A record holds the hardware it ran on (the device's name, the CPU's model and matmul flags
-(`models.hardware`), the dtype, the torch threads); a plan takes a record only where its stage would run on
-the same hardware. Records go to the run folder (RUN/plan/calibration.json, with --run) and to a cache
-(`WBRAG_RATES_CACHE`, default ~/.cache/wbrag/rates.json), the newest record of a model and hardware replacing
-the older one.
-
-Write-back's figures of the config's own data (the keep rate, the distiller's calls) are measured by `selection`,
-in a worker this driver starts the same way.
-
-Over 400 lines (about 460), not split: each measurement (generator, embedder and the run's embed stage, training,
-Ray Train's start) and the driver that runs them on the cluster and keeps the records, one place for what
-`--calibrate` does.
+Over 400 lines, kept whole: every `--calibrate` measurement and the driver that keeps the records.
 """
 
 from __future__ import annotations
@@ -49,10 +28,8 @@ from wbrag_ray.plan.tokens import TOKEN_UNITS, jsonl_rows, messages_tokens, text
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SECONDS = 30.0  # per model: a minute on a cluster; the 2-core build machine keeps it shorter
-# passages the run's own embed stage is timed on (`_embed_pass`): a pass batch of the embed stage by default, so a
-# corpus of up to this many is planned at its own stage's time
-PROBE_PASSAGES = 512
+DEFAULT_SECONDS = 30.0  # per model
+PROBE_PASSAGES = 512  # passages the run's own embed stage is timed on (`_embed_pass`)
 
 
 def cache_path() -> Path:
@@ -60,15 +37,13 @@ def cache_path() -> Path:
 
 
 def training_dtype(num_gpus: float) -> str:
-    """The dtype a training worker's weights are in (`training.placement`): fp32 on CPUs, whatever the CPU (bf16
-    there is emulated on many, and LoRA's small updates lose precision in it); the GPU's choice on GPUs."""
+    """A training worker's weights' dtype: fp32 on CPUs (bf16 is emulated on many; LoRA loses precision in it)."""
     return "auto" if num_gpus > 0 else "float32"
 
 
 def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tuple[str, str]],
                         budget: float) -> dict[str, Any]:
-    """Load the generator, then time batches of closed-book and K-document prompts (and RePlug's mixtures of K
-    one-document prompts where the config evaluates replug on a backend that decodes them), the budget shared."""
+    """Time batches of closed-book, K-document (and RePlug mixture) prompts, the budget shared."""
     import torch
 
     from wbrag_ray.generation.backends import make_generator
@@ -130,8 +105,7 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
     emb.setup()
     load = time.perf_counter() - t0
     loaded_at = time.time()
-    # as the run's embed actor is handed them: a pass batch at a time (sentence-transformers sorts a call's texts by
-    # length before cutting its forward batches, so a larger call pads less)
+    # a pass batch a call, as the run's embed actor is handed them (a larger call pads less)
     batch = EmbedStage(e).resources.batch_size
     batches = [texts[i:i + batch] for i in range(0, len(texts), batch)] or [texts]
     n, _, seconds = _timed_batches(emb.encode_passages, batches, budget)
@@ -148,8 +122,7 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
 
 
 def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
-    """LoRA steps of the generator's model at the tuning's per-worker batch and length, on random tokens: seconds
-    a training token (the first step, a warm-up, not counted)."""
+    """Seconds a training token of LoRA steps at the tuning's per-worker batch and length, on random tokens."""
     import torch
 
     from wbrag_ray.generation.hf_loading import load_hf_causal_lm
@@ -161,9 +134,7 @@ def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
     threads = tune.threads or max(1, int(-(-trainer.num_cpus // 1)))
     torch.set_num_threads(threads)
     device = pick_device(trainer.num_gpus)
-    # as a training worker has it (`training.placement`, `training.workers`): frozen weights in fp32 on CPUs (bf16
-    # measured 1.6x faster here than the fp32 the run trains in), bf16 (else fp16) under autocast on GPUs; the
-    # trainable weights in fp32
+    # as a training worker has it: fp32 on CPUs, bf16 (else fp16) autocast on GPUs; trainable weights in fp32
     on_gpu = device.startswith("cuda")
     dtype = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if on_gpu else torch.float32
     t0 = time.perf_counter()
@@ -198,8 +169,7 @@ def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
 # --- the driver: one actor per model, then the records saved -------------------------------------------------
 
 def _sample(config: WbragConfig, n: int = 128) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-    """(questions, (title, text) documents, texts to embed) from the config's own files, read as the run reads
-    them (`selection`); a few stand-ins where a file is not readable here."""
+    """(questions, (title, text) documents, texts to embed) from the config's files; stand-ins where unreadable."""
     from wbrag_ray.build_kb import unit_text
     from wbrag_ray.plan.selection import corpus_passages
 
@@ -227,13 +197,11 @@ def _jsonl_field(path: str | None, field: str, n: int) -> list[str]:
 
 
 def roles(config: WbragConfig) -> list[str]:
-    """The models a config runs that calibration can time: its generator (not an HTTP endpoint), its embedder,
-    write-back's figures of its own data (`selection`) where it trains write-back, and its LoRA tuning where
-    Zero-RAG tunes."""
+    """The models of a config that calibration can time (not an HTTP endpoint)."""
     out = ["embedder"]
     if config.generator.backend != "openai":
         out.append("generator")
-        if config.writeback.train:  # the keep rate and the distiller's prompt kinds on the config's own data
+        if config.writeback.train:
             out.append("writeback")
         if config.zerorag.enabled and config.zerorag.tune.enabled:
             out.append("training")
@@ -242,8 +210,7 @@ def roles(config: WbragConfig) -> list[str]:
 
 def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | None = None,
               cache: Path | None = None) -> list[dict[str, Any]]:
-    """Time each model of `config` on one actor of the connected (or a new local) Ray cluster for about
-    `seconds`; save the records (the run folder's, with `run`, and the cache); return them."""
+    """Time each model of `config` on one actor for about `seconds`; save and return the records."""
     import psutil
     import ray
 
@@ -254,14 +221,14 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
     date = time.strftime("%Y-%m-%d %H:%M")
     records = []
     if not started and not (config.ray.address or os.environ.get("RAY_ADDRESS")):
-        # this process's start and the local cluster's, as `wbrag run` starts them: the run's own start
+        # the run's own start: this process's and the local cluster's
         cpus = float(ray.cluster_resources().get("CPU", 0))
         records.append({"role": "cluster", "model": "", "cpus": cpus, "date": date, "hardware": hardware("cpu", "", 0),
                         "start_seconds": time.time() - psutil.Process().create_time()})
     questions, docs, texts = _sample(config)
     for role in roles(config):
         num_cpus, num_gpus = _resources(config, role)
-        # max_calls=1: a fresh worker process for each model, as each stage's actor starts one (imports included)
+        # max_calls=1: a fresh worker a model, as a stage's actor starts one
         task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0, max_calls=1)(_calibrate_role)
         log.info("calibrating the %s on one actor (%g CPUs, %g GPUs) for about %g s", role, num_cpus, num_gpus, seconds)
         submitted = time.time()
@@ -280,9 +247,7 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
 
 
 def _service_start(config: WbragConfig, questions: list[str]) -> float:
-    """Seconds from nothing to a first answer through the run's own generator service (`Services`: its actor,
-    its Ray Data pass, the model's load) on two one-token prompts: what the first generating stage of a run
-    spends before its work, which a bare worker's load leaves out."""
+    """Seconds to a first answer through the run's own generator service, on two one-token prompts."""
     import pandas as pd
 
     from wbrag_ray.generation.passes import GeneratorPasses
@@ -297,14 +262,9 @@ def _service_start(config: WbragConfig, questions: list[str]) -> float:
 
 
 def _embed_pass(config: WbragConfig, record: dict[str, Any]) -> dict[str, Any]:
-    """The run's own embed stage (`build_kb.embed`: a Ray Data pass of read, text, the embed actors' pool and
-    write, under its row checkpoint) on the corpus's first `PROBE_PASSAGES` passages (all of a smaller corpus), in a
-    run folder of its own after their ingest: its seconds beyond their tokens at the warm rate `record` measured are
-    the stage's fixed cost as the plan counts it (the pass's start, its actors' start, imports and load, first use,
-    the write and the checkpoint, which a bare worker's load leaves out; and whatever the pass spends a token beyond
-    a bare worker's warm encode, up to this many passages). Timed once, the first pass of actors on the cluster, as a
-    run's embed stage is (a second pass of the same stage ran faster than the first: its actors start warmer). A
-    corpus not readable here: nothing (the plan keeps the worker's start and load)."""
+    """The run's own embed stage on the corpus's first `PROBE_PASSAGES` passages: its seconds beyond their tokens at
+    `record`'s warm rate are the stage's fixed cost (pass start, actors' load, write). Timed once: a second pass
+    starts warmer. {} where the corpus is not readable here."""
     probe = _timed_embed_stage(config, PROBE_PASSAGES)
     if probe is None:
         return {}
@@ -313,8 +273,7 @@ def _embed_pass(config: WbragConfig, record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _timed_embed_stage(config: WbragConfig, passages: int) -> dict[str, Any] | None:
-    """The run's embed stage on the corpus's first `passages` passages: its seconds (the stage's own, as a run's
-    stats hold them), texts and tokens; None where the corpus is not readable here."""
+    """The run's embed stage on the corpus's first `passages` passages: seconds, texts, tokens; None if unreadable."""
     import tempfile
 
     from wbrag_ray import build_kb
@@ -356,9 +315,7 @@ def _noop_loop(_config: dict) -> None:
 
 
 def _train_start(config: WbragConfig) -> float:
-    """Seconds of a Ray Train fit whose loop does nothing, with the tuning's workers and resources: the
-    controller, the worker group, the torch process group and the shutdown, which every training stage spends
-    beside its steps and its model's load (both measured apart)."""
+    """Seconds of a Ray Train fit whose loop does nothing, with the tuning's workers: Ray Train's own overhead."""
     import tempfile
 
     import ray.train
@@ -414,7 +371,6 @@ def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: fl
         record = calibrate_embedder(config, texts, seconds)
     else:
         record = calibrate_training(config, seconds)
-    # the worker's imports (torch, transformers) and the model's load: what a stage's actor spends before its work
     return {**record, "entered": entered, "load_seconds": record.pop("loaded_at") - entered}
 
 
@@ -424,8 +380,7 @@ def _key(record: dict[str, Any]) -> str:
 
 
 def save(records: list[dict[str, Any]], run: str | None = None, cache: Path | None = None) -> None:
-    """Merge `records` into the cache (a newer record of the same model, role and hardware replaces the older)
-    and, with `run`, write them to the run folder."""
+    """Merge `records` into the cache (newer replaces older) and, with `run`, write them to the run folder."""
     path = cache or cache_path()
     found = {_key(r): r for r in load_cache(path)}
     found.update({_key(r): r for r in records})

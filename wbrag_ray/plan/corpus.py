@@ -1,9 +1,7 @@
 """How much a run will process: the corpus's passages and sentences, and the questions of its QA files.
 
-Corpus size, first source that answers: `--passages` (given); the run folder's ingest stats when its ingest is
-complete (exact counts); the corpus files (Parquet row counts from their footers, jsonl bytes over the bytes per
-passage the ingest benchmark read). Sentences come from the ingest stats, else from passages x the sentences per
-passage of wiki-18 (`rates.RATES`). Each figure says where it came from.
+Corpus size from the first source that answers: `--passages`, the run's ingest stats, the corpus files (Parquet
+row counts, jsonl bytes / bytes a passage). Each figure says where it came from.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ def _sentences(passages: int) -> int:
 
 
 def corpus_size(config: WbragConfig, passages: int | None = None, run: str | None = None) -> CorpusSize:
-    """The corpus size and its source (see the module's docstring); `run`: the run folder to read ingest stats
-    from (default: the config's `run`)."""
+    """The corpus size and its source; `run`: the run folder to read ingest stats from (default: the config's)."""
     per = RATES["sentences_per_passage"]
     if passages is not None:
         return CorpusSize(passages, _sentences(passages),
@@ -103,8 +100,7 @@ def _from_corpus(uri: str) -> CorpusSize | str:
 
 
 def question_count(path: str | None, limit: int | None) -> tuple[int | None, str]:
-    """(questions, how it was counted) of a FlashRAG QA file; only a local file is read (a remote one would be
-    downloaded to count it)."""
+    """(questions, how it was counted) of a FlashRAG QA file; only a local file is read."""
     if not path:
         return None, "no file"
     if "://" in path or not _exists(path):

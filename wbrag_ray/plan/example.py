@@ -1,8 +1,5 @@
-"""docs/plan-example.md, made from what `wbrag plan` prints: `python -m wbrag_ray.plan.example` rewrites it, and
-`tests/test_plan_example.py` fails when the file differs from what the commands print now.
-
-Each command runs as a user runs it (`wbrag plan ...` in a fresh process, from the repository root), with an
-empty calibration cache: the page shows the estimates, not the records of the machine that made it.
+"""docs/plan-example.md, made from what `wbrag plan` prints (`python -m wbrag_ray.plan.example` rewrites it), each
+command in a fresh process with an empty calibration cache.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""What a calibration's measurements share: the hardware a rate was measured on (what a plan matches a record
-by), and timing batches cold then warm (`calibrate`, `selection`)."""
+"""What calibration's measurements share: the hardware a record is matched by, and batches timed cold then warm."""
 
 from __future__ import annotations
 
@@ -16,10 +15,8 @@ def hardware(device: str, dtype: str, threads: int) -> dict[str, Any]:
 
 
 def timed_batches(run_batch, batches: list, budget: float) -> tuple[int, float, float]:
-    """Run `batches` in turn, each once, until half of `budget` passes (at least one): the cold pass, which pays
-    each prompt shape's first call (on CPUs oneDNN builds its kernels per shape; a run pays that once, in its
-    first pass); then the same batches again: the warm pass, a run's steady rate. (batches, cold seconds, warm
-    seconds)."""
+    """Run `batches` until half of `budget` passes (the cold pass, paying each shape's first use), then the same
+    again (warm, a run's steady rate): (batches, cold seconds, warm seconds)."""
     t0, n = time.perf_counter(), 0
     while n == 0 or (time.perf_counter() - t0 < budget / 2 and n < len(batches)):
         run_batch(batches[n])

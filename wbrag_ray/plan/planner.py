@@ -1,15 +1,8 @@
-"""The stages `wbrag run` would run for a config, in its order (`api.run`), each planned by `stages`' rules:
-ingest -> embed -> index -> [write-back training] -> [Zero-RAG: mastery, pruners, prediction, every ratio, tuning,
-router, the evaluation grid] -> [evaluation, base then base + write-back, when Zero-RAG is off].
+"""The plan of a config: the stages `wbrag run` would run, in its order, each priced from the work its step declares
+(`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
+decides at run time (FLARE, Self-RAG).
 
-Generator calls per question are upper bounds where a method decides at run time (FLARE retrieving for every
-sentence, Self-RAG retrieving for every question); write-back's document gate and distiller run for the share
-of examples the utility gate keeps (a measured selection rate); the Zero-RAG grid's router cells reuse their
-twins' answers (the passes' answer memo). Each stage's time comes from `timing` (calibrated, benchmark or
-estimate) and says which.
-
-Over 400 lines: one builder walks a config's stages in run order, a method a stage, and reads best top to bottom
-in one file; the rules it applies live in `stages` (bundles, index sizing) and `timing` (rates).
+Over 400 lines, kept whole: one builder walks the stages in run order, a method a kind of work.
 """
 
 from __future__ import annotations
@@ -88,9 +81,7 @@ def make_plan(config: WbragConfig, cluster: Cluster, passages: int | None = None
               gpu_hour_price: float | None = None, network: str = DEFAULT_INTERCONNECT,
               storage_gbs: float = STORAGE_READ_GBS) -> Plan:
     """The plan of `config` on `cluster`: every stage's bundles, work and time, and why it cannot be placed.
-    `gpu`: the accelerator GPU stages without a rate are estimated for (`accelerators.ACCELERATORS`); `records`:
-    calibration records (`calibrate.load_records`) whose hardware a stage's may match; `network`: the
-    interconnect between nodes (`accelerators.INTERCONNECTS`); `storage_gbs`: a node's read rate of model files."""
+    `gpu`, `network`: names for GPU-stage estimates; `records`: calibration records a stage's hardware may match."""
     corpus = corpus_size(config, passages, run)
     per_node = int(max((n.gpus for n in cluster.nodes), default=0)) or 1
     timing = Timing(accelerator(gpu), list(records or []), token_shape(config), interconnect(network), storage_gbs,
@@ -121,8 +112,7 @@ IDLE_SHARE = 0.25  # a GPU stage that leaves more than this share of the cluster
 
 
 def idle_gpus(stage: Stage, total: float) -> str:
-    """Where a GPU stage leaves more than a quarter of the cluster's `total` GPUs idle, a warning with the setting
-    that would use them or why none would; "" otherwise."""
+    """A warning where a GPU stage leaves more than `IDLE_SHARE` of the cluster's GPUs idle; "" otherwise."""
     used = stage.gpus
     if not used or used >= (1 - IDLE_SHARE) * total - 1e-9:
         return ""
@@ -135,8 +125,7 @@ RETRIEVAL_GPUS = ("a retrieval pass holds its search actors (index shard groups 
 
 
 class _Builder:
-    """One config's stages on one cluster; the base index is sized once (its search actors serve every stage that
-    retrieves), and a sizing rule's refusal is kept with its fix."""
+    """One config's stages on one cluster; the base index is sized once (its search actors serve every stage)."""
 
     def __init__(self, config: WbragConfig, cluster: Cluster, corpus: CorpusSize, timing: Timing):
         self.c, self.cluster, self.corpus, self.timing = config, cluster, corpus, timing
@@ -151,7 +140,7 @@ class _Builder:
         units = corpus.units(config.index.unit)
         self.sizing = self._size(units, "index") if units else None
         self.nodes = cluster.resources()
-        self.shares = False  # retrieval's actors as shares of the replicas' GPUs (`gpu_layout`)
+        self.shares = False  # retrieval's actors as shares of the replicas' GPUs (`placement.gpus`)
         self._decide_gpu_layout()
         # search actors and query embedders on GPUs of their own (shares beside the replicas hold no whole GPU)
         self.held = 0.0 if self.shares else sum(b.count * b.gpus for b in self._retrieval())
@@ -159,9 +148,8 @@ class _Builder:
         self._decide_auto_concurrency()
 
     def _decide_gpu_layout(self) -> None:
-        """The "auto" GPU settings as a command would decide them on this cluster (`placement.gpus.apply_gpu_layout`,
-        the commands' own rule): the generator's tensor-parallel size, retrieval's whole GPUs or shares beside the
-        replicas. The faiss of a GPU cluster is assumed to have GPU support (the project's image installs it)."""
+        """The "auto" GPU settings as a command would decide them (`placement.gpus.apply_gpu_layout`); a GPU cluster's
+        faiss is assumed to have GPU support."""
         from wbrag_ray.placement.gpus import apply_gpu_layout, holds_whole_gpus, index_on_gpu, needs_layout
 
         if not needs_layout(self.c):
@@ -185,9 +173,7 @@ class _Builder:
         self.warnings += said
 
     def _decide_auto_concurrency(self) -> None:
-        """Each "auto" count (`concurrency`, a training's `num_workers`) as a command would decide it on this
-        cluster, empty (`placement.gpus.auto_concurrency`, the commands' own rule: the generator's GPUs less
-        retrieval's, its search actors and query embedders, counted from the index this plan sizes)."""
+        """Each "auto" count as a command would decide it on this cluster (`placement.gpus.auto_concurrency`)."""
         from wbrag_ray.placement.gpus import AUTO_SETTINGS, auto_concurrency, section
 
         counts = auto_concurrency(self.c, self.nodes, self.held)
@@ -198,8 +184,7 @@ class _Builder:
         self.warnings += [f"{k}.{AUTO_SETTINGS[k]} auto: {n} on this cluster" for k, n in counts.items()]
 
     def _more(self, key: str) -> str:
-        """What would use more GPUs in a stage sized by `key`'s count: "auto" where it is a number, else why auto
-        stops where it does (the rule's count on this cluster)."""
+        """What would use more GPUs in a stage sized by `key`'s count, or why "auto" stops where it does."""
         from wbrag_ray.placement.gpus import AUTO_SETTINGS, auto_concurrency, section
 
         setting = f"{key}.{AUTO_SETTINGS[key]}"
@@ -234,9 +219,7 @@ class _Builder:
         return [stage for step, params in instances(self.c) for stage in self.price(step, params)]
 
     def price(self, step: Step, params: dict) -> list[Stage]:
-        """One planned stage for a step (a search it declares with a title of its own: a stage before it), its work
-        items priced one after another: a second generator pass adds its time (and its own generator's bundles),
-        a query embedder its start."""
+        """A step's planned stages: a titled search before it, then its work items priced into one stage."""
         name, out, main = step.name(params), [], None
         for item in step.work(self.c, self, params):
             if isinstance(item, Search) and item.title:
@@ -251,8 +234,6 @@ class _Builder:
             main.measured_by = step.pattern(params)
             out.append(main)
         return out
-
-    # Sizes (`wbrag_ray.work`): what the steps' declarations count their work from
 
     @property
     def passages(self) -> int | None:
@@ -328,7 +309,7 @@ class _Builder:
         return self.index(name, item) if item.pruned_from is None else self.pruning(name, item)
 
     def _sentence_tokens(self) -> float:
-        """A sentence's tokens: the passage's over the run's sentences a passage where the ingest counted them."""
+        """A sentence's tokens: from the ingest's counts where it has them."""
         c = self.corpus
         if c.passages and c.sentences and not c.rates:
             return self.timing.shape.passage * c.passages / c.sentences
@@ -349,7 +330,6 @@ class _Builder:
             self._kmeans_on_gpu(stage, s)
         ic = self.c.index
         if ic.target_recall is not None and ("IVF" in s.factory or "HNSW" in s.factory):
-            # index.recall: an exact search of the sample over every vector, one more read of the embeddings
             flops = 2.0 * ic.recall_queries * n * self.dim
             stage.notes.append(f"search setting measured to recall@10 {ic.target_recall:g} of exact search: "
                                f"{ic.recall_queries} exact searches over every vector ({flops:.2g} FLOPs, a task "
@@ -371,9 +351,7 @@ class _Builder:
 
     def _model_stage(self, name: str, g: GeneratorConfig, questions: int | None, passes: list[Pass], work: str,
                      retrieval: bool, key: str = "generator", kinds: dict | None = None) -> Stage:
-        """A stage of generator passes: `questions` x each pass's calls on the service of `g`, beside the
-        retrieval service when it searches; the services' start where this is the first stage to ask for them.
-        `kinds`: a calibration record whose prompt kinds (points) time the passes of that kind."""
+        """A stage of generator passes on `g`'s service; `kinds`: a record whose prompt kinds time them."""
         bundles, notes, refusals = generator_bundles(g, key, self.cluster)
         stage = Stage(name, bundles + (self._retrieval() if retrieval else []), work, 0.0, notes=notes,
                       refusals=refusals, more_gpus=self._more(key))
@@ -391,8 +369,7 @@ class _Builder:
         return stage
 
     def generate(self, name: str, item: Generate) -> Stage:
-        """Generator passes on the service of the item's config section (write-back's timed on the config's own
-        prompt kinds where calibrated)."""
+        """Generator passes on the service of the item's config section."""
         measured = self._writeback_record() if item.selection else None
         stage = self._model_stage(name, self._section(item.section), item.items, list(item.passes), item.describe,
                                   item.retrieval, item.section, kinds=measured)
@@ -401,9 +378,7 @@ class _Builder:
         return stage
 
     def _also_generate(self, stage: Stage, item: Generate) -> None:
-        """A second kind of generator pass in the same stage (mastery's QA writing): its own generator's bundles
-        where that is another section; the first one's GPUs are then held only for the first pass's time where
-        the second runs on an API or CPUs."""
+        """A second generator pass in the same stage (mastery's QA writing), with its own section's bundles."""
         g = self._section(item.section)
         if item.section != "generator":
             if (g.backend == "openai" or not g.num_gpus) and stage.seconds is not None:
@@ -430,13 +405,12 @@ class _Builder:
         return section
 
     def _services_end(self) -> None:
-        """After a Ray Train stage: its workers took the CPUs (or GPUs) the services held: the next stage to
-        generate or embed queries starts its services again."""
+        """After a Ray Train stage the services start again: its workers took their resources."""
         self.timing.started.clear()
 
     def _start(self, stage: Stage, role: str, model: str, num_gpus: float, dtype: str, threads: int,
                backend: str | None = None, service: str | None = None, actors: int = 1) -> None:
-        """Add a service's start (its `actors`, spread over the cluster's nodes, loading the model at once)."""
+        """Add a service's start (its `actors` spread over the nodes)."""
         per_node = max(1, math.ceil(actors / max(1, len(self.cluster.nodes))))
         seconds, how, source = self.timing.service_start(role, model, num_gpus, dtype, threads, backend, service,
                                                          actors, per_node)
@@ -471,8 +445,7 @@ class _Builder:
         return self.timing.writeback_record(self.c.generator, self.c.writeback.train, self.c.retrieval.top_k)
 
     def _selection_notes(self, stage: Stage, item: Generate, measured: dict | None) -> None:
-        """Write-back's keep rate and distiller calls: measured (their prompt kinds' first use added), or the
-        paper's or the demo's figures, said so."""
+        """Write-back's keep rate and distiller calls: measured, or the paper's or the demo's figures, said so."""
         why = self.selection()[2]
         q = item.items
         calls = sum(p.calls for p in item.passes)
@@ -514,8 +487,7 @@ class _Builder:
     # --- training -------------------------------------------------------------------------------------------
 
     def train(self, name: str, item: Train) -> Stage:
-        """A Ray Train stage (a small head in the driver), after the generator passes it runs first (its own answers
-        as targets, their time added to the training's; the generator's actors end before the workers start)."""
+        """A Ray Train stage (or a small head in the driver), after the generator pass that makes its targets."""
         if item.head:
             return Stage(name, [], item.rows, HEAD_SECONDS, f"small: about {HEAD_SECONDS:g} s (a head on stored vectors)")
         section = self._section(item.section)
@@ -546,8 +518,7 @@ class _Builder:
 
     def _training(self, name: str, model: str, section, examples: int, key: str, row_tokens: float,
                   rows: str) -> Stage:
-        """A Ray Train stage of `examples` rows of `row_tokens` each as the trainer pads them (`rows`: what they
-        are): its compute, on GPUs its collectives and the model's load, and Ray Train's start."""
+        """A Ray Train stage of `examples` rows of `row_tokens`: compute, collectives, load and Ray Train's start."""
         from wbrag_ray.training.workers import plan_steps
 
         trainer = section.trainer
@@ -572,8 +543,7 @@ class _Builder:
         stage.add_source(source, seconds)
         if seconds is None:
             return stage
-        # Ray Train's controller, worker group and process group, measured where calibrated; the model's load is
-        # the calibrated worker's (measured), or in the estimate already
+        # Ray Train's start, measured where calibrated; the model's load is in the estimate already
         rec = self.timing.record("training", self.c.generator.model, trainer.num_gpus,
                                  training_dtype(trainer.num_gpus), threads_of(trainer.num_cpus, section.threads))
         measured = (rec or {}).get("train_start_seconds") if source == "calibrated" else None
@@ -638,7 +608,7 @@ class _Builder:
         return stage
 
     def _kmeans_on_gpu(self, stage: Stage, sizing: IndexSizing) -> None:
-        """An index train task's k-means on one GPU, added to `stage` from its FLOPs (no GPU rate measured)."""
+        """An index train task's k-means on one GPU, estimated from its FLOPs."""
         kmeans, why = kmeans_seconds(self.timing.gpu, sizing.train_sample, sizing.nlist, self.dim)
         stage.seconds += kmeans
         stage.how = stage.how.replace("; k-means on a GPU: no measured rate", "") + f"; {why}"

@@ -1,13 +1,6 @@
-"""The rates `wbrag plan` estimates times from: each one measured by the project's own benchmarks, with the
-benchmark, the date and the hardware kind it came from (benchmarks/RESULTS.md holds the full runs).
-
-Every rate here was measured on CPUs. A stage whose actors ask for GPUs is not timed from them (no CPU figure is
-scaled by a guessed factor): it takes a rate `wbrag plan --calibrate` measured on the cluster's own hardware
-(`calibrate`), else a first-principles estimate against the GPU's peaks (`accelerators`), labeled so.
-
-Model-bound rates were measured with one small model; `reference_params` says which size, so a rate can be scaled
-to another model by parameter count (compute per token grows with it) and by torch threads (the benchmarks ran
-2 threads).
+"""The CPU rates `wbrag plan` estimates times from, each with the benchmark, date and hardware that measured it
+(benchmarks/RESULTS.md holds the runs). GPU stages are never timed from them. A model-bound rate is scaled to
+another model by `reference_params` and to other thread counts by `threads`.
 """
 
 from __future__ import annotations

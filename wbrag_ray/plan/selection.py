@@ -1,21 +1,8 @@
-"""Write-back's figures of a config's own data, measured by `wbrag plan --calibrate` (where `writeback.train` is
-set and the generator is not an HTTP endpoint), in one worker with the generator's resources:
-
-    keep rate   the utility gate's share of a sample of the training questions (`SAMPLE_QUESTIONS`, spread over
-                the file's first lines), with its 95% Wilson interval, decided as the run decides it (`score_sample`):
-                the questions and passages read by the run's parsers, the passages embedded as its embed stage
-                embeds them (title and text) and searched exactly for the top K (the corpus's first
-                `SAMPLE_PASSAGES`: the whole corpus where it is that small, else a sample, said so), the closed-book
-                and RAG prompts of `rag.expand` answered by the run's generator stage in the run's batches, and the
-                run's utility gate stage
-    retained    documents the document gate keeps of a kept example (each document answered alone, as the run
-                answers them)
-    prompt kinds  the document gate's one-document answers, the distiller's extraction and its rewrite, timed on
-                those kept examples (where none is kept, the first sampled examples' top K stand in, said so):
-                seconds a call, prompt tokens and generated tokens a call, measured, not an answer call scaled
-                by max_new_tokens
-
-The record is of the training file and the generator's hardware; the plan takes it where both match (`timing`).
+"""Write-back's figures of a config's own data, measured by `wbrag plan --calibrate` in one worker with the
+generator's resources: the utility gate's keep rate on a sample of the training questions (with its 95% Wilson
+interval), decided by the run's own parsers, embedder, prompts, generator stage and gate; the documents the
+document gate retains; and the distiller's prompt kinds timed on the kept examples. The record is of the training
+file and the generator's hardware; a plan uses it where both match (`timing`).
 """
 
 from __future__ import annotations
@@ -37,8 +24,7 @@ STAND_INS = 8  # examples the distiller is timed on where the sample keeps none
 
 
 def wilson(kept: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a proportion `kept` / `n` (95% at z = 1.96): unlike p +- z se, it stays in
-    [0, 1] and is not empty at 0 or n kept, which a small sample of a low keep rate meets."""
+    """The Wilson score interval of `kept` / `n`: it stays in [0, 1] and is not empty at 0 or n kept."""
     if n <= 0:
         return 0.0, 1.0
     p = kept / n
@@ -49,9 +35,7 @@ def wilson(kept: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def sample_rows(path: str, n: int = SAMPLE_QUESTIONS) -> list[dict[str, Any]]:
-    """`n` question rows spread evenly over a local jsonl file's first `SAMPLE_LINES` lines, as the run reads them
-    (`formats.dataset_record`: the question stripped, the gold answers as strings; rejected rows left out); []
-    where it is not readable here."""
+    """`n` question rows spread over a local jsonl file, as the run reads them; [] where not readable here."""
     from wbrag_ray.formats import dataset_record
 
     rows = [r for r in map(dataset_record, jsonl_rows(path)) if isinstance(r, dict)]
@@ -60,8 +44,7 @@ def sample_rows(path: str, n: int = SAMPLE_QUESTIONS) -> list[dict[str, Any]]:
 
 
 def corpus_passages(path: str | None, n: int) -> list[tuple[str, str]]:
-    """(title, text) of a local corpus file's first `n` passages, as the ingest parses them
-    (`formats.corpus_record`: a quoted title unquoted, both stripped; rejected lines left out)."""
+    """(title, text) of a local corpus file's first `n` passages, as the ingest parses them."""
     from wbrag_ray.formats import corpus_record
 
     parsed = [corpus_record(r) for r in jsonl_rows(path, n) if isinstance(r, dict)]
@@ -69,8 +52,7 @@ def corpus_passages(path: str | None, n: int) -> list[tuple[str, str]]:
 
 
 def _timed(generate, prompts: list, batch: int) -> dict[str, Any]:
-    """Seconds a call, prompt and generated tokens a call of `prompts` answered in batches of `batch`, each batch
-    run twice (cold, then warm: `measuring.timed_batches`); the answers."""
+    """Seconds, prompt and generated tokens a call of `prompts` answered in batches, warm; and the answers."""
     from wbrag_ray.plan.measuring import timed_batches
 
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -88,10 +70,7 @@ def _mean_tokens(answers: list[str]) -> float:
 
 
 def search_sample(config: WbragConfig, questions: list[str], passages: list[tuple[str, str]]) -> list[list]:
-    """Each question's top K of `passages` ((title, text)) as the run's base index finds them: the passages
-    embedded as its embed stage embeds them (`build_kb.unit_text`: 'Title\\ntext'; stored in
-    `embedder.storage_dtype`), the questions as its retrieval embeds queries, an exact inner-product search (a Flat
-    index's; an approximate index may differ in a few hits)."""
+    """Each question's top K of `passages`, embedded as the run embeds them, by exact inner-product search."""
     import numpy as np
     import pandas as pd
 
@@ -113,19 +92,13 @@ def search_sample(config: WbragConfig, questions: list[str], passages: list[tupl
 
 
 def gate_method(rag_method: str) -> str:
-    """The method whose answers decide the sample's utility gate: the run's where it is a one-pass text method
-    (naive, replug-vote), else naive standing in (RePlug's mixture and the adaptive methods' own passes are not
-    run by the calibration; the record says so)."""
+    """The method deciding the sample's gate: the run's where it is one-pass text, else naive (said so)."""
     return rag_method if rag_method in ("naive", "replug-vote") else "naive"
 
 
 def score_sample(config: WbragConfig, rows: list[dict[str, Any]], hits: list[list], generate) -> pd.DataFrame:
-    """The utility gate on `rows` (questions as `formats.dataset_record` reads them) with their top K `hits`, as
-    the run's `writeback.pipeline.score_examples` decides it: the closed-book and `gate_method` prompts of
-    `rag.expand`, answered together in one pass (`generate`: a prompts frame -> the frame with `answer`, the run's
-    generator stage over it), folded by `rag.combine`, and scored by the run's `UtilityGateStage` (an example
-    whose method retrieved nothing is not kept). One row per question, in `rows`' order: `nr_answer`,
-    `rag_answer`, `s_nr`, `s_rag`, `delta`, `useful`."""
+    """The utility gate on `rows` with their top K `hits`, as the run decides it (`generate`: a prompts frame ->
+    the frame with `answer`). One row per question, in `rows`' order."""
     import pandas as pd
 
     from wbrag_ray import rag
@@ -144,9 +117,7 @@ def score_sample(config: WbragConfig, rows: list[dict[str, Any]], hits: list[lis
 
 
 def run_pass(stage):
-    """A prompts frame through the set-up generator `stage` (a `GenerateStage`) as the run's service sends a pass
-    to its actor: in batches of the stage's pass batch size (`StageService.run_frame`), each checked and answered
-    by the stage's own batch method."""
+    """A prompts frame through the set-up `GenerateStage` in its pass batches, as the run's service sends it."""
     import pandas as pd
 
     from wbrag_ray.stages.base import process_checked
@@ -162,9 +133,7 @@ def run_pass(stage):
 
 def calibrate_writeback(config: WbragConfig, rows: list[dict[str, Any]], passages: list[tuple[str, str]],
                         corpus_passages: int | None, budget: float) -> dict[str, Any]:
-    """Measure the keep rate and the distiller's prompt kinds on `rows` (sampled training questions, as
-    `sample_rows` reads them) against `passages` ((title, text), the corpus's first ones, as `corpus_passages`
-    reads them; `corpus_passages`: the corpus's count where known)."""
+    """Measure the keep rate and the distiller's prompt kinds on `rows` against `passages`."""
     import pandas as pd
     import torch
 
@@ -189,9 +158,7 @@ def calibrate_writeback(config: WbragConfig, rows: list[dict[str, Any]], passage
     stage = GenerateStage(g, "prompt", "answer")  # the run's generator stage, set up as its service's actor does
     stage.setup()
     gen, batch = stage.generator, max(1, g.batch_size or 16)
-    # the answers only decide the gate (the generator record times these prompt kinds): a part of the sample at a
-    # time, each part's closed-book and RAG prompts in one pass of the run's batch size (a sample no larger than a
-    # pass batch is answered as the run's one pass answers it), until MIN_QUESTIONS are and the budget is spent
+    # a part of the sample a pass, until MIN_QUESTIONS are answered and the budget is spent
     part = max(1, stage.resources.batch_size // 2)
     scored = []
     t0 = time.perf_counter()
@@ -237,8 +204,7 @@ def calibrate_writeback(config: WbragConfig, rows: list[dict[str, Any]], passage
             "search_seconds": search_seconds, "answer_tokens": {"closed-book": _mean_tokens(nr),
                                                                 "rag": _mean_tokens(rag)},
             "points": points, "budget_seconds": budget,
-            # each sampled question's gate as decided, its top K by place among the passages searched: what a
-            # run's scored examples are set against
+            # each sampled question's gate, set against a run's scored examples
             "sample": [{"id": r["id"], "docs": [h.id for h in hs], "s_nr": float(a), "s_rag": float(b), "useful": bool(u)}
                        for r, hs, a, b, u in zip(rows, hits, examples["s_nr"], examples["s_rag"], examples["useful"],
                                                  strict=True)],

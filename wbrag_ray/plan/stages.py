@@ -1,13 +1,6 @@
-"""What each stage of `wbrag run` asks of the cluster: the Ray bundles of its actors, tasks and training workers,
-the memory per actor, and the work it does (rows, generator calls, training steps), with its time where a
-measured rate applies.
-
-The bundles follow the stages' own resource settings: an embedder pool is `embedder.concurrency` actors of
-`embedder.num_cpus` / `num_gpus`; a generator service `generator.concurrency` actors, a vLLM replica larger than
-one GPU as `generation.parallel` places it (tp x pp one-GPU bundles, each tensor-parallel group on one node,
-beside the service's actor); search actors as the retrieval service groups the index's shards; training workers
-as `<section>.trainer` says. The index's factory, shards and search groups come from `index.sizing` and
-`retrieval.service`, the rules the build and the service apply.
+"""What each stage of `wbrag run` asks of the cluster (the Ray bundles of its actors, tasks and training workers)
+and its time where a measured rate applies. The bundles follow the stages' own resource settings, and the index's
+sizing the build's and the retrieval service's own rules (`index.sizing`, `retrieval.service`).
 """
 
 from __future__ import annotations
@@ -35,42 +28,32 @@ class Stage:
     refusals: list[str] = field(default_factory=list)  # config-level: placement is checked by the plan
     rates: tuple[str, ...] = ()
     left_out: str = ""  # a part of the stage `seconds` does not count (no measured rate for it)
-    # what would use more of the cluster's GPUs (the setting), or why nothing would: said where GPUs stay idle
-    more_gpus: str = ""
+    more_gpus: str = ""  # the setting that would use idle GPUs, or why none would
     fits: bool = True  # set by the plan: its bundles place on the cluster and no rule refused it
     task_gpu_seconds: float = 0.0  # GPU-seconds of its tasks (the index's k-means on one GPU), where estimated
-    # seconds its actors' GPUs are held, where that is less than the stage (mastery's answer pass after an API
-    # wrote the QA pairs); None: all of it
-    held_seconds: float | None = None
+    held_seconds: float | None = None  # seconds its GPUs are held, where less than the stage; None: all of it
     measured_by: str = ""  # a pattern of the run stage names whose stats measure it ("": none, a part of a stage)
 
     @property
     def gpus(self) -> float:
-        """GPUs the stage holds at once: its actors' and training workers' together (they live side by side), and
-        one task's (tasks queue: the index's k-means is one task on one GPU)."""
+        """GPUs the stage holds at once: its actors' and workers' together, plus one task's (tasks queue)."""
         resident = sum(b.gpus * b.count for b in self.bundles if b.kind != "task")
         return float(resident + max((b.gpus for b in self.bundles if b.kind == "task"), default=0.0))
 
     @property
     def gpu_hours(self) -> float | None:
-        """GPU-hours of the stage: its actors' and workers' GPUs for the time they are held (`held_seconds`, else
-        its time), and its GPU tasks' own time (the index's k-means); None where it has no time, or where its GPUs
-        are a task's it has no time for."""
+        """GPU-hours of the stage's actors, workers and GPU tasks; None where it has no time for them."""
         resident = sum(b.gpus * b.count for b in self.bundles if b.kind != "task")
         if self.seconds is None or (self.gpus and not resident and not self.task_gpu_seconds):
             return None
         held = self.seconds if self.held_seconds is None else self.held_seconds
         return (resident * held + self.task_gpu_seconds) / 3600
 
-    # seconds of the stage's time by where their rate came from (calibrated, benchmark, estimate)
-    sources: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, float] = field(default_factory=dict)  # seconds by where their rate came from
 
     @property
     def rate_source(self) -> str | None:
-        """Where most of the stage's time comes from: "calibrated" (rates `wbrag plan --calibrate` measured on
-        this hardware), "benchmark" (rates the project's benchmarks measured, scaled to the model and threads),
-        "estimate" (FLOPs and bytes against an accelerator's peaks, or a time without a measured rate); None where
-        it has no time."""
+        """Where most of the stage's time comes from ("calibrated", "benchmark", "estimate"); None without time."""
         if self.seconds is None:
             return None
         if self.sources:
@@ -87,8 +70,7 @@ def threads_of(num_cpus: float, threads: int | None) -> int:
 
 
 def scaled_rate(key: str, size: ModelSize, threads: int) -> tuple[float | None, str]:
-    """A model-bound CPU rate for another model and thread count: x measured params / params x threads /
-    measured threads (compute per token grows with the parameters; the benchmarks ran 2 torch threads)."""
+    """A measured CPU rate scaled to another model's parameters and thread count."""
     rate = RATES[key]
     if size.params is None:
         return None, f"{size.name}: size unknown, no rate"
@@ -104,8 +86,7 @@ def _m(params: float) -> str:
 # --- model-bearing actors ----------------------------------------------------------------------------------------
 
 def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[list[Bundle], list[str], list[str]]:
-    """(bundles, notes, refusals) of a generator service of `g` (`key`: its config section). A replica larger
-    than one GPU is placed as `generation.parallel` places it, and refused by its `placement_refusal`."""
+    """(bundles, notes, refusals) of a generator service of `g`, placed as `generation.parallel` places it."""
     from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS
 
     size = model_size(g.model)
@@ -116,7 +97,6 @@ def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[l
     notes = [f"{key}: {size.describe()}" + (f", about {memory:,.1f} GB with headroom" if memory else "")]
     why = placement_refusal(g, cluster.resources(), key) if on_gpu else None
     refusals = [why] if why else []
-    # the model's shape as the commands check it before any work (heads and key-value heads, context)
     from wbrag_ray.generation.vllm import shape_refusal
 
     if (shape := shape_refusal(g, key, size)) is not None:
@@ -152,8 +132,7 @@ def _more_gpus_fix(key: str, memory: float | None, per_gpu: float, size: ModelSi
 
 
 def embedder_bundle(e: EmbedderConfig, what: str, count: int, num_cpus: float, key: str) -> Bundle:
-    """An actor holding the embedder (an embed actor, a retrieval pass's query embedder): `e`'s GPUs and model;
-    `key`: the setting that counts these actors."""
+    """An actor holding the embedder; `key`: the setting that counts these actors."""
     size = model_size(e.model)
     on_gpu = e.num_gpus > 0
     memory = serving_gb(size, e.dtype, on_gpu)
@@ -164,9 +143,7 @@ def embedder_bundle(e: EmbedderConfig, what: str, count: int, num_cpus: float, k
 
 
 def fsdp_mesh(workers: int, per_node: int, min_shards: int = 1) -> tuple[int, int]:
-    """(replicas, shards) of an fsdp training of `workers` one-GPU workers on nodes of `per_node` GPUs, filled in
-    turn, as `training.placement.fsdp_mesh_shape` decides it: hybrid (sharded within a node, replicated across
-    nodes) where whole nodes of at least `min_shards` workers hold them, else sharded over every worker."""
+    """(replicas, shards) of an fsdp training, as `training.placement.fsdp_mesh_shape` decides it."""
     from wbrag_ray.training.placement import fsdp_mesh_shape
 
     per = max(1, per_node)
@@ -175,8 +152,7 @@ def fsdp_mesh(workers: int, per_node: int, min_shards: int = 1) -> tuple[int, in
 
 def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb: float,
                      per_node: int = 0) -> tuple[list[Bundle], str]:
-    """The Ray Train workers of a training of `model` (`key`: its trainer section; `per_node`: GPUs a node, for
-    fsdp's mesh), and a warning when a model over 1B parameters would train on CPUs."""
+    """The Ray Train workers of a training of `model`, and a warning when over 1B parameters train on CPUs."""
     size = model_size(model)
     on_gpu = trainer.num_gpus > 0
     memory = training_gb(size, on_gpu)
@@ -186,8 +162,7 @@ def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb
                     f"{gpu_memory_gb:g} GB: use nodes of {max(need, math.ceil(trainer.num_gpus))} GPUs"
                     + (f", or set {key}.num_gpus: {need}" if need < trainer.num_gpus else "")
                     if need else f"lower {key}.num_gpus")
-        # fsdp: each worker holds 1 / shards of the model (the workers of a node under hybrid sharding, else all of
-        # them); ddp: all of it, over its own GPUs
+        # fsdp: a worker holds 1 / shards of the model; ddp: all of it
         fsdp = trainer.strategy == "fsdp" and isinstance(trainer.num_workers, int)
         replicas, shards = (fsdp_mesh(trainer.num_workers, per_node, need or 1) if fsdp and per_node
                             else (1, trainer.num_workers))
@@ -209,8 +184,7 @@ def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb
 
 
 def generation_time(g: GeneratorConfig, calls: int | None, rate_key: str) -> tuple[float | None, str, tuple]:
-    """Seconds for `calls` generator calls of the service of `g`: a CPU rate scaled to its model and threads, over
-    its actors; None on GPUs (no GPU rate measured) and for an HTTP endpoint."""
+    """Seconds of `calls` generator calls at a scaled CPU rate; None on GPUs and for an HTTP endpoint."""
     if calls is None:
         return None, "questions not counted: no time", ()
     if g.backend == "openai":
@@ -226,8 +200,7 @@ def generation_time(g: GeneratorConfig, calls: int | None, rate_key: str) -> tup
 
 def training_time(model: str, trainer: TrainerConfig, steps: int, batch: int,
                   row_tokens: float) -> tuple[float | None, str, tuple]:
-    """The CPU benchmark's LoRA step ([lora_step]: 4 examples x 128 tokens), scaled to the model, the rows a worker
-    takes a step at their padded length, and its threads."""
+    """The CPU benchmark's LoRA step ([lora_step]: 4 examples x 128 tokens), scaled to this training."""
     if trainer.num_gpus > 0:
         return None, f"no measured rate: {steps:,} steps of {batch} examples on GPUs", ()
     rate = RATES["lora_step"]
@@ -265,10 +238,7 @@ class IndexSizing:
 
 def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, checkpoint_rows: int,
                cluster: Cluster) -> IndexSizing:
-    """The build's own rules at `n` vectors of `dim`: `plan_training` (factory, sample), `bytes_per_vector` of
-    the factory's empty index, `shards_for` (auto shards, at most one per embedding file), the train task's and
-    merge tasks' resources, and `shard_groups` of the retrieval service (search actors). Raises ValueError with
-    the fix when the sizing rules refuse."""
+    """The build's and the retrieval service's sizing rules at `n` vectors; ValueError with the fix."""
     import faiss
 
     from wbrag_ray.index.sizing import (
@@ -283,7 +253,7 @@ def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, ch
 
     sizing_log = logging.getLogger("wbrag_ray.index.sizing")
     level = sizing_log.level
-    sizing_log.setLevel(logging.WARNING)  # its INFO lines say what the plan's notes say (the sample it raised)
+    sizing_log.setLevel(logging.WARNING)  # its INFO lines repeat the plan's notes
     try:
         tp = plan_training(n, dim, ic.factory, ic.train_sample, ic.memory_budget_gb, ic.train_memory_gb)
     finally:
@@ -298,7 +268,6 @@ def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, ch
     biggest = max(len(g) for g in groups) * shard_bytes
     largest = max(cluster.nodes, key=lambda x: (x.cpus, x.memory_gb))
     node = {"CPU": largest.cpus, "memory": largest.memory_gb * 1e9, "free_CPU": largest.cpus}
-    # faiss's GPU build is assumed where the cluster has GPUs (the GPU image installs it)
     train = train_resources(ic.num_cpus, ic.gpu, cluster.gpus, cluster.gpus > 0, tp.nlist is not None, node,
                             min(tp.train_sample, n) * dim * 4, fixed)
     merge = merge_memory(math.ceil(n / shards), per_vector, fixed, node)
@@ -312,9 +281,7 @@ def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, ch
 
 
 def index_time(sizing: IndexSizing, n: int, dim: int, cpus: float) -> tuple[float, str, tuple, str]:
-    """Seconds of an index build: the train task's k-means (sample x lists x dimensions at the measured CPU rate,
-    over the CPUs it asks for; left out, and said so, when it trains on a GPU), then the add and merge tasks over
-    the cluster's CPUs (at most one per embedding file)."""
+    """Seconds of an index build: k-means on CPUs (left out, and said so, on a GPU), then the add and merge tasks."""
     add, kmeans = RATES["index_add"], RATES["kmeans"]
     at_once = max(1.0, min(cpus, sizing.files))
     seconds = n / (add.value * at_once)
@@ -332,9 +299,7 @@ def index_time(sizing: IndexSizing, n: int, dim: int, cpus: float) -> tuple[floa
 
 def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: RetrievalConfig, embedder: EmbedderConfig,
                       cluster: Cluster) -> list[Bundle]:
-    """The retrieval service's search actors (a group of shards each, `retrieval.concurrency` replicas; a GPU each
-    where index.gpu is set and the cluster has GPUs, as `SearchPool.start` asks) and the pass actors that embed the
-    queries."""
+    """The retrieval service's search actors, as `SearchPool.start` asks for them, and its query embedders."""
     from wbrag_ray.retrieval.service import search_actor_memory
 
     gpu = retrieval.search_share if ic.gpu is not False and cluster.gpus > 0 else 0.0
@@ -348,8 +313,7 @@ def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: Retrieval
 
 
 def search_time(queries: int | None, sizing: IndexSizing, retrieval: RetrievalConfig) -> float | None:
-    """Seconds of searching `queries`: the CPU rate per search CPU (measured with every query sent to every
-    group) times the search actors' CPUs (faiss threads: search_cpus rounded up)."""
+    """Seconds of searching `queries` at the CPU rate times the search actors' CPUs."""
     if queries is None:
         return None
     search_cpus = sizing.groups * retrieval.concurrency * max(1, math.ceil(retrieval.search_cpus))

@@ -1,14 +1,6 @@
-"""A model stage's time from the best rate there is for the hardware it runs on, in this order:
-
-    calibrated  a rate `wbrag plan --calibrate` measured on this cluster's hardware (`calibrate`), matched by
-                device, CPU model and flags, dtype and threads (a GPU: by the accelerator's name and dtype)
-    benchmark   a CPU rate the project's benchmarks measured (`rates`), scaled to the model and threads
-    estimate    FLOPs and bytes against the accelerator's peaks (`accelerators`), GPU stages without a rate
-
-A calibrated generator's time is a cost per call plus a cost per prompt token, from its two measured prompt
-lengths; the per-call part (decoding) scales with the pass's new tokens. Its service's start (the worker and the
-model's load, measured) is added once per run, to the first stage that starts it: `wbrag run` keeps the services
-up from one stage to the next.
+"""A model stage's time from the best rate for its hardware: calibrated (`calibrate`, matched by hardware), else
+benchmark (`rates`, scaled to the model and threads), else estimate (FLOPs and bytes against `accelerators`' peaks).
+A service's start is added once, to the first stage that starts it: `wbrag run` keeps services up between stages.
 """
 
 from __future__ import annotations
@@ -38,8 +30,7 @@ SOURCES = ("calibrated", "benchmark", "estimate")
 
 @dataclass
 class Timing:
-    """What a plan times its model stages with: the accelerator of its GPU stages, the calibration records, the
-    run's prompt shapes; remembers which services a stage already started."""
+    """What a plan times its model stages with; remembers which services a stage already started."""
 
     gpu: Accelerator
     records: list[dict[str, Any]]
@@ -63,8 +54,7 @@ class Timing:
 
     def record(self, role: str, model: str, num_gpus: float, dtype: str, threads: int,
                backend: str | None = None, **fields: Any) -> dict[str, Any] | None:
-        """The first record of `role` for `model` measured on the hardware a stage of these resources runs on,
-        and whose `fields` (e.g. the training set of a write-back record) are these; None where there is none."""
+        """The first record of `role` for `model` on the hardware of these resources, with these `fields`; or None."""
         want = self._want(num_gpus, dtype, threads)
         for r in self.records:
             hw = r.get("hardware") or {}
@@ -90,8 +80,7 @@ class Timing:
         return record
 
     def cluster_start(self, cpus: float) -> float:
-        """The run's own start (the driver's imports, a local Ray cluster's start), where calibration measured it
-        on a cluster of this CPU kind and count; 0 otherwise."""
+        """The run's own start where calibrated on a cluster of this CPU kind and count; 0 otherwise."""
         from wbrag_ray.plan.calibrate import hardware
 
         want = {k: v for k, v in hardware("cpu", "", 0).items() if k in ("cpu", "cpu_flags")}
@@ -116,11 +105,8 @@ class Timing:
                    doc_tokens: float | None = None, mixture: bool = False, template: float | None = None,
                    question: float | None = None, point: dict[str, Any] | None = None,
                    ) -> tuple[float | None, str, str | None]:
-        """(seconds, how, source) of `calls` calls of prompts holding `docs` documents (of `doc_tokens`), each
-        decoding up to `new_tokens` (default max_new_tokens); `mixture`: RePlug's groups of `docs` one-document
-        prompts decoded as one answer (a call each); `template`, `question`: see `TokenShape.prompt`; `point`: a
-        calibrated prompt kind (`selection`: seconds a call of this kind on the config's own data), used as
-        measured."""
+        """(seconds, how, source) of `calls` calls of prompts of `docs` documents; `mixture`: RePlug's groups;
+        `point`: a calibrated prompt kind, used as measured."""
         from wbrag_ray.plan.stages import generation_time, threads_of
 
         if point is not None:
@@ -152,26 +138,22 @@ class Timing:
     def service_start(self, role: str, model: str, num_gpus: float, dtype: str, threads: int,
                       backend: str | None = None, service: str | None = None, actors: int = 1,
                       per_node: int = 1) -> tuple[float, str, str | None]:
-        """(seconds, how, source) to start a service's actors and load their model (`service`: which actors,
-        default the role's), the first time a plan's stage asks for it; (0, "", None) after that. Calibrated
-        where a record has it (the worker's start, the model's load and the prompt shapes' first use, measured);
-        else estimated: the actor's start (`ACTOR_START_S`; a vLLM engine's `ENGINE_START_S`) and the model's
-        bytes read at the storage's rate by the `per_node` actors of a node at once."""
+        """(seconds, how, source) to start a service's actors and load their model, the first time a stage asks;
+        (0, "", None) after that. Calibrated, else an assumed start plus the weights' read at the storage rate."""
         key = f"{service or role}:{model}"
         if key in self.started or role == "cluster":
             return 0.0, "", None
         self.started.add(key)
         rec = self.record(role, model, num_gpus, dtype, threads, backend)
         if rec is not None and service == EMBED_PASS and rec.get("pass_start_seconds") is not None:
-            # the run's embed stage is a Ray Data pass whose actors start in it: its fixed cost, measured on the
-            # run's own stage (`calibrate._embed_pass`), not a bare worker's start and load
+            # the embed stage's fixed cost, measured on the run's own stage (`calibrate._embed_pass`)
             seconds = rec["pass_start_seconds"]
             return seconds, (f"embed pass start, load and first use {seconds:.1f} s (the run's embed stage on "
                              f"{rec['pass_texts']} texts in {rec['pass_seconds']:.1f} s, less their tokens at the "
                              "warm rate) [calibrated]"), "calibrated"
         if rec is not None:
             seconds = rec.get("service_start_seconds") or rec.get("start_seconds", 0.0) + rec.get("load_seconds", 0.0)
-            # the prompt shapes' first use: paid once per run, by its first pass (kernels built per shape on CPUs)
+            # the prompt shapes' first use, paid once per run
             seconds += sum(max(0.0, p.get("first_use_seconds", 0.0)) for p in rec.get("points", []))
             return seconds, f"{service or role} start, load and first use {seconds:.0f} s [calibrated]", "calibrated"
         if backend == "openai":
@@ -207,12 +189,8 @@ class Timing:
     def training(self, model: str, trainer: TrainerConfig, threads: int | None, steps: int, batch: int,
                  row_tokens: float, generator_model: str, section: Any = None,
                  ) -> tuple[float | None, str, str | None, dict[str, float]]:
-        """A LoRA training's time: (seconds, how, source, parts). `row_tokens`: a step's rows as the trainer pads
-        them (each worker's rows to its longest, and the step waits for the slowest worker). Compute from
-        calibrated seconds a token (scaled by parameters from the generator's model it was measured with), or on
-        GPUs tokens x 6 x params; on GPUs also each step's collectives (`training_communication`) and the model's
-        load (rank 0's read of the whole model under fsdp, every worker's under ddp), each a part of its own.
-        None: the caller's benchmark rule."""
+        """A LoRA training's (seconds, how, source, parts): calibrated compute, or on GPUs compute, collectives and
+        load estimated. None: the caller's benchmark rule."""
         from wbrag_ray.plan.calibrate import training_dtype
         from wbrag_ray.plan.stages import threads_of
 
@@ -238,8 +216,7 @@ class Timing:
                                                          workers, per_node, trainer.strategy, size.layers,
                                                          hybrid=replicas > 1)
             comm = steps * comm_step
-            # FSDP2 prefetches the next layer's all-gather while a layer computes (and DDP's all-reduce overlaps
-            # the backward): a step takes the longer of the two, the rest of the communication is exposed
+            # communication overlaps compute (FSDP2 prefetch, DDP's all-reduce): only the excess is exposed
             exposed = max(0.0, comm - compute)
             weights = (weights_gb(size, "auto", True) or 0.0) * 1e9
             readers = 1 if trainer.strategy == "fsdp" else per_node
@@ -253,20 +230,13 @@ class Timing:
         return None, "", None, {}
 
 
-# the service name of the embed stage's actors (`planner.embed`): a Ray Data pass of its own, whose calibrated start
-# is the run's embed stage timed whole
-EMBED_PASS = "embed actor"
-# Ray's start of an actor process (imports, the model's class): assumed where no calibration measured it; the
-# CPU benchmarks measured 7-11 s for a generator actor with its cached load (RESULTS.md, "Ray overhead")
-ACTOR_START_S = 10.0
-# a vLLM engine's start beside its weights' read: torch.compile, CUDA graph capture, the memory profile (assumed)
-ENGINE_START_S = 60.0
+EMBED_PASS = "embed actor"  # the embed stage's service name: its calibrated start is the stage timed whole
+ACTOR_START_S = 10.0  # an actor's start, assumed (RESULTS.md, "Ray overhead": 7-11 s)
+ENGINE_START_S = 60.0  # a vLLM engine's start beside its weights' read, assumed
 
 
 def _per_call(rec: dict[str, Any], prompt: float, new: int, group: int) -> tuple[float | None, str]:
-    """Seconds a call of `prompt` tokens decoding `new` tokens, from a generator record's points: a line through
-    the closed-book and K-document points (cost a prompt token, cost a call at `new` tokens); a mixture group of
-    `group` prompts from the measured mixture point, scaled by its prompt tokens."""
+    """Seconds a call of `prompt` tokens decoding `new`: a line through a record's two prompt lengths."""
     points = [p for p in rec.get("points", []) if p["shape"] != "mixture"]
     if group:
         mix = next((p for p in rec.get("points", []) if p["shape"] == "mixture"), None)

@@ -1,14 +1,8 @@
-"""How long the prompts of a run are, in tokens, counted from its own data where it is readable here: the mean
-question of its QA files, the mean passage (and sentence) of its corpus; otherwise wiki-18's shapes.
+"""How long a run's prompts are, in tokens, counted from its own data where readable here (else wiki-18's shapes).
 
-Tokens are counted as characters / `CHARS_PER_TOKEN` (English text under the BPE vocabularies of the Llama, Gemma
-and SmolLM2 families), without loading a tokenizer: a plan loads no model. A chat prompt adds `MESSAGE_TOKENS`
-for each message (its role and markers) and `GENERATION_TOKENS` for the answer's opening; its instruction is
-counted from the prompt's own text (`prompts`). Against SmolLM2's tokenizer these units come to 0.99-1.12 of the
-real tokens across the run's prompt kinds (closed-book 1.12, five documents 1.08, the few-shot cloze prompt of
-eight messages 0.99, QA writing 1.06, the relevance judge 1.09, extraction 1.09), so a cost per token calibrated
-on closed-book and five-document prompts carries to the others. (A fixed 60 tokens for any instruction, before,
-made it 1.53 for closed-book prompts and 0.93 for the cloze prompt: the demo's mastery ran 2.7x its plan.)
+Tokens are characters / `CHARS_PER_TOKEN`, without a tokenizer (a plan loads no model), plus each chat message's
+markers; an instruction is counted from the prompt's own text (`prompts`), so a cost per token calibrated on two
+prompt kinds carries to the others (RESULTS.md, "Measurements moved from docstrings").
 """
 
 from __future__ import annotations
@@ -22,12 +16,9 @@ CHARS_PER_TOKEN = 4.0
 MESSAGE_TOKENS = 5  # "<|im_start|>user\n ... <|im_end|>\n" (SmolLM2, Qwen); Llama 3's header ids about the same
 GENERATION_TOKENS = 3  # the assistant's opening, after the last message
 DOC_FORMAT_TOKENS = 3  # a document's "Doc i(Title: ...)" beside its title and text (`prompts.format_reference`)
-# A record's prompt tokens are in these units: records of other units (TEMPLATE_TOKENS = 60 for any instruction)
-# are not used, the plan asks to calibrate again
-TOKEN_UNITS = 2
+TOKEN_UNITS = 2  # the version of these units in a record: a record of other units is not used
 SAMPLE_LINES = 2000  # a file's first lines are its sample: the counts stay cheap on a 13 GB corpus
-# wiki-18's shapes, where the corpus or the questions cannot be read here: 100-word passages (about 1.3 tokens a
-# word), their 6.57 sentences, and NQ-style questions of about 9 words
+# wiki-18's shapes: 100-word passages of 6.57 sentences, NQ-style questions of about 9 words
 WIKI_PASSAGE_TOKENS = 130.0
 WIKI_SENTENCE_TOKENS = WIKI_PASSAGE_TOKENS / 6.57
 QUESTION_TOKENS = 12.0
@@ -46,9 +37,8 @@ class TokenShape:
 
     def prompt(self, docs: int, doc_tokens: float | None = None, template: float | None = None,
                question: float | None = None) -> float:
-        """Tokens of a prompt holding a question (of `question` tokens; the run's mean by default) and `docs`
-        documents of `doc_tokens` (a passage by default), in a template of `template` tokens (its instruction,
-        solved examples and chat markers; the RAG or closed-book prompt's by default)."""
+        """Tokens of a prompt of a question and `docs` documents of `doc_tokens` in a template of `template`
+        tokens (defaults: the run's mean question, a passage, the RAG or closed-book prompt's template)."""
         doc = self.passage if doc_tokens is None else doc_tokens
         return ((template_tokens(docs > 0) if template is None else template)
                 + (self.question if question is None else question) + docs * (doc + DOC_FORMAT_TOKENS))
@@ -66,24 +56,21 @@ def messages_tokens(messages: list[dict[str, str]]) -> float:
 
 
 def template_of(build, docs: int = 0) -> float:
-    """The tokens a prompt kind adds beside its question and documents: `build(question, docs)` (a `prompts`
-    function) made with an empty question and `docs` empty documents, less those documents' own markers."""
+    """The tokens a prompt kind (`build(question, docs)`) adds beside its question and `docs` documents."""
     from wbrag_ray.retrieval.hits import Hit
 
     return messages_tokens(build("", [Hit(0, 0.0, 0, "", "")] * docs)) - docs * DOC_FORMAT_TOKENS
 
 
 def template_tokens(with_docs: bool) -> float:
-    """Tokens of the RAG (`with_docs`) or closed-book prompt without its question and documents: the instruction,
-    the question's label, the chat template."""
+    """Tokens of the RAG (`with_docs`) or closed-book prompt's template."""
     from wbrag_ray.prompts import no_retrieval_messages, rag_messages
 
     return template_of(rag_messages, 1) if with_docs else template_of(lambda q, _: no_retrieval_messages(q))
 
 
 def jsonl_rows(path: str | None, n: int = SAMPLE_LINES) -> list[dict]:
-    """The first `n` rows of a local jsonl file or folder, parsed ([] where it is not readable here: Parquet and
-    remote files are not read for the plan's samples; the rows read before an unreadable line are kept)."""
+    """The first `n` rows of a local jsonl file or folder ([] for Parquet, remote or unreadable files)."""
     if not path or "://" in path:
         return []
     from wbrag_ray.formats import InputError, file_kind, input_files
@@ -106,8 +93,7 @@ def jsonl_rows(path: str | None, n: int = SAMPLE_LINES) -> list[dict]:
 
 
 def _mean_chars(path: str, field: str, part=str) -> float | None:
-    """Mean characters of `field` (of `part` of it: its first line, a title) over a local jsonl file's first
-    lines; None where it is not a readable local jsonl."""
+    """Mean characters of `part` of `field` over a local jsonl file's first lines; None where unreadable."""
     rows = jsonl_rows(path)
     return sum(len(part(str(r.get(field, "")))) for r in rows) / len(rows) if rows else None
 
