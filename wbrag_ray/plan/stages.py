@@ -86,7 +86,7 @@ def _m(params: float) -> str:
 # --- model-bearing actors ----------------------------------------------------------------------------------------
 
 def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[list[Bundle], list[str], list[str]]:
-    """(bundles, notes, refusals) of a generator service of `g`, placed as `generation.parallel` places it."""
+    """(bundles, notes, refusals) of a generator service of `g`, placed as `placement.replica_placement` places it."""
     from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS
 
     size = model_size(g.model)
