@@ -13,6 +13,8 @@ from wbrag_ray.config import WbragConfig
 from wbrag_ray.models.accelerators import DEFAULT_GPU_MEMORY_GB
 from wbrag_ray.models.size import MEMORY_RULE
 from wbrag_ray.placement import Cluster, Node, cluster_from_ray, stated_cluster
+from wbrag_ray.plan.accelerators import EFFICIENCY_NOTE
+from wbrag_ray.plan.calibrate import load_records
 from wbrag_ray.plan.planner import Plan, idle_gpus, make_plan
 from wbrag_ray.plan.rates import RATES
 
@@ -63,7 +65,6 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  [{k}] {RATES[k].provenance()}" for k in used] or ["  no benchmark rate used"]
     lines += [f"  calibrated: {r}" for r in plan.calibrated]
     if any(s.rate_source == "estimate" for s in plan.stages) and plan.cluster.gpus:
-        from wbrag_ray.plan.accelerators import EFFICIENCY_NOTE
 
         lines += [f"  GPU: {plan.gpu.describe()}; {EFFICIENCY_NOTE}"]
         if plan.network is not None and len(plan.cluster.nodes) > 1:
@@ -144,8 +145,6 @@ def run_plan(config: WbragConfig, run: str | None = None, gpu_memory_gb: float =
              cluster: Cluster | None = None) -> Plan | None:
     """The plan of `config` on `cluster` (default: the connected one) with the stored calibration records; None
     when there is no cluster or no plan can be made."""
-    from wbrag_ray.plan.calibrate import load_records
-
     cluster = cluster or cluster_from_ray(gpu_memory_gb)
     if cluster is None:
         return None

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wbrag_ray.build_kb import INGEST
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.formats import InputError, file_kind, input_files
 from wbrag_ray.plan.rates import RATES
+from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import resolve
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,6 @@ def corpus_size(config: WbragConfig, passages: int | None = None, run: str | Non
 
 
 def _from_run(uri: str) -> CorpusSize | str:
-    from wbrag_ray.build_kb import INGEST
-    from wbrag_ray.run import RunFolder
-
     try:
         folder = RunFolder(uri)
         if not folder.is_complete(INGEST.name):
@@ -70,9 +71,6 @@ def _from_run(uri: str) -> CorpusSize | str:
 
 def _from_corpus(uri: str) -> CorpusSize | str:
     import pyarrow.parquet as pq
-
-    from wbrag_ray.formats import InputError, file_kind, input_files
-    from wbrag_ray.storage import resolve
 
     per = RATES["bytes_per_passage"]
     try:
@@ -110,9 +108,6 @@ def question_count(path: str | None, limit: int | None) -> tuple[int | None, str
             return None, f"{path} {why}: not counted"
         n = min(known, limit) if limit is not None else known
         return n, f"{n:,}: FlashRAG's {known:,} questions of this split ({path} {why}: not counted)"
-    from wbrag_ray.formats import InputError, file_kind, input_files
-    from wbrag_ray.storage import resolve
-
     try:
         n = 0
         for f in input_files(resolve(path), path):

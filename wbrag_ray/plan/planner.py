@@ -11,9 +11,20 @@ import math
 from dataclasses import dataclass, field
 
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.formats import dataset_name
 from wbrag_ray.models.accelerators import DEFAULT_GPU, Accelerator, accelerator
 from wbrag_ray.models.size import embedding_dim, model_size, serving_gb
+from wbrag_ray.pipeline import instances
 from wbrag_ray.placement import Bundle, Cluster, problems
+from wbrag_ray.placement.gpus import (
+    AUTO_SETTINGS,
+    apply_gpu_layout,
+    auto_concurrency,
+    holds_whole_gpus,
+    index_on_gpu,
+    needs_layout,
+    section,
+)
 from wbrag_ray.plan.accelerators import (
     DEFAULT_INTERCONNECT,
     STORAGE_READ_GBS,
@@ -42,6 +53,7 @@ from wbrag_ray.plan.stages import (
 from wbrag_ray.plan.timing import EMBED_PASS, Timing, describe_record
 from wbrag_ray.plan.tokens import TokenShape, template_of, token_shape
 from wbrag_ray.run import Step
+from wbrag_ray.training.workers import plan_steps
 from wbrag_ray.work import AddVectors, Embed, Generate, Pass, Predict, ReadCorpus, Search, Train
 
 DIM_ASSUMED = 768
@@ -150,8 +162,6 @@ class _Builder:
     def _decide_gpu_layout(self) -> None:
         """The "auto" GPU settings as a command would decide them (`placement.gpus.apply_gpu_layout`); a GPU cluster's
         faiss is assumed to have GPU support."""
-        from wbrag_ray.placement.gpus import apply_gpu_layout, holds_whole_gpus, index_on_gpu, needs_layout
-
         if not needs_layout(self.c):
             return
         self.c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
@@ -174,8 +184,6 @@ class _Builder:
 
     def _decide_auto_concurrency(self) -> None:
         """Each "auto" count as a command would decide it on this cluster (`placement.gpus.auto_concurrency`)."""
-        from wbrag_ray.placement.gpus import AUTO_SETTINGS, auto_concurrency, section
-
         counts = auto_concurrency(self.c, self.nodes, self.held)
         self.c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
         for key, n in counts.items():
@@ -185,8 +193,6 @@ class _Builder:
 
     def _more(self, key: str) -> str:
         """What would use more GPUs in a stage sized by `key`'s count, or why "auto" stops where it does."""
-        from wbrag_ray.placement.gpus import AUTO_SETTINGS, auto_concurrency, section
-
         setting = f"{key}.{AUTO_SETTINGS[key]}"
         config = self.c.model_copy(deep=True)
         setattr(section(config, key), AUTO_SETTINGS[key], "auto")
@@ -214,7 +220,6 @@ class _Builder:
     # --- the registry's steps, each priced from the work it declares -----------------------------------------
 
     def stages(self) -> list[Stage]:
-        from wbrag_ray.pipeline import instances
 
         return [stage for step, params in instances(self.c) for stage in self.price(step, params)]
 
@@ -472,7 +477,6 @@ class _Builder:
             return (measured["keep_rate"], measured["retained_docs"],
                     f"{measured['kept']} of {measured['questions']} sampled, 95% interval {lo:.0%}-{hi:.0%} "
                     "[calibrated]")
-        from wbrag_ray.formats import dataset_name
 
         if dataset_name(wb.train) == "nq" and "train" in wb.train.rsplit("/", 1)[-1] and k == 5:
             return (RATES["writeback_selection_nq"].value, k,
@@ -519,8 +523,6 @@ class _Builder:
     def _training(self, name: str, model: str, section, examples: int, key: str, row_tokens: float,
                   rows: str) -> Stage:
         """A Ray Train stage of `examples` rows of `row_tokens`: compute, collectives, load and Ray Train's start."""
-        from wbrag_ray.training.workers import plan_steps
-
         trainer = section.trainer
         bundles, warn = training_bundles(model, trainer, f"{key}.trainer", self.cluster.gpu_memory_gb,
                                          self.timing.gpus_per_node)

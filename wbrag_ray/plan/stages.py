@@ -10,9 +10,20 @@ import math
 from dataclasses import dataclass, field
 
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, IndexConfig, RetrievalConfig, TrainerConfig
+from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS, shape_refusal
+from wbrag_ray.index.sizing import (
+    bytes_per_vector,
+    is_auto,
+    merge_memory,
+    plan_training,
+    shards_for,
+    train_resources,
+)
 from wbrag_ray.models.size import ModelSize, model_size, serving_gb, training_gb
 from wbrag_ray.placement import GPU_BUNDLE, Bundle, Cluster, placement_refusal, sharded
 from wbrag_ray.plan.rates import RATES
+from wbrag_ray.retrieval.service import search_actor_memory, shard_groups
+from wbrag_ray.training.placement import fsdp_mesh_shape
 
 GiB = 1 << 30
 
@@ -87,8 +98,6 @@ def _m(params: float) -> str:
 
 def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[list[Bundle], list[str], list[str]]:
     """(bundles, notes, refusals) of a generator service of `g`, placed as `placement.replica_placement` places it."""
-    from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS
-
     size = model_size(g.model)
     if g.backend == "openai":
         return [], [f"{key}: an OpenAI-compatible endpoint ({g.base_url}): no Ray bundles"], []
@@ -97,7 +106,6 @@ def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[l
     notes = [f"{key}: {size.describe()}" + (f", about {memory:,.1f} GB with headroom" if memory else "")]
     why = placement_refusal(g, cluster.resources(), key) if on_gpu else None
     refusals = [why] if why else []
-    from wbrag_ray.generation.vllm import shape_refusal
 
     if (shape := shape_refusal(g, key, size)) is not None:
         refusals.append(shape)
@@ -144,8 +152,6 @@ def embedder_bundle(e: EmbedderConfig, what: str, count: int, num_cpus: float, k
 
 def fsdp_mesh(workers: int, per_node: int, min_shards: int = 1) -> tuple[int, int]:
     """(replicas, shards) of an fsdp training, as `training.placement.fsdp_mesh_shape` decides it."""
-    from wbrag_ray.training.placement import fsdp_mesh_shape
-
     per = max(1, per_node)
     return fsdp_mesh_shape([i // per for i in range(max(1, workers))], min_shards)
 
@@ -241,16 +247,6 @@ def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, ch
     """The build's and the retrieval service's sizing rules at `n` vectors; ValueError with the fix."""
     import faiss
 
-    from wbrag_ray.index.sizing import (
-        bytes_per_vector,
-        is_auto,
-        merge_memory,
-        plan_training,
-        shards_for,
-        train_resources,
-    )
-    from wbrag_ray.retrieval.service import shard_groups
-
     sizing_log = logging.getLogger("wbrag_ray.index.sizing")
     level = sizing_log.level
     sizing_log.setLevel(logging.WARNING)  # its INFO lines repeat the plan's notes
@@ -300,8 +296,6 @@ def index_time(sizing: IndexSizing, n: int, dim: int, cpus: float) -> tuple[floa
 def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: RetrievalConfig, embedder: EmbedderConfig,
                       cluster: Cluster) -> list[Bundle]:
     """The retrieval service's search actors, as `SearchPool.start` asks for them, and its query embedders."""
-    from wbrag_ray.retrieval.service import search_actor_memory
-
     gpu = retrieval.search_share if ic.gpu is not False and cluster.gpus > 0 else 0.0
     memory = search_actor_memory(sizing.group_gb * 1e9) / 1e9  # what SearchPool.start declares
     return [Bundle("search actor", sizing.groups * retrieval.concurrency, retrieval.search_cpus, gpu, memory,

@@ -11,6 +11,7 @@ from typing import Any
 
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig
 from wbrag_ray.models.accelerators import Accelerator
+from wbrag_ray.models.hardware import resolved_dtype_name
 from wbrag_ray.models.size import lora_params, model_size, training_gb, weights_gb
 from wbrag_ray.plan.accelerators import (
     DEFAULT_INTERCONNECT,
@@ -23,6 +24,9 @@ from wbrag_ray.plan.accelerators import (
     training_communication,
     training_seconds,
 )
+from wbrag_ray.plan.calibrate import hardware, training_dtype
+from wbrag_ray.plan.selection import describe
+from wbrag_ray.plan.stages import fsdp_mesh, generation_time, threads_of
 from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape
 
 SOURCES = ("calibrated", "benchmark", "estimate")
@@ -45,9 +49,6 @@ class Timing:
     # --- matching a record to the hardware a stage runs on ----------------------------------------------------
 
     def _want(self, num_gpus: float, dtype: str, threads: int) -> dict[str, Any]:
-        from wbrag_ray.models.hardware import resolved_dtype_name
-        from wbrag_ray.plan.calibrate import hardware
-
         if num_gpus > 0:
             return {"device": self.gpu.name, "dtype": dtype if dtype != "auto" else "auto (gpu)"}
         return hardware("cpu", resolved_dtype_name(dtype, 0), threads)
@@ -81,8 +82,6 @@ class Timing:
 
     def cluster_start(self, cpus: float) -> float:
         """The run's own start where calibrated on a cluster of this CPU kind and count; 0 otherwise."""
-        from wbrag_ray.plan.calibrate import hardware
-
         want = {k: v for k, v in hardware("cpu", "", 0).items() if k in ("cpu", "cpu_flags")}
         for r in self.records:
             hw = r.get("hardware") or {}
@@ -92,8 +91,6 @@ class Timing:
 
     def writeback_record(self, g: GeneratorConfig, train: str | None, top_k: int) -> dict[str, Any] | None:
         """The write-back record (`selection`) of this training set, K and generator hardware, where calibrated."""
-        from wbrag_ray.plan.stages import threads_of
-
         if not train:
             return None
         return self.record("writeback", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
@@ -107,8 +104,6 @@ class Timing:
                    ) -> tuple[float | None, str, str | None]:
         """(seconds, how, source) of `calls` calls of prompts of `docs` documents; `mixture`: RePlug's groups;
         `point`: a calibrated prompt kind, used as measured."""
-        from wbrag_ray.plan.stages import generation_time, threads_of
-
         if point is not None:
             seconds = calls * point["seconds_per_call"] / max(1, g.concurrency)
             return seconds, (f"{point['shape']}: {calls:,} calls x {point['seconds_per_call']:.3g} s ("
@@ -172,7 +167,6 @@ class Timing:
     # --- embedding and training ------------------------------------------------------------------------------
 
     def embedding(self, e: EmbedderConfig, texts: int, tokens: float, actors: int) -> tuple[float | None, str, str | None]:
-        from wbrag_ray.plan.stages import threads_of
 
         rec = self.record("embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads))
         if rec is not None:
@@ -191,9 +185,6 @@ class Timing:
                  ) -> tuple[float | None, str, str | None, dict[str, float]]:
         """A LoRA training's (seconds, how, source, parts): calibrated compute, or on GPUs compute, collectives and
         load estimated. None: the caller's benchmark rule."""
-        from wbrag_ray.plan.calibrate import training_dtype
-        from wbrag_ray.plan.stages import threads_of
-
         tokens = steps * batch * row_tokens
         workers = trainer.num_workers if isinstance(trainer.num_workers, int) else 1
         size, measured = model_size(model), model_size(generator_model)
@@ -206,7 +197,6 @@ class Timing:
                              f"token x {scale:.3g} (params) [calibrated]"), "calibrated", {"compute": seconds}
         if trainer.num_gpus > 0 and size.params:
             compute, how = training_seconds(self.gpu, size.params, tokens, trainer.num_gpus * workers)
-            from wbrag_ray.plan.stages import fsdp_mesh
 
             per_node = max(1, min(workers, int(self.gpus_per_node // max(trainer.num_gpus, 1e-9)) or 1))
             r, targets = (section.lora_r, section.target_modules) if section is not None else (8, ["q_proj", "v_proj"])
@@ -264,7 +254,6 @@ def describe_record(r: dict[str, Any]) -> str:
     if r.get("role") == "cluster":
         return f"the run's start {r.get('start_seconds', 0):.1f} s ({r.get('cpus'):g} CPUs, {hw.get('cpu')}), {r.get('date')}"
     if r.get("role") == "writeback":
-        from wbrag_ray.plan.selection import describe
 
         return f"{describe(r)}; on {where}, {r.get('date')}"
     if r.get("role") == "generator":
