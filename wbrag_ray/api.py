@@ -20,12 +20,46 @@ import os
 from importlib import resources
 from typing import Any
 
+from wbrag_ray import build_kb as kb
+from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, WbragConfig, load_config
+from wbrag_ray.evaluation.evaluate import evaluate_stage
+from wbrag_ray.evaluation.made_by import made_config
+from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
+from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params
+from wbrag_ray.export import export_kb
+from wbrag_ray.formats import input_files
+from wbrag_ray.index.files import load_manifest
+from wbrag_ray.layout import plain_name
 from wbrag_ray.papers import format_paper_vs_run, print_departures
+from wbrag_ray.pipeline import ZERO_RAG, execute
+from wbrag_ray.retrieval.local import load_query_embedder
 from wbrag_ray.run import RunFolder
 
 # a command's session, part of the API: `api.start(run, config)` opens a run folder and joins Ray
 from wbrag_ray.session import RunLike, check_model_shapes, join_ray, open_run, start  # noqa: F401
+from wbrag_ray.stages.service import Services
+from wbrag_ray.storage import resolve
+from wbrag_ray.writeback.pipeline import train_writeback as train_version
+from wbrag_ray.writeback.sweep import format_sweep, gate_sweep
+from wbrag_ray.writeback.versions import (
+    activate,
+    active_index,
+    default_version,
+    read_active,
+    rollback,
+    versions,
+)
+from wbrag_ray.zerorag.grid import eval_label, evaluate_grid
+from wbrag_ray.zerorag.mastery import MASTERY
+from wbrag_ray.zerorag.mastery import mastery as score
+from wbrag_ray.zerorag.prune import index_for_ratio, predict, predict_stage
+from wbrag_ray.zerorag.prune import prune as prune_at
+from wbrag_ray.zerorag.pruners import train_pruner as train
+from wbrag_ray.zerorag.router import ROUTER
+from wbrag_ray.zerorag.router import train_router as train_it
+from wbrag_ray.zerorag.tune import TUNE, with_adapter
+from wbrag_ray.zerorag.tune import tune as tune_adapter
 
 
 def existing_run(run: RunLike) -> RunFolder:
@@ -37,9 +71,6 @@ def existing_run(run: RunLike) -> RunFolder:
 
 def check_input(path: str, what: str) -> None:
     """An input file or folder exists and holds .jsonl / .parquet files: checked before Ray starts."""
-    from wbrag_ray.formats import input_files
-    from wbrag_ray.storage import resolve
-
     input_files(resolve(path), what)
 
 
@@ -57,8 +88,6 @@ BUILD_STEPS = ("ingest", "embed", "index")
 def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
              steps: tuple[str, ...] = BUILD_STEPS) -> dict[str, dict[str, Any]]:
     """ingest -> embed -> index (or the named `steps` of them), skipping complete stages."""
-    from wbrag_ray import build_kb as kb
-
     unknown = set(steps) - set(BUILD_STEPS)
     if unknown:
         raise ConfigError(f"unknown build steps {sorted(unknown)}; choose from {', '.join(BUILD_STEPS)}")
@@ -77,10 +106,6 @@ def build_kb(run: RunLike, config: WbragConfig, force: bool = False,
 
 def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
     """The top `k` hits of each query on the run's index (embedded here, searched by the retrieval service)."""
-    from wbrag_ray.build_kb import INDEX
-    from wbrag_ray.retrieval.local import load_query_embedder
-    from wbrag_ray.stages.service import Services
-
     if k < 1:
         raise ConfigError(f"-k {k}: the number of documents per query must be at least 1")
     if not queries or any(not q.strip() for q in queries):
@@ -106,10 +131,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     index, or in a Zero-RAG setting (`prune_ratio`, `router`, `adapter`). `methods_grid`: every method on the base
     and beside every write-back version (`same_writeback`: first train one per method). Returns {method: metrics}
     (the grid for `methods_grid`). Other settings under the same name are refused unless `force`."""
-    from wbrag_ray.build_kb import INDEX
-    from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params
-    from wbrag_ray.layout import plain_name
-
     dataset = dataset or config.eval.dataset
     if not dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
@@ -127,38 +148,31 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     name = plain_name(dataset_name(config, dataset) if name is None else name, "--name (eval.name)")
     kwargs: dict[str, Any] = {}
     if prune_ratio is not None:
-        from wbrag_ray.zerorag.prune import index_for_ratio
 
         check_ratio(prune_ratio, "--prune-ratio")
         kwargs["base_index"] = index_for_ratio(run, prune_ratio).uri
     elif any(m != "no-retrieval" for m in config.eval.methods) or methods_grid:
         run.require(INDEX)
     if router:
-        from wbrag_ray.zerorag.router import ROUTER
 
         run.require(ROUTER)
         kwargs["router"] = run.layout.zero_rag.router.uri
     if adapter:
-        from wbrag_ray.zerorag.tune import with_adapter
 
         config = config.model_copy(update={"generator": with_adapter(run, config)})
     label = None
     if prune_ratio is not None or router or adapter:  # a Zero-RAG setting: name it after them all
-        from wbrag_ray.zerorag.grid import eval_label
 
         label = eval_label(name, prune_ratio, writeback, router, adapter)
-    from wbrag_ray.evaluation.made_by import made_config
 
     version = None
     if writeback:
-        from wbrag_ray.writeback.versions import active_index
 
         version = active_index(run)[0]
     made, facts = made_config(run, config, version, bool(adapter), prune_ratio is not None or bool(router),
                               writeback=methods_grid)
     print_departures(made, dataset=dataset, made=facts)
     if methods_grid:
-        from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
         if same_writeback:  # before Ray starts, as every input
             check_input(config.writeback.train, "writeback.train")
@@ -170,7 +184,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         print_paper_vs_run(run, config)
         return grid
     if writeback:  # the version searched is part of the results: refused if there is none
-        from wbrag_ray.writeback.versions import active_index
 
         kwargs.update(writeback=True, writeback_version=active_index(run)[0])
     if any(m != "no-retrieval" for m in config.eval.methods):
@@ -180,7 +193,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         kwargs["setting"] = label  # the Zero-RAG setting's name, recorded in metrics.json
     label = label or (f"{name}-writeback" if writeback else name)
     run.check(EVAL, config, eval_params(label, dataset, kwargs, config, run), force=force)  # a change refused before Ray starts
-    from wbrag_ray.evaluation.evaluate import evaluate_stage
 
     join_ray(run, config)
     results = evaluate_stage(run, config, dataset, name, label, force=force, **kwargs)["methods"]
@@ -197,9 +209,6 @@ def print_paper_vs_run(run: RunFolder, config: WbragConfig) -> None:
 
 def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:
     """retrieval.top_k capped at the documents the searched indices hold, saying so."""
-    from wbrag_ray.index.files import load_manifest
-    from wbrag_ray.storage import resolve
-
     held = sum(load_manifest(resolve(uri)).get("count", 0) for uri in index_uris if uri)
     if held and config.retrieval.top_k > held:
         print(f"retrieval.top_k={config.retrieval.top_k} is more than the {held} documents the index holds: K = {held}",
@@ -211,8 +220,6 @@ def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:
 def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | None = None,
                            force: bool = False) -> list[dict[str, Any]]:
     """Every zerorag.ratios setting (with the router, adapter and write-back when there are any)."""
-    from wbrag_ray.zerorag.grid import evaluate_grid
-
     dataset = dataset or config.eval.dataset
     if not dataset:
         raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
@@ -220,7 +227,6 @@ def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | Non
     run.require_run()  # before Ray, as a single evaluation's checks
     check_input(dataset, "dataset")
     check_grid_dataset(run.layout.zero_rag.grid, dataset, force)
-    from wbrag_ray.evaluation.made_by import made_config
 
     made, facts = made_config(run, config, adapter=config.zerorag.tune.enabled, zero_rag=True)
     print_departures(made, dataset=dataset, made=facts)
@@ -244,10 +250,6 @@ def check_grid_dataset(grid, dataset: str, force: bool) -> None:
 def train_writeback(run: RunLike, config: WbragConfig, train: str | None = None, version: str | None = None,
                     force: bool = False) -> dict[str, Any]:
     """Train one write-back version from a labeled QA set; activate it when writeback.activate."""
-    from wbrag_ray.layout import plain_name
-    from wbrag_ray.writeback.pipeline import train_writeback as train_version
-    from wbrag_ray.writeback.versions import default_version
-
     train = train or config.writeback.train
     if not train:
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
@@ -260,20 +262,16 @@ def train_writeback(run: RunLike, config: WbragConfig, train: str | None = None,
 
 def writeback_versions(run: RunLike) -> tuple[list[str], str | None]:
     """(trained versions, the active one or None)."""
-    from wbrag_ray.writeback.versions import read_active, versions
-
     run = existing_run(run)
     return versions(run), read_active(run)["version"]
 
 
 def activate_writeback(run: RunLike, version: str) -> dict[str, Any]:
-    from wbrag_ray.writeback.versions import activate
 
     return activate(existing_run(run), version)
 
 
 def rollback_writeback(run: RunLike, version: str | None = None) -> dict[str, Any]:
-    from wbrag_ray.writeback.versions import rollback
 
     return rollback(existing_run(run), version)
 
@@ -281,8 +279,6 @@ def rollback_writeback(run: RunLike, version: str | None = None) -> dict[str, An
 def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: list[float], tau_doc: list[float],
                     n_min: list[int]) -> list[dict[str, Any]]:
     """The gates re-applied to a trained version's scores under every setting (the paper's Table 4)."""
-    from wbrag_ray.writeback.sweep import format_sweep, gate_sweep
-
     rows = gate_sweep(existing_run(run), version, tau_s, tau_delta, tau_doc, n_min)
     print(format_sweep(version, rows), flush=True)
     return rows
@@ -292,9 +288,6 @@ def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: l
 
 
 def mastery(run: RunLike, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
-    from wbrag_ray.zerorag.mastery import MASTERY
-    from wbrag_ray.zerorag.mastery import mastery as score
-
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample {sample}: the number of sentences to score must be at least 1")
     folder = open_run(run)
@@ -304,9 +297,6 @@ def mastery(run: RunLike, config: WbragConfig, sample: int | None = None, force:
 
 
 def train_pruner(run: RunLike, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
-    from wbrag_ray.zerorag.mastery import MASTERY
-    from wbrag_ray.zerorag.pruners import train_pruner as train
-
     open_run(run).require(MASTERY)
     return train(start(run, config, force), config, kind=kind, force=force)
 
@@ -315,11 +305,8 @@ def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = 
     """Predict every sentence's mastery (zerorag.pruner), then prune at each ratio: {ratio: stats}."""
     if not ratios:
         raise ConfigError("no pruning ratio: pass --ratio R (e.g. 0.3)")
-    for ratio in ratios:  # before Zero-RAG's modules are imported: a typo costs no second
+    for ratio in ratios:  # before Ray: a typo costs no cluster start
         check_ratio(ratio, "--ratio")
-    from wbrag_ray.zerorag.prune import predict, predict_stage
-    from wbrag_ray.zerorag.prune import prune as prune_at
-
     open_run(run).check(predict_stage(config), config, force=force)  # the trained pruner too, before Ray
     run = start(run, config, force)
     predict(run, config, force=force)
@@ -328,24 +315,18 @@ def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = 
 
 def tune(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
     folder = _check_train(run, config, train)
-    from wbrag_ray.zerorag.tune import TUNE
-    from wbrag_ray.zerorag.tune import tune as tune_adapter
-
     folder.require_inputs(TUNE)
     return tune_adapter(start(folder, config, force), config, train=train, force=force)
 
 
 def train_router(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
     folder = _check_train(run, config, train)
-    from wbrag_ray.zerorag.router import ROUTER
-    from wbrag_ray.zerorag.router import train_router as train_it
-
     folder.require_inputs(ROUTER)
     return train_it(start(folder, config, force), config, train=train, force=force)
 
 
 def _check_train(run: RunLike, config: WbragConfig, train: str | None) -> RunFolder:
-    """Before Ray, and before Zero-RAG's modules are imported: the run folder, and the training questions exist."""
+    """Before Ray: the run folder, and the training questions exist."""
     train = train or config.zerorag.train
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
@@ -357,8 +338,6 @@ def _check_train(run: RunLike, config: WbragConfig, train: str | None) -> RunFol
 
 def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None:
     """mastery -> pruners -> prediction -> every ratio -> [tune] -> [router] -> [the grid]."""
-    from wbrag_ray.pipeline import ZERO_RAG, execute
-
     if not config.zerorag.enabled:
         raise ConfigError("zerorag.enabled is false: set it (--set zerorag.enabled=true) to run Zero-RAG's stages")
     execute(start(run, config, force), config, force=force, only=ZERO_RAG)
@@ -370,9 +349,6 @@ def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None
 def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str = "") -> dict[str, dict[str, Any]]:
     """Every stage of `pipeline.PIPELINE` the config enables, skipping completed ones; the plan is stored first and
     a config it cannot place is refused unless `force`. Returns every completed stage's stats."""
-    from wbrag_ray import build_kb as kb
-    from wbrag_ray.pipeline import execute
-
     folder = open_run(run)
     check_run_inputs(config)
     if config.zerorag.enabled and config.eval.dataset:
@@ -388,11 +364,7 @@ def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str =
 
 def check_run_inputs(config: WbragConfig) -> None:
     """Every input and name of every stage `run` will reach, checked before the first."""
-    from wbrag_ray.evaluation.stage import dataset_name
-    from wbrag_ray.layout import plain_name
-
     if config.writeback.train:
-        from wbrag_ray.writeback.versions import default_version
 
         check_input(config.writeback.train, "writeback.train")
         plain_name(default_version(config, config.writeback.train), "writeback.version", reserved=("base", "ACTIVE"))
@@ -442,8 +414,6 @@ def export(run: RunLike, config: WbragConfig, format: str, out: str, *, prune_ra
            writeback: str | None = None, force: bool = False) -> dict[str, Any]:
     """Write the knowledge base (pruned at `prune_ratio`, plus write-back version `writeback`) in a RAG stack's
     format (flashrag, langchain, llamaindex) into `out`; returns the export's manifest."""
-    from wbrag_ray.export import export_kb
-
     if prune_ratio is not None:
         check_ratio(prune_ratio, "--prune-ratio")
     run = existing_run(run)
