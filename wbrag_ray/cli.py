@@ -14,10 +14,20 @@ import logging
 import sys
 from typing import Any
 
-from wbrag_ray import __version__, api
+from wbrag_ray import __version__, api, doctor, flashrag_data, jobs_api, plan, rag
 from wbrag_ray.config import ConfigError, WbragConfig, build_config, deep_merge, load_config, parse_overrides
+from wbrag_ray.export import FORMATS
 from wbrag_ray.formats import InputError
 from wbrag_ray.index.files import IndexError_
+from wbrag_ray.inspection import inspect_run, run_status
+from wbrag_ray.lease import run_lease
+from wbrag_ray.models.accelerators import accelerator
+from wbrag_ray.papers import print_departures
+from wbrag_ray.plan import run_summary
+from wbrag_ray.plan.accelerators import interconnect
+from wbrag_ray.plan.calibrate import calibrate, load_records
+from wbrag_ray.ray_runtime import init_ray
+from wbrag_ray.report import write_report
 from wbrag_ray.run import RunFolder
 
 DEMO_DIR = "runs/demo"
@@ -214,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=3, help="samples per section (default 3)")
     p.add_argument("-v", "--verbose", action="store_true")
 
-    from wbrag_ray.export import FORMATS
 
     p = sub.add_parser("export", help="write the knowledge base (pruned, with write-back units) for FlashRAG, "
                        "LangChain or LlamaIndex")
@@ -226,7 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write-back units to add: a version, 'active' or 'none' (default: the active version, if any)")
     _common(p)
 
-    from wbrag_ray import doctor
 
     p = sub.add_parser("doctor", help="what this node can run: torch and CUDA, the driver, vLLM, faiss's GPUs, "
                        "/dev/shm, S3 and hub credentials (exit 1 where a flag's requirement fails)")
@@ -317,7 +325,6 @@ def cmd_eval(args) -> None:
         api.evaluate_zero_rag_grid(run, config, force=args.force)
         return
     if args.methods_grid and not args.methods:  # the grid's point is every method
-        from wbrag_ray import rag
 
         config.eval.methods = rag.available_methods(config.generator)
     api.evaluate(run, config, name=args.name, writeback=args.writeback, prune_ratio=args.prune_ratio,
@@ -379,15 +386,10 @@ def cmd_writeback(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from wbrag_ray import plan
 
     config = _resolve_config(args, {})
     if args.passages is not None and args.passages < 1:
         raise ConfigError(f"--passages {args.passages}: a corpus has at least one passage")
-    from wbrag_ray.models.accelerators import accelerator
-    from wbrag_ray.plan.accelerators import interconnect
-    from wbrag_ray.plan.calibrate import calibrate, load_records
-
     try:
         gpu_memory_gb = args.gpu_memory_gb or accelerator(args.gpu).memory_gb
     except ValueError as exc:
@@ -400,13 +402,11 @@ def cmd_plan(args) -> None:
         raise ConfigError(f"--storage-read-gbs {args.storage_read_gbs:g}: a read rate is positive")
     shape = (args.nodes, args.gpus_per_node, args.cpus_per_node, args.memory_per_node)
     if not args.json:
-        from wbrag_ray.papers import print_departures
 
         print_departures(config)  # as `wbrag run` will start
     if args.calibrate:  # on the cluster the run will use: --address, or a local one started here
         calibrate(config, args.calibrate_seconds, run=args.run)
     if args.address and all(v is None for v in shape):
-        from wbrag_ray.ray_runtime import init_ray
 
         init_ray(config.ray)
         cluster = plan.cluster_from_ray(gpu_memory_gb)
@@ -430,10 +430,8 @@ def _print_plan_summary(config: WbragConfig, run_dir: str) -> None:
     """The plan's summary on the run's Ray cluster (none for a local cluster not started yet)."""
     import os
 
-    from wbrag_ray.plan import run_summary
 
     if config.ray.address or os.environ.get("RAY_ADDRESS"):
-        from wbrag_ray.ray_runtime import init_ray
 
         init_ray(config.ray)
     summary = run_summary(config, run_dir)
@@ -446,7 +444,6 @@ def cmd_run(args) -> None:
     run_dir = args.run or config.run
     if not run_dir:
         raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
-    from wbrag_ray.lease import run_lease
 
     with run_lease(run_dir, args.holder):
         api.check_run_inputs(config)  # every stage's inputs and names, before a cluster is joined
@@ -466,7 +463,6 @@ def cmd_demo(args) -> None:
 
 
 def cmd_submit(args) -> None:
-    from wbrag_ray import jobs_api
 
     config = load_config(args.config_file, args.overrides)  # validate here, before anything is uploaded
     run_dir = args.run or config.run
@@ -480,10 +476,8 @@ def cmd_submit(args) -> None:
 
 
 def cmd_status(args) -> None:
-    from wbrag_ray import jobs_api
 
     if args.address is None:
-        from wbrag_ray.inspection import run_status
 
         run = RunFolder(args.submission_id)
         if not run.is_run():
@@ -498,20 +492,17 @@ def cmd_status(args) -> None:
 
 
 def cmd_logs(args) -> None:
-    from wbrag_ray import jobs_api
 
     print(jobs_api.logs(args.submission_id, args.address), end="")
 
 
 def cmd_stop(args) -> None:
-    from wbrag_ray import jobs_api
 
     stopped = jobs_api.stop(args.submission_id, args.address)
     print(f"{args.submission_id}: {'stop requested' if stopped else 'already finished'}")
 
 
 def cmd_report(args) -> None:
-    from wbrag_ray.report import write_report
 
     run = RunFolder(args.run)
     run.require_run()  # a mistyped path: refused, and nothing created there
@@ -519,7 +510,6 @@ def cmd_report(args) -> None:
 
 
 def cmd_inspect(args) -> None:
-    from wbrag_ray.inspection import inspect_run
 
     run = RunFolder(args.run)
     run.require_run()
@@ -527,13 +517,11 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_doctor(args) -> int:
-    from wbrag_ray import doctor
 
     return doctor.run(args)
 
 
 def cmd_data(args) -> None:
-    from wbrag_ray import flashrag_data
 
     if not args.datasets and not args.corpus:
         raise ConfigError("name at least one dataset (nq, triviaqa, ...) or --corpus wiki18")
@@ -596,7 +584,6 @@ def _writer_lease(args):
 
     if args.command not in WRITERS or (args.command == "writeback" and args.list):
         return contextlib.nullcontext()
-    from wbrag_ray.lease import run_lease
 
     return run_lease(args.run, args.holder)
 
