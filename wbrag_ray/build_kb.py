@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from wbrag_ray.checkpoints import resumable_write
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.formats import InputError
+from wbrag_ray.formats import InputError, listing_identity, reject_reasons
+from wbrag_ray.index.faiss_index import build_index
+from wbrag_ray.index.files import shard_dim
+from wbrag_ray.index.sizing import plan_training
+from wbrag_ray.layout import IngestFolder
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.stages.ingest import run_ingest
+from wbrag_ray.storage import resolve
 
 # The corpus path is not a setting: the same corpus may be read from a moved copy (a local file, then s3://). Its
 # identity is a parameter instead: its files' names and sizes (`corpus_params`), so another corpus is refused.
@@ -35,9 +44,6 @@ def corpus_params(config: WbragConfig, run: RunFolder | None = None, force: bool
     listing also checks, before any work, that the corpus exists and holds .jsonl / .parquet files. On a run whose
     ingest is complete, a corpus that is gone (deleted or moved after ingest) is not needed: the recorded identity
     stands for it, so later stages still run (not with `force`, which ingests again and needs the corpus)."""
-    from wbrag_ray.formats import listing_identity
-    from wbrag_ray.storage import resolve
-
     if not config.ingest.corpus:
         raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
     corpus = resolve(config.ingest.corpus)
@@ -53,10 +59,6 @@ def corpus_params(config: WbragConfig, run: RunFolder | None = None, force: bool
 def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
     """Passages and sentences of ingest.corpus, with rejects. A corpus of which no record is usable (another
     encoding, a JSON array, a QA file) fails the stage, which is then not complete, with the leading reasons."""
-    from wbrag_ray.formats import reject_reasons
-    from wbrag_ray.layout import IngestFolder
-    from wbrag_ray.stages.ingest import run_ingest
-
     corpus = config.ingest.corpus
     params = corpus_params(config, run, force)
 
@@ -92,8 +94,6 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
     def work() -> dict[str, Any]:
         import ray.data
 
-        from wbrag_ray.checkpoints import resumable_write
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
         from wbrag_ray.stages.base import Resources, apply_stage
         from wbrag_ray.stages.embed import EmbedStage
 
@@ -130,9 +130,6 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
     """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest; and
     the document store of the indexed unit (one task per ingest shard), which searches look hits up in."""
-    from wbrag_ray.index.faiss_index import build_index
-    from wbrag_ray.retrieval.docstore import write_doc_store
-
     def work() -> dict[str, Any]:
         ic = config.index
         docs = run.layout.docs.join(ic.unit)
@@ -171,9 +168,6 @@ def check_factory(run: RunFolder, config: WbragConfig) -> None:
     if factory.strip().lower() == "auto":
         return
     import faiss
-
-    from wbrag_ray.index.files import shard_dim
-    from wbrag_ray.index.sizing import plan_training
 
     dim = 3840  # divisible by every usual PQ / OPQ sub-quantizer count (8 ... 128), when the vectors are not built
     files = run.layout.embed.list_files(".parquet") if run.is_complete(EMBED.name) else []

@@ -44,7 +44,12 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, refuse_unplaceable
+from wbrag_ray.layout import subdirs
+from wbrag_ray.lease import fence
+from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
 from wbrag_ray.storage import Location, StorageError, refused_writes
+from wbrag_ray.waits import pool_start_wait
 
 if TYPE_CHECKING:
     import ray.data
@@ -177,8 +182,6 @@ class StageCheckpoint:
     def record(self) -> None:
         """Before anything is committed: this command still holds the run folder's lease (`lease.fence`: a command
         whose lease was taken stops here), the stage's fingerprint (once), and the pass now running."""
-        from wbrag_ray.lease import fence
-
         fence(self.folder)
         record = self.folder.join("fingerprint.json")
         if self.fingerprint is not None and not record.exists():
@@ -236,8 +239,6 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
 def progress(folder: Location) -> dict[str, Any]:
     """What the checkpoint of an incomplete stage holds: the pass it was in and that pass's rows, and how many
     rows (answers, or rows Ray Data checkpointed) are committed."""
-    from wbrag_ray.layout import subdirs
-
     info = folder.join("pass.json")
     out: dict[str, Any] = info.read_json() if info.exists() else {}
     committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()
@@ -253,8 +254,6 @@ def progress(folder: Location) -> dict[str, Any]:
 def training_progress(folder: Location) -> dict[str, Any]:
     """The step of a stopped training's last checkpoint, from Ray Train's snapshot in the stage checkpoint's
     `train/<label>/` folder (`training.workers.fit`); empty when the stage trains nothing."""
-    from wbrag_ray.layout import subdirs
-
     train = folder.join("train")
     for label in subdirs(train):
         snapshot = train.join(label, "checkpoint_manager_snapshot.json")
@@ -303,8 +302,6 @@ def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> b
     actors (as many as fit: Ray Data runs on those that start) and the CheckpointFilter actor, placed in either
     order (Ray starts them together), leave room for one read or write task; for a pass of plain tasks, the
     filter and one of its tasks. False only where no order leaves room: then the pass waits forever."""
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
-
     r = pass_resources
 
     def places(filter_first: bool) -> bool:
@@ -357,8 +354,6 @@ def resume_refusal(pass_resources: Resources, label: str, nodes: list[dict[str, 
 def fit_resume(pass_resources: Resources, key: str | None, label: str) -> Resources:
     """The placement a resumed pass runs with on the connected cluster (`resume_fit`), said in one line where it
     differs from the configured one (`key`: the config section that sizes the pass); refused where none fits."""
-    from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, refuse_unplaceable
-
     refuse_unplaceable(lambda nodes: resume_refusal(pass_resources, label, nodes))
     if autoscaling():
         return pass_resources
@@ -388,9 +383,6 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
     (`fit_resume`), and `build(resources)` builds the pass with the placement it runs with."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
-
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
-    from wbrag_ray.waits import pool_start_wait
 
     checkpoint = active()
     if checkpoint is None:

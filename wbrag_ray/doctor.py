@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from wbrag_ray.index.gpu_clone import faiss_has_gpu
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 
 # Ray's object store lives in /dev/shm; a container's default is 64 MiB, and below about this Ray spills to disk
@@ -96,7 +98,6 @@ def check_faiss() -> Check:
         import faiss
     except ImportError:
         return Check("faiss", FAIL, "not installed: pip install 'wbrag-ray[cpu]' or 'wbrag-ray[gpu]'")
-    from wbrag_ray.index.gpu_clone import faiss_has_gpu
 
     if not faiss_has_gpu():
         return Check("faiss", WARN, f"faiss {faiss.__version__} without GPU support (faiss-cpu): search and "

@@ -27,7 +27,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.formats import SPLITS, corpus_record, dataset_record
-from wbrag_ray.storage import resolve
+from wbrag_ray.storage import cache_root, resolve
 
 REPO = "RUC-NLPIR/FlashRAG_datasets"  # a dataset repository
 CORPORA = {"wiki18": "retrieval-corpus/wiki18_100w.zip"}  # the corpus both papers retrieve from
@@ -234,8 +234,6 @@ def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: st
     disk it needs (files not yet here, plus the unzipped corpus) against the free space. A partial download is
     resumed; a local `out` keeps what is there and adds the rest."""
     import hashlib
-
-    from wbrag_ray.storage import cache_root
 
     wanted = files_to_fetch(repository_listing(revision, hub), datasets, corpus)
     if _remote(out):

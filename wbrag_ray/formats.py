@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, resolve
 
 PASSAGES = pa.schema([("pid", pa.int64()), ("doc_id", pa.string()), ("title", pa.string()), ("text", pa.string())])
 SENTENCES = pa.schema([("sid", pa.int64()), ("pid", pa.int64()), ("position", pa.int32()), ("text", pa.string())])
@@ -82,8 +82,6 @@ def input_identity(loc: Location, what: str) -> str:
 def input_params(path: str, what: str) -> dict[str, Any]:
     """A stage's parameters for a question set it reads by path (`train`): the path and, under `made_from`, its
     identity (`input_identity`), so a file edited in place is another input."""
-    from wbrag_ray.storage import resolve
-
     return {"train": path, "made_from": {"train": input_identity(resolve(path), what)}}
 
 
@@ -231,8 +229,6 @@ def read_dataset(loc: Location, limit: int | None = None) -> tuple[pa.Table, pa.
 def read_questions(path: str, what: str, limit: int | None = None) -> tuple[pa.Table, pa.Table]:
     """`read_dataset` of a user's QA file (`what` names the setting it came from, e.g. 'eval.dataset'): a file
     without one usable question is an input error that says the leading reject reasons."""
-    from wbrag_ray.storage import resolve
-
     questions, rejects = read_dataset(resolve(path), limit=limit)
     if questions.num_rows == 0:
         why = f": {reject_reasons(rejects)}" if rejects.num_rows else " (it is empty)"

@@ -10,6 +10,8 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from wbrag_ray.config import ConfigError
+
 if TYPE_CHECKING:
     from wbrag_ray.config import GeneratorConfig
 
@@ -22,7 +24,6 @@ def local_or_remote_path(spec: str) -> str | None:
     """The path or URI `spec` names (a model, adapter or index by path; a bundled model's file), or None where it
     names none (a hub id, an API model name)."""
     if spec.startswith("bundled:"):
-        from wbrag_ray.config import ConfigError
         from wbrag_ray.models.bundled import bundled_path
 
         try:

@@ -12,6 +12,8 @@ import textwrap
 
 import pyarrow.parquet as pq
 
+from wbrag_ray.checkpoints import progress
+from wbrag_ray.layout import subdirs
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
@@ -38,9 +40,6 @@ def _head(loc, n: int) -> list[dict]:
 def run_status(run: RunFolder) -> list[str]:
     """One line per stage: complete ones with their rows (and how many a resume read back), then incomplete
     ones with the rows their checkpoint holds: what the same command would resume."""
-    from wbrag_ray.checkpoints import progress
-    from wbrag_ray.layout import subdirs
-
     lines = [f"run {run.uri}"]
     complete = run.completed_stages()
     for name in complete:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import os
 
+from wbrag_ray.cluster_nodes import has_auto, needs_layout, resolve_auto_concurrency
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.gpu_layout import index_on_gpu
+from wbrag_ray.index.gpu_clone import faiss_has_gpu
+from wbrag_ray.ray_runtime import check_model_paths, init_ray
 from wbrag_ray.run import RunFolder
 
 RunLike = str | os.PathLike[str] | RunFolder
@@ -31,16 +35,10 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     the other nodes cannot read, before any work; each "auto" count (`concurrency`, a training's `num_workers`)
     decided on the cluster by every command, after what the commands before it built: the index's search actors,
     whose GPUs the generator leaves to them (`cluster_nodes.resolve_auto_concurrency`)."""
-    from wbrag_ray.cluster_nodes import has_auto, needs_layout, resolve_auto_concurrency
-    from wbrag_ray.ray_runtime import check_model_paths, init_ray
-
     check_model_shapes(config)
     init_ray(config.ray, run.uri)
     check_model_paths(config)
     import ray
-
-    from wbrag_ray.gpu_layout import index_on_gpu
-    from wbrag_ray.index.gpu_clone import faiss_has_gpu
 
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
     index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())

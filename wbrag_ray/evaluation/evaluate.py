@@ -13,15 +13,22 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from wbrag_ray import rag
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.evaluation.made_by import made_by, result_departures
+from wbrag_ray.evaluation.short_answer import short_answer
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.layout import EvalResult
 from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import papers_followed
+from wbrag_ray.retrieval.stage import RetrievalSetting
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
+from wbrag_ray.storage import resolve
+from wbrag_ray.writeback.versions import active_index
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -49,9 +56,7 @@ def evaluate(
     (default: the name, plus -writeback). `passes`: generator passes (and their loaded generator) shared with
     the caller's other evaluations, left open; by default the evaluation has its own.
     """
-    from wbrag_ray import rag
     from wbrag_ray.generation.backends import make_generator
-    from wbrag_ray.retrieval.stage import RetrievalSetting
 
     methods = rag.check_methods(config.eval.methods)
     needs_index = any(m != "no-retrieval" for m in methods)
@@ -61,8 +66,6 @@ def evaluate(
     extra: tuple[tuple[str, str | None, str], ...] = ()
     default_setting, wb_version = "base", None
     if writeback or writeback_version:
-        from wbrag_ray.writeback.versions import active_index
-
         wb_version, wb_index, wb_docs = active_index(run, writeback_version)
         extra, default_setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
     setting = setting or default_setting
@@ -78,9 +81,6 @@ def evaluate(
 
     searched_union = None
     if wb_version:
-        from wbrag_ray.retrieval.union import UnionRule
-        from wbrag_ray.storage import resolve
-
         searched_union = UnionRule.of(config.retrieval).resolved([resolve(extra[0][0])]).settings()
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
@@ -95,8 +95,6 @@ def evaluate(
         if own:
             passes.close()
     seconds = time.perf_counter() - t0
-
-    from wbrag_ray.layout import EvalResult
 
     results: dict[str, dict[str, Any]] = {}
     staged: list[tuple[EvalResult, EvalResult]] = []
@@ -164,8 +162,6 @@ def own_adapter(run: RunFolder, config: WbragConfig) -> bool:
 def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:
     """What the metrics score: the generated text, or its answer span (`eval.answer_form: span`)."""
     if form == "span":
-        from wbrag_ray.evaluation.short_answer import short_answer
-
         return [short_answer(p, q) for p, q in zip(part["prediction"], part["question"], strict=True)]
     return part["prediction"].tolist()
 

@@ -6,10 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.evaluation.effect import writeback_effect
 from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
+from wbrag_ray.evaluation.stage import union_label, union_settings, union_suffix
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, settings_value
+from wbrag_ray.writeback.pipeline import with_gate_metric
+from wbrag_ray.writeback.versions import default_version, trained_method, versions
 
 
 def evaluate_methods_grid(
@@ -28,10 +32,6 @@ def evaluate_methods_grid(
     ones already there (labels: `union_suffix`). `same_writeback`: first train a version under each method
     that has none (`same_writeback_versions`), and add WriteBack-RAG's Table 2 view: each method on the base
     and on its own version."""
-    from wbrag_ray.evaluation.effect import writeback_effect
-    from wbrag_ray.evaluation.stage import union_label, union_suffix
-    from wbrag_ray.writeback.versions import trained_method, versions
-
     name = name or dataset_name(config, dataset)
     methods = list(dict.fromkeys(config.eval.methods))
     own = same_writeback_versions(run, config) if same_writeback else {}
@@ -113,7 +113,6 @@ def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, st
     name is taken), not activated (the grid evaluates beside each version in turn). Each choice is printed, a
     version passed over with what differs."""
     from wbrag_ray.writeback.pipeline import train_writeback
-    from wbrag_ray.writeback.versions import default_version, versions
 
     train = config.writeback.train
     trained = sorted(versions(run))
@@ -154,10 +153,6 @@ def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str
     train for `method`: 'what: the version's (the grid: its)' for the generator, the embedder, the training questions'
     limit, each gate setting, deduplication, the validation hold-out, the union and K. A version trained before one
     of them was recorded differs in it ('not recorded')."""
-    from wbrag_ray.evaluation.stage import union_settings
-    from wbrag_ray.run import settings_value
-    from wbrag_ray.writeback.pipeline import with_gate_metric
-
     made = stats.get("settings", {}).get("config", {})
     wb = with_gate_metric(config.writeback, config.writeback.train or "")
     # every write-back setting that changes the version's units: the question subset, gates, deduplication, hold-out

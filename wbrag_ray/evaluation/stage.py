@@ -7,8 +7,11 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.formats import dataset_stem, input_identity
+from wbrag_ray.identity import content_identity, index_identity
 from wbrag_ray.retrieval.union import OWN_SETTING, UnionRule
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.storage import resolve
 
 # Results are never silently replaced: other settings under the same label are refused, naming what changed.
 EVAL = RunStage(
@@ -25,8 +28,6 @@ EVAL = RunStage(
 
 def dataset_name(config: WbragConfig, dataset: str) -> str:
     """What results on `dataset` are called: eval.name, else the file's stem."""
-    from wbrag_ray.formats import dataset_stem
-
     return config.eval.name or dataset_stem(dataset)
 
 
@@ -39,9 +40,6 @@ def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragC
     if config is not None and (kwargs.get("writeback") or kwargs.get("writeback_version")):
         params["union"] = union_settings(config)
     if config is not None:
-        from wbrag_ray.formats import input_identity
-        from wbrag_ray.storage import resolve
-
         # the questions by content too: a dataset edited in place is not the one the stored results answered
         params["made_from"] = {**made_from(config, kwargs, run), "dataset": input_identity(resolve(dataset), "dataset")}
     return params
@@ -52,8 +50,6 @@ def made_from(config: WbragConfig, kwargs: dict[str, Any], run: RunFolder | None
     model and adapter (a tuned adapter), the embedder, the base index (the run's, or a pruned one), the router and
     the write-back version's index; each changes when its folder is made again in place (`--force`), so the
     results and the answers of the old one are never taken for the new."""
-    from wbrag_ray.identity import content_identity, index_identity
-
     base = kwargs.get("base_index") or (run.layout.index.uri if run is not None else None)
     version = kwargs.get("writeback_version")
     out = {

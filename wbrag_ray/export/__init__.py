@@ -23,7 +23,12 @@ from typing import Any
 
 from wbrag_ray import __version__
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.export.view import MANIFEST_FILE
+from wbrag_ray.export import flashrag
+from wbrag_ray.export.view import MANIFEST_FILE, WRITEBACK, open_view
+from wbrag_ray.index.sizing import TASK_BASE_BYTES, node_bounded
+from wbrag_ray.index.tasks import largest_node
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location, resolve
 
@@ -34,8 +39,6 @@ def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Locat
               prune_ratio: float | None = None, writeback: str | None = None, force: bool = False) -> dict[str, Any]:
     """Write the view (see `view.open_view`) in `format` into the folder `out` (local or s3://); returns the
     export's manifest. A folder that holds anything but an earlier export is refused unless `force`."""
-    from wbrag_ray.export.view import open_view
-
     if format not in FORMATS:
         raise ConfigError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
     _writer(format)  # its library is checked here, before any file is written
@@ -63,9 +66,6 @@ def union_record(view, config: WbragConfig) -> dict[str, Any] | None:
     """How an export merges passages and units (None: it holds no units): one FAISS index searched as one, a merge
     by score; beside it the rule the run searches the version with (`UnionRule.resolved`: `auto` is the version's
     choice) and whether the two are the same."""
-    from wbrag_ray.export.view import WRITEBACK
-    from wbrag_ray.retrieval.union import UnionRule
-
     units = [p for p in view.parts if p.source == WRITEBACK]
     if not units:
         return None
@@ -87,9 +87,6 @@ def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tupl
 
     if not ray.is_initialized():
         return _write(format, view, out_uri, config)
-    from wbrag_ray.index.sizing import TASK_BASE_BYTES, node_bounded
-    from wbrag_ray.index.tasks import largest_node
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
 
     memory = node_bounded(view.index_bytes() + TASK_BASE_BYTES, largest_node(True))
     return ray.get(ray.remote(num_cpus=LIGHT_CPUS, memory=memory, max_retries=1)(_write).remote(
@@ -99,8 +96,6 @@ def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tupl
 def _writer(format: str):
     """The format's module, after checking that its library is installed (before any file is written)."""
     if format == "flashrag":
-        from wbrag_ray.export import flashrag
-
         return flashrag
     if format == "langchain":
         from wbrag_ray.export import langchain as module

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.export.codes import add_codes, adds_codes, encoder
 from wbrag_ray.export.embedder import embedder_info
@@ -38,9 +39,12 @@ from wbrag_ray.index.faiss_index import (
     read_embedding_shard,
     to_bytes,
 )
+from wbrag_ray.index.search_params import measured_settings, search_nprobe, set_search_params
+from wbrag_ray.ray_runtime import LIGHT_CPUS, shared_value
 from wbrag_ray.run import RunFolder
 from wbrag_ray.stages.kept import release_kept
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, resolve
+from wbrag_ray.writeback.versions import active_index, read_active
 
 MANIFEST_FILE = "wbrag_export.json"  # an export's view, counts and embedder; written last: the export is complete
 BASE, WRITEBACK = "base", "writeback"  # the id namespaces, as `Hit.source` names them
@@ -143,8 +147,6 @@ class View:
         run's search settings (nprobe, efSearch, k_factor) set: faiss saves them with the index."""
         import faiss
 
-        from wbrag_ray.index.search_params import set_search_params
-
         base = self.parts[0].index
         trained = base.join(self.manifest.get("trained", TRAINED_FILE))
         if not trained.exists():
@@ -162,15 +164,11 @@ class View:
 
     def search_settings(self, config: WbragConfig) -> tuple[int | str | None, int | None]:
         """(nprobe, ef_search) the export saves: the run's, 'auto' taking what the base index's build measured."""
-        from wbrag_ray.index.search_params import measured_settings
-
         return measured_settings(self.manifest, config.index.nprobe, config.index.ef_search)
 
     def nprobe(self, config: WbragConfig) -> int | None:
         """The nprobe saved in the exported index (index.nprobe; 'auto': the measured one, else the formula's on
         the trained index)."""
-        from wbrag_ray.index.search_params import search_nprobe
-
         nprobe = self.search_settings(config)[0]
         return search_nprobe(self.empty_index(config), nprobe) if nprobe == "auto" else nprobe
 
@@ -195,7 +193,6 @@ def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = N
     """The base index (or the base pruned at `prune_ratio`) plus the units of a write-back version:
     `writeback` names one, or is 'active' (the active one; an error when there is none) or 'none'; by default
     the active version when there is one."""
-    from wbrag_ray.build_kb import INDEX
     from wbrag_ray.zerorag.prune import index_for_ratio
 
     run.require(INDEX)
@@ -229,8 +226,6 @@ def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = N
 
 
 def _writeback_version(run: RunFolder, writeback: str | None) -> str | None:
-    from wbrag_ray.writeback.versions import active_index, read_active
-
     if writeback == "none":
         return None
     if writeback is None:  # by default what the run searches: the active version, when there is one
@@ -298,8 +293,6 @@ def _part_batches(part: Part, trained: bytes | None, parallel: bool,
     tasks when `parallel` and Ray is up."""
     import ray
 
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
-
     readers = _Readers.of(part)
     files = [f.uri for f in embedding_files(part.embeddings)]
     if trained is None or not parallel or not ray.is_initialized():
@@ -343,9 +336,6 @@ class _Readers:
 def _shard_batch(readers: _Readers, trained, uri: str) -> tuple[np.ndarray, list[Document]] | None:
     """One embedding shard's vectors (or, given the trained index, their standalone codes) and documents, in the
     shard's order; None when it holds no document of the view."""
-    from wbrag_ray.ray_runtime import shared_value
-    from wbrag_ray.storage import resolve
-
     f = resolve(uri)
     part = readers.part
     ids, vectors = read_embedding_shard(f)

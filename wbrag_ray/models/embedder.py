@@ -7,6 +7,7 @@ import numpy as np
 
 from wbrag_ray.config import ConfigError, EmbedderConfig
 from wbrag_ray.models.bundled import resolve_model
+from wbrag_ray.models.hardware import pick_device, pick_dtype
 
 
 def needs_e5_prefixes(model: str) -> bool:
@@ -26,8 +27,6 @@ class Embedder:
 
     def setup(self) -> None:
         from sentence_transformers import SentenceTransformer
-
-        from wbrag_ray.models.hardware import pick_device, pick_dtype
 
         device = pick_device(self.config.num_gpus)
         self.model = SentenceTransformer(self.source, device=device, trust_remote_code=self.config.trust_remote_code)

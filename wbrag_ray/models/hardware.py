@@ -7,6 +7,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from wbrag_ray.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -107,8 +109,6 @@ def pick_device(num_gpus: float) -> str:
         return "cuda"
     granted = granted_gpus()
     if granted:
-        from wbrag_ray.config import ConfigError
-
         raise ConfigError(
             f"Ray granted this worker GPU {', '.join(map(str, granted))}, but torch {torch.__version__} (CUDA build: "
             f"{torch.version.cuda or 'none, a CPU-only build'}) sees no CUDA device: install the torch build for "
@@ -129,7 +129,6 @@ def require_gpu(stage: str, key: str, num_gpus: float, setting: str | None = Non
 
     if torch.cuda.is_available():
         return
-    from wbrag_ray.config import ConfigError
 
     setting = setting or f"{key}.num_gpus"
     granted = granted_gpus()

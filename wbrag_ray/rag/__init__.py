@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from wbrag_ray.config import ConfigError
+from wbrag_ray.rag import flare, self_rag
 from wbrag_ray.rag.one_pass import (
     MIXTURE,
     ONE_PASS,
@@ -121,12 +122,8 @@ def answer(
     if "self-rag" in methods or "flare" in methods:
         frame = questions.to_pandas()
         if "self-rag" in methods:
-            from wbrag_ray.rag import self_rag
-
             parts.append(self_rag.run(frame, config.rag.self_rag, search, passes, answer_column))
         if "flare" in methods:
-            from wbrag_ray.rag import flare
-
             parts.append(flare.run(frame, config.rag.flare, search, passes, answer_column))
     out = pd.concat(parts, ignore_index=True)
     skipped = out["retrieval_skipped"] if "retrieval_skipped" in out else pd.Series(False, index=out.index)

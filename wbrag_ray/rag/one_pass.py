@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from wbrag_ray.metrics import normalize_answer
+
 ONE_PASS = ("no-retrieval", "naive", "replug", "replug-vote")
 MIXTURE = ("replug",)  # decoded as one probability mixture per example (generation mode `mixture`)
 
@@ -45,8 +47,6 @@ def replug_weights(scores: Sequence[float], temperature: float) -> list[float]:
 
 def weighted_vote(answers: Sequence[str], weights: Sequence[float]) -> str:
     """The answer whose normalized form carries the most weight; ties go to the better-ranked document."""
-    from wbrag_ray.metrics import normalize_answer
-
     totals: dict[str, float] = {}
     first: dict[str, str] = {}
     for answer, weight in zip(answers, weights, strict=True):

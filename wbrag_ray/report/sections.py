@@ -14,12 +14,18 @@ import pyarrow.parquet as pq
 
 import wbrag_ray.report.plots as plots
 from wbrag_ray.build_kb import INGEST
+from wbrag_ray.evaluation.evaluate import load_results
+from wbrag_ray.evaluation.methods_grid import same_writeback_rows
+from wbrag_ray.index.files import MANIFEST
 from wbrag_ray.layout import WritebackVersion
 from wbrag_ray.metrics import METRICS
+from wbrag_ray.plan.against_run import load_plan, planned_vs_measured, run_wall_seconds
+from wbrag_ray.ray_runtime import LIGHT_CPUS, run_tasks
 from wbrag_ray.report.adapter_effect import adapter_tables
+from wbrag_ray.report.paper_rows import departures_tables, paper_section
 from wbrag_ray.report.render import Section, Table
 from wbrag_ray.run import RunFolder
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, resolve
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
 
 # The Table 3 figures of WriteBack-RAG, in the paper's order, with the labels people read.
@@ -47,7 +53,6 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
     if INGEST.name in stats:
         sections.append(corpus_section(run, stats[INGEST.name], out))
     sections += evaluation_sections(run, out)
-    from wbrag_ray.report.paper_rows import paper_section  # imported where used, as evaluation_sections does
 
     if (paper := paper_section(run)) is not None:
         sections.append(paper)
@@ -70,8 +75,6 @@ def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
 def plan_section(run: RunFolder, stats: dict[str, dict[str, Any]]) -> Section | None:
     """Planned against measured: the plan `wbrag run` stored when it started, each stage's planned time (and where
     its rate came from) beside the time the run measured, and the ratio; None where no plan was stored."""
-    from wbrag_ray.plan.against_run import load_plan, planned_vs_measured, run_wall_seconds
-
     plan = load_plan(run)
     if plan is None:
         return None
@@ -93,7 +96,6 @@ def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
     if sentences.exists():
         if img := plots.plot_sentences_per_passage(sentences_per_passage(sentences), out):
             sec.images.append((img, "How many sentences (Zero-RAG's pruning unit) each passage holds."))
-    from wbrag_ray.index.files import MANIFEST
 
     manifest = run.layout.index.join(MANIFEST)
     search = (manifest.read_json().get("search") if manifest.exists() else None) or {}
@@ -112,8 +114,6 @@ def sentences_per_passage(sentences: Location) -> np.ndarray:
     """histogram[k] = the passages with k sentences, counted one ingest file at a time (Ray tasks when Ray is up,
     else one file after another here): a passage's sentences are all in its shard's file, so the files' histograms
     add up, and only they travel; no process reads the whole sentence column (1.1 GB of ids at 138M sentences)."""
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, run_tasks
-
     files = [f.uri for f in sentences.list_files(".parquet")]
     parts = run_tasks(_file_histogram, None, files, num_cpus=LIGHT_CPUS)
     total = np.zeros(max((len(h) for h in parts), default=1), np.int64)
@@ -123,8 +123,6 @@ def sentences_per_passage(sentences: Location) -> np.ndarray:
 
 
 def _file_histogram(_shared: None, uri: str) -> np.ndarray:
-    from wbrag_ray.storage import resolve
-
     pids = resolve(uri).read_table(["pid"])["pid"]
     return np.bincount(pc.value_counts(pids).field("counts").to_numpy()) if len(pids) else np.zeros(1, np.int64)
 
@@ -132,8 +130,6 @@ def _file_histogram(_shared: None, uri: str) -> np.ndarray:
 def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
     """The metrics of every evaluated setting, then each methods x write-back grid (the run's own, and one per
     Zero-RAG setting it was run with)."""
-    from wbrag_ray.evaluation.evaluate import load_results
-
     sections = []
     results = load_results(run)
     if results:
@@ -171,7 +167,6 @@ def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting
         "method", "knowledge base", "trained with", "write-back", "union", "n", "em", "f1", "acc", "acc vs base",
         "unit in top K", "won", "lost", "retrieval rate", "generator calls"], rows))
     # imported here: the grid's module loads the generator's, which a report never needs otherwise
-    from wbrag_ray.evaluation.methods_grid import same_writeback_rows
 
     if same := same_writeback_rows(grid):  # `--same-writeback`: WriteBack-RAG's Table 2 shape
         sec.tables.append(Table("Same-WB: each method on the base and beside the version written back under it", [
@@ -234,8 +229,6 @@ def no_effect(stats: dict) -> str | None:
 
 def config_section(run: RunFolder) -> Section:
     """The run's config, and first the choices in it that differ from the papers (for the methods the run used)."""
-    from wbrag_ray.report.paper_rows import departures_tables
-
     run_json = run.layout.run_json.read_json() if run.layout.run_json.exists() else {}
     sec = Section("Configuration")
     if run_json:

@@ -18,6 +18,7 @@ import numpy as np
 
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
+from wbrag_ray.models.hardware import pick_dtype
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
 from wbrag_ray.training.placement import Placement
 from wbrag_ray.training.workers import fit
@@ -138,8 +139,6 @@ class LMPrunerPredictor:
     def setup(self) -> None:
         import torch
         from peft import PeftModel
-
-        from wbrag_ray.models.hardware import pick_dtype
 
         meta = json.loads((Path(self.model_dir) / STATS_FILE).read_text())
         self.max_length = int(meta["max_length"])

@@ -23,7 +23,7 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, TuneConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
 from wbrag_ray.generation.types import messages_to_text
 from wbrag_ray.layout import ADAPTER_STATS as STATS_FILE
-from wbrag_ray.metrics import normalize_answer
+from wbrag_ray.metrics import normalize_answer, substring_match
 from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
 from wbrag_ray.training.placement import Placement
@@ -156,8 +156,6 @@ def own_targets(examples: pd.DataFrame, answers: list[str], golds: dict[str, lis
     must pick the span itself, and picks worse than its sentence holds it. Measured on the demo (SmolLM2-135M, 30
     training questions, naive acc on the full index without the adapter 0.725, exact match 0): gold targets for
     an epoch took it to 0.35 (exact match 0.275); its own answers for two epochs, to 0.80."""
-    from wbrag_ray.metrics import substring_match
-
     if len(answers) != len(examples):
         raise ValueError(f"{len(answers)} answers for {len(examples)} tuning rows")
     df = examples.reset_index(drop=True).assign(own=[str(a).strip() for a in answers])

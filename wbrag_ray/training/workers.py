@@ -35,8 +35,11 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from wbrag_ray import checkpoints
+from wbrag_ray.cluster_nodes import refuse_unplaceable, room_for
 from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
-from wbrag_ray.storage import Location
+from wbrag_ray.stages.kept import release_kept
+from wbrag_ray.storage import Location, resolve
 from wbrag_ray.training.placement import (
     Placement,
     collective_device,
@@ -46,6 +49,7 @@ from wbrag_ray.training.placement import (
 )
 from wbrag_ray.training.shards import GROUP, WEIGHT, example_shards, local_batch, own_shard
 from wbrag_ray.training.step import apply_gradients, optimizer_of, trainable_state, wrap
+from wbrag_ray.waits import TRAIN_START_FAILURE, train_start_wait
 
 log = logging.getLogger(__name__)
 STATE_FILE = "train_state.pt"  # in every checkpoint: trainable weights, optimizer, step, losses
@@ -240,8 +244,6 @@ def placement_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key
     """Why a cluster whose nodes hold `nodes` (each node's resources as Ray reports them) cannot place
     `trainer.num_workers` workers of `trainer.num_cpus` CPUs and `trainer.num_gpus` GPUs each (a worker sits on one
     node), or None where it can. `key`: the config section named in the message."""
-    from wbrag_ray.cluster_nodes import room_for
-
     need = {"CPU": trainer.num_cpus, **({"GPU": trainer.num_gpus} if trainer.num_gpus else {})}
     fits = room_for(need, nodes)  # whole workers per node
     if fits >= trainer.num_workers:
@@ -257,8 +259,6 @@ def placement_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key
 def check_placement(trainer: TrainerConfig, key: str) -> None:
     """A ConfigError before any worker starts when the connected cluster cannot place the training workers (Ray
     Train would wait for them); skipped where WBRAG_AUTOSCALING=1 says nodes come on demand."""
-    from wbrag_ray.cluster_nodes import refuse_unplaceable
-
     refuse_unplaceable(lambda nodes: placement_refusal(trainer, nodes, key))
 
 
@@ -298,10 +298,6 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from wbrag_ray import checkpoints
-    from wbrag_ray.stages.kept import release_kept
-    from wbrag_ray.waits import TRAIN_START_FAILURE, train_start_wait
-
     trainer_config = section.trainer
     plan_steps(section, training.num_examples, trainer_config.num_workers)  # refuse before any worker starts
     check_placement(trainer_config, key)
@@ -312,8 +308,6 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
             stage.record()  # the fingerprint first: a checkpoint of other settings is never resumed
             storage = stage.training
         elif storage is None:
-            from wbrag_ray.storage import resolve
-
             storage = resolve(stack.enter_context(tempfile.TemporaryDirectory(prefix="wbrag-train-")))
         # Workers must not chdir into Ray Train's staging folder: relative model paths are the user's cwd's.
         os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")

@@ -13,9 +13,13 @@ import re
 import numpy as np
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.passes import GeneratorPasses
-from wbrag_ray.stages.base import Resources, Stage
+from wbrag_ray.metrics import normalize_answer
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.retrieval.hits import hits_from_json
+from wbrag_ray.stages.base import Resources, Stage, run_local
 
 
 def word_count(text: str) -> int:
@@ -29,8 +33,6 @@ _ANSWER_LEAD = re.compile(r"^(?:the\s+)?answer(?:\s+to\s+(?:the|this|your)\s+que
 
 
 def _tokens(text: str) -> set[str]:
-    from wbrag_ray.metrics import normalize_answer
-
     return set(normalize_answer(text).split())
 
 
@@ -113,8 +115,6 @@ def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str,
 
 def kept_hits(docs: str, kept_ranks: str):
     """The retrieved hits the document gate kept, in rank order."""
-    from wbrag_ray.retrieval.hits import hits_from_json
-
     hits = hits_from_json(docs)
     return [hits[j] for j in json.loads(kept_ranks)]
 
@@ -129,13 +129,9 @@ class DistillExtractStage(Stage):
 
     @property
     def resources(self) -> Resources:
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
-
         return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray import prompts
-
         batch["extract_prompt"] = [
             prompts.dumps(prompts.extract_messages(q, kept_hits(d, k)))
             for q, d, k in zip(batch["question"], batch["docs"], batch["kept_ranks"], strict=True)
@@ -152,8 +148,6 @@ class DistillRewriteStage(DistillExtractStage):
     output_columns = ("extracted_verbatim", "rewrite_prompt")
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray import prompts
-
         batch["extracted_verbatim"] = [
             ground_extraction(e, kept_hits(d, k), q)
             for e, d, k, q in zip(batch["extracted"], batch["docs"], batch["kept_ranks"], batch["question"], strict=True)
@@ -167,8 +161,6 @@ class DistillRewriteStage(DistillExtractStage):
 
 def distill(config: WbragConfig, kept: pd.DataFrame, passes: GeneratorPasses) -> pd.DataFrame:
     """The distiller's two steps over the kept examples; the frame passed on holds no gold answers."""
-    from wbrag_ray.stages.base import run_local
-
     wb = config.writeback
     # Only these columns reach the distiller's prompts: the gold answers are not among them. The prompts are
     # built here, in the driver that holds the examples; the generator's service writes the steps.

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import pandas as pd
 
 from wbrag_ray.config import WritebackConfig
-from wbrag_ray.stages.base import Resources, Stage
+from wbrag_ray.metrics import metric
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.stages.base import Resources, Stage, run_local
 
 # Scores are differences of floats (f1 especially): 0.51 - 0.5 is 0.0100000000000000009, which must not beat
 # tau = 0.01. Comparisons allow this much rounding, so a score exactly at a threshold behaves as written.
@@ -47,8 +49,6 @@ class _GateStage(Stage):
 
     @property
     def resources(self) -> Resources:
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
-
         return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
 
 
@@ -60,8 +60,6 @@ class UtilityGateStage(_GateStage):
     output_columns = ("s_nr", "s_rag", "delta", "useful")
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray.metrics import metric
-
         c = self.config
         golds = [_golds(g) for g in batch["golden_answers"]]
         batch["s_nr"] = [metric(c.metric, a, g) for a, g in zip(batch["nr_answer"], golds, strict=True)]
@@ -80,8 +78,6 @@ def gate_examples(answered: pd.DataFrame, method: str, config: WritebackConfig) 
     closed-book answer (`nr_answer`) and the method's (`rag_answer`, and `rag_slot_answers` / `rag_trace` where the
     method has them), scored by UtilityGateStage. An example whose method retrieved nothing is not kept: it has
     nothing to write back. What `writeback.pipeline.score_examples` and the plan's calibration both decide by."""
-    from wbrag_ray.stages.base import run_local
-
     nr = answered[answered["method"] == "no-retrieval"].set_index("id")["answer"]
     examples = answered[answered["method"] == method].set_index("id")
     own = {"rag_answer": "answer", "rag_slot_answers": "slot_answers", "rag_trace": "trace"}
@@ -102,8 +98,6 @@ class DocumentGateStage(_GateStage):
     output_columns = ("doc_scores", "kept_ranks", "fallback")
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray.metrics import metric
-
         c = self.config
         scores, kept, fallback = [], [], []
         for golds, s_nr, answers in zip(batch["golden_answers"], batch["s_nr"], batch["doc_answers"], strict=True):

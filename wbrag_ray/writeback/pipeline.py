@@ -25,14 +25,25 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from wbrag_ray import rag
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
-from wbrag_ray.formats import input_params, plain_table
+from wbrag_ray.evaluation.stage import union_settings
+from wbrag_ray.formats import dataset_name, embeddings_table, input_params, plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.index.faiss_index import build_index, load_manifest
 from wbrag_ray.layout import WritebackVersion, plain_name
+from wbrag_ray.metrics import sign_test
+from wbrag_ray.papers import WRITEBACK as PAPER
+from wbrag_ray.papers import gate_metric, print_departures
+from wbrag_ray.retrieval.docstore import write_doc_store
+from wbrag_ray.retrieval.stage import RetrievalSetting
+from wbrag_ray.retrieval.union import FALLBACK_UNION, write_provenance
 from wbrag_ray.run import RunFolder
+from wbrag_ray.stages.base import run_local
 from wbrag_ray.writeback.distill import distill
-from wbrag_ray.writeback.units import UNITS, build_units, embed_units
-from wbrag_ray.writeback.validation import validate
+from wbrag_ray.writeback.gates import DocumentGateStage, gate_examples
+from wbrag_ray.writeback.units import UNITS, build_units, dedupe, embed_units, table3
+from wbrag_ray.writeback.validation import split, validate
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
 if TYPE_CHECKING:
@@ -43,16 +54,12 @@ def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
     """The write-back settings with `metric: auto` resolved to the paper's metric for the training set."""
     if wb.metric != "auto":
         return wb
-    from wbrag_ray.formats import dataset_name
-    from wbrag_ray.papers import gate_metric
 
     return wb.model_copy(update={"metric": gate_metric(dataset_name(train))})
 
 
 def base_search(run: RunFolder, config: WbragConfig) -> RetrievalSetting:
     """What write-back searches: the run's base index, with the base embedder."""
-    from wbrag_ray.retrieval.stage import RetrievalSetting
-
     return RetrievalSetting(run.layout.index.uri, None, config.embedder, config.retrieval, config.index)
 
 
@@ -63,12 +70,6 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
     The documents an example is distilled from are the ones its method answered from: the top K for naive
     and RePlug, the ones judged relevant for Self-RAG, the ones retrieved for its unsure sentences for FLARE.
     An example whose method retrieved nothing has nothing to write back and is not kept."""
-    from wbrag_ray import rag
-    from wbrag_ray.formats import read_questions
-    from wbrag_ray.stages.base import run_local
-    from wbrag_ray.writeback.gates import DocumentGateStage, gate_examples
-    from wbrag_ray.writeback.validation import split
-
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
     # the held-out questions validate the version instead
@@ -107,8 +108,6 @@ def train_writeback(
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
     version = version or default_version(config, train)
     plain_name(version, "writeback.version", reserved=("base", "ACTIVE"))
-    from wbrag_ray.papers import WRITEBACK as PAPER
-    from wbrag_ray.papers import print_departures
 
     print_departures(config, PAPER, train)
     method = config.writeback.rag_method
@@ -139,8 +138,6 @@ def train_writeback(
 def union_auto(record: dict[str, Any] | str) -> dict[str, str]:
     """The rule `retrieval.union: auto` searches the version with, and why: its validation's choice, or the
     fallback where nothing was held out."""
-    from wbrag_ray.retrieval.union import FALLBACK_UNION
-
     if isinstance(record, dict):
         return {"union": record["chosen"], "why": record["choice"]}
     return {"union": FALLBACK_UNION, "why": f"no validation split ({record}): the paper's merge with the provenance "
@@ -166,21 +163,12 @@ def format_outcome(version: str, units: int, record: dict[str, Any] | str, activ
     if not r["answers_changed"]:
         return line + f"\nwrite-back {version}: it changed no validation answer: it has no measured effect"
     if r["lost"] > r["won"] and not r.get("hurts"):
-        from wbrag_ray.metrics import sign_test
-
         return line + (f" (more lost than won, within chance on {r['questions']} questions: p = "
                        f"{sign_test(r['lost'], r['won']):.2f})")
     return line
 
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
-    from wbrag_ray.evaluation.stage import union_settings
-    from wbrag_ray.formats import dataset_name, embeddings_table
-    from wbrag_ray.index.faiss_index import build_index, load_manifest
-    from wbrag_ray.retrieval.docstore import write_doc_store
-    from wbrag_ray.retrieval.union import write_provenance
-    from wbrag_ray.writeback.units import dedupe, table3
-
     wb = config.writeback
     version = params["version"]
     final = run.layout.writeback_version(version)

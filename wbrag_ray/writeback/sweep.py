@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from wbrag_ray.config import ConfigError
+from wbrag_ray.layout import plain_name
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.gates import document_gate, utility_gate
 
@@ -24,8 +25,6 @@ def gate_sweep(run: RunFolder, version: str, tau_s: list[float], tau_delta: list
                n_min: list[int]) -> list[dict[str, Any]]:
     """One row per setting (the product of the lists): selection rate, mean retained documents, fallback rate and
     the rank distribution of the retained documents. Written to RUN/writeback/<version>/sweep.json."""
-    from wbrag_ray.layout import plain_name
-
     folder = run.layout.writeback_version(plain_name(version, "--sweep VERSION"))
     if not folder.scored.exists():
         raise ConfigError(f"write-back version {version!r} of {run.uri} has no scored examples; train it first "

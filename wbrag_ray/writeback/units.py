@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from wbrag_ray.build_kb import unit_text
+from wbrag_ray.retrieval.stage import PassageVectorsStage
 from wbrag_ray.writeback.distill import (
     BARE_ANSWER,
     UNSUPPORTED,
@@ -99,9 +101,6 @@ def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tu
 def embed_units(units: pd.DataFrame, search: RetrievalSetting, services: Services) -> np.ndarray:
     """Unit vectors from the base embedder, as the base passages are embedded ('Title\\ntext'), in unit order: on
     the retrieval service of `services` (the actors the command's searches of `search` loaded the embedder in)."""
-    from wbrag_ray.build_kb import unit_text
-    from wbrag_ray.retrieval.stage import PassageVectorsStage
-
     if not len(units):
         return np.zeros((0, 0), np.float32)
     stage = PassageVectorsStage(search.stage(services))

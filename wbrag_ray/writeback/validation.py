@@ -23,8 +23,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from wbrag_ray.config import AUTO_VALIDATION_MIN, WbragConfig, WritebackConfig
-from wbrag_ray.evaluation.effect import CHANCE
+from wbrag_ray.evaluation.effect import CHANCE, writeback_effect
+from wbrag_ray.evaluation.evaluate import evaluate_stage
+from wbrag_ray.formats import read_questions
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import sign_test
+from wbrag_ray.retrieval.hits import hits_from_json
+from wbrag_ray.retrieval.union import AUTO, BASE, FALLBACK_UNION, PAPER_UNION, UnionRule, write_choice
 from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
@@ -99,8 +104,6 @@ def choose_union(figures: dict[str, dict[str, Any]], questions: int, metric: str
     CHANCE over the questions the two answered differently); among those, the best `metric`, ties broken by fewest
     lost, then CANDIDATES' order. Below UNION_CHOICE_MIN questions, FALLBACK_UNION (the paper's merge with the
     provenance guard), said so."""
-    from wbrag_ray.retrieval.union import FALLBACK_UNION, PAPER_UNION
-
     if questions < UNION_CHOICE_MIN:
         return FALLBACK_UNION, (f"{questions} validation questions are too few to choose on (at least "
                                 f"{UNION_CHOICE_MIN}): the paper's merge with the provenance guard")
@@ -127,10 +130,6 @@ def choose_union(figures: dict[str, dict[str, Any]], questions: int, metric: str
 def effect_figures(base, union, metric: str) -> dict[str, Any]:
     """One rule's figures against the base's on the same questions: its metric and `writeback_effect`'s counts,
     the distinct units that reached a top K, and the answers that changed (a changed top K can keep its answer)."""
-    from wbrag_ray.evaluation.effect import writeback_effect
-    from wbrag_ray.retrieval.hits import hits_from_json
-    from wbrag_ray.retrieval.union import BASE
-
     both = base[["id", "prediction"]].merge(union[["id", "prediction"]], on="id", suffixes=("_base", "_wb"))
     units = {h.id for docs in union["docs"] for h in hits_from_json(docs) if h.source != BASE}
     return {metric: round(float(union[metric].mean()), 4), **writeback_effect(base, union, metric),
@@ -140,8 +139,6 @@ def effect_figures(base, union, metric: str) -> dict[str, Any]:
 
 def candidate_rules(retrieval: RetrievalConfig) -> dict[str, UnionRule]:
     """{label: rule} of CANDIDATES, each with the rest of `retrieval` (its max_units)."""
-    from wbrag_ray.retrieval.union import UnionRule
-
     return {label: UnionRule.of(retrieval.model_copy(update=settings)) for label, settings in CANDIDATES}
 
 
@@ -151,8 +148,6 @@ def answer_under_each_rule(run: RunFolder, config: WbragConfig, dataset: str, la
     config.eval.methods' first method, all on `passes` (one command: an unchanged prompt keeps its answer).
     Results are evaluations `<label>-base` and `<label>-<rule's label, spaces as dashes>`. Returns (base, {label:
     predictions})."""
-    from wbrag_ray.evaluation.evaluate import evaluate_stage
-
     method = config.eval.methods[0]
 
     def predictions(name: str):
@@ -176,10 +171,6 @@ def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metr
     version with is chosen on them (`choose_union`) and written beside its index (`union.write_choice`). The
     result's headline figures are those of the rule the run searches with (retrieval.union, or under `auto` the
     chosen one), `candidates` every rule's. Or why nothing was held out (`skipped`)."""
-    from wbrag_ray.formats import read_questions
-    from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.retrieval.union import AUTO, UnionRule, write_choice
-
     wb = config.writeback
     if wb.validation is None:  # off: the training file is not read again
         return skipped(wb, 0) or ""

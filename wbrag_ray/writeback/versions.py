@@ -8,6 +8,8 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.formats import dataset_stem
+from wbrag_ray.metrics import sign_test
 from wbrag_ray.run import RunFolder, RunStage
 
 # One trained version is one stage. What it is made from: the write-back settings, the generator and retrieval
@@ -27,8 +29,6 @@ WRITEBACK = RunStage(
 
 def default_version(config: WbragConfig, train: str) -> str:
     """The version name: writeback.version, else the training file's stem (a rerun finds its own stage)."""
-    from wbrag_ray.formats import dataset_stem
-
     return config.writeback.version or dataset_stem(train)
 
 
@@ -124,7 +124,6 @@ def hurts(result: dict[str, Any] | None) -> str | None:
     sign_test` under `evaluation.effect.CHANCE`: 1 lost and 0 won is a coin's toss, 5 and 0 is not); None when it
     does not, or was not validated. Its metric is said beside, as a fall in it is those questions' sum."""
     from wbrag_ray.evaluation.effect import CHANCE
-    from wbrag_ray.metrics import sign_test
 
     if not result:
         return None

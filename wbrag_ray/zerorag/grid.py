@@ -6,10 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
+from wbrag_ray.formats import read_dataset
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.stage import GenerateStage
+from wbrag_ray.index.faiss_index import load_manifest
+from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
 from wbrag_ray.run import RunFolder
 from wbrag_ray.stages.service import Services, shared_or_own
+from wbrag_ray.storage import resolve
+from wbrag_ray.writeback.versions import read_active
 from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
 from wbrag_ray.zerorag.tune import with_adapter
 
@@ -20,13 +26,6 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     (zerorag.router), the tuned adapter (zerorag.tune.enabled) and the active write-back index (a pruned base
     plus write-back: the two methods combined); write RUN/zero_rag/grid.json. `services`: the caller's (the
     router's generator service, still loaded), else the grid's own."""
-    from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
-    from wbrag_ray.formats import read_dataset
-    from wbrag_ray.index.faiss_index import load_manifest
-    from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
-    from wbrag_ray.storage import resolve
-    from wbrag_ray.writeback.versions import read_active
-
     z = config.zerorag
     query_gpu_refusal("the Zero-RAG grid", config.embedder, config.retrieval)  # before any cell
     name = dataset_name(config, dataset)

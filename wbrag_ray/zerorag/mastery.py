@@ -11,10 +11,13 @@ from typing import Any
 
 import pandas as pd
 
+import wbrag_ray.zerorag.qa as m
+from wbrag_ray import prompts
 from wbrag_ray.build_kb import INDEX, INGEST
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.papers import ZERO_RAG, print_departures
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.zerorag.sampling import sample_sentences, titled
 
@@ -37,8 +40,6 @@ def require_sentence_index(run: RunFolder, config: WbragConfig) -> None:
 
 def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
     """Score a sample of sentences: QA pairs -> the target model's closed-book answers -> mean EM."""
-    from wbrag_ray.papers import ZERO_RAG, print_departures
-
     require_sentence_index(run, config)
     print_departures(config, ZERO_RAG)
     n = sample or config.zerorag.sample
@@ -46,9 +47,6 @@ def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, forc
 
 
 def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
-    import wbrag_ray.zerorag.qa as m
-    from wbrag_ray import prompts
-
     z = config.zerorag
     out = run.layout.zero_rag
     t0 = time.perf_counter()

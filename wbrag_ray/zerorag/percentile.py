@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from wbrag_ray.storage import Location
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.storage import Location, resolve
 from wbrag_ray.zerorag.sampling import splitmix64
 
 
@@ -34,14 +35,10 @@ def percentile_cut(pred: Location, ratio: float, bins: int) -> dict[str, Any]:
     """Where to cut so that `ratio` of all sentences (those with the highest predicted mastery) are dropped."""
     import ray
 
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
-
     files = [f.uri for f in pred.list_files(".parquet")]
 
     @ray.remote(num_cpus=LIGHT_CPUS)
     def histogram(uri: str, level1_bin: int | None) -> np.ndarray:
-        from wbrag_ray.storage import resolve
-
         scores = resolve(uri).read_table(["mastery_pred"])["mastery_pred"].to_numpy()
         b1, b2 = _bins(scores, bins)
         if level1_bin is None:

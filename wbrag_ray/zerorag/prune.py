@@ -14,9 +14,15 @@ from typing import Any
 import pyarrow as pa
 
 from wbrag_ray.build_kb import INDEX, INGEST
+from wbrag_ray.checkpoints import resumable_write
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.index.prune import drop_ids_ref, prune_index
 from wbrag_ray.layout import PRUNE_LEVEL, PrunedLevel
+from wbrag_ray.models.pruner import EmbeddingHead
+from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.stages.base import Resources, apply_stage
+from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
 from wbrag_ray.zerorag.pruners import PRUNERS, pruner_inputs
@@ -41,11 +47,6 @@ def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[st
 
 def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
     import ray.data
-
-    from wbrag_ray.checkpoints import resumable_write
-    from wbrag_ray.models.pruner import EmbeddingHead
-    from wbrag_ray.stages.base import Resources, apply_stage
-    from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 
     model = run.layout.zero_rag.pruner(kind)
     total = run.stats(INGEST.name)["sentences"]
@@ -101,9 +102,6 @@ def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False
 def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     import ray
     import ray.data
-
-    from wbrag_ray.index.prune import drop_ids_ref, prune_index
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
 
     bins = config.zerorag.histogram_bins
     level = PrunedLevel(run.output(run.layout.zero_rag.pruned(ratio).root))  # beside it while --force redoes it

@@ -20,7 +20,11 @@ import pandas as pd
 from wbrag_ray.build_kb import EMBED
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
+from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
+from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.storage import resolve
+from wbrag_ray.training.lm_pruner import train_lm_pruner
 from wbrag_ray.zerorag.mastery import MASTERY
 from wbrag_ray.zerorag.sampling import titled
 
@@ -59,8 +63,6 @@ def pruner_inputs(run: RunFolder):
     titles in its own passages file: the join is bounded by one shard, never by the corpus."""
     import ray.data
 
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
-
     src = run.layout.ingest.sentences
     ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "pid", "text"], include_paths=True,
                                num_cpus=LIGHT_CPUS)
@@ -80,8 +82,6 @@ def _with_titles(batch: pd.DataFrame, passages: str) -> pd.DataFrame:
 @functools.lru_cache(maxsize=4)
 def _shard_titles(passages: str, file_name: str) -> pd.Series:
     """pid -> title of one passages shard (cached: a task's batches come from a few shards)."""
-    from wbrag_ray.storage import resolve
-
     table = resolve(passages).join(file_name).read_table(["pid", "title"])
     return pd.Series(table["title"].to_pylist(), index=table["pid"].to_numpy())
 
@@ -99,8 +99,6 @@ def _scored_split(run: RunFolder, config: WbragConfig) -> tuple[pd.DataFrame, pd
 
 
 def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
-    from wbrag_ray.models.pruner import pruner_metrics
-
     z = config.zerorag
     train, val = _scored_split(run, config)
     out = run.output(run.layout.zero_rag.pruner(kind))  # beside the trained pruner while --force redoes it
@@ -109,8 +107,6 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
         if kind == "embedding":
             predicted, fit = _train_head(run, config, train, val, tmp)
         else:
-            from wbrag_ray.training.lm_pruner import train_lm_pruner
-
             # on Ray Train workers; the worker that trained it also predicts the held-out sentences
             fit = train_lm_pruner(pruner_text(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
                                   tmp, val_texts=pruner_text(val["title"], val["text"]))
@@ -130,9 +126,6 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
 
 def _train_head(run: RunFolder, config: WbragConfig, train: pd.DataFrame, val: pd.DataFrame, tmp: str):
     """The embedding head on the scored sentences' stored vectors; (validation predictions, fit figures)."""
-    from wbrag_ray.models.pruner import EmbeddingHead
-    from wbrag_ray.ray_runtime import select_rows
-
     z = config.zerorag
     both = pd.concat([train, val], ignore_index=True)
     vec = select_rows(run.layout.embed, "sid", both["sid"].to_numpy(), ["sid", "vector"])

@@ -10,10 +10,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.formats import plain_table
+from wbrag_ray.formats import input_params, plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.stage import GenerateStage
+from wbrag_ray.metrics import metric
+from wbrag_ray.models.router import QueryRouter
+from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.service import Services
 from wbrag_ray.zerorag.tune import TUNE, train_questions, with_adapter
@@ -33,7 +37,6 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
     the router on the query embeddings. `services`: the caller's (and closed by it), for a generator service
     that goes on serving the stage after this one."""
     train, questions, rejected = train_questions(config, train)
-    from wbrag_ray.formats import input_params
 
     stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected, services),
                         params=input_params(train, "zerorag.train"), force=force)
@@ -45,11 +48,6 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
 def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int,
            services: Services | None) -> dict[str, Any]:
     from sklearn.metrics import roc_auc_score
-
-    from wbrag_ray import prompts
-    from wbrag_ray.metrics import metric
-    from wbrag_ray.models.router import QueryRouter
-    from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
 
     z = config.zerorag
     query_gpu_refusal("the query router", config.embedder, config.retrieval)  # before the generator's pass

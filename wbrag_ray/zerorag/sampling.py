@@ -7,6 +7,7 @@ import pandas as pd
 import pyarrow as pa
 
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
 from wbrag_ray.run import RunFolder
 
 
@@ -24,8 +25,6 @@ def sample_sentences(run: RunFolder, config: WbragConfig, n: int) -> pd.DataFram
     filter (a hash below a cut taken with margin), then an exact cut on the few candidates."""
     import ray
     import ray.data
-
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
 
     total = run.stats("ingest")["sentences"]
     seed = config.zerorag.seed

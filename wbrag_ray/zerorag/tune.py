@@ -10,7 +10,12 @@ import pandas as pd
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.formats import input_params, read_questions
+from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.stages.service import Services
+from wbrag_ray.training.noise_tolerant import build_examples, own_targets, tune_generator
 
 TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "generator", "retrieval", "index.nprobe"),
                 requires=(INDEX,), command="wbrag tune RUN --train PATH")
@@ -18,8 +23,6 @@ TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "genera
 
 def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.DataFrame, int]:
     """(path, the training questions, how many rows were rejected) of zerorag.train (or `train`)."""
-    from wbrag_ray.formats import read_questions
-
     train = train or config.zerorag.train
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
@@ -40,7 +43,6 @@ def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
 def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
     """Noise-tolerant LoRA tuning of the generator; the adapter goes to RUN/zero_rag/adapter."""
     train, questions, rejected = train_questions(config, train)
-    from wbrag_ray.formats import input_params
 
     stats = run.execute(TUNE, config, lambda: _tune(run, config, questions, rejected),
                         params=input_params(train, "zerorag.train"), force=force)
@@ -50,11 +52,6 @@ def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: b
 
 
 def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int) -> dict[str, Any]:
-    from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.retrieval.stage import RetrievalSetting
-    from wbrag_ray.stages.service import Services
-    from wbrag_ray.training.noise_tolerant import build_examples, own_targets, tune_generator
-
     t = config.zerorag.tune
     # more documents than an answer needs: the relevant ones and the hard distractors are picked from them
     wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, t.retrieve_k)})
