@@ -30,8 +30,7 @@ DEDUPE_PREFIX = "dedupe-"  # rejects files of passages dropped as duplicate ids,
 
 
 def plain_name(value: str, what: str, reserved: tuple[str, ...] = ()) -> str:
-    """A user's name that becomes a folder name in the run (an evaluation's --name, a write-back version): letters,
-    digits, '-', '_' and '.', starting with a letter or digit, so it can never reach outside the run folder."""
+    """A user's name that becomes a folder name in the run: letters, digits, '-', '_', '.', not leading '.' or '-'."""
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value or "") or value in reserved:
@@ -51,8 +50,7 @@ def _at(*parts: str) -> property:
 
 
 def staging(final: Location) -> Location:
-    """Where new output is written beside `final` until it replaces it whole (`Location.replace_with`): a hidden
-    name, which no listing reads, and the same on every attempt, so a rerun resumes into it."""
+    """Hidden folder beside `final`, the same on every attempt, where new output is written until it replaces it."""
     return final.parent().join(f".{final.name}.new")
 
 
@@ -69,8 +67,7 @@ def subdirs(loc: Location) -> list[str]:
 
 @dataclass(frozen=True)
 class IngestFolder:
-    """The ingested corpus: passage and sentence shards (one file per ingest shard), rejects with reasons, and
-    one marker per finished shard (so a resumed ingest redoes only the missing shards)."""
+    """The ingested corpus: passage and sentence shards, rejects with reasons, one marker per finished shard."""
 
     root: Location
     passages = _at("passages")
@@ -121,8 +118,7 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class WritebackVersion:
-    """One trained write-back version: the scored examples, the distiller's calls, the units (a corpus with
-    provenance), their embeddings and index, and Table 3."""
+    """One trained write-back version: scored examples, distiller calls, units, their embeddings and index, Table 3."""
 
     root: Location
     scored = _at("scored.parquet")
