@@ -78,9 +78,7 @@ def activate(run: RunFolder, version: str) -> dict[str, Any]:
 
 
 def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
-    """Go back to the previously active version (or `version`); 'base' (or no earlier one) = base index only.
-
-    Going to 'base' remembers the version it leaves, so a later plain rollback can return to it."""
+    """Go back to the previously active version (or `version`); 'base' = base index only (remembered for later)."""
     state = read_active(run)
     if version and version != "base":
         return activate(run, version)
@@ -99,8 +97,7 @@ def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
 
 
 def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, None]:
-    """(version, index folder, None) of the active write-back index (or of `version`), for a union search: its
-    documents are the store its manifest names (None: no other folder, so nothing is built on a lookup)."""
+    """(version, index folder, None) of the active write-back index (or `version`), for a union search."""
     if version is not None and version not in versions(run):
         known = ", ".join(versions(run)) or "none"
         raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
@@ -120,9 +117,7 @@ def read_validation(run: RunFolder, version: str) -> dict[str, Any] | None:
 
 
 def hurts(result: dict[str, Any] | None) -> str | None:
-    """Why a validated version hurts: it lost more held-out questions than it won, beyond chance (`metrics.
-    sign_test` under `evaluation.effect.CHANCE`: 1 lost and 0 won is a coin's toss, 5 and 0 is not); None when it
-    does not, or was not validated. Its metric is said beside, as a fall in it is those questions' sum."""
+    """Why a validated version hurts: it lost more than it won beyond chance (`metrics.sign_test`); else None."""
     from wbrag_ray.evaluation.effect import CHANCE
 
     if not result:

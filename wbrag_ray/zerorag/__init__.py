@@ -1,20 +1,6 @@
-"""Zero-RAG, one module per step, in the order of the method: find the sentences the model already knows, and
-prune them from the index.
-
-    sampling:   a uniform, seeded sample of sentences (the same on any number of nodes)
-    qa:         QA pairs of a sentence (cloze blanks or written by an LLM), parsed and scored
-    mastery:    sample -> QA pairs -> the target model's closed-book answers -> mean EM per sentence
-    pruners:    embedding head and / or LoRA LM regressor, trained on the scored sample, validated on a held-out part
-    percentile: the corpus-wide cut (two-level histogram, only counts travel) and the keep mask
-    prune:      every sentence's predicted mastery; per ratio the keep mask, pruned corpus and pruned index
-    tune:       noise-tolerant LoRA tuning of the generator (relevant / distracting / no documents)
-    router:     P(the generator answers without retrieval) from the query; mastered queries skip retrieval
-    grid:       evaluation over pruning ratios x router x adapter x write-back, with latency and index size
-
-The paths under RUN/zero_rag/ are named in wbrag_ray.layout (ZeroRagFolder). Each stage is a declared RunStage:
-its settings never count as a changed run config; a complete stage refuses to be reused with others (pass
---force to redo it and the stages after it).
-"""
+"""Zero-RAG, one module per step: sampling, qa, mastery, pruners, percentile, prune, tune, router and grid (the
+evaluation over ratios x router x adapter x write-back). Each step is a declared RunStage; paths under
+RUN/zero_rag/ are named in wbrag_ray.layout (ZeroRagFolder)."""
 
 from __future__ import annotations
 
@@ -25,8 +11,7 @@ from wbrag_ray.run import RunFolder
 
 
 def run_zero_rag(run: RunFolder, config: WbragConfig, force: bool = False) -> None:
-    """The whole chain after the index: mastery -> pruners -> prediction -> every ratio -> [tune] -> [router]
-    -> the evaluation grid (when eval.dataset is set)."""
+    """The chain after the index: mastery -> pruners -> prediction -> every ratio -> [tune] -> [router] -> grid."""
     from wbrag_ray.stages.service import Services
     from wbrag_ray.zerorag.grid import evaluate_grid
     from wbrag_ray.zerorag.mastery import mastery
@@ -43,8 +28,7 @@ def run_zero_rag(run: RunFolder, config: WbragConfig, force: bool = False) -> No
             prune(run, config, ratio, force=force)
     if config.zerorag.tune.enabled:
         tune(run, config, force=force)
-    # The router's closed-book answers and the grid on one generator service: its actors, started for the
-    # router, go on to the grid's cells (a model or adapter the cells need next loads in the same processes).
+    # The router's closed-book answers and the grid share one generator service.
     with Services() as services:
         if config.zerorag.router:
             train_router(run, config, force=force, services=services)

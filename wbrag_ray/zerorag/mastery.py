@@ -1,8 +1,5 @@
-"""Zero-RAG step 1: score a sample of sentences by how well the target model already knows them.
-
-    sample sentences -> QA pairs (cloze blanks, or written by the QA generator) -> the target model's
-    closed-book answers -> mean exact match per sentence (RUN/zero_rag/mastery/: qa, scores, stats)
-"""
+"""Zero-RAG step 1: sample sentences -> QA pairs -> the target model's closed-book answers -> mean exact match
+per sentence (RUN/zero_rag/mastery/)."""
 
 from __future__ import annotations
 

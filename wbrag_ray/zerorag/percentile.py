@@ -1,10 +1,5 @@
-"""The corpus-wide percentile of predicted mastery, with only counts travelling, and the keep mask it gives.
-
-Each prediction file is histogrammed in its own Ray task and only the counts come back: first over `bins` bins
-of [0, 1], then inside the one bin where the cut falls. The cut is exact to 1 / bins^2; sentences tied inside
-the last sub-bin are dropped by a draw fixed by their id, for the fraction that is still missing, so the
-dropped count matches the ratio to within a few sentences, on any number of nodes.
-"""
+"""The corpus-wide percentile of predicted mastery from two-level histograms (only counts travel), and the
+keep mask it gives (ties in the last sub-bin dropped by a draw fixed by id)."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ from wbrag_ray.zerorag.sampling import splitmix64
 
 
 def _bins(scores: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two-level bin indices of scores in [0, 1]: level 1 splits [0, 1] into `bins`, level 2 splits each of
-    those into `bins` again. Integer indices, so the histogram and the keep mask agree exactly."""
+    """Two-level integer bin indices of scores in [0, 1], so histogram and keep mask agree exactly."""
     x = np.clip(np.asarray(scores, np.float64), 0.0, 1.0) * bins
     b1 = np.minimum(x.astype(np.int64), bins - 1)
     b2 = np.minimum(((x - b1) * bins).astype(np.int64), bins - 1)

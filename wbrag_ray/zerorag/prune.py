@@ -1,9 +1,5 @@
-"""Zero-RAG step 3: every sentence's predicted mastery, then for each ratio the keep mask, the pruned sentence
-corpus and the pruned index (built from the stored vectors: nothing is embedded again).
-
-    RUN/zero_rag/predictions/                     sid, mastery_pred for every sentence
-    RUN/zero_rag/prune-<R>/keep/, sentences/, index/, stats.json
-"""
+"""Zero-RAG step 3: every sentence's predicted mastery, then per ratio the keep mask, the pruned sentence corpus
+and the pruned index built from the stored vectors (RUN/zero_rag/predictions/, prune-<R>/)."""
 
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ def predict_stage(config: WbragConfig) -> RunStage:
 
 
 def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Every sentence's predicted mastery with zerorag.pruner, as one Ray Data pipeline that resumes where a
-    killed attempt stopped (`checkpoints.resumable_write`)."""
+    """Every sentence's predicted mastery, as one resumable Ray Data pipeline (`checkpoints.resumable_write`)."""
     return run.execute(predict_stage(config), config, lambda: _predict(run, config, config.zerorag.pruner), force=force)
 
 
@@ -119,9 +114,7 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, num_cpus=LIGHT_CPUS)
     ds.map_batches(mask, batch_format="pyarrow", num_cpus=LIGHT_CPUS).write_parquet(
         level.keep.path, filesystem=level.keep.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
-    # The dropped ids are collected by a task into the object store, where the pruned corpus and index builds
-    # read them: the driver holds their reference and count, never the ids (the driver's memory would grow with
-    # the corpus: 8 bytes a dropped sentence and the copies a sort takes).
+    # The dropped ids stay in the object store; the driver holds only their reference and count.
     drop_ref, n_dropped = drop_ids_ref(level.keep, LIGHT_CPUS)
     seconds_cut = time.perf_counter() - t0
 

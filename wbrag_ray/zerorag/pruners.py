@@ -1,11 +1,5 @@
-"""Zero-RAG step 2: pruners, trained on the scored sample and validated on a held-out part of it.
-
-    embedding: a small head on the stored sentence vectors (fast; the corpus is never re-embedded)
-    lm:        the paper's LLM regressor, a LoRA-tuned causal LM with a regression head, reading the text
-
-Each writes RUN/zero_rag/pruner/<kind>/ (the model, metrics.json: MSE, Spearman, top-quantile precision and
-recall at the first pruning ratio; validation.parquet: measured and predicted per held-out sentence).
-"""
+"""Zero-RAG step 2: pruners trained on the scored sample, validated on a held-out part: `embedding` (a head on
+the stored sentence vectors) or `lm` (the paper's LoRA LM regressor). Each writes RUN/zero_rag/pruner/<kind>/."""
 
 from __future__ import annotations
 
@@ -39,8 +33,7 @@ PRUNERS = {
 
 
 def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Train one pruner (`kind`, default: zerorag.train_pruners and zerorag.pruner) on the scored sample; validate it
-    on the held-out part."""
+    """Train one pruner (`kind`, default: the configured ones) on the scored sample; validate it on the held-out part."""
     kinds = [kind] if kind else list(dict.fromkeys([*config.zerorag.train_pruners, config.zerorag.pruner]))
     results = {}
     for k in kinds:
@@ -52,15 +45,12 @@ def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, f
 
 
 def pruner_text(titles, sentences) -> list[str]:
-    """What the LM regressor reads, in training, validation and prediction alike: 'title: sentence' (what the QA
-    pairs that scored the sentence were written from)."""
+    """What the LM regressor reads everywhere: 'title: sentence'."""
     return titled(titles, sentences)
 
 
 def pruner_inputs(run: RunFolder):
-    """A Ray Dataset of (sid, text) for every sentence, `text` as `pruner_text` builds it. Ingest writes the
-    sentences and passages of one corpus shard under the same file name, so each sentences file finds its
-    titles in its own passages file: the join is bounded by one shard, never by the corpus."""
+    """A Ray Dataset of (sid, text) for every sentence; each sentences file joins only its own shard's passages."""
     import ray.data
 
     src = run.layout.ingest.sentences

@@ -1,6 +1,5 @@
-"""Zero-RAG's query router: P(the generator answers without retrieval) from the query embedding; queries it
-calls mastered skip retrieval. Labels come from the generator's closed-book answers to training questions (with
-the tuned adapter when there is one); RUN/zero_rag/router/ holds the router, metrics.json and labels.parquet."""
+"""Zero-RAG's query router: P(the generator answers without retrieval) from the query embedding; mastered
+queries skip retrieval. Labels are the generator's closed-book correctness (with the tuned adapter if any)."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ ROUTER = RunStage(
 
 def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False,
                  services: Services | None = None) -> dict[str, Any]:
-    """Label each training question by whether the generator answers it correctly without retrieval, and train
-    the router on the query embeddings. `services`: the caller's (and closed by it), for a generator service
-    that goes on serving the stage after this one."""
+    """Label training questions by closed-book correctness and train the router on their embeddings."""
     train, questions, rejected = train_questions(config, train)
 
     stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected, services),
@@ -84,7 +81,6 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     out.join(folder.router_metrics.name).write_json(metrics)
     answered = answered.assign(label=labels, p_mastered=router.probability(vectors))
     out.join(folder.router_labels.name).write_table(plain_table(answered[["id", "question", "prediction", "label", "p_mastered"]]))
-    # the stage's stats also name the processes that answered (in `wbrag run` the grid after it names the same);
-    # not the router's metrics, which a rerun of the same labels reproduces
+    # the stage's stats name the processes that answered; not the router's metrics
     return {"rows_in": len(questions) + rejected, "rows_out": len(answered), "rows_rejected": rejected, **metrics,
             "generator_actors": actors}

@@ -21,8 +21,7 @@ def splitmix64(x: np.ndarray, seed: int) -> np.ndarray:
 
 
 def sample_sentences(run: RunFolder, config: WbragConfig, n: int) -> pd.DataFrame:
-    """The `n` sentences with the smallest seeded hash of their sid: a uniform sample, chosen by a distributed
-    filter (a hash below a cut taken with margin), then an exact cut on the few candidates."""
+    """The `n` sentences with the smallest seeded hash of their sid: a distributed filter, then an exact cut."""
     import ray
     import ray.data
 

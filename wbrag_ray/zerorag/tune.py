@@ -1,5 +1,4 @@
-"""Zero-RAG's noise-tolerant tuning: a LoRA adapter of the generator, trained on each training question with
-relevant documents, with distracting documents and with none (RUN/zero_rag/adapter/)."""
+"""Zero-RAG's noise-tolerant tuning stage: the generator's LoRA adapter (RUN/zero_rag/adapter/)."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.Dat
 
 
 def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
-    """The generator config with the run's tuned adapter applied: by its URI in the run folder (a local path or
-    s3://...), which each worker that loads the generator turns into a copy on its own node
-    (`storage.node_local_dir`); a path in the driver's cache would not exist on the other nodes."""
+    """The generator config with the run's adapter by its URI (each worker fetches it to its own node)."""
     run.require(TUNE)
     return config.generator.model_copy(update={"lora_adapter": run.layout.zero_rag.adapter.uri})
 
@@ -77,8 +74,7 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
         stats = tune_generator(examples, config.generator, t, tmp)
         run.output(run.layout.zero_rag.adapter).upload_dir(tmp)  # beside the adapter in use while --force redoes it
     fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k != "losses"}
-    # the training loop's own seconds under their name: the stage's seconds are all of it (its retrieval, the
-    # generator's own answers, Ray Train's start), what its plan and report compare
+    # the training loop's own seconds; the stage's seconds include retrieval and Ray Train's start
     fit["train_seconds"] = fit.pop("seconds", None)
     return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected, **targets,
             **fit}
