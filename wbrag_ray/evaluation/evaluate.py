@@ -1,12 +1,5 @@
-"""Evaluate RAG on a QA dataset: questions -> a RAG method's retrieval and generator passes -> metrics.
-
-Methods (wbrag_ray.rag): `no-retrieval` (the closed-book baseline), `naive` (top-K retrieval, FlashRAG's
-prompt), `replug` (per-document prompts decoded as one mixture of their next-token distributions),
-`replug-vote` (per-document answers, weighted vote), `self-rag` (judged retrieval and relevance) and
-`flare` (retrieval per unsure sentence). Settings: the base index alone, or base + a write-back index (the
-active one, or a named version); `base_index` swaps the base for another index folder (a pruned one). Each
-method writes RUN/eval/<label>-<method>/ (metrics, predictions; wbrag_ray.layout.EvalResult).
-"""
+"""Evaluate RAG on a QA dataset: questions -> a method's retrieval and generator passes -> metrics, on the base
+index, a pruned one (`base_index`), or base + a write-back index; each method writes RUN/eval/<label>-<method>/."""
 
 from __future__ import annotations
 
@@ -49,13 +42,9 @@ def evaluate(
 ) -> dict[str, dict[str, Any]]:
     """Run every configured method over `dataset`; return {method: metrics}.
 
-    `writeback`: search the active write-back index (or `writeback_version`) together with the base (results
-    under `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
-    `router`: a query router folder (Zero-RAG); queries it calls mastered get no documents. `setting`: the
-    label recorded in metrics.json (default: base or base+writeback). `label`: the results' folder prefix
-    (default: the name, plus -writeback). `passes`: generator passes (and their loaded generator) shared with
-    the caller's other evaluations, left open; by default the evaluation has its own.
-    """
+    `writeback`: search the active (or `writeback_version`) write-back index with the base. `base_index`: another
+    index folder. `router`: a query router folder. `setting`, `label`: names of the results. `passes`: shared
+    generator passes, left open (default: the evaluation's own)."""
     from wbrag_ray.generation.backends import make_generator
 
     methods = rag.check_methods(config.eval.methods)
@@ -72,8 +61,7 @@ def evaluate(
     name = name or dataset_name(config, dataset)
     folder_prefix = label or (f"{name}-writeback" if writeback else name)
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
-    # the papers this evaluation follows: WriteBack-RAG beside a version, Zero-RAG on a pruned or routed base or
-    # with the tuned adapter; a plain base evaluation the run's (either paper's baseline)
+    # the papers this evaluation follows
     zero_rag = base_index != run.layout.index.uri or bool(router) or bool(config.generator.lora_adapter)
     papers = papers_followed(config, bool(wb_version), zero_rag) if wb_version or zero_rag else papers_followed(config)
     # from what made the results: the version's and the adapter's recorded settings, not this config's
@@ -104,9 +92,7 @@ def evaluate(
         scores = [score_answer(a, g) for a, g in zip(part["answer"], part["golden_answers"], strict=True)]
         for m in METRICS:
             part[m] = [s[m] for s in scores]
-        # written beside the stored results (a hidden folder no listing reads), which every method's new results
-        # then replace together: an evaluation cut short (Ctrl-C, a failure, a --force rerun stopped) leaves the
-        # old results whole, never some methods' new results beside others' old ones
+        # written in a hidden folder that replaces the old results whole, so a cut-short run leaves them intact
         final = run.layout.eval_result(folder_prefix, method)
         out = run.layout.eval_staging(folder_prefix, method)
         out.root.delete()  # one left by an evaluation cut short
@@ -132,8 +118,7 @@ def evaluate(
             "index": base_index if method != "no-retrieval" else None,
             "router": router if method != "no-retrieval" else None,
             "retrieval_skipped": round(float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
-            # questions the method searched for: every one for naive / replug(-vote) (without a router), those judged
-            # to need it for self-rag, those with an unsure sentence for flare
+            # questions the method searched for
             "retrieval_rate": round(1 - float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
             "generator_calls": int(part["generator_calls"].sum()),
             "rag_settings": config.rag.model_dump(mode="json").get(method.replace("-", "_")),
@@ -170,9 +155,7 @@ def evaluate_stage(
     run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False,
     passes: GeneratorPasses | None = None, **kwargs: Any
 ) -> dict[str, Any]:
-    """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
-    rerun with the same settings skips it and prints the stored table again; changed settings (another
-    method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
+    """`evaluate` as a run-folder stage: a rerun with the same settings prints the stored table."""
     params = eval_params(label, dataset, kwargs, config, run)
 
     def work() -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The methods grid: every RAG method on the base index and beside every trained write-back version, so a
-knowledge base written back under one method is measured under all the others (RUN/eval/methods_grid.json)."""
+"""The methods grid: every RAG method on the base and beside every write-back version
+(RUN/eval/methods_grid.json)."""
 
 from __future__ import annotations
 
@@ -106,12 +106,8 @@ def format_same_writeback(grid: dict[str, Any]) -> str:
 
 
 def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, str]:
-    """{method: the write-back version written back under it}, for every retrieving method of eval.methods. A
-    version trained from writeback.train under the method is reused only when it was made as the grid would make
-    it: the same generator, gates (thresholds, n_min, the resolved gate metric), union and K
-    (`same_writeback_differences`); otherwise one is trained now as `<version>-<method>` (`-2`, `-3`... where that
-    name is taken), not activated (the grid evaluates beside each version in turn). Each choice is printed, a
-    version passed over with what differs."""
+    """{method: its write-back version}: a version trained under the method is reused only when made as the grid
+    would make it (`same_writeback_differences`); else one is trained as `<version>-<method>`, not activated."""
     from wbrag_ray.writeback.pipeline import train_writeback
 
     train = config.writeback.train
@@ -149,10 +145,7 @@ def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, st
 
 
 def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str, Any]) -> list[str]:
-    """What a trained version's stats (`stats.json`) record that differs from what the grid under `config` would
-    train for `method`: 'what: the version's (the grid: its)' for the generator, the embedder, the training questions'
-    limit, each gate setting, deduplication, the validation hold-out, the union and K. A version trained before one
-    of them was recorded differs in it ('not recorded')."""
+    """What a version's stats record that differs from what the grid would train for `method`."""
     made = stats.get("settings", {}).get("config", {})
     wb = with_gate_metric(config.writeback, config.writeback.train or "")
     # every write-back setting that changes the version's units: the question subset, gates, deduplication, hold-out
@@ -188,10 +181,8 @@ def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str
 
 
 def format_methods_grid(grid: dict[str, Any], metric: str = "acc") -> str:
-    """Methods down, settings across (base, then each write-back version with the method it was trained
-    with, and its union setting where the grid holds several); each write-back cell shows the change over the
-    base, * where the version's method is the row's. Below: per write-back cell, the questions a unit entered the
-    top K of, won and lost."""
+    """Methods down, settings across; each write-back cell shows the change over the base (* own method), with
+    won and lost below."""
     versions = grid["versions"]
     columns = [(None, None), *dict.fromkeys((r["version"], r.get("union")) for r in grid["rows"] if r["version"])]
     several = len({u for _, u in columns[1:]}) > 1

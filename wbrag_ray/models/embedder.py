@@ -1,5 +1,4 @@
-"""The embedder: sentence-transformers, normalized vectors (inner product = cosine), e5 prefixes or the query
-prompt the model ships (embedder.query_prompt)."""
+"""The embedder: sentence-transformers, normalized vectors, e5 prefixes or the model's own query prompt."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class Embedder:
             convert_to_tensor=True,
             show_progress_bar=False,
         )
-        # Normalized again in fp32: a bf16 model's own normalization leaves norms off by up to 2e-3, and inner
-        # products must stay comparable across indices (base and write-back) built in different dtypes.
+        # Normalized again in fp32, so inner products compare across indexes built in different dtypes.
         vecs = vecs.float()
         return (vecs / vecs.norm(dim=1, keepdim=True).clamp_min(1e-12)).cpu().numpy()
 

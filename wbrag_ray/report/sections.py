@@ -1,6 +1,5 @@
-"""The report's sections, in reading order: what each reads from the run folder (every path through
-wbrag_ray.layout) and which tables and figures it shows. A section appears only when the run has its stage,
-and a figure only when its input exists."""
+"""The report's sections in reading order: what each reads from the run folder and shows; a section appears
+only when the run has its stage."""
 
 from __future__ import annotations
 
@@ -73,8 +72,8 @@ def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
 
 
 def plan_section(run: RunFolder, stats: dict[str, dict[str, Any]]) -> Section | None:
-    """Planned against measured: the plan `wbrag run` stored when it started, each stage's planned time (and where
-    its rate came from) beside the time the run measured, and the ratio; None where no plan was stored."""
+    """Planned against measured: each stage's planned time and rate source beside the measured time; None without
+    a stored plan."""
     plan = load_plan(run)
     if plan is None:
         return None
@@ -111,9 +110,7 @@ def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
 
 
 def sentences_per_passage(sentences: Location) -> np.ndarray:
-    """histogram[k] = the passages with k sentences, counted one ingest file at a time (Ray tasks when Ray is up,
-    else one file after another here): a passage's sentences are all in its shard's file, so the files' histograms
-    add up, and only they travel; no process reads the whole sentence column (1.1 GB of ids at 138M sentences)."""
+    """histogram[k] = passages with k sentences, one ingest file per task (only histograms travel)."""
     files = [f.uri for f in sentences.list_files(".parquet")]
     parts = run_tasks(_file_histogram, None, files, num_cpus=LIGHT_CPUS)
     total = np.zeros(max((len(h) for h in parts), default=1), np.int64)
@@ -128,8 +125,7 @@ def _file_histogram(_shared: None, uri: str) -> np.ndarray:
 
 
 def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
-    """The metrics of every evaluated setting, then each methods x write-back grid (the run's own, and one per
-    Zero-RAG setting it was run with)."""
+    """The metrics of every evaluated setting, then each methods x write-back grid."""
     sections = []
     results = load_results(run)
     if results:
@@ -147,8 +143,7 @@ def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
 
 
 def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting: bool = False) -> Section:
-    """`wbrag eval --methods-grid`: does a knowledge base written back under one RAG method serve the others?
-    `stem` names the figure; `own_setting`: the grid of a Zero-RAG setting, titled with its name."""
+    """`wbrag eval --methods-grid`: does a version written back under one method serve the others?"""
     sec = Section("RAG methods x knowledge base" + (f" ({grid.get('name')})" if own_setting else ""))
     sec.text = ("Every RAG method on the base index and beside each write-back version. 'trained with' is the method "
                 "whose answers chose what was written back; a row is same-method when it is the evaluated method. "
@@ -213,8 +208,7 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
 
 
 def no_effect(stats: dict) -> str | None:
-    """What the report says of a version that had no measured effect: units written, units that reached a top K,
-    answers changed, won, lost on its validation questions (or that it was not validated), not only 'active'."""
+    """What the report says of a version with no measured effect: units, top-K entries, changes, won, lost."""
     v = stats.get("validation")
     state = "active" if stats.get("activated") else "not active"
     if not isinstance(v, dict):
@@ -311,9 +305,8 @@ def pruned_indices_section(run: RunFolder, out: Path) -> Section:
 
 
 def sample_column(loc: Location, column: str, limit: int = 1_000_000, seed: int = 0) -> tuple[np.ndarray, int]:
-    """One numeric column of a Parquet folder that may hold a whole corpus, and its total row count: all of it
-    when small; otherwise evenly spaced row groups (footers tell their sizes, so the rest is never read), cut
-    to `limit` rows by a seeded random choice."""
+    """One numeric column of a possibly corpus-sized Parquet folder and its row count: all when small, else evenly
+    spaced row groups cut to `limit` rows by a seeded choice."""
     groups = []
     for f in loc.list_files(".parquet"):
         meta = pq.ParquetFile(f.path, filesystem=f.fs).metadata
