@@ -40,10 +40,7 @@ CORPUS_RECORD = "_corpus.json"  # in RUN/ingest: the identity of the corpus whos
 
 
 def corpus_params(config: WbragConfig, run: RunFolder | None = None, force: bool = False) -> dict[str, Any]:
-    """The ingest stage's parameter: the corpus's identity (files, bytes, digest of names and sizes). Reading the
-    listing also checks, before any work, that the corpus exists and holds .jsonl / .parquet files. On a run whose
-    ingest is complete, a corpus that is gone (deleted or moved after ingest) is not needed: the recorded identity
-    stands for it, so later stages still run (not with `force`, which ingests again and needs the corpus)."""
+    """The ingest stage's parameter: the corpus's identity; checks the corpus exists, unless ingest is complete."""
     if not config.ingest.corpus:
         raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
     corpus = resolve(config.ingest.corpus)
@@ -57,8 +54,7 @@ def corpus_params(config: WbragConfig, run: RunFolder | None = None, force: bool
 
 
 def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Passages and sentences of ingest.corpus, with rejects. A corpus of which no record is usable (another
-    encoding, a JSON array, a QA file) fails the stage, which is then not complete, with the leading reasons."""
+    """Passages and sentences of ingest.corpus, with rejects; a corpus with no usable record fails the stage."""
     corpus = config.ingest.corpus
     params = corpus_params(config, run, force)
 
@@ -84,13 +80,8 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
 
 
 def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Embed every passage (or sentence, by `index.unit`) in an actor pool, with row-level resume.
-
-    The pipeline is Read -> text -> EmbedStage -> Write under Ray Data's CheckpointConfig on the unit's
-    int64 id column: a run killed part way leaves a checkpoint of the ids already written, and the rerun
-    reads only the rest. Each write task's file name carries its write's UUID and task index, so a retried
-    task overwrites its own file and a resumed run adds files without touching the earlier ones.
-    """
+    """Embed every passage (or sentence, by `index.unit`) in an actor pool, with row-level resume
+    (`checkpoints.resumable_write`)."""
     def work() -> dict[str, Any]:
         import ray.data
 
@@ -102,8 +93,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
         def embedded(placed: Resources) -> ray.data.Dataset:
             columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
-            # One block per ingest shard: a block is the unit that is written and checkpointed, so this keeps
-            # what a crash can lose to one shard (Ray would otherwise pack small files into one read task).
+            # One block per ingest shard, so a crash loses at most one shard.
             n_files = len(src.list_files(".parquet"))
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, override_num_blocks=n_files,
                                        num_cpus=LIGHT_CPUS)
@@ -128,8 +118,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
 
 def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest; and
-    the document store of the indexed unit (one task per ingest shard), which searches look hits up in."""
+    """Build the index (`index.build.build_index`) and the document store searches look hits up in."""
     def work() -> dict[str, Any]:
         ic = config.index
         docs = run.layout.docs.join(ic.unit)
@@ -160,10 +149,8 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
 
 def check_factory(run: RunFolder, config: WbragConfig) -> None:
-    """index.factory parses as a faiss factory string, for the embeddings' dimension when they are built (a
-    dimension most factories divide, else), and, for built vectors, the training sample holds its IVF lists
-    (`sizing.plan_training`: IVF0, more lists than vectors, a sample past index.train_memory_gb): checked before
-    Ray starts and the vectors are read, so a mistyped factory with --force never gets to replace a built index."""
+    """Check index.factory against the embeddings' dimension and training sample before Ray starts, so a mistyped
+    factory with --force never replaces a built index."""
     factory = config.index.factory
     if factory.strip().lower() == "auto":
         return

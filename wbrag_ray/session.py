@@ -1,6 +1,5 @@
-"""A command's session: its run folder opened, its config bound to it, and Ray joined with the config's "auto"
-settings decided on the cluster. What every command of `api` does before work, and what `--calibrate` does to time
-the run's own stages in a run folder of its own (`plan.calibrate`), below both so neither imports the other."""
+"""A command's session: run folder opened, config bound, Ray joined with "auto" settings decided on the cluster;
+used by `api` and by `--calibrate` (below both, so neither imports the other)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def open_run(run: RunLike) -> RunFolder:
 
 
 def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
-    """Bind `config` to the run folder (refused when a built stage was made with another, unless `force`; recorded
-    in run.json once a stage runs with it) and join or start Ray."""
+    """Bind `config` to the run folder (refused when a built stage used another, unless `force`) and join Ray."""
     from wbrag_ray.build_kb import KB_STAGES
     run = open_run(run)
     run.bind_config(config, force=force, guard=KB_STAGES, record="when_a_stage_runs")
@@ -31,10 +29,7 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
 
 
 def join_ray(run: RunFolder, config: WbragConfig) -> None:
-    """Join or start Ray (`config.ray`); on a cluster of several machines, refuse a local run folder or model path
-    the other nodes cannot read, before any work; each "auto" count (`concurrency`, a training's `num_workers`)
-    decided on the cluster by every command, after what the commands before it built: the index's search actors,
-    whose GPUs the generator leaves to them (`cluster_nodes.resolve_auto_concurrency`)."""
+    """Join or start Ray; on a multi-node cluster refuse paths the other nodes cannot read; decide "auto" counts."""
     check_model_shapes(config)
     init_ray(config.ray, run.uri)
     check_model_paths(config)
@@ -49,8 +44,7 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
 
 
 def check_model_shapes(config: WbragConfig) -> None:
-    """The generators' models against their engines' settings (tensor-parallel size and heads, context), before
-    Ray starts (`generation.vllm.check_shape`)."""
+    """The generators' models against their engines' settings, before Ray starts."""
     from wbrag_ray.generation.vllm import check_shape
 
     check_shape(config.generator)
