@@ -80,8 +80,7 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
 
 
 def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Embed every passage (or sentence, by `index.unit`) in an actor pool, with row-level resume
-    (`checkpoints.resumable_write`)."""
+    """Embed every passage (or sentence, by `index.unit`) in an actor pool, resumable row by row."""
     def work() -> dict[str, Any]:
         import ray.data
 

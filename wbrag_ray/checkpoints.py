@@ -1,7 +1,6 @@
-"""Row-level checkpoints: a stage killed part way resumes where it died when the same command runs again, and
-writes what an uninterrupted run writes. One folder per stage (`RUN/_checkpoints/<stage>/`, removed on completion)
-holds four kinds: Ray Data passes' row checkpoints (`resumable_write`), generator answers (`AnswerStore`), Ray Train
-checkpoints (`train/`) and whole-file task records (`TaskRecords`). A checkpoint of another fingerprint is removed."""
+"""Row-level checkpoints: a stage killed part way resumes when the same command runs again and writes what an
+uninterrupted run writes. One folder per stage (`RUN/_checkpoints/<stage>/`) holds Ray Data row checkpoints,
+generator answers, Ray Train checkpoints and task records; one of another fingerprint is removed."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ class AnswerStore:
 
 
 class TaskRecords:
-    """Results of tasks that each write whole files: a task records a small JSON after its files; a rerun runs only
-    the unrecorded tasks."""
+    """Results of tasks that each write whole files, recorded after the files; a rerun runs the others."""
 
     def __init__(self, folder: Location):
         self.folder = folder

@@ -343,8 +343,7 @@ class IndexConfig(_Section):
 
 
 class RetrievalConfig(_Section):
-    """Retrieval passes and their service: index shards grouped into search actors of at most `actor_memory_gb`,
-    `concurrency` replicas of each group."""
+    """Retrieval passes and their service: search actors of at most `actor_memory_gb`, `concurrency` each."""
 
     RUNTIME_KEYS = frozenset({"batch_size", "search_cpus", "search_gpus", "embed_gpus", "actor_memory_gb"})
 
@@ -539,8 +538,7 @@ class WritebackConfig(_Section):
         return v
 
     def validation_fraction(self, questions: int) -> float | None:
-        """The fraction of training questions held out: `validation`, or under 'auto' AUTO_VALIDATION from
-        AUTO_VALIDATION_MIN questions on (None: none)."""
+        """Fraction of training questions held out: `validation`, or 'auto' (AUTO_VALIDATION from AUTO_VALIDATION_MIN)."""
         if self.validation == "auto":
             return AUTO_VALIDATION if questions >= AUTO_VALIDATION_MIN else None
         return self.validation

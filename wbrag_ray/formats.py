@@ -282,8 +282,7 @@ def plain_table(df) -> pa.Table:
 
 
 def dataset_stem(path: str) -> str:
-    """A dataset's name from its path: the stem before its first dot, with FlashRAG's folder for a split file
-    ('nq/test.jsonl' -> 'nq-test')."""
+    """A dataset's name from its path: the stem, with FlashRAG's folder ('nq/test.jsonl' -> 'nq-test')."""
     parts = path.rstrip("/").split("://", 1)[-1].split("/")
     if "://" in path:
         parts = parts[1:]  # the bucket is no dataset's folder
@@ -305,8 +304,7 @@ DATASET_FOLDERS = frozenset({
 
 
 def dataset_name(path: str) -> str:
-    """The dataset a QA file belongs to by FlashRAG's layout ('nq/train.jsonl' -> 'nq', 'fever_dev.parquet' ->
-    'fever'), else its stem."""
+    """The dataset of a QA file by FlashRAG's layout ('nq/train.jsonl', 'fever_dev.parquet'), else its stem."""
     folders = path.rstrip("/").split("://", 1)[-1].split("/")
     if "://" in path:
         folders = folders[1:]  # the bucket is no dataset's folder

@@ -111,8 +111,7 @@ def submit(
 
 
 def _submit_with_retry(c, attempts: int = 30, delay_s: float = 2.0, **kwargs: Any) -> str:
-    """Retry for about a minute while the head's job agent starts or the upload drops; a taken submission id means
-    the job was accepted."""
+    """Retry for about a minute while the job agent starts or the upload drops (a taken id: accepted)."""
     import requests
 
     dropped = False

@@ -1,22 +1,5 @@
-"""Every path of a run folder, named once: the writers (pipelines, stages), the readers (report, inspect,
-search) and the tests all reach a file through these classes, never through a typed string.
-
-    RUN/run.json                              resolved config (no credentials), wbrag version
-    RUN/_stages/<stage>/stats.json, _SUCCESS  per-stage figures and the completion marker (written last)
-    RUN/ingest/passages/, sentences/, rejects/, _shards/   IngestFolder
-    RUN/embed/                                embedding shards (id, vector)
-    RUN/_checkpoints/<stage>/                 a running stage's row-level checkpoint (wbrag_ray.checkpoints)
-    RUN/index/                                sharded FAISS index + manifest.json
-    RUN/docs/<unit>/                          document store: id-sorted Arrow files, memory-mapped by searches
-    RUN/eval/<label>-<method>/                metrics.json, predictions.parquet, rejects.parquet
-    RUN/eval/methods_grid[-<name>].json       the methods x write-back grid
-    RUN/writeback/ACTIVE, <version>/...       WritebackVersion
-    RUN/zero_rag/...                          ZeroRagFolder
-    RUN/report/index.html, report.md          the HTML report, its Markdown twin and their plots
-    RUN/plan/plan.json, calibration.json      the run's plan when it started; calibrated rates (wbrag_ray.plan)
-
-Each class holds a root Location and only derives paths from it; nothing here reads or writes.
-"""
+"""Every path of a run folder, named once (the tree: docs/architecture.md, The run folder): writers, readers and
+tests reach a file through these classes, never a typed string. Each class derives paths from a root Location."""
 
 from __future__ import annotations
 

@@ -298,8 +298,7 @@ def cache_root() -> str:
 
 
 def node_cached(dest: str, build: Callable[[str], None]) -> str:
-    """`dest`, made by `build(tmp)` once per node under a file lock, then renamed into place; a failed build leaves
-    nothing."""
+    """`dest`, made by `build(tmp)` once per node under a file lock and renamed into place."""
     import fcntl
     import hashlib
     import shutil

@@ -181,8 +181,7 @@ def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str
 
 
 def format_methods_grid(grid: dict[str, Any], metric: str = "acc") -> str:
-    """Methods down, settings across; each write-back cell shows the change over the base (* own method), with
-    won and lost below."""
+    """Methods down, settings across; write-back cells show the change over the base (* own method)."""
     versions = grid["versions"]
     columns = [(None, None), *dict.fromkeys((r["version"], r.get("union")) for r in grid["rows"] if r["version"])]
     several = len({u for _, u in columns[1:]}) > 1

@@ -43,8 +43,7 @@ def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragC
 
 
 def made_from(config: WbragConfig, kwargs: dict[str, Any], run: RunFolder | None = None) -> dict[str, Any]:
-    """The content identity of every input an evaluation reads by path, so a folder made again in place
-    (`--force`) is never taken for the old one."""
+    """The content identity of each input read by path, so a folder rebuilt in place is another input."""
     base = kwargs.get("base_index") or (run.layout.index.uri if run is not None else None)
     version = kwargs.get("writeback_version")
     out = {

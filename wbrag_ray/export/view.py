@@ -165,8 +165,7 @@ class View:
 
 def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = None,
               writeback: str | None = None) -> View:
-    """The base (or pruned) index plus a write-back version's units: `writeback` names one, 'active' or 'none';
-    default: the active version if any."""
+    """The base (or pruned) index plus the units of `writeback` ('active', 'none' or a version)."""
     from wbrag_ray.zerorag.prune import index_for_ratio
 
     run.require(INDEX)

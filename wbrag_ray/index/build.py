@@ -113,8 +113,7 @@ def _train_on_gpu(index, sample: np.ndarray) -> None:
 
 
 def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, Any]:
-    """Encode some embedding shards' vectors with the trained index into `out`: a codes-only part (IVFs) or a
-    filled copy of the trained index."""
+    """Encode embedding shards with the trained index into a codes-only part (IVFs) or a filled index copy."""
     set_threads(shared["threads"])
     out_uri, file_uris, *record = item
     base_rss = reset_peak_rss()
@@ -209,12 +208,9 @@ def build_index(
     ef_search: int | None = None,
 ) -> dict[str, Any]:
     """Build a sharded index from embedding shards into `out` (index shards, trained.faiss, manifest.json).
-
-    factory: a faiss factory string or "auto"; train_sample: at least this many training vectors; num_shards: an
-    integer or "auto"; gpu: train k-means on a GPU; parallel: Ray tasks or in-process calls; trained: a trained empty
-    index to reuse; drop_ids: ids left out (or their object-store reference); docs: where the documents live;
-    target_recall: measure the search setting on `recall_queries` vectors (None: not measured).
-    Returns stage stats: counts, seconds per step, peak memory per kind of task."""
+    factory, train_sample, num_shards, gpu: as the index config; parallel: Ray tasks or in-process calls; trained: a
+    trained empty index to reuse; drop_ids: ids left out (or their object-store reference); docs: where the documents
+    live; target_recall: measure the search setting on `recall_queries` vectors. Returns stage stats."""
     t0 = time.perf_counter()
     if parallel is None:
         import ray

@@ -35,8 +35,7 @@ def bundled_path(name: str) -> Path:
 
 
 def resolve_model(spec: str, fetch: bool = True) -> str:
-    """A model spec as loaders take it: a local path (checked) or a hub id; s3:// folders fetched once per node
-    (`fetch=False`: only checked to exist)."""
+    """A model spec as loaders take it: a local path or a hub id (s3:// fetched once per node)."""
     if spec.startswith("bundled:"):
         return str(bundled_path(spec.split(":", 1)[1]))
     if "://" in spec and not spec.startswith("file://"):

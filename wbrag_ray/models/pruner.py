@@ -96,8 +96,7 @@ class EmbeddingHead:
 
 
 def top_quantile_overlap(measured: np.ndarray, predicted: np.ndarray, q: float) -> dict[str, float]:
-    """How well the predicted top-q fraction matches the measured most-mastered sentences (all at or above the
-    measured (1 - q) quantile, given the ties)."""
+    """Overlap of the predicted top-q fraction with the measured one (ties: all at the (1 - q) quantile)."""
     n = len(measured)
     k = max(1, int(np.ceil(q * n)))
     cut = np.quantile(measured, 1 - q)

@@ -1,7 +1,5 @@
-"""RAG methods: how a question and the knowledge base become an answer, shared by evaluation and write-back's
-scoring. One pass (`rag.one_pass`): no-retrieval, naive, replug (hf mixture), replug-vote. Adaptive (passes
-alternate with retrieval): self-rag (`rag.self_rag`), flare (`rag.flare`). `answer()` returns one row per
-(question, method) with the same columns for every method."""
+"""RAG methods, shared by evaluation and write-back: one pass (`rag.one_pass`: no-retrieval, naive, replug,
+replug-vote) and adaptive (`rag.self_rag`, `rag.flare`). `answer()` gives one row per (question, method)."""
 
 from __future__ import annotations
 
@@ -60,10 +58,8 @@ def answer(
     passes: GeneratorPasses,
     answer_column: str = "prediction",
 ) -> pd.DataFrame:
-    """Answer every question with every method; one row per (question, method).
-
-    Columns: the question's own, `method`, `docs` (JSON hits the answer was written from), `prompt`, `slot_answers`,
-    `answer_column`, `retrieval_skipped`, `generator_calls` and `trace` (JSON: the method's decisions)."""
+    """Answer every question with every method: one row per (question, method) with the question's columns,
+    `method`, `docs`, `prompt`, `slot_answers`, `answer_column`, `retrieval_skipped`, `generator_calls` and `trace`."""
     import json
 
     from wbrag_ray.generation.backends import check_backend_mode

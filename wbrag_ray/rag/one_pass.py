@@ -58,8 +58,7 @@ def _replug_groups(batch: pd.DataFrame, temperature: float) -> tuple[list[list],
 
 
 def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1) -> pd.DataFrame:
-    """One row per (example, method, slot) with `prompt` and `weight`; `replug`: one row per example with JSON
-    lists of its K prompts and weights."""
+    """One row per (example, method, slot) with `prompt` and `weight` (`replug`: one per example, JSON lists)."""
     from wbrag_ray import prompts
     from wbrag_ray.retrieval.hits import hits_from_json
 

@@ -17,8 +17,7 @@ SIGNIFICANCE = 0.05
 
 
 def adapter_effect(run: RunFolder) -> list[dict[str, Any]]:
-    """One row per grid setting evaluated both with and without the adapter (acc, em, answer words, fixed, broken,
-    sign_p)."""
+    """One row per grid setting evaluated with and without the adapter: their figures, fixed, broken."""
     from wbrag_ray.evaluation.evaluate import load_results
 
     grid = run.layout.zero_rag.grid

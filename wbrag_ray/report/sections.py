@@ -72,8 +72,7 @@ def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
 
 
 def plan_section(run: RunFolder, stats: dict[str, dict[str, Any]]) -> Section | None:
-    """Planned against measured: each stage's planned time and rate source beside the measured time; None without
-    a stored plan."""
+    """Each stage's planned time (and rate source) beside its measured time; None without a stored plan."""
     plan = load_plan(run)
     if plan is None:
         return None

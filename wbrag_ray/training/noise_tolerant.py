@@ -1,6 +1,5 @@
-"""Zero-RAG's noise-tolerant tuning: LoRA fine-tuning of the generator on each training question in three
-formats (relevant documents, distracting documents, none), with evaluation's prompts rendered as `HFGenerator`
-renders them; the adapter is saved where `GeneratorConfig.lora_adapter` can point."""
+"""Zero-RAG's noise-tolerant tuning: LoRA on each training question in three formats (relevant documents,
+distractors, none), with evaluation's prompts; the adapter goes where `GeneratorConfig.lora_adapter` points."""
 
 from __future__ import annotations
 
@@ -64,15 +63,10 @@ def _relevant_context(hits: list[Hit], holds: list[bool], k: int) -> list[Hit]:
 
 
 def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> pd.DataFrame:
-    """Training rows per question, one per term of the objective; both document formats hold `docs_per_format`:
-
-    - relevant: the K best-ranked docs, the K-th replaced by a deeper one holding a gold answer where none does;
-      no row where no retrieved doc holds one;
-    - distracting: K retrieved docs without a gold answer, topped up from other questions (`random_distractors`);
-    - none: the closed-book prompt.
-
-    Columns: id, question, format, docs, n_docs, random_distractors, messages, target. Questions without a gold
-    answer are dropped, with a warning."""
+    """Training rows per question, one per term of the objective, both document formats holding `docs_per_format`:
+    relevant (the top K, the K-th replaced by a deeper answer-bearing doc where none holds a gold answer; no row where
+    none retrieved does), distracting (K retrieved docs without one, topped up from other questions), none (closed-book).
+    Questions without a gold answer are dropped, with a warning."""
     parsed = []
     for row in questions.itertuples(index=False):
         answers = row.golden_answers

@@ -86,8 +86,7 @@ def statement_check(text: str, docs, min_overlap: float = MIN_OVERLAP) -> str | 
 
 
 def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str, str] | None:
-    """(title, text) of a unit from the rewrite's output; falls back to the extraction under the top document's
-    title. None when both steps produced nothing."""
+    """(title, text) of a unit from the rewrite, else the extraction under the top title; None if empty."""
     lines = [ln.strip() for ln in rewritten.splitlines() if ln.strip()]
     title, body = default_title, " ".join(lines)
     if len(lines) >= 2:

@@ -67,8 +67,7 @@ class UtilityGateStage(_GateStage):
 
 
 def gate_examples(answered: pd.DataFrame, method: str, config: WritebackConfig) -> pd.DataFrame:
-    """The utility gate over `rag.combine`'s answers of 'no-retrieval' and `method`: one scored row per example;
-    one whose method retrieved nothing is not kept."""
+    """The utility gate over `rag.combine`'s answers: one scored row per example that retrieved something."""
     nr = answered[answered["method"] == "no-retrieval"].set_index("id")["answer"]
     examples = answered[answered["method"] == method].set_index("id")
     own = {"rag_answer": "answer", "rag_slot_answers": "slot_answers", "rag_trace": "trace"}

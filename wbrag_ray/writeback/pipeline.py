@@ -51,8 +51,7 @@ def base_search(run: RunFolder, config: WbragConfig) -> RetrievalSetting:
 
 def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses,
                    search: RetrievalSetting) -> pd.DataFrame:
-    """Answer without and with retrieval by writeback.rag_method and apply both gates; the documents distilled are
-    those the method answered from."""
+    """Answer without and with retrieval by writeback.rag_method, and apply both gates."""
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
     # the held-out questions validate the version instead

@@ -48,8 +48,7 @@ UNITS = pa.schema(
 
 
 def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
-    """Knowledge units with provenance in example order; a rewrite failing `statement_check` falls back to the
-    grounded extraction, else the example writes none. Returns (units, drops by reason)."""
+    """Units with provenance; a rewrite failing `statement_check` falls back to the extraction: (units, drops)."""
     out = distilled.set_index("id")
     rows: list[dict] = []
     drops: dict = {"empty": 0, "rewrites": dict.fromkeys(CHECKS, 0), "units": dict.fromkeys(CHECKS, 0)}

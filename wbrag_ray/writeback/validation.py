@@ -120,8 +120,7 @@ def candidate_rules(retrieval: RetrievalConfig) -> dict[str, UnionRule]:
 
 def answer_under_each_rule(run: RunFolder, config: WbragConfig, dataset: str, label: str, version: str,
                            rules: dict[str, UnionRule], passes, force: bool = False):
-    """Predictions of `dataset` with the base alone and beside `version` under each rule, on `passes`; returns
-    (base, {label: predictions})."""
+    """Predictions with the base alone and beside `version` under each rule: (base, {label: predictions})."""
     method = config.eval.methods[0]
 
     def predictions(name: str):

@@ -1,6 +1,4 @@
-"""Write-back versions: which one is active (searched beside the base), replacing it, and rolling back.
-RUN/writeback/ACTIVE is one small file written atomically, so a switch is one rename; the base index is
-never written."""
+"""Write-back versions: the active one (RUN/writeback/ACTIVE, written atomically), replacing it, rolling back."""
 
 from __future__ import annotations
 

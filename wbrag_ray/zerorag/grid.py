@@ -22,8 +22,7 @@ from wbrag_ray.zerorag.tune import with_adapter
 
 def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False,
                   services: Services | None = None) -> list[dict[str, Any]]:
-    """Evaluate every ratio of zerorag.ratios (and 0) without and with the router, the tuned adapter and the active
-    write-back index; write grid.json. `services`: the caller's, else the grid's own."""
+    """Evaluate every ratio (and 0) without and with router, adapter and write-back; write grid.json."""
     z = config.zerorag
     query_gpu_refusal("the Zero-RAG grid", config.embedder, config.retrieval)  # before any cell
     name = dataset_name(config, dataset)

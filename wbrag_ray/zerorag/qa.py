@@ -1,6 +1,6 @@
-"""Zero-RAG's mastery score of a sentence: QA pairs answerable from it, answered closed-book by the target
-model; the score is the mean exact match over valid pairs. Pairs come from the QA generator (`llm`, parsed from
-JSON or Q:/A: lines; unparsed output and answers not in the sentence kept with a status) or from `cloze` blanks."""
+"""Zero-RAG's mastery score of a sentence: the mean exact match of the target model's closed-book answers
+to QA pairs answerable from it, written by the QA generator (`llm`; unparsable output kept with a status) or as
+`cloze` blanks."""
 
 from __future__ import annotations
 
