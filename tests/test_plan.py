@@ -314,7 +314,7 @@ def test_every_gpu_stage_of_the_paper_configs_uses_the_cluster_or_says_why_not(c
     data = json.loads(capsys.readouterr().out)
     assert data["gpus_total"] == 32 and data["places"]
     for s in data["stages"]:
-        assert set(s) == {"name", "seconds", "rate_source", "gpus", "gpu_hours", "fits"} and s["fits"], s
+        assert set(s) == {"name", "seconds", "rate_source", "gpus", "gpu_hours", "fits", "measured_by"} and s["fits"], s
         assert s["rate_source"] in ("benchmark", "estimate", None) and (s["rate_source"] is None) == (s["seconds"] is None)
     gpu_stages = [s for s in data["stages"] if s["gpus"]]
     for name in (s["name"] for s in gpu_stages if s["gpus"] < 28):

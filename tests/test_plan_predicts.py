@@ -135,7 +135,7 @@ class _FirstWork(Exception):
 
 def test_wbrag_run_stores_its_plan_and_refuses_what_cannot_fit_before_any_work(ray_cluster, tmp_path, no_cache,
                                                                                 monkeypatch, capsys):
-    import wbrag_ray.api as api
+    import wbrag_ray.pipeline as pipeline
 
     ran = []
 
@@ -143,7 +143,7 @@ def test_wbrag_run_stores_its_plan_and_refuses_what_cannot_fit_before_any_work(r
         ran.append(args)
         raise _FirstWork
 
-    monkeypatch.setattr(api, "build_kb", first_work)
+    monkeypatch.setattr(pipeline, "execute", first_work)
     config = ROOT / "jobs" / "configs" / "writeback_demo.yaml"
     data = ROOT / "wbrag_ray" / "data"
     files = ["--set", f"ingest.corpus={data / 'demo_corpus.jsonl'}", "--set", f"writeback.train={data / 'demo_train.jsonl'}",
@@ -169,11 +169,14 @@ def test_the_report_puts_planned_and_measured_side_by_side(tmp_path):
     from wbrag_ray.report.sections import plan_section
     from wbrag_ray.run import RunFolder
 
-    plan = {"stages": [{"name": "ingest", "seconds": 10.0, "rate_source": "benchmark"},
-                       {"name": "embed", "seconds": 20.0, "rate_source": "calibrated"},
-                       {"name": "evaluation", "seconds": 50.0, "rate_source": "calibrated"},
-                       {"name": "evaluation with write-back", "seconds": 40.0, "rate_source": "calibrated"},
-                       {"name": "pruning at 0.3", "seconds": 5.0, "rate_source": "benchmark"}],
+    plan = {"stages": [{"name": "ingest", "seconds": 10.0, "rate_source": "benchmark", "measured_by": "ingest"},
+                       {"name": "embed", "seconds": 20.0, "rate_source": "calibrated", "measured_by": "embed"},
+                       {"name": "evaluation", "seconds": 50.0, "rate_source": "calibrated",
+                        "measured_by": "eval\\-demo_qa"},
+                       {"name": "evaluation with write-back", "seconds": 40.0, "rate_source": "calibrated",
+                        "measured_by": "eval\\-demo_qa\\-writeback"},
+                       {"name": "pruning at 0.3", "seconds": 5.0, "rate_source": "benchmark",
+                        "measured_by": "prune\\-0\\.3"}],
             "total_seconds": 130.0, "start_seconds": 5.0, "made": "now", "gpus_total": 0}
     stats = {"ingest": {"seconds": 12.0}, "embed": {"seconds": 10.0}, "eval-demo_qa": {"seconds": 60.0},
              "eval-demo_qa-writeback": {"seconds": 40.0}, "prune-0.3": {"seconds": 1.0}}

@@ -32,6 +32,7 @@ from importlib import resources
 from typing import Any
 
 from wbrag_ray.config import ConfigError, WbragConfig, load_config
+from wbrag_ray.papers import format_paper_vs_run, print_departures
 from wbrag_ray.run import RunFolder
 
 # a command's session, part of the API: `api.start(run, config)` opens a run folder and joins Ray
@@ -166,7 +167,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         from wbrag_ray.zerorag.grid import eval_label
 
         label = eval_label(name, prune_ratio, writeback, router, adapter)
-    from wbrag_ray.evaluation.made_by import print_result_departures
+    from wbrag_ray.evaluation.made_by import made_config
 
     # from what will make the results: the version's and the adapter's recorded settings (resolved again below)
     version = None
@@ -174,8 +175,9 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         from wbrag_ray.writeback.versions import active_index
 
         version = active_index(run)[0]
-    print_result_departures(run, config, dataset, version, bool(adapter), prune_ratio is not None or bool(router),
-                            writeback=methods_grid)
+    made, facts = made_config(run, config, version, bool(adapter), prune_ratio is not None or bool(router),
+                              writeback=methods_grid)
+    print_departures(made, dataset=dataset, made=facts)
     if methods_grid:
         from wbrag_ray.evaluation.methods_grid import evaluate_methods_grid
 
@@ -209,7 +211,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
 
 def print_paper_vs_run(run: RunFolder, config: WbragConfig) -> None:
     """The papers' numbers beside the run's comparable results (`papers.paper_vs_run`), as `wbrag eval` ends."""
-    from wbrag_ray.paper_vs_run import format_paper_vs_run
     from wbrag_ray.report.paper_rows import run_paper_rows
 
     print(format_paper_vs_run(run_paper_rows(run, config)), flush=True)
@@ -241,9 +242,10 @@ def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | Non
     run.require_run()  # before Ray, as a single evaluation's checks
     check_input(dataset, "dataset")
     check_grid_dataset(run.layout.zero_rag.grid, dataset, force)
-    from wbrag_ray.evaluation.made_by import print_result_departures
+    from wbrag_ray.evaluation.made_by import made_config
 
-    print_result_departures(run, config, dataset, adapter=config.zerorag.tune.enabled, zero_rag=True)
+    made, facts = made_config(run, config, adapter=config.zerorag.tune.enabled, zero_rag=True)
+    print_departures(made, dataset=dataset, made=facts)
     join_ray(run, config)
     rows = evaluate_grid(run, config, dataset, force=force)
     print_paper_vs_run(run, config)
@@ -380,9 +382,11 @@ def _check_train(run: RunLike, config: WbragConfig, train: str | None) -> RunFol
 
 def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None:
     """mastery -> pruners -> prediction -> every ratio -> [tune] -> [router] -> [the grid]."""
-    from wbrag_ray.zerorag import run_zero_rag as chain
+    from wbrag_ray.pipeline import ZERO_RAG, execute
 
-    chain(start(run, config, force), config, force=force)
+    if not config.zerorag.enabled:
+        raise ConfigError("zerorag.enabled is false: set it (--set zerorag.enabled=true) to run Zero-RAG's stages")
+    execute(start(run, config, force), config, force=force, only=ZERO_RAG)
 
 
 # --- whole runs --------------------------------------------------------------------------------------------
@@ -393,30 +397,19 @@ def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str =
     router, the evaluation grid] -> eval (base, then base + write-back), skipping completed stages. Returns every
     completed stage's stats. Once the inputs are checked, the plan of the run (`plan_name`: its config file) is
     stored in the run folder, and a config it says cannot be placed is refused before any work, unless `force`."""
-    from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
-    from wbrag_ray.papers import print_departures
+    from wbrag_ray import build_kb as kb
+    from wbrag_ray.pipeline import execute
 
     folder = open_run(run)
     check_run_inputs(config)
     if config.zerorag.enabled and config.eval.dataset:
         check_grid_dataset(folder.layout.zero_rag.grid, config.eval.dataset, force)
+    kb.check_factory(folder, config)
     print_departures(config)  # the papers the run follows: write-back training, Zero-RAG, or both
     from wbrag_ray.plan.against_run import record_plan
 
     record_plan(config, folder.uri, plan_name, force=force)  # RUN/plan/plan.json; refused here if it cannot fit
-    build_kb(folder, config, force=force)
-    evaluated = [False]
-    if config.writeback.train:
-        train_writeback(folder, config, force=force)
-        evaluated += [True] if config.writeback.evaluate else []
-    if config.zerorag.enabled:
-        run_zero_rag(folder, config, force=force)
-        evaluated = []  # its grid evaluates the base and the pruned bases, with write-back when there is one
-    if config.eval.dataset:
-        name = dataset_name(config, config.eval.dataset)
-        for wb in evaluated:
-            evaluate_stage(folder, config, config.eval.dataset, name, f"{name}-writeback" if wb else name, force=force,
-                           writeback=wb)
+    execute(start(folder, config, force), config, force=force)
     return {s: folder.stats(s) for s in folder.completed_stages()}
 
 

@@ -13,9 +13,10 @@ from wbrag_ray.index.sizing import plan_training
 from wbrag_ray.layout import IngestFolder
 from wbrag_ray.ray_runtime import LIGHT_CPUS
 from wbrag_ray.retrieval.docstore import write_doc_store
-from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.stages.ingest import run_ingest
 from wbrag_ray.storage import resolve
+from wbrag_ray.work import AddVectors, Embed, ReadCorpus
 
 # The corpus path is not a setting: the same corpus may be read from a moved copy (a local file, then s3://). Its
 # identity is a parameter instead: its files' names and sizes (`corpus_params`), so another corpus is refused.
@@ -181,3 +182,15 @@ def unit_text(batch, id_col: str):
 
     text = batch["title"] + "\n" + batch["text"] if "title" in batch else batch["text"]
     return pd.DataFrame({id_col: batch[id_col].astype("int64"), "text": text})
+
+
+INGEST_STEP = Step("ingest", INGEST, lambda config, sizes, params: [ReadCorpus(sizes.passages)],
+                   lambda folder, config, force, services, params: ingest(folder, config, force=force),
+                   resources=("ingest",), outputs=("ingest/passages", "ingest/sentences", "ingest/rejects"))
+EMBED_STEP = Step("embed", EMBED,
+                  lambda config, sizes, params: [Embed(sizes.units(config.index.unit), config.index.unit)],
+                  lambda folder, config, force, services, params: embed(folder, config, force=force),
+                  resources=("embedder",), outputs=("embed",))
+INDEX_STEP = Step("index", INDEX, lambda config, sizes, params: [AddVectors(sizes.units(config.index.unit))],
+                  lambda folder, config, force, services, params: index(folder, config, force=force),
+                  resources=("index",), outputs=("index", "docs/<unit>"))

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(same- and cross-method): RUN/eval/methods_grid.json")
     p.add_argument("--same-writeback", action="store_true",
                    help="with --methods-grid: first train (or reuse) one write-back version per method from "
-                   "writeback.train, written back under that method, for WriteBack-RAG's Table 2 (Same-WB)")
+                   "writeback.train, written back under that method, for WriteBack-RAG's Figure 4 (Same-WB)")
     _common(p)
 
     p = sub.add_parser("mastery", help="Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")

@@ -17,7 +17,7 @@ from wbrag_ray.formats import SPLITS, corpus_record, dataset_record
 from wbrag_ray.storage import cache_root, resolve
 
 REPO = "RUC-NLPIR/FlashRAG_datasets"  # a dataset repository
-CORPORA = {"wiki18": "retrieval-corpus/wiki18_100w.zip"}  # the corpus both papers retrieve from
+CORPORA = {"wiki18": "retrieval-corpus/wiki18_100w.zip"}  # the corpus the paper configs retrieve from (neither text names its corpus's version)
 # the hub's folder where it differs from the dataset's usual name (its README's config names)
 FOLDERS = {"msmarco-qa": "ms_marco", "wikiqa": "wiki_qa"}
 CHECKED_RECORDS = 5  # the first records of each file that must parse: enough to catch another format

@@ -12,6 +12,7 @@ fingerprint changed is refused (costly stages: a person decides, with --force) o
 from __future__ import annotations
 
 import logging
+import re
 import string
 import sys
 import time
@@ -102,6 +103,35 @@ class RunStage:
 
     def command_for(self, params: dict[str, Any] | None = None) -> str:
         return self.command.format_map(_Keep(params or {})) or f"the stage '{self.instance(params)}'"
+
+
+@dataclass(frozen=True)
+class Step:
+    """A stage of `wbrag run` as every reader sees it (the registry is `wbrag_ray.pipeline.PIPELINE`): the run
+    stage it makes (`stage`: the settings that fingerprint it, the stages it reads), the run-folder outputs it
+    writes (`outputs`: `RunLayout` attribute paths), the config sections whose actors, tasks or workers it holds
+    (`resources`), the work it will do as data (`work(config, sizes, params)`: `wbrag_ray.work` items, which the
+    plan prices), how `wbrag run` makes it (`run(folder, config, force, services, **params)`), and which of its
+    instances a config's run makes (`instances(config)`: one params dict each; [] where the config leaves it out).
+    `title`: its name in the plan (may hold params: "pruning at {ratio}"); `measured_by`: a pattern of the run
+    stage names whose stats measure it (default: the stage's own name)."""
+
+    title: str
+    stage: RunStage
+    work: Callable[..., list]
+    run: Callable[..., Any]
+    instances: Callable[[WbragConfig], list[dict[str, Any]]] = lambda config: [{}]
+    resources: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    measured_by: str = ""
+
+    def name(self, params: dict[str, Any]) -> str:
+        return self.title.format_map(_Keep(params))
+
+    def pattern(self, params: dict[str, Any]) -> str:
+        """A pattern of the run's stage names whose stats measure this step's instance `params`."""
+        return self.measured_by.format_map(_Keep(params)) if self.measured_by else re.escape(
+            self.stage.instance(params))
 
 
 class RunFolder:

@@ -4,23 +4,25 @@ index, a pruned one (`base_index`), or base + a write-back index; each method wr
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from wbrag_ray import rag
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.evaluation.made_by import made_by, result_departures
+from wbrag_ray.evaluation.made_by import made_by, made_config
 from wbrag_ray.evaluation.short_answer import short_answer
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.layout import EvalResult
 from wbrag_ray.metrics import METRICS, score_answer
-from wbrag_ray.papers import papers_followed
+from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.stage import RetrievalSetting
-from wbrag_ray.retrieval.union import UnionRule
-from wbrag_ray.run import RunFolder
+from wbrag_ray.retrieval.union import UnionRule, appended_units
+from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.storage import resolve
+from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
 
 if TYPE_CHECKING:
@@ -63,9 +65,9 @@ def evaluate(
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
     # the papers this evaluation follows
     zero_rag = base_index != run.layout.index.uri or bool(router) or bool(config.generator.lora_adapter)
-    papers = papers_followed(config, bool(wb_version), zero_rag) if wb_version or zero_rag else papers_followed(config)
     # from what made the results: the version's and the adapter's recorded settings, not this config's
-    departed = result_departures(run, config, dataset, wb_version, own_adapter(run, config), zero_rag)
+    made, facts = made_config(run, config, wb_version, own_adapter(run, config), zero_rag)
+    papers, departed = facts.papers, run_departures(made, dataset=dataset, made=facts)
 
     searched_union = None
     if wb_version:
@@ -178,3 +180,45 @@ def format_table(name: str, results: dict[str, dict[str, Any]]) -> str:
 def load_results(run: RunFolder) -> dict[str, dict[str, Any]]:
     """Every evaluated method's metrics under RUN/eval, by folder name."""
     return {r.root.name: r.metrics.read_json() for r in run.layout.eval_results() if r.metrics.exists()}
+
+
+def _evaluations(writeback: bool):
+    """The instances of the base evaluation (or the one beside the write-back index) that `wbrag run` makes: when
+    eval.dataset is set and Zero-RAG's grid does not evaluate instead."""
+    def instances(config: WbragConfig) -> list[dict[str, Any]]:
+        c = config
+        if not c.eval.dataset or c.zerorag.enabled or (writeback and not (c.writeback.train and c.writeback.evaluate)):
+            return []
+        name = dataset_name(c, c.eval.dataset)
+        return [{"label": f"{name}-writeback" if writeback else name}]
+    return instances
+
+
+def evaluation_work(writeback: bool):
+    def work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Generate]:
+        ev, k = config.eval, config.retrieval.top_k
+        q, counted = sizes.questions(ev.dataset, ev.limit)
+        passes = [p for m in ev.methods for p in rag.passes(m, config)]
+        extra = appended_units(config.retrieval) if writeback else 0
+        if extra:  # the prompts that read the top K read its units too
+            passes = [replace(p, docs=p.docs + extra) if p.docs == k and not p.mixture else p for p in passes]
+        return [Generate(q, tuple(passes), f"questions: {counted}; methods {', '.join(ev.methods)}: up to "
+                         f"{sum(p.calls for p in passes):g} calls a question"
+                         + (f"; the additive union: up to {k} + {extra} documents a prompt" if extra else ""),
+                         retrieval=any(m != "no-retrieval" for m in ev.methods))]
+    return work
+
+
+def _run_evaluation(writeback: bool):
+    def run_it(folder: RunFolder, config: WbragConfig, force: bool, services: Any,
+               params: dict[str, Any]) -> dict[str, Any]:
+        return evaluate_stage(folder, config, config.eval.dataset, dataset_name(config, config.eval.dataset),
+                              params["label"], force=force, writeback=writeback)
+    return run_it
+
+
+EVAL_STEP = Step("evaluation", EVAL, evaluation_work(False), _run_evaluation(False), instances=_evaluations(False),
+                 resources=("generator", "retrieval"), outputs=("eval/{label}-<method>",))
+EVAL_WRITEBACK_STEP = Step("evaluation with write-back", EVAL, evaluation_work(True), _run_evaluation(True),
+                           instances=_evaluations(True), resources=("generator", "retrieval"),
+                           outputs=("eval/{label}-<method>",))

@@ -1,23 +1,21 @@
-"""What made an evaluation's results, as the papers are compared with it: the settings each input recorded when it
-was made, not the evaluating config's.
-
-A write-back version was made under its own gates, deduplication, validation, training set, method, K and generator
-(its stats.json's `settings`); a tuned adapter under its own tuning settings (the `tune` stage's); a pruned index by
-the pruner and mastery settings their stages recorded. `--set writeback.dedupe_threshold=null` at evaluation changes
-none of them, so none of it is read from the evaluating config where the run recorded it.
-
-`made_config` is the evaluating config with those sections put back as recorded, for `papers.run_departures`;
-`made_by` is the record metrics.json keeps (`made_by`) and `paper_vs_run.paper_vs_run` compares with the papers'
-settings.
-"""
+"""What made an evaluation's results, as its stages recorded it (a write-back version's stats.json `settings`, the
+tuned adapter's and the pruner's stage records), not the evaluating config: `made_config` for
+`papers.run_departures`, `made_by` for metrics.json's `made_by` that `papers.paper_vs_run` compares."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.papers import Departure, MadeBy, papers_followed, print_departures, run_departures
+from wbrag_ray.formats import dataset_name
+from wbrag_ray.layout import PRUNE_LEVEL
+from wbrag_ray.papers import MadeBy, papers_followed
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
+from wbrag_ray.zerorag.mastery import MASTERY
+from wbrag_ray.zerorag.prune import PREDICT
+from wbrag_ray.zerorag.pruners import PRUNERS
+from wbrag_ray.zerorag.tune import TUNE
 
 # the tuning settings whose recorded values replace the evaluating config's (the `tune` stage's declared path)
 _TUNE_SETTINGS, _LM_PRUNER_SETTINGS = "zerorag.tune", "zerorag.lm_pruner"
@@ -68,16 +66,12 @@ def units_dropped(run: RunFolder, version: str) -> int:
 def searched_union(run: RunFolder, config: WbragConfig, version: str) -> dict[str, Any]:
     """The union rule a search beside `version` uses (`UnionRule.resolved`: under `auto`, the rule the version's
     validation chose), as `UnionRule.settings` records it."""
-    from wbrag_ray.retrieval.union import UnionRule
-
     return UnionRule.of(config.retrieval).resolved([run.layout.writeback_version(version).index]).settings()
 
 
 def adapter_settings(run: RunFolder) -> dict[str, Any]:
     """The settings the run's tuned adapter was made with (the `tune` stage's record), and the rows its own-answer
     targets dropped; {} where none was recorded."""
-    from wbrag_ray.zerorag.tune import TUNE
-
     stats = run.stats(TUNE.name) or {}
     tune = dict(_recorded(stats).get(_TUNE_SETTINGS) or {})
     for key in ("rows_built", "rows_without_own_answer"):
@@ -89,10 +83,6 @@ def adapter_settings(run: RunFolder) -> dict[str, Any]:
 
 def pruner_settings(run: RunFolder) -> dict[str, Any]:
     """The pruner the run's pruned indices were made by, and its LM backbone's recorded settings."""
-    from wbrag_ray.zerorag.mastery import MASTERY
-    from wbrag_ray.zerorag.prune import PREDICT
-    from wbrag_ray.zerorag.pruners import PRUNERS
-
     out: dict[str, Any] = {}
     predict = _recorded(run.stats(PREDICT.name))
     if "zerorag.pruner" in predict:
@@ -114,20 +104,20 @@ def _section(section, recorded: dict[str, Any]):
 
 
 def made_config(run: RunFolder, config: WbragConfig, version: str | None = None, adapter: bool = False,
-                zero_rag: bool = False) -> tuple[WbragConfig, MadeBy]:
-    """`config` with what made a result in place of its own values: write-back `version`'s recorded settings (its
-    gates, deduplication, validation, limit, method, training set) and the union rule searched beside it (`auto`
-    resolved to the version's choice), the tuned adapter's (`adapter`), the pruner's
-    and mastery's (`zero_rag`: a pruned, routed or tuned evaluation); and what else they recorded (`MadeBy`)."""
-    distiller = rows = dropped = dropped_units = None
+                zero_rag: bool = False, writeback: bool = False) -> tuple[WbragConfig, MadeBy]:
+    """`config` with what made a result in place of its own values: write-back `version`'s recorded settings and the
+    union searched beside it, the tuned adapter's (`adapter`), the pruner's and mastery's (`zero_rag`); and
+    `MadeBy`: the papers the result follows (`writeback`: beside versions without one to read), the version's
+    training set and what else was recorded."""
+    distiller = rows = dropped = dropped_units = train = None
+    made = config
     if version:
         wb = version_settings(run, version)
         rule = searched_union(run, config, version)
-        update: dict[str, Any] = {"writeback": _section(config.writeback, wb),
-                                  "retrieval": config.retrieval.model_copy(update={"union": rule["union"]})}
-        distiller, dropped_units = wb.get("generator"), units_dropped(run, version)
-        config = config.model_copy(update=update)
-    z = config.zerorag
+        made = made.model_copy(update={"writeback": _section(config.writeback, wb),
+                                       "retrieval": config.retrieval.model_copy(update={"union": rule["union"]})})
+        distiller, dropped_units, train = wb.get("generator"), units_dropped(run, version), wb.get("train")
+    z = made.zerorag
     if adapter:
         tune = adapter_settings(run)
         rows, dropped = tune.get("rows_built"), tune.get("rows_without_own_answer")
@@ -141,35 +131,9 @@ def made_config(run: RunFolder, config: WbragConfig, version: str | None = None,
             update["qa_generator"] = _section(z.qa_generator, pruner["qa_generator"])
         z = z.model_copy(update=update)
     if adapter or zero_rag:  # a Zero-RAG result, whatever the evaluating config's zerorag.enabled
-        config = config.model_copy(update={"zerorag": z.model_copy(update={"enabled": True})})
-    return config, MadeBy(distiller, rows, dropped, dropped_units)
-
-
-def _compared(run: RunFolder, config: WbragConfig, version: str | None, adapter: bool, zero_rag: bool,
-              writeback: bool = False):
-    """What `run_departures` compares for one evaluation: the config that made it, the papers it follows (WriteBack-RAG
-    beside a version, Zero-RAG on a pruned or routed base or with the adapter, the run's papers otherwise), the
-    version's training set and what else was recorded."""
-    made, facts = made_config(run, config, version, adapter, zero_rag)
-    wb = writeback or bool(version)
-    papers = papers_followed(config, wb, zero_rag or adapter) if wb or zero_rag or adapter else papers_followed(config)
-    train = version_settings(run, version).get("train") if version else made.writeback.train
-    return made, papers, train, facts
-
-
-def result_departures(run: RunFolder, config: WbragConfig, dataset: str | None, version: str | None = None,
-                      adapter: bool = False, zero_rag: bool = False) -> list[Departure]:
-    """The departures of one evaluation's results from the papers it follows, from what made them."""
-    made, papers, train, facts = _compared(run, config, version, adapter, zero_rag)
-    return run_departures(made, papers, train, dataset, facts)
-
-
-def print_result_departures(run: RunFolder, config: WbragConfig, dataset: str | None, version: str | None = None,
-                            adapter: bool = False, zero_rag: bool = False, writeback: bool = False) -> list[Departure]:
-    """`result_departures` as `wbrag eval` prints them when it starts (`papers.print_departures`); `writeback`: it
-    evaluates beside write-back versions (the methods grid's) without one version to read."""
-    made, papers, train, facts = _compared(run, config, version, adapter, zero_rag, writeback)
-    return print_departures(made, papers, train, dataset, facts)
+        made = made.model_copy(update={"zerorag": z.model_copy(update={"enabled": True})})
+    papers = papers_followed(config, writeback or bool(version), zero_rag or adapter)
+    return made, MadeBy(papers, train if version else made.writeback.train, distiller, rows, dropped, dropped_units)
 
 
 def pruning_ratio(run: RunFolder, base_index: str | None) -> float | None:
@@ -177,8 +141,6 @@ def pruning_ratio(run: RunFolder, base_index: str | None) -> float | None:
     pruned one, None for another folder."""
     if base_index in (None, run.layout.index.uri):
         return 0.0
-    from wbrag_ray.layout import PRUNE_LEVEL
-
     prefix = PRUNE_LEVEL.split("{")[0]
     for level in run.layout.zero_rag.pruned_levels():
         if level.index.uri == base_index:
@@ -191,11 +153,9 @@ def made_by(run: RunFolder, config: WbragConfig, dataset: str, n: int, method: s
     """The record of what made one method's results (metrics.json's `made_by`): the questions (dataset, count,
     eval.limit), the generator, retriever, K, answer form, the union searched beside a version, the version's
     recorded settings, the adapter's, the router and the pruning ratio."""
-    from wbrag_ray.formats import dataset_name as flashrag_name
-
     retrieves = method != "no-retrieval"
     return {
-        "dataset": flashrag_name(dataset),
+        "dataset": dataset_name(dataset),
         "questions": {"dataset": dataset, "n": n, "limit": config.eval.limit},
         "method": method,
         "generator": config.generator.model,

@@ -30,7 +30,7 @@ def evaluate_methods_grid(
     (retrieval.union) and the questions a unit entered the top K of, won and lost; methods_grid-<name>.json for
     a Zero-RAG setting) and prints the table. A grid run under another union setting adds its rows beside the
     ones already there (labels: `union_suffix`). `same_writeback`: first train a version under each method
-    that has none (`same_writeback_versions`), and add WriteBack-RAG's Table 2 view: each method on the base
+    that has none (`same_writeback_versions`), and add WriteBack-RAG's Figure 4 view: each method on the base
     and on its own version."""
     name = name or dataset_name(config, dataset)
     methods = list(dict.fromkeys(config.eval.methods))
@@ -85,7 +85,7 @@ def evaluate_methods_grid(
 
 
 def same_writeback_rows(grid: dict[str, Any]) -> list[dict[str, Any]]:
-    """Table 2's cells: per method with a version of its own, its base row and its row beside that version."""
+    """Figure 4's Same-WB cells: per method with a version of its own, its base row and its row beside that version."""
     cells: dict[tuple[str, str | None], dict[str, Any]] = {}
     for r in grid["rows"]:  # this grid's own union setting first; rows of others kept from earlier grids follow
         cells.setdefault((r["method"], r["version"]), r)
@@ -94,7 +94,7 @@ def same_writeback_rows(grid: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def format_same_writeback(grid: dict[str, Any]) -> str:
-    """WriteBack-RAG's Table 2 shape: each method on the base and on the knowledge base written back under it."""
+    """WriteBack-RAG's Figure 4 shape: each method on the base and on the knowledge base written back under it."""
     lines = [f"Same-WB on {grid['name']}: each method beside the version written back under it",
              f"{'method':<14}{'version':>18}" + "".join(f"{h:>18}" for k in METRICS for h in (k, f"{k} Same-WB"))]
     for row in same_writeback_rows(grid):

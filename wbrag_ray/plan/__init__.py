@@ -115,7 +115,8 @@ def plan_data(plan: Plan) -> dict:
     timed = [s.seconds for s in plan.stages if s.seconds is not None]
     hours = sum(s.gpu_hours or 0.0 for s in plan.stages)
     return {"stages": [{"name": s.name, "seconds": s.seconds, "rate_source": s.rate_source, "gpus": s.gpus,
-                        "gpu_hours": s.gpu_hours, "fits": s.fits} for s in plan.stages],
+                        "gpu_hours": s.gpu_hours, "fits": s.fits, "measured_by": s.measured_by}
+                       for s in plan.stages],
             "total_seconds": sum(timed) + plan.start_seconds if timed else None, "start_seconds": plan.start_seconds,
             "gpus_total": plan.cluster.gpus, "gpu": plan.gpu.name, "gpu_hours_total": hours,
             "cost": hours * plan.gpu_hour_price if plan.gpu_hour_price else None, "places": plan.places,

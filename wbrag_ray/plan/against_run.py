@@ -12,37 +12,6 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError, WbragConfig
 
-# a plan stage's name -> the run stages (by name) whose seconds measure it; a grid's cells are many eval stages
-_RUN_STAGES: tuple[tuple[str, str], ...] = (
-    ("ingest", r"ingest"),
-    ("embed", r"embed"),
-    ("index", r"index"),
-    ("write-back training", r"writeback-.+"),
-    ("evaluation with write-back", r"eval-.+-writeback"),
-    ("evaluation grid", r"eval-.+"),
-    ("evaluation", r"eval-(?!.*-writeback$).+"),
-    ("mastery", r"mastery"),
-    ("pruner training (embedding head)", r"pruner-embedding"),
-    ("pruner training (LM regressor)", r"pruner-lm"),
-    ("prediction", r"predict"),
-    ("pruning at ", "{level}"),  # the ratio's level (layout.PRUNE_LEVEL)
-    ("tuning: LoRA training", r"tune"),  # the run's one tune stage retrieves, then trains: its retrieval (small)
-    # is measured inside it, and the plan's "tuning: retrieval" stays out of the comparison
-    ("router", r"router"),
-)
-
-
-def run_stages_of(plan_stage: str, names: list[str]) -> list[str]:
-    """The run's stage names (of `names`) that measure the plan's stage `plan_stage`."""
-    for prefix, pattern in _RUN_STAGES:
-        if plan_stage.startswith(prefix):
-            if pattern == "{level}":
-                from wbrag_ray.layout import PRUNE_LEVEL
-
-                pattern = re.escape(PRUNE_LEVEL.format(ratio=float(plan_stage[len(prefix):])))
-            return [n for n in names if re.fullmatch(pattern, n)]
-    return []
-
 
 def record_plan(config: WbragConfig, run_dir: str, name: str = "", force: bool = False) -> dict[str, Any] | None:
     """Make the plan of `config` on the Ray cluster the run uses (joined or started here, as the run would),
@@ -89,7 +58,9 @@ def planned_vs_measured(plan: dict[str, Any], stats: dict[str, dict[str, Any]],
     names = list(stats)
     rows, planned_sum, measured_sum, claimed = [], 0.0, 0.0, set()
     for s in plan.get("stages", []):
-        matched = run_stages_of(s["name"], names)
+        # from the step the stage prices (`pipeline`; "": a part of a stage); a plan stored before: its own name
+        pattern = s.get("measured_by", re.escape(s["name"]))
+        matched = [n for n in names if pattern and re.fullmatch(pattern, n)]
         run_names = [n for n in matched if n not in claimed]  # a run stage measures one plan stage, the first
         claimed.update(run_names)
         measured = sum((stats[n] or {}).get("seconds", 0.0) for n in run_names) if run_names else None

@@ -15,9 +15,8 @@ in one file; the rules it applies live in `stages` (bundles, index sizing) and `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
 from wbrag_ray.plan.accelerators import (
     DEFAULT_GPU,
@@ -51,6 +50,8 @@ from wbrag_ray.plan.stages import (
 )
 from wbrag_ray.plan.timing import EMBED_PASS, Timing, describe_record
 from wbrag_ray.plan.tokens import TokenShape, template_of, token_shape
+from wbrag_ray.run import Step
+from wbrag_ray.work import AddVectors, Embed, Generate, Pass, Predict, ReadCorpus, Search, Train
 
 DIM_ASSUMED = 768
 # an OpenAI-compatible endpoint: its rate is the provider's; assumed, and labeled an estimate
@@ -59,24 +60,6 @@ ENDPOINT_TOKENS_PER_S = 60.0  # output tokens a second of one request
 ANSWER_TOKENS = 4  # a short gold answer (NQ, TriviaQA), a tuning row's target
 HEAD_SECONDS = 5.0  # the embedding pruner's head: a regression on a few thousand stored vectors, in the driver
 TRAIN_START = RATES["train_start"].value
-
-
-@dataclass(frozen=True)
-class Pass:
-    """Generator calls a question (or a sentence) makes in one kind of prompt: `docs` documents of `doc_tokens`
-    (a corpus passage by default), up to `new_tokens` (default: generator.max_new_tokens); `mixture`: RePlug's
-    group of `docs` one-document prompts decoded as one answer; `template`: the tokens of the prompt's instruction,
-    solved examples and chat markers, where it is not the RAG or closed-book prompt (`template_of`); `question`:
-    the tokens of what it asks about, where that is not the run's question (a sentence)."""
-
-    calls: float
-    docs: int
-    new_tokens: int | None = None
-    mixture: bool = False
-    doc_tokens: float | None = None
-    template: float | None = None
-    question: float | None = None
-    kind: str | None = None  # a prompt kind `--calibrate` times on the config's own data (write-back's distiller)
 
 
 @dataclass
@@ -161,13 +144,14 @@ class _Builder:
         self.c, self.cluster, self.corpus, self.timing = config, cluster, corpus, timing
         self.refusals: list[str] = []
         self.warnings: list[str] = []
+        self._selection: tuple[float, float, str] | None = None
         dim, self.dim_source = embedding_dim(config.embedder.model, model_size(config.embedder.model))
         self.dim = dim or DIM_ASSUMED
         if dim is None:
             self.dim_source = f"{DIM_ASSUMED} assumed"
             self.warnings.append(f"embedder {config.embedder.model}: vector dimension unknown, {DIM_ASSUMED} assumed")
-        self.units = corpus.units(config.index.unit)
-        self.sizing = self._size(self.units, "index") if self.units else None
+        units = corpus.units(config.index.unit)
+        self.sizing = self._size(units, "index") if units else None
         self.nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
         self.shares = False  # retrieval's actors as shares of the replicas' GPUs (`gpu_layout`)
         self._decide_gpu_layout()
@@ -245,61 +229,106 @@ class _Builder:
     def _parallel(self, tasks: int) -> float:
         return max(1.0, min(self.cluster.cpus, tasks))
 
-    # --- the knowledge base ----------------------------------------------------------------------------------
+    # --- the registry's steps, each priced from the work it declares -----------------------------------------
 
     def stages(self) -> list[Stage]:
-        c = self.c
-        out = [self.ingest(), self.embed(), self.index()]
-        if c.writeback.train:
-            out.append(self.writeback())
-        if c.zerorag.enabled:
-            out += self.zero_rag()
-        elif c.eval.dataset:
-            out.append(self.evaluation(False))
-            if c.writeback.train and c.writeback.evaluate:
-                out.append(self.evaluation(True))
+        from wbrag_ray.pipeline import instances
+
+        return [stage for step, params in instances(self.c) for stage in self.price(step, params)]
+
+    def price(self, step: Step, params: dict) -> list[Stage]:
+        """One planned stage for a step (a search it declares with a title of its own: a stage before it), its work
+        items priced one after another: a second generator pass adds its time (and its own generator's bundles),
+        a query embedder its start."""
+        name, out, main = step.name(params), [], None
+        for item in step.work(self.c, self, params):
+            if isinstance(item, Search) and item.title:
+                out.append(self.search(item))
+            elif main is None:
+                main = self.PRICE[type(item)](self, name, item)
+            elif isinstance(item, Generate):
+                self._also_generate(main, item)
+            elif isinstance(item, Embed):
+                self._query_embedder(main)
+        if main is not None:
+            main.measured_by = step.pattern(params)
+            out.append(main)
         return out
 
-    def ingest(self) -> Stage:
-        p = self.corpus.passages
+    # Sizes (`wbrag_ray.work`): what the steps' declarations count their work from
+
+    @property
+    def passages(self) -> int | None:
+        return self.corpus.passages
+
+    @property
+    def sentences(self) -> int | None:
+        return self.corpus.sentences
+
+    def units(self, unit: str) -> int | None:
+        return self.corpus.units(unit)
+
+    def questions(self, path: str | None, limit: int | None) -> tuple[int | None, str]:
+        return question_count(path, limit)
+
+    def selection(self) -> tuple[float, float, str]:
+        if self._selection is None:
+            self._selection = self._keep_rate(self._writeback_record())
+        return self._selection
+
+    def tokens(self, what: str, docs: int = 0) -> float:
+        shape = self.timing.shape
+        return {"title": lambda: shape.title, "sentence": self._sentence_tokens, "unit": lambda: self._doc_tokens,
+                "prompt": lambda: shape.prompt(docs, self._doc_tokens) if docs else shape.prompt(0)}[what]()
+
+    def figure(self, key: str) -> float:
+        return RATES[key].value
+
+    # --- pricing, one method a kind of work ---------------------------------------------------------------------
+
+    def ingest(self, name: str, item: ReadCorpus) -> Stage:
+        p = item.passages
         if p is None:
-            return Stage("ingest", [], "corpus size unknown", how="no time: pass --passages")
+            return Stage(name, [], "corpus size unknown", how="no time: pass --passages")
         rate = RATES["ingest"]
         corpus_bytes = self.corpus.corpus_bytes or p * RATES["bytes_per_passage"].value
         shards = max(1, math.ceil(corpus_bytes / self.c.ingest.shard_bytes))
         at_once = self._parallel(shards)
-        return Stage("ingest", [Bundle("ingest task", shards, 1.0, kind="task")],
+        return Stage(name, [Bundle("ingest task", shards, 1.0, kind="task")],
                      f"{p:,} passages in {shards:,} shards of ingest.shard_bytes", p / (rate.value * at_once),
                      f"{p:,} / ({rate.value:,g}/s [ingest] x {at_once:g} tasks at once)",
                      rates=("ingest",) + (() if self.corpus.corpus_bytes else ("bytes_per_passage",)))
 
-    def embed(self) -> Stage:
-        e, unit, n = self.c.embedder, self.c.index.unit, self.units
+    def embed(self, name: str, item: Embed) -> Stage:
+        e, unit, n = self.c.embedder, item.unit, item.texts
         bundle = embedder_bundle(e, "embed actor", e.concurrency, e.num_cpus, "embedder.concurrency")
         work = f"{n:,} {unit}s" if n else "corpus size unknown"
         more = self._more("embedder")
         if not n:
-            return Stage("embed", [bundle], work, more_gpus=more)
+            return Stage(name, [bundle], work, more_gpus=more)
         shape = self.timing.shape
         tokens = shape.passage if unit == "passage" else self._sentence_tokens()
         seconds, how, source = self.timing.embedding(e, n, tokens, e.concurrency)
         if seconds is not None:
-            stage = Stage("embed", [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
+            stage = Stage(name, [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
             stage.add_source(source, seconds)
             self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
                         service=EMBED_PASS, actors=e.concurrency)
             return stage
         if e.num_gpus > 0:
-            return Stage("embed", [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)
+            return Stage(name, [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)
         per_actor, how = scaled_rate("embed", model_size(e.model), threads_of(e.num_cpus, e.threads))
         if per_actor is None:
-            return Stage("embed", [bundle], work, how=how)
+            return Stage(name, [bundle], work, how=how)
         if unit == "passage":  # the rate is of sentences; a passage is about this many sentences of tokens
             per_actor /= RATES["sentences_per_passage"].value
             how += f" / {RATES['sentences_per_passage'].value} sentences a passage"
-        return Stage("embed", [bundle], work, n / (per_actor * e.concurrency),
+        return Stage(name, [bundle], work, n / (per_actor * e.concurrency),
                      f"{n:,} / ({how} x {e.concurrency} actors)", more_gpus=more,
                      rates=("embed",) + (("sentences_per_passage",) if unit == "passage" else ()))
+
+    def add_vectors(self, name: str, item: AddVectors) -> Stage:
+        return self.index(name, item) if item.pruned_from is None else self.pruning(name, item)
 
     def _sentence_tokens(self) -> float:
         """A sentence's tokens: the passage's over the run's sentences a passage where the ingest counted them."""
@@ -308,12 +337,12 @@ class _Builder:
             return self.timing.shape.passage * c.passages / c.sentences
         return self.timing.shape.sentence
 
-    def index(self) -> Stage:
-        s, n = self.sizing, self.units
+    def index(self, name: str, item: AddVectors) -> Stage:
+        s, n = self.sizing, item.vectors
         if s is None or not n:
-            return Stage("index", [], "corpus size unknown" if not n else "refused by the sizing rules")
+            return Stage(name, [], "corpus size unknown" if not n else "refused by the sizing rules")
         seconds, how, keys, left_out = index_time(s, n, self.dim, self.cluster.cpus)
-        stage = Stage("index", list(s.bundles), f"{n:,} vectors of {self.dim} dimensions ({self.dim_source})",
+        stage = Stage(name, list(s.bundles), f"{n:,} vectors of {self.dim} dimensions ({self.dim_source})",
                       seconds, how, rates=keys,
                       more_gpus=KMEANS_GPU,
                       notes=[s.describe(), f"retrieval service: {s.groups} search actor group(s) of up to "
@@ -332,34 +361,10 @@ class _Builder:
 
     # --- model passes --------------------------------------------------------------------------------------
 
-    def _passes(self, method: str) -> list[Pass]:
-        """The generator passes a method makes per question, at most: (calls, documents a prompt, new tokens,
-        mixture). Self-RAG: its retrieval judgement, a relevance judgement per document (one token each) and the
-        answer; FLARE: a look-ahead and a rewrite with documents per round, each decoding rag.flare's
-        look_ahead_tokens; RePlug on a backend that decodes mixtures: one group of K one-document prompts."""
-        k, rounds, doc = self.c.retrieval.top_k, self.c.rag.flare.max_rounds, self._doc_tokens
-        look = self.c.rag.flare.look_ahead_tokens  # both FLARE passes decode its look-ahead (`rag.flare`)
-        replug = ([Pass(1, k, mixture=True, doc_tokens=doc)] if self.c.generator.backend == "hf"
-                  else [Pass(k, 1, doc_tokens=doc)])
-        judge = template_of(lambda q, _: prompts.retrieval_judge_messages(q))  # few-shot, as the relevance judge
-        return {"no-retrieval": [Pass(1, 0)], "naive": [Pass(1, k, doc_tokens=doc)], "replug": replug,
-                "replug-vote": [Pass(k, 1, doc_tokens=doc)],
-                "self-rag": [Pass(1, 0, 1, template=judge), Pass(k, 1, 1, doc_tokens=doc, template=self._relevance_template),
-                             Pass(1, k, doc_tokens=doc)],
-                "flare": [Pass(rounds, 0, look), Pass(rounds, k, look, doc_tokens=doc)]}[method]
-
     @property
     def _doc_tokens(self) -> float:
         """A retrieved document's tokens: the index unit's (a passage, or a sentence of Zero-RAG's index)."""
         return self.timing.shape.passage if self.c.index.unit == "passage" else self._sentence_tokens()
-
-    @property
-    def _relevance_template(self) -> float:
-        """Self-RAG's relevance judgement of one document (WriteBack-RAG's document gate): few-shot."""
-        return template_of(lambda q, d: prompts.relevance_judge_messages(q, d[0]), 1)
-
-    def _method_passes(self, methods: list[str]) -> list[Pass]:
-        return [p for m in methods for p in self._passes(m)]
 
     def _retrieval(self) -> list[Bundle]:
         if self.sizing is None:
@@ -388,9 +393,47 @@ class _Builder:
             self._add_time(stage, g, round(questions * p.calls), p, kinds=kinds)
         return stage
 
+    def generate(self, name: str, item: Generate) -> Stage:
+        """Generator passes on the service of the item's config section (write-back's timed on the config's own
+        prompt kinds where calibrated)."""
+        measured = self._writeback_record() if item.selection else None
+        stage = self._model_stage(name, self._section(item.section), item.items, list(item.passes), item.describe,
+                                  item.retrieval, item.section, kinds=measured)
+        if item.selection:
+            self._selection_notes(stage, item, measured)
+        return stage
+
+    def _also_generate(self, stage: Stage, item: Generate) -> None:
+        """A second kind of generator pass in the same stage (mastery's QA writing): its own generator's bundles
+        where that is another section; the first one's GPUs are then held only for the first pass's time where
+        the second runs on an API or CPUs."""
+        g = self._section(item.section)
+        if item.section != "generator":
+            if (g.backend == "openai" or not g.num_gpus) and stage.seconds is not None:
+                stage.held_seconds = stage.seconds
+                stage.notes.append(f"the generator's GPUs are held for the answer pass only ({stage.seconds:,.0f} s; "
+                                   "the QA pairs are written first, without them)")
+            bundles, notes, refusals = generator_bundles(g, item.section, self.cluster)
+            stage.bundles += bundles
+            stage.notes += notes
+            stage.refusals += refusals
+        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend)
+        for p in item.passes:
+            self._add_time(stage, g, None if item.items is None else round(item.items * p.calls), p, item.describe)
+
+    def _query_embedder(self, stage: Stage) -> None:
+        e = self.c.retrieval.query_embedder(self.c.embedder)
+        self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
+                    service="query embedder", actors=self.c.retrieval.concurrency)
+
+    def _section(self, key: str):
+        section = self.c
+        for part in key.split("."):
+            section = getattr(section, part)
+        return section
+
     def _services_end(self) -> None:
-        """After a Ray Train stage: its workers took the CPUs (or GPUs) the services held, and a kept service ends
-        once idle for ray.keep_services_s anyway (`stages.kept`), far less than a training: the next stage to
+        """After a Ray Train stage: its workers took the CPUs (or GPUs) the services held: the next stage to
         generate or embed queries starts its services again."""
         self.timing.started.clear()
 
@@ -416,39 +459,26 @@ class _Builder:
                    f" tokens at {ENDPOINT_TOKENS_PER_S:g}/s) / {g.concurrency} in flight")
         else:
             point = next((pt for pt in (kinds or {}).get("points", []) if pt["shape"] == p.kind), None)
-            seconds, how, source = self.timing.generation(g, calls, p.docs, p.new_tokens, p.doc_tokens, p.mixture,
-                                                          p.template, p.question, point)
+            doc_tokens = p.doc_tokens if p.doc_tokens is not None or not p.docs else self._doc_tokens
+            template = template_of(p.prompt, p.prompt_docs) if p.prompt else None
+            question = self.timing.shape.sentence if p.question == "sentence" else None
+            seconds, how, source = self.timing.generation(g, calls, p.docs, p.new_tokens, doc_tokens, p.mixture,
+                                                          template, question, point)
         stage.seconds = None if seconds is None or stage.seconds is None else stage.seconds + seconds
         stage.how = f"{stage.how}; {label}{how}" if stage.how else label + how
         stage.add_source(source, seconds)
         if source == "benchmark":
             stage.rates += ("closed_book",) if p.docs == 0 and not p.mixture else (f"rag_prompt_{g.backend}",)
 
-    def writeback(self) -> Stage:
-        """s_nr and s_rag for every training question; for the share the utility gate keeps, the document gate's
-        answer from each of the K documents alone (none for replug-vote, whose slots are those answers), the
-        distiller's extraction from the retained documents and its rewrite. The keep rate, retained documents and
-        the distiller's calls are measured on the config's own data where calibrated (`selection`), else the
-        paper's stated figures for its dataset, else the demo's, each said so."""
-        wb, k, g = self.c.writeback, self.c.retrieval.top_k, self.c.generator
-        q, counted = question_count(wb.train, wb.limit)
-        measured = self.timing.writeback_record(g, wb.train, k)
-        kept, retained, why = self._keep_rate(measured)
-        extract = Pass(kept, round(retained), wb.extract_max_new_tokens, doc_tokens=self._doc_tokens,
-                       template=template_of(prompts.extract_messages, round(retained)), kind="extract")
-        rewrite = Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens,
-                       template=template_of(lambda q, _: prompts.rewrite_messages(q, "")), kind="rewrite")
-        # the document gate answers each document alone, in the RAG prompt (`rag.expand`'s replug-vote rows)
-        gate = [] if wb.rag_method == "replug-vote" else [Pass(k * kept, 1, doc_tokens=self._doc_tokens,
-                                                                 kind="document gate")]
-        passes = [Pass(1, 0), *self._passes(wb.rag_method), *gate, extract, rewrite]
-        calls = sum(p.calls for p in passes)
-        total = f", {q * calls:,.0f} in all" if q else ""
-        stage = self._model_stage("write-back training", g, q, passes,
-                                  f"questions: {counted}; about {calls:.3g} generator calls each{total} (s_nr, "
-                                  f"{wb.rag_method} s_rag; for the {kept:.1%} the utility gate keeps ({why}): "
-                                  f"the document gate over K={k}, extract from {retained:.2g} retained documents, "
-                                  "rewrite)", True, kinds=measured)
+    def _writeback_record(self) -> dict | None:
+        return self.timing.writeback_record(self.c.generator, self.c.writeback.train, self.c.retrieval.top_k)
+
+    def _selection_notes(self, stage: Stage, item: Generate, measured: dict | None) -> None:
+        """Write-back's keep rate and distiller calls: measured (their prompt kinds' first use added), or the
+        paper's or the demo's figures, said so."""
+        why = self.selection()[2]
+        q = item.items
+        calls = sum(p.calls for p in item.passes)
         if measured is None:
             stage.rates += ("writeback_selection",) if "demo" in why else ("writeback_selection_nq",)
         else:
@@ -462,8 +492,7 @@ class _Builder:
                                f"[writeback_calls_nq] (its distiller one call a kept example); this plan counts "
                                f"{q * calls:,.0f} (extraction and rewrite two calls, as `writeback.distill` runs)")
             stage.rates += ("writeback_calls_nq",)
-        stage.notes.append(f"the units are embedded with the embedder's actors and indexed ({wb.index_factory})")
-        return stage
+        stage.notes.append(f"the units are embedded with the embedder's actors and indexed ({self.c.writeback.index_factory})")
 
     def _keep_rate(self, measured: dict | None) -> tuple[float, float, str]:
         """(the utility gate's keep rate, documents the document gate retains, where they come from)."""
@@ -485,131 +514,38 @@ class _Builder:
                              "on this config's own training questions and corpus")
         return RATES["writeback_selection"].value, k, "the demo's [writeback_selection], assumed; retained K assumed"
 
-    def evaluation(self, writeback: bool) -> Stage:
-        ev = self.c.eval
-        q, counted = question_count(ev.dataset, ev.limit)
-        passes = self._method_passes(ev.methods)
-        name = "evaluation" + (" with write-back" if writeback else "")
-        extra = self._appended_units() if writeback else 0
-        k = self.c.retrieval.top_k
-        if extra:  # the prompts that read the top K read its units too
-            passes = [replace(p, docs=p.docs + extra) if p.docs == k and not p.mixture else p for p in passes]
-        return self._model_stage(name, self.c.generator, q, passes, f"questions: {counted}; methods "
-                                 f"{', '.join(ev.methods)}: up to {sum(p.calls for p in passes):g} calls a question"
-                                 + (f"; the additive union: up to {k} + {extra} documents a prompt" if extra else ""),
-                                 any(m != "no-retrieval" for m in ev.methods))
+    # --- training -------------------------------------------------------------------------------------------
 
-    def _appended_units(self) -> int:
-        """Units `retrieval.union: additive` appends after the base's K, so a prompt beside a write-back index holds
-        up to K + these documents. Under `auto` a version chooses its rule at its validation, after any plan: K
-        documents are counted, as every other rule gives."""
-        from wbrag_ray.retrieval.union import ADDITIVE_UNITS, UNIONS
-
-        r = self.c.retrieval
-        if r.union not in UNIONS or not UNIONS[r.union].additive:
-            return 0
-        return ADDITIVE_UNITS if r.max_units is None else r.max_units
-
-    # --- Zero-RAG ----------------------------------------------------------------------------------------
-
-    def zero_rag(self) -> list[Stage]:
-        c, z = self.c, self.c.zerorag
-        out = [self.mastery()]
-        for kind in dict.fromkeys([*z.train_pruners, z.pruner]):
-            out.append(self.pruner_training(kind))
-            if kind == "lm":
-                self._services_end()
-        out.append(self.prediction())
-        out += [self.pruning(r) for r in z.ratios if r > 0]
-        q, counted = question_count(z.train, z.train_limit)
-        if z.tune.enabled:
-            out += self.tuning(q, counted)
-            self._services_end()
-        if z.router:
-            router = self._model_stage("router", c.generator, q, [Pass(1, 0)], f"training questions: {counted}; one "
-                                       "closed-book answer each (labels), their embeddings from the query embedder",
-                                       False)
-            e = c.retrieval.query_embedder(c.embedder)
-            self._start(router, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service="query embedder", actors=c.retrieval.concurrency)
-            out.append(router)
-        if c.eval.dataset:
-            n, counted = question_count(c.eval.dataset, c.eval.limit)
-            adapters, writebacks = (2 if z.tune.enabled else 1), (2 if c.writeback.train else 1)
-            cells = len({0.0, *z.ratios}) * (2 if z.router else 1) * adapters * writebacks
-            # what the grid generates: no-retrieval once per adapter (no index), the other methods in every cell of
-            # ratio x write-back x adapter; a router cell's prompts are its no-router twin's or the closed-book ones,
-            # which the passes' answer memo reuses
-            passes = [replace(p, calls=p.calls * adapters * (1 if m == "no-retrieval" else len({0.0, *z.ratios}) * writebacks))
-                      for m in c.eval.methods for p in self._passes(m)]
-            out.append(self._model_stage("evaluation grid", c.generator, n, passes,
-                                         f"questions: {counted}; {cells} settings (ratios x router x adapter x "
-                                         f"write-back), up to {sum(p.calls for p in passes):g} calls a question "
-                                         "(the router's cells reuse their twins' answers)", True))
-        return out
-
-    def _own_answers(self, training: Stage, q: int | None) -> Stage:
-        """`zerorag.tune.targets: own`: the generator answers each training row (relevant and distracting
-        documents, none) before the training, in the same run stage: its time is added to the training's."""
-        t, g = self.c.zerorag.tune, self.c.generator
-        if t.targets != "own":
-            return training
-        k = t.docs_per_format or self.c.retrieval.top_k
-        own = self._model_stage("own answers", g, q, [Pass(2, k, doc_tokens=self._doc_tokens), Pass(1, 0)], "", False)
-        # the generator's actors end before the training's workers start: the stage's bundles stay the training's
-        training.work += "; first the generator answers each row, its right answers kept as targets"
-        training.rates += tuple(r for r in own.rates if r not in training.rates)
-        training.seconds = None if own.seconds is None or training.seconds is None else own.seconds + training.seconds
-        training.how = f"own answers: {own.how}; then {training.how}"
-        for source, seconds in own.sources.items():
-            training.add_source(source, seconds)
-        return training
-
-    def mastery(self) -> Stage:
-        z, g = self.c.zerorag, self.c.generator
-        sample = min(z.sample, self.corpus.sentences or z.sample)
-        if z.qa_mode == "llm":
-            answers, written = sample * z.qa_per_sentence, sample
+    def train(self, name: str, item: Train) -> Stage:
+        """A Ray Train stage (a small head in the driver), after the generator passes it runs first (its own answers
+        as targets, their time added to the training's; the generator's actors end before the workers start)."""
+        if item.head:
+            return Stage(name, [], item.rows, HEAD_SECONDS, f"small: about {HEAD_SECONDS:g} s (a head on stored vectors)")
+        section = self._section(item.section)
+        if item.examples is not None:
+            stage = self._training(name, item.model, section, item.examples, item.section, item.row_tokens, item.rows)
+        elif section.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
+            stage = self._training(name, item.model, section, section.max_steps * section.batch_size, item.section,
+                                   item.row_tokens, item.rows)
+            stage.work = f"questions not counted: at most {stage.work.split(': ', 1)[-1]}"
         else:
-            answers, written = round(sample * z.qa_per_sentence * RATES["cloze_calls_per_pair"].value), 0
-        # a cloze answer's prompt is few-shot (its instruction and three solved examples, then the blanked
-        # sentence): about twice a closed-book question's tokens
-        cloze = z.qa_mode == "cloze"
-        answer = Pass(1, 0, z.answer_max_new_tokens, template=template_of(
-            lambda q, _: prompts.closed_book_messages(q, cloze=True)) if cloze else None,
-            question=self.timing.shape.sentence if cloze else None)
-        stage = self._model_stage("mastery", g, answers, [answer], f"{sample:,} sentences: {written:,} QA-writing "
-                                  f"calls, {answers:,} closed-book answers", False)
-        if written:  # the QA writer's prompts hold the sentence and its answers run long: the RAG-prompt rate
-            writer = z.qa_generator or g
-            if writer is not g and (writer.backend == "openai" or not writer.num_gpus) and stage.seconds is not None:
-                # the generator's GPUs are held for the answer pass only: the writer's API (or CPU) pass runs first
-                stage.held_seconds = stage.seconds
-                stage.notes.append(f"the generator's GPUs are held for the answer pass only ({stage.seconds:,.0f} s; "
-                                   "the QA pairs are written first, without them)")
-            if z.qa_generator is not None:
-                bundles, notes, refusals = generator_bundles(writer, "zerorag.qa_generator", self.cluster)
-                stage.bundles += bundles
-                stage.notes += notes
-                stage.refusals += refusals
-            self._start(stage, "generator", writer.model, writer.num_gpus, writer.dtype,
-                        threads_of(writer.num_cpus, writer.threads), writer.backend)
-            template = template_of(lambda q, _: prompts.qa_write_messages(q, z.qa_per_sentence, writer.chat_template))
-            self._add_time(stage, writer, written, Pass(1, 0, z.qa_max_new_tokens, template=template,
-                                                        question=self.timing.shape.sentence), "QA writing: ")
+            bundles, warn = training_bundles(item.model, section.trainer, f"{item.section}.trainer",
+                                             self.cluster.gpu_memory_gb, self.timing.gpus_per_node)
+            self.warnings += [warn] if warn else []
+            stage = Stage(name, bundles, f"questions not counted: {section.epochs:g} epoch(s) over up to 3 rows a "
+                          f"question, {section.batch_size} a step", how="no time",
+                          more_gpus=self._more(f"{item.section}.trainer"))
+        if item.first is not None and (item.examples is not None or section.max_steps):
+            own = self._model_stage("own answers", self._section(item.first.section), item.first.items,
+                                    list(item.first.passes), "", False)
+            stage.work += f"; {item.first.describe}"
+            stage.rates += tuple(r for r in own.rates if r not in stage.rates)
+            stage.seconds = None if own.seconds is None or stage.seconds is None else own.seconds + stage.seconds
+            stage.how = f"own answers: {own.how}; then {stage.how}"
+            for source, seconds in own.sources.items():
+                stage.add_source(source, seconds)
+        self._services_end()
         return stage
-
-    def pruner_training(self, kind: str) -> Stage:
-        z = self.c.zerorag
-        fit = max(1, round(z.sample * (1 - z.val_fraction)))
-        if kind == "embedding":  # a small regression head fit in the driver: reading the sample's vectors, seconds
-            return Stage("pruner training (embedding head)", [], f"a head on {fit:,} stored vectors, in the driver",
-                         HEAD_SECONDS, f"small: about {HEAD_SECONDS:g} s (a head on stored vectors)")
-        lm = z.lm_pruner
-        # its rows are `title: sentence`, no chat template (`zerorag.prune`), cut at max_length
-        row = min(lm.max_length, self.timing.shape.title + 1 + self._sentence_tokens())
-        return self._training("pruner training (LM regressor)", lm.backbone, lm, fit, "zerorag.lm_pruner", row,
-                              f"rows of `title: sentence`, {row:,.0f} tokens")
 
     def _training(self, name: str, model: str, section, examples: int, key: str, row_tokens: float,
                   rows: str) -> Stage:
@@ -657,29 +593,14 @@ class _Builder:
                                + f", Ray Train start {train_start:.0f} s")
         return stage
 
-    def _tuning_row_tokens(self) -> tuple[float, str]:
-        """A tuning step's rows as the trainer pads them: relevant and distracting rows hold docs_per_format
-        documents (the index unit's), the retrieval-free row none; each worker pads to its longest row and the
-        step waits for the slowest, so a step costs its longest row, nearly always a row with documents (all
-        `batch` rows without: 1 in 3^batch), each at most max_length."""
-        t, g = self.c.zerorag.tune, self.c.generator
-        d = t.docs_per_format or self.c.retrieval.top_k
-        answer = (g.max_new_tokens if t.targets == "own" else ANSWER_TOKENS) + 1  # the answer and its end token
-        with_docs = min(t.max_length, self.timing.shape.prompt(d, self._doc_tokens) + answer)
-        without = min(t.max_length, self.timing.shape.prompt(0) + answer)
-        none_only = (1 / 3) ** max(1, min(t.batch_size, 64))
-        padded = with_docs * (1 - none_only) + without * none_only
-        return padded, (f"rows of {with_docs:,.0f} tokens ({d} documents) and {without:,.0f} (none), a step at its "
-                        f"longest")
-
-    def prediction(self) -> Stage:
-        z, n = self.c.zerorag, self.corpus.sentences
+    def prediction(self, name: str, item: Predict) -> Stage:
+        z, n = self.c.zerorag, item.sentences
         work = f"{n:,} sentences" if n else "corpus size unknown"
         if z.pruner == "embedding":
             files = max(1, math.ceil((n or 1) / z.checkpoint_rows))
             rate = RATES["predict_embedding"]
             at_once = self._parallel(files)
-            return Stage("prediction (embedding pruner)", [Bundle("prediction task", files, 1.0, kind="task")], work,
+            return Stage(name, [Bundle("prediction task", files, 1.0, kind="task")], work,
                          n / (rate.value * at_once) if n else None,
                          f"{n or 0:,} / ({rate.value:,g} per CPU-second [predict_embedding] x {at_once:g} CPUs)",
                          rates=("predict_embedding",))
@@ -690,25 +611,23 @@ class _Builder:
                         memory if on_gpu else None, detail=size.describe(), fix="lower zerorag.lm_pruner.concurrency")
         more = self._more("zerorag.lm_pruner")
         if on_gpu and n and size.params:  # a forward pass over each `title: sentence` (no chat template), as an encoder's
-            tokens = min(lm.max_length, self.timing.shape.title + 1 + self._sentence_tokens())
-            seconds, how = encode_seconds(self.timing.gpu, size.params, n, tokens, lm.num_gpus, lm.concurrency)
-            stage = Stage("prediction (LM pruner)", [bundle], work, seconds, how, more_gpus=more)
+            seconds, how = encode_seconds(self.timing.gpu, size.params, n, item.row_tokens, lm.num_gpus,
+                                          lm.concurrency)
+            stage = Stage(name, [bundle], work, seconds, how, more_gpus=more)
             stage.add_source("estimate", seconds)
             return stage
         if on_gpu or not n:
-            return Stage("prediction (LM pruner)", [bundle], work, how=f"no measured rate: {n or 0:,} sentences "
+            return Stage(name, [bundle], work, how=f"no measured rate: {n or 0:,} sentences "
                          "predicted on GPUs" if on_gpu else "corpus size unknown", more_gpus=more)
         per_actor, how = scaled_rate("predict_lm", size, threads_of(lm.num_cpus, lm.threads))
         seconds = n / (per_actor * lm.concurrency) if per_actor else None
-        return Stage("prediction (LM pruner)", [bundle], work, seconds, f"{n:,} / ({how} x {lm.concurrency} actors)",
+        return Stage(name, [bundle], work, seconds, f"{n:,} / ({how} x {lm.concurrency} actors)",
                      rates=("predict_lm",), more_gpus=more)
 
-    def pruning(self, ratio: float) -> Stage:
-        n = self.corpus.sentences
-        name = f"pruning at {ratio:g}"
-        if not n:
+    def pruning(self, name: str, item: AddVectors) -> Stage:
+        n, kept = item.pruned_from, item.vectors
+        if not n or kept is None:
             return Stage(name, [], "corpus size unknown")
-        kept = round(n * (1 - ratio))
         sizing = self._size(kept, name)
         rate = RATES["prune"]
         at_once = self._parallel(max(1, math.ceil(n / self.c.zerorag.checkpoint_rows)))
@@ -729,25 +648,12 @@ class _Builder:
         stage.task_gpu_seconds = kmeans
         stage.add_source("estimate", kmeans)
 
-    def tuning(self, q: int | None, counted: str) -> list[Stage]:
-        t, g = self.c.zerorag.tune, self.c.generator
-        retrieve = Stage("tuning: retrieval", self._retrieval(), f"training questions: {counted}; top "
-                         f"{max(t.retrieve_k, self.c.retrieval.top_k)} each",
-                         search_time(q, self.sizing, self.c.retrieval) if self.sizing else None,
-                         "CPU search rate [search] x the search actors' CPUs" if q else "questions not counted",
-                         rates=("search",) if q else (), more_gpus=RETRIEVAL_GPUS)
-        row, rows = self._tuning_row_tokens()
-        if q:  # relevant, distracting and no documents: at most three rows a question
-            return [retrieve, self._own_answers(self._training("tuning: LoRA training", g.model, t, 3 * q,
-                                                               "zerorag.tune", row, rows), q)]
-        if t.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
-            stage = self._training("tuning: LoRA training", g.model, t, t.max_steps * t.batch_size, "zerorag.tune",
-                                   row, rows)
-            stage.work = f"questions not counted: at most {stage.work.split(': ', 1)[-1]}"
-            return [retrieve, self._own_answers(stage, None)]
-        bundles, warn = training_bundles(g.model, t.trainer, "zerorag.tune.trainer", self.cluster.gpu_memory_gb,
-                                         self.timing.gpus_per_node)
-        self.warnings += [warn] if warn else []
-        return [retrieve, Stage("tuning: LoRA training", bundles, f"questions not counted: {t.epochs:g} epoch(s) "
-                                f"over up to 3 rows a question, {t.batch_size} a step", how="no time",
-                                more_gpus=self._more("zerorag.tune.trainer"))]
+    def search(self, item: Search) -> Stage:
+        q = item.queries
+        return Stage(item.title, self._retrieval(), item.describe,
+                     search_time(q, self.sizing, self.c.retrieval) if self.sizing else None,
+                     "CPU search rate [search] x the search actors' CPUs" if q else "questions not counted",
+                     rates=("search",) if q else (), more_gpus=RETRIEVAL_GPUS)
+
+    PRICE = {ReadCorpus: ingest, Embed: embed, AddVectors: add_vectors, Generate: generate, Train: train,
+             Predict: prediction}

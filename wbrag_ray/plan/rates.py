@@ -87,7 +87,8 @@ _RATES = (
          "longer, so a wiki corpus's count comes out high",
          "python -m benchmarks.segmentation", "2026-11-29", AVX512),
     Rate("sentences_per_passage", 6.57, "sentences per passage",
-         "wiki-18 (FlashRAG's 21M 100-word passages, about 138M sentences); the demo passages the ingest "
+         "FlashRAG's 21M 100-word Wikipedia passages against Zero-RAG's 138,390,600 Wikipedia sentences; the "
+         "demo passages the ingest "
          "benchmark segments have 3.96",
          "DESIGN.md target scale (Zero-RAG's sentence count)", "date not recorded", "corpus figure, no hardware"),
     Rate("writeback_selection", 0.233, "of the training questions pass the utility gate",
@@ -95,7 +96,7 @@ _RATES = (
          "the distiller",
          "wbrag run jobs/configs/writeback_demo.yaml", "2026-12-05", "count, no hardware"),
     Rate("writeback_selection_nq", 12_295 / 79_168, "of the training questions pass the utility gate",
-         "WriteBack-RAG on NQ's training set: |D_util| = 12,295 of N = 79,168 (K = 5; Llama-3.1-8B-Instruct)",
+         "WriteBack-RAG on NQ's training set: |D_util| = 12,295 of N = 79,168 (K = 5; the text names no LLM)",
          "the WriteBack-RAG paper, its training-cost paragraph", "paper", "count, no hardware"),
     Rate("writeback_calls_nq", 220_000, "generator calls of write-back training on NQ",
          "2N baseline scoring + up to |D_util| x K document gating + |D_util| distillation: about 220K calls, "

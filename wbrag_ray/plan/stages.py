@@ -42,6 +42,7 @@ class Stage:
     # seconds its actors' GPUs are held, where that is less than the stage (mastery's answer pass after an API
     # wrote the QA pairs); None: all of it
     held_seconds: float | None = None
+    measured_by: str = ""  # a pattern of the run stage names whose stats measure it ("": none, a part of a stage)
 
     @property
     def gpus(self) -> float:

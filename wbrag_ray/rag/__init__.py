@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError
 from wbrag_ray.rag import flare, self_rag
 from wbrag_ray.rag.one_pass import (
@@ -19,6 +20,7 @@ from wbrag_ray.rag.one_pass import (
     replug_weights,
     weighted_vote,
 )
+from wbrag_ray.work import Pass
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -40,6 +42,25 @@ def check_methods(methods: Sequence[str]) -> list[str]:
     if unknown:
         raise ConfigError(f"unknown RAG method(s) {unknown}; choose from {', '.join(METHODS)}")
     return list(dict.fromkeys(methods))
+
+
+def passes(method: str, config: WbragConfig) -> list[Pass]:
+    """The generator passes `method` makes a question, at most (an adaptive method decides at run time): Self-RAG
+    judges retrieval, judges each document's relevance (one token each) and answers; FLARE decodes a look-ahead
+    and a rewrite with documents per round; RePlug on the hf backend decodes one mixture of K one-document
+    prompts, elsewhere it answers them one by one as replug-vote does."""
+    k, flare = config.retrieval.top_k, config.rag.flare
+    rounds, look = flare.max_rounds, flare.look_ahead_tokens
+    return {
+        "no-retrieval": [Pass(1, 0)],
+        "naive": [Pass(1, k)],
+        "replug": [Pass(1, k, mixture=True)] if config.generator.backend == "hf" else [Pass(k, 1)],
+        "replug-vote": [Pass(k, 1)],
+        "self-rag": [Pass(1, 0, 1, prompt=lambda q, _: prompts.retrieval_judge_messages(q)),
+                     Pass(k, 1, 1, prompt=lambda q, d: prompts.relevance_judge_messages(q, d[0]), prompt_docs=1),
+                     Pass(1, k)],
+        "flare": [Pass(rounds, 0, look), Pass(rounds, k, look)],
+    }[method]
 
 
 def available_methods(generator: GeneratorConfig) -> list[str]:

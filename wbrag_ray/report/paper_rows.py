@@ -1,13 +1,12 @@
-"""The report's view of the papers: the "Paper vs this run" section (each number of the two papers a result of the
-run measures, `papers.paper_vs_run`, beside it, with the settings that differ) and the departures the Configuration
-section lists, as the evaluations' metrics.json recorded them: the report says what the results say."""
+"""The report's view of the papers (`wbrag_ray.papers`): the "Paper vs this run" section and the departures the
+Configuration section lists, as the evaluations' metrics.json recorded them."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.evaluation.evaluate import load_results
-from wbrag_ray.paper_vs_run import paper_vs_run
+from wbrag_ray.papers import paper_vs_run, recorded_departures, run_departures
 from wbrag_ray.report.render import Section, Table
 from wbrag_ray.run import RunFolder
 
@@ -34,26 +33,15 @@ def paper_section(run: RunFolder) -> Section | None:
 
 
 def run_paper_rows(run: RunFolder, config: WbragConfig | None) -> list[dict[str, Any]]:
-    """`papers.paper_vs_run` over a run's evaluations and its Zero-RAG grid: what `wbrag eval` prints as it ends and
-    the report shows."""
+    """`papers.paper_vs_run` over a run's evaluations and its Zero-RAG grid: what `wbrag eval` prints as it ends."""
     grid_file = run.layout.zero_rag.grid
     grid = grid_file.read_json() if grid_file.exists() else {}
     return paper_vs_run(load_results(run), grid.get("rows", []), config, grid.get("dataset"))
 
 
-def recorded_departures(results: dict[str, dict[str, Any]]) -> list[tuple[dict[str, str], list[str]]]:
-    """Each departure the evaluations recorded (metrics.json's `departures`), once, with the results that recorded
-    it, in the order first seen."""
-    seen: dict[tuple[str, str, str], tuple[dict[str, str], list[str]]] = {}
-    for name, result in results.items():
-        for d in result.get("departures") or []:
-            seen.setdefault((d["paper"], d["kind"], d["what"]), (d, []))[1].append(name)
-    return list(seen.values())
-
-
 def departures_tables(run: RunFolder) -> list[Table]:
-    """The run's departures from the papers: those its evaluations recorded, each with the results it applies to;
-    for a run that evaluated nothing yet, those of its config as `wbrag run` printed them."""
+    """The departures the run's evaluations recorded, each with the results it applies to; for a run that
+    evaluated nothing yet, its config's, as `wbrag run` printed them."""
     results = load_results(run)
     found = recorded_departures(results)
     if found:
@@ -62,8 +50,6 @@ def departures_tables(run: RunFolder) -> list[Table]:
                  "all" if len(names) == every else ", ".join(names)] for d, names in found]
         return [Table("where this run's results depart from the papers (as each metrics.json records them)",
                       ["paper", "kind", "departure", "the paper's words (or whose choice)", "results"], rows)]
-    from wbrag_ray.papers import run_departures
-
     departed = run_departures(run.load_config())
     if not departed:
         return []

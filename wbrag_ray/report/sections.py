@@ -162,7 +162,7 @@ def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting
         "unit in top K", "won", "lost", "retrieval rate", "generator calls"], rows))
     # imported here: the grid's module loads the generator's, which a report never needs otherwise
 
-    if same := same_writeback_rows(grid):  # `--same-writeback`: WriteBack-RAG's Table 2 shape
+    if same := same_writeback_rows(grid):  # `--same-writeback`: WriteBack-RAG's Figure 4 shape
         sec.tables.append(Table("Same-WB: each method on the base and beside the version written back under it", [
             "method", "version", *(h for k in METRICS for h in (k, f"{k} Same-WB"))],
             [[r["method"], r["version"], *(v for k in METRICS for v in (r["base"][k], r["same_wb"][k]))] for r in same]))

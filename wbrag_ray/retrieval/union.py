@@ -105,6 +105,15 @@ AUTO = "auto"  # retrieval.union's default: the version's own choice (UNION_CHOI
 # auto's rule where the version chose none: the paper's merge by score, with the provenance guard
 FALLBACK_UNION = "provenance"
 ADDITIVE_UNITS = 1  # units the additive rule appends where retrieval.max_units is unset: a prompt of K + 1 documents
+
+
+def appended_units(retrieval) -> int:
+    """Units `retrieval.union: additive` appends after the base's K, so a prompt beside a write-back index holds up
+    to K + these documents. Under `auto` a version chooses its rule at its validation: K documents, as every other
+    rule gives."""
+    if retrieval.union not in UNIONS or not UNIONS[retrieval.union].additive:
+        return 0
+    return ADDITIVE_UNITS if retrieval.max_units is None else retrieval.max_units
 PROVENANCE_RULE = tuple(name for name, u in UNIONS.items() if u.provenance_rule)  # a covered unit takes no slot
 OWN_SETTING = {name: u.own_setting for name, u in UNIONS.items() if u.own_setting}  # the setting only it reads
 

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from wbrag_ray import rag
+from wbrag_ray import prompts, rag
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
 from wbrag_ray.evaluation.stage import union_settings
 from wbrag_ray.formats import dataset_name, embeddings_table, input_params, plain_table, read_questions
@@ -24,8 +24,9 @@ from wbrag_ray.papers import gate_metric, print_departures
 from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import FALLBACK_UNION, write_provenance
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.stages.base import run_local
+from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.writeback.distill import distill
 from wbrag_ray.writeback.gates import DocumentGateStage, gate_examples
 from wbrag_ray.writeback.units import UNITS, build_units, dedupe, embed_units, table3
@@ -40,7 +41,6 @@ def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
     """The write-back settings with `metric: auto` resolved to the paper's metric for the training set."""
     if wb.metric != "auto":
         return wb
-
     return wb.model_copy(update={"metric": gate_metric(dataset_name(train))})
 
 
@@ -88,7 +88,6 @@ def train_writeback(
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
     version = version or default_version(config, train)
     plain_name(version, "writeback.version", reserved=("base", "ACTIVE"))
-
     print_departures(config, PAPER, train)
     method = config.writeback.rag_method
     # the adaptive method's own thresholds decide what is written back
@@ -229,3 +228,34 @@ def _by_reason(stats: dict[str, Any], kind: str) -> str:
     reasons = ", ".join(f"{n} {why}" for why, n in counts.items() if n)
     return f"{stats.get(f'{kind}_drop_rate')}" + (f" ({reasons})" if reasons else "")
 
+
+
+def writeback_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Generate]:
+    """s_nr and s_rag for every training question; for the share the utility gate keeps, the document gate's
+    answer from each of the K documents alone (none for replug-vote, whose slots are those answers), the
+    distiller's extraction from the retained documents and its rewrite."""
+    wb, k = config.writeback, config.retrieval.top_k
+    q, counted = sizes.questions(wb.train, wb.limit)
+    kept, retained, why = sizes.selection()
+    extract = Pass(kept, round(retained), wb.extract_max_new_tokens, prompt=prompts.extract_messages,
+                   prompt_docs=round(retained), kind="extract")
+    rewrite = Pass(kept, 1, wb.rewrite_max_new_tokens, doc_tokens=wb.extract_max_new_tokens,
+                   prompt=lambda question, _: prompts.rewrite_messages(question, ""), kind="rewrite")
+    # the document gate answers each document alone, in the RAG prompt (`rag.expand`'s replug-vote rows)
+    gate = [] if wb.rag_method == "replug-vote" else [Pass(k * kept, 1, kind="document gate")]
+    passes = (Pass(1, 0), *rag.passes(wb.rag_method, config), *gate, extract, rewrite)
+    calls = sum(p.calls for p in passes)
+    total = f", {q * calls:,.0f} in all" if q else ""
+    return [Generate(q, passes, f"questions: {counted}; about {calls:.3g} generator calls each{total} (s_nr, "
+                     f"{wb.rag_method} s_rag; for the {kept:.1%} the utility gate keeps ({why}): the document gate "
+                     f"over K={k}, extract from {retained:.2g} retained documents, rewrite)", retrieval=True,
+                     selection=True)]
+
+
+WRITEBACK_STEP = Step(
+    "write-back training", WRITEBACK, writeback_work,
+    lambda folder, config, force, services, params: train_writeback(folder, config, force=force),
+    instances=lambda config: ([{"version": default_version(config, config.writeback.train)}]
+                              if config.writeback.train else []),
+    resources=("generator", "retrieval", "embedder"),
+    outputs=("writeback/{version}", "writeback/ACTIVE"))

@@ -3,18 +3,22 @@ write-back index, with retrieval latency and index size (RUN/zero_rag/grid.json)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from wbrag_ray import rag
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
+from wbrag_ray.evaluation.stage import EVAL
 from wbrag_ray.formats import read_dataset
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.index.faiss_index import load_manifest
 from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.stages.service import Services, shared_or_own
 from wbrag_ray.storage import resolve
+from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import read_active
 from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
 from wbrag_ray.zerorag.tune import with_adapter
@@ -101,3 +105,27 @@ def format_grid(rows: list[dict[str, Any]]) -> str:
                      f"{r.get('seconds_per_question', 0.0):>8.3f}{r['index_bytes'] / 1e6:>10.3f}{r['sentences']:>11}"
                      f"{r['retrieval_skipped']:>9.2f}")
     return "\n".join(lines)
+
+
+def grid_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Generate]:
+    """What the grid generates: no-retrieval once per adapter (no index), the other methods in every cell of ratio
+    x write-back x adapter; a router cell's prompts are its no-router twin's or the closed-book ones, which the
+    passes' answer memo reuses."""
+    c, z = config, config.zerorag
+    n, counted = sizes.questions(c.eval.dataset, c.eval.limit)
+    ratios = len({0.0, *z.ratios})
+    adapters, writebacks = (2 if z.tune.enabled else 1), (2 if c.writeback.train else 1)
+    cells = ratios * (2 if z.router else 1) * adapters * writebacks
+    passes = tuple(replace(p, calls=p.calls * adapters * (1 if m == "no-retrieval" else ratios * writebacks))
+                   for m in c.eval.methods for p in rag.passes(m, c))
+    return [Generate(n, passes, f"questions: {counted}; {cells} settings (ratios x router x adapter x write-back), up "
+                     f"to {sum(p.calls for p in passes):g} calls a question (the router's cells reuse their twins' "
+                     "answers)", retrieval=True)]
+
+
+GRID_STEP = Step("evaluation grid", EVAL, grid_work,
+                 lambda folder, config, force, services, params: evaluate_grid(
+                     folder, config, config.eval.dataset, force=force, services=services),
+                 instances=lambda config: [{}] if config.zerorag.enabled and config.eval.dataset else [],
+                 resources=("generator", "retrieval"), outputs=("eval/<label>-<method>", "zero_rag/grid.json"),
+                 measured_by=r"eval-.+")

@@ -15,7 +15,8 @@ from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.papers import ZERO_RAG, print_departures
-from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.zerorag.sampling import sample_sentences, titled
 
 MASTERY = RunStage(
@@ -96,3 +97,31 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
     stats["generator_calls_per_sentence"] = round(passes.calls / max(1, len(sentences)), 2)
     mastery.join(out.mastery_stats.name).write_json(stats)
     return {"rows_in": total, "rows_out": int(scored.sum()), "rows_rejected": int((~scored).sum()), **stats}
+
+
+def mastery_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Generate]:
+    """The sample's closed-book answers (a cloze answer's prompt is few-shot), and in llm mode the QA pairs written
+    first, a call a sentence, by zerorag.qa_generator (or the generator)."""
+    z = config.zerorag
+    sample = min(z.sample, sizes.sentences or z.sample)
+    if z.qa_mode == "llm":
+        answers, written = sample * z.qa_per_sentence, sample
+    else:  # cloze writes a pair only where a sentence has something to blank
+        answers, written = round(sample * z.qa_per_sentence * sizes.figure("cloze_calls_per_pair")), 0
+    cloze = z.qa_mode == "cloze"
+    answer = Pass(1, 0, z.answer_max_new_tokens, prompt=(lambda q, _: prompts.closed_book_messages(q, cloze=True))
+                  if cloze else None, question="sentence" if cloze else None)
+    work = [Generate(answers, (answer,), f"{sample:,} sentences: {written:,} QA-writing calls, {answers:,} "
+                     "closed-book answers")]
+    if written:
+        writer = z.qa_generator or config.generator
+        write = Pass(1, 0, z.qa_max_new_tokens, question="sentence", prompt=lambda q, _: prompts.qa_write_messages(
+            q, z.qa_per_sentence, writer.chat_template))
+        work.append(Generate(written, (write,), "QA writing: ",
+                             section="zerorag.qa_generator" if z.qa_generator is not None else "generator"))
+    return work
+
+
+MASTERY_STEP = Step("mastery", MASTERY, mastery_work, lambda folder, config, force, services, params: mastery(
+    folder, config, force=force), instances=lambda config: [{}] if config.zerorag.enabled else [],
+    resources=("generator", "zerorag.qa_generator"), outputs=("zero_rag/mastery",))

@@ -16,10 +16,11 @@ from wbrag_ray.index.prune import drop_ids_ref, prune_index
 from wbrag_ray.layout import PRUNE_LEVEL, PrunedLevel
 from wbrag_ray.models.pruner import EmbeddingHead
 from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
-from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.stages.base import Resources, apply_stage
 from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 from wbrag_ray.storage import Location
+from wbrag_ray.work import AddVectors, Predict, Sizes
 from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
 from wbrag_ray.zerorag.pruners import PRUNERS, pruner_inputs
 
@@ -150,3 +151,26 @@ def index_for_ratio(run: RunFolder, ratio: float) -> Location:
     if not run.is_complete(PRUNE.instance({"ratio": ratio})):
         raise ConfigError(f"no index pruned at ratio {ratio} in {run.uri}; run `wbrag prune RUN --ratio {ratio}`")
     return run.layout.zero_rag.pruned(ratio).index
+
+
+def prediction_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Predict]:
+    """Every sentence's mastery predicted by zerorag.pruner: tasks on the stored vectors, or the LM regressor's
+    actors over each `title: sentence`."""
+    lm = config.zerorag.lm_pruner
+    return [Predict(sizes.sentences, config.zerorag.pruner,
+                    min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence")))]
+
+
+PREDICT_STEP = Step("prediction ({pruner} pruner)", PREDICT, prediction_work,
+                    lambda folder, config, force, services, params: predict(folder, config, force=force),
+                    instances=lambda config: [{"pruner": "LM" if config.zerorag.pruner == "lm" else "embedding"}]
+                    if config.zerorag.enabled else [],
+                    resources=("zerorag.lm_pruner",), outputs=("zero_rag/predictions",))
+PRUNE_STEP = Step("pruning at {ratio:g}", PRUNE,
+                  lambda config, sizes, params: [AddVectors(
+                      None if sizes.sentences is None else round(sizes.sentences * (1 - params["ratio"])),
+                      pruned_from=sizes.sentences)],
+                  lambda folder, config, force, services, params: prune(folder, config, params["ratio"], force=force),
+                  instances=lambda config: [{"ratio": r} for r in config.zerorag.ratios if r > 0]
+                  if config.zerorag.enabled else [],
+                  resources=("index",), outputs=("zero_rag/prune-{ratio:g}",))

@@ -16,9 +16,10 @@ from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
 from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
-from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.storage import resolve
 from wbrag_ray.training.lm_pruner import train_lm_pruner
+from wbrag_ray.work import Sizes, Train
 from wbrag_ray.zerorag.mastery import MASTERY
 from wbrag_ray.zerorag.sampling import titled
 
@@ -132,3 +133,28 @@ def _train_head(run: RunFolder, config: WbragConfig, train: pd.DataFrame, val: p
                                        z.head_epochs, z.head_weight_decay, seed=z.seed)
     head.save(tmp, {"settings": run.fingerprint(PRUNERS["embedding"], config), "dim": head.dim})
     return head.predict(stack(val)), {"first_loss": round(losses[0], 5), "last_loss": round(losses[-1], 5)}
+
+
+def _pruner_work(kind: str):
+    def work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Train]:
+        z = config.zerorag
+        fit = max(1, round(z.sample * (1 - z.val_fraction)))
+        if kind == "embedding":  # a small regression head on the sample's stored vectors, in the driver
+            return [Train(config.embedder.model, "zerorag", fit, rows=f"a head on {fit:,} stored vectors, in the driver",
+                          head=True)]
+        lm = z.lm_pruner  # its rows are `title: sentence`, no chat template, cut at max_length
+        row = min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence"))
+        return [Train(lm.backbone, "zerorag.lm_pruner", fit, row, f"rows of `title: sentence`, {row:,.0f} tokens")]
+    return work
+
+
+def _pruner_step(kind: str, title: str, resources: tuple[str, ...]) -> Step:
+    return Step(title, PRUNERS[kind], _pruner_work(kind),
+                lambda folder, config, force, services, params: train_pruner(folder, config, kind=kind, force=force),
+                instances=lambda config: [{}] if config.zerorag.enabled and kind in (
+                    *config.zerorag.train_pruners, config.zerorag.pruner) else [],
+                resources=resources, outputs=(f"zero_rag/pruner/{kind}",))
+
+
+PRUNER_STEPS = (_pruner_step("embedding", "pruner training (embedding head)", ()),
+                _pruner_step("lm", "pruner training (LM regressor)", ("zerorag.lm_pruner.trainer",)))

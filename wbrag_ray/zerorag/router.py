@@ -17,8 +17,9 @@ from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.metrics import metric
 from wbrag_ray.models.router import QueryRouter
 from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
-from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.stages.service import Services
+from wbrag_ray.work import Embed, Generate, Pass, Sizes
 from wbrag_ray.zerorag.tune import TUNE, train_questions, with_adapter
 
 ROUTER = RunStage(
@@ -84,3 +85,18 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     # the stage's stats name the processes that answered; not the router's metrics
     return {"rows_in": len(questions) + rejected, "rows_out": len(answered), "rows_rejected": rejected, **metrics,
             "generator_actors": actors}
+
+
+def router_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list:
+    """One closed-book answer a training question (its label), and the questions' embeddings from the query
+    embedder."""
+    q, counted = sizes.questions(config.zerorag.train, config.zerorag.train_limit)
+    return [Generate(q, (Pass(1, 0),), f"training questions: {counted}; one closed-book answer each (labels), their "
+                     "embeddings from the query embedder"), Embed(q, "query")]
+
+
+ROUTER_STEP = Step("router", ROUTER, router_work,
+                   lambda folder, config, force, services, params: train_router(folder, config, force=force,
+                                                                                 services=services),
+                   instances=lambda config: [{}] if config.zerorag.enabled and config.zerorag.router else [],
+                   resources=("generator", "retrieval.query_embedder"), outputs=("zero_rag/router",))

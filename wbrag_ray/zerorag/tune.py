@@ -12,9 +12,10 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
 from wbrag_ray.formats import input_params, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.retrieval.stage import RetrievalSetting
-from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.stages.service import Services
 from wbrag_ray.training.noise_tolerant import build_examples, own_targets, tune_generator
+from wbrag_ray.work import Generate, Pass, Search, Sizes, Train
 
 TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "generator", "retrieval", "index.nprobe"),
                 requires=(INDEX,), command="wbrag tune RUN --train PATH")
@@ -78,3 +79,32 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
     fit["train_seconds"] = fit.pop("seconds", None)
     return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected, **targets,
             **fit}
+
+
+ANSWER_TOKENS = 4  # a short gold answer (NQ, TriviaQA): a tuning row's target
+
+
+def tune_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list:
+    """The training questions' search (top retrieve_k), then LoRA training on up to three rows a question
+    (relevant, distracting and no documents); with `targets: own`, the generator first answers each row. A step
+    costs its longest row, nearly always one with documents (all `batch` rows without: 1 in 3^batch)."""
+    t, g = config.zerorag.tune, config.generator
+    q, counted = sizes.questions(config.zerorag.train, config.zerorag.train_limit)
+    search = Search(q, max(t.retrieve_k, config.retrieval.top_k), f"training questions: {counted}; top "
+                    f"{max(t.retrieve_k, config.retrieval.top_k)} each", title="tuning: retrieval")
+    d = t.docs_per_format or config.retrieval.top_k
+    answer = (g.max_new_tokens if t.targets == "own" else ANSWER_TOKENS) + 1  # the answer and its end token
+    with_docs = min(t.max_length, sizes.tokens("prompt", d) + answer)
+    without = min(t.max_length, sizes.tokens("prompt") + answer)
+    none_only = (1 / 3) ** max(1, min(t.batch_size, 64))
+    own = (Generate(q, (Pass(2, d), Pass(1, 0)), "first the generator answers each row, its right answers kept as "
+                    "targets") if t.targets == "own" else None)
+    return [search, Train(g.model, "zerorag.tune", 3 * q if q else None, with_docs * (1 - none_only) + without * none_only,
+                          f"rows of {with_docs:,.0f} tokens ({d} documents) and {without:,.0f} (none), a step at its "
+                          "longest", first=own)]
+
+
+TUNE_STEP = Step("tuning: LoRA training", TUNE, tune_work,
+                 lambda folder, config, force, services, params: tune(folder, config, force=force),
+                 instances=lambda config: [{}] if config.zerorag.enabled and config.zerorag.tune.enabled else [],
+                 resources=("retrieval", "zerorag.tune.trainer"), outputs=("zero_rag/adapter",))
