@@ -7,6 +7,7 @@ import os
 
 from wbrag_ray.cluster_nodes import has_auto, needs_layout, resolve_auto_concurrency
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.generation.vllm import check_shape
 from wbrag_ray.gpu_layout import index_on_gpu
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
 from wbrag_ray.ray_runtime import check_model_paths, init_ray
@@ -45,8 +46,6 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
 
 def check_model_shapes(config: WbragConfig) -> None:
     """The generators' models against their engines' settings, before Ray starts."""
-    from wbrag_ray.generation.vllm import check_shape
-
     check_shape(config.generator)
     if config.zerorag.qa_generator is not None:
         check_shape(config.zerorag.qa_generator, "zerorag.qa_generator")
