@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from wbrag_ray.checkpoints import resumable_write
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.formats import InputError
+from wbrag_ray.formats import InputError, listing_identity, reject_reasons
+from wbrag_ray.index.build import build_index
+from wbrag_ray.index.files import shard_dim
+from wbrag_ray.index.sizing import plan_training
+from wbrag_ray.layout import IngestFolder
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.stages.ingest import run_ingest
+from wbrag_ray.storage import resolve
 from wbrag_ray.work import AddVectors, Embed, ReadCorpus
 
 # The corpus path is not a setting: the same corpus may be read from a moved copy (a local file, then s3://). Its
@@ -32,13 +41,7 @@ CORPUS_RECORD = "_corpus.json"  # in RUN/ingest: the identity of the corpus whos
 
 
 def corpus_params(config: WbragConfig, run: RunFolder | None = None, force: bool = False) -> dict[str, Any]:
-    """The ingest stage's parameter: the corpus's identity (files, bytes, digest of names and sizes). Reading the
-    listing also checks, before any work, that the corpus exists and holds .jsonl / .parquet files. On a run whose
-    ingest is complete, a corpus that is gone (deleted or moved after ingest) is not needed: the recorded identity
-    stands for it, so later stages still run (not with `force`, which ingests again and needs the corpus)."""
-    from wbrag_ray.formats import listing_identity
-    from wbrag_ray.storage import resolve
-
+    """The ingest stage's parameter: the corpus's identity; checks the corpus exists, unless ingest is complete."""
     if not config.ingest.corpus:
         raise ConfigError("ingest.corpus is not set; pass --corpus PATH or set ingest.corpus in the config")
     corpus = resolve(config.ingest.corpus)
@@ -52,12 +55,7 @@ def corpus_params(config: WbragConfig, run: RunFolder | None = None, force: bool
 
 
 def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Passages and sentences of ingest.corpus, with rejects. A corpus of which no record is usable (another
-    encoding, a JSON array, a QA file) fails the stage, which is then not complete, with the leading reasons."""
-    from wbrag_ray.formats import reject_reasons
-    from wbrag_ray.layout import IngestFolder
-    from wbrag_ray.stages.ingest import run_ingest
-
+    """Passages and sentences of ingest.corpus, with rejects; a corpus with no usable record fails the stage."""
     corpus = config.ingest.corpus
     params = corpus_params(config, run, force)
 
@@ -83,18 +81,10 @@ def ingest(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str
 
 
 def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Embed every passage (or sentence, by `index.unit`) in an actor pool, with row-level resume.
-
-    The pipeline is Read -> text -> EmbedStage -> Write under Ray Data's CheckpointConfig on the unit's
-    int64 id column: a run killed part way leaves a checkpoint of the ids already written, and the rerun
-    reads only the rest. Each write task's file name carries its write's UUID and task index, so a retried
-    task overwrites its own file and a resumed run adds files without touching the earlier ones.
-    """
+    """Embed every passage (or sentence, by `index.unit`) in an actor pool, resumable row by row."""
     def work() -> dict[str, Any]:
         import ray.data
 
-        from wbrag_ray.checkpoints import resumable_write
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
         from wbrag_ray.stages.base import Resources, apply_stage
         from wbrag_ray.stages.embed import EmbedStage
 
@@ -103,8 +93,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
         def embedded(placed: Resources) -> ray.data.Dataset:
             columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
-            # One block per ingest shard: a block is the unit that is written and checkpointed, so this keeps
-            # what a crash can lose to one shard (Ray would otherwise pack small files into one read task).
+            # One block per ingest shard, so a crash loses at most one shard.
             n_files = len(src.list_files(".parquet"))
             ds = ray.data.read_parquet(src.path, filesystem=src.fs, override_num_blocks=n_files,
                                        num_cpus=LIGHT_CPUS)
@@ -129,11 +118,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
 
 def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Train once, add each embedding shard in a Ray task, merge into `index.num_shards` shards + manifest; and
-    the document store of the indexed unit (one task per ingest shard), which searches look hits up in."""
-    from wbrag_ray.index.build import build_index
-    from wbrag_ray.retrieval.docstore import write_doc_store
-
+    """Build the index (`index.build.build_index`) and the document store searches look hits up in."""
     def work() -> dict[str, Any]:
         ic = config.index
         docs = run.layout.docs.join(ic.unit)
@@ -164,17 +149,12 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
 
 
 def check_factory(run: RunFolder, config: WbragConfig) -> None:
-    """index.factory parses as a faiss factory string, for the embeddings' dimension when they are built (a
-    dimension most factories divide, else), and, for built vectors, the training sample holds its IVF lists
-    (`sizing.plan_training`: IVF0, more lists than vectors, a sample past index.train_memory_gb): checked before
-    Ray starts and the vectors are read, so a mistyped factory with --force never gets to replace a built index."""
+    """Check index.factory against the embeddings' dimension and training sample before Ray starts, so a mistyped
+    factory with --force never replaces a built index."""
     factory = config.index.factory
     if factory.strip().lower() == "auto":
         return
     import faiss
-
-    from wbrag_ray.index.files import shard_dim
-    from wbrag_ray.index.sizing import plan_training
 
     dim = 3840  # divisible by every usual PQ / OPQ sub-quantizer count (8 ... 128), when the vectors are not built
     files = run.layout.embed.list_files(".parquet") if run.is_complete(EMBED.name) else []

@@ -1,36 +1,6 @@
-"""Row-level checkpoints: a stage killed part way (the driver, the head node or the job lost, or stopped by a
-person) resumes where it died when the same command runs again, and writes what an uninterrupted run writes.
-
-Four kinds of work, one folder per stage (`RUN/_checkpoints/<stage>/`, removed when the stage completes):
-
-- Ray Data passes over the corpus (embedding, pruner prediction) write their output files as they go under
-  Ray Data's `CheckpointConfig` on the rows' int64 id column (`resumable_write`): the rerun reads only the
-  rows whose ids are not checkpointed, and adds files beside the ones already written.
-- Generator passes the driver feeds (mastery's QA writing and closed-book answers, the router's labels,
-  write-back's utility scoring, document gate and distiller, every RAG method's evaluation answers) go through
-  `GeneratorPasses`, whose answer memo is keyed by what decides a greedy answer (the model's settings, token
-  budget, stop strings, mode, the prompt). The stage's `AnswerStore` writes those keys and answers in blocks
-  as batches finish (`answers/block-*.parquet`, each file whole or absent: written under a temporary name,
-  then moved; an object store's PUT is atomic), and the rerun's memo starts from them: a prompt answered
-  before the kill is not decoded again, whichever pass or grid cell asks it. Settings that change answers
-  change the key, so an old block is never taken for a new setting; and a checkpoint made under another stage
-  fingerprint (other settings, or inputs made again) is removed before the stage starts.
-
-- Trainings (the LM pruner, noise-tolerant tuning) run as Ray Train jobs whose storage is the stage's `train/`
-  folder: the trainable weights, optimizer state and step every `trainer.checkpoint_steps` steps; the rerun's
-  workers load the last one and take the batches an uninterrupted run would (`training.workers`).
-
-- Tasks that each write whole files (an index build's training, add and merge tasks: `TaskRecords`) record
-  their results in the stage's `tasks/` folder once their files are written; the rerun reuses what is
-  recorded (the trained index, the parts, the merged shards, which stay where the build wrote them) and runs
-  the other tasks.
-
-`stage_checkpoint` opens a stage's checkpoint for the stage's work (`RunFolder.run_stage`); the passes reach it
-through `active()`, so every pass of a stage is resumable without being told where the run folder is.
-
-Over 400 lines (about 430), not split: the four kinds of checkpoint share the stage's folder and its record, and
-the Ray Data pass that writes under one (`resumable_write`) sizes its resume here, beside the checkpoint it reads.
-"""
+"""Row-level checkpoints: a stage killed part way resumes when the same command runs again and writes what an
+uninterrupted run writes. One folder per stage (`RUN/_checkpoints/<stage>/`) holds Ray Data row checkpoints,
+generator answers, Ray Train checkpoints and task records; one of another fingerprint is removed."""
 
 from __future__ import annotations
 
@@ -44,6 +14,11 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from wbrag_ray.layout import subdirs
+from wbrag_ray.lease import fence
+from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
+from wbrag_ray.placement.waits import pool_start_wait
+from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
 from wbrag_ray.storage import Location, StorageError, refused_writes
 
 if TYPE_CHECKING:
@@ -51,9 +26,7 @@ if TYPE_CHECKING:
 
     from wbrag_ray.stages.base import Resources
 
-# A block of answers is committed once it holds this many rows, or this many seconds after the last one:
-# a killed driver loses at most that much decoding (defaults; `generator.checkpoint_rows` and
-# `generator.checkpoint_seconds` set them for each pass).
+# A block of answers is committed at this many rows or seconds (`generator.checkpoint_rows` / `_seconds`).
 BLOCK_ROWS = 1024
 BLOCK_SECONDS = 60.0
 
@@ -66,9 +39,7 @@ def _plain(value: Any) -> Any:
 
 
 class AnswerStore:
-    """A stage's committed answers: 16-byte keys (see `generation.passes.AnswerMemo`) and their output values,
-    loaded whole when the stage starts again (a stage's answers are what its driver holds anyway) and added to
-    in blocks. `before_commit` runs before each block is written (the stage records its fingerprint)."""
+    """A stage's committed answers (16-byte memo keys -> outputs), loaded whole on restart and added to in blocks."""
 
     def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS, block_seconds: float = BLOCK_SECONDS,
                  before_commit: Callable[[], None] | None = None):
@@ -113,18 +84,14 @@ class AnswerStore:
 
 
 class TaskRecords:
-    """A pass of tasks that each write whole files under names their items give (an index build's add and merge
-    tasks): a task that ends writes its result, a small JSON, here after its files, and a rerun takes the
-    recorded results and runs only the other tasks. A task killed before its record runs again and overwrites
-    its files; a record is written whole or not at all (`Location.write_json`)."""
+    """Results of tasks that each write whole files, recorded after the files; a rerun runs the others."""
 
     def __init__(self, folder: Location):
         self.folder = folder
         self._done: dict[str, Any] | None = None
 
     def done(self) -> dict[str, Any]:
-        """The results earlier attempts recorded, by task name: read once (a build asks for each of its passes;
-        what this attempt's tasks record, it holds already)."""
+        """Results recorded by earlier attempts, by task name (read once)."""
         if self._done is None:
             self._done = {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
         return self._done
@@ -135,9 +102,7 @@ class TaskRecords:
 
 
 class StageCheckpoint:
-    """The checkpoint folder of one running stage, and what its passes resumed and computed. The stage's
-    fingerprint is recorded beside the first thing committed: a stage that stops before committing anything
-    (a bad input refused part way) leaves nothing in the run folder."""
+    """The checkpoint folder of one running stage; its fingerprint is recorded with the first commit."""
 
     def __init__(self, folder: Location, fingerprint: dict[str, Any] | None = None, block_rows: int = BLOCK_ROWS):
         self.folder = folder
@@ -163,8 +128,7 @@ class StageCheckpoint:
         return self.folder.join("train")
 
     def answers(self, block_rows: int | None = None, block_seconds: float | None = None) -> AnswerStore:
-        """The stage's answer store, opened (and its committed blocks read) on first use; each pass sets how many
-        rows or seconds a block holds at most (its generator's `checkpoint_rows` / `checkpoint_seconds`)."""
+        """The stage's answer store, opened on first use."""
         if self._answers is None:
             self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows,
                                         before_commit=self.record)
@@ -175,10 +139,7 @@ class StageCheckpoint:
         return self._answers
 
     def record(self) -> None:
-        """Before anything is committed: this command still holds the run folder's lease (`lease.fence`: a command
-        whose lease was taken stops here), the stage's fingerprint (once), and the pass now running."""
-        from wbrag_ray.lease import fence
-
+        """Before any commit: check the lease (`lease.fence`), record the fingerprint (once) and the running pass."""
         fence(self.folder)
         record = self.folder.join("fingerprint.json")
         if self.fingerprint is not None and not record.exists():
@@ -188,8 +149,7 @@ class StageCheckpoint:
             self._pass = None
 
     def begin_pass(self, name: str, total: int) -> None:
-        """The pass now running and its rows, for `wbrag status` (`progress`): recorded with its first commit
-        (a pass that decodes nothing leaves no checkpoint)."""
+        """Record the running pass and its rows for `wbrag status`."""
         self._pass = {"pass": name, "rows": total}
 
     def count(self, resumed: int, computed: int) -> None:
@@ -214,8 +174,7 @@ def active() -> StageCheckpoint | None:
 
 @contextlib.contextmanager
 def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label: str) -> Iterator[StageCheckpoint]:
-    """Open `folder` as the running stage's checkpoint: one made under another fingerprint is removed first
-    (its answers or rows may come from other settings or other inputs), then the fingerprint is recorded."""
+    """Open `folder` as the running stage's checkpoint, removing one made under another fingerprint."""
     record = folder.join("fingerprint.json")
     if folder.exists():
         previous = record.read_json() if record.exists() else None
@@ -234,10 +193,7 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
 
 
 def progress(folder: Location) -> dict[str, Any]:
-    """What the checkpoint of an incomplete stage holds: the pass it was in and that pass's rows, and how many
-    rows (answers, or rows Ray Data checkpointed) are committed."""
-    from wbrag_ray.layout import subdirs
-
+    """The pass an incomplete stage was in, its rows, and how many rows are committed."""
     info = folder.join("pass.json")
     out: dict[str, Any] = info.read_json() if info.exists() else {}
     committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()
@@ -251,10 +207,7 @@ def progress(folder: Location) -> dict[str, Any]:
 
 
 def training_progress(folder: Location) -> dict[str, Any]:
-    """The step of a stopped training's last checkpoint, from Ray Train's snapshot in the stage checkpoint's
-    `train/<label>/` folder (`training.workers.fit`); empty when the stage trains nothing."""
-    from wbrag_ray.layout import subdirs
-
+    """The step of a stopped training's last Ray Train checkpoint; empty when the stage trains nothing."""
     train = folder.join("train")
     for label in subdirs(train):
         snapshot = train.join(label, "checkpoint_manager_snapshot.json")
@@ -265,8 +218,7 @@ def training_progress(folder: Location) -> dict[str, Any]:
 
 
 def rows_by_file(folder: Location) -> dict[str, int]:
-    """Rows of each Parquet file in `folder`, from its footer. A file the kill cut short has none: Ray's checkpoint
-    filter deletes it on the resumed run (its checkpoint was never committed) and its rows are written again."""
+    """Rows of each Parquet file in `folder`, from its footer (0 for a file a kill cut short)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -280,9 +232,7 @@ def rows_by_file(folder: Location) -> dict[str, int]:
 
 
 def remove_unreadable(folder: Location) -> None:
-    """Remove the Parquet files in `folder` that a failed write left cut short (no footer: a full disk, a kill):
-    none stays among a stage's outputs, and a resumed pass writes their rows again (their checkpoint was never
-    committed)."""
+    """Remove Parquet files a failed write cut short (no footer); a resumed pass writes their rows again."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -293,18 +243,13 @@ def remove_unreadable(folder: Location) -> None:
             f.delete()
 
 
-# What Ray Data's CheckpointFilter (the actor that drops the committed rows from a resumed pass's read) asks
-# for: 1 CPU, Ray Data's default for a map actor, which its CheckpointConfig does not let one change (Ray 2.60).
+# Ray Data's CheckpointFilter actor asks for 1 CPU, which CheckpointConfig does not let one change.
 CHECKPOINT_FILTER_CPUS = 1.0
 
 
 def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> bool:
-    """Whether a resumed pass can make progress on `nodes` (each node's resources as Ray reports them): its model
-    actors (as many as fit: Ray Data runs on those that start) and the CheckpointFilter actor, placed in either
-    order (Ray starts them together), leave room for one read or write task; for a pass of plain tasks, the
-    filter and one of its tasks. False only where no order leaves room: then the pass waits forever."""
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
-
+    """Whether a resumed pass's actors and the CheckpointFilter actor leave room for one read or write task on
+    `nodes`, in either start order; False means the pass would wait forever."""
     r = pass_resources
 
     def places(filter_first: bool) -> bool:
@@ -327,9 +272,8 @@ def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> b
 
 
 def resume_fit(pass_resources: Resources, nodes: list[dict[str, float]]) -> Resources | None:
-    """The placement a resumed pass runs with on `nodes`: its own where it places beside the CheckpointFilter
-    actor (`resume_places`), else the widest that does, its actors' CPUs lowered in quarters of a CPU before
-    their number; None where none does. Placement never changes what a pass writes, so a resume may change it."""
+    """The placement a resumed pass runs with on `nodes`: its own if it fits beside the CheckpointFilter, else
+    its actors' CPUs lowered in quarters, then their number; None where nothing fits."""
     r = pass_resources
     for concurrency in range(r.concurrency, 0, -1):
         for quarters in range(math.ceil(4 * r.num_cpus), 0, -1):
@@ -341,8 +285,7 @@ def resume_fit(pass_resources: Resources, nodes: list[dict[str, float]]) -> Reso
 
 
 def resume_refusal(pass_resources: Resources, label: str, nodes: list[dict[str, float]]) -> str | None:
-    """Why a resumed pass cannot make progress on a cluster whose nodes hold `nodes` at any placement
-    (`resume_fit`), or None where it can."""
+    """Why a resumed pass cannot progress on `nodes` at any placement, or None."""
     if resume_fit(pass_resources, nodes) is not None:
         return None
     r = pass_resources
@@ -355,10 +298,7 @@ def resume_refusal(pass_resources: Resources, label: str, nodes: list[dict[str, 
 
 
 def fit_resume(pass_resources: Resources, key: str | None, label: str) -> Resources:
-    """The placement a resumed pass runs with on the connected cluster (`resume_fit`), said in one line where it
-    differs from the configured one (`key`: the config section that sizes the pass); refused where none fits."""
-    from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
-
+    """The resumed pass's placement on the connected cluster, said where it differs; refused where none fits."""
     refuse_unplaceable(lambda nodes: resume_refusal(pass_resources, label, nodes))
     if autoscaling():
         return pass_resources
@@ -376,21 +316,11 @@ def fit_resume(pass_resources: Resources, key: str | None, label: str) -> Resour
 def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Location, id_column: str, prefix: str,
                     block_bytes: int, label: str, total: int, pass_resources: Resources,
                     resources_key: str | None) -> dict[str, Any]:
-    """Write the dataset `build()` makes (its rows carry the int64 `id_column` from the read to the write) as
-    Parquet files in `out`, under Ray Data's row-level checkpoint in the active stage's checkpoint folder: a
-    rerun after a kill reads only the rows not written yet and adds its files beside the earlier ones (each
-    write task's file name holds its write's UUID and task index, so a retried task overwrites its own file).
-    `block_bytes`: the size Ray coalesces a map's output to, so each block, the unit that is written and
-    checkpointed, holds a bounded number of rows and progress is committed as it goes. Returns the rows the
-    files hold, and how many were resumed from an earlier attempt and computed now. `pass_resources`: what the
-    pass's model stage asks for (`resources_key`: its config section); a resume runs where the run ran: its
-    actors are narrowed where the cluster cannot hold them beside Ray Data's CheckpointFilter actor
-    (`fit_resume`), and `build(resources)` builds the pass with the placement it runs with."""
+    """Write the dataset `build(resources)` makes as Parquet files in `out` under Ray Data's row-level checkpoint on
+    `id_column`: a rerun reads only rows not written yet. `block_bytes` bounds the rows per committed block. Returns
+    the rows written, resumed and computed."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
-
-    from wbrag_ray.placement.waits import pool_start_wait
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
 
     checkpoint = active()
     if checkpoint is None:

@@ -1,11 +1,7 @@
-"""Typed configuration: one model for a whole run, loaded from YAML plus `--set key=value` overrides.
+"""Typed configuration: one model for a whole run, loaded from YAML plus `--set key=value` overrides, validated
+once before any stage starts; every error names the dotted key and the fix.
 
-Validation happens once, before any stage starts; every error names the dotted key and what would fix it.
-
-Over 600 lines (about 850) on purpose: one model per config section, every field with its description, in one module
-that is the reference a user reads (`wbrag_ray/config.py` is what the README points to); splitting the sections
-into modules would split that reference, and the loader and override parser below serve them all.
-"""
+Over 900 lines, not split: it is the one config reference a user reads, every field with its description."""
 
 from __future__ import annotations
 
@@ -46,9 +42,7 @@ def _concurrency(value: Any) -> Any:
     return count
 
 
-# A pool's actor count (or a training's workers): a number, or "auto": as many as the cluster has room for, decided
-# by each command as it joins Ray, after the commands before it built what it uses (`placement.gpus.auto_concurrency`;
-# `wbrag plan` decides it on the cluster it plans for).
+# A pool's actor count (or training workers): a number, or "auto", decided by each command as it joins Ray.
 Concurrency = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
 AUTO_CONCURRENCY = (" 'auto': as many as the cluster holds (an autoscaling cluster: its declared maximum), decided by "
                     "each command as it joins Ray (GPU actors: the GPUs, the generator's less those the index's search "
@@ -58,8 +52,7 @@ AUTO_CONCURRENCY = (" 'auto': as many as the cluster holds (an autoscaling clust
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    # Keys that never change what a stage writes (batch sizes of inference, caches, switches of `wbrag run`):
-    # left out of stage fingerprints, as placement keys are (wbrag_ray.run).
+    # Keys that never change what a stage writes: left out of stage fingerprints.
     RUNTIME_KEYS: ClassVar[frozenset[str]] = frozenset()
 
 
@@ -69,14 +62,12 @@ class RayConfig(_Section):
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (local clusters only).")
     pending_timeout_s: float = Field(
-        1800.0, gt=0, description="How long a service's actors (generator, embedder, search) may wait for a node with "
-        "the resources they ask before the command fails naming what is missing (the resources may be held by "
-        "another job; an autoscaler may be adding nodes)."
+        1800.0, gt=0, description="How long a service's actors may wait for a node with the resources they ask "
+        "before the command fails naming what is missing."
     )
     gpu_memory_gb: float | None = Field(
-        None, gt=0, description="Memory of one GPU of the cluster, for the placement rules that size "
-        "tensor_parallel_size auto and retrieval's GPU shares. None: from the GPU model Ray labels the nodes with "
-        "(accelerator_type: H100 80 GB, H200 141 GB, ...; wbrag_ray.models.accelerators), else 80 GB, said in the log.",
+        None, gt=0, description="Memory of one GPU, for sizing tensor_parallel_size auto and retrieval's GPU "
+        "shares. None: from the nodes' accelerator_type label, else 80 GB (logged).",
     )
     keep_services_s: float = Field(
         10.0, ge=0, description="How long the services of a command that ended (generator, embedder and search "
@@ -108,8 +99,7 @@ class EmbedderConfig(_Section):
     )
     batch_size: int = Field(64, ge=1, description="Sentences per forward pass.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Compute dtype; 'auto' takes bf16 where the CPU or GPU supports it (measured here with "
-        "MiniLM: 3.1x the fp32 speed, cosine to fp32 >= 0.9999, top-10 retrieval overlap 98.8%)."
+        "auto", description="Compute dtype; 'auto' takes bf16 where the CPU or GPU supports it."
     )
     storage_dtype: Literal["float32", "float16"] = Field("float32", description="dtype of stored embedding shards.")
     num_cpus: float = Field(
@@ -122,18 +112,17 @@ class EmbedderConfig(_Section):
     concurrency: Concurrency = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
     query_prompt: str | None = Field(
-        None, description="A prompt the model ships (sentence-transformers' `prompts`), put before every query, not "
-        "before passages: s2p_query for stella_en_400M_v5, Zero-RAG's retriever. Unset: e5 models get their "
-        "'query: ' / 'passage: ' prefixes, others none.",
+        None, description="A prompt the model ships (sentence-transformers' `prompts`) put before queries only "
+        "(s2p_query for stella_en_400M_v5). Unset: e5's 'query: ' / 'passage: ' prefixes, else none.",
     )
     trust_remote_code: bool = Field(
-        False, description="Run the model's own Python code from its folder or hub repository (stella_en_400M_v5 "
-        "ships its architecture as code): only for a model you trust.",
+        False, description="Run the model's own Python code (stella_en_400M_v5 ships its architecture as code): "
+        "only for a model you trust.",
     )
     checkpoint_rows: int = Field(
         20_000, ge=1,
-        description="About this many vectors per written block (= per file and per checkpoint commit): "
-        "what a crash can cost at most per actor.",
+        description="About this many vectors per written block (file and checkpoint commit): what a crash can cost "
+        "per actor.",
     )
 
 
@@ -155,15 +144,13 @@ class GeneratorConfig(_Section):
     )
     memory_gb: float | None = Field(
         None, gt=0,
-        description="hf backend: memory one generate call may use for its KV cache and activations; each batch "
-        "of length-sorted prompts takes as many rows (up to batch_size) as fit. Default: 90% of the GPU memory "
-        "left after loading the model, or half the node's available memory on CPU.",
+        description="hf backend: memory one generate call may use for KV cache and activations. Default: 90% of "
+        "the GPU memory left after loading, or half the node's free memory on CPU.",
     )
     stop: list[str] = Field(
         default_factory=lambda: ["\n"],
-        description="Generation stops at the first of these strings, which is cut off: answers and judgements are "
-        "one line, so a batch need not decode until its most talkative row fills max_new_tokens. Passes that "
-        "write several lines (the distiller, QA writing) clear it.",
+        description="Generation stops at the first of these strings (cut off). Passes that write several lines "
+        "clear it.",
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each generator actor asks Ray for.")
     threads: int | None = Field(
@@ -171,49 +158,42 @@ class GeneratorConfig(_Section):
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
     tensor_parallel_size: int | Literal["auto"] | None = Field(
-        None, description="vllm: GPUs of one node that each layer of an engine replica is sharded over (with "
-        "num_gpus: 0, vLLM's CPU build: rank processes of one node, num_cpus split between them). Default: "
-        "num_gpus / pipeline_parallel_size when num_gpus > 1, else 1 (a replica that asks for 4 GPUs uses all 4). "
-        "'auto' (GPUs: num_gpus >= 1): the fewest GPUs of one node that hold the weights and a KV cache for "
-        "batch_size prompts (2 H200s or 4 80 GB GPUs for a 70B in bf16), decided as a command joins the cluster and "
-        "by `wbrag plan`; num_gpus then follows (tensor_parallel_size x pipeline_parallel_size).",
+        None, description="vllm: GPUs of one node each layer of a replica is sharded over (num_gpus 0: rank "
+        "processes of vLLM's CPU build). Default: num_gpus / pipeline_parallel_size when num_gpus > 1, else 1. "
+        "'auto': the fewest GPUs of one node that hold the weights and a KV cache for batch_size prompts; num_gpus "
+        "then follows.",
     )
     gpu_share: float = Field(
-        1.0, gt=0, le=1, description="What each GPU of a replica of several GPUs asks Ray for (vLLM's "
-        "VLLM_RAY_PER_WORKER_GPUS): 1, or less to leave room for retrieval's actors beside a tensor-parallel "
-        "replica; set by retrieval.search_gpus auto where retrieval takes shares (a one-GPU replica's share is "
-        "num_gpus itself).",
+        1.0, gt=0, le=1, description="What each GPU of a multi-GPU replica asks Ray for "
+        "(VLLM_RAY_PER_WORKER_GPUS): 1, or less to leave room for retrieval's actors; set by retrieval.search_gpus "
+        "auto.",
     )
     pipeline_parallel_size: int = Field(
         1, ge=1, description="vllm: stages an engine replica's layers are split into; num_gpus = "
         "tensor_parallel_size x pipeline_parallel_size (GPUs only).",
     )
     pipeline_across_nodes: bool = Field(
-        False, description="vllm: a replica's pipeline stages may sit on different nodes (placement PACK: each "
-        "stage's tensor_parallel_size GPUs still on one node). Off: the whole replica on one node (STRICT_PACK), "
-        "its stages' hand-over at node-local speed.",
+        False, description="vllm: a replica's pipeline stages may sit on different nodes (PACK). Off: the whole "
+        "replica on one node (STRICT_PACK).",
     )
     concurrency: Concurrency = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
     calls_per_engine: int = Field(
-        4, ge=1, description="vllm, a command's generator service: batches one engine takes at once; their requests "
-        "share its running batch, so the engine decodes the next batch while the last one's longest answers finish "
-        "(1: one blocking call at a time, the engine idle between two).",
+        4, ge=1, description="vllm: batches one engine takes at once, so it decodes the next batch while the last "
+        "one's longest answers finish (1: one blocking call at a time).",
     )
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template (instruct models).")
     batch_invariant: bool = Field(
-        True, description="A prompt's greedy answer does not depend on what else is decoded beside it, so a resumed "
-        "pass, a grid cell and a standalone evaluation give it one answer. hf: each prompt is padded to its 64-token "
-        "length bucket and only prompts of one bucket share a batch (a little more padding, more calls on small "
-        "passes); vllm on GPUs: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, compute capability >= 8.0).",
+        True, description="A prompt's greedy answer does not depend on its batch. hf: prompts are padded to "
+        "64-token length buckets and batched within one; vllm on GPUs: VLLM_BATCH_INVARIANT=1 (compute capability "
+        ">= 8.0).",
     )
     checkpoint_rows: int = Field(
-        1024, ge=1, description="Answers per committed block of a stage's answer checkpoint (or fewer: see "
-        "checkpoint_seconds): what a killed generator pass can lose at most.",
+        1024, ge=1, description="Answers per committed block of a stage's answer checkpoint: what a killed pass "
+        "can lose at most.",
     )
     checkpoint_seconds: float = Field(
-        60.0, gt=0, description="The answers decoded since the last committed block are committed once this "
-        "many seconds have passed, at the next finished batch, if checkpoint_rows did not come first: a slow pass "
-        "(long prompts, a large model, an API) loses at most about this much decoding to a kill.",
+        60.0, gt=0, description="Answers decoded since the last block are committed after this many seconds, at "
+        "the next finished batch.",
     )
     cache_dir: str | None = Field(
         None, description="Where GGUF models are cached after de-quantization (default ~/.cache/wbrag/converted)."
@@ -221,19 +201,15 @@ class GeneratorConfig(_Section):
     base_url: str | None = Field(None, description="openai backend: the server's /v1 URL.")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai backend: environment variable with the key.")
     lora_adapter: str | None = Field(
-        None, description="LoRA adapter folder to apply (hf, vllm): a local path every node sees, or s3://... "
-        "(each node that loads the generator fetches it into its own cache).")
+        None, description="LoRA adapter folder to apply (hf, vllm): a local path every node sees, or s3:// "
+        "(fetched into each node's cache).")
     vllm_engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, merged over the throughput defaults."
     )
 
     def parallel_sizes(self) -> tuple[int, int]:
-        """(tensor_parallel_size, pipeline_parallel_size) of one engine replica. The rule: pipeline_parallel_size
-        as given; tensor_parallel_size as given, else num_gpus / pipeline_parallel_size when num_gpus > 1 (a
-        replica that asks for 4 GPUs shards each layer over all 4, or over 2 per stage with 2 stages), else 1.
-        A validated config has num_gpus = tp x pp whenever either is above 1, except a tensor-parallel replica of
-        vLLM's CPU build (num_gpus 0, pp 1: ranks as processes) (`_check_parallel_sizes`). Other
-        backends than vllm run a model whole: (1, 1)."""
+        """(tensor_parallel_size, pipeline_parallel_size) of one engine replica: as given, else tp = num_gpus / pp when
+        num_gpus > 1, else 1; backends other than vllm run a model whole: (1, 1)."""
         if self.backend != "vllm":
             return 1, 1
         pp = self.pipeline_parallel_size
@@ -248,8 +224,7 @@ class GeneratorConfig(_Section):
 
     @model_validator(mode="after")
     def _check_parallel_sizes(self) -> GeneratorConfig:
-        """A replica's GPUs and its shards must agree before anything is placed: vLLM starts one worker per GPU
-        of the replica, each in a one-GPU bundle, and the hf backend moves its model to one device."""
+        """A replica's GPUs and its shards must agree before anything is placed (num_gpus = tp x pp)."""
 
         def refuse(key: str, message: str):
             # the error's key is the field's (generator.num_gpus, zerorag.qa_generator.tensor_parallel_size)
@@ -307,50 +282,38 @@ class IndexConfig(_Section):
     )
     factory: str = Field(
         "auto",
-        description="faiss index factory string (Flat, IVF4096,Flat, IVF4096,PQ48, OPQ48,IVF4096,PQ48, HNSW32, "
-        "IVF4096,PQ48,RFlat), or 'auto': chosen from the vector count and index.memory_budget_gb "
-        "(Flat below 20K vectors, else IVF with the most precise codes that fit and no more lists than get 39 "
-        "training vectors each within index.train_memory_gb; see choose_factory).",
+        description="faiss index factory string (Flat, IVF4096,Flat, IVF4096,PQ48, HNSW32, ...), or 'auto': chosen "
+        "from the vector count, index.memory_budget_gb and index.train_memory_gb (see choose_factory).",
     )
     train_sample: int = Field(
-        100_000, ge=1, description="Vectors sampled to train an index that needs training. An IVF's sample is raised "
-        "to 39 x its lists (faiss's k-means wants 39 vectors per centroid), and no sample exceeds what "
-        "index.train_memory_gb holds.",
+        100_000, ge=1, description="Vectors sampled to train an index; an IVF's sample is raised to 39 x its "
+        "lists, capped by index.train_memory_gb.",
     )
     train_memory_gb: float = Field(
-        8.0, gt=0, description="Memory the training sample may take (sample x dim x 4 bytes): caps "
-        "index.train_sample. With index.factory=auto, an IVF gets fewer lists when 39 vectors per list would not "
-        "fit; an explicit IVF factory that cannot get them is refused before any work, naming the fix (raise this, "
-        "or fewer lists): a factory you chose is never silently changed.",
+        8.0, gt=0, description="Memory the training sample may take (sample x dim x 4 bytes). factory=auto gives "
+        "an IVF fewer lists where 39 vectors per list do not fit; an explicit factory that cannot is refused "
+        "before any work.",
     )
     nprobe: int | Literal["auto"] = Field(
-        "auto", description="IVF lists visited per query: an integer, or 'auto': the fewest lists that find "
-        "index.target_recall of exact search's top 10, measured when the index is built on index.recall_queries of "
-        "its own vectors and recorded in its manifest (`search`; the build prints it). An index built without the "
-        "measurement (index.target_recall: null, or an older build) takes max(min(nlist, 32), sqrt(nlist)). An HNSW "
-        "coarse quantizer then searches with efSearch = max(2 x nprobe, index.ef_search), so it finds the nprobe "
-        "nearest lists."
+        "auto", description="IVF lists visited per query, or 'auto': the fewest that reach index.target_recall, "
+        "measured at build time (else max(min(nlist, 32), sqrt(nlist))). An HNSW quantizer searches with efSearch "
+        "= max(2 x nprobe, index.ef_search)."
     )
     target_recall: float | None = Field(
-        0.95, gt=0, le=1, description="The recall@10 of exact search the index build measures its search setting "
-        "to: nprobe (IVF, with index.nprobe: auto) or efSearch (HNSW, index.ef_search unset) is the smallest that "
-        "reaches it (where the codes cap recall below it, the smallest at the cap, with a warning); a setting given "
-        "explicitly is what searches use, measured beside the choice. null: no measurement (no exact search at "
-        "build time).",
+        0.95, gt=0, le=1, description="recall@10 of exact search the build tunes nprobe (IVF, nprobe auto) or "
+        "efSearch (HNSW, ef_search unset) to; an explicit setting is measured beside it. null: no measurement.",
     )
     recall_queries: int = Field(
-        500, ge=10, description="Vectors of the index searched exactly and at each candidate setting to measure "
-        "recall (index.target_recall): 500 give recall@10 to about +-0.01.",
+        500, ge=10, description="Vectors of the index searched to measure recall (500 give recall@10 to about "
+        "+-0.01).",
     )
     num_shards: int | Literal["auto"] = Field(
-        "auto", description="Index shards the build merges into, each built by its own merge task and loaded by "
-        "one search actor (the results merged by score): an integer, or 'auto': ceil(estimated index bytes / "
-        "index.shard_memory_gb), estimated from faiss's code size per vector plus the trained quantizer every "
-        "shard carries (at most one shard per embedding shard)."
+        "auto", description="Index shards the build merges into, each loaded by one search actor: an integer, or "
+        "'auto': ceil(estimated index bytes / index.shard_memory_gb)."
     )
     shard_memory_gb: float = Field(
-        4.0, gt=0, description="index.num_shards=auto: the most bytes one index shard may take (its codes, ids "
-        "and copy of the trained quantizer): the memory of one merge task and of one search actor's shard."
+        4.0, gt=0, description="num_shards=auto: the most bytes one index shard may take (one merge task's and one "
+        "search actor's memory)."
     )
     memory_budget_gb: float = Field(
         16.0, gt=0, description="Memory the whole index may take at search time; index.factory=auto picks codes "
@@ -363,10 +326,8 @@ class IndexConfig(_Section):
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each index build task (train, add, merge) asks Ray for.")
     gpu: bool | Literal["auto"] = Field(
-        "auto", description="Search (and train an IVF's k-means) on GPUs. 'auto' (default): where the cluster has "
-        "GPUs and faiss has GPU support (faiss-gpu, as the project's image installs), else on CPUs, said in the log. "
-        "true: on GPUs or not at all: refused before any work where the cluster has no GPU or faiss no GPU support. "
-        "false: on CPUs.")
+        "auto", description="Search (and train IVF k-means) on GPUs. 'auto': where the cluster has GPUs and faiss "
+        "GPU support, else CPUs (logged). true: GPUs or refused before any work. false: CPUs.")
 
     @field_validator("nprobe")
     @classmethod
@@ -384,8 +345,7 @@ class IndexConfig(_Section):
 
 
 class RetrievalConfig(_Section):
-    """Retrieval passes, and the retrieval service they run on: an index's shards grouped into search actors
-    of at most `actor_memory_gb` each, `concurrency` replicas of every group (wbrag_ray.retrieval.service)."""
+    """Retrieval passes and their service: search actors of at most `actor_memory_gb`, `concurrency` each."""
 
     RUNTIME_KEYS = frozenset({"batch_size", "search_cpus", "search_gpus", "embed_gpus", "actor_memory_gb"})
 
@@ -396,20 +356,16 @@ class RetrievalConfig(_Section):
     search_cpus: float = Field(0.25, gt=0, description="CPUs each search actor asks Ray for (faiss threads: "
                                "rounded up).")
     search_gpus: float | Literal["auto"] = Field(
-        "auto", description="GPU share of each search actor where it searches on a GPU (index.gpu): 1 holds a whole "
-        "GPU through every generation pass; a share (0.05) places it beside an engine replica of generator.num_gpus "
-        "0.8 on one GPU (vLLM's memory kept below the replica's share), as retrieval.embed_gpus does the query "
-        "embedders. 'auto' (default): whole GPUs where that costs the generator at most one replica in eight, else "
-        "a share sized from the index's bytes beside every replica (wbrag_ray.placement.gpus; said in the log).",
+        "auto", description="GPU share of each search actor on GPU: 1 holds a whole GPU; a share (0.05) places it "
+        "beside an engine replica. 'auto': whole GPUs where that costs the generator at most one replica in eight, "
+        "else a share sized from the index (wbrag_ray.placement.gpus).",
     )
     embed_gpus: float | Literal["auto"] | None = Field(
-        "auto", description="GPU share of each query embedder (a retrieval pass's actor); None: embedder.num_gpus, "
-        "as the bulk embedding's actors. A share (0.05) places it beside an engine replica. 'auto' (default): "
-        "embedder.num_gpus, or a share sized from the model where retrieval.search_gpus auto takes shares.",
+        "auto", description="GPU share of each query embedder; None: embedder.num_gpus. 'auto': embedder.num_gpus, "
+        "or a share sized from the model where retrieval.search_gpus auto takes shares.",
     )
     actor_memory_gb: float = Field(
-        8.0, gt=0, description="Index bytes one search actor holds at most: an index's shards are grouped up to "
-        "this (a shard larger than it is a group of its own) and each group's memory is declared to Ray.",
+        8.0, gt=0, description="Index bytes one search actor holds at most (shards are grouped up to this).",
     )
     concurrency: int = Field(1, ge=1, description="Replicas of every search actor (queries are spread over them), and "
                              "retrieval-pass actors.")
@@ -418,32 +374,24 @@ class RetrievalConfig(_Section):
     )
     union: Literal["auto", "score", "provenance", "rrf", "gate", "gate-no-provenance", "additive"] = Field(
         "auto",
-        description="How the base and write-back indices' hits share the prompt (wbrag_ray.retrieval.union): "
-        "'score' is WriteBack-RAG's plain merge by score; 'provenance' the same merge, but a unit whose source "
-        "documents are all in the top K (or whose text a taken hit holds) takes no slot; 'rrf' reciprocal rank "
-        "fusion under the same rule; 'gate' the merge by score, a unit taking a slot only if its score is at least "
-        "the query's best passage's less gate_margin, then the same rule; 'gate-no-provenance' the gate without the "
-        "rule; 'additive' the base's top K kept whole and up to max_units units (1 where unset) appended after it, "
-        "each scoring at least the K-th passage's score less additive_margin and not covered by the rule. 'auto' "
-        "(the default): the rule the write-back version chose on its own validation split (the paper's score unless "
-        "one of provenance, gate at three margins and additive at two answered better beyond chance, a sign test; "
-        "wbrag_ray.writeback.validation), or 'provenance' "
-        "where its split was too small to choose or none was held out. No one fixed rule served: 'gate', the "
-        "earlier default, kept the base's acc on the held-out questions of benchmarks/writeback_union.py and let "
-        "almost no unit in (benchmarks/RESULTS.md, 'Write-back that helps').",
+        description="How base and write-back hits share the prompt (wbrag_ray.retrieval.union): 'score' "
+        "(WriteBack-RAG's merge by score), 'provenance' (the same, but a unit whose sources are already in the top "
+        "K takes no slot), 'rrf' (reciprocal rank fusion), 'gate' (a unit needs the best passage's score less "
+        "gate_margin), 'gate-no-provenance', 'additive' (the base's top K plus up to max_units units above the "
+        "K-th score less additive_margin). 'auto': the rule the write-back version chose on its validation split "
+        "(score unless another won beyond chance), else 'provenance'.",
     )
     max_units: int | None = Field(
-        None, ge=0, description="Write-back units per query at most (none: no cap; under union 'additive', 1: "
-        "a prompt then holds up to top_k + max_units documents); not applied by union 'score'.",
+        None, ge=0, description="Write-back units per query at most (none: no cap; 'additive': 1 where unset); not "
+        "applied by union 'score'.",
     )
     rrf_k: int = Field(60, ge=1, description="Reciprocal rank fusion's constant: a hit's fused score is "
                        "1 / (rrf_k + its rank in its own index).")
-    gate_margin: float = Field(0.0, description="Union 'gate': how far below the query's best passage's score a "
-                               "write-back unit may score and still take a slot (negative: it must score above).")
+    gate_margin: float = Field(0.0, description="Union 'gate': how far below the best passage's score a unit may "
+        "score and still take a slot.")
     additive_margin: float = Field(
-        0.0, description="Union 'additive': how far below the K-th passage's score a write-back unit may score and "
-        "still be appended after the base's top K (at 0: the units the paper's merge would have let into the top "
-        "K, without the passage they would have pushed out).",
+        0.0, description="Union 'additive': how far below the K-th passage's score a unit may score and still be "
+        "appended.",
     )
 
     @field_validator("search_gpus", "embed_gpus")
@@ -459,8 +407,7 @@ class RetrievalConfig(_Section):
         return 1.0 if self.search_gpus == "auto" else float(self.search_gpus)
 
     def query_embedder(self, embedder: EmbedderConfig) -> EmbedderConfig:
-        """The embedder as a retrieval pass's actors hold it: with `embed_gpus` where set (the bulk embedding
-        keeps `embedder.num_gpus`; 'auto' until placement decides keeps it too)."""
+        """The embedder as retrieval's actors hold it: with `embed_gpus` where set."""
         if self.embed_gpus is None or self.embed_gpus == "auto":
             return embedder
         return embedder.model_copy(update={"num_gpus": self.embed_gpus})
@@ -470,8 +417,7 @@ RagMethod = Literal["no-retrieval", "naive", "replug", "replug-vote", "self-rag"
 
 
 class FlareConfig(_Section):
-    """FLARE (active retrieval): write the answer a sentence at a time; retrieve only for a sentence the model
-    is unsure of, with that sentence as the query, and write it again with the documents."""
+    """FLARE: write a sentence at a time; retrieve for an unsure sentence with it as query, and write it again."""
 
     threshold: float = Field(
         0.2, ge=0, le=1,
@@ -481,8 +427,7 @@ class FlareConfig(_Section):
     max_rounds: int = Field(3, ge=1, description="Sentences written at most (a look-ahead, maybe a retrieval, each).")
     look_ahead_tokens: int = Field(32, ge=1, description="New-token budget of one look-ahead / regenerated sentence.")
     mask_query: bool = Field(
-        True, description="Query with the sentence's confident tokens only (FLARE's masked query): an unsure "
-        "token is likely wrong and would pull in documents about it.",
+        True, description="Query with the sentence's confident tokens only (FLARE's masked query).",
     )
     query_with_question: bool = Field(
         True, description="Prefix the query with the question: a short answer sentence alone says little.",
@@ -490,23 +435,21 @@ class FlareConfig(_Section):
 
 
 class SelfRagConfig(_Section):
-    """Self-RAG-style adaptive retrieval by prompted judgements (for models without Self-RAG's reflection
-    tokens): judge whether to retrieve, judge each document's relevance, answer from the relevant ones."""
+    """Self-RAG by prompted judgements: whether to retrieve, each document's relevance, answer from the relevant."""
 
     retrieval_threshold: float = Field(
         0.2, ge=0, le=1,
-        description="Retrieve when p(yes) / (p(yes) + p(no)) of the retrieval judgement is at least this "
-        "(Self-RAG's delta, 0.2 by default as in its code; 0 always retrieves).",
+        description="Retrieve when p(yes) share of the retrieval judgement is at least this (Self-RAG's delta; 0 "
+        "always retrieves).",
     )
     relevance_threshold: float = Field(
         0.5, ge=0, le=1,
-        description="Keep a retrieved document when its relevance judgement's p(yes) share is at least this "
-        "(0.5: judged more relevant than not).",
+        description="Keep a document whose relevance judgement's p(yes) share is at least this.",
     )
     keep_best: bool = Field(
         True,
-        description="When no document passes, answer from the one judged most relevant: once Self-RAG retrieves, "
-        "it always answers from its best-critiqued passage. False answers closed-book instead.",
+        description="When no document passes, answer from the one judged most relevant (as Self-RAG); False "
+        "answers closed-book.",
     )
 
 
@@ -528,8 +471,7 @@ class EvalConfig(_Section):
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N questions.")
     answer_form: Literal["span"] | None = Field(
         None, description="How an answer is scored: unset, as generated (the papers); 'span': the answer span cut "
-        "from a sentence-long answer by a stated rule (wbrag_ray/evaluation/short_answer.py), for small models that "
-        "answer in a sentence, so exact match means something. Predictions keep the generated text beside it.",
+        "from a sentence-long answer (evaluation/short_answer.py). Predictions keep both.",
     )
 
 
@@ -547,14 +489,13 @@ class WritebackConfig(_Section):
     )
     limit: int | None = Field(None, ge=1, description="Use only the first N training examples.")
     metric: Literal["acc", "em", "f1", "auto"] = Field(
-        "acc", description="Task metric M(q, a | context) of the gates; 'auto': the paper's choice for the training "
-        "set's dataset (acc for NQ, BoolQ, zsRE, HotpotQA; F1 for FEVER; EM for SQuAD; by the file's name)."
+        "acc", description="Task metric of the gates; 'auto': the paper's choice for the training set's dataset "
+        "(acc: NQ, BoolQ, zsRE, HotpotQA; F1: FEVER; EM: SQuAD)."
     )
     rag_method: Literal["naive", "replug", "replug-vote", "self-rag", "flare"] = Field(
         "naive",
-        description="RAG method whose answers score s_rag and whose documents the document gate and the distiller "
-        "see: naive, replug (probability mixture; hf backend), replug-vote (its per-document answers are the "
-        "document gate's), self-rag (its relevant documents) or flare (the documents it retrieved).",
+        description="RAG method whose answers score s_rag and whose documents the gates and the distiller see: "
+        "naive, replug (hf), replug-vote, self-rag or flare.",
     )
     tau_s: float = Field(0.1, description="Utility gate: keep an example only if s_rag >= tau_s.")
     tau_delta: float = Field(0.01, description="Utility gate: keep an example only if s_rag - s_nr > tau_delta.")
@@ -568,8 +509,8 @@ class WritebackConfig(_Section):
     )
     dedupe_threshold: float | None = Field(
         0.95, gt=0, le=1.0,
-        description="A unit whose embedding cosine to an earlier unit is >= this is merged into it (provenance "
-        "kept); null: no deduplication (the paper's setting).",
+        description="Merge a unit into an earlier one at embedding cosine >= this (provenance kept); null: no "
+        "deduplication (the paper).",
     )
     index_factory: str = Field(
         "Flat", description="faiss factory of the write-back index (small: Flat; IVF needs more units than cells)."
@@ -599,50 +540,40 @@ class WritebackConfig(_Section):
         return v
 
     def validation_fraction(self, questions: int) -> float | None:
-        """The fraction of `questions` training questions held out: `validation`, or under 'auto' AUTO_VALIDATION
-        from AUTO_VALIDATION_MIN questions on (None: nothing held out)."""
+        """Fraction of training questions held out: `validation`, or 'auto' (AUTO_VALIDATION from AUTO_VALIDATION_MIN)."""
         if self.validation == "auto":
             return AUTO_VALIDATION if questions >= AUTO_VALIDATION_MIN else None
         return self.validation
 
 
 class TrainerConfig(_Section):
-    """Where a training runs: Ray Train workers, data-parallel. A step's batch (`batch_size` examples) is split
-    across the workers and their gradients are averaged, so the number of workers changes the speed, not the
-    optimization (the weights agree up to rounding): it is a placement setting, left out of the stage's
-    fingerprint."""
+    """Where a training runs: data-parallel Ray Train workers; the worker count changes speed, not the result, so it
+    is left out of the fingerprint."""
 
     RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures", "strategy", "timeout_s"})
 
     num_workers: Concurrency = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
                              "model, under fsdp each holds 1 / num_workers of it)." + AUTO_CONCURRENCY + " At most batch_size.")
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="How the workers share the model. ddp: each worker holds all of it (on its GPU, or spread "
-        "over its num_gpus GPUs layer by layer, one GPU busy at a time). fsdp: torch FSDP2 shards the frozen base and "
-        "the adapter over the workers, one GPU each (num_gpus: 1, or 0 on CPU workers), with gradient "
-        "checkpointing: for a generator no single GPU holds (the paper's 70B), every GPU of the training busy. On "
-        "several nodes of as many workers each, fsdp is hybrid: sharded over the workers of a node (NVLink), "
-        "replicated across nodes (a 2-D device mesh), so the weights' all-gathers never cross the network. One "
-        "worker has nothing to shard over: it trains as ddp (said in the log).",
+        "ddp", description="How workers share the model. ddp: each holds all of it. fsdp: FSDP2 shards the frozen "
+        "base and adapter over the workers, one GPU each, with gradient checkpointing; on several nodes it is "
+        "hybrid (sharded within a node, replicated across nodes). One worker trains as ddp.",
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each training worker asks Ray for (its torch threads).")
     num_gpus: float = Field(
-        0.0, ge=0, description="GPUs each training worker asks Ray for: 0 trains on CPU (fp32, gloo); 1 trains on one "
-        "GPU (bf16 weights where the GPU has bf16, else fp16, LoRA weights in fp32; nccl); more than 1 spreads one "
-        "worker's model over that many GPUs of its node (a layer split by accelerate, one GPU busy at a time; strategy: "
-        "fsdp keeps every GPU busy instead), for models one GPU cannot hold.",
+        0.0, ge=0, description="GPUs per training worker: 0 trains on CPU (fp32, gloo); 1 on one GPU (bf16 or "
+        "fp16, LoRA in fp32; nccl); more spreads the model over that many GPUs of its node (accelerate), for "
+        "models one GPU cannot hold.",
     )
     checkpoint_steps: int = Field(
-        50, ge=1, description="Optimizer steps between checkpoints in the run folder's stage checkpoint: what a lost "
-        "worker or driver can cost at most (the training resumes from the last one).",
+        50, ge=1, description="Optimizer steps between training checkpoints: what a lost worker or driver can cost "
+        "at most.",
     )
     max_failures: int = Field(2, ge=0, description="Worker-group failures Ray Train recovers from (from the last "
                               "checkpoint) before the stage fails.")
     timeout_s: int | Literal["auto"] = Field(
-        "auto", description="Seconds a collective of the training's process group may wait (Ray Train's TorchConfig "
-        "timeout_s) before the training fails. The first one waits while worker 0 reads the whole model (fsdp: the "
-        "others wait for its broadcast): 'auto' allows the model's weights read at 50 MB/s (a slow network volume), "
-        "at least Ray Train's 1800 s.",
+        "auto", description="Seconds a collective may wait (TorchConfig timeout_s). 'auto': the weights read at 50 "
+        "MB/s, at least 1800 s.",
     )
 
     @field_validator("num_gpus")
@@ -695,8 +626,7 @@ class LMPrunerConfig(_LoraSection):
     backbone: str = Field(BUNDLED_GENERATOR, description="Backbone LM: local folder, GGUF file, hub id or bundled:*.")
     max_length: int = Field(64, ge=8, description="Tokens per sentence (longer sentences are truncated).")
     predict_batch_size: int = Field(
-        16, ge=1, description="Sentences per forward pass when predicting (on 2 CPU cores, bf16: 132 sentences/s at "
-        "16, 109-119 at 64; raise it on GPUs)."
+        16, ge=1, description="Sentences per forward pass when predicting (raise it on GPUs)."
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each prediction actor asks Ray for.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per prediction actor.")
@@ -704,28 +634,26 @@ class LMPrunerConfig(_LoraSection):
 
 
 class TuneConfig(_LoraSection):
-    """Zero-RAG's noise-tolerant tuning of the generator: each training question with relevant documents,
-    with distracting documents, and with none."""
+    """Zero-RAG's noise-tolerant tuning: each training question with relevant documents, distractors, and none."""
 
     RUNTIME_KEYS = frozenset({"enabled"})
 
     enabled: bool = Field(False, description="`wbrag run`: tune an adapter and evaluate with it.")
     docs_per_format: int | None = Field(
-        None, ge=1, description="Documents in the relevant and distracting formats; None: retrieval.top_k, the "
-        "count the evaluation's prompts hold (another count tells the tuned model which format it reads)."
+        None, ge=1, description="Documents in the relevant and distracting formats; None: retrieval.top_k (the "
+        "count evaluation prompts hold)."
     )
     retrieve_k: int = Field(
-        10, ge=1, description="Documents retrieved per training question (at least retrieval.top_k): relevant "
-        "documents and hard distractors (retrieved, without the answer) are picked from them."
+        10, ge=1, description="Documents retrieved per training question (at least retrieval.top_k), from which "
+        "relevant and distracting ones are picked."
     )
     weight_retrieval_free: float = Field(1.0, ge=0, description="Weight of the retrieval-free term (no documents).")
     weight_relevant: float = Field(1.0, ge=0, description="Weight of the retrieval-augmented term (relevant documents).")
     weight_noise: float = Field(1.0, ge=0, description="Weight of the noise-suppression term (distracting documents).")
     targets: Literal["gold", "own"] = Field(
-        "gold", description="What each row is trained to answer: 'gold' (the first gold answer, as the paper) or "
-        "'own' (the generator's own answer to the row's prompt where it holds a gold answer; a distracting row: its "
-        "closed-book answer where that holds one; other rows dropped): for small models that answer in a sentence, "
-        "whose accuracy a short gold target costs (noise_tolerant.own_targets)."
+        "gold", description="What each row is trained to answer: 'gold' (the first gold answer, the paper) or "
+        "'own' (the generator's own answer where it holds a gold one; other rows dropped; "
+        "noise_tolerant.own_targets)."
     )
     batch_size: int = Field(4, ge=1, description="Examples per optimizer step.")
     learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate (the paper's 3e-4).")
@@ -745,9 +673,8 @@ class ZeroRagConfig(_Section):
     seed: int = Field(0, description="Seed of the mastery sample and of the pruner's train / validation split.")
     qa_mode: Literal["cloze", "llm"] = Field(
         "cloze",
-        description="How QA pairs are written: 'llm' (the QA generator writes them; chat prompts for instruct "
-        "models, few-shot completion prompts for base models) or 'cloze' (deterministic: names, numbers and "
-        "dates of the sentence are blanked; suits tiny models that write poor questions).",
+        description="How QA pairs are written: 'llm' (the QA generator) or 'cloze' (names, numbers and dates "
+        "blanked; for tiny models).",
     )
     qa_per_sentence: int = Field(3, ge=1, description="QA pairs per sampled sentence (n).")
     qa_generator: GeneratorConfig | None = Field(
@@ -756,8 +683,8 @@ class ZeroRagConfig(_Section):
     qa_max_new_tokens: int = Field(96, ge=8, description="llm mode: new-token budget for writing the QA pairs.")
     answer_max_new_tokens: int = Field(16, ge=1, description="The target model's closed-book answers: token budget.")
     mastery_metric: Literal["em", "acc"] = Field(
-        "em", description="Per-pair score averaged into the mastery score: 'em' (the paper's exact match) or 'acc' "
-        "(the answer occurs in the prediction: fairer to small models that answer in a sentence). Both are stored."
+        "em", description="Per-pair score averaged into mastery: 'em' (the paper) or 'acc' (answer occurs in the "
+        "prediction). Both are stored."
     )
     pruner: Literal["embedding", "lm"] = Field(
         "embedding", description="Which pruner predicts mastery for the corpus: 'embedding' (a head on the stored "
@@ -775,8 +702,8 @@ class ZeroRagConfig(_Section):
         default_factory=lambda: [0.3], description="`wbrag run`: pruning ratios to build and evaluate (0 = full index)."
     )
     checkpoint_rows: int = Field(
-        100_000, ge=1, description="Pruner prediction: about this many sentences per written block (= per file and "
-        "per checkpoint commit): what a killed prediction pass can lose at most per task.",
+        100_000, ge=1, description="Pruner prediction: about this many sentences per written block: what a killed "
+        "pass can lose per task.",
     )
     histogram_bins: int = Field(
         4096, ge=16, description="Bins per level of the distributed percentile (two levels: 1/bins^2 resolution)."
@@ -804,8 +731,7 @@ class ZeroRagConfig(_Section):
         return v
 
 
-# The settings that may be "auto": section -> the count it sizes, of a pool of model actors (`concurrency`) or of a
-# Ray Train worker group (`num_workers`), decided by `placement.gpus.auto_concurrency`.
+# Settings that may be "auto": section -> the count it sizes (`cluster_nodes.auto_concurrency`).
 AUTO_SETTINGS = {"embedder": "concurrency", "generator": "concurrency", "zerorag.lm_pruner": "concurrency",
                  "zerorag.lm_pruner.trainer": "num_workers", "zerorag.tune.trainer": "num_workers"}
 
@@ -824,11 +750,9 @@ class WbragConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     writeback: WritebackConfig = Field(default_factory=WritebackConfig)
     zerorag: ZeroRagConfig = Field(default_factory=ZeroRagConfig)
-    # the counts that were "auto" before a command decided them (`placement.gpus.resolve_auto_concurrency`): each
-    # command decides them again, after what the commands before it built
+    # the counts that were "auto" before a command decided them; each command decides them again
     _auto_sections: frozenset[str] = PrivateAttr(default_factory=frozenset)
-    # the GPU settings as the config said them before a command decided its "auto" ones (`placement.gpus.
-    # LAYOUT_SETTINGS`): None until one did
+    # the GPU settings as the config said them before a command decided its "auto" ones
     _layout_said: dict[str, Any] | None = PrivateAttr(default=None)
 
     @field_validator("index")
@@ -839,9 +763,7 @@ class WbragConfig(_Section):
         return v
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings that decide a run's outputs (ray placement excluded), for change detection and run.json: the
-        "auto" placement settings as the config said them, not what a command decided on its cluster (the next
-        command, maybe on another cluster or after the index exists, decides them again)."""
+        """The settings that decide a run's outputs (ray placement excluded), with "auto" placement as configured."""
         data = self.model_dump(mode="json")
         data.pop("ray", None)
         data.pop("run", None)
@@ -908,8 +830,7 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def _leaf_kinds(key: str) -> set[type] | None:
-    """The types a dotted config key's field takes (None left out; Literal choices by their values' types), or
-    None where the key names no field of the typed config (a section, a free-form mapping, a typo)."""
+    """The types a dotted config key's field takes, or None where the key names no typed field."""
     import types
     import typing
 
@@ -934,8 +855,7 @@ def _leaf_kinds(key: str) -> set[type] | None:
 
 
 def _override_value(key: str, raw: str) -> Any:
-    """A --set value: text for a text setting (a name such as 2024 stays '2024'); else a YAML scalar, where a
-    yes / no meant for a number is refused rather than read as 1 / 0."""
+    """A --set value: text for a text setting, else a YAML scalar (yes / no refused for a number)."""
     if not raw.strip():
         return None
     kinds = _leaf_kinds(key)

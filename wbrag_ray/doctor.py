@@ -1,16 +1,5 @@
-"""`wbrag doctor` (also `python -m wbrag_ray.doctor`): what this node's environment can run, checked in seconds
-before a job finds out the hard way, hours in.
-
-A GPU node that cannot use its GPU is the costly case: a torch built for another CUDA than the driver's, a faiss
-without GPU support, a vLLM that does not import, each turns a GPU stage into a refusal (`models/hardware.py`
-`pick_device`) or a slow CPU search, after the weights were downloaded. Missing credentials cost as much: every
-vLLM engine of a gated model fails with 401 and restarts, a bucket outside the default region answers with a
-redirect error. The cluster manifests run `python -m wbrag_ray.doctor --gpu --s3` before a worker joins (an init
-container): a node that fails never takes work, and `kubectl logs` shows why.
-
-Each check is `ok`, `warn` (works, but not as a GPU job needs) or `fail`; a check fails the command only where a
-flag asks for it (`--gpu`, `--s3`, `--hf`), so the same command reports on a laptop and gates a GPU node.
-"""
+"""`wbrag doctor`: what this node's environment can run (GPU, faiss, vLLM, credentials, shared memory), checked
+in seconds; each check is ok, warn or fail, and fails the command only where a flag (`--gpu`, `--s3`, `--hf`) asks."""
 
 from __future__ import annotations
 
@@ -24,10 +13,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from wbrag_ray.index.gpu_clone import faiss_has_gpu
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 
-# Ray's object store lives in /dev/shm; a container's default is 64 MiB, and below about this Ray spills to disk
-# from the first block (Ray itself only warns in its logs).
+# Ray's object store lives in /dev/shm; below about this Ray spills to disk from the first block.
 MIN_SHM_BYTES = 2 << 30
 
 
@@ -96,7 +86,6 @@ def check_faiss() -> Check:
         import faiss
     except ImportError:
         return Check("faiss", FAIL, "not installed: pip install 'wbrag-ray[cpu]' or 'wbrag-ray[gpu]'")
-    from wbrag_ray.index.gpu_clone import faiss_has_gpu
 
     if not faiss_has_gpu():
         return Check("faiss", WARN, f"faiss {faiss.__version__} without GPU support (faiss-cpu): search and "

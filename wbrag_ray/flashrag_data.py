@@ -1,19 +1,6 @@
-"""FlashRAG's datasets and retrieval corpus into a folder a run reads (local or s3://): `wbrag data fetch` and
-`wbrag data check`.
-
-Both papers evaluate on FlashRAG's preprocessed data: its QA datasets (`nq/train.jsonl`, `triviaqa/test.jsonl`,
-... one folder per dataset, a JSON line per question with `id`, `question`, `golden_answers`) and its wiki-18
-corpus (21M 100-word passages, `retrieval-corpus/wiki18_100w.zip`, one JSON line per passage with `id` and
-`contents`), all in one dataset repository on the Hugging Face hub. `fetch` lists the repository once (at a revision),
-refuses a name it does not hold and a disk too small before any download, downloads only the files the named
-datasets and corpus need (the repository holds tens of GB; a partial download resumes with a range request),
-unzips the corpus, checks the layout and, for an s3:// destination, uploads the folder. `check` reads a
-folder downloaded by hand the same way: which splits each dataset has, and whether the first records of each
-file parse as the run will read them (`formats.dataset_record`, `formats.corpus_record`).
-
-After either, `ingest.corpus: OUT/retrieval-corpus/wiki18_100w.jsonl` and `eval.dataset: OUT/nq/test.jsonl`
-(`writeback.train: OUT/nq/train.jsonl`) point a run at them; the dataset's name (`nq`) comes from its folder.
-"""
+"""FlashRAG's datasets and wiki-18 corpus into a folder a run reads (local or s3://): `wbrag data fetch` lists
+the hub repository once, refuses unknown names and a too-small disk before downloading, resumes partial downloads,
+unzips and checks the layout; `wbrag data check` checks a folder downloaded by hand."""
 
 from __future__ import annotations
 
@@ -27,7 +14,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.formats import SPLITS, corpus_record, dataset_record
-from wbrag_ray.storage import resolve
+from wbrag_ray.storage import cache_root, resolve
 
 REPO = "RUC-NLPIR/FlashRAG_datasets"  # a dataset repository
 CORPORA = {"wiki18": "retrieval-corpus/wiki18_100w.zip"}  # the corpus the paper configs retrieve from (neither text names its corpus's version)
@@ -79,8 +66,7 @@ def _first_records(path: Path, n: int = CHECKED_RECORDS) -> list[Any]:
 
 
 def _unreadable(path: Path, read) -> str | None:
-    """Why the first records of `path` are not what `read` (a `formats` record reader: the row, or the reason
-    it is rejected) takes; None where every one parses."""
+    """Why the first records of `path` are not what `read` takes; None where every one parses."""
     records = _first_records(path)
     if not records:
         return "empty file"
@@ -89,9 +75,7 @@ def _unreadable(path: Path, read) -> str | None:
 
 
 def check_layout(folder: str | Path, datasets: list[str], corpus: str | None) -> Layout:
-    """`folder` read as FlashRAG's layout: each of `datasets` a folder of split files whose first records are
-    questions the run can read, and `corpus` (unzipped) a JSON-lines file of passages. Problems are listed,
-    not raised: the caller decides."""
+    """Problems of `folder` read as FlashRAG's layout (dataset split files, unzipped corpus), listed not raised."""
     root = Path(folder)
     layout = Layout()
     for dataset in datasets:
@@ -131,8 +115,7 @@ def unzip_corpus(folder: Path, corpus: str) -> Path:
 
 
 def finish(staging: Path, datasets: list[str], corpus: str | None, out: str) -> Layout:
-    """What `fetch` does once the files are on local disk in `staging`: unzip the corpus, check the layout
-    (a ConfigError on any problem), then copy the folder to `out` where it is on object storage."""
+    """Unzip the corpus in `staging`, check the layout (ConfigError), copy to `out` where it is on object storage."""
     if corpus is not None:
         unzip_corpus(staging, corpus)
     layout = check_layout(staging, datasets, corpus)
@@ -171,8 +154,7 @@ def repository_listing(revision: str | None = None, hub: str | None = None) -> d
 
 
 def files_to_fetch(listing: dict[str, int], datasets: list[str], corpus: str | None) -> dict[str, int]:
-    """The repository's files the named datasets (every split) and corpus need, {path: size}; a name the
-    repository does not hold is refused, naming the ones it does, before anything is downloaded."""
+    """{path: size} of the repository files the named datasets and corpus need; unknown names refused."""
     allow_patterns(datasets, corpus)  # an unknown corpus
     folders = sorted({p.split("/", 1)[0] for p in listing if "/" in p and p.endswith(".jsonl")})
     missing = [d for d in datasets if folder_of(d) not in folders]
@@ -193,8 +175,7 @@ def _gb(n: float) -> str:
 
 
 def download(url: str, dest: Path, size: int) -> int:
-    """`url` into `dest` (`size` bytes), resuming a partial download (`dest`.incomplete) with a range request;
-    returns the bytes transferred. A file already complete is not fetched again."""
+    """`url` into `dest`, resuming a partial download with a range request; returns the bytes transferred."""
     import urllib.request
 
     if dest.exists() and dest.stat().st_size == size:
@@ -228,14 +209,9 @@ def download(url: str, dest: Path, size: int) -> int:
 
 def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: str | None = None,
           hub: str | None = None) -> Layout:
-    """Download `datasets` (every split) and `corpus` from FlashRAG's repository on the hub (`hub`, default
-    HF_ENDPOINT or huggingface.co) into `out` (a local folder, or s3:// through a staging folder in this node's
-    cache). Before any download: the names are checked against the repository's listing at `revision`, and the
-    disk it needs (files not yet here, plus the unzipped corpus) against the free space. A partial download is
-    resumed; a local `out` keeps what is there and adds the rest."""
+    """Download `datasets` and `corpus` from FlashRAG's hub repository into `out`, after checking the names against
+    the listing at `revision` and the disk needed against the free space."""
     import hashlib
-
-    from wbrag_ray.storage import cache_root
 
     wanted = files_to_fetch(repository_listing(revision, hub), datasets, corpus)
     if _remote(out):

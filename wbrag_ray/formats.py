@@ -1,7 +1,5 @@
-"""Input formats (FlashRAG corpus and dataset files, jsonl or Parquet) and the Parquet schemas we write.
-
-Every record either becomes a row or a reject with a reason: nothing is dropped silently.
-"""
+"""Input formats (FlashRAG corpus and dataset files, jsonl or Parquet) and the Parquet schemas we write. Every
+record becomes a row or a reject with a reason."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, resolve
 
 PASSAGES = pa.schema([("pid", pa.int64()), ("doc_id", pa.string()), ("title", pa.string()), ("text", pa.string())])
 SENTENCES = pa.schema([("sid", pa.int64()), ("pid", pa.int64()), ("position", pa.int32()), ("text", pa.string())])
@@ -38,8 +36,7 @@ def excerpt(raw: bytes | str) -> str:
 
 
 def input_files(loc: Location, what: str = "input") -> list[Location]:
-    """The corpus or dataset files at `loc` (a file or a folder of .jsonl / .parquet files); `what` names the input
-    in errors ('dataset', 'ingest.corpus')."""
+    """The corpus or dataset files at `loc` (a file, or a folder of .jsonl / .parquet); `what` names it in errors."""
     if not loc.exists():
         raise InputError(f"{what} {loc.uri} does not exist")
     files = [f for f in loc.list_files() if f.name.endswith((".jsonl", ".json", ".parquet"))]
@@ -49,8 +46,7 @@ def input_files(loc: Location, what: str = "input") -> list[Location]:
 
 
 def listing_identity(loc: Location) -> dict[str, Any]:
-    """What identifies an input for provenance: its files' names and sizes (not their folder, nor times: a corpus
-    copied from a local disk to s3:// is the same corpus), with a short digest to compare."""
+    """Provenance of an input: its files' names and sizes (not folder or times) and a short digest."""
     import hashlib
 
     files = [(f.name, f.size()) for f in input_files(loc, "ingest.corpus")]
@@ -63,9 +59,8 @@ SMALL_INPUT_BYTES = 64 << 20  # inputs up to this size are identified by their c
 
 
 def input_identity(loc: Location, what: str) -> str:
-    """A short digest identifying a question set (a dataset, a training set) for a stage's fingerprint: its files'
-    names and sizes, and, up to SMALL_INPUT_BYTES, their bytes, so a file edited in place is another input (a copy
-    elsewhere is the same); larger inputs add their modification times instead of reading them."""
+    """A short digest of a question set for a stage's fingerprint: names and sizes, plus bytes up to
+    SMALL_INPUT_BYTES (larger files: modification times), so a file edited in place is another input."""
     import hashlib
 
     files = input_files(loc, what)
@@ -80,16 +75,12 @@ def input_identity(loc: Location, what: str) -> str:
 
 
 def input_params(path: str, what: str) -> dict[str, Any]:
-    """A stage's parameters for a question set it reads by path (`train`): the path and, under `made_from`, its
-    identity (`input_identity`), so a file edited in place is another input."""
-    from wbrag_ray.storage import resolve
-
+    """A stage's parameters for a question set read by path: the path and its `input_identity`."""
     return {"train": path, "made_from": {"train": input_identity(resolve(path), what)}}
 
 
 def reject_reasons(rejects: pa.Table | list[str], top: int = 3) -> str:
-    """The leading reasons of a rejects table (or list of reasons), with counts: '21 x invalid UTF-8 at byte 0, ...'.
-    Reasons that differ only in a position ('at column 7') count as one."""
+    """The leading reasons of a rejects table, with counts ('21 x invalid UTF-8 at byte 0, ...')."""
     import re
     from collections import Counter
 
@@ -229,10 +220,7 @@ def read_dataset(loc: Location, limit: int | None = None) -> tuple[pa.Table, pa.
 
 
 def read_questions(path: str, what: str, limit: int | None = None) -> tuple[pa.Table, pa.Table]:
-    """`read_dataset` of a user's QA file (`what` names the setting it came from, e.g. 'eval.dataset'): a file
-    without one usable question is an input error that says the leading reject reasons."""
-    from wbrag_ray.storage import resolve
-
+    """`read_dataset` of a user's QA file; no usable question is an input error naming the leading reject reasons."""
     questions, rejects = read_dataset(resolve(path), limit=limit)
     if questions.num_rows == 0:
         why = f": {reject_reasons(rejects)}" if rejects.num_rows else " (it is empty)"
@@ -245,11 +233,8 @@ def read_questions(path: str, what: str, limit: int | None = None) -> tuple[pa.T
 
 
 def iter_jsonl(loc: Location, start: int = 0, end: int | None = None, chunk: int = 4 << 20) -> Iterator[tuple[int, bytes]]:
-    """Yield (byte offset, line) for every line that *starts* in [start, end), reading `chunk` bytes at a time.
-
-    A shard boundary may fall inside a line: the line belongs to the shard where it starts, so every line
-    is read exactly once across shards, and a huge file is never read as one block.
-    """
+    """Yield (byte offset, line) for every line that starts in [start, end), `chunk` bytes at a time: a line
+    belongs to the shard where it starts, so every line is read exactly once."""
     end = loc.size() if end is None else end
     with loc.fs.open_input_file(loc.path) as f:
         if start > 0:
@@ -292,15 +277,12 @@ def embeddings_table(ids: np.ndarray, vectors: np.ndarray, id_column: str = "id"
 
 
 def plain_table(df) -> pa.Table:
-    """A DataFrame as an Arrow table without pandas metadata: readers with another pandas version (or none) get
-    plain Arrow types."""
+    """A DataFrame as an Arrow table without pandas metadata."""
     return pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None)
 
 
 def dataset_stem(path: str) -> str:
-    """A dataset's name from its path: the file (or folder) name before its first dot ('s3://b/fever_dev.parquet'
-    -> 'fever_dev'), and for a split file in one of FlashRAG's dataset folders, the folder too ('nq/test.jsonl' ->
-    'nq-test', 'popqa/test.jsonl' -> 'popqa-test': not both 'test'). Names results and write-back versions."""
+    """A dataset's name from its path: the stem, with FlashRAG's folder ('nq/test.jsonl' -> 'nq-test')."""
     parts = path.rstrip("/").split("://", 1)[-1].split("/")
     if "://" in path:
         parts = parts[1:]  # the bucket is no dataset's folder
@@ -312,9 +294,7 @@ def dataset_stem(path: str) -> str:
 
 SPLITS = ("train", "dev", "test", "val", "valid", "validation")  # FlashRAG's split file names
 
-# The dataset folders of FlashRAG's repository (its README's configs and its file listing; EntityQuestions, one of
-# Zero-RAG's datasets, is not among them). Names a split file in one of them `<folder>-<split>` (`nq-test`), and
-# says offline which names exist; `fetch` checks against the repository's own listing at the revision fetched.
+# FlashRAG's dataset folders (from its README and file listing): names `<folder>-<split>` files offline.
 DATASET_FOLDERS = frozenset({
     "nq", "triviaqa", "popqa", "domainrag", "squad", "ms_marco", "narrativeqa", "wiki_qa", "web_questions",
     "curatedtrec", "ambig_qa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle", "asqa", "eli5", "mmlu",
@@ -324,10 +304,7 @@ DATASET_FOLDERS = frozenset({
 
 
 def dataset_name(path: str) -> str:
-    """The name of the dataset a QA file belongs to, by FlashRAG's layout: 'nq/train.jsonl' -> 'nq' (a split file in
-    its dataset's folder), 'fever_dev.parquet' or 'squad-test.jsonl' -> 'fever' / 'squad' (a flat file named
-    dataset + split), anything else -> its stem. Rules that depend on the dataset (the paper's gate metric) use
-    this, lower-cased."""
+    """The dataset of a QA file by FlashRAG's layout ('nq/train.jsonl', 'fever_dev.parquet'), else its stem."""
     folders = path.rstrip("/").split("://", 1)[-1].split("/")
     if "://" in path:
         folders = folders[1:]  # the bucket is no dataset's folder

@@ -1,8 +1,5 @@
-"""What a result was made from, by content rather than by name: a model, an adapter, a router or an index given
-by path is identified by its files (their names, sizes and modification times), so a folder rewritten in place
-(an adapter retrained with --force, a write-back version trained again) is another input, and the answers and
-caches of the old one are never taken for it. Generators also differ by the dtype and device they decode on.
-"""
+"""What a result was made from, by content: models, adapters, routers and indexes given by path are identified by
+their files, so a folder rewritten in place is another input; generators also by dtype and device."""
 
 from __future__ import annotations
 
@@ -10,19 +7,18 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from wbrag_ray.config import ConfigError
+
 if TYPE_CHECKING:
     from wbrag_ray.config import GeneratorConfig
 
-# GPUs without bf16 (compute capability below 8.0), by the name Ray gives a node's accelerator_type: where a
-# generator's dtype is auto, torch takes fp16 on them and bf16 on every later GPU (`hardware.pick_dtype`).
+# GPUs without bf16 by Ray's accelerator_type: dtype auto takes fp16 on them.
 GPUS_WITHOUT_BF16 = ("V100", "P100", "P40", "P4", "T4", "K80", "K40", "M60", "M40")
 
 
 def local_or_remote_path(spec: str) -> str | None:
-    """The path or URI `spec` names (a model, adapter or index by path; a bundled model's file), or None where it
-    names none (a hub id, an API model name)."""
+    """The path or URI `spec` names, or None (a hub id, an API model name)."""
     if spec.startswith("bundled:"):
-        from wbrag_ray.config import ConfigError
         from wbrag_ray.models.bundled import bundled_path
 
         try:
@@ -35,9 +31,7 @@ def local_or_remote_path(spec: str) -> str | None:
 
 
 def content_identity(spec: str | None) -> str | None:
-    """A 16-hex digest of the files at `spec` (a file, or a folder's files, recursively): their names relative to
-    it, their sizes and modification times. None where `spec` names no path that exists (a hub id: its name is its
-    identity). Reading no file's content, it costs one listing, also on object storage."""
+    """A 16-hex digest of the names, sizes and times of the files at `spec`; None where no such path exists."""
     import pyarrow.fs as pafs
 
     from wbrag_ray.storage import resolve
@@ -58,16 +52,14 @@ def content_identity(spec: str | None) -> str | None:
 
 
 def index_identity(index_uri: str | None) -> str | None:
-    """An index folder's identity: its manifest's (written last by every build, so a rebuilt index has another);
-    the folder's other files (documents, caches beside it) do not count."""
+    """An index folder's identity: its manifest's (written last by every build)."""
     from wbrag_ray.index.files import MANIFEST
 
     return content_identity(f"{index_uri.rstrip('/')}/{MANIFEST}") if index_uri else None
 
 
 def gpu_kind() -> str | None:
-    """The GPU model the generator decodes on: the accelerator type Ray reports for the cluster's GPU nodes ('H100';
-    several joined by '+'), else this process's own GPU's name; None where neither is known."""
+    """The GPU model the generator decodes on ('H100'; several joined by '+'), or None."""
     try:
         import ray
 
@@ -88,9 +80,7 @@ def gpu_kind() -> str | None:
 
 
 def decoding_device(dtype: str, num_gpus: float) -> tuple[str, str]:
-    """(resolved dtype, device kind) of a model configured with `dtype` and `num_gpus`: 'auto' on a GPU is bf16, or
-    fp16 on a GPU without bf16, by the GPU's kind ('auto (gpu of unknown kind)' only where no GPU kind is known);
-    on CPU what `hardware.resolved_dtype_name` says."""
+    """(resolved dtype, device kind) of a model with `dtype` and `num_gpus`."""
     from wbrag_ray.models.hardware import resolved_dtype_name
 
     if num_gpus <= 0:
@@ -105,8 +95,7 @@ def decoding_device(dtype: str, num_gpus: float) -> tuple[str, str]:
 
 
 def generator_identity(config: GeneratorConfig) -> dict[str, Any]:
-    """What, besides its settings, decides a generator's greedy answers: its model's and adapter's content (where
-    given by path), the dtype it resolves to and the device it decodes on."""
+    """What besides its settings decides a generator's answers: model and adapter content, dtype, device."""
     dtype, device = decoding_device(config.dtype, config.num_gpus)
     return {"model": content_identity(config.model),
             "lora_adapter": content_identity(config.lora_adapter) if config.lora_adapter else None,

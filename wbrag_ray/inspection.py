@@ -1,9 +1,5 @@
-"""`wbrag inspect RUN`: samples a person wants to read, printed as text.
-
-Rejected corpus rows with their reasons, a segmented passage, evaluation answers (wrong ones first) with
-the documents they saw, write-back units with the question and source documents that produced them, and
-Zero-RAG's pruned sentences with their predicted mastery and QA pairs, plus QA pairs of every status.
-"""
+"""`wbrag inspect RUN`: samples to read as text: rejects, a segmented passage, answers (wrong first), write-back
+units with their sources, Zero-RAG's pruned sentences and QA pairs."""
 
 from __future__ import annotations
 
@@ -12,6 +8,8 @@ import textwrap
 
 import pyarrow.parquet as pq
 
+from wbrag_ray.checkpoints import progress
+from wbrag_ray.layout import subdirs
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
@@ -23,8 +21,7 @@ def _short(s: str, n: int = 140) -> str:
 
 
 def _head(loc, n: int) -> list[dict]:
-    """The first `n` rows of a Parquet folder, reading row groups only until there are enough (a corpus-sized
-    folder is never read whole to print a few lines)."""
+    """The first `n` rows of a Parquet folder, reading row groups only until there are enough."""
     rows: list[dict] = []
     for f in loc.list_files(".parquet"):
         pf = pq.ParquetFile(f.path, filesystem=f.fs)
@@ -36,11 +33,7 @@ def _head(loc, n: int) -> list[dict]:
 
 
 def run_status(run: RunFolder) -> list[str]:
-    """One line per stage: complete ones with their rows (and how many a resume read back), then incomplete
-    ones with the rows their checkpoint holds: what the same command would resume."""
-    from wbrag_ray.checkpoints import progress
-    from wbrag_ray.layout import subdirs
-
+    """One line per stage: complete ones with their rows, then incomplete ones with their checkpointed rows."""
     lines = [f"run {run.uri}"]
     complete = run.completed_stages()
     for name in complete:
@@ -127,8 +120,7 @@ def _qa_line(q: dict) -> str:
 
 
 def _top_dropped(keep: Location, n: int) -> list[dict]:
-    """The n dropped sentences with the highest predicted mastery, one keep-mask file at a time (the mask has a
-    row per corpus sentence; only dropped rows are read)."""
+    """The n dropped sentences with the highest predicted mastery, one keep-mask file at a time."""
     import pyarrow as pa
     import pyarrow.compute as pc
     order = [("mastery_pred", "descending"), ("id", "ascending")]  # ties by id: the same sample every time
@@ -155,8 +147,7 @@ def _sentence_texts(run: RunFolder, sids: list[int]) -> dict[int, str]:
 
 
 def inspect_zero_rag(run: RunFolder, n: int = 3) -> list[str]:
-    """Lines on Zero-RAG: the dropped sentences the pruner is surest the model knows (highest predicted mastery)
-    with their text and, where measured, their QA pairs; then a few QA pairs of each status."""
+    """Zero-RAG's dropped sentences the pruner is surest of, with their QA pairs; then QA pairs by status."""
     from wbrag_ray.report.sections import QA_STATUSES
 
     out: list[str] = []

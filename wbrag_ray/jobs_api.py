@@ -1,9 +1,5 @@
-"""Submitting pipelines to a Ray cluster with the Ray Jobs API: submit, status, logs, stop.
-
-A submission uploads the project folder (code and configs, not the venv or run folders) as the job's
-working_dir; the cluster's image provides the dependencies. Submission ids are derived from the config and
-the run folder, so resubmitting the same work finds the earlier job instead of starting a second copy.
-"""
+"""Submit pipelines to a Ray cluster with the Ray Jobs API (submit, status, logs, stop). The project folder is
+the working_dir; submission ids derive from config and run folder, so a resubmission finds the earlier job."""
 
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ def _auth_env() -> None:
 
 
 def dashboard_url(address: str) -> str:
-    """The Jobs API speaks HTTP to the dashboard (port 8265). Accepts http(s)://..., ray://HEAD:10001 and
-    HEAD:6379 (both mean the head's dashboard on 8265), HEAD:PORT (a dashboard port) or HEAD."""
+    """The dashboard URL (port 8265) from http(s)://..., ray://HEAD:10001, HEAD:6379, HEAD:PORT or HEAD."""
     if address.startswith(("http://", "https://")):
         return address.rstrip("/")
     hostport = address.split("://", 1)[-1].rstrip("/")
@@ -104,8 +99,7 @@ def submit(
             entrypoint=entrypoint,
             submission_id=sid,
             runtime_env={"working_dir": str(work), "excludes": UPLOAD_EXCLUDES, "env_vars": env_vars},
-            # The driver only orchestrates; a CPU reserved for it can starve the list/read tasks of a small
-            # cluster (they ask for 1 CPU each) and hang the pipeline.
+            # The driver only orchestrates; a CPU reserved for it can starve a small cluster's read tasks.
             entrypoint_num_cpus=entrypoint_num_cpus,
             metadata={"wbrag_run": run, "wbrag_config": rel.as_posix()},
         )
@@ -117,10 +111,7 @@ def submit(
 
 
 def _submit_with_retry(c, attempts: int = 30, delay_s: float = 2.0, **kwargs: Any) -> str:
-    """Retry, for about a minute, what passes by itself: a head that has just started answers 'No available agent
-    to submit job' until its job agent is up, and a busy dashboard can drop the connection during the working
-    dir's upload. A dropped connection may come after the job was accepted: a retry that finds the submission
-    id taken has found that job (the id is this submission's own, from its config and run folder)."""
+    """Retry for about a minute while the job agent starts or the upload drops (a taken id: accepted)."""
     import requests
 
     dropped = False

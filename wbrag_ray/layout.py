@@ -1,22 +1,5 @@
-"""Every path of a run folder, named once: the writers (pipelines, stages), the readers (report, inspect,
-search) and the tests all reach a file through these classes, never through a typed string.
-
-    RUN/run.json                              resolved config (no credentials), wbrag version
-    RUN/_stages/<stage>/stats.json, _SUCCESS  per-stage figures and the completion marker (written last)
-    RUN/ingest/passages/, sentences/, rejects/, _shards/   IngestFolder
-    RUN/embed/                                embedding shards (id, vector)
-    RUN/_checkpoints/<stage>/                 a running stage's row-level checkpoint (wbrag_ray.checkpoints)
-    RUN/index/                                sharded FAISS index + manifest.json
-    RUN/docs/<unit>/                          document store: id-sorted Arrow files, memory-mapped by searches
-    RUN/eval/<label>-<method>/                metrics.json, predictions.parquet, rejects.parquet
-    RUN/eval/methods_grid[-<name>].json       the methods x write-back grid
-    RUN/writeback/ACTIVE, <version>/...       WritebackVersion
-    RUN/zero_rag/...                          ZeroRagFolder
-    RUN/report/index.html, report.md          the HTML report, its Markdown twin and their plots
-    RUN/plan/plan.json, calibration.json      the run's plan when it started; calibrated rates (wbrag_ray.plan)
-
-Each class holds a root Location and only derives paths from it; nothing here reads or writes.
-"""
+"""Every path of a run folder, named once (the tree: docs/architecture.md, The run folder): writers, readers and
+tests reach a file through these classes, never a typed string. Each class derives paths from a root Location."""
 
 from __future__ import annotations
 
@@ -30,8 +13,7 @@ DEDUPE_PREFIX = "dedupe-"  # rejects files of passages dropped as duplicate ids,
 
 
 def plain_name(value: str, what: str, reserved: tuple[str, ...] = ()) -> str:
-    """A user's name that becomes a folder name in the run (an evaluation's --name, a write-back version): letters,
-    digits, '-', '_' and '.', starting with a letter or digit, so it can never reach outside the run folder."""
+    """A user's name that becomes a folder name in the run: letters, digits, '-', '_', '.', not leading '.' or '-'."""
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value or "") or value in reserved:
@@ -51,8 +33,7 @@ def _at(*parts: str) -> property:
 
 
 def staging(final: Location) -> Location:
-    """Where new output is written beside `final` until it replaces it whole (`Location.replace_with`): a hidden
-    name, which no listing reads, and the same on every attempt, so a rerun resumes into it."""
+    """Hidden folder beside `final`, the same on every attempt, where new output is written until it replaces it."""
     return final.parent().join(f".{final.name}.new")
 
 
@@ -69,8 +50,7 @@ def subdirs(loc: Location) -> list[str]:
 
 @dataclass(frozen=True)
 class IngestFolder:
-    """The ingested corpus: passage and sentence shards (one file per ingest shard), rejects with reasons, and
-    one marker per finished shard (so a resumed ingest redoes only the missing shards)."""
+    """The ingested corpus: passage and sentence shards, rejects with reasons, one marker per finished shard."""
 
     root: Location
     passages = _at("passages")
@@ -121,8 +101,7 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class WritebackVersion:
-    """One trained write-back version: the scored examples, the distiller's calls, the units (a corpus with
-    provenance), their embeddings and index, and Table 3."""
+    """One trained write-back version: scored examples, distiller calls, units, their embeddings and index, Table 3."""
 
     root: Location
     scored = _at("scored.parquet")

@@ -1,29 +1,6 @@
-"""One writer per run folder: the lease (`RUN/_lease.json`) every command that writes a run folder takes before
-anything else, and gives back when it ends.
-
-Two commands writing one run folder at once would duplicate Ray Data outputs and delete each other's checkpoints,
-so the second is refused, naming the holder (its command, host, pid, start and last heartbeat) and how to break a
-stale lease. Commands that only read a run (report, inspect, status, search) take none.
-
-The lease is a small JSON object beside the run's files. It is created only where none exists (a local file opened
-with O_EXCL; on object storage a conditional PUT, `If-None-Match: *`), and renewed by a heartbeat thread every
-quarter of its time to live. A lease is stale when its heartbeat is older than its time to live (the holder was
-killed, or its machine lost), or at once when its holder ran on this host and its process is gone; a stale lease
-is replaced only where it is still the one read (on object storage `If-Match` on its ETag; on a local disk under a
-lock of this host, compared byte for byte). Where a store refuses conditional requests, the lease is written and
-read back after a pause: the writer whose lease is there holds it.
-
-The time to live is `WBRAG_LEASE_TTL` seconds (default 60): a killed holder's lease is taken over that long after
-its last heartbeat.
-
-Fencing: a holder whose renewal came too late (a stalled process, a paused VM, an object store that did not answer)
-may find its lease taken. Every write this process makes below the run folder (`storage.guard_writes`) first checks
-that the lease is still its own: at no cost while its last renewal is younger than half the time to live (no one may
-take a lease before its time to live), else by renewing it now, a conditional write on the version it holds (on
-object storage `If-Match` on its ETag); every commit (an answer block, a stage's marker) renews it so. A lease found
-taken stops the command before that write (`LeaseLost`: one line naming the new holder, exit 2), and a heartbeat
-that finds it taken interrupts the command's main thread at once.
-"""
+"""One writer per run folder: the lease (`RUN/_lease.json`) a writing command takes first and gives back at its
+end; a second writer is refused, naming the holder and how to break a stale lease. Read-only commands take none.
+Every write below the folder checks the lease is still its own (fencing; docs/architecture.md, Design notes)."""
 
 from __future__ import annotations
 
@@ -62,8 +39,7 @@ class LeaseLost(ConfigError):
     """This command's lease was taken by another writer: it stops before its next write, naming the new holder."""
 
 
-# The signal a heartbeat that finds the lease taken raises in the command's main thread (simulated: no process
-# sends it), so a command waiting on its cluster stops within one heartbeat, not at its next write.
+# Raised in the main thread when a heartbeat finds the lease taken, so a waiting command stops at once.
 LOST_SIGNAL = signal.SIGUSR2
 
 
@@ -146,8 +122,7 @@ class _Store:
         return self._put(data, IfNoneMatch="*")
 
     def replace(self, data: bytes, version: Any) -> bool:
-        """Write `data` only where the lease is still `version`: False where it is not (on a local disk, also where
-        the host's lock stays held: by a process that stalled inside its own replace)."""
+        """Write `data` only where the lease is still `version`; False otherwise (or the host lock stays held)."""
         if self.loc.is_local:
             with _host_lock(self.loc.path) as locked:
                 if not locked:
@@ -205,8 +180,7 @@ HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is he
 
 @contextlib.contextmanager
 def _host_lock(path: str) -> Iterator[bool]:
-    """This host's lock around a local lease's compare-and-replace: yields whether it was taken within
-    HOST_LOCK_WAIT_S (a process stopped inside its replace must not stall every other writer of the host)."""
+    """This host's lock around a local compare-and-replace; yields whether it was taken in HOST_LOCK_WAIT_S."""
     with open(host_lock_path(path), "w") as lock:
         deadline = time.monotonic() + HOST_LOCK_WAIT_S
         while True:
@@ -237,8 +211,7 @@ class RunLease:
         self.version: Any = None
         self.created_root = False
         self.lost: str | None = None  # the one line saying who took the lease, once it is found taken
-        # when this holder last wrote the lease, on the clock takers judge its heartbeat by (a paused VM's monotonic
-        # clock may not advance while it is paused)
+        # when this holder last wrote the lease, on the takers' clock (a paused VM's monotonic clock may stand still)
         self.renewed = time.time()
         self._lock = threading.Lock()  # the heartbeat and a write's fence renew one after the other
         self._stop = threading.Event()
@@ -286,8 +259,7 @@ class RunLease:
         return self
 
     def _renew(self) -> None:
-        """Write the lease again with a new heartbeat, only where it is still the version this holder wrote
-        (`LeaseLost` where another writer replaced it)."""
+        """Write the lease again with a new heartbeat where it is still this holder's version, else `LeaseLost`."""
         with self._lock:
             if self.lost is not None:
                 raise LeaseLost(self.lost)
@@ -311,9 +283,8 @@ class RunLease:
                 "new holder resumes from it")
 
     def fence(self, loc: Location | None = None, commit: bool = False) -> None:
-        """Before a write below the run folder (`loc`; the lease's own file is its own business): refuse it where
-        the lease was taken. A commit (`commit`), or any write once half the time to live has passed since the
-        last renewal, renews the lease now: a conditional write on the version this holder wrote."""
+        """Refuse a write below the run folder where the lease was taken; a commit, or a write after half the TTL,
+        renews it first (a conditional write on the version held)."""
         if loc is not None and loc.path == self.store.loc.path:
             return
         if self.lost is not None:
@@ -363,8 +334,7 @@ _HELD: dict[str, RunLease] = {}  # run folder URI -> the lease this process hold
 
 
 def fence(loc: Location) -> None:
-    """A commit below a run folder (an answer block, a stage's marker): where this process holds the folder's lease,
-    it renews it now, and refuses the commit (`LeaseLost`) where another writer took it."""
+    """A commit below a run folder: renew this process's lease now, `LeaseLost` where another took it."""
     for root, lease in list(_HELD.items()):
         if loc.uri == root or loc.uri.startswith(root + "/"):
             lease.fence(loc, commit=True)
@@ -372,8 +342,7 @@ def fence(loc: Location) -> None:
 
 @contextlib.contextmanager
 def run_lease(uri: str, holder: str) -> Iterator[RunLease]:
-    """Hold the lease of the run folder at `uri` (local or s3://) while the block runs; `LeaseHeld` (a
-    ConfigError) where another writer holds it."""
+    """Hold the lease of the run folder at `uri` while the block runs; `LeaseHeld` where another writer holds it."""
     lease = RunLease(resolve(uri), holder).acquire()
     _HELD[lease.root.uri.rstrip("/")] = lease
     try:

@@ -1,7 +1,4 @@
-"""Answer metrics compatible with FlashRAG: normalization, em, f1 (yes/no/noanswer rule), acc.
-
-Every metric is the max over the gold answers.
-"""
+"""Answer metrics compatible with FlashRAG: normalization, em, f1, acc; each the max over the gold answers."""
 
 from __future__ import annotations
 
@@ -66,10 +63,9 @@ def metric(name: str, prediction: str, golds: Iterable[str]) -> float:
 
 
 def sign_test(better: int, worse: int, two_sided: bool = False) -> float:
-    """Exact sign test over the questions two settings answered differently, `better` of them one way and `worse`
-    the other, each a fair coin under the null: one-sided, the chance of `better` or more going the first way
-    (5-0, 7-1 and 9-2 are the first splits under 0.05; 6-1 is 0.06); two-sided, of a split at least this uneven
-    either way. 1.0 where none differ."""
+    """Exact sign test over the questions two settings answered differently: one-sided, P(`better` or more of
+    them go the first way) under a fair coin (5-0, 7-1, 9-2 first under 0.05); two-sided, a split at least this uneven.
+    1.0 where none differ."""
     n = better + worse
     if n == 0:
         return 1.0

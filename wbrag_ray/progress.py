@@ -1,16 +1,5 @@
-"""One progress line per pass: rows done, rows/s and ETA, in a terminal and in a log alike.
-
-Ray Data draws one tqdm bar per operator in a terminal and, when stdout is not a terminal (a log file, a job
-submitted to a cluster), logs a multi-line dump of every operator every 10 s. A person following a command
-wants to know which pass runs and how far it is, so, unless `-v` asks for Ray's details:
-
-- in a terminal only Ray's global bar is drawn (one line: rows, rate, ETA);
-- in a log, Ray's non-interactive dump is read by `RayProgressFilter`: its "Total Progress: done/total" line
-  becomes one `PassProgress` line under the name of the pass that runs (`running(name)`), the rest is dropped;
-- a pass that sends driver-held rows straight to a service's actors (`Services.run_frame`) reports the same
-  line itself.
-
-Lines come at most every `INTERVAL_S` seconds while a pass runs, and once when it ends."""
+"""One progress line per pass (rows done, rows/s, ETA) in a terminal and in a log alike: Ray Data's per-operator
+output is reduced to it unless `-v`; passes that feed actors directly report the same line themselves."""
 
 from __future__ import annotations
 
@@ -81,8 +70,7 @@ class PassProgress:
 
 @contextlib.contextmanager
 def running(name: str, total: int | None = None) -> Iterator[PassProgress]:
-    """The pass `name` runs in this block: Ray Data's progress inside it is reported under that name, and
-    one closing line says how many rows it made and how fast."""
+    """The pass `name` runs in this block: Ray Data's progress is reported under it, with one closing line."""
     progress = PassProgress(name, total)
     _current.append(progress)
     try:
@@ -104,8 +92,7 @@ class RayProgressFilter(logging.Filter):
 
 
 def configure(verbose: bool) -> None:
-    """Called once per process that runs wbrag commands (the CLI, the Python API's `start`): Ray's operator
-    bars and its non-tty dump only with `verbose`."""
+    """Once per process running wbrag commands: Ray's operator bars and non-tty dump only with `verbose`."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -116,8 +103,7 @@ def configure(verbose: bool) -> None:
     if not verbose:
         ray_logger.addFilter(RayProgressFilter())
     ray_logger.setLevel(logging.INFO)  # read by the filter whatever the level of ray.data above it
-    # Ray Data's per-dataset lines (planning estimates, "execution finished", "sink finished") and its notes
-    # on which progress display it chose say what the pass lines already say
+    # Ray Data's per-dataset notes repeat what the pass lines say
     for name, quiet in QUIET_RAY_LOGGERS.items():
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else quiet)
 
@@ -127,8 +113,7 @@ QUIET_RAY_LOGGERS = {
     "ray.data._internal.execution.streaming_executor": logging.WARNING,
     "ray.data._internal.datasource.parquet_datasource": logging.WARNING,
     "ray.data.dataset": logging.WARNING,
-    # a failed task's error, logged with its traceback before the pass raises it: the command says it in one line
-    # (a storage error, a mistake) or raises it with its traceback (a bug); -v shows these too
+    # a failed task's traceback: the command reports it itself (-v shows these too)
     "ray.data._internal.execution.streaming_executor_state": logging.CRITICAL,
     "ray.data.exceptions": logging.CRITICAL,
 }

@@ -1,7 +1,4 @@
-"""Prompts, in one place: every stage that talks to the generator builds its messages here.
-
-The RAG prompts follow FlashRAG's defaults (answer only, no other words) so metrics are comparable.
-"""
+"""Prompts, in one place; the RAG prompts follow FlashRAG's defaults (answer only) so metrics are comparable."""
 
 from __future__ import annotations
 
@@ -42,17 +39,13 @@ def no_retrieval_messages(question: str) -> list[dict[str, str]]:
 
 
 def continue_answer(messages: list[dict[str, str]], answer_so_far: str) -> list[dict[str, str]]:
-    """`messages` with the answer begun: the generator continues the final assistant message (FLARE writes an
-    answer a sentence at a time)."""
+    """`messages` with the answer begun, for the generator to continue (FLARE)."""
     return [*messages, {"role": "assistant", "content": answer_so_far}] if answer_so_far else messages
 
 
-# --- Self-RAG-style judgements: prompted, for models without Self-RAG's reflection tokens ----------------
-# Each is read as p("yes") against p("no") for the answer's first token, not parsed from generated text. Solved
-# examples as earlier turns: measured on the 40 demo questions, SmolLM2-135M-Instruct put 3% of its first-token
-# probability on yes / no with the instruction alone and 84% with them (it answered "The ..." otherwise). The
-# relevance examples end on a Yes: ending on a No, it said no to every document (yes-share 0.065 with a gold
-# answer in the document, 0.061 without, over 80 demo documents); in this order 0.28 against 0.15.
+# --- Self-RAG-style judgements: read as p("yes") against p("no") of the first token ---------------------
+# Solved examples as earlier turns make a small model answer yes / no at all; the relevance examples end on a Yes,
+# since ending on a No made it refuse every document (benchmarks/RESULTS.md).
 
 JUDGE_CHOICES = ("yes", "no")
 RETRIEVAL_JUDGE_SYSTEM = (
@@ -158,8 +151,7 @@ CLOZE_SYSTEM = (
     "output any other words."
 )
 CLOZE_USER = "Text: {question}"
-# Solved examples as earlier turns: measured on 96 demo cloze pairs, SmolLM2-135M-Instruct's answers held the
-# blanked span 19% of the time with them and 14% without (and were short enough for exact match at all).
+# Solved examples as earlier turns: more answers hold the blanked span (benchmarks/RESULTS.md).
 CLOZE_SHOTS = (
     ("Eiffel Tower: The Eiffel Tower is a wrought-iron tower in ____, France.", "Paris"),
     ("World War II: World War II ended in ____.", "1945"),

@@ -1,11 +1,15 @@
-"""A command's session: its run folder opened, its config bound to it, and Ray joined with the config's "auto"
-settings decided on the cluster (shared by `api` and `plan.calibrate`)."""
+"""A command's session: run folder opened, config bound, Ray joined with "auto" settings decided on the cluster;
+used by `api` and by `--calibrate` (below both, so neither imports the other)."""
 
 from __future__ import annotations
 
 import os
 
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.generation.vllm import check_shape
+from wbrag_ray.index.gpu_clone import faiss_has_gpu
+from wbrag_ray.placement.gpus import has_auto, index_on_gpu, needs_layout, resolve_auto_concurrency
+from wbrag_ray.ray_runtime import check_model_paths, init_ray
 from wbrag_ray.run import RunFolder
 
 RunLike = str | os.PathLike[str] | RunFolder
@@ -16,7 +20,7 @@ def open_run(run: RunLike) -> RunFolder:
 
 
 def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
-    """Bind `config` to the run folder (a changed built stage refused unless `force`); join or start Ray."""
+    """Bind `config` to the run folder (refused when a built stage used another, unless `force`) and join Ray."""
     from wbrag_ray.build_kb import KB_STAGES
     run = open_run(run)
     run.bind_config(config, force=force, guard=KB_STAGES, record="when_a_stage_runs")
@@ -25,17 +29,11 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
 
 
 def join_ray(run: RunFolder, config: WbragConfig) -> None:
-    """Join or start Ray; refuse paths other nodes cannot read; decide each "auto" count on the cluster, beside
-    the index's search actors (`placement.gpus.resolve_auto_concurrency`)."""
-    from wbrag_ray.placement.gpus import has_auto, index_on_gpu, needs_layout, resolve_auto_concurrency
-    from wbrag_ray.ray_runtime import check_model_paths, init_ray
-
+    """Join or start Ray; on a multi-node cluster refuse paths the other nodes cannot read; decide "auto" counts."""
     check_model_shapes(config)
     init_ray(config.ray, run.uri)
     check_model_paths(config)
     import ray
-
-    from wbrag_ray.index.gpu_clone import faiss_has_gpu
 
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
     index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
@@ -47,8 +45,6 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
 
 def check_model_shapes(config: WbragConfig) -> None:
     """The generators' models against their engines' settings, before Ray starts."""
-    from wbrag_ray.generation.vllm import check_shape
-
     check_shape(config.generator)
     if config.zerorag.qa_generator is not None:
         check_shape(config.zerorag.qa_generator, "zerorag.qa_generator")

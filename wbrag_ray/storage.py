@@ -1,12 +1,5 @@
-"""All file access goes through pyarrow.fs, so a run folder or a corpus can be local or on s3://.
-
-S3 endpoint and credentials come from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...);
-they are never written into a run folder.
-
-Over 400 lines (about 430), not split: the one `Location` type and what every write through it goes through
-(fencing by the run folder's lease, storage refusing a write as one error naming the path, temp-then-move), with
-the node cache and the mount checks that decide whether a local path is shared.
-"""
+"""All file access goes through pyarrow.fs, so a run folder or a corpus can be local or on s3://. S3 endpoint and
+credentials come from the standard AWS variables and are never written into a run folder."""
 
 from __future__ import annotations
 
@@ -30,8 +23,7 @@ from wbrag_ray.config import ConfigError
 
 @functools.cache
 def _check_s3_credentials(env_key: tuple) -> None:
-    """Refuse early, with the fix, when no AWS credentials can be found (env, profile files, instance role):
-    S3-compatible servers may otherwise accept anonymous requests, or fail later with an opaque error."""
+    """Refuse early when no AWS credentials are found: some S3 servers accept anonymous requests or fail opaquely."""
     import boto3
 
     if boto3.session.Session().get_credentials() is None:
@@ -47,8 +39,7 @@ def s3_endpoint() -> str | None:
 
 
 def s3_region() -> str | None:
-    """The region the S3 client is given: pyarrow's client asks us-east-1 without one, and a bucket elsewhere
-    answers with a redirect error."""
+    """The S3 region: pyarrow asks us-east-1 without one, and a bucket elsewhere answers with a redirect error."""
     return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
 
 
@@ -67,8 +58,7 @@ def _s3_filesystem() -> pafs.S3FileSystem:
 
 
 def s3_client():
-    """A boto3 S3 client on the same endpoint and region, for what pyarrow.fs lacks (conditional puts, copies of
-    objects past 5 GB); one per process and set of AWS variables (a client takes about 0.1 s to make)."""
+    """A boto3 S3 client on the same endpoint, for conditional puts and copies over 5 GB (one per process)."""
     return _s3_client(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
 
 
@@ -80,20 +70,17 @@ def _s3_client(env_key: tuple):
 
 
 class StorageError(OSError):
-    """Storage refused a write (a full disk, no permission, a read-only mount, an object store that refuses it): one
-    line naming the path and the error."""
+    """Storage refused a write: one line naming the path and the error."""
 
 
-# What a store answers when it refuses a write, as errno values and as the words of messages that carry none
-# (pyarrow's "[errno 28] ...", botocore's AccessDenied)
+# What a store answers when it refuses a write (errno values, and words of messages that carry none).
 _REFUSED_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 _REFUSED_WORDS = ("no space left", "disk quota", "read-only file system", "permission denied", "access denied", "access_denied",
                   "accessdenied", "file too large", "quotaexceeded")
 
 
 def refused_write(exc: BaseException | None, _seen: set[int] | None = None) -> str | None:
-    """The reason, in one line, where `exc` (or what it wraps: Ray keeps a task's error as `cause`) is storage
-    refusing a write; None for any other error. The innermost error says it best (Ray's wrapper repeats it)."""
+    """One line where `exc` (or its innermost cause) is storage refusing a write; None for any other error."""
     seen = set() if _seen is None else _seen
     if exc is None or id(exc) in seen:
         return None
@@ -129,19 +116,16 @@ def refused_writes(loc: Location) -> Iterator[None]:
 
 
 def writer_suffix() -> str:
-    """A part of a temporary name that is this writer's own (its process and a random tag): two writers of one
-    file never write into, or move away, each other's temporary file."""
+    """A temporary-name part unique to this writer, so two writers of one file never clash."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-# Fencing: while a command holds a run folder's lease (`lease.py`), every write below the folder asks the lease first
-# (run folder URI -> the check), so a command whose lease another took stops before its next write.
+# Fencing: while a command holds a run folder's lease, every write below it asks the lease first.
 _WRITE_GUARDS: dict[str, Callable[[Location], None]] = {}
 
 
 def guard_writes(root: Location, check: Callable[[Location], None] | None) -> None:
-    """Run `check(location)` before every write (and delete) below `root` made through a `Location` of this
-    process; None ends it. `check` raises to refuse the write."""
+    """Run `check(location)` before every write or delete below `root` in this process; None ends it."""
     if check is None:
         _WRITE_GUARDS.pop(root.uri.rstrip("/"), None)
     else:
@@ -220,16 +204,12 @@ class Location:
         """An output stream for writing this file in pieces (large files that should not be built in memory)."""
         before_write(self)
         parent = self.parent()
-        # Write to a temporary name, then move: a reader never sees half a file (local disks; S3 PUTs are atomic).
-        # The name is this writer's own (a hidden name, so folder listings skip it): two writers of one file never
-        # write into, or move away, each other's temporary file; the last move wins whole. Storage that refuses
-        # the write (a full disk) leaves nothing, and is one error naming this file (`StorageError`).
+        # Write to a hidden temporary name unique to this writer, then move: readers never see half a file.
         tmp = posixpath.join(parent.path, f".{self.name}.{writer_suffix()}.tmp")
         with refused_writes(self):
             parent.mkdir()
             try:
-                # On S3 too: pyarrow's output stream completes its upload when closed, also by an exception, so a
-                # write cut short would replace the object; the temporary object is copied in place by the server.
+                # On S3 too: a stream closed by an exception completes its upload, so write aside and copy in place.
                 with self.fs.open_output_stream(tmp) as f:
                     yield f
                 if self.is_local:
@@ -242,9 +222,7 @@ class Location:
                     self.fs.delete_file(tmp)
 
     def replace_with(self, staged: Location) -> None:
-        """Make this folder hold `staged`'s files instead of its own, and remove `staged`: on a local disk by two
-        renames (the old folder moved aside first, so a reader sees the old files or the new, never a mix of
-        them); on object storage by a copy."""
+        """Replace this folder's files by `staged`'s (locally two renames, readers see old or new; S3 a copy)."""
         before_write(self)
         if self.is_local:
             aside = posixpath.join(self.parent().path, f".{self.name}.{writer_suffix()}.old")
@@ -297,14 +275,12 @@ class Location:
                             destination_filesystem=self.fs)
 
     def local_dir(self) -> str:
-        """A local path holding this folder's files: the folder itself on local disk, else a cached download
-        (libraries such as peft and transformers load models only from local paths)."""
+        """A local path holding this folder's files: itself on local disk, else a cached download."""
         if self.is_local:
             return self.path
         import hashlib
 
-        # Keyed by the files' names, sizes and times too: a folder rewritten in place (an adapter retrained with
-        # --force) gets a fresh copy instead of the stale one.
+        # Keyed by names, sizes and times too, so a folder rewritten in place is fetched again.
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
         listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
         key = hashlib.sha1(repr((self.uri, listing)).encode()).hexdigest()[:16]
@@ -317,16 +293,12 @@ class Location:
 
 
 def cache_root() -> str:
-    """This node's cache folder (`WBRAG_CACHE`, default ~/.cache/wbrag): fetched models, adapters and document
-    files, converted GGUF models."""
+    """This node's cache folder (`WBRAG_CACHE`, default ~/.cache/wbrag)."""
     return os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag"))
 
 
 def node_cached(dest: str, build: Callable[[str], None]) -> str:
-    """`dest`, made by `build(tmp)` once per node: the first process to need it builds it into a temporary
-    path and renames it into place; the others on the node (a service's replicas, the tasks of a pass) wait on
-    a file lock meanwhile instead of fetching or converting the same files beside it. A build that fails
-    leaves nothing at `dest`, and the next process to need it tries again."""
+    """`dest`, made by `build(tmp)` once per node under a file lock and renamed into place."""
     import fcntl
     import hashlib
     import shutil
@@ -335,8 +307,7 @@ def node_cached(dest: str, build: Callable[[str], None]) -> str:
     if os.path.exists(dest):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    # Lock files live apart from the cache (its folders list only what it holds) and are kept: removing one
-    # that another process has open would let a third lock a new file beside it.
+    # Lock files live apart from the cache and are kept (removing an open one would let a third process in).
     locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
     os.makedirs(locks, exist_ok=True)
     with open(os.path.join(locks, hashlib.sha1(os.path.abspath(dest).encode()).hexdigest()[:20] + ".lock"), "w") as lock:
@@ -355,11 +326,8 @@ def node_cached(dest: str, build: Callable[[str], None]) -> str:
 
 
 def node_local_dir(uri: str | os.PathLike[str]) -> str:
-    """The folder at `uri` (a local path or s3://...) as a path on this node, for loaders that read only local
-    files (peft, transformers): remote folders are fetched into this node's cache (`WBRAG_CACHE`).
-
-    Call it where the files are used (in the Ray worker that loads them), and hand workers the URI, never the
-    result: a path in the driver's cache does not exist on another node."""
+    """The folder at `uri` as a path on this node, fetched into the node cache when remote. Call it in the worker
+    that loads the files: a driver's cache path does not exist on other nodes."""
     loc = resolve(uri)
     if loc.is_local and not os.path.exists(loc.path):
         import socket
@@ -371,9 +339,7 @@ def node_local_dir(uri: str | os.PathLike[str]) -> str:
     return loc.local_dir()
 
 
-# Filesystem types whose folders other machines can mount too (network and cluster filesystems). A FUSE mount
-# ("fuse.<driver>": s3fs, gcsfuse, juicefs, mountpoint-s3, sshfs, ...) counts as shared unless its driver is
-# one of the machine-local ones below.
+# Filesystem types other machines can mount (network and cluster filesystems; FUSE unless machine-local).
 SHARED_FILESYSTEMS = frozenset({
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "ocfs2", "gfs2",
     "afs", "wekafs", "panfs", "orangefs", "pvfs2", "cvfs", "quobyte", "fuse",
@@ -390,8 +356,7 @@ def _unescape_mount(field: str) -> str:
 
 
 def mount_of(path: str, mounts: str | None = None) -> tuple[str, str] | None:
-    """(mount point, filesystem type) of the mount holding local `path` (which need not exist yet), from
-    `mounts` (the text of /proc/mounts; read from this machine when None); None where it cannot be read."""
+    """(mount point, filesystem type) holding local `path`, from /proc/mounts; None where unreadable."""
     if mounts is None:
         try:
             with open("/proc/mounts") as f:

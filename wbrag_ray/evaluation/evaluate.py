@@ -1,12 +1,5 @@
-"""Evaluate RAG on a QA dataset: questions -> a RAG method's retrieval and generator passes -> metrics.
-
-Methods (wbrag_ray.rag): `no-retrieval` (the closed-book baseline), `naive` (top-K retrieval, FlashRAG's
-prompt), `replug` (per-document prompts decoded as one mixture of their next-token distributions),
-`replug-vote` (per-document answers, weighted vote), `self-rag` (judged retrieval and relevance) and
-`flare` (retrieval per unsure sentence). Settings: the base index alone, or base + a write-back index (the
-active one, or a named version); `base_index` swaps the base for another index folder (a pruned one). Each
-method writes RUN/eval/<label>-<method>/ (metrics, predictions; wbrag_ray.layout.EvalResult).
-"""
+"""Evaluate RAG on a QA dataset: questions -> a method's retrieval and generator passes -> metrics, on the base
+index, a pruned one (`base_index`), or base + a write-back index; each method writes RUN/eval/<label>-<method>/."""
 
 from __future__ import annotations
 
@@ -18,14 +11,19 @@ from wbrag_ray import rag
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.evaluation.made_by import made_by, made_config
+from wbrag_ray.evaluation.short_answer import short_answer
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.layout import EvalResult
 from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import run_departures
-from wbrag_ray.retrieval.union import appended_units
+from wbrag_ray.retrieval.stage import RetrievalSetting
+from wbrag_ray.retrieval.union import UnionRule, appended_units
 from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.storage import resolve
 from wbrag_ray.work import Generate, Sizes
+from wbrag_ray.writeback.versions import active_index
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -46,16 +44,10 @@ def evaluate(
 ) -> dict[str, dict[str, Any]]:
     """Run every configured method over `dataset`; return {method: metrics}.
 
-    `writeback`: search the active write-back index (or `writeback_version`) together with the base (results
-    under `<name>-writeback-<method>`). `base_index`: an index folder to use instead of RUN/index (e.g. pruned).
-    `router`: a query router folder (Zero-RAG); queries it calls mastered get no documents. `setting`: the
-    label recorded in metrics.json (default: base or base+writeback). `label`: the results' folder prefix
-    (default: the name, plus -writeback). `passes`: generator passes (and their loaded generator) shared with
-    the caller's other evaluations, left open; by default the evaluation has its own.
-    """
-    from wbrag_ray import rag
+    `writeback`: search the active (or `writeback_version`) write-back index with the base. `base_index`: another
+    index folder. `router`: a query router folder. `setting`, `label`: names of the results. `passes`: shared
+    generator passes, left open (default: the evaluation's own)."""
     from wbrag_ray.generation.backends import make_generator
-    from wbrag_ray.retrieval.stage import RetrievalSetting
 
     methods = rag.check_methods(config.eval.methods)
     needs_index = any(m != "no-retrieval" for m in methods)
@@ -65,16 +57,13 @@ def evaluate(
     extra: tuple[tuple[str, str | None, str], ...] = ()
     default_setting, wb_version = "base", None
     if writeback or writeback_version:
-        from wbrag_ray.writeback.versions import active_index
-
         wb_version, wb_index, wb_docs = active_index(run, writeback_version)
         extra, default_setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
     setting = setting or default_setting
     name = name or dataset_name(config, dataset)
     folder_prefix = label or (f"{name}-writeback" if writeback else name)
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
-    # the papers this evaluation follows: WriteBack-RAG beside a version, Zero-RAG on a pruned or routed base or
-    # with the tuned adapter; a plain base evaluation the run's (either paper's baseline)
+    # the papers this evaluation follows
     zero_rag = base_index != run.layout.index.uri or bool(router) or bool(config.generator.lora_adapter)
     # from what made the results: the version's and the adapter's recorded settings, not this config's
     made, facts = made_config(run, config, wb_version, own_adapter(run, config), zero_rag)
@@ -82,9 +71,6 @@ def evaluate(
 
     searched_union = None
     if wb_version:
-        from wbrag_ray.retrieval.union import UnionRule
-        from wbrag_ray.storage import resolve
-
         searched_union = UnionRule.of(config.retrieval).resolved([resolve(extra[0][0])]).settings()
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
@@ -100,8 +86,6 @@ def evaluate(
             passes.close()
     seconds = time.perf_counter() - t0
 
-    from wbrag_ray.layout import EvalResult
-
     results: dict[str, dict[str, Any]] = {}
     staged: list[tuple[EvalResult, EvalResult]] = []
     for method in methods:
@@ -110,9 +94,7 @@ def evaluate(
         scores = [score_answer(a, g) for a, g in zip(part["answer"], part["golden_answers"], strict=True)]
         for m in METRICS:
             part[m] = [s[m] for s in scores]
-        # written beside the stored results (a hidden folder no listing reads), which every method's new results
-        # then replace together: an evaluation cut short (Ctrl-C, a failure, a --force rerun stopped) leaves the
-        # old results whole, never some methods' new results beside others' old ones
+        # written in a hidden folder that replaces the old results whole, so a cut-short run leaves them intact
         final = run.layout.eval_result(folder_prefix, method)
         out = run.layout.eval_staging(folder_prefix, method)
         out.root.delete()  # one left by an evaluation cut short
@@ -138,8 +120,7 @@ def evaluate(
             "index": base_index if method != "no-retrieval" else None,
             "router": router if method != "no-retrieval" else None,
             "retrieval_skipped": round(float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
-            # questions the method searched for: every one for naive / replug(-vote) (without a router), those judged
-            # to need it for self-rag, those with an unsure sentence for flare
+            # questions the method searched for
             "retrieval_rate": round(1 - float(part["retrieval_skipped"].mean()), 4) if method != "no-retrieval" else 0.0,
             "generator_calls": int(part["generator_calls"].sum()),
             "rag_settings": config.rag.model_dump(mode="json").get(method.replace("-", "_")),
@@ -168,8 +149,6 @@ def own_adapter(run: RunFolder, config: WbragConfig) -> bool:
 def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:
     """What the metrics score: the generated text, or its answer span (`eval.answer_form: span`)."""
     if form == "span":
-        from wbrag_ray.evaluation.short_answer import short_answer
-
         return [short_answer(p, q) for p, q in zip(part["prediction"], part["question"], strict=True)]
     return part["prediction"].tolist()
 
@@ -178,9 +157,7 @@ def evaluate_stage(
     run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False,
     passes: GeneratorPasses | None = None, **kwargs: Any
 ) -> dict[str, Any]:
-    """`evaluate` as a stage of the run folder (`eval-<label>`, results under RUN/eval/<label>-<method>): a
-    rerun with the same settings skips it and prints the stored table again; changed settings (another
-    method, threshold, write-back version, generator) evaluate again, since nothing costly is lost."""
+    """`evaluate` as a run-folder stage: a rerun with the same settings prints the stored table."""
     params = eval_params(label, dataset, kwargs, config, run)
 
     def work() -> dict[str, Any]:

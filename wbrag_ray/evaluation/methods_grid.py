@@ -1,15 +1,19 @@
-"""The methods grid: every RAG method on the base index and beside every trained write-back version, so a
-knowledge base written back under one method is measured under all the others (RUN/eval/methods_grid.json)."""
+"""The methods grid: every RAG method on the base and beside every write-back version
+(RUN/eval/methods_grid.json)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.evaluation.effect import writeback_effect
 from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
+from wbrag_ray.evaluation.stage import union_label, union_settings, union_suffix
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, settings_value
+from wbrag_ray.writeback.pipeline import with_gate_metric
+from wbrag_ray.writeback.versions import default_version, trained_method, versions
 
 
 def evaluate_methods_grid(
@@ -28,10 +32,6 @@ def evaluate_methods_grid(
     ones already there (labels: `union_suffix`). `same_writeback`: first train a version under each method
     that has none (`same_writeback_versions`), and add WriteBack-RAG's Figure 4 view: each method on the base
     and on its own version."""
-    from wbrag_ray.evaluation.effect import writeback_effect
-    from wbrag_ray.evaluation.stage import union_label, union_suffix
-    from wbrag_ray.writeback.versions import trained_method, versions
-
     name = name or dataset_name(config, dataset)
     methods = list(dict.fromkeys(config.eval.methods))
     own = same_writeback_versions(run, config) if same_writeback else {}
@@ -106,14 +106,9 @@ def format_same_writeback(grid: dict[str, Any]) -> str:
 
 
 def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, str]:
-    """{method: the write-back version written back under it}, for every retrieving method of eval.methods. A
-    version trained from writeback.train under the method is reused only when it was made as the grid would make
-    it: the same generator, gates (thresholds, n_min, the resolved gate metric), union and K
-    (`same_writeback_differences`); otherwise one is trained now as `<version>-<method>` (`-2`, `-3`... where that
-    name is taken), not activated (the grid evaluates beside each version in turn). Each choice is printed, a
-    version passed over with what differs."""
+    """{method: its write-back version}: a version trained under the method is reused only when made as the grid
+    would make it (`same_writeback_differences`); else one is trained as `<version>-<method>`, not activated."""
     from wbrag_ray.writeback.pipeline import train_writeback
-    from wbrag_ray.writeback.versions import default_version, versions
 
     train = config.writeback.train
     trained = sorted(versions(run))
@@ -150,14 +145,7 @@ def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, st
 
 
 def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str, Any]) -> list[str]:
-    """What a trained version's stats (`stats.json`) record that differs from what the grid under `config` would
-    train for `method`: 'what: the version's (the grid: its)' for the generator, the embedder, the training questions'
-    limit, each gate setting, deduplication, the validation hold-out, the union and K. A version trained before one
-    of them was recorded differs in it ('not recorded')."""
-    from wbrag_ray.evaluation.stage import union_settings
-    from wbrag_ray.run import settings_value
-    from wbrag_ray.writeback.pipeline import with_gate_metric
-
+    """What a version's stats record that differs from what the grid would train for `method`."""
     made = stats.get("settings", {}).get("config", {})
     wb = with_gate_metric(config.writeback, config.writeback.train or "")
     # every write-back setting that changes the version's units: the question subset, gates, deduplication, hold-out
@@ -193,10 +181,7 @@ def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str
 
 
 def format_methods_grid(grid: dict[str, Any], metric: str = "acc") -> str:
-    """Methods down, settings across (base, then each write-back version with the method it was trained
-    with, and its union setting where the grid holds several); each write-back cell shows the change over the
-    base, * where the version's method is the row's. Below: per write-back cell, the questions a unit entered the
-    top K of, won and lost."""
+    """Methods down, settings across; write-back cells show the change over the base (* own method)."""
     versions = grid["versions"]
     columns = [(None, None), *dict.fromkeys((r["version"], r.get("union")) for r in grid["rows"] if r["version"])]
     several = len({u for _, u in columns[1:]}) > 1

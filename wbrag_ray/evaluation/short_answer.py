@@ -1,21 +1,6 @@
-"""A stated rule that cuts a sentence-long answer down to its answer span (`eval.answer_form: span`).
-
-Small instruct models answer "The capital of Iceland is Reykjavik." where the prompt asks for the answer alone, so
-exact match scores 0 while the answer is right. The rule, applied to the generated text and the question only
-(never the gold answers):
-
-1. The first sentence: the text up to the first `.`, `!` or `?` followed by a space or the end, or a line end.
-2. A lead-in "The answer is:" (or "Answer:") is dropped.
-3. Every word of the question (case, a possessive 's and a plural or past ending ignored: "discovered" is the
-   question's "discover") and every function word (articles, forms of "be", prepositions, pronouns) is struck out;
-   commas (except between two numbers: "January 24, 1990"), semicolons, colons, brackets and quotes split the
-   rest. "and", "of" and "&" inside a run of kept words join it ("polonium and radium").
-4. The answer is the first run that holds a capitalized word or a number (a name, a date, a quantity); failing
-   that, the last run (the predicate: "... feed on tiny animals called krill"); failing that (every word struck
-   out), the first sentence.
-
-The generated text stays in the predictions beside the span. English only; a model that already answers with the
-span keeps it (nothing of a bare answer is in the question)."""
+"""A stated rule that cuts a sentence-long answer down to its span (`eval.answer_form: span`), from the
+generated text and the question only: the first sentence, a lead-in dropped, the question's words and function
+words struck out; the first remaining run with a capitalized word or number, else the last run, else the sentence."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The evaluation as a stage of the run folder: its declaration, parameters and name, in a module light enough for
-the checks a command makes before Ray starts (wbrag_ray.api)."""
+"""The evaluation as a run-folder stage: declaration, parameters and name, light enough for pre-Ray checks."""
 
 from __future__ import annotations
 
@@ -7,8 +6,11 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.formats import dataset_stem, input_identity
+from wbrag_ray.identity import content_identity, index_identity
 from wbrag_ray.retrieval.union import OWN_SETTING, UnionRule
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.storage import resolve
 
 # Results are never silently replaced: other settings under the same label are refused, naming what changed.
 EVAL = RunStage(
@@ -25,35 +27,23 @@ EVAL = RunStage(
 
 def dataset_name(config: WbragConfig, dataset: str) -> str:
     """What results on `dataset` are called: eval.name, else the file's stem."""
-    from wbrag_ray.formats import dataset_stem
-
     return config.eval.name or dataset_stem(dataset)
 
 
 def eval_params(label: str, dataset: str, kwargs: dict[str, Any], config: WbragConfig | None = None,
                 run: RunFolder | None = None) -> dict[str, Any]:
-    """The evaluation stage's parameters: its label, the dataset, and the setting's own arguments (index, router,
-    write-back version; the `setting` label only names them); beside a write-back index, the union settings
-    (`union_settings`); with `config`, what the evaluation reads by content (`made_from`)."""
+    """The evaluation stage's parameters: label, dataset, setting arguments, union settings, and `made_from`."""
     params = {"label": label, "dataset": dataset, **{k: v for k, v in kwargs.items() if k != "setting"}}
     if config is not None and (kwargs.get("writeback") or kwargs.get("writeback_version")):
         params["union"] = union_settings(config)
     if config is not None:
-        from wbrag_ray.formats import input_identity
-        from wbrag_ray.storage import resolve
-
         # the questions by content too: a dataset edited in place is not the one the stored results answered
         params["made_from"] = {**made_from(config, kwargs, run), "dataset": input_identity(resolve(dataset), "dataset")}
     return params
 
 
 def made_from(config: WbragConfig, kwargs: dict[str, Any], run: RunFolder | None = None) -> dict[str, Any]:
-    """The content identity (`wbrag_ray.identity`) of every input an evaluation reads by path: the generator's
-    model and adapter (a tuned adapter), the embedder, the base index (the run's, or a pruned one), the router and
-    the write-back version's index; each changes when its folder is made again in place (`--force`), so the
-    results and the answers of the old one are never taken for the new."""
-    from wbrag_ray.identity import content_identity, index_identity
-
+    """The content identity of each input read by path, so a folder rebuilt in place is another input."""
     base = kwargs.get("base_index") or (run.layout.index.uri if run is not None else None)
     version = kwargs.get("writeback_version")
     out = {
@@ -74,8 +64,7 @@ def union_settings(config: WbragConfig) -> dict[str, Any]:
 
 
 def union_label(config: WbragConfig) -> str:
-    """retrieval.union as a table names it: 'provenance', 'score', 'rrf, rrf_k 10', 'provenance, max_units 1',
-    'gate, gate_margin 0.05' (a setting at its default is not named)."""
+    """retrieval.union as a table names it ('gate, gate_margin 0.05'; defaults not named)."""
     settings = union_settings(config)
     defaults = type(config.retrieval)()
     extra = [f"{k} {v}" for k, v in settings.items() if k != "union" and v is not None

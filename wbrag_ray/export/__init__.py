@@ -1,20 +1,6 @@
-"""Export the trained knowledge base to a RAG stack's own on-disk format: FlashRAG, LangChain or LlamaIndex.
-
-One view of the run (the base, or the base pruned by Zero-RAG at a ratio, plus the units of a write-back version;
-`view.py`) is read one embedding shard per Ray task (its documents, and its vectors as the index's codes:
-`codes.py`) and written, in a writer task that declares the index's size, by one format module:
-
-    flashrag.py     corpus.jsonl (id, contents "title\\ntext", metadata) + index.faiss (row i = line i) +
-                    flashrag_retriever.yaml (the retriever settings of a FlashRAG config)
-    langchain.py    index.faiss + index.pkl: what `FAISS.load_local` reads (docstore and id map)
-    llamaindex.py   a persisted FaissVectorStore + docstore + index store: what `load_index_from_storage` reads
-
-Each export also writes wbrag_export.json last: the view, the counts, the index settings, the embedder
-(name, path, query and passage prefixes) that queries of the export must be embedded with, and with a write-back
-version `union`: the export is a score merge of passages and units (one index), beside the rule the run searches the
-version with (printed where the two differ). The LangChain and LlamaIndex modules also hold the embedding adapters
-and loaders their users need.
-"""
+"""Export the trained knowledge base to FlashRAG, LangChain or LlamaIndex on-disk formats (docs/guide.md): one
+view of the run (`view.py`) read per embedding shard in Ray tasks, written by one format module in a task that
+declares the index's size; `wbrag_export.json` (view, counts, index settings, embedder, union) is written last."""
 
 from __future__ import annotations
 
@@ -23,7 +9,12 @@ from typing import Any
 
 from wbrag_ray import __version__
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.export.view import MANIFEST_FILE
+from wbrag_ray.export import flashrag, langchain, llamaindex
+from wbrag_ray.export.view import MANIFEST_FILE, WRITEBACK, open_view
+from wbrag_ray.index.sizing import TASK_BASE_BYTES, node_bounded
+from wbrag_ray.index.tasks import largest_node
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location, resolve
 
@@ -32,10 +23,8 @@ FORMATS = ("flashrag", "langchain", "llamaindex")
 
 def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Location, *,
               prune_ratio: float | None = None, writeback: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Write the view (see `view.open_view`) in `format` into the folder `out` (local or s3://); returns the
-    export's manifest. A folder that holds anything but an earlier export is refused unless `force`."""
-    from wbrag_ray.export.view import open_view
-
+    """Write the view in `format` into `out` (local or s3://); returns the manifest. A folder holding anything but an
+    earlier export is refused unless `force`."""
     if format not in FORMATS:
         raise ConfigError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
     _writer(format)  # its library is checked here, before any file is written
@@ -60,12 +49,7 @@ SCORE_MERGE = ("base passages and write-back units in one index: a search return
 
 
 def union_record(view, config: WbragConfig) -> dict[str, Any] | None:
-    """How an export merges passages and units (None: it holds no units): one FAISS index searched as one, a merge
-    by score; beside it the rule the run searches the version with (`UnionRule.resolved`: `auto` is the version's
-    choice) and whether the two are the same."""
-    from wbrag_ray.export.view import WRITEBACK
-    from wbrag_ray.retrieval.union import UnionRule
-
+    """How an export merges passages and units (one index, by score) beside the rule the run uses; None: no units."""
     units = [p for p in view.parts if p.source == WRITEBACK]
     if not units:
         return None
@@ -80,16 +64,11 @@ def _write(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[s
 
 
 def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:
-    """`_write` in a Ray task when Ray is up: the export's one FAISS index (whole in memory, as the target libraries
-    load it) lives in a worker that declared its size to Ray, not in the command's process; the task launches the
-    shards' encoding tasks. In this process without Ray."""
+    """`_write` in a Ray task that declares the index's size when Ray is up; in this process otherwise."""
     import ray
 
     if not ray.is_initialized():
         return _write(format, view, out_uri, config)
-    from wbrag_ray.index.sizing import TASK_BASE_BYTES, node_bounded
-    from wbrag_ray.index.tasks import largest_node
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
 
     memory = node_bounded(view.index_bytes() + TASK_BASE_BYTES, largest_node(True))
     return ray.get(ray.remote(num_cpus=LIGHT_CPUS, memory=memory, max_retries=1)(_write).remote(
@@ -99,20 +78,14 @@ def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tupl
 def _writer(format: str):
     """The format's module, after checking that its library is installed (before any file is written)."""
     if format == "flashrag":
-        from wbrag_ray.export import flashrag
-
         return flashrag
-    if format == "langchain":
-        from wbrag_ray.export import langchain as module
-    else:
-        from wbrag_ray.export import llamaindex as module
+    module = langchain if format == "langchain" else llamaindex
     module.require()
     return module
 
 
 def _clear(out: Location, force: bool) -> None:
-    """Remove an earlier export's files from `out` (its manifest first, so a half-written export never looks
-    complete); refuse a folder holding anything else unless `force`."""
+    """Remove an earlier export's files (manifest first); refuse a folder holding anything else unless `force`."""
     if out.is_file():
         raise ConfigError(f"--out {out.uri} is a file; give a folder")
     previous = out.join(MANIFEST_FILE)

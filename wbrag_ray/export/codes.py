@@ -1,5 +1,4 @@
-"""The export's one FAISS index (row i = document i): the trained codec applied to a shard's vectors in its task,
-the codes appended in order, and the index written in pieces."""
+"""The export's one FAISS index (row i = document i): codes made in the shards' tasks, appended in order."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ def encoder(trained: bytes):
 
 
 def adds_codes(index) -> bool:
-    """Whether `index` takes standalone codes (`add_codes`): flat and IVF indices, behind a transform or not. An
-    HNSW graph is built by adding vectors."""
+    """Whether `index` takes standalone codes (flat and IVF, behind a transform or not; not HNSW)."""
     import faiss
 
     inner = faiss.downcast_index(index)

@@ -1,5 +1,4 @@
-"""The embedder, as the export's readers need it: its name, path, prefixes, pooling and input length (recorded in the
-export's manifest), and a loaded one for the LangChain and LlamaIndex adapters."""
+"""The embedder as the export's readers need it: its manifest entry, and a loaded one for the adapters."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from wbrag_ray.config import EmbedderConfig
 
 
 def embedder_info(config: EmbedderConfig, dim: int) -> dict[str, Any]:
-    """The embedder's name, where it loads from, its prefixes, pooling and input length: what a reader of the
-    export needs to embed queries as the index's documents were embedded."""
+    """The embedder's name, source, prefixes, pooling and input length: what a reader needs to embed queries."""
     from wbrag_ray.models.embedder import Embedder
 
     embedder = Embedder(config)  # resolves the model; nothing is loaded
@@ -31,8 +29,7 @@ def embedder_info(config: EmbedderConfig, dim: int) -> dict[str, Any]:
 
 
 def _query_prompt(source: str, name: str) -> str:
-    """The text of the prompt `name` from a local sentence-transformers folder's config; empty where the folder
-    cannot be read (a hub id: a reader loads the model and asks it for `query_prompt` by name)."""
+    """The text of prompt `name` from a local sentence-transformers folder; empty where unreadable (a hub id)."""
     from pathlib import Path
 
     try:
@@ -42,8 +39,7 @@ def _query_prompt(source: str, name: str) -> str:
 
 
 def _sentence_transformers_settings(source: str) -> tuple[str, int | None]:
-    """(pooling, max_seq_length) from a local sentence-transformers folder; ('mean', None) where it cannot be
-    read (a hub id)."""
+    """(pooling, max_seq_length) from a local sentence-transformers folder; ('mean', None) where unreadable."""
     from pathlib import Path
 
     folder = Path(source)

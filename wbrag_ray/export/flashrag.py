@@ -1,13 +1,5 @@
-"""FlashRAG: its corpus format and a dense index whose row order is the corpus's, plus the retriever settings of a
-FlashRAG config.
-
-    corpus.jsonl               {"id", "contents": "title\\ntext", "metadata": {source, wbrag_id, version, ...}}
-    index.faiss                faiss index, row i = line i of the corpus (FlashRAG returns corpus[row])
-    flashrag_retriever.yaml    retrieval_method, retrieval_model_path, index_path, corpus_path, pooling, instruction
-
-FlashRAG's dense retriever reads the index with `faiss.read_index`, the corpus with `datasets`' json loader,
-and maps each hit's row to `corpus[row]`.
-"""
+"""FlashRAG: corpus.jsonl ("title\\ntext" contents), index.faiss whose row i is line i, and the retriever settings
+of a FlashRAG config (flashrag_retriever.yaml)."""
 
 from __future__ import annotations
 
@@ -42,8 +34,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
 
 
 def retriever_settings(view: View, out: Location, config: WbragConfig) -> dict[str, Any]:
-    """The keys of a FlashRAG config that make its dense retriever search this export as `wbrag search` does:
-    the same model (through sentence-transformers: the same pooling and normalization), the same query prefix."""
+    """The FlashRAG config keys that make its dense retriever search this export as `wbrag search` does."""
     embedder = embedder_info(config.embedder, view.dim)
     return {
         "retrieval_method": embedder["name"].rstrip("/").rsplit("/", 1)[-1].removeprefix("bundled:"),
@@ -61,8 +52,7 @@ def retriever_settings(view: View, out: Location, config: WbragConfig) -> dict[s
 
 
 def _instruction(model: str, query_prefix: str) -> str | None:
-    """FlashRAG's `instruction`: the query prefix; None (FlashRAG's default, none) when there is none, unless
-    FlashRAG would pick a prefix from the model's name (e5, bge), which an empty string overrides."""
+    """FlashRAG's `instruction`: the query prefix; '' where FlashRAG would otherwise guess one from the name."""
     if query_prefix:
         return query_prefix
     name = model.lower()

@@ -1,19 +1,5 @@
-"""LangChain: what `langchain_community.vectorstores.FAISS.load_local` reads, and the query side its users need.
-
-    index.faiss    the faiss index, row i = document i (inner product on normalized vectors)
-    index.pkl      (InMemoryDocstore {id: Document}, {row: id}): each Document's page_content is "title\\ntext"
-                   and its metadata says where it comes from (source base / writeback, version, source ids)
-
-`index.pkl` is a pickle, as `FAISS.save_local` writes it, but written as a stream: the pickler takes the
-documents one embedding shard at a time and keeps no memo, so the export never holds the docstore whole.
-
-Load it with the same embedder and inner product (`load`, or by hand):
-
-    from langchain_community.vectorstores import FAISS
-    from langchain_community.vectorstores.utils import DistanceStrategy
-    store = FAISS.load_local(DIR, embeddings(MODEL), allow_dangerous_deserialization=True,
-                             distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT)
-"""
+"""LangChain: index.faiss and index.pkl as `FAISS.load_local` reads them (inner product on normalized vectors),
+the pickle written as a stream one shard at a time; `load` and `embeddings` give the query side."""
 
 from __future__ import annotations
 
@@ -88,8 +74,7 @@ def _embeddings_class():
     from langchain_core.embeddings import Embeddings
 
     class WbragEmbeddings(Embeddings):
-        """wbrag's embedder as LangChain Embeddings: queries and documents get the model's own prefixes
-        (e5: 'query: ' / 'passage: '), vectors are normalized (inner product = cosine)."""
+        """wbrag's embedder as LangChain Embeddings: the model's own prefixes, normalized vectors."""
 
         def __init__(self, embedder: Any):
             self.embedder = embedder
@@ -104,14 +89,12 @@ def _embeddings_class():
 
 
 def embeddings(model: Any):
-    """LangChain `Embeddings` over wbrag's embedder: `model` is the export's embedder name (wbrag_export.json),
-    an EmbedderConfig or a loaded Embedder."""
+    """LangChain `Embeddings` over wbrag's embedder (a name, an EmbedderConfig or a loaded Embedder)."""
     return _embeddings_class()(load_embedder(model))
 
 
 def load(folder: str, model: Any = None):
-    """The exported store as a LangChain FAISS vector store, with the export's embedder (or `model`) and inner
-    product. Only for exports you made: `index.pkl` is a pickle."""
+    """The exported store as a LangChain FAISS store with inner product; only for exports you made (a pickle)."""
     import json
     from pathlib import Path
 

@@ -1,21 +1,6 @@
-"""LlamaIndex: a persisted storage folder that `load_index_from_storage` reads as a VectorStoreIndex over a
-`FaissVectorStore`, and the query side its users need.
-
-    default__vector_store.json   the faiss index (FaissVectorStore persists it under this name), row i = node i
-    docstore.json                one TextNode per document: text "title\\ntext", metadata with its provenance
-                                 (excluded from what the LLM and the embedder see: the text has the title)
-    index_store.json             the VectorStoreIndex's structure: faiss row -> node id
-    graph_store.json, image__vector_store.json   empty, as a persisted VectorStoreIndex has them
-
-The JSON files are written as streams in the library's own layout (each node is serialized by the library), so
-the export never holds the docstore whole. Load it with the same embedder (`load`, or by hand):
-
-    from llama_index.core import StorageContext, load_index_from_storage
-    from llama_index.vector_stores.faiss import FaissVectorStore
-    store = FaissVectorStore.from_persist_dir(DIR)
-    context = StorageContext.from_defaults(vector_store=store, persist_dir=DIR)
-    index = load_index_from_storage(context, embed_model=embed_model(MODEL))
-"""
+"""LlamaIndex: a persisted storage folder `load_index_from_storage` reads as a VectorStoreIndex over a
+`FaissVectorStore` (row i = node i), its JSON written as streams in the library's layout; `load` and
+`embed_model` give the query side."""
 
 from __future__ import annotations
 
@@ -53,8 +38,7 @@ def require() -> None:
 
 
 def write(view: View, out: Location, config: WbragConfig) -> list[str]:
-    """docstore.json while the index fills (node hashes and the row -> node map go to local scratch files),
-    then the index store, the vector store and the empty stores; the files' names."""
+    """Write docstore.json while the index fills, then the index, vector and empty stores; returns the names."""
     from llama_index.core.schema import TextNode
     from llama_index.core.storage.docstore.utils import doc_to_json
 
@@ -90,9 +74,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
 
 
 def _write_index_store(loc: Location, rows_path: str) -> None:
-    """{"index_store/data": {id: {"__type__": "vector_store", "__data__": "<IndexDict as JSON text>"}}}: the
-    IndexDict's JSON is a string inside the JSON, so its nodes_dict (faiss row -> node id) is escaped piece by
-    piece as it is copied from the scratch file."""
+    """The index store, whose IndexDict is JSON text inside JSON: the row -> node map is escaped piece by piece."""
     from llama_index.core.constants import DATA_KEY, TYPE_KEY
     from llama_index.core.data_structs.data_structs import IndexDict
 
@@ -116,8 +98,7 @@ def _embedding_class():
     from llama_index.core.embeddings import BaseEmbedding
 
     class WbragEmbedding(BaseEmbedding):
-        """wbrag's embedder as a LlamaIndex embed model: queries and texts get the model's own prefixes (e5:
-        'query: ' / 'passage: '), vectors are normalized (inner product = cosine)."""
+        """wbrag's embedder as a LlamaIndex embed model: the model's own prefixes, normalized vectors."""
 
         _embedder: Any = PrivateAttr()
 
@@ -145,8 +126,7 @@ def _embedding_class():
 
 
 def embed_model(model: Any):
-    """A LlamaIndex embed model over wbrag's embedder: `model` is the export's embedder name
-    (wbrag_export.json), an EmbedderConfig or a loaded Embedder."""
+    """A LlamaIndex embed model over wbrag's embedder (a name, an EmbedderConfig or a loaded Embedder)."""
     return _embedding_class()(load_embedder(model))
 
 

@@ -1,19 +1,6 @@
-"""What an export holds: one view of a run's knowledge base (the base, or the base pruned at a ratio, plus the
-units of one write-back version), read one embedding shard per Ray task as (codes, documents), and the single
-FAISS index they fill in order, row i = document i (the order FlashRAG's corpus, LangChain's id map and LlamaIndex's
-node map all rely on).
-
-Nothing here holds the corpus: each embedding shard's documents are read by id range (Parquet footer
-statistics, then a row filter), so only the files and row groups whose ids overlap the shard's are opened. A
-pruned level's sentence corpus holds only the kept sentences, so an id it lacks is a pruned one; everywhere
-else a missing document is an error. Counts are checked against the manifests of the indices the run searches.
-
-The vectors are the stored embedding shards the run's indices were built from, added to a copy of the base
-index's trained empty index (same quantizer and codes, no id map): a search of an export of the base (or a pruned
-base) returns what the run's `Retriever` returns (Flat: the same ids; IVF: the same at the nprobe saved in the
-file). With a write-back version it is a score merge (passages and units in one index: `retrieval.union: score`),
-whatever rule the run searches the version with; the manifest's `union` says so (`export.union_record`).
-"""
+"""What an export holds: one view of a run's knowledge base (base or pruned base, plus a write-back version's
+units), read one embedding shard per Ray task as (codes, documents), filling one FAISS index in order (row i =
+document i). Documents are found by id range; a missing one is an error except in a pruned level."""
 
 from __future__ import annotations
 
@@ -26,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.export.codes import add_codes, adds_codes, encoder
 from wbrag_ray.export.embedder import embedder_info
@@ -39,23 +27,23 @@ from wbrag_ray.index.files import (
     to_bytes,
 )
 from wbrag_ray.index.search import measured_settings, search_nprobe, set_search_params
+from wbrag_ray.ray_runtime import LIGHT_CPUS, shared_value
 from wbrag_ray.run import RunFolder
 from wbrag_ray.stages.kept import release_kept
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, resolve
+from wbrag_ray.writeback.versions import active_index, read_active
 
 MANIFEST_FILE = "wbrag_export.json"  # an export's view, counts and embedder; written last: the export is complete
 BASE, WRITEBACK = "base", "writeback"  # the id namespaces, as `Hit.source` names them
 
-# Every document carries the same metadata keys (None where a key does not apply), so a reader that infers
-# one schema from the rows (FlashRAG loads its corpus with `datasets`) sees one.
+# Every document carries the same metadata keys, so a reader inferring one schema sees one.
 METADATA_KEYS = ("source", "wbrag_id", "unit", "title", "doc_id", "passage_id", "version", "source_doc_ids",
                  "source_example_id")
 
 
 @dataclass(frozen=True)
 class Document:
-    """One exported document: `id` is unique in the export (a base id as text, or a unit's `wb:<version>:<n>`),
-    `contents` is FlashRAG's "title\\ntext"."""
+    """One exported document: a unique `id` and FlashRAG's "title\\ntext" `contents`."""
 
     id: str
     title: str
@@ -87,8 +75,7 @@ class Part:
 
 @dataclass
 class View:
-    """The parts an export holds, in order (`open_view` makes one), and what they share: the base index's
-    manifest (dimension, trained index, factory)."""
+    """The parts an export holds, in order, and the base index's manifest they share."""
 
     run: RunFolder
     parts: list[Part]
@@ -102,22 +89,15 @@ class View:
         return int(self.manifest["dim"])
 
     def index_bytes(self) -> int:
-        """About the size of the export's index: the index files the run searches for every part, as built (codes
-        and ids; the export holds the codes without the ids' 8 bytes a vector, and one coarse quantizer)."""
+        """About the size of the export's index, from the index files the run searches."""
         return sum(sum(s.get("bytes", 0) for s in load_manifest(p.index).get("shards", [])) for p in self.parts)
 
     def _count_task(self) -> None:
         self.shards_in_tasks += 1
 
     def fill(self, index) -> Iterator[list[Document]]:
-        """Fill `index` (`empty_index`) with every part's vectors in order, the base first, and yield each embedding
-        shard's documents as their rows are added (row i = document i); each part's count is checked against its
-        index manifest once it is read.
-
-        With Ray up and an index that stores standalone codes (flat, IVF, behind a transform or not), each embedding
-        shard is read, matched with its documents and encoded in a Ray task, `EXPORT_IN_FLIGHT` at a time, and this
-        process only appends the codes, in shard order: the encoding, the bulk of the work, spreads over the cluster.
-        Otherwise (an HNSW graph is built by adding; no Ray) the vectors are added here, one shard at a time."""
+        """Fill `index` with every part's vectors in order and yield each shard's documents as added; counts are
+        checked against the manifests. With Ray and a codes index the shards encode in Ray tasks (`EXPORT_IN_FLIGHT`)."""
         self.counts = {}
         trained = self.empty_index_bytes if adds_codes(index) else None
         for part in self.parts:
@@ -140,8 +120,7 @@ class View:
     shards_in_tasks: int = 0  # embedding shards read and encoded by Ray tasks (the rest: in this process)
 
     def empty_index(self, config: WbragConfig):
-        """A copy of the base index's trained empty index without its id map (row i = document i), with the
-        run's search settings (nprobe, efSearch, k_factor) set: faiss saves them with the index."""
+        """A copy of the base's trained empty index without id map, with the run's search settings set."""
         import faiss
 
         base = self.parts[0].index
@@ -164,8 +143,7 @@ class View:
         return measured_settings(self.manifest, config.index.nprobe, config.index.ef_search)
 
     def nprobe(self, config: WbragConfig) -> int | None:
-        """The nprobe saved in the exported index (index.nprobe; 'auto': the measured one, else the formula's on
-        the trained index)."""
+        """The nprobe saved in the exported index (index.nprobe; 'auto': the measured one)."""
         nprobe = self.search_settings(config)[0]
         return search_nprobe(self.empty_index(config), nprobe) if nprobe == "auto" else nprobe
 
@@ -187,10 +165,7 @@ class View:
 
 def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = None,
               writeback: str | None = None) -> View:
-    """The base index (or the base pruned at `prune_ratio`) plus the units of a write-back version:
-    `writeback` names one, or is 'active' (the active one; an error when there is none) or 'none'; by default
-    the active version when there is one."""
-    from wbrag_ray.build_kb import INDEX
+    """The base (or pruned) index plus the units of `writeback` ('active', 'none' or a version)."""
     from wbrag_ray.zerorag.prune import index_for_ratio
 
     run.require(INDEX)
@@ -224,8 +199,6 @@ def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = N
 
 
 def _writeback_version(run: RunFolder, writeback: str | None) -> str | None:
-    from wbrag_ray.writeback.versions import active_index, read_active
-
     if writeback == "none":
         return None
     if writeback is None:  # by default what the run searches: the active version, when there is one
@@ -238,8 +211,7 @@ def _writeback_version(run: RunFolder, writeback: str | None) -> str | None:
 
 
 class RowsById:
-    """Rows of a Parquet folder looked up by id, one batch of ids at a time: only the files (and, through the
-    row filter, the row groups) whose id range overlaps the batch's are read."""
+    """Rows of a Parquet folder by id, reading only files and row groups whose id range overlaps the batch."""
 
     def __init__(self, folder: Location, id_column: str, columns: list[str]):
         self.folder, self.id_column, self.columns = folder, id_column, columns
@@ -289,11 +261,8 @@ EXPORT_IN_FLIGHT = 8  # encoding tasks ahead of the writer: enough to keep a clu
 
 def _part_batches(part: Part, trained: bytes | None, parallel: bool,
                   on_task=lambda: None) -> Iterator[tuple[np.ndarray, list[Document]]]:
-    """(vectors, or codes when `trained` is given, documents) of each embedding shard of `part`, in order: in Ray
-    tasks when `parallel` and Ray is up."""
+    """(vectors or codes, documents) of each embedding shard of `part`, in order (Ray tasks when `parallel`)."""
     import ray
-
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
 
     readers = _Readers.of(part)
     files = [f.uri for f in embedding_files(part.embeddings)]
@@ -319,8 +288,7 @@ def _part_batches(part: Part, trained: bytes | None, parallel: bool,
 
 @dataclass(frozen=True)
 class _Readers:
-    """What a shard's task needs to find its documents: the part, and its documents' (and titles') files with their
-    id ranges, read from the footers once, here, not once per task."""
+    """A shard task's inputs: the part and its documents' files with their id ranges, read once here."""
 
     part: Part
     docs: RowsById
@@ -336,11 +304,7 @@ class _Readers:
 
 
 def _shard_batch(readers: _Readers, trained, uri: str) -> tuple[np.ndarray, list[Document]] | None:
-    """One embedding shard's vectors (or, given the trained index, their standalone codes) and documents, in the
-    shard's order; None when it holds no document of the view."""
-    from wbrag_ray.ray_runtime import shared_value
-    from wbrag_ray.storage import resolve
-
+    """One embedding shard's vectors (or codes) and documents in order; None when it holds none of the view."""
     f = resolve(uri)
     part = readers.part
     ids, vectors = read_embedding_shard(f)

@@ -131,7 +131,7 @@ def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: i
 
 
 def model_shape(model: str) -> ModelSize:
-    """The shape of `model` as the driver can read it without loading it (`plan.models.model_size`: a local
+    """The shape of `model` as the driver can read it without loading it (`models.size.model_size`: a local
     folder's config.json, a GGUF file's metadata, a hub id's config.json in this machine's cache, the table of
     known models), an s3:// folder's by its config.json on storage."""
     if "://" in model and not model.startswith("file://"):

@@ -1,26 +1,6 @@
-"""The sharded index build: plan, train once, add per embedding shard, merge per index shard.
-
-  0. plan, before any vector is read: the factory and the training sample together (at least 39 training
-     vectors per IVF list, within `train_memory_gb`: `sizing.plan_training`);
-  1. train: one task trains an empty index on that sample (`trained.faiss`); an IVF's k-means runs on a GPU
-     when one is reserved for the task (`index.gpu` and a GPU in the cluster), on the CPU otherwise;
-  2. add: one task per embedding shard encodes its vectors into a part (`_parts/part-NNNNNN.codes.npz`: an
-     IVF's part holds ids and codes only, no copy of the quantizer; see `parts.py`);
-  3. merge: one task per index shard, all in flight together, fills the trained index with its parts
-     (`index-NNNNN.faiss`). The number of index shards is `num_shards`, or with "auto" the estimated index
-     bytes (faiss's code size per vector, from the trained index) over `shard_memory_gb`: each index shard
-     is what one merge task builds and one search actor loads, whatever the corpus size.
-Index types that faiss cannot merge (HNSW graphs, refine wrappers) skip step 3: their add tasks fill one
-index shard each, from a group of embedding shards. Each task declares to Ray the CPUs and memory it uses
-(`sizing.train_resources`, `sizing.merge_memory`).
-
-Inside a stage, each task records its result once its file is written (`checkpoints.TaskRecords`, in the stage's
-checkpoint): a rerun after a killed driver takes the trained index, the parts and the merged shards an earlier
-attempt finished and runs only the other tasks (`tasks.run_recorded`).
-
-Over 400 lines (about 450), not split: the tasks and the one function that sequences them, so the build reads top
-to bottom in one file; its pure rules are in `sizing.py`, the part formats in `parts.py`, the files in `files.py`.
-"""
+"""The sharded index build: plan, train once, add per embedding shard, merge per index shard; each task declares
+its CPUs and memory, and records its result so a rerun runs only the others (docs/architecture.md, Design notes).
+Over 400 lines, not split: the tasks and the one function that sequences them read top to bottom here."""
 
 from __future__ import annotations
 
@@ -117,8 +97,7 @@ def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool
 
 
 def _train_on_gpu(index, sample: np.ndarray) -> None:
-    """The IVF's k-means on the GPUs this task holds (faiss-gpu's flat index assigns the points); codebooks and
-    transforms train on the CPU as usual. Runs only where faiss has GPU support and Ray reserved a GPU."""
+    """An IVF's k-means on this task's GPUs (faiss-gpu assigns the points); codebooks train on the CPU."""
     import faiss
 
     ivf = faiss.extract_index_ivf(index)
@@ -135,8 +114,7 @@ def _train_on_gpu(index, sample: np.ndarray) -> None:
 
 
 def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, Any]:
-    """Encode the vectors of some embedding shards with the trained index and write them to `out`: a codes-only
-    part (IVFs, `shared["code_parts"]`), or a copy of the trained index filled with them."""
+    """Encode embedding shards with the trained index into a codes-only part (IVFs) or a filled index copy."""
     set_threads(shared["threads"])
     out_uri, file_uris, *record = item
     base_rss = reset_peak_rss()
@@ -231,20 +209,9 @@ def build_index(
     ef_search: int | None = None,
 ) -> dict[str, Any]:
     """Build a sharded index from embedding shards into `out` (index shards, trained.faiss, manifest.json).
-
-    factory: any faiss factory string, or "auto" (`sizing.choose_factory`); train_sample: vectors to train on,
-    at least (`sizing.plan_training`: raised to 39 per IVF list, capped by train_memory_gb). num_shards: an
-    integer, or "auto" (estimated index bytes / shard_memory_gb). gpu: train an IVF's k-means on a GPU where
-    the cluster has one. parallel: Ray tasks (default: when Ray is initialized) or calls in this process.
-    trained: a trained empty index to reuse instead of training (pruned views reuse their source's).
-    drop_ids: ids left out of the index, or a reference to them sorted in Ray's object store (the add tasks
-    read them there; the driver need not hold them: `index.prune.drop_ids_ref`). docs: where the documents of
-    the ids live (an ingest folder or a Parquet folder of id, title, text), recorded in the manifest.
-    target_recall: measure the search setting against exact search on `recall_queries` of the vectors and
-    record it in the manifest (`recall.measure_search`: chosen for nprobe 'auto' / ef_search None, else measured
-    as given); None: not measured.
-    Returns stage stats: counts, seconds per step, the peak memory of each kind of task.
-    """
+    factory, train_sample, num_shards, gpu: as the index config; parallel: Ray tasks or in-process calls; trained: a
+    trained empty index to reuse; drop_ids: ids left out (or their object-store reference); docs: where the documents
+    live; target_recall: measure the search setting on `recall_queries` vectors. Returns stage stats."""
     t0 = time.perf_counter()
     if parallel is None:
         import ray
@@ -266,8 +233,7 @@ def build_index(
         factory = choose_factory(total, dim, memory_budget_gb, train_memory_gb)
     if requested != factory:
         log.info("index.factory=auto chose %s for %d x %d vectors", factory, total, dim)
-    # a Ray task uses the CPUs it asked for; in process, the CPUs this process may use (a pod's quota, not the
-    # host's cores, which faiss's OpenMP default would take)
+    # a Ray task uses the CPUs it asked for; in process, those this process may use (not the host's cores)
     threads = max(1, int(num_cpus)) if parallel else usable_cpus()
     manifest_loc = out.join(MANIFEST)
     manifest_loc.delete()  # a reader never pairs an old manifest with half-rewritten shards
@@ -317,9 +283,8 @@ def build_index(
     log.info("index %s: %d vectors in %s shards, about %.0f bytes each (%s)", factory, total, wanted, per_vector,
              f"auto: at most index.shard_memory_gb={shard_memory_gb}" if auto_shards else "index.num_shards")
 
-    # 2. add per embedding shard (mergeable types) or per index shard (the others)
-    # An IVF with array lists merges from codes-only parts; any other type is asked by a trial merge of two
-    # copies (not made for an IVF: two more copies of its quantizer in the driver, which grows with the lists)
+    # 2. add per embedding shard (mergeable types) or per index shard (the others); an IVF with array lists merges
+    # from codes-only parts, other types are asked by a trial merge of two copies
     code_parts = code_part_ivf(trained_index) is not None
     mergeable = code_parts or can_merge(trained_index)
     search_space = parameter_of(trained_index)  # what the search measurement tries, read while the index is here
@@ -434,9 +399,7 @@ def build_index(
         "add_peak_rss_mb": round(add_peak, 1),
         "merge_peak_rss_mb": max(merge_peaks) if merge_peaks else None,
         "merge_task_peak_rss_mb": merge_peaks,  # one per index shard, in shard order
-        # what each merge's worker held when the task began: a reused Ray worker keeps what earlier tasks grew
-        # (another stage's imports, freed memory the allocator kept), which its peak above includes (None: a merge
-        # recorded by an attempt of a version that did not measure it)
+        # what each merge's worker held when it began (a reused worker keeps earlier tasks' memory)
         "merge_task_start_rss_mb": [None if m.get("base_rss_mb") is None else round(m["base_rss_mb"], 1)
                                     for m in merged],
         # the processes that ran the tasks (Ray workers, or this one when not parallel): where the peaks were measured

@@ -1,15 +1,6 @@
-"""Add parts: what one add task writes and a merge task reads back into an index shard.
-
-An IVF's part is codes only: the ids and the faiss codes of its vectors, each code prefixed by its list
-number (faiss's standalone codes, `sa_encode`), in an .npz. It carries no copy of the trained index (at
-IVF262144 x 768 the coarse quantizer alone is 800 MB), so a part is as small as the vectors it encodes. The
-merge task reads the trained empty index once and appends every part's codes to its inverted lists
-(`add_sa_codes`), in part order: the same lists, in the same order, as adding the vectors themselves and
-merging whole-index parts, so searches answer identically.
-
-Other mergeable types (Flat codes behind an id map, and IVFs with packed fast-scan lists) have no quantizer
-to copy or no plain code lists: their part is a whole index, merged with faiss's `merge_from`.
-"""
+"""Add parts: what one add task writes and a merge task reads into an index shard. An IVF's part is ids and
+standalone codes (`sa_encode`), without the quantizer, appended to the lists in part order (the same index as
+adding the vectors); other mergeable types write a whole index merged with `merge_from`."""
 
 from __future__ import annotations
 
@@ -25,8 +16,7 @@ INDEX_SUFFIX = ".faiss"
 
 
 def code_part_ivf(index):
-    """The IVF whose inverted lists a codes-only part fills: a bare IVF, or one behind a pre-transform (PCA,
-    OPQ), with plain array lists; None for any other index (id maps, refine wrappers, HNSW, fast-scan IVFs)."""
+    """The IVF whose array lists a codes-only part fills (bare, or behind a pre-transform); None otherwise."""
     import faiss
 
     outer = faiss.downcast_index(index)
@@ -71,8 +61,7 @@ def add_codes(index, ivf, ids: np.ndarray, codes: np.ndarray) -> None:
 
 
 def merge_parts(trained: Location, parts: list[Location]):
-    """One index shard from its parts (codes-only or whole-index), one part in memory at a time besides the
-    shard itself."""
+    """One index shard from its parts, one part in memory at a time besides the shard."""
     if parts and parts[0].name.endswith(CODES_SUFFIX):
         index = read_index_file(trained)
         ivf = code_part_ivf(index)

@@ -1,9 +1,5 @@
-"""Pruned views of an index (Zero-RAG): the same index without the sentences the model already knows.
-
-A pruned view is rebuilt from the stored embedding shards, never re-embedded, and reuses its source's
-trained empty index: no retraining, the same coarse quantizer and codebooks, so the full and the pruned
-index differ only in what they hold.
-"""
+"""Pruned views of an index (Zero-RAG): the index without the sentences the model knows, rebuilt from the
+stored embeddings with the source's trained empty index."""
 
 from __future__ import annotations
 
@@ -22,9 +18,7 @@ if TYPE_CHECKING:
 
 
 def scan_drop_ids(loc: Location) -> np.ndarray:
-    """Sorted unique int64 ids to drop, from Parquet files (a file or a folder): with a boolean `keep` column (a
-    keep mask: rows with keep = false are dropped), or else an `id` column of ids to drop. Streamed: a few
-    batches of the files are held at a time, then only the ids."""
+    """Sorted unique int64 ids to drop, streamed from Parquet files (a `keep` mask column, or an `id` column)."""
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
@@ -42,10 +36,7 @@ def scan_drop_ids(loc: Location) -> np.ndarray:
 
 
 def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]:
-    """(a reference to `scan_drop_ids(loc)` in Ray's object store, how many): the ids are collected by a Ray task
-    and stay in the object store, where the index build's add tasks read them; the driver holds only the
-    reference (the ids are 8 bytes a dropped sentence, 330 MB at 138M sentences and ratio 0.3, and their
-    sort takes copies)."""
+    """(object-store reference to `scan_drop_ids(loc)`, count): collected by a Ray task, so the driver holds no ids."""
     import ray
 
     def scan(uri: str) -> tuple[np.ndarray, int]:
@@ -58,8 +49,7 @@ def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]
 
 
 def drop_ids_from(spec: np.ndarray | list[int] | str | Location | ObjectRef) -> np.ndarray | ObjectRef:
-    """Sorted unique int64 ids to drop: from an array, from Parquet files (`scan_drop_ids`), or a reference
-    to them in Ray's object store (`drop_ids_ref`), passed on as it is."""
+    """Sorted unique ids to drop: from an array, Parquet files, or an object-store reference (passed on)."""
     if is_object_ref(spec):
         return spec
     if isinstance(spec, str | Location):
@@ -76,9 +66,7 @@ def prune_index(
     num_cpus: float = 1.0,
     parallel: bool | None = None,
 ) -> dict[str, Any]:
-    """Write a pruned view of the index at `index_dir` into `out_dir`, leaving out the ids in `drop` (see
-    `drop_ids_from`). Same factory, embedder, documents and shard count unless `num_shards` is given.
-    Returns the build stats (rows_out = vectors kept, rows_dropped = vectors dropped)."""
+    """Write a pruned view of `index_dir` into `out_dir` without the ids in `drop`; returns the build stats."""
     src = resolve(index_dir) if isinstance(index_dir, str) else index_dir
     out = resolve(out_dir) if isinstance(out_dir, str) else out_dir
     if src.uri.rstrip("/") == out.uri.rstrip("/"):

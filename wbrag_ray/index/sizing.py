@@ -1,9 +1,5 @@
-"""How big an index build is: the factory, the training sample, the shard count (and which parts make each
-shard) and the train task's resources, decided from counts and memory figures before any vector is read.
-
-Everything here is a pure function of numbers and factory strings (`bytes_per_vector` reads a trained, empty
-faiss index, no data), so the rules are tested at 138M vectors without a single vector.
-"""
+"""How big an index build is: the factory, the training sample, the shard count and the train task's
+resources, as pure functions of counts and memory figures."""
 
 from __future__ import annotations
 
@@ -16,26 +12,14 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-# faiss's k-means warns below 39 training points per centroid (and refuses below 1): the centroids of an
-# under-trained IVF are noise and its cells mean little.
+# faiss's k-means warns below 39 training points per centroid.
 MIN_POINTS_PER_CENTROID = 39
 
 
 def choose_factory(n: int, dim: int, memory_budget_gb: float, train_memory_gb: float = 8.0) -> str:
-    """The factory string `index.factory=auto` picks, autofaiss-style, from the vector count and the memory
-    budget of the whole index (all shards, as the search actors hold them together):
-
-    - n < 20,000: `Flat` (exact search is fast at that size and needs no training);
-    - else an IVF with nlist = the power of two nearest 4*sqrt(n) (16*sqrt(n) from 10M vectors on, with an
-      HNSW32 coarse quantizer: a flat one is too slow to probe with 2^16+ centroids), lowered to the largest
-      power of two that gets at least 39 training points per centroid (faiss's minimum) from the corpus and
-      from the training sample that fits `train_memory_gb` (`train_sample_cap`; see `plan_training`);
-      its codes are the most precise that fit the budget with 10% headroom:
-      raw float32 (`Flat`), 8-bit scalar (`SQ8`, 1 byte per dimension), or product quantization `PQm` with
-      the largest m that divides dim and fits (m bytes per vector), refined by nothing (a refine step needs
-      the raw vectors in memory, which is what the budget ruled out).
-    Per-vector overheads counted: 8 bytes of id, plus the code.
-    """
+    """The factory `index.factory=auto` picks from the vector count and the whole index's memory budget: Flat below
+    20,000 vectors, else an IVF (nlist near 4*sqrt(n), 16*sqrt(n) with an HNSW32 quantizer from 10M on, lowered for 39
+    training points per list) with the most precise codes (Flat, SQ8, PQm) that fit with 10% headroom."""
     if n < 20_000:
         return "Flat"
     budget = memory_budget_gb * GiB * 0.9
@@ -69,8 +53,7 @@ def train_sample_cap(dim: int, train_memory_gb: float) -> int:
 
 
 def ivf_nlist(factory: str) -> int | None:
-    """The number of IVF lists a factory string asks for (`IVF4096,PQ48`, `OPQ48,IVF65536_HNSW32,PQ48`), or
-    None for an index without an IVF coarse quantizer."""
+    """The number of IVF lists a factory string asks for, or None without an IVF coarse quantizer."""
     m = re.search(r"(?:^|,)IVF(\d+)", factory.replace(" ", ""))
     return int(m.group(1)) if m else None
 
@@ -86,15 +69,9 @@ class TrainingPlan:
 
 def plan_training(n: int, dim: int, factory: str, train_sample: int, memory_budget_gb: float = 16.0,
                   train_memory_gb: float = 8.0) -> TrainingPlan:
-    """The factory and training sample, chosen together (`index.factory`, `index.train_sample`).
-
-    The sample is max(train_sample, 39 x nlist), capped by the corpus (n) and by what one train task's memory
-    holds (`train_sample_cap`): faiss's k-means needs at least 39 points per centroid. `factory="auto"` takes
-    fewer centroids when the cap would not give 39 each (`choose_factory`). An explicit IVF factory keeps its
-    nlist: the sample is raised to 39 x nlist (logged), and when `train_memory_gb` cannot hold that many the
-    build is refused here, before any work, with the fix. A corpus smaller than 39 x nlist trains on every
-    vector (logged: the index works, its cells are coarse); one smaller than nlist is refused.
-    """
+    """The factory and training sample, chosen together: max(train_sample, 39 x nlist), capped by the corpus and by
+    `train_memory_gb`. An explicit IVF that cannot get 39 points per list within the memory is refused here; a
+    corpus smaller than 39 x nlist trains on every vector (logged), one smaller than nlist is refused."""
     auto = factory.strip().lower() == "auto"
     if auto:
         factory = choose_factory(n, dim, memory_budget_gb, train_memory_gb)
@@ -131,13 +108,10 @@ def plan_training(n: int, dim: int, factory: str, train_sample: int, memory_budg
 
 
 def bytes_per_vector(index) -> float:
-    """Bytes one more vector adds to an index file, from the trained empty index's structure (faiss tells
-    the code size of each part): the code, plus 8 bytes of id where ids are stored; an HNSW graph adds its
-    links (2M at level 0 plus about M/(M-1) above, 4 bytes each) and their level/offset bookkeeping."""
+    """Bytes one more vector adds to an index file, from the trained empty index: code, id, HNSW links."""
     import faiss
 
-    # A new name, not `index =`: the downcast wrapper does not own the C++ object, and rebinding the argument
-    # would free a temporary the caller passed (faiss.index_factory(...) inline): a segfault on the next access.
+    # A new name, not `index =`: rebinding would free a temporary the caller passed (a segfault later).
     owner, index = index, faiss.downcast_index(index)  # noqa: F841 - `owner` keeps the object alive
     if isinstance(index, faiss.IndexIDMap | faiss.IndexIDMap2):
         return 8 + bytes_per_vector(index.index)
@@ -160,8 +134,7 @@ def bytes_per_vector(index) -> float:
 
 
 def shards_for(n: int, per_vector: float, fixed_bytes: int, shard_memory_gb: float) -> int:
-    """`index.num_shards=auto`: ceil(estimated index bytes / shard budget), where every shard carries its own
-    copy of the trained index (`fixed_bytes`: the coarse quantizer and codebooks) besides its vectors."""
+    """`num_shards=auto`: ceil(estimated bytes / shard budget), each shard carrying the trained index."""
     budget = shard_memory_gb * GiB
     room = budget - fixed_bytes
     if room <= budget * 0.05:
@@ -184,8 +157,7 @@ def is_auto(num_shards: int | str) -> bool:
 
 def shard_count(num_shards: int | str, n: int, trained_index, trained_bytes: int, shard_memory_gb: float,
                 files: int) -> tuple[int, float]:
-    """(index shards to build, estimated bytes per vector): `num_shards`, or for "auto" the estimate over the
-    shard budget; never more than the embedding shards (a part is the smallest unit a shard is made of)."""
+    """(index shards, estimated bytes per vector): never more shards than embedding shards."""
     per_vector = bytes_per_vector(trained_index)
     if not is_auto(num_shards):
         return int(num_shards), per_vector
@@ -198,16 +170,14 @@ def shard_count(num_shards: int | str, n: int, trained_index, trained_bytes: int
 
 
 def balanced_groups(counts: Sequence[int], n: int) -> list[list[int]]:
-    """Split positions 0..len-1 into min(n, len) contiguous, non-empty groups of about equal total count
-    (contiguous keeps each index shard's id range narrow: embedding shards follow corpus order)."""
+    """Split 0..len-1 into min(n, len) contiguous groups of about equal count (narrow id ranges per shard)."""
     n = max(1, min(n, len(counts)))
     total = sum(counts)
     groups: list[list[int]] = [[]]
     done = 0
     for i, c in enumerate(counts):
         if len(groups) < n and groups[-1]:
-            # open the next group once this one holds its share, or when only enough items are left to
-            # give every remaining group one
+            # open the next group once this one holds its share, or when every remaining group needs one
             if done >= total * len(groups) / n or len(counts) - i <= n - len(groups):
                 groups.append([])
         groups[-1].append(i)
@@ -221,11 +191,8 @@ TASK_BASE_BYTES = 512 * 2**20
 
 def train_resources(num_cpus: float, gpu: bool, cluster_gpus: float, faiss_gpu: bool, kmeans: bool,
                     node: dict[str, float], sample_bytes: int, quantizer_bytes: int) -> dict[str, float]:
-    """The Ray resources of the train task. A GPU when `index.gpu` asks for it, faiss was built with GPU support,
-    the cluster has a GPU and the index trains k-means (an IVF's coarse quantizer). Otherwise k-means runs on every
-    core of its node (the add tasks wait for it), so it asks for a whole node's CPUs: the largest node's, but no more
-    than are free now (services may hold some: a task asking for more would never be placed). Memory: the sample
-    twice (the drawn sample and faiss's working copy of it), the centroids twice, and a worker's base."""
+    """The train task's Ray resources: a GPU where k-means can use one, else the largest node's CPUs (no more than
+    are free now); memory for the sample twice, the centroids twice and a worker's base."""
     use_gpu = gpu and faiss_gpu and cluster_gpus >= 1 and kmeans
     cpus = num_cpus
     if kmeans and not use_gpu:
@@ -235,14 +202,12 @@ def train_resources(num_cpus: float, gpu: bool, cluster_gpus: float, faiss_gpu: 
 
 
 def merge_memory(vectors: int, per_vector: float, trained_bytes: int, node: dict[str, float]) -> int:
-    """The memory a merge task declares: its shard twice (measured: a merge peaks at 1.4-2x the shard it writes,
-    the index plus faiss's serialization of it), the trained index, and a worker's base."""
+    """A merge task's memory: its shard twice (a merge peaks at 1.4-2x its shard), the trained index, a worker."""
     return node_bounded(int(2 * vectors * per_vector) + trained_bytes + TASK_BASE_BYTES, node)
 
 
 def node_bounded(memory: int, node: dict[str, float]) -> int:
-    """`memory` capped at what the largest node offers Ray: a larger request could never be placed and would wait
-    forever; the node is then as full as it gets, and the logged warning says so."""
+    """`memory` capped at the largest node's (a larger request would never be placed; logged)."""
     offered = int(node.get("memory", 0) * 0.95)
     if offered and memory > offered:
         log.warning("an index task needs about %.1f GB, more than the largest node offers Ray (%.1f GB): it asks for "

@@ -1,7 +1,5 @@
-"""The build's tasks run as Ray tasks when Ray is up and as plain calls in this process otherwise (small jobs,
-tests, the single-process baseline of the benchmark; `ray_runtime.run_tasks`); each measures its own peak
-memory (`ray_runtime.reset_peak_rss` / `peak_rss_mb`); the GPU a task may use; inside a stage, each records its
-result once its file is written, and a rerun after a killed driver runs only the tasks not recorded."""
+"""The build's tasks: Ray tasks when Ray is up, plain calls otherwise; each measures its peak memory, and inside
+a stage records its result so a rerun runs only the unrecorded ones."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def recorded(record: list[str], result: dict[str, Any]) -> dict[str, Any]:
 
 def run_recorded(fn, shared: Any, items: list[tuple], kind: str, records: TaskRecords | None,
                  **kwargs: Any) -> tuple[list[dict[str, Any]], list[bool]]:
-    """`run_tasks` over the items no earlier attempt of the stage recorded (with their files still there): the
-    results of all items in their order, and for each whether it was taken from the records."""
+    """`run_tasks` over the items no earlier attempt recorded: results in order, and whether each was recorded."""
     if records is None:
         return run_tasks(fn, shared, items, **kwargs), [False] * len(items)
     names = [f"{kind}-{posixpath.basename(item[0])}" for item in items]
@@ -70,8 +67,7 @@ def cluster_gpus(parallel: bool) -> float:
 
 
 def reserved_gpu(parallel: bool) -> bool:
-    """Whether this task holds a GPU that faiss can use: one Ray reserved for it (parallel), or one of this
-    machine (in process)."""
+    """Whether this task holds a GPU faiss can use."""
     if not faiss_has_gpu():
         return False
     if parallel:
@@ -84,8 +80,7 @@ def reserved_gpu(parallel: bool) -> bool:
 
 
 def largest_node(parallel: bool) -> dict[str, float]:
-    """{"CPU": cores, "memory": bytes} of the largest alive node (by CPUs), and the CPUs free in the cluster now
-    ("free_CPU"): what a task may ask for and still be placed. This process's machine when not parallel."""
+    """{"CPU", "memory"} of the largest alive node and the cluster's free CPUs ("free_CPU")."""
     if not parallel:
         import psutil
 

@@ -1,5 +1,4 @@
-"""Model wrappers: the embedder, the bundled-model lookup, hardware choice, pruner head and router
-(the generator backends live in `wbrag_ray.generation`)."""
+"""Model wrappers: embedder, bundled models, hardware choice, pruner head and router."""
 
 from wbrag_ray.models.embedder import Embedder
 

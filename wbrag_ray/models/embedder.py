@@ -1,5 +1,4 @@
-"""The embedder: sentence-transformers, normalized vectors (inner product = cosine), e5 prefixes or the query
-prompt the model ships (embedder.query_prompt)."""
+"""The embedder: sentence-transformers, normalized vectors, e5 prefixes or the model's own query prompt."""
 
 from __future__ import annotations
 
@@ -7,6 +6,7 @@ import numpy as np
 
 from wbrag_ray.config import ConfigError, EmbedderConfig
 from wbrag_ray.models.bundled import resolve_model
+from wbrag_ray.models.hardware import pick_device, pick_dtype
 
 
 def needs_e5_prefixes(model: str) -> bool:
@@ -26,8 +26,6 @@ class Embedder:
 
     def setup(self) -> None:
         from sentence_transformers import SentenceTransformer
-
-        from wbrag_ray.models.hardware import pick_device, pick_dtype
 
         device = pick_device(self.config.num_gpus)
         self.model = SentenceTransformer(self.source, device=device, trust_remote_code=self.config.trust_remote_code)
@@ -66,8 +64,7 @@ class Embedder:
             convert_to_tensor=True,
             show_progress_bar=False,
         )
-        # Normalized again in fp32: a bf16 model's own normalization leaves norms off by up to 2e-3, and inner
-        # products must stay comparable across indices (base and write-back) built in different dtypes.
+        # Normalized again in fp32, so inner products compare across indexes built in different dtypes.
         vecs = vecs.float()
         return (vecs / vecs.norm(dim=1, keepdim=True).clamp_min(1e-12)).cpu().numpy()
 

@@ -7,6 +7,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from wbrag_ray.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -37,17 +39,14 @@ MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def cpu_matmul_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU flags that decide the speed of every model here: without avx512_bf16, bf16 is emulated (about
-    0.3 GFLOP/s against 100+ for fp32) and `dtype: auto` runs fp32."""
+    """The CPU flags that decide model speed: without avx512_bf16, bf16 is emulated and `dtype: auto` runs fp32."""
     flags = _cpuinfo(cpuinfo)[1]
     if not flags:
         return "unknown"
     return " ".join(w for w in MATMUL_FLAGS if w in flags) or "none of " + " ".join(MATMUL_FLAGS)
 
 
-# The variables that hold the math libraries below this CPU's instruction set, at the values `make test-avx2` sets
-# to run the code paths of an AVX2-only CPU on a faster one: torch's own kernels, oneDNN's, MKL's and OpenBLAS's.
-# faiss and vLLM pick their kernels from the CPU's flags alone and are not held.
+# Variables that hold math libraries below this CPU's instruction set, as `make test-avx2` sets them.
 AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
                  "OPENBLAS_CORETYPE": "Haswell"}
 # oneDNN's instruction sets below AVX512_CORE_BF16: held to one of them, bf16 is emulated whatever the CPU has
@@ -61,9 +60,7 @@ def held_kernels(environ: Mapping[str, str] | None = None) -> str:
 
 
 def cpu_kind(cpuinfo: str = "/proc/cpuinfo", environ: Mapping[str, str] | None = None) -> str:
-    """The CPU for a log line: its model, its matmul flags, and which of the two kinds the project's timings are
-    given for (AVX512-BF16, or AVX2 only, where bf16 is emulated and everything takes longer); then the variables
-    that hold its kernels lower, where `environ` (this process's) sets any."""
+    """The CPU for a log line: model, matmul flags, timing kind, and the variables holding its kernels lower."""
     model, flags = _cpuinfo(cpuinfo)
     kind = "AVX512-BF16" if cpu_has_native_bf16(cpuinfo) else "AVX2 only" if "avx2" in flags else "no AVX2"
     line = f"{model or 'unknown model'}, flags {cpu_matmul_flags(cpuinfo)}: {kind}"
@@ -72,10 +69,8 @@ def cpu_kind(cpuinfo: str = "/proc/cpuinfo", environ: Mapping[str, str] | None =
 
 
 def cpu_supports_bf16(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether `dtype: auto` takes bf16 on this CPU: where it is native and oneDNN is not held below it
-    (ONEDNN_MAX_CPU_ISA, as `make test-avx2` holds it), unless WBRAG_CPU_BF16=0 asks for float32 on every CPU kind
-    (numbers that do not depend on the CPU a job lands on; the test suite sets it). The variables reach Ray
-    workers started from this process's environment."""
+    """Whether `dtype: auto` takes bf16 on this CPU: where native and not held below (ONEDNN_MAX_CPU_ISA), unless
+    WBRAG_CPU_BF16=0."""
     environ = os.environ if environ is None else environ
     held_below = environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_WITHOUT_BF16
     return cpu_has_native_bf16() and not held_below and environ.get("WBRAG_CPU_BF16", "1") != "0"
@@ -95,10 +90,8 @@ def pick_dtype(requested: str, device: str):
 
 
 def pick_device(num_gpus: float) -> str:
-    """"cuda" where a stage asked for GPUs (`num_gpus` > 0) and torch sees one. A worker Ray granted GPUs to whose
-    torch sees none (a CUDA build that does not match the node's driver, a CPU-only torch in the image) is
-    refused, not run on CPU: 21M passages on the CPU a GPU actor holds would take days, silently. Outside such a
-    worker (a command on a head node without GPUs: a search, a few queries) the stage runs on CPU and says so."""
+    """"cuda" where a stage asked for GPUs and torch sees one. A Ray GPU worker whose torch sees none is refused
+    (a GPU stage on CPU would take days, silently); outside such a worker the stage runs on CPU and says so."""
     import torch
 
     if num_gpus <= 0:
@@ -107,8 +100,6 @@ def pick_device(num_gpus: float) -> str:
         return "cuda"
     granted = granted_gpus()
     if granted:
-        from wbrag_ray.config import ConfigError
-
         raise ConfigError(
             f"Ray granted this worker GPU {', '.join(map(str, granted))}, but torch {torch.__version__} (CUDA build: "
             f"{torch.version.cuda or 'none, a CPU-only build'}) sees no CUDA device: install the torch build for "
@@ -119,17 +110,13 @@ def pick_device(num_gpus: float) -> str:
 
 
 def require_gpu(stage: str, key: str, num_gpus: float, setting: str | None = None) -> None:
-    """Refuse, before any work, `stage` configured for `num_gpus` GPUs (`setting`, by default `<key>.num_gpus`)
-    where the process it runs in has no GPU visible to torch: a GPU stage run on CPU would take days, silently.
-    Nothing to check where it asks for none. Called where model actors and training workers start (the node they
-    run on is the one whose GPUs count), and by a driver that runs such a stage itself."""
+    """Refuse, before any work, a stage configured for GPUs where this process has none visible to torch."""
     if num_gpus <= 0:
         return
     import torch
 
     if torch.cuda.is_available():
         return
-    from wbrag_ray.config import ConfigError
 
     setting = setting or f"{key}.num_gpus"
     granted = granted_gpus()
@@ -162,15 +149,12 @@ def in_ray_worker() -> bool:
 
 
 def gpus_usable() -> bool:
-    """Whether this process may put work on a GPU: in a Ray worker only when Ray reserved one for it (Ray does
-    not hide a node's GPUs from tasks and actors that asked for none: they would collide with the vLLM engine
-    that did); a plain process owns its machine."""
+    """Whether this process may use a GPU: in a Ray worker only when Ray reserved one for it."""
     return bool(granted_gpus()) if in_ray_worker() else True
 
 
 def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
-    """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (a container's limit, as in
-    a Kubernetes pod), where `os.cpu_count()` would give the host's cores and threads beyond the quota only queue."""
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     for path in (f"{cgroup}/cpu.max", f"{cgroup}/cpu/cpu.cfs_quota_us"):
         try:
@@ -201,8 +185,7 @@ def set_threads(num_cpus: float) -> int:
 
 
 def resolved_dtype_name(requested: str, num_gpus: float) -> str:
-    """The dtype 'auto' becomes, by name, without importing torch: on CPU it depends on the CPU kind (bf16 only
-    where it is native); on a GPU the worker decides (bf16, or fp16 on GPUs without bf16)."""
+    """The dtype 'auto' becomes, by name, without importing torch (CPU: bf16 where native; GPU: the worker's)."""
     if requested != "auto":
         return requested
     if num_gpus > 0:

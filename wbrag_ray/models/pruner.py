@@ -1,13 +1,5 @@
-"""Zero-RAG's pruners: models that predict a sentence's mastery score, so the LLM need not score 138M sentences.
-
-- `EmbeddingHead`: a small MLP on the sentence vectors the index already stores. Trained with torch on the
-  scored sample; predicts with numpy (no torch in the prediction actors: a matmul per block of vectors).
-- The LM regressor (LoRA on a small causal LM) lives in `wbrag_ray.training.lm_pruner`.
-
-`pruner_metrics` validates either on the held-out part of the sample: MSE (beside the MSE of predicting the
-mean, the baseline a useless pruner reaches), Spearman's rank correlation, and how well the top quantile (the
-sentences a pruning ratio q would drop) is found.
-"""
+"""Zero-RAG's embedding pruner (`EmbeddingHead`: a small MLP on the stored sentence vectors, predicting with
+numpy) and `pruner_metrics` for either pruner: MSE beside the mean's, Spearman, and top-quantile overlap."""
 
 from __future__ import annotations
 
@@ -35,10 +27,7 @@ class EmbeddingHead:
         cls, vectors: np.ndarray, scores: np.ndarray, hidden: int = 128, epochs: int = 200,
         weight_decay: float = 1e-3, lr: float = 1e-2, seed: int = 0,
     ) -> tuple[EmbeddingHead, list[float]]:
-        """Full-batch AdamW on MSE of sigmoid outputs (a sample is thousands of rows: one batch fits), with
-        early stopping: 15% of the rows are held out and the weights of the epoch that predicts them best are
-        kept (measured on the demo's 257 scored sentences: without it the head overfits to a validation MSE
-        worse than predicting the mean)."""
+        """Full-batch AdamW on MSE of sigmoid outputs, with early stopping on 15% of rows held out."""
         import copy
 
         import torch
@@ -107,10 +96,7 @@ class EmbeddingHead:
 
 
 def top_quantile_overlap(measured: np.ndarray, predicted: np.ndarray, q: float) -> dict[str, float]:
-    """How well the predicted top-q fraction (what ratio q prunes) matches the measured most-mastered sentences.
-
-    Measured scores are coarse (means of a few EMs, so many ties): the true set is every sentence at or above
-    the measured (1 - q) quantile; the predicted set is the top ceil(q n) by prediction."""
+    """Overlap of the predicted top-q fraction with the measured one (ties: all at the (1 - q) quantile)."""
     n = len(measured)
     k = max(1, int(np.ceil(q * n)))
     cut = np.quantile(measured, 1 - q)

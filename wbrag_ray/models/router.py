@@ -1,9 +1,5 @@
-"""Zero-RAG's query router: predicts from the query alone whether the generator answers it correctly without
-retrieval ("mastered"); evaluation skips retrieval for those queries.
-
-A logistic regression on the query embeddings (the retriever embeds every query anyway, so the router costs
-one dot product per query). Saved as a small .npz; scored with numpy.
-"""
+"""Zero-RAG's query router: a logistic regression on query embeddings predicting whether the generator answers
+correctly without retrieval; saved as .npz, scored with numpy."""
 
 from __future__ import annotations
 

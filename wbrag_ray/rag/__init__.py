@@ -1,24 +1,5 @@
-"""RAG methods: how a question and the knowledge base become an answer. Evaluation and WriteBack-RAG's scoring
-share them, so a knowledge base trained under one method can be evaluated under every other.
-
-One pass (`rag.one_pass`): every prompt is known once the question's top-K documents are.
-- `no-retrieval`: one closed-book prompt.
-- `naive`: one prompt holding the top-K documents (FlashRAG's prompt).
-- `replug`: one prompt per document, decoded as one answer from the mixture of their next-token distributions,
-  weighted by RePlug's ensemble weights (the hf backend).
-- `replug-vote`: the same prompts answered one by one, the answers combined by a vote with those weights.
-
-Adaptive: the generator decides, per question, whether and what to retrieve, so passes alternate with
-retrieval and the next pass's prompts depend on the last pass's outputs.
-- `self-rag` (`rag.self_rag`): judge whether retrieval is needed, judge each document's relevance, answer
-  from the relevant ones (prompted judgements, for models without Self-RAG's reflection tokens).
-- `flare` (`rag.flare`): write the answer a sentence at a time; retrieve for a sentence holding a token the
-  model is unsure of, with that sentence as the query, and write it again with the documents.
-
-`answer()` runs any set of methods over a question table, each pass a Ray Data pass over the generator's
-actor pool (or vLLM engines), and returns one row per (question, method) with the same columns for every
-method, so evaluation and write-back read any method's answers the same way.
-"""
+"""RAG methods, shared by evaluation and write-back: one pass (`rag.one_pass`: no-retrieval, naive, replug,
+replug-vote) and adaptive (`rag.self_rag`, `rag.flare`). `answer()` gives one row per (question, method)."""
 
 from __future__ import annotations
 
@@ -29,6 +10,7 @@ import pandas as pd
 
 from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError
+from wbrag_ray.rag import flare, self_rag
 from wbrag_ray.rag.one_pass import (
     MIXTURE,
     ONE_PASS,
@@ -82,8 +64,7 @@ def passes(method: str, config: WbragConfig) -> list[Pass]:
 
 
 def available_methods(generator: GeneratorConfig) -> list[str]:
-    """Every method this generator backend can run (what a grid of every method evaluates): `replug`'s
-    probability mixture needs a backend that decodes it (the hf one)."""
+    """Every method this generator backend can run (`replug`'s mixture needs the hf backend)."""
     from wbrag_ray.generation.backends import BACKENDS
 
     backend = BACKENDS.get(generator.backend)
@@ -98,16 +79,8 @@ def answer(
     passes: GeneratorPasses,
     answer_column: str = "prediction",
 ) -> pd.DataFrame:
-    """Answer every question with every method; one row per (question, method).
-
-    Columns: the question's own (`id`, `question`, `golden_answers`, ...), `method`, `docs` (JSON hits the
-    answer was written from: the top K, the relevant ones, or those retrieved sentence by sentence),
-    `prompt` (the last prompt; `replug`: the JSON list of its K prompts), `slot_answers`, `answer_column`,
-    `retrieval_skipped` (no search was made for the question: a router or the method's own judgement),
-    `generator_calls` (prompts the generator decoded for the answer), and `trace` (JSON: the method's
-    decisions, e.g. RePlug's document weights and mixture probabilities, Self-RAG's judgements or FLARE's
-    sentences and token probabilities).
-    """
+    """Answer every question with every method: one row per (question, method) with the question's columns,
+    `method`, `docs`, `prompt`, `slot_answers`, `answer_column`, `retrieval_skipped`, `generator_calls` and `trace`."""
     import json
 
     from wbrag_ray.generation.backends import check_backend_mode
@@ -120,8 +93,7 @@ def answer(
         raise ValueError("methods that retrieve need a retrieval setting")
     parts = []
     one_pass = [m for m in methods if m in ONE_PASS and m not in MIXTURE]
-    # The questions are in the driver already: each pass sends them to its service's actors directly (a pass
-    # over a dataset would cost a plan's start per pass), and the prompts are built here in between.
+    # Each pass sends the driver's questions to its service's actors directly (no Ray Data plan per pass).
     if one_pass or mixture:
         frame = questions.to_pandas()
         if any(m != "no-retrieval" for m in one_pass + mixture):
@@ -142,12 +114,8 @@ def answer(
     if "self-rag" in methods or "flare" in methods:
         frame = questions.to_pandas()
         if "self-rag" in methods:
-            from wbrag_ray.rag import self_rag
-
             parts.append(self_rag.run(frame, config.rag.self_rag, search, passes, answer_column))
         if "flare" in methods:
-            from wbrag_ray.rag import flare
-
             parts.append(flare.run(frame, config.rag.flare, search, passes, answer_column))
     out = pd.concat(parts, ignore_index=True)
     skipped = out["retrieval_skipped"] if "retrieval_skipped" in out else pd.Series(False, index=out.index)

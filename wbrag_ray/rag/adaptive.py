@@ -1,6 +1,4 @@
-"""What the adaptive methods (`self_rag`, `flare`) share: judgement shares, retrieval passes over the
-questions they chose to search, and their output rows. Apart from `rag/__init__` so the methods import it
-and `rag.answer` imports them without a cycle."""
+"""What the adaptive methods share: judgement shares, retrieval passes, output rows (apart to avoid a cycle)."""
 
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ if TYPE_CHECKING:
 
 
 def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
-    """(p(yes) / (p(yes) + p(no)), p(yes) + p(no)) from a yes/no choice pass. The share is what a judgement
-    is thresholded on (a small model spreads probability over many words, but how it splits yes against no
-    still says which way it leans); the mass says how far it followed the instruction. No mass: 0.5."""
+    """(p(yes) / (p(yes) + p(no)), p(yes) + p(no)) from a yes/no choice pass; the share is what is thresholded,
+    the mass how far the model followed the instruction. No mass: 0.5."""
     yes, no = float(probs[0]), float(probs[1])
     mass = yes + no
     return (yes / mass if mass > 0 else 0.5), mass
@@ -25,8 +22,7 @@ def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
 
 def search_some(search: RetrievalSetting, frame: pd.DataFrame, passes: GeneratorPasses,
                 query_column: str = "question") -> dict:
-    """One retrieval pass over the questions an adaptive method chose to search (`frame`: id, question and the
-    query column), on the retrieval service of `passes`: {id: (hits, router_skipped)}."""
+    """One retrieval pass over the questions an adaptive method chose to search: {id: (hits, router_skipped)}."""
     from wbrag_ray.retrieval.hits import hits_from_json
 
     searched = search.search(frame, query_column, passes.services).set_index("id")

@@ -1,18 +1,6 @@
-"""FLARE, active retrieval (Jiang et al. 2023, FLARE-direct): the answer is written a sentence at a time.
-
-Each round, for every question whose answer is not finished:
-    look ahead: generate the next sentence closed-book (question + answer so far), with token probabilities
-    if every token has probability >= threshold: keep the sentence
-    else: retrieve with the sentence as the query (its unsure tokens masked, the question in front), and
-          generate the sentence again from the retrieved documents (question + documents + answer so far)
-The answer is finished when the model ends it, or after `max_rounds` sentences. One scored generator pass per
-round for the look-ahead, one retrieval pass and one scored pass for the sentences that retrieve.
-
-An empty look-ahead (the model ends the answer before writing a token: an end or stop token first) finishes
-the answer: there is no token to be unsure of and no sentence to query with, so that round neither retrieves
-nor writes, and no round follows. Its trace has `min_prob` None. A first round that ends this way leaves an
-empty answer, which is what the model said closed-book.
-"""
+"""FLARE-direct (Jiang et al. 2023): the answer is written a sentence at a time. Each round generates the next
+sentence closed-book; a sentence holding a token below the threshold is written again from documents retrieved with
+it (unsure tokens masked) as the query. Finished when the model ends it, or after `max_rounds`."""
 
 from __future__ import annotations
 
@@ -34,8 +22,7 @@ _ENDS = (".", "!", "?")
 
 
 def first_sentence(tokens: list[str]) -> int:
-    """How many of `tokens` make the first sentence: up to a token ending in . ! or ? that the next token
-    does not continue (a decimal point or an abbreviation's dot is followed by a non-space)."""
+    """How many of `tokens` make the first sentence (to a . ! ? the next token does not continue)."""
     for j, token in enumerate(tokens):
         if token.rstrip().endswith(_ENDS) and (j + 1 == len(tokens) or tokens[j + 1][:1].isspace()):
             return j + 1
@@ -43,8 +30,7 @@ def first_sentence(tokens: list[str]) -> int:
 
 
 def masked_query(question: str, tokens: list[str], probs: list[float], settings: FlareConfig) -> str:
-    """FLARE's query for an unsure sentence: the sentence without its tokens under the threshold (when
-    `mask_query`), after the question (when `query_with_question`)."""
+    """FLARE's query: the sentence without its unsure tokens (`mask_query`), after the question if asked."""
     kept = [t for t, p in zip(tokens, probs, strict=True) if p >= settings.threshold or not settings.mask_query]
     sentence = "".join(kept).strip()
     return f"{question} {sentence}".strip() if settings.query_with_question else (sentence or question)
@@ -54,8 +40,7 @@ def run(
     questions: pd.DataFrame, settings: FlareConfig, search: RetrievalSetting, passes: GeneratorPasses,
     answer_column: str,
 ) -> pd.DataFrame:
-    """One row per question (see `rag.answer`); `trace` lists each round's sentence, its lowest token
-    probability, and whether and with what query it retrieved."""
+    """One row per question (see `rag.answer`); `trace` lists each round's sentence, min probability and query."""
     from wbrag_ray import prompts
     from wbrag_ray.retrieval.hits import hits_to_json
 

@@ -1,25 +1,6 @@
-"""The one-pass RAG methods: how a method turns a question and its retrieved documents into generator prompts,
-and the generations back into one answer.
-
-- `no-retrieval`: one closed-book prompt.
-- `naive`: one prompt holding the top-K documents (FlashRAG's prompt).
-- `replug`: RePlug's ensemble, as in the paper and FlashRAG's REPLUG pipeline: one prompt per document alone,
-  decoded together as one answer; at each step the next-token distributions of the K prompts are mixed with
-  RePlug's weights, softmax(score / T) over the retrieval scores, and the mixture's greedy token is appended
-  to all K (generation mode `mixture`; the hf backend). An example without documents (a router skipped
-  retrieval) is one closed-book prompt.
-- `replug-vote`: the same K prompts answered independently, the answer chosen by a vote over normalized
-  answers, each weighted by its document's weight (any backend; its per-document answers serve
-  WriteBack-RAG's document gate with no extra pass).
-
-Rows fan out to one row per (example, method, slot) so every prompt of the text methods goes through the
-generator as one Ray Data pass, then `combine` folds them back to one row per (example, method). `replug`
-rows are one per example (its K prompts and weights as JSON lists) and go through a mixture pass of their
-own, folded by `combine_mixture`.
-
-Generator calls count prompts: K for `replug` as for `replug-vote` (the mixture prefills K prompts and
-decodes K sequences in lockstep, to the length of the one answer), 1 for the others.
-"""
+"""The one-pass RAG methods: prompts from a question and its documents, and generations back to one answer.
+Rows fan out to one per (example, method, slot) for one generator pass and `combine` folds them back; `replug`
+rows (one per example, K prompts and weights) go through a mixture pass folded by `combine_mixture`."""
 
 from __future__ import annotations
 
@@ -28,6 +9,8 @@ import math
 from collections.abc import Sequence
 
 import pandas as pd
+
+from wbrag_ray.metrics import normalize_answer
 
 ONE_PASS = ("no-retrieval", "naive", "replug", "replug-vote")
 MIXTURE = ("replug",)  # decoded as one probability mixture per example (generation mode `mixture`)
@@ -45,8 +28,6 @@ def replug_weights(scores: Sequence[float], temperature: float) -> list[float]:
 
 def weighted_vote(answers: Sequence[str], weights: Sequence[float]) -> str:
     """The answer whose normalized form carries the most weight; ties go to the better-ranked document."""
-    from wbrag_ray.metrics import normalize_answer
-
     totals: dict[str, float] = {}
     first: dict[str, str] = {}
     for answer, weight in zip(answers, weights, strict=True):
@@ -60,8 +41,7 @@ def weighted_vote(answers: Sequence[str], weights: Sequence[float]) -> str:
 
 
 def _replug_groups(batch: pd.DataFrame, temperature: float) -> tuple[list[list], list[list[float]]]:
-    """Per example: its prompts (chat messages, one per retrieved document alone, in rank order; one closed-book
-    prompt when nothing was retrieved, e.g. the router skipped retrieval) and RePlug's weight of each."""
+    """Per example: one prompt per retrieved document in rank order (or one closed-book prompt) and its weight."""
     from wbrag_ray import prompts
     from wbrag_ray.retrieval.hits import hits_from_json
 
@@ -78,12 +58,7 @@ def _replug_groups(batch: pd.DataFrame, temperature: float) -> tuple[list[list],
 
 
 def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1) -> pd.DataFrame:
-    """One row per (example, method, slot), with `prompt` (JSON chat messages) and the slot's `weight`.
-
-    `replug` (the mixture) has one row per example: `prompt` is the JSON list of its K prompts and `weights`
-    the JSON list of their weights. `batch` has `question` and, for methods that retrieve, `docs` (JSON hits
-    in rank order).
-    """
+    """One row per (example, method, slot) with `prompt` and `weight` (`replug`: one per example, JSON lists)."""
     from wbrag_ray import prompts
     from wbrag_ray.retrieval.hits import hits_from_json
 
@@ -122,9 +97,7 @@ def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1
 
 
 def combine(df: pd.DataFrame, answer_column: str = "prediction") -> pd.DataFrame:
-    """Fold generated slots back to one row per (id, method): `answer_column` becomes the method's answer and
-    `slot_answers` (JSON) keeps each slot's own answer in rank order (`replug-vote`: the answer from each
-    document)."""
+    """Fold slots back to one row per (id, method); `slot_answers` keeps each slot's answer in rank order."""
     df = df.sort_values(["id", "method", "slot"], kind="stable").reset_index(drop=True)
     groups = df.groupby(["id", "method"], sort=False)
     answers = groups[answer_column].apply(list)
@@ -137,10 +110,7 @@ def combine(df: pd.DataFrame, answer_column: str = "prediction") -> pd.DataFrame
 
 
 def combine_mixture(df: pd.DataFrame, answer_column: str = "prediction") -> pd.DataFrame:
-    """A mixture pass's rows (one per example, the columns of a scored pass) as `combine`'s: `slot_answers`
-    holds the one answer (there are no per-document answers: the documents decode together),
-    `generator_calls` the K prompts decoded, and `trace` (JSON) the document weights and the mixture's tokens,
-    their probabilities and whether the model ended the answer itself."""
+    """A mixture pass's rows as `combine`'s: one answer, K generator calls, and a trace of weights and tokens."""
     out = df.sort_values(["id", "method"], kind="stable").reset_index(drop=True)
     weights = [json.loads(w) for w in out["weights"]]
     out["slot_answers"] = [json.dumps([a], ensure_ascii=False) for a in out[answer_column]]

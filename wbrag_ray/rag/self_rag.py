@@ -1,18 +1,6 @@
-"""Self-RAG-style adaptive retrieval with prompted judgements (Asai et al. 2024), for models without Self-RAG's
-reflection tokens. A reduced variant, said plainly: Self-RAG's critic also judges each answer's support by its
-document (IsSup) and its usefulness (IsUse), and ranks the per-document answers by them; here only the retrieve
-and relevance judgements are made, and one answer is written from the relevant documents. (WriteBack-RAG's paper
-does not say how it ran Self-RAG with its instruct models.)
-
-    judge "retrieve?" (one choice pass, p(yes) vs p(no))
-      -> no: answer closed-book
-      -> yes: retrieve top K -> judge each document's relevance (one choice pass over (question, document)
-              pairs) -> answer from the documents judged relevant (when none is: from the one judged most
-              relevant, as Self-RAG answers from its best-critiqued passage once it retrieves; or closed-book)
-
-Three generator passes and one retrieval pass, each over every question (or pair) that reaches it. A judgement
-is a probability, not parsed text: Self-RAG thresholds p(Retrieve=yes) the same way (its delta).
-"""
+"""Self-RAG-style adaptive retrieval with prompted judgements (Asai et al. 2024), reduced: judge "retrieve?";
+no -> closed-book; yes -> top K, judge each document's relevance, answer from the relevant ones (none: the most
+relevant, or closed-book). Judgements are probabilities, as Self-RAG thresholds p(Retrieve=yes)."""
 
 from __future__ import annotations
 
@@ -35,8 +23,7 @@ def run(
     questions: pd.DataFrame, settings: SelfRagConfig, search: RetrievalSetting, passes: GeneratorPasses,
     answer_column: str,
 ) -> pd.DataFrame:
-    """One row per question (see `rag.answer`); `trace` holds p_retrieve, the judgement's yes+no mass, and each
-    retrieved document's id, rank and relevance share."""
+    """One row per question; `trace` holds p_retrieve, the yes+no mass, and each document's relevance share."""
     from wbrag_ray import prompts
     from wbrag_ray.retrieval.hits import hits_to_json
 

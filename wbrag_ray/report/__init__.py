@@ -1,14 +1,5 @@
-"""Run reports: one HTML file plus PNGs (matplotlib), and a Markdown twin with the same tables.
-
-A report is built from what the run folder holds: the resolved config, every stage's stats, evaluation
-metrics, and the outputs that have distributions worth seeing (sentences per passage, write-back selection,
-source vs distilled tokens, ranks of retained documents; Zero-RAG's mastery scores, pruner fit, predicted
-mastery with the prune thresholds, and the pruning-ratio sweep).
-
-    sections   what each section reads from the run (every path through wbrag_ray.layout) and shows
-    plots      the matplotlib figures, drawn from plain data
-    render     the Section and Table types, and their HTML and Markdown renderings
-"""
+"""Run reports: one HTML file plus PNGs and a Markdown twin, built from what the run folder holds. `sections`
+reads the run and says what each section shows, `plots` draws the figures, `render` writes HTML and Markdown."""
 
 from __future__ import annotations
 

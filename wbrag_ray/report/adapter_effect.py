@@ -1,6 +1,5 @@
-"""The report's table of the noise-tolerant adapter's effect: per pruning ratio and setting of the Zero-RAG grid,
-the answers with and without the tuned adapter, the difference, and the questions it fixed and broke (from the
-two evaluations' predictions); and, where the adapter does not gain, the measured reason in one line."""
+"""The report's table of the tuned adapter's effect per grid setting: answers without and with it, the
+questions it fixed and broke, and where it does not gain, the measured reason."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ SIGNIFICANCE = 0.05
 
 
 def adapter_effect(run: RunFolder) -> list[dict[str, Any]]:
-    """One row per grid setting evaluated both with and without the adapter: ratio, method, router, writeback,
-    n, acc / em / answer words without and with, delta_acc, fixed, broken (None without both predictions),
-    sign_p."""
+    """One row per grid setting evaluated with and without the adapter: their figures, fixed, broken."""
     from wbrag_ray.evaluation.evaluate import load_results
 
     grid = run.layout.zero_rag.grid
@@ -68,8 +65,7 @@ def _labeller(run: RunFolder, results: dict[tuple, str]):
 
 
 def _flips(without: Location, tuned: Location) -> dict[str, Any]:
-    """Per question (by id): how many the adapter fixed and broke (acc), and the sign test; {} without both
-    evaluations' predictions."""
+    """Per question: how many the adapter fixed and broke, and the sign test; {} without both predictions."""
     if not (without.exists() and tuned.exists()):
         return {}
     a, b = (t.read_table(["id", "acc"]).to_pandas().set_index("id")["acc"] for t in (without, tuned))
@@ -80,8 +76,8 @@ def _flips(without: Location, tuned: Location) -> dict[str, Any]:
 
 
 def loss_reason(row: dict[str, Any], tune: dict[str, Any]) -> str:
-    """Why the adapter did not gain in this cell, in one line, from what was measured: the answers' form (exact
-    match and length with and without), the questions it turned and their sign test, and how much the tuning saw."""
+    """Why the adapter did not gain in this cell, in one line, from the answers' form, the questions it turned and
+    how much the tuning saw."""
     parts = []
     em0, em1, w0, w1 = row.get("em_without"), row.get("em_with"), row.get("words_without"), row.get("words_with")
     seen = f"{tune.get('examples_seen')} examples seen, {tune.get('epochs_seen')} epochs" if tune else "its steps"

@@ -1,6 +1,4 @@
-"""The report's figures (matplotlib, Agg backend): each takes plain data and the output folder, writes one PNG
-and returns its file name, or None when there is nothing to draw. What a figure shows is read from the run by
-wbrag_ray.report.sections."""
+"""The report's figures (matplotlib, Agg): each takes plain data and writes one PNG, or returns None."""
 
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ def plot_eval(results: dict[str, dict[str, Any]], out: Path) -> str | None:
 
 
 def plot_methods_grid(grid: dict[str, Any], out: Path, file_name: str, metric: str = "acc") -> str | None:
-    """Per RAG method, one bar for the base and one beside each write-back version; the version trained under
-    the method's own scoring is hatched (same-method), the others are cross-method."""
+    """Per method, a bar for the base and one beside each write-back version (own method hatched)."""
     rows = grid.get("rows") or []
     if not rows:
         return None
@@ -177,8 +174,7 @@ def plot_mastery_histogram(scores: pa.Table, out: Path) -> str | None:
     from matplotlib.ticker import MaxNLocator
 
     if np.abs(m - values[nearest]).max() < 1e-6:
-        # Scores are means of 0/1 EM over few pairs: a bar per value they can take, not arbitrary bins that
-        # would split or merge those values.
+        # Scores are means of few 0/1 EMs: one bar per value they can take.
         from fractions import Fraction
 
         gap = np.diff(values).min() if len(values) > 1 else 1.0
@@ -257,8 +253,7 @@ def plot_ratio_sweep(rows: list[dict[str, Any]], out: Path) -> str | None:
               ("index_bytes", 1e-6, "index MB", "index size")]
     for i, (label, rs) in enumerate(combos.items()):
         rs = sorted(rs, key=lambda r: r["ratio"])
-        # Settings often coincide (the router and the adapter leave the index alone): earlier lines are drawn
-        # wider underneath, so a line hidden by a later one still shows as its outline.
+        # Earlier lines are drawn wider underneath, so coinciding settings still show.
         wide = (len(combos) - 1 - i) / max(1, len(combos) - 1)
         for ax, (key, scale, _, _) in zip(axes, panels, strict=True):
             ax.plot([r["ratio"] for r in rs], [_num(r.get(key), scale) for r in rs], marker="osD^vP*X"[i % 8],

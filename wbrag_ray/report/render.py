@@ -1,5 +1,4 @@
-"""What a report is made of (sections of tables, images and text) and its two renderings: an HTML page and a
-Markdown twin with the same tables and images, in the same order."""
+"""A report's sections of tables, images and text, rendered as an HTML page and a Markdown twin."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The report's sections, in reading order: what each reads from the run folder (every path through
-wbrag_ray.layout) and which tables and figures it shows. A section appears only when the run has its stage,
-and a figure only when its input exists."""
+"""The report's sections in reading order: what each reads from the run folder and shows; a section appears
+only when the run has its stage."""
 
 from __future__ import annotations
 
@@ -14,12 +13,18 @@ import pyarrow.parquet as pq
 
 import wbrag_ray.report.plots as plots
 from wbrag_ray.build_kb import INGEST
+from wbrag_ray.evaluation.evaluate import load_results
+from wbrag_ray.evaluation.methods_grid import same_writeback_rows
+from wbrag_ray.index.files import MANIFEST
 from wbrag_ray.layout import WritebackVersion
 from wbrag_ray.metrics import METRICS
+from wbrag_ray.plan.against_run import load_plan, planned_vs_measured, run_wall_seconds
+from wbrag_ray.ray_runtime import LIGHT_CPUS, run_tasks
 from wbrag_ray.report.adapter_effect import adapter_tables
+from wbrag_ray.report.paper_rows import departures_tables, paper_section
 from wbrag_ray.report.render import Section, Table
 from wbrag_ray.run import RunFolder
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, resolve
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
 
 # The Table 3 figures of WriteBack-RAG, in the paper's order, with the labels people read.
@@ -47,7 +52,6 @@ def collect(run: RunFolder, out: Path) -> list[Section]:
     if INGEST.name in stats:
         sections.append(corpus_section(run, stats[INGEST.name], out))
     sections += evaluation_sections(run, out)
-    from wbrag_ray.report.paper_rows import paper_section  # imported where used, as evaluation_sections does
 
     if (paper := paper_section(run)) is not None:
         sections.append(paper)
@@ -68,10 +72,7 @@ def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
 
 
 def plan_section(run: RunFolder, stats: dict[str, dict[str, Any]]) -> Section | None:
-    """Planned against measured: the plan `wbrag run` stored when it started, each stage's planned time (and where
-    its rate came from) beside the time the run measured, and the ratio; None where no plan was stored."""
-    from wbrag_ray.plan.against_run import load_plan, planned_vs_measured, run_wall_seconds
-
+    """Each stage's planned time (and rate source) beside its measured time; None without a stored plan."""
     plan = load_plan(run)
     if plan is None:
         return None
@@ -93,7 +94,6 @@ def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
     if sentences.exists():
         if img := plots.plot_sentences_per_passage(sentences_per_passage(sentences), out):
             sec.images.append((img, "How many sentences (Zero-RAG's pruning unit) each passage holds."))
-    from wbrag_ray.index.files import MANIFEST
 
     manifest = run.layout.index.join(MANIFEST)
     search = (manifest.read_json().get("search") if manifest.exists() else None) or {}
@@ -109,11 +109,7 @@ def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
 
 
 def sentences_per_passage(sentences: Location) -> np.ndarray:
-    """histogram[k] = the passages with k sentences, counted one ingest file at a time (Ray tasks when Ray is up,
-    else one file after another here): a passage's sentences are all in its shard's file, so the files' histograms
-    add up, and only they travel; no process reads the whole sentence column (1.1 GB of ids at 138M sentences)."""
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, run_tasks
-
+    """histogram[k] = passages with k sentences, one ingest file per task (only histograms travel)."""
     files = [f.uri for f in sentences.list_files(".parquet")]
     parts = run_tasks(_file_histogram, None, files, num_cpus=LIGHT_CPUS)
     total = np.zeros(max((len(h) for h in parts), default=1), np.int64)
@@ -123,17 +119,12 @@ def sentences_per_passage(sentences: Location) -> np.ndarray:
 
 
 def _file_histogram(_shared: None, uri: str) -> np.ndarray:
-    from wbrag_ray.storage import resolve
-
     pids = resolve(uri).read_table(["pid"])["pid"]
     return np.bincount(pc.value_counts(pids).field("counts").to_numpy()) if len(pids) else np.zeros(1, np.int64)
 
 
 def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
-    """The metrics of every evaluated setting, then each methods x write-back grid (the run's own, and one per
-    Zero-RAG setting it was run with)."""
-    from wbrag_ray.evaluation.evaluate import load_results
-
+    """The metrics of every evaluated setting, then each methods x write-back grid."""
     sections = []
     results = load_results(run)
     if results:
@@ -151,8 +142,7 @@ def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
 
 
 def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting: bool = False) -> Section:
-    """`wbrag eval --methods-grid`: does a knowledge base written back under one RAG method serve the others?
-    `stem` names the figure; `own_setting`: the grid of a Zero-RAG setting, titled with its name."""
+    """`wbrag eval --methods-grid`: does a version written back under one method serve the others?"""
     sec = Section("RAG methods x knowledge base" + (f" ({grid.get('name')})" if own_setting else ""))
     sec.text = ("Every RAG method on the base index and beside each write-back version. 'trained with' is the method "
                 "whose answers chose what was written back; a row is same-method when it is the evaluated method. "
@@ -171,7 +161,6 @@ def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting
         "method", "knowledge base", "trained with", "write-back", "union", "n", "em", "f1", "acc", "acc vs base",
         "unit in top K", "won", "lost", "retrieval rate", "generator calls"], rows))
     # imported here: the grid's module loads the generator's, which a report never needs otherwise
-    from wbrag_ray.evaluation.methods_grid import same_writeback_rows
 
     if same := same_writeback_rows(grid):  # `--same-writeback`: WriteBack-RAG's Figure 4 shape
         sec.tables.append(Table("Same-WB: each method on the base and beside the version written back under it", [
@@ -218,8 +207,7 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
 
 
 def no_effect(stats: dict) -> str | None:
-    """What the report says of a version that had no measured effect: units written, units that reached a top K,
-    answers changed, won, lost on its validation questions (or that it was not validated), not only 'active'."""
+    """What the report says of a version with no measured effect: units, top-K entries, changes, won, lost."""
     v = stats.get("validation")
     state = "active" if stats.get("activated") else "not active"
     if not isinstance(v, dict):
@@ -234,8 +222,6 @@ def no_effect(stats: dict) -> str | None:
 
 def config_section(run: RunFolder) -> Section:
     """The run's config, and first the choices in it that differ from the papers (for the methods the run used)."""
-    from wbrag_ray.report.paper_rows import departures_tables
-
     run_json = run.layout.run_json.read_json() if run.layout.run_json.exists() else {}
     sec = Section("Configuration")
     if run_json:
@@ -318,9 +304,8 @@ def pruned_indices_section(run: RunFolder, out: Path) -> Section:
 
 
 def sample_column(loc: Location, column: str, limit: int = 1_000_000, seed: int = 0) -> tuple[np.ndarray, int]:
-    """One numeric column of a Parquet folder that may hold a whole corpus, and its total row count: all of it
-    when small; otherwise evenly spaced row groups (footers tell their sizes, so the rest is never read), cut
-    to `limit` rows by a seeded random choice."""
+    """One numeric column of a possibly corpus-sized Parquet folder and its row count: all when small, else evenly
+    spaced row groups cut to `limit` rows by a seeded choice."""
     groups = []
     for f in loc.list_files(".parquet"):
         meta = pq.ParquetFile(f.path, filesystem=f.fs).metadata

@@ -1,10 +1,5 @@
-"""Zero-RAG's LM pruner: a causal LM backbone with a one-output regression head, LoRA-tuned to predict a
-sentence's mastery score in [0, 1].
-
-The head reads the hidden state of the last real token (transformers' *ForSequenceClassification picks the
-rightmost token that is not `pad_token_id`), so batches are padded on the right and the prediction of a
-sentence does not depend on its batch. Predictions are sigmoid(logit): always in [0, 1].
-"""
+"""Zero-RAG's LM pruner: a causal LM with a one-output regression head, LoRA-tuned to predict a sentence's
+mastery in [0, 1] (sigmoid of the logit at the last real token; right padding keeps it batch-independent)."""
 
 from __future__ import annotations
 
@@ -18,6 +13,7 @@ import numpy as np
 
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
+from wbrag_ray.models.hardware import pick_dtype
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
 from wbrag_ray.training.placement import Placement
 from wbrag_ray.training.workers import fit
@@ -26,9 +22,7 @@ STATS_FILE = "pruner.json"
 
 
 def load_backbone(backbone: str, load=None, **load_kwargs):
-    """(resolved source, model with a fresh 1-output head, right-padding tokenizer) for `backbone`;
-    `load_kwargs` go to `from_pretrained` (dtype, device_map); `load(auto_cls, source, **kwargs)` loads instead
-    where given (a training worker's `Placement.load`)."""
+    """(resolved source, model with a fresh 1-output head, right-padding tokenizer) for `backbone`."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     source = hf_model_source(GeneratorConfig(model=backbone))
@@ -53,8 +47,7 @@ def encode(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
 
 @dataclass
 class PrunerTraining:
-    """The regressor's training on Ray Train workers (`workers.Training`): squared error of sigmoid(logit)
-    against each sentence's mastery score; worker 0 also predicts the held-out sentences."""
+    """The regressor's Ray Train training: squared error of sigmoid(logit); worker 0 predicts the held-out set."""
 
     texts: list[str]
     scores: list[float]
@@ -110,9 +103,8 @@ class PrunerTraining:
 
 def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfig, out_dir: str,
                     val_texts: list[str] = ()) -> dict[str, Any]:
-    """LoRA-tune the backbone to regress mastery scores (MSE on sigmoid(logit)) on Ray Train workers
-    (`config.trainer`); the adapter and `pruner.json` land in the local folder `out_dir`. Returns the training
-    stats, with the trained model's predictions for `val_texts` under "validation"."""
+    """LoRA-tune the backbone to regress mastery on Ray Train workers; adapter and `pruner.json` go to `out_dir`.
+    Returns the stats, with predictions for `val_texts` under "validation"."""
     if not texts or len(texts) != len(scores):
         raise ValueError(f"need one score per text, at least one: got {len(texts)} texts, {len(scores)} scores")
     if not all(0 <= s <= 1 for s in scores):
@@ -124,10 +116,7 @@ def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfi
 
 
 class LMPrunerPredictor:
-    """Predicted mastery for sentences with a trained LM pruner (the adapter merged into the backbone).
-
-    `setup()` loads the model (once per worker); torch's thread count is the caller's to set.
-    """
+    """Predicted mastery with a trained LM pruner (adapter merged); `setup()` loads the model once per worker."""
 
     def __init__(self, model_dir: str, batch_size: int = 64, device: str | None = None, dtype: str = "auto"):
         self.model_dir = model_dir
@@ -138,8 +127,6 @@ class LMPrunerPredictor:
     def setup(self) -> None:
         import torch
         from peft import PeftModel
-
-        from wbrag_ray.models.hardware import pick_dtype
 
         meta = json.loads((Path(self.model_dir) / STATS_FILE).read_text())
         self.max_length = int(meta["max_length"])

@@ -1,6 +1,4 @@
-"""LoRA (peft) mechanics shared by the LM pruner and noise-tolerant tuning: wrap, summarize, save. The step
-loop and where it runs (Ray Train workers) are `wbrag_ray.training.workers`'.
-"""
+"""LoRA (peft) mechanics shared by the LM pruner and noise-tolerant tuning: wrap, summarize, save."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from wbrag_ray.config import _LoraSection
 
 
 def with_lora(model, section: _LoraSection, task_type: str, modules_to_save: list[str] | None = None):
-    """`model` wrapped by peft with LoRA adapters on `section.target_modules`; only adapters (and
-    `modules_to_save`, trained in full and saved with the adapter) require gradients."""
+    """`model` with LoRA adapters on `section.target_modules`; only adapters and `modules_to_save` train."""
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
@@ -28,9 +25,7 @@ def with_lora(model, section: _LoraSection, task_type: str, modules_to_save: lis
 
 
 def loss_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """A training's figures for its stats file, from what the step loop reported (`workers.train_loop`):
-    `first_loss` / `last_loss` average the first / last quarter of the steps (at most 5), since a single
-    batch's loss is too noisy to compare."""
+    """A training's stats: `first_loss` / `last_loss` average the first / last quarter of steps (at most 5)."""
     losses = stats["losses"]
     window = max(1, min(5, len(losses) // 4))
     seconds = stats["seconds"]
@@ -48,9 +43,7 @@ def loss_stats(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_adapter(model, out_dir: str, stats_name: str, stats: dict[str, Any], state_dict: dict | None = None) -> None:
-    """The adapter (peft layout, loadable by `PeftModel.from_pretrained`), then the stats JSON, written last
-    so that its presence means the adapter beside it is complete. `state_dict`: the trainable weights gathered
-    whole (an FSDP model's own hold only their shards)."""
+    """Save the adapter (peft layout), then the stats JSON last, so its presence means the adapter is complete."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), state_dict=state_dict)

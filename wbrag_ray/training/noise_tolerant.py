@@ -1,11 +1,5 @@
-"""Zero-RAG's noise-tolerant tuning: LoRA fine-tuning of the generator on each training question in three
-formats, so that it answers well with relevant documents, is not misled by distracting ones, and still
-answers from its own knowledge when retrieval is skipped (the router's mastered queries).
-
-Prompts come from `wbrag_ray.prompts`, the ones evaluation uses (with as many documents as it retrieves),
-rendered exactly as `HFGenerator` renders them; the targets are the gold answers, or the generator's own right
-answers (`own_targets`); the adapter is saved where `GeneratorConfig.lora_adapter` can point.
-"""
+"""Zero-RAG's noise-tolerant tuning: LoRA on each training question in three formats (relevant documents,
+distractors, none), with evaluation's prompts; the adapter goes where `GeneratorConfig.lora_adapter` points."""
 
 from __future__ import annotations
 
@@ -23,7 +17,7 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, TuneConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
 from wbrag_ray.generation.types import messages_to_text
 from wbrag_ray.layout import ADAPTER_STATS as STATS_FILE
-from wbrag_ray.metrics import normalize_answer
+from wbrag_ray.metrics import normalize_answer, substring_match
 from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
 from wbrag_ray.training.placement import Placement
@@ -41,8 +35,7 @@ def _doc_text(hit: Hit) -> str:
 
 
 def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], golds: list[str], k: int) -> list[int]:
-    """Up to k pool positions outside `excluded` whose text holds no gold answer. Random draws first (cheap at
-    any pool size); a full shuffled scan only when they fall short (small or answer-dense pools)."""
+    """Up to k pool positions outside `excluded` whose text holds no gold answer (random draws, then a scan)."""
 
     def ok(i: int) -> bool:
         return i not in excluded and not any(g in pool[i] for g in golds)
@@ -60,8 +53,7 @@ def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], 
 
 
 def _relevant_context(hits: list[Hit], holds: list[bool], k: int) -> list[Hit]:
-    """The top `k` of `hits` (rank order) when one of them holds the answer; else the top k-1 and the
-    best-ranked hit that holds it; [] when none does."""
+    """The top `k` of `hits` when one holds the answer; else the top k-1 plus the best-ranked that does; else []."""
     if not any(holds):
         return []
     top = hits[:k]
@@ -71,28 +63,10 @@ def _relevant_context(hits: list[Hit], holds: list[bool], k: int) -> list[Hit]:
 
 
 def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> pd.DataFrame:
-    """Training rows per question (`id`, `question`, `golden_answers`, `docs`: JSON hits in rank order), one per
-    term of the tuning objective. Both formats with documents hold `docs_per_format` of them (pass the K the
-    evaluation retrieves, retrieval.top_k), so the prompts are those naive RAG shows and the number of documents
-    never tells the model which format it reads:
-
-    - relevant (the retrieval-augmented term): the K best-ranked retrieved docs, in rank order (the prompt naive
-      RAG builds), holding a gold answer (normalized substring): where none of the K does, the best-ranked doc
-      retrieved deeper that does takes the K-th place (fewer than K retrieved: drawn distractors fill up). A question
-      whose retrieved docs hold none gets no relevant row: a "relevant" context without the answer would teach the
-      model to answer from nothing.
-    - distracting (the noise-suppression term): K hard distractors: docs retrieved for the same question that
-      hold no gold answer, best-ranked first, as a retriever would mislead; when too few, docs retrieved for
-      other questions (seeded draw) fill up (`random_distractors` counts them).
-    - none (the retrieval-free term): no docs, the closed-book prompt.
-
-    (Relevant rows used to hold the answer-bearing docs alone, one or two, against K distractors and the K of the
-    evaluation: the count told the formats apart, and no row was an evaluation prompt. On the demo that was not
-    what cost the adapter its accuracy, though: the gold targets' short form was, see `own_targets`.)
-
-    Columns: id, question, format, docs (JSON hits), n_docs, random_distractors, messages (JSON chat), target
-    (the first gold answer). Questions without a gold answer have no target and are dropped, with a warning.
-    """
+    """Training rows per question, one per term of the objective, both document formats holding `docs_per_format`:
+    relevant (the top K, the K-th replaced by a deeper answer-bearing doc where none holds a gold answer; no row where
+    none retrieved does), distracting (K retrieved docs without one, topped up from other questions), none (closed-book).
+    Questions without a gold answer are dropped, with a warning."""
     parsed = []
     for row in questions.itertuples(index=False):
         answers = row.golden_answers
@@ -146,18 +120,9 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
 
 
 def own_targets(examples: pd.DataFrame, answers: list[str], golds: dict[str, list[str]]) -> pd.DataFrame:
-    """`examples` (from `build_examples`) trained on the generator's own answers (`answers`, one per row, to its
-    prompt) instead of the gold answer (zerorag.tune.targets: own): a relevant or none row keeps its own answer
-    where that holds a gold answer (acc); a distracting row takes the question's closed-book answer (its none
-    row's) where that holds one, so the noise-suppression term teaches answering beside distractors as without
-    them. Other rows are dropped: their target would be an answer the model does not give. `golds`: by id.
-
-    Why: a small instruct model answers in a sentence that holds the answer; trained to the gold's short form it
-    must pick the span itself, and picks worse than its sentence holds it. Measured on the demo (SmolLM2-135M, 30
-    training questions, naive acc on the full index without the adapter 0.725, exact match 0): gold targets for
-    an epoch took it to 0.35 (exact match 0.275); its own answers for two epochs, to 0.80."""
-    from wbrag_ray.metrics import substring_match
-
+    """`examples` retargeted to the generator's own answers (tune.targets: own): relevant and none rows keep their
+    answer where it holds a gold answer, distracting rows take the closed-book answer where it does; others are
+    dropped. Small models answer in a sentence and pick a worse span when trained to the gold's short form."""
     if len(answers) != len(examples):
         raise ValueError(f"{len(answers)} answers for {len(examples)} tuning rows")
     df = examples.reset_index(drop=True).assign(own=[str(a).strip() for a in answers])
@@ -173,8 +138,7 @@ def own_targets(examples: pd.DataFrame, answers: list[str], golds: dict[str, lis
 def encode_example(
     tokenizer, prompt: str, answer_ids: list[int], max_length: int
 ) -> tuple[list[int], list[int], int]:
-    """(input ids, labels, prompt tokens cut) of prompt + answer within `max_length`: the prompt loses tokens
-    from its left so the answer (which ends with eos) always fits; labels are IGNORE on the prompt."""
+    """(input ids, labels, prompt tokens cut): the prompt loses tokens on its left so the answer always fits."""
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     answer_ids = answer_ids[: max_length - 1]  # keep one prompt token so a position precedes the answer
     cut = max(0, len(prompt_ids) + len(answer_ids) - max_length)
@@ -184,8 +148,7 @@ def encode_example(
 
 @dataclass
 class TuneTraining:
-    """Noise-tolerant tuning on Ray Train workers (`workers.Training`): each example's loss is its answer
-    tokens' mean NLL, weighted by its term (format); the step loop logs each term's mean loss."""
+    """Noise-tolerant tuning on Ray Train: per-example answer NLL weighted by its term; logs each term's loss."""
 
     messages: list[str]
     targets: list[str]
@@ -284,11 +247,8 @@ class TuneTraining:
 def tune_generator(
     examples: pd.DataFrame, generator: GeneratorConfig, config: TuneConfig, out_dir: str
 ) -> dict[str, Any]:
-    """Causal-LM LoRA on `examples` (from `build_examples`) with Zero-RAG's objective, a weighted sum of three
-    answer losses: retrieval-free (`none` rows), retrieval-augmented (`relevant`) and noise-suppression
-    (`distracting`), weighted by config.weight_* (a batch's loss is the weighted mean of its examples' losses),
-    on Ray Train workers (`config.trainer`). Saves the adapter and `tune.json` (with each term's loss per step)
-    to the local folder `out_dir`, loadable as `GeneratorConfig(lora_adapter=out_dir)`. Returns the stats."""
+    """Causal-LM LoRA on `examples` with Zero-RAG's objective (weighted retrieval-free, retrieval-augmented and
+    noise-suppression losses) on Ray Train workers; saves the adapter and `tune.json` to `out_dir`; returns stats."""
     missing = {"messages", "target"} - set(examples.columns)
     if missing:
         raise ValueError(f"tuning examples lack columns {sorted(missing)}; build them with build_examples")
@@ -316,8 +276,7 @@ def tune_generator(
 
 
 def _term_summary(per_step: list[float]) -> dict[str, Any]:
-    """One term's loss: per step (NaN where a batch held none of its rows), and the mean of its first and last
-    quarter of steps with rows (at most 5 each)."""
+    """One term's loss per step (NaN where a batch held none), and the means of its first and last quarters."""
     seen = [v for v in per_step if not np.isnan(v)]
     window = max(1, min(5, len(seen) // 4))
     return {"per_step": [None if np.isnan(v) else round(v, 5) for v in per_step],

@@ -1,6 +1,4 @@
-"""How a training's examples reach its Ray Train workers: as Ray Data, one dataset a worker holding a contiguous
-slice of the examples (`example_shards`, on the driver), read whole by that worker alone (`own_shard`); each worker
-draws its part of every step's batch (`local_batch`) from its own slice. The step loop is `training.workers`'."""
+"""How a training's examples reach its Ray Train workers: one Ray Data dataset per worker, a contiguous slice."""
 
 from __future__ import annotations
 
@@ -12,9 +10,7 @@ import pandas as pd
 if TYPE_CHECKING:
     from wbrag_ray.training.workers import Training
 
-# The examples travel as Ray Data: worker r reads dataset SHARD.format(r), a contiguous slice of the rows split on
-# the driver (sizes differ by at most one), the same on every run of the same worker count, so a resumed worker
-# holds the rows it held (Ray Data's streaming split deals blocks as they come, and its equal split drops rows).
+# Worker r reads SHARD.format(r), a slice split on the driver, the same on every run of one worker count.
 SHARD = "examples-{}"
 ROW, WEIGHT, GROUP = "_row", "_weight", "_group"  # columns fit adds: position, weight in a batch's mean, group
 
@@ -38,8 +34,7 @@ def example_shards(training: Training, world: int) -> dict[str, Any]:
     frame[ROW] = np.arange(n, dtype=np.int64)
     frame[WEIGHT] = np.asarray(training.weights if training.weights is not None else np.ones(n), dtype=np.float32)
     frame[GROUP] = np.asarray(training.groups if training.groups is not None else np.zeros(n), dtype=np.int64)
-    # from_items builds its blocks in this process: from_pandas and split_at_indices run Ray tasks of a CPU, which
-    # wait without a word where other work holds the cluster's CPUs (seen: a fit hung 10 min beside 1.5 held of 2)
+    # from_items builds blocks in this process (from_pandas would wait for a CPU a busy cluster may not free).
     records = frame.to_dict("records")
     bounds = [0, *shard_bounds(n, world), n]
     return {SHARD.format(r): ray.data.from_items(records[bounds[r]:bounds[r + 1]]) for r in range(world)}

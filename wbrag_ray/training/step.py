@@ -1,11 +1,5 @@
-"""One optimizer step of a LoRA training, as every worker runs it: the trainable weights in fp32 whatever the frozen
-ones load in, the model wrapped for its placement (FSDP2 sharding, DDP, or neither), the loss scaled to the world,
-the gradients clipped to a global norm, and the trainable state gathered whole. The step loop around it (batches,
-checkpoints, Ray Train's reports) is `training.workers`'.
-
-Imports torch only, never Ray: the GPU check (benchmarks/gpu/check.py) runs these same steps on a GPU machine
-that has no Ray, under a one-rank process group.
-"""
+"""One optimizer step of a LoRA training on every worker: fp32 trainable weights, the model wrapped for its
+placement, the loss scaled to the world, clipped gradients. Imports torch only: the GPU check runs it without Ray."""
 
 from __future__ import annotations
 
@@ -18,10 +12,7 @@ MAX_GRAD_NORM = 1.0
 
 
 def wrap(model, place: Placement, world: int) -> tuple[Any, Any]:
-    """(module the loss runs through, model whose parameters train): fsdp shards the model (the same object);
-    several workers under ddp wrap it in DDP (one GPU: on it; a layer split: a module over several devices, no
-    device_ids); one worker runs it as it is. The trainable weights become fp32 first (autocast computes in the
-    frozen weights' bf16)."""
+    """(module the loss runs through, model whose parameters train): FSDP2, DDP or as is; trainable weights to fp32."""
     import torch
 
     for p in model.parameters():
@@ -37,8 +28,7 @@ def wrap(model, place: Placement, world: int) -> tuple[Any, Any]:
 
 
 def optimizer_of(model, place: Placement, learning_rate: float) -> tuple[list, Any, Any]:
-    """(trainable parameters, AdamW over them, gradient scaler: active only for fp16 weights, whose small
-    gradients underflow). Called after `wrap`: FSDP replaces the parameters."""
+    """(trainable parameters, AdamW, gradient scaler active for fp16 only). Call after `wrap`."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -47,8 +37,7 @@ def optimizer_of(model, place: Placement, learning_rate: float) -> tuple[list, A
 
 
 def apply_gradients(loss, world: int, params: list, optimizer, scaler) -> float:
-    """Backward of this worker's share of the batch's loss, then the optimizer step; returns the gradients'
-    global norm before clipping. DDP and FSDP average gradients over the workers, hence the loss times `world`."""
+    """Backward of this worker's loss share (times `world`: DDP and FSDP average), then step; returns the norm."""
     import torch
 
     optimizer.zero_grad(set_to_none=True)
@@ -61,9 +50,7 @@ def apply_gradients(loss, world: int, params: list, optimizer, scaler) -> float:
 
 
 def trainable_state(model, optimizer) -> tuple[dict, dict]:
-    """(trainable weights, optimizer state), whole and on the CPU, keyed by parameter name: the same under ddp
-    and fsdp (whose shards are gathered here, so every rank must call it; under fsdp only rank 0 receives them),
-    and loadable by any worker count."""
+    """(trainable weights, optimizer state), whole on the CPU by name; every rank must call it under fsdp."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,

@@ -1,21 +1,6 @@
-"""Both trainings (Zero-RAG's LM pruner and noise-tolerant tuning) run as Ray Train jobs: data-parallel workers
-that ask for the CPUs or GPUs of `<section>.trainer`, with the run folder's stage checkpoint as Ray Train's
-storage, so a training resumes from its last checkpoint after a lost worker (Ray Train restarts the group) or a
-lost driver (the same command again: Ray Train finds the checkpoints under the same storage path and name). The
-driver only starts the job and reads its result; it never loads the model.
-
-What is trained is a `Training` (its module builds the model and the per-example loss on the worker); the step
-loop here is the same for both. Its examples reach the workers as Ray Data shards, one contiguous slice a worker;
-a step's batch is `batch_size` examples, each worker drawing its part from its own shard through a seeded
-permutation per epoch; each worker's loss is its share of the batch's weighted mean, so the averaged gradients are
-those of the whole batch on one worker: more workers run the same optimization faster. (Not bit for bit: which
-examples share a batch depends on the worker count, a worker pads its share alone, and Adam amplifies small
-differences in weights whose gradients are near zero. A resumed training on the same number of workers is: its
-batches and dropout masks are functions of the step, and the checkpoint holds the optimizer state.)
-
-Where the model goes (each worker's own GPUs; ddp, or fsdp over the workers) is `training.placement`'s, one
-optimizer step's mechanics `training.step`'s, how the examples reach the workers `training.shards`'.
-"""
+"""Both trainings run as Ray Train jobs: data-parallel workers sized by `<section>.trainer`, checkpointing into
+the stage's checkpoint folder so a lost worker or driver resumes (docs/architecture.md, Design notes). The step
+loop here serves every `Training`; placement is `training.placement`'s, one step `training.step`'s."""
 
 from __future__ import annotations
 
@@ -35,8 +20,12 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from wbrag_ray import checkpoints
 from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
-from wbrag_ray.storage import Location
+from wbrag_ray.placement import check_workers
+from wbrag_ray.placement.waits import TRAIN_START_FAILURE, train_start_wait
+from wbrag_ray.stages.kept import release_kept
+from wbrag_ray.storage import Location, resolve
 from wbrag_ray.training.placement import (
     Placement,
     collective_device,
@@ -54,8 +43,7 @@ RESULT_FILE = "result.json"  # in the last checkpoint: worker 0's stats and figu
 
 
 class Training(Protocol):
-    """What one training needs from its module. Its settings are pickled to the workers; its examples reach them as
-    Ray Data shards (`rows` on the driver, `with_rows` on a worker: each holds only its own)."""
+    """What one training needs from its module: settings (pickled to the workers) and examples (Ray Data shards)."""
 
     num_examples: int
     weights: np.ndarray | None  # each example's weight in a batch's mean (None: equal)
@@ -73,19 +61,15 @@ class Training(Protocol):
         """A copy holding `rows` only: a worker's shard (positions in it are what `per_example_loss` takes)."""
 
     def build(self, place: Placement) -> tuple[Any, Any]:
-        """(LoRA-wrapped model loaded through `place.load` and placed by `place.place`,
-        per_example_loss(module, indices) -> 1-d tensor)."""
+        """(placed LoRA-wrapped model, per_example_loss(module, indices) -> 1-d tensor)."""
 
     def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
                trainable: dict[str, Any]) -> dict[str, Any]:
-        """After the last step, on worker 0 (on every worker under fsdp, whose forward needs them all): save the
-        adapter on worker 0 (`trainable`: its whole weights by name, on the CPU; empty on the others) to `out_dir`;
-        return figures for the driver."""
+        """After the last step: save the adapter from worker 0 to `out_dir`; return figures for the driver."""
 
 
 def plan_steps(section: _LoraSection, num_examples: int, workers: int) -> tuple[int, int]:
-    """(steps, examples per step): ceil(epochs x examples / batch), capped by max_steps. A batch is at most the
-    whole set and gives every worker at least one example."""
+    """(steps, examples per step): ceil(epochs x examples / batch), capped by max_steps."""
     if num_examples < 1:
         raise ValueError("nothing to train on: no examples")
     batch = min(section.batch_size, num_examples)
@@ -97,10 +81,8 @@ def plan_steps(section: _LoraSection, num_examples: int, workers: int) -> tuple[
 
 
 def batch_indices(step: int, batch: int, num_examples: int, seed: int, stream: int | None = None) -> np.ndarray:
-    """The examples of global step `step`: positions [step*batch, (step+1)*batch) of the concatenated seeded
-    permutations (one per epoch), so any step's batch is known without replaying the run: a resumed worker
-    takes the same batches an uninterrupted run would. `stream`: a worker's rank, drawing from its own shard
-    with its own permutations (None: one worker over every example)."""
+    """The examples of global step `step` from seeded per-epoch permutations, so a resumed worker takes the
+    batches an uninterrupted run would. `stream`: a worker's rank (None: one worker over all examples)."""
     start = step * batch
     out = []
     key = [seed] if stream is None else [seed, 1 << 20, stream]  # no stream's key is the single worker's
@@ -203,8 +185,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
 def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_loss, resumes, seconds: float,
             folder: str | None = None) -> None:
-    """Every worker reports (Ray Train's barrier); worker 0 attaches the checkpoint: the trainable weights and the
-    optimizer's state (the frozen weights come from the model again), the step and the losses so far."""
+    """Every worker reports; worker 0 attaches the checkpoint (trainable weights, optimizer, step, losses)."""
     import ray.train
     import torch
 
@@ -220,8 +201,7 @@ def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_
 
 
 def _restore(model, optimizer) -> dict[str, Any] | None:
-    """The last checkpoint's state loaded into `model` and `optimizer` (every worker loads the same one; under fsdp
-    each keeps its shards of it)."""
+    """Load the last checkpoint into `model` and `optimizer` on every worker."""
     import ray.train
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -237,9 +217,7 @@ def _restore(model, optimizer) -> dict[str, Any] | None:
 
 
 def torch_config(trainer: TrainerConfig, model: str | None):
-    """Ray Train's process-group settings for a training of `model`: collectives wait `process_group_timeout_s`
-    (worker 0 reads the whole model before the first one; Ray Train's 1800 s can end a 70B's training in its
-    load). The weights' bytes as a worker loads them: bf16 on GPUs, fp32 on CPUs."""
+    """Ray Train's process-group settings: collectives wait long enough for worker 0 to read the whole model."""
     import torch
     from ray.train.torch import TorchConfig
 
@@ -249,10 +227,7 @@ def torch_config(trainer: TrainerConfig, model: str | None):
 
 @contextlib.contextmanager
 def _callers_sigint_handler():
-    """The SIGINT handler of the caller's main thread, put back when the training ends. Ray Train's fit installs
-    one that aborts its run and leaves it installed: afterwards Ctrl-C in the same process (the next steps of
-    `wbrag run`, a notebook) only logged "Gracefully aborting the training run", the third press exited with
-    status 0, and the handler's closure kept the finished run's controller actor alive."""
+    """The caller's SIGINT handler, put back after the training (Ray Train's fit leaves its own installed)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # Ray Train installs none there
         return
@@ -266,16 +241,10 @@ def _callers_sigint_handler():
 
 def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key: str,
         storage: Location | None = None) -> dict[str, Any]:
-    """Run `training` as a Ray Train job and copy its adapter into the local folder `out_dir`; returns the
-    stats worker 0 reported. `key`: the config section, for messages (zerorag.lm_pruner). `storage`: where Ray Train keeps its checkpoints, by default the running stage's
-    checkpoint folder (removed when the stage completes); outside a stage, a temporary local folder."""
+    """Run `training` as a Ray Train job, copy its adapter into `out_dir`, and return worker 0's stats.
+    `storage`: where Ray Train checkpoints (default: the running stage's checkpoint folder, else a temporary one)."""
     import ray.train
     from ray.train.torch import TorchTrainer
-
-    from wbrag_ray import checkpoints
-    from wbrag_ray.placement import check_workers
-    from wbrag_ray.placement.waits import TRAIN_START_FAILURE, train_start_wait
-    from wbrag_ray.stages.kept import release_kept
 
     trainer_config = section.trainer
     plan_steps(section, training.num_examples, trainer_config.num_workers)  # refuse before any worker starts
@@ -287,8 +256,6 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
             stage.record()  # the fingerprint first: a checkpoint of other settings is never resumed
             storage = stage.training
         elif storage is None:
-            from wbrag_ray.storage import resolve
-
             storage = resolve(stack.enter_context(tempfile.TemporaryDirectory(prefix="wbrag-train-")))
         # Workers must not chdir into Ray Train's staging folder: relative model paths are the user's cwd's.
         os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")

@@ -1,9 +1,5 @@
-"""WriteBack-RAG's distiller, in two steps over the kept examples: extract (the sentences of the kept documents
-that answer the question, grounded in them) -> rewrite (one self-contained knowledge unit).
-
-The stages only build prompts: generation runs in the generator's service between them, and neither step's
-prompt is built from anything but the question and documents, so the gold answer cannot reach the distiller.
-"""
+"""WriteBack-RAG's distiller in two steps over the kept examples: extract (answer-relevant sentences, grounded
+verbatim) -> rewrite (one self-contained unit). Prompts hold only the question and documents, never the gold answer."""
 
 from __future__ import annotations
 
@@ -13,9 +9,13 @@ import re
 import numpy as np
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.passes import GeneratorPasses
-from wbrag_ray.stages.base import Resources, Stage
+from wbrag_ray.metrics import normalize_answer
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.retrieval.hits import hits_from_json
+from wbrag_ray.stages.base import Resources, Stage, run_local
 
 
 def word_count(text: str) -> int:
@@ -23,20 +23,16 @@ def word_count(text: str) -> int:
     return len(text.split())
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-# Words about the training question rather than evidence ("The answer to the question is: ..."), which a small
-# rewriter writes despite the prompt: a unit is a document, not an answer.
+# Words about the question rather than evidence, which a small rewriter writes: a unit is a document.
 _ANSWER_LEAD = re.compile(r"^(?:the\s+)?answer(?:\s+to\s+(?:the|this|your)\s+question)?\s*(?:is\b\s*:?|:)\s*", re.I)
 
 
 def _tokens(text: str) -> set[str]:
-    from wbrag_ray.metrics import normalize_answer
-
     return set(normalize_answer(text).split())
 
 
 MIN_OVERLAP = 0.6  # the share of a sentence's words one source sentence must hold for it to copy that sentence
-# Fewer words than a subject, a verb and what is said of it: a bare answer ("2018", "Alan Turing", "February 1990"),
-# which nothing retrieves (a query is a question, not its answer) and which says nothing a reader can check.
+# Fewer words than a statement: a bare answer, which nothing retrieves and no reader can check.
 MIN_STATEMENT_WORDS = 4
 BARE_ANSWER, UNSUPPORTED = "bare answer", "unsupported by its source passages"
 
@@ -53,9 +49,8 @@ def best_source(words: set[str], source_tokens: list[set[str]]) -> tuple[int, fl
 
 
 def ground_extraction(extracted: str, docs, question: str, min_overlap: float = MIN_OVERLAP) -> str:
-    """Step 1 must be verbatim: each extracted sentence is replaced by the source sentence it copies (the one
-    sharing most of its words, at least `min_overlap`), so a small model's paraphrase or invention never
-    reaches the rewrite step. When nothing matches, the two source sentences closest to the question."""
+    """Replace each extracted sentence by the source sentence sharing most of its words (at least `min_overlap`),
+    so no paraphrase reaches step 2; when nothing matches, the two source sentences closest to the question."""
     source = source_sentences(docs)
     if not source:
         return ""
@@ -75,12 +70,8 @@ def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 
 
 
 def statement_check(text: str, docs, min_overlap: float = MIN_OVERLAP) -> str | None:
-    """Why a distilled unit is not a retrievable statement its source passages support (None: it is one): it is a
-    bare answer (under MIN_STATEMENT_WORDS words), or one of its sentences fails the check step 1's extraction is
-    grounded by (`ground_extraction`): no one source sentence, read with its document's title (a rewrite names
-    what the passage's "It" is), holds `min_overlap` of its words and every number in it. Numbers are where a small rewriter joins two facts into a wrong one ("The peak position of Let Them Eat
-    Bingo on the UK Albums Chart was February 1990": the chart sentence holds no 1990), and one source sentence
-    must carry the fact with its figure."""
+    """Why a unit is not a statement its sources support (None: it is): a bare answer, or a sentence no single
+    source sentence (with its title) holds `min_overlap` of the words and every number of."""
     if len(_tokens(text)) < MIN_STATEMENT_WORDS:
         return BARE_ANSWER
     source_tokens = [_tokens(s) | _tokens(d.title) for d in docs for s in source_sentences([d])]
@@ -95,11 +86,7 @@ def statement_check(text: str, docs, min_overlap: float = MIN_OVERLAP) -> str | 
 
 
 def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str, str] | None:
-    """(title, text) of a knowledge unit from the rewrite step's output: a title line, then text.
-
-    Small models often skip the title or the rewrite; the unit then falls back to the extracted sentences
-    under the top document's title. None when both steps produced nothing.
-    """
+    """(title, text) of a unit from the rewrite, else the extraction under the top title; None if empty."""
     lines = [ln.strip() for ln in rewritten.splitlines() if ln.strip()]
     title, body = default_title, " ".join(lines)
     if len(lines) >= 2:
@@ -113,15 +100,12 @@ def parse_unit(rewritten: str, extracted: str, default_title: str) -> tuple[str,
 
 def kept_hits(docs: str, kept_ranks: str):
     """The retrieved hits the document gate kept, in rank order."""
-    from wbrag_ray.retrieval.hits import hits_from_json
-
     hits = hits_from_json(docs)
     return [hits[j] for j in json.loads(kept_ranks)]
 
 
 class DistillExtractStage(Stage):
-    """Distiller step 1 prompt: question + kept documents -> 'copy the answer-relevant sentences verbatim'.
-    Reads only `question`, `docs` and `kept_ranks`: the gold answer is not an input of this stage."""
+    """Distiller step 1 prompt: question + kept documents -> the answer-relevant sentences verbatim."""
 
     name = "distill-extract"
     input_columns = ("question", "docs", "kept_ranks")
@@ -129,13 +113,9 @@ class DistillExtractStage(Stage):
 
     @property
     def resources(self) -> Resources:
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
-
         return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray import prompts
-
         batch["extract_prompt"] = [
             prompts.dumps(prompts.extract_messages(q, kept_hits(d, k)))
             for q, d, k in zip(batch["question"], batch["docs"], batch["kept_ranks"], strict=True)
@@ -144,16 +124,13 @@ class DistillExtractStage(Stage):
 
 
 class DistillRewriteStage(DistillExtractStage):
-    """Distiller step 2 prompt: question + the extracted sentences, grounded verbatim in the kept documents
-    (`extracted_verbatim`) -> one compact, self-contained document."""
+    """Distiller step 2 prompt: question + grounded extraction -> one compact, self-contained document."""
 
     name = "distill-rewrite"
     input_columns = ("question", "docs", "kept_ranks", "extracted")
     output_columns = ("extracted_verbatim", "rewrite_prompt")
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray import prompts
-
         batch["extracted_verbatim"] = [
             ground_extraction(e, kept_hits(d, k), q)
             for e, d, k, q in zip(batch["extracted"], batch["docs"], batch["kept_ranks"], batch["question"], strict=True)
@@ -167,11 +144,8 @@ class DistillRewriteStage(DistillExtractStage):
 
 def distill(config: WbragConfig, kept: pd.DataFrame, passes: GeneratorPasses) -> pd.DataFrame:
     """The distiller's two steps over the kept examples; the frame passed on holds no gold answers."""
-    from wbrag_ray.stages.base import run_local
-
     wb = config.writeback
-    # Only these columns reach the distiller's prompts: the gold answers are not among them. The prompts are
-    # built here, in the driver that holds the examples; the generator's service writes the steps.
+    # Only these columns reach the distiller's prompts: the gold answers are not among them.
     step0 = run_local(DistillExtractStage(), kept[["id", "question", "docs", "kept_ranks"]].copy())
     step1 = passes.generate("distill_extract", step0, "extract_prompt", "extracted", wb.extract_max_new_tokens,
                             multiline=True)

@@ -1,10 +1,6 @@
-"""WriteBack-RAG's two gates: the rules of the paper as pure decisions (tested on hand-made scores), and the
-stages that score a batch of examples with the task metric and apply them.
-
-    utility gate:  keep an example iff retrieval answers it well enough (s_rag >= tau_s) and helps (delta > tau_delta)
-    document gate: keep the documents that answer it on their own better than closed-book (s_j - s_nr > tau_doc),
-                   at least n_min of them (the best ones, as a fallback)
-"""
+"""WriteBack-RAG's two gates as pure decisions, and the stages that score examples and apply them:
+utility gate: keep iff s_rag >= tau_s and delta > tau_delta; document gate: keep documents with s_j - s_nr > tau_doc,
+at least n_min (the best ones as a fallback)."""
 
 from __future__ import annotations
 
@@ -14,10 +10,11 @@ from collections.abc import Sequence
 import pandas as pd
 
 from wbrag_ray.config import WritebackConfig
-from wbrag_ray.stages.base import Resources, Stage
+from wbrag_ray.metrics import metric
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.stages.base import Resources, Stage, run_local
 
-# Scores are differences of floats (f1 especially): 0.51 - 0.5 is 0.0100000000000000009, which must not beat
-# tau = 0.01. Comparisons allow this much rounding, so a score exactly at a threshold behaves as written.
+# Scores are float differences (0.51 - 0.5 > 0.01): comparisons allow this much rounding.
 _EPS = 1e-9
 
 
@@ -27,8 +24,7 @@ def utility_gate(s_rag: float, s_nr: float, tau_s: float, tau_delta: float) -> b
 
 
 def document_gate(doc_scores: Sequence[float], s_nr: float, tau_doc: float, n_min: int) -> tuple[list[int], bool]:
-    """(kept ranks, fallback): documents whose score alone beats s_nr by more than tau_doc; when none does,
-    the top n_min by retrieval rank (doc_scores are in rank order) and fallback=True."""
+    """(kept ranks, fallback): documents beating s_nr by more than tau_doc, else the top n_min and fallback=True."""
     kept = [j for j, s in enumerate(doc_scores) if s - s_nr > tau_doc + _EPS]
     if kept:
         return kept, False
@@ -47,8 +43,6 @@ class _GateStage(Stage):
 
     @property
     def resources(self) -> Resources:
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
-
         return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
 
 
@@ -60,8 +54,6 @@ class UtilityGateStage(_GateStage):
     output_columns = ("s_nr", "s_rag", "delta", "useful")
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray.metrics import metric
-
         c = self.config
         golds = [_golds(g) for g in batch["golden_answers"]]
         batch["s_nr"] = [metric(c.metric, a, g) for a, g in zip(batch["nr_answer"], golds, strict=True)]
@@ -75,35 +67,25 @@ class UtilityGateStage(_GateStage):
 
 
 def gate_examples(answered: pd.DataFrame, method: str, config: WritebackConfig) -> pd.DataFrame:
-    """The utility gate over `rag.combine`'s answers (one row per example and method) of 'no-retrieval' and
-    `method`: one row per example, in `method`'s rows' order, with its question, golden answers and docs, the
-    closed-book answer (`nr_answer`) and the method's (`rag_answer`, and `rag_slot_answers` / `rag_trace` where the
-    method has them), scored by UtilityGateStage. An example whose method retrieved nothing is not kept: it has
-    nothing to write back. What `writeback.pipeline.score_examples` and the plan's calibration both decide by."""
-    from wbrag_ray.stages.base import run_local
-
+    """The utility gate over `rag.combine`'s answers: one scored row per example that retrieved something."""
     nr = answered[answered["method"] == "no-retrieval"].set_index("id")["answer"]
     examples = answered[answered["method"] == method].set_index("id")
     own = {"rag_answer": "answer", "rag_slot_answers": "slot_answers", "rag_trace": "trace"}
     examples = examples[["question", "golden_answers", "docs"]].assign(
         nr_answer=nr, **{col: examples[src] for col, src in own.items() if src in examples}).reset_index()
-    # The fan-in already brought every answer to the driver; scoring is microseconds a row, so the gate runs
-    # here, in-process, rather than as another actor pool.
+    # Every answer is already on the driver and scoring is microseconds a row: gate in-process.
     examples = run_local(UtilityGateStage(config), examples)
     examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
     return examples
 
 class DocumentGateStage(_GateStage):
-    """s_j = M(q, a | d_j alone) from each document's own answer (`doc_answers`, JSON, rank order), and the
-    document gate's kept ranks, with the n_min fallback."""
+    """s_j from each document's own answer, and the document gate's kept ranks with the n_min fallback."""
 
     name = "document-gate"
     input_columns = ("golden_answers", "s_nr", "doc_answers")
     output_columns = ("doc_scores", "kept_ranks", "fallback")
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from wbrag_ray.metrics import metric
-
         c = self.config
         scores, kept, fallback = [], [], []
         for golds, s_nr, answers in zip(batch["golden_answers"], batch["s_nr"], batch["doc_answers"], strict=True):

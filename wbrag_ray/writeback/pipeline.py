@@ -1,20 +1,6 @@
 """WriteBack-RAG training, top to bottom: a labeled QA set -> a versioned write-back index beside the base.
-
-    answer closed-book (s_nr) and by writeback.rag_method (s_rag: naive / replug / replug-vote retrieve the
-    top K and answer with s_nr; self-rag / flare decide per example what to retrieve, in their own passes)
-      -> utility gate (an example whose method retrieved nothing has nothing to write back)
-      -> document gate over the documents the method answered from (one call per document of a kept
-         example; none for replug-vote, whose per-document answers are s_j; replug's mixture has no
-         per-document answers, so it takes the call per document as the other methods do)
-      -> distiller: extract (1 call per kept example) -> rewrite (1 call) -> knowledge units
-      -> embed with the base embedder -> dedupe -> write-back corpus + index (+ each unit's source documents,
-         for the provenance-aware union) -> Table 3 stats
-
-One version's files (RUN/writeback/<version>/: scored, distill, corpus, embed, index, stats) are named in
-wbrag_ray.layout (WritebackVersion); the base index is only read, never written. Every model pass goes to the
-run's generator service; between passes the driver holds only per-example rows (answers and decisions),
-because a gate needs every answer of its example at once.
-"""
+Closed-book and RAG answers -> utility gate -> document gate -> distiller (extract, rewrite) -> units -> embed,
+dedupe, index -> Table 3. Every model pass runs on the generator service; the base index is never written."""
 
 from __future__ import annotations
 
@@ -27,17 +13,25 @@ import pyarrow as pa
 
 from wbrag_ray import prompts, rag
 from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
-from wbrag_ray.formats import dataset_name, input_params, plain_table
+from wbrag_ray.evaluation.stage import union_settings
+from wbrag_ray.formats import dataset_name, embeddings_table, input_params, plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import load_manifest
 from wbrag_ray.layout import WritebackVersion, plain_name
+from wbrag_ray.metrics import sign_test
 from wbrag_ray.papers import WRITEBACK as PAPER
 from wbrag_ray.papers import gate_metric, print_departures
+from wbrag_ray.retrieval.docstore import write_doc_store
+from wbrag_ray.retrieval.stage import RetrievalSetting
+from wbrag_ray.retrieval.union import FALLBACK_UNION, write_provenance
 from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.stages.base import run_local
 from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.writeback.distill import distill
-from wbrag_ray.writeback.units import UNITS, build_units, embed_units
-from wbrag_ray.writeback.validation import validate
+from wbrag_ray.writeback.gates import DocumentGateStage, gate_examples
+from wbrag_ray.writeback.units import UNITS, build_units, dedupe, embed_units, table3
+from wbrag_ray.writeback.validation import split, validate
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
 if TYPE_CHECKING:
@@ -53,24 +47,12 @@ def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
 
 def base_search(run: RunFolder, config: WbragConfig) -> RetrievalSetting:
     """What write-back searches: the run's base index, with the base embedder."""
-    from wbrag_ray.retrieval.stage import RetrievalSetting
-
     return RetrievalSetting(run.layout.index.uri, None, config.embedder, config.retrieval, config.index)
 
 
 def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: GeneratorPasses,
                    search: RetrievalSetting) -> pd.DataFrame:
-    """Answer without and with retrieval by writeback.rag_method, and apply both gates.
-
-    The documents an example is distilled from are the ones its method answered from: the top K for naive
-    and RePlug, the ones judged relevant for Self-RAG, the ones retrieved for its unsure sentences for FLARE.
-    An example whose method retrieved nothing has nothing to write back and is not kept."""
-    from wbrag_ray import rag
-    from wbrag_ray.formats import read_questions
-    from wbrag_ray.stages.base import run_local
-    from wbrag_ray.writeback.gates import DocumentGateStage, gate_examples
-    from wbrag_ray.writeback.validation import split
-
+    """Answer without and with retrieval by writeback.rag_method, and apply both gates."""
     wb = with_gate_metric(config.writeback, train)
     questions, rejects = read_questions(train, "writeback.train", limit=wb.limit)
     # the held-out questions validate the version instead
@@ -100,10 +82,8 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
 def train_writeback(
     run: RunFolder, config: WbragConfig, train: str | None = None, version: str | None = None, force: bool = False
 ) -> dict[str, Any]:
-    """Train one write-back index version from a labeled QA set, validate it on the held-out part of the set
-    (writeback.validation), and activate it when writeback.activate and it does not hurt there. The stats returned,
-    and the version's stats file, hold the validation's result ('validation': the metric both ways, won, lost, why
-    it hurts; or why nothing was held out) and whether the version was activated ('activated')."""
+    """Train one write-back version from a labeled QA set, validate it on the held-out part, and activate it when
+    writeback.activate and it does not hurt; the stats hold 'validation' and 'activated'."""
     train = train or config.writeback.train
     if not train:
         raise ConfigError("no training set: pass --train PATH or set writeback.train")
@@ -136,10 +116,7 @@ def train_writeback(
 
 
 def union_auto(record: dict[str, Any] | str) -> dict[str, str]:
-    """The rule `retrieval.union: auto` searches the version with, and why: its validation's choice, or the
-    fallback where nothing was held out."""
-    from wbrag_ray.retrieval.union import FALLBACK_UNION
-
+    """The rule `retrieval.union: auto` searches the version with, and why."""
     if isinstance(record, dict):
         return {"union": record["chosen"], "why": record["choice"]}
     return {"union": FALLBACK_UNION, "why": f"no validation split ({record}): the paper's merge with the provenance "
@@ -147,9 +124,7 @@ def union_auto(record: dict[str, Any] | str) -> dict[str, str]:
 
 
 def format_outcome(version: str, units: int, record: dict[str, Any] | str, activated: bool) -> str:
-    """The end of `wbrag writeback`: the units written, whether the version is active, and what it did on its
-    validation questions under the rule the run searches it with; a version that changed no answer there, or whose
-    units reached no top K, is said to be one, not only active."""
+    """The end of `wbrag writeback`: units written, whether active, and the effect on its validation questions."""
     state = "active" if activated else "not active"
     auto = union_auto(record)
     if not isinstance(record, dict):
@@ -165,21 +140,12 @@ def format_outcome(version: str, units: int, record: dict[str, Any] | str, activ
     if not r["answers_changed"]:
         return line + f"\nwrite-back {version}: it changed no validation answer: it has no measured effect"
     if r["lost"] > r["won"] and not r.get("hurts"):
-        from wbrag_ray.metrics import sign_test
-
         return line + (f" (more lost than won, within chance on {r['questions']} questions: p = "
                        f"{sign_test(r['lost'], r['won']):.2f})")
     return line
 
 
 def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
-    from wbrag_ray.evaluation.stage import union_settings
-    from wbrag_ray.formats import embeddings_table
-    from wbrag_ray.index.build import build_index
-    from wbrag_ray.retrieval.docstore import write_doc_store
-    from wbrag_ray.retrieval.union import write_provenance
-    from wbrag_ray.writeback.units import dedupe, table3
-
     wb = config.writeback
     version = params["version"]
     final = run.layout.writeback_version(version)
@@ -207,8 +173,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         units, vectors = units.iloc[keep_rows].reset_index(drop=True), vectors[keep_rows]
         folder.units.write_table(pa.Table.from_pandas(units, UNITS, preserve_index=False))
         folder.embed_file.write_table(embeddings_table(units["id"].to_numpy(np.int64), vectors))
-        # A unit per kept example: written and indexed here, in the driver, not in Ray tasks, which would need
-        # the CPUs the command's services hold now, kept for the next command (`stages.kept`), and end them.
+        # Units are written and indexed in the driver: Ray tasks would need the CPUs the services hold.
         write_doc_store(folder.corpus, "passage", folder.docs, parallel=False)
         build_index(
             folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",

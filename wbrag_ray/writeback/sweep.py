@@ -1,11 +1,5 @@
-"""The gates' ablation (the paper's Table 4) from one scoring pass: the gates are cheap, so a trained version's
-scored examples (s_nr, s_rag and each document's s_j, in RUN/writeback/<version>/scored.parquet) are gated again
-under every setting of tau_s, tau_delta, tau_doc and n_min, with no model call.
-
-Per-document scores exist for the examples that passed the utility gate when the version was trained: a setting
-that keeps more examples (a lower tau_s or tau_delta) has document-gate figures over those scored examples only,
-and its row says how many that is (`doc_scored` of `selected`).
-"""
+"""The gates' ablation (Table 4) from one scoring pass: scored examples regated under every setting of tau_s,
+tau_delta, tau_doc and n_min, with no model call (document-gate figures over the scored examples only)."""
 
 from __future__ import annotations
 
@@ -16,16 +10,14 @@ from typing import Any
 import numpy as np
 
 from wbrag_ray.config import ConfigError
+from wbrag_ray.layout import plain_name
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.gates import document_gate, utility_gate
 
 
 def gate_sweep(run: RunFolder, version: str, tau_s: list[float], tau_delta: list[float], tau_doc: list[float],
                n_min: list[int]) -> list[dict[str, Any]]:
-    """One row per setting (the product of the lists): selection rate, mean retained documents, fallback rate and
-    the rank distribution of the retained documents. Written to RUN/writeback/<version>/sweep.json."""
-    from wbrag_ray.layout import plain_name
-
+    """One row per setting: selection rate, mean retained documents, fallback rate, retained ranks."""
     folder = run.layout.writeback_version(plain_name(version, "--sweep VERSION"))
     if not folder.scored.exists():
         raise ConfigError(f"write-back version {version!r} of {run.uri} has no scored examples; train it first "

@@ -1,5 +1,4 @@
-"""Knowledge units: what the distiller wrote, with provenance (the example, the source documents and their
-ranks), in their own id namespace; embedded with the base embedder, deduplicated, and Table 3's figures."""
+"""Knowledge units: the distiller's output with provenance, embedded, deduplicated, and Table 3's figures."""
 
 from __future__ import annotations
 
@@ -10,6 +9,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from wbrag_ray.build_kb import unit_text
+from wbrag_ray.retrieval.stage import PassageVectorsStage
 from wbrag_ray.writeback.distill import (
     BARE_ANSWER,
     UNSUPPORTED,
@@ -47,11 +48,7 @@ UNITS = pa.schema(
 
 
 def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
-    """Knowledge units with provenance, in example order, each a retrievable statement its source passages support
-    (`distill.statement_check`). A rewrite that fails the check is dropped and the example's unit is its grounded
-    extraction (step 1's verbatim sentences, as for an empty rewrite); an example whose extraction fails too writes
-    none. Returns (units, drops): {"empty": examples that produced nothing, "rewrites": {reason: rewrites dropped},
-    "units": {reason: examples dropped}}."""
+    """Units with provenance; a rewrite failing `statement_check` falls back to the extraction: (units, drops)."""
     out = distilled.set_index("id")
     rows: list[dict] = []
     drops: dict = {"empty": 0, "rewrites": dict.fromkeys(CHECKS, 0), "units": dict.fromkeys(CHECKS, 0)}
@@ -97,11 +94,7 @@ def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tu
 
 
 def embed_units(units: pd.DataFrame, search: RetrievalSetting, services: Services) -> np.ndarray:
-    """Unit vectors from the base embedder, as the base passages are embedded ('Title\\ntext'), in unit order: on
-    the retrieval service of `services` (the actors the command's searches of `search` loaded the embedder in)."""
-    from wbrag_ray.build_kb import unit_text
-    from wbrag_ray.retrieval.stage import PassageVectorsStage
-
+    """Unit vectors from the base embedder ('Title\\ntext'), on the command's retrieval service."""
     if not len(units):
         return np.zeros((0, 0), np.float32)
     stage = PassageVectorsStage(search.stage(services))
@@ -110,11 +103,7 @@ def embed_units(units: pd.DataFrame, search: RetrievalSetting, services: Service
 
 
 def dedupe(vectors: np.ndarray, threshold: float) -> dict[int, int]:
-    """Greedy, in row order: unit i is a duplicate of the first earlier kept unit with cosine >= threshold.
-
-    Returns {duplicate row: kept row}; vectors are normalized, so inner product is cosine. A range search
-    finds every close pair at once instead of one search per unit.
-    """
+    """Greedy dedupe in row order by one range search: {duplicate row: kept row} at cosine >= threshold."""
     import faiss
 
     n = len(vectors)
@@ -137,8 +126,7 @@ def dedupe(vectors: np.ndarray, threshold: float) -> dict[int, int]:
 
 
 def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int, drops: dict | None = None) -> dict:
-    """The paper's Table 3 from the scored examples and the written units, as plain JSON numbers, and what the
-    statement check dropped (`build_units`' drops; rates over the selected examples)."""
+    """The paper's Table 3 from the scored examples and units, with the statement check's drops."""
     n = len(scored)
     kept = scored[scored["useful"]]
     retained = [json.loads(r) for r in kept["kept_ranks"]] if len(kept) else []

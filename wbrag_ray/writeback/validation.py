@@ -1,17 +1,6 @@
-"""A write-back version's own validation (`writeback.validation`): part of the training questions is held out of
-training and answered with the base alone and with base + the version under each union rule of CANDIDATES, so a
-version that hurts is seen before it is activated, and the rule `retrieval.union: auto` searches it with is the
-one that did best there (`choose_union`; below UNION_CHOICE_MIN questions the paper's merge with the provenance
-guard, said so).
-
-The held-out questions are chosen by a hash of their ids (the same ones whatever the file's order), the version is
-trained on the others, and every evaluation runs in one command with the version's RAG method, so a question whose
-top K the version leaves alone keeps its base answer; won and lost are counted where the top K changed
-(`evaluation.effect`). The result is RUN/writeback/<version>/validation.json, and with whether the version was
-activated it is also in the version's stats (`pipeline.train_writeback`); `versions.hurts` says why a version hurt.
-Under 'auto' (the default) a training set of fewer than `config.AUTO_VALIDATION_MIN` questions holds nothing out,
-and the stats say why (`skipped`).
-"""
+"""A write-back version's validation: held-out training questions answered with the base alone and beside the
+version under each union rule of CANDIDATES, so a version that hurts is seen before activation and `auto`
+searches with the rule that did best (`choose_union`). Result: RUN/writeback/<version>/validation.json."""
 
 from __future__ import annotations
 
@@ -23,8 +12,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from wbrag_ray.config import AUTO_VALIDATION_MIN, WbragConfig, WritebackConfig
-from wbrag_ray.evaluation.effect import CHANCE
+from wbrag_ray.evaluation.effect import CHANCE, writeback_effect
+from wbrag_ray.evaluation.evaluate import evaluate_stage
+from wbrag_ray.formats import read_questions
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import sign_test
+from wbrag_ray.retrieval.hits import hits_from_json
+from wbrag_ray.retrieval.union import AUTO, BASE, FALLBACK_UNION, PAPER_UNION, UnionRule, write_choice
 from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
@@ -57,10 +51,7 @@ def skipped(wb: WritebackConfig, questions: int) -> str | None:
     return None
 
 
-# The union rules a version's validation answers its held-out questions under (label, retrieval settings), the
-# paper's merge first: its merge with the provenance guard, the gate at three margins, the additive rule at two.
-# Margins are in cosine: the units the earlier benchmark saw win scored 0.09 and 0.26 below the best passage; the
-# additive rule's are below the K-th passage (at 0: the units the paper's merge takes, appended instead).
+# Union rules a validation answers under (label, settings), the paper's merge first; margins in cosine.
 CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("score", {"union": "score"}),
     ("provenance", {"union": "provenance"}),
@@ -71,12 +62,7 @@ CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("additive 0.05", {"union": "additive", "additive_margin": 0.05}),
 )
 CONFIGURED = "configured"  # the label of an explicit retrieval.union that is none of the candidates
-# The fewest held-out questions a union is chosen on. Rules differ only where a unit changes an answer, and
-# choosing one over the paper's merge bets that it wins more than it loses there; under the null that a question
-# it decides is as likely lost as won, 5 decided questions are the fewest at which even all won is significant at
-# 5% (one-sided sign test: 0.5^5 = 0.031). On the demo's held-out questions the paper's merge decided 1 question in
-# 12 (benchmarks/RESULTS.md: 5 of the test half's 60, won 3, lost 2), so 5 are to be expected from 60 questions
-# on; on fewer, one or two questions would choose, as they chose the earlier fixed default.
+# The fewest held-out questions a union is chosen on: all-won over 5 decided is significant at 5%.
 UNION_CHOICE_MIN = 60
 
 
@@ -86,21 +72,15 @@ def _deltas(figures: dict[str, Any]) -> dict[str, int]:
 
 
 def decided(rule: dict[str, Any], other: dict[str, Any] | None) -> tuple[int, int]:
-    """(questions `rule` answered better than `other`, questions it answered worse), both held against the same
-    base answers (`other` None: the base itself)."""
+    """(questions `rule` answered better than `other`, worse), against the same base answers."""
     a, b = _deltas(rule), _deltas(other or {})
     ids = a.keys() | b.keys()
     return sum(a.get(i, 0) > b.get(i, 0) for i in ids), sum(a.get(i, 0) < b.get(i, 0) for i in ids)
 
 
 def choose_union(figures: dict[str, dict[str, Any]], questions: int, metric: str = "acc") -> tuple[str, str]:
-    """(the label of the rule `auto` searches with, why) from each candidate's figures on `questions` held-out
-    questions: the paper's merge, unless a candidate answered better than it beyond chance (`sign_test` under
-    CHANCE over the questions the two answered differently); among those, the best `metric`, ties broken by fewest
-    lost, then CANDIDATES' order. Below UNION_CHOICE_MIN questions, FALLBACK_UNION (the paper's merge with the
-    provenance guard), said so."""
-    from wbrag_ray.retrieval.union import FALLBACK_UNION, PAPER_UNION
-
+    """(label of the rule `auto` searches with, why): the paper's merge unless a candidate beat it beyond chance;
+    among those the best `metric`, then fewest lost. Below UNION_CHOICE_MIN, FALLBACK_UNION."""
     if questions < UNION_CHOICE_MIN:
         return FALLBACK_UNION, (f"{questions} validation questions are too few to choose on (at least "
                                 f"{UNION_CHOICE_MIN}): the paper's merge with the provenance guard")
@@ -125,12 +105,7 @@ def choose_union(figures: dict[str, dict[str, Any]], questions: int, metric: str
 
 
 def effect_figures(base, union, metric: str) -> dict[str, Any]:
-    """One rule's figures against the base's on the same questions: its metric and `writeback_effect`'s counts,
-    the distinct units that reached a top K, and the answers that changed (a changed top K can keep its answer)."""
-    from wbrag_ray.evaluation.effect import writeback_effect
-    from wbrag_ray.retrieval.hits import hits_from_json
-    from wbrag_ray.retrieval.union import BASE
-
+    """One rule's figures against the base's: metric, effect counts, distinct units in a top K, changed answers."""
     both = base[["id", "prediction"]].merge(union[["id", "prediction"]], on="id", suffixes=("_base", "_wb"))
     units = {h.id for docs in union["docs"] for h in hits_from_json(docs) if h.source != BASE}
     return {metric: round(float(union[metric].mean()), 4), **writeback_effect(base, union, metric),
@@ -140,19 +115,12 @@ def effect_figures(base, union, metric: str) -> dict[str, Any]:
 
 def candidate_rules(retrieval: RetrievalConfig) -> dict[str, UnionRule]:
     """{label: rule} of CANDIDATES, each with the rest of `retrieval` (its max_units)."""
-    from wbrag_ray.retrieval.union import UnionRule
-
     return {label: UnionRule.of(retrieval.model_copy(update=settings)) for label, settings in CANDIDATES}
 
 
 def answer_under_each_rule(run: RunFolder, config: WbragConfig, dataset: str, label: str, version: str,
                            rules: dict[str, UnionRule], passes, force: bool = False):
-    """The predictions of `dataset` with the base alone and beside `version` under each rule of `rules`, by
-    config.eval.methods' first method, all on `passes` (one command: an unchanged prompt keeps its answer).
-    Results are evaluations `<label>-base` and `<label>-<rule's label, spaces as dashes>`. Returns (base, {label:
-    predictions})."""
-    from wbrag_ray.evaluation.evaluate import evaluate_stage
-
+    """Predictions with the base alone and beside `version` under each rule: (base, {label: predictions})."""
     method = config.eval.methods[0]
 
     def predictions(name: str):
@@ -171,15 +139,8 @@ def answer_under_each_rule(run: RunFolder, config: WbragConfig, dataset: str, la
 
 def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metric: str,
              force: bool = False) -> dict[str, Any] | str:
-    """Base vs base + `version` on the held-out training questions, by `metric` (the gates' metric), under every
-    union rule of CANDIDATES (and an explicit retrieval.union that is none of them); the rule `auto` searches the
-    version with is chosen on them (`choose_union`) and written beside its index (`union.write_choice`). The
-    result's headline figures are those of the rule the run searches with (retrieval.union, or under `auto` the
-    chosen one), `candidates` every rule's. Or why nothing was held out (`skipped`)."""
-    from wbrag_ray.formats import read_questions
-    from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.retrieval.union import AUTO, UnionRule, write_choice
-
+    """Base vs base + `version` on the held-out questions under every candidate rule; writes `auto`'s choice beside
+    the index. Headline figures are the run's rule's; or why nothing was held out (`skipped`)."""
     wb = config.writeback
     if wb.validation is None:  # off: the training file is not read again
         return skipped(wb, 0) or ""

@@ -1,6 +1,4 @@
-"""Write-back versions: which one is active (searched beside the base), replacing it, and rolling back.
-RUN/writeback/ACTIVE is one small file written atomically, so a switch is one rename; the base index is
-never written."""
+"""Write-back versions: the active one (RUN/writeback/ACTIVE, written atomically), replacing it, rolling back."""
 
 from __future__ import annotations
 
@@ -8,6 +6,8 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.formats import dataset_stem
+from wbrag_ray.metrics import sign_test
 from wbrag_ray.run import RunFolder, RunStage
 
 # One trained version is one stage. What it is made from: the write-back settings, the generator and retrieval
@@ -27,8 +27,6 @@ WRITEBACK = RunStage(
 
 def default_version(config: WbragConfig, train: str) -> str:
     """The version name: writeback.version, else the training file's stem (a rerun finds its own stage)."""
-    from wbrag_ray.formats import dataset_stem
-
     return config.writeback.version or dataset_stem(train)
 
 
@@ -78,9 +76,7 @@ def activate(run: RunFolder, version: str) -> dict[str, Any]:
 
 
 def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
-    """Go back to the previously active version (or `version`); 'base' (or no earlier one) = base index only.
-
-    Going to 'base' remembers the version it leaves, so a later plain rollback can return to it."""
+    """Go back to the previously active version (or `version`); 'base' = base index only (remembered for later)."""
     state = read_active(run)
     if version and version != "base":
         return activate(run, version)
@@ -99,8 +95,7 @@ def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
 
 
 def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, None]:
-    """(version, index folder, None) of the active write-back index (or of `version`), for a union search: its
-    documents are the store its manifest names (None: no other folder, so nothing is built on a lookup)."""
+    """(version, index folder, None) of the active write-back index (or `version`), for a union search."""
     if version is not None and version not in versions(run):
         known = ", ".join(versions(run)) or "none"
         raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
@@ -120,11 +115,8 @@ def read_validation(run: RunFolder, version: str) -> dict[str, Any] | None:
 
 
 def hurts(result: dict[str, Any] | None) -> str | None:
-    """Why a validated version hurts: it lost more held-out questions than it won, beyond chance (`metrics.
-    sign_test` under `evaluation.effect.CHANCE`: 1 lost and 0 won is a coin's toss, 5 and 0 is not); None when it
-    does not, or was not validated. Its metric is said beside, as a fall in it is those questions' sum."""
+    """Why a validated version hurts: it lost more than it won beyond chance (`metrics.sign_test`); else None."""
     from wbrag_ray.evaluation.effect import CHANCE
-    from wbrag_ray.metrics import sign_test
 
     if not result:
         return None

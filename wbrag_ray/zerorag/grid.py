@@ -1,5 +1,5 @@
-"""Zero-RAG's evaluation grid: every pruning ratio (and 0, the full index) without and with the router, the
-tuned adapter and the active write-back index, with retrieval latency and index size (RUN/zero_rag/grid.json)."""
+"""Zero-RAG's evaluation grid: every pruning ratio (and 0) without and with router, tuned adapter and the active
+write-back index, with retrieval latency and index size (RUN/zero_rag/grid.json)."""
 
 from __future__ import annotations
 
@@ -8,51 +8,44 @@ from typing import Any
 
 from wbrag_ray import rag
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
 from wbrag_ray.evaluation.stage import EVAL
+from wbrag_ray.formats import read_dataset
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.index.files import load_manifest
+from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.stages.service import Services, shared_or_own
+from wbrag_ray.storage import resolve
 from wbrag_ray.work import Generate, Sizes
+from wbrag_ray.writeback.versions import read_active
 from wbrag_ray.zerorag.prune import index_bytes, index_for_ratio
 from wbrag_ray.zerorag.tune import with_adapter
 
 
 def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool = False,
                   services: Services | None = None) -> list[dict[str, Any]]:
-    """Evaluate every pruning ratio of zerorag.ratios (and 0, the full index), without and with the router
-    (zerorag.router), the tuned adapter (zerorag.tune.enabled) and the active write-back index (a pruned base
-    plus write-back: the two methods combined); write RUN/zero_rag/grid.json. `services`: the caller's (the
-    router's generator service, still loaded), else the grid's own."""
-    from wbrag_ray.evaluation.evaluate import dataset_name, evaluate_stage
-    from wbrag_ray.formats import read_dataset
-    from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
-    from wbrag_ray.storage import resolve
-    from wbrag_ray.writeback.versions import read_active
-
+    """Evaluate every ratio (and 0) without and with router, adapter and write-back; write grid.json."""
     z = config.zerorag
     query_gpu_refusal("the Zero-RAG grid", config.embedder, config.retrieval)  # before any cell
     name = dataset_name(config, dataset)
     ratios = sorted({0.0, *z.ratios})
     routers = [False, True] if z.router else [False]
-    # the tuned adapter's cells first: `wbrag run` labels the router's questions with it on the services it then
-    # hands the grid, so the first cells run on the model those services already hold
+    # the adapter's cells first: the services handed over already hold that model
     adapters = [True, False] if z.tune.enabled else [False]
     writebacks = [False, True] if read_active(run)["version"] else [False]
     questions, _ = read_dataset(resolve(dataset), limit=config.eval.limit)
     rows: list[dict[str, Any]] = []
     latency: dict[float, float] = {}
-    # One set of services for the whole grid: the model without the adapter loads in the processes that served
-    # the adapter's cells (no second model process), and the retrieval service follows the cell.
+    # One set of services for the grid; the retrieval service follows the cell.
     with shared_or_own(services) as services:
         # the latency queries, as the retrieval actors embed them (on their GPUs where the embedder asks for some)
         vectors = query_vectors(questions["question"].to_pylist(), config.embedder, config.retrieval, services)
         for turn, adapter in enumerate(adapters):
             cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
             passes = GeneratorPasses(cfg.generator, services)  # with or without the adapter, for every cell
-            # back and forth over the ratios: the index the last adapter's cells ended on serves the next first
-            # (one index loaded at a time, and a load of a large one takes minutes)
+            # back and forth over the ratios, so the last index loaded serves the next cell first
             for ratio in ratios if turn % 2 == 0 else ratios[::-1]:
                 index = index_for_ratio(run, ratio)
                 manifest = load_manifest(index)
@@ -84,9 +77,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                             "index_bytes": index_bytes(index), "sentences": int(manifest["count"]),
                             "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
                         })
-        # what the grid's services started (or took over from the stage before: `Services.close`) and set up, per
-        # service kind, the router's labels included where they came with them (what sharing saved: a generator
-        # process per step)
+        # what the grid's services started or took over, per service kind
         used = {"started": dict(services.started), "adopted": dict(services.adopted), "loads": dict(services.loads),
                 "generator_actors": services.actor_ids(GenerateStage.name)}
     rows.sort(key=lambda r: (r["adapter"], r["ratio"]))  # stable: each cell's rows as evaluated
@@ -97,8 +88,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
 
 def eval_label(name: str, ratio: float | None = None, writeback: bool = False, router: bool = False,
                adapter: bool = False) -> str:
-    """The folder prefix (and setting) of one evaluation: the dataset name, then each setting that differs from
-    the base, in one order for `wbrag eval` and the grid."""
+    """The folder prefix of one evaluation: the dataset, then each setting differing from the base, in one order."""
     return (name + (f"-prune{ratio:g}" if ratio is not None else "") + ("-writeback" if writeback else "")
             + ("-router" if router else "") + ("-adapter" if adapter else ""))
 

@@ -1,8 +1,5 @@
-"""Zero-RAG step 1: score a sample of sentences by how well the target model already knows them.
-
-    sample sentences -> QA pairs (cloze blanks, or written by the QA generator) -> the target model's
-    closed-book answers -> mean exact match per sentence (RUN/zero_rag/mastery/: qa, scores, stats)
-"""
+"""Zero-RAG step 1: sample sentences -> QA pairs -> the target model's closed-book answers -> mean exact match
+per sentence (RUN/zero_rag/mastery/)."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+import wbrag_ray.zerorag.qa as m
 from wbrag_ray import prompts
 from wbrag_ray.build_kb import INDEX, INGEST
 from wbrag_ray.config import ConfigError, WbragConfig
@@ -47,9 +45,6 @@ def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, forc
 
 
 def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
-    import wbrag_ray.zerorag.qa as m
-    from wbrag_ray import prompts
-
     z = config.zerorag
     out = run.layout.zero_rag
     t0 = time.perf_counter()

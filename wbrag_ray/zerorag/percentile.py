@@ -1,10 +1,5 @@
-"""The corpus-wide percentile of predicted mastery, with only counts travelling, and the keep mask it gives.
-
-Each prediction file is histogrammed in its own Ray task and only the counts come back: first over `bins` bins
-of [0, 1], then inside the one bin where the cut falls. The cut is exact to 1 / bins^2; sentences tied inside
-the last sub-bin are dropped by a draw fixed by their id, for the fraction that is still missing, so the
-dropped count matches the ratio to within a few sentences, on any number of nodes.
-"""
+"""The corpus-wide percentile of predicted mastery from two-level histograms (only counts travel), and the
+keep mask it gives (ties in the last sub-bin dropped by a draw fixed by id)."""
 
 from __future__ import annotations
 
@@ -12,13 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from wbrag_ray.storage import Location
+from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.storage import Location, resolve
 from wbrag_ray.zerorag.sampling import splitmix64
 
 
 def _bins(scores: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two-level bin indices of scores in [0, 1]: level 1 splits [0, 1] into `bins`, level 2 splits each of
-    those into `bins` again. Integer indices, so the histogram and the keep mask agree exactly."""
+    """Two-level integer bin indices of scores in [0, 1], so histogram and keep mask agree exactly."""
     x = np.clip(np.asarray(scores, np.float64), 0.0, 1.0) * bins
     b1 = np.minimum(x.astype(np.int64), bins - 1)
     b2 = np.minimum(((x - b1) * bins).astype(np.int64), bins - 1)
@@ -34,14 +29,10 @@ def percentile_cut(pred: Location, ratio: float, bins: int) -> dict[str, Any]:
     """Where to cut so that `ratio` of all sentences (those with the highest predicted mastery) are dropped."""
     import ray
 
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
-
     files = [f.uri for f in pred.list_files(".parquet")]
 
     @ray.remote(num_cpus=LIGHT_CPUS)
     def histogram(uri: str, level1_bin: int | None) -> np.ndarray:
-        from wbrag_ray.storage import resolve
-
         scores = resolve(uri).read_table(["mastery_pred"])["mastery_pred"].to_numpy()
         b1, b2 = _bins(scores, bins)
         if level1_bin is None:

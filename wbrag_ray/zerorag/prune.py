@@ -1,9 +1,5 @@
-"""Zero-RAG step 3: every sentence's predicted mastery, then for each ratio the keep mask, the pruned sentence
-corpus and the pruned index (built from the stored vectors: nothing is embedded again).
-
-    RUN/zero_rag/predictions/                     sid, mastery_pred for every sentence
-    RUN/zero_rag/prune-<R>/keep/, sentences/, index/, stats.json
-"""
+"""Zero-RAG step 3: every sentence's predicted mastery, then per ratio the keep mask, the pruned sentence corpus
+and the pruned index built from the stored vectors (RUN/zero_rag/predictions/, prune-<R>/)."""
 
 from __future__ import annotations
 
@@ -14,9 +10,15 @@ from typing import Any
 import pyarrow as pa
 
 from wbrag_ray.build_kb import INDEX, INGEST
+from wbrag_ray.checkpoints import resumable_write
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.index.prune import drop_ids_ref, prune_index
 from wbrag_ray.layout import PRUNE_LEVEL, PrunedLevel
+from wbrag_ray.models.pruner import EmbeddingHead
+from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
 from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.stages.base import Resources, apply_stage
+from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 from wbrag_ray.storage import Location
 from wbrag_ray.work import AddVectors, Predict, Sizes
 from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
@@ -35,18 +37,12 @@ def predict_stage(config: WbragConfig) -> RunStage:
 
 
 def predict(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str, Any]:
-    """Every sentence's predicted mastery with zerorag.pruner, as one Ray Data pipeline that resumes where a
-    killed attempt stopped (`checkpoints.resumable_write`)."""
+    """Every sentence's predicted mastery, as one resumable Ray Data pipeline (`checkpoints.resumable_write`)."""
     return run.execute(predict_stage(config), config, lambda: _predict(run, config, config.zerorag.pruner), force=force)
 
 
 def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
     import ray.data
-
-    from wbrag_ray.checkpoints import resumable_write
-    from wbrag_ray.models.pruner import EmbeddingHead
-    from wbrag_ray.stages.base import Resources, apply_stage
-    from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 
     model = run.layout.zero_rag.pruner(kind)
     total = run.stats(INGEST.name)["sentences"]
@@ -103,9 +99,6 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     import ray
     import ray.data
 
-    from wbrag_ray.index.prune import drop_ids_ref, prune_index
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
-
     bins = config.zerorag.histogram_bins
     level = PrunedLevel(run.output(run.layout.zero_rag.pruned(ratio).root))  # beside it while --force redoes it
     t0 = time.perf_counter()
@@ -122,9 +115,7 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, num_cpus=LIGHT_CPUS)
     ds.map_batches(mask, batch_format="pyarrow", num_cpus=LIGHT_CPUS).write_parquet(
         level.keep.path, filesystem=level.keep.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
-    # The dropped ids are collected by a task into the object store, where the pruned corpus and index builds
-    # read them: the driver holds their reference and count, never the ids (the driver's memory would grow with
-    # the corpus: 8 bytes a dropped sentence and the copies a sort takes).
+    # The dropped ids stay in the object store; the driver holds only their reference and count.
     drop_ref, n_dropped = drop_ids_ref(level.keep, LIGHT_CPUS)
     seconds_cut = time.perf_counter() - t0
 

@@ -1,11 +1,5 @@
-"""Zero-RAG step 2: pruners, trained on the scored sample and validated on a held-out part of it.
-
-    embedding: a small head on the stored sentence vectors (fast; the corpus is never re-embedded)
-    lm:        the paper's LLM regressor, a LoRA-tuned causal LM with a regression head, reading the text
-
-Each writes RUN/zero_rag/pruner/<kind>/ (the model, metrics.json: MSE, Spearman, top-quantile precision and
-recall at the first pruning ratio; validation.parquet: measured and predicted per held-out sentence).
-"""
+"""Zero-RAG step 2: pruners trained on the scored sample, validated on a held-out part: `embedding` (a head on
+the stored sentence vectors) or `lm` (the paper's LoRA LM regressor). Each writes RUN/zero_rag/pruner/<kind>/."""
 
 from __future__ import annotations
 
@@ -20,7 +14,11 @@ import pandas as pd
 from wbrag_ray.build_kb import EMBED
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
+from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
+from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
 from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.storage import resolve
+from wbrag_ray.training.lm_pruner import train_lm_pruner
 from wbrag_ray.work import Sizes, Train
 from wbrag_ray.zerorag.mastery import MASTERY
 from wbrag_ray.zerorag.sampling import titled
@@ -36,8 +34,7 @@ PRUNERS = {
 
 
 def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
-    """Train one pruner (`kind`, default: zerorag.train_pruners and zerorag.pruner) on the scored sample; validate it
-    on the held-out part."""
+    """Train one pruner (`kind`, default: the configured ones) on the scored sample; validate it on the held-out part."""
     kinds = [kind] if kind else list(dict.fromkeys([*config.zerorag.train_pruners, config.zerorag.pruner]))
     results = {}
     for k in kinds:
@@ -49,18 +46,13 @@ def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, f
 
 
 def pruner_text(titles, sentences) -> list[str]:
-    """What the LM regressor reads, in training, validation and prediction alike: 'title: sentence' (what the QA
-    pairs that scored the sentence were written from)."""
+    """What the LM regressor reads everywhere: 'title: sentence'."""
     return titled(titles, sentences)
 
 
 def pruner_inputs(run: RunFolder):
-    """A Ray Dataset of (sid, text) for every sentence, `text` as `pruner_text` builds it. Ingest writes the
-    sentences and passages of one corpus shard under the same file name, so each sentences file finds its
-    titles in its own passages file: the join is bounded by one shard, never by the corpus."""
+    """A Ray Dataset of (sid, text) for every sentence; each sentences file joins only its own shard's passages."""
     import ray.data
-
-    from wbrag_ray.ray_runtime import LIGHT_CPUS
 
     src = run.layout.ingest.sentences
     ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "pid", "text"], include_paths=True,
@@ -81,8 +73,6 @@ def _with_titles(batch: pd.DataFrame, passages: str) -> pd.DataFrame:
 @functools.lru_cache(maxsize=4)
 def _shard_titles(passages: str, file_name: str) -> pd.Series:
     """pid -> title of one passages shard (cached: a task's batches come from a few shards)."""
-    from wbrag_ray.storage import resolve
-
     table = resolve(passages).join(file_name).read_table(["pid", "title"])
     return pd.Series(table["title"].to_pylist(), index=table["pid"].to_numpy())
 
@@ -100,8 +90,6 @@ def _scored_split(run: RunFolder, config: WbragConfig) -> tuple[pd.DataFrame, pd
 
 
 def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
-    from wbrag_ray.models.pruner import pruner_metrics
-
     z = config.zerorag
     train, val = _scored_split(run, config)
     out = run.output(run.layout.zero_rag.pruner(kind))  # beside the trained pruner while --force redoes it
@@ -110,8 +98,6 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
         if kind == "embedding":
             predicted, fit = _train_head(run, config, train, val, tmp)
         else:
-            from wbrag_ray.training.lm_pruner import train_lm_pruner
-
             # on Ray Train workers; the worker that trained it also predicts the held-out sentences
             fit = train_lm_pruner(pruner_text(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
                                   tmp, val_texts=pruner_text(val["title"], val["text"]))
@@ -131,9 +117,6 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
 
 def _train_head(run: RunFolder, config: WbragConfig, train: pd.DataFrame, val: pd.DataFrame, tmp: str):
     """The embedding head on the scored sentences' stored vectors; (validation predictions, fit figures)."""
-    from wbrag_ray.models.pruner import EmbeddingHead
-    from wbrag_ray.ray_runtime import select_rows
-
     z = config.zerorag
     both = pd.concat([train, val], ignore_index=True)
     vec = select_rows(run.layout.embed, "sid", both["sid"].to_numpy(), ["sid", "vector"])

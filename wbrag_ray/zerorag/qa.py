@@ -1,16 +1,6 @@
-"""Zero-RAG's mastery score of a sentence: QA pairs whose answers are in the sentence, answered closed-book by
-the target model; the score is the mean exact match over the valid pairs.
-
-Two ways to write the QA pairs:
-- `llm`: the QA generator writes them (chat prompt for instruct models, few-shot completion prompt for base
-  models). Its output is parsed from JSON or from `Q: ... / A: ...` lines; an output with no pair, and a pair
-  whose answer is not in the sentence, are kept with that status for inspection and left out of the score.
-- `cloze`: deterministic. Answer spans a reader could recall (dates, numbers, names) are picked from the
-  sentence and blanked; tiny models answer these far more reliably than they write questions.
-
-Every QA pair travels as one row (sid, qa_index, question, answer, status, raw) so the closed-book pass is one
-batched generator pass over all of them, and the score is a group-by on sid.
-"""
+"""Zero-RAG's mastery score of a sentence: the mean exact match of the target model's closed-book answers
+to QA pairs answerable from it, written by the QA generator (`llm`; unparsable output kept with a status) or as
+`cloze` blanks."""
 
 from __future__ import annotations
 
@@ -43,8 +33,7 @@ _NOT_NAMES = {
 
 
 def cloze_spans(sentence: str, n: int) -> list[str]:
-    """Up to `n` distinct answer spans of `sentence`: dates, then numbers, then names, each in reading order.
-    A span inside one already taken (the year of a date) is skipped."""
+    """Up to `n` distinct answer spans: dates, numbers, then names, in reading order, none inside another."""
     taken: list[tuple[int, int]] = []
     spans: list[str] = []
     for kind, pattern in _SPAN_PATTERNS:
@@ -91,8 +80,7 @@ _QA_LINES = re.compile(
 
 
 def parse_qa_output(raw: str) -> list[tuple[str, str]]:
-    """(question, answer) pairs from a QA generator's output: a JSON list of {"question", "answer"} objects
-    (or one object), else `Q: ... / A: ...` lines (numbered or not). Empty when nothing parses."""
+    """(question, answer) pairs from JSON objects, else `Q: ... / A: ...` lines; empty when nothing parses."""
     text = raw.strip()
     start = min([i for i in (text.find("["), text.find("{")) if i >= 0], default=-1)
     if start >= 0:
@@ -134,8 +122,7 @@ def llm_pairs(sentence: str, raw: str, n: int, completion_prefix: str = "") -> l
 
 
 def score_answers(qa: pd.DataFrame) -> pd.DataFrame:
-    """Add `em` and `acc` to QA rows that were answered (status ok), scoring the target's `prediction`
-    against the pair's answer; unanswered rows get nulls."""
+    """Add `em` and `acc` to answered QA rows; unanswered rows get nulls."""
     qa = qa.copy()
     ok = (qa["status"] == OK).to_numpy()
     for name, fn in (("em", exact_match), ("acc", substring_match)):
@@ -145,9 +132,7 @@ def score_answers(qa: pd.DataFrame) -> pd.DataFrame:
 
 
 def mastery_scores(sentences: pd.DataFrame, qa: pd.DataFrame, metric: str = "em") -> pd.DataFrame:
-    """One row per sampled sentence: n_qa, n_valid, and mastery = the mean of `metric` (em, the paper's, or
-    acc) over its valid pairs (null when it has none: such sentences are kept for inspection and left out of
-    pruner training)."""
+    """One row per sentence: n_qa, n_valid, mastery = mean `metric` over valid pairs (null when none)."""
     groups = qa.groupby("sid")
     out = sentences[["sid", "title", "text"]].copy()
     out["n_qa"] = out["sid"].map(groups.size()).fillna(0).astype("int32")

@@ -1,6 +1,5 @@
-"""Zero-RAG's query router: P(the generator answers without retrieval) from the query embedding; queries it
-calls mastered skip retrieval. Labels come from the generator's closed-book answers to training questions (with
-the tuned adapter when there is one); RUN/zero_rag/router/ holds the router, metrics.json and labels.parquet."""
+"""Zero-RAG's query router: P(the generator answers without retrieval) from the query embedding; mastered
+queries skip retrieval. Labels are the generator's closed-book correctness (with the tuned adapter if any)."""
 
 from __future__ import annotations
 
@@ -10,10 +9,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.formats import plain_table
+from wbrag_ray.formats import input_params, plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.stage import GenerateStage
+from wbrag_ray.metrics import metric
+from wbrag_ray.models.router import QueryRouter
+from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
 from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.stages.service import Services
 from wbrag_ray.work import Embed, Generate, Pass, Sizes
@@ -30,11 +33,8 @@ ROUTER = RunStage(
 
 def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False,
                  services: Services | None = None) -> dict[str, Any]:
-    """Label each training question by whether the generator answers it correctly without retrieval, and train
-    the router on the query embeddings. `services`: the caller's (and closed by it), for a generator service
-    that goes on serving the stage after this one."""
+    """Label training questions by closed-book correctness and train the router on their embeddings."""
     train, questions, rejected = train_questions(config, train)
-    from wbrag_ray.formats import input_params
 
     stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected, services),
                         params=input_params(train, "zerorag.train"), force=force)
@@ -46,11 +46,6 @@ def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, 
 def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int,
            services: Services | None) -> dict[str, Any]:
     from sklearn.metrics import roc_auc_score
-
-    from wbrag_ray import prompts
-    from wbrag_ray.metrics import metric
-    from wbrag_ray.models.router import QueryRouter
-    from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
 
     z = config.zerorag
     query_gpu_refusal("the query router", config.embedder, config.retrieval)  # before the generator's pass
@@ -87,8 +82,7 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     out.join(folder.router_metrics.name).write_json(metrics)
     answered = answered.assign(label=labels, p_mastered=router.probability(vectors))
     out.join(folder.router_labels.name).write_table(plain_table(answered[["id", "question", "prediction", "label", "p_mastered"]]))
-    # the stage's stats also name the processes that answered (in `wbrag run` the grid after it names the same);
-    # not the router's metrics, which a rerun of the same labels reproduces
+    # the stage's stats name the processes that answered; not the router's metrics
     return {"rows_in": len(questions) + rejected, "rows_out": len(answered), "rows_rejected": rejected, **metrics,
             "generator_actors": actors}
 

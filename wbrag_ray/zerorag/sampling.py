@@ -7,6 +7,7 @@ import pandas as pd
 import pyarrow as pa
 
 from wbrag_ray.config import WbragConfig
+from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
 from wbrag_ray.run import RunFolder
 
 
@@ -20,12 +21,9 @@ def splitmix64(x: np.ndarray, seed: int) -> np.ndarray:
 
 
 def sample_sentences(run: RunFolder, config: WbragConfig, n: int) -> pd.DataFrame:
-    """The `n` sentences with the smallest seeded hash of their sid: a uniform sample, chosen by a distributed
-    filter (a hash below a cut taken with margin), then an exact cut on the few candidates."""
+    """The `n` sentences with the smallest seeded hash of their sid: a distributed filter, then an exact cut."""
     import ray
     import ray.data
-
-    from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
 
     total = run.stats("ingest")["sentences"]
     seed = config.zerorag.seed

@@ -1,5 +1,4 @@
-"""Zero-RAG's noise-tolerant tuning: a LoRA adapter of the generator, trained on each training question with
-relevant documents, with distracting documents and with none (RUN/zero_rag/adapter/)."""
+"""Zero-RAG's noise-tolerant tuning stage: the generator's LoRA adapter (RUN/zero_rag/adapter/)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,12 @@ import pandas as pd
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.formats import input_params, read_questions
+from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.stages.service import Services
+from wbrag_ray.training.noise_tolerant import build_examples, own_targets, tune_generator
 from wbrag_ray.work import Generate, Pass, Search, Sizes, Train
 
 TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "generator", "retrieval", "index.nprobe"),
@@ -19,8 +23,6 @@ TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "genera
 
 def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.DataFrame, int]:
     """(path, the training questions, how many rows were rejected) of zerorag.train (or `train`)."""
-    from wbrag_ray.formats import read_questions
-
     train = train or config.zerorag.train
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
@@ -31,9 +33,7 @@ def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.Dat
 
 
 def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
-    """The generator config with the run's tuned adapter applied: by its URI in the run folder (a local path or
-    s3://...), which each worker that loads the generator turns into a copy on its own node
-    (`storage.node_local_dir`); a path in the driver's cache would not exist on the other nodes."""
+    """The generator config with the run's adapter by its URI (each worker fetches it to its own node)."""
     run.require(TUNE)
     return config.generator.model_copy(update={"lora_adapter": run.layout.zero_rag.adapter.uri})
 
@@ -41,7 +41,6 @@ def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
 def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
     """Noise-tolerant LoRA tuning of the generator; the adapter goes to RUN/zero_rag/adapter."""
     train, questions, rejected = train_questions(config, train)
-    from wbrag_ray.formats import input_params
 
     stats = run.execute(TUNE, config, lambda: _tune(run, config, questions, rejected),
                         params=input_params(train, "zerorag.train"), force=force)
@@ -51,11 +50,6 @@ def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: b
 
 
 def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected: int) -> dict[str, Any]:
-    from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.retrieval.stage import RetrievalSetting
-    from wbrag_ray.stages.service import Services
-    from wbrag_ray.training.noise_tolerant import build_examples, own_targets, tune_generator
-
     t = config.zerorag.tune
     # more documents than an answer needs: the relevant ones and the hard distractors are picked from them
     wide = config.retrieval.model_copy(update={"top_k": max(config.retrieval.top_k, t.retrieve_k)})
@@ -81,8 +75,7 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
         stats = tune_generator(examples, config.generator, t, tmp)
         run.output(run.layout.zero_rag.adapter).upload_dir(tmp)  # beside the adapter in use while --force redoes it
     fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k != "losses"}
-    # the training loop's own seconds under their name: the stage's seconds are all of it (its retrieval, the
-    # generator's own answers, Ray Train's start), what its plan and report compare
+    # the training loop's own seconds; the stage's seconds include retrieval and Ray Train's start
     fit["train_seconds"] = fit.pop("seconds", None)
     return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected, **targets,
             **fit}
