@@ -1,8 +1,8 @@
 """Generator passes over a Ray Dataset.
 
 `generate_pass` runs one pass on whichever backend the config names, as a `GenerateStage` on a command's
-generator service (the model or vLLM engine loaded once for all of the command's passes), or on its own:
-hf and openai in a pool of their own, vllm as a Ray Data LLM processor.
+generator service (the model or vLLM engine loaded once for all of the command's passes; see "One engine path"
+in docs/architecture.md).
 
 `GeneratorPasses` runs them recorded: every pipeline that calls the LLM in batches (write-back's gates and
 distiller, Zero-RAG's QA writing and closed-book answers, the router's labels, the adaptive RAG methods) goes
@@ -14,6 +14,7 @@ their CPUs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -26,11 +27,12 @@ from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.parallel import check_placement
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.types import Scored, scored_columns
-from wbrag_ray.generation.vllm import VLLMGenerator, check_shape
+from wbrag_ray.generation.vllm import check_shape
+from wbrag_ray.identity import generator_identity
 from wbrag_ray.progress import log as progress_log
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import local_dataset
-from wbrag_ray.stages.kept import release_kept
+from wbrag_ray.run import settings_value
 from wbrag_ray.stages.service import Services, run_pass
 
 if TYPE_CHECKING:
@@ -47,28 +49,22 @@ def generate_pass(
     """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
 
     mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
-    `choice`: the list of `choices`' probabilities (see `Generator.choice_probs`). `mixture`: `prompt_column`
-    holds a JSON list of prompts and `weight_column` their weights; one answer from their mixed next-token
-    distributions, with the columns of `scored` (`Generator.generate_mixture`; hf only). With `services`: a
-    `GenerateStage` on the generator service they hold (the model, or the vLLM engine, loaded once for every
-    pass of a command: a pass of FLARE or Self-RAG is over in seconds, an engine start is not). Without: hf /
-    openai in a pool of their own, vllm as a Ray Data LLM processor (engine replicas started for this pass)."""
-    generator = _checked(config, mode)
-    if isinstance(generator, VLLMGenerator) and services is None:
-        release_kept()  # the pass's engines need what a finished command's services hold
-        return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
+    `choice`: the list of `choices`' probabilities (`Generator.choice_probs`). `mixture`: `prompt_column` holds a
+    JSON list of prompts and `weight_column` their weights; one answer from their mixed next-token distributions
+    (`Generator.generate_mixture`; hf only). A `GenerateStage` on the generator service `services` hold (loaded
+    once for every pass of a command), or without them on a pool of its own."""
+    _checked(config, mode)
     return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
 
 
-def _checked(config: GeneratorConfig, mode: str, key: str = "generator"):
-    """`config`'s generator, refused here (not in an actor) on a bad backend, model or mode, a model whose shape
-    the engine's settings do not fit (`vllm.check_shape`), and on a cluster whose nodes cannot hold a replica,
-    before anything waits for one; `key`: its config section, for messages."""
-    generator = make_generator(config)
+def _checked(config: GeneratorConfig, mode: str, key: str = "generator") -> None:
+    """Refuse here, before anything waits for an actor: a bad backend, model or mode, a model whose shape the
+    engine's settings do not fit (`vllm.check_shape`), a cluster whose nodes cannot hold a replica. `key`: the
+    config section, for messages."""
+    make_generator(config)
     check_backend_mode(config, mode)
     check_shape(config, key)
     check_placement(config, key)
-    return generator
 
 
 class GeneratorPasses:
@@ -191,11 +187,6 @@ class AnswerMemo:
 
     @staticmethod
     def _keys(df: pd.DataFrame, stage: GenerateStage) -> list[bytes]:
-        import hashlib
-
-        from wbrag_ray.identity import generator_identity
-        from wbrag_ray.run import settings_value
-
         # the model's and adapter's content, not only their paths: an adapter retrained in place answers anew
         setting = json.dumps([settings_value(stage.config), generator_identity(stage.config), stage.mode,
                               list(stage.choices)], sort_keys=True)

@@ -8,7 +8,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from wbrag_ray.index.faiss_index import vectors_of
+from wbrag_ray.models.hardware import pick_device
+from wbrag_ray.models.pruner import EmbeddingHead
 from wbrag_ray.stages.base import Resources, Stage
+from wbrag_ray.storage import resolve
+from wbrag_ray.training.lm_pruner import LMPrunerPredictor
 
 
 class EmbeddingPredictStage(Stage):
@@ -32,13 +37,9 @@ class EmbeddingPredictStage(Stage):
         return Resources(num_cpus=self.num_cpus, batch_size=self.batch_size, actors=False)
 
     def setup(self) -> None:
-        from wbrag_ray.models.pruner import EmbeddingHead
-
         self.head = EmbeddingHead(self.head_weights)
 
     def process_batch(self, batch: pa.Table) -> pa.Table:
-        from wbrag_ray.index.faiss_index import vectors_of
-
         vectors = vectors_of(batch)
         if vectors.shape[1] != self.head.dim:
             raise ValueError(f"the embedding pruner expects {self.head.dim}-dimensional vectors, the stored ones "
@@ -63,10 +64,6 @@ class LMPredictStage(Stage):
         return Resources(c.num_cpus, c.num_gpus, c.concurrency, batch_size=c.predict_batch_size * 4, threads=c.threads)
 
     def setup(self) -> None:
-        from wbrag_ray.models.hardware import pick_device
-        from wbrag_ray.storage import resolve
-        from wbrag_ray.training.lm_pruner import LMPrunerPredictor
-
         # the device Ray gave this actor: a GPU only when it asked for one
         self.predictor = LMPrunerPredictor(resolve(self.model_dir).local_dir(), batch_size=self.config.predict_batch_size,
                                            device=pick_device(self.config.num_gpus))
