@@ -2,7 +2,7 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 465): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
+Over 400 lines (about 495): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
 starts or is joined, from the same settings, and belongs beside `init_ray`."""
 
 from __future__ import annotations
@@ -16,9 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from wbrag_ray.config import ConfigError, RayConfig
-from wbrag_ray.stages.kept import KEEP_S, release_kept
 
 log = logging.getLogger(__name__)
+
+# How long a closed command's services stay up for the next command of this process (`ray.keep_services_s`, set
+# by `init_ray`; 0: they end with their command), and what ends them before tasks of a whole CPU or a GPU start
+# (`stages.kept` registers its release here: this module imports no stage).
+KEEP_S = {"seconds": 10.0}
+BEFORE_HEAVY_TASKS: list[Callable[[], None]] = []
 
 # CPUs that reads, writes and other light tasks ask for: small, so model actors (which ask for most of a
 # node) never starve the tasks that feed them.
@@ -99,7 +104,8 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
     if not parallel:
         return [fn(shared, item) for item in items]
     if num_cpus > LIGHT_CPUS or num_gpus:  # light tasks run beside a finished command's services; these need them
-        release_kept()
+        for release in BEFORE_HEAVY_TASKS:
+            release()
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, memory=memory or None, max_retries=2)(fn)
     ref = ray.put(shared)
     refs = [remote.remote(ref, item) for item in items]
@@ -262,7 +268,7 @@ def stable_names(prefix: str):
 
 # vLLM logs about 150 INFO lines per engine start, at the level it reads from the environment as it is imported
 # (-v: vLLM's own default). The workers that import it start with the setting in a runtime env of their own (a
-# generator stage's, `Resources.env`; Ray Data LLM's engine stage): the job's runtime env would carry it to every
+# generator stage's, `Resources.env`): the job's runtime env would carry it to every
 # worker, and any runtime env starts its worker through a second interpreter (0.3 CPU-s a worker, measured).
 QUIET_VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 

@@ -1,19 +1,9 @@
-"""Services kept from a command that ended, for the next command of the same process (`Services.close` in
-`wbrag_ray.stages.service`): at most one per stage kind and one search pool per index, taken over by the next
-command on the same Ray job or ended when something needs their CPUs (`release_kept`: an actor pool, a training,
-tasks of a whole CPU) or when their time is up (a timer thread).
-
-A service or search pool that starts ends only the kept one it replaces (its kind, its index) and leaves the
-others up where its actors fit the nodes' free resources beside them (`make_room`): a command takes over the
-services it uses as it first uses them, so one that starts a new pool first (an evaluation beside a write-back
-index not searched before) would otherwise end the retrieval service it takes over next and start it again,
-torch imported and the embedder loaded once more (seen 2026-12-05: on the Zero-RAG chain's run, an evaluation
-beside the write-back index right after one on the pruned index).
-
-Work that asks for resources without passing a release point (Ray Data's own tasks, such as the 1-CPU tasks that
-sample a Parquet dataset's files; a user's tasks; another job's) would wait for the timer. A watcher thread asks
-the GCS for the cluster's pending demand (what `ray status` shows) every `WATCH_S` while anything is kept, and ends
-the kept services as soon as any task, actor or placement group waits: nothing waits on them longer than that.
+"""Services kept from a command that ended, for the next command of the same process (`Services.close`): at
+most one per stage kind and one search pool per index, taken over by the next command on the same Ray job, or
+ended when their time is up, when something needs their CPUs (`release_kept`: an actor pool, a training, tasks of
+a whole CPU), or when any other work waits for resources (a watcher reads the GCS's pending demand every `WATCH_S`).
+A service that starts ends only the kept one it replaces, and the others only where it does not fit beside them
+(`make_room`): a command takes over its services as it first uses them, so starting one must not end the next.
 """
 
 from __future__ import annotations
@@ -22,14 +12,15 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from wbrag_ray.cluster_nodes import free_nodes, room_for
+from wbrag_ray.ray_runtime import BEFORE_HEAVY_TASKS, KEEP_S
+
 if TYPE_CHECKING:
     from wbrag_ray.stages.service import StageService
 
 log = logging.getLogger(__name__)
 
-# How long a closed command's services stay up for the next command of this process (`ray.keep_services_s`,
-# set by `init_ray`; 0: they end with their command).
-KEEP_S = {"seconds": 10.0}
+__all__ = ["KEEP_S", "KEPT", "make_room", "release_kept"]
 # How often the watcher asks for the cluster's pending demand (a call of about 3 ms to the GCS).
 WATCH_S = 0.2
 
@@ -192,7 +183,8 @@ def make_room(need: dict[str, float], count: int, name: str | None = None, index
     KEPT.release_one(name, index_dir)
     import ray
 
-    from wbrag_ray.cluster_nodes import free_nodes, room_for
-
     if ray.util.client.ray.is_connected() or room_for(need, free_nodes()) < count:
         KEPT.release()
+
+
+BEFORE_HEAVY_TASKS.append(release_kept)
