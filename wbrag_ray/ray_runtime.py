@@ -2,7 +2,7 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 495): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
+Over 400 lines (about 485): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
 starts or is joined, from the same settings, and belongs beside `init_ray`."""
 
 from __future__ import annotations
@@ -18,12 +18,6 @@ from typing import Any
 from wbrag_ray.config import ConfigError, RayConfig
 
 log = logging.getLogger(__name__)
-
-# How long a closed command's services stay up for the next command of this process (`ray.keep_services_s`, set
-# by `init_ray`; 0: they end with their command), and what ends them before tasks of a whole CPU or a GPU start
-# (`stages.kept` registers its release here: this module imports no stage).
-KEEP_S = {"seconds": 10.0}
-BEFORE_HEAVY_TASKS: list[Callable[[], None]] = []
 
 # CPUs that reads, writes and other light tasks ask for: small, so model actors (which ask for most of a
 # node) never starve the tasks that feed them.
@@ -103,9 +97,6 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         parallel = ray.is_initialized()
     if not parallel:
         return [fn(shared, item) for item in items]
-    if num_cpus > LIGHT_CPUS or num_gpus:  # light tasks run beside a finished command's services; these need them
-        for release in BEFORE_HEAVY_TASKS:
-            release()
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, memory=memory or None, max_retries=2)(fn)
     ref = ray.put(shared)
     refs = [remote.remote(ref, item) for item in items]
@@ -294,7 +285,6 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     from wbrag_ray.cluster_nodes import PENDING_TIMEOUT_S
 
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
-    KEEP_S["seconds"] = config.keep_services_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         _check_reachable(address)  # before the second it takes to import Ray: a wrong address fails at once

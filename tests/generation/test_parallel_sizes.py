@@ -1,5 +1,5 @@
 """Generators larger than one GPU: the (tensor, pipeline) parallel sizes a config resolves to, the configs refused
-and why, the engine arguments and Ray Data LLM processor built with them, the cluster check before a pass, and the
+and why, the engine arguments built with them, the cluster check before a pass, and the
 placement group a generator service's replica takes (on a local cluster whose nodes declare GPUs: Ray schedules
 by the declared count, so the bundles, the capture of child tasks and the removal run for real; what runs in the
 group is a probe in place of vLLM's engine, which needs real GPUs: benchmarks/gpu/check.py runs that).
@@ -108,7 +108,7 @@ def test_consistent_sharded_replicas_are_accepted_for_the_generator_and_the_qa_w
     assert config.zerorag.qa_generator.parallel_sizes() == (2, 1)
 
 
-# --- the engine and Ray Data LLM --------------------------------------------------------------------------
+# --- the engine -------------------------------------------------------------------------------------------
 
 
 def test_engine_kwargs_carry_the_parallel_sizes_and_the_ray_executor_for_a_sharded_replica():

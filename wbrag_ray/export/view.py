@@ -39,7 +39,6 @@ from wbrag_ray.index.faiss_index import (
     to_bytes,
 )
 from wbrag_ray.run import RunFolder
-from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location
 
 MANIFEST_FILE = "wbrag_export.json"  # an export's view, counts and embedder; written last: the export is complete
@@ -308,7 +307,6 @@ def _part_batches(part: Part, trained: bytes | None, parallel: bool,
             if found is not None:
                 yield found if trained is None else (encoder(trained)(found[0]), found[1])
         return
-    release_kept()  # a CPU per task: what a finished command's services hold
     task = ray.remote(num_cpus=LIGHT_CPUS + 0.75, max_retries=2)(_shard_batch)
     shared = (ray.put(readers), ray.put(np.frombuffer(trained, np.uint8)))
     pending = [task.remote(*shared, uri) for uri in files[:EXPORT_IN_FLIGHT]]

@@ -13,7 +13,6 @@ import numpy as np
 
 from wbrag_ray.index.faiss_index import TRAINED_FILE, IndexError_, build_index, load_manifest
 from wbrag_ray.ray_runtime import is_object_ref
-from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -51,7 +50,6 @@ def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]
         ids = scan_drop_ids(resolve(uri))
         return ids, len(ids)
 
-    release_kept()  # the scan holds every dropped id in memory: not beside models a finished command left up
     ids, count = ray.remote(num_cpus=num_cpus, num_returns=2, max_retries=2)(scan).remote(loc.uri)
     return ids, ray.get(count)
 

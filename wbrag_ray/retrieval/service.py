@@ -46,7 +46,6 @@ from wbrag_ray.retrieval.local import (
     union_base_unit,
 )
 from wbrag_ray.retrieval.union import BASE, PROVENANCE, UnionRule, cut_union, read_provenance
-from wbrag_ray.stages.kept import make_room
 from wbrag_ray.storage import resolve
 
 log = logging.getLogger(__name__)
@@ -203,7 +202,6 @@ class SearchPool:
         need = {"CPU": retrieval.search_cpus, "GPU": retrieval.search_share if use_gpu else 0.0, "memory": most}
         refuse_unplaceable(lambda nodes: pool_refusal(
             "the search pool", len(groups) * retrieval.concurrency, need, nodes, len(groups)))
-        make_room(need, len(groups) * retrieval.concurrency, index_dir=index_dir)  # from what a command before left up
         actors = []
         for group in groups:
             held = sum(shards[i]["bytes"] for i in group)

@@ -17,7 +17,6 @@ import pandas as pd
 
 from wbrag_ray.cluster_nodes import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
 from wbrag_ray.models.hardware import in_ray_worker, require_gpu, set_threads
-from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.waits import pool_start_timeout_s
 
 if TYPE_CHECKING:
@@ -145,7 +144,6 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     import ray
     from ray.data import ActorPoolStrategy
 
-    release_kept()  # the pool's workers need the CPUs a finished command's services hold
     res = stage.resources
     common = {"batch_format": stage.batch_format, "batch_size": res.batch_size, "num_cpus": res.num_cpus,
               "num_gpus": res.num_gpus or None, **res.remote_args()}

@@ -9,8 +9,7 @@ own stage object; an actor lends it what it loaded when the `service_key` matche
 pass's stage in place of the old one (a grid moving to its next index or adapter reuses the processes).
 
 `Services` is the set one command owns (`GeneratorPasses.services`): at most one service per stage kind, and one
-search pool per index (`Services.retrieval`), started on first use and ended at `close()`, or kept
-`ray.keep_services_s` seconds for the next command of this process to take over (`stages.kept`).
+search pool per index (`Services.retrieval`), started on first use and ended at `close()`.
 
 Over 400 lines (about 420), kept whole: the service, its actors and a command's set of them are one mechanism.
 """
@@ -39,7 +38,6 @@ from wbrag_ray.ray_runtime import (
     start_restartable,
 )
 from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked, require_stage_gpu
-from wbrag_ray.stages.kept import KEEP_S, KEPT, make_room
 from wbrag_ray.waits import pool_start_wait, wait_placed
 
 if TYPE_CHECKING:
@@ -196,7 +194,6 @@ class StageService:
         # actors that can never be placed would leave the pass waiting on them forever: refused first
         need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
         refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, need, nodes))
-        make_room(need, res.concurrency, name=stage.name)  # from what a command before left up
 
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
@@ -295,7 +292,7 @@ class Services:
     def __init__(self) -> None:
         self._live: dict[str, StageService] = {}
         self.started: dict[str, int] = {}  # actor sets started per stage kind (what reusing them saves)
-        self.adopted: dict[str, int] = {}  # actor sets taken over from a command that ended (`close`)
+        self.adopted: dict[str, int] = {}  # always empty since ray.keep_services_s went: grid.json's field
         self.loads: dict[str, int] = {}  # what was set up per stage kind: one per service key a pass needed
         self._pools: dict[tuple, Any] = {}  # retrieval: (index folder, placement) -> SearchPool
 
@@ -341,10 +338,6 @@ class Services:
         if service is not None and service.placement != _placement(stage.resources):
             service.close()
             service = None
-        if service is None and (service := KEPT.take_service(stage.name, _placement(stage.resources))) is not None:
-            self._live[stage.name] = service
-            self.adopted[stage.name] = self.adopted.get(stage.name, 0) + 1
-            log.info("took over the %s service a command before left up", stage.name)
         if service is None:
             service = self._live[stage.name] = StageService(stage)
             self.started[stage.name] = self.started.get(stage.name, 0) + 1
@@ -391,11 +384,6 @@ class Services:
             for key in keys:
                 if key in self._pools:
                     continue
-                if (pool := KEPT.take_pool(key)) is not None:
-                    self._pools[key] = pool
-                    self.adopted["search"] = self.adopted.get("search", 0) + 1
-                    log.info("took over the search pool of %s a command before left up", key[0])
-                    continue
                 self._pools[key] = SearchPool.start(key[0], index, retrieval)
                 self.started["search"] = self.started.get("search", 0) + 1
                 log.info("started the search pool of %s (%d shard groups x %d)", key[0],
@@ -405,18 +393,12 @@ class Services:
                                 UnionRule.of(retrieval))
 
     def close(self) -> None:
-        """End this command's services, or keep them `KEEP_S` seconds for the next command of this process
-        (`stages.kept`)."""
-        services, pools = list(self._live.items()), list(self._pools.items())
+        """End this command's services and search pools."""
+        held = [*self._live.values(), *self._pools.values()]
         self._live.clear()
         self._pools.clear()
-        if KEEP_S["seconds"] > 0:
-            KEPT.keep(services, pools, KEEP_S["seconds"])
-            return
-        for _name, service in services:
-            service.close()
-        for _key, pool in pools:
-            pool.close()
+        for service_or_pool in held:
+            service_or_pool.close()
 
     def __enter__(self) -> Services:
         return self

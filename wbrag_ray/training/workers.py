@@ -299,13 +299,11 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
     from ray.train.torch import TorchTrainer
 
     from wbrag_ray import checkpoints
-    from wbrag_ray.stages.kept import release_kept
     from wbrag_ray.waits import TRAIN_START_FAILURE, train_start_wait
 
     trainer_config = section.trainer
     plan_steps(section, training.num_examples, trainer_config.num_workers)  # refuse before any worker starts
     check_placement(trainer_config, key)
-    release_kept()  # the training workers need the CPUs (GPUs) a finished command's services hold
     stage = checkpoints.active()
     with contextlib.ExitStack() as stack:
         if storage is None and stage is not None:

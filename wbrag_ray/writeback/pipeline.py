@@ -209,7 +209,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         folder.units.write_table(pa.Table.from_pandas(units, UNITS, preserve_index=False))
         folder.embed_file.write_table(embeddings_table(units["id"].to_numpy(np.int64), vectors))
         # A unit per kept example: written and indexed here, in the driver, not in Ray tasks, which would need
-        # the CPUs the command's services hold now, kept for the next command (`stages.kept`), and end them.
+        # the CPUs the command's services hold now.
         write_doc_store(folder.corpus, "passage", folder.docs, parallel=False)
         build_index(
             folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
