@@ -4,13 +4,10 @@
 generator service (the model or vLLM engine loaded once for all of the command's passes; see "One engine path"
 in docs/architecture.md).
 
-`GeneratorPasses` runs them recorded: every pipeline that calls the LLM in batches (write-back's gates and
-distiller, Zero-RAG's QA writing and closed-book answers, the router's labels, the adaptive RAG methods) goes
-through it, so calls, seconds and prompt / output sizes per pass land in its stats the same way. The passes of
-one `GeneratorPasses` share its stage services (`stages.service`): the generator is loaded once for all of
-them, and the retrieval passes between them (`RetrievalSetting.search(..., services=)`) open the index once.
-Use it as a context manager, or call `close()`, so the services end before the command runs stages that need
-their CPUs."""
+`GeneratorPasses` runs them recorded (calls, seconds, prompt / output sizes per pass, for stats.json): every
+pipeline that calls the LLM in batches goes through it. Its passes share its stage services, and so do the
+retrieval passes between them (`RetrievalSetting.search(..., services=)`). Use it as a context manager, or call
+`close()`, so the services end before the command runs stages that need their CPUs."""
 
 from __future__ import annotations
 
@@ -167,19 +164,12 @@ class GeneratorPasses:
 
 
 class AnswerMemo:
-    """Greedy answers a command already generated, by what decides them: the generator's settings that shape
-    answers (model, adapter, dtype, token budget, stop strings, chat template: not where or how wide it runs), the
-    content of the model and adapter given by path, the dtype and device kind they decode on (`identity`),
-    the pass's mode and choices, and the prompt (with a mixture's weights). A grid asks the same prompt again and
-    again (a question whose top K the write-back index does not change, a router that skips retrieval,
-    Self-RAG's answer where it keeps one document: replug-vote's prompt for it); each is decoded once per
-    command. Kept as 16-byte digests with the output columns, up to `max_entries` (scored answers hold their
-    tokens' probabilities: about 1 KB each). With a stage's `AnswerStore` (`wbrag_ray.checkpoints`), what an
-    earlier attempt of the stage committed is an answer too, and every new answer is committed.
-
-    Greedy decoding is a function of the prompt, up to float rounding: a prompt padded in another batch could
-    differ in the last bits of its logits (the hf backend pads each prompt to its length bucket, whatever
-    else shares its batch, to keep that from happening); within one command the first answer is kept."""
+    """Greedy answers a command already generated, keyed by what decides them: the settings that shape answers
+    (not where or how wide it runs), the model's and adapter's content (`identity`), the pass's mode and choices,
+    and the prompt (with a mixture's weights). A grid asks the same prompt again and again; each is decoded once
+    per command, kept as 16-byte digests up to `max_entries`. With a stage's `AnswerStore` (`checkpoints`), what an
+    earlier attempt committed is an answer too, and every new answer is committed. Greedy decoding is a function
+    of the prompt up to float rounding; within one command the first answer is kept."""
 
     def __init__(self, max_entries: int = 500_000):
         self.max_entries = max_entries
