@@ -19,8 +19,7 @@ first WARM prompts alone (plan, actor start, load, one small batch), and the rat
 vLLM on CPU beside hf (when vLLM's CPU build is installed: `make setup-vllm`): the same prompts, fp32, the same
 2 torch threads, greedy, the same token budget and stop string. "vllm direct" is the engine a command's generator
 service holds (in-process engine core, `VLLMGenerator.setup`), timed on the whole list at once (its scheduler
-batches); "vllm Ray Data LLM" is one pass of its own through `ray.data.llm` (`generate_pass` without services),
-engine start included: what a standalone pass pays. The ratio vllm/hf compares prompts/s of the direct runs.
+batches). The ratio vllm/hf compares prompts/s of the direct runs.
 
     python -m benchmarks.generate [--quick]
 """
@@ -238,15 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def vllm_beside_hf(args: Any, prompts: list, hf32: DirectRun) -> None:
-    """vLLM's CPU build on the prompts of the hf fp32 run: direct (the service's engine) and through Ray Data
-    LLM (a pass of its own), with prompts/s, answer tokens/s and generated tokens/s (vLLM pads nothing: its
+    """vLLM's CPU build on the prompts of the hf fp32 run, on the engine a generator service holds, with prompts/s, answer tokens/s and generated tokens/s (vLLM pads nothing: its
     generated tokens are the answers' plus each one's end token) and the ratio to hf fp32."""
-    import ray.data
-
     from wbrag_ray.config import GeneratorConfig
-    from wbrag_ray.generation.passes import generate_pass
     from wbrag_ray.generation.vllm import VLLMGenerator
-    from wbrag_ray.prompts import dumps
 
     n = len(prompts)
     config = GeneratorConfig(model="bundled:smollm2", max_new_tokens=MAX_NEW_TOKENS, dtype="float32",
@@ -255,13 +249,6 @@ def vllm_beside_hf(args: Any, prompts: list, hf32: DirectRun) -> None:
 
     def answer_tokens(answers: list[str]) -> int:
         return sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
-
-    # First the Ray Data LLM pass: its engine replica is a Ray actor, started by this pass (the multiprocess
-    # engine Ray Data LLM runs: engine core and CPU worker in processes of their own, 1 bound core of the 2).
-    rows = [{"i": i, "prompt": dumps(p)} for i, p in enumerate(prompts)]
-    with local_ray(num_cpus=2), Stopwatch() as sw:
-        table = generate_pass(config, ray.data.from_items(rows)).to_pandas().sort_values("i")
-    answers_ray = table["answer"].tolist()
 
     engine, seconds = set_up(VLLMGenerator(config))
     report("vllm engine start, direct (in-process, cached converted model)", seconds, "s", 2)
@@ -284,9 +271,6 @@ def vllm_beside_hf(args: Any, prompts: list, hf32: DirectRun) -> None:
                  answer_tokens(hf32.answers) / hf32.seconds)
     report("identical greedy answers vllm vs hf fp32", 100 * same_fraction(answers, hf32.answers), "%")
     report("sample answer (hf fp32 | vllm fp32)", f"{hf32.answers[0]!r} | {answers[0]!r}")
-    report("vllm Ray Data LLM pass time, engine start included", sw.seconds, "s", 2)
-    report("vllm Ray Data LLM prompts/s, engine start included", n / sw.seconds, "prompts/s", 2)
-    report("identical greedy answers vllm Ray Data LLM vs direct", 100 * same_fraction(answers_ray, answers), "%")
 
 
 if __name__ == "__main__":

@@ -170,20 +170,14 @@ def ray_cluster():
 
 
 @pytest.fixture
-def one_command(monkeypatch):
-    """A test whose passes are one command's (`Services`): nothing an earlier command of this process left up to
-    take over, and the services end when it closes them (`ray.keep_services_s` 0; `wbrag_ray.stages.kept`)."""
+def one_command():
+    """A test whose passes are one command's (`Services`), started once the tests before gave every resource back."""
     import ray
 
-    from wbrag_ray.stages import kept
-
     if ray.is_initialized():
-        # what the tests before left kept ends here, and its resources are back before this test reads any
-        # (a released search actor's memory came back mid-test and broke a count: 2026-12-05)
+        # a released search actor's memory that came back mid-test broke a count (2026-12-05)
         wait_idle(ray)
-    monkeypatch.setitem(kept.KEEP_S, "seconds", 0)
     yield
-    kept.release_kept()
 
 
 def joining_env(ray) -> dict[str, str]:
@@ -198,9 +192,6 @@ def wait_idle(ray, timeout_s: float = 30) -> None:
     frees them, and a test that reads or holds the free resources reads them after."""
     import time
 
-    from wbrag_ray.stages.kept import release_kept
-
-    release_kept()  # what this process's last command left up for the next (`Services.close`)
     deadline = time.monotonic() + timeout_s
     while (free := ray.available_resources().get("CPU", 0.0)) < (total := ray.cluster_resources()["CPU"]):
         if time.monotonic() >= deadline:

@@ -27,6 +27,13 @@ def test_unknown_key_names_the_key_and_suggests_the_fix():
     assert "generator.bath_size" in msg and "generator.batch_size" in msg
 
 
+def test_a_removed_key_says_it_was_removed_and_what_to_do(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("ray:\n  keep_services_s: 10\n")
+    with pytest.raises(ConfigError, match="'ray.keep_services_s' was removed: .*delete the key"):
+        load_config(f)
+
+
 def test_bad_value_names_the_key_and_the_rule():
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["retrieval.top_k=0"])

@@ -1,6 +1,6 @@
 """vLLM's logging kept at WARNING in the processes that import vLLM unless -v, and no runtime env for any other
 worker. vLLM reads VLLM_LOGGING_LEVEL from the environment of the process that imports it (a generator stage's
-actor, Ray Data LLM's engine stage), so the setting has to reach those workers on a cluster the driver joins,
+actor), so the setting has to reach those workers on a cluster the driver joins,
 whose processes do not inherit the driver's environment. It travels in their own runtime env (`Resources.env`),
 not the job's: a runtime env starts its worker through a second interpreter (Ray's setup_worker), and the job's
 would make every worker of every command pay for it. No engine starts here: actors with a vLLM generator stage's

@@ -69,13 +69,6 @@ class RayConfig(_Section):
         None, gt=0, description="Memory of one GPU, for sizing tensor_parallel_size auto and retrieval's GPU "
         "shares. None: from the nodes' accelerator_type label, else 80 GB (logged).",
     )
-    keep_services_s: float = Field(
-        10.0, ge=0, description="How long the services of a command that ended (generator, embedder and search "
-        "actors, their models loaded) stay up for the next command of the same process to take over: a script or "
-        "notebook calling wbrag_ray.api, the next stage of `wbrag run`. What wbrag runs next ends them first if it "
-        "needs their CPUs, and any other work waiting for resources ends them within a fifth of a second (a watcher "
-        "reads the cluster's pending demand). 0: they end with their command."
-    )
 
 
 class IngestConfig(_Section):
@@ -792,8 +785,17 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+# Keys that were removed, and what to do instead.
+REMOVED_KEYS = {
+    "ray.keep_services_s": "a command's services now end with it (keeping them for the next command saved under "
+    "10% of a run: benchmarks/RESULTS.md); delete the key",
+}
+
+
 def _describe(err: dict[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden" and key in REMOVED_KEYS:
+        return f"config key '{key}' was removed: {REMOVED_KEYS[key]}"
     if err["type"] == "extra_forbidden":
         known = _known_keys(WbragConfig)
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)

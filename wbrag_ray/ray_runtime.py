@@ -2,7 +2,7 @@
 Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
 output file names).
 
-Over 400 lines (about 465): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
+Over 400 lines (about 485): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
 starts or is joined, from the same settings, and belongs beside `init_ray`."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 from wbrag_ray.config import ConfigError, RayConfig
-from wbrag_ray.stages.kept import KEEP_S, release_kept
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +97,6 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         parallel = ray.is_initialized()
     if not parallel:
         return [fn(shared, item) for item in items]
-    if num_cpus > LIGHT_CPUS or num_gpus:  # light tasks run beside a finished command's services; these need them
-        release_kept()
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, memory=memory or None, max_retries=2)(fn)
     ref = ray.put(shared)
     refs = [remote.remote(ref, item) for item in items]
@@ -262,7 +259,7 @@ def stable_names(prefix: str):
 
 # vLLM logs about 150 INFO lines per engine start, at the level it reads from the environment as it is imported
 # (-v: vLLM's own default). The workers that import it start with the setting in a runtime env of their own (a
-# generator stage's, `Resources.env`; Ray Data LLM's engine stage): the job's runtime env would carry it to every
+# generator stage's, `Resources.env`): the job's runtime env would carry it to every
 # worker, and any runtime env starts its worker through a second interpreter (0.3 CPU-s a worker, measured).
 QUIET_VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
@@ -288,7 +285,6 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     from wbrag_ray.placement import PENDING_TIMEOUT_S
 
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
-    KEEP_S["seconds"] = config.keep_services_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         _check_reachable(address)  # before the second it takes to import Ray: a wrong address fails at once

@@ -12,13 +12,12 @@ from tests import reference_decoding as reference
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.hf import HFGenerator
-from wbrag_ray.generation.hf_loading import hf_model_source, row_bytes
+from wbrag_ray.generation.hf_loading import row_bytes
 from wbrag_ray.generation.passes import generate_pass
 from wbrag_ray.generation.types import choices_from_logprobs, scored_from_logprobs
-from wbrag_ray.generation.vllm import VLLMGenerator, lora_source
+from wbrag_ray.generation.vllm import VLLMGenerator
 from wbrag_ray.models.bundled import bundled_path, resolve_model
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
-from wbrag_ray.ray_runtime import vllm_env
 from wbrag_ray.retrieval.hits import Hit
 
 
@@ -169,54 +168,26 @@ def test_missing_model_path_and_unknown_backend_fail_at_start(tmp_path):
         load_config(overrides=["generator.backend=tgi"])
 
 
-def test_vllm_backend_wiring_builds_on_cpu_without_vllm(tmp_path, ray_cluster):
-    """vLLMEngineProcessorConfig and build_processor construct without vllm installed (running them on vLLM's CPU
-    build: tests/generation/test_vllm_cpu.py)."""
+def test_vllm_engine_settings_and_sampling_without_vllm(tmp_path):
+    """The engine's arguments and a pass's sampling parameters, built without vllm installed (running them on vLLM's
+    CPU build: tests/generation/test_vllm_cpu.py)."""
     adapter = tmp_path / "adapters" / "router-lora"
     adapter.mkdir(parents=True)
     gen = VLLMGenerator(
         GeneratorConfig(backend="vllm", max_new_tokens=16, lora_adapter=str(adapter),
                         vllm_engine_kwargs={"max_model_len": 2048})
     )
-    cfg = gen.processor_config()
-    assert cfg.engine_kwargs["enable_prefix_caching"] is True
-    assert cfg.engine_kwargs["enable_chunked_prefill"] is True
-    assert cfg.engine_kwargs["max_model_len"] == 2048  # user settings win over the defaults
-    assert cfg.engine_kwargs["enable_lora"] is True
-    # a local adapter goes to the engine by its path (Ray 2.60 downloads only remote loading paths); one on
-    # object storage by its parent URI and folder name, downloaded by each engine's node
-    assert cfg.dynamic_lora_loading_path is None
-    assert lora_source("s3://kb/run/zero_rag/adapter/") == ("s3://kb/run/zero_rag", "adapter")
-    remote = VLLMGenerator(GeneratorConfig(backend="vllm", lora_adapter="s3://kb/run/zero_rag/adapter"))
-    assert remote.processor_config().dynamic_lora_loading_path == "s3://kb/run/zero_rag"
-    assert cfg.model_source == hf_model_source(gen.config)  # the bundled GGUF as its converted folder
-    # no GPUs asked for: a CPU bundle per engine replica, vLLM's CPU settings, fp32 on a CPU without native bf16
-    assert [b["CPU"] for b in cfg.placement_group_config["bundles"]] == [1.0]
-    assert cfg.engine_kwargs["distributed_executor_backend"] == "mp" and cfg.engine_kwargs["enforce_eager"]
-    # vLLM's log level goes to the engine stage's workers in their own runtime env (tests/test_worker_env.py)
-    assert cfg.runtime_env == ({"env_vars": vllm_env()} if vllm_env() else None)
-    processor = gen.build_processor("prompt", "answer")
-    # Ray's chain of map_batches stages around the engine (which tokenizes and detokenizes itself)
-    assert processor.list_stage_names() == ["ChatTemplateStage", "vLLMEngineStage"]
-    assert processor.config.model_source == cfg.model_source
-    assert cfg.engine_kwargs.items() <= processor.config.engine_kwargs.items()  # Ray adds its executor backend
-    # what a row carries into the engine (messages, sampling, the adapter by its folder name) and what comes out
-    messages = no_retrieval_messages("What is the capital of France?")
-    data = processor.preprocess({"id": 7, "prompt": json.dumps(messages)})[processor.DATA_COLUMN]
-    assert data["messages"] == messages and data["model"] == str(adapter)
-    assert data["sampling_params"] == gen.sampling_params("text")
-    out = processor.postprocess({processor.DATA_COLUMN: {**data, "generated_text": "Paris\nQuestion: more"}})
-    assert out["id"] == 7 and out["answer"] == "Paris"  # cut at the stop string
-    assert not {"messages", "sampling_params", "generated_text"} & set(out)
+    kwargs = gen.engine_kwargs()
+    assert kwargs["enable_prefix_caching"] is True
+    assert kwargs["enable_chunked_prefill"] is True
+    assert kwargs["max_model_len"] == 2048  # user settings win over the defaults
+    assert kwargs["enable_lora"] is True
+    # no GPUs asked for: vLLM's CPU settings
+    assert kwargs["distributed_executor_backend"] == "mp" and kwargs["enforce_eager"]
+    assert gen.sampling_params("text") == {"temperature": 0.0, "max_tokens": 16, "stop": ["\n"]}
     # FLARE's scored pass asks for the chosen tokens' logprobs; a judgement pass for one token's top-k
     assert gen.sampling_params("scored")["logprobs"] == 1
     assert gen.sampling_params("choice") == {"temperature": 0.0, "max_tokens": 1, "stop": ["\n"], "logprobs": 20}
-    judge = gen.build_processor("prompt", "p", mode="choice", choices=("yes", "no"))
-    data = judge.preprocess({"id": 1, "prompt": json.dumps(messages)})[judge.DATA_COLUMN]
-    assert data["sampling_params"] == gen.sampling_params("choice")
-    first = {"5": {"logprob": math.log(0.6), "decoded_token": "Yes"}, "6": {"logprob": math.log(0.3), "decoded_token": " no"}}
-    out = judge.postprocess({judge.DATA_COLUMN: {**data, "generated_text": "Yes", "logprobs": [first]}})
-    assert out["p"] == pytest.approx([0.6, 0.3])
 
 
 @pytest.mark.gpu
@@ -291,22 +262,24 @@ def test_choice_probs_are_first_token_probabilities_unchanged_by_left_padding(sm
         assert probs == pytest.approx(expected, abs=0.02)
 
 
-def test_engine_logprobs_parsed_without_an_engine_vllm_rows():
-    """The shapes vLLM's outputs take in Ray Data rows (no vLLM engine here): per generated token a dict from
-    token id (int or str) to {logprob, decoded_token}, with other rows' ids present as None (Arrow structs)."""
-    import math
+def test_engine_logprobs_parsed_without_an_engine():
+    """The logprobs vLLM reports (no vLLM engine here): per generated token a dict from token id to a `Logprob`
+    (logprob, decoded_token), other ids of the top-k beside the chosen one."""
+    from types import SimpleNamespace
+
+    def lp(p, text):
+        return SimpleNamespace(logprob=math.log(p), decoded_token=text)
 
     steps = [
-        {"9": {"logprob": math.log(0.5), "decoded_token": " Paris"}, "3": None},
-        {9: None, 3: {"logprob": math.log(0.25), "decoded_token": "."}},
-        {"2": {"logprob": math.log(0.9), "decoded_token": ""}},  # the end token: not part of the answer
+        {9: lp(0.5, " Paris"), 3: lp(0.1, " Lyon")},
+        {3: lp(0.25, ".")},
+        {2: lp(0.9, "")},  # the end token: not part of the answer
     ]
     s = scored_from_logprobs([9, 3, 2], steps, " Paris.", max_tokens=8, stop=["\n"])
     assert s.text == "Paris." and s.tokens == [" Paris", "."] and s.probs == pytest.approx([0.5, 0.25])
     assert s.finished
     assert not scored_from_logprobs([9, 3], steps[:2], "Paris.", max_tokens=2, stop=[]).finished
-    first = {"1": {"logprob": math.log(0.3), "decoded_token": "Yes"}, "2": {"logprob": math.log(0.1), "decoded_token": " yes"},
-             "4": {"logprob": math.log(0.2), "decoded_token": "No"}, "5": {"logprob": math.log(0.1), "decoded_token": "Maybe"}}
+    first = {1: lp(0.3, "Yes"), 2: lp(0.1, " yes"), 4: lp(0.2, "No"), 5: lp(0.1, "Maybe"), 6: None}
     assert choices_from_logprobs(first, ("yes", "no")) == pytest.approx([0.4, 0.2])
     assert choices_from_logprobs(None, ("yes", "no")) == [0.0, 0.0]
 

@@ -1,5 +1,5 @@
 """Generators larger than one GPU: the (tensor, pipeline) parallel sizes a config resolves to, the configs refused
-and why, the engine arguments and Ray Data LLM processor built with them, the cluster check before a pass, and the
+and why, the engine arguments built with them, the cluster check before a pass, and the
 placement group a generator service's replica takes (on a local cluster whose nodes declare GPUs: Ray schedules
 by the declared count, so the bundles, the capture of child tasks and the removal run for real; what runs in the
 group is a probe in place of vLLM's engine, which needs real GPUs: benchmarks/gpu/check.py runs that).
@@ -108,7 +108,7 @@ def test_consistent_sharded_replicas_are_accepted_for_the_generator_and_the_qa_w
     assert config.zerorag.qa_generator.parallel_sizes() == (2, 1)
 
 
-# --- the engine and Ray Data LLM --------------------------------------------------------------------------
+# --- the engine -------------------------------------------------------------------------------------------
 
 
 def test_engine_kwargs_carry_the_parallel_sizes_and_the_ray_executor_for_a_sharded_replica():
@@ -195,30 +195,16 @@ def test_a_service_actor_waits_for_its_replicas_placement_group_as_long_as_the_d
     assert PENDING_TIMEOUT_S["seconds"] == 42.0
 
 
-def test_ray_data_llm_gets_the_parallel_sizes_and_the_bundles_and_asks_no_gpu_for_the_engine_actor(tmp_path,
-                                                                                                   ray_cluster):
-    """Built, not run: Ray Data LLM's engine stage reads tp / pp from the engine arguments, and with the ray
-    executor schedules its actor into a placement group of the given bundles instead of reserving GPUs."""
+def test_the_engine_gets_the_parallel_sizes_and_its_executor(tmp_path):
+    """vLLM reads tp / pp from the engine arguments; a replica larger than one GPU runs its workers with the ray
+    executor (one per bundle of its placement group), a tensor-parallel one on CPUs with the multiprocessing one."""
     gen = VLLMGenerator(vllm(model=str(tmp_path), num_gpus=4, pipeline_parallel_size=2, concurrency=3,
                              pipeline_across_nodes=True))
-    config = gen.processor_config()
-    assert (config.engine_kwargs["tensor_parallel_size"], config.engine_kwargs["pipeline_parallel_size"]) == (2, 2)
-    assert config.placement_group_config["bundles"] == [GPU_BUNDLE] * 4
-    assert config.placement_group_config["strategy"] == "PACK"
-    assert config.concurrency == 3
-    engine = gen.build_processor().get_stage_by_name("vLLMEngineStage")
-    assert engine.fn_constructor_kwargs["engine_kwargs"]["distributed_executor_backend"] == "ray"
-    assert engine.map_batches_kwargs["num_gpus"] == 0 and callable(engine.map_batches_kwargs["ray_remote_args_fn"])
-    # one GPU: Ray Data LLM's default, a GPU for the engine's actor
-    single = VLLMGenerator(vllm(model=str(tmp_path), num_gpus=1))
-    assert single.processor_config().placement_group_config is None
-    assert single.build_processor().get_stage_by_name("vLLMEngineStage").map_batches_kwargs["num_gpus"] == 1
-    # CPU ranks: the multiprocessing executor in one actor holding every rank's bundle, their threads bound
+    kwargs = gen.engine_kwargs()
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (2, 2)
+    assert kwargs["distributed_executor_backend"] == "ray"
     cpu = VLLMGenerator(vllm(model=str(tmp_path), tensor_parallel_size=2, num_cpus=1, threads=2))
-    assert cpu.processor_config().runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
-    stage = cpu.build_processor().get_stage_by_name("vLLMEngineStage")
-    assert stage.fn_constructor_kwargs["engine_kwargs"]["distributed_executor_backend"] == "mp"
-    assert stage.map_batches_kwargs["num_cpus"] == 1 and not stage.map_batches_kwargs.get("num_gpus")
+    assert cpu.engine_kwargs()["distributed_executor_backend"] == "mp"
 
 
 # --- the cluster check ------------------------------------------------------------------------------------

@@ -2,10 +2,8 @@
 hf backend, both in fp32 with the bundled SmolLM2-135M, on the demo questions over a knowledge base of the demo
 corpus built once for the module.
 
-Two ways a pass reaches vLLM (`generate_pass`): a command's passes share one engine on its generator service
-(started once for this module: the answers, FLARE, Self-RAG), and a pass of its own goes through Ray Data LLM's
-processor (`ray.data.llm.build_processor`, an engine started for that pass: the last test). The hf answers are
-decoded in this process, on the very prompts the vllm answers came from.
+A command's passes share one engine on its generator service (started once for this module: the answers, FLARE,
+Self-RAG). The hf answers are decoded in this process, on the very prompts the vllm answers came from.
 
 Skipped where vllm is not installed. CI runs them: `.ci/run` installs vLLM's CPU build (`make setup-vllm`)
 before `make test`; a plain `make test` installs no vLLM and skips them unless `make setup-vllm` ran before.
@@ -23,7 +21,7 @@ from wbrag_ray import rag
 from wbrag_ray.config import GeneratorConfig, load_config
 from wbrag_ray.formats import read_dataset
 from wbrag_ray.generation.hf import HFGenerator
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas, generate_pass
+from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
 from wbrag_ray.metrics import substring_match
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
@@ -205,28 +203,3 @@ def test_an_adapter_changes_answers_as_hf_applies_it(adapted, adapter):
     hf.setup()  # peft's adapter merged into the weights
     hf_answers = hf.generate([json.loads(p) for p in prompts_df["prompt"]])
     assert sum(a == b for a, b in zip(with_adapter, hf_answers, strict=True)) >= len(base) - 1
-
-
-def test_ray_data_llm_processor_on_cpu_scored_with_the_adapter(kb, adapted, adapter, services):
-    """A pass of its own through Ray Data LLM: the chat template stage (a continued answer too), the engine on a
-    CPU bundle, logprobs through Arrow rows, stop at the line end, the adapter by its local path. The same greedy
-    answers and token probabilities as the service's engine."""
-    from wbrag_ray import prompts
-
-    services.close()  # the service's engine holds a CPU the processor's replica needs
-    prompts_df, _, _, scored = adapted
-    cont = prompts.continue_answer(json.loads(prompts_df["prompt"][0]), "The answer is")
-    frame = prompts_df.assign(prompt=[*prompts_df["prompt"][:-1], json.dumps(cont)])
-    config = vllm_config(kb, f"generator.lora_adapter={adapter}").generator
-    out = generate_pass(config, from_pandas(frame), mode="scored").to_pandas().sort_values("id")
-    assert list(out.columns) == ["id", "prompt", "answer", "answer_tokens", "answer_probs", "answer_finished"]
-    assert list(out["prompt"]) == list(frame["prompt"])  # the row's own columns, as they came
-    expected = scored.set_index("id")
-    for _, row in out.iloc[:-1].iterrows():
-        want = expected.loc[row["id"]]
-        assert row["answer"] == want["answer"] and "\n" not in row["answer"]
-        assert list(row["answer_tokens"]) == list(want["answer_tokens"])
-        assert list(row["answer_probs"]) == pytest.approx(list(want["answer_probs"]), abs=1e-4)
-        assert row["answer_finished"] == want["answer_finished"]
-    last = out.iloc[-1]  # continued: the answer goes on after "The answer is"
-    assert last["answer"] and not last["answer"].startswith("The answer is")

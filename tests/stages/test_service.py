@@ -12,7 +12,6 @@ from wbrag_ray import prompts
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.hf import HFGenerator
 from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
-from wbrag_ray.stages import kept
 
 QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "Name a river.", "How high is Everest?"]
 
@@ -97,47 +96,6 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
         # one model actor at a time: the other CPU stays free for reads and Ray's own tasks
         assert ray_cluster.available_resources().get("CPU", 0) >= 1
     assert _cpus_free(ray_cluster, 2)
-
-
-def test_the_next_command_takes_over_the_service_a_command_left_up_until_its_cpus_are_needed(ray_cluster, tiny,
-                                                                                           monkeypatch):
-    """`ray.keep_services_s`: a command's services stay up after it ends and the next command of the process takes
-    them over, model loaded (the same actor, set up once, the same answers); a pass that needs their CPUs (here
-    tasks of a whole CPU each, as an index build runs) ends them first, and so does the time."""
-    from wbrag_ray.ray_runtime import run_tasks
-
-    monkeypatch.setitem(kept.KEEP_S, "seconds", 60)
-    config = GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=4, batch_size=2, num_cpus=1,
-                             threads=2)
-    with GeneratorPasses(config) as first:
-        a = first.generate("a", _frame(), "prompt", "answer")
-        actors = first.services.actor_ids("generate")
-        assert first.services.started == {"generate": 1} and first.services.adopted == {}
-    assert kept.kept_services() == {"generate": actors}  # still up, its CPU still held
-    assert ray_cluster.available_resources().get("CPU", 0) <= 1
-    with GeneratorPasses(config) as second:
-        b = second.generate("b", from_pandas(_frame()), "prompt", "answer").sort_values("id")
-        assert second.services.started == {} and second.services.adopted == {"generate": 1}
-        assert second.services.actor_ids("generate") == actors and second.services.setups() == {"generate": [1]}
-    assert b["answer"].tolist() == a["answer"].tolist()
-    # a pass of whole-CPU tasks ends the kept service before it starts: it would wait for that CPU otherwise
-    assert run_tasks(lambda _shared, i: i, None, [1, 2], num_cpus=2) == [1, 2]
-    assert kept.kept_services() == {} and _cpus_free(ray_cluster, 2, timeout=10)
-    # work that passes no release point (a plain task here; Ray Data's own 1-CPU tasks in a pipeline) waits a
-    # moment, not the kept time: the watcher sees it pending and ends the kept service
-    with GeneratorPasses(config) as watched:
-        watched.generate("w", _frame(), "prompt", "answer")
-    assert list(kept.kept_services()) == ["generate"]
-    start = time.monotonic()
-    assert ray_cluster.get(ray_cluster.remote(num_cpus=2)(lambda: 7).remote(), timeout=30) == 7
-    assert time.monotonic() - start < 10 and kept.kept_services() == {}  # the kept time is 60 s
-    # left alone, a kept service ends when its time is up
-    monkeypatch.setitem(kept.KEEP_S, "seconds", 1)
-    with GeneratorPasses(config) as third:
-        third.generate("c", _frame(), "prompt", "answer")
-        assert third.services.started == {"generate": 1}  # the one before was ended, not kept
-    assert list(kept.kept_services()) == ["generate"] and ray_cluster.available_resources().get("CPU", 0) <= 1
-    assert _cpus_free(ray_cluster, 2, timeout=10) and kept.kept_services() == {}
 
 
 def test_a_service_actor_killed_after_its_arguments_were_released_restarts_and_serves(ray_cluster, tiny):

@@ -158,49 +158,6 @@ def test_a_service_whose_resources_are_held_elsewhere_fails_in_seconds_naming_th
         service.close()
 
 
-class Other(Sleepy):
-    """Another stage kind, as light."""
-
-    name = "other"
-
-
-def test_a_starting_service_ends_the_kept_one_it_replaces_and_the_others_only_where_it_needs_their_cpus(
-        ray_cluster, monkeypatch):
-    """`kept.make_room`: a command that starts a service of a new kind first still takes over the kept service
-    it uses next (an evaluation that starts the search pool of a write-back index before it retrieves took over
-    its generator and started its retrieval service again); a service of a kept kind on other resources ends
-    that kind's kept one (one per kind); actors that do not fit beside the kept ones end them all."""
-    from wbrag_ray.stages import kept
-    from wbrag_ray.stages.service import Services
-
-    wait_idle(ray_cluster)
-    monkeypatch.setitem(kept.KEEP_S, "seconds", 60)
-    frame = pd.DataFrame({"x": [1, 2]})
-    try:
-        with Services() as first:
-            first.run_frame(frame, Sleepy("a"))
-            sleepy = first.actor_ids("sleepy")
-        assert kept.kept_services() == {"sleepy": sleepy}
-        with Services() as second:
-            second.run_frame(frame, Other("o"))  # 0.25 CPU: fits beside the kept 0.25
-            assert second.run_frame(frame, Sleepy("a"))["key"].tolist() == ["a", "a"]
-            assert second.started == {"other": 1} and second.adopted == {"sleepy": 1}
-            assert second.actor_ids("sleepy") == sleepy and second.setups()["sleepy"] == [1]
-            other = second.actor_ids("other")
-        with Services() as third:
-            third.run_frame(frame, Sleepy("a", calls=2))  # the kind on other resources: new actors
-            assert third.started == {"sleepy": 1} and third.actor_ids("sleepy") != sleepy
-            assert kept.kept_services() == {"other": other}
-        # (the rule itself, before any actor waits: the watcher would end what is kept once one did)
-        kept.make_room({"CPU": 0.25, "GPU": 0.0}, 2, name="another")  # beside the kept 2 x 0.25 CPU: nothing ends
-        assert set(kept.kept_services()) == {"other", "sleepy"}
-        kept.make_room({"CPU": 1.0, "GPU": 0.0}, 2, name="another")  # 2 x 1 CPU do not fit beside them
-        assert kept.kept_services() == {}
-    finally:
-        kept.release_kept()
-    wait_idle(ray_cluster)
-
-
 def test_the_tasks_of_a_streaming_pass_take_the_least_busy_actor(ray_cluster):
     """The dispatcher of a Ray Data pass through a service (`StageService.apply`: light tasks that call the
     actors): each task takes the actor with the fewest unanswered calls, equally busy ones in turn; a call given

@@ -29,7 +29,6 @@ from wbrag_ray.index.files import (
 from wbrag_ray.index.search import measured_settings, search_nprobe, set_search_params
 from wbrag_ray.ray_runtime import LIGHT_CPUS, shared_value
 from wbrag_ray.run import RunFolder
-from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location, resolve
 from wbrag_ray.writeback.versions import active_index, read_active
 
@@ -272,7 +271,6 @@ def _part_batches(part: Part, trained: bytes | None, parallel: bool,
             if found is not None:
                 yield found if trained is None else (encoder(trained)(found[0]), found[1])
         return
-    release_kept()  # a CPU per task: what a finished command's services hold
     task = ray.remote(num_cpus=LIGHT_CPUS + 0.75, max_retries=2)(_shard_batch)
     shared = (ray.put(readers), ray.put(np.frombuffer(trained, np.uint8)))
     pending = [task.remote(*shared, uri) for uri in files[:EXPORT_IN_FLIGHT]]

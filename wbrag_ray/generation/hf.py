@@ -16,6 +16,7 @@ from wbrag_ray.generation.types import (
     messages_to_text,
     mixture_weights,
 )
+from wbrag_ray.models.hardware import pick_device, pick_dtype
 
 # generator.batch_invariant: prompts are padded (on the left) to a multiple of this many tokens, and a batch
 # holds one such length bucket; at RAG prompt lengths (300-1,000 tokens) about 5% more tokens to prefill.
@@ -28,8 +29,6 @@ class HFGenerator(Generator):
     supports_mixture = True  # its own decoding loop sees every row's full distribution at every step
 
     def setup(self) -> None:
-        from wbrag_ray.models.hardware import pick_device, pick_dtype
-
         self.device = pick_device(self.config.num_gpus)
         self.dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.tokenizer = load_hf_causal_lm(self.config, self.dtype, self.device)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.models.bundled import resolve_model
-from wbrag_ray.storage import cache_root, node_cached
+from wbrag_ray.storage import cache_root, node_cached, node_local_dir
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,7 @@ def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
     if config.lora_adapter:
         from peft import PeftModel
 
-        from wbrag_ray.storage import node_local_dir
-
-        # on this node: an s3:// adapter is fetched into this node's cache, never a path from the driver's
+            # on this node: an s3:// adapter is fetched into this node's cache, never a path from the driver's
         model = PeftModel.from_pretrained(model, node_local_dir(config.lora_adapter))
         model = model.merge_and_unload()  # merged weights decode as fast as the base model
     model.to(device).eval()

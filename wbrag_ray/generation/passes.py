@@ -1,19 +1,17 @@
 """Generator passes over a Ray Dataset.
 
 `generate_pass` runs one pass on whichever backend the config names, as a `GenerateStage` on a command's
-generator service (the model or vLLM engine loaded once for all of the command's passes), or on its own:
-hf and openai in a pool of their own, vllm as a Ray Data LLM processor.
+generator service (the model or vLLM engine loaded once for all of the command's passes; see "One engine path"
+in docs/architecture.md).
 
-`GeneratorPasses` runs them recorded: every pipeline that calls the LLM in batches (write-back's gates and
-distiller, Zero-RAG's QA writing and closed-book answers, the router's labels, the adaptive RAG methods) goes
-through it, so calls, seconds and prompt / output sizes per pass land in its stats the same way. The passes of
-one `GeneratorPasses` share its stage services (`stages.service`): the generator is loaded once for all of
-them, and the retrieval passes between them (`RetrievalSetting.search(..., services=)`) open the index once.
-Use it as a context manager, or call `close()`, so the services end before the command runs stages that need
-their CPUs."""
+`GeneratorPasses` runs them recorded (calls, seconds, prompt / output sizes per pass, for stats.json): every
+pipeline that calls the LLM in batches goes through it. Its passes share its stage services, and so do the
+retrieval passes between them (`RetrievalSetting.search(..., services=)`). Use it as a context manager, or call
+`close()`, so the services end before the command runs stages that need their CPUs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -25,12 +23,13 @@ from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.generation.types import Scored, scored_columns
-from wbrag_ray.generation.vllm import VLLMGenerator, check_shape
+from wbrag_ray.generation.vllm import check_shape
+from wbrag_ray.identity import generator_identity
 from wbrag_ray.placement import check_placement
 from wbrag_ray.progress import log as progress_log
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import local_dataset
-from wbrag_ray.stages.kept import release_kept
+from wbrag_ray.run import settings_value
 from wbrag_ray.stages.service import Services, run_pass
 
 if TYPE_CHECKING:
@@ -47,28 +46,22 @@ def generate_pass(
     """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
 
     mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
-    `choice`: the list of `choices`' probabilities (see `Generator.choice_probs`). `mixture`: `prompt_column`
-    holds a JSON list of prompts and `weight_column` their weights; one answer from their mixed next-token
-    distributions, with the columns of `scored` (`Generator.generate_mixture`; hf only). With `services`: a
-    `GenerateStage` on the generator service they hold (the model, or the vLLM engine, loaded once for every
-    pass of a command: a pass of FLARE or Self-RAG is over in seconds, an engine start is not). Without: hf /
-    openai in a pool of their own, vllm as a Ray Data LLM processor (engine replicas started for this pass)."""
-    generator = _checked(config, mode)
-    if isinstance(generator, VLLMGenerator) and services is None:
-        release_kept()  # the pass's engines need what a finished command's services hold
-        return generator.build_processor(prompt_column, output_column, mode, choices)(ds)
+    `choice`: the list of `choices`' probabilities (`Generator.choice_probs`). `mixture`: `prompt_column` holds a
+    JSON list of prompts and `weight_column` their weights; one answer from their mixed next-token distributions
+    (`Generator.generate_mixture`; hf only). A `GenerateStage` on the generator service `services` hold (loaded
+    once for every pass of a command), or without them on a pool of its own."""
+    _checked(config, mode)
     return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
 
 
-def _checked(config: GeneratorConfig, mode: str, key: str = "generator"):
-    """`config`'s generator, refused here (not in an actor) on a bad backend, model or mode, a model whose shape
-    the engine's settings do not fit (`vllm.check_shape`), and on a cluster whose nodes cannot hold a replica,
-    before anything waits for one; `key`: its config section, for messages."""
-    generator = make_generator(config)
+def _checked(config: GeneratorConfig, mode: str, key: str = "generator") -> None:
+    """Refuse here, before anything waits for an actor: a bad backend, model or mode, a model whose shape the
+    engine's settings do not fit (`vllm.check_shape`), a cluster whose nodes cannot hold a replica. `key`: the
+    config section, for messages."""
+    make_generator(config)
     check_backend_mode(config, mode)
     check_shape(config, key)
     check_placement(config, key)
-    return generator
 
 
 class GeneratorPasses:
@@ -171,19 +164,12 @@ class GeneratorPasses:
 
 
 class AnswerMemo:
-    """Greedy answers a command already generated, by what decides them: the generator's settings that shape
-    answers (model, adapter, dtype, token budget, stop strings, chat template: not where or how wide it runs), the
-    content of the model and adapter given by path, the dtype and device kind they decode on (`identity`),
-    the pass's mode and choices, and the prompt (with a mixture's weights). A grid asks the same prompt again and
-    again (a question whose top K the write-back index does not change, a router that skips retrieval,
-    Self-RAG's answer where it keeps one document: replug-vote's prompt for it); each is decoded once per
-    command. Kept as 16-byte digests with the output columns, up to `max_entries` (scored answers hold their
-    tokens' probabilities: about 1 KB each). With a stage's `AnswerStore` (`wbrag_ray.checkpoints`), what an
-    earlier attempt of the stage committed is an answer too, and every new answer is committed.
-
-    Greedy decoding is a function of the prompt, up to float rounding: a prompt padded in another batch could
-    differ in the last bits of its logits (the hf backend pads each prompt to its length bucket, whatever
-    else shares its batch, to keep that from happening); within one command the first answer is kept."""
+    """Greedy answers a command already generated, keyed by what decides them: the settings that shape answers
+    (not where or how wide it runs), the model's and adapter's content (`identity`), the pass's mode and choices,
+    and the prompt (with a mixture's weights). A grid asks the same prompt again and again; each is decoded once
+    per command, kept as 16-byte digests up to `max_entries`. With a stage's `AnswerStore` (`checkpoints`), what an
+    earlier attempt committed is an answer too, and every new answer is committed. Greedy decoding is a function
+    of the prompt up to float rounding; within one command the first answer is kept."""
 
     def __init__(self, max_entries: int = 500_000):
         self.max_entries = max_entries
@@ -191,11 +177,6 @@ class AnswerMemo:
 
     @staticmethod
     def _keys(df: pd.DataFrame, stage: GenerateStage) -> list[bytes]:
-        import hashlib
-
-        from wbrag_ray.identity import generator_identity
-        from wbrag_ray.run import settings_value
-
         # the model's and adapter's content, not only their paths: an adapter retrained in place answers anew
         setting = json.dumps([settings_value(stage.config), generator_identity(stage.config), stage.mode,
                               list(stage.choices)], sort_keys=True)

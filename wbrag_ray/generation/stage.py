@@ -10,6 +10,7 @@ import pandas as pd
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.types import Scored, check_mode, scored_columns
+from wbrag_ray.identity import content_identity
 from wbrag_ray.placement import PENDING_TIMEOUT_S, sharded
 from wbrag_ray.ray_runtime import LIGHT_CPUS, vllm_env
 from wbrag_ray.stages.base import Resources, Stage
@@ -47,8 +48,6 @@ class GenerateStage(Stage):
         self.env = tuple(sorted(vllm_env().items())) if config.backend == "vllm" else ()
         # the weights' content (`identity.content_identity`): a model or adapter rewritten in place is loaded anew,
         # never answered for by a service that loaded the old files (a kept one, or one of an earlier pass)
-        from wbrag_ray.identity import content_identity
-
         self.weights = (content_identity(config.model), content_identity(config.lora_adapter))
         # ray.pending_timeout_s, as the driver has it, for the waits in the actor (a sharded replica's placement group)
         self.pending_timeout_s = PENDING_TIMEOUT_S["seconds"]

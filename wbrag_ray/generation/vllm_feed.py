@@ -1,17 +1,13 @@
 """One vLLM engine fed by several calls at once: the service actor's concurrent passes share its running batch.
 
-`vllm.LLM.generate` / `chat` add a call's requests and then step the engine until every one of them is done: the
-engine decodes the call's last, longest answers at a fraction of its batch, and between two calls it idles while
-the actor returns the answers, takes the next batch and templates and tokenizes its prompts. A bulk pass (write-back
-scoring, the document gate, distillation, mastery) is thousands of such calls.
-
-`EngineFeed` adds each call's requests (`LLM.enqueue` / `enqueue_chat`: rendered and tokenized by vLLM as
-`chat` does) as they come, from the actor's threads, while one stepping thread runs the engine for all of them
-and hands each call its outputs once its last request finished: the next call's requests join the batch while
-the previous call's tail is decoding, and on GPUs (the engine core in a process of its own) the core keeps
-decoding while the front end adds requests. The engine's front end is not thread-safe: only the stepping thread
-touches it, adding what arrived between two steps. Greedy answers do not depend on what shares their batch (generator.batch_invariant on GPUs; on
-CPUs to float rounding, as any batch size)."""
+`vllm.LLM.generate` / `chat` add a call's requests and step the engine until all are done: the engine decodes the
+call's longest answers at a fraction of its batch, then idles while the actor takes the next batch. `EngineFeed`
+adds each call's requests (`LLM.enqueue` / `enqueue_chat`, rendered and tokenized by vLLM) as they come, while one
+stepping thread runs the engine for all of them and hands each call its outputs once its last request finished
+(1.72x the rows/s of blocking calls on CPUs: benchmarks/RESULTS.md). vLLM's `AsyncLLM` would do the same but
+always runs its engine core in a second process, which on CPUs costs most of an engine's start. Only the stepping
+thread touches the engine's front end, which is not thread-safe. Greedy answers do not depend on what shares
+their batch (generator.batch_invariant on GPUs; on CPUs to float rounding, as any batch size)."""
 
 from __future__ import annotations
 

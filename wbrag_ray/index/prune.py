@@ -10,7 +10,6 @@ import numpy as np
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import TRAINED_FILE, IndexError_, load_manifest
 from wbrag_ray.ray_runtime import is_object_ref
-from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -43,7 +42,6 @@ def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]
         ids = scan_drop_ids(resolve(uri))
         return ids, len(ids)
 
-    release_kept()  # the scan holds every dropped id in memory: not beside models a finished command left up
     ids, count = ray.remote(num_cpus=num_cpus, num_returns=2, max_retries=2)(scan).remote(loc.uri)
     return ids, ray.get(count)
 

@@ -30,7 +30,6 @@ from wbrag_ray.ray_runtime import call_actor, start_restartable
 from wbrag_ray.retrieval.docstore import DocStore, DocStoreError
 from wbrag_ray.retrieval.hits import merge_results
 from wbrag_ray.retrieval.local import IndexUnion, check_query_vectors, documents
-from wbrag_ray.stages.kept import make_room
 from wbrag_ray.storage import resolve
 
 log = logging.getLogger(__name__)
@@ -124,7 +123,6 @@ class SearchPool:
         need = {"CPU": retrieval.search_cpus, "GPU": retrieval.search_share if use_gpu else 0.0, "memory": most}
         refuse_unplaceable(lambda nodes: pool_refusal(
             "the search pool", len(groups) * retrieval.concurrency, need, nodes, len(groups)))
-        make_room(need, len(groups) * retrieval.concurrency, index_dir=index_dir)  # from what a command before left up
         actors = []
         for group in groups:
             held = sum(shards[i]["bytes"] for i in group)

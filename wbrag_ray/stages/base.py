@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import pandas as pd
 
-from wbrag_ray.stages.kept import release_kept
+from wbrag_ray.models.hardware import in_ray_worker, require_gpu, set_threads
+from wbrag_ray.placement import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
+from wbrag_ray.placement.waits import pool_start_timeout_s
 
 if TYPE_CHECKING:
     import ray.data
@@ -105,8 +107,6 @@ class _StageWorker:
     """The Ray actor around a stage: threads, setup once, column checks on every batch."""
 
     def __init__(self, stage: Stage):
-        from wbrag_ray.models.hardware import set_threads
-
         require_stage_gpu(stage)
         set_threads(stage.resources.threads or stage.resources.num_cpus)
         self.stage = stage
@@ -120,8 +120,6 @@ def require_stage_gpu(stage: Stage) -> None:
     """In a Ray worker, before a stage's setup imports or downloads anything: a stage configured for GPUs whose
     node has none visible to torch is refused, naming the stage and its setting (`hardware.require_gpu`). A driver
     running a stage itself (`run_local`: a search, a few queries) keeps `pick_device`'s CPU fallback."""
-    from wbrag_ray.models.hardware import in_ray_worker, require_gpu
-
     if stage.resources.num_gpus > 0 and in_ray_worker():
         require_gpu(f"the {stage.name} stage", stage.section or stage.name, stage.resources.num_gpus,
                     stage.gpu_setting)
@@ -146,7 +144,6 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     import ray
     from ray.data import ActorPoolStrategy
 
-    release_kept()  # the pool's workers need the CPUs a finished command's services hold
     res = stage.resources
     common = {"batch_format": stage.batch_format, "batch_size": res.batch_size, "num_cpus": res.num_cpus,
               "num_gpus": res.num_gpus or None, **res.remote_args()}
@@ -157,8 +154,6 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
     # Ray Data's own wait for the pool's actors, which is otherwise endless where others hold their resources: the
     # pipeline's execution then raises, and `placement.waits.pool_start_wait` around it names the pool (the setting
     # reaches every operator of the pipeline this dataset ends, and those built on it)
-    from wbrag_ray.placement.waits import pool_start_timeout_s
-
     out.context.wait_for_min_actors_s = pool_start_timeout_s()
     return out
 
@@ -167,8 +162,6 @@ def _check_pool(stage: Stage) -> int:
     """The size of a pass's pool: a pool of which none fits the cluster is refused; one of which only some fit
     runs narrower than asked, on as many actors as fit (a warning): Ray Data waits for every actor of a pool to
     start (`pool_start_timeout_s`), and actors no node can hold would end the pass."""
-    from wbrag_ray.placement import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
-
     res = stage.resources
     need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
     what = f"the {stage.name} pass"

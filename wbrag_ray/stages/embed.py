@@ -8,6 +8,7 @@ import pyarrow as pa
 
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.formats import embeddings_table
+from wbrag_ray.models.embedder import Embedder
 from wbrag_ray.stages.base import Resources, Stage
 
 
@@ -30,8 +31,6 @@ class EmbedStage(Stage):
         return Resources(c.num_cpus, c.num_gpus, c.concurrency, batch_size=c.batch_size * 8, threads=c.threads)
 
     def setup(self) -> None:
-        from wbrag_ray.models.embedder import Embedder
-
         self.embedder = Embedder(self.config)
         self.embedder.setup()
 

@@ -40,7 +40,6 @@ from wbrag_ray.formats import (
     parse_corpus_line,
 )
 from wbrag_ray.layout import IngestFolder
-from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location, resolve
 
 FILE_BITS = 48
@@ -261,7 +260,6 @@ def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: i
     out = IngestFolder(resolve(out_uri))
     done = out.finished_shards()
     todo = [s for s in shards if s.name not in done]
-    release_kept()  # a CPU per task: what a finished command's services hold
     task = ray.remote(num_cpus=1, max_retries=3)(ingest_shard)
     max_in_flight = max_in_flight or max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
     pending: list[Any] = []

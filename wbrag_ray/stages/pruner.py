@@ -9,7 +9,11 @@ import pandas as pd
 import pyarrow as pa
 
 from wbrag_ray.index.files import vectors_of
+from wbrag_ray.models.hardware import pick_device
+from wbrag_ray.models.pruner import EmbeddingHead
 from wbrag_ray.stages.base import Resources, Stage
+from wbrag_ray.storage import resolve
+from wbrag_ray.training.lm_pruner import LMPrunerPredictor
 
 
 class EmbeddingPredictStage(Stage):
@@ -33,8 +37,6 @@ class EmbeddingPredictStage(Stage):
         return Resources(num_cpus=self.num_cpus, batch_size=self.batch_size, actors=False)
 
     def setup(self) -> None:
-        from wbrag_ray.models.pruner import EmbeddingHead
-
         self.head = EmbeddingHead(self.head_weights)
 
     def process_batch(self, batch: pa.Table) -> pa.Table:
@@ -62,10 +64,6 @@ class LMPredictStage(Stage):
         return Resources(c.num_cpus, c.num_gpus, c.concurrency, batch_size=c.predict_batch_size * 4, threads=c.threads)
 
     def setup(self) -> None:
-        from wbrag_ray.models.hardware import pick_device
-        from wbrag_ray.storage import resolve
-        from wbrag_ray.training.lm_pruner import LMPrunerPredictor
-
         # the device Ray gave this actor: a GPU only when it asked for one
         self.predictor = LMPrunerPredictor(resolve(self.model_dir).local_dir(), batch_size=self.config.predict_batch_size,
                                            device=pick_device(self.config.num_gpus))

@@ -1,54 +1,45 @@
-"""Stage services: a stage's workers set up once and used by every pass that needs them.
+"""Stage services: a stage's workers set up once and used by every pass of a command that needs them.
 
-`apply_stage` gives each pass an actor pool of its own: every actor is a new worker process that imports torch
-and transformers (or sentence-transformers) and loads its model or opens its index in `setup`, and the pool
-ends with the pass. For a bulk stage over millions of rows that start is nothing. For the short passes the RAG
-methods alternate (Self-RAG: retrieval judgement, search, relevance judgement, answer; FLARE: look-ahead,
-search, rewrite per round), write-back's gates and distiller, mastery's QA writer and target, and grids of
-evaluations, it was most of the time: a 6-row pass of a tiny generator took 8-14 s on 2 busy cores, the
-generation in it 0.2 s.
+`apply_stage` gives a pass an actor pool of its own, each actor importing torch and loading its model: nothing for
+a bulk pass over millions of rows, most of the time of the short passes the RAG methods alternate (Self-RAG, FLARE),
+write-back's gates and distiller, mastery and grids of evaluations. A `StageService` holds `resources.concurrency`
+actors that ran `setup` once; a pass through it is a Ray Data `map_batches` of light tasks that forward each batch
+to an actor, and rows the driver already holds go to the actors directly (`Services.run_frame`). Each pass sends its
+own stage object; an actor lends it what it loaded when the `service_key` matches (`Stage.adopt`), else loads the
+pass's stage in place of the old one (a grid moving to its next index or adapter reuses the processes).
 
-A `StageService` holds `resources.concurrency` actors that ran `setup` once. A pass through it is a Ray Data
-`map_batches` of light tasks, each sending its batch to one of the actors and returning the answer, so passes
-still stream and compose with the rest of a pipeline; rows the driver already holds (an adaptive round's
-questions, a gate's examples) skip the dataset and go to the actors directly (`Services.run_frame`), so a
-pass after the first starts in milliseconds. Every pass sends its own stage object (its columns,
-mode, token budget); the actor lends it what the set-up stage holds (`Stage.adopt`) when the pass's
-`service_key` is the one it loaded, and otherwise sets the pass's stage up in place of the old one: a grid
-that moves from one index (or adapter) to the next loads it in the same processes, with torch and
-sentence-transformers already imported (and an actor that Ray restarted after a failure loads what the
-next pass needs the same way).
+`Services` is the set one command owns (`GeneratorPasses.services`): at most one service per stage kind, and one
+search pool per index (`Services.retrieval`), started on first use and ended at `close()`.
 
-`Services.retrieval` keeps the retrieval service's search pools the same way: one pool of search actors per
-index folder (`wbrag_ray.retrieval.service`), started by the first pass that searches it and used by every
-later one, alone or in a union with the write-back index.
-
-Over 400 lines (about 410), kept whole: the service, its actors and the pools and services a command keeps are one
-mechanism, read together.
-
-`Services` is the set one command owns (`GeneratorPasses.services`): a service starts on its first pass and
-ends at `close()` (or when its owner is garbage-collected: Ray ends actors whose handles are gone). One
-service per stage kind (`Stage.name`) lives at a time, so two generator roles (mastery's QA writer and target
-model) never hold two model actors' CPUs at once, and a command closes its services before it runs stages
-that need those CPUs (embedding, index builds).
-
-A closed command's services stay up `ray.keep_services_s` seconds for the next command of this process (a
-script or notebook calling `wbrag_ray.api`, the next stage of `wbrag run`), which takes them over with the model
-loaded (`Services.adopted`) instead of starting actors that import torch and load it again (4-5 CPU-s each on 2
-cores: most of a small evaluation); `wbrag_ray.stages.kept` holds them meanwhile.
+Over 400 lines (about 420), kept whole: the service, its actors and a command's set of them are one mechanism.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
+import pyarrow as pa
 
+from wbrag_ray.models.hardware import set_threads
+from wbrag_ray.placement import pool_refusal, refuse_unplaceable
+from wbrag_ray.placement.gpus import beside_generator
+from wbrag_ray.placement.waits import pool_start_wait, wait_placed
+from wbrag_ray.progress import running
+from wbrag_ray.ray_runtime import (
+    CLOSE_S,
+    LIGHT_CPUS,
+    call_actor,
+    call_actors,
+    end_child_processes,
+    local_dataset,
+    start_restartable,
+)
 from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked, require_stage_gpu
-from wbrag_ray.stages.kept import KEEP_S, KEPT, make_room
 
 if TYPE_CHECKING:
     import ray.data
@@ -64,10 +55,6 @@ class _ServiceWorker:
     another service key waits until the calls running on the old setup are done, then loads its own."""
 
     def __init__(self, stage: Stage):
-        import threading
-
-        from wbrag_ray.models.hardware import set_threads
-
         set_threads(stage.resources.threads or stage.resources.num_cpus)
         self.loaded: Stage | None = None
         self.setups = 0  # what this process really loaded (tests count it: a second pass loads nothing)
@@ -109,8 +96,6 @@ class _ServiceWorker:
         """End what the loaded stage started (`Stage.close`: a vLLM engine by its own shutdown) and any process of
         this actor still running after it (`ray_runtime.end_child_processes`); the pids that were still up. Called
         in a concurrency group of its own before the service kills this actor (`StageService.close`)."""
-        from wbrag_ray.ray_runtime import end_child_processes
-
         loaded, self.loaded, self.key = self.loaded, None, None
         _close_stage(loaded)
         return end_child_processes()
@@ -181,8 +166,6 @@ def _forward(batch, actors: list, dispatch, stage: Stage):
     CPU back to Ray while it waits.)"""
     import ray
 
-    from wbrag_ray.ray_runtime import call_actor
-
     try:
         j = ray.get(dispatch.take.remote())
     except ray.exceptions.RayActorError:  # the dispatcher's node lost and no restart yet: any actor does
@@ -208,19 +191,13 @@ class StageService:
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
-        from wbrag_ray.placement import pool_refusal, refuse_unplaceable
-        from wbrag_ray.placement.waits import wait_placed
-        from wbrag_ray.ray_runtime import start_restartable
 
         # actors that can never be placed would leave the pass waiting on them forever: refused first
         need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
         refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, need, nodes))
-        make_room(need, res.concurrency, name=stage.name)  # from what a command before left up
 
         # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
         # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
-        from wbrag_ray.placement.gpus import beside_generator
-
         # An actor whose setup starts processes gets a concurrency group for its close, which then does not wait
         # behind a call still running (Ctrl-C); only there: an actor with concurrency groups runs even its single
         # calls in a thread of their own, whose OpenMP threads are not the ones `set_threads` set.
@@ -249,8 +226,6 @@ class StageService:
         return self._dispatch
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
-        from wbrag_ray.ray_runtime import LIGHT_CPUS
-
         return ds.map_batches(_forward, fn_args=(self.actors, self.dispatch, stage), batch_format=stage.batch_format,
                               batch_size=stage.resources.batch_size, num_cpus=LIGHT_CPUS)
 
@@ -260,10 +235,6 @@ class StageService:
         size, without a Ray Data plan (a pass over a few rows answers in milliseconds, not the second a
         dataset's start costs); the rows come back in their order. `on_batch(first_row, out)` as each batch
         is answered (a checkpoint commits it)."""
-        import pyarrow as pa
-
-        from wbrag_ray.ray_runtime import call_actors
-
         size = stage.resources.batch_size
         batches = [frame.iloc[i:i + size].reset_index(drop=True) for i in range(0, len(frame), size)]
         if stage.batch_format == "pyarrow":
@@ -287,8 +258,6 @@ class StageService:
         up to `ray_runtime.CLOSE_S`), then Ray kills the actors, and the placement groups of their remote engines
         go."""
         import ray
-
-        from wbrag_ray.ray_runtime import CLOSE_S
 
         ids = [actor._actor_id.hex() for actor in self.actors]
         if self.actors and self.closes:
@@ -324,7 +293,7 @@ class Services:
     def __init__(self) -> None:
         self._live: dict[str, StageService] = {}
         self.started: dict[str, int] = {}  # actor sets started per stage kind (what reusing them saves)
-        self.adopted: dict[str, int] = {}  # actor sets taken over from a command that ended (`close`)
+        self.adopted: dict[str, int] = {}  # always empty since ray.keep_services_s went: grid.json's field
         self.loads: dict[str, int] = {}  # what was set up per stage kind: one per service key a pass needed
         self._pools: dict[tuple, Any] = {}  # retrieval: (index folder, placement) -> SearchPool
 
@@ -342,13 +311,8 @@ class Services:
         questions), with the answer back on the driver: on a service, the batches go straight to its actors
         (`StageService.run_frame`, which calls `on_batch` as each batch is answered); reported as one progress
         line under `name` (default: the stage's)."""
-        from wbrag_ray.progress import running
-        from wbrag_ray.ray_runtime import local_dataset
-
         with running(name or stage.name, len(frame)) as progress:
             if stage.service_key() is None:
-                from wbrag_ray.placement.waits import pool_start_wait
-
                 res = stage.resources
                 need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
                 fix = f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency"
@@ -375,10 +339,6 @@ class Services:
         if service is not None and service.placement != _placement(stage.resources):
             service.close()
             service = None
-        if service is None and (service := KEPT.take_service(stage.name, _placement(stage.resources))) is not None:
-            self._live[stage.name] = service
-            self.adopted[stage.name] = self.adopted.get(stage.name, 0) + 1
-            log.info("took over the %s service a command before left up", stage.name)
         if service is None:
             service = self._live[stage.name] = StageService(stage)
             self.started[stage.name] = self.started.get(stage.name, 0) + 1
@@ -425,11 +385,6 @@ class Services:
             for key in keys:
                 if key in self._pools:
                     continue
-                if (pool := KEPT.take_pool(key)) is not None:
-                    self._pools[key] = pool
-                    self.adopted["search"] = self.adopted.get("search", 0) + 1
-                    log.info("took over the search pool of %s a command before left up", key[0])
-                    continue
                 self._pools[key] = SearchPool.start(key[0], index, retrieval)
                 self.started["search"] = self.started.get("search", 0) + 1
                 log.info("started the search pool of %s (%d shard groups x %d)", key[0],
@@ -439,18 +394,12 @@ class Services:
                                 UnionRule.of(retrieval))
 
     def close(self) -> None:
-        """End this command's services, or keep them `KEEP_S` seconds for the next command of this process (see
-        the module's docstring)."""
-        services, pools = list(self._live.items()), list(self._pools.items())
+        """End this command's services and search pools."""
+        held = [*self._live.values(), *self._pools.values()]
         self._live.clear()
         self._pools.clear()
-        if KEEP_S["seconds"] > 0:
-            KEPT.keep(services, pools, KEEP_S["seconds"])
-            return
-        for _name, service in services:
-            service.close()
-        for _key, pool in pools:
-            pool.close()
+        for service_or_pool in held:
+            service_or_pool.close()
 
     def __enter__(self) -> Services:
         return self

@@ -24,7 +24,6 @@ from wbrag_ray import checkpoints
 from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
 from wbrag_ray.placement import check_workers
 from wbrag_ray.placement.waits import TRAIN_START_FAILURE, train_start_wait
-from wbrag_ray.stages.kept import release_kept
 from wbrag_ray.storage import Location, resolve
 from wbrag_ray.training.placement import (
     Placement,
@@ -249,7 +248,6 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
     trainer_config = section.trainer
     plan_steps(section, training.num_examples, trainer_config.num_workers)  # refuse before any worker starts
     check_workers(trainer_config, key)
-    release_kept()  # the training workers need the CPUs (GPUs) a finished command's services hold
     stage = checkpoints.active()
     with contextlib.ExitStack() as stack:
         if storage is None and stage is not None:

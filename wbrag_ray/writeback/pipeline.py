@@ -173,7 +173,8 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         units, vectors = units.iloc[keep_rows].reset_index(drop=True), vectors[keep_rows]
         folder.units.write_table(pa.Table.from_pandas(units, UNITS, preserve_index=False))
         folder.embed_file.write_table(embeddings_table(units["id"].to_numpy(np.int64), vectors))
-        # Units are written and indexed in the driver: Ray tasks would need the CPUs the services hold.
+        # A unit per kept example: written and indexed here, in the driver, not in Ray tasks, which would need
+        # the CPUs the command's services hold now.
         write_doc_store(folder.corpus, "passage", folder.docs, parallel=False)
         build_index(
             folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
