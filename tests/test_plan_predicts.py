@@ -136,7 +136,7 @@ class _FirstWork(Exception):
 
 def test_wbrag_run_stores_its_plan_and_refuses_what_cannot_fit_before_any_work(ray_cluster, tmp_path, no_cache,
                                                                                 monkeypatch, capsys):
-    import wbrag_ray.pipeline as pipeline
+    import wbrag_ray.api as api
 
     ran = []
 
@@ -144,7 +144,7 @@ def test_wbrag_run_stores_its_plan_and_refuses_what_cannot_fit_before_any_work(r
         ran.append(args)
         raise _FirstWork
 
-    monkeypatch.setattr(pipeline, "execute", first_work)
+    monkeypatch.setattr(api, "execute", first_work)  # the registry's executor, as `wbrag run` calls it
     config = ROOT / "jobs" / "configs" / "writeback_demo.yaml"
     data = ROOT / "wbrag_ray" / "data"
     files = ["--set", f"ingest.corpus={data / 'demo_corpus.jsonl'}", "--set", f"writeback.train={data / 'demo_train.jsonl'}",

@@ -32,8 +32,20 @@ def instances(config: WbragConfig, only: tuple[Step, ...] | None = None) -> list
     return [(step, params) for step in PIPELINE if only is None or step in only for params in step.instances(config)]
 
 
+# What the run's services hold (`stages.service.Services`): a step that holds nothing else shares them
+SERVICES = frozenset({"generator", "retrieval", "retrieval.query_embedder"})
+
+
 def execute(folder: RunFolder, config: WbragConfig, force: bool = False, only: tuple[Step, ...] | None = None) -> None:
-    """Make every stage of the run (of `only`), skipping complete ones; one set of services serves them all."""
-    with Services() as services:
+    """Make every stage of the run (of `only`), skipping complete ones. Consecutive steps that hold only the run's
+    services share them (write-back training's generator and retrieval serve the evaluations after it, the router's
+    the grid's); they end before a step that needs other CPUs or GPUs (tasks, a pool, Ray Train workers)."""
+    services = Services()
+    try:
         for step, params in instances(config, only):
+            if not SERVICES.issuperset(step.resources):
+                services.close()
+                services = Services()
             step.run(folder, config, force, services, params)
+    finally:
+        services.close()

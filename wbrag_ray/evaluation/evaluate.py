@@ -213,7 +213,8 @@ def _run_evaluation(writeback: bool):
     def run_it(folder: RunFolder, config: WbragConfig, force: bool, services: Any,
                params: dict[str, Any]) -> dict[str, Any]:
         return evaluate_stage(folder, config, config.eval.dataset, dataset_name(config, config.eval.dataset),
-                              params["label"], force=force, writeback=writeback)
+                              params["label"], force=force, writeback=writeback,
+                              passes=GeneratorPasses(config.generator, services))
     return run_it
 
 

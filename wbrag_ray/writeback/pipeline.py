@@ -36,6 +36,7 @@ from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, h
 
 if TYPE_CHECKING:
     from wbrag_ray.retrieval.stage import RetrievalSetting
+    from wbrag_ray.stages.service import Services
 
 
 def with_gate_metric(wb: WritebackConfig, train: str) -> WritebackConfig:
@@ -80,7 +81,8 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
 
 
 def train_writeback(
-    run: RunFolder, config: WbragConfig, train: str | None = None, version: str | None = None, force: bool = False
+    run: RunFolder, config: WbragConfig, train: str | None = None, version: str | None = None, force: bool = False,
+    services: Services | None = None,
 ) -> dict[str, Any]:
     """Train one write-back version from a labeled QA set, validate it on the held-out part, and activate it when
     writeback.activate and it does not hurt; the stats hold 'validation' and 'activated'."""
@@ -94,9 +96,10 @@ def train_writeback(
     # the adaptive method's own thresholds decide what is written back
     params = {"version": version, **input_params(train, "writeback.train"),
               "method": method.replace("-", "_") if method in ("self-rag", "flare") else None}
-    stats = run.execute(WRITEBACK, config, lambda: _train(run, config, train, params), params=params, force=force)
+    stats = run.execute(WRITEBACK, config, lambda: _train(run, config, train, params, services), params=params, force=force)
     print(format_table3(stats), flush=True)
-    validation = validate(run, config, train, version, with_gate_metric(config.writeback, train).metric, force)
+    validation = validate(run, config, train, version, with_gate_metric(config.writeback, train).metric, force,
+                          services)
     why = hurts(validation) if isinstance(validation, dict) else None
     activated = False
     if config.writeback.activate and stats.get("units_written"):
@@ -145,7 +148,8 @@ def format_outcome(version: str, units: int, record: dict[str, Any] | str, activ
     return line
 
 
-def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any]) -> dict[str, Any]:
+def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, Any],
+           services: Services | None = None) -> dict[str, Any]:
     wb = config.writeback
     version = params["version"]
     final = run.layout.writeback_version(version)
@@ -153,7 +157,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
     folder.root.delete()
     t0 = time.perf_counter()
     search = base_search(run, config)
-    with GeneratorPasses(config.generator) as passes:
+    with GeneratorPasses(config.generator, services) as passes:  # the caller's services, where given
         examples = score_examples(run, config, train, passes, search)
         folder.scored.write_table(plain_table(examples))
         kept = examples[examples["useful"]]
@@ -256,8 +260,9 @@ def writeback_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) ->
 
 WRITEBACK_STEP = Step(
     "write-back training", WRITEBACK, writeback_work,
-    lambda folder, config, force, services, params: train_writeback(folder, config, force=force),
+    lambda folder, config, force, services, params: train_writeback(folder, config, force=force,
+                                                                   services=services),
     instances=lambda config: ([{"version": default_version(config, config.writeback.train)}]
                               if config.writeback.train else []),
-    resources=("generator", "retrieval", "embedder"),
+    resources=("generator", "retrieval"),  # its units are embedded by retrieval's query embedders
     outputs=("writeback/{version}", "writeback/ACTIVE"))

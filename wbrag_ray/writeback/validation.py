@@ -24,6 +24,7 @@ from wbrag_ray.run import RunFolder
 if TYPE_CHECKING:
     from wbrag_ray.config import RetrievalConfig
     from wbrag_ray.retrieval.union import UnionRule
+    from wbrag_ray.stages.service import Services
 
 
 def held_out(ids: Sequence[str], fraction: float | None) -> set[str]:
@@ -138,7 +139,7 @@ def answer_under_each_rule(run: RunFolder, config: WbragConfig, dataset: str, la
 
 
 def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metric: str,
-             force: bool = False) -> dict[str, Any] | str:
+             force: bool = False, services: Services | None = None) -> dict[str, Any] | str:
     """Base vs base + `version` on the held-out questions under every candidate rule; writes `auto`'s choice beside
     the index. Headline figures are the run's rule's; or why nothing was held out (`skipped`)."""
     wb = config.writeback
@@ -157,7 +158,7 @@ def validate(run: RunFolder, config: WbragConfig, train: str, version: str, metr
     configured = UnionRule.of(cfg.retrieval)
     if configured.union != AUTO and configured.settings() not in [r.settings() for r in rules.values()]:
         rules[CONFIGURED] = configured
-    with GeneratorPasses(config.generator) as passes:  # one command: an unchanged top K keeps its answer
+    with GeneratorPasses(config.generator, services) as passes:  # one command: an unchanged top K keeps its answer
         base, frames = answer_under_each_rule(run, cfg, folder.validation_questions.uri,
                                               f"writeback-{version}-validation", version, rules, passes, force)
     figures = {name: {**rules[name].settings(), **effect_figures(base, frame, metric)} for name, frame in frames.items()}
