@@ -538,7 +538,7 @@ def test_a_training_set_edited_in_place_is_another_input_for_a_write_back_versio
     for stage in KB_STAGES:  # a built base (its work faked: only the records matter here)
         run.execute(stage, config, lambda: {"rows_out": 1})
     trained = []
-    monkeypatch.setattr(pipeline, "_train", lambda run, config, train, params: trained.append(train) or {})
+    monkeypatch.setattr(pipeline, "_train", lambda run, config, train, params, *services: trained.append(train) or {})
     monkeypatch.setattr(pipeline, "validate", lambda *args: None)
     train = write_jsonl(tmp_path / "train.jsonl", demo_questions(4))
     pipeline.train_writeback(run, config, train=str(train), version="v")
