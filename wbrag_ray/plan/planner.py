@@ -2,7 +2,7 @@
 (`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
 decides at run time (FLARE, Self-RAG).
 
-Over 400 lines, kept whole: one builder walks the stages in run order, a method a kind of work.
+Over 600 lines, kept whole: one builder walks the registry in run order, a method a kind of work.
 """
 
 from __future__ import annotations
