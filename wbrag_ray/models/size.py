@@ -73,31 +73,19 @@ class ModelSize:
         return f"{self.name} ({_count(self.params)} parameters, {self.source})"
 
 
-# (parameters, hidden size, attention heads) of the models the project's configs and docs name; and of the
-# decoders, (layers, key-value heads, head dimension) from their config.json files (KV cache sizing)
-DECODER_LAYOUT: dict[str, tuple[int, int, int]] = {
-    "meta-llama/llama-3.3-70b-instruct": (80, 8, 128),
-    "meta-llama/llama-3.1-70b-instruct": (80, 8, 128),
-    "meta-llama/llama-3.1-8b-instruct": (32, 8, 128),
-    "meta-llama/llama-3.1-8b": (32, 8, 128),
-    "meta-llama/llama-3.2-1b": (16, 8, 64),
-    "meta-llama/llama-3.2-1b-instruct": (16, 8, 64),
-    "google/gemma-3-12b-it": (48, 8, 256),
-    "google/gemma-3-270m": (18, 1, 256),
-    "huggingfacetb/smollm2-135m-instruct": (30, 3, 64),
-    "bundled:smollm2": (30, 3, 64),
-}
-KNOWN: dict[str, tuple[float, int, int]] = {
-    "meta-llama/llama-3.3-70b-instruct": (70.6e9, 8192, 64),
-    "meta-llama/llama-3.1-70b-instruct": (70.6e9, 8192, 64),
-    "meta-llama/llama-3.1-8b-instruct": (8.03e9, 4096, 32),
-    "meta-llama/llama-3.1-8b": (8.03e9, 4096, 32),
-    "meta-llama/llama-3.2-1b": (1.24e9, 2048, 32),
-    "meta-llama/llama-3.2-1b-instruct": (1.24e9, 2048, 32),
-    "google/gemma-3-12b-it": (12.2e9, 3840, 16),
-    "google/gemma-3-270m": (268e6, 640, 4),
-    "huggingfacetb/smollm2-135m-instruct": (134.5e6, 576, 9),
-    "bundled:smollm2": (134.5e6, 576, 9),
+# The models the project's configs and docs name: (parameters, hidden size, attention heads), and for decoders
+# (layers, key-value heads, head dimension) from their config.json files (KV cache sizing)
+KNOWN: dict[str, tuple] = {
+    "meta-llama/llama-3.3-70b-instruct": (70.6e9, 8192, 64, 80, 8, 128),
+    "meta-llama/llama-3.1-70b-instruct": (70.6e9, 8192, 64, 80, 8, 128),
+    "meta-llama/llama-3.1-8b-instruct": (8.03e9, 4096, 32, 32, 8, 128),
+    "meta-llama/llama-3.1-8b": (8.03e9, 4096, 32, 32, 8, 128),
+    "meta-llama/llama-3.2-1b": (1.24e9, 2048, 32, 16, 8, 64),
+    "meta-llama/llama-3.2-1b-instruct": (1.24e9, 2048, 32, 16, 8, 64),
+    "google/gemma-3-12b-it": (12.2e9, 3840, 16, 48, 8, 256),
+    "google/gemma-3-270m": (268e6, 640, 4, 18, 1, 256),
+    "huggingfacetb/smollm2-135m-instruct": (134.5e6, 576, 9, 30, 3, 64),
+    "bundled:smollm2": (134.5e6, 576, 9, 30, 3, 64),
     "intfloat/e5-base-v2": (109.5e6, 768, 12),
     "intfloat/e5-large-v2": (335e6, 1024, 16),
     # its config.json (hidden_size 1024, 24 layers, a gated MLP of 4096: 434M) and its sentence-transformers
@@ -132,9 +120,9 @@ def model_size(model: str) -> ModelSize:
         except (ValueError, KeyError, TypeError, OSError):
             pass
     key = model.lower().rstrip("/")
-    for known, (params, hidden, heads) in KNOWN.items():
+    for known, (params, hidden, heads, *layout) in KNOWN.items():
         if key == known or key.endswith("/" + known.split("/")[-1]):
-            return ModelSize(model, params, hidden, heads, "known model", *DECODER_LAYOUT.get(known, (None,) * 3))
+            return ModelSize(model, params, hidden, heads, "known model", *(layout or (None,) * 3))
     match = _SIZE_IN_NAME.search(model.rstrip("/").rsplit("/", 1)[-1])
     if match:
         params = float(match.group(1)) * (1e9 if match.group(2).lower() == "b" else 1e6)
