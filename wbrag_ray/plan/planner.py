@@ -60,7 +60,6 @@ DIM_ASSUMED = 768
 # an OpenAI-compatible endpoint: its rate is the provider's; assumed, and labeled an estimate
 ENDPOINT_LATENCY_S = 0.5  # a request's time to its first token
 ENDPOINT_TOKENS_PER_S = 60.0  # output tokens a second of one request
-ANSWER_TOKENS = 4  # a short gold answer (NQ, TriviaQA), a tuning row's target
 HEAD_SECONDS = 5.0  # the embedding pruner's head: a regression on a few thousand stored vectors, in the driver
 TRAIN_START = RATES["train_start"].value
 
