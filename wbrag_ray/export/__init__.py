@@ -4,13 +4,15 @@ declares the index's size; `wbrag_export.json` (view, counts, index settings, em
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any
 
 from wbrag_ray import __version__
-from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.config import ConfigError, RetrievalConfig, WbragConfig
 from wbrag_ray.export import flashrag, langchain, llamaindex
-from wbrag_ray.export.view import MANIFEST_FILE, WRITEBACK, open_view
+from wbrag_ray.export.embedder import MANIFEST_FILE
+from wbrag_ray.export.view import WRITEBACK, open_view
 from wbrag_ray.index.sizing import TASK_BASE_BYTES, node_bounded
 from wbrag_ray.index.tasks import largest_node
 from wbrag_ray.ray_runtime import LIGHT_CPUS
@@ -28,12 +30,12 @@ def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Locat
     if format not in FORMATS:
         raise ConfigError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
     _writer(format)  # its library is checked here, before any file is written
-    view = open_view(run, config, prune_ratio, writeback)
+    view = open_view(run, config.embedder, prune_ratio, writeback)
     out = resolve(out) if isinstance(out, str) else out
     _clear(out, force)
     t0 = time.perf_counter()
     files, described = _write_in_task(format, view, out.uri, config)
-    manifest = {"format": format, "wbrag_version": __version__, **described, "union": union_record(view, config),
+    manifest = {"format": format, "wbrag_version": __version__, **described, "union": union_record(view, config.retrieval),
                 "files": files, "seconds": round(time.perf_counter() - t0, 3)}
     out.join(MANIFEST_FILE).write_json(manifest)
     union = manifest.get("union")
@@ -48,19 +50,19 @@ SCORE_MERGE = ("base passages and write-back units in one index: a search return
                "the WriteBack-RAG paper's merge (retrieval.union: score)")
 
 
-def union_record(view, config: WbragConfig) -> dict[str, Any] | None:
+def union_record(view, retrieval: RetrievalConfig) -> dict[str, Any] | None:
     """How an export merges passages and units (one index, by score) beside the rule the run uses; None: no units."""
     units = [p for p in view.parts if p.source == WRITEBACK]
     if not units:
         return None
-    run_rule = UnionRule.of(config.retrieval).resolved([units[0].index]).settings()
+    run_rule = UnionRule.of(retrieval).resolved([units[0].index]).settings()
     return {"export": "score", "what": SCORE_MERGE, "run": run_rule, "same_as_run": run_rule["union"] == "score"}
 
 
 def _write(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:
     """The format's files of `view` in `out_uri`: (their names, the view described after it was read)."""
     files = _writer(format).write(view, resolve(out_uri), config)
-    return files, view.describe(config)
+    return files, view.describe(config.embedder)
 
 
 def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:
@@ -77,10 +79,12 @@ def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tupl
 
 def _writer(format: str):
     """The format's module, after checking that its library is installed (before any file is written)."""
-    if format == "flashrag":
-        return flashrag
-    module = langchain if format == "langchain" else llamaindex
-    module.require()
+    module = {"flashrag": flashrag, "langchain": langchain, "llamaindex": llamaindex}[format]
+    try:
+        for name in getattr(module, "NEEDS", ()):
+            importlib.import_module(name)
+    except ImportError as exc:
+        raise ConfigError(f"--format {format} needs {module.PACKAGES} ({exc}); pip install 'wbrag-ray[export]'") from None
     return module
 
 

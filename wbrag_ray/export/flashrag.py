@@ -21,7 +21,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
     """The corpus and the index, one embedding shard at a time, then the retriever settings; the files' names."""
     import yaml
 
-    index = view.empty_index(config)
+    index = view.empty_index(config.index)
     with out.join(CORPUS_FILE).open_write() as f:
         for docs in view.fill(index):
             lines = (json.dumps({"id": d.id, "contents": d.contents, "metadata": d.metadata}, ensure_ascii=False)

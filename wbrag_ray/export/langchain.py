@@ -9,23 +9,16 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.config import WbragConfig
 from wbrag_ray.export.codes import write_index
 from wbrag_ray.export.embedder import load_embedder
-from wbrag_ray.export.view import MANIFEST_FILE, View
+from wbrag_ray.export.view import View
 from wbrag_ray.storage import Location
 
 INDEX_NAME = "index"  # FAISS.load_local's default: index.faiss and index.pkl
 INDEX_FILE, DOCSTORE_FILE = f"{INDEX_NAME}.faiss", f"{INDEX_NAME}.pkl"
-
-
-def require() -> None:
-    try:
-        import langchain_community.vectorstores  # noqa: F401
-        import langchain_core.documents  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(f"--format langchain needs langchain-community ({exc}); "
-                          "pip install 'wbrag-ray[export]'") from None
+# what `wbrag export` checks is importable before it writes a file, and the packages that hold it
+NEEDS, PACKAGES = ("langchain_community.vectorstores", "langchain_core.documents"), "langchain-community"
 
 
 class _Reduce:
@@ -43,7 +36,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
     from langchain_community.docstore.in_memory import InMemoryDocstore
     from langchain_core.documents import Document
 
-    index = view.empty_index(config)
+    index = view.empty_index(config.index)
     with tempfile.TemporaryFile() as ids, out.join(DOCSTORE_FILE).open_write() as f:
 
         def documents() -> Iterator[tuple[str, Any]]:
@@ -94,14 +87,10 @@ def embeddings(model: Any):
 
 
 def load(folder: str, model: Any = None):
-    """The exported store as a LangChain FAISS store with inner product; only for exports you made (a pickle)."""
-    import json
-    from pathlib import Path
-
+    """The exported store as a LangChain FAISS store with inner product, with the export's embedder (or `model`);
+    only for exports you made (a pickle)."""
     from langchain_community.vectorstores import FAISS
     from langchain_community.vectorstores.utils import DistanceStrategy
 
-    if model is None:
-        model = json.loads((Path(folder) / MANIFEST_FILE).read_text())["embedder"]["name"]
-    return FAISS.load_local(folder, embeddings(model), index_name=INDEX_NAME, allow_dangerous_deserialization=True,
-                            distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT)
+    return FAISS.load_local(folder, _embeddings_class()(load_embedder(model, folder)), index_name=INDEX_NAME,
+                            allow_dangerous_deserialization=True, distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT)

@@ -11,10 +11,10 @@ import shutil
 import tempfile
 from typing import Any
 
-from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.config import WbragConfig
 from wbrag_ray.export.codes import write_index
 from wbrag_ray.export.embedder import load_embedder
-from wbrag_ray.export.view import MANIFEST_FILE, METADATA_KEYS, View
+from wbrag_ray.export.view import METADATA_KEYS, View
 from wbrag_ray.storage import Location
 
 VECTOR_STORE_FILE = "default__vector_store.json"
@@ -26,15 +26,9 @@ INDEX_ID = "wbrag"
 # The key-value collections of SimpleDocumentStore and SimpleIndexStore (namespace + suffix)
 NODES, NODE_METADATA, INDEX_STRUCTS = "docstore/data", "docstore/metadata", "index_store/data"
 CHUNK = 1 << 20
-
-
-def require() -> None:
-    try:
-        import llama_index.core  # noqa: F401
-        import llama_index.vector_stores.faiss  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(f"--format llamaindex needs llama-index-core and llama-index-vector-stores-faiss ({exc}); "
-                          "pip install 'wbrag-ray[export]'") from None
+# what `wbrag export` checks is importable before it writes a file, and the packages that hold it
+NEEDS, PACKAGES = ("llama_index.core", "llama_index.vector_stores.faiss"), \
+    "llama-index-core and llama-index-vector-stores-faiss"
 
 
 def write(view: View, out: Location, config: WbragConfig) -> list[str]:
@@ -42,7 +36,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
     from llama_index.core.schema import TextNode
     from llama_index.core.storage.docstore.utils import doc_to_json
 
-    index = view.empty_index(config)
+    index = view.empty_index(config.index)
     hidden = list(METADATA_KEYS)
     with tempfile.TemporaryDirectory() as tmp:
         hashes_path, rows_path = os.path.join(tmp, "hashes"), os.path.join(tmp, "rows")
@@ -132,12 +126,8 @@ def embed_model(model: Any):
 
 def load(folder: str, model: Any = None):
     """The exported folder as a LlamaIndex VectorStoreIndex, with the export's embedder (or `model`)."""
-    from pathlib import Path
-
     from llama_index.core import StorageContext, load_index_from_storage
     from llama_index.vector_stores.faiss import FaissVectorStore
 
-    if model is None:
-        model = json.loads((Path(folder) / MANIFEST_FILE).read_text())["embedder"]["name"]
     context = StorageContext.from_defaults(vector_store=FaissVectorStore.from_persist_dir(folder), persist_dir=folder)
-    return load_index_from_storage(context, embed_model=embed_model(model))
+    return load_index_from_storage(context, embed_model=_embedding_class()(load_embedder(model, folder)))

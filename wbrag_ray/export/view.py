@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from wbrag_ray.build_kb import INDEX
-from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.config import ConfigError, EmbedderConfig, IndexConfig
 from wbrag_ray.export.codes import add_codes, adds_codes, encoder
 from wbrag_ray.export.embedder import embedder_info
 from wbrag_ray.index.files import (
@@ -32,7 +32,6 @@ from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location, resolve
 from wbrag_ray.writeback.versions import active_index, read_active
 
-MANIFEST_FILE = "wbrag_export.json"  # an export's view, counts and embedder; written last: the export is complete
 BASE, WRITEBACK = "base", "writeback"  # the id namespaces, as `Hit.source` names them
 
 # Every document carries the same metadata keys, so a reader inferring one schema sees one.
@@ -101,7 +100,7 @@ class View:
         trained = self.empty_index_bytes if adds_codes(index) else None
         for part in self.parts:
             n = 0
-            for payload, docs in _part_batches(part, trained, self.parallel, self._count_task):
+            for payload, docs in _part_batches(part, trained, self._count_task):
                 if trained is None:
                     index.add(payload)
                 else:
@@ -115,11 +114,12 @@ class View:
             self.counts[part.source] = n
 
     empty_index_bytes: bytes | None = None  # the trained empty index, serialized: what encoding tasks rebuild
-    parallel: bool = True  # shards in Ray tasks when Ray is up (False: all in this process, as without Ray)
     shards_in_tasks: int = 0  # embedding shards read and encoded by Ray tasks (the rest: in this process)
+    search: dict[str, Any] = field(default_factory=dict)  # the exported index's settings, set by `empty_index`
 
-    def empty_index(self, config: WbragConfig):
-        """A copy of the base's trained empty index without id map, with the run's search settings set."""
+    def empty_index(self, ic: IndexConfig):
+        """A copy of the base's trained empty index without id map, with the run's search settings set ('auto'
+        taking what the base index's build measured)."""
         import faiss
 
         base = self.parts[0].index
@@ -132,22 +132,15 @@ class View:
             index = faiss.clone_index(faiss.downcast_index(index.index))  # a copy this proxy owns
         if index.ntotal:
             raise IndexError_(f"trained index {trained.uri} is not empty ({index.ntotal} vectors)")
-        ic = config.index
-        set_search_params(index, *self.search_settings(config), ic.k_factor)
+        nprobe, ef_search = measured_settings(self.manifest, ic.nprobe, ic.ef_search)
+        set_search_params(index, nprobe, ef_search, ic.k_factor)
+        self.search = {"factory": self.manifest.get("factory"), "metric": "inner_product",
+                       "nprobe": search_nprobe(index, nprobe), "ef_search": ef_search, "k_factor": ic.k_factor}
         self.empty_index_bytes = to_bytes(index)
         return index
 
-    def search_settings(self, config: WbragConfig) -> tuple[int | str | None, int | None]:
-        """(nprobe, ef_search) the export saves: the run's, 'auto' taking what the base index's build measured."""
-        return measured_settings(self.manifest, config.index.nprobe, config.index.ef_search)
-
-    def nprobe(self, config: WbragConfig) -> int | None:
-        """The nprobe saved in the exported index (index.nprobe; 'auto': the measured one)."""
-        nprobe = self.search_settings(config)[0]
-        return search_nprobe(self.empty_index(config), nprobe) if nprobe == "auto" else nprobe
-
-    def describe(self, config: WbragConfig) -> dict[str, Any]:
-        """The view and its embedder, for the export's manifest."""
+    def describe(self, embedder: EmbedderConfig) -> dict[str, Any]:
+        """The view and its embedder, for the export's manifest (after `empty_index`)."""
         return {
             "run": self.run.uri,
             "prune_ratio": self.prune_ratio,
@@ -156,13 +149,12 @@ class View:
             "count": sum(self.counts.values()),
             "shards_in_tasks": self.shards_in_tasks,
             "indices": {p.source: p.index.uri for p in self.parts},
-            "embedder": embedder_info(config.embedder, self.dim),
-            "index": {"factory": self.manifest.get("factory"), "metric": "inner_product", "nprobe": self.nprobe(config),
-                      "ef_search": self.search_settings(config)[1], "k_factor": config.index.k_factor},
+            "embedder": embedder_info(embedder, self.dim),
+            "index": self.search,
         }
 
 
-def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = None,
+def open_view(run: RunFolder, embedder: EmbedderConfig, prune_ratio: float | None = None,
               writeback: str | None = None) -> View:
     """The base (or pruned) index plus the units of `writeback` ('active', 'none' or a version)."""
     from wbrag_ray.zerorag.prune import index_for_ratio
@@ -172,9 +164,9 @@ def open_view(run: RunFolder, config: WbragConfig, prune_ratio: float | None = N
     ratio = prune_ratio or 0.0
     index = index_for_ratio(run, ratio)  # a ratio not pruned yet is refused with the command that prunes it
     manifest = load_manifest(index)
-    if manifest["embedder"] != config.embedder.model:
+    if manifest["embedder"] != embedder.model:
         raise ConfigError(f"index {index.uri} was built with embedder {manifest['embedder']!r}, but embedder.model is "
-                          f"{config.embedder.model!r}; export with the run's config (drop --config / --set embedder.*)")
+                          f"{embedder.model!r}; export with the run's config (drop --config / --set embedder.*)")
     unit = manifest.get("unit", "passage")
     if ratio:
         if unit != "sentence":
@@ -258,14 +250,14 @@ EXPORT_IN_FLIGHT = 8  # encoding tasks ahead of the writer: enough to keep a clu
 # each holds one shard's codes and documents until its turn
 
 
-def _part_batches(part: Part, trained: bytes | None, parallel: bool,
-                  on_task=lambda: None) -> Iterator[tuple[np.ndarray, list[Document]]]:
-    """(vectors or codes, documents) of each embedding shard of `part`, in order (Ray tasks when `parallel`)."""
+def _part_batches(part: Part, trained: bytes | None, on_task) -> Iterator[tuple[np.ndarray, list[Document]]]:
+    """(vectors or codes, documents) of each embedding shard of `part`, in order (codes in Ray tasks when Ray is
+    up)."""
     import ray
 
     readers = _Readers.of(part)
     files = [f.uri for f in embedding_files(part.embeddings)]
-    if trained is None or not parallel or not ray.is_initialized():
+    if trained is None or not ray.is_initialized():
         for uri in files:
             found = _shard_batch(readers, None, uri)
             if found is not None:

@@ -7,10 +7,13 @@ from typing import Any
 
 import pandas as pd
 
+from wbrag_ray.evaluation.evaluate import load_results
+from wbrag_ray.evaluation.stage import dataset_name
 from wbrag_ray.metrics import sign_test
 from wbrag_ray.report.render import Table
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
+from wbrag_ray.zerorag.grid import eval_label
 
 # a gain or loss of fewer questions than a two-sided sign test at this level can tell from chance is "noise"
 SIGNIFICANCE = 0.05
@@ -18,8 +21,6 @@ SIGNIFICANCE = 0.05
 
 def adapter_effect(run: RunFolder) -> list[dict[str, Any]]:
     """One row per grid setting evaluated with and without the adapter: their figures, fixed, broken."""
-    from wbrag_ray.evaluation.evaluate import load_results
-
     grid = run.layout.zero_rag.grid
     if not grid.exists():
         return []
@@ -50,12 +51,8 @@ def adapter_effect(run: RunFolder) -> list[dict[str, Any]]:
 
 def _labeller(run: RunFolder, results: dict[tuple, str]):
     """The evaluation label of a grid cell (`zerorag.grid.eval_label` with the run's dataset name)."""
-    from wbrag_ray.zerorag.grid import eval_label
-
     name = None
     if run.layout.run_json.exists():
-        from wbrag_ray.evaluation.stage import dataset_name
-
         config = run.load_config()
         name = dataset_name(config, config.eval.dataset) if config.eval.dataset else None
     if name is None:  # a run without its config: the label the unpruned no-adapter cell was evaluated under

@@ -16,22 +16,20 @@ def as_float(col) -> np.ndarray:
 
 
 def _figure(ncols: int = 1):
-    """A figure with one axis, or a row of `ncols` panels (then the axes come as an array)."""
-    import matplotlib
+    """A figure with one axis, or a row of `ncols` panels (then the axes come as an array). No pyplot: nothing
+    global to close, and no display wanted on cluster nodes or CI (savefig draws with Agg)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # no display on cluster nodes or CI
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, ncols, figsize=(6.4, 3.6) if ncols == 1 else (min(4.3, 11 / ncols) * ncols, 3.8), dpi=110, squeeze=False)
+    fig = Figure(figsize=(6.4, 3.6) if ncols == 1 else (min(4.3, 11 / ncols) * ncols, 3.8), dpi=110)
+    ax = fig.subplots(1, ncols, squeeze=False)
     for a in ax.flat:
         a.grid(alpha=0.3)
-    return plt, fig, ax[0, 0] if ncols == 1 else ax[0]
+    return fig, ax[0, 0] if ncols == 1 else ax[0]
 
 
-def _save(plt, fig, out: Path, name: str, rect: tuple[float, float, float, float] | None = None) -> str:
+def _save(fig, out: Path, name: str, rect: tuple[float, float, float, float] | None = None) -> str:
     fig.tight_layout(rect=rect)  # rect: room kept free for a figure-level legend
     fig.savefig(out / name)
-    plt.close(fig)
     return name
 
 
@@ -39,19 +37,19 @@ def plot_stage_times(stats: dict[str, dict[str, Any]], out: Path) -> str | None:
     timed = {k: v["seconds"] for k, v in stats.items() if isinstance(v.get("seconds"), (int, float))}
     if not timed:
         return None
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     names = list(timed)
     ax.barh(names, [timed[n] for n in names], color="#4C72B0")
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title("wall time per stage")
-    return _save(plt, fig, out, "stage_times.png")
+    return _save(fig, out, "stage_times.png")
 
 
 def plot_eval(results: dict[str, dict[str, Any]], out: Path) -> str | None:
     if not results:
         return None
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     names = list(results)
     x = np.arange(len(names))
     for i, m in enumerate(("em", "f1", "acc")):
@@ -61,7 +59,7 @@ def plot_eval(results: dict[str, dict[str, Any]], out: Path) -> str | None:
     ax.set_ylabel("score")
     ax.set_title("answer metrics per setting")
     ax.legend()
-    return _save(plt, fig, out, "eval_metrics.png")
+    return _save(fig, out, "eval_metrics.png")
 
 
 def plot_methods_grid(grid: dict[str, Any], out: Path, file_name: str, metric: str = "acc") -> str | None:
@@ -72,7 +70,7 @@ def plot_methods_grid(grid: dict[str, Any], out: Path, file_name: str, metric: s
     methods = [m for m in grid["methods"] if any(r["method"] == m for r in rows)]
     settings = [None, *grid.get("versions", {})]
     cells = {(r["method"], r["version"]): r for r in rows}
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     width = 0.8 / len(settings)
     x = np.arange(len(methods))
     for k, version in enumerate(settings):
@@ -89,14 +87,14 @@ def plot_methods_grid(grid: dict[str, Any], out: Path, file_name: str, metric: s
     # below the axes: bars reach the top, where a legend inside would cover them
     ncol = min(3, len(settings))
     fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
-    return _save(plt, fig, out, file_name, rect=(0, 0.07 * -(-len(settings) // ncol) + 0.02, 1, 1))
+    return _save(fig, out, file_name, rect=(0, 0.07 * -(-len(settings) // ncol) + 0.02, 1, 1))
 
 
 def plot_sentences_per_passage(histogram: np.ndarray, out: Path) -> str | None:
     """`histogram[k]`: how many passages hold k sentences."""
     if histogram.sum() == 0:
         return None
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     from matplotlib.ticker import MaxNLocator
 
     sizes = np.arange(len(histogram))
@@ -105,7 +103,7 @@ def plot_sentences_per_passage(histogram: np.ndarray, out: Path) -> str | None:
     ax.set_xlabel("sentences in a passage")
     ax.set_ylabel("passages")
     ax.set_title(f"segmentation: {int((sizes * histogram).sum()):,} sentences in {int(histogram.sum()):,} passages")
-    return _save(plt, fig, out, "sentences_per_passage.png")
+    return _save(fig, out, "sentences_per_passage.png")
 
 
 def plot_search_setting(search: dict[str, Any], out: Path) -> str | None:
@@ -113,7 +111,7 @@ def plot_search_setting(search: dict[str, Any], out: Path) -> str | None:
     steps = search.get("measured") or []
     if len(steps) < 2:
         return None
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     ms = [m["ms_per_query"] for m in steps]
     ax.plot(ms, [m["recall"] for m in steps], "o-", color="#4C72B0")
     for m in steps:
@@ -124,7 +122,7 @@ def plot_search_setting(search: dict[str, Any], out: Path) -> str | None:
     ax.set_ylabel(f"recall@{search['k']} of exact search")
     ax.set_title(f"index search: {search['parameter']} {search['value']} chosen")
     ax.legend(loc="lower right")
-    return _save(plt, fig, out, "search_setting.png")
+    return _save(fig, out, "search_setting.png")
 
 
 def plot_token_scatter(units: pa.Table | None, out: Path, version: str) -> str | None:
@@ -132,7 +130,7 @@ def plot_token_scatter(units: pa.Table | None, out: Path, version: str) -> str |
         return None
     src = units["source_tokens"].to_numpy()
     dst = units["distilled_tokens"].to_numpy()
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     ax.scatter(src, dst, s=14, alpha=0.7, color="#C44E52")
     top = max(src.max(), dst.max()) * 1.05
     ax.plot([0, top], [0, top], "k--", lw=1, label="identity (no compression)")
@@ -140,19 +138,19 @@ def plot_token_scatter(units: pa.Table | None, out: Path, version: str) -> str |
     ax.set_ylabel("distilled tokens (knowledge unit)")
     ax.set_title(f"write-back {version}: distillation compresses evidence")
     ax.legend()
-    return _save(plt, fig, out, f"writeback_{version}_tokens.png")
+    return _save(fig, out, f"writeback_{version}_tokens.png")
 
 
 def plot_rank_distribution(ranks: dict[str, int], out: Path, version: str) -> str | None:
     if not ranks:
         return None
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     keys = sorted(ranks, key=lambda r: int(r))
     ax.bar([str(int(k) + 1) if str(k).isdigit() else k for k in keys], [ranks[k] for k in keys], color="#8172B2")
     ax.set_xlabel("retrieval rank of a retained document (1 = top)")
     ax.set_ylabel("retained documents")
     ax.set_title(f"write-back {version}: which ranks the document gate keeps")
-    return _save(plt, fig, out, f"writeback_{version}_ranks.png")
+    return _save(fig, out, f"writeback_{version}_ranks.png")
 
 
 # --- Zero-RAG plots --------------------------------------------------------------------------------------
@@ -170,7 +168,7 @@ def plot_mastery_histogram(scores: pa.Table, out: Path) -> str | None:
     m, n_valid = as_float(scored["mastery"]), scored["n_valid"].to_numpy().astype(int)
     values = _mean_em_values(n_valid)
     nearest = np.abs(m[:, None] - values[None, :]).argmin(axis=1)
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     from matplotlib.ticker import MaxNLocator
 
     if np.abs(m - values[nearest]).max() < 1e-6:
@@ -187,14 +185,14 @@ def plot_mastery_histogram(scores: pa.Table, out: Path) -> str | None:
     ax.set_xlabel("mastery score (mean closed-book EM over a sentence's valid QA pairs)")
     ax.set_ylabel("sentences")
     ax.set_title(f"measured mastery: {len(m):,} scored sentences, mean {m.mean():.2f}")
-    return _save(plt, fig, out, "zero_rag_mastery.png")
+    return _save(fig, out, "zero_rag_mastery.png")
 
 
 def plot_pruner_fit(validation: dict[str, pa.Table], metrics: dict[str, dict[str, Any]], out: Path) -> str | None:
     validation = {k: t for k, t in validation.items() if t.num_rows}
     if not validation:
         return None
-    plt, fig, axes = _figure(ncols=max(2, len(validation)))  # two panels at least: one alone would be too wide
+    fig, axes = _figure(ncols=max(2, len(validation)))  # two panels at least: one alone would be too wide
     for ax, (kind, t) in zip(axes, validation.items(), strict=False):  # spare panels hidden below
         x, y = as_float(t["measured"]), as_float(t["predicted"])
         ax.scatter(x, y, s=12, alpha=0.45, color="#4C72B0", label="held-out sentence")
@@ -210,14 +208,14 @@ def plot_pruner_fit(validation: dict[str, pa.Table], metrics: dict[str, dict[str
         ax.legend(fontsize=7, loc="upper left")
     for ax in axes[len(validation):]:
         ax.set_visible(False)
-    return _save(plt, fig, out, "zero_rag_pruners.png")
+    return _save(fig, out, "zero_rag_pruners.png")
 
 
 def plot_predicted_mastery(pred: np.ndarray, total: int, levels: list[dict[str, Any]], out: Path) -> str | None:
     pred = pred[~np.isnan(pred)]
     if len(pred) == 0:
         return None
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     ax.hist(pred, bins=int(np.clip(np.sqrt(len(pred)), 10, 60)), color="#55A868", edgecolor="white", lw=0.4)  # few sentences, few bins
     colors = ["#C44E52", "#8172B2", "#DD8452", "#937860", "#DA8BC3", "#8C8C8C"]
     for i, lv in enumerate(lv for lv in levels if isinstance(lv.get("threshold"), (int, float)) and np.isfinite(lv["threshold"])):
@@ -229,7 +227,7 @@ def plot_predicted_mastery(pred: np.ndarray, total: int, levels: list[dict[str, 
     ax.set_ylabel("sentences")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    return _save(plt, fig, out, "zero_rag_predicted_mastery.png")
+    return _save(fig, out, "zero_rag_predicted_mastery.png")
 
 
 def setting_label(row: dict[str, Any]) -> str:
@@ -248,7 +246,7 @@ def plot_ratio_sweep(rows: list[dict[str, Any]], out: Path) -> str | None:
     combos: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         combos.setdefault(setting_label(r), []).append(r)
-    plt, fig, axes = _figure(ncols=3)
+    fig, axes = _figure(ncols=3)
     panels = [("acc", 1.0, "acc", "answer quality"), ("latency_ms_per_query", 1.0, "ms per query", "retrieval latency"),
               ("index_bytes", 1e-6, "index MB", "index size")]
     for i, (label, rs) in enumerate(combos.items()):
@@ -267,7 +265,7 @@ def plot_ratio_sweep(rows: list[dict[str, Any]], out: Path) -> str | None:
     handles, labels = axes[0].get_legend_handles_labels()
     ncol = min(5, len(labels))  # five labels still fit one row under three panels
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
-    return _save(plt, fig, out, "zero_rag_ratio_sweep.png", rect=(0, 0.06 * -(-len(labels) // ncol) + 0.02, 1, 1))
+    return _save(fig, out, "zero_rag_ratio_sweep.png", rect=(0, 0.06 * -(-len(labels) // ncol) + 0.02, 1, 1))
 
 
 TERM_LABELS = {"none": "retrieval-free", "relevant": "retrieval-augmented", "distracting": "noise suppression"}
@@ -277,7 +275,7 @@ def plot_tuning_loss(losses: list[float], out: Path, terms: dict[str, list[float
     """The objective per step, and each of its three terms (the mean loss of the batch's rows of that format)."""
     if not losses:
         return None
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     steps = np.arange(1, len(losses) + 1)
     ax.plot(steps, losses, color="#4C72B0", alpha=0.5 if len(losses) >= 20 else 1, marker="" if len(losses) >= 20 else "o",
             ms=3, label="objective per step")
@@ -292,4 +290,4 @@ def plot_tuning_loss(losses: list[float], out: Path, terms: dict[str, list[float
     ax.set_ylabel("training loss")
     ax.set_title("noise-tolerant tuning of the generator (LoRA)")
     ax.legend(fontsize=8)
-    return _save(plt, fig, out, "zero_rag_tuning_loss.png")
+    return _save(fig, out, "zero_rag_tuning_loss.png")

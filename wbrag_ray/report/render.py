@@ -22,6 +22,16 @@ class Section:
     images: list[tuple[str, str]] = field(default_factory=list)  # (file name, caption)
     text: str = ""
 
+    def image(self, name: str | None, caption: str) -> None:
+        """Add a figure; None (the plot had nothing to draw) adds nothing."""
+        if name:
+            self.images.append((name, caption))
+
+
+def figures(title: str, values: dict[str, Any]) -> Table:
+    """A two-column table of named figures."""
+    return Table(title, ["figure", "value"], [[k, v] for k, v in values.items()])
+
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):

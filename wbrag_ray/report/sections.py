@@ -22,7 +22,7 @@ from wbrag_ray.plan.against_run import load_plan, planned_vs_measured, run_wall_
 from wbrag_ray.ray_runtime import LIGHT_CPUS, run_tasks
 from wbrag_ray.report.adapter_effect import adapter_tables
 from wbrag_ray.report.paper_rows import departures_tables, paper_section
-from wbrag_ray.report.render import Section, Table
+from wbrag_ray.report.render import Section, Table, figures
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location, resolve
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
@@ -66,8 +66,7 @@ def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
     rows = [[name, s.get("rows_in"), s.get("rows_out"), s.get("rows_rejected"), s.get("seconds"), s.get("rows_per_s")]
             for name, s in stats.items()]
     sec.tables.append(Table("per-stage summary", ["stage", "rows in", "rows out", "rejected", "seconds", "rows/s"], rows))
-    if img := plots.plot_stage_times(stats, out):
-        sec.images.append((img, "Wall time per stage: the slowest stage is the one to scale out."))
+    sec.image(plots.plot_stage_times(stats, out), "Wall time per stage: the slowest stage is the one to scale out.")
     return sec
 
 
@@ -88,12 +87,12 @@ def plan_section(run: RunFolder, stats: dict[str, dict[str, Any]]) -> Section | 
 
 def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
     sec = Section("Corpus")
-    sec.tables.append(Table("ingest", ["figure", "value"], [[k, stats[k]] for k in (
-        "rows_in", "rows_out", "rows_rejected", "sentences", "shards", "sentences_per_task_second") if k in stats]))
+    sec.tables.append(figures("ingest", {k: stats[k] for k in (
+        "rows_in", "rows_out", "rows_rejected", "sentences", "shards", "sentences_per_task_second") if k in stats}))
     sentences = run.layout.ingest.sentences
     if sentences.exists():
-        if img := plots.plot_sentences_per_passage(sentences_per_passage(sentences), out):
-            sec.images.append((img, "How many sentences (Zero-RAG's pruning unit) each passage holds."))
+        sec.image(plots.plot_sentences_per_passage(sentences_per_passage(sentences), out),
+                  "How many sentences (Zero-RAG's pruning unit) each passage holds.")
 
     manifest = run.layout.index.join(MANIFEST)
     search = (manifest.read_json().get("search") if manifest.exists() else None) or {}
@@ -103,8 +102,8 @@ def corpus_section(run: RunFolder, stats: dict[str, Any], out: Path) -> Section:
             f"{search['k']} {search['target_recall']:g}; chosen: {search['parameter']} {search['value']})",
             [search["parameter"] or "setting", f"recall@{search['k']}", "ms/query"],
             [[m["value"], m["recall"], m["ms_per_query"]] for m in search["measured"]]))
-        if img := plots.plot_search_setting(search, out):
-            sec.images.append((img, "Recall of exact search's top 10 against time per query at each setting tried."))
+        sec.image(plots.plot_search_setting(search, out),
+                  "Recall of exact search's top 10 against time per query at each setting tried.")
     return sec
 
 
@@ -132,8 +131,7 @@ def evaluation_sections(run: RunFolder, out: Path) -> list[Section]:
         sec.tables.append(Table("answer metrics", ["setting", "n", "em", "f1", "acc", "answer words", "scored"],
                                 [[k, v.get("n"), v.get("em"), v.get("f1"), v.get("acc"), v.get("answer_words"),
                                   v.get("answer_form")] for k, v in results.items()]))
-        if img := plots.plot_eval(results, out):
-            sec.images.append((img, "em / f1 / acc (FlashRAG's definitions) per evaluated setting."))
+        sec.image(plots.plot_eval(results, out), "em / f1 / acc (FlashRAG's definitions) per evaluated setting.")
         sections.append(sec)
     plain = run.layout.methods_grid()
     sections += [methods_grid_section(f.read_json(), out, PurePosixPath(f.name).stem, f.name != plain.name)
@@ -160,14 +158,12 @@ def methods_grid_section(grid: dict[str, Any], out: Path, stem: str, own_setting
     sec.tables.append(Table(f"answer metrics on {grid.get('name')}", [
         "method", "knowledge base", "trained with", "write-back", "union", "n", "em", "f1", "acc", "acc vs base",
         "unit in top K", "won", "lost", "retrieval rate", "generator calls"], rows))
-    # imported here: the grid's module loads the generator's, which a report never needs otherwise
-
     if same := same_writeback_rows(grid):  # `--same-writeback`: WriteBack-RAG's Figure 4 shape
         sec.tables.append(Table("Same-WB: each method on the base and beside the version written back under it", [
             "method", "version", *(h for k in METRICS for h in (k, f"{k} Same-WB"))],
             [[r["method"], r["version"], *(v for k in METRICS for v in (r["base"][k], r["same_wb"][k]))] for r in same]))
-    if img := plots.plot_methods_grid(grid, out, file_name=f"{stem}.png"):
-        sec.images.append((img, "acc per RAG method: base index alone, and with each write-back version beside it."))
+    sec.image(plots.plot_methods_grid(grid, out, file_name=f"{stem}.png"),
+              "acc per RAG method: base index alone, and with each write-back version beside it.")
     return sec
 
 
@@ -176,13 +172,13 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
     version, stats = folder.version, folder.stats.read_json()
     sec = Section(f"Write-back {version}")
     method = stats.get("rag_method", "naive")
-    sec.tables.append(Table("selection (the paper's Table 3)", ["figure", "value"],
-                            [["scored with RAG method", method]] + [[label, stats.get(key)] for key, label in TABLE3]))
+    sec.tables.append(figures("selection (the paper's Table 3)", {
+        "scored with RAG method": method, **{label: stats.get(key) for key, label in TABLE3}}))
     units = folder.units.read_table(["source_tokens", "distilled_tokens"]) if folder.units.exists() else None
-    if img := plots.plot_token_scatter(units, out, version):
-        sec.images.append((img, "Each knowledge unit: tokens of its retained documents vs tokens after distillation."))
-    if img := plots.plot_rank_distribution(stats.get("rank_distribution") or {}, out, version):
-        sec.images.append((img, "Retrieval ranks of the documents that passed the document gate."))
+    sec.image(plots.plot_token_scatter(units, out, version),
+              "Each knowledge unit: tokens of its retained documents vs tokens after distillation.")
+    sec.image(plots.plot_rank_distribution(stats.get("rank_distribution") or {}, out, version),
+              "Retrieval ranks of the documents that passed the document gate.")
     for kind in ("rewrites", "units"):  # the statement check's drops, by reason
         if any((counts := stats.get(f"{kind}_dropped") or {}).values()):
             sec.tables.append(Table(f"{kind} dropped by the statement check", ["reason", "count"],
@@ -200,7 +196,7 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
         if v.get("choice"):
             sec.text = f"retrieval.union auto searches this version with {v['chosen']}: {v['choice']}."
     elif isinstance(stats.get("validation"), str):  # nothing held out, and why (writeback.validation)
-        sec.tables.append(Table("validation", ["figure", "value"], [["validation", stats["validation"]]]))
+        sec.tables.append(figures("validation", {"validation": stats["validation"]}))
     if (outcome := no_effect(stats)) is not None:
         sec.text = " ".join(filter(None, [sec.text, outcome]))
     return sec
@@ -246,7 +242,7 @@ def mastery_section(run: RunFolder, out: Path) -> Section:
     zr = run.layout.zero_rag
     sec = Section("Zero-RAG: mastery scores")
     if zr.mastery_stats.exists():
-        sec.tables.append(Table("mastery sample", ["figure", "value"], [[k, v] for k, v in zr.mastery_stats.read_json().items()]))
+        sec.tables.append(figures("mastery sample", zr.mastery_stats.read_json()))
     if zr.qa.exists():
         qa = zr.qa.read_table(["status", "em"])
         statuses = list(QA_STATUSES) + sorted(set(qa["status"].to_pylist()) - set(QA_STATUSES))
@@ -255,9 +251,10 @@ def mastery_section(run: RunFolder, out: Path) -> Section:
             part = qa.filter(pc.equal(qa["status"], status))
             rows.append([status, part.num_rows, part.num_rows / max(1, qa.num_rows), pc.mean(part["em"]).as_py()])
         sec.tables.append(Table("QA pairs by status", ["status", "pairs", "share", "mean EM"], rows))
-    if zr.scores.exists() and (img := plots.plot_mastery_histogram(zr.scores.read_table(["n_valid", "mastery"]), out)):
-        sec.images.append((img, "Measured mastery of the sampled sentences: the target model's mean closed-book exact "
-                                "match on the QA pairs written from each sentence (sentences without a valid pair are left out)."))
+    if zr.scores.exists():
+        sec.image(plots.plot_mastery_histogram(zr.scores.read_table(["n_valid", "mastery"]), out),
+                  "Measured mastery of the sampled sentences: the target model's mean closed-book exact match on the "
+                  "QA pairs written from each sentence (sentences without a valid pair are left out).")
     return sec
 
 
@@ -271,14 +268,13 @@ def pruners_section(run: RunFolder, out: Path) -> Section:
         if zr.pruner_validation(kind).exists():
             validation[kind] = zr.pruner_validation(kind).read_table(["measured", "predicted"])
     if metrics:
-        rows = [[k, v.get("n_train"), v.get("n_val"), v.get("mse"), v.get("spearman"), (v.get("top_quantile") or {}).get("q"),
-                 (v.get("top_quantile") or {}).get("precision"), (v.get("top_quantile") or {}).get("recall"), v.get("seconds")]
+        rows = [[k, *(v.get(f) for f in ("n_train", "n_val", "mse", "spearman")),
+                 *((v.get("top_quantile") or {}).get(f) for f in ("q", "precision", "recall")), v.get("seconds")]
                 for k, v in metrics.items()]
         sec.tables.append(Table("pruner validation (top quantile: the most-mastered fraction q, measured vs predicted)",
                                 ["pruner", "n train", "n val", "mse", "spearman", "top q", "precision", "recall", "seconds"], rows))
-    if img := plots.plot_pruner_fit(validation, metrics, out):
-        sec.images.append((img, "Held-out sentences: predicted vs measured mastery per pruner; points on the dashed "
-                                "line are predicted exactly, and the ranking (Spearman) is what pruning uses."))
+    sec.image(plots.plot_pruner_fit(validation, metrics, out), "Held-out sentences: predicted vs measured mastery per "
+              "pruner; points on the dashed line are predicted exactly, and the ranking (Spearman) is what pruning uses.")
     return sec
 
 
@@ -297,9 +293,8 @@ def pruned_indices_section(run: RunFolder, out: Path) -> Section:
                                                    "index MB", "source index MB", "pruner"], rows))
     if zr.predictions.list_files(".parquet"):
         pred, total = sample_column(zr.predictions, "mastery_pred")
-        if img := plots.plot_predicted_mastery(pred, total, levels, out):
-            sec.images.append((img, "The pruner's predicted mastery for every corpus sentence; each dashed line is the "
-                                    "corpus-wide percentile of one pruning ratio."))
+        sec.image(plots.plot_predicted_mastery(pred, total, levels, out), "The pruner's predicted mastery for every "
+                  "corpus sentence; each dashed line is the corpus-wide percentile of one pruning ratio.")
     return sec
 
 
@@ -312,9 +307,8 @@ def sample_column(loc: Location, column: str, limit: int = 1_000_000, seed: int 
         groups += [(f, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
     total = sum(n for _, _, n in groups)
     step = max(1, -(-total // limit))  # ceil: about `limit` rows when the groups are of even size
-    parts = []
-    for f, g, _ in groups[::step]:
-        parts.append(plots.as_float(pq.ParquetFile(f.path, filesystem=f.fs).read_row_group(g, columns=[column])[column]))
+    parts = [plots.as_float(pq.ParquetFile(f.path, filesystem=f.fs).read_row_group(g, columns=[column])[column])
+             for f, g, _ in groups[::step]]
     values = np.concatenate(parts) if parts else np.zeros(0)
     if len(values) > limit:
         values = np.random.default_rng(seed).choice(values, limit, replace=False)
@@ -334,9 +328,8 @@ def ratio_sweep_section(run: RunFolder, out: Path) -> Section:
           r.get("em"), r.get("f1"), r.get("acc"), r.get("latency_ms_per_query"), r.get("retrieval_speedup_pct"),
           r.get("seconds_per_question"), _mb(r.get("index_bytes")), r.get("sentences"),
           r.get("retrieval_skipped")] for r in grid]))
-    if img := plots.plot_ratio_sweep(grid, out):
-        sec.images.append((img, "Per pruning ratio (0 = the full index) and setting: answer accuracy, retrieval "
-                                "latency per query, and index size. Zero-RAG's claim: size and latency fall, accuracy holds."))
+    sec.image(plots.plot_ratio_sweep(grid, out), "Per pruning ratio (0 = the full index) and setting: answer accuracy, "
+              "retrieval latency per query, and index size. Zero-RAG's claim: size and latency fall, accuracy holds.")
     return sec
 
 
@@ -344,21 +337,21 @@ def router_and_tuning_section(run: RunFolder, out: Path) -> Section:
     zr = run.layout.zero_rag
     sec = Section("Zero-RAG: query router and noise-tolerant tuning")
     if zr.router_metrics.exists():
-        sec.tables.append(Table("query router", ["figure", "value"], [[k, v] for k, v in zr.router_metrics.read_json().items()]))
+        sec.tables.append(figures("query router", zr.router_metrics.read_json()))
     if zr.adapter_tune.exists():
         tune = zr.adapter_tune.read_json()
         losses = [float(x) for x in tune.get("losses") or []]
-        rows = [["steps", tune.get("steps")], ["seconds", tune.get("seconds")],
-                ["examples seen (epochs)", f"{tune.get('examples_seen')} ({tune.get('epochs_seen')})"],
-                ["targets", (tune.get("config") or {}).get("targets", "gold")]]
-        rows += [[f"examples: {k}", v] for k, v in (tune.get("formats") or {}).items()]
-        rows += [["first loss", losses[0]], ["last loss", losses[-1]]] if losses else []
+        rows = {"steps": tune.get("steps"), "seconds": tune.get("seconds"),
+                "examples seen (epochs)": f"{tune.get('examples_seen')} ({tune.get('epochs_seen')})",
+                "targets": (tune.get("config") or {}).get("targets", "gold")}
+        rows |= {f"examples: {k}": v for k, v in (tune.get("formats") or {}).items()}
+        rows |= {"first loss": losses[0], "last loss": losses[-1]} if losses else {}
         terms = tune.get("term_losses") or {}
-        rows += [[f"{plots.TERM_LABELS.get(t, t)} loss: first -> last", f"{v.get('first')} -> {v.get('last')}"]
-                 for t, v in terms.items()]
-        sec.tables.append(Table("noise-tolerant tuning", ["figure", "value"], rows))
+        rows |= {f"{plots.TERM_LABELS.get(t, t)} loss: first -> last": f"{v.get('first')} -> {v.get('last')}"
+                 for t, v in terms.items()}
+        sec.tables.append(figures("noise-tolerant tuning", rows))
         sec.tables += adapter_tables(run, tune)  # with and without it, per ratio of the grid
-        if img := plots.plot_tuning_loss(losses, out, {t: v.get("per_step") or [] for t, v in terms.items()}):
-            sec.images.append((img, "Training loss of the generator's LoRA adapter: the weighted objective and its "
-                                    "three terms (questions with relevant, distracting and no documents)."))
+        sec.image(plots.plot_tuning_loss(losses, out, {t: v.get("per_step") or [] for t, v in terms.items()}),
+                  "Training loss of the generator's LoRA adapter: the weighted objective and its three terms "
+                  "(questions with relevant, distracting and no documents).")
     return sec
