@@ -17,7 +17,7 @@ from tests.conftest import DATA, DEMO_CORPUS, DEMO_QA
 from wbrag_ray import flashrag_data
 from wbrag_ray.cli import main
 from wbrag_ray.config import ConfigError
-from wbrag_ray.flashrag_data import REPO, allow_patterns, check_layout, fetch, finish
+from wbrag_ray.flashrag_data import REPO, check_layout, fetch, files_to_fetch, finish
 from wbrag_ray.formats import dataset_name, read_dataset
 from wbrag_ray.storage import resolve
 
@@ -34,11 +34,13 @@ def hub_layout(root):
 
 
 def test_the_download_asks_only_for_the_named_datasets_and_corpus():
-    assert allow_patterns(["nq", "msmarco-qa"], "wiki18") == ["nq/*.jsonl", "ms_marco/*.jsonl",
-                                                              "retrieval-corpus/wiki18_100w.zip"]
-    assert allow_patterns(["TriviaQA"], None) == ["triviaqa/*.jsonl"]
+    listing = {"nq/train.jsonl": 1, "nq/test.jsonl": 2, "ms_marco/dev.jsonl": 3, "triviaqa/test.jsonl": 4,
+               "triviaqa/extra/test.jsonl": 5, "popqa/test.jsonl": 6, "retrieval-corpus/wiki18_100w.zip": 7}
+    assert files_to_fetch(listing, ["nq", "msmarco-qa"], "wiki18") == {
+        "nq/train.jsonl": 1, "nq/test.jsonl": 2, "ms_marco/dev.jsonl": 3, "retrieval-corpus/wiki18_100w.zip": 7}
+    assert files_to_fetch(listing, ["TriviaQA"], None) == {"triviaqa/test.jsonl": 4}
     with pytest.raises(ConfigError, match="unknown corpus 'wiki21'"):
-        allow_patterns(["nq"], "wiki21")
+        files_to_fetch(listing, ["nq"], "wiki21")
 
 
 def test_a_fetch_to_object_storage_unzips_checks_and_uploads_what_a_run_reads(tmp_path, s3_env):

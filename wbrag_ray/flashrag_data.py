@@ -4,16 +4,15 @@ unzips and checks the layout; `wbrag data check` checks a folder downloaded by h
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import zipfile
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
-from typing import Any
 
 from wbrag_ray.config import ConfigError
-from wbrag_ray.formats import SPLITS, corpus_record, dataset_record
+from wbrag_ray.formats import SPLITS, corpus_record, dataset_record, json_object
 from wbrag_ray.storage import cache_root, resolve
 
 REPO = "RUC-NLPIR/FlashRAG_datasets"  # a dataset repository
@@ -31,14 +30,6 @@ def folder_of(dataset: str) -> str:
     return FOLDERS.get(dataset.lower(), dataset.lower())
 
 
-def allow_patterns(datasets: list[str], corpus: str | None) -> list[str]:
-    """The repository's files that `datasets` (every split) and `corpus` need, as snapshot-download patterns."""
-    if corpus is not None and corpus not in CORPORA:
-        raise ConfigError(f"unknown corpus {corpus!r}: one of {', '.join(sorted(CORPORA))}")
-    patterns = [f"{folder_of(d)}/*.jsonl" for d in datasets]
-    return patterns + ([CORPORA[corpus]] if corpus else [])
-
-
 @dataclass
 class Layout:
     """What a data folder holds: per dataset, its split files and their records checked; the corpus file."""
@@ -47,27 +38,11 @@ class Layout:
     corpus: str | None = None
     problems: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"splits": self.splits, "corpus": self.corpus, "problems": self.problems}
-
-
-def _first_records(path: Path, n: int = CHECKED_RECORDS) -> list[Any]:
-    out = []
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    out.append(f"malformed JSON: {exc.msg}")
-            if len(out) == n:
-                break
-    return out
-
 
 def _unreadable(path: Path, read) -> str | None:
     """Why the first records of `path` are not what `read` takes; None where every one parses."""
-    records = _first_records(path)
+    with path.open("rb") as f:
+        records = [json_object(line) for line in islice((line for line in f if line.strip()), CHECKED_RECORDS)]
     if not records:
         return "empty file"
     reasons = [r if isinstance(r, str) else read(r) for r in records]
@@ -155,7 +130,8 @@ def repository_listing(revision: str | None = None, hub: str | None = None) -> d
 
 def files_to_fetch(listing: dict[str, int], datasets: list[str], corpus: str | None) -> dict[str, int]:
     """{path: size} of the repository files the named datasets and corpus need; unknown names refused."""
-    allow_patterns(datasets, corpus)  # an unknown corpus
+    if corpus is not None and corpus not in CORPORA:
+        raise ConfigError(f"unknown corpus {corpus!r}: one of {', '.join(sorted(CORPORA))}")
     folders = sorted({p.split("/", 1)[0] for p in listing if "/" in p and p.endswith(".jsonl")})
     missing = [d for d in datasets if folder_of(d) not in folders]
     if missing:

@@ -105,21 +105,23 @@ class Passage:
     text: str
 
 
-def parse_corpus_line(line: bytes) -> Passage | str:
-    """A FlashRAG corpus line -> Passage, or the reason it is rejected."""
+def json_object(line: bytes) -> dict[str, Any] | str:
+    """A JSON-lines line -> its object, or the reason it is not one."""
     if not line.strip():
         return "blank line"
     try:
-        s = line.decode("utf-8")
+        obj = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as exc:
         return f"invalid UTF-8 at byte {exc.start}"
-    try:
-        obj = json.loads(s)
     except json.JSONDecodeError as exc:
         return f"malformed JSON: {exc.msg} at column {exc.colno}"
-    if not isinstance(obj, dict):
-        return f"expected a JSON object, got {type(obj).__name__}"
-    return corpus_record(obj)
+    return obj if isinstance(obj, dict) else f"expected a JSON object, got {type(obj).__name__}"
+
+
+def parse_corpus_line(line: bytes) -> Passage | str:
+    """A FlashRAG corpus line -> Passage, or the reason it is rejected."""
+    obj = json_object(line)
+    return obj if isinstance(obj, str) else corpus_record(obj)
 
 
 def corpus_record(obj: dict[str, Any]) -> Passage | str:
@@ -237,36 +239,25 @@ def iter_jsonl(loc: Location, start: int = 0, end: int | None = None, chunk: int
     belongs to the shard where it starts, so every line is read exactly once."""
     end = loc.size() if end is None else end
     with loc.fs.open_input_file(loc.path) as f:
-        if start > 0:
-            # The line starting at `start` is ours only if the byte before it ends a line.
-            f.seek(start - 1)
-            pos = start - 1
-            while True:
-                data = f.read(chunk)
-                if not data:
-                    return
-                i = data.find(b"\n")
-                if i >= 0:
-                    pos += i + 1
-                    buf, off = data, i + 1
-                    break
-                pos += len(data)
-        else:
-            buf, off, pos = b"", 0, 0
-        # Invariant: buf[off] is the first byte of the line that starts at `pos`.
-        while pos < end:
+        # From the byte before `start`, the text up to its first newline belongs to the shard before (a lone
+        # newline where a line starts exactly at `start`).
+        pos, skip = max(0, start - 1), start > 0
+        f.seek(pos)
+        buf, off = b"", 0
+        # Invariant: buf[off] is the first byte of the line (or skipped text) that starts at `pos`.
+        while pos < end or skip:
             i = buf.find(b"\n", off)
             if i < 0:
                 data = f.read(chunk)
                 if not data:
-                    if off < len(buf):
+                    if off < len(buf) and not skip:
                         yield pos, buf[off:]
                     return
                 buf, off = buf[off:] + data, 0
                 continue
-            yield pos, buf[off:i]
-            pos += i + 1 - off
-            off = i + 1
+            if not skip:
+                yield pos, buf[off:i]
+            pos, off, skip = pos + i + 1 - off, i + 1, False
 
 
 def embeddings_table(ids: np.ndarray, vectors: np.ndarray, id_column: str = "id") -> pa.Table:

@@ -70,59 +70,48 @@ def _gates(**changed: float) -> tuple[tuple[str, float], ...]:
 
 # --- WriteBack-RAG ----------------------------------------------------------------------------------------------
 _T4 = dict(dataset="nq", method="naive", note=TABLE_4)
-_T3 = dict(generator=GEMMA, method="naive", knowledge_base="write-back", gates=_gates(), note=REFERENCE)
+_T4_WB = dict(_T4, knowledge_base="write-back")
+_WB = dict(knowledge_base="write-back", gates=_gates())  # beside a write-back version made with the paper's gates
+_T3 = dict(generator=GEMMA, method="naive", note=REFERENCE, **_WB)
 _GAIN = "Table 2 reports results for all 48 settings"
 WRITEBACK_NUMBERS = (
     # Table 4 (§6.5): the ablation on NQ, acc, Naive RAG
     _wb("Table 4", "Naive RAG baseline", "NQ acc", "acc", "31.44",
         "Table 4 ablates three controls of the write-back pipeline on NQ (Naive RAG baseline: 31.44% Acc)", **_T4),
     _wb("Table 4", "default (τs 0.1, τdoc 0.01, n_min 2)", "NQ acc", "acc", "34.82",
-        "Performance peaks at the default $n_{\\min }=2$ (34.82%)", knowledge_base="write-back", gates=_gates(), **_T4),
+        "Performance peaks at the default $n_{\\min }=2$ (34.82%)", gates=_gates(), **_T4_WB),
     _wb("Table 4", "τdoc = 0", "NQ acc", "acc", "34.89", "${\\tau }_{\\text{doc}}=0$ yields 34.89%",
-        knowledge_base="write-back", gates=_gates(tau_doc=0.0), **_T4),
-    _wb("Table 4", "τdoc = 0.05", "NQ acc", "acc", "33.85",
-        "raising the threshold to 0.05 or 0.10 drops accuracy to 33.85 and 33.76", knowledge_base="write-back",
-        gates=_gates(tau_doc=0.05), **_T4),
-    _wb("Table 4", "τdoc = 0.10", "NQ acc", "acc", "33.76",
-        "raising the threshold to 0.05 or 0.10 drops accuracy to 33.85 and 33.76", knowledge_base="write-back",
-        gates=_gates(tau_doc=0.1), **_T4),
+        gates=_gates(tau_doc=0.0), **_T4_WB),
+    *(_wb("Table 4", f"τdoc = {tau:.2f}", "NQ acc", "acc", shown,
+          "raising the threshold to 0.05 or 0.10 drops accuracy to 33.85 and 33.76", gates=_gates(tau_doc=tau), **_T4_WB)
+      for tau, shown in ((0.05, "33.85"), (0.1, "33.76"))),
     _wb("Table 4", "n_min = 1", "NQ acc", "acc", "33.19", "A single fallback document (33.19%)",
-        knowledge_base="write-back", gates=_gates(n_min=1), **_T4),
-    _wb("Table 4", "τs from 0 to 0.20, lowest", "NQ acc", "acc", "34.66",
-        "varying ${\\tau }_s$ from 0 to 0.20 changes accuracy by only 0.16 points (34.66%-34.82%)",
-        knowledge_base="write-back", **_T4),
-    _wb("Table 4", "τs from 0 to 0.20, spread", "NQ acc", "gain", "0.16",
-        "varying ${\\tau }_s$ from 0 to 0.20 changes accuracy by only 0.16 points (34.66%-34.82%)",
-        knowledge_base="write-back", **_T4),
-    _wb("Table 4", "every write-back row, smallest gain", "NQ acc", "gain", "+1.75",
-        "Every write-back configuration outperforms this baseline, with gains ranging from +1.75 to +3.45 points",
-        knowledge_base="write-back", **_T4),
-    _wb("Table 4", "every write-back row, largest gain", "NQ acc", "gain", "+3.45",
-        "Every write-back configuration outperforms this baseline, with gains ranging from +1.75 to +3.45 points",
-        knowledge_base="write-back", **_T4),
+        gates=_gates(n_min=1), **_T4_WB),
+    *(_wb("Table 4", f"τs from 0 to 0.20, {row}", "NQ acc", metric, shown,
+          "varying ${\\tau }_s$ from 0 to 0.20 changes accuracy by only 0.16 points (34.66%-34.82%)", **_T4_WB)
+      for row, metric, shown in (("lowest", "acc", "34.66"), ("spread", "gain", "0.16"))),
+    *(_wb("Table 4", f"every write-back row, {which} gain", "NQ acc", "gain", shown,
+          "Every write-back configuration outperforms this baseline, with gains ranging from +1.75 to +3.45 points",
+          **_T4_WB) for which, shown in (("smallest", "+1.75"), ("largest", "+3.45"))),
     # §6.1: FEVER, F1; the text does not say under which LLM
-    _wb("§6.1", "Naive RAG", "FEVER F1", "f1", "32.77",
-        "on FEVER, Naive RAG (32.77%) underperforms the no-retrieval baseline (34.24%)", dataset="fever",
-        method="naive"),
-    _wb("§6.1", "no retrieval", "FEVER F1", "f1", "34.24",
-        "on FEVER, Naive RAG (32.77%) underperforms the no-retrieval baseline (34.24%)", dataset="fever",
-        method="no-retrieval"),
+    *(_wb("§6.1", row, "FEVER F1", "f1", shown,
+          "on FEVER, Naive RAG (32.77%) underperforms the no-retrieval baseline (34.24%)", dataset="fever", method=method)
+      for row, method, shown in (("Naive RAG", "naive", "32.77"), ("no retrieval", "no-retrieval", "34.24"))),
     _wb("§6.1", "Naive RAG + write-back", "FEVER F1", "f1", "37.89", "yet adding write-back raises F1 to 37.89%",
-        dataset="fever", method="naive", knowledge_base="write-back", gates=_gates()),
+        dataset="fever", method="naive", **_WB),
     # §6.1: the gains of write-back (Table 2's 48 settings), averaged as the text says
-    _wb("§6.1", "all 48 settings", "mean gain", "gain", "+2.14", "with an average gain of +2.14%",
-        knowledge_base="write-back", gates=_gates(), note=_GAIN),
+    _wb("§6.1", "all 48 settings", "mean gain", "gain", "+2.14", "with an average gain of +2.14%", note=_GAIN, **_WB),
     *(_wb("§6.1", name, "mean gain over datasets and LLMs", "gain", shown,
           "averaged over datasets and LLMs, Naive RAG gains +2.29%, RePlug +2.40%, Self-RAG +1.90%, and FLARE +1.99%",
-          method=method, knowledge_base="write-back", gates=_gates(), note=_GAIN)
+          method=method, note=_GAIN, **_WB)
       for name, method, shown in (("Naive RAG", "naive", "+2.29"), ("RePlug", "replug", "+2.40"),
                                   ("Self-RAG", "self-rag", "+1.90"), ("FLARE", "flare", "+1.99"))),
     *(_wb("§6.1", name, "mean gain over methods and datasets", "gain", shown,
           "averaged over methods and datasets, Gemma-3-12B gains +1.92% and Llama-3.1-8B gains +2.36%",
-          generator=name, knowledge_base="write-back", gates=_gates(), note=_GAIN)
+          generator=name, note=_GAIN, **_WB)
       for name, shown in ((GEMMA, "+1.92"), (LLAMA_31_8B, "+2.36"))),
     *(_wb("§6.1", name, "gain (the text does not say how it is averaged)", "gain", shown, quote, dataset=dataset,
-          knowledge_base="write-back", gates=_gates(), note=_GAIN)
+          note=_GAIN, **_WB)
       for name, dataset, shown, quote in (
           ("FEVER", "fever", "+4.79", "FEVER (+4.79%) and NQ (+3.01%) benefit most"),
           ("NQ", "nq", "+3.01", "FEVER (+4.79%) and NQ (+3.01%) benefit most"),
@@ -131,11 +120,11 @@ WRITEBACK_NUMBERS = (
           ("HotpotQA", "hotpotqa", "+1.01", "Improvements on zsRE (+0.56%), HotpotQA (+1.01%), and SQuAD (+1.33%)"),
           ("SQuAD", "squad", "+1.33", "Improvements on zsRE (+0.56%), HotpotQA (+1.01%), and SQuAD (+1.33%)"))),
     *(_wb("§6.2", f"SQuAD, {which} gain across settings", "EM gain", "gain", shown,
-          "the downstream gains on SQuAD (+0.35% to +1.87% across settings)", dataset="squad",
-          knowledge_base="write-back", gates=_gates()) for which, shown in (("smallest", "+0.35"), ("largest", "+1.87"))),
+          "the downstream gains on SQuAD (+0.35% to +1.87% across settings)", dataset="squad", **_WB)
+      for which, shown in (("smallest", "+0.35"), ("largest", "+1.87"))),
     # Figure 4 (§6.4): Same-WB and Cross-WB between Naive RAG and RePlug
-    *(_wb("Figure 4", row, "gain over the no-write-back baseline", "gain", shown, quote, knowledge_base="write-back",
-          gates=_gates(), note="four evaluation settings; the text does not name the LLM or dataset")
+    *(_wb("Figure 4", row, "gain over the no-write-back baseline", "gain", shown, quote,
+          note="four evaluation settings; the text does not name the LLM or dataset", **_WB)
       for row, shown, quote in (
           ("Same-WB, smallest", "+2.26", "Same-WB yields gains of +2.26% to +3.38%"),
           ("Same-WB, largest", "+3.38", "Same-WB yields gains of +2.26% to +3.38%"),
@@ -143,36 +132,30 @@ WRITEBACK_NUMBERS = (
           ("Cross-WB, largest", "+3.82", "while Cross-WB yields +2.38% to +3.82%"),
           ("|Same-WB - Cross-WB|, largest", "0.44", "The gap between the two never exceeds 0.44% in either direction"))),
     # Table 3 (§6.2): write-back construction in the reference setting
-    _wb("Table 3", "HotpotQA", "Selected Rate", "rate", "49.3", "nearly half for HotpotQA (49.3%) and SQuAD (48.1%)",
-        dataset="hotpotqa", **_T3),
-    _wb("Table 3", "SQuAD", "Selected Rate", "rate", "48.1", "nearly half for HotpotQA (49.3%) and SQuAD (48.1%)",
-        dataset="squad", **_T3),
+    *(_wb("Table 3", row, "Selected Rate", "rate", shown, "nearly half for HotpotQA (49.3%) and SQuAD (48.1%)",
+          dataset=row.lower(), **_T3) for row, shown in (("HotpotQA", "49.3"), ("SQuAD", "48.1"))),
     *(_wb("Table 3", "NQ, BoolQ, FEVER, zsRE", f"Selected Rate, {which}", "rate", shown,
           "only 6-14% for NQ, BoolQ, FEVER, and zsRE", **_T3) for which, shown in (("lowest", "6"), ("highest", "14"))),
     _wb("Table 3", "SQuAD", "Fallback Rate", "rate", "96.2", "its fallback rate of 96.2%", dataset="squad", **_T3),
     _wb("Table 3", "HotpotQA", "Retained Docs", "docs", "4.76", "roughly 2 documents on average for most tasks, and 4.76 "
         "for HotpotQA", dataset="hotpotqa", **_T3),
-    _wb("Table 3", "HotpotQA", "Source Tokens", "tokens", "489",
-        "multi-document bundles averaging 489 tokens are reduced to 80-token units", dataset="hotpotqa", **_T3),
-    _wb("Table 3", "HotpotQA", "Distilled Tokens", "tokens", "80",
-        "multi-document bundles averaging 489 tokens are reduced to 80-token units", dataset="hotpotqa", **_T3),
+    *(_wb("Table 3", "HotpotQA", column, "tokens", shown,
+          "multi-document bundles averaging 489 tokens are reduced to 80-token units", dataset="hotpotqa", **_T3)
+      for column, shown in (("Source Tokens", "489"), ("Distilled Tokens", "80"))),
     *(_wb("Table 3", "every dataset", f"Compression, {which}", "ratio", shown,
           "The distiller compresses these bundles by 2.15-6.79$\\times$", **_T3)
       for which, shown in (("lowest", "2.15"), ("highest", "6.79"))),
     *(_wb("Table 3", "every dataset", f"Distilled Tokens, {which}", "tokens", shown,
           "producing write-back units of 72-93 tokens", **_T3) for which, shown in (("lowest", "72"), ("highest", "93"))),
     # §5.2: the training cost on NQ (the text does not name the LLM)
-    _wb("§5.2", "NQ training", "N (training questions)", "count", "79,168",
-        "For NQ ($N=79,168$, $|{\\mathcal{D}}_{\\text{util}}|=12,295$, $K=5$)", dataset="nq", knowledge_base="write-back",
-        gates=_gates()),
-    _wb("§5.2", "NQ training", "|D_util| (kept by the utility gate)", "count", "12,295",
-        "For NQ ($N=79,168$, $|{\\mathcal{D}}_{\\text{util}}|=12,295$, $K=5$)", dataset="nq", knowledge_base="write-back",
-        gates=_gates()),
-    _wb("§5.2", "NQ training", "generator calls", "count", "220",
-        "this totals approximately $220$K generator calls", dataset="nq", knowledge_base="write-back", gates=_gates(),
-        note="thousands: 2N baseline scoring + up to |D_util| x K document gating + |D_util| distillation"),
+    *(_wb("§5.2", "NQ training", column, "count", shown,
+          "For NQ ($N=79,168$, $|{\\mathcal{D}}_{\\text{util}}|=12,295$, $K=5$)", dataset="nq", **_WB)
+      for column, shown in (("N (training questions)", "79,168"), ("|D_util| (kept by the utility gate)", "12,295"))),
+    _wb("§5.2", "NQ training", "generator calls", "count", "220", "this totals approximately $220$K generator calls",
+        dataset="nq", note="thousands: 2N baseline scoring + up to |D_util| x K document gating + |D_util| distillation",
+        **_WB),
     _wb("§5.2", "NQ training", "hours on two H200 GPUs", "hours", "0.5", "completing in 0.5 hours on two H200 GPUs",
-        dataset="nq", knowledge_base="write-back", gates=_gates()),
+        dataset="nq", **_WB),
 )
 
 # --- Zero-RAG -----------------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 
 The papers' words are `wbrag_ray.paper_numbers`, checked against their texts by tests/test_papers.py. Nothing
 here states what the texts do not: where a default is another source's (FLARE's are FlashRAG's), it says whose.
-Over 600 lines in one module: "how does this run differ from the papers" is one question, asked once.
 """
 
 from __future__ import annotations
@@ -397,10 +396,6 @@ def recorded_departures(results: dict[str, dict[str, Any]]) -> list[tuple[dict[s
 PERCENT_METRICS = ("em", "f1", "acc")  # 0-1 in metrics.json, in % in the papers: the numbers a result is set beside
 
 
-def _named(run: str | None, paper: str | None) -> bool:
-    return bool(run) and bool(paper) and same_model(run, paper)
-
-
 def paper_settings_differ(n: PaperNumber, made: dict[str, Any]) -> list[str]:
     """Each setting that changes a number in which the run's result (`made`: its metrics.json's `made_by`) differs
     from what made the paper's number `n`, a setting the text does not state named as such. 'K 5 (the paper: 20)'."""
@@ -408,7 +403,7 @@ def paper_settings_differ(n: PaperNumber, made: dict[str, Any]) -> list[str]:
     gen = made.get("generator")
     if n.generator is None:
         out.append(f"generator {model_name(gen) if gen else 'unknown'} (the paper: {NOT_STATED})")
-    elif not _named(gen, n.generator):
+    elif not same_model(gen, n.generator):
         out.append(f"generator {model_name(gen) if gen else 'unknown'} (the paper: {n.generator})")
     ret = made.get("retriever")
     if n.retriever and not (ret and n.retriever.lower() in str(ret).lower()):
@@ -586,18 +581,15 @@ def _speedup_rows(rows: list[dict[str, Any]], config: WbragConfig | None, grid_d
     out = []
     headline = next(n for n in NUMBERS if n.metric == "speedup")
     out.append(_row(headline, cell["retrieval_speedup_pct"], made, "grid naive at ratio 0.3", differs))
-    grid_dataset = dataset_name(grid_dataset) if grid_dataset else None
     latency = {(n.dataset, n.pruning_ratio): n for n in NUMBERS if n.metric == "seconds" and n.paper == ZERO_RAG}
-    datasets = {d for d, _ in latency}
-    for dataset in dict.fromkeys(d for d, _ in latency):
-        # the grid's dataset's row; Table 4's average where the grid evaluated another dataset
-        if dataset != (grid_dataset if grid_dataset in datasets else None):
-            continue
-        full, pruned = latency[(dataset, 0.0)], latency[(dataset, 0.3)]
-        value = round(100 * (1 - pruned.value / full.value), 2)
-        out.append(_row(pruned, cell["retrieval_speedup_pct"], made, "grid naive at ratio 0.3", differs,
-                        paper_value=value, shown=f"{value:g} (100 x (1 - {pruned.shown} / {full.shown}))")
-                   | {"metric": "speedup", "column": f"{pruned.column} retrieval speedup"})
+    # the grid's dataset's row; Table 4's average (dataset None) where the grid evaluated another dataset
+    dataset = dataset_name(grid_dataset) if grid_dataset else None
+    dataset = dataset if (dataset, 0.0) in latency else None
+    full, pruned = latency[(dataset, 0.0)], latency[(dataset, 0.3)]
+    value = round(100 * (1 - pruned.value / full.value), 2)
+    out.append(_row(pruned, cell["retrieval_speedup_pct"], made, "grid naive at ratio 0.3", differs,
+                    paper_value=value, shown=f"{value:g} (100 x (1 - {pruned.shown} / {full.shown}))")
+               | {"metric": "speedup", "column": f"{pruned.column} retrieval speedup"})
     return out
 
 
