@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,7 @@ def plot_stage_times(stats: dict[str, dict[str, Any]], out: Path) -> str | None:
     names = list(timed)
     ax.barh(names, [timed[n] for n in names], color="#4C72B0")
     ax.invert_yaxis()
-    ax.set_xlabel("seconds")
-    ax.set_title("wall time per stage")
+    ax.set(xlabel="seconds", title="wall time per stage")
     return _save(fig, out, "stage_times.png")
 
 
@@ -55,9 +55,7 @@ def plot_eval(results: dict[str, dict[str, Any]], out: Path) -> str | None:
     for i, m in enumerate(("em", "f1", "acc")):
         ax.bar(x + (i - 1) * 0.27, [results[n].get(m, 0) for n in names], width=0.27, label=m)
     ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("score")
-    ax.set_title("answer metrics per setting")
+    ax.set(ylim=(0, 1), ylabel="score", title="answer metrics per setting")
     ax.legend()
     return _save(fig, out, "eval_metrics.png")
 
@@ -81,8 +79,7 @@ def plot_methods_grid(grid: dict[str, Any], out: Path, file_name: str, metric: s
             if version is not None and (m, version) in cells and cells[(m, version)]["same_method"]:
                 bar.set_hatch("//")
     ax.set_xticks(x, methods, fontsize=8)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel(metric)
+    ax.set(ylim=(0, 1), ylabel=metric)
     ax.set_title(f"{metric} per RAG method and knowledge base (hatched: same-method write-back)", fontsize=9)
     # below the axes: bars reach the top, where a legend inside would cover them
     ncol = min(3, len(settings))
@@ -95,14 +92,11 @@ def plot_sentences_per_passage(histogram: np.ndarray, out: Path) -> str | None:
     if histogram.sum() == 0:
         return None
     fig, ax = _figure()
-    from matplotlib.ticker import MaxNLocator
-
     sizes = np.arange(len(histogram))
     ax.bar(sizes[1:], histogram[1:], color="#55A868", width=0.85)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sentence counts are whole numbers
-    ax.set_xlabel("sentences in a passage")
-    ax.set_ylabel("passages")
-    ax.set_title(f"segmentation: {int((sizes * histogram).sum()):,} sentences in {int(histogram.sum()):,} passages")
+    ax.locator_params(axis="x", integer=True)  # sentence counts are whole numbers
+    ax.set(xlabel="sentences in a passage", ylabel="passages",
+           title=f"segmentation: {int((sizes * histogram).sum()):,} sentences in {int(histogram.sum()):,} passages")
     return _save(fig, out, "sentences_per_passage.png")
 
 
@@ -118,9 +112,8 @@ def plot_search_setting(search: dict[str, Any], out: Path) -> str | None:
         ax.annotate(str(m["value"]), (m["ms_per_query"], m["recall"]), textcoords="offset points", xytext=(4, -10),
                     fontsize=8)
     ax.axhline(search["target_recall"], color="#C44E52", linestyle="--", linewidth=1, label="target")
-    ax.set_xlabel("ms per query (one shard's search)")
-    ax.set_ylabel(f"recall@{search['k']} of exact search")
-    ax.set_title(f"index search: {search['parameter']} {search['value']} chosen")
+    ax.set(xlabel="ms per query (one shard's search)", ylabel=f"recall@{search['k']} of exact search",
+           title=f"index search: {search['parameter']} {search['value']} chosen")
     ax.legend(loc="lower right")
     return _save(fig, out, "search_setting.png")
 
@@ -134,9 +127,8 @@ def plot_token_scatter(units: pa.Table | None, out: Path, version: str) -> str |
     ax.scatter(src, dst, s=14, alpha=0.7, color="#C44E52")
     top = max(src.max(), dst.max()) * 1.05
     ax.plot([0, top], [0, top], "k--", lw=1, label="identity (no compression)")
-    ax.set_xlabel("source tokens (retained documents)")
-    ax.set_ylabel("distilled tokens (knowledge unit)")
-    ax.set_title(f"write-back {version}: distillation compresses evidence")
+    ax.set(xlabel="source tokens (retained documents)", ylabel="distilled tokens (knowledge unit)",
+           title=f"write-back {version}: distillation compresses evidence")
     ax.legend()
     return _save(fig, out, f"writeback_{version}_tokens.png")
 
@@ -147,9 +139,8 @@ def plot_rank_distribution(ranks: dict[str, int], out: Path, version: str) -> st
     fig, ax = _figure()
     keys = sorted(ranks, key=lambda r: int(r))
     ax.bar([str(int(k) + 1) if str(k).isdigit() else k for k in keys], [ranks[k] for k in keys], color="#8172B2")
-    ax.set_xlabel("retrieval rank of a retained document (1 = top)")
-    ax.set_ylabel("retained documents")
-    ax.set_title(f"write-back {version}: which ranks the document gate keeps")
+    ax.set(xlabel="retrieval rank of a retained document (1 = top)", ylabel="retained documents",
+           title=f"write-back {version}: which ranks the document gate keeps")
     return _save(fig, out, f"writeback_{version}_ranks.png")
 
 
@@ -169,22 +160,17 @@ def plot_mastery_histogram(scores: pa.Table, out: Path) -> str | None:
     values = _mean_em_values(n_valid)
     nearest = np.abs(m[:, None] - values[None, :]).argmin(axis=1)
     fig, ax = _figure()
-    from matplotlib.ticker import MaxNLocator
-
     if np.abs(m - values[nearest]).max() < 1e-6:
         # Scores are means of few 0/1 EMs: one bar per value they can take.
-        from fractions import Fraction
-
         gap = np.diff(values).min() if len(values) > 1 else 1.0
         ax.bar(values, np.bincount(nearest, minlength=len(values)), width=min(0.8 * gap, 0.06), color="#4C72B0")
         if len(values) <= 13:
             ax.set_xticks(values, [str(Fraction(v).limit_denominator(int(n_valid.max()))) for v in values])
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of sentences
+        ax.locator_params(axis="y", integer=True)  # counts of sentences
     else:  # a non-binary metric: plain bins
         ax.hist(m, bins=20, range=(0, 1), color="#4C72B0", rwidth=0.9)
-    ax.set_xlabel("mastery score (mean closed-book EM over a sentence's valid QA pairs)")
-    ax.set_ylabel("sentences")
-    ax.set_title(f"measured mastery: {len(m):,} scored sentences, mean {m.mean():.2f}")
+    ax.set(xlabel="mastery score (mean closed-book EM over a sentence's valid QA pairs)", ylabel="sentences",
+           title=f"measured mastery: {len(m):,} scored sentences, mean {m.mean():.2f}")
     return _save(fig, out, "zero_rag_mastery.png")
 
 
@@ -203,8 +189,7 @@ def plot_pruner_fit(validation: dict[str, pa.Table], metrics: dict[str, dict[str
         ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="identity")
         rho = metrics.get(kind, {}).get("spearman")
         ax.set_title(f"{kind} pruner: n={t.num_rows}" + (f", Spearman {rho:.2f}" if rho is not None else ""), fontsize=10)
-        ax.set_xlabel("measured mastery")
-        ax.set_ylabel("predicted mastery")
+        ax.set(xlabel="measured mastery", ylabel="predicted mastery")
         ax.legend(fontsize=7, loc="upper left")
     for ax in axes[len(validation):]:
         ax.set_visible(False)
@@ -223,8 +208,7 @@ def plot_predicted_mastery(pred: np.ndarray, total: int, levels: list[dict[str, 
                    label=f"prune {lv['ratio']:g}: threshold {lv['threshold']:.3g}")
     sampled = f", sample of {len(pred):,}" if len(pred) < total else ""
     ax.set_title(f"predicted mastery over the corpus ({total:,} sentences{sampled})", fontsize=10)
-    ax.set_xlabel("predicted mastery (sentences right of a threshold are dropped)")
-    ax.set_ylabel("sentences")
+    ax.set(xlabel="predicted mastery (sentences right of a threshold are dropped)", ylabel="sentences")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     return _save(fig, out, "zero_rag_predicted_mastery.png")
@@ -257,8 +241,7 @@ def plot_ratio_sweep(rows: list[dict[str, Any]], out: Path) -> str | None:
             ax.plot([r["ratio"] for r in rs], [_num(r.get(key), scale) for r in rs], marker="osD^vP*X"[i % 8],
                     lw=1.5 + 3 * wide, ms=5 + 5 * wide, alpha=0.9, label=label)
     for ax, (_, _, ylabel, title) in zip(axes, panels, strict=True):
-        ax.set_xlabel("pruning ratio")
-        ax.set_ylabel(ylabel)
+        ax.set(xlabel="pruning ratio", ylabel=ylabel)
         ax.set_title(title, fontsize=10)
         ax.set_ylim(bottom=0)  # pruning trades size for quality: distances from zero are what matter
     axes[0].set_ylim(0, 1)
@@ -286,8 +269,6 @@ def plot_tuning_loss(losses: list[float], out: Path, terms: dict[str, list[float
     if len(losses) >= 20:  # per-step losses are noisy at small batches: a moving mean shows the trend
         w = max(2, len(losses) // 10)
         ax.plot(steps[w - 1:], np.convolve(losses, np.ones(w) / w, mode="valid"), color="#C44E52", label=f"mean of {w} steps")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title("noise-tolerant tuning of the generator (LoRA)")
+    ax.set(xlabel="optimizer step", ylabel="training loss", title="noise-tolerant tuning of the generator (LoRA)")
     ax.legend(fontsize=8)
     return _save(fig, out, "zero_rag_tuning_loss.png")
