@@ -4,12 +4,15 @@ unzips and checks the layout; `wbrag data check` checks a folder downloaded by h
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from urllib.parse import quote
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.formats import SPLITS, corpus_record, dataset_record, json_object
@@ -152,8 +155,6 @@ def _gb(n: float) -> str:
 
 def download(url: str, dest: Path, size: int) -> int:
     """`url` into `dest`, resuming a partial download with a range request; returns the bytes transferred."""
-    import urllib.request
-
     if dest.exists() and dest.stat().st_size == size:
         return 0
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -187,8 +188,6 @@ def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: st
           hub: str | None = None) -> Layout:
     """Download `datasets` and `corpus` from FlashRAG's hub repository into `out`, after checking the names against
     the listing at `revision` and the disk needed against the free space."""
-    import hashlib
-
     wanted = files_to_fetch(repository_listing(revision, hub), datasets, corpus)
     if _remote(out):
         staging = Path(cache_root()) / "flashrag-staging" / hashlib.sha1(out.encode()).hexdigest()[:16]
@@ -208,8 +207,6 @@ def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: st
         raise ConfigError(f"{staging} has {_gb(free)} free; the fetch needs about {_gb(todo + unzip)}: free some "
                           "space or fetch to another folder (--out)")
     base = f"{(hub or endpoint()).rstrip('/')}/datasets/{REPO}/resolve/{revision or 'main'}/"
-    from urllib.parse import quote
-
     for path, size in sorted(wanted.items()):
         moved = download(base + quote(path), staging / path, size)
         resumed = f" (resumed at {_gb(partial[path])})" if partial[path] and moved < size else ""

@@ -3,7 +3,10 @@ record becomes a row or a reject with a reason."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +50,6 @@ def input_files(loc: Location, what: str = "input") -> list[Location]:
 
 def listing_identity(loc: Location) -> dict[str, Any]:
     """Provenance of an input: its files' names and sizes (not folder or times) and a short digest."""
-    import hashlib
-
     files = [(f.name, f.size()) for f in input_files(loc, "ingest.corpus")]
     digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
     total = sum(size for _, size in files)
@@ -61,8 +62,6 @@ SMALL_INPUT_BYTES = 64 << 20  # inputs up to this size are identified by their c
 def input_identity(loc: Location, what: str) -> str:
     """A short digest of a question set for a stage's fingerprint: names and sizes, plus bytes up to
     SMALL_INPUT_BYTES (larger files: modification times), so a file edited in place is another input."""
-    import hashlib
-
     files = input_files(loc, what)
     sizes = [f.size() for f in files]
     digest = hashlib.sha256(json.dumps([(f.name, n) for f, n in zip(files, sizes, strict=True)]).encode())
@@ -81,9 +80,6 @@ def input_params(path: str, what: str) -> dict[str, Any]:
 
 def reject_reasons(rejects: pa.Table | list[str], top: int = 3) -> str:
     """The leading reasons of a rejects table, with counts ('21 x invalid UTF-8 at byte 0, ...')."""
-    import re
-    from collections import Counter
-
     reasons = rejects.column("reason").to_pylist() if isinstance(rejects, pa.Table) else list(rejects)
     counts = Counter(re.sub(r" at (byte|column|line) \d+", "", r or "") for r in reasons)
     parts = [f"{n} x {reason}" for reason, n in counts.most_common(top)]

@@ -195,16 +195,12 @@ def _setting_departures(config: WbragConfig, paper: str | None, train: str | Non
         if choice.path == "writeback.metric":  # the gates run on nothing without a training set
             if not train:
                 continue
-            name = dataset_name(train)
-            wanted = gate_metric(name)
+            wanted = gate_metric(dataset_name(train))
             value = wanted if value == "auto" else value
-            if value != wanted:
-                out.append(Departure(choice.paper, "setting", f"{choice.path}: {value!r} for {name} ({whose}: "
-                                                              f"{wanted!r}, {choice.says})", cites))
-            continue
+            shown = f"{value!r} for {dataset_name(train)}"
+        else:
+            shown = f"{value!r} ({BUNDLED_MODELS[value]})" if value in BUNDLED_MODELS else repr(value)
         if value != wanted:
-            shown = f"{value!r} ({BUNDLED_MODELS[value]})" if isinstance(value, str) and value in BUNDLED_MODELS \
-                else repr(value)
             out.append(Departure(choice.paper, "setting", f"{choice.path}: {shown} ({whose}: {wanted!r}, "
                                                           f"{choice.says})", cites))
     return out

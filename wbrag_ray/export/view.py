@@ -5,6 +5,7 @@ document i). Documents are found by id range; a missing one is an error except i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,9 +206,7 @@ class RowsById:
     """Rows of a Parquet folder by id, reading only files and row groups whose id range overlaps the batch."""
 
     def __init__(self, folder: Location, id_column: str, columns: list[str]):
-        self.folder, self.id_column, self.columns = folder, id_column, columns
-        from concurrent.futures import ThreadPoolExecutor
-
+        self.id_column, self.columns = id_column, columns
         files = folder.list_files(".parquet")
         if not files:
             raise IndexError_(f"no documents at {folder.uri}")
