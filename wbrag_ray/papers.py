@@ -7,6 +7,7 @@ here states what the texts do not: where a default is another source's (FLARE's 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -266,23 +267,20 @@ def _method_departures(config: WbragConfig, paper: str | None, dataset: str | No
         if not any(same_model(config.generator.model, m) for m in models):
             add(who, f"the generator is {model_name(config.generator.model)} (the {who} paper: {' and '.join(models)})",
                 "wb.same_llm" if who == WRITEBACK else "zr.target")
-    out += _retriever_and_dataset(WRITEBACK, WRITEBACK_RETRIEVER, WRITEBACK_DATASETS, config, evaluated, "wb")
+    _retriever_and_dataset(add, WRITEBACK, WRITEBACK_RETRIEVER, WRITEBACK_DATASETS, config.embedder.model, evaluated)
     if wb.train and dataset_name(wb.train) not in WRITEBACK_DATASETS:
         add(WRITEBACK, f"written back from {dataset_name(wb.train)}, whose gate metric the paper did not choose: acc "
                        f"(the WriteBack-RAG paper: {', '.join(WRITEBACK_DATASETS)})", "wb.metrics")
     if z.enabled:
-        out += _zero_rag_methods(config, made)
-        out += _retriever_and_dataset(ZERO_RAG, ZERO_RAG_RETRIEVER, ZERO_RAG_DATASETS, config, evaluated, "zr")
+        _zero_rag_methods(add, config, made)
+        _retriever_and_dataset(add, ZERO_RAG, ZERO_RAG_RETRIEVER, ZERO_RAG_DATASETS, config.embedder.model, evaluated)
     return [d for d in out if paper in (None, d.paper)]
 
 
-def _zero_rag_methods(config: WbragConfig, made: MadeBy) -> list[Departure]:
+def _zero_rag_methods(add, config: WbragConfig, made: MadeBy) -> None:
+    """Zero-RAG's method departures, each given to `add(paper, what, cites)`."""
     z, t = config.zerorag, config.zerorag.tune
-    out: list[Departure] = []
-
-    def add(what: str, cites: str) -> None:
-        out.append(Departure(ZERO_RAG, "method", what, _quote(cites)))
-
+    add = functools.partial(add, ZERO_RAG)
     add("sentences are split by nupunkt (the Zero-RAG paper: NLTK's sentence tokenizer)", "zr.segmentation")
     add("the pruner drops the sentences of highest predicted mastery, as the paper's Appendix A.1 (the Zero-RAG "
         "paper disagrees with itself: its Section 3.1 prunes a sentence whose score is below the threshold)",
@@ -330,19 +328,16 @@ def _zero_rag_methods(config: WbragConfig, made: MadeBy) -> list[Departure]:
             add("noise-tolerant tuning keeps only the rows whose own answer holds a gold answer (targets: "
                 f"own){counted}: the model is tuned only on questions it already answers (the Zero-RAG "
                 "paper: every training query, in three formats)", "zr.tuning")
-    return out
 
 
-def _retriever_and_dataset(who: str, retriever: str, datasets, config: WbragConfig,
-                           evaluated: str | None, prefix: str) -> list[Departure]:
-    out = []
-    if retriever.lower() not in config.embedder.model.lower():
-        out.append(Departure(who, "method", f"the retriever is {model_name(config.embedder.model)} (the {who} paper: "
-                                            f"{retriever})", _quote("wb.k" if prefix == "wb" else "zr.retrieval")))
+def _retriever_and_dataset(add, who: str, retriever: str, datasets, embedder: str, evaluated: str | None) -> None:
+    """Where the run's retriever (`embedder`) and evaluated dataset are not the paper's, given to `add`."""
+    if retriever.lower() not in embedder.lower():
+        add(who, f"the retriever is {model_name(embedder)} (the {who} paper: {retriever})",
+            "wb.k" if who == WRITEBACK else "zr.retrieval")
     if evaluated and evaluated not in datasets:
-        out.append(Departure(who, "method", f"evaluated on {evaluated} (the {who} paper: {', '.join(datasets)})",
-                             _quote(f"{prefix}.datasets")))
-    return out
+        add(who, f"evaluated on {evaluated} (the {who} paper: {', '.join(datasets)})",
+            "wb.datasets" if who == WRITEBACK else "zr.datasets")
 
 
 def run_departures(config: WbragConfig, papers: tuple[str, ...] | None = None, train: str | None = None,
