@@ -16,7 +16,6 @@ from wbrag_ray.papers import (
     WRITEBACK,
     ZERO_RAG,
     claims_to_follow,
-    departures,
     gate_metric,
     method_departures,
     paper_vs_run,
@@ -28,6 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "jobs" / "configs"
 # ../shared/papers/ from the project root (WBRAG_PAPERS: elsewhere, as from a git worktree)
 PAPERS = Path(os.environ.get("WBRAG_PAPERS") or ROOT.parent / "shared" / "papers")
+
+
+def departures(config, paper: str, train: str | None = None) -> list[str]:
+    """The config values of a run following `paper` that differ from the paper's ('path: value (...)')."""
+    return [d.what for d in run_departures(config, (paper,), train) if d.kind == "setting"]
 
 
 def _texts() -> dict[str, str]:

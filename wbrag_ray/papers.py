@@ -94,13 +94,6 @@ def gate_metric(dataset: str) -> str:
     return "acc"
 
 
-def _value(config: WbragConfig, path: str) -> Any:
-    value: Any = config
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
-
-
 # What the bundled defaults are, by the model's own name
 BUNDLED_MODELS = {"bundled:smollm2": "SmolLM2-135M-Instruct", "bundled:all-minilm-l6-v2": "all-MiniLM-L6-v2"}
 # The generators each paper ran, as its text names them (a run's model matches where its name holds one of these,
@@ -177,20 +170,16 @@ class MadeBy:
     units_dropped: int | None = None  # distilled units the version's checks dropped (its stats' *_dropped counts)
 
 
-def departures(config: WbragConfig, paper: str | None = None, train: str | None = None) -> list[str]:
+def _setting_departures(config: WbragConfig, paper: str | None, train: str | None) -> list[Departure]:
     """'path: value (the paper: its value, what it says)' for each config value that differs from the papers' (or
     one paper's). writeback.metric is compared resolved for the training set `train` (default writeback.train)."""
-    return [d.what for d in _setting_departures(config, paper, train)]
-
-
-def _setting_departures(config: WbragConfig, paper: str | None, train: str | None) -> list[Departure]:
     train = train or config.writeback.train
     out = []
     for choice in CHOICES:
         if (paper and choice.paper != paper) or (choice.path.startswith("zerorag.tune.")
                                                  and not config.zerorag.tune.enabled):
             continue
-        value, wanted = _value(config, choice.path), choice.value
+        value, wanted = functools.reduce(getattr, choice.path.split("."), config), choice.value
         whose = FLASHRAG if choice.source == FLASHRAG else f"the {choice.paper} paper"
         cites = _quote(choice.cites) or choice.source
         if choice.path == "writeback.metric":  # the gates run on nothing without a training set
@@ -392,10 +381,8 @@ def paper_settings_differ(n: PaperNumber, made: dict[str, Any]) -> list[str]:
     from what made the paper's number `n`, a setting the text does not state named as such. 'K 5 (the paper: 20)'."""
     out = []
     gen = made.get("generator")
-    if n.generator is None:
-        out.append(f"generator {model_name(gen) if gen else 'unknown'} (the paper: {NOT_STATED})")
-    elif not same_model(gen, n.generator):
-        out.append(f"generator {model_name(gen) if gen else 'unknown'} (the paper: {n.generator})")
+    if n.generator is None or not same_model(gen, n.generator):
+        out.append(f"generator {model_name(gen) if gen else 'unknown'} (the paper: {n.generator or NOT_STATED})")
     ret = made.get("retriever")
     if n.retriever and not (ret and n.retriever.lower() in str(ret).lower()):
         out.append(f"retriever {model_name(ret) if ret else 'unknown'} (the paper: {n.retriever})")

@@ -27,8 +27,8 @@ INDEX_ID = "wbrag"
 NODES, NODE_METADATA, INDEX_STRUCTS = "docstore/data", "docstore/metadata", "index_store/data"
 CHUNK = 1 << 20
 # what `wbrag export` checks is importable before it writes a file, and the packages that hold it
-NEEDS, PACKAGES = ("llama_index.core", "llama_index.vector_stores.faiss"), \
-    "llama-index-core and llama-index-vector-stores-faiss"
+NEEDS = ("llama_index.core", "llama_index.vector_stores.faiss")
+PACKAGES = "llama-index-core and llama-index-vector-stores-faiss"
 
 
 def write(view: View, out: Location, config: WbragConfig) -> list[str]:
