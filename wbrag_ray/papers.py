@@ -511,10 +511,8 @@ def paper_vs_run(results: dict[str, dict[str, Any]], zero_rag_rows: list[dict[st
     for name, result in results.items():
         made = result_made_by(result)
         measured = [n for n in NUMBERS if result.get(n.metric) is not None and _matches(n, made)]
-        for n in _one_generator_each(measured, made.get("generator")):
-            value = result[n.metric]
-            out.append(_row(n, 100 * value if n.metric in PERCENT_METRICS else value, made, name,
-                            paper_settings_differ(n, made)))
+        for n in _one_generator_each(measured, made.get("generator")):  # acc, em or f1 (`_matches`): in %
+            out.append(_row(n, 100 * result[n.metric], made, name, paper_settings_differ(n, made)))
     out += _speedup_rows(zero_rag_rows or [], config, grid_dataset)
     return out
 
@@ -556,19 +554,17 @@ def _speedup_rows(rows: list[dict[str, Any]], config: WbragConfig | None, grid_d
             "retriever": config.embedder.model if config else None, "top_k": config.retrieval.top_k if config else None}
     # a search's speed: the retriever (its vector size) and K change it, the generator does not
     differs = [] if config is None else [d for d in paper_settings_differ(_SEARCH, made) if not d.startswith("generator")]
-    out = []
     headline = next(n for n in NUMBERS if n.metric == "speedup")
-    out.append(_row(headline, cell["retrieval_speedup_pct"], made, "grid naive at ratio 0.3", differs))
     latency = {(n.dataset, n.pruning_ratio): n for n in NUMBERS if n.metric == "seconds" and n.paper == ZERO_RAG}
     # the grid's dataset's row; Table 4's average (dataset None) where the grid evaluated another dataset
     dataset = dataset_name(grid_dataset) if grid_dataset else None
     dataset = dataset if (dataset, 0.0) in latency else None
     full, pruned = latency[(dataset, 0.0)], latency[(dataset, 0.3)]
     value = round(100 * (1 - pruned.value / full.value), 2)
-    out.append(_row(pruned, cell["retrieval_speedup_pct"], made, "grid naive at ratio 0.3", differs,
-                    paper_value=value, shown=f"{value:g} (100 x (1 - {pruned.shown} / {full.shown}))")
-               | {"metric": "speedup", "column": f"{pruned.column} retrieval speedup"})
-    return out
+    return [_row(headline, cell["retrieval_speedup_pct"], made, "grid naive at ratio 0.3", differs),
+            _row(pruned, cell["retrieval_speedup_pct"], made, "grid naive at ratio 0.3", differs, paper_value=value,
+                 shown=f"{value:g} (100 x (1 - {pruned.shown} / {full.shown}))")
+            | {"metric": "speedup", "column": f"{pruned.column} retrieval speedup"}]
 
 
 def format_paper_vs_run(rows: list[dict[str, Any]]) -> str:
