@@ -64,7 +64,6 @@ class Part:
     embeddings: Location
     docs: Location
     titles: Location | None = None  # the passages, when the documents are sentences
-    version: str | None = None
     pruned: bool = False  # ids missing from `docs` were pruned
 
     @property
@@ -186,7 +185,7 @@ def open_view(run: RunFolder, embedder: EmbedderConfig, prune_ratio: float | Non
             if wb_manifest.get(key) != manifest.get(key):
                 raise IndexError_(f"write-back index {folder.index.uri} differs from {index.uri} in {key} "
                                   f"({wb_manifest.get(key)!r} vs {manifest.get(key)!r}): one export cannot hold both")
-        parts.append(Part(WRITEBACK, WRITEBACK, folder.index, folder.embed, folder.units, version=version))
+        parts.append(Part(WRITEBACK, WRITEBACK, folder.index, folder.embed, folder.units))
     return View(run, parts, manifest, prune_ratio=ratio or None, version=version)
 
 

@@ -27,38 +27,24 @@ from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location, resolve
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
 
-# The Table 3 figures of WriteBack-RAG, in the paper's order, with the labels people read.
-TABLE3 = [
-    ("selection_rate", "selection rate"),
-    ("mean_retained_docs", "mean retained docs"),
-    ("source_tokens", "source tokens"),
-    ("distilled_tokens", "distilled tokens"),
-    ("compression_ratio", "compression ratio"),
-    ("fallback_rate", "fallback rate"),
-    # not the paper's: the distilled texts that were no retrievable statement (writeback.distill.statement_check)
-    ("rewrite_drop_rate", "rewrites dropped (bare answer or unsupported; the extraction kept)"),
-    ("unit_drop_rate", "units dropped (bare answer or unsupported)"),
-    ("units_written", "units written"),
-]
+# The Table 3 figures of WriteBack-RAG in the paper's order, then (not the paper's) the distilled texts that were no
+# retrievable statement (writeback.distill.statement_check), by stats key, with the labels people read
+TABLE3 = {key: key.replace("_", " ") for key in ("selection_rate", "mean_retained_docs", "source_tokens",
+                                                 "distilled_tokens", "compression_ratio", "fallback_rate")} | {
+    "rewrite_drop_rate": "rewrites dropped (bare answer or unsupported; the extraction kept)",
+    "unit_drop_rate": "units dropped (bare answer or unsupported)", "units_written": "units written"}
 QA_STATUSES = (OK, UNPARSEABLE, NOT_IN_SENTENCE)  # the order the report and `wbrag inspect` show them in
 
 
 def collect(run: RunFolder, out: Path) -> list[Section]:
     """Every section the run has; the figures are written to the local folder `out`."""
     stats = {name: run.stats(name) or {} for name in run.completed_stages()}
-    sections = [stages_section(stats, out)]
-    if (planned := plan_section(run, stats)) is not None:
-        sections.append(planned)
-    if INGEST.name in stats:
-        sections.append(corpus_section(run, stats[INGEST.name], out))
-    sections += evaluation_sections(run, out)
-
-    if (paper := paper_section(run)) is not None:
-        sections.append(paper)
-    sections += [writeback_section(v, out) for v in run.layout.writeback_versions()]
-    sections += zero_rag_sections(run, out)
-    sections.append(config_section(run))
-    return sections
+    sections = [stages_section(stats, out), plan_section(run, stats),
+                corpus_section(run, stats[INGEST.name], out) if INGEST.name in stats else None,
+                *evaluation_sections(run, out), paper_section(run),
+                *(writeback_section(v, out) for v in run.layout.writeback_versions()),
+                *zero_rag_sections(run, out), config_section(run)]
+    return [s for s in sections if s is not None]
 
 
 def stages_section(stats: dict[str, dict[str, Any]], out: Path) -> Section:
@@ -173,7 +159,7 @@ def writeback_section(folder: WritebackVersion, out: Path) -> Section:
     sec = Section(f"Write-back {version}")
     method = stats.get("rag_method", "naive")
     sec.tables.append(figures("selection (the paper's Table 3)", {
-        "scored with RAG method": method, **{label: stats.get(key) for key, label in TABLE3}}))
+        "scored with RAG method": method, **{label: stats.get(key) for key, label in TABLE3.items()}}))
     units = folder.units.read_table(["source_tokens", "distilled_tokens"]) if folder.units.exists() else None
     sec.image(plots.plot_token_scatter(units, out, version),
               "Each knowledge unit: tokens of its retained documents vs tokens after distillation.")
