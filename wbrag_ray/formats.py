@@ -268,14 +268,17 @@ def plain_table(df) -> pa.Table:
     return pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None)
 
 
+def _folders_and_stem(path: str) -> tuple[list[str], str]:
+    """A QA file's folders (an object store's bucket left out: it is no dataset's folder) and its name's stem."""
+    parts = path.rstrip("/").split("://", 1)[-1].split("/")[1 if "://" in path else 0:]
+    return parts[:-1], parts[-1].split(".")[0]
+
+
 def dataset_stem(path: str) -> str:
     """A dataset's name from its path: the stem, with FlashRAG's folder ('nq/test.jsonl' -> 'nq-test')."""
-    parts = path.rstrip("/").split("://", 1)[-1].split("/")
-    if "://" in path:
-        parts = parts[1:]  # the bucket is no dataset's folder
-    stem = parts[-1].split(".")[0]
-    if stem.lower() in SPLITS and len(parts) > 1 and parts[-2].lower() in DATASET_FOLDERS:
-        return f"{parts[-2]}-{stem}"
+    folders, stem = _folders_and_stem(path)
+    if stem.lower() in SPLITS and folders and folders[-1].lower() in DATASET_FOLDERS:
+        return f"{folders[-1]}-{stem}"
     return stem
 
 
@@ -292,14 +295,9 @@ DATASET_FOLDERS = frozenset({
 
 def dataset_name(path: str) -> str:
     """The dataset of a QA file by FlashRAG's layout ('nq/train.jsonl', 'fever_dev.parquet'), else its stem."""
-    folders = path.rstrip("/").split("://", 1)[-1].split("/")
-    if "://" in path:
-        folders = folders[1:]  # the bucket is no dataset's folder
-    stem = folders[-1].split(".")[0].lower()
-    if stem in SPLITS and len(folders) > 1 and folders[-2]:
-        return folders[-2].lower()
-    for split in SPLITS:
-        for sep in ("_", "-"):
-            if stem.endswith(sep + split) and len(stem) > len(split) + 1:
-                return stem[: -len(split) - 1]
-    return stem
+    folders, stem = _folders_and_stem(path)
+    stem = stem.lower()
+    if stem in SPLITS and folders and folders[-1]:
+        return folders[-1].lower()
+    flat = re.fullmatch(rf"(.+)[_-](?:{'|'.join(SPLITS)})", stem, re.S)  # 'fever_dev'
+    return flat.group(1) if flat else stem
