@@ -3,6 +3,7 @@
 
 The papers' words are `wbrag_ray.paper_numbers`, checked against their texts by tests/test_papers.py. Nothing
 here states what the texts do not: where a default is another source's (FLARE's are FlashRAG's), it says whose.
+Over 550 lines in one module: "how does this run differ from the papers" is one question, asked once.
 """
 
 from __future__ import annotations
