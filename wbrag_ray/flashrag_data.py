@@ -14,6 +14,8 @@ from itertools import islice
 from pathlib import Path
 from urllib.parse import quote
 
+import pyarrow.fs as pafs
+
 from wbrag_ray.config import ConfigError
 from wbrag_ray.formats import SPLITS, corpus_record, dataset_record, json_object
 from wbrag_ray.storage import cache_root, resolve
@@ -100,8 +102,6 @@ def finish(staging: Path, datasets: list[str], corpus: str | None, out: str) -> 
     if layout.problems:
         raise ConfigError("the downloaded data is not FlashRAG's layout:\n  " + "\n  ".join(layout.problems))
     if _remote(out):
-        import pyarrow.fs as pafs
-
         dest = resolve(out)
         pafs.copy_files(str(staging), dest.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=dest.fs)
         if layout.corpus is not None:
