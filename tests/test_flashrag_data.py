@@ -133,11 +133,12 @@ class _RepositoryHandler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def repository(tmp_path):
+def repository(tmp_path, monkeypatch):
     served = hub_layout(tmp_path / "repository")
     (served / "popqa").mkdir()
     shutil.copy(DEMO_QA, served / "popqa" / "test.jsonl")
     server = LoopbackRepository(served)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)  # as a mirror is named
     yield server
     server.shutdown()
 
@@ -146,7 +147,7 @@ def test_fetch_refuses_a_name_the_repository_does_not_hold_before_any_download_l
                                                                                                    tmp_path):
     out = tmp_path / "flashrag"
     with pytest.raises(ConfigError, match=r"holds no dataset 'entityquestions'; it holds: nq, popqa$"):
-        fetch(["nq", "entityquestions"], str(out), "wiki18", hub=repository.url)
+        fetch(["nq", "entityquestions"], str(out), "wiki18")
     assert [e["kind"] for e in repository.log] == ["tree"]  # listed, nothing downloaded
     assert not out.exists()
 
@@ -157,7 +158,7 @@ def test_fetch_downloads_at_the_revision_resumes_a_partial_file_and_checks_the_l
     train = (repository.root / "nq" / "train.jsonl").read_bytes()
     (out / "nq").mkdir(parents=True)
     (out / "nq" / "train.jsonl.incomplete").write_bytes(train[: len(train) // 2])  # a download cut short
-    layout = fetch(["nq"], str(out), "wiki18", revision="0123abc", hub=repository.url)
+    layout = fetch(["nq"], str(out), "wiki18", revision="0123abc")
     assert layout.problems == [] and layout.splits == {"nq": ["test", "train"]}
     assert layout.corpus == str(out / "retrieval-corpus" / "wiki18_100w.jsonl")
     assert (out / "nq" / "train.jsonl").read_bytes() == train and (out / "nq" / "test.jsonl").read_bytes() == \
@@ -173,7 +174,7 @@ def test_fetch_downloads_at_the_revision_resumes_a_partial_file_and_checks_the_l
     assert "3 files" in said and "to download" in said and "to unzip the corpus" in said and "free at" in said
     # again: everything is here, nothing is downloaded a second time
     repository.log.clear()
-    fetch(["nq"], str(out), revision="0123abc", hub=repository.url)
+    fetch(["nq"], str(out), revision="0123abc")
     assert repository.downloads() == [] and "nq/train.jsonl: already here" in capsys.readouterr().out
 
 
@@ -181,14 +182,14 @@ def test_fetch_refuses_a_disk_too_small_before_any_download_loopback_repository(
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(flashrag_data.shutil, "disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(ConfigError, match="has 0.0 MB free; the fetch needs about"):
-        fetch(["nq"], str(tmp_path / "flashrag"), "wiki18", hub=repository.url)
+        fetch(["nq"], str(tmp_path / "flashrag"), "wiki18")
     assert repository.downloads() == []
 
 
 def test_fetch_to_object_storage_through_a_staging_folder_loopback_repository(repository, s3_env, tmp_path,
                                                                                monkeypatch):
     monkeypatch.setenv("WBRAG_CACHE", str(tmp_path / "cache"))
-    layout = fetch(["popqa"], "s3://wbrag/fetched", hub=repository.url)
+    layout = fetch(["popqa"], "s3://wbrag/fetched")
     assert layout.splits == {"popqa": ["test"]}
     questions, _ = read_dataset(resolve("s3://wbrag/fetched/popqa/test.jsonl"))
     assert questions.num_rows == 40

@@ -118,16 +118,15 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def repository_listing(revision: str | None = None, hub: str | None = None) -> dict[str, int]:
+def repository_listing(revision: str | None = None) -> dict[str, int]:
     """{path: size} of every file of FlashRAG's repository at `revision` (default main): one listing call."""
     from huggingface_hub import HfApi
 
     try:
-        entries = HfApi(endpoint=hub or endpoint()).list_repo_tree(REPO, recursive=True, repo_type="dataset",
-                                                                   revision=revision)
+        entries = HfApi(endpoint=endpoint()).list_repo_tree(REPO, recursive=True, repo_type="dataset", revision=revision)
         return {e.path: int(e.size) for e in entries if getattr(e, "size", None) is not None}
     except Exception as exc:  # noqa: BLE001 - the hub's HTTP errors and its HTTP client's connection errors alike
-        raise ConfigError(f"cannot list {REPO} on {hub or endpoint()} (revision {revision or 'main'}): "
+        raise ConfigError(f"cannot list {REPO} on {endpoint()} (revision {revision or 'main'}): "
                           f"{' '.join(str(exc).split())[:300]}; check the network, HF_ENDPOINT and HF_TOKEN") from None
 
 
@@ -184,11 +183,10 @@ def download(url: str, dest: Path, size: int) -> int:
     return moved
 
 
-def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: str | None = None,
-          hub: str | None = None) -> Layout:
+def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: str | None = None) -> Layout:
     """Download `datasets` and `corpus` from FlashRAG's hub repository into `out`, after checking the names against
     the listing at `revision` and the disk needed against the free space."""
-    wanted = files_to_fetch(repository_listing(revision, hub), datasets, corpus)
+    wanted = files_to_fetch(repository_listing(revision), datasets, corpus)
     if _remote(out):
         staging = Path(cache_root()) / "flashrag-staging" / hashlib.sha1(out.encode()).hexdigest()[:16]
     else:
@@ -206,7 +204,7 @@ def fetch(datasets: list[str], out: str, corpus: str | None = None, revision: st
     if todo + unzip > free:
         raise ConfigError(f"{staging} has {_gb(free)} free; the fetch needs about {_gb(todo + unzip)}: free some "
                           "space or fetch to another folder (--out)")
-    base = f"{(hub or endpoint()).rstrip('/')}/datasets/{REPO}/resolve/{revision or 'main'}/"
+    base = f"{endpoint()}/datasets/{REPO}/resolve/{revision or 'main'}/"
     for path, size in sorted(wanted.items()):
         moved = download(base + quote(path), staging / path, size)
         resumed = f" (resumed at {_gb(partial[path])})" if partial[path] and moved < size else ""
