@@ -154,9 +154,6 @@ class Departure:
     what: str
     cites: str = ""  # the paper's words it departs from (paper_numbers.SAYS), or whose choice it is
 
-    def record(self) -> dict[str, str]:
-        return {"paper": self.paper, "kind": self.kind, "what": self.what, "cites": self.cites}
-
 
 @dataclass(frozen=True)
 class MadeBy:

@@ -4,7 +4,7 @@ index, a pruned one (`base_index`), or base + a write-back index; each method wr
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from wbrag_ray import rag
@@ -127,7 +127,7 @@ def evaluate(
             "generator": config.generator.model_dump(mode="json"),
             "embedder": config.embedder.model,
             "papers": list(papers),
-            "departures": [d.record() for d in departed],
+            "departures": [asdict(d) for d in departed],
             "seconds": round(seconds, 2),
         }
         metrics["made_by"] = made_by(run, config, dataset, len(part), method, wb_version, base_index, router)
