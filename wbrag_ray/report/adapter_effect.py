@@ -39,13 +39,11 @@ def adapter_effect(run: RunFolder) -> list[dict[str, Any]]:
         a, b = without[k], tuned[k]
         labels = [label(ratio, writeback, router, adapter) for adapter in (False, True)]
         words = [(results.get((lb, method)) or {}).get("answer_words") for lb in labels]
-        row = {"ratio": ratio, "method": method, "router": router, "writeback": writeback, "n": b.get("n"),
-               "acc_without": a.get("acc"), "acc_with": b.get("acc"), "em_without": a.get("em"), "em_with": b.get("em"),
-               "delta_acc": round(b["acc"] - a["acc"], 4) if a.get("acc") is not None and b.get("acc") is not None
-               else None, "words_without": words[0], "words_with": words[1], "fixed": None, "broken": None,
-               "sign_p": None}
-        row.update(_flips(*(run.layout.eval_result(lb, method).predictions for lb in labels)))
-        out.append(row)
+        out.append({"ratio": ratio, "method": method, "router": router, "writeback": writeback, "n": b.get("n"),
+                    "acc_without": a.get("acc"), "acc_with": b.get("acc"), "em_without": a.get("em"),
+                    "em_with": b.get("em"), "delta_acc": round(b["acc"] - a["acc"], 4)
+                    if a.get("acc") is not None and b.get("acc") is not None else None, "words_without": words[0],
+                    "words_with": words[1], **_flips(*(run.layout.eval_result(lb, method).predictions for lb in labels))})
     return out
 
 
@@ -62,9 +60,9 @@ def _labeller(run: RunFolder, results: dict[tuple, str]):
 
 
 def _flips(without: Location, tuned: Location) -> dict[str, Any]:
-    """Per question: how many the adapter fixed and broke, and the sign test; {} without both predictions."""
+    """Per question: how many the adapter fixed and broke, and the sign test; None each without both predictions."""
     if not (without.exists() and tuned.exists()):
-        return {}
+        return dict.fromkeys(("fixed", "broken", "sign_p"))
     a, b = (t.read_table(["id", "acc"]).to_pandas().set_index("id")["acc"] for t in (without, tuned))
     both = pd.concat({"a": a, "b": b}, axis=1, join="inner")
     fixed = int(((both["a"] == 0) & (both["b"] > 0)).sum())
