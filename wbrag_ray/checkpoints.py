@@ -104,10 +104,9 @@ class TaskRecords:
 class StageCheckpoint:
     """The checkpoint folder of one running stage; its fingerprint is recorded with the first commit."""
 
-    def __init__(self, folder: Location, fingerprint: dict[str, Any] | None = None, block_rows: int = BLOCK_ROWS):
+    def __init__(self, folder: Location, fingerprint: dict[str, Any] | None = None):
         self.folder = folder
         self.fingerprint = fingerprint
-        self.block_rows = block_rows
         self.rows_resumed = 0
         self.rows_computed = 0
         self._answers: AnswerStore | None = None
@@ -130,8 +129,7 @@ class StageCheckpoint:
     def answers(self, block_rows: int | None = None, block_seconds: float | None = None) -> AnswerStore:
         """The stage's answer store, opened on first use."""
         if self._answers is None:
-            self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows,
-                                        before_commit=self.record)
+            self._answers = AnswerStore(self.folder.join("answers"), before_commit=self.record)
         if block_rows:
             self._answers.block_rows = block_rows
         if block_seconds:
@@ -217,8 +215,9 @@ def training_progress(folder: Location) -> dict[str, Any]:
     return {}
 
 
-def rows_by_file(folder: Location) -> dict[str, int]:
-    """Rows of each Parquet file in `folder`, from its footer (0 for a file a kill cut short)."""
+def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str, int]:
+    """Rows of each Parquet file in `folder`, from its footer; a file a kill cut short (no footer) is left out,
+    or, with `remove_unreadable`, removed (a resumed pass writes its rows again)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -227,20 +226,9 @@ def rows_by_file(folder: Location) -> dict[str, int]:
         try:
             out[f.name] = pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
         except (pa.ArrowInvalid, OSError):
-            continue
+            if remove_unreadable:
+                f.delete()
     return out
-
-
-def remove_unreadable(folder: Location) -> None:
-    """Remove Parquet files a failed write cut short (no footer); a resumed pass writes their rows again."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for f in folder.list_files(".parquet"):
-        try:
-            pq.ParquetFile(f.path, filesystem=f.fs)
-        except (pa.ArrowInvalid, OSError):
-            f.delete()
 
 
 # Ray Data's CheckpointFilter actor asks for 1 CPU, which CheckpointConfig does not let one change.
@@ -350,7 +338,7 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
                 build(r).write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
                                        ray_remote_args={"num_cpus": LIGHT_CPUS})
     except StorageError:
-        remove_unreadable(out)
+        rows_by_file(out, remove_unreadable=True)
         raise
     finally:
         ctx.checkpoint_config = None

@@ -7,14 +7,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -23,7 +21,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, guard_writes, resolve, s3_client
+from wbrag_ray.storage import Location, error_code, guard_writes, lock_path, resolve, s3_client
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +103,7 @@ class _Store:
         try:
             got = s3_client().get_object(Bucket=bucket, Key=key)
         except Exception as exc:  # noqa: BLE001 - botocore's errors: a missing key is "no lease"
-            if _code(exc) in ("NoSuchKey", "404"):
+            if error_code(exc) in ("NoSuchKey", "404"):
                 return None
             raise
         return _parse(got["Body"].read()), got["ETag"]
@@ -127,7 +125,7 @@ class _Store:
             with _host_lock(self.loc.path) as locked:
                 if not locked:
                     raise TimeoutError(f"the lease {self.loc.uri} is being replaced by a process that does not "
-                                       f"answer (it holds {host_lock_path(self.loc.path)})")
+                                       f"answer (it holds {lock_path(self.loc.path, LEASE_LOCK)})")
                 current = self.read()
                 if current is None or current[1] != version:
                     return False
@@ -144,7 +142,7 @@ class _Store:
             s3_client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
             return True
         except Exception as exc:  # noqa: BLE001 - botocore's errors, sorted by their code
-            code = _code(exc)
+            code = error_code(exc)
             if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                 return False
             if code not in ("NotImplemented", "InvalidArgument", "InvalidRequest", "501"):
@@ -164,24 +162,14 @@ def _parse(data: bytes) -> dict[str, Any]:
     return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}
 
 
-def _code(exc: Exception) -> str:
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-
-
-def host_lock_path(path: str) -> str:
-    """The file of this host's lock around a local lease's compare-and-replace (kept apart from the run folder)."""
-    locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
-    os.makedirs(locks, exist_ok=True)
-    return os.path.join(locks, hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + ".lease.lock")
-
-
+LEASE_LOCK = ".lease.lock"  # this host's lock around a local lease's compare-and-replace (`storage.lock_path`)
 HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is held by a stalled process
 
 
 @contextlib.contextmanager
 def _host_lock(path: str) -> Iterator[bool]:
     """This host's lock around a local compare-and-replace; yields whether it was taken in HOST_LOCK_WAIT_S."""
-    with open(host_lock_path(path), "w") as lock:
+    with open(lock_path(path, LEASE_LOCK), "w") as lock:
         deadline = time.monotonic() + HOST_LOCK_WAIT_S
         while True:
             try:
