@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING, Any
 from wbrag_ray.layout import subdirs
 from wbrag_ray.lease import fence
 from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
-from wbrag_ray.placement.waits import pool_start_wait
 from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
+from wbrag_ray.stages.base import Resources, pass_start_wait
 from wbrag_ray.storage import Location, StorageError, refused_writes
 
 if TYPE_CHECKING:
     import ray.data
-
-    from wbrag_ray.stages.base import Resources
 
 # A block of answers is committed at this many rows or seconds (`generator.checkpoint_rows` / `_seconds`).
 BLOCK_ROWS = 1024
@@ -237,7 +235,7 @@ CHECKPOINT_FILTER_CPUS = 1.0
 
 def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> bool:
     """Whether a resumed pass's actors and the CheckpointFilter actor leave room for one read or write task on
-    `nodes`, in either start order; False means the pass would wait forever."""
+    `nodes`, in either start order (else the pass would wait forever)."""
     r = pass_resources
 
     def places(filter_first: bool) -> bool:
@@ -305,8 +303,8 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
                     block_bytes: int, label: str, total: int, pass_resources: Resources,
                     resources_key: str | None) -> dict[str, Any]:
     """Write the dataset `build(resources)` makes as Parquet files in `out` under Ray Data's row-level checkpoint on
-    `id_column`: a rerun reads only rows not written yet. `block_bytes` bounds the rows per committed block. Returns
-    the rows written, resumed and computed."""
+    `id_column` (a rerun reads only rows not written yet), in blocks of at most `block_bytes`. Returns the rows
+    written, resumed and computed."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
@@ -332,8 +330,7 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
     ctx.checkpoint_config = CheckpointConfig(id_column=id_column, checkpoint_path=ckpt.path,
                                              override_filesystem=ckpt.fs, delete_checkpoint_on_success=True)
     try:  # a pool whose actors others' work keeps from starting ends within ray.pending_timeout_s, naming it
-        with pool_start_wait(f"the {label} pass", r.concurrency, {"CPU": r.num_cpus, "GPU": r.num_gpus},
-                             f"lower {resources_key}.concurrency" if resources_key else "lower its concurrency"):
+        with pass_start_wait(f"the {label} pass", r, resources_key):
             with refused_writes(out):  # a full disk: one line naming the folder
                 build(r).write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
                                        ray_remote_args={"num_cpus": LIGHT_CPUS})

@@ -21,7 +21,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, error_code, guard_writes, lock_path, resolve, s3_client
+from wbrag_ray.storage import Location, before_write, error_code, guard_writes, lock_path, resolve, s3_client
 
 log = logging.getLogger(__name__)
 
@@ -318,23 +318,16 @@ class RunLease:
                 os.rmdir(self.root.path)
 
 
-_HELD: dict[str, RunLease] = {}  # run folder URI -> the lease this process holds on it
-
-
 def fence(loc: Location) -> None:
     """A commit below a run folder: renew this process's lease now, `LeaseLost` where another took it."""
-    for root, lease in list(_HELD.items()):
-        if loc.uri == root or loc.uri.startswith(root + "/"):
-            lease.fence(loc, commit=True)
+    before_write(loc, commit=True)
 
 
 @contextlib.contextmanager
 def run_lease(uri: str, holder: str) -> Iterator[RunLease]:
     """Hold the lease of the run folder at `uri` while the block runs; `LeaseHeld` where another writer holds it."""
     lease = RunLease(resolve(uri), holder).acquire()
-    _HELD[lease.root.uri.rstrip("/")] = lease
     try:
         yield lease
     finally:
-        _HELD.pop(lease.root.uri.rstrip("/"), None)
         lease.release()

@@ -8,10 +8,12 @@ import json
 import logging
 import os
 import resource
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from wbrag_ray.config import ConfigError, RayConfig
+from wbrag_ray.placement import PENDING_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -255,10 +257,6 @@ def vllm_env(verbose: bool | None = None) -> dict[str, str]:
 def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster. `run_dir`: the run
     folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
-    import sys
-
-    from wbrag_ray.placement import PENDING_TIMEOUT_S
-
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
@@ -266,27 +264,23 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     import ray
     import ray.data
 
-    if ray.is_initialized():
-        configure_data_context()
-        if run_dir is not None:
-            check_run_dir(run_dir)
-        return
-    kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
-    # a driver that imports vllm obeys it too (and a local cluster's processes, which inherit this environment)
-    os.environ.update(vllm_env())
-    if address:
-        try:
-            ray.init(address=address, **kwargs)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise ConfigError(
-                f"cannot reach the Ray cluster at ray.address={address!r}: {str(exc).splitlines()[0]}. "
-                "Check the address (ray status on the head node prints it) or drop --address to run locally."
-            ) from None
-    else:
-        # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
-        if not logging.getLogger().isEnabledFor(logging.DEBUG):  # -v: each worker's model-loading bars
-            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the local workers inherit it
-        _start_local(config.num_cpus, kwargs)
+    if not ray.is_initialized():
+        kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
+        # a driver that imports vllm obeys it too (and a local cluster's processes, which inherit this environment)
+        os.environ.update(vllm_env())
+        if address:
+            try:
+                ray.init(address=address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ConfigError(
+                    f"cannot reach the Ray cluster at ray.address={address!r}: {str(exc).splitlines()[0]}. "
+                    "Check the address (ray status on the head node prints it) or drop --address to run locally."
+                ) from None
+        else:
+            # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
+            if not logging.getLogger().isEnabledFor(logging.DEBUG):  # -v: each worker's model-loading bars
+                os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the local workers inherit it
+            _start_local(config.num_cpus, kwargs)
     configure_data_context()
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -375,27 +369,21 @@ def check_run_dir(run_dir: str) -> None:
                       "at the same path (NFS, Lustre, a FUSE mount)")
 
 
-def model_paths(config) -> dict[str, str]:
-    """{config key: local folder or file} of the models and adapters a run's workers load from this machine."""
-    found = {"generator.model": config.generator.model, "generator.lora_adapter": config.generator.lora_adapter,
-             "embedder.model": config.embedder.model, "zerorag.lm_pruner.backbone": config.zerorag.lm_pruner.backbone}
-    if config.zerorag.qa_generator is not None:
-        found["zerorag.qa_generator.model"] = config.zerorag.qa_generator.model
-        found["zerorag.qa_generator.lora_adapter"] = config.zerorag.qa_generator.lora_adapter
-    return {key: os.path.abspath(os.path.expanduser(value)) for key, value in found.items()
-            if value and "://" not in value and not value.startswith("bundled:")
-            and os.path.exists(os.path.expanduser(value))}
-
-
 def check_model_paths(config) -> None:
     """On a cluster of several machines, refuse up front a model or adapter at a local path other nodes cannot
     read (a worker there would fail only when it loads)."""
     where = _spread()
     if where is None:
         return
-    for key, path in model_paths(config).items():
-        _check_shared(path, key, where, "Put the model on object storage (s3://...: each node fetches it once) or on "
-                      "a shared mount")
+    found = {"generator.model": config.generator.model, "generator.lora_adapter": config.generator.lora_adapter,
+             "embedder.model": config.embedder.model, "zerorag.lm_pruner.backbone": config.zerorag.lm_pruner.backbone}
+    if config.zerorag.qa_generator is not None:
+        found["zerorag.qa_generator.model"] = config.zerorag.qa_generator.model
+        found["zerorag.qa_generator.lora_adapter"] = config.zerorag.qa_generator.lora_adapter
+    for key, value in found.items():
+        if value and "://" not in value and not value.startswith("bundled:") and os.path.exists(os.path.expanduser(value)):
+            _check_shared(os.path.abspath(os.path.expanduser(value)), key, where,
+                          "Put the model on object storage (s3://...: each node fetches it once) or on a shared mount")
 
 
 def configure_data_context() -> None:

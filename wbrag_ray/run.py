@@ -19,8 +19,10 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from wbrag_ray import __version__
+from wbrag_ray.checkpoints import stage_checkpoint
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.layout import RunLayout, staging
+from wbrag_ray.layout import RunLayout, staging, subdirs
+from wbrag_ray.lease import LeaseLost, fence
 from wbrag_ray.storage import Location, refused_writes, resolve
 
 log = logging.getLogger(__name__)
@@ -98,8 +100,8 @@ class RunStage:
 class Step:
     """A stage of `wbrag run` as every reader sees it (registry: `wbrag_ray.pipeline.PIPELINE`): its run `stage`,
     `outputs` (`RunLayout` paths), the config sections it holds (`resources`), its `work(config, sizes, params)`
-    as `wbrag_ray.work` items (which the plan prices), how `run` makes it, and its `instances(config)` (params
-    dicts). `title`: its name in the plan; `measured_by`: a pattern of the run stages whose stats measure it."""
+    as `wbrag_ray.work` items (which the plan prices), how `run` makes it, and its `instances(config)`. `title`:
+    its name in the plan; `measured_by`: a pattern of the run stages whose stats measure it."""
 
     title: str
     stage: RunStage
@@ -185,8 +187,6 @@ class RunFolder:
                       staged: Iterable[tuple[Location, Location]] = ()) -> None:
         """Record the stage's stats, then its marker; `staged`: (final, new) output folders of a redone stage, which
         replace the old ones first (the old marker goes before, so a stop half way is an incomplete stage)."""
-        from wbrag_ray.lease import fence
-
         record = self.layout.stage(name)
         fence(record.success)  # a commit: this command must still hold the run folder's lease
         staged = list(staged)
@@ -213,8 +213,6 @@ class RunFolder:
         self.layout.stage(name).success.delete()
 
     def completed_stages(self) -> list[str]:
-        from wbrag_ray.layout import subdirs
-
         done = [name for name in subdirs(self.layout.stages) if self.is_complete(name)]
 
         def completed_at(name: str) -> int:
@@ -303,8 +301,6 @@ class RunFolder:
                   fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run `fn` unless the stage is complete, with its checkpoint open (resumed for the same `fingerprint`);
         record its stats and marker; print a one-line summary."""
-        from wbrag_ray.checkpoints import stage_checkpoint
-
         if self.is_complete(name) and not force:
             stats = self.stats(name) or {}
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
@@ -322,8 +318,6 @@ class RunFolder:
             with refused_writes(self.root), stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
                 stats = dict(fn() or {})
         except BaseException:
-            from wbrag_ray.lease import LeaseLost
-
             self._staged = outer_staged
             if isinstance(sys.exc_info()[1], LeaseLost):
                 raise  # run.json is the new holder's now

@@ -126,22 +126,22 @@ def writer_suffix() -> str:
 
 
 # Fencing: while a command holds a run folder's lease, every write below it asks the lease first.
-_WRITE_GUARDS: dict[str, Callable[[Location], None]] = {}
+_WRITE_GUARDS: dict[str, Callable[[Location, bool], None]] = {}
 
 
-def guard_writes(root: Location, check: Callable[[Location], None] | None) -> None:
-    """Run `check(location)` before every write or delete below `root` in this process; None ends it."""
+def guard_writes(root: Location, check: Callable[[Location, bool], None] | None) -> None:
+    """Run `check(location, commit)` before every write or delete below `root` in this process; None ends it."""
     if check is None:
         _WRITE_GUARDS.pop(root.uri.rstrip("/"), None)
     else:
         _WRITE_GUARDS[root.uri.rstrip("/")] = check
 
 
-def before_write(loc: Location) -> None:
-    """The guard of the leased folder holding `loc`, if any (`guard_writes`)."""
+def before_write(loc: Location, commit: bool = False) -> None:
+    """The guard of the leased folder holding `loc`, if any (`guard_writes`); `commit`: a commit is next."""
     for root, check in list(_WRITE_GUARDS.items()):
         if loc.uri == root or loc.uri.startswith(root + "/"):
-            check(loc)
+            check(loc, commit)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import pandas as pd
 
 from wbrag_ray.models.hardware import in_ray_worker, require_gpu, set_threads
 from wbrag_ray.placement import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
-from wbrag_ray.placement.waits import pool_start_timeout_s
+from wbrag_ray.placement.waits import pool_start_timeout_s, pool_start_wait
 
 if TYPE_CHECKING:
     import ray.data
@@ -43,6 +43,11 @@ class Resources:
     # (name, value) pairs of the environment of the stage's workers, in a runtime env of their own (vLLM's log
     # level): a runtime env costs each worker a second interpreter, so only the workers that need one have one
     env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def need(self) -> dict[str, float]:
+        """What one worker asks Ray for, as the placement checks take it."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus}
 
     def remote_args(self) -> dict:
         """The Ray options of one worker beyond its CPUs and GPUs: its own runtime env when `env` is set."""
@@ -153,17 +158,26 @@ def _check_pool(stage: Stage) -> int:
     """The size of a pass's pool: refused where no actor fits the cluster; where only some fit, as many as fit (a
     warning), since Ray Data waits for every actor of a pool to start."""
     res = stage.resources
-    need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
     what = f"the {stage.name} pass"
-    refuse_unplaceable(lambda nodes: pool_refusal(what, 1, need, nodes))
+    refuse_unplaceable(lambda nodes: pool_refusal(what, 1, res.need, nodes))
     if autoscaling():
         return res.concurrency
     nodes = cluster_nodes()[0]
-    partly = pool_refusal(what, res.concurrency, need, nodes)
+    partly = pool_refusal(what, res.concurrency, res.need, nodes)
     if partly is None:
         return res.concurrency
     log.warning("%s; it runs on the actors that fit", partly)
-    return max(1, min(res.concurrency, room_for(need, nodes)))
+    return max(1, min(res.concurrency, room_for(res.need, nodes)))
+
+
+def pass_start_wait(what: str, res: Resources, section: str | None):
+    """`placement.waits.pool_start_wait` around a pipeline holding the pool `what` of `res`, whose concurrency is
+    config section `section`'s."""
+    return pool_start_wait(what, res.concurrency, res.need, concurrency_fix(section))
+
+
+def concurrency_fix(section: str | None) -> str:
+    return f"lower {section}.concurrency" if section else "lower its concurrency"
 
 
 def _run_in_task(batch, stage: Stage):

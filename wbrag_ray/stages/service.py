@@ -22,7 +22,7 @@ import pyarrow as pa
 from wbrag_ray.models.hardware import set_threads
 from wbrag_ray.placement import pool_refusal, refuse_unplaceable
 from wbrag_ray.placement.gpus import beside_generator
-from wbrag_ray.placement.waits import pool_start_wait, wait_placed
+from wbrag_ray.placement.waits import wait_placed
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import (
     CLOSE_S,
@@ -33,7 +33,15 @@ from wbrag_ray.ray_runtime import (
     local_dataset,
     start_restartable,
 )
-from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked, require_stage_gpu
+from wbrag_ray.stages.base import (
+    Resources,
+    Stage,
+    apply_stage,
+    concurrency_fix,
+    pass_start_wait,
+    process_checked,
+    require_stage_gpu,
+)
 
 if TYPE_CHECKING:
     import ray.data
@@ -177,8 +185,7 @@ class StageService:
         self.placement = _placement(res)
 
         # actors that can never be placed would leave the pass waiting on them forever: refused first
-        need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
-        refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, need, nodes))
+        refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, res.need, nodes))
 
         # A lost actor is started again from the stage in its creation spec and its call retried. An actor whose
         # setup starts processes gets a concurrency group for its close, which then does not wait behind a running
@@ -194,8 +201,7 @@ class StageService:
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
         self._dispatch = None  # started by the first Ray Data pass (`apply`): `run_frame` counts in the driver
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
-            wait_placed(self.actors, f"the {stage.name} service", need,
-                        f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency")
+            wait_placed(self.actors, f"the {stage.name} service", res.need, concurrency_fix(stage.section))
         except BaseException:
             self.close()
             raise
@@ -289,10 +295,7 @@ class Services:
         one progress line under `name` (default: the stage's)."""
         with running(name or stage.name, len(frame)) as progress:
             if stage.service_key() is None:
-                res = stage.resources
-                need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
-                fix = f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency"
-                with pool_start_wait(f"the {stage.name} pass", res.concurrency, need, fix):
+                with pass_start_wait(f"the {stage.name} pass", stage.resources, stage.section):
                     out = apply_stage(local_dataset(frame), stage).to_pandas()
                 progress.update(len(out))
                 if on_batch is not None:
