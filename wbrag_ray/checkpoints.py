@@ -81,18 +81,15 @@ class AnswerStore:
         self._pending = []
 
 
+@dataclasses.dataclass(frozen=True)
 class TaskRecords:
     """Results of tasks that each write whole files, recorded after the files; a rerun runs the others."""
 
-    def __init__(self, folder: Location):
-        self.folder = folder
-        self._done: dict[str, Any] | None = None
+    folder: Location
 
     def done(self) -> dict[str, Any]:
-        """Results recorded by earlier attempts, by task name (read once)."""
-        if self._done is None:
-            self._done = {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
-        return self._done
+        """Results recorded by earlier attempts, by task name."""
+        return {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
 
     def uri(self, name: str) -> str:
         """Where the task `name` records its result."""

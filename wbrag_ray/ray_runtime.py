@@ -1,5 +1,6 @@
 """Starting or joining Ray, once per process, with messages that say what to do when it fails (and the
-environment of the workers that import vLLM, decided there); and the generic Ray helpers every pipeline shares."""
+environment of the workers that import vLLM, decided there); and the generic Ray helpers every pipeline shares.
+Over 400 lines: what every command does with Ray, each piece short, none a module's worth alone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from wbrag_ray import progress, storage
 from wbrag_ray.config import ConfigError, RayConfig
 from wbrag_ray.placement import PENDING_TIMEOUT_S
 
@@ -337,13 +339,11 @@ def _spread() -> str | None:
 def _check_shared(path: str, what: str, where: str, fix: str) -> None:
     """Refuse a local `path` the cluster's other machines cannot see, unless it is on a shared filesystem
     (`storage.is_shared_filesystem`) or WBRAG_SHARED_RUN_DIR=1 says so (then a warning, once per path)."""
-    from wbrag_ray.storage import is_shared_filesystem, mount_of
-
     if os.environ.get(SHARED_RUN_DIR_ENV, "").strip().lower() in ("1", "true", "yes"):
         reason = f"{SHARED_RUN_DIR_ENV}=1 says every node sees it at that path"
     else:
-        mount = mount_of(path)
-        if mount is None or not is_shared_filesystem(mount[1]):
+        mount = storage.mount_of(path)
+        if mount is None or not storage.is_shared_filesystem(mount[1]):
             raise ConfigError(
                 f"{what} {path} is a local path, but Ray runs this command's tasks on a cluster {where}: workers on "
                 f"other machines cannot read this machine's disk. {fix}; if {path} is already on a filesystem every "
@@ -358,13 +358,11 @@ def _check_shared(path: str, what: str, where: str, fix: str) -> None:
 def check_run_dir(run_dir: str) -> None:
     """Refuse a local run folder when Ray runs tasks on other machines (several nodes, or Ray Client): their
     workers would write to their own disks. Allowed, with a warning, on a shared filesystem (`_check_shared`)."""
-    from wbrag_ray.storage import resolve
-
     if "://" in run_dir and not run_dir.startswith("file://"):
         return  # object storage: every node reaches it
     where = _spread()
     if where is not None:
-        _check_shared(resolve(run_dir).path, "run folder", where,
+        _check_shared(storage.resolve(run_dir).path, "run folder", where,
                       "Put the run folder on object storage (s3://bucket/prefix) or on a filesystem every node mounts "
                       "at the same path (NFS, Lustre, a FUSE mount)")
 
@@ -389,8 +387,6 @@ def check_model_paths(config) -> None:
 def configure_data_context() -> None:
     """Ray Data settings every wbrag pipeline runs with, whoever started Ray."""
     import ray.data
-
-    from wbrag_ray import progress
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True

@@ -8,6 +8,7 @@ the stages it reads; a complete stage whose fingerprint changed is refused (unle
 from __future__ import annotations
 
 import logging
+import operator
 import re
 import string
 import sys
@@ -23,6 +24,7 @@ from wbrag_ray.checkpoints import stage_checkpoint
 from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.layout import RunLayout, staging, subdirs
 from wbrag_ray.lease import LeaseLost, fence
+from wbrag_ray.models.hardware import resolved_dtype_name
 from wbrag_ray.storage import Location, refused_writes, resolve
 
 log = logging.getLogger(__name__)
@@ -39,8 +41,6 @@ def settings_value(value: Any) -> Any:
         skip = PLACEMENT_KEYS | set(getattr(type(value), "RUNTIME_KEYS", ()))
         out = {k: settings_value(getattr(value, k)) for k in type(value).model_fields if k not in skip}
         if out.get("dtype") == "auto":
-            from wbrag_ray.models.hardware import resolved_dtype_name
-
             out["dtype"] = resolved_dtype_name("auto", getattr(value, "num_gpus", 0.0))
         return out
     if isinstance(value, dict):
@@ -82,10 +82,7 @@ class RunStage:
             path = template.format_map(_Keep({k: "" if v is None else v for k, v in (params or {}).items()}))
             if "{" in path or not all(path.split(".")):
                 continue  # a parameterized path whose parameter is empty or not given: nothing to record
-            value: Any = config
-            for part in path.split("."):
-                value = getattr(value, part)
-            out[path] = settings_value(value)
+            out[path] = settings_value(operator.attrgetter(path)(config))
         for path in self.ignore:
             for declared, value in out.items():
                 if path.startswith(declared + ".") and isinstance(value, dict):
@@ -132,9 +129,6 @@ class RunFolder:
     @property
     def uri(self) -> str:
         return self.root.uri
-
-    def path(self, *parts: str) -> Location:
-        return self.root.join(*parts)
 
     # --- config ------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import operator
 from dataclasses import dataclass
 
 from wbrag_ray.config import AUTO_SETTINGS, ConfigError
@@ -295,10 +296,8 @@ def beside_generator(gpus: float) -> dict:
 
 
 def section(config, key: str):
-    """`config`'s section at a dotted key ("zerorag.lm_pruner")."""
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
+    """`config`'s section (or setting) at a dotted key ("zerorag.lm_pruner")."""
+    return operator.attrgetter(key)(config)
 
 
 def _auto_now(config) -> list[str]:
