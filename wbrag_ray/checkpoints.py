@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from wbrag_ray.layout import subdirs
 from wbrag_ray.lease import fence
 from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
+from wbrag_ray.placement.waits import pool_start_wait
 from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
-from wbrag_ray.stages.base import Resources, pass_start_wait
+from wbrag_ray.stages.base import Resources, concurrency_fix
 from wbrag_ray.storage import Location, StorageError, refused_writes
 
 if TYPE_CHECKING:
@@ -327,7 +328,7 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
     ctx.checkpoint_config = CheckpointConfig(id_column=id_column, checkpoint_path=ckpt.path,
                                              override_filesystem=ckpt.fs, delete_checkpoint_on_success=True)
     try:  # a pool whose actors others' work keeps from starting ends within ray.pending_timeout_s, naming it
-        with pass_start_wait(f"the {label} pass", r, resources_key):
+        with pool_start_wait(f"the {label} pass", r.concurrency, r.need, concurrency_fix(resources_key)):
             with refused_writes(out):  # a full disk: one line naming the folder
                 build(r).write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
                                        ray_remote_args={"num_cpus": LIGHT_CPUS})

@@ -284,12 +284,6 @@ def replica_placement(config: GeneratorConfig) -> dict[str, Any] | None:
     return {"bundles": [dict(bundle) for _ in range(tp * pp)], "strategy": "PACK" if across else "STRICT_PACK"}
 
 
-def _describe_nodes(node_gpus: list[float]) -> str:
-    counts = collections.Counter(node_gpus)
-    return ", ".join(f"{n} node{'s' * (n > 1)} x {g:g} GPU{'s' * (g != 1)}"
-                     for g, n in sorted(counts.items(), reverse=True))
-
-
 def placement_refusal(config: GeneratorConfig, nodes: list[dict[str, float]], key: str = "generator") -> str | None:
     """Why `nodes` cannot place `config.concurrency` engine replicas, or None. A replica's tp x pp GPUs go on one
     node; with pipeline_across_nodes, pp groups of tp GPUs. `key`: the section the message names."""
@@ -302,7 +296,8 @@ def placement_refusal(config: GeneratorConfig, nodes: list[dict[str, float]], ke
     needed = (pp if across else 1) * config.concurrency
     node_gpus = [float(n.get("GPU", 0.0)) for n in nodes]
     shape = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}" if tp * pp > 1 else f"num_gpus={group:g}"
-    have = _describe_nodes(node_gpus) if node_gpus else "no nodes"
+    have = ", ".join(f"{n} node{'s' * (n > 1)} x {g:g} GPU{'s' * (g != 1)}"
+                     for g, n in sorted(collections.Counter(node_gpus).items(), reverse=True)) or "no nodes"
     if max(node_gpus, default=0.0) < group:
         if pp > 1 and not across:
             fix = f"set pipeline_across_nodes: true (its {pp} stages on different nodes, {tp:g} GPUs of one node each)"

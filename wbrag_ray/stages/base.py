@@ -17,7 +17,7 @@ import pandas as pd
 
 from wbrag_ray.models.hardware import in_ray_worker, require_gpu, set_threads
 from wbrag_ray.placement import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
-from wbrag_ray.placement.waits import pool_start_timeout_s, pool_start_wait
+from wbrag_ray.placement.waits import pool_start_timeout_s
 
 if TYPE_CHECKING:
     import ray.data
@@ -170,13 +170,8 @@ def _check_pool(stage: Stage) -> int:
     return max(1, min(res.concurrency, room_for(res.need, nodes)))
 
 
-def pass_start_wait(what: str, res: Resources, section: str | None):
-    """`placement.waits.pool_start_wait` around a pipeline holding the pool `what` of `res`, whose concurrency is
-    config section `section`'s."""
-    return pool_start_wait(what, res.concurrency, res.need, concurrency_fix(section))
-
-
 def concurrency_fix(section: str | None) -> str:
+    """What a refused or waiting pool of config section `section` changes."""
     return f"lower {section}.concurrency" if section else "lower its concurrency"
 
 

@@ -10,6 +10,7 @@ stage kind and one search pool per index, started on first use and ended at `clo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator
@@ -22,7 +23,7 @@ import pyarrow as pa
 from wbrag_ray.models.hardware import set_threads
 from wbrag_ray.placement import pool_refusal, refuse_unplaceable
 from wbrag_ray.placement.gpus import beside_generator
-from wbrag_ray.placement.waits import wait_placed
+from wbrag_ray.placement.waits import pool_start_wait, wait_placed
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import (
     CLOSE_S,
@@ -38,7 +39,6 @@ from wbrag_ray.stages.base import (
     Stage,
     apply_stage,
     concurrency_fix,
-    pass_start_wait,
     process_checked,
     require_stage_gpu,
 )
@@ -64,10 +64,8 @@ class _ServiceWorker:
         self.most_running = 0  # the most calls that ran at once (tests read it)
         self.refused: tuple[Any, BaseException] | None = None  # (service key, what its setup raised)
         self._turn = threading.Condition()
-        try:
+        with contextlib.suppress(Exception):  # kept in self.refused: the pass's first call raises it
             self._load(stage)
-        except Exception:  # noqa: BLE001 - kept in self.refused: the pass's first call raises it
-            pass
 
     def _load(self, stage: Stage) -> None:
         """Set `stage` up in place of what was loaded. A setup that raises is kept with its key and raised again,
@@ -295,7 +293,8 @@ class Services:
         one progress line under `name` (default: the stage's)."""
         with running(name or stage.name, len(frame)) as progress:
             if stage.service_key() is None:
-                with pass_start_wait(f"the {stage.name} pass", stage.resources, stage.section):
+                res = stage.resources
+                with pool_start_wait(f"the {stage.name} pass", res.concurrency, res.need, concurrency_fix(stage.section)):
                     out = apply_stage(local_dataset(frame), stage).to_pandas()
                 progress.update(len(out))
                 if on_batch is not None:
