@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+
 from wbrag_ray.layout import subdirs
 from wbrag_ray.lease import fence
 from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
@@ -42,15 +44,13 @@ class AnswerStore:
 
     def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS, block_seconds: float = BLOCK_SECONDS,
                  before_commit: Callable[[], None] | None = None):
-        import pyarrow.parquet as pq
-
         self.folder = folder
         self.before_commit = before_commit
         self.block_rows = block_rows
         self.block_seconds = block_seconds
         self.answers: dict[bytes, tuple] = {}
         for f in folder.list_files(".parquet"):  # temporary names end in .tmp: never read
-            table = pq.read_table(f.path, filesystem=f.fs)
+            table = f.read_table()
             for key, value in zip(table["key"].to_pylist(), table["value"].to_pylist(), strict=True):
                 self.answers[key] = tuple(json.loads(value))
         self.loaded = len(self.answers)
@@ -66,18 +66,14 @@ class AnswerStore:
 
     def flush(self) -> None:
         """Commit what is pending as one block file."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         self._last = time.monotonic()
         if not self._pending:
             return
         if self.before_commit is not None:
             self.before_commit()
         keys, values = zip(*self._pending, strict=True)
-        sink = pa.BufferOutputStream()
-        pq.write_table(pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}), sink)
-        self.folder.join(f"block-{uuid.uuid4().hex}.parquet").write_bytes(sink.getvalue().to_pybytes())
+        self.folder.join(f"block-{uuid.uuid4().hex}.parquet").write_table(
+            pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}))
         self.blocks += 1
         self._pending = []
 
@@ -214,13 +210,10 @@ def training_progress(folder: Location) -> dict[str, Any]:
 def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str, int]:
     """Rows of each Parquet file in `folder`, from its footer; a file a kill cut short (no footer) is left out,
     or, with `remove_unreadable`, removed (a resumed pass writes its rows again)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     out = {}
     for f in folder.list_files(".parquet"):
         try:
-            out[f.name] = pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
+            out[f.name] = f.num_rows()
         except (pa.ArrowInvalid, OSError):
             if remove_unreadable:
                 f.delete()
