@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from wbrag_ray.config import ConfigError
@@ -86,9 +87,9 @@ def held_message(uri: str, record: dict[str, Any], lease_uri: str) -> str:
 # --- the store: create where absent, replace only the version read ------------------------------------------
 
 
+@dataclass(frozen=True)
 class _Store:
-    def __init__(self, loc: Location):
-        self.loc = loc
+    loc: Location
 
     def read(self) -> tuple[dict[str, Any], Any] | None:
         """(record, version) or None; the version is what a replace compares (an ETag, or the bytes)."""
@@ -132,9 +133,6 @@ class _Store:
                 self.loc.write_bytes(data)  # temp-then-move under a name of this writer's own
                 return True
         return self._put(data, IfMatch=version)
-
-    def delete(self) -> None:
-        self.loc.delete()
 
     def _put(self, data: bytes, **condition: str) -> bool:
         bucket, key = self.loc.path.split("/", 1)
@@ -308,7 +306,7 @@ class RunLease:
             self._interrupts = False
         current = self.store.read()
         if current is not None and current[0].get("token") == self.record["token"]:
-            self.store.delete()
+            self.store.loc.delete()
         self._remove_created_root()
 
     def _remove_created_root(self) -> None:
