@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -382,11 +381,6 @@ class Services:
         self.close()
 
 
-@contextmanager
-def shared_or_own(services: Services | None) -> Iterator[Services]:
+def shared_or_own(services: Services | None) -> contextlib.AbstractContextManager[Services]:
     """`services` where a caller shares its own, else a set of this block's own, closed at its end."""
-    if services is not None:
-        yield services
-        return
-    with Services() as own:
-        yield own
+    return contextlib.nullcontext(services) if services is not None else Services()
