@@ -108,7 +108,7 @@ def test_a_command_decides_auto_as_it_joins_the_cluster(ray_cluster, tmp_path):
     config = _config(f"run={tmp_path / 'run'}", "generator.concurrency=auto", "embedder.concurrency=auto",
                      "embedder.num_cpus=0.5", "zerorag.lm_pruner.concurrency=auto", "zerorag.lm_pruner.num_cpus=0.25")
     wait_idle(ray_cluster)
-    free = free_nodes()
+    free = list(free_nodes().values())
     assert len(free) == 1 and free[0]["CPU"] == 2  # the session's one 2-CPU node, idle
     nodes, source = auto_nodes()
     assert [n["CPU"] for n in nodes] == [f["CPU"] for f in free] and source == "the nodes up now"  # idle: all free
@@ -204,7 +204,7 @@ def test_each_command_decides_auto_again_after_the_index_exists(monkeypatch):
     config = load_config(PAPER_WRITEBACK)
     gpus.resolve_auto_concurrency(config)  # query embedder only: 1 GPU held
     assert (config.embedder.concurrency, config.generator.concurrency) == (32, 31)
-    assert gpus.has_auto(config)  # numbers now, decided again by the next command
+    assert gpus.auto_keys(config)  # numbers now, decided again by the next command
     gpus.resolve_auto_concurrency(config, search_gpus=4)
     assert (config.embedder.concurrency, config.generator.concurrency) == (32, 27)
     fixed = load_config(PAPER_WRITEBACK, ["generator.concurrency=4", "embedder.concurrency=8"])

@@ -146,7 +146,7 @@ def test_a_forced_redo_writes_beside_the_old_output_and_replaces_it_only_at_comp
         request.getfixturevalue("s3_env")
     uri = f"s3://wbrag/run-output-{tmp_path.name}" if where == "s3" else str(tmp_path / "run")
     run = RunFolder(uri)
-    final = run.path("out")
+    final = run.root.join("out")
     seen = []
 
     def work(text: str, fail: bool = False):

@@ -14,6 +14,8 @@ from wbrag_ray.layout import IngestFolder
 from wbrag_ray.ray_runtime import LIGHT_CPUS
 from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.stages.base import Resources, apply_stage
+from wbrag_ray.stages.embed import EmbedStage
 from wbrag_ray.stages.ingest import run_ingest
 from wbrag_ray.storage import resolve
 from wbrag_ray.work import AddVectors, Embed, ReadCorpus
@@ -84,9 +86,6 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
     """Embed every passage (or sentence, by `index.unit`) in an actor pool, resumable row by row."""
     def work() -> dict[str, Any]:
         import ray.data
-
-        from wbrag_ray.stages.base import Resources, apply_stage
-        from wbrag_ray.stages.embed import EmbedStage
 
         src, id_col = run.layout.ingest.units(config.index.unit)
         rows_in = run.stats(INGEST.name)["rows_out" if config.index.unit == "passage" else "sentences"]

@@ -14,17 +14,18 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+
 from wbrag_ray.layout import subdirs
 from wbrag_ray.lease import fence
 from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
 from wbrag_ray.placement.waits import pool_start_wait
 from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
+from wbrag_ray.stages.base import Resources, concurrency_fix
 from wbrag_ray.storage import Location, StorageError, refused_writes
 
 if TYPE_CHECKING:
     import ray.data
-
-    from wbrag_ray.stages.base import Resources
 
 # A block of answers is committed at this many rows or seconds (`generator.checkpoint_rows` / `_seconds`).
 BLOCK_ROWS = 1024
@@ -43,15 +44,13 @@ class AnswerStore:
 
     def __init__(self, folder: Location, block_rows: int = BLOCK_ROWS, block_seconds: float = BLOCK_SECONDS,
                  before_commit: Callable[[], None] | None = None):
-        import pyarrow.parquet as pq
-
         self.folder = folder
         self.before_commit = before_commit
         self.block_rows = block_rows
         self.block_seconds = block_seconds
         self.answers: dict[bytes, tuple] = {}
         for f in folder.list_files(".parquet"):  # temporary names end in .tmp: never read
-            table = pq.read_table(f.path, filesystem=f.fs)
+            table = f.read_table()
             for key, value in zip(table["key"].to_pylist(), table["value"].to_pylist(), strict=True):
                 self.answers[key] = tuple(json.loads(value))
         self.loaded = len(self.answers)
@@ -67,34 +66,27 @@ class AnswerStore:
 
     def flush(self) -> None:
         """Commit what is pending as one block file."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         self._last = time.monotonic()
         if not self._pending:
             return
         if self.before_commit is not None:
             self.before_commit()
         keys, values = zip(*self._pending, strict=True)
-        sink = pa.BufferOutputStream()
-        pq.write_table(pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}), sink)
-        self.folder.join(f"block-{uuid.uuid4().hex}.parquet").write_bytes(sink.getvalue().to_pybytes())
+        self.folder.join(f"block-{uuid.uuid4().hex}.parquet").write_table(
+            pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}))
         self.blocks += 1
         self._pending = []
 
 
+@dataclasses.dataclass(frozen=True)
 class TaskRecords:
     """Results of tasks that each write whole files, recorded after the files; a rerun runs the others."""
 
-    def __init__(self, folder: Location):
-        self.folder = folder
-        self._done: dict[str, Any] | None = None
+    folder: Location
 
     def done(self) -> dict[str, Any]:
-        """Results recorded by earlier attempts, by task name (read once)."""
-        if self._done is None:
-            self._done = {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
-        return self._done
+        """Results recorded by earlier attempts, by task name."""
+        return {f.name[: -len(".json")]: f.read_json() for f in self.folder.list_files(".json")}
 
     def uri(self, name: str) -> str:
         """Where the task `name` records its result."""
@@ -104,10 +96,9 @@ class TaskRecords:
 class StageCheckpoint:
     """The checkpoint folder of one running stage; its fingerprint is recorded with the first commit."""
 
-    def __init__(self, folder: Location, fingerprint: dict[str, Any] | None = None, block_rows: int = BLOCK_ROWS):
+    def __init__(self, folder: Location, fingerprint: dict[str, Any] | None = None):
         self.folder = folder
         self.fingerprint = fingerprint
-        self.block_rows = block_rows
         self.rows_resumed = 0
         self.rows_computed = 0
         self._answers: AnswerStore | None = None
@@ -130,8 +121,7 @@ class StageCheckpoint:
     def answers(self, block_rows: int | None = None, block_seconds: float | None = None) -> AnswerStore:
         """The stage's answer store, opened on first use."""
         if self._answers is None:
-            self._answers = AnswerStore(self.folder.join("answers"), block_rows or self.block_rows,
-                                        before_commit=self.record)
+            self._answers = AnswerStore(self.folder.join("answers"), before_commit=self.record)
         if block_rows:
             self._answers.block_rows = block_rows
         if block_seconds:
@@ -217,30 +207,17 @@ def training_progress(folder: Location) -> dict[str, Any]:
     return {}
 
 
-def rows_by_file(folder: Location) -> dict[str, int]:
-    """Rows of each Parquet file in `folder`, from its footer (0 for a file a kill cut short)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str, int]:
+    """Rows of each Parquet file in `folder`, from its footer; a file a kill cut short (no footer) is left out,
+    or, with `remove_unreadable`, removed (a resumed pass writes its rows again)."""
     out = {}
     for f in folder.list_files(".parquet"):
         try:
-            out[f.name] = pq.ParquetFile(f.path, filesystem=f.fs).metadata.num_rows
+            out[f.name] = f.num_rows()
         except (pa.ArrowInvalid, OSError):
-            continue
+            if remove_unreadable:
+                f.delete()
     return out
-
-
-def remove_unreadable(folder: Location) -> None:
-    """Remove Parquet files a failed write cut short (no footer); a resumed pass writes their rows again."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for f in folder.list_files(".parquet"):
-        try:
-            pq.ParquetFile(f.path, filesystem=f.fs)
-        except (pa.ArrowInvalid, OSError):
-            f.delete()
 
 
 # Ray Data's CheckpointFilter actor asks for 1 CPU, which CheckpointConfig does not let one change.
@@ -249,7 +226,7 @@ CHECKPOINT_FILTER_CPUS = 1.0
 
 def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> bool:
     """Whether a resumed pass's actors and the CheckpointFilter actor leave room for one read or write task on
-    `nodes`, in either start order; False means the pass would wait forever."""
+    `nodes`, in either start order (else the pass would wait forever)."""
     r = pass_resources
 
     def places(filter_first: bool) -> bool:
@@ -317,8 +294,8 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
                     block_bytes: int, label: str, total: int, pass_resources: Resources,
                     resources_key: str | None) -> dict[str, Any]:
     """Write the dataset `build(resources)` makes as Parquet files in `out` under Ray Data's row-level checkpoint on
-    `id_column`: a rerun reads only rows not written yet. `block_bytes` bounds the rows per committed block. Returns
-    the rows written, resumed and computed."""
+    `id_column` (a rerun reads only rows not written yet), in blocks of at most `block_bytes`. Returns the rows
+    written, resumed and computed."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
@@ -344,13 +321,12 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
     ctx.checkpoint_config = CheckpointConfig(id_column=id_column, checkpoint_path=ckpt.path,
                                              override_filesystem=ckpt.fs, delete_checkpoint_on_success=True)
     try:  # a pool whose actors others' work keeps from starting ends within ray.pending_timeout_s, naming it
-        with pool_start_wait(f"the {label} pass", r.concurrency, {"CPU": r.num_cpus, "GPU": r.num_gpus},
-                             f"lower {resources_key}.concurrency" if resources_key else "lower its concurrency"):
+        with pool_start_wait(f"the {label} pass", r.concurrency, r.need, concurrency_fix(resources_key)):
             with refused_writes(out):  # a full disk: one line naming the folder
                 build(r).write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
                                        ray_remote_args={"num_cpus": LIGHT_CPUS})
     except StorageError:
-        remove_unreadable(out)
+        rows_by_file(out, remove_unreadable=True)
         raise
     finally:
         ctx.checkpoint_config = None

@@ -126,10 +126,6 @@ ADAPTER_STATS = "tune.json"  # written by training.noise_tolerant beside the ada
 PRUNE_LEVEL = "prune-{ratio:g}"  # the folder and stage name of a pruning ratio
 
 
-def ratio_name(ratio: float) -> str:
-    return PRUNE_LEVEL.format(ratio=ratio)
-
-
 @dataclass(frozen=True)
 class PrunedLevel:
     """The base pruned at one ratio: the keep mask, the pruned sentence corpus and its index."""
@@ -170,7 +166,7 @@ class ZeroRagFolder:
         return self.pruner(kind).join("validation.parquet")
 
     def pruned(self, ratio: float) -> PrunedLevel:
-        return PrunedLevel(self.root.join(ratio_name(ratio)))
+        return PrunedLevel(self.root.join(PRUNE_LEVEL.format(ratio=ratio)))
 
     def pruned_levels(self) -> list[PrunedLevel]:
         """Every pruned level written so far (with its stats), by folder name."""

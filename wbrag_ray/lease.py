@@ -7,23 +7,22 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, guard_writes, resolve, s3_client
+from wbrag_ray.storage import Location, before_write, error_code, guard_writes, lock_path, resolve, s3_client
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +87,9 @@ def held_message(uri: str, record: dict[str, Any], lease_uri: str) -> str:
 # --- the store: create where absent, replace only the version read ------------------------------------------
 
 
+@dataclass(frozen=True)
 class _Store:
-    def __init__(self, loc: Location):
-        self.loc = loc
+    loc: Location
 
     def read(self) -> tuple[dict[str, Any], Any] | None:
         """(record, version) or None; the version is what a replace compares (an ETag, or the bytes)."""
@@ -105,7 +104,7 @@ class _Store:
         try:
             got = s3_client().get_object(Bucket=bucket, Key=key)
         except Exception as exc:  # noqa: BLE001 - botocore's errors: a missing key is "no lease"
-            if _code(exc) in ("NoSuchKey", "404"):
+            if error_code(exc) in ("NoSuchKey", "404"):
                 return None
             raise
         return _parse(got["Body"].read()), got["ETag"]
@@ -127,7 +126,7 @@ class _Store:
             with _host_lock(self.loc.path) as locked:
                 if not locked:
                     raise TimeoutError(f"the lease {self.loc.uri} is being replaced by a process that does not "
-                                       f"answer (it holds {host_lock_path(self.loc.path)})")
+                                       f"answer (it holds {lock_path(self.loc.path, LEASE_LOCK)})")
                 current = self.read()
                 if current is None or current[1] != version:
                     return False
@@ -135,16 +134,13 @@ class _Store:
                 return True
         return self._put(data, IfMatch=version)
 
-    def delete(self) -> None:
-        self.loc.delete()
-
     def _put(self, data: bytes, **condition: str) -> bool:
         bucket, key = self.loc.path.split("/", 1)
         try:
             s3_client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
             return True
         except Exception as exc:  # noqa: BLE001 - botocore's errors, sorted by their code
-            code = _code(exc)
+            code = error_code(exc)
             if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                 return False
             if code not in ("NotImplemented", "InvalidArgument", "InvalidRequest", "501"):
@@ -164,24 +160,14 @@ def _parse(data: bytes) -> dict[str, Any]:
     return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}
 
 
-def _code(exc: Exception) -> str:
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-
-
-def host_lock_path(path: str) -> str:
-    """The file of this host's lock around a local lease's compare-and-replace (kept apart from the run folder)."""
-    locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
-    os.makedirs(locks, exist_ok=True)
-    return os.path.join(locks, hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + ".lease.lock")
-
-
+LEASE_LOCK = ".lease.lock"  # this host's lock around a local lease's compare-and-replace (`storage.lock_path`)
 HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is held by a stalled process
 
 
 @contextlib.contextmanager
 def _host_lock(path: str) -> Iterator[bool]:
     """This host's lock around a local compare-and-replace; yields whether it was taken in HOST_LOCK_WAIT_S."""
-    with open(host_lock_path(path), "w") as lock:
+    with open(lock_path(path, LEASE_LOCK), "w") as lock:
         deadline = time.monotonic() + HOST_LOCK_WAIT_S
         while True:
             try:
@@ -320,7 +306,7 @@ class RunLease:
             self._interrupts = False
         current = self.store.read()
         if current is not None and current[0].get("token") == self.record["token"]:
-            self.store.delete()
+            self.store.loc.delete()
         self._remove_created_root()
 
     def _remove_created_root(self) -> None:
@@ -330,23 +316,16 @@ class RunLease:
                 os.rmdir(self.root.path)
 
 
-_HELD: dict[str, RunLease] = {}  # run folder URI -> the lease this process holds on it
-
-
 def fence(loc: Location) -> None:
     """A commit below a run folder: renew this process's lease now, `LeaseLost` where another took it."""
-    for root, lease in list(_HELD.items()):
-        if loc.uri == root or loc.uri.startswith(root + "/"):
-            lease.fence(loc, commit=True)
+    before_write(loc, commit=True)
 
 
 @contextlib.contextmanager
 def run_lease(uri: str, holder: str) -> Iterator[RunLease]:
     """Hold the lease of the run folder at `uri` while the block runs; `LeaseHeld` where another writer holds it."""
     lease = RunLease(resolve(uri), holder).acquire()
-    _HELD[lease.root.uri.rstrip("/")] = lease
     try:
         yield lease
     finally:
-        _HELD.pop(lease.root.uri.rstrip("/"), None)
         lease.release()

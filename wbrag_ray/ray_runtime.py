@@ -1,9 +1,6 @@
-"""Starting or joining Ray, once per process, with messages that say what to do when it fails; and the generic
-Ray Data helpers every pipeline shares (a driver frame as a dataset, a distributed row selection, stable
-output file names).
-
-Over 400 lines (about 485): the environment of the workers that import vLLM (`vllm_env`) is decided where Ray
-starts or is joined, from the same settings, and belongs beside `init_ray`."""
+"""Starting or joining Ray, once per process, with messages that say what to do when it fails (and the
+environment of the workers that import vLLM, decided there); and the generic Ray helpers every pipeline shares.
+Over 400 lines: what every command does with Ray, each piece short, none a module's worth alone."""
 
 from __future__ import annotations
 
@@ -12,23 +9,23 @@ import json
 import logging
 import os
 import resource
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from wbrag_ray import progress, storage
 from wbrag_ray.config import ConfigError, RayConfig
+from wbrag_ray.placement import PENDING_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-# CPUs that reads, writes and other light tasks ask for: small, so model actors (which ask for most of a
-# node) never starve the tasks that feed them.
+# CPUs that reads, writes and other light tasks ask for: small, so model actors never starve the tasks feeding them
 LIGHT_CPUS = 0.25
 
 
 def local_dataset(frame):
-    """A Ray Dataset over a table the driver already holds (a pandas DataFrame or a pyarrow Table), as one
-    block. `ray.data.from_pandas` / `from_arrow` compute block metadata in a remote task that asks for a whole
-    CPU; on a small node whose other CPUs are held by stage services (a loaded generator, an open index) that
-    task never starts and the pass hangs. The metadata of a block in hand is computed here instead."""
+    """A Ray Dataset over a table the driver holds, as one block. `ray.data.from_pandas` computes block metadata
+    in a task asking for a whole CPU, which never starts on a small node whose CPUs stage services hold."""
     import ray.data
 
     if hasattr(frame, "reset_index"):
@@ -43,17 +40,15 @@ def is_object_ref(value) -> bool:
 
 
 def shared_value(ref_or_value):
-    """Ray Data hands `fn_args` to the function as given: an ObjectRef (one shared copy of a large id array in
-    the object store, instead of one per task) has to be fetched by the function itself."""
+    """`fn_args` as Ray Data hands them over: an ObjectRef (one shared copy of a large array) fetched here."""
     import ray
 
     return ray.get(ref_or_value) if is_object_ref(ref_or_value) else ref_or_value
 
 
 def in_sorted(values, sorted_ids):
-    """Whether each of `values` is in `sorted_ids` (sorted ascending: a shared id set), by binary search: the
-    memory of `values`' size. np.isin would sort copies of both: a task's memory would grow with the shared set,
-    that is with the corpus."""
+    """Whether each of `values` is in `sorted_ids` (sorted ascending), by binary search: np.isin would sort copies
+    of both, and a task's memory would grow with the corpus."""
     import numpy as np
 
     values = np.asarray(values)
@@ -86,10 +81,9 @@ def select_rows(loc, id_column: str, ids, columns: list[str]):
 
 def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0, memory: int | None = None,
               parallel: bool | None = None, own_errors: tuple[type[BaseException], ...] = (ValueError,)) -> list:
-    """fn(shared, item) for every item, in order: Ray tasks when Ray is up (or `parallel`), the shared argument
-    put once in the object store; otherwise a loop in this process (small jobs, tests, single-process
-    baselines). `memory`: the bytes each task declares to Ray's scheduler. A task's error of one of `own_errors` comes back as itself, so its message stays short and
-    names the file it is about; others come back as Ray's wrapped error. Failed tasks are retried twice (a
+    """fn(shared, item) for every item, in order: Ray tasks when Ray is up (or `parallel`), the shared argument put
+    once in the object store; otherwise a loop in this process. `memory`: the bytes each task declares. An error
+    of one of `own_errors` comes back as itself, others as Ray's wrapped error. Failed tasks are retried twice (a
     lost node), so `fn` must be idempotent: it writes whole files under names given by its item."""
     import ray
 
@@ -108,17 +102,14 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         raise
 
 
-# How long an actor's own ending of what it started may take before the actor is killed anyway: vLLM's shutdown
-# gives its engine core 5 s before it kills it (what it took on CPUs, where the model's worker outlived the grace)
+# How long an actor's own ending of what it started may take before the actor is killed anyway
 CLOSE_S = 30.0
 
 
 def end_child_processes(timeout_s: float = 1.0) -> list[int]:
-    """End every process this one started that is still up (what a vLLM engine's own shutdown left: its
-    multiprocessing resource tracker, which ignores SIGTERM, an engine core it killed but did not reap, a model
-    worker it killed): SIGTERM, SIGKILL after `timeout_s`, each one waited for; their pids. Ray kills only a worker's
-    direct children when it exits, not their children, and none where the worker crashed
-    (RAY_kill_child_processes_on_worker_exit, a last resort by Ray's docs)."""
+    """End every process this one started that is still up (what a vLLM engine's shutdown left: a resource tracker
+    that ignores SIGTERM, an unreaped engine core): SIGTERM, SIGKILL after `timeout_s`; their pids. Ray kills only
+    a worker's direct children when it exits, and none where the worker crashed."""
     import psutil
 
     children = psutil.Process().children(recursive=True)
@@ -134,11 +125,9 @@ def end_child_processes(timeout_s: float = 1.0) -> list[int]:
 
 
 def call_actor(actors: list, method: str, *args, attempts: int = 6, first: int | None = None):
-    """`actors[i].<method>(*args)` on one of interchangeable actors (replicas of a service), waited for: on
-    `actors[first]` when given, else a random one; a call that meets an actor being restarted after its node was
-    lost (ActorUnavailableError) or one that died is sent again, to the next actor, after a back-off. The
-    methods called this way are pure functions of their arguments: running one twice loses and duplicates
-    nothing."""
+    """`actors[i].<method>(*args)` on one of interchangeable actors, waited for: on `actors[first]` when given, else
+    a random one; a call that meets a lost or restarting actor is sent again, to the next one, after a back-off.
+    The methods called so are pure functions of their arguments: running one twice loses and duplicates nothing."""
     import random
     import time
 
@@ -161,11 +150,9 @@ def call_actor(actors: list, method: str, *args, attempts: int = 6, first: int |
 
 
 def start_restartable(remote_cls, *args):
-    """`remote_cls.remote(*args)` for an actor Ray restarts after a failure: the arguments must travel inside
-    the actor's creation spec (Ray inlines arguments up to `max_direct_call_object_size`, 100 KiB), not as
-    objects in the object store, which a restart needs again and cannot find once their owner released them
-    (ray-project/ray#53727). What an actor needs that is larger (an index, a model) it loads from storage by
-    path in its constructor, so a restarted actor loads it again; a clear error names anything else."""
+    """`remote_cls.remote(*args)` for an actor Ray restarts after a failure: the arguments must be inlined in the
+    creation spec (up to `max_direct_call_object_size`), not objects in the store, which a restart cannot find
+    once their owner released them (ray-project/ray#53727). Larger inputs go by path, loaded in the actor."""
     from ray import cloudpickle
 
     # Ray's own setting (a C++ config, read from the environment like every RAY_* one); its default
@@ -179,12 +166,9 @@ def start_restartable(remote_cls, *args):
 
 def call_actors(actors: list, method: str, calls: list[tuple], *, in_flight: int = 2,
                 on_result: Callable[[int, Any], None] | None = None) -> list:
-    """`actors[j].<method>(*calls[i])` for every i, spread over interchangeable actors, at most `in_flight` calls
-    sent to each actor and not yet answered (what the object store holds of the inputs stays bounded); each next
-    call goes to the actor with the fewest unanswered calls, that is to the one that just answered, so a slow
-    actor (a long batch, a busy node) is not handed as many calls as a fast one. The results in the order of
-    `calls`; `on_result(i, result)` as each one arrives (progress). A call that meets a lost actor is sent again
-    as `call_actor` does."""
+    """`actors[j].<method>(*calls[i])` for every i, at most `in_flight` unanswered calls per actor, each next call
+    to the actor with the fewest (the one that just answered). The results in the order of `calls`;
+    `on_result(i, result)` as each arrives. A call that meets a lost actor is sent again as `call_actor` does."""
     import ray
 
     results: list = [None] * len(calls)
@@ -215,8 +199,7 @@ def call_actors(actors: list, method: str, calls: list[tuple], *, in_flight: int
 
 
 def reset_peak_rss() -> float:
-    """Start a task's own peak-memory count (Ray reuses worker processes, whose lifetime peak would
-    include earlier tasks); returns the resident MiB at the start (interpreter, faiss, pyarrow)."""
+    """Start a task's own peak-memory count (Ray reuses worker processes); returns the resident MiB now."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux: reset VmHWM, the peak resident set size
@@ -243,8 +226,7 @@ def peak_rss_mb() -> float:
 
 def stable_names(prefix: str):
     """A Ray Data file-name provider: `<prefix>-<write uuid>-<task index>.parquet`, a pure function of (write,
-    task), as Ray 2.60's checkpointing needs to predict a file's name before it is written (and to delete it
-    if the write died before its checkpoint was committed); a retried task overwrites its own file."""
+    task), as Ray's checkpointing needs to predict a file's name; a retried task overwrites its own file."""
     from ray.data.datasource import FilenameProvider
 
     class StableNames(FilenameProvider):
@@ -257,17 +239,14 @@ def stable_names(prefix: str):
     return StableNames()
 
 
-# vLLM logs about 150 INFO lines per engine start, at the level it reads from the environment as it is imported
-# (-v: vLLM's own default). The workers that import it start with the setting in a runtime env of their own (a
-# generator stage's, `Resources.env`): the job's runtime env would carry it to every
-# worker, and any runtime env starts its worker through a second interpreter (0.3 CPU-s a worker, measured).
+# vLLM logs about 150 INFO lines per engine start, at the level it reads as it is imported (-v: its own default).
+# Only the workers that import it get the setting, in a runtime env of their own (`Resources.env`).
 QUIET_VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def vllm_env(verbose: bool | None = None) -> dict[str, str]:
-    """The environment of the workers that import vLLM: QUIET_VLLM_ENV unless `verbose` (by default: this process
-    logs at DEBUG, as -v sets it), where a value in this process's environment wins; none that the job's own
-    runtime env sets (a submitted job's value reaches every worker already, and stays the job's)."""
+    """The environment of the workers that import vLLM: QUIET_VLLM_ENV unless `verbose` (default: -v), a value in
+    this process's environment winning; none that the job's own runtime env sets (it reaches every worker)."""
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR as JOB
 
     if verbose is None:
@@ -280,10 +259,6 @@ def vllm_env(verbose: bool | None = None) -> dict[str, str]:
 def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster. `run_dir`: the run
     folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
-    import sys
-
-    from wbrag_ray.placement import PENDING_TIMEOUT_S
-
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
@@ -291,27 +266,23 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
     import ray
     import ray.data
 
-    if ray.is_initialized():
-        configure_data_context()
-        if run_dir is not None:
-            check_run_dir(run_dir)
-        return
-    kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
-    # a driver that imports vllm obeys it too (and a local cluster's processes, which inherit this environment)
-    os.environ.update(vllm_env())
-    if address:
-        try:
-            ray.init(address=address, **kwargs)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise ConfigError(
-                f"cannot reach the Ray cluster at ray.address={address!r}: {str(exc).splitlines()[0]}. "
-                "Check the address (ray status on the head node prints it) or drop --address to run locally."
-            ) from None
-    else:
-        # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
-        if not logging.getLogger().isEnabledFor(logging.DEBUG):  # -v: each worker's model-loading bars
-            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the local workers inherit it
-        _start_local(config.num_cpus, kwargs)
+    if not ray.is_initialized():
+        kwargs = {"ignore_reinit_error": True, "logging_level": logging.WARNING, "log_to_driver": True}
+        # a driver that imports vllm obeys it too (and a local cluster's processes, which inherit this environment)
+        os.environ.update(vllm_env())
+        if address:
+            try:
+                ray.init(address=address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ConfigError(
+                    f"cannot reach the Ray cluster at ray.address={address!r}: {str(exc).splitlines()[0]}. "
+                    "Check the address (ray status on the head node prints it) or drop --address to run locally."
+                ) from None
+        else:
+            # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
+            if not logging.getLogger().isEnabledFor(logging.DEBUG):  # -v: each worker's model-loading bars
+                os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the local workers inherit it
+            _start_local(config.num_cpus, kwargs)
     configure_data_context()
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -319,10 +290,8 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
 
 def _start_local(num_cpus: int | None, kwargs: dict) -> None:
     """A local cluster with its dashboard on a port of its own, which its processes find by RAY_API_SERVER_ADDRESS
-    (set while it starts: only they inherit it). Ray Train's placement-group cleaner asks the dashboard's State API
-    each second whether the training's controller still lives: with no dashboard it warned each second of every
-    training (14 times in the demo Zero-RAG chain) and could not clean up; with one but no address it looked for
-    the cluster among the machine's, and failed where there were two."""
+    (set while it starts: only they inherit it): Ray Train's placement-group cleaner asks it whether a training's
+    controller still lives, and warned each second without one."""
     import socket
 
     import ray
@@ -336,8 +305,7 @@ def _start_local(num_cpus: int | None, kwargs: dict) -> None:
 
 @contextlib.contextmanager
 def environ_while(values: dict[str, str]):
-    """`values` in this process's environment while a start that reads them runs (a cluster's processes, an
-    engine), the previous values (or none) back after: what this process starts later does not inherit them."""
+    """`values` in this process's environment while the block runs, the previous values (or none) back after."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -369,16 +337,13 @@ def _spread() -> str | None:
 
 
 def _check_shared(path: str, what: str, where: str, fix: str) -> None:
-    """Refuse a local `path` the other machines of a cluster cannot see, unless it is on a network or cluster
-    filesystem (NFS, Lustre, a FUSE mount of object storage, ...: `storage.is_shared_filesystem`) or
-    WBRAG_SHARED_RUN_DIR=1 says every node mounts it at the same path (then a warning, once per path)."""
-    from wbrag_ray.storage import is_shared_filesystem, mount_of
-
+    """Refuse a local `path` the cluster's other machines cannot see, unless it is on a shared filesystem
+    (`storage.is_shared_filesystem`) or WBRAG_SHARED_RUN_DIR=1 says so (then a warning, once per path)."""
     if os.environ.get(SHARED_RUN_DIR_ENV, "").strip().lower() in ("1", "true", "yes"):
         reason = f"{SHARED_RUN_DIR_ENV}=1 says every node sees it at that path"
     else:
-        mount = mount_of(path)
-        if mount is None or not is_shared_filesystem(mount[1]):
+        mount = storage.mount_of(path)
+        if mount is None or not storage.is_shared_filesystem(mount[1]):
             raise ConfigError(
                 f"{what} {path} is a local path, but Ray runs this command's tasks on a cluster {where}: workers on "
                 f"other machines cannot read this machine's disk. {fix}; if {path} is already on a filesystem every "
@@ -391,58 +356,45 @@ def _check_shared(path: str, what: str, where: str, fix: str) -> None:
 
 
 def check_run_dir(run_dir: str) -> None:
-    """Refuse a local run folder when Ray runs tasks on other machines (more than one alive node, or a Ray
-    Client connection): their workers would write into folders of their own machine's disk, and read nothing
-    of the driver's. Allowed, with a warning, on a shared filesystem or when WBRAG_SHARED_RUN_DIR=1."""
-    from wbrag_ray.storage import resolve
-
+    """Refuse a local run folder when Ray runs tasks on other machines (several nodes, or Ray Client): their
+    workers would write to their own disks. Allowed, with a warning, on a shared filesystem (`_check_shared`)."""
     if "://" in run_dir and not run_dir.startswith("file://"):
         return  # object storage: every node reaches it
     where = _spread()
     if where is not None:
-        _check_shared(resolve(run_dir).path, "run folder", where,
+        _check_shared(storage.resolve(run_dir).path, "run folder", where,
                       "Put the run folder on object storage (s3://bucket/prefix) or on a filesystem every node mounts "
                       "at the same path (NFS, Lustre, a FUSE mount)")
 
 
-def model_paths(config) -> dict[str, str]:
-    """{config key: local folder or file} of the models and adapters a run's workers load: the values that name a
-    path on this machine (not s3://, a hub id or a bundled model)."""
+def check_model_paths(config) -> None:
+    """On a cluster of several machines, refuse up front a model or adapter at a local path other nodes cannot
+    read (a worker there would fail only when it loads)."""
+    where = _spread()
+    if where is None:
+        return
     found = {"generator.model": config.generator.model, "generator.lora_adapter": config.generator.lora_adapter,
              "embedder.model": config.embedder.model, "zerorag.lm_pruner.backbone": config.zerorag.lm_pruner.backbone}
     if config.zerorag.qa_generator is not None:
         found["zerorag.qa_generator.model"] = config.zerorag.qa_generator.model
         found["zerorag.qa_generator.lora_adapter"] = config.zerorag.qa_generator.lora_adapter
-    return {key: os.path.abspath(os.path.expanduser(value)) for key, value in found.items()
-            if value and "://" not in value and not value.startswith("bundled:")
-            and os.path.exists(os.path.expanduser(value))}
-
-
-def check_model_paths(config) -> None:
-    """On a cluster of several machines, refuse up front a model or adapter given as a local path that the other
-    nodes cannot read (a worker there would fail only when it loads, after the work before it was done)."""
-    where = _spread()
-    if where is None:
-        return
-    for key, path in model_paths(config).items():
-        _check_shared(path, key, where, "Put the model on object storage (s3://...: each node fetches it once) or on "
-                      "a shared mount")
+    for key, value in found.items():
+        if value and "://" not in value and not value.startswith("bundled:") and os.path.exists(os.path.expanduser(value)):
+            _check_shared(os.path.abspath(os.path.expanduser(value)), key, where,
+                          "Put the model on object storage (s3://...: each node fetches it once) or on a shared mount")
 
 
 def configure_data_context() -> None:
     """Ray Data settings every wbrag pipeline runs with, whoever started Ray."""
     import ray.data
 
-    from wbrag_ray import progress
-
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
     # One line per pass unless -v (debug logging) asks for Ray's operator bars and dumps.
     progress.configure(verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
     ctx.print_on_execution_start = False
-    # Ray 2.60's V2 Parquet read adds a ListFiles task that always asks for a whole CPU; beside a model actor
-    # (and the CheckpointFilter actor of a resumed run) it can wait forever on a small node. The V1 read plans
-    # its files on the driver, and its read tasks take the LIGHT_CPUS the pipelines give them.
+    # Ray 2.60's V2 Parquet read adds a ListFiles task asking for a whole CPU, which can wait forever beside a
+    # model actor on a small node; the V1 read plans its files on the driver.
     ctx.use_datasource_v2 = False
 
 
@@ -472,8 +424,7 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def _is_ray_dashboard(conn, host: str, timeout_s: float = 2.0) -> bool:
-    """Whether the server on `conn` answers HTTP as Ray's dashboard does (its /api/version names the Ray version).
-    Joining it with ray.init would retry for minutes; the cluster's GCS port speaks gRPC and never answers this."""
+    """Whether the server on `conn` answers HTTP as Ray's dashboard does (ray.init would retry it for minutes)."""
     conn.settimeout(timeout_s)
     try:
         conn.sendall(f"GET /api/version HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())

@@ -8,6 +8,7 @@ the stages it reads; a complete stage whose fingerprint changed is refused (unle
 from __future__ import annotations
 
 import logging
+import operator
 import re
 import string
 import sys
@@ -19,8 +20,11 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from wbrag_ray import __version__
+from wbrag_ray.checkpoints import stage_checkpoint
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.layout import RunLayout, staging
+from wbrag_ray.layout import RunLayout, staging, subdirs
+from wbrag_ray.lease import LeaseLost, fence
+from wbrag_ray.models.hardware import resolved_dtype_name
 from wbrag_ray.storage import Location, refused_writes, resolve
 
 log = logging.getLogger(__name__)
@@ -37,8 +41,6 @@ def settings_value(value: Any) -> Any:
         skip = PLACEMENT_KEYS | set(getattr(type(value), "RUNTIME_KEYS", ()))
         out = {k: settings_value(getattr(value, k)) for k in type(value).model_fields if k not in skip}
         if out.get("dtype") == "auto":
-            from wbrag_ray.models.hardware import resolved_dtype_name
-
             out["dtype"] = resolved_dtype_name("auto", getattr(value, "num_gpus", 0.0))
         return out
     if isinstance(value, dict):
@@ -80,10 +82,7 @@ class RunStage:
             path = template.format_map(_Keep({k: "" if v is None else v for k, v in (params or {}).items()}))
             if "{" in path or not all(path.split(".")):
                 continue  # a parameterized path whose parameter is empty or not given: nothing to record
-            value: Any = config
-            for part in path.split("."):
-                value = getattr(value, part)
-            out[path] = settings_value(value)
+            out[path] = settings_value(operator.attrgetter(path)(config))
         for path in self.ignore:
             for declared, value in out.items():
                 if path.startswith(declared + ".") and isinstance(value, dict):
@@ -98,8 +97,8 @@ class RunStage:
 class Step:
     """A stage of `wbrag run` as every reader sees it (registry: `wbrag_ray.pipeline.PIPELINE`): its run `stage`,
     `outputs` (`RunLayout` paths), the config sections it holds (`resources`), its `work(config, sizes, params)`
-    as `wbrag_ray.work` items (which the plan prices), how `run` makes it, and its `instances(config)` (params
-    dicts). `title`: its name in the plan; `measured_by`: a pattern of the run stages whose stats measure it."""
+    as `wbrag_ray.work` items (which the plan prices), how `run` makes it, and its `instances(config)`. `title`:
+    its name in the plan; `measured_by`: a pattern of the run stages whose stats measure it."""
 
     title: str
     stage: RunStage
@@ -130,9 +129,6 @@ class RunFolder:
     @property
     def uri(self) -> str:
         return self.root.uri
-
-    def path(self, *parts: str) -> Location:
-        return self.root.join(*parts)
 
     # --- config ------------------------------------------------------------------------------------
 
@@ -185,8 +181,6 @@ class RunFolder:
                       staged: Iterable[tuple[Location, Location]] = ()) -> None:
         """Record the stage's stats, then its marker; `staged`: (final, new) output folders of a redone stage, which
         replace the old ones first (the old marker goes before, so a stop half way is an incomplete stage)."""
-        from wbrag_ray.lease import fence
-
         record = self.layout.stage(name)
         fence(record.success)  # a commit: this command must still hold the run folder's lease
         staged = list(staged)
@@ -213,8 +207,6 @@ class RunFolder:
         self.layout.stage(name).success.delete()
 
     def completed_stages(self) -> list[str]:
-        from wbrag_ray.layout import subdirs
-
         done = [name for name in subdirs(self.layout.stages) if self.is_complete(name)]
 
         def completed_at(name: str) -> int:
@@ -303,8 +295,6 @@ class RunFolder:
                   fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run `fn` unless the stage is complete, with its checkpoint open (resumed for the same `fingerprint`);
         record its stats and marker; print a one-line summary."""
-        from wbrag_ray.checkpoints import stage_checkpoint
-
         if self.is_complete(name) and not force:
             stats = self.stats(name) or {}
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
@@ -322,8 +312,6 @@ class RunFolder:
             with refused_writes(self.root), stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
                 stats = dict(fn() or {})
         except BaseException:
-            from wbrag_ray.lease import LeaseLost
-
             self._staged = outer_staged
             if isinstance(sys.exc_info()[1], LeaseLost):
                 raise  # run.json is the new holder's now

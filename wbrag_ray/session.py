@@ -8,7 +8,7 @@ import os
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.vllm import check_shape
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
-from wbrag_ray.placement.gpus import has_auto, index_on_gpu, needs_layout, resolve_auto_concurrency
+from wbrag_ray.placement.gpus import auto_keys, index_on_gpu, needs_layout, resolve_auto_concurrency
 from wbrag_ray.ray_runtime import check_model_paths, init_ray
 from wbrag_ray.run import RunFolder
 
@@ -37,7 +37,7 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
 
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
     index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
-    if has_auto(config) or needs_layout(config):
+    if auto_keys(config) or needs_layout(config):
         from wbrag_ray.retrieval.service import search_actors
 
         resolve_auto_concurrency(config, search=search_actors(run.layout.index.uri, config.index, config.retrieval))

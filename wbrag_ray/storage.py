@@ -1,5 +1,6 @@
 """All file access goes through pyarrow.fs, so a run folder or a corpus can be local or on s3://. S3 endpoint and
-credentials come from the standard AWS variables and are never written into a run folder."""
+credentials come from the standard AWS variables and are never written into a run folder. Over 400 lines: every
+write's atomicity, refusal and lease guard live with the one `Location` that makes them."""
 
 from __future__ import annotations
 
@@ -95,10 +96,15 @@ def refused_write(exc: BaseException | None, _seen: set[int] | None = None) -> s
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
     if isinstance(exc, OSError) and (exc.errno in _REFUSED_ERRNOS or any(w in text.lower() for w in _REFUSED_WORDS)):
         return exc.strerror if exc.strerror and exc.errno in _REFUSED_ERRNOS else text
-    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))  # botocore's errors (boto3 copies)
+    code = error_code(exc)  # botocore's errors (boto3 copies)
     if code and any(w in code.lower() for w in _REFUSED_WORDS):
         return text
     return None
+
+
+def error_code(exc: BaseException) -> str:
+    """The code of a botocore error ("NoSuchKey", "PreconditionFailed"); "" for any other error."""
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
 
 
 @contextlib.contextmanager
@@ -121,22 +127,22 @@ def writer_suffix() -> str:
 
 
 # Fencing: while a command holds a run folder's lease, every write below it asks the lease first.
-_WRITE_GUARDS: dict[str, Callable[[Location], None]] = {}
+_WRITE_GUARDS: dict[str, Callable[[Location, bool], None]] = {}
 
 
-def guard_writes(root: Location, check: Callable[[Location], None] | None) -> None:
-    """Run `check(location)` before every write or delete below `root` in this process; None ends it."""
+def guard_writes(root: Location, check: Callable[[Location, bool], None] | None) -> None:
+    """Run `check(location, commit)` before every write or delete below `root` in this process; None ends it."""
     if check is None:
         _WRITE_GUARDS.pop(root.uri.rstrip("/"), None)
     else:
         _WRITE_GUARDS[root.uri.rstrip("/")] = check
 
 
-def before_write(loc: Location) -> None:
-    """The guard of the leased folder holding `loc`, if any (`guard_writes`)."""
+def before_write(loc: Location, commit: bool = False) -> None:
+    """The guard of the leased folder holding `loc`, if any (`guard_writes`); `commit`: a commit is next."""
     for root, check in list(_WRITE_GUARDS.items()):
         if loc.uri == root or loc.uri.startswith(root + "/"):
-            check(loc)
+            check(loc, commit)
 
 
 @dataclass(frozen=True)
@@ -297,20 +303,25 @@ def cache_root() -> str:
     return os.path.expanduser(os.environ.get("WBRAG_CACHE", "~/.cache/wbrag"))
 
 
+def lock_path(path: str, suffix: str = ".lock") -> str:
+    """This host's lock file for `path`: apart from it, and kept (removing an open one would let a third process in)."""
+    import hashlib
+    import tempfile
+
+    locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
+    os.makedirs(locks, exist_ok=True)
+    return os.path.join(locks, hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + suffix)
+
+
 def node_cached(dest: str, build: Callable[[str], None]) -> str:
     """`dest`, made by `build(tmp)` once per node under a file lock and renamed into place."""
     import fcntl
-    import hashlib
     import shutil
-    import tempfile
 
     if os.path.exists(dest):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    # Lock files live apart from the cache and are kept (removing an open one would let a third process in).
-    locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
-    os.makedirs(locks, exist_ok=True)
-    with open(os.path.join(locks, hashlib.sha1(os.path.abspath(dest).encode()).hexdigest()[:20] + ".lock"), "w") as lock:
+    with open(lock_path(dest), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
         if not os.path.exists(dest):
             tmp = f"{dest}.tmp{os.getpid()}"

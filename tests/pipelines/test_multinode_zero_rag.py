@@ -45,7 +45,7 @@ SCRIPT_TIMEOUT_S = 900
 def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_node(chain, s3_env, tmp_path):
     run, test_file = chain
     copy = tmp_path / "run"
-    local = run.path().path.rstrip("/")
+    local = run.root.path.rstrip("/")
     shutil.copytree(local, copy)
     relocate(copy, local, S3_RUN)
     import pyarrow.fs as pafs

@@ -36,7 +36,7 @@ SMALL_BLOCKS = ["--set", "generator.batch_size=1", "--set", "generator.checkpoin
 
 
 def _copy(chain_run: RunFolder, dest: Path, *invalidate: str) -> RunFolder:
-    local = chain_run.path().path.rstrip("/")
+    local = chain_run.root.path.rstrip("/")
     shutil.copytree(local, dest)
     relocate(dest, local, str(dest))  # nothing of the copy may write into the session's chain run
     run = RunFolder(str(dest))

@@ -1,10 +1,9 @@
 """Does it fit on the cluster? One answer for the commands (on Ray's nodes) and the plan (on a stated cluster).
 
 A node is what Ray reports of it, a dict of resources ({"CPU": 32.0, "GPU": 8.0, "memory": bytes}); a `Cluster`
-is the plan's list of them. `room_for` counts how many units of an ask the nodes hold, each unit on one node; the
-refusals (`pool_refusal`, `placement_refusal`, `problems`) say what does not fit and the setting that asks for
-less, before anything waits. GPU shares and "auto" counts are `placement.gpus`; waits that end, `placement.waits`.
-Over 400 lines: the inventory and every fit check with its refusal, kept in one place so no check is duplicated.
+is the plan's list of them. `room_for` counts how many units of an ask the nodes hold; the refusals say what does
+not fit and the setting that asks for less. GPU shares and "auto" counts: `placement.gpus`; waits: `placement.waits`.
+Over 400 lines: the inventory and every fit check with its refusal, in one place so no check is written twice.
 """
 
 from __future__ import annotations
@@ -20,18 +19,15 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
-# Set to 1 on a cluster that adds nodes on demand but publishes no node groups (Ray's v1 autoscaler, which the
-# cluster launcher runs): the nodes up now say nothing about what it can add, so the checks check nothing.
+# Set to 1 on a cluster that adds nodes on demand but publishes no node groups (Ray's v1 autoscaler): the checks
+# then check nothing
 AUTOSCALING_ENV = "WBRAG_AUTOSCALING"
-# With WBRAG_AUTOSCALING=1 on a cluster of Ray's cluster launcher, the launcher config whose node types declare the
-# most nodes the cluster may run (`ray up` copies it to the head as this file; `ray job submit` runs drivers there).
+# With WBRAG_AUTOSCALING=1, the cluster launcher's config, whose node types declare the most nodes it may run
 LAUNCHER_CONFIG_ENV = "WBRAG_CLUSTER_CONFIG"
 LAUNCHER_CONFIG = "~/ray_bootstrap_config.yaml"
-# How long a service's actors may wait for resources (`ray.pending_timeout_s`; `init_ray` sets it for the
-# driver). As long as vLLM waits for its own placement group: an autoscaler may be adding nodes meanwhile.
+# How long a service's actors may wait for resources (`ray.pending_timeout_s`, which `init_ray` sets)
 PENDING_TIMEOUT_S = {"seconds": 1800.0}
-# One engine worker's bundle, as Ray Data LLM's default: a GPU and a CPU beside it (vLLM refuses bundles of more
-# than one GPU: it starts one worker per GPU bundle). The engine's own process takes the first bundle's CPU.
+# One engine worker's bundle: a GPU and a CPU beside it (vLLM starts one worker per GPU bundle)
 GPU_BUNDLE: dict[str, float] = {"GPU": 1.0, "CPU": 1.0}
 
 
@@ -88,7 +84,7 @@ class Cluster:
 def stated_cluster(nodes: int | None, gpus: float | None, cpus: float | None, memory_gb: float | None,
                    gpu_memory_gb: float) -> Cluster:
     """`nodes` alike nodes as `wbrag plan`'s flags state them; a value not given is this machine's (CPUs, memory),
-    or 1 node and no GPUs. With no flag at all, the cluster is this machine (its GPUs are not looked for)."""
+    or 1 node and no GPUs."""
     import psutil
 
     given = [f"{v:g} {what}" for v, what in ((gpus, "GPUs"), (cpus, "CPUs"), (memory_gb, "GB")) if v is not None]
@@ -107,8 +103,7 @@ def stated_cluster(nodes: int | None, gpus: float | None, cpus: float | None, me
 
 
 def cluster_from_ray(gpu_memory_gb: float) -> Cluster | None:
-    """The connected Ray cluster's alive nodes with CPUs, or None when Ray is not connected in this process. Ray
-    does not report a GPU's memory: `gpu_memory_gb` is assumed."""
+    """The connected Ray cluster's alive nodes with CPUs (None without Ray); each GPU assumed `gpu_memory_gb`."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
@@ -132,8 +127,8 @@ def autoscaling() -> bool:
 
 
 def _published_groups() -> list:
-    """The node groups Ray's autoscaler published (autoscaler v2, KubeRay: each with `resources` and `max_count`,
-    negative where unbounded), or [] where it published none."""
+    """The node groups Ray's autoscaler published (each with `resources` and `max_count`, negative where
+    unbounded), or []."""
     try:  # Ray's own checks read it so (ray.train v2's worker group, ray.data's hash shuffle)
         from ray._private.state import state
 
@@ -145,8 +140,7 @@ def _published_groups() -> list:
 
 def cluster_nodes() -> tuple[list[dict[str, float]], bool]:
     """The nodes a pass may be placed on, and whether they are every node the cluster may run: each published
-    node group's max_count nodes (unbounded: 1024), as Ray Train checks its workers; else the alive nodes (False:
-    a cluster launcher's autoscaler may add more)."""
+    node group's max_count nodes (unbounded: 1024); else the alive nodes (False)."""
     groups = _published_groups()
     if groups:
         return [dict(g.resources) for g in groups for _ in range(1024 if g.max_count < 0 else g.max_count)], True
@@ -154,8 +148,8 @@ def cluster_nodes() -> tuple[list[dict[str, float]], bool]:
 
 
 def launcher_nodes(doc: dict) -> list[dict[str, float]]:
-    """The most nodes a cluster launcher config (`ray up`'s YAML) may run: the head, and each worker node type's
-    `resources` times its max_workers, the types with the most GPUs first within the cluster's max_workers."""
+    """The most nodes a cluster launcher config (`ray up`'s YAML) may run: the head, and each worker type's
+    `resources` times its max_workers, most GPUs first, within the cluster's max_workers."""
     types = doc.get("available_node_types") or {}
     head = doc.get("head_node_type")
     budget = doc.get("max_workers", 1 << 30)
@@ -171,8 +165,7 @@ def launcher_nodes(doc: dict) -> list[dict[str, float]]:
 
 def auto_nodes() -> tuple[list[dict[str, float]], str]:
     """The nodes `auto` sizes for, and what they are: an autoscaling cluster's declared maximum (bounded published
-    node groups; with WBRAG_AUTOSCALING=1, the cluster launcher's config), else every alive node's resources (the
-    cluster's, not what is free this moment: a pool that finds them held ends its wait with a message)."""
+    node groups; with WBRAG_AUTOSCALING=1, the launcher's config), else every alive node's resources."""
     groups = _published_groups()
     if groups and all(g.max_count >= 0 for g in groups):
         return [dict(g.resources) for g in groups for _ in range(g.max_count)], "the autoscaler's declared maximum"
@@ -191,25 +184,24 @@ def auto_nodes() -> tuple[list[dict[str, float]], str]:
     return _alive_nodes(), "the nodes up now"
 
 
-def free_nodes() -> list[dict[str, float]]:
-    """Each alive node's resources free now (Ray's per-node availability, a private API its own `ray status`
-    reads; where it moved, the cluster's free total as one node)."""
+def free_nodes() -> dict[str, dict[str, float]]:
+    """Each alive node's resources free now, by node id (where Ray's private API moved, the free total as one
+    node of id "")."""
     import ray
 
     try:
         from ray._private.state import state
 
-        return [dict(free) for free in state.available_resources_per_node().values()]
+        return {node: dict(free) for node, free in state.available_resources_per_node().items()}
     except Exception:  # noqa: BLE001 - a private API: the total is what is known
-        return [dict(ray.available_resources())]
+        return {"": dict(ray.available_resources())}
 
 
 # --- fit checks and refusals ---------------------------------------------------------------------------------
 
 
 def room_for(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
-    """How many whole units asking for `need` (resource -> amount, e.g. {"CPU": 1, "GPU": 1}) the nodes hold,
-    each unit on one node; the epsilon keeps 3 x 0.333... GPUs from flooring to 2."""
+    """How many whole units asking for `need` ({"CPU": 1, "GPU": 1}) the nodes hold, each unit on one node."""
     need = {r: amount for r, amount in need.items() if amount > 0}
     if not need:
         return 1 << 30
@@ -217,8 +209,8 @@ def room_for(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
 
 
 def _units(resource: str, free: float, amount: float) -> int:
-    """Units of `amount` in `free` of `resource`. A share of a GPU lies on one GPU (Ray packs shares onto the
-    GPUs it has started filling): 7.8 free GPUs hold 7 shares of 0.9 and 8 of 0.8."""
+    """Units of `amount` in `free` of `resource` (the epsilon keeps 3 x 0.333 GPUs from flooring to 2). A share of
+    a GPU lies on one GPU: 7.8 free GPUs hold 7 shares of 0.9 and 8 of 0.8."""
     if resource == "GPU" and amount < 1:
         whole = int(free + 1e-9)
         return whole * int(1 / amount + 1e-9) + int((free - whole) / amount + 1e-9)
@@ -236,9 +228,8 @@ def amounts(resources: dict[str, float], need: dict[str, float]) -> str:
 
 def pool_refusal(what: str, count: int, need: dict[str, float], nodes: list[dict[str, float]],
                  groups: int = 1) -> str | None:
-    """Why `count` actors asking for `need` each (one node per actor) do not fit `nodes`, or None where they do:
-    Ray would start those that fit and leave the rest pending while the driver waits on all of them. `groups`:
-    the pool is that many groups of replicas (a search pool's shard groups)."""
+    """Why `count` actors asking for `need` each do not fit `nodes`, or None where they do. `groups`: the pool is
+    that many groups of replicas (a search pool's shard groups)."""
     fits = room_for(need, nodes)
     if fits >= count:
         return None
@@ -252,9 +243,8 @@ def pool_refusal(what: str, count: int, need: dict[str, float], nodes: list[dict
 
 
 def refuse_unplaceable(refusal) -> None:
-    """A `ConfigError` with what `refusal(nodes)` says (None: it places) about the connected cluster's nodes;
-    where those are only the nodes up now, the message says how to skip the check on a cluster that adds nodes
-    on demand. Nothing is checked where WBRAG_AUTOSCALING=1."""
+    """A `ConfigError` with what `refusal(nodes)` says (None: it places) of the connected cluster's nodes; nothing
+    is checked where WBRAG_AUTOSCALING=1."""
     if autoscaling():
         return
     nodes, every_node = cluster_nodes()
@@ -269,8 +259,7 @@ def refuse_unplaceable(refusal) -> None:
 
 
 def sharded(config: GeneratorConfig) -> bool:
-    """Whether an engine replica has more than one shard (GPUs, or tensor-parallel ranks on CPUs): it then runs
-    in a placement group of its own."""
+    """Whether an engine replica has more than one shard: it then runs in a placement group of its own."""
     tp, pp = config.parallel_sizes()
     return tp * pp > 1
 
@@ -282,10 +271,9 @@ def cpu_rank_bundle(config: GeneratorConfig) -> dict[str, float]:
 
 
 def replica_placement(config: GeneratorConfig) -> dict[str, Any] | None:
-    """The placement group of one engine replica of more than one shard (None otherwise), as Ray Data LLM's
-    `placement_group_config` and `ray.util.placement_group` take it: tp x pp bundles of `GPU_BUNDLE` (on CPUs, tp
-    of `cpu_rank_bundle`). STRICT_PACK by default: tensor-parallel shards exchange activations every layer, fast
-    only within a node. PACK where generator.pipeline_across_nodes lets pipeline stages sit on different nodes."""
+    """The placement group of one engine replica of more than one shard (None otherwise): tp x pp bundles of
+    `GPU_BUNDLE` (on CPUs, tp of `cpu_rank_bundle`). STRICT_PACK (tensor-parallel shards exchange activations every
+    layer), PACK where generator.pipeline_across_nodes lets pipeline stages sit on different nodes."""
     if not sharded(config):
         return None
     tp, pp = config.parallel_sizes()
@@ -296,16 +284,9 @@ def replica_placement(config: GeneratorConfig) -> dict[str, Any] | None:
     return {"bundles": [dict(bundle) for _ in range(tp * pp)], "strategy": "PACK" if across else "STRICT_PACK"}
 
 
-def _describe_nodes(node_gpus: list[float]) -> str:
-    counts = collections.Counter(node_gpus)
-    return ", ".join(f"{n} node{'s' * (n > 1)} x {g:g} GPU{'s' * (g != 1)}"
-                     for g, n in sorted(counts.items(), reverse=True))
-
-
 def placement_refusal(config: GeneratorConfig, nodes: list[dict[str, float]], key: str = "generator") -> str | None:
-    """Why `nodes` cannot place `config.concurrency` engine replicas, or None where they can (or the generator asks
-    for no GPU). A replica's tp x pp GPUs go on one node; with pipeline_across_nodes, pp groups of tp GPUs, each on
-    one node; a replica of one GPU or less needs `num_gpus` of one node. `key`: the section the message names."""
+    """Why `nodes` cannot place `config.concurrency` engine replicas, or None. A replica's tp x pp GPUs go on one
+    node; with pipeline_across_nodes, pp groups of tp GPUs. `key`: the section the message names."""
     if config.backend == "openai" or config.num_gpus <= 0:
         return None
     tp, pp = config.parallel_sizes()
@@ -315,7 +296,8 @@ def placement_refusal(config: GeneratorConfig, nodes: list[dict[str, float]], ke
     needed = (pp if across else 1) * config.concurrency
     node_gpus = [float(n.get("GPU", 0.0)) for n in nodes]
     shape = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}" if tp * pp > 1 else f"num_gpus={group:g}"
-    have = _describe_nodes(node_gpus) if node_gpus else "no nodes"
+    have = ", ".join(f"{n} node{'s' * (n > 1)} x {g:g} GPU{'s' * (g != 1)}"
+                     for g, n in sorted(collections.Counter(node_gpus).items(), reverse=True)) or "no nodes"
     if max(node_gpus, default=0.0) < group:
         if pp > 1 and not across:
             fix = f"set pipeline_across_nodes: true (its {pp} stages on different nodes, {tp:g} GPUs of one node each)"
@@ -339,8 +321,7 @@ def placement_refusal(config: GeneratorConfig, nodes: list[dict[str, float]], ke
 
 
 def check_placement(config: GeneratorConfig, key: str = "generator") -> None:
-    """A `ConfigError` when the connected Ray cluster cannot place the generator's replicas (`placement_refusal`);
-    nothing to check when Ray is not up yet (the pass starts it) or where WBRAG_AUTOSCALING=1."""
+    """A `ConfigError` when the connected Ray cluster cannot place the generator's replicas (none without Ray)."""
     ray = sys.modules.get("ray")
     if config.backend == "openai" or config.num_gpus <= 0 or ray is None or not ray.is_initialized():
         return
@@ -348,8 +329,7 @@ def check_placement(config: GeneratorConfig, key: str = "generator") -> None:
 
 
 def workers_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key: str) -> str | None:
-    """Why `nodes` cannot place a training's `trainer.num_workers` workers (each on one node), or None where they
-    can: Ray Train would wait for them. `key`: the config section named in the message."""
+    """Why `nodes` cannot place a training's `trainer.num_workers` workers, or None. `key`: the config section."""
     need = {"CPU": trainer.num_cpus, **({"GPU": trainer.num_gpus} if trainer.num_gpus else {})}
     fits = room_for(need, nodes)
     if fits >= trainer.num_workers:
@@ -371,10 +351,9 @@ def check_workers(trainer: TrainerConfig, key: str) -> None:
 
 @dataclass
 class Bundle:
-    """`count` actors (or tasks, or training workers) of a stage, each asking Ray for this. `gpu_memory_gb` is
-    what the model takes of each of its GPUs, checked against `gpu_budget` of a GPU. What to change when it does
-    not fit: `fix` names the keys that lower the stage's total ask, `fix_node` what makes one bundle fit a node,
-    `fix_memory` what makes the model fit its GPUs."""
+    """`count` actors (or tasks, or training workers) of a stage, each asking Ray for this; `gpu_memory_gb`: what
+    the model takes of each of its GPUs. `fix` lowers the stage's total ask, `fix_node` makes one bundle fit a
+    node, `fix_memory` makes the model fit its GPUs."""
 
     what: str
     count: int
@@ -404,9 +383,8 @@ class Bundle:
 
 
 def problems(bundles: list[Bundle], cluster: Cluster) -> list[str]:
-    """Why a stage's `bundles` cannot be placed on `cluster` ([] when they can), each naming what to change. A
-    stage's actors and workers live at once, so they are packed together onto the nodes, first fit from the
-    largest; a task only has to fit one node, since tasks queue."""
+    """Why a stage's `bundles` cannot be placed on `cluster` ([] when they can). Actors and workers live at once,
+    packed together first fit from the largest; a task only has to fit one node, since tasks queue."""
     out = []
     nodes = cluster.resources()
     largest = max(cluster.nodes, key=lambda n: (n.gpus, n.cpus, n.memory_gb))

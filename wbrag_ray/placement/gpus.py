@@ -1,9 +1,7 @@
-"""GPU shares and "auto" settings: what a config's "auto" GPU settings and counts become on a node inventory,
-as pure functions so every shape is tested without a GPU. The commands apply them on Ray's nodes
-(`resolve_auto_concurrency`), the plan on its stated cluster. Retrieval (search actors, query embedders) takes
-whole GPUs where that costs the generator at most one replica in eight (`WHOLE_GPU_COST`), on the node where they
-break the fewest replicas; otherwise shares of the replicas' GPUs, vLLM's memory lowered to leave them room.
-Over 400 lines: the "auto" counts depend on the GPU layout decided first, so both rules live together.
+"""GPU shares and "auto" settings: what a config's "auto" GPU settings and counts become on a node inventory, as
+pure functions (tested without a GPU); the commands apply them on Ray's nodes (`resolve_auto_concurrency`), the
+plan on its stated cluster. Retrieval takes whole GPUs where that costs the generator at most `WHOLE_GPU_COST` of
+its replicas, else shares of the replicas' GPUs, vLLM's memory lowered to leave them room.
 """
 
 from __future__ import annotations
@@ -11,35 +9,34 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import operator
 from dataclasses import dataclass
 
 from wbrag_ray.config import AUTO_SETTINGS, ConfigError
 from wbrag_ray.models.accelerators import DEFAULT_GPU_MEMORY_GB, accelerator
 from wbrag_ray.models.size import model_size, serving_gb
-from wbrag_ray.placement import auto_nodes, room_for
+from wbrag_ray.placement import auto_nodes, free_nodes, room_for
 
 log = logging.getLogger(__name__)
 
-# Retrieval on whole GPUs while that costs the generator at most this share of its replicas (1 of 8 on 4 x 8 with
-# 4-GPU replicas); beyond it, shares beside the replicas: a search actor uses a few GB and little compute.
+# Retrieval on whole GPUs while that costs the generator at most this share of its replicas; beyond it, shares
+# beside the replicas (a search actor uses a few GB and little compute)
 WHOLE_GPU_COST = 1 / 8
 CUDA_CONTEXT_GB = 1.0  # what a process's CUDA context and caching allocator hold on a GPU before any data
 MIN_SHARE = 0.02
 MAX_SHARE = 0.3  # retrieval needing more of a GPU than this beside an engine runs on CPUs (or is refused)
 SHARE_STEP = 0.01
-# vLLM's gpu_memory_utilization unless a config sets it (`generation.vllm.VLLM_THROUGHPUT_DEFAULTS` takes it from
-# here): the rest of a GPU holds the CUDA graphs, the sampler's buffers and other processes' contexts
+# vLLM's gpu_memory_utilization unless a config sets it (the rest holds CUDA graphs and other processes' contexts)
 ENGINE_MEMORY_UTILIZATION = 0.85
 ENGINE_MARGIN = 0.05  # of a GPU's memory between vLLM's budget and the shares beside it (fragmentation)
-# Tokens of a prompt the KV budget counts when no longer context is set: an instruction and a question (about 200
-# tokens) and each retrieved document (a 100-word passage is about 140 tokens of Llama's tokenizer; a sentence 40)
+# Tokens of a prompt the KV budget counts when no longer context is set: an instruction and a question, and each
+# retrieved document (a 100-word passage is about 140 tokens of Llama's tokenizer; a sentence 40)
 PROMPT_BASE_TOKENS = 200
 DOC_TOKENS = {"passage": 140, "sentence": 40}
 
 
 def engine_utilization(configured: float, share: float) -> float:
-    """vLLM's gpu_memory_utilization on GPUs a replica holds `share` of (retrieval's actors in the rest): the
-    configured value, at most the share less `ENGINE_MARGIN` (at least half the share)."""
+    """vLLM's gpu_memory_utilization on GPUs a replica holds `share` of: at most the share less `ENGINE_MARGIN`."""
     if share >= 1:
         return configured
     return min(configured, round(max(share / 2, share - ENGINE_MARGIN), 4))
@@ -52,9 +49,8 @@ def prompt_tokens(top_k: int, unit: str) -> int:
 
 def tensor_parallel_auto(size, gpus_per_node: list[float], gpu_memory_gb: float, utilization: float, batch: int,
                          tokens: int, key: str = "generator") -> int:
-    """The fewest GPUs of one node (`gpus_per_node`: each node's GPU count) whose memory, at `utilization` of each,
-    holds the model's bf16 weights and the KV cache of `batch` sequences of `tokens` (`size`: a `ModelSize`), and
-    that vLLM can shard the model over. Raises ConfigError naming why where no node holds it."""
+    """The fewest GPUs of one node whose memory, at `utilization` of each, holds the model's bf16 weights and the KV
+    cache of `batch` sequences of `tokens` (`size`: a `ModelSize`), and that vLLM can shard the model over."""
     if size.params is None:
         raise ConfigError(f"{key}.tensor_parallel_size auto: the size of {size.name} is unknown (no config.json, "
                           "not a known model); set tensor_parallel_size and num_gpus")
@@ -77,8 +73,7 @@ def tensor_parallel_auto(size, gpus_per_node: list[float], gpu_memory_gb: float,
 
 @dataclass(frozen=True)
 class RetrievalActors:
-    """Retrieval's GPU actors beside the generator: `count` actors needing `memory_gb` of GPU memory each (a search
-    actor's shard group, a query embedder's model), and what they are called."""
+    """Retrieval's GPU actors beside the generator: `count` actors needing `memory_gb` of GPU memory each."""
 
     what: str
     count: int
@@ -87,11 +82,10 @@ class RetrievalActors:
 
 @dataclass(frozen=True)
 class GpuLayout:
-    """How a generation stage's GPUs are shared. `replica_gpu`: what each GPU of an engine replica asks Ray for (1,
-    or what retrieval's shares leave of it); `shares`: each retrieval actor kind's ask (1 for a whole GPU, a
-    share, or 0: on CPUs), in the order given; `utilization`: vLLM's gpu_memory_utilization where it must be
-    lowered (None: its default); `replicas`: the engine replicas the cluster holds so (auto concurrency);
-    `whole`: retrieval on GPUs of its own; `why`: the rule's reason, for the log and the plan."""
+    """How a generation stage's GPUs are shared. `replica_gpu`: what each GPU of an engine replica asks Ray for;
+    `shares`: each retrieval actor kind's ask (1: a whole GPU, 0: on CPUs); `utilization`: vLLM's where lowered;
+    `replicas`: the engine replicas the cluster holds so; `whole`: retrieval on GPUs of its own; `why`: the rule's
+    reason, for the log and the plan."""
 
     replica_gpu: float
     shares: tuple[float, ...]
@@ -102,8 +96,7 @@ class GpuLayout:
 
 
 def share_of(memory_gb: float, gpu_memory_gb: float) -> float:
-    """The share of a GPU an actor needing `memory_gb` of it asks for: its data and a CUDA context, rounded up to a
-    hundredth, at least `MIN_SHARE`."""
+    """The share of a GPU an actor needing `memory_gb` asks for: with a CUDA context, rounded up, at least MIN_SHARE."""
     share = math.ceil((memory_gb + CUDA_CONTEXT_GB) / gpu_memory_gb / SHARE_STEP - 1e-9) * SHARE_STEP
     return round(max(MIN_SHARE, share), 4)
 
@@ -124,8 +117,8 @@ def _groups(node_gpus: list[float], group: int) -> int:
 
 
 def retrieval_node(node_gpus: list[float], group: int, need: int) -> int | None:
-    """The node (an index of `node_gpus`) whose GPUs retrieval's `need` whole GPUs take at the least cost in whole
-    replica groups of `group` GPUs (ties: the node with the most GPUs left), or None where no node has `need`."""
+    """The node (an index of `node_gpus`) where retrieval's `need` whole GPUs cost the fewest replica groups of
+    `group` GPUs (ties: the most GPUs left), or None where no node has `need`."""
     best, best_key = None, None
     for i, gpus in enumerate(node_gpus):
         if gpus + 1e-9 < need:
@@ -139,9 +132,9 @@ def retrieval_node(node_gpus: list[float], group: int, need: int) -> int | None:
 
 def gpu_layout(node_gpus: list[float], gpu_memory_gb: float, group: int, concurrency: int | None,
                retrieval: list[RetrievalActors], utilization: float, on_cpus_ok: bool = True) -> GpuLayout:
-    """The layout of a generation stage: `concurrency` engine replicas (None: as many as fit) of `group` whole GPUs
-    beside `retrieval`'s actors, on nodes of `node_gpus` GPUs of `gpu_memory_gb`. Where retrieval fits neither
-    whole GPUs nor shares of at most `MAX_SHARE`, it runs on CPUs where `on_cpus_ok`, else ConfigError."""
+    """The layout of `concurrency` engine replicas (None: as many as fit) of `group` whole GPUs beside `retrieval`'s
+    actors. Where retrieval fits neither whole GPUs nor shares of at most `MAX_SHARE`, it runs on CPUs where
+    `on_cpus_ok`, else ConfigError."""
     need = sum(r.count for r in retrieval)
     total = _groups(node_gpus, group)
     if not need:
@@ -180,7 +173,7 @@ def gpu_layout(node_gpus: list[float], gpu_memory_gb: float, group: int, concurr
 
 def index_on_gpu(setting: bool | str, cluster_gpus: float, faiss_gpu: bool) -> bool:
     """Whether the index searches (and trains k-means) on GPUs, by `index.gpu`: 'auto' where the cluster has GPUs
-    and faiss GPU support; true only there, refused elsewhere before any work; false never."""
+    and faiss GPU support; true only there (refused elsewhere); false never."""
     if setting is False:
         return False
     usable = cluster_gpus > 0 and faiss_gpu
@@ -192,8 +185,8 @@ def index_on_gpu(setting: bool | str, cluster_gpus: float, faiss_gpu: bool) -> b
 
 
 def gpu_memory_of(nodes: list[dict[str, float]], stated: float | None) -> tuple[float, str]:
-    """One GPU's memory (GB) for the rules, and where it came from: `ray.gpu_memory_gb` where stated, else the GPU
-    model Ray labels the nodes with (`accelerator_type:H100`; the smallest where they differ), else a default."""
+    """One GPU's memory (GB), and where it came from: `ray.gpu_memory_gb`, else the smallest GPU model Ray labels
+    the nodes with (`accelerator_type:H100`), else a default."""
     if stated:
         return stated, "ray.gpu_memory_gb"
     found = []
@@ -213,10 +206,9 @@ def gpu_memory_of(nodes: list[dict[str, float]], stated: float | None) -> tuple[
 
 def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, float],
                      gpu_memory_gb: float) -> tuple[list[str], GpuLayout | None]:
-    """Decide `config`'s 'auto' GPU settings in place on `nodes`: the generator's tensor_parallel_size,
-    retrieval.search_gpus and embed_gpus, and where retrieval takes shares, the replica's GPU ask. `search`: the
-    search actors that will search on GPUs and the bytes of the largest (0, 0: none, or no index yet). Returns
-    lines for the log and the plan, and retrieval's layout (None where nothing was "auto")."""
+    """Decide `config`'s 'auto' GPU settings in place on `nodes` (tensor_parallel_size, retrieval.search_gpus and
+    embed_gpus, and with shares the replica's GPU ask). `search`: the GPU search actors and the bytes of the
+    largest. Returns lines for the log and the plan, and retrieval's layout (None where nothing was "auto")."""
     g, r, e = config.generator, config.retrieval, config.embedder
     node_gpus = [float(n.get("GPU", 0.0)) for n in nodes]
     said = []
@@ -251,8 +243,8 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
         layout = gpu_layout(node_gpus, gpu_memory_gb, group, concurrency, actors, util,
                             on_cpus_ok=config.index.gpu is not True)  # True, not "auto"
         if not layout.whole and any(layout.shares):
-            # the engine keeps its memory within the share (`engine_utilization`, applied where vLLM starts): a
-            # placement setting, so a run resumed on another cluster's layout is not "made with other settings"
+            # a placement setting (`engine_utilization` applies it where vLLM starts): a run resumed on another
+            # cluster's layout is not "made with other settings"
             if group > 1:
                 g.gpu_share = layout.replica_gpu
             else:
@@ -280,25 +272,18 @@ def holds_whole_gpus(layout: GpuLayout | None) -> bool:
 
 
 def best_fit_node(free: dict[str, float], need: float) -> str | None:
-    """The node (an id of `free`: each node's free GPUs) with the fewest free GPUs that still hold `need`, so a
-    retrieval actor takes GPUs from a node already broken into and others keep whole tensor-parallel groups
-    (Ray's default scheduler spreads them). None where no node holds it."""
+    """The node (an id of `free`: each node's free GPUs) with the fewest free GPUs that still hold `need`, so
+    others keep whole tensor-parallel groups (Ray's scheduler would spread them). None where none holds it."""
     fits = [(gpus, node) for node, gpus in free.items() if gpus + 1e-9 >= need]
     return min(fits)[1] if fits else None
 
 
 def beside_generator(gpus: float) -> dict:
-    """The Ray options of a retrieval actor asking for `gpus` on a cluster of several GPU nodes: a soft affinity to
-    the node `best_fit_node` picks from the free GPUs now, so retrieval breaks no more tensor-parallel groups than
-    the plan counted. Nothing where it asks for no GPU or the cluster has one GPU node."""
+    """The Ray options of a retrieval actor asking for `gpus` on several GPU nodes: a soft affinity to the node
+    `best_fit_node` picks from the free GPUs now. Nothing where it asks for no GPU or there is one GPU node."""
     if gpus <= 0:
         return {}
-    try:
-        from ray._private.state import state
-
-        free = {node: float(res.get("GPU", 0.0)) for node, res in state.available_resources_per_node().items()}
-    except Exception:  # noqa: BLE001 - a private API: where it moved, Ray's own placement
-        return {}
+    free = {node: float(res.get("GPU", 0.0)) for node, res in free_nodes().items()}
     if sum(1 for gpus_free in free.values() if gpus_free > 0) < 2:
         return {}
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -311,10 +296,8 @@ def beside_generator(gpus: float) -> dict:
 
 
 def section(config, key: str):
-    """`config`'s section at a dotted key ("zerorag.lm_pruner")."""
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
+    """`config`'s section (or setting) at a dotted key ("zerorag.lm_pruner")."""
+    return operator.attrgetter(key)(config)
 
 
 def _auto_now(config) -> list[str]:
@@ -322,23 +305,16 @@ def _auto_now(config) -> list[str]:
 
 
 def auto_keys(config) -> list[str]:
-    """The sections of `config` whose count is "auto", or was before a command decided it (remembered by
-    `resolve_auto_concurrency`, so that the next command decides it again)."""
+    """The sections of `config` whose count is "auto", or was before a command decided it."""
     was = getattr(config, "_auto_sections", None) or ()
     return [key for key in AUTO_SETTINGS if key in was or key in _auto_now(config)]
 
 
-def has_auto(config) -> bool:
-    return bool(auto_keys(config))
-
-
 def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float = 0.0) -> dict[str, int]:
-    """The count of each section of `config` whose count is "auto" ({"generator": 4, ...}) on `nodes`, the one rule
-    of the plan and the commands. A stage runs alone, so each pool may take the cluster, except the generator,
-    which leaves retrieval `search_gpus` (taken from the nodes with the most GPUs first). With GPUs: as many as
-    the GPUs hold (a replica's tensor-parallel GPUs on one node); on CPUs: as many as the CPUs hold, one CPU of
-    the largest node left to the reads and writes. A training's workers at most its batch. At least one: a pool
-    the cluster cannot hold is refused by the placement checks, with why."""
+    """The count of each section of `config` whose count is "auto" ({"generator": 4, ...}) on `nodes`. Each pool may
+    take the cluster, except the generator, which leaves retrieval `search_gpus`. With GPUs: as many as the GPUs
+    hold; on CPUs: as many as the CPUs hold, one CPU of the largest node left to reads and writes. A training's
+    workers at most its batch. At least one (a pool the cluster cannot hold is refused by the checks)."""
     out = {}
     for key in _auto_now(config):
         pool = section(config, key)
@@ -363,8 +339,7 @@ def auto_concurrency(config, nodes: list[dict[str, float]], search_gpus: float =
     return out
 
 
-# The settings `apply_gpu_layout` decides where they are "auto" (dotted paths), and the ones it may set beside
-# them: each command restores what the config said before deciding again (the index may exist by then).
+# The settings `apply_gpu_layout` decides or sets: each command restores what the config said before deciding again
 LAYOUT_SETTINGS = ("generator.tensor_parallel_size", "generator.num_gpus", "generator.gpu_share",
                    "retrieval.search_gpus", "retrieval.embed_gpus", "index.gpu")
 
@@ -380,28 +355,18 @@ def _restore_layout(config) -> None:
     """The GPU settings as the config said them before a command decided its "auto" ones, remembered the first time."""
     said = getattr(config, "_layout_said", None)
     if said is None:
-        config._layout_said = {key: copy.deepcopy(_get(config, key)) for key in LAYOUT_SETTINGS}
+        config._layout_said = {key: copy.deepcopy(section(config, key)) for key in LAYOUT_SETTINGS}
         return
     for key, value in said.items():
-        _set(config, key, copy.deepcopy(value))
-
-
-def _get(config, key: str):
-    parent, name = key.rsplit(".", 1)
-    return getattr(section(config, parent), name)
-
-
-def _set(config, key: str, value) -> None:
-    parent, name = key.rsplit(".", 1)
-    object.__setattr__(section(config, parent), name, value)
+        parent, name = key.rsplit(".", 1)
+        object.__setattr__(section(config, parent), name, copy.deepcopy(value))
 
 
 def resolve_auto_concurrency(config, search_gpus: float = 0.0, search: tuple[int, float] | None = None) -> None:
     """Decide `config`'s "auto" settings in place on `auto_nodes`, said in the log: first the GPU settings
-    (`apply_gpu_layout`, from `search`: the search actors that will search on GPUs and the bytes of the largest,
-    `retrieval.service.search_actors`), then each count (`auto_concurrency`), the generator's GPUs less what
-    retrieval holds beside it (`search_gpus`, and the query embedders'). Every command calls it as it joins Ray;
-    the config remembers what was "auto", so a command that runs after the index exists counts its search GPUs."""
+    (`apply_gpu_layout`, from `search`), then each count (`auto_concurrency`), the generator's GPUs less what
+    retrieval holds. Every command calls it as it joins Ray; the config remembers what was "auto", so a command
+    that runs after the index exists counts its search GPUs."""
     keys = auto_keys(config)
     layout = needs_layout(config)
     if not keys and not layout:

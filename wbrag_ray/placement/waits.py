@@ -1,8 +1,6 @@
 """Waits for resources that end: a service's actors (`wait_placed`), a Ray Data actor pool (`pool_start_wait`), a
 Ray Train worker group (`train_start_wait`) and an engine replica's placement group each wait at most
-`ray.pending_timeout_s`, then fail naming what is missing, what is free and the setting that asks for less. The
-fit checks of `wbrag_ray.placement` refuse what the cluster can never hold; these end the waits for what it could
-hold but others hold now."""
+`ray.pending_timeout_s`, then fail naming what is missing, what is free and the setting that asks for less."""
 
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def _placed(actor) -> bool:
-    """Whether Ray has given `actor` a node and a process (its constructor may still be loading a model), read
-    from the GCS's actor table: the public state API asks the dashboard, which a local `wbrag` cluster does not
-    run. Where the private table moved, True: nothing is known to be waiting."""
+    """Whether Ray has given `actor` a node and a process (its constructor may still be loading a model), from the
+    GCS's actor table (the public state API needs a dashboard). Where the private table moved, True."""
     try:
         from ray._private.state import actors
 
@@ -33,9 +30,8 @@ def _placed(actor) -> bool:
 
 
 def wait_placed(actors: list, what: str, need: dict[str, float], fix: str, timeout_s: float | None = None) -> None:
-    """Return once every actor of `actors` (each asking for `need`) is placed; a `ConfigError` naming what is
-    missing when some still wait after `timeout_s` (default: `ray.pending_timeout_s`), where the driver would
-    otherwise wait on them forever. Said in the log every minute. `fix`: the setting that asks for less."""
+    """Return once every actor of `actors` (each asking for `need`) is placed; a `ConfigError` naming what is missing
+    when some still wait after `timeout_s` (default: `ray.pending_timeout_s`). `fix`: the setting that asks less."""
     import ray
 
     timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
@@ -60,8 +56,7 @@ def wait_placed(actors: list, what: str, need: dict[str, float], fix: str, timeo
 
 
 def _still_waiting(who: str, need: dict[str, float], waited: str, fix: str, why: str = "") -> str:
-    """The message of a wait for resources that ended: `who` (the pool, how many of its actors) of `need` each,
-    `waited` ("still wait for resources after 30 s"), what is free of what `need` asks, and `fix`."""
+    """The message of a wait for resources that ended: `who` of `need` each, `waited`, what is free, and `fix`."""
     import ray
 
     free, total = ray.available_resources(), ray.cluster_resources()
@@ -77,16 +72,15 @@ _POOL_START_TIMEOUT = "Timed out while starting actors"
 
 
 def pool_start_timeout_s() -> float:
-    """How long a Ray Data actor pool may take to start, its model's load included (`ray.pending_timeout_s`):
-    `apply_stage` sets it as DataContext.wait_for_min_actors_s, without which Ray Data waits forever."""
+    """How long a Ray Data actor pool may take to start, its model's load included (`ray.pending_timeout_s`)."""
     return PENDING_TIMEOUT_S["seconds"]
 
 
 @contextlib.contextmanager
 def pool_start_wait(what: str, count: int, need: dict[str, float], fix: str):
     """Run a Ray Data pipeline holding the actor pool `what` (`count` actors asking for `need` each): where they do
-    not start within `pool_start_timeout_s`, Ray Data's bare GetTimeoutError (an OSError a CLI would call a
-    storage error) becomes a `ConfigError` naming the pool, its ask, what is free and `fix`."""
+    not start in time, Ray Data's bare GetTimeoutError becomes a `ConfigError` naming the pool, what is free and
+    `fix`."""
     try:
         yield
         return
@@ -105,10 +99,9 @@ def pool_start_wait(what: str, count: int, need: dict[str, float], fix: str):
 
 
 def _drop_pool(exc: BaseException) -> None:
-    """End the actors of a Ray Data pool that did not start: Ray Data raises before its executor runs, so nothing
-    shuts the pool down, and its waiting actors would be placed once the resources come free and hold them, idle,
-    as long as the handles live (a callback on each actor's start holds the operator). The operator is the frame
-    that waited, in the traceback of the error Ray Data's own raise chained (its frames are dropped after)."""
+    """End the actors of a Ray Data pool that did not start (Ray Data raises before its executor runs, so nothing
+    shuts the pool down, and its actors would hold resources idle once placed). The operator is the frame that
+    waited, in the traceback of the error Ray Data chained (its frames are dropped after)."""
     seen = exc
     while seen is not None:
         tb = seen.__traceback__
@@ -125,22 +118,18 @@ def _drop_pool(exc: BaseException) -> None:
         seen = following
 
 
-# Ray Train's wait for its worker group's placement group (ray.train v2's WorkerGroup reads it in the controller
-# actor, which gets it from the driver's environment at `fit()`); its default is 60 s, after which the controller
-# starts the group again, forever: a start that timed out is a "controller failure", retried without limit unless
-# the run's FailureConfig says otherwise (TRAIN_START_FAILURE).
+# Ray Train's wait for its worker group's placement group, read from the driver's environment at `fit()`; after
+# it, the controller starts the group again, forever, unless the FailureConfig says otherwise (TRAIN_START_FAILURE)
 TRAIN_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-# The FailureConfig keywords of a training that ends when its workers cannot start in time (the training's own
-# failures stay `max_failures`'s)
+# The FailureConfig keywords of a training that ends when its workers cannot start in time
 TRAIN_START_FAILURE = {"controller_failure_limit": 0}
 
 
 @contextlib.contextmanager
 def train_start_wait(what: str, num_workers: int, need: dict[str, float], fix: str, timeout_s: float | None = None):
-    """Run a Ray Train `fit()` whose worker group (`num_workers` workers asking for `need` each) may not be
-    placed: Ray Train waits `timeout_s` (default `ray.pending_timeout_s`) for its placement group; with the
-    trainer's `FailureConfig(**TRAIN_START_FAILURE, ...)` the timeout ends the fit, and its error becomes a
-    `ConfigError` naming `what`, each worker's ask, what is free and `fix`."""
+    """Run a Ray Train `fit()` whose worker group may not be placed: with the trainer's
+    `FailureConfig(**TRAIN_START_FAILURE, ...)`, a wait past `timeout_s` (default `ray.pending_timeout_s`) ends
+    the fit, and its error becomes a `ConfigError` naming `what`, each worker's ask, what is free and `fix`."""
     timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
     try:
         with environ_while({TRAIN_START_TIMEOUT_ENV: f"{timeout_s:g}"}):
@@ -154,8 +143,7 @@ def train_start_wait(what: str, num_workers: int, need: dict[str, float], fix: s
 
 
 def train_start_timed_out(exc: BaseException) -> bool:
-    """Whether `exc`, raised by a Ray Train `fit()`, says its worker group was not placed in time (Ray Train v2's
-    ControllerError around a WorkerGroupStartupTimeoutError)."""
+    """Whether `exc`, raised by a Ray Train `fit()`, says its worker group was not placed in time."""
     failure = getattr(exc, "controller_failure", None)
     try:
         from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
@@ -165,8 +153,7 @@ def train_start_timed_out(exc: BaseException) -> bool:
 
 
 def placement_wait_message(config: GeneratorConfig, spec: dict[str, Any], timeout_s: float) -> str:
-    """What an engine replica's placement group still waits for after `timeout_s`: its bundles, what they add up
-    to, on how many nodes, and the free resources of each node now."""
+    """What an engine replica's placement group still waits for after `timeout_s`, and each node's free resources."""
     tp, pp = config.parallel_sizes()
     total = collections.Counter()
     for bundle in spec["bundles"]:
@@ -175,7 +162,7 @@ def placement_wait_message(config: GeneratorConfig, spec: dict[str, Any], timeou
     where = "one node" if spec["strategy"] == "STRICT_PACK" else "as few nodes as fit"
     try:
         free = "; ".join(", ".join(f"{v:g} {k}" for k, v in sorted(n.items()) if k in ("CPU", "GPU")) or "nothing"
-                         for n in free_nodes())
+                         for n in free_nodes().values())
     except Exception:  # noqa: BLE001 - the message matters more than the detail
         free = "unknown"
     return (f"generator: no room for an engine replica of tensor_parallel_size={tp} x pipeline_parallel_size={pp} "

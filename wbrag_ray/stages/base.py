@@ -27,28 +27,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Resources:
-    """What one worker of a stage asks Ray for, and how the pool is sized.
-
-    Model actors ask for part of a node's CPUs in Ray's accounting (a 2-CPU node whose only actor asks for
-    2 CPUs, or even 1.5, starves the list / read tasks upstream, which ask for 1, and hangs) and may run more
-    torch threads than that where they know the node is otherwise idle (`threads`).
-    """
+    """What one worker of a stage asks Ray for, and how the pool is sized. Model actors ask for part of a node's
+    CPUs (an actor holding a whole small node starves the read tasks upstream) and may run more torch threads
+    than that (`threads`)."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     concurrency: int = 1
     batch_size: int = 64
     threads: int | None = None  # torch threads; None = ceil(num_cpus)
-    # calls one service actor runs at once (threads of the actor): > 1 only for a stage whose setup is safe to
-    # share between calls (a vLLM engine's feed, `generation.vllm_feed`)
+    # calls one service actor runs at once, in threads: > 1 only where setup is safe to share (a vLLM engine's feed)
     calls: int = 1
-    # False: run as plain tasks that Ray fuses with the read before them (no actor, no object-store hop for
-    # the input), for stages whose setup is trivial (a numpy head) and whose input is large (vectors).
+    # False: plain tasks Ray fuses with the read before them, for a trivial setup over a large input (vectors)
     actors: bool = True
-    # (name, value) pairs of the environment the stage's workers start with, in a runtime env of their own (vLLM's
-    # log level, which vLLM reads as it is imported): a runtime env is started through Ray's setup_worker, a
-    # second interpreter per worker process (0.3 CPU-s each, measured), so only the workers that need one have one.
+    # (name, value) pairs of the environment of the stage's workers, in a runtime env of their own (vLLM's log
+    # level): a runtime env costs each worker a second interpreter, so only the workers that need one have one
     env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def need(self) -> dict[str, float]:
+        """What one worker asks Ray for, as the placement checks take it."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus}
 
     def remote_args(self) -> dict:
         """The Ray options of one worker beyond its CPUs and GPUs: its own runtime env when `env` is set."""
@@ -60,8 +59,7 @@ class Stage(ABC):
     section: ClassVar[str | None] = None  # the config section that sizes its pool, as messages name it
     # the setting of its GPUs, as messages name it, where it is not `<section>.num_gpus`
     gpu_setting: ClassVar[str | None] = None
-    # a retrieval actor that sits beside the generator's replicas: started where its GPUs break the fewest
-    # tensor-parallel groups (`placement.gpus.beside_generator`)
+    # a retrieval actor beside the generator's replicas (`placement.gpus.beside_generator`)
     beside_generator: ClassVar[bool] = False
     input_columns: ClassVar[tuple[str, ...]] = ()
     output_columns: ClassVar[tuple[str, ...]] = ()
@@ -77,16 +75,16 @@ class Stage(ABC):
 
     @property
     def starts_processes(self) -> bool:
-        """Whether `setup` may start processes of its own (a vLLM engine's), which `close` ends: its service then
-        asks each actor to close it before Ray kills the actors (`stages.service.StageService.close`)."""
+        """Whether `setup` may start processes of its own (a vLLM engine's), which `close` ends before Ray kills
+        the actor."""
         return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """End what `setup` started that outlives this object (an engine's processes), before its worker ends."""
 
     def service_key(self) -> Hashable | None:
-        """What `setup` loads, as a hashable value: passes whose stages have equal keys can share one set of
-        set-up workers (`stages.service`), each pass with its own stage object. None: never shared."""
+        """What `setup` loads, as a hashable value: passes whose stages have equal keys share one set of set-up
+        workers (`stages.service`). None: never shared."""
         return None
 
     def adopt(self, loaded: Stage) -> None:
@@ -117,9 +115,8 @@ class _StageWorker:
 
 
 def require_stage_gpu(stage: Stage) -> None:
-    """In a Ray worker, before a stage's setup imports or downloads anything: a stage configured for GPUs whose
-    node has none visible to torch is refused, naming the stage and its setting (`hardware.require_gpu`). A driver
-    running a stage itself (`run_local`: a search, a few queries) keeps `pick_device`'s CPU fallback."""
+    """In a Ray worker, before setup: a stage configured for GPUs on a node with none visible to torch is refused,
+    naming its setting. A driver running a stage itself (`run_local`) keeps `pick_device`'s CPU fallback."""
     if stage.resources.num_gpus > 0 and in_ray_worker():
         require_gpu(f"the {stage.name} stage", stage.section or stage.name, stage.resources.num_gpus,
                     stage.gpu_setting)
@@ -151,29 +148,31 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         return ds.map_batches(_run_in_task, fn_args=(stage,), **common)
     size = _check_pool(stage) if ray.is_initialized() else res.concurrency
     out = ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=size), **common)
-    # Ray Data's own wait for the pool's actors, which is otherwise endless where others hold their resources: the
-    # pipeline's execution then raises, and `placement.waits.pool_start_wait` around it names the pool (the setting
-    # reaches every operator of the pipeline this dataset ends, and those built on it)
+    # Ray Data's wait for the pool's actors, otherwise endless where others hold their resources: the execution
+    # then raises, and `placement.waits.pool_start_wait` around it names the pool
     out.context.wait_for_min_actors_s = pool_start_timeout_s()
     return out
 
 
 def _check_pool(stage: Stage) -> int:
-    """The size of a pass's pool: a pool of which none fits the cluster is refused; one of which only some fit
-    runs narrower than asked, on as many actors as fit (a warning): Ray Data waits for every actor of a pool to
-    start (`pool_start_timeout_s`), and actors no node can hold would end the pass."""
+    """The size of a pass's pool: refused where no actor fits the cluster; where only some fit, as many as fit (a
+    warning), since Ray Data waits for every actor of a pool to start."""
     res = stage.resources
-    need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
     what = f"the {stage.name} pass"
-    refuse_unplaceable(lambda nodes: pool_refusal(what, 1, need, nodes))
+    refuse_unplaceable(lambda nodes: pool_refusal(what, 1, res.need, nodes))
     if autoscaling():
         return res.concurrency
     nodes = cluster_nodes()[0]
-    partly = pool_refusal(what, res.concurrency, need, nodes)
+    partly = pool_refusal(what, res.concurrency, res.need, nodes)
     if partly is None:
         return res.concurrency
     log.warning("%s; it runs on the actors that fit", partly)
-    return max(1, min(res.concurrency, room_for(need, nodes)))
+    return max(1, min(res.concurrency, room_for(res.need, nodes)))
+
+
+def concurrency_fix(section: str | None) -> str:
+    """What a refused or waiting pool of config section `section` changes."""
+    return f"lower {section}.concurrency" if section else "lower its concurrency"
 
 
 def _run_in_task(batch, stage: Stage):

@@ -1,25 +1,19 @@
 """Stage services: a stage's workers set up once and used by every pass of a command that needs them.
 
-`apply_stage` gives a pass an actor pool of its own, each actor importing torch and loading its model: nothing for
-a bulk pass over millions of rows, most of the time of the short passes the RAG methods alternate (Self-RAG, FLARE),
-write-back's gates and distiller, mastery and grids of evaluations. A `StageService` holds `resources.concurrency`
-actors that ran `setup` once; a pass through it is a Ray Data `map_batches` of light tasks that forward each batch
-to an actor, and rows the driver already holds go to the actors directly (`Services.run_frame`). Each pass sends its
-own stage object; an actor lends it what it loaded when the `service_key` matches (`Stage.adopt`), else loads the
-pass's stage in place of the old one (a grid moving to its next index or adapter reuses the processes).
-
-`Services` is the set one command owns (`GeneratorPasses.services`): at most one service per stage kind, and one
-search pool per index (`Services.retrieval`), started on first use and ended at `close()`.
-
-Over 400 lines (about 420), kept whole: the service, its actors and a command's set of them are one mechanism.
+A `StageService` holds `resources.concurrency` actors that ran `setup` once (a pool of its own per pass would load
+the model again for each of the short passes the RAG methods, gates and grids alternate). A Ray Data pass through
+it forwards each batch to an actor; rows the driver holds go to the actors directly (`Services.run_frame`). Each
+pass sends its own stage: an actor lends it what it loaded when the `service_key` matches (`Stage.adopt`), else
+loads the pass's stage in place of the old one. `Services` is the set one command owns: at most one service per
+stage kind and one search pool per index, started on first use and ended at `close()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -39,7 +33,14 @@ from wbrag_ray.ray_runtime import (
     local_dataset,
     start_restartable,
 )
-from wbrag_ray.stages.base import Resources, Stage, apply_stage, process_checked, require_stage_gpu
+from wbrag_ray.stages.base import (
+    Resources,
+    Stage,
+    apply_stage,
+    concurrency_fix,
+    process_checked,
+    require_stage_gpu,
+)
 
 if TYPE_CHECKING:
     import ray.data
@@ -51,8 +52,8 @@ log = logging.getLogger(__name__)
 
 class _ServiceWorker:
     """A service's actor: the stage set up once; each call runs a pass's own stage on what it loaded. With
-    `Resources.calls` > 1 the actor runs that many calls at once, in threads, on the one setup: a call for
-    another service key waits until the calls running on the old setup are done, then loads its own."""
+    `Resources.calls` > 1 it runs that many calls at once, in threads; a call for another service key waits
+    until the calls on the old setup are done, then loads its own."""
 
     def __init__(self, stage: Stage):
         set_threads(stage.resources.threads or stage.resources.num_cpus)
@@ -62,21 +63,16 @@ class _ServiceWorker:
         self.most_running = 0  # the most calls that ran at once (tests read it)
         self.refused: tuple[Any, BaseException] | None = None  # (service key, what its setup raised)
         self._turn = threading.Condition()
-        try:
+        with contextlib.suppress(Exception):  # kept in self.refused: the pass's first call raises it
             self._load(stage)
-        except Exception:  # noqa: BLE001 - kept in self.refused: the pass's first call raises it
-            pass
 
     def _load(self, stage: Stage) -> None:
-        """Set `stage` up in place of what was loaded. A setup that raises (a `ConfigError`: a model its engine's
-        settings do not fit, a GPU stage on a node without one) is kept with its key and raised again by every
-        call for that key, at once and as itself: an actor whose constructor raised would be dead for good
-        (Ray restarts only actors lost with their process or node), and each call to it would be sent again
-        after back-offs (`ray_runtime.call_actor`) to fail the same way; the same setup is not tried again."""
+        """Set `stage` up in place of what was loaded. A setup that raises is kept with its key and raised again,
+        as itself, by every call for that key: an actor whose constructor raised would be dead for good, and each
+        call to it retried after back-offs (`ray_runtime.call_actor`) to fail the same way."""
         import gc
 
-        # The old model or index goes before the new one comes (and stays gone if the new setup fails): what its
-        # setup started (a vLLM engine's processes, their GPU memory) ends first.
+        # the old model (a vLLM engine's processes, their GPU memory) ends before the new one loads
         old, self.loaded, self.key, self.refused = self.loaded, None, None, None
         _close_stage(old)
         gc.collect()
@@ -93,9 +89,7 @@ class _ServiceWorker:
         return self.setups
 
     def close(self) -> list[int]:
-        """End what the loaded stage started (`Stage.close`: a vLLM engine by its own shutdown) and any process of
-        this actor still running after it (`ray_runtime.end_child_processes`); the pids that were still up. Called
-        in a concurrency group of its own before the service kills this actor (`StageService.close`)."""
+        """End what the loaded stage started (`Stage.close`) and any child process still up after it; their pids."""
         loaded, self.loaded, self.key = self.loaded, None, None
         _close_stage(loaded)
         return end_child_processes()
@@ -134,12 +128,9 @@ def _close_stage(stage: Stage | None) -> None:
 
 
 class _Dispatch:
-    """The unanswered calls of each of a service's actors, for the Ray Data tasks that feed them (tasks run on
-    any node and share nothing else): a task takes the actor with the fewest (equally busy ones in turn) and
-    gives it back when answered, so the next batch goes to the actor that just answered, not to a random one
-    with calls queued while another idles. Counts are hints, never a limit: a task lost with its node leaves
-    one too many on its actor (which then gets a little less work), and a restarted dispatcher starts from zero;
-    nothing waits on them."""
+    """The unanswered calls of each of a service's actors, for the Ray Data tasks that feed them: a task takes the
+    actor with the fewest (equally busy ones in turn) and gives it back when answered. Counts are hints, never a
+    limit (a task lost with its node leaves one too many; a restarted dispatcher starts from zero)."""
 
     def __init__(self, actors: int):
         self.load, self.peak, self.turn = [0] * actors, 0, 0
@@ -161,9 +152,7 @@ class _Dispatch:
 
 
 def _forward(batch, actors: list, dispatch, stage: Stage):
-    """A Ray Data task: send the batch to the service's least busy actor and return its answer, again to another
-    (or the restarted one) when the node of the one it asked is lost. (A task blocked on `ray.get` gives its
-    CPU back to Ray while it waits.)"""
+    """A Ray Data task: the batch to the service's least busy actor, again to another where that one is lost."""
     import ray
 
     try:
@@ -193,14 +182,12 @@ class StageService:
         self.placement = _placement(res)
 
         # actors that can never be placed would leave the pass waiting on them forever: refused first
-        need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
-        refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, need, nodes))
+        refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, res.need, nodes))
 
-        # A lost actor (a node gone) is started again and its call retried: setup runs again there, from the
-        # stage its creation spec holds (a stage is settings and paths: what it loads, it loads in setup).
-        # An actor whose setup starts processes gets a concurrency group for its close, which then does not wait
-        # behind a call still running (Ctrl-C); only there: an actor with concurrency groups runs even its single
-        # calls in a thread of their own, whose OpenMP threads are not the ones `set_threads` set.
+        # A lost actor is started again from the stage in its creation spec and its call retried. An actor whose
+        # setup starts processes gets a concurrency group for its close, which then does not wait behind a running
+        # call; only there: such an actor runs even single calls in a thread whose OpenMP threads `set_threads`
+        # did not set.
         self.closes = stage.starts_processes
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls,
@@ -211,16 +198,14 @@ class StageService:
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
         self._dispatch = None  # started by the first Ray Data pass (`apply`): `run_frame` counts in the driver
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
-            wait_placed(self.actors, f"the {stage.name} service", need,
-                        f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency")
+            wait_placed(self.actors, f"the {stage.name} service", res.need, concurrency_fix(stage.section))
         except BaseException:
             self.close()
             raise
 
     @property
     def dispatch(self):
-        """The `_Dispatch` of this service's Ray Data passes, started by the first (a process of its own: a
-        command whose passes all go through `run_frame` never starts one)."""
+        """The `_Dispatch` of this service's Ray Data passes, started by the first."""
         if self._dispatch is None:
             self._dispatch = _start_dispatch(len(self.actors))
         return self._dispatch
@@ -231,10 +216,9 @@ class StageService:
 
     def run_frame(self, frame: pd.DataFrame, stage: Stage, progress: PassProgress | None = None,
                   on_batch: Callable[[int, pd.DataFrame], None] | None = None) -> pd.DataFrame:
-        """Rows the driver holds through `stage`: sent straight to the actors in batches of the pass's batch
-        size, without a Ray Data plan (a pass over a few rows answers in milliseconds, not the second a
-        dataset's start costs); the rows come back in their order. `on_batch(first_row, out)` as each batch
-        is answered (a checkpoint commits it)."""
+        """Rows the driver holds through `stage`, sent straight to the actors in batches (no Ray Data plan: a
+        few rows answer in milliseconds, not the second a dataset's start costs); the rows come back in their
+        order. `on_batch(first_row, out)` as each batch is answered (a checkpoint commits it)."""
         size = stage.resources.batch_size
         batches = [frame.iloc[i:i + size].reset_index(drop=True) for i in range(0, len(frame), size)]
         if stage.batch_format == "pyarrow":
@@ -253,10 +237,8 @@ class StageService:
         return pd.concat(outs, ignore_index=True) if outs else frame.iloc[:0].copy()
 
     def close(self) -> None:
-        """End the service: where its stage starts processes, each actor first ends what its setup started
-        (`_ServiceWorker.close`, in a concurrency group of its own, so a call still running does not hold it back;
-        up to `ray_runtime.CLOSE_S`), then Ray kills the actors, and the placement groups of their remote engines
-        go."""
+        """End the service: each actor first ends what its setup started (up to `ray_runtime.CLOSE_S`), then Ray
+        kills the actors and the placement groups of their remote engines go."""
         import ray
 
         ids = [actor._actor_id.hex() for actor in self.actors]
@@ -298,25 +280,20 @@ class Services:
         self._pools: dict[tuple, Any] = {}  # retrieval: (index folder, placement) -> SearchPool
 
     def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
-        """`ds` through `stage`: on the stage's service when it has a service key (started on first use; a
-        pass with another key is set up in the same actors when it asks for the same resources, else the
-        old actors end and new ones start), else as a pass of its own."""
+        """`ds` through `stage`: on the stage's service when it has a service key (`_service`), else as a pass of
+        its own."""
         if stage.service_key() is None:
             return apply_stage(ds, stage)
         return self._service(stage).apply(ds, stage)
 
     def run_frame(self, frame: pd.DataFrame, stage: Stage, name: str | None = None,
                   on_batch: Callable[[int, pd.DataFrame], None] | None = None) -> pd.DataFrame:
-        """`apply` for rows the driver holds (an adaptive round, a gate over examples, a grid cell's
-        questions), with the answer back on the driver: on a service, the batches go straight to its actors
-        (`StageService.run_frame`, which calls `on_batch` as each batch is answered); reported as one progress
-        line under `name` (default: the stage's)."""
+        """`apply` for rows the driver holds, answered back to the driver (`StageService.run_frame`); reported as
+        one progress line under `name` (default: the stage's)."""
         with running(name or stage.name, len(frame)) as progress:
             if stage.service_key() is None:
                 res = stage.resources
-                need = {"CPU": res.num_cpus, "GPU": res.num_gpus}
-                fix = f"lower {stage.section}.concurrency" if stage.section else "lower its concurrency"
-                with pool_start_wait(f"the {stage.name} pass", res.concurrency, need, fix):
+                with pool_start_wait(f"the {stage.name} pass", res.concurrency, res.need, concurrency_fix(stage.section)):
                     out = apply_stage(local_dataset(frame), stage).to_pandas()
                 progress.update(len(out))
                 if on_batch is not None:
@@ -325,15 +302,14 @@ class Services:
             return self._service(stage).run_frame(frame, stage, progress, on_batch)
 
     def start(self, stage: Stage) -> None:
-        """Start `stage`'s service now, before its first pass: its actors set the stage up in their constructors
-        (the imports, the model load) while the driver goes on, so the work the driver does meanwhile (a
-        retrieval pass on its own service) overlaps the load instead of preceding it. A live service of the
-        kind is left as it is: the pass itself sets it up for its key (and counts that load) if it has to."""
+        """Start `stage`'s service before its first pass, so its model loads while the driver does other work. A
+        live service of the kind is left as it is (the pass sets it up for its key if it has to)."""
         if stage.service_key() is not None and stage.name not in self._live:
             self._service(stage)
 
     def _service(self, stage: Stage) -> StageService:
-        """The live service of `stage`'s kind, set for its pass (see `apply`)."""
+        """The live service of `stage`'s kind, set for its pass: a pass with another key is set up in the same
+        actors when it asks for the same resources, else the old actors end and new ones start."""
         key: Hashable = stage.service_key()
         service = self._live.get(stage.name)
         if service is not None and service.placement != _placement(stage.resources):
@@ -356,8 +332,7 @@ class Services:
         return {name: ray.get([a.setup_count.remote() for a in service.actors]) for name, service in self._live.items()}
 
     def actor_ids(self, kind: str) -> list[str]:
-        """The ids of the actors of the live service of stage kind `kind` (`Stage.name`; none if there is none):
-        which processes served the passes (the steps of one command that share these services name the same)."""
+        """The ids of the actors of the live service of stage kind `kind` (none if there is none)."""
         service = self._live.get(kind)
         return [a._actor_id.hex() for a in service.actors] if service is not None else []
 
@@ -370,10 +345,8 @@ class Services:
 
     def retrieval(self, members, index, retrieval):
         """The retrieval service over `members` ((index_dir, docs_dir, source), ...): each index's search pool
-        started on first use and shared by every later pass that searches it (alone or in a union). Like the
-        stage services, one set of indices lives at a time: starting a pool for an index not held ends the
-        pools of indices this request does not name (a grid moving to its next pruned index frees the last
-        one's memory)."""
+        started on first use and shared by later passes. One set of indices lives at a time: starting a pool ends
+        the pools of indices this request does not name (a grid moving to its next pruned index)."""
         from wbrag_ray.retrieval.service import Member, RetrievalService, SearchPool, pool_placement
         from wbrag_ray.retrieval.union import UnionRule
 
@@ -408,12 +381,6 @@ class Services:
         self.close()
 
 
-@contextmanager
-def shared_or_own(services: Services | None) -> Iterator[Services]:
-    """`services` where a caller shares its own (and closes them itself), else a set of this block's own, closed
-    at its end."""
-    if services is not None:
-        yield services
-        return
-    with Services() as own:
-        yield own
+def shared_or_own(services: Services | None) -> contextlib.AbstractContextManager[Services]:
+    """`services` where a caller shares its own, else a set of this block's own, closed at its end."""
+    return contextlib.nullcontext(services) if services is not None else Services()
