@@ -455,11 +455,6 @@ class _Builder:
         calls = sum(p.calls for p in item.passes)
         if measured is None:
             stage.rates += ("writeback_selection",) if "demo" in why else ("writeback_selection_nq",)
-        else:
-            first = sum(max(0.0, pt.get("first_use_seconds", 0.0)) for pt in measured["points"])
-            stage.seconds = None if stage.seconds is None else stage.seconds + first
-            stage.how += f"; the distiller's prompt shapes' first use {first:.0f} s [calibrated]"
-            stage.add_source("calibrated", first)
         paper = RATES["writeback_calls_nq"]
         if measured is None and "paper" in why and q:
             stage.notes.append(f"the paper states about {paper.value:,.0f} generator calls for NQ's training set "
