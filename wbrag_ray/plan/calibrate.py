@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wbrag_ray.config import WbragConfig
+from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig, TuneConfig, WbragConfig
 from wbrag_ray.plan.tokens import CHARS_PER_TOKEN, TOKEN_UNITS, jsonl_rows, messages_tokens, text_tokens
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
@@ -126,7 +126,7 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
             "points": points, "token_units": TOKEN_UNITS, "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
 
 
-def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> dict[str, Any]:
+def calibrate_embedder(e: EmbedderConfig, texts: list[str], budget: float) -> dict[str, Any]:
     """Load the embedder, then encode the corpus's texts for the budget."""
     import torch
 
@@ -134,7 +134,6 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
     from wbrag_ray.models.hardware import resolved_dtype_name
     from wbrag_ray.stages.embed import EmbedStage
 
-    e = config.embedder
     threads = e.threads or max(1, int(-(-e.num_cpus // 1)))
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -158,7 +157,7 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
             "hardware": hardware(device, resolved_dtype_name(e.dtype, e.num_gpus), threads)}
 
 
-def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
+def calibrate_training(tune: TuneConfig, g: GeneratorConfig, budget: float) -> dict[str, Any]:
     """Seconds a training token of LoRA steps at the tuning's per-worker batch and length, on random tokens."""
     import torch
 
@@ -166,7 +165,6 @@ def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
     from wbrag_ray.models.hardware import pick_device, resolved_dtype_name
     from wbrag_ray.training.lora import with_lora
 
-    tune, g = config.zerorag.tune, config.generator
     trainer = tune.trainer
     threads = tune.threads or max(1, int(-(-trainer.num_cpus // 1)))
     torch.set_num_threads(threads)
@@ -275,9 +273,9 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
         record = ray.get(task.remote(config.model_dump(), role, questions, docs, texts, seconds))
         record["start_seconds"] = max(0.0, record.pop("entered") - submitted)  # scheduling and the worker's start
         if role == "generator":
-            record["service_start_seconds"] = _service_start(config, questions)
+            record["service_start_seconds"] = _service_start(config.generator, questions)
         if role == "training":
-            record["train_start_seconds"] = _train_start(config)
+            record["train_start_seconds"] = _train_start(config.zerorag.tune.trainer)
         record["date"] = date
         records.append(record)
         by_role[role] = record
@@ -292,7 +290,7 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
     return records
 
 
-def _service_start(config: WbragConfig, questions: list[str]) -> float:
+def _service_start(g: GeneratorConfig, questions: list[str]) -> float:
     """Seconds to a first answer through the run's own generator service, on two one-token prompts."""
     import pandas as pd
 
@@ -303,7 +301,7 @@ def _service_start(config: WbragConfig, questions: list[str]) -> float:
     frame = pd.DataFrame({"prompt": [dumps(no_retrieval_messages(q)) for q in questions[:2]]})
     t0 = time.perf_counter()
     with Services() as services:
-        GeneratorPasses(config.generator, services).generate("calibration", frame, "prompt", "answer", 1)
+        GeneratorPasses(g, services).generate("calibration", frame, "prompt", "answer", 1)
     return time.perf_counter() - t0
 
 
@@ -323,6 +321,7 @@ def scratch_run(config: WbragConfig, folder: Path, writeback: bool = False):
                          f"{config.writeback.train!r}, ingest.corpus {config.ingest.corpus!r})")
     if not passages:
         return None
+    folder.mkdir(parents=True, exist_ok=True)
     corpus, train = folder / "corpus.jsonl", folder / "train.jsonl"
     corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"{title}\n{text}"}) + "\n"
                               for i, (title, text) in enumerate(passages)))
@@ -382,12 +381,11 @@ def _noop_loop(_config: dict) -> None:
     """A Ray Train loop that does nothing: what remains of a fit is Ray Train's own start and end."""
 
 
-def _train_start(config: WbragConfig) -> float:
+def _train_start(t: TrainerConfig) -> float:
     """Seconds of a Ray Train fit whose loop does nothing, with the tuning's workers: Ray Train's own overhead."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    t = config.zerorag.tune.trainer
     workers = t.num_workers if isinstance(t.num_workers, int) else 1
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
     with tempfile.TemporaryDirectory(prefix="wbrag-calibrate-train-") as storage:
@@ -414,9 +412,9 @@ def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: fl
     if role == "generator":
         record = calibrate_generator(config, questions, docs, seconds)
     elif role == "embedder":
-        record = calibrate_embedder(config, texts, seconds)
+        record = calibrate_embedder(config.embedder, texts, seconds)
     else:
-        record = calibrate_training(config, seconds)
+        record = calibrate_training(config.zerorag.tune, config.generator, seconds)
     return {**record, "entered": entered, "load_seconds": record.pop("loaded_at") - entered}
 
 

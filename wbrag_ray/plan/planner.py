@@ -1,8 +1,6 @@
 """The plan of a config: the stages `wbrag run` would run, in its order, each priced from the work its step declares
 (`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
 decides at run time (FLARE, Self-RAG).
-
-Over 600 lines, kept whole: one builder walks the registry in run order, a method a kind of work.
 """
 
 from __future__ import annotations
@@ -140,6 +138,9 @@ class _Builder:
 
     def __init__(self, config: WbragConfig, cluster: Cluster, corpus: CorpusSize, timing: Timing):
         self.c, self.cluster, self.corpus, self.timing = config, cluster, corpus, timing
+        # the sizes a step's declared work asks for (`work.Sizes`)
+        self.passages, self.sentences, self.units, self.questions = (corpus.passages, corpus.sentences, corpus.units,
+                                                                     question_count)
         self.refusals: list[str] = []
         self.warnings: list[str] = []
         self._selection: tuple[float, float, str] | None = None
@@ -238,20 +239,6 @@ class _Builder:
             main.measured_by = step.pattern(params)
             out.append(main)
         return out
-
-    @property
-    def passages(self) -> int | None:
-        return self.corpus.passages
-
-    @property
-    def sentences(self) -> int | None:
-        return self.corpus.sentences
-
-    def units(self, unit: str) -> int | None:
-        return self.corpus.units(unit)
-
-    def questions(self, path: str | None, limit: int | None) -> tuple[int | None, str]:
-        return question_count(path, limit)
 
     def selection(self) -> tuple[float, float, str]:
         if self._selection is None:
@@ -365,9 +352,7 @@ class _Builder:
         self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
                     actors=g.concurrency)
         if retrieval:
-            e = self.c.retrieval.query_embedder(self.c.embedder)
-            self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service="query embedder", actors=self.c.retrieval.concurrency)
+            self._query_embedder(stage)
         for p in passes:
             self._add_time(stage, g, round(questions * p.calls), p, kinds=kinds)
         return stage
@@ -375,7 +360,7 @@ class _Builder:
     def generate(self, name: str, item: Generate) -> Stage:
         """Generator passes on the service of the item's config section."""
         measured = self._writeback_record() if item.selection else None
-        stage = self._model_stage(name, self._section(item.section), item.items, list(item.passes), item.describe,
+        stage = self._model_stage(name, section(self.c, item.section), item.items, list(item.passes), item.describe,
                                   item.retrieval, item.section, kinds=measured)
         if item.selection:
             self._selection_notes(stage, item, measured)
@@ -383,7 +368,7 @@ class _Builder:
 
     def _also_generate(self, stage: Stage, item: Generate) -> None:
         """A second generator pass in the same stage (mastery's QA writing), with its own section's bundles."""
-        g = self._section(item.section)
+        g = section(self.c, item.section)
         if item.section != "generator":
             if (g.backend == "openai" or not g.num_gpus) and stage.seconds is not None:
                 stage.held_seconds = stage.seconds
@@ -401,16 +386,6 @@ class _Builder:
         e = self.c.retrieval.query_embedder(self.c.embedder)
         self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
                     service="query embedder", actors=self.c.retrieval.concurrency)
-
-    def _section(self, key: str):
-        section = self.c
-        for part in key.split("."):
-            section = getattr(section, part)
-        return section
-
-    def _services_end(self) -> None:
-        """After a Ray Train stage the services start again: its workers took their resources."""
-        self.timing.started.clear()
 
     def _start(self, stage: Stage, role: str, model: str, num_gpus: float, dtype: str, threads: int,
                backend: str | None = None, service: str | None = None, actors: int = 1) -> None:
@@ -446,7 +421,10 @@ class _Builder:
             stage.rates += ("closed_book",) if p.docs == 0 and not p.mixture else (f"rag_prompt_{g.backend}",)
 
     def _writeback_record(self) -> dict | None:
-        return self.timing.writeback_record(self.c.generator, self.c.writeback.train, self.c.retrieval.top_k)
+        """The write-back record of this training set, K and generator hardware, where calibrated."""
+        g, train = self.c.generator, self.c.writeback.train
+        return self.timing.record("writeback", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads),
+                                  g.backend, train=train, top_k=self.c.retrieval.top_k) if train else None
 
     def _selection_notes(self, stage: Stage, item: Generate, measured: dict | None) -> None:
         """Write-back's keep rate and distiller calls: measured, or the paper's or the demo's figures, said so."""
@@ -488,22 +466,22 @@ class _Builder:
         """A Ray Train stage (or a small head in the driver), after the generator pass that makes its targets."""
         if item.head:
             return Stage(name, [], item.rows, HEAD_SECONDS, f"small: about {HEAD_SECONDS:g} s (a head on stored vectors)")
-        section = self._section(item.section)
+        sec = section(self.c, item.section)
         if item.examples is not None:
-            stage = self._training(name, item.model, section, item.examples, item.section, item.row_tokens, item.rows)
-        elif section.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
-            stage = self._training(name, item.model, section, section.max_steps * section.batch_size, item.section,
+            stage = self._training(name, item.model, sec, item.examples, item.section, item.row_tokens, item.rows)
+        elif sec.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
+            stage = self._training(name, item.model, sec, sec.max_steps * sec.batch_size, item.section,
                                    item.row_tokens, item.rows)
             stage.work = f"questions not counted: at most {stage.work.split(': ', 1)[-1]}"
         else:
-            bundles, warn = training_bundles(item.model, section.trainer, f"{item.section}.trainer",
+            bundles, warn = training_bundles(item.model, sec.trainer, f"{item.section}.trainer",
                                              self.cluster.gpu_memory_gb, self.timing.gpus_per_node)
             self.warnings += [warn] if warn else []
-            stage = Stage(name, bundles, f"questions not counted: {section.epochs:g} epoch(s) over up to 3 rows a "
-                          f"question, {section.batch_size} a step", how="no time",
+            stage = Stage(name, bundles, f"questions not counted: {sec.epochs:g} epoch(s) over up to 3 rows a "
+                          f"question, {sec.batch_size} a step", how="no time",
                           more_gpus=self._more(f"{item.section}.trainer"))
-        if item.first is not None and (item.examples is not None or section.max_steps):
-            own = self._model_stage("own answers", self._section(item.first.section), item.first.items,
+        if item.first is not None and (item.examples is not None or sec.max_steps):
+            own = self._model_stage("own answers", section(self.c, item.first.section), item.first.items,
                                     list(item.first.passes), "", False)
             stage.work += f"; {item.first.describe}"
             stage.rates += tuple(r for r in own.rates if r not in stage.rates)
@@ -511,7 +489,7 @@ class _Builder:
             stage.how = f"own answers: {own.how}; then {stage.how}"
             for source, seconds in own.sources.items():
                 stage.add_source(source, seconds)
-        self._services_end()
+        self.timing.started.clear()  # after a Ray Train stage the services start again: its workers took their resources
         return stage
 
     def _training(self, name: str, model: str, section, examples: int, key: str, row_tokens: float,

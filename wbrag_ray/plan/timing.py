@@ -88,13 +88,6 @@ class Timing:
                 return self._use(r).get("start_seconds", 0.0)
         return 0.0
 
-    def writeback_record(self, g: GeneratorConfig, train: str | None, top_k: int) -> dict[str, Any] | None:
-        """The write-back record (`selection`) of this training set, K and generator hardware, where calibrated."""
-        if not train:
-            return None
-        return self.record("writeback", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
-                           train=train, top_k=top_k)
-
     # --- generation ------------------------------------------------------------------------------------------
 
     def generation(self, g: GeneratorConfig, calls: int, docs: int, new_tokens: int | None = None,
