@@ -22,10 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wbrag_ray.build_kb import EMBED, EMBED_STEP, INDEX_STEP, INGEST, INGEST_STEP, unit_text
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig, TuneConfig, WbragConfig
+from wbrag_ray.pipeline import execute
 from wbrag_ray.plan.tokens import CHARS_PER_TOKEN, TOKEN_UNITS, jsonl_rows, messages_tokens, text_tokens
 from wbrag_ray.run import RunFolder
+from wbrag_ray.session import start
 from wbrag_ray.storage import resolve
+from wbrag_ray.writeback.pipeline import WRITEBACK_STEP
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +217,6 @@ def corpus_passages(path: str | None, n: int) -> list[tuple[str, str]]:
 
 def _sample(config: WbragConfig, n: int = 128) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """(questions, (title, text) documents, texts to embed) from the config's files; stand-ins where unreadable."""
-    from wbrag_ray.build_kb import unit_text
-
     questions: list[str] = []  # every QA file's: prompts the run will not meet twice
     for path in dict.fromkeys((config.eval.dataset, config.writeback.train, config.zerorag.train)):
         questions += [str(r["question"]) for r in jsonl_rows(path, n) if "question" in r]
@@ -309,11 +311,6 @@ def scratch_run(config: WbragConfig, folder: Path, writeback: bool = False):
     """(run, its config): the run's own steps (`pipeline.execute`) on the corpus's first `SAMPLE_PASSAGES` passages in
     `folder`: ingest and embed, and with `writeback`, index and write-back training on `SAMPLE_QUESTIONS` of its
     training questions (none held out). None where the corpus is not readable here."""
-    from wbrag_ray.build_kb import EMBED_STEP, INDEX_STEP, INGEST_STEP
-    from wbrag_ray.pipeline import execute
-    from wbrag_ray.session import start
-    from wbrag_ray.writeback.pipeline import WRITEBACK_STEP
-
     passages = corpus_passages(config.ingest.corpus, SAMPLE_PASSAGES)
     rows = jsonl_rows(config.writeback.train) if writeback else []
     if writeback and not (rows and passages):
@@ -328,8 +325,9 @@ def scratch_run(config: WbragConfig, folder: Path, writeback: bool = False):
     train.write_text("".join(json.dumps(r) + "\n" for r in rows[::max(1, len(rows) // SAMPLE_QUESTIONS)][:SAMPLE_QUESTIONS]))
     wb = config.writeback.model_copy(update={"train": str(train) if writeback else None, "validation": None,
                                              "limit": None})
-    sample = config.model_copy(update={"ingest": config.ingest.model_copy(update={"corpus": str(corpus)}),
-                                       "writeback": wb})
+    # a copy of its own: the run's start decides its "auto" counts in it
+    sample = config.model_copy(deep=True, update={"ingest": config.ingest.model_copy(update={"corpus": str(corpus)}),
+                                                  "writeback": wb})
     steps = (INGEST_STEP, EMBED_STEP) + ((INDEX_STEP, WRITEBACK_STEP) if writeback else ())
     # the stages' progress lines to stderr: `wbrag plan --calibrate --json` prints its plan alone on stdout
     with contextlib.redirect_stdout(sys.stderr):
@@ -343,8 +341,6 @@ def embed_pass(run, config: WbragConfig, record: dict[str, Any]) -> dict[str, An
     fixed cost (pass start, actors' load, write)."""
     import pyarrow.parquet as pq
 
-    from wbrag_ray.build_kb import EMBED, unit_text
-
     src, id_col = run.layout.ingest.units(config.index.unit)
     columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
     texts = unit_text(pq.read_table(src.path, filesystem=src.fs, columns=columns).to_pandas(), id_col)["text"]
@@ -356,9 +352,6 @@ def embed_pass(run, config: WbragConfig, record: dict[str, Any]) -> dict[str, An
 def writeback_record(config: WbragConfig, run, sample: WbragConfig, hw: dict[str, Any]) -> dict[str, Any]:
     """Write-back's figures as the scratch run's write-back stage recorded them: the utility gate's keep rate (with
     its 95% Wilson interval), the documents the document gate retained, and its passes' seconds a call."""
-    from wbrag_ray.build_kb import INGEST
-    from wbrag_ray.writeback.pipeline import WRITEBACK_STEP
-
     stats = run.stats(WRITEBACK_STEP.stage.instance(WRITEBACK_STEP.instances(sample)[0]))
     n, kept, g = stats["examples"], stats["selected"], sample.generator
     points = [{"shape": shape, "calls": p["generator_calls"], "seconds": p["seconds"], "new_tokens": p["max_new_tokens"],
