@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.config import ConfigError, EmbedderConfig, GeneratorConfig, WbragConfig
 from wbrag_ray.formats import dataset_name
 from wbrag_ray.models.accelerators import DEFAULT_GPU, Accelerator, accelerator
 from wbrag_ray.models.size import embedding_dim, model_size, serving_gb
@@ -283,8 +283,7 @@ class _Builder:
         if seconds is not None:
             stage = Stage(name, [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
             stage.add_source(source, seconds)
-            self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service=EMBED_PASS, actors=e.concurrency)
+            self._start(stage, "embedder", e, service=EMBED_PASS, actors=e.concurrency)
             return stage
         if e.num_gpus > 0:
             return Stage(name, [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)
@@ -351,8 +350,7 @@ class _Builder:
         if questions is None:
             stage.seconds, stage.how = None, "questions not counted: no time"
             return stage
-        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
-                    actors=g.concurrency)
+        self._start(stage, "generator", g, actors=g.concurrency)
         if retrieval:
             self._query_embedder(stage)
         for p in passes:
@@ -380,21 +378,20 @@ class _Builder:
             stage.bundles += bundles
             stage.notes += notes
             stage.refusals += refusals
-        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend)
+        self._start(stage, "generator", g)
         for p in item.passes:
             self._add_time(stage, g, None if item.items is None else round(item.items * p.calls), p, item.describe)
 
     def _query_embedder(self, stage: Stage) -> None:
-        e = self.c.retrieval.query_embedder(self.c.embedder)
-        self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                    service="query embedder", actors=self.c.retrieval.concurrency)
+        self._start(stage, "embedder", self.c.retrieval.query_embedder(self.c.embedder), service="query embedder",
+                    actors=self.c.retrieval.concurrency)
 
-    def _start(self, stage: Stage, role: str, model: str, num_gpus: float, dtype: str, threads: int,
-               backend: str | None = None, service: str | None = None, actors: int = 1) -> None:
-        """Add a service's start (its `actors` spread over the nodes)."""
+    def _start(self, stage: Stage, role: str, s: EmbedderConfig | GeneratorConfig, service: str | None = None,
+               actors: int = 1) -> None:
+        """Add the start of a service of config section `s` (its `actors` spread over the nodes)."""
         per_node = max(1, math.ceil(actors / max(1, len(self.cluster.nodes))))
-        seconds, how, source = self.timing.service_start(role, model, num_gpus, dtype, threads, backend, service,
-                                                         actors, per_node)
+        seconds, how, source = self.timing.service_start(role, s.model, s.num_gpus, s.dtype, threads_of(
+            s.num_cpus, s.threads), getattr(s, "backend", None), service, actors, per_node)
         if seconds:
             stage.seconds = None if stage.seconds is None else stage.seconds + seconds
             stage.how = f"{stage.how}; {how}" if stage.how else how

@@ -128,7 +128,7 @@ class Timing:
         """(seconds, how, source) to start a service's actors and load their model, the first time a stage asks;
         (0, "", None) after that. Calibrated, else an assumed start plus the weights' read at the storage rate."""
         key = f"{service or role}:{model}"
-        if key in self.started or role == "cluster":
+        if key in self.started:
             return 0.0, "", None
         self.started.add(key)
         rec = self.record(role, model, num_gpus, dtype, threads, backend)
