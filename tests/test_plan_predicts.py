@@ -207,7 +207,7 @@ def test_ray_train_start_is_calibrated_and_planned_in_place_of_the_benchmark(ray
     from wbrag_ray.plan.stages import threads_of
 
     config = load_config(ROOT / "jobs" / "configs" / "zero_rag_demo.yaml")
-    measured = _train_start(config)
+    measured = _train_start(config.zerorag.tune.trainer)
     assert 0 < measured < 120
     trainer, tune = config.zerorag.tune.trainer, config.zerorag.tune
     record = {"role": "training", "model": config.generator.model, "seconds_per_token": 1e-4, "load_seconds": 2.0,
@@ -319,7 +319,7 @@ def test_training_is_calibrated_in_the_dtype_a_training_worker_has(no_cache):
 
     config = load_config(ROOT / "jobs" / "configs" / "zero_rag_demo.yaml",
                          overrides=["zerorag.tune.max_length=32", "zerorag.tune.batch_size=2"])
-    record = {**calibrate_training(config, 0.5), "date": "now"}
+    record = {**calibrate_training(config.zerorag.tune, config.generator, 0.5), "date": "now"}
     assert record["hardware"]["dtype"] == "float32" and record["steps"] >= 1 and record["seconds_per_token"] > 0
     cluster = Cluster.uniform(1, 2, 0, 8, 80, "stated")
     tuning = next(s for s in make_plan(config, cluster, records=[record]).stages if s.name == "tuning: LoRA training")

@@ -21,7 +21,7 @@ from wbrag_ray.plan.accelerators import (
     generation_seconds,
     training_communication,
 )
-from wbrag_ray.plan.selection import wilson
+from wbrag_ray.plan.calibrate import wilson
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO_RAG = ROOT / "jobs" / "configs" / "paper_zero_rag.yaml"
@@ -56,18 +56,18 @@ def test_the_wilson_interval_of_a_keep_rate():
 
 def _writeback_record(config, keep=(14, 80)):
     """A write-back calibration record of the demo config's training set, on the hardware its generator would use
-    (the shape `selection.calibrate_writeback` writes; its figures stated here)."""
+    (the shape `calibrate.writeback_record` writes; its figures stated here)."""
     from wbrag_ray.models.hardware import resolved_dtype_name
     from wbrag_ray.plan.calibrate import hardware
     from wbrag_ray.plan.stages import threads_of
 
     g = config.generator
     point = {"calls": 14, "seconds": 21.0, "seconds_per_call": 1.5, "prompt_tokens": 300.0, "generated_tokens": 40.0,
-             "new_tokens": 96, "first_use_seconds": 2.0}
+             "new_tokens": 96}
     return {"role": "writeback", "model": g.model, "backend": g.backend, "train": config.writeback.train,
             "top_k": config.retrieval.top_k, "metric": "acc", "rag_method": "naive", "questions": keep[1],
             "kept": keep[0], "keep_rate": keep[0] / keep[1], "keep_interval": list(wilson(*keep)),
-            "retained_docs": 2.0, "distilled_on": "14 kept examples", "passages_searched": 100, "corpus_passages": 100,
+            "retained_docs": 2.0, "passages_searched": 100, "corpus_passages": 100,
             "points": [{**point, "shape": "document gate", "seconds_per_call": 0.4},
                        {**point, "shape": "extract"}, {**point, "shape": "rewrite", "seconds_per_call": 1.0}],
             "hardware": hardware("cpu", resolved_dtype_name(g.dtype, 0), threads_of(g.num_cpus, g.threads))}
@@ -92,39 +92,11 @@ def test_the_write_back_plan_takes_the_keep_rate_and_distiller_calls_measured_on
     assert "extract: 5 calls x 1.5 s (300 prompt + 40 generated tokens a call, measured)" in wb.how
     assert "rewrite: 5 calls x 1 s" in wb.how
     assert "document gate: 26 calls x 0.4 s" in wb.how  # 5 documents of each of the 5.25 kept, each alone
-    assert "the distiller's prompt shapes' first use 6 s [calibrated]" in wb.how
     assert not any("keep rate is the demo's" in w for w in measured.warnings)
     assert any("kept 14 of 80 sampled training questions (17.5%, 95% Wilson interval" in c for c in measured.calibrated)
     # a record of another training set is not this config's
     other = {**_writeback_record(config), "train": "elsewhere/train.jsonl"}
     assert "the demo's" in stage(make_plan(config, cluster, records=[other]), "write-back training").work
-
-
-def test_calibration_measures_the_keep_rate_and_the_distillers_prompts_on_the_configs_data(tiny, tmp_path):
-    """The real measurement, in this process, with the tiny models over the demo corpus and training set."""
-    from tests.conftest import DEMO_CORPUS
-    from wbrag_ray.plan.selection import MIN_QUESTIONS, calibrate_writeback, corpus_passages, sample_rows
-
-    config = load_config(WB_DEMO, overrides=[*tiny.overrides(), "generator.max_new_tokens=4",
-                                             "writeback.extract_max_new_tokens=8", "writeback.rewrite_max_new_tokens=8"],
-                         extra={"ingest": {"corpus": str(DEMO_CORPUS)}})
-    rows = sample_rows(config.writeback.train)
-    assert len(rows) == 30  # the demo's training set, every question (fewer than the sample)
-    passages = corpus_passages(config.ingest.corpus, 2000)  # as the ingest parses them
-    record = calibrate_writeback(config, rows, passages, len(passages), budget=0.0)
-    from wbrag_ray.generation.stage import GenerateStage
-
-    part = GenerateStage(config.generator).resources.batch_size // 2  # a pass batch's questions, each asked twice
-    # no budget: the minimum sample, in whole parts
-    assert record["questions"] == min(len(rows), math.ceil(MIN_QUESTIONS / part) * part) == 30
-    assert record["kept"] == round(record["keep_rate"] * record["questions"])
-    lo, hi = record["keep_interval"]
-    assert lo <= record["keep_rate"] <= hi
-    assert {p["shape"] for p in record["points"]} == {"document gate", "extract", "rewrite"}
-    for p in record["points"]:
-        assert p["calls"] >= 1 and p["seconds_per_call"] > 0 and p["prompt_tokens"] > 0
-        assert 0 <= p["generated_tokens"] <= p["new_tokens"] * 10  # characters / 4 of what it wrote
-    assert record["passages_searched"] == record["corpus_passages"] == 100
 
 
 def test_the_paper_write_back_plan_uses_the_papers_keep_rate_and_lands_near_its_half_hour():

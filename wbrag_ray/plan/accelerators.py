@@ -1,28 +1,9 @@
-"""First-principles times for the model stages where no rate was measured on the hardware they will run on: from
-an accelerator's peak figures (`models.accelerators`), the links between nodes (`INTERCONNECTS`), the efficiency a
-stage reaches of them, and the FLOPs and bytes of generation, embedding, training and k-means.
-
-    generation  prefill: 2 x params x prompt tokens, at `COMPUTE_EFFICIENCY` of the peak bf16 rate;
-                decode: a step per new token for a batch of `DECODE_BATCH` sequences (fewer where their KV cache
-                does not fit what the weights leave of the GPUs), each step the longer of reading the weights and
-                the batch's KV cache once (at `BANDWIDTH_EFFICIENCY` of the memory bandwidth) and the batch's
-                2 x params FLOPs per sequence; a tensor-parallel replica adds two all-reduces of the activations
-                a layer (prefill's tokens, decode's batch) over NVLink
-    embedding   2 x params x tokens per text (an encoder's forward), at `ENCODER_EFFICIENCY` of the peak
-    training    6 x params x tokens: forward (2P) and backward of the frozen base (2P for the activations' gradients),
-                and the forward again that gradient checkpointing recomputes (2P); the LoRA weights are negligible.
-                Communication a step (`training_communication`): FSDP all-gathers the bf16 weights twice (forward,
-                and backward after the forward resharded them) and reduce-scatters the LoRA gradients; hybrid FSDP
-                the same within a node, then all-reduces the LoRA gradients across nodes; DDP all-reduces them
-    k-means     2 x sample x lists x dimensions per iteration, faiss's default `KMEANS_ITERATIONS` (the build sets
-                none), at the fp32 rate
-    collectives NCCL's bus-bandwidth model (nccl-tests' PERFORMANCE.md): an all-gather or reduce-scatter of S bytes
-                over n ranks moves S x (n - 1) / n through each rank's link, an all-reduce twice that; the link
-                is NVLink within a node and the network (`--interconnect`) as soon as the group spans nodes, at
-                `LINK_EFFICIENCY` of its peak, plus `COLLECTIVE_LATENCY_S` a collective
-    load        a model's bytes over the storage's read rate (`STORAGE_READ_GBS` a node unless stated)
-
-Every figure says where it came from; `--gpu NAME` picks the accelerator (`models.accelerators.ACCELERATORS`).
+"""First-principles times for the model stages where no rate was measured on the hardware they will run on: the
+FLOPs and bytes of generation (prefill, then decode steps bounded by the weights' and KV cache's reads), embedding,
+training (6 x params x tokens, and its collectives), k-means and model loads, against an accelerator's peaks
+(`models.accelerators`, `--gpu`), the links between nodes (`INTERCONNECTS`, `--interconnect`) and the share of a
+peak a stage reaches (the `*_EFFICIENCY` figures); the model, formula by formula: docs/architecture.md, "The
+plan's first-principles estimates".
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""Calibration: the rates of a config's models measured on the cluster's own hardware (`wbrag plan CONFIG
---calibrate`), where later plans on the same hardware find them.
+"""Calibration (`wbrag plan CONFIG --calibrate`): the rates of a config's models measured on the cluster's own
+hardware, where later plans on the same hardware find them.
 
 Each model runs in one Ray worker with its stage's resources, for a bounded time, on the config's own questions and
 passages: the generator's seconds a call at two prompt lengths (and its service's start), the embedder's seconds a
-token (and the run's own embed stage's fixed cost), a LoRA step's seconds a token (and Ray Train's start).
-Write-back's keep rate is measured by `selection`. A record holds the hardware it ran on, and a plan uses it only
-for a stage on the same hardware. Records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`).
+token, a LoRA step's seconds a token (and Ray Train's start). Then the run's own steps (`pipeline`) make a scratch
+run of a sample of the corpus (and of the write-back training questions): the embed stage's fixed cost and
+write-back's keep rate, retained documents and distiller passes are read from that run's stats. A record holds the
+hardware it ran on; records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`).
 
-Over 400 lines, kept whole: every `--calibrate` measurement and the driver that keeps the records.
+Over 400 lines, kept whole: every `--calibrate` measurement, the scratch run, and the driver that keeps the records.
 """
 
 from __future__ import annotations
@@ -15,21 +16,30 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from wbrag_ray.config import WbragConfig
-from wbrag_ray.plan.measuring import hardware
-from wbrag_ray.plan.measuring import timed_batches as _timed_batches
-from wbrag_ray.plan.tokens import TOKEN_UNITS, jsonl_rows, messages_tokens, text_tokens
+from wbrag_ray.build_kb import EMBED, EMBED_STEP, INDEX_STEP, INGEST, INGEST_STEP, unit_text
+from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig, TuneConfig, WbragConfig
+from wbrag_ray.pipeline import execute
+from wbrag_ray.plan.tokens import CHARS_PER_TOKEN, TOKEN_UNITS, jsonl_rows, messages_tokens, text_tokens
+from wbrag_ray.run import RunFolder
+from wbrag_ray.session import start
+from wbrag_ray.storage import resolve
+from wbrag_ray.writeback.pipeline import WRITEBACK_STEP
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SECONDS = 30.0  # per model
-PROBE_PASSAGES = 512  # passages the run's own embed stage is timed on (`_embed_pass`)
+SAMPLE_PASSAGES = 2000  # the scratch run's corpus: the corpus's first passages
+SAMPLE_QUESTIONS = 64  # the scratch run's training questions: a 95% interval of about +-0.1 at a 20% keep rate
+# write-back's passes (`GeneratorPasses.stats` names) that the plan prices as their own prompt kinds
+WRITEBACK_PASSES = {"document_gate": "document gate", "distill_extract": "extract", "distill_rewrite": "rewrite"}
 
 
 def cache_path() -> Path:
@@ -39,6 +49,39 @@ def cache_path() -> Path:
 def training_dtype(num_gpus: float) -> str:
     """A training worker's weights' dtype: fp32 on CPUs (bf16 is emulated on many; LoRA loses precision in it)."""
     return "auto" if num_gpus > 0 else "float32"
+
+
+def hardware(device: str, dtype: str, threads: int) -> dict[str, Any]:
+    """The hardware a rate was measured on: what must match for a plan to use it."""
+    from wbrag_ray.models.hardware import _cpuinfo, cpu_matmul_flags
+
+    return {"device": device, "cpu": _cpuinfo()[0] or "unknown", "cpu_flags": cpu_matmul_flags(), "dtype": dtype,
+            "threads": threads}
+
+
+def timed_batches(run_batch, batches: list, budget: float) -> tuple[int, float, float]:
+    """Run `batches` until half of `budget` passes (the cold pass, paying each shape's first use), then the same
+    again (warm, a run's steady rate): (batches, cold seconds, warm seconds)."""
+    t0, n = time.perf_counter(), 0
+    while n == 0 or (time.perf_counter() - t0 < budget / 2 and n < len(batches)):
+        run_batch(batches[n])
+        n += 1
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for b in batches[:n]:
+        run_batch(b)
+    return n, cold, time.perf_counter() - t0
+
+
+def wilson(kept: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of `kept` / `n`: it stays in [0, 1] and is not empty at 0 or n kept."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = kept / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tuple[str, str]],
@@ -69,7 +112,7 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
                         (f"{k} documents", lambda q, i: rag_messages(q, [hits[(i + j) % len(hits)] for j in range(k)]))):
         prompts = [make(q, i) for i, q in enumerate(questions)]
         batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] or [prompts]
-        n, cold, seconds = _timed_batches(lambda b: gen.generate(b, g.max_new_tokens), batches, share)
+        n, cold, seconds = timed_batches(lambda b: gen.generate(b, g.max_new_tokens), batches, share)
         calls = sum(len(batches[i]) for i in range(n))
         tokens = sum(messages_tokens(p) for i in range(n) for p in batches[i]) / calls
         points.append({"shape": shape, "prompt_tokens": tokens, "new_tokens": g.max_new_tokens, "calls": calls,
@@ -79,7 +122,7 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
         weights = [[1.0] * k for _ in groups]
         per = max(1, batch // k)
         packs = [(groups[i:i + per], weights[i:i + per]) for i in range(0, len(groups), per)]
-        n, cold, seconds = _timed_batches(lambda p: gen.generate_mixture(p[0], p[1], g.max_new_tokens), packs, share)
+        n, cold, seconds = timed_batches(lambda p: gen.generate_mixture(p[0], p[1], g.max_new_tokens), packs, share)
         calls = sum(len(packs[i][0]) for i in range(n))
         points.append({"shape": "mixture", "prompt_tokens": messages_tokens(groups[0][0]), "new_tokens": g.max_new_tokens,
                        "calls": calls, "seconds": seconds, "seconds_per_call": seconds / calls, "prompts_per_call": k,
@@ -89,7 +132,7 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
             "points": points, "token_units": TOKEN_UNITS, "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
 
 
-def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> dict[str, Any]:
+def calibrate_embedder(e: EmbedderConfig, texts: list[str], budget: float) -> dict[str, Any]:
     """Load the embedder, then encode the corpus's texts for the budget."""
     import torch
 
@@ -97,7 +140,6 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
     from wbrag_ray.models.hardware import resolved_dtype_name
     from wbrag_ray.stages.embed import EmbedStage
 
-    e = config.embedder
     threads = e.threads or max(1, int(-(-e.num_cpus // 1)))
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -108,7 +150,7 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
     # a pass batch a call, as the run's embed actor is handed them (a larger call pads less)
     batch = EmbedStage(e).resources.batch_size
     batches = [texts[i:i + batch] for i in range(0, len(texts), batch)] or [texts]
-    n, _, seconds = _timed_batches(emb.encode_passages, batches, budget)
+    n, _, seconds = timed_batches(emb.encode_passages, batches, budget)
     done = [t for i in range(n) for t in batches[i]]
     tokens = sum(text_tokens(t) for t in done)
     # the model's own tokens a text (cut at its max_seq_length), beside the plan's count (characters / 4)
@@ -121,7 +163,7 @@ def calibrate_embedder(config: WbragConfig, texts: list[str], budget: float) -> 
             "hardware": hardware(device, resolved_dtype_name(e.dtype, e.num_gpus), threads)}
 
 
-def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
+def calibrate_training(tune: TuneConfig, g: GeneratorConfig, budget: float) -> dict[str, Any]:
     """Seconds a training token of LoRA steps at the tuning's per-worker batch and length, on random tokens."""
     import torch
 
@@ -129,7 +171,6 @@ def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
     from wbrag_ray.models.hardware import pick_device, resolved_dtype_name
     from wbrag_ray.training.lora import with_lora
 
-    tune, g = config.zerorag.tune, config.generator
     trainer = tune.trainer
     threads = tune.threads or max(1, int(-(-trainer.num_cpus // 1)))
     torch.set_num_threads(threads)
@@ -158,7 +199,7 @@ def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
 
-    n, _, seconds = _timed_batches(step, [None] * 1000, budget)
+    n, _, seconds = timed_batches(step, [None] * 1000, budget)
     tokens = n * batch * length
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return {"role": "training", "model": g.model, "load_seconds": load, "loaded_at": loaded_at, "steps": n, "batch": batch,
@@ -166,16 +207,21 @@ def calibrate_training(config: WbragConfig, budget: float) -> dict[str, Any]:
             "hardware": hardware(name, resolved_dtype_name(training_dtype(trainer.num_gpus), trainer.num_gpus), threads)}
 
 
-# --- the driver: one actor per model, then the records saved -------------------------------------------------
+# --- the driver: one worker per model, then the scratch run, then the records saved ---------------------------
+
+def corpus_passages(path: str | None, n: int) -> list[tuple[str, str]]:
+    """(title, text) of a local corpus file's first `n` passages, as the ingest parses them."""
+    from wbrag_ray.formats import corpus_record
+
+    parsed = [corpus_record(r) for r in jsonl_rows(path, n) if isinstance(r, dict)]
+    return [(p.title, p.text) for p in parsed if not isinstance(p, str)]
+
 
 def _sample(config: WbragConfig, n: int = 128) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """(questions, (title, text) documents, texts to embed) from the config's files; stand-ins where unreadable."""
-    from wbrag_ray.build_kb import unit_text
-    from wbrag_ray.plan.selection import corpus_passages
-
     questions: list[str] = []  # every QA file's: prompts the run will not meet twice
     for path in dict.fromkeys((config.eval.dataset, config.writeback.train, config.zerorag.train)):
-        questions += _jsonl_field(path, "question", n)
+        questions += [str(r["question"]) for r in jsonl_rows(path, n) if "question" in r]
     docs = corpus_passages(config.ingest.corpus, n)
     if config.index.unit == "sentence":
         from wbrag_ray.stages.ingest import Segmenter
@@ -192,17 +238,11 @@ def _sample(config: WbragConfig, n: int = 128) -> tuple[list[str], list[tuple[st
             texts or [filler] * 32)
 
 
-def _jsonl_field(path: str | None, field: str, n: int) -> list[str]:
-    return [str(r[field]) for r in jsonl_rows(path, n) if field in r]
-
-
 def roles(config: WbragConfig) -> list[str]:
-    """The models of a config that calibration can time (not an HTTP endpoint)."""
+    """The models of a config that calibration times in a worker of their own (not an HTTP endpoint)."""
     out = ["embedder"]
     if config.generator.backend != "openai":
         out.append("generator")
-        if config.writeback.train:
-            out.append("writeback")
         if config.zerorag.enabled and config.zerorag.tune.enabled:
             out.append("training")
     return out
@@ -210,7 +250,8 @@ def roles(config: WbragConfig) -> list[str]:
 
 def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | None = None,
               cache: Path | None = None) -> list[dict[str, Any]]:
-    """Time each model of `config` on one actor for about `seconds`; save and return the records."""
+    """Time each model of `config` on one worker for about `seconds`, then the run's own stages on a sample; save
+    and return the records."""
     import psutil
     import ray
 
@@ -226,6 +267,7 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
         records.append({"role": "cluster", "model": "", "cpus": cpus, "date": date, "hardware": hardware("cpu", "", 0),
                         "start_seconds": time.time() - psutil.Process().create_time()})
     questions, docs, texts = _sample(config)
+    by_role = {}
     for role in roles(config):
         num_cpus, num_gpus = _resources(config, role)
         # max_calls=1: a fresh worker a model, as a stage's actor starts one
@@ -235,18 +277,24 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
         record = ray.get(task.remote(config.model_dump(), role, questions, docs, texts, seconds))
         record["start_seconds"] = max(0.0, record.pop("entered") - submitted)  # scheduling and the worker's start
         if role == "generator":
-            record["service_start_seconds"] = _service_start(config, questions)
+            record["service_start_seconds"] = _service_start(config.generator, questions)
         if role == "training":
-            record["train_start_seconds"] = _train_start(config)
-        if role == "embedder":
-            record.update(_embed_pass(config, record))
+            record["train_start_seconds"] = _train_start(config.zerorag.tune.trainer)
         record["date"] = date
         records.append(record)
+        by_role[role] = record
+    writeback = "generator" in by_role and bool(config.writeback.train)
+    with tempfile.TemporaryDirectory(prefix="wbrag-calibrate-") as folder:
+        scratch = scratch_run(config, Path(folder), writeback)
+        if scratch is not None:
+            by_role["embedder"].update(embed_pass(*scratch, by_role["embedder"]))
+            if writeback:
+                records.append({**writeback_record(config, *scratch, by_role["generator"]["hardware"]), "date": date})
     save(records, run, cache)
     return records
 
 
-def _service_start(config: WbragConfig, questions: list[str]) -> float:
+def _service_start(g: GeneratorConfig, questions: list[str]) -> float:
     """Seconds to a first answer through the run's own generator service, on two one-token prompts."""
     import pandas as pd
 
@@ -257,71 +305,82 @@ def _service_start(config: WbragConfig, questions: list[str]) -> float:
     frame = pd.DataFrame({"prompt": [dumps(no_retrieval_messages(q)) for q in questions[:2]]})
     t0 = time.perf_counter()
     with Services() as services:
-        GeneratorPasses(config.generator, services).generate("calibration", frame, "prompt", "answer", 1)
+        GeneratorPasses(g, services).generate("calibration", frame, "prompt", "answer", 1)
     return time.perf_counter() - t0
 
 
-def _embed_pass(config: WbragConfig, record: dict[str, Any]) -> dict[str, Any]:
-    """The run's own embed stage on the corpus's first `PROBE_PASSAGES` passages: its seconds beyond their tokens at
-    `record`'s warm rate are the stage's fixed cost (pass start, actors' load, write). Timed once: a second pass
-    starts warmer. {} where the corpus is not readable here."""
-    probe = _timed_embed_stage(config, PROBE_PASSAGES)
-    if probe is None:
-        return {}
-    return {"pass_seconds": probe["seconds"], "pass_texts": probe["texts"], "pass_tokens": probe["tokens"],
-            "pass_start_seconds": max(0.0, probe["seconds"] - probe["tokens"] * record["seconds_per_token"])}
-
-
-def _timed_embed_stage(config: WbragConfig, passages: int) -> dict[str, Any] | None:
-    """The run's embed stage on the corpus's first `passages` passages: seconds, texts, tokens; None if unreadable."""
-    import tempfile
-
-    from wbrag_ray import build_kb
-    from wbrag_ray.plan.selection import corpus_passages
-    from wbrag_ray.session import start
-
-    probe = corpus_passages(config.ingest.corpus, passages)
-    if not probe:
+def scratch_run(config: WbragConfig, folder: Path, writeback: bool = False):
+    """(run, its config): the run's own steps (`pipeline.execute`) on the corpus's first `SAMPLE_PASSAGES` passages in
+    `folder`: ingest and embed, and with `writeback`, index and write-back training on `SAMPLE_QUESTIONS` of its
+    training questions (none held out). None where the corpus is not readable here."""
+    passages = corpus_passages(config.ingest.corpus, SAMPLE_PASSAGES)
+    rows = jsonl_rows(config.writeback.train) if writeback else []
+    if writeback and not (rows and passages):
+        raise ValueError(f"write-back calibration needs a local training set and corpus (writeback.train "
+                         f"{config.writeback.train!r}, ingest.corpus {config.ingest.corpus!r})")
+    if not passages:
         return None
-    with tempfile.TemporaryDirectory(prefix="wbrag-calibrate-embed-") as folder:
-        corpus = Path(folder) / "corpus.jsonl"
-        corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"{title}\n{text}"}) + "\n"
-                                  for i, (title, text) in enumerate(probe)))
-        probing = config.model_copy(update={"ingest": config.ingest.model_copy(update={"corpus": str(corpus)})})
-        # the stages' progress lines to stderr: `wbrag plan --calibrate --json` prints its plan alone on stdout
-        with contextlib.redirect_stdout(sys.stderr):
-            run = start(str(Path(folder) / "run"), probing)
-            build_kb.ingest(run, probing)
-            stats = build_kb.embed(run, probing)
-        texts = _run_units(run, probing)
-    return {"passages": len(probe), "texts": len(texts), "tokens": sum(text_tokens(t) for t in texts),
-            "seconds": float(stats["seconds"])}
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus, train = folder / "corpus.jsonl", folder / "train.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"{title}\n{text}"}) + "\n"
+                              for i, (title, text) in enumerate(passages)))
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[::max(1, len(rows) // SAMPLE_QUESTIONS)][:SAMPLE_QUESTIONS]))
+    wb = config.writeback.model_copy(update={"train": str(train) if writeback else None, "validation": None,
+                                             "limit": None})
+    # a copy of its own: the run's start decides its "auto" counts in it
+    sample = config.model_copy(deep=True, update={"ingest": config.ingest.model_copy(update={"corpus": str(corpus)}),
+                                                  "writeback": wb})
+    steps = (INGEST_STEP, EMBED_STEP) + ((INDEX_STEP, WRITEBACK_STEP) if writeback else ())
+    # the stages' progress lines to stderr: `wbrag plan --calibrate --json` prints its plan alone on stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        run = start(str(folder / "run"), sample)
+        execute(run, sample, only=steps)
+    return run, sample
 
 
-def _run_units(run, config: WbragConfig) -> list[str]:
-    """The texts the run's embed stage embedded (`build_kb.unit_text` of its ingested units)."""
+def embed_pass(run, config: WbragConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """The scratch run's embed stage: its seconds beyond its texts' tokens at `record`'s warm rate are the stage's
+    fixed cost (pass start, actors' load, write)."""
     import pyarrow.parquet as pq
-
-    from wbrag_ray.build_kb import unit_text
 
     src, id_col = run.layout.ingest.units(config.index.unit)
     columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
-    frame = pq.read_table(src.path, filesystem=src.fs, columns=columns).to_pandas()
-    return unit_text(frame, id_col)["text"].tolist()
+    texts = unit_text(pq.read_table(src.path, filesystem=src.fs, columns=columns).to_pandas(), id_col)["text"]
+    tokens, seconds = sum(map(text_tokens, texts)), float(run.stats(EMBED.name)["seconds"])
+    return {"pass_seconds": seconds, "pass_texts": len(texts), "pass_tokens": tokens,
+            "pass_start_seconds": max(0.0, seconds - tokens * record["seconds_per_token"])}
+
+
+def writeback_record(config: WbragConfig, run, sample: WbragConfig, hw: dict[str, Any]) -> dict[str, Any]:
+    """Write-back's figures as the scratch run's write-back stage recorded them: the utility gate's keep rate (with
+    its 95% Wilson interval), the documents the document gate retained, and its passes' seconds a call."""
+    stats = run.stats(WRITEBACK_STEP.stage.instance(WRITEBACK_STEP.instances(sample)[0]))
+    n, kept, g = stats["examples"], stats["selected"], sample.generator
+    points = [{"shape": shape, "calls": p["generator_calls"], "seconds": p["seconds"], "new_tokens": p["max_new_tokens"],
+               # a call's seconds on one actor: the pass ran on the service's `concurrency` actors
+               "seconds_per_call": p["seconds"] * max(1, g.concurrency) / p["generator_calls"],
+               "prompt_tokens": p["mean_prompt_chars"] / CHARS_PER_TOKEN,
+               "generated_tokens": p["mean_output_chars"] / CHARS_PER_TOKEN}
+              for name, shape in WRITEBACK_PASSES.items() if (p := stats["passes"].get(name, {})).get("generator_calls")]
+    passages = run.stats(INGEST.name)["rows_out"]
+    return {"role": "writeback", "model": config.generator.model, "backend": config.generator.backend,
+            "train": config.writeback.train, "top_k": config.retrieval.top_k, "metric": stats["gate_metric"],
+            "rag_method": stats["rag_method"], "questions": n, "kept": kept, "keep_rate": kept / max(1, n),
+            "keep_interval": list(wilson(kept, n)),
+            "retained_docs": stats["mean_retained_docs"] if kept else float(config.retrieval.top_k),
+            "passages_searched": passages, "corpus_passages": passages if passages < SAMPLE_PASSAGES else None,
+            "points": points, "seconds": stats["seconds"], "hardware": hw}
 
 
 def _noop_loop(_config: dict) -> None:
     """A Ray Train loop that does nothing: what remains of a fit is Ray Train's own start and end."""
 
 
-def _train_start(config: WbragConfig) -> float:
+def _train_start(t: TrainerConfig) -> float:
     """Seconds of a Ray Train fit whose loop does nothing, with the tuning's workers: Ray Train's own overhead."""
-    import tempfile
-
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    t = config.zerorag.tune.trainer
     workers = t.num_workers if isinstance(t.num_workers, int) else 1
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
     with tempfile.TemporaryDirectory(prefix="wbrag-calibrate-train-") as storage:
@@ -338,12 +397,8 @@ def _train_start(config: WbragConfig) -> float:
 
 
 def _resources(config: WbragConfig, role: str) -> tuple[float, float]:
-    if role in ("generator", "writeback"):
-        return config.generator.num_cpus, config.generator.num_gpus
-    if role == "embedder":
-        return config.embedder.num_cpus, config.embedder.num_gpus
-    t = config.zerorag.tune.trainer
-    return t.num_cpus, t.num_gpus
+    section = {"generator": config.generator, "embedder": config.embedder}.get(role, config.zerorag.tune.trainer)
+    return section.num_cpus, section.num_gpus
 
 
 def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: float) -> dict[str, Any]:
@@ -351,26 +406,10 @@ def _calibrate_role(config: dict, role: str, questions, docs, texts, seconds: fl
     config = WbragConfig.model_validate(config)
     if role == "generator":
         record = calibrate_generator(config, questions, docs, seconds)
-    elif role == "writeback":
-        from wbrag_ray.plan.selection import (
-            SAMPLE_PASSAGES,
-            calibrate_writeback,
-            corpus_passages,
-            sample_rows,
-        )
-
-        passages = corpus_passages(config.ingest.corpus, SAMPLE_PASSAGES)
-        whole = len(passages) if len(passages) < SAMPLE_PASSAGES else None  # read to its end: the whole corpus
-        rows = sample_rows(config.writeback.train)
-        if not rows or not passages:
-            raise ValueError(f"write-back calibration needs a local training set and corpus (writeback.train "
-                             f"{config.writeback.train!r}, ingest.corpus {config.ingest.corpus!r})")
-        record = calibrate_writeback(config, rows, passages, whole, seconds)
-        record["loaded_at"] = entered  # its loads are inside its measurement; the generator record has them
     elif role == "embedder":
-        record = calibrate_embedder(config, texts, seconds)
+        record = calibrate_embedder(config.embedder, texts, seconds)
     else:
-        record = calibrate_training(config, seconds)
+        record = calibrate_training(config.zerorag.tune, config.generator, seconds)
     return {**record, "entered": entered, "load_seconds": record.pop("loaded_at") - entered}
 
 
@@ -384,12 +423,8 @@ def save(records: list[dict[str, Any]], run: str | None = None, cache: Path | No
     path = cache or cache_path()
     found = {_key(r): r for r in load_cache(path)}
     found.update({_key(r): r for r in records})
-    from wbrag_ray.storage import resolve
-
     resolve(str(path)).write_json(list(found.values()))  # temp-then-move, a name of this writer's own
     if run:
-        from wbrag_ray.run import RunFolder
-
         RunFolder(run).layout.calibration.write_json(records)
 
 
@@ -406,25 +441,8 @@ def load_records(run: str | None = None, cache: Path | None = None) -> list[dict
     """The run folder's records (with `run`, where it has them), then the cache's."""
     out: list[dict[str, Any]] = []
     if run:
-        from wbrag_ray.run import RunFolder
-
         try:
             out += RunFolder(run).layout.calibration.read_json()
         except (OSError, ValueError, TypeError):
             pass
     return out + load_cache(cache)
-
-
-def this_hardware(device: str, dtype: str, threads: int) -> dict[str, Any]:
-    """The hardware a stage of this machine would run on, to match records against (`hardware`'s fields)."""
-    return hardware(device, dtype, threads)
-
-
-def find(records: list[dict[str, Any]], role: str, model: str, want: dict[str, Any],
-         backend: str | None = None) -> dict[str, Any] | None:
-    """The first record of `role` for `model` (and `backend`) measured on hardware `want`: None where none was."""
-    for r in records:
-        if r.get("role") == role and r.get("model") == model and r.get("hardware") == want \
-                and (backend is None or r.get("backend") in (None, backend)):
-            return r
-    return None

@@ -6,6 +6,7 @@ row counts, jsonl bytes / bytes a passage). Each figure says where it came from.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from wbrag_ray.build_kb import INGEST
@@ -101,7 +102,7 @@ def question_count(path: str | None, limit: int | None) -> tuple[int | None, str
     """(questions, how it was counted) of a FlashRAG QA file; only a local file is read."""
     if not path:
         return None, "no file"
-    if "://" in path or not _exists(path):
+    if "://" in path or not os.path.exists(path):
         known = _known_split(path)
         why = "is not local" if "://" in path else "is not here"
         if known is None:
@@ -134,12 +135,6 @@ def _known_split(path: str) -> int | None:
     if len(parts) < 2:
         return None
     return FLASHRAG_SPLITS.get((parts[-2].lower(), parts[-1].rsplit(".", 1)[0].lower()))
-
-
-def _exists(path: str) -> bool:
-    import os
-
-    return os.path.exists(path)
 
 
 def _first_line(exc: BaseException) -> str:

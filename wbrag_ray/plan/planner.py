@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.config import ConfigError, EmbedderConfig, GeneratorConfig, WbragConfig
 from wbrag_ray.formats import dataset_name
 from wbrag_ray.models.accelerators import DEFAULT_GPU, Accelerator, accelerator
 from wbrag_ray.models.size import embedding_dim, model_size, serving_gb
@@ -140,6 +140,9 @@ class _Builder:
 
     def __init__(self, config: WbragConfig, cluster: Cluster, corpus: CorpusSize, timing: Timing):
         self.c, self.cluster, self.corpus, self.timing = config, cluster, corpus, timing
+        # the sizes a step's declared work asks for (`work.Sizes`)
+        self.passages, self.sentences, self.units, self.questions = (corpus.passages, corpus.sentences, corpus.units,
+                                                                     question_count)
         self.refusals: list[str] = []
         self.warnings: list[str] = []
         self._selection: tuple[float, float, str] | None = None
@@ -239,20 +242,6 @@ class _Builder:
             out.append(main)
         return out
 
-    @property
-    def passages(self) -> int | None:
-        return self.corpus.passages
-
-    @property
-    def sentences(self) -> int | None:
-        return self.corpus.sentences
-
-    def units(self, unit: str) -> int | None:
-        return self.corpus.units(unit)
-
-    def questions(self, path: str | None, limit: int | None) -> tuple[int | None, str]:
-        return question_count(path, limit)
-
     def selection(self) -> tuple[float, float, str]:
         if self._selection is None:
             self._selection = self._keep_rate(self._writeback_record())
@@ -294,8 +283,7 @@ class _Builder:
         if seconds is not None:
             stage = Stage(name, [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
             stage.add_source(source, seconds)
-            self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service=EMBED_PASS, actors=e.concurrency)
+            self._start(stage, "embedder", e, service=EMBED_PASS, actors=e.concurrency)
             return stage
         if e.num_gpus > 0:
             return Stage(name, [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)
@@ -362,12 +350,9 @@ class _Builder:
         if questions is None:
             stage.seconds, stage.how = None, "questions not counted: no time"
             return stage
-        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
-                    actors=g.concurrency)
+        self._start(stage, "generator", g, actors=g.concurrency)
         if retrieval:
-            e = self.c.retrieval.query_embedder(self.c.embedder)
-            self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                        service="query embedder", actors=self.c.retrieval.concurrency)
+            self._query_embedder(stage)
         for p in passes:
             self._add_time(stage, g, round(questions * p.calls), p, kinds=kinds)
         return stage
@@ -375,7 +360,7 @@ class _Builder:
     def generate(self, name: str, item: Generate) -> Stage:
         """Generator passes on the service of the item's config section."""
         measured = self._writeback_record() if item.selection else None
-        stage = self._model_stage(name, self._section(item.section), item.items, list(item.passes), item.describe,
+        stage = self._model_stage(name, section(self.c, item.section), item.items, list(item.passes), item.describe,
                                   item.retrieval, item.section, kinds=measured)
         if item.selection:
             self._selection_notes(stage, item, measured)
@@ -383,7 +368,7 @@ class _Builder:
 
     def _also_generate(self, stage: Stage, item: Generate) -> None:
         """A second generator pass in the same stage (mastery's QA writing), with its own section's bundles."""
-        g = self._section(item.section)
+        g = section(self.c, item.section)
         if item.section != "generator":
             if (g.backend == "openai" or not g.num_gpus) and stage.seconds is not None:
                 stage.held_seconds = stage.seconds
@@ -393,31 +378,20 @@ class _Builder:
             stage.bundles += bundles
             stage.notes += notes
             stage.refusals += refusals
-        self._start(stage, "generator", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend)
+        self._start(stage, "generator", g)
         for p in item.passes:
             self._add_time(stage, g, None if item.items is None else round(item.items * p.calls), p, item.describe)
 
     def _query_embedder(self, stage: Stage) -> None:
-        e = self.c.retrieval.query_embedder(self.c.embedder)
-        self._start(stage, "embedder", e.model, e.num_gpus, e.dtype, threads_of(e.num_cpus, e.threads),
-                    service="query embedder", actors=self.c.retrieval.concurrency)
+        self._start(stage, "embedder", self.c.retrieval.query_embedder(self.c.embedder), service="query embedder",
+                    actors=self.c.retrieval.concurrency)
 
-    def _section(self, key: str):
-        section = self.c
-        for part in key.split("."):
-            section = getattr(section, part)
-        return section
-
-    def _services_end(self) -> None:
-        """After a Ray Train stage the services start again: its workers took their resources."""
-        self.timing.started.clear()
-
-    def _start(self, stage: Stage, role: str, model: str, num_gpus: float, dtype: str, threads: int,
-               backend: str | None = None, service: str | None = None, actors: int = 1) -> None:
-        """Add a service's start (its `actors` spread over the nodes)."""
+    def _start(self, stage: Stage, role: str, s: EmbedderConfig | GeneratorConfig, service: str | None = None,
+               actors: int = 1) -> None:
+        """Add the start of a service of config section `s` (its `actors` spread over the nodes)."""
         per_node = max(1, math.ceil(actors / max(1, len(self.cluster.nodes))))
-        seconds, how, source = self.timing.service_start(role, model, num_gpus, dtype, threads, backend, service,
-                                                         actors, per_node)
+        seconds, how, source = self.timing.service_start(role, s.model, s.num_gpus, s.dtype, threads_of(
+            s.num_cpus, s.threads), getattr(s, "backend", None), service, actors, per_node)
         if seconds:
             stage.seconds = None if stage.seconds is None else stage.seconds + seconds
             stage.how = f"{stage.how}; {how}" if stage.how else how
@@ -446,7 +420,10 @@ class _Builder:
             stage.rates += ("closed_book",) if p.docs == 0 and not p.mixture else (f"rag_prompt_{g.backend}",)
 
     def _writeback_record(self) -> dict | None:
-        return self.timing.writeback_record(self.c.generator, self.c.writeback.train, self.c.retrieval.top_k)
+        """The write-back record of this training set, K and generator hardware, where calibrated."""
+        g, train = self.c.generator, self.c.writeback.train
+        return self.timing.record("writeback", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads),
+                                  g.backend, train=train, top_k=self.c.retrieval.top_k) if train else None
 
     def _selection_notes(self, stage: Stage, item: Generate, measured: dict | None) -> None:
         """Write-back's keep rate and distiller calls: measured, or the paper's or the demo's figures, said so."""
@@ -455,11 +432,6 @@ class _Builder:
         calls = sum(p.calls for p in item.passes)
         if measured is None:
             stage.rates += ("writeback_selection",) if "demo" in why else ("writeback_selection_nq",)
-        else:
-            first = sum(max(0.0, pt.get("first_use_seconds", 0.0)) for pt in measured["points"])
-            stage.seconds = None if stage.seconds is None else stage.seconds + first
-            stage.how += f"; the distiller's prompt shapes' first use {first:.0f} s [calibrated]"
-            stage.add_source("calibrated", first)
         paper = RATES["writeback_calls_nq"]
         if measured is None and "paper" in why and q:
             stage.notes.append(f"the paper states about {paper.value:,.0f} generator calls for NQ's training set "
@@ -493,22 +465,22 @@ class _Builder:
         """A Ray Train stage (or a small head in the driver), after the generator pass that makes its targets."""
         if item.head:
             return Stage(name, [], item.rows, HEAD_SECONDS, f"small: about {HEAD_SECONDS:g} s (a head on stored vectors)")
-        section = self._section(item.section)
+        sec = section(self.c, item.section)
         if item.examples is not None:
-            stage = self._training(name, item.model, section, item.examples, item.section, item.row_tokens, item.rows)
-        elif section.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
-            stage = self._training(name, item.model, section, section.max_steps * section.batch_size, item.section,
+            stage = self._training(name, item.model, sec, item.examples, item.section, item.row_tokens, item.rows)
+        elif sec.max_steps:  # uncounted, but the cap bounds it: as many examples as max_steps full batches take
+            stage = self._training(name, item.model, sec, sec.max_steps * sec.batch_size, item.section,
                                    item.row_tokens, item.rows)
             stage.work = f"questions not counted: at most {stage.work.split(': ', 1)[-1]}"
         else:
-            bundles, warn = training_bundles(item.model, section.trainer, f"{item.section}.trainer",
+            bundles, warn = training_bundles(item.model, sec.trainer, f"{item.section}.trainer",
                                              self.cluster.gpu_memory_gb, self.timing.gpus_per_node)
             self.warnings += [warn] if warn else []
-            stage = Stage(name, bundles, f"questions not counted: {section.epochs:g} epoch(s) over up to 3 rows a "
-                          f"question, {section.batch_size} a step", how="no time",
+            stage = Stage(name, bundles, f"questions not counted: {sec.epochs:g} epoch(s) over up to 3 rows a "
+                          f"question, {sec.batch_size} a step", how="no time",
                           more_gpus=self._more(f"{item.section}.trainer"))
-        if item.first is not None and (item.examples is not None or section.max_steps):
-            own = self._model_stage("own answers", self._section(item.first.section), item.first.items,
+        if item.first is not None and (item.examples is not None or sec.max_steps):
+            own = self._model_stage("own answers", section(self.c, item.first.section), item.first.items,
                                     list(item.first.passes), "", False)
             stage.work += f"; {item.first.describe}"
             stage.rates += tuple(r for r in own.rates if r not in stage.rates)
@@ -516,7 +488,7 @@ class _Builder:
             stage.how = f"own answers: {own.how}; then {stage.how}"
             for source, seconds in own.sources.items():
                 stage.add_source(source, seconds)
-        self._services_end()
+        self.timing.started.clear()  # after a Ray Train stage the services start again: its workers took their resources
         return stage
 
     def _training(self, name: str, model: str, section, examples: int, key: str, row_tokens: float,

@@ -189,12 +189,8 @@ def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb
                    fix_node=f"train on GPUs ({key}.num_gpus), or use nodes with more memory")], warn
 
 
-def generation_time(g: GeneratorConfig, calls: int | None, rate_key: str) -> tuple[float | None, str, tuple]:
-    """Seconds of `calls` generator calls at a scaled CPU rate; None on GPUs and for an HTTP endpoint."""
-    if calls is None:
-        return None, "questions not counted: no time", ()
-    if g.backend == "openai":
-        return None, f"{calls:,} calls to the endpoint, at its own rate", ()
+def generation_time(g: GeneratorConfig, calls: int, rate_key: str) -> tuple[float | None, str, tuple]:
+    """Seconds of `calls` generator calls at a scaled CPU rate; None on GPUs."""
     if g.num_gpus > 0:
         return None, f"no measured rate: {calls:,} generator calls on GPUs", ()
     key = rate_key if rate_key == "closed_book" else f"rag_prompt_{g.backend}"

@@ -25,7 +25,6 @@ from wbrag_ray.plan.accelerators import (
     training_seconds,
 )
 from wbrag_ray.plan.calibrate import hardware, training_dtype
-from wbrag_ray.plan.selection import describe
 from wbrag_ray.plan.stages import fsdp_mesh, generation_time, threads_of
 from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape
 
@@ -89,13 +88,6 @@ class Timing:
                 return self._use(r).get("start_seconds", 0.0)
         return 0.0
 
-    def writeback_record(self, g: GeneratorConfig, train: str | None, top_k: int) -> dict[str, Any] | None:
-        """The write-back record (`selection`) of this training set, K and generator hardware, where calibrated."""
-        if not train:
-            return None
-        return self.record("writeback", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads), g.backend,
-                           train=train, top_k=top_k)
-
     # --- generation ------------------------------------------------------------------------------------------
 
     def generation(self, g: GeneratorConfig, calls: int, docs: int, new_tokens: int | None = None,
@@ -136,7 +128,7 @@ class Timing:
         """(seconds, how, source) to start a service's actors and load their model, the first time a stage asks;
         (0, "", None) after that. Calibrated, else an assumed start plus the weights' read at the storage rate."""
         key = f"{service or role}:{model}"
-        if key in self.started or role == "cluster":
+        if key in self.started:
             return 0.0, "", None
         self.started.add(key)
         rec = self.record(role, model, num_gpus, dtype, threads, backend)
@@ -254,8 +246,7 @@ def describe_record(r: dict[str, Any]) -> str:
     if r.get("role") == "cluster":
         return f"the run's start {r.get('start_seconds', 0):.1f} s ({r.get('cpus'):g} CPUs, {hw.get('cpu')}), {r.get('date')}"
     if r.get("role") == "writeback":
-
-        return f"{describe(r)}; on {where}, {r.get('date')}"
+        return f"{_writeback(r)}; on {where}, {r.get('date')}"
     if r.get("role") == "generator":
         pts = "; ".join(f"{p['shape']}: {p['seconds_per_call']:.3g} s a call at {p['prompt_tokens']:.0f} prompt tokens"
                         for p in r.get("points", []))
@@ -274,3 +265,18 @@ def describe_record(r: dict[str, Any]) -> str:
             what += (f"; {r['tokens_per_text']:.0f} tokens a text at 4 characters a token, "
                      f"{r['tokenizer_tokens_per_text']:.0f} by its tokenizer")
     return f"{r.get('role')} {r.get('model')}: {what}; on {where}, {r.get('date')}"
+
+
+def _writeback(r: dict[str, Any]) -> str:
+    """A write-back record: the keep rate with its interval and sample, and the passes' prompt kinds."""
+    lo, hi = r["keep_interval"]
+    whole = r.get("corpus_passages") is not None
+    kinds = "; ".join(f"{p['shape']} {p['seconds_per_call']:.3g} s a call, {p['prompt_tokens']:.0f} prompt + "
+                      f"{p['generated_tokens']:.0f} generated tokens" for p in r["points"])
+    return (f"write-back of {r['train']}: the utility gate kept {r['kept']} of {r['questions']} sampled training "
+            f"questions ({r['keep_rate']:.1%}, 95% Wilson interval {lo:.1%}-{hi:.1%}; {r['metric']}, "
+            f"{r['rag_method']}, top {r['top_k']} of "
+            + ("the whole corpus" if whole else f"the first {r['passages_searched']:,} passages (a sample of the "
+               "corpus)")
+            + f"); {r['retained_docs']:.2g} documents retained a kept example; "
+            + (kinds or "none kept: the distiller's calls not measured"))
