@@ -11,9 +11,9 @@ import pytest
 
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.build import build_index
-from wbrag_ray.index.files import load_manifest, load_shards
+from wbrag_ray.index.files import load_manifest
 from wbrag_ray.index.recall import RECALL_K, choose, levelled, nprobe_steps, without
-from wbrag_ray.index.search import measured_settings, set_search_params
+from wbrag_ray.index.search import measured_settings
 from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 
@@ -24,11 +24,8 @@ def brute_force_recall(index_dir, vecs: np.ndarray, ids: np.ndarray, nprobe=None
     than themselves, against numpy's exact inner product: a reference the build did not produce."""
     rows = np.random.default_rng(seed).choice(len(vecs), n, replace=False)
     truth = ids[np.argsort(-(vecs[rows] @ vecs.T), axis=1, kind="stable")[:, 1:RECALL_K + 1]]
-    shards, _ = load_shards(resolve(str(index_dir)))
-    found = []
-    for shard in shards:
-        set_search_params(shard, nprobe, ef_search, None)
-        found.append(shard.search(vecs[rows], RECALL_K + 1))
+    shards = Retriever(str(index_dir), nprobe=nprobe, ef_search=ef_search, gpu=False).searcher.shards
+    found = [shard.search(vecs[rows], RECALL_K + 1) for shard in shards]
     scores = np.concatenate([s for s, _ in found], axis=1)
     got = np.take_along_axis(np.concatenate([i for _, i in found], axis=1), np.argsort(-scores, axis=1), axis=1)
     got = without(got[:, :RECALL_K + 1], ids[rows], RECALL_K)

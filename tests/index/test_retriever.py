@@ -9,7 +9,7 @@ from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_
 from wbrag_ray.retrieval.docstore import DocStoreError, open_doc_store
-from wbrag_ray.retrieval.hits import Hit, merge_top_k
+from wbrag_ray.retrieval.hits import Hit, merge_results
 from wbrag_ray.retrieval.local import Retriever, UnionRetriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.storage import resolve
@@ -79,9 +79,9 @@ def test_docstore_reads_a_plain_parquet_folder_and_names_a_bad_one(tmp_path, mon
         open_doc_store(resolve(str(tmp_path / "empty")))
 
 
-def test_merge_top_k_and_short_shards(tmp_path):
+def test_merge_results_and_short_shards(tmp_path):
     scores = np.array([[0.1, 0.9, 0.5, -np.inf]], np.float32)
-    assert merge_top_k(scores, 3).tolist() == [[1, 2, 0]]
+    assert merge_results([(scores, np.array([[0, 1, 2, 3]]))], 3)[1].tolist() == [[1, 2, 0]]
     idx = _index(tmp_path, "a", clustered(3, 8), None)  # fewer vectors than k: no -1 ids in the hits
     hits = Retriever(idx).search_vectors(clustered(1, 8, seed=9), 5)[0]
     assert len(hits) == 3 and all(isinstance(h, Hit) and h.id >= 0 for h in hits)

@@ -147,12 +147,9 @@ def ivf_index(indices, tmp_path_factory):
 
 def _each_shard_alone(index_dir, queries, k, nprobe):
     """faiss's own search of every shard (each runs its quantizer), merged: what a shared assignment must give."""
-    from wbrag_ray.index.files import load_shards
     from wbrag_ray.retrieval.hits import merge_results
 
-    shards, _ = load_shards(resolve(index_dir))
-    for s in shards:
-        s.nprobe = nprobe
+    shards = Retriever(index_dir, nprobe=nprobe, gpu=False).searcher.shards
     return merge_results([s.search(queries, k) for s in shards], k)
 
 
@@ -232,19 +229,17 @@ def test_a_lost_search_actor_mid_search_is_answered_by_its_replica(indices, ivf_
 
 
 def test_shards_of_different_trainings_search_each_with_its_own_quantizer(indices, ivf_index, tmp_path):
-    from wbrag_ray.index.files import load_shards
     from wbrag_ray.index.search import ShardSearch
     from wbrag_ray.retrieval.hits import merge_results
 
     vecs = indices[2]
     other = _index(tmp_path, "ivf4", vecs[:1_200], np.arange(1_200, dtype=np.int64) * 10, shards=2,
                    factory="IVF4,Flat")
-    shards = [load_shards(resolve(ivf_index))[0][0], load_shards(resolve(other))[0][0]]
-    for s in shards:
-        s.nprobe = 2
+    other_shards = Retriever(other, nprobe=2, gpu=False).searcher.shards
+    shards = [Retriever(ivf_index, nprobe=2, gpu=False).searcher.shards[0], other_shards[0]]
     searcher = ShardSearch(shards)
     assert not searcher.can_assign and searcher.fingerprint is None
-    assert ShardSearch(load_shards(resolve(other))[0]).fingerprint is not None  # one training: one quantizer
+    assert ShardSearch(other_shards).fingerprint is not None  # one training: one quantizer
     queries = vecs[[2, 900]]
     want = merge_results([s.search(queries, 4) for s in shards], 4)
     np.testing.assert_array_equal(searcher.search(queries, 4)[1], want[1])

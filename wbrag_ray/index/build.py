@@ -28,8 +28,8 @@ from wbrag_ray.index.files import (
     sample_vectors,
     shard_dim,
     shards_rows,
-    storage_dtype,
     to_bytes,
+    vector_field,
     write_index_file,
 )
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
@@ -350,7 +350,7 @@ def build_index(
         "shards": shard_entries,
         "trained": TRAINED_FILE,
         "embeddings": embeddings.uri,
-        "embedding_dtype": storage_dtype(files[0]),
+        "embedding_dtype": str(vector_field(files[0]).type.value_type),
         "docs": docs,
         "dropped": dropped,
         **(extra or {}),

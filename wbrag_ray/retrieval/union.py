@@ -33,10 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from wbrag_ray.metrics import normalize_answer
-from wbrag_ray.retrieval.hits import Hit, merge_top_k
+from wbrag_ray.retrieval.hits import Hit
 
 if TYPE_CHECKING:
     from wbrag_ray.config import RetrievalConfig
@@ -52,9 +50,7 @@ UNIT_KEY = b"wbrag.source_unit"  # schema metadata: the unit (passage / sentence
 
 def by_score(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
     """Every index's hits by raw score (stable: on a tie, the earlier index's hit first)."""
-    pool = [h for hits in hit_lists for h in hits]
-    order = merge_top_k(np.array([[h.score for h in pool]], np.float32), len(pool))[0] if pool else []
-    return [pool[j] for j in order]
+    return sorted((h for hits in hit_lists for h in hits), key=lambda h: -h.score)
 
 
 def by_reciprocal_rank(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
