@@ -146,7 +146,7 @@ def test_the_probes_search_as_the_retriever_does(tmp_path, clustered_shards):
     out = tmp_path / "same"
     build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", num_shards=2, parallel=False)
     queries = vecs[:50]
-    probes = Probes.start(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries, threads=1,
+    probes = Probes(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries, threads=1,
                           num_cpus=1, parallel=False)
     got = merge_results([(s, i) for s, i, _ in probes.search("nprobe", 4)], RECALL_K + 1)[1]
     want = Retriever(str(out), nprobe=4, gpu=False).search_ids(queries, RECALL_K + 1)[1]

@@ -123,10 +123,10 @@ def test_whether_the_provenance_rule_applies_is_a_function_of_the_union_name_alo
     import typing
 
     from wbrag_ray.config import RetrievalConfig
-    from wbrag_ray.retrieval.union import PROVENANCE_RULE, UNIONS
+    from wbrag_ray.retrieval.union import UNIONS
 
     assert set(typing.get_args(RetrievalConfig.model_fields["union"].annotation)) == {"auto", *UNIONS}
-    assert PROVENANCE_RULE == ("provenance", "rrf", "gate", "additive")
+    assert tuple(n for n, u in UNIONS.items() if u.provenance_rule) == ("provenance", "rrf", "gate", "additive")
     assert {n for n, u in UNIONS.items() if u.gate} == {"gate", "gate-no-provenance"}
 
 

@@ -56,16 +56,14 @@ from wbrag_ray.index.tasks import (
     assigned_resources,
     cluster_gpus,
     largest_node,
-    peak_rss_mb,
     recorded,
     reserved_gpu,
-    reset_peak_rss,
     run_recorded,
     run_tasks,
     set_threads,
 )
 from wbrag_ray.models.hardware import usable_cpus
-from wbrag_ray.ray_runtime import in_sorted, is_object_ref, shared_value
+from wbrag_ray.ray_runtime import in_sorted, is_object_ref, peak_rss_mb, reset_peak_rss, shared_value
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:

@@ -113,7 +113,7 @@ class Retriever:
         self.index_dir, self.docs_dir, self.embedder_config = index_dir, docs_dir, embedder
         self.nprobe, self.ef_search, self.k_factor, self.gpu = nprobe, ef_search, k_factor, gpu
         self.source, self.batch_size = source, batch_size
-        self.embedder = self._searcher = self._manifest = self._docs = None
+        self.embedder = self._searcher = self._manifest = None
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -130,7 +130,6 @@ class Retriever:
         nprobe, ef_search = measured_settings(self.manifest, self.nprobe, self.ef_search)
         self._searcher = ShardSearch.load(self.index_dir, named_shards(self.manifest), self.dim, nprobe, ef_search,
                                          self.k_factor, gpu=bool(self.gpu), batch_size=self.batch_size)
-        self._docs = documents(self.index_dir, self.manifest, self.docs_dir)
 
     @property
     def searcher(self) -> ShardSearch:
@@ -139,9 +138,7 @@ class Retriever:
         return self._searcher
 
     def docs(self) -> DocStore | None:
-        if self._searcher is None:
-            self.setup()
-        return self._docs
+        return documents(self.index_dir, self.manifest, self.docs_dir)
 
     def encode(self, queries: list[str]) -> np.ndarray:
         if self.embedder is None:

@@ -144,8 +144,7 @@ class PassageVectorsStage(QueryVectorsStage):
 
 def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalConfig):
     """Refuse, before any work, `what` (a stage that embeds queries: the Zero-RAG router, its grid) whose query
-    embedder asks for GPUs on a cluster with no node holding that many, naming the setting
-    (`placement.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
+    embedder asks for GPUs on a cluster with no node holding that many, naming the setting."""
     gpus = retrieval.query_embedder(embedder).num_gpus
     if gpus <= 0:
         return
@@ -159,8 +158,8 @@ def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalC
 def query_vectors(texts: list[str], embedder: EmbedderConfig, retrieval: RetrievalConfig,
                   services: Services | None = None) -> np.ndarray:
     """`texts` embedded as queries, as a retrieval pass embeds them: where the query embedder asks for GPUs, on
-    the retrieval actors of `services` (or of a set of this call's own), which hold them (a driver, often a head
-    node without GPUs, would embed them on its CPU, silently); else in this process, on CPU as configured."""
+    the retrieval actors of `services` (or of this call's own), which hold them (a driver, often a head node
+    without GPUs, would embed them on its CPU, silently); else in this process."""
     config = retrieval.query_embedder(embedder)
     if config.num_gpus <= 0:
         return Embedder(config).encode_queries(list(texts))
@@ -184,11 +183,8 @@ class RetrievalSetting:
     extra: tuple[tuple[str, str | None, str], ...] = ()
     router_dir: str | None = None
 
-    def members(self) -> tuple[tuple[str, str | None, str], ...]:
-        return ((self.index_dir, self.docs_dir, "base"), *self.extra)
-
     def service(self, services: Services) -> RetrievalService:
-        return services.retrieval(self.members(), self.index, self.retrieval)
+        return services.retrieval(((self.index_dir, self.docs_dir, "base"), *self.extra), self.index, self.retrieval)
 
     def stage(self, services: Services, query_column: str = "question") -> RetrieveStage:
         return RetrieveStage(self.service(services), self.embedder, self.retrieval, router_dir=self.router_dir,
@@ -197,8 +193,7 @@ class RetrievalSetting:
     def search(self, ds: ray.data.Dataset | pd.DataFrame, query_column: str = "question",
                services: Services | None = None) -> ray.data.Dataset | pd.DataFrame:
         """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, on the retrieval service of
-        `services` (started on the first pass of a command, used by every later one): a Ray Data pass over a
-        dataset; a DataFrame the driver holds goes to the service's actors directly (`Services.run_frame`)."""
+        `services`: a Ray Data pass over a dataset; a DataFrame goes to the service's actors directly."""
         if services is None:
             raise ValueError("a retrieval pass runs on a command's services: pass `services` (Services())")
         stage = self.stage(services, query_column)
