@@ -10,7 +10,7 @@ from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_
 from wbrag_ray.retrieval.docstore import DocStoreError, open_doc_store
 from wbrag_ray.retrieval.hits import Hit, merge_results
-from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.storage import resolve
 
@@ -36,7 +36,7 @@ def test_union_orders_by_score_and_keeps_namespaces_apart(tmp_path):
                   docs=_docs(tmp_path / "base-docs", range(300), "base"))
     wb = _index(tmp_path, "wb", vecs[300:], np.arange(100, dtype=np.int64),
                 docs=_docs(tmp_path / "wb-docs", range(100), "unit"))
-    union = UnionRetriever([Retriever(base), Retriever(wb, source="writeback")], UnionRule("score"))  # the paper's
+    union = IndexUnion([Retriever(base), Retriever(wb, source="writeback")], UnionRule("score"))  # the paper's
     q = vecs[[5, 310, 320]]  # exact matches: base 5, write-back units 10 and 20
     results = union.search_vectors(q, 8)
     for hits in results:
@@ -57,9 +57,9 @@ def test_union_refuses_incomparable_indices_and_shared_sources(tmp_path):
     a = _index(tmp_path, "a", vecs, None)
     b = _index(tmp_path, "b", vecs, None, embedder="another-model")
     with pytest.raises(ValueError, match="distinct sources"):
-        UnionRetriever([Retriever(a), Retriever(b)])
+        IndexUnion([Retriever(a), Retriever(b)])
     with pytest.raises(IndexError_, match="differ in embedder .*'m' vs 'another-model'"):
-        UnionRetriever([Retriever(a), Retriever(b, source="writeback")]).setup()
+        IndexUnion([Retriever(a), Retriever(b, source="writeback")])
 
 
 def test_wrong_dimension_queries_are_named(tmp_path):

@@ -33,7 +33,7 @@ from wbrag_ray.formats import embeddings_table
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import load_manifest
 from wbrag_ray.models.embedder import Embedder
-from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import UNITS, WRITEBACK_ID_BASE
@@ -231,8 +231,8 @@ def test_write_back_export_holds_the_active_units_with_provenance_and_returns_th
     run, config = passage_run
     version, wb_index, wb_corpus = active_index(run)
     # the export holds base and units in one index, which its reader searches as one: the paper's merge by score
-    union = UnionRetriever([_run_retriever(run.layout.index.uri, run.layout.ingest.root.uri, config),
-                            Retriever(wb_index, wb_corpus, None, source="writeback")], UnionRule("score"))
+    union = IndexUnion([_run_retriever(run.layout.index.uri, run.layout.ingest.root.uri, config),
+                        Retriever(wb_index, wb_corpus, None, source="writeback")], UnionRule("score"))
     expected = _reference(union, embedder)
     assert any(source == "writeback" for hits in expected for source, _id in hits)  # the units are found
     for fmt in FORMATS:

@@ -12,7 +12,7 @@ from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.retrieval.docstore import write_doc_store
-from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.service import shard_groups
 from wbrag_ray.stages.service import Services
 from wbrag_ray.storage import resolve
@@ -95,7 +95,7 @@ def test_a_union_with_the_writeback_index_matches_the_in_process_union(indices, 
     with Services() as services:
         service = services.retrieval(((base, None, "base"), (wb, None, "writeback")), IndexConfig(), _small_actors())
         got = service.search_vectors(queries, 6)
-    want = UnionRetriever([Retriever(base), Retriever(wb, source="writeback")]).search_vectors(queries, 6)
+    want = IndexUnion([Retriever(base), Retriever(wb, source="writeback")]).search_vectors(queries, 6)
     assert [[(h.key, h.title) for h in hits] for hits in got] == [[(h.key, h.title) for h in hits] for hits in want]
     assert got[1][0].key == ("writeback", 10) and got[1][0].title == "wb 10"
 
@@ -159,7 +159,7 @@ def test_ivf_groups_share_one_coarse_assignment_and_answer_as_each_shard_searche
     queries = vecs[[3, 500, 1_100, 1_250]] + 0.01
     scores, ids = _each_shard_alone(ivf_index, queries, 7, nprobe=3)
     in_process = Retriever(ivf_index, nprobe=3)
-    assert in_process.dim == DIM and in_process.searcher.can_assign  # the in-process search shares it too
+    assert in_process.dim == DIM and in_process.searcher.ivfs is not None  # the in-process search shares it too
     np.testing.assert_array_equal(in_process.search_ids(queries, 7)[1], ids)
     with Services() as services:
         pool = services.retrieval(((ivf_index, None, "base"),), IndexConfig(nprobe=3), _small_actors()).pools[0]
@@ -238,7 +238,7 @@ def test_shards_of_different_trainings_search_each_with_its_own_quantizer(indice
     other_shards = Retriever(other, nprobe=2, gpu=False).searcher.shards
     shards = [Retriever(ivf_index, nprobe=2, gpu=False).searcher.shards[0], other_shards[0]]
     searcher = ShardSearch(shards)
-    assert not searcher.can_assign and searcher.fingerprint is None
+    assert searcher.ivfs is None and searcher.fingerprint is None
     assert ShardSearch(other_shards).fingerprint is not None  # one training: one quantizer
     queries = vecs[[2, 900]]
     want = merge_results([s.search(queries, 4) for s in shards], 4)

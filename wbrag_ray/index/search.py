@@ -154,10 +154,6 @@ class ShardSearch:
             set_search_params(shard, nprobe, ef_search, None)
         self._clamp()
 
-    @property
-    def can_assign(self) -> bool:
-        return self.ivfs is not None
-
     def _transformed(self, vectors: np.ndarray) -> np.ndarray:
         for transform in self.chain:
             vectors = transform.apply(vectors)

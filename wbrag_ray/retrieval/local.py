@@ -1,6 +1,6 @@
-"""An index searched in this process (`Retriever`: tests, exports, benchmarks), and `IndexUnion`: indices built
-with one embedder (the base and the write-back index) searched as one, as `UnionRetriever` here and the retrieval
-service (`retrieval.service`) do."""
+"""An index searched in this process (`Retriever`: tests, benchmarks), and `IndexUnion`: indices built with one
+embedder (the base and the write-back index) searched as one, in this process (`Retriever` members) or on the
+retrieval service (`retrieval.service`)."""
 
 from __future__ import annotations
 
@@ -205,22 +205,3 @@ class IndexUnion:
                 for m, (docs, _) in zip(self.members, self._opened, strict=True)]
         return cut_union(hits, [p for _, p in self._opened], self.union, k)
 
-
-class UnionRetriever(IndexUnion):
-    """`Retriever`s searched as one (`IndexUnion`; default union: retrieval.union's default; the paper's merge by
-    score is `UnionRule("score")`); queries are embedded once, by the first member that has an embedder."""
-
-    members: list[Retriever]
-
-    def setup(self) -> None:
-        for m in self.members:
-            m.setup()
-
-    def encode(self, queries: list[str]) -> np.ndarray:
-        encoder = next((m for m in self.members if m.embedder_config is not None), None)
-        if encoder is None:
-            raise IndexError_("no retriever in the union has an embedder: search by vectors, or pass one")
-        return encoder.encode(queries)
-
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        return self.search_vectors(self.encode(queries), k)
