@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from wbrag_ray.identity import content_identity
 from wbrag_ray.layout import IngestFolder
 from wbrag_ray.ray_runtime import run_tasks
 from wbrag_ray.storage import Location, cache_root, node_cached, resolve
@@ -207,14 +208,7 @@ def open_doc_store(loc: Location, unit: str = "passage") -> DocStore:
     a store built from it once into the node-local cache (keyed by the source's files, names, sizes and times)."""
     if loc.join(LISTING).exists():
         return DocStore(loc)
-    sources = _sources(loc, unit)
-    stamp = []
-    for doc, titles in sources:
-        for uri in filter(None, (doc, titles)):
-            f = resolve(uri)
-            info = f.fs.get_file_info(f.path)
-            stamp.append((uri, info.size, info.mtime_ns))
-    key = hashlib.sha1(repr((loc.uri, unit, stamp)).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((loc.uri, unit, content_identity(loc.uri))).encode()).hexdigest()[:16]
     # once per node: the node's other processes that need it wait for the first one's copy
     cached = node_cached(os.path.join(cache_root(), "docstores", key),
                          lambda tmp: write_doc_store(loc, unit, resolve(tmp), parallel=False))
