@@ -90,11 +90,11 @@ def load_query_embedder(config: EmbedderConfig, dim: int, where: str) -> Embedde
 
 
 class Retriever:
-    """An index folder (manifest + shards) searched in this process; `search` returns `Hit`s per query.
+    """An index folder (manifest + shards) searched in this process; `search_vectors` returns `Hit`s per query.
 
     docs_dir: a document store, an ingest folder or a Parquet folder of (id, title, text); default: the
-    manifest's `docs` (hits without documents carry empty title and text). embedder: needed only to search
-    by text; `search_vectors` works without it. source: the name hits carry (e.g. "writeback").
+    manifest's `docs` (hits without documents carry empty title and text). embedder: checked against the index's,
+    and what `encode` embeds queries with. source: the name hits carry (e.g. "writeback").
     """
 
     def __init__(
@@ -153,9 +153,6 @@ class Retriever:
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
         return to_hits(*self.search_ids(vectors, k), self.docs(), self.source)
-
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        return self.search_vectors(self.encode(queries), k)
 
 
 def check_members(members: list) -> None:
