@@ -10,7 +10,7 @@ import pytest
 
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.build import _add_task, build_index
-from wbrag_ray.index.files import load_index, new_index
+from wbrag_ray.index.files import new_index
 from wbrag_ray.index.sizing import (
     MIN_POINTS_PER_CENTROID,
     TASK_BASE_BYTES,
@@ -21,6 +21,7 @@ from wbrag_ray.index.sizing import (
     train_sample_cap,
 )
 from wbrag_ray.index.tasks import cluster_gpus
+from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 
 GiB = 1 << 30
@@ -152,11 +153,10 @@ def test_ivf_parts_carry_codes_not_the_quantizer_and_merge_to_the_same_index(tmp
         part = faiss.deserialize_index(np.frombuffer(trained, np.uint8))
         part.add_with_ids(part_vecs, part_ids)
         reference.merge_from(part, 0)
-    built, _ = load_index(resolve(str(tmp_path / "idx")))
-    for index in (built, reference):
-        faiss.extract_index_ivf(index).nprobe = 16
+    built = Retriever(str(tmp_path / "idx"), nprobe=16, gpu=False)
+    faiss.extract_index_ivf(reference).nprobe = 16
     q = clustered(100, 64, clusters=50, seed=12)
-    d_new, i_new = built.search(q, 10)
+    d_new, i_new = built.search_ids(q, 10)
     d_old, i_old = reference.search(q, 10)
     np.testing.assert_array_equal(i_new, i_old)
     np.testing.assert_array_equal(d_new, d_old)
@@ -173,14 +173,11 @@ def test_auto_build_in_several_shards_searches_like_one_shard(tmp_path):
     assert [s["file"] for s in manifest["shards"]] == manifest["files"] == [f"index-{i:05d}.faiss" for i in range(4)]
     trained = (tmp_path / "idx" / "trained.faiss").read_bytes()
     _build(tmp_path, manifest["factory"], out="one", num_shards=1, trained=trained, parallel=False)
-    sharded, _ = load_index(resolve(str(tmp_path / "idx")))
-    one, _ = load_index(resolve(str(tmp_path / "one")))
-    for i in range(sharded.count()):
-        faiss.extract_index_ivf(sharded.at(i)).nprobe = 32
-    faiss.extract_index_ivf(one).nprobe = 32
+    sharded = Retriever(str(tmp_path / "idx"), nprobe=32, gpu=False)
+    one = Retriever(str(tmp_path / "one"), nprobe=32, gpu=False)
     q = clustered(200, 32, clusters=200, seed=14)
-    d_sharded, i_sharded = sharded.search(q, 10)
-    d_one, i_one = one.search(q, 10)
+    d_sharded, i_sharded = sharded.search_ids(q, 10)
+    d_one, i_one = one.search_ids(q, 10)
     np.testing.assert_array_equal(i_sharded, i_one)
     np.testing.assert_allclose(d_sharded, d_one, rtol=0, atol=1e-6)
 
@@ -248,9 +245,7 @@ def test_merges_run_one_ray_task_per_shard_and_report_each_tasks_peak_memory(tmp
 
 
 def load_shards_of(folder):
-    from wbrag_ray.index.files import load_shards
-
-    return load_shards(resolve(str(folder)))[0]
+    return Retriever(str(folder), nprobe=None, gpu=False).searcher.shards
 
 
 NODE = {"CPU": 8.0, "memory": 64 * 2**30, "free_CPU": 8.0}

@@ -11,7 +11,8 @@ from tests.index.conftest import clustered, exact_top_k, recall_at, write_shards
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.formats import embeddings_table
 from wbrag_ray.index.build import build_index
-from wbrag_ray.index.files import IndexError_, load_index, load_shards
+from wbrag_ray.index.files import IndexError_, load_manifest, named_shards
+from wbrag_ray.index.search import ShardSearch
 from wbrag_ray.index.sizing import balanced_groups, choose_factory
 from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
@@ -29,15 +30,12 @@ def test_build_streams_shards_and_search_matches_exact(tmp_path, factory):
     ids, vecs = _shards(tmp_path / "emb")
     stats = build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), factory, "m", "passage", 500)
     assert stats["rows_out"] == len(ids)
-    index, manifest = load_index(resolve(str(tmp_path / "idx")))
+    index = Retriever(str(tmp_path / "idx"), nprobe=8, gpu=False)  # all cells of an IVF: exact
+    manifest = index.manifest
     assert manifest["count"] == 600 and manifest["dim"] == 32 and manifest["factory"] == factory
     assert (manifest["id_min"], manifest["id_max"]) == (int(ids.min()), int(ids.max()))
-    if factory.startswith("IVF"):
-        import faiss
-
-        faiss.extract_index_ivf(index).nprobe = 8  # all cells: exact
     q = vecs[:20]
-    _, got = index.search(q, 5)
+    _, got = index.search_ids(q, 5)
     want = ids[np.argsort(-(q @ vecs.T), axis=1)[:, :5]]
     recall = np.mean([len(set(g) & set(w)) / 5 for g, w in zip(got, want, strict=True)])
     assert recall >= (1.0 if factory != "HNSW16" else 0.9)
@@ -48,12 +46,12 @@ def test_bad_index_files_name_the_file(tmp_path):
     build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "Flat", "m", "passage")
     (tmp_path / "idx" / "index.faiss").write_bytes(b"not an index")
     with pytest.raises(IndexError_, match="index.faiss is corrupt"):
-        load_index(resolve(str(tmp_path / "idx")))
+        Retriever(str(tmp_path / "idx")).setup()
     (tmp_path / "idx" / "index.faiss").unlink()
     with pytest.raises(IndexError_, match="index.faiss.*missing"):
-        load_index(resolve(str(tmp_path / "idx")))
+        Retriever(str(tmp_path / "idx")).setup()
     with pytest.raises(IndexError_, match="no index manifest"):
-        load_index(resolve(str(tmp_path / "nowhere")))
+        Retriever(str(tmp_path / "nowhere")).setup()
     (tmp_path / "emb" / "emb-000001.parquet").write_bytes(b"garbage")
     with pytest.raises(IndexError_, match="emb-000001.parquet is unreadable"):
         build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx2")), "Flat", "m", "passage")
@@ -153,7 +151,9 @@ def test_manifest_round_trip(tmp_path):
     vecs = clustered(900, 16, seed=6)
     ids = write_shards(tmp_path / "emb", vecs, parts=3)
     _build(tmp_path, num_shards=2, parallel=False, docs="somewhere/docs")
-    shards, manifest = load_shards(resolve(str(tmp_path / "idx")))
+    manifest = load_manifest(resolve(str(tmp_path / "idx")))
+    index = ShardSearch.load(str(tmp_path / "idx"), named_shards(manifest), manifest["dim"])
+    shards = index.shards
     assert manifest["factory"] == "Flat" and manifest["dim"] == 16 and manifest["metric"] == "inner_product"
     assert manifest["embedder"] == "m" and manifest["unit"] == "passage" and manifest["docs"] == "somewhere/docs"
     assert manifest["embeddings"] == str(tmp_path / "emb") and manifest["trained"] == "trained.faiss"
@@ -161,8 +161,7 @@ def test_manifest_round_trip(tmp_path):
     assert (manifest["id_min"], manifest["id_max"]) == (int(ids.min()), int(ids.max()))
     lo, hi = manifest["shards"][0], manifest["shards"][1]
     assert lo["id_max"] < hi["id_min"]  # contiguous groups of shards: narrow, disjoint id ranges
-    index, _ = load_index(resolve(str(tmp_path / "idx")))  # one searchable object over all shards
-    assert index.ntotal == 900 and index.search(vecs[:1], 1)[1][0, 0] == ids[0]
+    assert sum(s.ntotal for s in shards) == 900 and index.search(vecs[:1], 1)[1][0, 0] == ids[0]  # one search
 
 
 def test_auto_factory_follows_count_and_memory_budget(tmp_path):
@@ -194,7 +193,7 @@ def test_missing_or_corrupt_index_shard_names_the_file(tmp_path):
     shard = tmp_path / "idx" / "index-00001.faiss"
     shard.write_bytes(b"\x00" * 64)
     with pytest.raises(IndexError_, match="index-00001.faiss is corrupt"):
-        load_shards(resolve(str(tmp_path / "idx")))
+        Retriever(str(tmp_path / "idx")).setup()
     shard.unlink()
     with pytest.raises(IndexError_, match="index-00001.faiss named by .*manifest.json is missing"):
         Retriever(str(tmp_path / "idx")).setup()

@@ -8,7 +8,7 @@ import pytest
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_, load_shards
-from wbrag_ray.index.prune import drop_ids_from, drop_ids_ref, prune_index
+from wbrag_ray.index.prune import drop_ids_ref, prune_index, scan_drop_ids
 from wbrag_ray.ray_runtime import in_sorted
 from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
@@ -44,12 +44,12 @@ def test_drop_ids_from_a_keep_mask_parquet(full_index, tmp_path):
     keep = np.arange(len(ids)) % 3 != 0
     (tmp_path / "mask").mkdir()
     pq.write_table(pa.table({"id": ids, "keep": keep}), tmp_path / "mask" / "part-0.parquet")
-    np.testing.assert_array_equal(drop_ids_from(str(tmp_path / "mask")), np.sort(ids[~keep]))
+    np.testing.assert_array_equal(scan_drop_ids(resolve(str(tmp_path / "mask"))), np.sort(ids[~keep]))
     pq.write_table(pa.table({"id": ids[:5]}), tmp_path / "ids.parquet")
-    np.testing.assert_array_equal(drop_ids_from(str(tmp_path / "ids.parquet")), ids[:5])
+    np.testing.assert_array_equal(scan_drop_ids(resolve(str(tmp_path / "ids.parquet"))), ids[:5])
     pq.write_table(pa.table({"sid": ids[:5]}), tmp_path / "bad.parquet")
     with pytest.raises(IndexError_, match="bad.parquet has no 'id' column"):
-        drop_ids_from(str(tmp_path / "bad.parquet"))
+        scan_drop_ids(resolve(str(tmp_path / "bad.parquet")))
 
 
 def test_a_drop_set_in_the_object_store_prunes_as_the_array_does(full_index, tmp_path, ray_cluster):

@@ -11,9 +11,9 @@ import pytest
 
 from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.build import build_index
-from wbrag_ray.index.files import load_manifest, load_shards
+from wbrag_ray.index.files import load_manifest
 from wbrag_ray.index.recall import RECALL_K, choose, levelled, nprobe_steps, without
-from wbrag_ray.index.search import measured_settings, set_search_params
+from wbrag_ray.index.search import measured_settings
 from wbrag_ray.retrieval.local import Retriever
 from wbrag_ray.storage import resolve
 
@@ -24,11 +24,8 @@ def brute_force_recall(index_dir, vecs: np.ndarray, ids: np.ndarray, nprobe=None
     than themselves, against numpy's exact inner product: a reference the build did not produce."""
     rows = np.random.default_rng(seed).choice(len(vecs), n, replace=False)
     truth = ids[np.argsort(-(vecs[rows] @ vecs.T), axis=1, kind="stable")[:, 1:RECALL_K + 1]]
-    shards, _ = load_shards(resolve(str(index_dir)))
-    found = []
-    for shard in shards:
-        set_search_params(shard, nprobe, ef_search, None)
-        found.append(shard.search(vecs[rows], RECALL_K + 1))
+    shards = Retriever(str(index_dir), nprobe=nprobe, ef_search=ef_search, gpu=False).searcher.shards
+    found = [shard.search(vecs[rows], RECALL_K + 1) for shard in shards]
     scores = np.concatenate([s for s, _ in found], axis=1)
     got = np.take_along_axis(np.concatenate([i for _, i in found], axis=1), np.argsort(-scores, axis=1), axis=1)
     got = without(got[:, :RECALL_K + 1], ids[rows], RECALL_K)
@@ -149,7 +146,7 @@ def test_the_probes_search_as_the_retriever_does(tmp_path, clustered_shards):
     out = tmp_path / "same"
     build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", num_shards=2, parallel=False)
     queries = vecs[:50]
-    probes = Probes.start(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries, threads=1,
+    probes = Probes(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries, threads=1,
                           num_cpus=1, parallel=False)
     got = merge_results([(s, i) for s, i, _ in probes.search("nprobe", 4)], RECALL_K + 1)[1]
     want = Retriever(str(out), nprobe=4, gpu=False).search_ids(queries, RECALL_K + 1)[1]

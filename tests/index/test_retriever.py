@@ -9,8 +9,8 @@ from tests.index.conftest import clustered, write_shards
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_
 from wbrag_ray.retrieval.docstore import DocStoreError, open_doc_store
-from wbrag_ray.retrieval.hits import Hit, merge_top_k
-from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.hits import Hit, merge_results
+from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.storage import resolve
 
@@ -36,7 +36,7 @@ def test_union_orders_by_score_and_keeps_namespaces_apart(tmp_path):
                   docs=_docs(tmp_path / "base-docs", range(300), "base"))
     wb = _index(tmp_path, "wb", vecs[300:], np.arange(100, dtype=np.int64),
                 docs=_docs(tmp_path / "wb-docs", range(100), "unit"))
-    union = UnionRetriever([Retriever(base), Retriever(wb, source="writeback")], UnionRule("score"))  # the paper's
+    union = IndexUnion([Retriever(base), Retriever(wb, source="writeback")], UnionRule("score"))  # the paper's
     q = vecs[[5, 310, 320]]  # exact matches: base 5, write-back units 10 and 20
     results = union.search_vectors(q, 8)
     for hits in results:
@@ -57,9 +57,9 @@ def test_union_refuses_incomparable_indices_and_shared_sources(tmp_path):
     a = _index(tmp_path, "a", vecs, None)
     b = _index(tmp_path, "b", vecs, None, embedder="another-model")
     with pytest.raises(ValueError, match="distinct sources"):
-        UnionRetriever([Retriever(a), Retriever(b)])
+        IndexUnion([Retriever(a), Retriever(b)])
     with pytest.raises(IndexError_, match="differ in embedder .*'m' vs 'another-model'"):
-        UnionRetriever([Retriever(a), Retriever(b, source="writeback")]).setup()
+        IndexUnion([Retriever(a), Retriever(b, source="writeback")])
 
 
 def test_wrong_dimension_queries_are_named(tmp_path):
@@ -79,9 +79,9 @@ def test_docstore_reads_a_plain_parquet_folder_and_names_a_bad_one(tmp_path, mon
         open_doc_store(resolve(str(tmp_path / "empty")))
 
 
-def test_merge_top_k_and_short_shards(tmp_path):
+def test_merge_results_and_short_shards(tmp_path):
     scores = np.array([[0.1, 0.9, 0.5, -np.inf]], np.float32)
-    assert merge_top_k(scores, 3).tolist() == [[1, 2, 0]]
+    assert merge_results([(scores, np.array([[0, 1, 2, 3]]))], 3)[1].tolist() == [[1, 2, 0]]
     idx = _index(tmp_path, "a", clustered(3, 8), None)  # fewer vectors than k: no -1 ids in the hits
     hits = Retriever(idx).search_vectors(clustered(1, 8, seed=9), 5)[0]
     assert len(hits) == 3 and all(isinstance(h, Hit) and h.id >= 0 for h in hits)

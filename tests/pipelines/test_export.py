@@ -33,7 +33,7 @@ from wbrag_ray.formats import embeddings_table
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import load_manifest
 from wbrag_ray.models.embedder import Embedder
-from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import UNITS, WRITEBACK_ID_BASE
@@ -188,6 +188,13 @@ def _key(metadata) -> tuple[str, int]:
     return metadata["source"], metadata["wbrag_id"]
 
 
+def _run_retriever(index_dir, docs_dir, config) -> Retriever:
+    """The base index searched in this process with the run config's search settings."""
+    ic = config.index
+    return Retriever(index_dir, docs_dir, config.embedder, ic.nprobe, ef_search=ic.ef_search, k_factor=ic.k_factor,
+                     gpu=ic.gpu)
+
+
 def _reference(retriever, embedder) -> list[list[tuple[str, int]]]:
     return [[h.key for h in hits] for hits in retriever.search_vectors(embedder.encode_queries(QUESTIONS), 5)]
 
@@ -209,7 +216,7 @@ def _exported_metadata(out) -> list[dict]:
 def test_base_export_in_each_format_returns_what_wbrag_search_returns(passage_run, embedder, tmp_path):
     run, config = passage_run
     expected = [[("base", h.id) for h in hits] for hits in api.search(run, config, QUESTIONS, 5)]  # `wbrag search`
-    assert expected == _reference(Retriever.from_config(run.layout.index.uri, run.layout.ingest.root.uri, config),
+    assert expected == _reference(_run_retriever(run.layout.index.uri, run.layout.ingest.root.uri, config),
                                   embedder)
     n = load_manifest(run.layout.index)["count"]
     for fmt in FORMATS:
@@ -224,8 +231,8 @@ def test_write_back_export_holds_the_active_units_with_provenance_and_returns_th
     run, config = passage_run
     version, wb_index, wb_corpus = active_index(run)
     # the export holds base and units in one index, which its reader searches as one: the paper's merge by score
-    union = UnionRetriever([Retriever.from_config(run.layout.index.uri, run.layout.ingest.root.uri, config),
-                            Retriever(wb_index, wb_corpus, None, source="writeback")], UnionRule("score"))
+    union = IndexUnion([_run_retriever(run.layout.index.uri, run.layout.ingest.root.uri, config),
+                        Retriever(wb_index, wb_corpus, None, source="writeback")], UnionRule("score"))
     expected = _reference(union, embedder)
     assert any(source == "writeback" for hits in expected for source, _id in hits)  # the units are found
     for fmt in FORMATS:
@@ -257,7 +264,7 @@ def test_pruned_export_holds_exactly_the_kept_ids_and_ivf_matches_at_the_same_np
     # the pruned view in every format; the full one in FlashRAG's (its rows are every sentence)
     for ratio, index, formats in ((0.3, run.layout.zero_rag.pruned(0.3).index, FORMATS),
                                   (None, run.layout.index, ("flashrag",))):
-        expected = _reference(Retriever.from_config(index.uri, None, config), embedder)
+        expected = _reference(_run_retriever(index.uri, None, config), embedder)
         for fmt in formats:
             _export(run, config, fmt, tmp_path / f"{fmt}-{ratio}", prune_ratio=ratio)
             assert READERS[fmt](tmp_path / f"{fmt}-{ratio}", embedder) == expected, (fmt, ratio)

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import DATA, demo_questions, demo_records, write_jsonl
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
-from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.units import WRITEBACK_ID_BASE
@@ -132,7 +132,8 @@ def test_union_search_returns_write_back_hits_with_their_namespace(trained):
     members = [Retriever(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder),
                Retriever(wb_index, wb_docs, config.embedder, source="writeback")]
     query = [unit["title"] + "\n" + unit["text"]]
-    hits = UnionRetriever(members, UnionRule("score")).search(query, 5)[0]  # the paper's merge
+    vectors = members[0].encode(query)
+    hits = IndexUnion(members, UnionRule("score")).search_vectors(vectors, 5)[0]  # the paper's merge
     assert hits[0].source == "writeback" and hits[0].id == unit["id"] and hits[0].score > 0.99
     assert {h.source for h in hits} == {"base", "writeback"}
     assert [h.rank for h in hits] == list(range(5)) and hits == sorted(hits, key=lambda h: -h.score)
@@ -141,7 +142,7 @@ def test_union_search_returns_write_back_hits_with_their_namespace(trained):
     sources = {u["id"]: u["source_doc_ids"] for u in pq.read_table(run.layout.writeback_version("train").units.path).to_pylist()}
     assert all(h.sources == sources[h.id] for h in hits if h.source == "writeback")
     # the provenance-aware union: no unit whose sources are all among the passages it returns
-    default = UnionRetriever(members, UnionRule("provenance")).search(query, 5)[0]
+    default = IndexUnion(members, UnionRule("provenance")).search_vectors(vectors, 5)[0]
     passages = {h.id for h in default if h.source == "base"}
     assert len(default) == 5 and not any(set(sources[h.id]) <= passages for h in default if h.source == "writeback")
     assert (unit["id"] in {h.id for h in default}) == (not set(sources[unit["id"]]) <= passages)
@@ -418,9 +419,7 @@ def test_validation_answers_held_out_questions_with_and_without_the_version_and_
             write_choice(version.index, written, "written by this test")
         with Services() as services:
             assert setting.service(services).union == searched
-        retriever = UnionRetriever(members, UnionRule.of(config.retrieval))
-        retriever.setup()
-        assert retriever.union == searched
+        assert IndexUnion(members, UnionRule.of(config.retrieval)).union == searched
 
     hurt = {**result, "base": 1.0, "with_version": 0.0, "won": 0, "lost": 5}  # 5 lost, none won: beyond chance
     run.layout.writeback_version("train").validation.write_json(hurt)

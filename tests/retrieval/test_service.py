@@ -12,7 +12,7 @@ from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.retrieval.docstore import write_doc_store
-from wbrag_ray.retrieval.local import Retriever, UnionRetriever
+from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.service import shard_groups
 from wbrag_ray.stages.service import Services
 from wbrag_ray.storage import resolve
@@ -95,7 +95,7 @@ def test_a_union_with_the_writeback_index_matches_the_in_process_union(indices, 
     with Services() as services:
         service = services.retrieval(((base, None, "base"), (wb, None, "writeback")), IndexConfig(), _small_actors())
         got = service.search_vectors(queries, 6)
-    want = UnionRetriever([Retriever(base), Retriever(wb, source="writeback")]).search_vectors(queries, 6)
+    want = IndexUnion([Retriever(base), Retriever(wb, source="writeback")]).search_vectors(queries, 6)
     assert [[(h.key, h.title) for h in hits] for hits in got] == [[(h.key, h.title) for h in hits] for hits in want]
     assert got[1][0].key == ("writeback", 10) and got[1][0].title == "wb 10"
 
@@ -147,12 +147,9 @@ def ivf_index(indices, tmp_path_factory):
 
 def _each_shard_alone(index_dir, queries, k, nprobe):
     """faiss's own search of every shard (each runs its quantizer), merged: what a shared assignment must give."""
-    from wbrag_ray.index.files import load_shards
     from wbrag_ray.retrieval.hits import merge_results
 
-    shards, _ = load_shards(resolve(index_dir))
-    for s in shards:
-        s.nprobe = nprobe
+    shards = Retriever(index_dir, nprobe=nprobe, gpu=False).searcher.shards
     return merge_results([s.search(queries, k) for s in shards], k)
 
 
@@ -162,7 +159,7 @@ def test_ivf_groups_share_one_coarse_assignment_and_answer_as_each_shard_searche
     queries = vecs[[3, 500, 1_100, 1_250]] + 0.01
     scores, ids = _each_shard_alone(ivf_index, queries, 7, nprobe=3)
     in_process = Retriever(ivf_index, nprobe=3)
-    assert in_process.dim == DIM and in_process.searcher.can_assign  # the in-process search shares it too
+    assert in_process.dim == DIM and in_process.searcher.ivfs is not None  # the in-process search shares it too
     np.testing.assert_array_equal(in_process.search_ids(queries, 7)[1], ids)
     with Services() as services:
         pool = services.retrieval(((ivf_index, None, "base"),), IndexConfig(nprobe=3), _small_actors()).pools[0]
@@ -232,19 +229,17 @@ def test_a_lost_search_actor_mid_search_is_answered_by_its_replica(indices, ivf_
 
 
 def test_shards_of_different_trainings_search_each_with_its_own_quantizer(indices, ivf_index, tmp_path):
-    from wbrag_ray.index.files import load_shards
     from wbrag_ray.index.search import ShardSearch
     from wbrag_ray.retrieval.hits import merge_results
 
     vecs = indices[2]
     other = _index(tmp_path, "ivf4", vecs[:1_200], np.arange(1_200, dtype=np.int64) * 10, shards=2,
                    factory="IVF4,Flat")
-    shards = [load_shards(resolve(ivf_index))[0][0], load_shards(resolve(other))[0][0]]
-    for s in shards:
-        s.nprobe = 2
+    other_shards = Retriever(other, nprobe=2, gpu=False).searcher.shards
+    shards = [Retriever(ivf_index, nprobe=2, gpu=False).searcher.shards[0], other_shards[0]]
     searcher = ShardSearch(shards)
-    assert not searcher.can_assign and searcher.fingerprint is None
-    assert ShardSearch(load_shards(resolve(other))[0]).fingerprint is not None  # one training: one quantizer
+    assert searcher.ivfs is None and searcher.fingerprint is None
+    assert ShardSearch(other_shards).fingerprint is not None  # one training: one quantizer
     queries = vecs[[2, 900]]
     want = merge_results([s.search(queries, 4) for s in shards], 4)
     np.testing.assert_array_equal(searcher.search(queries, 4)[1], want[1])

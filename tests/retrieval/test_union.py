@@ -123,10 +123,10 @@ def test_whether_the_provenance_rule_applies_is_a_function_of_the_union_name_alo
     import typing
 
     from wbrag_ray.config import RetrievalConfig
-    from wbrag_ray.retrieval.union import PROVENANCE_RULE, UNIONS
+    from wbrag_ray.retrieval.union import UNIONS
 
     assert set(typing.get_args(RetrievalConfig.model_fields["union"].annotation)) == {"auto", *UNIONS}
-    assert PROVENANCE_RULE == ("provenance", "rrf", "gate", "additive")
+    assert tuple(n for n, u in UNIONS.items() if u.provenance_rule) == ("provenance", "rrf", "gate", "additive")
     assert {n for n, u in UNIONS.items() if u.gate} == {"gate", "gate-no-provenance"}
 
 
@@ -188,7 +188,7 @@ def test_the_rule_built_without_a_config_is_the_configs_default():
 def test_one_union_serves_the_in_process_retriever_and_the_service(monkeypatch):
     """`cut_union` is the union of both searchers: each member's hits get its provenance (read from the index, so
     the hits carry none), then each query's lists are cut by the rule; a lone index is its own top K. Both the
-    in-process `UnionRetriever` and the service's `RetrievalService` hand their members' hits to it."""
+    in-process `IndexUnion` and the service's `RetrievalService` hand their members' hits to it."""
     from wbrag_ray.retrieval import local, service
     from wbrag_ray.retrieval.union import cut_union
 
@@ -200,7 +200,6 @@ def test_one_union_serves_the_in_process_retriever_and_the_service(monkeypatch):
     assert top[0][2].sources == [99]
     assert cut_union([[BASE]], [{}], UnionRule("provenance"), 5) == [BASE]
     assert local.cut_union is cut_union and issubclass(service.RetrievalService, local.IndexUnion)
-    assert issubclass(local.UnionRetriever, local.IndexUnion)
 
 
 def test_the_additive_rule_keeps_the_base_top_k_whole_and_appends_units_that_pass_its_margin():

@@ -19,7 +19,7 @@ from wbrag_ray.layout import EvalResult
 from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.stage import RetrievalSetting
-from wbrag_ray.retrieval.union import UnionRule, appended_units
+from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.storage import resolve
 from wbrag_ray.work import Generate, Sizes
@@ -199,7 +199,7 @@ def evaluation_work(writeback: bool):
         ev, k = config.eval, config.retrieval.top_k
         q, counted = sizes.questions(ev.dataset, ev.limit)
         passes = [p for m in ev.methods for p in rag.passes(m, config)]
-        extra = appended_units(config.retrieval) if writeback else 0
+        extra = UnionRule.of(config.retrieval).appended_units if writeback else 0
         if extra:  # the prompts that read the top K read its units too
             passes = [replace(p, docs=p.docs + extra) if p.docs == k and not p.mixture else p for p in passes]
         return [Generate(q, tuple(passes), f"questions: {counted}; methods {', '.join(ev.methods)}: up to "

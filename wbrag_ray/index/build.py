@@ -28,8 +28,8 @@ from wbrag_ray.index.files import (
     sample_vectors,
     shard_dim,
     shards_rows,
-    storage_dtype,
     to_bytes,
+    vector_field,
     write_index_file,
 )
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
@@ -37,7 +37,6 @@ from wbrag_ray.index.parts import (
     CODES_SUFFIX,
     INDEX_SUFFIX,
     code_part_ivf,
-    encode,
     merge_parts,
     write_code_part,
 )
@@ -56,16 +55,14 @@ from wbrag_ray.index.tasks import (
     assigned_resources,
     cluster_gpus,
     largest_node,
-    peak_rss_mb,
     recorded,
     reserved_gpu,
-    reset_peak_rss,
     run_recorded,
     run_tasks,
     set_threads,
 )
 from wbrag_ray.models.hardware import usable_cpus
-from wbrag_ray.ray_runtime import in_sorted, is_object_ref, shared_value
+from wbrag_ray.ray_runtime import in_sorted, is_object_ref, peak_rss_mb, reset_peak_rss, shared_value
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -122,7 +119,7 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
     index = from_bytes(shared["trained"], TRAINED_FILE)
     ivf = code_part_ivf(index) if shared["code_parts"] else None
     drop = shared_value(shared["drop_ids"])  # sorted: an array, or its reference in the object store
-    count, dropped, id_min, id_max = 0, 0, None, None
+    count, dropped, ranges = 0, 0, []
     part_ids, part_codes = [], []
     for uri in file_uris:
         f = resolve(uri)
@@ -139,12 +136,11 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
                 continue
         if ivf is not None:
             part_ids.append(ids)
-            part_codes.append(encode(index, vecs))
+            part_codes.append(index.sa_encode(vecs))  # standalone codes (list number + code), as `add` stores them
         else:
             index.add_with_ids(vecs, ids)
         count += len(ids)
-        id_min = int(ids.min()) if id_min is None else min(id_min, int(ids.min()))
-        id_max = int(ids.max()) if id_max is None else max(id_max, int(ids.max()))
+        ranges.append({"id_min": int(ids.min()), "id_max": int(ids.max())})
         del vecs  # one shard's vectors at a time
     if ivf is not None:
         codes = np.concatenate(part_codes) if part_codes else np.zeros((0, index.sa_code_size()), np.uint8)
@@ -153,7 +149,7 @@ def _add_task(shared: dict[str, Any], item: tuple[str, list[str]]) -> dict[str, 
     else:
         size = write_index_file(index, resolve(out_uri))
     return recorded(record, {"file": out_uri, "count": count, "dropped": dropped, "rows": count + dropped,
-                              "id_min": id_min, "id_max": id_max, "bytes": size, "peak_rss_mb": peak_rss_mb(),
+                              **_id_range(ranges), "bytes": size, "peak_rss_mb": peak_rss_mb(),
                               "base_rss_mb": base_rss, "seconds": time.perf_counter() - t0, "pid": os.getpid()})
 
 
@@ -327,7 +323,6 @@ def build_index(
          "bytes": s["bytes"]}
         for s in shards
     ]
-    ranges = _id_range(shards)
     t_merged = time.perf_counter()
     search = None
     if target_recall is not None:  # before the manifest: a build killed while measuring measures again
@@ -343,14 +338,13 @@ def build_index(
         "embedder": embedder,
         "unit": unit,
         "count": count,
-        "id_min": ranges["id_min"],
-        "id_max": ranges["id_max"],
+        **_id_range(shards),
         "num_shards": len(shard_entries),
         "files": [s["file"] for s in shard_entries],
         "shards": shard_entries,
         "trained": TRAINED_FILE,
         "embeddings": embeddings.uri,
-        "embedding_dtype": storage_dtype(files[0]),
+        "embedding_dtype": str(vector_field(files[0]).type.value_type),
         "docs": docs,
         "dropped": dropped,
         **(extra or {}),

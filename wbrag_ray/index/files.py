@@ -9,7 +9,6 @@ All file access goes through `Location` (local or s3://); faiss reads and writes
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -93,43 +92,33 @@ def sample_vectors(files: list[Location], counts: list[int], n: int, dim: int,
     return ids[:filled], sample[:filled]
 
 
-def shard_rows(f: Location) -> int:
-    """Row count from the Parquet footer: no vectors are read."""
-    try:
-        return f.num_rows()
-    except Exception as exc:
-        raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
-
-
 def shards_rows(files: list[Location], threads: int = 32) -> list[int]:
-    """Every shard's row count from its footer, `threads` footers in flight at once: a footer read is one round trip
-    to object storage (about 6,900 embedding shards at 138M sentences: minutes one after another)."""
+    """Every shard's row count from its Parquet footer (no vectors read), `threads` footers in flight at once: a
+    footer read is one round trip to object storage (about 6,900 embedding shards at 138M sentences)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    if len(files) <= 1:
-        return [shard_rows(f) for f in files]
-    with ThreadPoolExecutor(min(threads, len(files))) as pool:
-        return list(pool.map(shard_rows, files))
+    def rows(f: Location) -> int:
+        try:
+            return f.num_rows()
+        except Exception as exc:
+            raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
+
+    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
+        return list(pool.map(rows, files))
 
 
-def storage_dtype(f: Location) -> str:
-    """The stored dtype of one shard's vectors (float, halffloat), from its schema."""
-    field = pq.read_schema(f.path, filesystem=f.fs).field("vector")
-    return str(field.type.value_type)
-
-
-def iter_embedding_shards(loc: Location) -> Iterator[tuple[Location, np.ndarray, np.ndarray]]:
-    """Yield (file, ids, vectors) for each embedding shard, in file-name order."""
-    for f in embedding_files(loc):
-        yield (f, *read_embedding_shard(f))
+def vector_field(f: Location) -> pa.Field:
+    """The `vector` column of one shard, from its schema: its dtype (float, halffloat) and, for fixed-size lists,
+    the dimension."""
+    try:
+        return pq.read_schema(f.path, filesystem=f.fs).field("vector")
+    except Exception as exc:
+        raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
 
 
 def shard_dim(f: Location) -> int:
-    """The vector dimension from the schema of one shard (fixed-size lists carry it)."""
-    try:
-        field = pq.read_schema(f.path, filesystem=f.fs).field("vector")
-    except Exception as exc:
-        raise IndexError_(f"embedding shard {f.uri} is unreadable: {exc}") from exc
+    """The vector dimension of one shard."""
+    field = vector_field(f)
     if pa.types.is_fixed_size_list(field.type):
         return field.type.list_size
     _ids, vecs = read_embedding_shard(f)  # variable-size lists: look at the rows
@@ -244,16 +233,3 @@ def load_shards(loc: Location) -> tuple[list[Any], dict[str, Any]]:
     """([faiss index per shard], manifest) from an index folder; each file is checked against the manifest."""
     manifest = load_manifest(loc)
     return [load_shard(loc, name, manifest["dim"], count) for name, count in named_shards(manifest)], manifest
-
-
-def load_index(loc: Location) -> tuple[Any, dict[str, Any]]:
-    """(one searchable faiss index, manifest): the shard itself, or a faiss IndexShards over all shards."""
-    import faiss
-
-    shards, manifest = load_shards(loc)
-    if len(shards) == 1:
-        return shards[0], manifest
-    combined = faiss.IndexShards(manifest["dim"], True, False)  # threaded; shards keep their own ids
-    for s in shards:
-        combined.add_shard(s)  # faiss's wrapper keeps a Python reference: the shards live as long as it does
-    return combined, manifest

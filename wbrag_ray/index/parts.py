@@ -28,11 +28,6 @@ def code_part_ivf(index):
     return inner
 
 
-def encode(index, vecs: np.ndarray) -> np.ndarray:
-    """Standalone codes (list number + code) of vectors, as `index.add` would store them."""
-    return index.sa_encode(np.ascontiguousarray(vecs, dtype=np.float32))
-
-
 def write_code_part(f: Location, ids: np.ndarray, codes: np.ndarray) -> int:
     """Write a codes-only part; returns the bytes written."""
     with f.open_write() as stream:

@@ -9,7 +9,6 @@ import numpy as np
 
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import TRAINED_FILE, IndexError_, load_manifest
-from wbrag_ray.ray_runtime import is_object_ref
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -46,15 +45,6 @@ def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]
     return ids, ray.get(count)
 
 
-def drop_ids_from(spec: np.ndarray | list[int] | str | Location | ObjectRef) -> np.ndarray | ObjectRef:
-    """Sorted unique ids to drop: from an array, Parquet files, or an object-store reference (passed on)."""
-    if is_object_ref(spec):
-        return spec
-    if isinstance(spec, str | Location):
-        return scan_drop_ids(resolve(spec) if isinstance(spec, str) else spec)
-    return np.unique(np.asarray(spec).astype(np.int64))
-
-
 def prune_index(
     index_dir: str | Location,
     out_dir: str | Location,
@@ -64,7 +54,8 @@ def prune_index(
     num_cpus: float = 1.0,
     parallel: bool | None = None,
 ) -> dict[str, Any]:
-    """Write a pruned view of `index_dir` into `out_dir` without the ids in `drop`; returns the build stats."""
+    """Write a pruned view of `index_dir` into `out_dir` without the ids in `drop` (an array, an object-store
+    reference to one, or Parquet files of them: `scan_drop_ids`); returns the build stats."""
     src = resolve(index_dir) if isinstance(index_dir, str) else index_dir
     out = resolve(out_dir) if isinstance(out_dir, str) else out_dir
     if src.uri.rstrip("/") == out.uri.rstrip("/"):
@@ -75,7 +66,8 @@ def prune_index(
     trained_loc = src.join(manifest.get("trained", TRAINED_FILE))
     if not trained_loc.exists():
         raise IndexError_(f"trained index {trained_loc.uri} named by {src.join('manifest.json').uri} is missing")
-    drop_ids = drop_ids_from(drop)
+    if isinstance(drop, str | Location):
+        drop = scan_drop_ids(resolve(drop) if isinstance(drop, str) else drop)
     return build_index(
         resolve(manifest["embeddings"]),
         out,
@@ -86,7 +78,7 @@ def prune_index(
         num_cpus=num_cpus,
         parallel=parallel,
         trained=trained_loc.read_bytes(),
-        drop_ids=drop_ids,
+        drop_ids=drop,
         docs=manifest.get("docs"),
         # a pruned view is searched as its source was measured (the same lists, fewer vectors in each)
         extra={"pruned_from": src.uri, "source_count": manifest["count"],

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from wbrag_ray.index.files import read_embedding_shard, sample_vectors
-from wbrag_ray.index.search import SearchActor, auto_nprobe
+from wbrag_ray.index.search import SearchActor, auto_nprobe, unwrapped
 from wbrag_ray.index.sizing import balanced_groups
 from wbrag_ray.index.tasks import run_tasks, set_threads
 from wbrag_ray.retrieval.hits import merge_results
@@ -49,9 +48,7 @@ def parameter_of(index) -> tuple[str | None, list | None]:
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         return "nprobe", nprobe_steps(ivf.nlist)
-    inner = faiss.downcast_index(index)
-    while isinstance(inner, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
-        inner = faiss.downcast_index(inner.index)
+    inner = unwrapped(index)
     if isinstance(inner, faiss.IndexHNSW):
         return "efSearch", [v for v in EF_STEPS if v > RECALL_K]
     if isinstance(inner, faiss.IndexFlat):
@@ -100,38 +97,33 @@ def exact_neighbours(files: list[Location], queries: np.ndarray, own: np.ndarray
 # --- the built shards searched at each setting -----------------------------------------------------------
 
 
-@dataclass
 class Probes:
     """The shards loaded for measuring: search actors over contiguous groups of shards (as many as the free CPUs
-    hold), or one group in this process."""
+    hold), or one group in this process; `queries` is the sample they search."""
 
-    probes: list
-    parallel: bool
-    queries: Any  # the sample (in the object store, for actors)
-
-    @classmethod
-    def start(cls, index: Location, shards: list[dict[str, Any]], dim: int, queries: np.ndarray, threads: int,
-              num_cpus: float, parallel: bool) -> Probes:
+    def __init__(self, index: Location, shards: list[dict[str, Any]], dim: int, queries: np.ndarray, threads: int,
+                 num_cpus: float, parallel: bool):
         named = [(s["file"], s["count"]) for s in shards]
         unset = (None, None, None, False)  # the shards as built: each step sets its own setting
+        self.parallel, self.queries = parallel, queries
         if not parallel:
-            probes = cls([SearchActor(index.uri, named, dim, unset, threads)], False, queries)
+            self.probes = [SearchActor(index.uri, named, dim, unset, threads)]
         else:
             import ray
 
             # actors that cannot all be placed would leave the first ones waiting on the rest
             free = ray.available_resources().get("CPU", 0.0)
             groups = balanced_groups([s["count"] for s in shards], max(1, int(free // num_cpus)))
-            probes = cls([ray.remote(SearchActor).options(
+            self.probes = [ray.remote(SearchActor).options(
                 num_cpus=num_cpus, memory=int(sum(shards[i]["bytes"] for i in g) * 1.5) + (256 << 20),
-            ).remote(index.uri, [named[i] for i in g], dim, unset, threads) for g in groups], True, ray.put(queries))
+            ).remote(index.uri, [named[i] for i in g], dim, unset, threads) for g in groups]
+            self.queries = ray.put(queries)
         try:
-            probes._call("ready")
-            probes._call("search", queries[:8], RECALL_K + 1)  # pages the shards in: a timed search is no load
+            self._call("ready")
+            self._call("search", queries[:8], RECALL_K + 1)  # pages the shards in: a timed search is no load
         except BaseException:
-            probes.close()
+            self.close()
             raise
-        return probes
 
     def _call(self, method: str, *args) -> list:
         if not self.parallel:
@@ -189,7 +181,7 @@ def measure_search(files: list[Location], counts: list[int], index: Location, sh
     t0 = time.perf_counter()
     truth = exact_neighbours(files, sample, own, threads=threads, num_cpus=num_cpus, parallel=parallel)
     exact_s = time.perf_counter() - t0
-    probes = Probes.start(index, shards, dim, sample, threads, num_cpus, parallel)
+    probes = Probes(index, shards, dim, sample, threads, num_cpus, parallel)
     measured: list[dict[str, Any]] = []
 
     def measure(value: int | None) -> dict[str, Any]:

@@ -1,12 +1,10 @@
-"""The one search of an index's shards, which the in-process retriever (`retrieval.local`), the retrieval
-service's search actors (`retrieval.service`) and the build's recall measurement (`index.recall`) all run.
+"""The one search of an index's shards, run by the in-process retriever (`retrieval.local`), the retrieval
+service's search actors (`retrieval.service`) and the build's recall measurement (`index.recall`).
 
-`ShardSearch` searches a set of loaded shards as one index: the shards of one trained IVF share their coarse
-quantizer, so a batch of queries is assigned to its nprobe lists once and each shard scans only its part of
-them (faiss's `search_preassigned`); other index types search shard by shard; the per-shard top Ks are merged
-by score. `SearchActor` is a group of shards loaded once and searched that way, in a Ray actor or in this process.
-The settings (nprobe for an IVF, efSearch for an HNSW graph, k_factor for a refine stage) come from the config;
-`index.nprobe: auto` takes the setting the build measured (the manifest's `search` entry), else `auto_nprobe`.
+The shards of one trained IVF share their coarse quantizer: a batch of queries is assigned to its nprobe lists
+once and each shard scans only its part of them (faiss's `search_preassigned`); other index types are searched
+shard by shard. The per-shard top Ks are merged by score. `index.nprobe: auto` takes the setting the build
+measured (the manifest's `search` entry), else `auto_nprobe`.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import numpy as np
 from wbrag_ray.index.files import IndexError_, load_shard
 from wbrag_ray.index.gpu_clone import to_gpu
 from wbrag_ray.index.tasks import set_threads
-from wbrag_ray.ray_runtime import peak_rss_mb
 from wbrag_ray.retrieval.hits import merge_results
 from wbrag_ray.storage import resolve
 
@@ -33,8 +30,7 @@ def auto_nprobe(nlist: int) -> int:
 
 
 def search_nprobe(index, nprobe: int | str | None) -> int | None:
-    """The nprobe a search of `index` uses: `nprobe`, or for 'auto' the rule of `auto_nprobe` on the index's lists
-    (None for an index that is not an IVF). Resolve a measured 'auto' first (`measured_settings`)."""
+    """`nprobe`, or for 'auto' `auto_nprobe` of the index's lists (None for an index that is not an IVF)."""
     import faiss
 
     if nprobe != "auto":
@@ -45,9 +41,8 @@ def search_nprobe(index, nprobe: int | str | None) -> int | None:
 
 def measured_settings(manifest: dict[str, Any], nprobe: int | str | None,
                       ef_search: int | None) -> tuple[int | str | None, int | None]:
-    """(nprobe, ef_search) for searching the index of `manifest`: `nprobe: auto` takes the nprobe its build chose
-    by measured recall, an unset ef_search the efSearch it chose; settings given explicitly stay as they are, and
-    so does 'auto' on an index built without a measured choice (the formula then applies)."""
+    """(nprobe, ef_search) for the index of `manifest`: 'auto' and an unset ef_search take what its build measured,
+    where it measured; explicit settings stay as they are."""
     measured = manifest.get("search") or {}
     if not measured.get("chosen"):
         return nprobe, ef_search
@@ -58,11 +53,20 @@ def measured_settings(manifest: dict[str, Any], nprobe: int | str | None,
     return nprobe, ef_search
 
 
+def unwrapped(index):
+    """The index inside its id maps and pre-transforms."""
+    import faiss
+
+    inner = faiss.downcast_index(index)
+    while isinstance(inner, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
+        inner = faiss.downcast_index(inner.index)
+    return inner
+
+
 def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_factor: float | None) -> None:
-    """Apply the settings that exist for this index type (IVF: nprobe, HNSW: efSearch, refine: k_factor);
-    the others do not apply and are skipped. `nprobe` may be 'auto' (`search_nprobe`); an IVF's HNSW coarse
-    quantizer searches with efSearch = max(2 x nprobe, ef_search): faiss's default (16) finds too few of the
-    nearest lists once nprobe passes it."""
+    """Apply the settings this index type has (IVF: nprobe, HNSW: efSearch, refine: k_factor) and skip the others.
+    An IVF's HNSW coarse quantizer searches with efSearch = max(2 x nprobe, ef_search): faiss's default (16) finds
+    too few of the nearest lists once nprobe passes it."""
     import faiss
 
     nprobe = search_nprobe(index, nprobe)
@@ -78,15 +82,9 @@ def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_
                 ps.set_index_parameter(index, name, value)
             except RuntimeError:
                 pass  # this index type has no such parameter
-    inner = index
-    while k_factor is not None:
-        inner = faiss.downcast_index(inner)
-        if isinstance(inner, faiss.IndexRefine):
-            inner.k_factor = float(k_factor)
-            break
-        if not isinstance(inner, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
-            break
-        inner = inner.index
+    inner = unwrapped(index)
+    if k_factor is not None and isinstance(inner, faiss.IndexRefine):
+        inner.k_factor = float(k_factor)
 
 
 def _ivf_of(shard):
@@ -118,9 +116,8 @@ def quantizer_fingerprint(ivf) -> str | None:
 
 
 class ShardSearch:
-    """Index shards searched as one index: each query's top K over all of them, best first (module docstring).
-    The coarse assignment is not run again per shard, a cost that grows with the number of shards rather than
-    with what they hold; a retrieval service makes it once for all its search actors (`assign`)."""
+    """Index shards searched as one index: each query's top K over all of them, best first. IVF shards of one
+    training share one coarse assignment (`assign`; a retrieval service makes it once for all its actors)."""
 
     def __init__(self, shards: list, batch_size: int = 1024):
         self.shards, self.batch_size = shards, batch_size
@@ -137,8 +134,8 @@ class ShardSearch:
     def load(cls, index_uri: str, named: list[tuple[str, int | None]], dim: int, nprobe: int | str | None = None,
              ef_search: int | None = None, k_factor: float | None = None, *, gpu: bool = False,
              batch_size: int = 1024) -> ShardSearch:
-        """The shards `named` ((file, count), ...) of the index folder at `index_uri`, each checked against its
-        manifest, with the search settings applied, on the GPU where `gpu` (`gpu_clone.to_gpu`)."""
+        """The shards `named` ((file, count), ...) of the index folder at `index_uri`, checked against its manifest,
+        with the search settings applied, on the GPU where `gpu`."""
         loc = resolve(index_uri)
         shards = []
         for name, count in named:
@@ -156,10 +153,6 @@ class ShardSearch:
         for shard in self.shards:
             set_search_params(shard, nprobe, ef_search, None)
         self._clamp()
-
-    @property
-    def can_assign(self) -> bool:
-        return self.ivfs is not None
 
     def _transformed(self, vectors: np.ndarray) -> np.ndarray:
         for transform in self.chain:
@@ -196,9 +189,9 @@ class ShardSearch:
 
 class SearchActor:
     """A group of one index's shards loaded once and searched by `ShardSearch`, timing itself: a search actor of
-    the retrieval service, or a probe of the recall measurement (an actor, or an object in this process).
-    `search`: (nprobe, ef_search, k_factor, gpu). A load error is raised by `ready` as itself (a constructor's
-    would come back wrapped, and a restartable actor would be started again and again)."""
+    the retrieval service, or a probe of the recall measurement. `search`: (nprobe, ef_search, k_factor, gpu).
+    A load error is raised by `ready` as itself (a constructor's would come back wrapped, and a restartable actor
+    would be started again and again)."""
 
     def __init__(self, index_uri: str, named: list[tuple[str, int | None]], dim: int, search: tuple,
                  threads: int | None):
@@ -210,8 +203,7 @@ class SearchActor:
             self.error, self.searcher = exc, ShardSearch([])
 
     def ready(self) -> tuple[int, str | None]:
-        """(vectors held, the fingerprint of the coarse quantizer the group's shards share: None where they take
-        no assignment made elsewhere)."""
+        """(vectors held, the fingerprint of the coarse quantizer the group's shards share, or None)."""
         if self.error is not None:
             raise self.error
         return sum(int(s.ntotal) for s in self.searcher.shards), self.searcher.fingerprint
@@ -220,7 +212,7 @@ class SearchActor:
         self.searcher.configure(nprobe, ef_search)
 
     def assign(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-        """The lists each query visits, made once for every group of the index, and its seconds."""
+        """The lists each query visits (for every group of the index), and its seconds."""
         t0 = time.perf_counter()
         dists, lists = self.searcher.assign(vectors)
         return dists, lists, time.perf_counter() - t0
@@ -231,6 +223,3 @@ class SearchActor:
         t0 = time.perf_counter()
         scores, ids = self.searcher.search(vectors, k, assigned[:2] if assigned is not None else None)
         return scores, ids, time.perf_counter() - t0
-
-    def peak_rss_mb(self) -> float:
-        return peak_rss_mb()

@@ -10,15 +10,11 @@ from typing import TYPE_CHECKING, Any
 from wbrag_ray.index.files import IndexError_
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
 from wbrag_ray.models.hardware import usable_cpus
-from wbrag_ray.ray_runtime import peak_rss_mb, reset_peak_rss
 from wbrag_ray.ray_runtime import run_tasks as _run_tasks
 from wbrag_ray.storage import resolve
 
 if TYPE_CHECKING:
     from wbrag_ray.checkpoints import TaskRecords
-
-__all__ = ["assigned_resources", "cluster_gpus", "largest_node", "peak_rss_mb", "recorded", "reserved_gpu",
-           "reset_peak_rss", "run_recorded", "run_tasks", "set_threads"]
 
 # The build's errors (a file named, a bad setting) come back from a task as themselves.
 run_tasks = partial(_run_tasks, own_errors=(IndexError_, ValueError))

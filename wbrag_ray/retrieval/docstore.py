@@ -4,12 +4,10 @@ at 21M passages). A folder of uncompressed Arrow IPC files, each sorted by id an
     DOCS/docs.json          {"format", "unit", "count", "files": [{"file", "count", "id_min", "id_max"}]}
     DOCS/docs-NNNNN.arrow   record batches of (id int64, title string, text string), ids ascending
 
-A reader memory-maps a file the first time an id falls in its range, finds the row by binary search over an
-in-memory sample of every SPARSE-th id and then one page of the mapped id column, and slices out only the rows
-asked for; pages are the OS's, shared by the node's processes. Remote files are fetched once per node into the
-node-local cache (WBRAG_CACHE). Sources: an ingest folder (sentence rows take their passage's title) or a Parquet
-folder of (id, title, text) (the write-back corpus); `open_doc_store` builds a store from a source into the cache
-the first time.
+A reader memory-maps a file the first time an id falls in its range and finds the row by binary search over an
+in-memory sample of every SPARSE-th id, then one page of the mapped ids; pages are the OS's, shared by the node's
+processes. Remote files are fetched once per node into the node-local cache (WBRAG_CACHE). Sources: an ingest
+folder (sentence rows take their passage's title) or a Parquet folder of (id, title, text) (the write-back corpus).
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from wbrag_ray.identity import content_identity
 from wbrag_ray.layout import IngestFolder
 from wbrag_ray.ray_runtime import run_tasks
 from wbrag_ray.storage import Location, cache_root, node_cached, resolve
@@ -66,10 +65,8 @@ def _doc_table(doc_uri: str, titles_uri: str | None) -> pa.Table:
             t = resolve(titles_uri)
             passages = pq.read_table(t.path, filesystem=t.fs, columns=["pid", "title"])
             table = sentences.join(passages, "pid", join_type="left outer").select(["sid", "title", "text"])
-        elif "pid" in names:
-            table = pq.read_table(f.path, filesystem=f.fs, columns=["pid", "title", "text"])
         else:
-            table = pq.read_table(f.path, filesystem=f.fs, columns=["id", "title", "text"])
+            table = pq.read_table(f.path, filesystem=f.fs, columns=["pid" if "pid" in names else "id", "title", "text"])
     except (KeyError, pa.ArrowInvalid) as exc:
         raise DocStoreError(f"documents file {f.uri} lacks the columns a document store needs: {exc}") from None
     table = table.rename_columns(["id", "title", "text"]).cast(SCHEMA)
@@ -107,17 +104,12 @@ def write_doc_store(source: Location, unit: str, out: Location, *, parallel: boo
     return {"rows_in": listing["count"], "rows_out": listing["count"], "files": len(files)}
 
 
-def has_doc_store(loc: Location) -> bool:
-    return loc.join(LISTING).exists()
-
-
 # --- reading --------------------------------------------------------------------------------------------
 
 
 class _MappedFile:
     """One memory-mapped store file: its record batches, and every SPARSE-th id of each in memory (from the
-    schema's metadata), so a lookup's binary search runs in memory and then reads one page of the mapped ids.
-    The mapping is advised random: a lookup reads its pages, not a read-ahead window."""
+    schema's metadata). The mapping is advised random: a lookup reads its pages, not a read-ahead window."""
 
     def __init__(self, path: str):
         import mmap
@@ -157,7 +149,7 @@ class DocStore:
     mapped on first use, in the process that uses them."""
 
     def __init__(self, loc: Location):
-        if not has_doc_store(loc):
+        if not loc.join(LISTING).exists():
             raise DocStoreError(f"no document store at {loc.uri} ({LISTING} missing); build it with `wbrag index RUN`")
         try:
             self.listing = loc.join(LISTING).read_json()
@@ -175,9 +167,6 @@ class DocStore:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_open": {}}  # mappings are per process
-
-    def __len__(self) -> int:
-        return int(self.listing["count"])
 
     def _file(self, name: str) -> _MappedFile:
         if name not in self._open:
@@ -203,9 +192,6 @@ class DocStore:
                 return found
         raise KeyError(f"document id {doc_id} is in the index but not in the document store at {self.uri}")
 
-    def get_many(self, ids) -> list[tuple[str, str]]:
-        return [self.get(int(i)) for i in ids]
-
 
 def _node_copy(f: Location) -> str:
     """A node-local copy of one remote store file (fetched once per node: keyed by URI, size and time)."""
@@ -220,16 +206,9 @@ def _node_copy(f: Location) -> str:
 def open_doc_store(loc: Location, unit: str = "passage") -> DocStore:
     """The store at `loc`; or, where `loc` is a source (an ingest folder, a Parquet folder of id, title, text),
     a store built from it once into the node-local cache (keyed by the source's files, names, sizes and times)."""
-    if has_doc_store(loc):
+    if loc.join(LISTING).exists():
         return DocStore(loc)
-    sources = _sources(loc, unit)
-    stamp = []
-    for doc, titles in sources:
-        for uri in filter(None, (doc, titles)):
-            f = resolve(uri)
-            info = f.fs.get_file_info(f.path)
-            stamp.append((uri, info.size, info.mtime_ns))
-    key = hashlib.sha1(repr((loc.uri, unit, stamp)).encode()).hexdigest()[:16]
+    key = hashlib.sha1(repr((loc.uri, unit, content_identity(loc.uri))).encode()).hexdigest()[:16]
     # once per node: the node's other processes that need it wait for the first one's copy
     cached = node_cached(os.path.join(cache_root(), "docstores", key),
                          lambda tmp: write_doc_store(loc, unit, resolve(tmp), parallel=False))

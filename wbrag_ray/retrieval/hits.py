@@ -30,20 +30,14 @@ class Hit:
         return (self.source, self.id)
 
 
-def merge_top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """Column positions of the k best scores per row (descending; ties keep column order), for score
-    matrices made by concatenating per-shard or per-index results side by side."""
-    order = np.argsort(-scores, axis=1, kind="stable")
-    return order[:, :k]
-
-
 def merge_results(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
     """(scores, ids), each (n, k), best first, of several (scores, ids) results over the same queries; a
-    missing hit (faiss pads short results with id -1 and a huge negative score) is id -1, score -inf."""
+    missing hit (faiss pads short results with id -1 and a huge negative score) is id -1, score -inf; on a tie
+    the earlier part's hit comes first."""
     scores = np.concatenate([s for s, _ in parts], axis=1).astype(np.float32, copy=True)
     ids = np.concatenate([i for _, i in parts], axis=1)
     scores[ids < 0] = -np.inf
-    top = merge_top_k(scores, k)
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     scores, ids = np.take_along_axis(scores, top, axis=1), np.take_along_axis(ids, top, axis=1)
     if scores.shape[1] < k:  # fewer candidates than k in all: pad
         pad = k - scores.shape[1]

@@ -1,11 +1,10 @@
-"""An index searched in this process (`Retriever`: tests, exports, benchmarks), and `IndexUnion`, several indices
-built with one embedder (the base and the write-back index) searched as one, which both `UnionRetriever` here
-and the retrieval service (`retrieval.service`) are. Every index is searched by `index.search.ShardSearch`.
-"""
+"""An index searched in this process (`Retriever`: tests, benchmarks), and `IndexUnion`: indices built with one
+embedder (the base and the write-back index) searched as one, in this process (`Retriever` members) or on the
+retrieval service (`retrieval.service`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -18,10 +17,7 @@ from wbrag_ray.models.hardware import gpus_usable
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
 from wbrag_ray.retrieval.hits import Hit
 from wbrag_ray.retrieval.union import BASE, PROVENANCE, UnionRule, cut_union, read_provenance
-from wbrag_ray.storage import Location, resolve
-
-if TYPE_CHECKING:
-    from wbrag_ray.config import WbragConfig
+from wbrag_ray.storage import resolve
 
 
 def check_embedder(manifest: dict, index_dir: str, embedder: EmbedderConfig | None) -> None:
@@ -32,17 +28,6 @@ def check_embedder(manifest: dict, index_dir: str, embedder: EmbedderConfig | No
         )
 
 
-def docs_location(index: Location, manifest: dict, docs_dir: str | None) -> Location | None:
-    """Where the documents of an index's ids are: `docs_dir`, else the manifest's `docs` (relative to the
-    index folder when not absolute); None when neither names any."""
-    docs = docs_dir or manifest.get("docs")
-    if not docs:
-        return None
-    if "://" not in docs and not docs.startswith("/"):
-        return index.join(docs)
-    return resolve(docs)
-
-
 # Per process, keyed by the files' identity as well as their place: a store is opened (and mapped) once, a
 # write-back index's provenance read once, and a version trained again in place is read anew.
 _STORES: dict[tuple[str, str, str | None], DocStore] = {}
@@ -50,10 +35,12 @@ _PROVENANCE: dict[tuple[str, str, str | None], dict[int, list[int]]] = {}
 
 
 def documents(index_dir: str, manifest: dict, docs_dir: str | None) -> DocStore | None:
-    """The document store of an index's ids (`docs_location`), opened once per process; None where none is named."""
-    loc = docs_location(resolve(index_dir), manifest, docs_dir)
-    if loc is None:
+    """The document store of an index's ids, opened once per process: `docs_dir`, else the manifest's `docs`
+    (relative to the index folder when not absolute); None where neither names one."""
+    docs = docs_dir or manifest.get("docs")
+    if not docs:
         return None
+    loc = resolve(index_dir).join(docs) if "://" not in docs and not docs.startswith("/") else resolve(docs)
     key = (loc.uri, manifest.get("unit", "passage"), content_identity(loc.uri))
     if key not in _STORES:
         _STORES[key] = open_doc_store(loc, key[1])
@@ -61,7 +48,7 @@ def documents(index_dir: str, manifest: dict, docs_dir: str | None) -> DocStore 
 
 
 def provenance(index_dir: str, base_unit: str) -> dict[int, list[int]]:
-    """A write-back index's units' source documents (`union.read_provenance`), read once per process."""
+    """A write-back index's units' source documents, read once per process."""
     loc = resolve(index_dir)
     key = (index_dir, base_unit, content_identity(loc.join(PROVENANCE).uri))
     if key not in _PROVENANCE:
@@ -103,11 +90,11 @@ def load_query_embedder(config: EmbedderConfig, dim: int, where: str) -> Embedde
 
 
 class Retriever:
-    """An index folder (manifest + shards) searched in this process; `search` returns `Hit`s per query.
+    """An index folder (manifest + shards) searched in this process; `search_vectors` returns `Hit`s per query.
 
     docs_dir: a document store, an ingest folder or a Parquet folder of (id, title, text); default: the
-    manifest's `docs` (hits without documents carry empty title and text). embedder: needed only to search
-    by text; `search_vectors` works without it. source: the name hits carry (e.g. "writeback").
+    manifest's `docs` (hits without documents carry empty title and text). embedder: checked against the index's,
+    and what `encode` embeds queries with. source: the name hits carry (e.g. "writeback").
     """
 
     def __init__(
@@ -126,14 +113,7 @@ class Retriever:
         self.index_dir, self.docs_dir, self.embedder_config = index_dir, docs_dir, embedder
         self.nprobe, self.ef_search, self.k_factor, self.gpu = nprobe, ef_search, k_factor, gpu
         self.source, self.batch_size = source, batch_size
-        self.embedder = self._searcher = self._manifest = self._docs = None
-
-    @classmethod
-    def from_config(cls, index_dir: str, docs_dir: str | None, config: WbragConfig, source: str = "base") -> Retriever:
-        """A retriever with the run config's search settings (index.nprobe, index.ef_search, ...)."""
-        ic = config.index
-        return cls(index_dir, docs_dir, config.embedder, ic.nprobe, source,
-                   ef_search=ic.ef_search, k_factor=ic.k_factor, gpu=ic.gpu)
+        self.embedder = self._searcher = self._manifest = None
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -150,7 +130,6 @@ class Retriever:
         nprobe, ef_search = measured_settings(self.manifest, self.nprobe, self.ef_search)
         self._searcher = ShardSearch.load(self.index_dir, named_shards(self.manifest), self.dim, nprobe, ef_search,
                                          self.k_factor, gpu=bool(self.gpu), batch_size=self.batch_size)
-        self._docs = documents(self.index_dir, self.manifest, self.docs_dir)
 
     @property
     def searcher(self) -> ShardSearch:
@@ -159,9 +138,7 @@ class Retriever:
         return self._searcher
 
     def docs(self) -> DocStore | None:
-        if self._searcher is None:
-            self.setup()
-        return self._docs
+        return documents(self.index_dir, self.manifest, self.docs_dir)
 
     def encode(self, queries: list[str]) -> np.ndarray:
         if self.embedder is None:
@@ -177,28 +154,22 @@ class Retriever:
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
         return to_hits(*self.search_ids(vectors, k), self.docs(), self.source)
 
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        return self.search_vectors(self.encode(queries), k)
 
-
-def check_union(sources: list[str]) -> None:
-    """Indices searched as one need at least one member and distinct sources: the source names the id space."""
+def check_members(members: list) -> None:
+    """Indices searched as one need at least one member, distinct sources (they name the id spaces) and one
+    embedder, dimension and metric (else their scores do not compare)."""
+    sources = [m.source for m in members]
     if not sources:
         raise ValueError("a union of indices needs at least one index")
     if len(set(sources)) != len(sources):
         raise ValueError(f"indices in a union need distinct sources (they name the id namespaces): {sources}")
-
-
-def check_comparable(manifests: list[tuple[str, dict]]) -> None:
-    """Indices searched as one union must share embedder, dimension and metric: else scores do not compare."""
-    (first_dir, first), *others = manifests
-    for other_dir, other in others:
+    first, *others = members
+    for other in others:
         for key in ("embedder", "dim", "metric"):
-            if other.get(key) != first.get(key):
-                raise IndexError_(
-                    f"indices {first_dir} and {other_dir} differ in {key} "
-                    f"({first.get(key)!r} vs {other.get(key)!r}): their scores are not comparable"
-                )
+            if other.manifest.get(key) != first.manifest.get(key):
+                raise IndexError_(f"indices {first.index_dir} and {other.index_dir} differ in {key} "
+                                  f"({first.manifest.get(key)!r} vs {other.manifest.get(key)!r}): their scores are "
+                                  "not comparable")
 
 
 class IndexUnion:
@@ -208,8 +179,7 @@ class IndexUnion:
     and `search_ids(vectors, k)` -> (scores, ids, ...): a `Retriever`, or a service's `Member` (a search pool)."""
 
     def __init__(self, members: list, union: UnionRule | None = None):
-        check_union([m.source for m in members])
-        check_comparable([(m.index_dir, m.manifest) for m in members])
+        check_members(members)
         self.members = members
         self.union = (union or UnionRule()).resolved([resolve(m.index_dir) for m in members if m.source != BASE])
         # a unit's provenance applies only to the kind of document (passage / sentence) the base index holds
@@ -232,22 +202,3 @@ class IndexUnion:
                 for m, (docs, _) in zip(self.members, self._opened, strict=True)]
         return cut_union(hits, [p for _, p in self._opened], self.union, k)
 
-
-class UnionRetriever(IndexUnion):
-    """`Retriever`s searched as one (`IndexUnion`; default union: retrieval.union's default; the paper's merge by
-    score is `UnionRule("score")`); queries are embedded once, by the first member that has an embedder."""
-
-    members: list[Retriever]
-
-    def setup(self) -> None:
-        for m in self.members:
-            m.setup()
-
-    def encode(self, queries: list[str]) -> np.ndarray:
-        encoder = next((m for m in self.members if m.embedder_config is not None), None)
-        if encoder is None:
-            raise IndexError_("no retriever in the union has an embedder: search by vectors, or pass one")
-        return encoder.encode(queries)
-
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        return self.search_vectors(self.encode(queries), k)

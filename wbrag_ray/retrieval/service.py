@@ -2,10 +2,9 @@
 starts once and every retrieval pass of it uses.
 
 The shards are grouped, in manifest order, into groups of at most `retrieval.actor_memory_gb`, each loaded by
-one search actor that declares that memory to Ray, in `retrieval.concurrency` replicas. A search sends the query
-vectors to one replica of each group at once (for an IVF index with the lists one actor assigned them to) and
-merges the groups' top K; the union with the write-back index is `local.IndexUnion`'s. Documents are looked up
-only for the merged top K, in the process that asked. A lost actor is started again and the call retried.
+`retrieval.concurrency` actors. A search sends the query vectors to one replica of each group at once (for an IVF
+index with the lists one actor assigned them to) and merges the groups' top K; documents are looked up only for
+the merged top K, in the process that asked. A lost actor is started again and the call retried.
 """
 
 from __future__ import annotations
@@ -58,32 +57,30 @@ def shard_groups(shards: list[dict[str, Any]], budget_bytes: float) -> list[list
     return groups
 
 
-def _manifest_shards(index_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The index's manifest and its shards, each with its bytes (read from storage for indices built before the
-    manifest recorded sizes)."""
+def _pool_layout(index_dir: str, index: IndexConfig,
+                 retrieval: RetrievalConfig) -> tuple[dict[str, Any], list[list[dict[str, Any]]], list[float], bool]:
+    """(manifest, its shards in the actors' groups, the bytes each group holds, whether the actors search on
+    GPUs). A shard's bytes are read from storage for indices built before the manifest recorded them."""
+    import ray
+
     loc = resolve(index_dir)
     manifest = load_manifest(loc)
     shards = manifest.get("shards") or [{"file": f, "count": None, "bytes": 0} for f in manifest["files"]]
     for s in shards:
-        if not s.get("bytes"):
-            s["bytes"] = loc.join(s["file"]).size()
-    return manifest, shards
+        s["bytes"] = s.get("bytes") or loc.join(s["file"]).size()
+    groups = [[shards[i] for i in g] for g in shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))]
+    return manifest, groups, [sum(s["bytes"] for s in g) for g in groups], index_on_gpu(
+        index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
 
 
 def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> tuple[int, float]:
-    """The search actors the pool of the index at `index_dir` will start on GPUs, by `SearchPool.start`'s rule
-    (shard groups x replicas where `placement.gpus.index_on_gpu`), and the bytes of the largest group: (0, 0) where
-    they search on CPUs or the index is not built yet."""
-    import ray
-
-    if not index_on_gpu(index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu()):
-        return 0, 0.0
+    """The search actors the pool of the index at `index_dir` will start on GPUs (`SearchPool.start`), and the
+    bytes of the largest group: (0, 0) where they search on CPUs or the index is not built yet."""
     try:
-        shards = _manifest_shards(index_dir)[1]
+        _, _, held, use_gpu = _pool_layout(index_dir, index, retrieval)
     except IndexError_:
         return 0, 0.0
-    groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
-    return len(groups) * retrieval.concurrency, float(max(sum(shards[i]["bytes"] for i in g) for g in groups))
+    return (len(held) * retrieval.concurrency, float(max(held))) if use_gpu else (0, 0.0)
 
 
 def _unwrap(exc: Exception) -> Exception:
@@ -98,7 +95,6 @@ class SearchPool:
     index_dir: str
     manifest: dict[str, Any]
     actors: list[list[Any]]  # [group][replica]
-    placement: tuple
     shared_assignment: bool = False  # one coarse assignment per search, made by one actor for every group
     _turn: Any = field(default_factory=itertools.count, repr=False)
 
@@ -106,11 +102,9 @@ class SearchPool:
     def start(cls, index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> SearchPool:
         import ray
 
-        manifest, shards = _manifest_shards(index_dir)
-        groups = shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))
+        manifest, groups, held, use_gpu = _pool_layout(index_dir, index, retrieval)
         # index.gpu true where no GPU search can run is refused; auto searches on CPUs there (a GPU reserved per
         # search actor that faiss cannot use would idle beside a CPU search)
-        use_gpu = index_on_gpu(index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
         if index.gpu == "auto" and not use_gpu and ray.cluster_resources().get("GPU", 0) > 0:
             log.info("index.gpu auto: this faiss has no GPU support, the search actors search on CPUs")
         nprobe, ef_search = measured_settings(manifest, index.nprobe, index.ef_search)  # 'auto': what the build measured
@@ -119,21 +113,20 @@ class SearchPool:
 
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
         # largest shard group sizes the memory each asks for)
-        most = max(search_actor_memory(sum(shards[i]["bytes"] for i in g)) for g in groups)
-        need = {"CPU": retrieval.search_cpus, "GPU": retrieval.search_share if use_gpu else 0.0, "memory": most}
+        need = {"CPU": retrieval.search_cpus, "GPU": retrieval.search_share if use_gpu else 0.0,
+                "memory": search_actor_memory(max(held))}
         refuse_unplaceable(lambda nodes: pool_refusal(
             "the search pool", len(groups) * retrieval.concurrency, need, nodes, len(groups)))
         actors = []
-        for group in groups:
-            held = sum(shards[i]["bytes"] for i in group)
+        for group, group_bytes in zip(groups, held, strict=True):
             remote = ray.remote(
                 num_cpus=retrieval.search_cpus, num_gpus=retrieval.search_share if use_gpu else None,
-                memory=search_actor_memory(held), max_restarts=-1, max_task_retries=3,
-            )(SearchActor).options(**beside_generator(retrieval.search_share if use_gpu else 0.0))
-            named = [(shards[i]["file"], shards[i].get("count")) for i in group]
+                memory=search_actor_memory(group_bytes), max_restarts=-1, max_task_retries=3,
+            )(SearchActor).options(**beside_generator(need["GPU"]))
+            named = [(s["file"], s.get("count")) for s in group]
             actors.append([start_restartable(remote, index_dir, named, int(manifest["dim"]), search, threads)
                            for _ in range(retrieval.concurrency)])
-        pool = cls(index_dir, manifest, actors, pool_placement(index, retrieval))
+        pool = cls(index_dir, manifest, actors)
         try:
             wait_placed([a for replicas in actors for a in replicas], "the search pool", need,
                         "lower retrieval.concurrency")
@@ -180,11 +173,6 @@ class SearchPool:
         scores, ids = merge_results([(s, i) for s, i, _ in parts], k)
         return scores, ids, assign_s + max(sec for _, _, sec in parts)
 
-    def peak_rss_mb(self) -> list[float]:
-        import ray
-
-        return ray.get([a.peak_rss_mb.remote() for replicas in self.actors for a in replicas])
-
     def close(self) -> None:
         import ray
 
@@ -211,8 +199,8 @@ def pool_placement(index: IndexConfig, retrieval: RetrievalConfig) -> tuple:
 
 @dataclass(frozen=True)
 class Member:
-    """An index of a retrieval service (`local.Member`): its search pool, the source its hits carry, where its
-    documents are (None: the manifest's `docs`)."""
+    """An index of a retrieval service (an `IndexUnion` member): its search pool, the source its hits carry, where
+    its documents are (None: the manifest's `docs`)."""
 
     pool: SearchPool
     source: str = "base"
@@ -242,10 +230,6 @@ class RetrievalService(IndexUnion):
     @property
     def pools(self) -> list[SearchPool]:
         return [m.pool for m in self.members]
-
-    @property
-    def embedder(self) -> str:
-        return self.members[0].manifest["embedder"]
 
     def latency_ms(self, vectors: np.ndarray, k: int, min_seconds: float = 0.5) -> float:
         """Milliseconds per query of the search itself, as the search actors measure it (the slowest group of

@@ -32,27 +32,21 @@ if TYPE_CHECKING:
     from wbrag_ray.stages.service import Services
 
 
-class RetrieveStage(Stage):
-    """Adds a `docs` column (JSON list of hits) from `service`'s indices.
-
-    With `router_dir` (Zero-RAG's query router), queries the router calls mastered are not searched: they get
-    no documents (so every RAG method answers them closed-book), and `retrieval_skipped` says which they were.
-    The router always judges the question, even where the query is another column (FLARE's sentence queries).
-    """
+class QueryVectorsStage(Stage):
+    """question -> vector, embedded by a retrieval pass's actors with the query embedder they hold (GPUs
+    included), for the work that needs the vectors themselves in the driver: the Zero-RAG router's training and
+    the grid's latency measurement. No index is needed: the actors load the embedder only. The other stages the
+    retrieval service's actors run (a retrieval pass, passage vectors) are this one's kind."""
 
     name = "retrieve"
     section = "retrieval"
     gpu_setting = "retrieval.embed_gpus"  # the query embedder's GPUs (embedder.num_gpus where unset)
     beside_generator = True
-    output_columns = ("docs",)
+    input_columns = ("question",)
+    output_columns = ("vector",)
 
-    def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,
-                 router_dir: str | None = None, query_column: str = "question"):
-        check_embedder(service.pools[0].manifest, service.pools[0].index_dir, embedder)
-        self.service, self.embedder_config, self.retrieval = service, retrieval.query_embedder(embedder), retrieval
-        self.router_dir = router_dir
-        self.query_column = query_column
-        self.input_columns = tuple(dict.fromkeys((query_column, "question") if router_dir else (query_column,)))
+    def __init__(self, embedder: EmbedderConfig, retrieval: RetrievalConfig):
+        self.embedder_config, self.retrieval = retrieval.query_embedder(embedder), retrieval
         self.embedder = self.router = None
 
     @property
@@ -62,6 +56,38 @@ class RetrieveStage(Stage):
                          concurrency=self.retrieval.concurrency, batch_size=self.retrieval.batch_size)
 
     def setup(self) -> None:
+        self.embedder = Embedder(self.embedder_config)
+        self.embedder.setup()
+
+    def service_key(self) -> tuple:
+        return ("queries", self.embedder_config.model_dump_json())
+
+    def adopt(self, loaded: QueryVectorsStage) -> None:
+        self.embedder, self.router = loaded.embedder, loaded.router
+
+    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
+        vectors = self.embedder.encode_queries(batch["question"].tolist())
+        return pd.DataFrame({"vector": list(vectors.astype(np.float32))})
+
+
+class RetrieveStage(QueryVectorsStage):
+    """Adds a `docs` column (JSON list of hits) from `service`'s indices.
+
+    With `router_dir` (Zero-RAG's query router), queries the router calls mastered are not searched: they get
+    no documents (so every RAG method answers them closed-book), and `retrieval_skipped` says which they were.
+    The router always judges the question, even where the query is another column (FLARE's sentence queries).
+    """
+
+    output_columns = ("docs",)
+
+    def __init__(self, service: RetrievalService, embedder: EmbedderConfig, retrieval: RetrievalConfig, *,
+                 router_dir: str | None = None, query_column: str = "question"):
+        check_embedder(service.pools[0].manifest, service.pools[0].index_dir, embedder)
+        super().__init__(embedder, retrieval)
+        self.service, self.router_dir, self.query_column = service, router_dir, query_column
+        self.input_columns = tuple(dict.fromkeys((query_column, "question") if router_dir else (query_column,)))
+
+    def setup(self) -> None:
         self.embedder = load_query_embedder(self.embedder_config, self.service.dim, self.service.pools[0].index_dir)
         if self.router_dir:
             self.router = QueryRouter.load(resolve(self.router_dir).local_dir())
@@ -69,9 +95,6 @@ class RetrieveStage(Stage):
     def service_key(self) -> tuple:
         # What setup loads (the embedder, the router); the search actors are the service's, shared by all.
         return (self.embedder_config.model_dump_json(), self.service.dim, self.router_dir)
-
-    def adopt(self, loaded: RetrieveStage) -> None:
-        self.embedder, self.router = loaded.embedder, loaded.router
 
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
         k = self.retrieval.top_k
@@ -95,25 +118,17 @@ class RetrieveStage(Stage):
         return batch
 
 
-class PassageVectorsStage(Stage):
+class PassageVectorsStage(QueryVectorsStage):
     """(id, text) -> (id, vector): passages embedded by a retrieval pass's actors with the index's own embedder
     (`check_embedder`), as a bulk embed pass would. Write-back's few units go through the command's retrieval
     service, whose actors hold the model already, instead of an actor pool of their own loading it again."""
 
-    name = RetrieveStage.name  # the retrieval service's actors run it
-    section = RetrieveStage.section
-    gpu_setting = RetrieveStage.gpu_setting
-    beside_generator = True
     input_columns = ("id", "text")
     output_columns = ("id", "vector")
 
     def __init__(self, search: RetrieveStage):
-        self.search = search
+        self.search, self.embedder_config, self.retrieval = search, search.embedder_config, search.retrieval
         self.embedder = self.router = None
-
-    @property
-    def resources(self) -> Resources:
-        return self.search.resources
 
     def setup(self) -> None:  # an actor that has loaded nothing yet (or that Ray restarted) loads the pass's stage
         self.search.setup()
@@ -122,54 +137,14 @@ class PassageVectorsStage(Stage):
     def service_key(self) -> tuple:
         return self.search.service_key()
 
-    def adopt(self, loaded: RetrieveStage | PassageVectorsStage) -> None:
-        self.embedder, self.router = loaded.embedder, loaded.router
-
     def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        vectors = stored(self.embedder.encode_passages(batch["text"].tolist()), self.search.embedder_config)
+        vectors = stored(self.embedder.encode_passages(batch["text"].tolist()), self.embedder_config)
         return pd.DataFrame({"id": batch["id"].to_numpy(np.int64), "vector": list(vectors.astype(np.float32))})
-
-
-class QueryVectorsStage(Stage):
-    """question -> vector, embedded by a retrieval pass's actors with the query embedder they hold (GPUs
-    included), for the work that needs the vectors themselves in the driver: the Zero-RAG router's training and
-    the grid's latency measurement. No index is needed: the actors load the embedder only."""
-
-    name = RetrieveStage.name  # the retrieval service's actors run it (a retrieval pass after it loads its own)
-    section = RetrieveStage.section
-    gpu_setting = RetrieveStage.gpu_setting
-    beside_generator = True
-    input_columns = ("question",)
-    output_columns = ("vector",)
-
-    def __init__(self, embedder: EmbedderConfig, retrieval: RetrievalConfig):
-        self.embedder_config, self.retrieval = retrieval.query_embedder(embedder), retrieval
-        self.embedder = None
-
-    @property
-    def resources(self) -> Resources:
-        return Resources(num_cpus=self.retrieval.num_cpus, num_gpus=self.embedder_config.num_gpus,
-                         concurrency=self.retrieval.concurrency, batch_size=self.retrieval.batch_size)
-
-    def setup(self) -> None:
-        self.embedder = Embedder(self.embedder_config)
-        self.embedder.setup()
-
-    def service_key(self) -> tuple:
-        return ("queries", self.embedder_config.model_dump_json())
-
-    def adopt(self, loaded: QueryVectorsStage) -> None:
-        self.embedder = loaded.embedder
-
-    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        vectors = self.embedder.encode_queries(batch["question"].tolist())
-        return pd.DataFrame({"vector": list(vectors.astype(np.float32))})
 
 
 def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalConfig):
     """Refuse, before any work, `what` (a stage that embeds queries: the Zero-RAG router, its grid) whose query
-    embedder asks for GPUs on a cluster with no node holding that many, naming the setting
-    (`placement.refuse_unplaceable`: not where WBRAG_AUTOSCALING=1 says GPU nodes come on demand)."""
+    embedder asks for GPUs on a cluster with no node holding that many, naming the setting."""
     gpus = retrieval.query_embedder(embedder).num_gpus
     if gpus <= 0:
         return
@@ -183,8 +158,8 @@ def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalC
 def query_vectors(texts: list[str], embedder: EmbedderConfig, retrieval: RetrievalConfig,
                   services: Services | None = None) -> np.ndarray:
     """`texts` embedded as queries, as a retrieval pass embeds them: where the query embedder asks for GPUs, on
-    the retrieval actors of `services` (or of a set of this call's own), which hold them (a driver, often a head
-    node without GPUs, would embed them on its CPU, silently); else in this process, on CPU as configured."""
+    the retrieval actors of `services` (or of this call's own), which hold them (a driver, often a head node
+    without GPUs, would embed them on its CPU, silently); else in this process."""
     config = retrieval.query_embedder(embedder)
     if config.num_gpus <= 0:
         return Embedder(config).encode_queries(list(texts))
@@ -208,11 +183,8 @@ class RetrievalSetting:
     extra: tuple[tuple[str, str | None, str], ...] = ()
     router_dir: str | None = None
 
-    def members(self) -> tuple[tuple[str, str | None, str], ...]:
-        return ((self.index_dir, self.docs_dir, "base"), *self.extra)
-
     def service(self, services: Services) -> RetrievalService:
-        return services.retrieval(self.members(), self.index, self.retrieval)
+        return services.retrieval(((self.index_dir, self.docs_dir, "base"), *self.extra), self.index, self.retrieval)
 
     def stage(self, services: Services, query_column: str = "question") -> RetrieveStage:
         return RetrieveStage(self.service(services), self.embedder, self.retrieval, router_dir=self.router_dir,
@@ -221,8 +193,7 @@ class RetrievalSetting:
     def search(self, ds: ray.data.Dataset | pd.DataFrame, query_column: str = "question",
                services: Services | None = None) -> ray.data.Dataset | pd.DataFrame:
         """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, on the retrieval service of
-        `services` (started on the first pass of a command, used by every later one): a Ray Data pass over a
-        dataset; a DataFrame the driver holds goes to the service's actors directly (`Services.run_frame`)."""
+        `services`: a Ray Data pass over a dataset; a DataFrame goes to the service's actors directly."""
         if services is None:
             raise ValueError("a retrieval pass runs on a command's services: pass `services` (Services())")
         stage = self.stage(services, query_column)

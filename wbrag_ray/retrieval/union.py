@@ -33,10 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from wbrag_ray.metrics import normalize_answer
-from wbrag_ray.retrieval.hits import Hit, merge_top_k
+from wbrag_ray.retrieval.hits import Hit
 
 if TYPE_CHECKING:
     from wbrag_ray.config import RetrievalConfig
@@ -52,9 +50,7 @@ UNIT_KEY = b"wbrag.source_unit"  # schema metadata: the unit (passage / sentence
 
 def by_score(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
     """Every index's hits by raw score (stable: on a tie, the earlier index's hit first)."""
-    pool = [h for hits in hit_lists for h in hits]
-    order = merge_top_k(np.array([[h.score for h in pool]], np.float32), len(pool))[0] if pool else []
-    return [pool[j] for j in order]
+    return sorted((h for hits in hit_lists for h in hits), key=lambda h: -h.score)
 
 
 def by_reciprocal_rank(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
@@ -66,10 +62,7 @@ def by_reciprocal_rank(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
 
 @dataclass(frozen=True)
 class UnionKind:
-    """What one `retrieval.union` name does: how it orders the candidates, whether units must reach the query's
-    best passage (the gate), whether they are appended after the base's top K instead of competing for its slots
-    (additive), whether the provenance rule drops covered units, whether `retrieval.max_units` caps them, and the
-    retrieval setting only it reads."""
+    """What one `retrieval.union` name does (module docstring), and the retrieval setting only it reads."""
 
     ordering: Callable[[list[list[Hit]], int], list[Hit]]
     gate: bool = False
@@ -95,14 +88,6 @@ FALLBACK_UNION = "provenance"
 ADDITIVE_UNITS = 1  # units the additive rule appends where retrieval.max_units is unset: a prompt of K + 1 documents
 
 
-def appended_units(retrieval) -> int:
-    """Units `retrieval.union: additive` appends after the base's K, so a prompt beside a write-back index holds up
-    to K + these documents. Under `auto` a version chooses its rule at its validation: K documents, as every other
-    rule gives."""
-    if retrieval.union not in UNIONS or not UNIONS[retrieval.union].additive:
-        return 0
-    return ADDITIVE_UNITS if retrieval.max_units is None else retrieval.max_units
-PROVENANCE_RULE = tuple(name for name, u in UNIONS.items() if u.provenance_rule)  # a covered unit takes no slot
 OWN_SETTING = {name: u.own_setting for name, u in UNIONS.items() if u.own_setting}  # the setting only it reads
 
 
@@ -204,6 +189,14 @@ class UnionRule:
         chosen = next((c for c in map(read_choice, writeback_indices) if c is not None), None)
         return replace(self, **(chosen or {"union": FALLBACK_UNION}))
 
+    @property
+    def appended_units(self) -> int:
+        """Units the additive rule appends after the base's K, so a prompt beside a write-back index holds up to K +
+        these documents; 0 for every other rule (under `auto` a version chooses its rule at its validation)."""
+        if self.union not in UNIONS or not UNIONS[self.union].additive:
+            return 0
+        return ADDITIVE_UNITS if self.max_units is None else self.max_units
+
     def settings(self) -> dict[str, Any]:
         """The rule's name and the settings it reads (`retrieval.max_units`, its own one), as recorded."""
         own = OWN_SETTING.get(self.union)
@@ -215,8 +208,7 @@ class UnionRule:
         kind = UNIONS[FALLBACK_UNION if self.union == AUTO else self.union]
         ordered = kind.ordering(hit_lists, self.rrf_k)
         if kind.additive:
-            cap = ADDITIVE_UNITS if self.max_units is None else self.max_units
-            top = appended(ordered, k, self.additive_margin, kind.provenance_rule, cap)
+            top = appended(ordered, k, self.additive_margin, kind.provenance_rule, self.appended_units)
         else:
             if kind.gate:
                 ordered = gated(ordered, self.gate_margin)
@@ -277,8 +269,7 @@ def with_provenance(hits: list[list[Hit]], provenance: dict[int, list[int]]) -> 
 def cut_union(per_member: list[list[list[Hit]]], provenance: list[dict[int, list[int]]], rule: UnionRule,
               k: int) -> list[list[Hit]]:
     """Each query's top k of several indices searched as one: `per_member[i][q]` are index i's hits for query q,
-    `provenance[i]` its units' sources ({} for the base), `rule` the union (`UnionRule.of(retrieval)`), as
-    `retrieval.local.IndexUnion` searches; one index alone is its own top k."""
+    `provenance[i]` its units' sources ({} for the base); one index alone is its own top k."""
     tagged = [with_provenance(hits, p) for hits, p in zip(per_member, provenance, strict=True)]
     if len(tagged) == 1:
         return tagged[0]
