@@ -195,7 +195,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     run.check(EVAL, config, eval_params(label, dataset, kwargs, config, run), force=force)  # a change refused before Ray starts
 
     join_ray(run, config)
-    results = evaluate_stage(run, config, dataset, name, label, force=force, **kwargs)["methods"]
+    results = evaluate_stage(run, config, dataset, label, force=force, **kwargs)["methods"]
     print_paper_vs_run(run, config)
     return results
 

@@ -52,7 +52,7 @@ def evaluate_methods_grid(
                 continue
             cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": evaluated})})
             label = f"{name}-grid" + (f"-wb-{version}{union_suffix(config)}" if version else "")
-            stats = evaluate_stage(run, cfg, dataset, name, label, force=force, passes=passes, writeback_version=version,
+            stats = evaluate_stage(run, cfg, dataset, label, force=force, passes=passes, writeback_version=version,
                                    setting="base" if version is None else f"base+writeback:{version}", **kwargs)
             for method, m in stats["methods"].items():
                 if version is None:

@@ -59,7 +59,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                         continue
                     label = eval_label(name, ratio, writeback, router, adapter)
                     cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"methods": methods})})
-                    stats = evaluate_stage(run, cfg_m, dataset, name, label, force=force, passes=passes,
+                    stats = evaluate_stage(run, cfg_m, dataset, label, force=force, passes=passes,
                                            base_index=index.uri,
                                            router=run.layout.zero_rag.router.uri if router else None,
                                            setting=label, writeback=writeback)

@@ -45,11 +45,6 @@ def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, f
     return results
 
 
-def pruner_text(titles, sentences) -> list[str]:
-    """What the LM regressor reads everywhere: 'title: sentence'."""
-    return titled(titles, sentences)
-
-
 def pruner_inputs(run: RunFolder):
     """A Ray Dataset of (sid, text) for every sentence; each sentences file joins only its own shard's passages."""
     import ray.data
@@ -65,7 +60,7 @@ def _with_titles(batch: pd.DataFrame, passages: str) -> pd.DataFrame:
     parts = []
     for path, part in batch.groupby("path", sort=False):
         titles = _shard_titles(passages, path.rsplit("/", 1)[-1])
-        text = pruner_text(part["pid"].map(titles).fillna(""), part["text"])
+        text = titled(part["pid"].map(titles).fillna(""), part["text"])
         parts.append(pd.DataFrame({"sid": part["sid"].astype("int64"), "text": text}))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"sid": [], "text": []})
 
@@ -99,8 +94,8 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
             predicted, fit = _train_head(run, config, train, val, tmp)
         else:
             # on Ray Train workers; the worker that trained it also predicts the held-out sentences
-            fit = train_lm_pruner(pruner_text(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
-                                  tmp, val_texts=pruner_text(val["title"], val["text"]))
+            fit = train_lm_pruner(titled(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
+                                  tmp, val_texts=titled(val["title"], val["text"]))
             predicted = np.asarray(fit.pop("validation"), np.float32)
             fit = {k: v for k, v in fit.items() if k != "losses"}
         out.upload_dir(tmp)
