@@ -34,7 +34,6 @@ from wbrag_ray.writeback.validation import split, validate
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
 if TYPE_CHECKING:
-    from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.service import Services
 
 

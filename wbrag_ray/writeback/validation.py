@@ -23,7 +23,6 @@ from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
     from wbrag_ray.config import RetrievalConfig
-    from wbrag_ray.retrieval.union import UnionRule
     from wbrag_ray.stages.service import Services
 
 
