@@ -159,7 +159,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         kwargs["router"] = run.layout.zero_rag.router.uri
     if adapter:
 
-        config = config.model_copy(update={"generator": with_adapter(run, config)})
+        config = config.model_copy(update={"generator": with_adapter(run, config.generator)})
     label = None
     if prune_ratio is not None or router or adapter:  # a Zero-RAG setting: name it after them all
 

@@ -3,6 +3,7 @@ index, a pruned one (`base_index`), or base + a write-back index; each method wr
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -60,13 +61,8 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
     search = RetrievalSetting(
         base_index, None, config.embedder, config.retrieval, config.index, extra, router
     ) if needs_index else None
-    own = passes is None
-    passes = passes or GeneratorPasses(generator.config)
-    try:
+    with contextlib.nullcontext(passes) if passes else GeneratorPasses(generator.config) as passes:  # given: left open
         df = rag.answer(questions, methods, config, search, passes, "prediction")
-    finally:
-        if own:
-            passes.close()
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}

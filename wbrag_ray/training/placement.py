@@ -249,17 +249,6 @@ def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, mo
     return placement_of(rule, dtype, trainer.strategy, rank, mesh)
 
 
-def fsdp_mesh(place: Placement):
-    """The DeviceMesh of `place.mesh` over the process group: 1-D (every worker a shard) or 2-D (replicate across
-    nodes, shard within one: FSDP2's hybrid sharding)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    replicas, shards = place.mesh
-    if replicas == 1:
-        return init_device_mesh(place.device.type, (shards,), mesh_dim_names=("shard",))
-    return init_device_mesh(place.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
-
-
 def shard_fsdp(model, place: Placement):
     """`model` sharded with FSDP2 (`fully_shard` on each decoder layer, then the whole) over `place.mesh`,
     gradient checkpointing on, its weights materialized on the worker's device: rank 0's (loaded, the adapter
@@ -268,6 +257,7 @@ def shard_fsdp(model, place: Placement):
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     full = model.state_dict() if place.rank == 0 else {}
@@ -276,7 +266,9 @@ def shard_fsdp(model, place: Placement):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]  # the decoder's is the longest
-    mesh = fsdp_mesh(place)
+    # 1-D (every worker a shard) or 2-D (replicate across nodes, shard within one: FSDP2's hybrid sharding)
+    shape, names = (place.mesh[1:], ("shard",)) if place.mesh[0] == 1 else (place.mesh, ("replicate", "shard"))
+    mesh = init_device_mesh(place.device.type, shape, mesh_dim_names=names)
     for block in (max(layers, key=len) if layers else []):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

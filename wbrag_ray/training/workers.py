@@ -121,11 +121,9 @@ def train_loop(config: dict[str, Any]) -> None:
     steps, batch = plan_steps(section, num_examples, world)
     n_groups = len(training.group_names)
     state = _restore(model, optimizer)
-    start_step = state["step"] if state else 0
-    losses: list[float] = state["losses"] if state else []
-    group_loss: list[list[float]] = state["group_loss"] if state else []
-    seconds = state["seconds"] if state else 0.0
-    resumes: list[int] = [*state["resumes"], start_step] if state else []  # every step this training resumed from
+    resumes: list[int] = [*state["resumes"], state["step"]] if state else []  # every step this training resumed from
+    state = state or {"step": 0, "losses": [], "group_loss": [], "seconds": 0.0}
+    start_step, losses, group_loss, seconds = state["step"], state["losses"], state["group_loss"], state["seconds"]
     weights = torch.as_tensor(shard[WEIGHT].to_numpy(), dtype=torch.float32)
     groups = shard[GROUP].to_numpy()
     own = local_batch(batch, world, rank)

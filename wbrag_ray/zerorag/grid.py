@@ -43,7 +43,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
         # the latency queries, as the retrieval actors embed them (on their GPUs where the embedder asks for some)
         vectors = query_vectors(questions["question"].to_pylist(), config.embedder, config.retrieval, services)
         for turn, adapter in enumerate(adapters):
-            cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
+            cfg = config.model_copy(update={"generator": with_adapter(run, config.generator)}) if adapter else config
             passes = GeneratorPasses(cfg.generator, services)  # with or without the adapter, for every cell
             # back and forth over the ratios, so the last index loaded serves the next cell first
             for ratio in ratios if turn % 2 == 0 else ratios[::-1]:

@@ -49,7 +49,7 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
     out = run.layout.zero_rag
     t0 = time.perf_counter()
     total = run.stats(INGEST.name)["sentences"]
-    sentences = sample_sentences(run, config, n)
+    sentences = sample_sentences(run, z.seed, n)
     with GeneratorPasses(config.generator) as passes:
         rows: list[dict] = []
         if z.qa_mode == "cloze":
