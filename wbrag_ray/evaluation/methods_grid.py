@@ -141,33 +141,25 @@ def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str
     wb = with_gate_metric(config.writeback, config.writeback.train or "")
     # every write-back setting that changes the version's units: the question subset, gates, deduplication, hold-out
     written = ("limit", "tau_s", "tau_delta", "tau_doc", "n_min", "dedupe_threshold", "validation")
-    wanted: dict[str, Any] = {
-        "generator": settings_value(config.generator),
-        "embedder": settings_value(config.embedder),
-        **{f"writeback.{k}": settings_value(getattr(wb, k)) for k in written},
-        "writeback.metric": wb.metric,
-        "retrieval.union": union_settings(config),
-        "retrieval.top_k": config.retrieval.top_k,
-    }
     recorded = made.get("writeback", {})
-    have: dict[str, Any] = {
-        "generator": made.get("generator"),
-        "embedder": made.get("embedder"),
-        **{f"writeback.{k}": recorded.get(k, "not recorded") for k in written},
-        "writeback.metric": stats.get("gate_metric", recorded.get("metric")),
-        "retrieval.union": stats.get("union", "not recorded"),
-        "retrieval.top_k": made.get("retrieval", {}).get("top_k"),
-    }
+    compared = [  # (setting, the grid's value, the version's recorded one)
+        ("generator", settings_value(config.generator), made.get("generator")),
+        ("embedder", settings_value(config.embedder), made.get("embedder")),
+        *((f"writeback.{k}", settings_value(getattr(wb, k)), recorded.get(k, "not recorded")) for k in written),
+        ("writeback.metric", wb.metric, stats.get("gate_metric", recorded.get("metric"))),
+        ("retrieval.union", union_settings(config), stats.get("union", "not recorded")),
+        ("retrieval.top_k", config.retrieval.top_k, made.get("retrieval", {}).get("top_k")),
+    ]
     out = []
-    for key, value in wanted.items():
-        if have[key] == value:
+    for key, value, have in compared:
+        if have == value:
             continue
-        if key == "generator" and isinstance(have[key], dict):  # name the generator's settings that differ
-            keys = [k for k in sorted(set(value) | set(have[key])) if have[key].get(k) != value.get(k)]
-            out.append(f"generator: {', '.join(f'{k} {have[key].get(k)!r}' for k in keys)} (the grid: "
+        if key == "generator" and isinstance(have, dict):  # name the generator's settings that differ
+            keys = [k for k in sorted(set(value) | set(have)) if have.get(k) != value.get(k)]
+            out.append(f"generator: {', '.join(f'{k} {have.get(k)!r}' for k in keys)} (the grid: "
                        f"{', '.join(f'{k} {value.get(k)!r}' for k in keys)})")
         else:
-            out.append(f"{key}: {have[key]!r} (the grid: {value!r})")
+            out.append(f"{key}: {have!r} (the grid: {value!r})")
     return out
 
 

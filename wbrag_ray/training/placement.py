@@ -130,10 +130,6 @@ class Placement:
     mesh: tuple[int, int] = (1, 1)
 
     @property
-    def spread(self) -> bool:
-        return bool(self.rule.spread)
-
-    @property
     def meta(self) -> bool:
         return self.fsdp and self.rank != 0
 
@@ -148,7 +144,7 @@ class Placement:
             with torch.device("meta"):
                 return auto_cls.from_config(config, dtype=self.dtype)
         load = {"dtype": self.dtype}
-        if self.spread:
+        if self.rule.spread:
             load.update(device_map="auto", max_memory=dict(self.rule.max_memory))
         return auto_cls.from_pretrained(source, **load, **kwargs)
 
@@ -156,14 +152,14 @@ class Placement:
     def model_device(self):
         """Where `place` moves the model: the worker's device, or None where it stays as loaded (a layer split
         placed by its device map; fsdp, whose sharding materializes it on the device)."""
-        return None if self.spread or self.fsdp else self.device
+        return None if self.rule.spread or self.fsdp else self.device
 
     @property
     def strategy(self) -> str:
         """What the training runs as, for its stats: ddp (one worker under fsdp too), layer split, fsdp, hybrid."""
         if self.fsdp:
             return "fsdp" if self.mesh[0] == 1 else f"hybrid fsdp ({self.mesh[0]} nodes x {self.mesh[1]})"
-        return "layer split" if self.spread else "ddp"
+        return "layer split" if self.rule.spread else "ddp"
 
     def place(self, model):
         return model if self.model_device is None else model.to(self.model_device)
