@@ -15,6 +15,7 @@ from wbrag_ray.evaluation.made_by import made_by, made_config, searched_union
 from wbrag_ray.evaluation.short_answer import short_answer
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
+from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.layout import EvalResult
 from wbrag_ray.metrics import METRICS, score_answer
@@ -35,8 +36,6 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
     """Run every configured method over `dataset` into RUN/eval/<label>-<method>/; return {method: metrics}.
     `writeback`: search the active (or `writeback_version`) write-back index with the base; `base_index`: another
     index folder; `router`: a query router folder; `passes`: shared generator passes, left open."""
-    from wbrag_ray.generation.backends import make_generator
-
     methods = rag.check_methods(config.eval.methods)
     needs_index = any(m != "no-retrieval" for m in methods)
     if needs_index and base_index is None:
