@@ -1,4 +1,4 @@
-"""Same-WB (WriteBack-RAG's Table 2) reuses a write-back version for a method only when it was made as the grid
+"""Same-WB (WriteBack-RAG's Figure 4) reuses a write-back version for a method only when it was made as the grid
 would make it: the same generator, embedder, training questions, gates, deduplication, validation, union and K; otherwise it trains one, saying which version differs and
 in what. Versions are written by hand as `train_writeback` records them; the training itself is stubbed."""
 
