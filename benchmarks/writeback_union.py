@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_choice(run.layout.writeback_version(VERSION).index, candidates[chosen], why)
         # `auto`, the default, evaluated as a rule of its own: its searches read the choice beside the index (again
         # on a rerun: its stored results were made under whatever the choice was then)
-        evaluate_stage(run, config, dataset, name, f"{name}-{AUTO}", force=True, passes=passes,
+        evaluate_stage(run, config, dataset, f"{name}-{AUTO}", force=True, passes=passes,
                        writeback_version=VERSION, setting=f"base+writeback:{VERSION} ({AUTO})")
         frames[AUTO] = run.layout.eval_result(f"{name}-{AUTO}", "naive").predictions.read_table().to_pandas()
     report("evaluation of every rule", sw.seconds, "s")

@@ -87,7 +87,8 @@ def test_a_training_whose_workers_others_keep_out_ends_naming_them(ray_cluster, 
     from wbrag_ray.training.workers import fit
 
     section = LMPrunerConfig(backbone="never-loaded", batch_size=2, trainer={"num_workers": 1, "num_cpus": 1.0})
-    training = PrunerTraining(["a sentence", "another one"], [0.0, 1.0], section, [])
+    training = PrunerTraining(pd.DataFrame({"text": ["a sentence", "another one"], "score": [0.0, 1.0]}), section,
+                              [])
     start = time.monotonic()
     with pytest.raises(ConfigError) as refused:
         fit(training, section, str(tmp_path / "adapter"), "lm-pruner", "zerorag.lm_pruner",

@@ -159,7 +159,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
         kwargs["router"] = run.layout.zero_rag.router.uri
     if adapter:
 
-        config = config.model_copy(update={"generator": with_adapter(run, config)})
+        config = config.model_copy(update={"generator": with_adapter(run, config.generator)})
     label = None
     if prune_ratio is not None or router or adapter:  # a Zero-RAG setting: name it after them all
 
@@ -195,7 +195,7 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     run.check(EVAL, config, eval_params(label, dataset, kwargs, config, run), force=force)  # a change refused before Ray starts
 
     join_ray(run, config)
-    results = evaluate_stage(run, config, dataset, name, label, force=force, **kwargs)["methods"]
+    results = evaluate_stage(run, config, dataset, label, force=force, **kwargs)["methods"]
     print_paper_vs_run(run, config)
     return results
 

@@ -1004,13 +1004,15 @@ def _pruner_sentences(spec: dict[str, Any], count: int, words: int) -> tuple[lis
 def _fit_pruner(folder: str, label: str, texts: list[str], scores: list[float], **section: Any) -> dict[str, Any]:
     """The LM pruner's Ray Train job (wbrag_ray.training.workers.fit) on the random backbone in `folder`, with
     its checkpoints beside it; the stats worker 0 reported."""
+    import pandas as pd
+
     from wbrag_ray.config import LMPrunerConfig
     from wbrag_ray.storage import resolve
     from wbrag_ray.training.lm_pruner import PrunerTraining
     from wbrag_ray.training.workers import fit
 
     config = LMPrunerConfig(backbone=f"{folder}/backbone", epochs=1, max_length=64, **section)
-    training = PrunerTraining(texts, scores, config, texts[:64])
+    training = PrunerTraining(pd.DataFrame({"text": texts, "score": scores}), config, texts[:64])
     return fit(training, config, f"{folder}/{label}-adapter", label, "zerorag.lm_pruner",
                storage=resolve(f"{folder}/{label}-train"))
 

@@ -68,7 +68,7 @@ def main(tmp: str, generator: str, s3_run: str) -> None:
         out["local_model_refused"] = str(exc)
     os.environ["WBRAG_SHARED_RUN_DIR"] = "1"  # true here: the two nodes are processes of one machine
     run = api.start(s3_run, config)
-    generator_config = with_adapter(run, config)
+    generator_config = with_adapter(run, config.generator)
     out["lora_adapter"] = generator_config.lora_adapter
     questions = pd.DataFrame({"id": [1, 2], "question": ["What is the capital of France?", "Who wrote Hamlet?"]})
     questions["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in questions["question"]]

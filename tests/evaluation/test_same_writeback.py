@@ -1,4 +1,4 @@
-"""Same-WB (WriteBack-RAG's Table 2) reuses a write-back version for a method only when it was made as the grid
+"""Same-WB (WriteBack-RAG's Figure 4) reuses a write-back version for a method only when it was made as the grid
 would make it: the same generator, embedder, training questions, gates, deduplication, validation, union and K; otherwise it trains one, saying which version differs and
 in what. Versions are written by hand as `train_writeback` records them; the training itself is stubbed."""
 
@@ -9,9 +9,9 @@ TRAIN = "/d/flashrag/nq/train.jsonl"
 
 
 def test_same_wb_reuses_a_version_only_when_every_setting_that_changes_its_units_matches(tmp_path, monkeypatch, capsys):
+    from wbrag_ray.evaluation import methods_grid
     from wbrag_ray.evaluation.methods_grid import same_writeback_versions
     from wbrag_ray.evaluation.stage import union_settings
-    from wbrag_ray.writeback import pipeline
     from wbrag_ray.writeback.versions import WRITEBACK
 
     run = RunFolder(str(tmp_path / "run"))
@@ -35,7 +35,7 @@ def test_same_wb_reuses_a_version_only_when_every_setting_that_changes_its_units
     trained("b", "writeback.rag_method=replug-vote", "writeback.tau_s=0.3", "retrieval.union=score")
     trained("c", "writeback.rag_method=replug-vote", "generator.model=org/other", "retrieval.top_k=3")
     made = []
-    monkeypatch.setattr(pipeline, "train_writeback", lambda run, config, train, version: made.append(
+    monkeypatch.setattr(methods_grid, "train_writeback", lambda run, config, train, version: made.append(
         (version, config.writeback.rag_method, config.writeback.activate)))
     assert same_writeback_versions(run, grid) == {"naive": "a", "replug-vote": "nq-train-replug-vote"}
     assert made == [("nq-train-replug-vote", "replug-vote", False)]

@@ -49,13 +49,14 @@ def test_the_lm_pruner_predicts_on_the_text_it_was_trained_and_validated_on(chai
     held-out sentences are the validation scores (before, it read the bare sentence and scored other text)."""
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.stages.pruner import LMPredictStage
-    from wbrag_ray.zerorag.pruners import pruner_inputs, pruner_text
+    from wbrag_ray.zerorag.pruners import pruner_inputs
+    from wbrag_ray.zerorag.sampling import titled
 
     run, _ = chain
     scores = pq.read_table(run.layout.zero_rag.scores.path).to_pandas().set_index("sid")
     inputs = pruner_inputs(run).to_pandas().set_index("sid")
     assert len(inputs) == run.stats("ingest")["sentences"] and (scores["title"] != "").all()
-    expected = pruner_text(scores["title"], scores["text"])
+    expected = titled(scores["title"], scores["text"])
     assert inputs.loc[scores.index, "text"].tolist() == expected
     val = pq.read_table(run.layout.zero_rag.pruner_validation("lm").path).to_pandas()
     batch = inputs.loc[val["sid"]].reset_index()

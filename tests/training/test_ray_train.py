@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import psutil
 import pytest
 
@@ -38,7 +39,7 @@ def pruner_training(workers: int, backbone: str, epochs: int = 2) -> tuple[Prune
                              learning_rate=1e-3,
                              trainer={"num_workers": workers, "checkpoint_steps": CHECKPOINT_STEPS, "max_failures": 1})
     texts, scores = KNOWN + UNKNOWN, [1.0] * len(KNOWN) + [0.0] * len(UNKNOWN)
-    training = PrunerTraining(texts, scores, section, texts[:4])
+    training = PrunerTraining(pd.DataFrame({"text": texts, "score": scores}), section, texts[:4])
     training.__class__ = _slow_steps()
     return training, section
 

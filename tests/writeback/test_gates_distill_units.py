@@ -10,14 +10,8 @@ import pytest
 from wbrag_ray import rag
 from wbrag_ray.config import WritebackConfig
 from wbrag_ray.retrieval.hits import Hit, hits_to_json
-from wbrag_ray.stages.base import run_local
-from wbrag_ray.writeback.distill import (
-    DistillExtractStage,
-    DistillRewriteStage,
-    ground_extraction,
-    parse_unit,
-)
-from wbrag_ray.writeback.gates import DocumentGateStage, UtilityGateStage, document_gate, utility_gate
+from wbrag_ray.writeback.distill import distill, ground_extraction, parse_unit
+from wbrag_ray.writeback.gates import document_gate, document_scores, utility_gate, utility_scores
 from wbrag_ray.writeback.units import dedupe, table3
 
 SENTINEL = "Zorblax-7"  # a gold answer that occurs in no question and no document
@@ -62,11 +56,11 @@ def test_utility_gate_stage_scores_answers_with_the_task_metric():
             "rag_answer": ["It is Paris.", "1859", "Titan", "Tenzing"],
         }
     )
-    out = run_local(UtilityGateStage(WritebackConfig(metric="acc")), batch)
+    out = utility_scores(batch, WritebackConfig(metric="acc"))
     assert out["s_nr"].tolist() == [0.0, 1.0, 0.0, 1.0]
     assert out["s_rag"].tolist() == [1.0, 1.0, 1.0, 0.0]
     assert out["useful"].tolist() == [True, False, True, False]
-    em = run_local(UtilityGateStage(WritebackConfig(metric="em")), batch.drop(columns=["s_nr", "s_rag", "delta", "useful"]))
+    em = utility_scores(batch.drop(columns=["s_nr", "s_rag", "delta", "useful"]), WritebackConfig(metric="em"))
     assert em["s_rag"].tolist() == [0.0, 1.0, 1.0, 0.0]  # "It is Paris." is acc but not em
 
 
@@ -97,7 +91,7 @@ def test_document_gate_stage_scores_each_document_alone():
             ],
         }
     )
-    out = run_local(DocumentGateStage(WritebackConfig()), batch)
+    out = document_scores(batch, WritebackConfig())
     assert json.loads(out["doc_scores"][0]) == [0.0, 1.0, 1.0, 0.0, 0.0]
     assert [json.loads(k) for k in out["kept_ranks"]] == [[1, 2], [0, 1]]
     assert out["fallback"].tolist() == [False, True]
@@ -159,6 +153,17 @@ def test_replug_is_one_mixture_row_per_example_with_its_prompts_and_weights():
 # --- distiller ------------------------------------------------------------------------------------------
 
 
+class _ScriptedPasses:
+    """Generator passes that answer every prompt of a pass with one scripted text, keeping the frames they saw."""
+
+    def __init__(self, answers):
+        self.answers, self.frames = answers, {}
+
+    def generate(self, kind, frame, prompt_col, out_col, *args, **kwargs):
+        self.frames[out_col] = frame.copy()
+        return frame.assign(**{out_col: self.answers[out_col]})
+
+
 def test_distiller_prompts_never_contain_the_gold_answer():
     batch = pd.DataFrame(
         {
@@ -169,12 +174,12 @@ def test_distiller_prompts_never_contain_the_gold_answer():
             "kept_ranks": [json.dumps([0, 2])],
         }
     )
-    step1 = run_local(DistillExtractStage(), batch.copy())
+    passes = _ScriptedPasses({"extracted": "It empties into the Atlantic Ocean.", "rewritten": "Amazon\nIt empties."})
+    step2 = distill(WritebackConfig(), batch, passes)
+    step1 = passes.frames["extracted"]
     prompt = json.loads(step1["extract_prompt"][0])
     assert "Amazon River" in prompt[1]["content"] and "Pacific Ocean" in prompt[1]["content"]
     assert "Nile" not in prompt[1]["content"]  # only the kept documents
-    step1["extracted"] = ["It empties into the Atlantic Ocean."]
-    step2 = run_local(DistillRewriteStage(), step1)
     for p in (step1["extract_prompt"][0], step2["rewrite_prompt"][0]):
         assert SENTINEL not in p
     assert step2["extracted_verbatim"][0] == "It empties into the Atlantic Ocean."

@@ -77,7 +77,7 @@ def test_the_grid_shows_each_union_setting_with_its_units_won_and_lost():
 
 
 def test_same_wb_shows_each_method_beside_its_own_version_not_a_cross_cell():
-    """WriteBack-RAG's Table 2 (`--same-writeback`) from hand-made cells, every one of them a different number: each
+    """WriteBack-RAG's Figure 4 (`--same-writeback`) from hand-made cells, every one of them a different number: each
     method's line holds its base cell and its cell beside the version written back under it, never the cell beside
     the other method's version (the cross cell); a row kept from a grid of another union setting is not shown."""
     from wbrag_ray.evaluation.methods_grid import format_same_writeback

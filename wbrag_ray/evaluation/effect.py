@@ -13,10 +13,6 @@ from wbrag_ray.retrieval.union import BASE
 CHANCE = 0.05
 
 
-def top_k_keys(docs: str) -> list[tuple[str, int]]:
-    return [h.key for h in hits_from_json(docs)]
-
-
 def unit_in_top_k(docs: str) -> bool:
     """Whether a write-back unit took one of the question's slots."""
     return any(h.source != BASE for h in hits_from_json(docs))
@@ -25,7 +21,8 @@ def unit_in_top_k(docs: str) -> bool:
 def writeback_effect(base: pd.DataFrame, union: pd.DataFrame, metric: str = "acc") -> dict[str, Any]:
     """{questions, unit_in_top_k, changed, won, lost, won_ids, lost_ids} of `union` against `base`, by id."""
     both = base[["id", "docs", metric]].merge(union[["id", "docs", metric]], on="id", suffixes=("_base", "_wb"))
-    changed = [top_k_keys(a) != top_k_keys(b) for a, b in zip(both["docs_base"], both["docs_wb"], strict=True)]
+    changed = [[h.key for h in hits_from_json(a)] != [h.key for h in hits_from_json(b)]
+               for a, b in zip(both["docs_base"], both["docs_wb"], strict=True)]
     moved = both[changed]
     won = moved[moved[f"{metric}_wb"] > moved[f"{metric}_base"]]["id"].tolist()
     lost = moved[moved[f"{metric}_wb"] < moved[f"{metric}_base"]]["id"].tolist()

@@ -3,6 +3,7 @@ index, a pruned one (`base_index`), or base + a write-back index; each method wr
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
@@ -10,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 from wbrag_ray import rag
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.evaluation.made_by import made_by, made_config
+from wbrag_ray.evaluation.made_by import made_by, made_config, searched_union
 from wbrag_ray.evaluation.short_answer import short_answer
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
+from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.layout import EvalResult
 from wbrag_ray.metrics import METRICS, score_answer
@@ -21,7 +23,6 @@ from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder, Step
-from wbrag_ray.storage import resolve
 from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
 
@@ -29,26 +30,12 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
-def evaluate(
-    run: RunFolder,
-    config: WbragConfig,
-    dataset: str,
-    name: str | None = None,
-    writeback: bool = False,
-    base_index: str | None = None,
-    router: str | None = None,
-    setting: str | None = None,
-    label: str | None = None,
-    writeback_version: str | None = None,
-    passes: GeneratorPasses | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Run every configured method over `dataset`; return {method: metrics}.
-
-    `writeback`: search the active (or `writeback_version`) write-back index with the base. `base_index`: another
-    index folder. `router`: a query router folder. `setting`, `label`: names of the results. `passes`: shared
-    generator passes, left open (default: the evaluation's own)."""
-    from wbrag_ray.generation.backends import make_generator
-
+def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writeback: bool = False,
+             base_index: str | None = None, router: str | None = None, setting: str | None = None,
+             writeback_version: str | None = None, passes: GeneratorPasses | None = None) -> dict[str, dict[str, Any]]:
+    """Run every configured method over `dataset` into RUN/eval/<label>-<method>/; return {method: metrics}.
+    `writeback`: search the active (or `writeback_version`) write-back index with the base; `base_index`: another
+    index folder; `router`: a query router folder; `passes`: shared generator passes, left open."""
     methods = rag.check_methods(config.eval.methods)
     needs_index = any(m != "no-retrieval" for m in methods)
     if needs_index and base_index is None:
@@ -60,8 +47,6 @@ def evaluate(
         wb_version, wb_index, wb_docs = active_index(run, writeback_version)
         extra, default_setting = ((wb_index, wb_docs, "writeback"),), "base+writeback"
     setting = setting or default_setting
-    name = name or dataset_name(config, dataset)
-    folder_prefix = label or (f"{name}-writeback" if writeback else name)
     generator = make_generator(config.generator)  # fails now, not in an actor, on a bad backend or model
     # the papers this evaluation follows
     zero_rag = base_index != run.layout.index.uri or bool(router) or bool(config.generator.lora_adapter)
@@ -69,21 +54,14 @@ def evaluate(
     made, facts = made_config(run, config, wb_version, own_adapter(run, config), zero_rag)
     papers, departed = facts.papers, run_departures(made, dataset=dataset, made=facts)
 
-    searched_union = None
-    if wb_version:
-        searched_union = UnionRule.of(config.retrieval).resolved([resolve(extra[0][0])]).settings()
+    searched = searched_union(run, config, wb_version) if wb_version else None
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
     search = RetrievalSetting(
         base_index, None, config.embedder, config.retrieval, config.index, extra, router
     ) if needs_index else None
-    own = passes is None
-    passes = passes or GeneratorPasses(generator.config)
-    try:
+    with contextlib.nullcontext(passes) if passes else GeneratorPasses(generator.config) as passes:  # given: left open
         df = rag.answer(questions, methods, config, search, passes, "prediction")
-    finally:
-        if own:
-            passes.close()
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}
@@ -95,8 +73,8 @@ def evaluate(
         for m in METRICS:
             part[m] = [s[m] for s in scores]
         # written in a hidden folder that replaces the old results whole, so a cut-short run leaves them intact
-        final = run.layout.eval_result(folder_prefix, method)
-        out = run.layout.eval_staging(folder_prefix, method)
+        final = run.layout.eval_result(label, method)
+        out = run.layout.eval_staging(label, method)
         out.root.delete()  # one left by an evaluation cut short
         staged.append((out, final))
         keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", "answer",
@@ -113,7 +91,7 @@ def evaluate(
             "writeback_version": wb_version if method != "no-retrieval" else None,
             "union": union_settings(config) if wb_version and method != "no-retrieval" else None,
             # the rule the searches used: under `auto`, the one the version chose (retrieval.union), read beside its index
-            "union_searched": searched_union if method != "no-retrieval" else None,
+            "union_searched": searched if method != "no-retrieval" else None,
             "dataset": dataset,
             "rejected_questions": rejects.num_rows,
             "top_k": config.retrieval.top_k if method != "no-retrieval" else 0,
@@ -137,7 +115,7 @@ def evaluate(
         results[method] = metrics
     for out, final in staged:
         final.root.replace_with(out.root)
-    print(format_table(f"{folder_prefix} ({setting})", results), flush=True)
+    print(format_table(f"{label} ({setting})", results), flush=True)
     return results
 
 
@@ -153,15 +131,13 @@ def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:
     return part["prediction"].tolist()
 
 
-def evaluate_stage(
-    run: RunFolder, config: WbragConfig, dataset: str, name: str, label: str, force: bool = False,
-    passes: GeneratorPasses | None = None, **kwargs: Any
-) -> dict[str, Any]:
+def evaluate_stage(run: RunFolder, config: WbragConfig, dataset: str, label: str, force: bool = False,
+                   passes: GeneratorPasses | None = None, **kwargs: Any) -> dict[str, Any]:
     """`evaluate` as a run-folder stage: a rerun with the same settings prints the stored table."""
     params = eval_params(label, dataset, kwargs, config, run)
 
     def work() -> dict[str, Any]:
-        results = evaluate(run, config, dataset, name, label=label, passes=passes, **kwargs)
+        results = evaluate(run, config, dataset, label, passes=passes, **kwargs)
         first = next(iter(results.values()))
         return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
                 "rows_rejected": first["rejected_questions"], "methods": results}
@@ -182,19 +158,16 @@ def load_results(run: RunFolder) -> dict[str, dict[str, Any]]:
     return {r.root.name: r.metrics.read_json() for r in run.layout.eval_results() if r.metrics.exists()}
 
 
-def _evaluations(writeback: bool):
-    """The instances of the base evaluation (or the one beside the write-back index) that `wbrag run` makes: when
-    eval.dataset is set and Zero-RAG's grid does not evaluate instead."""
+def _evaluation_step(writeback: bool) -> Step:
+    """The base evaluation (or the one beside the write-back index) that `wbrag run` makes: when eval.dataset is set
+    and Zero-RAG's grid does not evaluate instead."""
     def instances(config: WbragConfig) -> list[dict[str, Any]]:
         c = config
         if not c.eval.dataset or c.zerorag.enabled or (writeback and not (c.writeback.train and c.writeback.evaluate)):
             return []
         name = dataset_name(c, c.eval.dataset)
         return [{"label": f"{name}-writeback" if writeback else name}]
-    return instances
 
-
-def evaluation_work(writeback: bool):
     def work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Generate]:
         ev, k = config.eval, config.retrieval.top_k
         q, counted = sizes.questions(ev.dataset, ev.limit)
@@ -206,20 +179,14 @@ def evaluation_work(writeback: bool):
                          f"{sum(p.calls for p in passes):g} calls a question"
                          + (f"; the additive union: up to {k} + {extra} documents a prompt" if extra else ""),
                          retrieval=any(m != "no-retrieval" for m in ev.methods))]
-    return work
 
-
-def _run_evaluation(writeback: bool):
     def run_it(folder: RunFolder, config: WbragConfig, force: bool, services: Any,
                params: dict[str, Any]) -> dict[str, Any]:
-        return evaluate_stage(folder, config, config.eval.dataset, dataset_name(config, config.eval.dataset),
-                              params["label"], force=force, writeback=writeback,
+        return evaluate_stage(folder, config, config.eval.dataset, params["label"], force=force, writeback=writeback,
                               passes=GeneratorPasses(config.generator, services))
-    return run_it
+
+    return Step("evaluation with write-back" if writeback else "evaluation", EVAL, work, run_it, instances=instances,
+                resources=("generator", "retrieval"), outputs=("eval/{label}-<method>",))
 
 
-EVAL_STEP = Step("evaluation", EVAL, evaluation_work(False), _run_evaluation(False), instances=_evaluations(False),
-                 resources=("generator", "retrieval"), outputs=("eval/{label}-<method>",))
-EVAL_WRITEBACK_STEP = Step("evaluation with write-back", EVAL, evaluation_work(True), _run_evaluation(True),
-                           instances=_evaluations(True), resources=("generator", "retrieval"),
-                           outputs=("eval/{label}-<method>",))
+EVAL_STEP, EVAL_WRITEBACK_STEP = _evaluation_step(False), _evaluation_step(True)

@@ -17,8 +17,6 @@ from wbrag_ray.zerorag.prune import PREDICT
 from wbrag_ray.zerorag.pruners import PRUNERS
 from wbrag_ray.zerorag.tune import TUNE
 
-# the tuning settings whose recorded values replace the evaluating config's (the `tune` stage's declared path)
-_TUNE_SETTINGS, _LM_PRUNER_SETTINGS = "zerorag.tune", "zerorag.lm_pruner"
 _WRITEBACK_KEYS = ("tau_s", "tau_delta", "tau_doc", "n_min", "metric", "dedupe_threshold", "validation", "limit",
                    "rag_method")
 
@@ -27,12 +25,16 @@ def _recorded(stats: dict[str, Any] | None) -> dict[str, Any]:
     return ((stats or {}).get("settings") or {}).get("config") or {}
 
 
+def _version_stats(run: RunFolder, version: str) -> dict[str, Any]:
+    stats_file = run.layout.writeback_version(version).stats
+    return stats_file.read_json() if stats_file.exists() else {}
+
+
 def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
     """The settings write-back `version` was made with: its gates, deduplication, validation (and the questions it
     held out), limit, method, gate metric, training set, K and generator, from its stats.json; {"version"} alone for
     a version that recorded none."""
-    stats_file = run.layout.writeback_version(version).stats
-    stats = stats_file.read_json() if stats_file.exists() else {}
+    stats = _version_stats(run, version)
     made = _recorded(stats)
     wb = made.get("writeback") or {}
     out: dict[str, Any] = {k: wb[k] for k in _WRITEBACK_KEYS if k in wb}
@@ -54,15 +56,6 @@ def version_settings(run: RunFolder, version: str) -> dict[str, Any]:
             **({"generator": made["generator"].get("model")} if isinstance(made.get("generator"), dict) else {})}
 
 
-def units_dropped(run: RunFolder, version: str) -> int:
-    """How many distilled rewrites and units the version's checks dropped (its stats' `rewrites_dropped` and
-    `units_dropped` counts by reason; 0 where it recorded none)."""
-    stats_file = run.layout.writeback_version(version).stats
-    stats = stats_file.read_json() if stats_file.exists() else {}
-    return sum(n for kind in ("rewrites_dropped", "units_dropped") for n in (stats.get(kind) or {}).values()
-               if isinstance(n, int))
-
-
 def searched_union(run: RunFolder, config: WbragConfig, version: str) -> dict[str, Any]:
     """The union rule a search beside `version` uses (`UnionRule.resolved`: under `auto`, the rule the version's
     validation chose), as `UnionRule.settings` records it."""
@@ -73,7 +66,7 @@ def adapter_settings(run: RunFolder) -> dict[str, Any]:
     """The settings the run's tuned adapter was made with (the `tune` stage's record), and the rows its own-answer
     targets dropped; {} where none was recorded."""
     stats = run.stats(TUNE.name) or {}
-    tune = dict(_recorded(stats).get(_TUNE_SETTINGS) or {})
+    tune = dict(_recorded(stats).get("zerorag.tune") or {})
     for key in ("rows_built", "rows_without_own_answer"):
         if key in stats:
             tune[key] = stats[key]
@@ -87,7 +80,7 @@ def pruner_settings(run: RunFolder) -> dict[str, Any]:
     predict = _recorded(run.stats(PREDICT.name))
     if "zerorag.pruner" in predict:
         out["pruner"] = predict["zerorag.pruner"]
-    lm = _recorded(run.stats(PRUNERS["lm"].name)).get(_LM_PRUNER_SETTINGS)
+    lm = _recorded(run.stats(PRUNERS["lm"].name)).get("zerorag.lm_pruner")
     if lm:
         out["lm_pruner"] = lm
     mastery = _recorded(run.stats(MASTERY.name))
@@ -116,7 +109,10 @@ def made_config(run: RunFolder, config: WbragConfig, version: str | None = None,
         rule = searched_union(run, config, version)
         made = made.model_copy(update={"writeback": _section(config.writeback, wb),
                                        "retrieval": config.retrieval.model_copy(update={"union": rule["union"]})})
-        distiller, dropped_units, train = wb.get("generator"), units_dropped(run, version), wb.get("train")
+        # the distilled rewrites and units the version's checks dropped (its stats' counts by reason)
+        dropped_units = sum(n for kind in ("rewrites_dropped", "units_dropped")
+                            for n in (_version_stats(run, version).get(kind) or {}).values() if isinstance(n, int))
+        distiller, train = wb.get("generator"), wb.get("train")
     z = made.zerorag
     if adapter:
         tune = adapter_settings(run)

@@ -12,7 +12,7 @@ from wbrag_ray.evaluation.stage import union_label, union_settings, union_suffix
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import METRICS
 from wbrag_ray.run import RunFolder, settings_value
-from wbrag_ray.writeback.pipeline import with_gate_metric
+from wbrag_ray.writeback.pipeline import train_writeback, with_gate_metric
 from wbrag_ray.writeback.versions import default_version, trained_method, versions
 
 
@@ -20,18 +20,11 @@ def evaluate_methods_grid(
     run: RunFolder, config: WbragConfig, dataset: str, name: str | None = None, force: bool = False,
     same_writeback: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
-    """Every method of `eval.methods` on the base index, and beside every trained write-back version: a
-    version written back under one method is measured under the same method and under every other one.
-    `kwargs` (`base_index`: a pruned index; `router`) apply to every cell (as does a generator adapter), and
-    `name` then says so.
-
-    Writes RUN/eval/methods_grid.json (rows: method, setting, version, the method the version was trained
-    with, same_method, metrics and their change over the base; for a version, the union setting
-    (retrieval.union) and the questions a unit entered the top K of, won and lost; methods_grid-<name>.json for
-    a Zero-RAG setting) and prints the table. A grid run under another union setting adds its rows beside the
-    ones already there (labels: `union_suffix`). `same_writeback`: first train a version under each method
-    that has none (`same_writeback_versions`), and add WriteBack-RAG's Figure 4 view: each method on the base
-    and on its own version."""
+    """Every method of `eval.methods` on the base index and beside every trained write-back version (each version
+    under its own method and every other). `kwargs` (`base_index`, `router`) apply to every cell, as does a generator
+    adapter (then methods_grid-<name>.json). A grid under another union setting adds its rows beside those already
+    there (labels: `union_suffix`). `same_writeback`: first train a version under each method that has none, and add
+    WriteBack-RAG's Figure 4 view. Writes RUN/eval/methods_grid.json and prints the table."""
     name = name or dataset_name(config, dataset)
     methods = list(dict.fromkeys(config.eval.methods))
     own = same_writeback_versions(run, config) if same_writeback else {}
@@ -52,7 +45,7 @@ def evaluate_methods_grid(
                 continue
             cfg = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": evaluated})})
             label = f"{name}-grid" + (f"-wb-{version}{union_suffix(config)}" if version else "")
-            stats = evaluate_stage(run, cfg, dataset, name, label, force=force, passes=passes, writeback_version=version,
+            stats = evaluate_stage(run, cfg, dataset, label, force=force, passes=passes, writeback_version=version,
                                    setting="base" if version is None else f"base+writeback:{version}", **kwargs)
             for method, m in stats["methods"].items():
                 if version is None:
@@ -108,8 +101,6 @@ def format_same_writeback(grid: dict[str, Any]) -> str:
 def same_writeback_versions(run: RunFolder, config: WbragConfig) -> dict[str, str]:
     """{method: its write-back version}: a version trained under the method is reused only when made as the grid
     would make it (`same_writeback_differences`); else one is trained as `<version>-<method>`, not activated."""
-    from wbrag_ray.writeback.pipeline import train_writeback
-
     train = config.writeback.train
     trained = sorted(versions(run))
     own: dict[str, str] = {}
@@ -150,33 +141,25 @@ def same_writeback_differences(config: WbragConfig, method: str, stats: dict[str
     wb = with_gate_metric(config.writeback, config.writeback.train or "")
     # every write-back setting that changes the version's units: the question subset, gates, deduplication, hold-out
     written = ("limit", "tau_s", "tau_delta", "tau_doc", "n_min", "dedupe_threshold", "validation")
-    wanted: dict[str, Any] = {
-        "generator": settings_value(config.generator),
-        "embedder": settings_value(config.embedder),
-        **{f"writeback.{k}": settings_value(getattr(wb, k)) for k in written},
-        "writeback.metric": wb.metric,
-        "retrieval.union": union_settings(config),
-        "retrieval.top_k": config.retrieval.top_k,
-    }
     recorded = made.get("writeback", {})
-    have: dict[str, Any] = {
-        "generator": made.get("generator"),
-        "embedder": made.get("embedder"),
-        **{f"writeback.{k}": recorded.get(k, "not recorded") for k in written},
-        "writeback.metric": stats.get("gate_metric", recorded.get("metric")),
-        "retrieval.union": stats.get("union", "not recorded"),
-        "retrieval.top_k": made.get("retrieval", {}).get("top_k"),
-    }
+    compared = [  # (setting, the grid's value, the version's recorded one)
+        ("generator", settings_value(config.generator), made.get("generator")),
+        ("embedder", settings_value(config.embedder), made.get("embedder")),
+        *((f"writeback.{k}", settings_value(getattr(wb, k)), recorded.get(k, "not recorded")) for k in written),
+        ("writeback.metric", wb.metric, stats.get("gate_metric", recorded.get("metric"))),
+        ("retrieval.union", union_settings(config), stats.get("union", "not recorded")),
+        ("retrieval.top_k", config.retrieval.top_k, made.get("retrieval", {}).get("top_k")),
+    ]
     out = []
-    for key, value in wanted.items():
-        if have[key] == value:
+    for key, value, have in compared:
+        if have == value:
             continue
-        if key == "generator" and isinstance(have[key], dict):  # name the generator's settings that differ
-            keys = [k for k in sorted(set(value) | set(have[key])) if have[key].get(k) != value.get(k)]
-            out.append(f"generator: {', '.join(f'{k} {have[key].get(k)!r}' for k in keys)} (the grid: "
+        if key == "generator" and isinstance(have, dict):  # name the generator's settings that differ
+            keys = [k for k in sorted(set(value) | set(have)) if have.get(k) != value.get(k)]
+            out.append(f"generator: {', '.join(f'{k} {have.get(k)!r}' for k in keys)} (the grid: "
                        f"{', '.join(f'{k} {value.get(k)!r}' for k in keys)})")
         else:
-            out.append(f"{key}: {have[key]!r} (the grid: {value!r})")
+            out.append(f"{key}: {have!r} (the grid: {value!r})")
     return out
 
 

@@ -3,20 +3,20 @@ mastery in [0, 1] (sigmoid of the logit at the last real token; right padding ke
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
 from wbrag_ray.models.hardware import pick_dtype
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
 from wbrag_ray.training.placement import Placement
-from wbrag_ray.training.workers import fit
+from wbrag_ray.training.workers import Training, fit
 
 STATS_FILE = "pruner.json"
 
@@ -46,32 +46,16 @@ def encode(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
 
 
 @dataclass
-class PrunerTraining:
-    """The regressor's Ray Train training: squared error of sigmoid(logit); worker 0 predicts the held-out set."""
+class PrunerTraining(Training):
+    """The regressor's Ray Train training on examples of `text` and `score`: squared error of sigmoid(logit);
+    worker 0 predicts the held-out set."""
 
-    texts: list[str]
-    scores: list[float]
     config: LMPrunerConfig
     val_texts: list[str]
-    weights = None
-    groups = None
-    group_names: tuple[str, ...] = ()
-
-    @property
-    def num_examples(self) -> int:
-        return len(self.texts)
 
     @property
     def model(self) -> str:
         return self.config.backbone
-
-    def rows(self):
-        import pandas as pd
-
-        return pd.DataFrame({"text": self.texts, "score": self.scores})
-
-    def with_rows(self, rows) -> PrunerTraining:
-        return dataclasses.replace(self, texts=rows["text"].tolist(), scores=rows["score"].tolist())
 
     def build(self, place: Placement):
         import torch
@@ -79,9 +63,9 @@ class PrunerTraining:
         self.source, model, self.tokenizer = load_backbone(self.config.backbone, place.load)
         # SEQ_CLS makes peft train the new head ("score") in full and save it with the adapter.
         model = place.place(with_lora(model, self.config, "SEQ_CLS"))
-        ids = encode(self.tokenizer, self.texts, self.config.max_length)
+        ids = encode(self.tokenizer, self.examples["text"].tolist(), self.config.max_length)
         device = place.inputs_device(model)
-        target = torch.tensor(self.scores, dtype=torch.float32, device=device)
+        target = torch.tensor(self.examples["score"].to_numpy(), dtype=torch.float32, device=device)
 
         def per_example_loss(module, idx: list[int]):
             batch = self.tokenizer.pad({"input_ids": [ids[i] for i in idx]}, return_tensors="pt").to(device)
@@ -93,7 +77,7 @@ class PrunerTraining:
     def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
                trainable: dict[str, Any]) -> dict[str, Any]:
         saved = {"backbone": self.config.backbone, "source": self.source, "max_length": self.config.max_length,
-                 "examples": len(self.texts), **loss_stats(stats), "config": self.config.model_dump(mode="json")}
+                 "examples": len(self.examples), **loss_stats(stats), "config": self.config.model_dump(mode="json")}
         if place.rank == 0:  # the others (fsdp) only take part in the forward passes below
             save_adapter(model, out_dir, STATS_FILE, saved, trainable)
         predictor = LMPrunerPredictor.of_model(model, self.tokenizer, self.config.max_length,
@@ -109,7 +93,8 @@ def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfi
         raise ValueError(f"need one score per text, at least one: got {len(texts)} texts, {len(scores)} scores")
     if not all(0 <= s <= 1 for s in scores):
         raise ValueError("mastery scores must lie in [0, 1]")
-    training = PrunerTraining(list(texts), [float(s) for s in scores], config, list(val_texts))
+    training = PrunerTraining(pd.DataFrame({"text": list(texts), "score": [float(s) for s in scores]}), config,
+                              list(val_texts))
     stats = fit(training, config, out_dir, "lm-pruner", "zerorag.lm_pruner")
     return {**loss_stats(stats), "backbone": config.backbone, "max_length": config.max_length,
             "examples": len(texts), "validation": stats["validation"]}

@@ -3,7 +3,6 @@ distractors, none), with evaluation's prompts; the adapter goes where `Generator
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ from wbrag_ray.metrics import normalize_answer, substring_match
 from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
 from wbrag_ray.training.placement import Placement
-from wbrag_ray.training.workers import fit
+from wbrag_ray.training.shards import GROUP, WEIGHT
+from wbrag_ray.training.workers import Training, fit
 
 log = logging.getLogger(__name__)
 
@@ -147,40 +147,17 @@ def encode_example(
 
 
 @dataclass
-class TuneTraining:
-    """Noise-tolerant tuning on Ray Train: per-example answer NLL weighted by its term; logs each term's loss."""
+class TuneTraining(Training):
+    """Noise-tolerant tuning on Ray Train on examples of `messages` and `target`, each row's term its GROUP and
+    WEIGHT: per-example answer NLL weighted by its term; logs each term's loss."""
 
-    messages: list[str]
-    targets: list[str]
-    formats: list[str]
     generator: GeneratorConfig
     config: TuneConfig
-    group_names: tuple[str, ...] = FORMATS
-
-    @property
-    def num_examples(self) -> int:
-        return len(self.messages)
+    group_names = FORMATS
 
     @property
     def model(self) -> str:
         return self.generator.model
-
-    def rows(self) -> pd.DataFrame:
-        return pd.DataFrame({"messages": self.messages, "target": self.targets, "format": self.formats})
-
-    def with_rows(self, rows: pd.DataFrame) -> TuneTraining:
-        return dataclasses.replace(self, messages=rows["messages"].tolist(), targets=rows["target"].tolist(),
-                                   formats=rows["format"].tolist())
-
-    @property
-    def weights(self) -> np.ndarray:
-        weight_of = {"none": self.config.weight_retrieval_free, "relevant": self.config.weight_relevant,
-                     "distracting": self.config.weight_noise}
-        return np.array([weight_of[f] for f in self.formats], dtype=np.float64)
-
-    @property
-    def groups(self) -> np.ndarray:
-        return np.array([FORMATS.index(f) for f in self.formats], dtype=np.int64)
 
     def build(self, place: Placement):
         import torch
@@ -199,7 +176,7 @@ class TuneTraining:
         model = place.place(with_lora(model, self.config, "CAUSAL_LM"))
         device = place.inputs_device(model)
         encoded = [encode_example(tokenizer, *self._prompt_answer(tokenizer, json.loads(m), t), self.config.max_length)
-                   for m, t in zip(self.messages, self.targets, strict=True)]
+                   for m, t in zip(self.examples["messages"], self.examples["target"], strict=True)]
         self.truncated_prompts = sum(cut > 0 for *_, cut in encoded)
 
         def per_example_loss(module, idx: list[int]):
@@ -249,14 +226,13 @@ def tune_generator(
 ) -> dict[str, Any]:
     """Causal-LM LoRA on `examples` with Zero-RAG's objective (weighted retrieval-free, retrieval-augmented and
     noise-suppression losses) on Ray Train workers; saves the adapter and `tune.json` to `out_dir`; returns stats."""
-    missing = {"messages", "target"} - set(examples.columns)
-    if missing:
-        raise ValueError(f"tuning examples lack columns {sorted(missing)}; build them with build_examples")
-    formats = examples["format"] if "format" in examples else pd.Series("relevant", index=examples.index)
-    training = TuneTraining(examples["messages"].tolist(), [str(t) for t in examples["target"]], formats.tolist(),
-                            generator, config)
-    stats = fit(training, config, out_dir, "tune", "zerorag.tune")
-    docs = examples["n_docs"] if "n_docs" in examples else pd.Series(0, index=examples.index)
+    formats = examples["format"]
+    weight_of = {"none": config.weight_retrieval_free, "relevant": config.weight_relevant,
+                 "distracting": config.weight_noise}
+    rows = pd.DataFrame({"messages": examples["messages"], "target": examples["target"].astype(str),
+                         WEIGHT: formats.map(weight_of), GROUP: formats.map(FORMATS.index)})
+    stats = fit(TuneTraining(rows, generator, config), config, out_dir, "tune", "zerorag.tune")
+    docs = examples["n_docs"]
     k = config.docs_per_format or (int(docs.max()) if len(docs) else 0)  # None: the K build_examples was given
     return {
         "generator": generator.model,
@@ -264,9 +240,9 @@ def tune_generator(
         "chat_template": generator.chat_template,
         "examples": len(examples),
         "formats": {f: int((formats == f).sum()) for f in FORMATS},
-        "questions_without_relevant": int(examples.groupby("id")["format"].apply(lambda f: "relevant" not in set(f)).sum())
-        if "id" in examples else 0,
-        "random_distractors": int(examples["random_distractors"].sum()) if "random_distractors" in examples else 0,
+        "questions_without_relevant": int(examples.groupby("id")["format"].apply(lambda f: "relevant" not in set(f))
+                                          .sum()),
+        "random_distractors": int(examples["random_distractors"].sum()),
         "distracting_short": int(((formats == "distracting") & (docs < k)).sum()),
         "term_losses": stats["term_losses"],
         "truncated_prompts": stats["truncated_prompts"],

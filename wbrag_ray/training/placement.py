@@ -130,10 +130,6 @@ class Placement:
     mesh: tuple[int, int] = (1, 1)
 
     @property
-    def spread(self) -> bool:
-        return bool(self.rule.spread)
-
-    @property
     def meta(self) -> bool:
         return self.fsdp and self.rank != 0
 
@@ -148,7 +144,7 @@ class Placement:
             with torch.device("meta"):
                 return auto_cls.from_config(config, dtype=self.dtype)
         load = {"dtype": self.dtype}
-        if self.spread:
+        if self.rule.spread:
             load.update(device_map="auto", max_memory=dict(self.rule.max_memory))
         return auto_cls.from_pretrained(source, **load, **kwargs)
 
@@ -156,14 +152,14 @@ class Placement:
     def model_device(self):
         """Where `place` moves the model: the worker's device, or None where it stays as loaded (a layer split
         placed by its device map; fsdp, whose sharding materializes it on the device)."""
-        return None if self.spread or self.fsdp else self.device
+        return None if self.rule.spread or self.fsdp else self.device
 
     @property
     def strategy(self) -> str:
         """What the training runs as, for its stats: ddp (one worker under fsdp too), layer split, fsdp, hybrid."""
         if self.fsdp:
             return "fsdp" if self.mesh[0] == 1 else f"hybrid fsdp ({self.mesh[0]} nodes x {self.mesh[1]})"
-        return "layer split" if self.spread else "ddp"
+        return "layer split" if self.rule.spread else "ddp"
 
     def place(self, model):
         return model if self.model_device is None else model.to(self.model_device)
@@ -249,17 +245,6 @@ def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, mo
     return placement_of(rule, dtype, trainer.strategy, rank, mesh)
 
 
-def fsdp_mesh(place: Placement):
-    """The DeviceMesh of `place.mesh` over the process group: 1-D (every worker a shard) or 2-D (replicate across
-    nodes, shard within one: FSDP2's hybrid sharding)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    replicas, shards = place.mesh
-    if replicas == 1:
-        return init_device_mesh(place.device.type, (shards,), mesh_dim_names=("shard",))
-    return init_device_mesh(place.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
-
-
 def shard_fsdp(model, place: Placement):
     """`model` sharded with FSDP2 (`fully_shard` on each decoder layer, then the whole) over `place.mesh`,
     gradient checkpointing on, its weights materialized on the worker's device: rank 0's (loaded, the adapter
@@ -268,6 +253,7 @@ def shard_fsdp(model, place: Placement):
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     full = model.state_dict() if place.rank == 0 else {}
@@ -276,7 +262,9 @@ def shard_fsdp(model, place: Placement):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]  # the decoder's is the longest
-    mesh = fsdp_mesh(place)
+    # 1-D (every worker a shard) or 2-D (replicate across nodes, shard within one: FSDP2's hybrid sharding)
+    shape, names = (place.mesh[1:], ("shard",)) if place.mesh[0] == 1 else (place.mesh, ("replicate", "shard"))
+    mesh = init_device_mesh(place.device.type, shape, mesh_dim_names=names)
     for block in (max(layers, key=len) if layers else []):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

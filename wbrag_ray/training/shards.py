@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 # Worker r reads SHARD.format(r), a slice split on the driver, the same on every run of one worker count.
 SHARD = "examples-{}"
-ROW, WEIGHT, GROUP = "_row", "_weight", "_group"  # columns fit adds: position, weight in a batch's mean, group
+ROW, WEIGHT, GROUP = "_row", "_weight", "_group"  # position (fit adds it), weight in a batch's mean, group
 
 
 def shard_bounds(num_examples: int, world: int) -> list[int]:
@@ -29,11 +29,11 @@ def example_shards(training: Training, world: int) -> dict[str, Any]:
     """The training's examples as one Ray dataset a worker (`SHARD`), with the columns the step loop reads."""
     import ray
 
-    frame = training.rows().reset_index(drop=True)
+    frame = training.examples.reset_index(drop=True)
     n = len(frame)
     frame[ROW] = np.arange(n, dtype=np.int64)
-    frame[WEIGHT] = np.asarray(training.weights if training.weights is not None else np.ones(n), dtype=np.float32)
-    frame[GROUP] = np.asarray(training.groups if training.groups is not None else np.zeros(n), dtype=np.int64)
+    frame[WEIGHT] = frame[WEIGHT].astype(np.float32) if WEIGHT in frame else np.ones(n, np.float32)
+    frame[GROUP] = frame[GROUP].astype(np.int64) if GROUP in frame else np.zeros(n, np.int64)
     # from_items builds blocks in this process (from_pandas would wait for a CPU a busy cluster may not free).
     records = frame.to_dict("records")
     bounds = [0, *shard_bounds(n, world), n]

@@ -22,7 +22,7 @@ def wrap(model, place: Placement, world: int) -> tuple[Any, Any]:
         model = shard_fsdp(model, place)
         return model, model
     if world > 1:
-        one = place.device.type == "cuda" and not place.spread
+        one = place.device.type == "cuda" and not place.rule.spread
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[place.device] if one else None), model
     return model, model
 

@@ -14,8 +14,9 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -41,30 +42,28 @@ ADAPTER_DIR = "adapter"  # in the last checkpoint: what the driver copies into t
 RESULT_FILE = "result.json"  # in the last checkpoint: worker 0's stats and figures (losses per step and the like)
 
 
-class Training(Protocol):
-    """What one training needs from its module: settings (pickled to the workers) and examples (Ray Data shards)."""
+@dataclass
+class Training:
+    """One training: its examples, one row each (Ray Data shards to the workers; optional columns WEIGHT, an
+    example's weight in a batch's mean, and GROUP, its loss term, whose mean loss is logged per step), and settings
+    pickled to the workers. A subclass names its model, builds it with its loss, and saves the adapter."""
 
-    num_examples: int
-    weights: np.ndarray | None  # each example's weight in a batch's mean (None: equal)
-    groups: np.ndarray | None  # each example's group (e.g. a loss term), whose mean loss is logged per step
-    group_names: tuple[str, ...]
+    examples: pd.DataFrame
+    group_names = ()  # the names of the GROUP values
 
     @property
     def model(self) -> str:
         """The frozen model's spec (path, hub id, bundled:*), for its size before it loads."""
-
-    def rows(self) -> pd.DataFrame:
-        """The examples, one row each, in their order (on the driver)."""
-
-    def with_rows(self, rows: pd.DataFrame) -> Training:
-        """A copy holding `rows` only: a worker's shard (positions in it are what `per_example_loss` takes)."""
+        raise NotImplementedError
 
     def build(self, place: Placement) -> tuple[Any, Any]:
-        """(placed LoRA-wrapped model, per_example_loss(module, indices) -> 1-d tensor)."""
+        """(placed LoRA-wrapped model, per_example_loss(module, positions in `examples`) -> 1-d tensor)."""
+        raise NotImplementedError
 
     def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
                trainable: dict[str, Any]) -> dict[str, Any]:
         """After the last step: save the adapter from worker 0 to `out_dir`; return figures for the driver."""
+        raise NotImplementedError
 
 
 def plan_steps(section: _LoraSection, num_examples: int, workers: int) -> tuple[int, int]:
@@ -110,7 +109,7 @@ def train_loop(config: dict[str, Any]) -> None:
     threads = section.threads or max(1, math.ceil(section.trainer.num_cpus))
     torch.set_num_threads(threads)
     shard = own_shard(rank)
-    training = training.with_rows(shard)
+    training = replace(training, examples=shard)
     place = worker_placement(section.trainer, rank, world, config["key"], config.get("model"))
     torch.manual_seed(section.seed)  # before the model loads: new heads and LoRA's A matrices draw from it
     model, per_example_loss = training.build(place)
@@ -122,11 +121,9 @@ def train_loop(config: dict[str, Any]) -> None:
     steps, batch = plan_steps(section, num_examples, world)
     n_groups = len(training.group_names)
     state = _restore(model, optimizer)
-    start_step = state["step"] if state else 0
-    losses: list[float] = state["losses"] if state else []
-    group_loss: list[list[float]] = state["group_loss"] if state else []
-    seconds = state["seconds"] if state else 0.0
-    resumes: list[int] = [*state["resumes"], start_step] if state else []  # every step this training resumed from
+    resumes: list[int] = [*state["resumes"], state["step"]] if state else []  # every step this training resumed from
+    state = state or {"step": 0, "losses": [], "group_loss": [], "seconds": 0.0}
+    start_step, losses, group_loss, seconds = state["step"], state["losses"], state["group_loss"], state["seconds"]
     weights = torch.as_tensor(shard[WEIGHT].to_numpy(), dtype=torch.float32)
     groups = shard[GROUP].to_numpy()
     own = local_batch(batch, world, rank)
@@ -246,7 +243,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
     from ray.train.torch import TorchTrainer
 
     trainer_config = section.trainer
-    plan_steps(section, training.num_examples, trainer_config.num_workers)  # refuse before any worker starts
+    plan_steps(section, len(training.examples), trainer_config.num_workers)  # refuse before any worker starts
     check_workers(trainer_config, key)
     stage = checkpoints.active()
     with contextlib.ExitStack() as stack:
@@ -262,10 +259,10 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
         trainer = TorchTrainer(
             train_loop,
             # the settings; the examples go as Ray Data shards, one a worker
-            train_loop_config={"training": training.with_rows(training.rows().iloc[:0]), "section": section,
-                               "verbose": verbose, "key": key, "model": getattr(training, "model", None),
-                               "num_examples": training.num_examples},
-            torch_config=torch_config(trainer_config, getattr(training, "model", None)),
+            train_loop_config={"training": replace(training, examples=training.examples.iloc[:0]), "section": section,
+                               "verbose": verbose, "key": key, "model": training.model,
+                               "num_examples": len(training.examples)},
+            torch_config=torch_config(trainer_config, training.model),
             datasets=example_shards(training, trainer_config.num_workers),
             dataset_config=ray.train.DataConfig(datasets_to_split=[]),
             scaling_config=ray.train.ScalingConfig(

@@ -10,12 +10,10 @@ import numpy as np
 import pandas as pd
 
 from wbrag_ray import prompts
-from wbrag_ray.config import WbragConfig
+from wbrag_ray.config import WritebackConfig
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import normalize_answer
-from wbrag_ray.ray_runtime import LIGHT_CPUS
 from wbrag_ray.retrieval.hits import hits_from_json
-from wbrag_ray.stages.base import Resources, Stage, run_local
 
 
 def word_count(text: str) -> int:
@@ -104,51 +102,20 @@ def kept_hits(docs: str, kept_ranks: str):
     return [hits[j] for j in json.loads(kept_ranks)]
 
 
-class DistillExtractStage(Stage):
-    """Distiller step 1 prompt: question + kept documents -> the answer-relevant sentences verbatim."""
-
-    name = "distill-extract"
-    input_columns = ("question", "docs", "kept_ranks")
-    output_columns = ("extract_prompt",)
-
-    @property
-    def resources(self) -> Resources:
-        return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
-
-    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        batch["extract_prompt"] = [
-            prompts.dumps(prompts.extract_messages(q, kept_hits(d, k)))
-            for q, d, k in zip(batch["question"], batch["docs"], batch["kept_ranks"], strict=True)
-        ]
-        return batch
-
-
-class DistillRewriteStage(DistillExtractStage):
-    """Distiller step 2 prompt: question + grounded extraction -> one compact, self-contained document."""
-
-    name = "distill-rewrite"
-    input_columns = ("question", "docs", "kept_ranks", "extracted")
-    output_columns = ("extracted_verbatim", "rewrite_prompt")
-
-    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        batch["extracted_verbatim"] = [
-            ground_extraction(e, kept_hits(d, k), q)
-            for e, d, k, q in zip(batch["extracted"], batch["docs"], batch["kept_ranks"], batch["question"], strict=True)
-        ]
-        batch["rewrite_prompt"] = [
-            prompts.dumps(prompts.rewrite_messages(q, e))
-            for q, e in zip(batch["question"], batch["extracted_verbatim"], strict=True)
-        ]
-        return batch
-
-
-def distill(config: WbragConfig, kept: pd.DataFrame, passes: GeneratorPasses) -> pd.DataFrame:
-    """The distiller's two steps over the kept examples; the frame passed on holds no gold answers."""
-    wb = config.writeback
+def distill(wb: WritebackConfig, kept: pd.DataFrame, passes: GeneratorPasses) -> pd.DataFrame:
+    """The distiller's two steps over the kept examples: extract (question + kept documents -> the answer-relevant
+    sentences, grounded verbatim), then rewrite (question + grounded extraction -> one self-contained document)."""
     # Only these columns reach the distiller's prompts: the gold answers are not among them.
-    step0 = run_local(DistillExtractStage(), kept[["id", "question", "docs", "kept_ranks"]].copy())
-    step1 = passes.generate("distill_extract", step0, "extract_prompt", "extracted", wb.extract_max_new_tokens,
+    frame = kept[["id", "question", "docs", "kept_ranks"]].copy()
+    hits = [kept_hits(d, k) for d, k in zip(frame["docs"], frame["kept_ranks"], strict=True)]
+    frame["extract_prompt"] = [prompts.dumps(prompts.extract_messages(q, h))
+                               for q, h in zip(frame["question"], hits, strict=True)]
+    frame = passes.generate("distill_extract", frame, "extract_prompt", "extracted", wb.extract_max_new_tokens,
                             multiline=True)
-    step2 = run_local(DistillRewriteStage(), step1)
-    return passes.generate("distill_rewrite", step2, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens,
+    hits = [kept_hits(d, k) for d, k in zip(frame["docs"], frame["kept_ranks"], strict=True)]
+    frame["extracted_verbatim"] = [ground_extraction(e, h, q)
+                                   for e, h, q in zip(frame["extracted"], hits, frame["question"], strict=True)]
+    frame["rewrite_prompt"] = [prompts.dumps(prompts.rewrite_messages(q, e))
+                               for q, e in zip(frame["question"], frame["extracted_verbatim"], strict=True)]
+    return passes.generate("distill_rewrite", frame, "rewrite_prompt", "rewritten", wb.rewrite_max_new_tokens,
                            multiline=True)

@@ -1,4 +1,4 @@
-"""WriteBack-RAG's two gates as pure decisions, and the stages that score examples and apply them:
+"""WriteBack-RAG's two gates as pure decisions, and the scoring of examples that applies them:
 utility gate: keep iff s_rag >= tau_s and delta > tau_delta; document gate: keep documents with s_j - s_nr > tau_doc,
 at least n_min (the best ones as a fallback)."""
 
@@ -11,8 +11,6 @@ import pandas as pd
 
 from wbrag_ray.config import WritebackConfig
 from wbrag_ray.metrics import metric
-from wbrag_ray.ray_runtime import LIGHT_CPUS
-from wbrag_ray.stages.base import Resources, Stage, run_local
 
 # Scores are float differences (0.51 - 0.5 > 0.01): comparisons allow this much rounding.
 _EPS = 1e-9
@@ -35,35 +33,15 @@ def _golds(value) -> list[str]:
     return [str(g) for g in value] if value is not None else []
 
 
-class _GateStage(Stage):
-    """CPU-only: a gate reads generated answers and scores them; no model to load."""
-
-    def __init__(self, config: WritebackConfig):
-        self.config = config
-
-    @property
-    def resources(self) -> Resources:
-        return Resources(num_cpus=LIGHT_CPUS, batch_size=1024)
-
-
-class UtilityGateStage(_GateStage):
-    """s_nr = M(q, a | no docs), s_rag = M(q, a | top-K docs), delta, and the utility gate's decision."""
-
-    name = "utility-gate"
-    input_columns = ("golden_answers", "nr_answer", "rag_answer")
-    output_columns = ("s_nr", "s_rag", "delta", "useful")
-
-    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        c = self.config
-        golds = [_golds(g) for g in batch["golden_answers"]]
-        batch["s_nr"] = [metric(c.metric, a, g) for a, g in zip(batch["nr_answer"], golds, strict=True)]
-        batch["s_rag"] = [metric(c.metric, a, g) for a, g in zip(batch["rag_answer"], golds, strict=True)]
-        batch["delta"] = batch["s_rag"] - batch["s_nr"]
-        batch["useful"] = [
-            utility_gate(r, n, c.tau_s, c.tau_delta) for r, n in zip(batch["s_rag"], batch["s_nr"], strict=True)
-        ]
-        return batch
-
+def utility_scores(batch: pd.DataFrame, config: WritebackConfig) -> pd.DataFrame:
+    """s_nr = M(q, a | no docs), s_rag = M(q, a | top-K docs), delta, and the utility gate's decision (`useful`)."""
+    golds = [_golds(g) for g in batch["golden_answers"]]
+    batch["s_nr"] = [metric(config.metric, a, g) for a, g in zip(batch["nr_answer"], golds, strict=True)]
+    batch["s_rag"] = [metric(config.metric, a, g) for a, g in zip(batch["rag_answer"], golds, strict=True)]
+    batch["delta"] = batch["s_rag"] - batch["s_nr"]
+    batch["useful"] = [utility_gate(r, n, config.tau_s, config.tau_delta)
+                       for r, n in zip(batch["s_rag"], batch["s_nr"], strict=True)]
+    return batch
 
 
 def gate_examples(answered: pd.DataFrame, method: str, config: WritebackConfig) -> pd.DataFrame:
@@ -74,25 +52,20 @@ def gate_examples(answered: pd.DataFrame, method: str, config: WritebackConfig) 
     examples = examples[["question", "golden_answers", "docs"]].assign(
         nr_answer=nr, **{col: examples[src] for col, src in own.items() if src in examples}).reset_index()
     # Every answer is already on the driver and scoring is microseconds a row: gate in-process.
-    examples = run_local(UtilityGateStage(config), examples)
+    examples = utility_scores(examples, config)
     examples["useful"] = examples["useful"] & (examples["docs"] != "[]")
     return examples
 
-class DocumentGateStage(_GateStage):
-    """s_j from each document's own answer, and the document gate's kept ranks with the n_min fallback."""
 
-    name = "document-gate"
-    input_columns = ("golden_answers", "s_nr", "doc_answers")
-    output_columns = ("doc_scores", "kept_ranks", "fallback")
-
-    def process_batch(self, batch: pd.DataFrame) -> pd.DataFrame:
-        c = self.config
-        scores, kept, fallback = [], [], []
-        for golds, s_nr, answers in zip(batch["golden_answers"], batch["s_nr"], batch["doc_answers"], strict=True):
-            s = [metric(c.metric, a, _golds(golds)) for a in json.loads(answers)]
-            ranks, fell_back = document_gate(s, s_nr, c.tau_doc, c.n_min)
-            scores.append(json.dumps(s))
-            kept.append(json.dumps(ranks))
-            fallback.append(fell_back)
-        batch["doc_scores"], batch["kept_ranks"], batch["fallback"] = scores, kept, fallback
-        return batch
+def document_scores(batch: pd.DataFrame, config: WritebackConfig) -> pd.DataFrame:
+    """s_j from each document's own answer (`doc_answers`), and the document gate's kept ranks with the n_min
+    fallback."""
+    scores, kept, fallback = [], [], []
+    for golds, s_nr, answers in zip(batch["golden_answers"], batch["s_nr"], batch["doc_answers"], strict=True):
+        s = [metric(config.metric, a, _golds(golds)) for a in json.loads(answers)]
+        ranks, fell_back = document_gate(s, s_nr, config.tau_doc, config.n_min)
+        scores.append(json.dumps(s))
+        kept.append(json.dumps(ranks))
+        fallback.append(fell_back)
+    batch["doc_scores"], batch["kept_ranks"], batch["fallback"] = scores, kept, fallback
+    return batch

@@ -26,16 +26,14 @@ from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import FALLBACK_UNION, write_provenance
 from wbrag_ray.run import RunFolder, Step
-from wbrag_ray.stages.base import run_local
 from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.writeback.distill import distill
-from wbrag_ray.writeback.gates import DocumentGateStage, gate_examples
+from wbrag_ray.writeback.gates import document_scores, gate_examples
 from wbrag_ray.writeback.units import UNITS, build_units, dedupe, embed_units, table3
 from wbrag_ray.writeback.validation import split, validate
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
 if TYPE_CHECKING:
-    from wbrag_ray.retrieval.stage import RetrievalSetting
     from wbrag_ray.stages.service import Services
 
 
@@ -70,7 +68,7 @@ def score_examples(run: RunFolder, config: WbragConfig, train: str, passes: Gene
         per_doc = rag.combine(passes.generate("document_gate", per_doc, "prompt", "answer"), "answer")
         useful["doc_answers"] = useful["id"].map(per_doc.set_index("id")["slot_answers"])
     if len(useful):
-        useful = run_local(DocumentGateStage(wb), useful)
+        useful = document_scores(useful, wb)
         examples = examples.merge(
             useful[["id", "doc_answers", "doc_scores", "kept_ranks", "fallback"]], how="left", on="id"
         )
@@ -163,7 +161,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         kept = examples[examples["useful"]]
         units, drops = pd.DataFrame(columns=UNITS.names), None
         if len(kept):
-            distilled = distill(config, kept, passes)
+            distilled = distill(wb, kept, passes)
             folder.distill.write_table(plain_table(distilled))
             units, drops = build_units(version, kept, distilled)
         # on the scoring passes' retrieval actors, the embedder loaded: no pool of its own (`embed_units`)

@@ -23,7 +23,6 @@ from wbrag_ray.run import RunFolder
 
 if TYPE_CHECKING:
     from wbrag_ray.config import RetrievalConfig
-    from wbrag_ray.retrieval.union import UnionRule
     from wbrag_ray.stages.service import Services
 
 
@@ -127,12 +126,12 @@ def answer_under_each_rule(run: RunFolder, config: WbragConfig, dataset: str, la
     def predictions(name: str):
         return run.layout.eval_result(name, method).predictions.read_table().to_pandas()
 
-    evaluate_stage(run, config, dataset, label, f"{label}-base", force=force, passes=passes)
+    evaluate_stage(run, config, dataset, f"{label}-base", force=force, passes=passes)
     frames = {}
     for name, rule in rules.items():
         ev = f"{label}-{name.replace(' ', '-')}"
         cfg = config.model_copy(update={"retrieval": config.retrieval.model_copy(update=rule.settings())})
-        evaluate_stage(run, cfg, dataset, label, ev, force=force, passes=passes, writeback_version=version,
+        evaluate_stage(run, cfg, dataset, ev, force=force, passes=passes, writeback_version=version,
                        setting=f"base+writeback:{version} ({name})")
         frames[name] = predictions(ev)
     return predictions(f"{label}-base"), frames

@@ -6,6 +6,7 @@ from typing import Any
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.evaluation.effect import CHANCE
 from wbrag_ray.formats import dataset_stem
 from wbrag_ray.metrics import sign_test
 from wbrag_ray.run import RunFolder, RunStage
@@ -48,22 +49,17 @@ def trained_method(run: RunFolder, version: str) -> str:
     return stats.read_json().get("rag_method", "naive") if stats.exists() else "naive"
 
 
-def versions_by_method(run: RunFolder, train: str) -> dict[str, str]:
-    """{RAG method: the first trained version (by name) written back under it from the training set `train`}."""
-    out: dict[str, str] = {}
-    for version in sorted(versions(run)):
-        stats = run.layout.writeback_version(version).stats.read_json()
-        if stats.get("settings", {}).get("params", {}).get("train") == train:
-            out.setdefault(stats.get("rag_method", "naive"), version)
-    return out
+def _require_trained(run: RunFolder, version: str) -> None:
+    if version not in versions(run):
+        known = ", ".join(versions(run)) or "none"
+        raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
 
 
 def activate(run: RunFolder, version: str) -> dict[str, Any]:
     """Make `version` the write-back index searched beside the base (replace); the base index is untouched."""
-    if version not in versions(run):
-        known = ", ".join(versions(run)) or "none"
-        raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
-    why = hurts(read_validation(run, version))
+    _require_trained(run, version)
+    validation = run.layout.writeback_version(version).validation
+    why = hurts(validation.read_json() if validation.exists() else None)
     if why:
         print(f"warning: write-back version {version} hurt on its validation questions ({why})", flush=True)
     state = read_active(run)
@@ -96,9 +92,8 @@ def rollback(run: RunFolder, version: str | None = None) -> dict[str, Any]:
 
 def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, None]:
     """(version, index folder, None) of the active write-back index (or `version`), for a union search."""
-    if version is not None and version not in versions(run):
-        known = ", ".join(versions(run)) or "none"
-        raise ConfigError(f"write-back version {version!r} of {run.uri} is not trained (trained: {known})")
+    if version is not None:
+        _require_trained(run, version)
     version = version or read_active(run)["version"]
     if not version:
         raise ConfigError(
@@ -109,15 +104,8 @@ def active_index(run: RunFolder, version: str | None = None) -> tuple[str, str, 
     return version, folder.index.uri, None  # its documents: the store its manifest names
 
 
-def read_validation(run: RunFolder, version: str) -> dict[str, Any] | None:
-    loc = run.layout.writeback_version(version).validation
-    return loc.read_json() if loc.exists() else None
-
-
 def hurts(result: dict[str, Any] | None) -> str | None:
     """Why a validated version hurts: it lost more than it won beyond chance (`metrics.sign_test`); else None."""
-    from wbrag_ray.evaluation.effect import CHANCE
-
     if not result:
         return None
     p = sign_test(result["lost"], result["won"])

@@ -43,7 +43,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
         # the latency queries, as the retrieval actors embed them (on their GPUs where the embedder asks for some)
         vectors = query_vectors(questions["question"].to_pylist(), config.embedder, config.retrieval, services)
         for turn, adapter in enumerate(adapters):
-            cfg = config.model_copy(update={"generator": with_adapter(run, config)}) if adapter else config
+            cfg = config.model_copy(update={"generator": with_adapter(run, config.generator)}) if adapter else config
             passes = GeneratorPasses(cfg.generator, services)  # with or without the adapter, for every cell
             # back and forth over the ratios, so the last index loaded serves the next cell first
             for ratio in ratios if turn % 2 == 0 else ratios[::-1]:
@@ -59,7 +59,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                         continue
                     label = eval_label(name, ratio, writeback, router, adapter)
                     cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"methods": methods})})
-                    stats = evaluate_stage(run, cfg_m, dataset, name, label, force=force, passes=passes,
+                    stats = evaluate_stage(run, cfg_m, dataset, label, force=force, passes=passes,
                                            base_index=index.uri,
                                            router=run.layout.zero_rag.router.uri if router else None,
                                            setting=label, writeback=writeback)

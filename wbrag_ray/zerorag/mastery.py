@@ -28,17 +28,12 @@ MASTERY = RunStage(
 )
 
 
-def require_sentence_index(run: RunFolder, config: WbragConfig) -> None:
-    """Zero-RAG prunes sentences: the index must hold them (and the embedding pruner reads their vectors)."""
-    if config.index.unit != "sentence":
+def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
+    """Score a sample of sentences: QA pairs -> the target model's closed-book answers -> mean EM."""
+    if config.index.unit != "sentence":  # the pruned index holds sentences; the embedding pruner reads their vectors
         raise ConfigError("Zero-RAG prunes sentences: set index.unit=sentence (the index holds sentences and the "
                           "embedding pruner reads their stored vectors); e.g. jobs/configs/zero_rag_demo.yaml")
     run.require(INDEX)
-
-
-def mastery(run: RunFolder, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
-    """Score a sample of sentences: QA pairs -> the target model's closed-book answers -> mean EM."""
-    require_sentence_index(run, config)
     print_departures(config, ZERO_RAG)
     n = sample or config.zerorag.sample
     return run.execute(MASTERY, config, lambda: _score(run, config, n), params={"sample": n}, force=force)
@@ -49,7 +44,7 @@ def _score(run: RunFolder, config: WbragConfig, n: int) -> dict[str, Any]:
     out = run.layout.zero_rag
     t0 = time.perf_counter()
     total = run.stats(INGEST.name)["sentences"]
-    sentences = sample_sentences(run, config, n)
+    sentences = sample_sentences(run, z.seed, n)
     with GeneratorPasses(config.generator) as passes:
         rows: list[dict] = []
         if z.qa_mode == "cloze":

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from wbrag_ray.build_kb import EMBED
-from wbrag_ray.config import ConfigError, WbragConfig
+from wbrag_ray.config import ConfigError, WbragConfig, ZeroRagConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
 from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
@@ -45,11 +45,6 @@ def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, f
     return results
 
 
-def pruner_text(titles, sentences) -> list[str]:
-    """What the LM regressor reads everywhere: 'title: sentence'."""
-    return titled(titles, sentences)
-
-
 def pruner_inputs(run: RunFolder):
     """A Ray Dataset of (sid, text) for every sentence; each sentences file joins only its own shard's passages."""
     import ray.data
@@ -65,7 +60,7 @@ def _with_titles(batch: pd.DataFrame, passages: str) -> pd.DataFrame:
     parts = []
     for path, part in batch.groupby("path", sort=False):
         titles = _shard_titles(passages, path.rsplit("/", 1)[-1])
-        text = pruner_text(part["pid"].map(titles).fillna(""), part["text"])
+        text = titled(part["pid"].map(titles).fillna(""), part["text"])
         parts.append(pd.DataFrame({"sid": part["sid"].astype("int64"), "text": text}))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"sid": [], "text": []})
 
@@ -77,21 +72,21 @@ def _shard_titles(passages: str, file_name: str) -> pd.Series:
     return pd.Series(table["title"].to_pylist(), index=table["pid"].to_numpy())
 
 
-def _scored_split(run: RunFolder, config: WbragConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _scored_split(run: RunFolder, z: ZeroRagConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The scored sample split into (train, validation) by a seeded permutation; unscored sentences left out."""
     scores = run.layout.zero_rag.scores.read_table().to_pandas()
     scores = scores[scores["mastery"].notna()].sort_values("sid").reset_index(drop=True)
-    n_val = int(round(len(scores) * config.zerorag.val_fraction))
+    n_val = int(round(len(scores) * z.val_fraction))
     if len(scores) - n_val < 4 or n_val < 2:
         raise ConfigError(f"only {len(scores)} sentences of {run.uri} have a mastery score: too few to train and "
                           "validate a pruner; score more with `wbrag mastery RUN --sample N` (zerorag.sample)")
-    order = np.random.default_rng(config.zerorag.seed).permutation(len(scores))
+    order = np.random.default_rng(z.seed).permutation(len(scores))
     return scores.iloc[order[n_val:]].reset_index(drop=True), scores.iloc[order[:n_val]].reset_index(drop=True)
 
 
 def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
     z = config.zerorag
-    train, val = _scored_split(run, config)
+    train, val = _scored_split(run, z)
     out = run.output(run.layout.zero_rag.pruner(kind))  # beside the trained pruner while --force redoes it
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,8 +94,8 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
             predicted, fit = _train_head(run, config, train, val, tmp)
         else:
             # on Ray Train workers; the worker that trained it also predicts the held-out sentences
-            fit = train_lm_pruner(pruner_text(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
-                                  tmp, val_texts=pruner_text(val["title"], val["text"]))
+            fit = train_lm_pruner(titled(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
+                                  tmp, val_texts=titled(val["title"], val["text"]))
             predicted = np.asarray(fit.pop("validation"), np.float32)
             fit = {k: v for k, v in fit.items() if k != "losses"}
         out.upload_dir(tmp)

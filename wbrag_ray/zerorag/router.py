@@ -34,7 +34,7 @@ ROUTER = RunStage(
 def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False,
                  services: Services | None = None) -> dict[str, Any]:
     """Label training questions by closed-book correctness and train the router on their embeddings."""
-    train, questions, rejected = train_questions(config, train)
+    train, questions, rejected = train_questions(config.zerorag, train)
 
     stats = run.execute(ROUTER, config, lambda: _train(run, config, questions, rejected, services),
                         params=input_params(train, "zerorag.train"), force=force)
@@ -52,7 +52,7 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     adapter = run.is_complete(TUNE.name)
     df = questions[["id", "question", "golden_answers"]].copy()
     df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
-    with GeneratorPasses(with_adapter(run, config) if adapter else config.generator, services) as passes:
+    with GeneratorPasses(with_adapter(run, config.generator) if adapter else config.generator, services) as passes:
         answered = passes.generate("closed_book", df, "prompt", "prediction").sort_values("id")
         actors = passes.services.actor_ids(GenerateStage.name)
         answered = answered.reset_index(drop=True)

@@ -6,7 +6,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from wbrag_ray.config import WbragConfig
 from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
 from wbrag_ray.run import RunFolder
 
@@ -20,13 +19,12 @@ def splitmix64(x: np.ndarray, seed: int) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def sample_sentences(run: RunFolder, config: WbragConfig, n: int) -> pd.DataFrame:
-    """The `n` sentences with the smallest seeded hash of their sid: a distributed filter, then an exact cut."""
+def sample_sentences(run: RunFolder, seed: int, n: int) -> pd.DataFrame:
+    """The `n` sentences with the smallest `seed`ed hash of their sid: a distributed filter, then an exact cut."""
     import ray
     import ray.data
 
     total = run.stats("ingest")["sentences"]
-    seed = config.zerorag.seed
     src = run.layout.ingest.sentences
     frac = _sample_fraction(n, total)
     while True:

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from wbrag_ray.build_kb import INDEX
-from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig
+from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig, ZeroRagConfig
 from wbrag_ray.formats import input_params, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.retrieval.stage import RetrievalSetting
@@ -21,26 +21,26 @@ TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "genera
                 requires=(INDEX,), command="wbrag tune RUN --train PATH")
 
 
-def train_questions(config: WbragConfig, train: str | None) -> tuple[str, pd.DataFrame, int]:
+def train_questions(z: ZeroRagConfig, train: str | None) -> tuple[str, pd.DataFrame, int]:
     """(path, the training questions, how many rows were rejected) of zerorag.train (or `train`)."""
-    train = train or config.zerorag.train
+    train = train or z.train
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
-    questions, rejects = read_questions(train, "zerorag.train", limit=config.zerorag.train_limit)
+    questions, rejects = read_questions(train, "zerorag.train", limit=z.train_limit)
     df = questions.to_pandas()
     df["golden_answers"] = df["golden_answers"].map(list)  # numpy object arrays would travel through Ray pickled
     return train, df, rejects.num_rows
 
 
-def with_adapter(run: RunFolder, config: WbragConfig) -> GeneratorConfig:
-    """The generator config with the run's adapter by its URI (each worker fetches it to its own node)."""
+def with_adapter(run: RunFolder, generator: GeneratorConfig) -> GeneratorConfig:
+    """`generator` with the run's adapter by its URI (each worker fetches it to its own node)."""
     run.require(TUNE)
-    return config.generator.model_copy(update={"lora_adapter": run.layout.zero_rag.adapter.uri})
+    return generator.model_copy(update={"lora_adapter": run.layout.zero_rag.adapter.uri})
 
 
 def tune(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
     """Noise-tolerant LoRA tuning of the generator; the adapter goes to RUN/zero_rag/adapter."""
-    train, questions, rejected = train_questions(config, train)
+    train, questions, rejected = train_questions(config.zerorag, train)
 
     stats = run.execute(TUNE, config, lambda: _tune(run, config, questions, rejected),
                         params=input_params(train, "zerorag.train"), force=force)
