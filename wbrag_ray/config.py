@@ -1,7 +1,5 @@
 """Typed configuration: one model for a whole run, loaded from YAML plus `--set key=value` overrides, validated
-once before any stage starts; every error names the dotted key and the fix.
-
-Over 900 lines, not split: it is the one config reference a user reads, every field with its description."""
+once before any stage starts; every error names the dotted key and the fix."""
 
 from __future__ import annotations
 
@@ -42,8 +40,9 @@ def _concurrency(value: Any) -> Any:
     return count
 
 
-# A pool's actor count (or training workers): a number, or "auto", decided by each command as it joins Ray.
-Concurrency = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
+# A count: a positive integer, or "auto" (a pool's actors or training workers: decided by each command as it joins
+# Ray; nprobe, index shards: by the index build).
+PositiveOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
 AUTO_CONCURRENCY = (" 'auto': as many as the cluster holds (an autoscaling cluster: its declared maximum), decided by "
                     "each command as it joins Ray (GPU actors: the GPUs, the generator's less those the index's search "
                     "actors and query embedders hold; CPU actors: the CPUs, less one for reads).")
@@ -102,7 +101,7 @@ class EmbedderConfig(_Section):
         None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus))."
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
-    concurrency: Concurrency = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
+    concurrency: PositiveOrAuto = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
     query_prompt: str | None = Field(
         None, description="A prompt the model ships (sentence-transformers' `prompts`) put before queries only "
@@ -169,7 +168,7 @@ class GeneratorConfig(_Section):
         False, description="vllm: a replica's pipeline stages may sit on different nodes (PACK). Off: the whole "
         "replica on one node (STRICT_PACK).",
     )
-    concurrency: Concurrency = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
+    concurrency: PositiveOrAuto = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
     calls_per_engine: int = Field(
         4, ge=1, description="vllm: batches one engine takes at once, so it decodes the next batch while the last "
         "one's longest answers finish (1: one blocking call at a time).",
@@ -287,7 +286,7 @@ class IndexConfig(_Section):
         "an IVF fewer lists where 39 vectors per list do not fit; an explicit factory that cannot is refused "
         "before any work.",
     )
-    nprobe: int | Literal["auto"] = Field(
+    nprobe: PositiveOrAuto = Field(
         "auto", description="IVF lists visited per query, or 'auto': the fewest that reach index.target_recall, "
         "measured at build time (else max(min(nlist, 32), sqrt(nlist))). An HNSW quantizer searches with efSearch "
         "= max(2 x nprobe, index.ef_search)."
@@ -300,7 +299,7 @@ class IndexConfig(_Section):
         500, ge=10, description="Vectors of the index searched to measure recall (500 give recall@10 to about "
         "+-0.01).",
     )
-    num_shards: int | Literal["auto"] = Field(
+    num_shards: PositiveOrAuto = Field(
         "auto", description="Index shards the build merges into, each loaded by one search actor: an integer, or "
         "'auto': ceil(estimated index bytes / index.shard_memory_gb)."
     )
@@ -321,20 +320,6 @@ class IndexConfig(_Section):
     gpu: bool | Literal["auto"] = Field(
         "auto", description="Search (and train IVF k-means) on GPUs. 'auto': where the cluster has GPUs and faiss "
         "GPU support, else CPUs (logged). true: GPUs or refused before any work. false: CPUs.")
-
-    @field_validator("nprobe")
-    @classmethod
-    def _nprobe(cls, v: int | str) -> int | str:
-        if v != "auto" and int(v) < 1:
-            raise ValueError("nprobe must be at least 1, or 'auto'")
-        return v
-
-    @field_validator("num_shards")
-    @classmethod
-    def _positive_shards(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be a positive integer or 'auto'")
-        return v
 
 
 class RetrievalConfig(_Section):
@@ -545,7 +530,7 @@ class TrainerConfig(_Section):
 
     RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures", "strategy", "timeout_s"})
 
-    num_workers: Concurrency = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
+    num_workers: PositiveOrAuto = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
                              "model, under fsdp each holds 1 / num_workers of it)." + AUTO_CONCURRENCY + " At most batch_size.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How workers share the model. ddp: each holds all of it. fsdp: FSDP2 shards the frozen "
@@ -623,7 +608,7 @@ class LMPrunerConfig(_LoraSection):
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each prediction actor asks Ray for.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per prediction actor.")
-    concurrency: Concurrency = Field(1, description="Number of prediction actors." + AUTO_CONCURRENCY)
+    concurrency: PositiveOrAuto = Field(1, description="Number of prediction actors." + AUTO_CONCURRENCY)
 
 
 class TuneConfig(_LoraSection):
@@ -806,7 +791,7 @@ def _describe(err: dict[str, Any]) -> str:
     return f"config key '{key}' = {got!r} is invalid: {fix}"
 
 
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree
     for part in parts[:-1]:
@@ -827,7 +812,7 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
         key = key.strip()
         if not key:
             raise ConfigError(f"--set {pair!r}: the key is empty")
-        _set_dotted(tree, key, _override_value(key, raw))
+        set_dotted(tree, key, _override_value(key, raw))
     return tree
 
 
@@ -898,9 +883,11 @@ def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     extra: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
 ) -> WbragConfig:
-    """Load YAML (optional), then apply `extra` (from CLI flags), then `--set` overrides, and validate once."""
-    data: dict[str, Any] = {}
+    """Load YAML (optional; else `base`, a run's recorded config), then apply `extra` (from CLI flags), then `--set`
+    overrides, and validate once."""
+    data: dict[str, Any] = base or {}
     if path is not None:
         p = Path(path)
         if p.is_dir():
