@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 
+import ray
+
+from wbrag_ray.build_kb import KB_STAGES
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.generation.vllm import check_shape
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
 from wbrag_ray.placement.gpus import has_auto, index_on_gpu, needs_layout, resolve_auto_concurrency
 from wbrag_ray.ray_runtime import check_model_paths, init_ray
+from wbrag_ray.retrieval.service import search_actors
 from wbrag_ray.run import RunFolder
 
 RunLike = str | os.PathLike[str] | RunFolder
@@ -21,7 +25,6 @@ def open_run(run: RunLike) -> RunFolder:
 
 def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
     """Bind `config` to the run folder (refused when a built stage used another, unless `force`) and join Ray."""
-    from wbrag_ray.build_kb import KB_STAGES
     run = open_run(run)
     run.bind_config(config, force=force, guard=KB_STAGES, record="when_a_stage_runs")
     join_ray(run, config)
@@ -33,13 +36,9 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     check_model_shapes(config)
     init_ray(config.ray, run.uri)
     check_model_paths(config)
-    import ray
-
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
     index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
     if has_auto(config) or needs_layout(config):
-        from wbrag_ray.retrieval.service import search_actors
-
         resolve_auto_concurrency(config, search=search_actors(run.layout.index.uri, config.index, config.retrieval))
 
 
