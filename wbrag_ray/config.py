@@ -6,6 +6,8 @@ Over 900 lines, not split: it is the one config reference a user reads, every fi
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -761,14 +763,18 @@ class WbragConfig(_Section):
 # --- loading -------------------------------------------------------------------------------------------
 
 
-def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
+def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, list[Any]]:
+    """Every dotted key below `model` (into its sections, optional ones too) -> the types its value may take."""
+    keys: dict[str, list[Any]] = {}
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(_known_keys(ann, f"{prefix}{name}."))
+        # a union's members are its options; list[str]'s argument is not (the value is a list)
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        options = [o for o in (typing.get_args(field.annotation) if union else (field.annotation,)) if o is not type(None)]
+        section = next((o for o in options if isinstance(o, type) and issubclass(o, BaseModel)), None)
+        if section is not None:
+            keys.update(_leaves(section, f"{prefix}{name}."))
         else:
-            keys.append(f"{prefix}{name}")
+            keys[f"{prefix}{name}"] = options
     return keys
 
 
@@ -784,8 +790,7 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden" and key in REMOVED_KEYS:
         return f"config key '{key}' was removed: {REMOVED_KEYS[key]}"
     if err["type"] == "extra_forbidden":
-        known = _known_keys(WbragConfig)
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        close = difflib.get_close_matches(key, list(_leaves(WbragConfig)), n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "remove it; see `wbrag <cmd> --help` for keys"
         return f"unknown config key '{key}': {hint}"
     got = err.get("input")
@@ -818,29 +823,13 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     return tree
 
 
-def _leaf_kinds(key: str) -> set[type] | None:
-    """The types a dotted config key's field takes, or None where the key names no typed field."""
-    import types
-    import typing
-
-    model: Any = WbragConfig
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        origin = typing.get_origin(field.annotation)
-        # a union's members are its options; list[str]'s argument is not (the value is a list)
-        union = origin is typing.Union or origin is types.UnionType
-        options = typing.get_args(field.annotation) if union or origin is Literal else (field.annotation,)
-        if origin is Literal:
-            return {type(v) for v in options}
-        if i == len(parts) - 1:
-            return {typing.get_origin(o) or o for o in options if o is not type(None)}
-        model = next((o for o in options if isinstance(o, type) and issubclass(o, BaseModel)), None)
-        if model is None:
-            return None
-    return None
+def _leaf_kinds(key: str) -> set[type]:
+    """The types a dotted config key's value takes (a Literal's: its values'); empty where the key names no field."""
+    kinds: set[type] = set()
+    for option in _leaves(WbragConfig).get(key, ()):
+        literal = typing.get_origin(option) is Literal
+        kinds |= {type(v) for v in typing.get_args(option)} if literal else {typing.get_origin(option) or option}
+    return kinds
 
 
 def _override_value(key: str, raw: str) -> Any:
