@@ -35,7 +35,7 @@ from wbrag_ray.plan.against_run import record_plan
 from wbrag_ray.report import write_report
 from wbrag_ray.report.paper_rows import run_paper_rows
 from wbrag_ray.retrieval.local import load_query_embedder
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, RunStage
 
 # a command's session, part of the API: `api.start(run, config)` opens a run folder and joins Ray
 from wbrag_ray.session import RunLike, check_model_shapes, join_ray, open_run, start  # noqa: F401
@@ -297,24 +297,22 @@ def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = 
 
 
 def tune(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
-    folder = _check_train(run, config, train)
-    folder.require_inputs(TUNE)
+    folder = _check_train(run, train or config.zerorag.train, TUNE)
     return tune_adapter(start(folder, config, force), config, train=train, force=force)
 
 
 def train_router(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
-    folder = _check_train(run, config, train)
-    folder.require_inputs(ROUTER)
+    folder = _check_train(run, train or config.zerorag.train, ROUTER)
     return train_it(start(folder, config, force), config, train=train, force=force)
 
 
-def _check_train(run: RunLike, config: WbragConfig, train: str | None) -> RunFolder:
-    """Before Ray: the run folder, and the training questions exist."""
-    train = train or config.zerorag.train
+def _check_train(run: RunLike, train: str | None, stage: RunStage) -> RunFolder:
+    """Before Ray: the run folder, the inputs of `stage`, and the training questions exist."""
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
     folder = existing_run(run)
     check_input(train, "zerorag.train")
+    folder.require_inputs(stage)
     return folder
 
 
@@ -340,7 +338,7 @@ def check_run_inputs(config: WbragConfig) -> None:
     if config.writeback.train:
         check_input(config.writeback.train, "writeback.train")
         plain_name(default_version(config, config.writeback.train), "writeback.version", reserved=("base", "ACTIVE"))
-    check_model_shapes(config)
+    check_model_shapes(config.generator, config.zerorag.qa_generator)
     if config.zerorag.enabled and config.zerorag.train:
         check_input(config.zerorag.train, "zerorag.train")
     if config.eval.dataset:

@@ -499,14 +499,11 @@ class WritebackConfig(_Section):
     )
     validation: float | Literal["auto"] | None = Field(
         "auto",
-        description="Hold out this fraction of the training questions (chosen by a hash of their ids): the version "
-        "is trained on the rest, and base vs base + version is evaluated on them, so a version that hurts is seen "
-        "before it is activated, and its result (the metric both ways, won, lost, activated or not) is in the "
-        f"version's stats. 'auto' (the default): hold out {AUTO_VALIDATION} when the training set has at least "
-        f"{AUTO_VALIDATION_MIN} questions, so at least {round(AUTO_VALIDATION * AUTO_VALIDATION_MIN)} are held out (one "
-        "question is then at most 0.05 of the metric; fewer could not tell a version that hurts from noise, and "
-        "would cost a small set a larger share of its training questions); below that nothing is held out and the "
-        "stats say validation was skipped. None: no hold-out.",
+        description="Hold out this fraction of the training questions (by a hash of their ids): the version is trained "
+        "on the rest, and base vs base + version is evaluated on them, so a version that hurts is seen before it is "
+        "activated; the result (the metric both ways, won, lost, activated or not) is in the version's stats. 'auto': "
+        f"{AUTO_VALIDATION} where the training set has at least {AUTO_VALIDATION_MIN} questions, else none (the "
+        "stats say validation was skipped). None: no hold-out.",
     )
     activate: bool = Field(True, description="Make the new version the active write-back index when it is built "
                            "(not when its validation shows it hurts).")

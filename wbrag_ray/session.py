@@ -8,7 +8,7 @@ import os
 import ray
 
 from wbrag_ray.build_kb import KB_STAGES
-from wbrag_ray.config import WbragConfig
+from wbrag_ray.config import GeneratorConfig, WbragConfig
 from wbrag_ray.generation.vllm import check_shape
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
 from wbrag_ray.placement.gpus import has_auto, index_on_gpu, needs_layout, resolve_auto_concurrency
@@ -33,7 +33,7 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
 
 def join_ray(run: RunFolder, config: WbragConfig) -> None:
     """Join or start Ray; on a multi-node cluster refuse paths the other nodes cannot read; decide "auto" counts."""
-    check_model_shapes(config)
+    check_model_shapes(config.generator, config.zerorag.qa_generator)
     init_ray(config.ray, run.uri)
     check_model_paths(config)
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
@@ -42,8 +42,8 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
         resolve_auto_concurrency(config, search=search_actors(run.layout.index.uri, config.index, config.retrieval))
 
 
-def check_model_shapes(config: WbragConfig) -> None:
+def check_model_shapes(generator: GeneratorConfig, qa_generator: GeneratorConfig | None) -> None:
     """The generators' models against their engines' settings, before Ray starts."""
-    check_shape(config.generator)
-    if config.zerorag.qa_generator is not None:
-        check_shape(config.zerorag.qa_generator, "zerorag.qa_generator")
+    check_shape(generator)
+    if qa_generator is not None:
+        check_shape(qa_generator, "zerorag.qa_generator")
