@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 
-import ray
-
 from wbrag_ray.build_kb import KB_STAGES
 from wbrag_ray.config import GeneratorConfig, WbragConfig
 from wbrag_ray.generation.vllm import check_shape
@@ -36,6 +34,8 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     check_model_shapes(config.generator, config.zerorag.qa_generator)
     init_ray(config.ray, run.uri)
     check_model_paths(config)
+    import ray  # here, not at the top: a command refused before it joins Ray never imports it
+
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
     index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
     if has_auto(config) or needs_layout(config):
