@@ -677,7 +677,7 @@ class ZeroRagConfig(_Section):
     head_epochs: int = Field(200, ge=1, description="Embedding head: full-batch training epochs.")
     head_weight_decay: float = Field(1e-3, ge=0, description="Embedding head: AdamW weight decay.")
     lm_pruner: LMPrunerConfig = Field(default_factory=LMPrunerConfig)
-    ratios: list[float] = Field(
+    ratios: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
         default_factory=lambda: [0.3], description="`wbrag run`: pruning ratios to build and evaluate (0 = full index)."
     )
     checkpoint_rows: int = Field(
@@ -700,14 +700,6 @@ class ZeroRagConfig(_Section):
         0.5, gt=0, lt=1, description="Router: a query is 'mastered' (retrieval skipped) when P(correct) >= this."
     )
     tune: TuneConfig = Field(default_factory=TuneConfig)
-
-    @field_validator("ratios")
-    @classmethod
-    def _ratios_in_range(cls, v: list[float]) -> list[float]:
-        bad = [r for r in v if not 0 <= r < 1]
-        if bad:
-            raise ValueError(f"pruning ratios must be in [0, 1); got {bad}")
-        return v
 
 
 # Settings that may be "auto": section -> the count it sizes (`cluster_nodes.auto_concurrency`).
