@@ -10,8 +10,6 @@ changed setting); an error a person can fix is a `ConfigError` whose message say
     config = load_config("jobs/configs/demo.yaml")
     api.build_kb("runs/demo", config)
     api.evaluate("runs/demo", config, "questions.jsonl")
-
-Over 400 lines, kept whole: one function a command, read as one table (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -32,9 +30,12 @@ from wbrag_ray.formats import input_files
 from wbrag_ray.index.files import load_manifest
 from wbrag_ray.layout import plain_name
 from wbrag_ray.papers import format_paper_vs_run, print_departures
-from wbrag_ray.pipeline import ZERO_RAG, execute
+from wbrag_ray.pipeline import execute
+from wbrag_ray.plan.against_run import record_plan
+from wbrag_ray.report import write_report
+from wbrag_ray.report.paper_rows import run_paper_rows
 from wbrag_ray.retrieval.local import load_query_embedder
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, RunStage
 
 # a command's session, part of the API: `api.start(run, config)` opens a run folder and joins Ray
 from wbrag_ray.session import RunLike, check_model_shapes, join_ray, open_run, start  # noqa: F401
@@ -110,8 +111,7 @@ def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
         raise ConfigError(f"-k {k}: the number of documents per query must be at least 1")
     if not queries or any(not q.strip() for q in queries):
         raise ConfigError("an empty query: pass the text to search for, --query 'highest mountain in Europe'")
-    run = open_run(run)
-    run.require_run()
+    run = existing_run(run)
     run.require(INDEX)
     join_ray(run, config)
     with Services() as services:
@@ -131,9 +131,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     index, or in a Zero-RAG setting (`prune_ratio`, `router`, `adapter`). `methods_grid`: every method on the base
     and beside every write-back version (`same_writeback`: first train one per method). Returns {method: metrics}
     (the grid for `methods_grid`). Other settings under the same name are refused unless `force`."""
-    dataset = dataset or config.eval.dataset
-    if not dataset:
-        raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
     if methods_grid and writeback:
         raise ConfigError("--methods-grid already evaluates beside every trained write-back version: drop --writeback")
     if same_writeback and not methods_grid:
@@ -142,38 +139,27 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
     if same_writeback and not config.writeback.train:
         raise ConfigError("--same-writeback trains a version per method from writeback.train: set it "
                           "(--set writeback.train=PATH)")
-    run = open_run(run)
-    run.require_run()
-    check_input(dataset, "dataset")
+    run, dataset = _evaluated(run, config, dataset)
     name = plain_name(dataset_name(config, dataset) if name is None else name, "--name (eval.name)")
     kwargs: dict[str, Any] = {}
     if prune_ratio is not None:
-
         check_ratio(prune_ratio, "--prune-ratio")
         kwargs["base_index"] = index_for_ratio(run, prune_ratio).uri
     elif any(m != "no-retrieval" for m in config.eval.methods) or methods_grid:
         run.require(INDEX)
     if router:
-
         run.require(ROUTER)
         kwargs["router"] = run.layout.zero_rag.router.uri
     if adapter:
-
         config = config.model_copy(update={"generator": with_adapter(run, config.generator)})
     label = None
     if prune_ratio is not None or router or adapter:  # a Zero-RAG setting: name it after them all
-
         label = eval_label(name, prune_ratio, writeback, router, adapter)
-
-    version = None
-    if writeback:
-
-        version = active_index(run)[0]
+    version = active_index(run)[0] if writeback else None  # the version searched is part of the results
     made, facts = made_config(run, config, version, bool(adapter), prune_ratio is not None or bool(router),
                               writeback=methods_grid)
     print_departures(made, dataset=dataset, made=facts)
     if methods_grid:
-
         if same_writeback:  # before Ray starts, as every input
             check_input(config.writeback.train, "writeback.train")
         if label is None:  # the plain grid (a Zero-RAG setting's grid has its own file)
@@ -183,17 +169,15 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
                                      **kwargs)
         print_paper_vs_run(run, config)
         return grid
-    if writeback:  # the version searched is part of the results: refused if there is none
-
-        kwargs.update(writeback=True, writeback_version=active_index(run)[0])
+    if writeback:
+        kwargs.update(writeback=True, writeback_version=version)
     if any(m != "no-retrieval" for m in config.eval.methods):
         config = _top_k_within(config, kwargs.get("base_index") or run.layout.index.uri,
-                               kwargs.get("writeback_version") and run.layout.writeback_version(kwargs["writeback_version"]).index.uri)
+                               version and run.layout.writeback_version(version).index.uri)
     if label:
         kwargs["setting"] = label  # the Zero-RAG setting's name, recorded in metrics.json
     label = label or (f"{name}-writeback" if writeback else name)
     run.check(EVAL, config, eval_params(label, dataset, kwargs, config, run), force=force)  # a change refused before Ray starts
-
     join_ray(run, config)
     results = evaluate_stage(run, config, dataset, label, force=force, **kwargs)["methods"]
     print_paper_vs_run(run, config)
@@ -202,8 +186,6 @@ def evaluate(run: RunLike, config: WbragConfig, dataset: str | None = None, name
 
 def print_paper_vs_run(run: RunFolder, config: WbragConfig) -> None:
     """The papers' numbers beside the run's comparable results (`papers.paper_vs_run`), as `wbrag eval` ends."""
-    from wbrag_ray.report.paper_rows import run_paper_rows
-
     print(format_paper_vs_run(run_paper_rows(run, config)), flush=True)
 
 
@@ -220,20 +202,24 @@ def _top_k_within(config: WbragConfig, *index_uris: str | None) -> WbragConfig:
 def evaluate_zero_rag_grid(run: RunLike, config: WbragConfig, dataset: str | None = None,
                            force: bool = False) -> list[dict[str, Any]]:
     """Every zerorag.ratios setting (with the router, adapter and write-back when there are any)."""
-    dataset = dataset or config.eval.dataset
-    if not dataset:
-        raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
-    run = open_run(run)
-    run.require_run()  # before Ray, as a single evaluation's checks
-    check_input(dataset, "dataset")
+    run, dataset = _evaluated(run, config, dataset)
     check_grid_dataset(run.layout.zero_rag.grid, dataset, force)
-
     made, facts = made_config(run, config, adapter=config.zerorag.tune.enabled, zero_rag=True)
     print_departures(made, dataset=dataset, made=facts)
     join_ray(run, config)
     rows = evaluate_grid(run, config, dataset, force=force)
     print_paper_vs_run(run, config)
     return rows
+
+
+def _evaluated(run: RunLike, config: WbragConfig, dataset: str | None) -> tuple[RunFolder, str]:
+    """The run folder and the dataset to evaluate (default eval.dataset), both checked before Ray starts."""
+    dataset = dataset or config.eval.dataset
+    if not dataset:
+        raise ConfigError("no dataset to evaluate: pass --dataset PATH or set eval.dataset")
+    run = existing_run(run)
+    check_input(dataset, "dataset")
+    return run, dataset
 
 
 def check_grid_dataset(grid, dataset: str, force: bool) -> None:
@@ -267,12 +253,10 @@ def writeback_versions(run: RunLike) -> tuple[list[str], str | None]:
 
 
 def activate_writeback(run: RunLike, version: str) -> dict[str, Any]:
-
     return activate(existing_run(run), version)
 
 
 def rollback_writeback(run: RunLike, version: str | None = None) -> dict[str, Any]:
-
     return rollback(existing_run(run), version)
 
 
@@ -290,10 +274,9 @@ def writeback_sweep(run: RunLike, version: str, tau_s: list[float], tau_delta: l
 def mastery(run: RunLike, config: WbragConfig, sample: int | None = None, force: bool = False) -> dict[str, Any]:
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample {sample}: the number of sentences to score must be at least 1")
-    folder = open_run(run)
-    folder.require_run()
+    folder = existing_run(run)
     folder.require_inputs(MASTERY)
-    return score(start(run, config, force), config, sample=sample, force=force)
+    return score(start(folder, config, force), config, sample=sample, force=force)
 
 
 def train_pruner(run: RunLike, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
@@ -314,33 +297,23 @@ def prune(run: RunLike, config: WbragConfig, ratios: list[float], force: bool = 
 
 
 def tune(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
-    folder = _check_train(run, config, train)
-    folder.require_inputs(TUNE)
+    folder = _check_train(run, train or config.zerorag.train, TUNE)
     return tune_adapter(start(folder, config, force), config, train=train, force=force)
 
 
 def train_router(run: RunLike, config: WbragConfig, train: str | None = None, force: bool = False) -> dict[str, Any]:
-    folder = _check_train(run, config, train)
-    folder.require_inputs(ROUTER)
+    folder = _check_train(run, train or config.zerorag.train, ROUTER)
     return train_it(start(folder, config, force), config, train=train, force=force)
 
 
-def _check_train(run: RunLike, config: WbragConfig, train: str | None) -> RunFolder:
-    """Before Ray: the run folder, and the training questions exist."""
-    train = train or config.zerorag.train
+def _check_train(run: RunLike, train: str | None, stage: RunStage) -> RunFolder:
+    """Before Ray: the run folder, the inputs of `stage`, and the training questions exist."""
     if not train:
         raise ConfigError("no training questions: pass --train PATH or set zerorag.train (FlashRAG jsonl / Parquet)")
-    folder = open_run(run)
-    folder.require_run()
+    folder = existing_run(run)
     check_input(train, "zerorag.train")
+    folder.require_inputs(stage)
     return folder
-
-
-def run_zero_rag(run: RunLike, config: WbragConfig, force: bool = False) -> None:
-    """mastery -> pruners -> prediction -> every ratio -> [tune] -> [router] -> [the grid]."""
-    if not config.zerorag.enabled:
-        raise ConfigError("zerorag.enabled is false: set it (--set zerorag.enabled=true) to run Zero-RAG's stages")
-    execute(start(run, config, force), config, force=force, only=ZERO_RAG)
 
 
 # --- whole runs --------------------------------------------------------------------------------------------
@@ -355,8 +328,6 @@ def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str =
         check_grid_dataset(folder.layout.zero_rag.grid, config.eval.dataset, force)
     kb.check_factory(folder, config)
     print_departures(config)
-    from wbrag_ray.plan.against_run import record_plan
-
     record_plan(config, folder.uri, plan_name, force=force)  # RUN/plan/plan.json; refused here if it cannot fit
     execute(start(folder, config, force), config, force=force)
     return {s: folder.stats(s) for s in folder.completed_stages()}
@@ -365,10 +336,9 @@ def run(run: RunLike, config: WbragConfig, force: bool = False, plan_name: str =
 def check_run_inputs(config: WbragConfig) -> None:
     """Every input and name of every stage `run` will reach, checked before the first."""
     if config.writeback.train:
-
         check_input(config.writeback.train, "writeback.train")
         plain_name(default_version(config, config.writeback.train), "writeback.version", reserved=("base", "ACTIVE"))
-    check_model_shapes(config)
+    check_model_shapes(config.generator, config.zerorag.qa_generator)
     if config.zerorag.enabled and config.zerorag.train:
         check_input(config.zerorag.train, "zerorag.train")
     if config.eval.dataset:
@@ -384,8 +354,6 @@ def demo_data(name: str) -> str:
 def demo(run_dir: RunLike, config_file: str | None = None, overrides: list[str] | None = None,
          force: bool = False, address: str | None = None) -> tuple[RunFolder, str]:
     """The embedded demo: 100 passages, 40 questions, the bundled models; returns (run folder, report path)."""
-    from wbrag_ray.report import write_report
-
     extra = {
         "ingest": {"corpus": demo_data("demo_corpus.jsonl")},
         "eval": {"dataset": demo_data("demo_qa.jsonl"), "name": "demo_qa"},

@@ -10,12 +10,16 @@ Over 500 lines, kept whole: one parser block and one function a subcommand, read
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
+import os
 import sys
+import time
 from typing import Any
 
 from wbrag_ray import __version__, api, doctor, flashrag_data, jobs_api, plan, rag
-from wbrag_ray.config import ConfigError, WbragConfig, build_config, deep_merge, load_config, parse_overrides
+from wbrag_ray.config import ConfigError, WbragConfig, load_config, set_dotted
 from wbrag_ray.export import FORMATS
 from wbrag_ray.formats import InputError
 from wbrag_ray.index.files import IndexError_
@@ -33,13 +37,20 @@ from wbrag_ray.run import RunFolder
 DEMO_DIR = "runs/demo"
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="YAML config (sections: ingest, embedder, generator, ...)")
+def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
+    if config:
+        p.add_argument("--config", metavar="FILE", help="YAML config (sections: ingest, embedder, generator, ...)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set generator.batch_size=16 (repeatable)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
     p.add_argument("--force", action="store_true", help="rerun completed stages / accept a changed config")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _on_run_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand on one run folder (RUN, its first argument)."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("run", metavar="RUN", help="run folder (local path or s3://bucket/prefix)")
+    return p
 
 
 def _floats(text: str) -> list[float]:
@@ -51,6 +62,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The subcommands. A flag whose `dest` is a dotted config key (ingest.corpus) sets that key (`_resolve_config`)."""
     parser = argparse.ArgumentParser(
         prog="wbrag",
         description="Knowledge-base training for RAG on Ray: ingest, embed, index, evaluate "
@@ -59,34 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"wbrag-ray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("ingest", help="corpus (FlashRAG jsonl / Parquet) -> passages + sentences shards")
-    p.add_argument("run", metavar="RUN", help="run folder (local path or s3://bucket/prefix)")
-    p.add_argument("--corpus", help="corpus file or folder (FlashRAG jsonl or Parquet, local or s3://)")
+    p = _on_run_parser(sub, "ingest", "corpus (FlashRAG jsonl / Parquet) -> passages + sentences shards")
+    p.add_argument("--corpus", dest="ingest.corpus", metavar="CORPUS",
+                   help="corpus file or folder (FlashRAG jsonl or Parquet, local or s3://)")
     _common(p)
 
-    p = sub.add_parser("embed", help="embed the ingested passages (or sentences) in a Ray actor pool")
-    p.add_argument("run", metavar="RUN")
+    _common(_on_run_parser(sub, "embed", "embed the ingested passages (or sentences) in a Ray actor pool"))
+
+    p = _on_run_parser(sub, "index", "build the FAISS index from the embedding shards")
+    p.add_argument("--factory", dest="index.factory", metavar="FACTORY",
+                   help="faiss index factory string, or 'auto' (default: index.factory, auto)")
     _common(p)
 
-    p = sub.add_parser("index", help="build the FAISS index from the embedding shards")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("--factory", help="faiss index factory string, or 'auto' (default: index.factory, auto)")
-    _common(p)
-
-    p = sub.add_parser("search", help="search the run's index and print the top K documents")
-    p.add_argument("run", metavar="RUN")
+    p = _on_run_parser(sub, "search", "search the run's index and print the top K documents")
     p.add_argument("--query", action="append", required=True, help="query text (repeatable)")
     p.add_argument("-k", type=int, default=5, help="documents per query (default 5)")
     _common(p)
 
-    p = sub.add_parser("eval", help="evaluate RAG on a QA dataset: metrics.json + predictions.parquet")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("--dataset", help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
+    p = _on_run_parser(sub, "eval", "evaluate RAG on a QA dataset: metrics.json + predictions.parquet")
+    p.add_argument("--dataset", dest="eval.dataset", metavar="DATASET",
+                   help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
     p.add_argument("--name", help="name of the evaluation (default: the dataset's file stem)")
     p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,replug-vote,"
                    "self-rag,flare "
                    "(default: eval.methods, no-retrieval,naive; with --methods-grid: all)")
-    p.add_argument("--limit", type=int, help="evaluate only the first N questions")
+    # 0 too: refused by eval.limit's range, not read as "no limit"
+    p.add_argument("--limit", dest="eval.limit", metavar="LIMIT", type=int, help="evaluate only the first N questions")
     p.add_argument("--writeback", action="store_true", help="search the active write-back index beside the base")
     p.add_argument("--prune-ratio", type=float, help="Zero-RAG: evaluate on the index pruned at this ratio")
     p.add_argument("--router", action="store_true", help="Zero-RAG: skip retrieval for queries the router calls mastered")
@@ -101,37 +111,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "writeback.train (WriteBack-RAG's Same-WB)")
     _common(p)
 
-    p = sub.add_parser("mastery", help="Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")
-    p.add_argument("run", metavar="RUN")
+    p = _on_run_parser(sub, "mastery", "Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")
     p.add_argument("--sample", type=int, help="sentences to score (default: zerorag.sample)")
-    p.add_argument("--mode", choices=["cloze", "llm"], help="how QA pairs are written (default: zerorag.qa_mode)")
+    p.add_argument("--mode", dest="zerorag.qa_mode", choices=["cloze", "llm"],
+                   help="how QA pairs are written (default: zerorag.qa_mode)")
     _common(p)
 
-    p = sub.add_parser("train-pruner", help="Zero-RAG: train and validate the pruner(s) on the scored sample")
-    p.add_argument("run", metavar="RUN")
+    p = _on_run_parser(sub, "train-pruner", "Zero-RAG: train and validate the pruner(s) on the scored sample")
     p.add_argument("--kind", choices=["embedding", "lm"], help="one pruner (default: zerorag.train_pruners)")
     _common(p)
 
-    p = sub.add_parser("prune", help="Zero-RAG: predict mastery for every sentence, drop the top R, build the pruned index")
-    p.add_argument("run", metavar="RUN")
+    p = _on_run_parser(sub, "prune", "Zero-RAG: predict mastery for every sentence, drop the top R, build the pruned "
+                       "index")
     p.add_argument("--ratio", type=float, action="append", required=True,
                    help="fraction of sentences to drop, e.g. 0.3 (repeatable)")
-    p.add_argument("--pruner", choices=["embedding", "lm"], help="which trained pruner predicts (default: zerorag.pruner)")
+    p.add_argument("--pruner", dest="zerorag.pruner", choices=["embedding", "lm"],
+                   help="which trained pruner predicts (default: zerorag.pruner)")
     _common(p)
 
-    p = sub.add_parser("tune", help="Zero-RAG: noise-tolerant LoRA tuning of the generator")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("--train", help="training questions (default: zerorag.train)")
-    _common(p)
+    for name, text in (("tune", "Zero-RAG: noise-tolerant LoRA tuning of the generator"),
+                       ("train-router", "Zero-RAG: train the query router (skip retrieval for mastered queries)")):
+        p = _on_run_parser(sub, name, text)
+        p.add_argument("--train", dest="zerorag.train", metavar="TRAIN",
+                       help="training questions (default: zerorag.train)")
+        _common(p)
 
-    p = sub.add_parser("train-router", help="Zero-RAG: train the query router (skip retrieval for mastered queries)")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("--train", help="training questions (default: zerorag.train)")
-    _common(p)
-
-    p = sub.add_parser("writeback", help="WriteBack-RAG: train, activate (replace) or roll back a write-back index")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("--train", help="labeled QA set (FlashRAG jsonl / Parquet) to train a write-back index from")
+    p = _on_run_parser(sub, "writeback", "WriteBack-RAG: train, activate (replace) or roll back a write-back index")
+    p.add_argument("--train", dest="writeback.train", metavar="TRAIN",
+                   help="labeled QA set (FlashRAG jsonl / Parquet) to train a write-back index from")
     p.add_argument("--version", help="name of the version to train (default: the train file's stem)")
     p.add_argument("--activate", metavar="VERSION", help="make a trained version the active write-back index")
     p.add_argument("--rollback", metavar="VERSION", nargs="?", const="",
@@ -148,10 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the whole pipeline a config describes (ingest, embed, index, eval, writeback)")
     p.add_argument("config_file", metavar="CONFIG", help="YAML config")
     p.add_argument("--run", dest="run", help="run folder (default: the config's `run` key)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--address")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("-v", "--verbose", action="store_true")
+    _common(p, config=False)
 
     p = sub.add_parser("plan", help="what each stage of `wbrag run CONFIG` asks of a cluster (bundles, memory per "
                        "actor, index shards, search actors) and about how long it takes; refuses what cannot be placed")
@@ -180,7 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "and record the rates with its hardware (in --run and ~/.cache/wbrag/rates.json)")
     p.add_argument("--calibrate-seconds", type=float, default=30.0, metavar="S",
                    help="seconds each model runs when calibrating (default 30; a minute on a cluster)")
-    p.add_argument("-v", "--verbose", action="store_true")
 
     p = sub.add_parser("submit", help="submit `wbrag run CONFIG` to a Ray cluster with the Ray Jobs API")
     p.add_argument("config_file", metavar="CONFIG", help="YAML config inside the working dir (e.g. jobs/configs/...)")
@@ -190,7 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
     p.add_argument("--force", action="store_true", help="submit again even if the same job already succeeded")
-    p.add_argument("-v", "--verbose", action="store_true")
 
     for name, text in (("status", "show a run folder's stages (done / total rows, what a rerun resumes), or a "
                                   "submitted job's status"),
@@ -202,11 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
             p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
-        p.add_argument("-v", "--verbose", action="store_true")
 
-    p = sub.add_parser("report", help="write RUN/report/index.html (+ PNG plots) and report.md")
-    p.add_argument("run", metavar="RUN")
-    p.add_argument("-v", "--verbose", action="store_true")
+    _on_run_parser(sub, "report", "write RUN/report/index.html (+ PNG plots) and report.md")
 
     p = sub.add_parser("data", help="FlashRAG's QA datasets and wiki-18 corpus into a folder (local or s3://): "
                                     "fetch from the hub, or check a folder downloaded by hand")
@@ -217,17 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "folder to read for check")
     p.add_argument("--corpus", choices=["wiki18"], help="the retrieval corpus too (wiki18: 21M passages, 5 GB zipped)")
     p.add_argument("--revision", help="fetch: the repository's revision (a commit, for a pinned reproduction)")
-    p.add_argument("-v", "--verbose", action="store_true")
 
-    p = sub.add_parser("inspect", help="print samples: rejects, sentences, answers, write-back units")
-    p.add_argument("run", metavar="RUN")
+    p = _on_run_parser(sub, "inspect", "print samples: rejects, sentences, answers, write-back units")
     p.add_argument("-n", type=int, default=3, help="samples per section (default 3)")
-    p.add_argument("-v", "--verbose", action="store_true")
 
-
-    p = sub.add_parser("export", help="write the knowledge base (pruned, with write-back units) for FlashRAG, "
+    p = _on_run_parser(sub, "export", "write the knowledge base (pruned, with write-back units) for FlashRAG, "
                        "LangChain or LlamaIndex")
-    p.add_argument("run", metavar="RUN")
     p.add_argument("--format", required=True, choices=FORMATS, help="the target's own on-disk format")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write (local or s3://); empty or new")
     p.add_argument("--prune-ratio", type=float, help="Zero-RAG: the base pruned at this ratio (default: the full base)")
@@ -235,29 +229,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write-back units to add: a version, 'active' or 'none' (default: the active version, if any)")
     _common(p)
 
-
-    p = sub.add_parser("doctor", help="what this node can run: torch and CUDA, the driver, vLLM, faiss's GPUs, "
-                       "/dev/shm, S3 and hub credentials (exit 1 where a flag's requirement fails)")
-    doctor.add_arguments(p)
-    p.add_argument("-v", "--verbose", action="store_true")
+    doctor.add_arguments(sub.add_parser("doctor", help="what this node can run: torch and CUDA, the driver, vLLM, "
+                                        "faiss's GPUs, /dev/shm, S3 and hub credentials (exit 1 where a flag's "
+                                        "requirement fails)"))
 
     p = sub.add_parser("demo", help="the embedded demo: 100 passages, 40 questions, bundled models, local Ray")
     p.add_argument("--run", dest="run", default=DEMO_DIR, help=f"run folder (default {DEMO_DIR})")
     _common(p)
+    for p in sub.choices.values():
+        p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
 # --- config resolution ----------------------------------------------------------------------------------
 
 
-def _resolve_config(args: argparse.Namespace, extra: dict[str, Any], run: RunFolder | None = None) -> WbragConfig:
-    """--config file, else the run's recorded config, then flag values, then --set overrides."""
+def _resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None,
+                    run: RunFolder | None = None) -> WbragConfig:
+    """--config file, else the run's recorded config, then flag values (`extra` and the flags whose dest is a
+    config key), then --set overrides."""
+    extra = extra or {}
+    for key, value in vars(args).items():
+        if "." in key and value not in (None, ""):
+            set_dotted(extra, key, value)
     config_file = getattr(args, "config", None) or getattr(args, "config_file", None)
+    base = None
     if config_file is None and run is not None and run.layout.run_json.exists():
         base = run.load_config().model_dump(mode="json")
-        config = build_config(deep_merge(deep_merge(base, extra), parse_overrides(args.overrides)))
-    else:
-        config = load_config(config_file, args.overrides, extra)
+    config = load_config(config_file, args.overrides, extra, base=base)
     if args.address:
         config.ray.address = args.address
     return config
@@ -265,25 +264,24 @@ def _resolve_config(args: argparse.Namespace, extra: dict[str, Any], run: RunFol
 
 def _on_run(args, extra: dict[str, Any] | None = None) -> tuple[RunFolder, WbragConfig]:
     run = RunFolder(args.run)
-    return run, _resolve_config(args, extra or {}, run)
+    return run, _resolve_config(args, extra, run)
+
+
+def _run_dir(args, config: WbragConfig) -> str:
+    """`wbrag run` / `submit`: --run, else the config's `run` key."""
+    run_dir = args.run or config.run
+    if not run_dir:
+        raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
+    return run_dir
 
 
 # --- commands: each parses, calls the library API, prints ------------------------------------------------
 
 
-def cmd_ingest(args) -> None:
-    run, config = _on_run(args, {"ingest": {"corpus": args.corpus}} if args.corpus else None)
-    api.build_kb(run, config, force=args.force, steps=("ingest",))
-
-
-def cmd_embed(args) -> None:
-    run, config = _on_run(args)
-    api.build_kb(run, config, force=args.force, steps=("embed",))
-
-
-def cmd_index(args) -> None:
-    run, config = _on_run(args, {"index": {"factory": args.factory}} if args.factory else None)
-    api.build_kb(run, config, force=args.force, steps=("index",))  # another factory on a built index: --force
+def cmd_build(args) -> None:
+    """`wbrag ingest`, `embed` or `index`: that step of the knowledge base (another factory on a built index:
+    --force)."""
+    api.build_kb(*_on_run(args), force=args.force, steps=(args.command,))
 
 
 def cmd_search(args) -> None:
@@ -295,21 +293,11 @@ def cmd_search(args) -> None:
             print(f"  {h.rank + 1:>2}. {h.score:.4f}  [{h.id}] {h.title}: {text}")
 
 
-def _eval_extra(args) -> dict[str, Any]:
-    extra: dict[str, Any] = {}
-    if args.dataset:
-        extra["dataset"] = args.dataset
-    if args.methods is not None:
-        extra["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
-        if not extra["methods"]:
-            raise ConfigError(f"--methods {args.methods!r} names no method: e.g. --methods no-retrieval,naive")
-    if args.limit is not None:  # 0 too: refused by eval.limit's range, not read as "no limit"
-        extra["limit"] = args.limit
-    return {"eval": extra} if extra else {}
-
-
 def cmd_eval(args) -> None:
-    run, config = _on_run(args, _eval_extra(args))
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if methods == []:
+        raise ConfigError(f"--methods {args.methods!r} names no method: e.g. --methods no-retrieval,naive")
+    run, config = _on_run(args, {"eval": {"methods": methods}} if methods else None)
     if args.grid and args.methods_grid:
         raise ConfigError("--grid (Zero-RAG settings) and --methods-grid (RAG methods x write-back) are two grids: "
                           "run them one at a time")
@@ -324,8 +312,7 @@ def cmd_eval(args) -> None:
                               f"configured): drop {', '.join(ignored)}, or evaluate one setting without --grid")
         api.evaluate_zero_rag_grid(run, config, force=args.force)
         return
-    if args.methods_grid and not args.methods:  # the grid's point is every method
-
+    if args.methods_grid and not methods:  # the grid's point is every method
         config.eval.methods = rag.available_methods(config.generator)
     api.evaluate(run, config, name=args.name, writeback=args.writeback, prune_ratio=args.prune_ratio,
                  router=args.router, adapter=args.adapter, methods_grid=args.methods_grid,
@@ -333,32 +320,28 @@ def cmd_eval(args) -> None:
 
 
 def cmd_mastery(args) -> None:
-    run, config = _on_run(args, {"zerorag": {"qa_mode": args.mode}} if args.mode else None)
-    api.mastery(run, config, sample=args.sample, force=args.force)
+    api.mastery(*_on_run(args), sample=args.sample, force=args.force)
 
 
 def cmd_train_pruner(args) -> None:
-    run, config = _on_run(args)
-    api.train_pruner(run, config, kind=args.kind, force=args.force)
+    api.train_pruner(*_on_run(args), kind=args.kind, force=args.force)
 
 
 def cmd_prune(args) -> None:
-    run, config = _on_run(args, {"zerorag": {"pruner": args.pruner}} if args.pruner else None)
-    api.prune(run, config, args.ratio, force=args.force)
+    api.prune(*_on_run(args), args.ratio, force=args.force)
 
 
 def cmd_tune(args) -> None:
-    run, config = _on_run(args, {"zerorag": {"train": args.train}} if args.train else None)
-    api.tune(run, config, force=args.force)
+    api.tune(*_on_run(args), force=args.force)
 
 
 def cmd_train_router(args) -> None:
-    run, config = _on_run(args, {"zerorag": {"train": args.train}} if args.train else None)
-    api.train_router(run, config, force=args.force)
+    api.train_router(*_on_run(args), force=args.force)
 
 
 def cmd_writeback(args) -> None:
-    actions = [flag for flag, given in (("--train", args.train), ("--activate", args.activate),
+    train = getattr(args, "writeback.train")
+    actions = [flag for flag, given in (("--train", train), ("--activate", args.activate),
                                         ("--rollback", args.rollback is not None), ("--list", args.list),
                                         ("--sweep", args.sweep)) if given]
     if len(actions) > 1:
@@ -368,26 +351,21 @@ def cmd_writeback(args) -> None:
         for v in trained:
             print(f"{'*' if v == active else ' '} {v}")
         print(f"active: {active or 'none (base index only)'}")
-        return
-    if args.activate:
+    elif args.activate:
         api.activate_writeback(args.run, args.activate)
-        return
-    if args.rollback is not None:
+    elif args.rollback is not None:
         api.rollback_writeback(args.run, args.rollback or None)
-        return
-    if args.sweep:
+    elif args.sweep:
         run, config = _on_run(args)
         api.writeback_sweep(run, args.sweep, tau_s=args.tau_s or [0.0, 0.1, 0.3, 0.5],
                             tau_delta=args.tau_delta or [config.writeback.tau_delta],
                             tau_doc=args.tau_doc or [0.0, 0.01, 0.1], n_min=args.n_min or [1, 2, 3])
-        return
-    run, config = _on_run(args, {"writeback": {"train": args.train}} if args.train else None)
-    api.train_writeback(run, config, version=args.version, force=args.force)
+    else:
+        api.train_writeback(*_on_run(args), version=args.version, force=args.force)
 
 
 def cmd_plan(args) -> None:
-
-    config = _resolve_config(args, {})
+    config = _resolve_config(args)
     if args.passages is not None and args.passages < 1:
         raise ConfigError(f"--passages {args.passages}: a corpus has at least one passage")
     try:
@@ -402,12 +380,10 @@ def cmd_plan(args) -> None:
         raise ConfigError(f"--storage-read-gbs {args.storage_read_gbs:g}: a read rate is positive")
     shape = (args.nodes, args.gpus_per_node, args.cpus_per_node, args.memory_per_node)
     if not args.json:
-
         print_departures(config)  # as `wbrag run` will start
     if args.calibrate:  # on the cluster the run will use: --address, or a local one started here
         calibrate(config, args.calibrate_seconds, run=args.run)
     if args.address and all(v is None for v in shape):
-
         init_ray(config.ray)
         cluster = plan.cluster_from_ray(gpu_memory_gb)
     else:
@@ -416,8 +392,6 @@ def cmd_plan(args) -> None:
                             gpu=args.gpu, records=load_records(args.run), gpu_hour_price=args.gpu_hour_price,
                             network=args.interconnect, storage_gbs=args.storage_read_gbs)
     if args.json:
-        import json
-
         print(json.dumps(plan.plan_data(result), indent=1), flush=True)
     else:
         print(plan.format_plan(result), flush=True)
@@ -428,11 +402,7 @@ def cmd_plan(args) -> None:
 
 def _print_plan_summary(config: WbragConfig, run_dir: str) -> None:
     """The plan's summary on the run's Ray cluster (none for a local cluster not started yet)."""
-    import os
-
-
     if config.ray.address or os.environ.get("RAY_ADDRESS"):
-
         init_ray(config.ray)
     summary = run_summary(config, run_dir)
     if summary:
@@ -440,11 +410,8 @@ def _print_plan_summary(config: WbragConfig, run_dir: str) -> None:
 
 
 def cmd_run(args) -> None:
-    config = _resolve_config(args, {})
-    run_dir = args.run or config.run
-    if not run_dir:
-        raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
-
+    config = _resolve_config(args)
+    run_dir = _run_dir(args, config)
     with run_lease(run_dir, args.holder):
         api.check_run_inputs(config)  # every stage's inputs and names, before a cluster is joined
         _print_plan_summary(config, run_dir)
@@ -453,8 +420,6 @@ def cmd_run(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    import time
-
     t0 = time.perf_counter()
     run, report = api.demo(args.run, args.config, args.overrides, force=args.force, address=args.address)
     print(f"demo finished in {time.perf_counter() - t0:.1f} s; run folder: {run.uri}", flush=True)
@@ -463,11 +428,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_submit(args) -> None:
-
-    config = load_config(args.config_file, args.overrides)  # validate here, before anything is uploaded
-    run_dir = args.run or config.run
-    if not run_dir:
-        raise ConfigError("no run folder: pass --run RUN or set `run:` in the config")
+    run_dir = _run_dir(args, load_config(args.config_file, args.overrides))  # validated before anything is uploaded
     result = jobs_api.submit(args.config_file, run_dir, args.address, args.working_dir, args.overrides,
                              wait=not args.no_wait, force=args.force)
     if not args.no_wait and result["status"] != "SUCCEEDED":
@@ -476,53 +437,36 @@ def cmd_submit(args) -> None:
 
 
 def cmd_status(args) -> None:
-
     if args.address is None:
-
         run = RunFolder(args.submission_id)
         if not run.is_run():
             raise ConfigError(f"{args.submission_id} is not a run folder (no run.json); for a submitted job's "
                               "status pass --address HEAD")
         print("\n".join(run_status(run)))
         return
-
     info = jobs_api.status(args.submission_id, args.address)
     print(f"{info['submission_id']}: {info['status']}" + (f" ({info['message']})" if info["message"] else ""))
     print(f"  entrypoint: {info['entrypoint']}")
 
 
 def cmd_logs(args) -> None:
-
     print(jobs_api.logs(args.submission_id, args.address), end="")
 
 
 def cmd_stop(args) -> None:
-
     stopped = jobs_api.stop(args.submission_id, args.address)
     print(f"{args.submission_id}: {'stop requested' if stopped else 'already finished'}")
 
 
 def cmd_report(args) -> None:
-
-    run = RunFolder(args.run)
-    run.require_run()  # a mistyped path: refused, and nothing created there
-    print(f"report: {write_report(run)}")
+    print(f"report: {write_report(api.existing_run(args.run))}")  # a mistyped path: refused, nothing created there
 
 
 def cmd_inspect(args) -> None:
-
-    run = RunFolder(args.run)
-    run.require_run()
-    print(inspect_run(run, args.n))
-
-
-def cmd_doctor(args) -> int:
-
-    return doctor.run(args)
+    print(inspect_run(api.existing_run(args.run), args.n))
 
 
 def cmd_data(args) -> None:
-
     if not args.datasets and not args.corpus:
         raise ConfigError("name at least one dataset (nq, triviaqa, ...) or --corpus wiki18")
     if args.action == "fetch":
@@ -554,9 +498,9 @@ COMMANDS = {
     "status": cmd_status,
     "logs": cmd_logs,
     "stop": cmd_stop,
-    "ingest": cmd_ingest,
-    "embed": cmd_embed,
-    "index": cmd_index,
+    "ingest": cmd_build,
+    "embed": cmd_build,
+    "index": cmd_build,
     "search": cmd_search,
     "eval": cmd_eval,
     "writeback": cmd_writeback,
@@ -570,7 +514,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "export": cmd_export,
     "data": cmd_data,
-    "doctor": cmd_doctor,
+    "doctor": doctor.run,
 }
 
 
@@ -580,11 +524,8 @@ WRITERS = {"ingest", "embed", "index", "eval", "mastery", "train-pruner", "prune
 
 
 def _writer_lease(args):
-    import contextlib
-
     if args.command not in WRITERS or (args.command == "writeback" and args.list):
         return contextlib.nullcontext()
-
     return run_lease(args.run, args.holder)
 
 

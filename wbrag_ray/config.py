@@ -6,6 +6,8 @@ Over 900 lines, not split: it is the one config reference a user reads, every fi
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -42,8 +44,9 @@ def _concurrency(value: Any) -> Any:
     return count
 
 
-# A pool's actor count (or training workers): a number, or "auto", decided by each command as it joins Ray.
-Concurrency = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
+# A count: a positive integer, or "auto" (a pool's actors or training workers: decided by each command as it joins
+# Ray; nprobe, index shards: by the index build).
+PositiveOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
 AUTO_CONCURRENCY = (" 'auto': as many as the cluster holds (an autoscaling cluster: its declared maximum), decided by "
                     "each command as it joins Ray (GPU actors: the GPUs, the generator's less those the index's search "
                     "actors and query embedders hold; CPU actors: the CPUs, less one for reads).")
@@ -102,7 +105,7 @@ class EmbedderConfig(_Section):
         None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus))."
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
-    concurrency: Concurrency = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
+    concurrency: PositiveOrAuto = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
     query_prompt: str | None = Field(
         None, description="A prompt the model ships (sentence-transformers' `prompts`) put before queries only "
@@ -169,7 +172,7 @@ class GeneratorConfig(_Section):
         False, description="vllm: a replica's pipeline stages may sit on different nodes (PACK). Off: the whole "
         "replica on one node (STRICT_PACK).",
     )
-    concurrency: Concurrency = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
+    concurrency: PositiveOrAuto = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
     calls_per_engine: int = Field(
         4, ge=1, description="vllm: batches one engine takes at once, so it decodes the next batch while the last "
         "one's longest answers finish (1: one blocking call at a time).",
@@ -287,7 +290,7 @@ class IndexConfig(_Section):
         "an IVF fewer lists where 39 vectors per list do not fit; an explicit factory that cannot is refused "
         "before any work.",
     )
-    nprobe: int | Literal["auto"] = Field(
+    nprobe: PositiveOrAuto = Field(
         "auto", description="IVF lists visited per query, or 'auto': the fewest that reach index.target_recall, "
         "measured at build time (else max(min(nlist, 32), sqrt(nlist))). An HNSW quantizer searches with efSearch "
         "= max(2 x nprobe, index.ef_search)."
@@ -300,7 +303,7 @@ class IndexConfig(_Section):
         500, ge=10, description="Vectors of the index searched to measure recall (500 give recall@10 to about "
         "+-0.01).",
     )
-    num_shards: int | Literal["auto"] = Field(
+    num_shards: PositiveOrAuto = Field(
         "auto", description="Index shards the build merges into, each loaded by one search actor: an integer, or "
         "'auto': ceil(estimated index bytes / index.shard_memory_gb)."
     )
@@ -321,20 +324,6 @@ class IndexConfig(_Section):
     gpu: bool | Literal["auto"] = Field(
         "auto", description="Search (and train IVF k-means) on GPUs. 'auto': where the cluster has GPUs and faiss "
         "GPU support, else CPUs (logged). true: GPUs or refused before any work. false: CPUs.")
-
-    @field_validator("nprobe")
-    @classmethod
-    def _nprobe(cls, v: int | str) -> int | str:
-        if v != "auto" and int(v) < 1:
-            raise ValueError("nprobe must be at least 1, or 'auto'")
-        return v
-
-    @field_validator("num_shards")
-    @classmethod
-    def _positive_shards(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be a positive integer or 'auto'")
-        return v
 
 
 class RetrievalConfig(_Section):
@@ -510,14 +499,11 @@ class WritebackConfig(_Section):
     )
     validation: float | Literal["auto"] | None = Field(
         "auto",
-        description="Hold out this fraction of the training questions (chosen by a hash of their ids): the version "
-        "is trained on the rest, and base vs base + version is evaluated on them, so a version that hurts is seen "
-        "before it is activated, and its result (the metric both ways, won, lost, activated or not) is in the "
-        f"version's stats. 'auto' (the default): hold out {AUTO_VALIDATION} when the training set has at least "
-        f"{AUTO_VALIDATION_MIN} questions, so at least {round(AUTO_VALIDATION * AUTO_VALIDATION_MIN)} are held out (one "
-        "question is then at most 0.05 of the metric; fewer could not tell a version that hurts from noise, and "
-        "would cost a small set a larger share of its training questions); below that nothing is held out and the "
-        "stats say validation was skipped. None: no hold-out.",
+        description="Hold out this fraction of the training questions (by a hash of their ids): the version is trained "
+        "on the rest, and base vs base + version is evaluated on them, so a version that hurts is seen before it is "
+        "activated; the result (the metric both ways, won, lost, activated or not) is in the version's stats. 'auto': "
+        f"{AUTO_VALIDATION} where the training set has at least {AUTO_VALIDATION_MIN} questions, else none (the "
+        "stats say validation was skipped). None: no hold-out.",
     )
     activate: bool = Field(True, description="Make the new version the active write-back index when it is built "
                            "(not when its validation shows it hurts).")
@@ -545,7 +531,7 @@ class TrainerConfig(_Section):
 
     RUNTIME_KEYS = frozenset({"num_workers", "checkpoint_steps", "max_failures", "strategy", "timeout_s"})
 
-    num_workers: Concurrency = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
+    num_workers: PositiveOrAuto = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
                              "model, under fsdp each holds 1 / num_workers of it)." + AUTO_CONCURRENCY + " At most batch_size.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How workers share the model. ddp: each holds all of it. fsdp: FSDP2 shards the frozen "
@@ -623,7 +609,7 @@ class LMPrunerConfig(_LoraSection):
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs each prediction actor asks Ray for.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per prediction actor.")
-    concurrency: Concurrency = Field(1, description="Number of prediction actors." + AUTO_CONCURRENCY)
+    concurrency: PositiveOrAuto = Field(1, description="Number of prediction actors." + AUTO_CONCURRENCY)
 
 
 class TuneConfig(_LoraSection):
@@ -691,7 +677,7 @@ class ZeroRagConfig(_Section):
     head_epochs: int = Field(200, ge=1, description="Embedding head: full-batch training epochs.")
     head_weight_decay: float = Field(1e-3, ge=0, description="Embedding head: AdamW weight decay.")
     lm_pruner: LMPrunerConfig = Field(default_factory=LMPrunerConfig)
-    ratios: list[float] = Field(
+    ratios: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
         default_factory=lambda: [0.3], description="`wbrag run`: pruning ratios to build and evaluate (0 = full index)."
     )
     checkpoint_rows: int = Field(
@@ -714,14 +700,6 @@ class ZeroRagConfig(_Section):
         0.5, gt=0, lt=1, description="Router: a query is 'mastered' (retrieval skipped) when P(correct) >= this."
     )
     tune: TuneConfig = Field(default_factory=TuneConfig)
-
-    @field_validator("ratios")
-    @classmethod
-    def _ratios_in_range(cls, v: list[float]) -> list[float]:
-        bad = [r for r in v if not 0 <= r < 1]
-        if bad:
-            raise ValueError(f"pruning ratios must be in [0, 1); got {bad}")
-        return v
 
 
 # Settings that may be "auto": section -> the count it sizes (`cluster_nodes.auto_concurrency`).
@@ -774,14 +752,18 @@ class WbragConfig(_Section):
 # --- loading -------------------------------------------------------------------------------------------
 
 
-def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
+def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, list[Any]]:
+    """Every dotted key below `model` (into its sections, optional ones too) -> the types its value may take."""
+    keys: dict[str, list[Any]] = {}
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(_known_keys(ann, f"{prefix}{name}."))
+        # a union's members are its options; list[str]'s argument is not (the value is a list)
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        options = [o for o in (typing.get_args(field.annotation) if union else (field.annotation,)) if o is not type(None)]
+        section = next((o for o in options if isinstance(o, type) and issubclass(o, BaseModel)), None)
+        if section is not None:
+            keys.update(_leaves(section, f"{prefix}{name}."))
         else:
-            keys.append(f"{prefix}{name}")
+            keys[f"{prefix}{name}"] = options
     return keys
 
 
@@ -797,8 +779,7 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden" and key in REMOVED_KEYS:
         return f"config key '{key}' was removed: {REMOVED_KEYS[key]}"
     if err["type"] == "extra_forbidden":
-        known = _known_keys(WbragConfig)
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        close = difflib.get_close_matches(key, list(_leaves(WbragConfig)), n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "remove it; see `wbrag <cmd> --help` for keys"
         return f"unknown config key '{key}': {hint}"
     got = err.get("input")
@@ -806,7 +787,7 @@ def _describe(err: dict[str, Any]) -> str:
     return f"config key '{key}' = {got!r} is invalid: {fix}"
 
 
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree
     for part in parts[:-1]:
@@ -827,33 +808,17 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
         key = key.strip()
         if not key:
             raise ConfigError(f"--set {pair!r}: the key is empty")
-        _set_dotted(tree, key, _override_value(key, raw))
+        set_dotted(tree, key, _override_value(key, raw))
     return tree
 
 
-def _leaf_kinds(key: str) -> set[type] | None:
-    """The types a dotted config key's field takes, or None where the key names no typed field."""
-    import types
-    import typing
-
-    model: Any = WbragConfig
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        origin = typing.get_origin(field.annotation)
-        # a union's members are its options; list[str]'s argument is not (the value is a list)
-        union = origin is typing.Union or origin is types.UnionType
-        options = typing.get_args(field.annotation) if union or origin is Literal else (field.annotation,)
-        if origin is Literal:
-            return {type(v) for v in options}
-        if i == len(parts) - 1:
-            return {typing.get_origin(o) or o for o in options if o is not type(None)}
-        model = next((o for o in options if isinstance(o, type) and issubclass(o, BaseModel)), None)
-        if model is None:
-            return None
-    return None
+def _leaf_kinds(key: str) -> set[type]:
+    """The types a dotted config key's value takes (a Literal's: its values'); empty where the key names no field."""
+    kinds: set[type] = set()
+    for option in _leaves(WbragConfig).get(key, ()):
+        literal = typing.get_origin(option) is Literal
+        kinds |= {type(v) for v in typing.get_args(option)} if literal else {typing.get_origin(option) or option}
+    return kinds
 
 
 def _override_value(key: str, raw: str) -> Any:
@@ -898,9 +863,11 @@ def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     extra: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
 ) -> WbragConfig:
-    """Load YAML (optional), then apply `extra` (from CLI flags), then `--set` overrides, and validate once."""
-    data: dict[str, Any] = {}
+    """Load YAML (optional; else `base`, a run's recorded config), then apply `extra` (from CLI flags), then `--set`
+    overrides, and validate once."""
+    data: dict[str, Any] = base or {}
     if path is not None:
         p = Path(path)
         if p.is_dir():

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from wbrag_ray.config import ConfigError
+import pyarrow.fs as pafs
 
-if TYPE_CHECKING:
-    from wbrag_ray.config import GeneratorConfig
+from wbrag_ray.config import ConfigError, GeneratorConfig
+from wbrag_ray.index.files import MANIFEST
+from wbrag_ray.models.bundled import bundled_path
+from wbrag_ray.models.hardware import resolved_dtype_name
+from wbrag_ray.storage import resolve
 
 # GPUs without bf16 by Ray's accelerator_type: dtype auto takes fp16 on them.
 GPUS_WITHOUT_BF16 = ("V100", "P100", "P40", "P4", "T4", "K80", "K40", "M60", "M40")
@@ -19,8 +22,6 @@ GPUS_WITHOUT_BF16 = ("V100", "P100", "P40", "P4", "T4", "K80", "K40", "M60", "M4
 def local_or_remote_path(spec: str) -> str | None:
     """The path or URI `spec` names, or None (a hub id, an API model name)."""
     if spec.startswith("bundled:"):
-        from wbrag_ray.models.bundled import bundled_path
-
         try:
             return str(bundled_path(spec.split(":", 1)[1]))
         except ConfigError:
@@ -32,10 +33,6 @@ def local_or_remote_path(spec: str) -> str | None:
 
 def content_identity(spec: str | None) -> str | None:
     """A 16-hex digest of the names, sizes and times of the files at `spec`; None where no such path exists."""
-    import pyarrow.fs as pafs
-
-    from wbrag_ray.storage import resolve
-
     path = local_or_remote_path(spec) if spec else None
     if path is None:
         return None
@@ -53,8 +50,6 @@ def content_identity(spec: str | None) -> str | None:
 
 def index_identity(index_uri: str | None) -> str | None:
     """An index folder's identity: its manifest's (written last by every build)."""
-    from wbrag_ray.index.files import MANIFEST
-
     return content_identity(f"{index_uri.rstrip('/')}/{MANIFEST}") if index_uri else None
 
 
@@ -81,8 +76,6 @@ def gpu_kind() -> str | None:
 
 def decoding_device(dtype: str, num_gpus: float) -> tuple[str, str]:
     """(resolved dtype, device kind) of a model with `dtype` and `num_gpus`."""
-    from wbrag_ray.models.hardware import resolved_dtype_name
-
     if num_gpus <= 0:
         return resolved_dtype_name(dtype, 0.0), "cpu"
     kind = gpu_kind()

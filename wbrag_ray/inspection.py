@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from wbrag_ray.checkpoints import progress
 from wbrag_ray.layout import subdirs
+from wbrag_ray.report.sections import QA_STATUSES
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location
 from wbrag_ray.zerorag.qa import NOT_IN_SENTENCE, OK, UNPARSEABLE
@@ -61,7 +64,6 @@ def run_status(run: RunFolder) -> list[str]:
 
 def inspect_run(run: RunFolder, n: int = 3) -> str:
     out: list[str] = run_status(run)
-
     layout = run.layout
     rejects = layout.ingest.rejects
     if rejects.exists():  # the count from the footers; only the first rows printed are read
@@ -121,8 +123,6 @@ def _qa_line(q: dict) -> str:
 
 def _top_dropped(keep: Location, n: int) -> list[dict]:
     """The n dropped sentences with the highest predicted mastery, one keep-mask file at a time."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
     order = [("mastery_pred", "descending"), ("id", "ascending")]  # ties by id: the same sample every time
     best = []
     for f in keep.list_files(".parquet"):
@@ -148,8 +148,6 @@ def _sentence_texts(run: RunFolder, sids: list[int]) -> dict[int, str]:
 
 def inspect_zero_rag(run: RunFolder, n: int = 3) -> list[str]:
     """Zero-RAG's dropped sentences the pruner is surest of, with their QA pairs; then QA pairs by status."""
-    from wbrag_ray.report.sections import QA_STATUSES
-
     out: list[str] = []
     zr = run.layout.zero_rag
     qa = zr.qa.read_table().to_pylist() if zr.qa.exists() else []

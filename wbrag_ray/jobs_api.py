@@ -66,7 +66,6 @@ def submit(
     overrides: list[str] | None = None,
     wait: bool = True,
     force: bool = False,
-    entrypoint_num_cpus: float = 0.0,
 ) -> dict[str, Any]:
     """Submit `wbrag run CONFIG --run RUN` as a Ray job; return {submission_id, status}."""
     work = Path(working_dir).resolve()
@@ -100,7 +99,7 @@ def submit(
             submission_id=sid,
             runtime_env={"working_dir": str(work), "excludes": UPLOAD_EXCLUDES, "env_vars": env_vars},
             # The driver only orchestrates; a CPU reserved for it can starve a small cluster's read tasks.
-            entrypoint_num_cpus=entrypoint_num_cpus,
+            entrypoint_num_cpus=0,
             metadata={"wbrag_run": run, "wbrag_config": rel.as_posix()},
         )
         print(f"submitted {sid}: {entrypoint}", flush=True)
@@ -132,9 +131,8 @@ def _submit_with_retry(c, attempts: int = 30, delay_s: float = 2.0, **kwargs: An
     raise AssertionError("unreachable")
 
 
-def wait_for(c, sid: str, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
+def wait_for(c, sid: str, poll_s: float = 2.0) -> str:
     """Stream the job's new log lines until it ends; return its final status."""
-    t0 = time.time()
     printed = 0
     while True:
         status = str(c.get_job_status(sid).value)
@@ -144,8 +142,6 @@ def wait_for(c, sid: str, poll_s: float = 2.0, timeout_s: float | None = None) -
             printed = len(logs)
         if status in TERMINAL:
             print(f"job {sid}: {status}", flush=True)
-            return status
-        if timeout_s is not None and time.time() - t0 > timeout_s:
             return status
         time.sleep(poll_s)
 
@@ -157,21 +153,24 @@ def _status_or_none(c, sid: str) -> str | None:
         return None
 
 
-def status(sid: str, address: str) -> dict[str, Any]:
+def _job(sid: str, address: str):
+    """(the Jobs API client, the job's info): a clear error for an unknown id."""
     c = client(address)
     try:
-        info = c.get_job_info(sid)
+        return c, c.get_job_info(sid)
     except Exception:
         raise ConfigError(f"no job {sid!r} on {dashboard_url(address)}; `ray job list` shows the ids") from None
+
+
+def status(sid: str, address: str) -> dict[str, Any]:
+    info = _job(sid, address)[1]
     return {"submission_id": sid, "status": str(info.status.value), "message": info.message,
             "entrypoint": info.entrypoint, "metadata": info.metadata}
 
 
 def logs(sid: str, address: str) -> str:
-    status(sid, address)  # a clear error for an unknown id
-    return client(address).get_job_logs(sid)
+    return _job(sid, address)[0].get_job_logs(sid)
 
 
 def stop(sid: str, address: str) -> bool:
-    status(sid, address)
-    return bool(client(address).stop_job(sid))
+    return bool(_job(sid, address)[0].stop_job(sid))

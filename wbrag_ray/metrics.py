@@ -8,7 +8,6 @@ import string
 from collections import Counter
 from collections.abc import Iterable
 
-METRICS = ("em", "f1", "acc")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
 _SPECIAL = {"yes", "no", "noanswer"}
@@ -49,14 +48,18 @@ def f1_score(prediction: str, golds: Iterable[str]) -> float:
     return max((_f1(prediction, g) for g in golds), default=0.0)
 
 
+SCORERS = {"em": exact_match, "f1": f1_score, "acc": substring_match}
+METRICS = tuple(SCORERS)
+
+
 def score_answer(prediction: str, golds: Iterable[str]) -> dict[str, float]:
     golds = list(golds)
-    return {"em": exact_match(prediction, golds), "f1": f1_score(prediction, golds), "acc": substring_match(prediction, golds)}
+    return {name: fn(prediction, golds) for name, fn in SCORERS.items()}
 
 
 def metric(name: str, prediction: str, golds: Iterable[str]) -> float:
     """One metric by name (acc, em or f1): the task metric M(q, a | context) of both papers."""
-    fn = {"em": exact_match, "f1": f1_score, "acc": substring_match}.get(name)
+    fn = SCORERS.get(name)
     if fn is None:
         raise ValueError(f"unknown metric {name!r}; choose one of {', '.join(METRICS)}")
     return fn(prediction, golds)

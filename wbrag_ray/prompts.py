@@ -17,6 +17,12 @@ NO_RETRIEVAL_SYSTEM = (
 QUESTION = "Question: {question}"
 
 
+def conversation(system: str, *turns: str) -> list[dict[str, str]]:
+    """A system message, then user and assistant turns by turns (solved examples), ending on the user's."""
+    return [{"role": "system", "content": system},
+            *({"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(turns))]
+
+
 def format_reference(docs: Sequence[Hit]) -> str:
     return "\n".join(f"Doc {i + 1}(Title: {d.title}) {d.text}" for i, d in enumerate(docs))
 
@@ -25,17 +31,11 @@ def rag_messages(question: str, docs: Sequence[Hit]) -> list[dict[str, str]]:
     """Messages for answering with the given documents (none -> the no-retrieval prompt)."""
     if not docs:
         return no_retrieval_messages(question)
-    return [
-        {"role": "system", "content": RAG_SYSTEM.format(reference=format_reference(docs))},
-        {"role": "user", "content": QUESTION.format(question=question)},
-    ]
+    return conversation(RAG_SYSTEM.format(reference=format_reference(docs)), QUESTION.format(question=question))
 
 
 def no_retrieval_messages(question: str) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": NO_RETRIEVAL_SYSTEM},
-        {"role": "user", "content": QUESTION.format(question=question)},
-    ]
+    return conversation(NO_RETRIEVAL_SYSTEM, QUESTION.format(question=question))
 
 
 def continue_answer(messages: list[dict[str, str]], answer_so_far: str) -> list[dict[str, str]]:
@@ -73,21 +73,16 @@ RELEVANCE_JUDGE_SHOTS = (
 
 def retrieval_judge_messages(question: str) -> list[dict[str, str]]:
     """Self-RAG's 'Retrieve?' judgement as a prompt."""
-    messages = [{"role": "system", "content": RETRIEVAL_JUDGE_SYSTEM}]
-    for q, answer in RETRIEVAL_JUDGE_SHOTS:
-        messages += [{"role": "user", "content": QUESTION.format(question=q)}, {"role": "assistant", "content": answer}]
-    return messages + [{"role": "user", "content": QUESTION.format(question=question)}]
+    shots = [turn for q, answer in RETRIEVAL_JUDGE_SHOTS for turn in (QUESTION.format(question=q), answer)]
+    return conversation(RETRIEVAL_JUDGE_SYSTEM, *shots, QUESTION.format(question=question))
 
 
 def relevance_judge_messages(question: str, doc: Hit) -> list[dict[str, str]]:
     """Self-RAG's 'IsRel' judgement of one retrieved document as a prompt."""
-    messages = [{"role": "system", "content": RELEVANCE_JUDGE_SYSTEM}]
-    for title, text, q, answer in RELEVANCE_JUDGE_SHOTS:
-        messages += [{"role": "user", "content": RELEVANCE_JUDGE_USER.format(title=title, text=text, question=q)},
-                     {"role": "assistant", "content": answer}]
-    return messages + [
-        {"role": "user", "content": RELEVANCE_JUDGE_USER.format(title=doc.title, text=doc.text, question=question)}
-    ]
+    shots = [turn for title, text, q, answer in RELEVANCE_JUDGE_SHOTS
+             for turn in (RELEVANCE_JUDGE_USER.format(title=title, text=text, question=q), answer)]
+    return conversation(RELEVANCE_JUDGE_SYSTEM, *shots,
+                RELEVANCE_JUDGE_USER.format(title=doc.title, text=doc.text, question=question))
 
 
 def dumps(messages: list[dict[str, str]]) -> str:
@@ -112,18 +107,12 @@ REWRITE_USER = "Question: {question}\n\nSentences:\n{sentences}"
 
 def extract_messages(question: str, docs: Sequence[Hit]) -> list[dict[str, str]]:
     """Distiller step 1: the answer-relevant sentences of the kept documents, verbatim."""
-    return [
-        {"role": "system", "content": EXTRACT_SYSTEM},
-        {"role": "user", "content": EXTRACT_USER.format(reference=format_reference(docs), question=question)},
-    ]
+    return conversation(EXTRACT_SYSTEM, EXTRACT_USER.format(reference=format_reference(docs), question=question))
 
 
 def rewrite_messages(question: str, sentences: str) -> list[dict[str, str]]:
     """Distiller step 2: the extracted sentences as one compact document (title line, then text)."""
-    return [
-        {"role": "system", "content": REWRITE_SYSTEM},
-        {"role": "user", "content": REWRITE_USER.format(question=question, sentences=sentences)},
-    ]
+    return conversation(REWRITE_SYSTEM, REWRITE_USER.format(question=question, sentences=sentences))
 
 
 # --- Zero-RAG's mastery score: writing QA pairs, and answering them closed-book -------------------------
@@ -163,18 +152,12 @@ def qa_write_messages(sentence: str, n: int, chat: bool) -> list[dict[str, str]]
     """Messages asking the QA generator for `n` pairs about `sentence` (chat) or a few-shot prompt (base)."""
     if not chat:
         return [{"role": "user", "content": QA_FEWSHOT.format(sentence=sentence)}]
-    return [
-        {"role": "system", "content": QA_WRITE_SYSTEM.format(n=n)},
-        {"role": "user", "content": QA_WRITE_USER.format(sentence=sentence)},
-    ]
+    return conversation(QA_WRITE_SYSTEM.format(n=n), QA_WRITE_USER.format(sentence=sentence))
 
 
 def closed_book_messages(question: str, cloze: bool) -> list[dict[str, str]]:
     """The target model's closed-book prompt for one QA pair (a cloze text, or a question)."""
     if cloze:
-        messages = [{"role": "system", "content": CLOZE_SYSTEM}]
-        for text, answer in CLOZE_SHOTS:
-            messages += [{"role": "user", "content": CLOZE_USER.format(question=text)},
-                         {"role": "assistant", "content": answer}]
-        return messages + [{"role": "user", "content": CLOZE_USER.format(question=question)}]
+        shots = [turn for text, answer in CLOZE_SHOTS for turn in (CLOZE_USER.format(question=text), answer)]
+        return conversation(CLOZE_SYSTEM, *shots, CLOZE_USER.format(question=question))
     return no_retrieval_messages(question)
