@@ -1227,7 +1227,7 @@ def section(run: Run, title: str, fn: Callable[[Run], None]) -> None:
         report(f"{title} failed", failure)
         run.failures.append(title)
     elif not skipped:
-        report(f"{title}: proved", PROVES[title])
+        report(f"{title}: proved", PROVES[title] + ("" if run.cuda else " (cpu dry run: its code path, not the GPU)"))
     free(run)
     report(f"{title} seconds", time.perf_counter() - start, "s")
 
