@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-vllm bytecode demo test test-avx2 lint bench clean
+.PHONY: setup setup-vllm bytecode demo test test-avx2 lint bench gpu-wheels clean
 
 # One stamp file marks a finished setup, so `make demo` only sets up once.
 $(VENV)/.setup-done: pyproject.toml
@@ -80,6 +80,20 @@ lint: setup
 
 bench: setup
 	$(PY) -m benchmarks
+
+# The GPU check's carried needs: the lent GPU machine has torch, transformers, peft, pyarrow and pyyaml but no
+# pydantic, and no network. Its wheels (the versions this project runs, CPython 3.10-3.13 on x86_64 Linux) go to
+# benchmarks/gpu/wheels, about 9 MB, which benchmarks/gpu/check.py installs into its scratch folder.
+GPU_WHEELS := benchmarks/gpu/wheels
+gpu-wheels: setup
+	rm -rf $(GPU_WHEELS)
+	for py in 3.10 3.11 3.12 3.13; do \
+	  $(PIP) download -q --no-deps --only-binary=:all: --python-version $$py --implementation cp \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+	    $$($(PIP) list --format=freeze | grep -iE '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|typing[-_]extensions)==') \
+	    || exit 1; \
+	done
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

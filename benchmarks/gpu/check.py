@@ -651,27 +651,48 @@ def random_prompts(spec: dict[str, Any], tokens: int, count: int, seed: int = 3)
 
 # --- 5. the project's torch-level code, without Ray or vLLM ---------------------------------------------
 
-# What wbrag_ray's training rules and steps import besides torch, transformers and peft: its config (pydantic,
-# pyyaml) and numpy. Nothing of Ray: these modules import it only inside the functions a Ray worker runs.
-PROJECT_NEEDS = ("wbrag_ray", "pydantic", "yaml", "numpy")
+# What wbrag_ray's training rules, steps and hf generator import besides torch, transformers and peft: its config
+# (pydantic, pyyaml), numpy, and pyarrow (the model cache, wbrag_ray.storage). Nothing of Ray: these modules import
+# it only inside the functions a Ray worker runs.
+PROJECT_NEEDS = ("wbrag_ray", "pydantic", "yaml", "numpy", "pyarrow")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pydantic and its small dependencies as wheels (`make gpu-wheels`, about 3 MB), carried to a machine without them
+WHEELS = os.environ.get("WBRAG_GPU_WHEELS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "wheels"))
 
 
-def project_missing(*extra: str) -> list[str]:
-    """The modules a project section needs that this machine lacks (the repository beside this file is
+def project_missing() -> list[str]:
+    """The modules the project's sections need that this machine lacks (the repository beside this file is
     importable: `python benchmarks/gpu/check.py` puts only benchmarks/gpu on the path)."""
     import importlib.util
 
     if importlib.util.find_spec("wbrag_ray") is None and os.path.isdir(os.path.join(REPO, "wbrag_ray")):
         sys.path.append(REPO)
-    return [m for m in (*PROJECT_NEEDS, *extra) if importlib.util.find_spec(m) is None]
+    return [m for m in PROJECT_NEEDS if importlib.util.find_spec(m) is None]
 
 
-def skipped_for(name: str, missing: list[str]) -> bool:
-    if missing:
-        report(name, f"skipped ({', '.join(missing)} not installed: the project's code needs them; their wheels "
-                     "are small enough to bring, see benchmarks/gpu/README.md)")
-    return bool(missing)
+def bring_project_needs(scratch: str) -> list[str]:
+    """Install the carried wheels (benchmarks/gpu/wheels) into the scratch folder where the project's needs are
+    missing, without the network; return what is still missing."""
+    missing = project_missing()
+    if missing and os.path.isdir(WHEELS):
+        import importlib
+        import subprocess
+
+        site = os.path.join(scratch, "site")
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", WHEELS,
+                               "--target", site, "--no-compile", *(m for m in missing if m in CARRIED)],
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            sys.path.insert(0, site)
+            importlib.invalidate_caches()
+            report("project needs brought from benchmarks/gpu/wheels", ", ".join(m for m in missing if m in CARRIED))
+        else:
+            report("project needs: installing the carried wheels failed", one_line(RuntimeError(done.stderr)))
+        missing = project_missing()
+    return missing
+
+
+CARRIED = ("pydantic",)  # what `make gpu-wheels` brings (with its dependencies); the GPU image has the rest
 
 
 def project_model(run: Run) -> str:
@@ -717,8 +738,6 @@ def placement_rules(run: Run) -> None:
     """The trainings' placement rules (wbrag_ray.training.placement) on this machine's GPU (a simulated 80 GiB one
     on a CPU dry run): where one fsdp worker's model goes, how many GPUs a model's shards need, what is refused
     before any weight loads; and FSDP's device mesh for the shapes people run (1 x 1 to 4 x 8 GPUs)."""
-    if skipped_for("placement rules", project_missing()):
-        return
     from wbrag_ray.config import ConfigError
     from wbrag_ray.training.placement import device_rule, fsdp_mesh_shape, own_gpus, placement_of
 
@@ -748,8 +767,6 @@ def fsdp_step(run: Run) -> None:
     CPU), frozen weights in bf16 and LoRA weights in fp32 under autocast, gradients clipped to a global norm, the
     trainable state gathered whole (`get_state_dict`), then an `inference_mode` forward of the sharded model (the
     LM pruner's validation runs one)."""
-    if skipped_for("fsdp step", project_missing()):
-        return
     from transformers import AutoModelForCausalLM
 
     from wbrag_ray.config import TuneConfig
@@ -770,6 +787,8 @@ def fsdp_step(run: Run) -> None:
         report("fsdp step: process group / frozen / trained dtypes", f"{backend} / {frozen} / {trained}")
         if trained != {"float32"}:
             raise RuntimeError(f"LoRA weights train in {trained}, not fp32")
+        if frozen != {str(training_dtype(run)).split(".")[-1]}:  # the loader's `dtype=` honoured
+            raise RuntimeError(f"frozen weights in {frozen}, not {training_dtype(run)}")
         params, optimizer, scaler = optimizer_of(model, place, 1e-3)
         vocab = model.config.vocab_size
         ids = torch.randint(min(1000, vocab // 10), vocab, (sizes.lora_batch, sizes.lora_tokens),
@@ -806,8 +825,6 @@ def fsdp_step(run: Run) -> None:
 def one_worker_fsdp(run: Run) -> None:
     """`strategy: fsdp` with one worker on this GPU (what `num_workers: auto` gives on a one-GPU node): the
     placement rule makes it ddp, the model on the worker's GPU where its batch goes; one step there."""
-    if skipped_for("one-worker fsdp", project_missing()):
-        return
     from transformers import AutoModelForCausalLM
 
     from wbrag_ray.config import TuneConfig
@@ -842,8 +859,6 @@ def one_worker_fsdp(run: Run) -> None:
 def hf_generation(run: Run) -> None:
     """The project's transformers generator (wbrag_ray.generation.hf: left padding, length-bucketed batches sized
     to the memory budget, greedy decoding) on this GPU: batched answers to random prompts."""
-    if skipped_for("hf generation", project_missing("pyarrow")):  # the model cache (wbrag_ray.storage)
-        return
     from wbrag_ray.config import GeneratorConfig
     from wbrag_ray.generation.hf import HFGenerator
 
@@ -856,7 +871,10 @@ def hf_generation(run: Run) -> None:
     generator = HFGenerator(config)
     _, seconds = timed(run, generator.setup)
     report("hf generation: load", seconds, "s")
-    report("hf generation: device / dtype", f"{generator.device} / {str(generator.dtype).split('.')[-1]}")
+    loaded = {str(p.dtype).split(".")[-1] for p in generator.model.parameters()}
+    report("hf generation: device / dtype asked / weights' dtype", f"{generator.device} / {config.dtype} / {loaded}")
+    if loaded != {config.dtype}:  # transformers 5 reads `dtype=`; one that ignored it would load fp32 silently
+        raise RuntimeError(f"from_pretrained(dtype={config.dtype}) loaded weights in {loaded}")
     prompts = random_prompts(spec, sizes.prompt_tokens, batch)
     generator.generate(prompts[:2], 2)  # warm-up
     answers, seconds = timed(run, lambda: generator.generate(prompts, sizes.new_tokens))
@@ -876,12 +894,10 @@ def tensor_parallel(run: Run) -> None:
     spec = SMALL_LLAMA if run.quick else LLAMA_1B
     tp = tensor_parallel_degree(gpus, spec)
     if tp < 2 and not run.quick:
-        report("vllm tensor parallel", f"skipped ({gpus} GPU{'s' * (gpus != 1)} visible: it needs 2 or more)")
-        return
+        skip("vllm tensor parallel", f"{gpus} GPU{'s' * (gpus != 1)} visible: it needs 2 or more")
     missing = [m for m in ("vllm", "ray", "wbrag_ray") if importlib.util.find_spec(m) is None]
     if missing:
-        report("vllm tensor parallel", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
-        return
+        skip("vllm tensor parallel", f"{', '.join(missing)} not installed: pip install '.[gpu]'")
     cpu_ranks = tp < 2 and not run.cuda  # --quick without a GPU: vLLM's CPU build, 2 ranks as processes
     if cpu_ranks:
         tp = 2
@@ -953,11 +969,9 @@ def engine_feed(run: Run) -> None:
 
     missing = [m for m in ("vllm", "wbrag_ray") if importlib.util.find_spec(m) is None]
     if missing:
-        report("vllm engine feed", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
-        return
+        skip("vllm engine feed", f"{', '.join(missing)} not installed: pip install '.[gpu]'")
     if not run.cuda and not run.quick:
-        report("vllm engine feed", "skipped (no GPU visible)")
-        return
+        skip("vllm engine feed", "no GPU visible")
     from wbrag_ray.config import GeneratorConfig
     from wbrag_ray.generation.vllm import VLLMGenerator
 
@@ -1025,8 +1039,7 @@ def ray_train(run: Run) -> None:
 
     missing = _ray_train_modules()
     if missing:
-        report("ray train", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
-        return
+        skip("ray train", f"{', '.join(missing)} not installed: pip install '.[gpu]'")
     import ray
 
     from wbrag_ray.config import RayConfig
@@ -1064,12 +1077,10 @@ def ray_train_multi_gpu(run: Run) -> None:
 
     missing = _ray_train_modules()
     if missing:
-        report("ray train multi-gpu", f"skipped ({', '.join(missing)} not installed: pip install '.[gpu]')")
-        return
+        skip("ray train multi-gpu", f"{', '.join(missing)} not installed: pip install '.[gpu]'")
     gpus = torch.cuda.device_count() if run.cuda else 0
     if run.cuda and gpus < 2:
-        report("ray train multi-gpu", f"skipped (needs 2 GPUs, {gpus} visible)")
-        return
+        skip("ray train multi-gpu", f"needs 2 GPUs, {gpus} visible")
     import ray
 
     from wbrag_ray.config import RayConfig
@@ -1122,14 +1133,12 @@ def faiss_gpu_clone(run: Run) -> None:
     import importlib.util
 
     if importlib.util.find_spec("faiss") is None:
-        report("faiss gpu clone", "skipped (faiss not installed: pip install faiss-gpu)")
-        return
+        skip("faiss gpu clone", "faiss not installed: pip install faiss-gpu")
     import faiss
     import numpy as np
 
     if not hasattr(faiss, "GpuMultipleClonerOptions") or faiss.get_num_gpus() == 0:
-        report("faiss gpu clone", f"skipped (faiss {faiss.__version__}: no GPU support or no GPU visible)")
-        return
+        skip("faiss gpu clone", f"faiss {faiss.__version__}: no GPU support or no GPU visible")
     rule = load_gpu_clone_rule()
     report("faiss version", faiss.__version__)
     # small lists: the clone and search are what is checked, and PQ96's training alone takes minutes on few cores
@@ -1175,6 +1184,31 @@ def faiss_gpu_clone(run: Run) -> None:
 # --- the check ------------------------------------------------------------------------------------------
 
 
+# What a section proves when it passes, printed after its figures ("TITLE: proved: ...").
+PROVES = {
+    "gpu": "torch sees the GPU, its memory and its bf16 support",
+    "placement rules": "wbrag_ray.training.placement's rules place and refuse models on this GPU's memory, and build "
+                       "FSDP's mesh for 1 x 1 to 4 x 8 GPUs",
+    "fsdp step": "wbrag_ray.training.step trains under FSDP2 on this device's process group: frozen weights in the "
+                 "loader's dtype, LoRA in fp32, finite losses, the state gathered, a sharded inference_mode forward",
+    "one-worker fsdp": "one fsdp worker runs as ddp with the model and its batch on the same device",
+    "hf generation": "wbrag_ray.generation.hf answers a batch on this device, the weights in the dtype asked for "
+                     "(transformers honours dtype=)",
+    "matmul peak": "the matmul peaks the plan's roofline is read against",
+    "generator llama-3.1-8b": "the production generator's architecture decodes at these batches within memory",
+    "generator smollm2-135m": "the bundled generator's architecture decodes at these batches",
+    "embedder e5-base-v2": "the embedder's architecture in bf16 / fp16 embeds as fp32 does (the cosines above)",
+    "lora llama-1b": "peft's LoRA trains a 1B-class Llama in bf16 at this rate",
+    "vllm tensor parallel": "a tensor-parallel vLLM engine, placed the project's way, answers as one GPU does",
+    "ray train lm pruner": "the LM pruner's Ray Train job trains and checkpoints on a GPU worker",
+    "ray train multi-gpu": "the multi-GPU placements train, each worker on its own GPUs",
+    "vllm engine feed": "calls fed to one engine at once answer as calls sent one at a time",
+    "faiss gpu clone": "the project's GPU clone options search as faiss's defaults do",
+}
+# The sections that run the project's own code: they come first, so no time budget ever skips them.
+PROJECT_SECTIONS = ("placement rules", "fsdp step", "one-worker fsdp", "hf generation")
+
+
 def section(run: Run, title: str, fn: Callable[[Run], None]) -> None:
     """Run one section: report its failure and go on, or skip it once past the time budget."""
     if run.past_budget():
@@ -1183,16 +1217,31 @@ def section(run: Run, title: str, fn: Callable[[Run], None]) -> None:
     print(f"# {title}", flush=True)
     start = time.perf_counter()
     failure = None
+    skipped = False
     try:
         fn(run)
+    except Skipped:
+        skipped = True
     except Exception as exc:  # one broken section must not cost the others' figures
         failure = one_line(exc)
         traceback.print_exc(file=sys.stderr)
     if failure:  # out of the except block: the traceback and its tensors are gone before free()
         report(f"{title} failed", failure)
         run.failures.append(title)
+    elif not skipped:
+        report(f"{title}: proved", PROVES[title] + ("" if run.cuda else " (cpu dry run: its code path, not the GPU)"))
     free(run)
     report(f"{title} seconds", time.perf_counter() - start, "s")
+
+
+class Skipped(Exception):
+    """A section that cannot run here (no second GPU, no vLLM, no faiss-gpu): reported as skipped, not failed.
+    Never raised for the project's own sections: without what they need the check fails."""
+
+
+def skip(name: str, why: str) -> None:
+    report(name, f"skipped ({why})")
+    raise Skipped(why)
 
 
 def version(package: str) -> str:
@@ -1242,16 +1291,22 @@ def main(argv: list[str] | None = None) -> int:
         report(f"{package} version", version(package))
     report("time budget", args.budget, "s", 0)
 
+    missing = bring_project_needs(scratch.name)
+    if missing:  # the check exists to run the project's code: without it there is nothing to prove
+        report("project code", f"cannot run: {', '.join(missing)} not importable (`make gpu-wheels` on a machine with "
+               "network brings pydantic's wheels into benchmarks/gpu/wheels; carry that folder)")
+        report("failures", "project code")
+        return 1
     section(run, "gpu", gpu_facts)
+    section(run, "placement rules", placement_rules)
+    section(run, "fsdp step", fsdp_step)
+    section(run, "one-worker fsdp", one_worker_fsdp)
+    section(run, "hf generation", hf_generation)
     section(run, "matmul peak", matmul_peaks)
     section(run, "generator llama-3.1-8b", generator_8b)
     section(run, "generator smollm2-135m", generator_smollm2)
     section(run, "embedder e5-base-v2", embedder)
     section(run, "lora llama-1b", lora_training)
-    section(run, "placement rules", placement_rules)
-    section(run, "fsdp step", fsdp_step)
-    section(run, "one-worker fsdp", one_worker_fsdp)
-    section(run, "hf generation", hf_generation)
     section(run, "vllm tensor parallel", tensor_parallel)
     section(run, "ray train lm pruner", ray_train)
     section(run, "ray train multi-gpu", ray_train_multi_gpu)

@@ -6,11 +6,9 @@ processes hold the GPU memory: a process left running after its service ended wo
 descendants, recorded while it runs. A service's close first asks each actor to end what it set up (vLLM's own
 shutdown, then any process it left: `_ServiceWorker.close`), which must end them while the actor still runs; then
 the service is closed the way a command closes it (`Services.close`: Ray kills the actors), and nothing of it is
-left. (Before that close existed, Ray's kill alone ended these processes too, in about a second: Ray kills a
-worker's direct children as it exits, and vLLM's model worker ends with its engine core; that is a last resort
-by Ray's docs, which does not reach grandchildren, nor anything where the actor crashed.) A tensor-parallel
-replica's engine runs in a process of its own, outside the service's actor (`parallel.RemoteEngine`): it, its
-rank processes and its placement group end with the service too.
+left. (Ray's kill alone is a last resort by Ray's docs: it does not reach grandchildren, nor anything where the
+actor crashed.) A tensor-parallel replica's engine, a process of its own outside the service's actor, is checked
+the same way in tests/generation/test_vllm_tp_cpu.py, on the engines that test starts anyway.
 
 The same engine, started with a short max_model_len, shows the context check of the vllm backend: a prompt longer
 than the engine's context, or one whose answer would not fit after it, is refused with the numbers as the hf
@@ -112,47 +110,3 @@ def test_a_closed_service_ends_its_engine_processes_and_the_context_holds_each_p
     while alive(procs) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive(procs), f"left running {GONE_S} s after the service closed: {alive(procs)}"
-
-
-@pytest.fixture(scope="module")
-def tiny_tp2(tmp_path_factory):
-    from tests.generation.test_vllm_tp_cpu import TINY_TP2
-    from tests.tiny_models import build_tiny_generator
-
-    return build_tiny_generator(tmp_path_factory.mktemp("tiny-tp2") / "generator", **TINY_TP2)
-
-
-@pytest.mark.usefixtures("one_command")
-def test_a_closed_service_ends_its_remote_engine_and_its_rank_processes(ray_cluster, tiny_tp2):
-    """A tensor-parallel replica: the engine runs in a process of its own in the replica's placement group
-    (`parallel.RemoteEngine`, not a child of the service's actor), its ranks that process's children (vLLM's
-    multiprocessing executor on CPUs). Closing the service ends them all, and the group."""
-    import psutil
-    import ray
-
-    from wbrag_ray.generation.passes import GeneratorPasses
-    from wbrag_ray.stages.service import Services
-
-    def host_pid(worker) -> int:  # the service actor's remote engine's process
-        return ray.get(worker.loaded.generator.remote.actor.__ray_call__.remote(lambda _host: os.getpid()))
-
-    config = load_config(overrides=[*GENERATOR, *VLLM, f"generator.model={tiny_tp2}", "generator.tensor_parallel_size=2"])
-    services = Services()
-    try:
-        passes = GeneratorPasses(config.generator, services)
-        assert passes.generate("answers", frame("Who wrote Hamlet?"), "prompt", "answer")["answer"].iloc[0].strip()
-        actors, _ = service_processes(services)
-        hosts = [psutil.Process(pid) for pid in ray.get([a.__ray_call__.remote(host_pid)
-                                                          for a in services._live["generate"].actors])]
-        engine = [child for host in hosts for child in host.children(recursive=True)]
-        titles = [(p.cmdline() or [""])[0] for p in engine]
-        assert sum(t.startswith("VLLM::Worker_TP") for t in titles) == 2, titles
-    finally:
-        services.close()
-    procs = actors + hosts + engine
-    deadline = time.monotonic() + GONE_S
-    while alive(procs) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not alive(procs), f"left running {GONE_S} s after the service closed: {alive(procs)}"
-    assert not [g for g in ray.util.placement_group_table().values()
-                if g["name"].startswith("wbrag-engine:") and g["state"] != "REMOVED"]

@@ -3,7 +3,9 @@ replica's tensor-parallel ranks as processes (its multiprocessing executor), eac
 this 2-core machine. Through the project's own path: a command's generator service (`GeneratorPasses` over
 `Services`), whose actor starts the engine in the replica's placement group (`parallel.RemoteEngine`: one CPU
 bundle per rank, STRICT_PACK), the ranks' threads bound by `parallel.cpu_rank_env`. Greedy, fp32, the demo
-questions closed-book: the same answers as the same model with tensor_parallel_size=1.
+questions closed-book: the same answers as the same model with tensor_parallel_size=1. Closing the service ends
+the replica's engine process (a process of its own in the replica's placement group, not a child of the service's
+actor), its rank processes (that process's children: vLLM's multiprocessing executor on CPUs) and the group.
 
 - tensor_parallel_size=2 runs on a tiny SmolLM2-shaped model (random weights; 4 attention heads of 64, 2 KV
   heads): the bundled SmolLM2-135M cannot be split in 2, for any engine and on any device. vLLM refuses it
@@ -19,12 +21,14 @@ Skipped where vllm is not installed (as tests/generation/test_vllm_cpu.py).
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 
 import pandas as pd
 import pytest
 
 from tests.conftest import DEMO_QA
+from tests.generation.test_vllm_engine_lifecycle import GONE_S, alive, service_processes
 from wbrag_ray import prompts
 from wbrag_ray.config import load_config
 from wbrag_ray.formats import read_dataset
@@ -56,7 +60,9 @@ def closed_book():
 
 def answer(frame: pd.DataFrame, *overrides: str) -> dict:
     """The frame's greedy answers from one engine on a generator service of its own (a command's, ended with it:
-    `one_command`), with the placement groups Ray held while it ran and the time it took (engine start included)."""
+    `one_command`), with the placement groups Ray held while it ran and the time it took (engine start included).
+    Once the service is closed, none of its processes (its actors, a remote engine's host and every process they
+    started) may be left running."""
     import ray
     from ray.util import placement_group_table
 
@@ -71,11 +77,32 @@ def answer(frame: pd.DataFrame, *overrides: str) -> dict:
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
         free = ray.available_resources().get("CPU", 0.0)
         ranks = rank_processes()
+        procs = engine_processes(services)
     seconds = time.perf_counter() - start
     table = placement_group_table()  # once the service ended: its engine's group removed, its CPUs free again
     after = [table[g["placement_group_id"]]["state"] for g in groups]
+    deadline = time.monotonic() + GONE_S
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(procs), f"left running {GONE_S} s after the service closed: {alive(procs)}"
     return {"answers": list(out.sort_values("id")["answer"]), "groups": groups, "free_cpus": free, "ranks": ranks,
             "after": after, "seconds": seconds}
+
+
+def engine_processes(services) -> list:
+    """The generator service's actors' processes and everything they started; for a tensor-parallel replica also
+    its remote engine's host process (`parallel.RemoteEngine`) and its rank processes."""
+    import psutil
+    import ray
+
+    def host_pid(worker) -> int | None:
+        remote = getattr(worker.loaded.generator, "remote", None)
+        return ray.get(remote.actor.__ray_call__.remote(lambda _host: os.getpid())) if remote else None
+
+    actors, children = service_processes(services)
+    pids = ray.get([a.__ray_call__.remote(host_pid) for a in services._live["generate"].actors])
+    hosts = [psutil.Process(pid) for pid in pids if pid is not None]
+    return actors + children + hosts + [child for host in hosts for child in host.children(recursive=True)]
 
 
 def rank_processes() -> dict[str, list[int]]:
