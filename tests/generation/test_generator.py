@@ -14,8 +14,7 @@ from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.hf import HFGenerator
 from wbrag_ray.generation.hf_loading import row_bytes
 from wbrag_ray.generation.passes import generate_pass
-from wbrag_ray.generation.types import choices_from_logprobs, scored_from_logprobs
-from wbrag_ray.generation.vllm import VLLMGenerator
+from wbrag_ray.generation.vllm import VLLMGenerator, choices_from_logprobs, scored_answer
 from wbrag_ray.models.bundled import bundled_path, resolve_model
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
 from wbrag_ray.retrieval.hits import Hit
@@ -275,10 +274,10 @@ def test_engine_logprobs_parsed_without_an_engine():
         {3: lp(0.25, ".")},
         {2: lp(0.9, "")},  # the end token: not part of the answer
     ]
-    s = scored_from_logprobs([9, 3, 2], steps, " Paris.", max_tokens=8, stop=["\n"])
+    s = scored_answer([9, 3, 2], steps, " Paris.", max_tokens=8, stop=["\n"], end_ids=frozenset())
     assert s.text == "Paris." and s.tokens == [" Paris", "."] and s.probs == pytest.approx([0.5, 0.25])
     assert s.finished
-    assert not scored_from_logprobs([9, 3], steps[:2], "Paris.", max_tokens=2, stop=[]).finished
+    assert not scored_answer([9, 3], steps[:2], "Paris.", max_tokens=2, stop=[], end_ids=frozenset()).finished
     first = {1: lp(0.3, "Yes"), 2: lp(0.1, " yes"), 4: lp(0.2, "No"), 5: lp(0.1, "Maybe"), 6: None}
     assert choices_from_logprobs(first, ("yes", "no")) == pytest.approx([0.4, 0.2])
     assert choices_from_logprobs(None, ("yes", "no")) == [0.0, 0.0]

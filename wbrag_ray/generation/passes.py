@@ -22,7 +22,6 @@ from wbrag_ray import checkpoints
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.stage import GenerateStage
-from wbrag_ray.generation.types import Scored, scored_columns
 from wbrag_ray.generation.vllm import check_shape
 from wbrag_ray.identity import generator_identity
 from wbrag_ray.placement import check_placement
@@ -201,7 +200,7 @@ class AnswerMemo:
                 resumed.add(k)
             else:
                 first_row[k] = i
-        columns = _output_columns(stage)
+        columns = list(stage.output_columns)
         made: dict[bytes, tuple] = {k: committed[k] for k in resumed}
         if first_row:
             todo_keys = list(first_row)
@@ -226,12 +225,6 @@ class AnswerMemo:
             out[column] = [v[j] for v in values]
         n_resumed = sum(k in resumed for k in keys)
         return out, len(keys) - len(first_row) - n_resumed, n_resumed
-
-
-def _output_columns(stage: GenerateStage) -> list[str]:
-    if stage.mode in ("text", "choice"):
-        return [stage.output_column]
-    return list(scored_columns(stage.output_column, Scored("", [], [], False)))
 
 
 def from_pandas(df: pd.DataFrame):

@@ -19,6 +19,7 @@ from pathlib import Path
 from wbrag_ray.config import ConfigError
 from wbrag_ray.index.sizing import TASK_BASE_BYTES
 from wbrag_ray.models.bundled import bundled_path
+from wbrag_ray.storage import resolve
 
 GB = 1e9
 SERVING_HEADROOM = 0.2
@@ -101,24 +102,15 @@ _BERT_LIKE = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"
 
 def model_size(model: str) -> ModelSize:
     """The size of `model` (a local folder, a GGUF file, an s3:// folder, a hub id or bundled:*)."""
-    folder = Path(model)
-    if "://" not in model and (folder / "config.json").is_file():
+    model = model.removeprefix("file://")
+    for read, source in ((_folder_config, "from its config.json"), (_gguf_metadata, "from its GGUF metadata"),
+                         (_cached_hub_config, "from its cached config.json")):
         try:
-            return size_from_config(model, json.loads((folder / "config.json").read_text()), "from its config.json")
+            cfg = read(model)
+            if cfg is not None:
+                return size_from_config(model, cfg, source)
         except (ValueError, KeyError, TypeError, OSError):
-            pass  # an unusual layout: fall back to the name
-    gguf = _gguf_file(model)
-    if gguf is not None:
-        try:
-            return size_from_config(model, _gguf_config(str(gguf), gguf.stat().st_mtime_ns), "from its GGUF metadata")
-        except (ValueError, KeyError, TypeError, OSError):
-            pass
-    cached = _cached_hub_config(model)
-    if cached is not None:
-        try:
-            return size_from_config(model, json.loads(Path(cached).read_text()), "from its cached config.json")
-        except (ValueError, KeyError, TypeError, OSError):
-            pass
+            pass  # an unusual layout: as its name says
     key = model.lower().rstrip("/")
     for known, (params, hidden, heads, *layout) in KNOWN.items():
         if key == known or key.endswith("/" + known.split("/")[-1]):
@@ -156,8 +148,25 @@ def _context(text: dict) -> int | None:
     return int(positions * float(factor)) if scaled else int(positions)
 
 
-def _gguf_file(model: str) -> Path | None:
-    """The GGUF file `model` names (a path, or a bundled model that is one), if any."""
+def _folder_config(model: str) -> dict | None:
+    """The config.json of a model folder, local or on object storage."""
+    if "://" in model:
+        return _stored_config(model)
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=32)
+def _stored_config(model: str) -> dict | None:
+    """The config.json of a model folder on object storage, read once per process (every pass checks the shape)."""
+    try:
+        return resolve(model).join("config.json").read_json()
+    except (OSError, ValueError):  # none there, or unreachable (ConfigError is a ValueError): the engine will say
+        return None
+
+
+def _gguf_metadata(model: str) -> dict | None:
+    """The config of the GGUF file `model` names (a path, or a bundled model that is one), if any."""
     if model.startswith("bundled:"):
         try:
             path = bundled_path(model.split(":", 1)[1])
@@ -165,7 +174,9 @@ def _gguf_file(model: str) -> Path | None:
             return None
     else:
         path = Path(model).expanduser()
-    return path if path.suffix == ".gguf" and path.is_file() else None
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    return _gguf_config(str(path), path.stat().st_mtime_ns)
 
 
 # GGUF's value types (its specification, ggml's docs/gguf.md): the struct format of each scalar type, by its code
@@ -229,7 +240,7 @@ def _gguf_config(path: str, _mtime_ns: int) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_hub_config(model: str) -> str | None:
+def _cached_hub_config(model: str) -> dict | None:
     """The config.json of a hub id (org/name) in this machine's Hugging Face cache, without the network; None
     where it was never downloaded here (or `model` is no hub id)."""
     if model.count("/") != 1 or model.startswith(("/", ".", "~")) or ":" in model or Path(model).exists():
@@ -237,7 +248,7 @@ def _cached_hub_config(model: str) -> str | None:
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(model, "config.json")
-    return found if isinstance(found, str) else None
+    return json.loads(Path(found).read_text()) if isinstance(found, str) else None
 
 
 def params_from_config(cfg: dict) -> tuple[float, int, int]:
