@@ -123,12 +123,22 @@ def model_size(model: str) -> ModelSize:
 
 
 def size_from_config(model: str, cfg: dict, source: str) -> ModelSize:
-    """The size and shape of `model` from its transformers config (`cfg`, read from `source`)."""
-    params, hidden, heads = params_from_config(cfg)
-    text = cfg.get("text_config") or cfg
-    layout = (int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads),
-              int(text.get("head_dim") or hidden // heads))
-    return ModelSize(model, params, hidden, heads, source, *layout, context=_context(text))
+    """The size and shape of `model` from its transformers config (`cfg`, read from `source`). Parameters:
+    embeddings (twice when the output layer is not tied), per layer attention (q and o full, k and v at the
+    key-value heads) and the MLP (three matrices for gated decoders, two for BERT-like encoders)."""
+    text = cfg.get("text_config") or cfg  # multimodal configs (Gemma 3) nest the language model's
+    hidden = int(text["hidden_size"])
+    layers = int(text["num_hidden_layers"])
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    inter = int(text.get("intermediate_size") or 4 * hidden)
+    attention = hidden * head_dim * 2 * (heads + kv_heads)
+    mlp = (2 if cfg.get("model_type") in _BERT_LIKE else 3) * hidden * inter
+    tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    embeddings = int(text["vocab_size"]) * hidden * (1 if tied else 2)
+    params = float(layers * (attention + mlp) + embeddings)
+    return ModelSize(model, params, hidden, heads, source, layers, kv_heads, head_dim, context=_context(text))
 
 
 # RoPE scalings whose max_position_embeddings is already the scaled context (vLLM's `_get_and_verify_max_len`,
@@ -251,25 +261,6 @@ def _cached_hub_config(model: str) -> dict | None:
     return json.loads(Path(found).read_text()) if isinstance(found, str) else None
 
 
-def params_from_config(cfg: dict) -> tuple[float, int, int]:
-    """(parameters, hidden size, attention heads) from a transformers config.json: embeddings (twice when the
-    output layer is not tied), per layer attention (q and o full, k and v at the key-value heads) and the MLP
-    (three matrices for gated decoders, two for BERT-like encoders)."""
-    text = cfg.get("text_config") or cfg  # multimodal configs (Gemma 3) nest the language model's
-    hidden = int(text["hidden_size"])
-    layers = int(text["num_hidden_layers"])
-    heads = int(text["num_attention_heads"])
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or hidden // heads)
-    inter = int(text.get("intermediate_size") or 4 * hidden)
-    gated = cfg.get("model_type") not in _BERT_LIKE
-    attention = hidden * head_dim * 2 * (heads + kv_heads)
-    mlp = (3 if gated else 2) * hidden * inter
-    tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
-    embeddings = int(text["vocab_size"]) * hidden * (1 if tied else 2)
-    return float(layers * (attention + mlp) + embeddings), hidden, heads
-
-
 def embedding_dim(model: str, size: ModelSize) -> tuple[int | None, str]:
     """(dimension of a sentence-transformers model's vectors, where it came from): a local folder's last Dense
     module's out_features (modules.json), else its pooling's word_embedding_dimension, else the hidden size."""
@@ -299,16 +290,10 @@ def lora_params(size: ModelSize, r: int, targets: list[str]) -> float:
     return float((size.layers or 32) * sum(r * (hidden + widths.get(t, hidden)) for t in targets))
 
 
-def bytes_per_param(dtype: str, on_gpu: bool) -> int:
-    if dtype == "float32":
-        return 4
-    if dtype == "bfloat16":
-        return 2
-    return 2 if on_gpu else 4  # auto: bf16 on GPUs; fp32 assumed on CPUs (bf16 only where native)
-
-
 def weights_gb(size: ModelSize, dtype: str, on_gpu: bool) -> float | None:
-    return None if size.params is None else size.params * bytes_per_param(dtype, on_gpu) / GB
+    # auto: bf16 on GPUs; fp32 assumed on CPUs (bf16 only where native)
+    per_param = {"float32": 4, "bfloat16": 2}.get(dtype, 2 if on_gpu else 4)
+    return None if size.params is None else size.params * per_param / GB
 
 
 def serving_gb(size: ModelSize, dtype: str, on_gpu: bool) -> float | None:
