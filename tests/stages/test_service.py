@@ -83,7 +83,8 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
     plain.setup()
     messages = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
     with GeneratorPasses(config) as passes:
-        a = passes.generate("a", _frame(), "prompt", "answer").sort_values("id")
+        # another command's passes on these services (their own answer memo): c decodes a's prompts again
+        a = GeneratorPasses(config, passes.services).generate("a", _frame(), "prompt", "answer").sort_values("id")
         b = passes.generate("b", _frame(), "prompt", "answer", generator=other).sort_values("id")
         c = passes.generate("c", _frame(), "prompt", "answer").sort_values("id")
         assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 3}

@@ -47,7 +47,7 @@ class GenerateStage(Stage):
         # their own runtime env: no other worker of the job starts through one (`Resources.env`)
         self.env = tuple(sorted(vllm_env().items())) if config.backend == "vllm" else ()
         # the weights' content (`identity.content_identity`): a model or adapter rewritten in place is loaded anew,
-        # never answered for by a service that loaded the old files (a kept one, or one of an earlier pass)
+        # never answered for by a service that loaded the old files (one of an earlier pass)
         self.weights = (content_identity(config.model), content_identity(config.lora_adapter))
         # ray.pending_timeout_s, as the driver has it, for the waits in the actor (a sharded replica's placement group)
         self.pending_timeout_s = PENDING_TIMEOUT_S["seconds"]
