@@ -92,7 +92,7 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
         # each pass answered with the model it asked for
         assert a["answer"].tolist() == c["answer"].tolist() == chat.generate(messages)
         assert b["answer"].tolist() == plain.generate(messages) != a["answer"].tolist()
-        passes.generate("d", _frame(), "prompt", "answer", generator=wider)
+        GeneratorPasses(config, passes.services).generate("d", _frame(), "prompt", "answer", generator=wider)
         assert passes.services.started == {"generate": 2}
         # one model actor at a time: the other CPU stays free for reads and Ray's own tasks
         assert ray_cluster.available_resources().get("CPU", 0) >= 1

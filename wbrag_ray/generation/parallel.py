@@ -6,6 +6,7 @@ vLLM's multiprocessing workers on one node, one CPU bundle each, their OpenMP th
 from __future__ import annotations
 
 import logging
+import uuid
 import weakref
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
@@ -43,14 +44,6 @@ def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
     per = max(1, min(len(cpus), (config.threads or math.ceil(config.num_cpus)) // tp))
     blocks = [[cpus[(i * per + j) % len(cpus)] for j in range(per)] for i in range(tp)]
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, b)) for b in blocks)}
-
-
-def _engine_group_name() -> str:
-    import uuid
-
-    import ray
-
-    return f"{ENGINE_GROUP}{ray.get_runtime_context().get_actor_id() or 'driver'}:{uuid.uuid4().hex[:8]}"
 
 
 def release_engine_groups(actor_ids: list[str]) -> int:
@@ -101,7 +94,8 @@ class RemoteEngine:
         if spec is None:
             raise ValueError("a remote engine is for a replica of more than one shard")
         timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
-        self.pg = placement_group(**spec, name=_engine_group_name())
+        actor = ray.get_runtime_context().get_actor_id() or "driver"  # the group is named after its maker
+        self.pg = placement_group(**spec, name=f"{ENGINE_GROUP}{actor}:{uuid.uuid4().hex[:8]}")
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             remove_placement_group(self.pg)
