@@ -40,7 +40,10 @@ def _passes(questions: list[str], n_passes: int, way: str) -> tuple[list[float],
 
     from wbrag_ray import prompts
     from wbrag_ray.config import GeneratorConfig
-    from wbrag_ray.generation.passes import GeneratorPasses, from_pandas, generate_pass
+    from wbrag_ray.generation.passes import GeneratorPasses
+    from wbrag_ray.generation.stage import GenerateStage
+    from wbrag_ray.ray_runtime import local_dataset
+    from wbrag_ray.stages.service import run_pass
 
     config = GeneratorConfig(dtype="float32", max_new_tokens=8, num_cpus=1, threads=2)
     # another slice of questions per pass (a command's passes ask new prompts: the answer memo would
@@ -53,11 +56,10 @@ def _passes(questions: list[str], n_passes: int, way: str) -> tuple[list[float],
         def one(rows: pd.DataFrame, tokens: int | None = None) -> list[str]:
             if way == "service, driver rows":
                 out = passes.generate("p", rows, "prompt", "answer", tokens)
-            elif way == "service, dataset":
-                out = passes.generate("p", from_pandas(rows), "prompt", "answer", tokens)
-            else:  # a pool of its own, as every pass ran before stage services
+            else:  # a Ray Dataset pass: on the service, or on a pool of its own as every pass ran before services
                 own = config.model_copy(update={"max_new_tokens": tokens or config.max_new_tokens})
-                out = generate_pass(own, from_pandas(rows), "prompt", "answer").to_pandas()
+                services = passes.services if way == "service, dataset" else None
+                out = run_pass(local_dataset(rows), GenerateStage(own, "prompt", "answer"), services).to_pandas()
             return out.sort_values("id")["answer"].tolist()
 
         for i in range(n_passes):

@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 
 from wbrag_ray import api, prompts, storage
 from wbrag_ray.config import ConfigError, load_config
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.zerorag.tune import with_adapter
 
 
@@ -73,7 +73,7 @@ def main(tmp: str, generator: str, s3_run: str) -> None:
     questions = pd.DataFrame({"id": [1, 2], "question": ["What is the capital of France?", "Who wrote Hamlet?"]})
     questions["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in questions["question"]]
     with GeneratorPasses(generator_config) as passes:
-        answered = passes.generate("closed_book", from_pandas(questions), "prompt", "answer")
+        answered = passes.generate("closed_book", questions, "prompt", "answer")
     out["answers"] = len(answered)
     out["driver_cache"] = _cached(driver_cache)
     out["worker_cache"] = _cached(worker_cache)

@@ -13,9 +13,8 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.generation.backends import make_generator
 from wbrag_ray.generation.hf import HFGenerator
 from wbrag_ray.generation.hf_loading import row_bytes
-from wbrag_ray.generation.passes import generate_pass
-from wbrag_ray.generation.types import choices_from_logprobs, scored_from_logprobs
-from wbrag_ray.generation.vllm import VLLMGenerator
+from wbrag_ray.generation.passes import GeneratorPasses
+from wbrag_ray.generation.vllm import VLLMGenerator, choices_from_logprobs, scored_answer
 from wbrag_ray.models.bundled import bundled_path, resolve_model
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
 from wbrag_ray.retrieval.hits import Hit
@@ -204,13 +203,14 @@ def test_openai_backend_needs_a_base_url():
 
 
 def test_generate_stage_in_a_ray_actor_pool(ray_cluster, tiny):
-    import ray.data
+    import pandas as pd
 
     gen = make_generator(GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=8, batch_size=4,
                                          num_cpus=1, threads=2))
     rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
             for i, q in enumerate(["What is the capital of France?", "What is 2+2?", "Name a fruit."])]
-    out = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "answer").take_all()
+    with GeneratorPasses(gen.config) as passes:
+        out = passes.generate("text", pd.DataFrame(rows), "prompt", "answer").to_dict("records")
     assert sorted(r["id"] for r in out) == [0, 1, 2]
     assert all(r["answer"] for r in out)
 
@@ -275,25 +275,26 @@ def test_engine_logprobs_parsed_without_an_engine():
         {3: lp(0.25, ".")},
         {2: lp(0.9, "")},  # the end token: not part of the answer
     ]
-    s = scored_from_logprobs([9, 3, 2], steps, " Paris.", max_tokens=8, stop=["\n"])
+    s = scored_answer([9, 3, 2], steps, " Paris.", max_tokens=8, stop=["\n"], end_ids=frozenset())
     assert s.text == "Paris." and s.tokens == [" Paris", "."] and s.probs == pytest.approx([0.5, 0.25])
     assert s.finished
-    assert not scored_from_logprobs([9, 3], steps[:2], "Paris.", max_tokens=2, stop=[]).finished
+    assert not scored_answer([9, 3], steps[:2], "Paris.", max_tokens=2, stop=[], end_ids=frozenset()).finished
     first = {1: lp(0.3, "Yes"), 2: lp(0.1, " yes"), 4: lp(0.2, "No"), 5: lp(0.1, "Maybe"), 6: None}
     assert choices_from_logprobs(first, ("yes", "no")) == pytest.approx([0.4, 0.2])
     assert choices_from_logprobs(None, ("yes", "no")) == [0.0, 0.0]
 
 
 def test_generate_stage_scored_and_choice_modes_in_a_ray_actor_pool(ray_cluster, tiny):
-    import ray.data
+    import pandas as pd
 
     gen = make_generator(GeneratorConfig(model=tiny.generator, dtype="float32", max_new_tokens=8, batch_size=4,
                                          num_cpus=1, threads=2))
     rows = [{"id": i, "prompt": json.dumps(no_retrieval_messages(q))}
             for i, q in enumerate(["What is the capital of France?", "Name a fruit."])]
-    scored = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "out", mode="scored").take_all()
-    choice = generate_pass(gen.config, ray.data.from_items(rows), "prompt", "p", mode="choice",
-                           choices=("yes", "no")).take_all()
+    with GeneratorPasses(gen.config) as passes:
+        scored = passes.generate("scored", pd.DataFrame(rows), "prompt", "out", mode="scored").to_dict("records")
+        choice = passes.generate("choice", pd.DataFrame(rows), "prompt", "p", mode="choice",
+                                 choices=("yes", "no")).to_dict("records")
     assert sorted(r["id"] for r in scored) == sorted(r["id"] for r in choice) == [0, 1]
     # against the same model decoded by hand in this process (tests/reference_decoding.py)
     model, tokenizer = reference.load(tiny.generator)

@@ -10,7 +10,7 @@ import pytest
 from wbrag_ray import rag
 from wbrag_ray.config import ConfigError, GeneratorConfig, load_config
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas, generate_pass
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.types import mixture_weights
 from wbrag_ray.prompts import no_retrieval_messages, rag_messages
 from wbrag_ray.retrieval.hits import Hit
@@ -146,7 +146,7 @@ def test_mixture_pass_in_a_ray_actor_pool_counts_every_prompt(ray_cluster, tiny,
                           "weights": [json.dumps(w) for w in weights]})
     passes = GeneratorPasses(config)
     try:
-        out = passes.generate("replug:mixture", from_pandas(frame), "prompt", "answer", mode="mixture")
+        out = passes.generate("replug:mixture", frame, "prompt", "answer", mode="mixture")
     finally:
         passes.close()
     out = out.sort_values("id")
@@ -158,9 +158,10 @@ def test_mixture_pass_in_a_ray_actor_pool_counts_every_prompt(ray_cluster, tiny,
     assert stats["generator_calls"] == 3 and stats["mixture_groups"] == 2
 
 
-def test_generate_pass_refuses_a_mixture_on_vllm_before_building_anything(ray_cluster):
-    import ray.data
+def test_a_mixture_pass_on_vllm_is_refused_before_building_anything(ray_cluster):
+    import pandas as pd
 
-    ds = ray.data.from_items([{"prompt": "[]", "weights": "[]"}])
-    with pytest.raises(ConfigError, match="replug-vote"):
-        generate_pass(GeneratorConfig(backend="vllm"), ds, mode="mixture")
+    frame = pd.DataFrame([{"prompt": "[]", "weights": "[]"}])
+    with GeneratorPasses(GeneratorConfig(backend="vllm")) as passes, pytest.raises(ConfigError, match="replug-vote"):
+        passes.generate("replug:mixture", frame, "prompt", "answer", mode="mixture")
+    assert passes.services.started == {}

@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import DEMO_CORPUS
 from tests.test_user_mistakes import assert_refused_fast
 from wbrag_ray.config import ConfigError, GeneratorConfig
-from wbrag_ray.generation.vllm import VLLMGenerator, check_shape, model_shape
+from wbrag_ray.generation.vllm import VLLMGenerator, check_shape
 from wbrag_ray.models.size import model_size
 
 # SmolLM2-135M's own config.json values (its GGUF metadata, the bundled model, says the same)
@@ -102,7 +102,7 @@ def test_the_sizes_that_fit_pass_and_the_engine_keeps_within_a_short_context(tmp
 def test_a_hub_id_whose_config_is_not_here_is_said_unchecked_not_refused(caplog):
     with caplog.at_level(logging.WARNING):
         check_shape(GeneratorConfig(backend="vllm", model="some-org/some-model-not-downloaded", num_gpus=2))
-    assert model_shape("some-org/some-model-not-downloaded").heads is None
+    assert model_size("some-org/some-model-not-downloaded").heads is None
     assert "its shape could not be read here" in caplog.text
     assert "generator.tensor_parallel_size=2 was not checked" in caplog.text
     # a known model needs no file: Llama 3.3 70B's 64 heads and 8 KV heads are in the table
@@ -145,7 +145,7 @@ def test_a_model_folder_on_object_storage_is_checked_by_its_config_json(s3_env):
     folder = "s3://wbrag/models/gqa-12"
     resolve(folder).join("config.json").write_json({**SMOLLM2, "num_attention_heads": 12, "num_key_value_heads": 4,
                                                     "head_dim": 64})
-    assert model_shape(folder).source == "from its config.json"
+    assert model_size(folder).source == "from its config.json"
     with pytest.raises(ConfigError, match=r"generator.tensor_parallel_size=6 cannot shard generator.model "
                                           r"'s3://wbrag/models/gqa-12': its 4 key-value heads"):
         check_shape(GeneratorConfig(backend="vllm", model=folder, num_gpus=6))

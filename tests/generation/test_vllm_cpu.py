@@ -21,7 +21,7 @@ from wbrag_ray import rag
 from wbrag_ray.config import GeneratorConfig, load_config
 from wbrag_ray.formats import read_dataset
 from wbrag_ray.generation.hf import HFGenerator
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.metrics import substring_match
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
@@ -188,8 +188,8 @@ def adapted(kb, vllm_answers, services, adapter):
     loads = services.loads["generate"]
     config = vllm_config(kb, f"generator.lora_adapter={adapter}")
     passes = GeneratorPasses(config.generator, services)
-    text = passes.generate("adapter-text", from_pandas(prompts_df), "prompt", "answer")
-    scored = passes.generate("adapter-scored", from_pandas(prompts_df), "prompt", "answer", mode="scored")
+    text = passes.generate("adapter-text", prompts_df, "prompt", "answer")
+    scored = passes.generate("adapter-scored", prompts_df, "prompt", "answer", mode="scored")
     # two passes, one load of the engine with the adapter; its actors are the ones the module started
     assert services.loads["generate"] == loads + 1 and services.started["generate"] == 1
     return prompts_df, list(closed["prediction"]), list(text["answer"]), scored

@@ -11,7 +11,7 @@ import pytest
 from wbrag_ray import prompts
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.hf import HFGenerator
-from wbrag_ray.generation.passes import GeneratorPasses, from_pandas
+from wbrag_ray.generation.passes import GeneratorPasses
 
 QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "Name a river.", "How high is Everest?"]
 
@@ -41,14 +41,14 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
     local.setup()
     chat = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
     with GeneratorPasses(config) as passes:
-        # a Ray Dataset streams through the service's actors; a frame the driver holds goes to them directly
-        text = passes.generate("text", from_pandas(_frame()), "prompt", "answer").sort_values("id")
+        # a frame the driver holds goes to the service's actors directly; the same prompts again, to the memo
         direct = passes.generate("direct", _frame(), "prompt", "answer")
+        text = passes.generate("text", _frame(), "prompt", "answer").sort_values("id")
         longer = passes.generate("longer", _frame(), "prompt", "answer", 12).sort_values("id")
-        multiline = passes.generate("multiline", from_pandas(_frame()), "prompt", "answer", 12,
+        multiline = passes.generate("multiline", _frame(), "prompt", "answer", 12,
                                     multiline=True).sort_values("id")
         scored = passes.generate("scored", _frame(), "prompt", "out", mode="scored").sort_values("id")
-        choice = passes.generate("choice", from_pandas(_frame()), "prompt", "p", mode="choice",
+        choice = passes.generate("choice", _frame(), "prompt", "p", mode="choice",
                                  choices=("yes", "no")).sort_values("id")
         # six passes, four settings of the pass (budget, stop strings, mode), one loaded model: counted by the
         # driver and by the actor itself
@@ -83,7 +83,8 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
     plain.setup()
     messages = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
     with GeneratorPasses(config) as passes:
-        a = passes.generate("a", from_pandas(_frame()), "prompt", "answer").sort_values("id")
+        # another command's passes on these services (their own answer memo): c decodes a's prompts again
+        a = GeneratorPasses(config, passes.services).generate("a", _frame(), "prompt", "answer").sort_values("id")
         b = passes.generate("b", _frame(), "prompt", "answer", generator=other).sort_values("id")
         c = passes.generate("c", _frame(), "prompt", "answer").sort_values("id")
         assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 3}
@@ -91,7 +92,7 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
         # each pass answered with the model it asked for
         assert a["answer"].tolist() == c["answer"].tolist() == chat.generate(messages)
         assert b["answer"].tolist() == plain.generate(messages) != a["answer"].tolist()
-        passes.generate("d", from_pandas(_frame()), "prompt", "answer", generator=wider)
+        GeneratorPasses(config, passes.services).generate("d", _frame(), "prompt", "answer", generator=wider)
         assert passes.services.started == {"generate": 2}
         # one model actor at a time: the other CPU stays free for reads and Ray's own tasks
         assert ray_cluster.available_resources().get("CPU", 0) >= 1

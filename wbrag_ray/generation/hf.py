@@ -3,7 +3,7 @@ greedy decoding, and RePlug's probability mixture (a decoding loop of its own ov
 
 from __future__ import annotations
 
-from wbrag_ray.config import ConfigError, GeneratorConfig
+from wbrag_ray.config import ConfigError
 from wbrag_ray.generation.hf_loading import load_hf_causal_lm, memory_budget, row_bytes
 from wbrag_ray.generation.types import (
     Generator,
@@ -32,8 +32,7 @@ class HFGenerator(Generator):
         self.device = pick_device(self.config.num_gpus)
         self.dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.tokenizer = load_hf_causal_lm(self.config, self.dtype, self.device)
-        self._stop_id_cache: dict[tuple[str, ...], list[int]] = {}
-        self.stop_token_ids = self._stop_token_ids()
+        self._stop_id_cache: dict[tuple[str, ...], list[int]] = {}  # shared by `with_config`'s copies
         self.memory_budget = memory_budget(self.config, self.device)
         self._choice_id_cache: dict[tuple[str, ...], list[list[int]]] = {}
         if self.config.chat_template and self.tokenizer.chat_template is None:
@@ -42,26 +41,20 @@ class HFGenerator(Generator):
                 "to use completion prompts (base models)"
             )
 
-    def _stop_token_ids(self) -> list[int]:
+    @property
+    def stop_token_ids(self) -> list[int]:
         """End-of-sequence ids plus every vocabulary token whose text holds a stop string: a row ends at its
-        first such token. (transformers' `stop_strings` matches text as it decodes and measured 40% slower
-        here; a token-id check is free. cut_at_stop trims what such a token carried past the stop string.)
-        Cached per stop list: a generator service's passes switch between a few of them."""
+        first such token (transformers' `stop_strings` measured 40% slower; cut_at_stop trims what such a token
+        carried past the stop string). Cached per stop list: a service's passes switch between a few."""
         stop = tuple(self.config.stop)
         if stop not in self._stop_id_cache:
             eos = self.model.generation_config.eos_token_id
             ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [self.tokenizer.eos_token_id])
             for token, i in self.tokenizer.get_vocab().items() if stop else ():
-                text = self.tokenizer.convert_tokens_to_string([token])
-                if any(s in text for s in stop):
+                if any(s in self.tokenizer.convert_tokens_to_string([token]) for s in stop):
                     ids.add(i)
             self._stop_id_cache[stop] = sorted(ids)
         return self._stop_id_cache[stop]
-
-    def with_config(self, config: GeneratorConfig) -> Generator:
-        other = super().with_config(config)
-        other.stop_token_ids = other._stop_token_ids()  # the cache is shared with this generator
-        return other
 
     def render(self, prompts: list[Prompt]) -> list[str]:
         if not self.config.chat_template:
@@ -75,14 +68,15 @@ class HFGenerator(Generator):
         ]
 
     def _packs(self, units: list[list[str]], new_tokens: int, with_probs: bool = False, extra_row_bytes: int = 0):
-        """Indices of `units` to run together, sorted by their longest text's token length so each batch pads
-        little. A unit is texts that must share a batch: one prompt, or one mixture group's prompts. A pack
-        takes up to generator.batch_size rows, and fewer once its longest row times its rows would pass the
-        memory budget (long prompts come in smaller batches, short ones fill the batch); one unit always goes,
-        whatever its size. With generator.batch_invariant a pack holds one length bucket only (`_encode` pads
-        it to the bucket's edge): what a prompt is decoded as never depends on the prompts beside it."""
+        """Indices of `units` (texts that must share a batch: one prompt, or one mixture group's prompts) to run
+        together, sorted by token length so each batch pads little. A pack takes up to generator.batch_size rows,
+        fewer once its rows would pass the memory budget; one unit always goes. With generator.batch_invariant a
+        pack holds one length bucket only (`_encode` pads to its edge): a prompt is decoded the same whatever is
+        beside it."""
         lengths = [max(len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in u) for u in units]
-        self._check_context(max(lengths, default=0), new_tokens)
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context and max(lengths, default=0) + new_tokens > context:
+            raise context_refusal(self.config, max(lengths), new_tokens, context)
         order = sorted(range(len(units)), key=lengths.__getitem__)
         bucket = self._bucket
         start = 0
@@ -99,13 +93,6 @@ class HFGenerator(Generator):
             yield order[start:end]
             start = end
 
-    def _check_context(self, prompt_tokens: int, new_tokens: int) -> None:
-        """Refuse a prompt the model cannot read whole: past its context the answer is written from a prompt the
-        model sees garbled (or the position embeddings fail), which would pass as a poor score."""
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        if context and prompt_tokens + new_tokens > context:
-            raise context_refusal(self.config, prompt_tokens, new_tokens, context)
-
     @property
     def _bucket(self) -> int | None:
         return PAD_BUCKET if self.config.batch_invariant else None
@@ -119,6 +106,16 @@ class HFGenerator(Generator):
         """Batches of `texts` indices (see `_packs`), with their encodings."""
         for idx in self._packs([[t] for t in texts], new_tokens, with_probs):
             yield idx, self._encode([texts[i] for i in idx])
+
+    def _scored(self, ids: list[int], probs: list[float] | None, stop_ids: set[int]) -> Scored:
+        """A row's new token ids (and their probabilities) as an answer: its tokens end before the first stop id;
+        its text keeps that token, whose text past the stop string cut_at_stop trims."""
+        end = next((j for j, t in enumerate(ids) if t in stop_ids), None)
+        body = ids[:end]
+        text = cut_at_stop(self.tokenizer.decode(ids[: len(body) + 1], skip_special_tokens=True), self.config.stop)
+        if probs is None:
+            return Scored(text, [], [], end is not None)
+        return Scored(text, [self.tokenizer.decode([t]) for t in body], probs[: len(body)], end is not None)
 
     def generate(self, prompts: list[Prompt], max_new_tokens: int | None = None) -> list[str]:
         return [s.text for s in self._decode(prompts, max_new_tokens, with_probs=False)]
@@ -153,15 +150,7 @@ class HFGenerator(Generator):
                 )
             new_tokens = gen.sequences[:, enc["input_ids"].shape[1] :]
             for row, i in enumerate(idx):
-                ids = new_tokens[row].tolist()
-                end = next((j for j, t in enumerate(ids) if t in stop_ids), None)
-                body = ids[:end]
-                out[i] = Scored(
-                    text=cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), self.config.stop),
-                    tokens=[self.tokenizer.decode([t]) for t in body] if with_probs else [],
-                    probs=probs[row, : len(body)].tolist() if with_probs else [],
-                    finished=end is not None,
-                )
+                out[i] = self._scored(new_tokens[row].tolist(), probs[row].tolist() if with_probs else None, stop_ids)
         return out
 
     def generate_mixture(
@@ -188,17 +177,7 @@ class HFGenerator(Generator):
             row_weight = torch.tensor([w for g in idx for w in weights[g]], dtype=torch.float32, device=self.device)
             tokens, probs = self._mixture_steps(enc, group_of, row_weight, len(idx), max_new, stop_ids)
             for b, g in enumerate(idx):
-                ids, p = tokens[:, b].tolist(), probs[:, b].tolist()
-                end = next((j for j, t in enumerate(ids) if t in stop_ids), None)
-                body = ids[:end]
-                out[g] = Scored(
-                    # the stop token too, as in _decode: cut_at_stop trims what it carried past the stop string
-                    text=cut_at_stop(self.tokenizer.decode(ids[: len(body) + 1], skip_special_tokens=True),
-                                     self.config.stop),
-                    tokens=[self.tokenizer.decode([t]) for t in body],
-                    probs=p[: len(body)],
-                    finished=end is not None,
-                )
+                out[g] = self._scored(tokens[:, b].tolist(), probs[:, b].tolist(), stop_ids)
         return out
 
     def _mixture_steps(self, enc, group_of, row_weight, n_groups: int, max_new: int, stop_ids: set[int]):

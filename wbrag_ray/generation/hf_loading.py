@@ -19,11 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def hf_model_source(config: GeneratorConfig) -> str:
-    """What `from_pretrained` takes for `config.model`: a local folder or a hub id.
-
-    A GGUF file is de-quantized by transformers on every load (about 17 s for SmolLM2-135M); the first call
-    saves the converted fp32 weights to a cache folder, and later loads read that folder (well under 1 s).
-    """
+    """What `from_pretrained` takes for `config.model`: a local folder or a hub id. A GGUF file, which transformers
+    de-quantizes on every load (about 17 s for SmolLM2-135M), is converted once to fp32 weights in a cache folder
+    that later loads read (well under 1 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(config.model)
@@ -45,17 +43,12 @@ def hf_model_source(config: GeneratorConfig) -> str:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
-    # once per node: the other actors and tasks of the node that load it wait for the first one's copy
-    cached = _gguf_cache_dir(config, path)
+    # keyed by the GGUF file's path, size and modification time; converted once per node: the other actors and
+    # tasks of the node that load it wait for the first one's copy
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = Path(config.cache_dir or cache_root()).expanduser() / "converted" / f"{path.stem}-{key}"
     return node_cached(str(cached), convert)
-
-
-def _gguf_cache_dir(config: GeneratorConfig, gguf_path: Path) -> Path:
-    """The converted copy's folder, keyed by the GGUF file's path, size and modification time."""
-    root = Path(config.cache_dir or cache_root()).expanduser() / "converted"
-    stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return root / f"{gguf_path.stem}-{key}"
 
 
 def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
@@ -69,7 +62,7 @@ def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
     if config.lora_adapter:
         from peft import PeftModel
 
-            # on this node: an s3:// adapter is fetched into this node's cache, never a path from the driver's
+        # on this node: an s3:// adapter is fetched into this node's cache, never a path from the driver's
         model = PeftModel.from_pretrained(model, node_local_dir(config.lora_adapter))
         model = model.merge_and_unload()  # merged weights decode as fast as the base model
     model.to(device).eval()

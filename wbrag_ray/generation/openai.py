@@ -22,13 +22,8 @@ from wbrag_ray.generation.types import (
 
 
 class OpenAIGenerator(Generator):
-    """Any OpenAI-compatible server (vLLM serve, TGI, llama.cpp server, hosted APIs): /v1/chat/completions.
-
-    No probability mixture (RePlug; `Generator.generate_mixture`): a request decodes one sequence on the
-    server, and the API returns at most the top 20 logprobs per generated token (`top_logprobs`), after the
-    fact. K requests cannot share a token chosen from their mixture at each step; one-token requests with the
-    prefix resubmitted would cost K HTTP round trips per token and, from top-20 logprobs, bound the mixture's
-    argmax rather than find it. The method `replug` refuses this backend (`replug-vote` runs here)."""
+    """/v1/chat/completions (/v1/completions without a chat template). No probability mixture (`mixture_limit`):
+    one-token requests resubmitted would cost K HTTP round trips per token and only bound the mixture's argmax."""
 
     mixture_limit = (
         "an OpenAI-compatible server decodes each request as its own sequence and returns at most the top 20 "

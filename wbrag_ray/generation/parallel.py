@@ -1,15 +1,12 @@
-"""Engine replicas larger than one GPU (or one tensor-parallel rank on CPUs), run where their placement group is.
-
-A generator service's actor does what Ray Data LLM's engine stage does: it reserves the replica's placement group
-(`placement.replica_placement`) and runs the engine in a process scheduled inside it with child tasks captured,
-so vLLM's ray executor takes the group as its own and starts a worker in each bundle (`RemoteEngine`); the
-service's actor itself asks Ray for no GPU. On CPUs a tensor-parallel replica's ranks are vLLM's multiprocessing
-workers on one node, one CPU bundle each, their OpenMP threads bound by `cpu_rank_env`.
+"""Engine replicas larger than one GPU (or one tensor-parallel rank on CPUs), run in their own placement group
+(`RemoteEngine`; the service's actor itself asks Ray for no GPU). On CPUs a tensor-parallel replica's ranks are
+vLLM's multiprocessing workers on one node, one CPU bundle each, their OpenMP threads bound by `cpu_rank_env`.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 import weakref
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
@@ -25,20 +22,18 @@ ENGINE_GROUP = "wbrag-engine:"
 
 
 def replica_env(config: GeneratorConfig) -> dict[str, str]:
-    """The environment of a replica of several GPUs whose bundles ask for less than a GPU each (generator.gpu_share,
-    set where retrieval's actors share its GPUs): vLLM's ray executor asks Ray for VLLM_RAY_PER_WORKER_GPUS of a
-    bundle for each worker (1 by default, which such a bundle cannot give), and each worker still uses its whole
-    GPU, its memory bounded by gpu_memory_utilization. Nothing otherwise."""
+    """The environment of a replica of several GPUs whose bundles ask for less than a GPU each (generator.gpu_share):
+    vLLM's ray executor asks each bundle for VLLM_RAY_PER_WORKER_GPUS (1 by default, which such a bundle cannot
+    give); each worker still uses its whole GPU, its memory bounded by gpu_memory_utilization."""
     if config.num_gpus <= 0 or not sharded(config) or config.gpu_share >= 1:
         return {}
     return {"VLLM_RAY_PER_WORKER_GPUS": f"{config.gpu_share:g}"}
 
 
 def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
-    """The environment that binds a CPU replica's tensor-parallel ranks, for an engine started in a process allowed
-    `cpus`: VLLM_CPU_OMP_THREADS_BIND gives each rank its own block of the replica's threads over tp (wrapping where
-    there are too few cores). vLLM's default binds rank i to NUMA node i and refuses fewer NUMA nodes than ranks.
-    Nothing for a replica of one rank, or where the environment sets the binding already."""
+    """VLLM_CPU_OMP_THREADS_BIND for a CPU replica's tensor-parallel ranks in a process allowed `cpus`: each rank
+    its own block of the replica's threads (wrapping where there are too few cores); vLLM's default binds rank i to
+    NUMA node i and refuses fewer NUMA nodes than ranks. Nothing for one rank, or where the environment sets it."""
     import math
     import os
 
@@ -49,14 +44,6 @@ def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
     per = max(1, min(len(cpus), (config.threads or math.ceil(config.num_cpus)) // tp))
     blocks = [[cpus[(i * per + j) % len(cpus)] for j in range(per)] for i in range(tp)]
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, b)) for b in blocks)}
-
-
-def _engine_group_name() -> str:
-    import uuid
-
-    import ray
-
-    return f"{ENGINE_GROUP}{ray.get_runtime_context().get_actor_id() or 'driver'}:{uuid.uuid4().hex[:8]}"
 
 
 def release_engine_groups(actor_ids: list[str]) -> int:
@@ -95,10 +82,10 @@ class RemoteEngine:
     """A vLLM generator larger than one GPU, hosted in a process scheduled in its own placement group's first
     bundle with child tasks captured, so vLLM's ray executor starts a worker in each bundle. `call` runs a generator
     method there. The group and the process end with the last reference to this object, or with the actor that
-    made them (the service that ends it removes the group: `release_engine_groups`)."""
+    made them (the service that ends it removes the group: `release_engine_groups`). `timeout_s`: how long to wait
+    for the placement group (default `ray.pending_timeout_s`)."""
 
     def __init__(self, config: GeneratorConfig, host_cls: type, timeout_s: float | None = None):
-        """`timeout_s`: how long to wait for the placement group (default `ray.pending_timeout_s`)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -107,7 +94,8 @@ class RemoteEngine:
         if spec is None:
             raise ValueError("a remote engine is for a replica of more than one shard")
         timeout_s = PENDING_TIMEOUT_S["seconds"] if timeout_s is None else timeout_s
-        self.pg = placement_group(**spec, name=_engine_group_name())
+        actor = ray.get_runtime_context().get_actor_id() or "driver"  # the group is named after its maker
+        self.pg = placement_group(**spec, name=f"{ENGINE_GROUP}{actor}:{uuid.uuid4().hex[:8]}")
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             remove_placement_group(self.pg)

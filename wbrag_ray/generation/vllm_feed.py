@@ -1,13 +1,11 @@
 """One vLLM engine fed by several calls at once: the service actor's concurrent passes share its running batch.
 
-`vllm.LLM.generate` / `chat` add a call's requests and step the engine until all are done: the engine decodes the
-call's longest answers at a fraction of its batch, then idles while the actor takes the next batch. `EngineFeed`
-adds each call's requests (`LLM.enqueue` / `enqueue_chat`, rendered and tokenized by vLLM) as they come, while one
-stepping thread runs the engine for all of them and hands each call its outputs once its last request finished
-(1.72x the rows/s of blocking calls on CPUs: benchmarks/RESULTS.md). vLLM's `AsyncLLM` would do the same but
-always runs its engine core in a second process, which on CPUs costs most of an engine's start. Only the stepping
-thread touches the engine's front end, which is not thread-safe. Greedy answers do not depend on what shares
-their batch (generator.batch_invariant on GPUs; on CPUs to float rounding, as any batch size)."""
+`vllm.LLM.generate` / `chat` step the engine until one call's requests are done, so it idles on the call's longest
+answers. `EngineFeed` adds each call's requests (`LLM.enqueue` / `enqueue_chat`) as they come, while one stepping
+thread, the only one touching the engine's front end (not thread-safe), runs the engine for all of them and hands
+each call its outputs once its last request finished. vLLM's `AsyncLLM` would do the same but always runs its
+engine core in a second process, which on CPUs costs most of an engine's start. Greedy answers do not depend on
+what shares their batch (generator.batch_invariant on GPUs; on CPUs to float rounding, as any batch size)."""
 
 from __future__ import annotations
 
@@ -102,6 +100,12 @@ class EngineFeed:
             self._in_engine += 1
             self.max_calls_in_batch = max(self.max_calls_in_batch, self._in_engine)
 
+    def _fail_all(self, error: BaseException) -> None:
+        for call in set(self._calls.values()):
+            call.failed(error)
+        self._calls.clear()
+        self._in_engine = 0
+
     def _step_while_busy(self) -> None:
         """Steps while any call waits, then ends: an idle feed holds no thread, so nothing but its owner keeps
         the engine alive (a service that loads another model frees this one first)."""
@@ -118,20 +122,14 @@ class EngineFeed:
             if not self._calls:
                 continue
             if not engine.has_unfinished_requests():  # never step an empty engine in a loop: say what was lost
-                lost = RuntimeError(f"vLLM has no unfinished request but {len(self._calls)} of this feed's were "
-                                    "never reported finished (their ids: wbrag_ray.generation.vllm_feed.reported_id)")
-                for call in set(self._calls.values()):
-                    call.failed(lost)
-                self._calls.clear()
-                self._in_engine = 0
+                self._fail_all(RuntimeError(
+                    f"vLLM has no unfinished request but {len(self._calls)} of this feed's were never reported "
+                    "finished (their ids: wbrag_ray.generation.vllm_feed.reported_id)"))
                 continue
             try:
                 outputs = engine.step()
             except BaseException as exc:  # the engine failed: every waiting call fails with it, none waits forever
-                for call in set(self._calls.values()):
-                    call.failed(exc)
-                self._calls.clear()
-                self._in_engine = 0
+                self._fail_all(exc)
                 continue
             for output in outputs:
                 if output.finished:

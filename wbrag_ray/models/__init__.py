@@ -1,5 +1,1 @@
-"""Model wrappers: embedder, bundled models, hardware choice, pruner head and router."""
-
-from wbrag_ray.models.embedder import Embedder
-
-__all__ = ["Embedder"]
+"""Model wrappers: embedder, bundled models, hardware choice, model sizes, pruner head and router."""

@@ -15,10 +15,6 @@ _BUNDLED = {
 }
 
 
-def bundled_names() -> list[str]:
-    return sorted(_BUNDLED)
-
-
 def bundled_path(name: str) -> Path:
     """Filesystem path of a bundled model (`bundled:<name>`), or a ConfigError that says how to install it."""
     if name not in _BUNDLED:

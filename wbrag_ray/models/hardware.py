@@ -77,16 +77,12 @@ def cpu_supports_bf16(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def pick_dtype(requested: str, device: str):
-    """The torch dtype for 'auto' / 'float32' / 'bfloat16' on `device`."""
+    """The torch dtype for 'auto' / 'float32' / 'bfloat16' on `device` (`resolved_dtype_name`'s on CPUs)."""
     import torch
 
-    if requested == "float32":
-        return torch.float32
-    if requested == "bfloat16":
-        return torch.bfloat16
-    if device.startswith("cuda"):
+    if requested == "auto" and device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    return getattr(torch, resolved_dtype_name(requested, 0))
 
 
 def pick_device(num_gpus: float) -> str:

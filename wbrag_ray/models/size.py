@@ -19,6 +19,7 @@ from pathlib import Path
 from wbrag_ray.config import ConfigError
 from wbrag_ray.index.sizing import TASK_BASE_BYTES
 from wbrag_ray.models.bundled import bundled_path
+from wbrag_ray.storage import resolve
 
 GB = 1e9
 SERVING_HEADROOM = 0.2
@@ -101,24 +102,15 @@ _BERT_LIKE = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"
 
 def model_size(model: str) -> ModelSize:
     """The size of `model` (a local folder, a GGUF file, an s3:// folder, a hub id or bundled:*)."""
-    folder = Path(model)
-    if "://" not in model and (folder / "config.json").is_file():
+    model = model.removeprefix("file://")
+    for read, source in ((_folder_config, "from its config.json"), (_gguf_metadata, "from its GGUF metadata"),
+                         (_cached_hub_config, "from its cached config.json")):
         try:
-            return size_from_config(model, json.loads((folder / "config.json").read_text()), "from its config.json")
+            cfg = read(model)
+            if cfg is not None:
+                return size_from_config(model, cfg, source)
         except (ValueError, KeyError, TypeError, OSError):
-            pass  # an unusual layout: fall back to the name
-    gguf = _gguf_file(model)
-    if gguf is not None:
-        try:
-            return size_from_config(model, _gguf_config(str(gguf), gguf.stat().st_mtime_ns), "from its GGUF metadata")
-        except (ValueError, KeyError, TypeError, OSError):
-            pass
-    cached = _cached_hub_config(model)
-    if cached is not None:
-        try:
-            return size_from_config(model, json.loads(Path(cached).read_text()), "from its cached config.json")
-        except (ValueError, KeyError, TypeError, OSError):
-            pass
+            pass  # an unusual layout: as its name says
     key = model.lower().rstrip("/")
     for known, (params, hidden, heads, *layout) in KNOWN.items():
         if key == known or key.endswith("/" + known.split("/")[-1]):
@@ -131,12 +123,22 @@ def model_size(model: str) -> ModelSize:
 
 
 def size_from_config(model: str, cfg: dict, source: str) -> ModelSize:
-    """The size and shape of `model` from its transformers config (`cfg`, read from `source`)."""
-    params, hidden, heads = params_from_config(cfg)
-    text = cfg.get("text_config") or cfg
-    layout = (int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads),
-              int(text.get("head_dim") or hidden // heads))
-    return ModelSize(model, params, hidden, heads, source, *layout, context=_context(text))
+    """The size and shape of `model` from its transformers config (`cfg`, read from `source`). Parameters:
+    embeddings (twice when the output layer is not tied), per layer attention (q and o full, k and v at the
+    key-value heads) and the MLP (three matrices for gated decoders, two for BERT-like encoders)."""
+    text = cfg.get("text_config") or cfg  # multimodal configs (Gemma 3) nest the language model's
+    hidden = int(text["hidden_size"])
+    layers = int(text["num_hidden_layers"])
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    inter = int(text.get("intermediate_size") or 4 * hidden)
+    attention = hidden * head_dim * 2 * (heads + kv_heads)
+    mlp = (2 if cfg.get("model_type") in _BERT_LIKE else 3) * hidden * inter
+    tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    embeddings = int(text["vocab_size"]) * hidden * (1 if tied else 2)
+    params = float(layers * (attention + mlp) + embeddings)
+    return ModelSize(model, params, hidden, heads, source, layers, kv_heads, head_dim, context=_context(text))
 
 
 # RoPE scalings whose max_position_embeddings is already the scaled context (vLLM's `_get_and_verify_max_len`,
@@ -156,8 +158,25 @@ def _context(text: dict) -> int | None:
     return int(positions * float(factor)) if scaled else int(positions)
 
 
-def _gguf_file(model: str) -> Path | None:
-    """The GGUF file `model` names (a path, or a bundled model that is one), if any."""
+def _folder_config(model: str) -> dict | None:
+    """The config.json of a model folder, local or on object storage."""
+    if "://" in model:
+        return _stored_config(model)
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=32)
+def _stored_config(model: str) -> dict | None:
+    """The config.json of a model folder on object storage, read once per process (every pass checks the shape)."""
+    try:
+        return resolve(model).join("config.json").read_json()
+    except (OSError, ValueError):  # none there, or unreachable (ConfigError is a ValueError): the engine will say
+        return None
+
+
+def _gguf_metadata(model: str) -> dict | None:
+    """The config of the GGUF file `model` names (a path, or a bundled model that is one), if any."""
     if model.startswith("bundled:"):
         try:
             path = bundled_path(model.split(":", 1)[1])
@@ -165,7 +184,9 @@ def _gguf_file(model: str) -> Path | None:
             return None
     else:
         path = Path(model).expanduser()
-    return path if path.suffix == ".gguf" and path.is_file() else None
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    return _gguf_config(str(path), path.stat().st_mtime_ns)
 
 
 # GGUF's value types (its specification, ggml's docs/gguf.md): the struct format of each scalar type, by its code
@@ -229,7 +250,7 @@ def _gguf_config(path: str, _mtime_ns: int) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_hub_config(model: str) -> str | None:
+def _cached_hub_config(model: str) -> dict | None:
     """The config.json of a hub id (org/name) in this machine's Hugging Face cache, without the network; None
     where it was never downloaded here (or `model` is no hub id)."""
     if model.count("/") != 1 or model.startswith(("/", ".", "~")) or ":" in model or Path(model).exists():
@@ -237,26 +258,7 @@ def _cached_hub_config(model: str) -> str | None:
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(model, "config.json")
-    return found if isinstance(found, str) else None
-
-
-def params_from_config(cfg: dict) -> tuple[float, int, int]:
-    """(parameters, hidden size, attention heads) from a transformers config.json: embeddings (twice when the
-    output layer is not tied), per layer attention (q and o full, k and v at the key-value heads) and the MLP
-    (three matrices for gated decoders, two for BERT-like encoders)."""
-    text = cfg.get("text_config") or cfg  # multimodal configs (Gemma 3) nest the language model's
-    hidden = int(text["hidden_size"])
-    layers = int(text["num_hidden_layers"])
-    heads = int(text["num_attention_heads"])
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or hidden // heads)
-    inter = int(text.get("intermediate_size") or 4 * hidden)
-    gated = cfg.get("model_type") not in _BERT_LIKE
-    attention = hidden * head_dim * 2 * (heads + kv_heads)
-    mlp = (3 if gated else 2) * hidden * inter
-    tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
-    embeddings = int(text["vocab_size"]) * hidden * (1 if tied else 2)
-    return float(layers * (attention + mlp) + embeddings), hidden, heads
+    return json.loads(Path(found).read_text()) if isinstance(found, str) else None
 
 
 def embedding_dim(model: str, size: ModelSize) -> tuple[int | None, str]:
@@ -288,16 +290,10 @@ def lora_params(size: ModelSize, r: int, targets: list[str]) -> float:
     return float((size.layers or 32) * sum(r * (hidden + widths.get(t, hidden)) for t in targets))
 
 
-def bytes_per_param(dtype: str, on_gpu: bool) -> int:
-    if dtype == "float32":
-        return 4
-    if dtype == "bfloat16":
-        return 2
-    return 2 if on_gpu else 4  # auto: bf16 on GPUs; fp32 assumed on CPUs (bf16 only where native)
-
-
 def weights_gb(size: ModelSize, dtype: str, on_gpu: bool) -> float | None:
-    return None if size.params is None else size.params * bytes_per_param(dtype, on_gpu) / GB
+    # auto: bf16 on GPUs; fp32 assumed on CPUs (bf16 only where native)
+    per_param = {"float32": 4, "bfloat16": 2}.get(dtype, 2 if on_gpu else 4)
+    return None if size.params is None else size.params * per_param / GB
 
 
 def serving_gb(size: ModelSize, dtype: str, on_gpu: bool) -> float | None:

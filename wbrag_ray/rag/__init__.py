@@ -3,6 +3,7 @@ replug-vote) and adaptive (`rag.self_rag`, `rag.flare`). `answer()` gives one ro
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ import pandas as pd
 
 from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError
+from wbrag_ray.generation.backends import BACKENDS, check_backend_mode
 from wbrag_ray.rag import flare, self_rag
 from wbrag_ray.rag.one_pass import (
     MIXTURE,
@@ -65,8 +67,6 @@ def passes(method: str, config: WbragConfig) -> list[Pass]:
 
 def available_methods(generator: GeneratorConfig) -> list[str]:
     """Every method this generator backend can run (`replug`'s mixture needs the hf backend)."""
-    from wbrag_ray.generation.backends import BACKENDS
-
     backend = BACKENDS.get(generator.backend)
     return [m for m in METHODS if m not in MIXTURE or backend is None or backend.supports_mixture]
 
@@ -81,10 +81,6 @@ def answer(
 ) -> pd.DataFrame:
     """Answer every question with every method: one row per (question, method) with the question's columns,
     `method`, `docs`, `prompt`, `slot_answers`, `answer_column`, `retrieval_skipped`, `generator_calls` and `trace`."""
-    import json
-
-    from wbrag_ray.generation.backends import check_backend_mode
-
     methods = check_methods(methods)
     mixture = [m for m in methods if m in MIXTURE]
     if mixture:  # before any search: a backend that cannot decode the mixture says so now

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
+
+from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
 
 if TYPE_CHECKING:
     from wbrag_ray.generation.passes import GeneratorPasses
@@ -23,14 +26,15 @@ def judgement_share(probs: Sequence[float]) -> tuple[float, float]:
 def search_some(search: RetrievalSetting, frame: pd.DataFrame, passes: GeneratorPasses,
                 query_column: str = "question") -> dict:
     """One retrieval pass over the questions an adaptive method chose to search: {id: (hits, router_skipped)}."""
-    from wbrag_ray.retrieval.hits import hits_from_json
-
     searched = search.search(frame, query_column, passes.services).set_index("id")
     router = "retrieval_skipped" in searched
     return {i: (hits_from_json(searched.at[i, "docs"]), router and bool(searched.at[i, "retrieval_skipped"]))
             for i in frame["id"]}
 
 
-def result_row(question: pd.Series, method: str, **fields) -> dict:
-    """One output row of an adaptive method: the question's own columns, then the method's."""
-    return {**question.to_dict(), "method": method, **fields}
+def result_row(question: pd.Series, method: str, answer_column: str, answer: str, docs: list[Hit], prompt: str,
+               retrieval_skipped: bool, generator_calls: int, trace: dict[str, Any]) -> dict:
+    """One output row of an adaptive method (see `rag.answer`): the question's own columns, then the method's."""
+    return {**question.to_dict(), "method": method, "docs": hits_to_json(docs), "prompt": prompt,
+            "slot_answers": json.dumps([answer], ensure_ascii=False), answer_column: answer,
+            "retrieval_skipped": retrieval_skipped, "generator_calls": generator_calls, "trace": json.dumps(trace)}

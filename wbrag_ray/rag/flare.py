@@ -4,11 +4,11 @@ it (unsure tokens masked) as the query. Finished when the model ends it, or afte
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.config import FlareConfig
 from wbrag_ray.rag.adaptive import result_row, search_some
 
@@ -41,9 +41,6 @@ def run(
     answer_column: str,
 ) -> pd.DataFrame:
     """One row per question (see `rag.answer`); `trace` lists each round's sentence, min probability and query."""
-    from wbrag_ray import prompts
-    from wbrag_ray.retrieval.hits import hits_to_json
-
     questions = questions.reset_index(drop=True)
     ids = questions["id"].tolist()
     question_of = dict(zip(ids, questions["question"], strict=True))
@@ -115,19 +112,9 @@ def run(
                 "doc_ids": [h.id for h in found.get(i, [])], "sentence": sentence,  # as written, spaces kept
             })
 
-    rows = []
-    for _, q in questions.iterrows():
-        i = q["id"]
-        text = written[i].strip()
-        rows.append(result_row(
-            q, METHOD,
-            docs=hits_to_json(used[i]),
-            prompt=last_prompt.get(i, ""),
-            slot_answers=json.dumps([text], ensure_ascii=False),
-            **{answer_column: text},
-            retrieval_skipped=not any(x["retrieved"] for x in rounds[i]),
-            generator_calls=calls[i],
-            trace=json.dumps({"threshold": settings.threshold, "router_skipped": router_skipped[i],
-                              "rounds": rounds[i]}),
-        ))
-    return pd.DataFrame(rows)
+    return pd.DataFrame([
+        result_row(q, METHOD, answer_column, written[i].strip(), used[i], last_prompt.get(i, ""),
+                   not any(x["retrieved"] for x in rounds[i]), calls[i],
+                   {"threshold": settings.threshold, "router_skipped": router_skipped[i], "rounds": rounds[i]})
+        for (_, q), i in zip(questions.iterrows(), ids, strict=True)
+    ])

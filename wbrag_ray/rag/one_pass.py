@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.metrics import normalize_answer
+from wbrag_ray.retrieval.hits import hits_from_json
 
 ONE_PASS = ("no-retrieval", "naive", "replug", "replug-vote")
 MIXTURE = ("replug",)  # decoded as one probability mixture per example (generation mode `mixture`)
@@ -42,9 +44,6 @@ def weighted_vote(answers: Sequence[str], weights: Sequence[float]) -> str:
 
 def _replug_groups(batch: pd.DataFrame, temperature: float) -> tuple[list[list], list[list[float]]]:
     """Per example: one prompt per retrieved document in rank order (or one closed-book prompt) and its weight."""
-    from wbrag_ray import prompts
-    from wbrag_ray.retrieval.hits import hits_from_json
-
     groups, weights = [], []
     for q, d in zip(batch["question"], batch["docs"], strict=True):
         hits = hits_from_json(d)
@@ -59,29 +58,21 @@ def _replug_groups(batch: pd.DataFrame, temperature: float) -> tuple[list[list],
 
 def expand(batch: pd.DataFrame, methods: Sequence[str], temperature: float = 0.1) -> pd.DataFrame:
     """One row per (example, method, slot) with `prompt` and `weight` (`replug`: one per example, JSON lists)."""
-    from wbrag_ray import prompts
-    from wbrag_ray.retrieval.hits import hits_from_json
-
     parts = []
     for method in methods:
         if method not in ONE_PASS:
             raise ValueError(f"{method!r} is not a one-pass RAG method ({', '.join(ONE_PASS)})")
-        if method == "no-retrieval":
+        if method != "replug-vote":
             part = batch.copy()
-            part["docs"] = "[]"
             part["slot"], part["weight"] = 0, 1.0
+        if method == "no-retrieval":
+            part["docs"] = "[]"
             part["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in batch["question"]]
         elif method == "naive":
-            part = batch.copy()
-            part["slot"], part["weight"] = 0, 1.0
-            part["prompt"] = [
-                prompts.dumps(prompts.rag_messages(q, hits_from_json(d)))
-                for q, d in zip(batch["question"], batch["docs"], strict=True)
-            ]
+            part["prompt"] = [prompts.dumps(prompts.rag_messages(q, hits_from_json(d)))
+                              for q, d in zip(batch["question"], batch["docs"], strict=True)]
         elif method == "replug":  # one row per example: its K prompts, mixed as they decode
             groups, weights = _replug_groups(batch, temperature)
-            part = batch.copy()
-            part["slot"], part["weight"] = 0, 1.0
             part["prompt"] = [json.dumps(g, ensure_ascii=False) for g in groups]
             part["weights"] = [json.dumps(w) for w in weights]
         else:  # replug-vote: one row per document alone

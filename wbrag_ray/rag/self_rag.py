@@ -4,11 +4,11 @@ relevant, or closed-book). Judgements are probabilities, as Self-RAG thresholds 
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from wbrag_ray import prompts
 from wbrag_ray.config import SelfRagConfig
 from wbrag_ray.rag.adaptive import judgement_share, result_row, search_some
 
@@ -24,9 +24,6 @@ def run(
     answer_column: str,
 ) -> pd.DataFrame:
     """One row per question; `trace` holds p_retrieve, the yes+no mass, and each document's relevance share."""
-    from wbrag_ray import prompts
-    from wbrag_ray.retrieval.hits import hits_to_json
-
     questions = questions.reset_index(drop=True)
     ids = questions["id"].tolist()
     # Only ids and prompts travel to the generator; the gold answers stay in the driver.
@@ -76,8 +73,7 @@ def run(
     ).set_index("id")[answer_column]
 
     rows = []
-    for _, q in questions.iterrows():
-        i = q["id"]
+    for (_, q), i in zip(questions.iterrows(), ids, strict=True):
         trace = {
             "p_retrieve": round(share[i][0], 6),
             "judge_mass": round(share[i][1], 6),
@@ -87,14 +83,6 @@ def run(
             "retrieved": [{"id": h.id, "source": h.source, "rank": h.rank, "relevance": round(r, 6)}
                           for h, r in zip(hits[i], relevance[i], strict=True)],
         }
-        rows.append(result_row(
-            q, METHOD,
-            docs=hits_to_json(kept[i]),
-            prompt=answer_prompts[i],
-            slot_answers=json.dumps([answered[i]], ensure_ascii=False),
-            **{answer_column: answered[i]},
-            retrieval_skipped=not retrieve[i] or router_skipped[i],
-            generator_calls=2 + len(hits[i]),
-            trace=json.dumps(trace),
-        ))
+        rows.append(result_row(q, METHOD, answer_column, answered[i], kept[i], answer_prompts[i],
+                               not retrieve[i] or router_skipped[i], 2 + len(hits[i]), trace))
     return pd.DataFrame(rows)
