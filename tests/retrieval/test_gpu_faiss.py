@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from wbrag_ray.index.gpu_clone import gpu_clone_settings, to_gpu
+from wbrag_ray.index.search import takes_assignment
 from wbrag_ray.models.hardware import usable_cpus
 
 
@@ -29,6 +30,25 @@ from wbrag_ray.models.hardware import usable_cpus
 def test_the_cloner_options_follow_the_index_type(factory, float16_tables, cpu_quantizer):
     settings = gpu_clone_settings(faiss.index_factory(192, factory))
     assert settings == {"useFloat16LookupTables": float16_tables, "allowCpuCoarseQuantizer": cpu_quantizer}
+
+
+class SimulatedGpuIndexIVF(faiss.IndexIVFInterface):
+    """Shaped as faiss-gpu's GpuIndexIVF (`class GpuIndexIVF : public GpuIndex, public IndexIVFInterface`): the IVF
+    interface and no IndexIVF. Simulated: faiss-cpu has no GPU class, and the interface is abstract (no C++ object)."""
+
+    def __init__(self):
+        pass
+
+
+def test_a_simulated_gpu_ivf_shard_takes_the_shared_coarse_assignment_as_a_cpu_one_does():
+    """Fault 4 of issue 74: the test was `isinstance(inner, faiss.IndexIVF)`, which a GPU IVF fails, so each GPU
+    shard ran its own coarse search. HNSW and flat shards have no lists and search shard by shard."""
+    gpu = SimulatedGpuIndexIVF()
+    assert not isinstance(gpu, faiss.IndexIVF) and takes_assignment(gpu)
+    assert takes_assignment(faiss.index_factory(16, "IVF8,Flat"))
+    assert takes_assignment(faiss.downcast_index(faiss.index_factory(16, "OPQ4,IVF8_HNSW8,PQ4").index))
+    assert not takes_assignment(faiss.index_factory(16, "HNSW8"))
+    assert not takes_assignment(faiss.index_factory(16, "Flat"))
 
 
 class _ClonerOptions:  # the attributes of faiss-gpu's GpuMultipleClonerOptions this code sets

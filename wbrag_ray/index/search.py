@@ -89,9 +89,18 @@ def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_
         inner = inner.index
 
 
+def takes_assignment(index) -> bool:
+    """Whether `index` scans lists a coarse assignment made elsewhere names (`search_preassigned` over its
+    `quantizer`'s lists): faiss's IVF interface, which a CPU IndexIVF and a GPU one (faiss.GpuIndexIVF*, which
+    is no IndexIVF) both implement."""
+    import faiss
+
+    return isinstance(index, faiss.IndexIVFInterface)
+
+
 def _ivf_of(shard):
     """(the IVF index inside a shard, the vector transforms applied before it), or None where the shard is not
-    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps, a GPU clone)."""
+    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps, a multi-GPU clone)."""
     import faiss
 
     chain = []
@@ -99,7 +108,7 @@ def _ivf_of(shard):
     if isinstance(inner, faiss.IndexPreTransform):
         chain = [faiss.downcast_VectorTransform(inner.chain.at(i)) for i in range(inner.chain.size())]
         inner = faiss.downcast_index(inner.index)
-    return (inner, chain) if isinstance(inner, faiss.IndexIVF) else None
+    return (inner, chain) if takes_assignment(inner) else None
 
 
 def quantizer_fingerprint(ivf) -> str | None:
