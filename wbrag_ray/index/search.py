@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from wbrag_ray.index.files import IndexError_, load_shard
-from wbrag_ray.index.gpu_clone import to_gpu
+from wbrag_ray.index.gpu_clone import GpuCloneError, to_gpu
 from wbrag_ray.index.tasks import set_threads
 from wbrag_ray.ray_runtime import peak_rss_mb
 from wbrag_ray.retrieval.hits import merge_results
@@ -144,16 +144,17 @@ class ShardSearch:
 
     @classmethod
     def load(cls, index_uri: str, named: list[tuple[str, int | None]], dim: int, nprobe: int | str | None = None,
-             ef_search: int | None = None, k_factor: float | None = None, *, gpu: bool = False,
+             ef_search: int | None = None, k_factor: float | None = None, *, gpu: bool | str = False,
              batch_size: int = 1024) -> ShardSearch:
         """The shards `named` ((file, count), ...) of the index folder at `index_uri`, each checked against its
-        manifest, with the search settings applied, on the GPU where `gpu` (`gpu_clone.to_gpu`)."""
+        manifest, with the search settings applied, on the GPU where `gpu` (`index.gpu`: true allows no CPU
+        search, `gpu_clone.to_gpu`)."""
         loc = resolve(index_uri)
         shards = []
         for name, count in named:
             shard = load_shard(loc, name, dim, count)
             set_search_params(shard, nprobe, ef_search, k_factor)
-            shards.append(to_gpu(shard, loc.join(name).uri) if gpu else shard)
+            shards.append(to_gpu(shard, loc.join(name).uri, required=gpu is True) if gpu else shard)
         return cls(shards, batch_size)
 
     def _clamp(self) -> None:
@@ -215,7 +216,7 @@ class SearchActor:
         self.error: Exception | None = None
         try:
             self.searcher = ShardSearch.load(index_uri, named, dim, *search[:3], gpu=search[3])
-        except IndexError_ as exc:
+        except (IndexError_, GpuCloneError) as exc:
             self.error, self.searcher = exc, ShardSearch([])
 
     def ready(self) -> tuple[int, str | None]:
