@@ -3,9 +3,12 @@ paper's), one node of 8 and 4 nodes of 8 (the paper configs'). No GPU is used: e
 nodes' GPU counts and a GPU's memory, as the commands apply them to Ray's nodes and `wbrag plan` to the stated
 cluster; the plan of each paper config on each shape is checked end to end through `make_plan`."""
 
+import itertools
+
 import pytest
 
 from wbrag_ray.config import ConfigError, load_config
+from wbrag_ray.index.gpu_clone import GPU_TEMP_MEMORY_BYTES
 from wbrag_ray.models.size import model_size
 from wbrag_ray.placement.gpus import (
     RetrievalActors,
@@ -15,6 +18,7 @@ from wbrag_ray.placement.gpus import (
     gpu_memory_of,
     index_on_gpu,
     retrieval_node,
+    share_capacity,
     share_of,
     tensor_parallel_auto,
 )
@@ -58,6 +62,46 @@ def test_retrieval_takes_whole_gpus_only_where_that_costs_at_most_one_replica_in
     assert one.replica_gpu == pytest.approx(0.92)  # both shares on the one GPU
 
 
+def _ray_best_fit(asks, free):
+    """Ray's placement of fractional GPU asks, simulated: one at a time in start order, each on the GPU with the least
+    room that holds it; the room left on each GPU, or None where an ask finds none (it would wait forever)."""
+    free = list(free)
+    for ask in asks:
+        fits = [i for i, room in enumerate(free) if room + 1e-9 >= ask]
+        if not fits:
+            return None
+        free[min(fits, key=free.__getitem__)] -= ask
+    return free
+
+
+@pytest.mark.parametrize("nodes, retrieval", [
+    ([2], [RetrievalActors("search actor", 2, 3.3), RetrievalActors("query embedder", 2, 2.1)]),
+    ([8], [RetrievalActors("search actor", 5, 3.3), RetrievalActors("query embedder", 3, 2.1)]),
+    ([4, 4], [RetrievalActors("search actor", 4, 7.0), RetrievalActors("query embedder", 3, 0.3)]),
+    ([1], RETRIEVAL),
+])
+def test_retrieval_shares_fit_what_the_replicas_leave_in_every_order_ray_may_place_them(nodes, retrieval):
+    """Fault 6 of issue 74, on simulated inventories: Ray places each fractional ask best-fit as it starts, not the
+    largest first; what each replica leaves on its GPU holds the shares in every start order, no GPU over."""
+    layout = gpu_layout(nodes, 80.0, 1, None, retrieval, 0.85)
+    assert not layout.whole
+    asks = [s for r, s in zip(retrieval, layout.shares, strict=True) for _ in range(r.count)]
+    left = round(1.0 - layout.replica_gpu, 4)
+    for order in set(itertools.permutations(asks)):
+        assert _ray_best_fit(order, [left] * max(nodes)) is not None, (nodes, order, left)
+
+
+def test_first_fit_decreasing_room_strands_a_share_when_ray_places_the_small_ones_first():
+    """0.04, 0.04, 0.06, 0.06 on two GPUs: first fit decreasing fits them in 0.10 each; Ray, given the 0.04s first,
+    puts both on one GPU and leaves the second 0.06 no room. The rule leaves 0.13: (0.14 of the others) / 2 + 0.06,
+    room for each ask whichever GPUs with room Ray picks for the rest."""
+    assert _ray_best_fit((0.06, 0.06, 0.04, 0.04), [0.10, 0.10]) is not None
+    assert _ray_best_fit((0.04, 0.04, 0.06, 0.06), [0.10, 0.10]) is None
+    assert share_capacity([0.04, 0.04, 0.06, 0.06], 2) == 0.13
+    retrieval = [RetrievalActors("search actor", 2, 3.3), RetrievalActors("query embedder", 2, 2.1)]
+    assert gpu_layout([2], 80.0, 1, None, retrieval, 0.85).replica_gpu == pytest.approx(0.87)
+
+
 def test_retrieval_too_large_for_a_share_runs_on_cpus_or_is_refused_where_gpu_search_was_demanded():
     huge = [RetrievalActors("search actor", 1, 40.0)]
     layout = gpu_layout([1], 80.0, 1, None, huge, 0.85)
@@ -87,6 +131,18 @@ def test_index_gpu_true_without_a_gpu_search_is_refused_and_auto_says_cpus():
         index_on_gpu(True, 0, True)
     with pytest.raises(ConfigError, match=r"this faiss has no GPU support"):
         index_on_gpu(True, 8, False)
+
+
+def test_a_search_actors_share_counts_the_scratch_memory_its_faiss_gpu_resources_are_capped_at():
+    """Fault 3 of issue 74: faiss's default GPU resources reserved about 1.5 GiB beside the shards, outside the
+    search actor's share; it makes its own, scratch capped at GPU_TEMP_MEMORY_BYTES, and its share counts that."""
+    from wbrag_ray.placement.gpus import _restore_layout
+
+    config = load_config(PAPER_WRITEBACK)
+    _restore_layout(config)
+    apply_gpu_layout(config, [{"CPU": 32.0, "GPU": 1.0}], (1, 3.3e9), 80.0)
+    assert config.retrieval.search_gpus == share_of(3.3 + GPU_TEMP_MEMORY_BYTES / 1e9, 80.0) == 0.07
+    assert share_of(3.3, 80.0) == 0.06  # the shards and a CUDA context alone
 
 
 def test_gpu_memory_comes_from_the_setting_or_the_gpu_model_ray_labels_the_nodes_with():
@@ -160,8 +216,8 @@ def test_each_command_decides_the_layout_again_from_what_the_config_said(monkeyp
     gpus.resolve_auto_concurrency(config, search=(0, 0.0))  # the build: the query embedder only
     g, r = config.generator, config.retrieval
     assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.98) and r.embed_gpus == 0.02
-    gpus.resolve_auto_concurrency(config, search=(1, 3.3e9))  # the evaluation: its search actor too
-    assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.92) and (r.search_gpus, r.embed_gpus) == (0.06, 0.02)
+    gpus.resolve_auto_concurrency(config, search=(1, 3.3e9))  # the evaluation: its search actor too (and its scratch)
+    assert g.concurrency == 1 and g.num_gpus == pytest.approx(0.91) and (r.search_gpus, r.embed_gpus) == (0.07, 0.02)
     assert config.fingerprint()["generator"]["num_gpus"] == 1.0  # run.json records what the config said
     assert config.fingerprint()["retrieval"]["search_gpus"] == "auto"
     assert config.fingerprint()["generator"]["concurrency"] == "auto"

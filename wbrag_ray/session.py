@@ -8,7 +8,7 @@ import os
 from wbrag_ray.build_kb import KB_STAGES
 from wbrag_ray.config import GeneratorConfig, WbragConfig
 from wbrag_ray.generation.vllm import check_shape
-from wbrag_ray.index.gpu_clone import faiss_has_gpu
+from wbrag_ray.index.gpu_clone import cluster_faiss_gpu
 from wbrag_ray.placement.gpus import auto_keys, index_on_gpu, needs_layout, resolve_auto_concurrency
 from wbrag_ray.ray_runtime import check_model_paths, init_ray
 from wbrag_ray.retrieval.service import search_actors
@@ -37,7 +37,7 @@ def join_ray(run: RunFolder, config: WbragConfig) -> None:
     import ray  # here, not at the top: a command refused before it joins Ray never imports it
 
     # index.gpu: true where no GPU search can run: refused before any work (auto: CPUs, said where it searches)
-    index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
+    index_on_gpu(config.index.gpu, ray.cluster_resources().get("GPU", 0), cluster_faiss_gpu())
     if auto_keys(config) or needs_layout(config):
         resolve_auto_concurrency(config, search=search_actors(run.layout.index.uri, config.index, config.retrieval))
 

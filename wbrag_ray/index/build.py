@@ -32,7 +32,7 @@ from wbrag_ray.index.files import (
     vector_field,
     write_index_file,
 )
-from wbrag_ray.index.gpu_clone import faiss_has_gpu
+from wbrag_ray.index.gpu_clone import cluster_faiss_gpu, faiss_has_gpu
 from wbrag_ray.index.parts import (
     CODES_SUFFIX,
     INDEX_SUFFIX,
@@ -258,7 +258,8 @@ def build_index(
     node = largest_node(parallel)
     if trained is None:
         res = train_resources(num_cpus, gpu, cluster_gpus(parallel) if gpu else 0.0,
-                              faiss_has_gpu(), kmeans=plan.nlist is not None, node=node,
+                              cluster_faiss_gpu() if parallel else faiss_has_gpu(),  # the GPU nodes' faiss
+                              kmeans=plan.nlist is not None, node=node,
                               sample_bytes=min(plan.train_sample, total) * dim * 4,
                               quantizer_bytes=(plan.nlist or 0) * dim * 4)
         job = {"files": [f.uri for f in files], "counts": counts, "factory": factory, "dim": dim,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from wbrag_ray.index.files import IndexError_, load_shard
-from wbrag_ray.index.gpu_clone import to_gpu
+from wbrag_ray.index.gpu_clone import GpuCloneError, to_gpu
 from wbrag_ray.index.tasks import set_threads
 from wbrag_ray.retrieval.hits import merge_results
 from wbrag_ray.storage import resolve
@@ -87,9 +87,18 @@ def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_
         inner.k_factor = float(k_factor)
 
 
+def takes_assignment(index) -> bool:
+    """Whether `index` scans lists a coarse assignment made elsewhere names (`search_preassigned` over its
+    `quantizer`'s lists): faiss's IVF interface, which a CPU IndexIVF and a GPU one (faiss.GpuIndexIVF*, which
+    is no IndexIVF) both implement."""
+    import faiss
+
+    return isinstance(index, faiss.IndexIVFInterface)
+
+
 def _ivf_of(shard):
     """(the IVF index inside a shard, the vector transforms applied before it), or None where the shard is not
-    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps, a GPU clone)."""
+    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps, a multi-GPU clone)."""
     import faiss
 
     chain = []
@@ -97,7 +106,7 @@ def _ivf_of(shard):
     if isinstance(inner, faiss.IndexPreTransform):
         chain = [faiss.downcast_VectorTransform(inner.chain.at(i)) for i in range(inner.chain.size())]
         inner = faiss.downcast_index(inner.index)
-    return (inner, chain) if isinstance(inner, faiss.IndexIVF) else None
+    return (inner, chain) if takes_assignment(inner) else None
 
 
 def quantizer_fingerprint(ivf) -> str | None:
@@ -132,16 +141,17 @@ class ShardSearch:
 
     @classmethod
     def load(cls, index_uri: str, named: list[tuple[str, int | None]], dim: int, nprobe: int | str | None = None,
-             ef_search: int | None = None, k_factor: float | None = None, *, gpu: bool = False,
+             ef_search: int | None = None, k_factor: float | None = None, *, gpu: bool | str = False,
              batch_size: int = 1024) -> ShardSearch:
-        """The shards `named` ((file, count), ...) of the index folder at `index_uri`, checked against its manifest,
-        with the search settings applied, on the GPU where `gpu`."""
+        """The shards `named` ((file, count), ...) of the index folder at `index_uri`, each checked against its
+        manifest, with the search settings applied, on the GPU where `gpu` (`index.gpu`: true allows no CPU
+        search, `gpu_clone.to_gpu`)."""
         loc = resolve(index_uri)
         shards = []
         for name, count in named:
             shard = load_shard(loc, name, dim, count)
             set_search_params(shard, nprobe, ef_search, k_factor)
-            shards.append(to_gpu(shard, loc.join(name).uri) if gpu else shard)
+            shards.append(to_gpu(shard, loc.join(name).uri, required=gpu is True) if gpu else shard)
         return cls(shards, batch_size)
 
     def _clamp(self) -> None:
@@ -199,7 +209,7 @@ class SearchActor:
         self.error: Exception | None = None
         try:
             self.searcher = ShardSearch.load(index_uri, named, dim, *search[:3], gpu=search[3])
-        except IndexError_ as exc:
+        except (IndexError_, GpuCloneError) as exc:
             self.error, self.searcher = exc, ShardSearch([])
 
     def ready(self) -> tuple[int, str | None]:

@@ -13,6 +13,7 @@ import operator
 from dataclasses import dataclass
 
 from wbrag_ray.config import AUTO_SETTINGS, ConfigError
+from wbrag_ray.index.gpu_clone import GPU_TEMP_MEMORY_BYTES
 from wbrag_ray.models.accelerators import DEFAULT_GPU_MEMORY_GB, accelerator
 from wbrag_ray.models.size import model_size, serving_gb
 from wbrag_ray.placement import auto_nodes, free_nodes, room_for
@@ -101,15 +102,15 @@ def share_of(memory_gb: float, gpu_memory_gb: float) -> float:
     return round(max(MIN_SHARE, share), 4)
 
 
-def _packs(shares: list[float], bins: int, capacity: float) -> bool:
-    """Whether `shares` fit `bins` GPUs of `capacity` each, first fit decreasing (as Ray fills partly used GPUs)."""
-    free = [capacity] * bins
-    for s in sorted(shares, reverse=True):
-        i = next((i for i, f in enumerate(free) if f + 1e-9 >= s), None)
-        if i is None:
-            return False
-        free[i] -= s
-    return True
+def share_capacity(asks: list[float], gpus: int) -> float:
+    """What each of `gpus` GPUs must leave beside its replica so that `asks` (shares of a GPU) fit in whatever order
+    Ray places them: it puts a fractional ask on any GPU with room (best-fit), so an ask finds none only where every
+    GPU holds another ask and more than the capacity less that ask: fewer asks than GPUs, or the other asks' sum
+    within gpus x (capacity - the largest), rule that out. (First fit decreasing fits more than Ray may.)"""
+    largest = max(asks)
+    if len(asks) <= gpus:
+        return largest
+    return round(math.ceil(((sum(asks) - largest) / gpus + largest) / SHARE_STEP - 1e-9) * SHARE_STEP, 4)
 
 
 def _groups(node_gpus: list[float], group: int) -> int:
@@ -155,9 +156,8 @@ def gpu_layout(node_gpus: list[float], gpu_memory_gb: float, group: int, concurr
     shares = [share_of(r.memory_gb, gpu_memory_gb) for r in retrieval]
     asks = [s for r, s in zip(retrieval, shares, strict=True) for _ in range(r.count)]
     gpus = int(max(node_gpus) + 1e-9)  # the shares go to one node (`retrieval_node` of group 1)
-    capacity = next((c / 100 for c in range(int(max(shares) * 100 + 1e-6), int(MAX_SHARE * 100) + 1)
-                     if _packs(asks, gpus, c / 100)), None)
-    if capacity is None:
+    capacity = share_capacity(asks, gpus)
+    if capacity > MAX_SHARE + 1e-9:
         why = (f"retrieval's actors ({', '.join(f'{r.count} x {r.what} of {r.memory_gb:,.1f} GB' for r in retrieval)}) "
                f"need more than {MAX_SHARE:.0%} of a {gpu_memory_gb:g} GB GPU beside the generator")
         if not on_cpus_ok:
@@ -226,10 +226,9 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
         return said, None
     actors = []
     if auto_search and search[0]:
-        actors.append(RetrievalActors("search actor", search[0], search[1] / 1e9))
+        actors.append(RetrievalActors("search actor", search[0], (search[1] + GPU_TEMP_MEMORY_BYTES) / 1e9))
     if auto_embed and e.num_gpus > 0:
-        actors.append(RetrievalActors("query embedder", r.concurrency, serving_gb(model_size(e.model), e.dtype, True)
-                                      or 1.0))
+        actors.append(RetrievalActors("query embedder", r.concurrency, serving_gb(model_size(e.model), e.dtype, True) or 1.0))
     whole = {"search actor": 1.0, "query embedder": e.num_gpus}
     if not actors or g.backend == "openai" or g.num_gpus <= 0:  # no generator beside them on GPUs: whole GPUs
         layout = GpuLayout(1.0, tuple(whole[a.what] for a in actors), None, 0, True, "no generator on GPUs beside them")

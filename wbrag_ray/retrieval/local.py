@@ -107,7 +107,7 @@ class Retriever:
         *,
         ef_search: int | None = None,
         k_factor: float | None = None,
-        gpu: bool = True,
+        gpu: bool | str = "auto",
         batch_size: int = 1024,
     ):
         self.index_dir, self.docs_dir, self.embedder_config = index_dir, docs_dir, embedder
@@ -129,7 +129,7 @@ class Retriever:
         check_embedder(self.manifest, self.index_dir, self.embedder_config)
         nprobe, ef_search = measured_settings(self.manifest, self.nprobe, self.ef_search)
         self._searcher = ShardSearch.load(self.index_dir, named_shards(self.manifest), self.dim, nprobe, ef_search,
-                                         self.k_factor, gpu=bool(self.gpu), batch_size=self.batch_size)
+                                         self.k_factor, gpu=self.gpu, batch_size=self.batch_size)
 
     @property
     def searcher(self) -> ShardSearch:

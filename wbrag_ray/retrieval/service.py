@@ -20,7 +20,7 @@ import numpy as np
 
 from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.files import IndexError_, load_manifest
-from wbrag_ray.index.gpu_clone import faiss_has_gpu
+from wbrag_ray.index.gpu_clone import GpuCloneError, cluster_faiss_gpu
 from wbrag_ray.index.search import SearchActor, measured_settings
 from wbrag_ray.placement import pool_refusal, refuse_unplaceable
 from wbrag_ray.placement.gpus import beside_generator, index_on_gpu
@@ -70,7 +70,7 @@ def _pool_layout(index_dir: str, index: IndexConfig,
         s["bytes"] = s.get("bytes") or loc.join(s["file"]).size()
     groups = [[shards[i] for i in g] for g in shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))]
     return manifest, groups, [sum(s["bytes"] for s in g) for g in groups], index_on_gpu(
-        index.gpu, ray.cluster_resources().get("GPU", 0), faiss_has_gpu())
+        index.gpu, ray.cluster_resources().get("GPU", 0), cluster_faiss_gpu())
 
 
 def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig) -> tuple[int, float]:
@@ -85,7 +85,7 @@ def search_actors(index_dir: str, index: IndexConfig, retrieval: RetrievalConfig
 
 def _unwrap(exc: Exception) -> Exception:
     cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, IndexError_ | DocStoreError) else exc
+    return cause if isinstance(cause, IndexError_ | DocStoreError | GpuCloneError) else exc
 
 
 @dataclass
@@ -106,9 +106,9 @@ class SearchPool:
         # index.gpu true where no GPU search can run is refused; auto searches on CPUs there (a GPU reserved per
         # search actor that faiss cannot use would idle beside a CPU search)
         if index.gpu == "auto" and not use_gpu and ray.cluster_resources().get("GPU", 0) > 0:
-            log.info("index.gpu auto: this faiss has no GPU support, the search actors search on CPUs")
+            log.info("index.gpu auto: the GPU nodes' faiss has no GPU support, the search actors search on CPUs")
         nprobe, ef_search = measured_settings(manifest, index.nprobe, index.ef_search)  # 'auto': what the build measured
-        search = (nprobe, ef_search, index.k_factor, use_gpu)
+        search = (nprobe, ef_search, index.k_factor, index.gpu if use_gpu else False)
         threads = max(1, math.ceil(retrieval.search_cpus))
 
         # search actors that can never be placed would leave every search waiting: refused first (the pool's
