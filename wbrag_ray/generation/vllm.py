@@ -224,8 +224,9 @@ class VLLMGenerator(Generator):
 
     @property
     def batch_invariant(self) -> bool:
-        """vLLM's batch-invariant kernels (generator.batch_invariant): NVIDIA GPUs of compute capability 8.0+."""
-        return self.config.batch_invariant and not self.on_cpu
+        """vLLM's batch-invariant kernels (generator.batch_invariant, as in effect for the replica's tensor-parallel
+        size): NVIDIA GPUs of compute capability 8.0+."""
+        return bool(self.config.batch_invariance()) and not self.on_cpu
 
     def engine_kwargs(self) -> dict[str, Any]:
         """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the parallel sizes,
