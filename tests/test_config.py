@@ -60,3 +60,27 @@ def test_a_set_list_value_is_read_as_yaml_and_a_text_setting_stays_text():
 
     config = load_config(overrides=['generator.stop=["\\n", "Question:"]', "eval.name=2024"])
     assert config.generator.stop == ["\n", "Question:"] and config.eval.name == "2024"
+
+
+def test_batch_invariant_auto_is_on_for_one_gpu_and_off_for_a_tensor_parallel_replica():
+    """generator.batch_invariant auto: on unless a replica is tensor-parallel (vLLM's batch invariance pins NCCL
+    to one channel there); true and false as given; undecided (None) while tensor_parallel_size auto is."""
+    from wbrag_ray.config import GeneratorConfig
+    from wbrag_ray.run import settings_value
+
+    assert GeneratorConfig().batch_invariant == "auto" and GeneratorConfig().batch_invariance() is True
+    one = GeneratorConfig(backend="vllm", num_gpus=1)
+    tp4 = GeneratorConfig(backend="vllm", num_gpus=4, tensor_parallel_size=4)
+    pp2 = GeneratorConfig(backend="vllm", num_gpus=2, tensor_parallel_size=1, pipeline_parallel_size=2)
+    assert one.batch_invariance() is True and pp2.batch_invariance() is True and tp4.batch_invariance() is False
+    assert GeneratorConfig(backend="vllm", num_gpus=4).batch_invariance() is False  # tp = num_gpus / pp
+    assert GeneratorConfig(backend="vllm", num_gpus=1, tensor_parallel_size="auto").batch_invariance() is None
+    for value in (True, False):
+        assert tp4.model_copy(update={"batch_invariant": value}).batch_invariance() is value
+        assert one.model_copy(update={"batch_invariant": value}).batch_invariance() is value
+    config = load_config(overrides=["generator.batch_invariant=false"])
+    assert config.generator.batch_invariant is False
+    # a stage's settings record the value in effect: a run made before the default was auto (true) is unchanged
+    assert settings_value(one)["batch_invariant"] is True and settings_value(tp4)["batch_invariant"] is False
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        load_config(overrides=["generator.batch_invariant=sometimes"])

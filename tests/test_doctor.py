@@ -110,3 +110,33 @@ def test_a_check_that_raises_is_reported_as_failed_not_a_crash(monkeypatch):
     [check] = doctor.run_checks({"gpu"})
     assert check.name == "torch" and check.status == doctor.FAIL and check.failed
     assert "CUDA driver initialization failed" in check.detail
+
+
+def test_a_config_whose_embedder_asks_for_xformers_gets_a_line_and_passes(tiny, tmp_path, monkeypatch, capsys):
+    """`wbrag doctor CONFIG`: an embedder whose config asks for memory-efficient attention and unpadding, on this
+    machine without xformers: ok, saying both are turned off; the paper's stella config where the hub cannot be
+    reached and nothing is cached: a warning in one line, and the command still passes."""
+    import huggingface_hub.constants
+
+    model = tmp_path / "asks"
+    __import__("shutil").copytree(tiny.embedder, model)
+    config_json = model / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "use_memory_efficient_attention": True,
+                                       "unpad_inputs": True}))
+    config = tmp_path / "asks.yaml"
+    config.write_text(f"embedder:\n  model: {model}\n")
+    monkeypatch.setattr(doctor, "CHECKS", [])  # the node's own checks: the tests above
+    check = _by_name(doctor.run_checks(set(), str(config)))["embedder"]
+    assert check.status == doctor.OK and not check.failed
+    assert "xformers does not import here" in check.detail and "unpad_inputs=False" in check.detail
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub here: fail at once, no retries
+    paper = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "paper_zero_rag.yaml"
+    assert doctor.main([str(paper), "--json"]) == 0
+    [stella] = [doctor.Check(**c) for c in json.loads(capsys.readouterr().out)["checks"]]
+    if stella.status == doctor.WARN:  # not in this machine's hub cache
+        assert "\n" not in stella.detail and "NovaSearch/stella_en_400M_v5: its config cannot be read" in stella.detail
+    else:
+        assert "xformers" in stella.detail or "loads as its config says" in stella.detail
+    assert doctor.main([str(tmp_path / "none.yaml")]) == 1
+    assert "does not exist" in capsys.readouterr().out

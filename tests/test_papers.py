@@ -425,3 +425,25 @@ def test_a_pruning_ratio_zero_rag_does_not_report_is_a_departure():
            "and 70% pruning)" in found
     reported = load_config(str(CONFIGS / "paper_zero_rag.yaml"), ["zerorag.ratios=[0.3,0.7]"])
     assert not any(d.startswith("zerorag.ratios") for d in method_departures(reported, ZERO_RAG))
+
+
+def test_answers_that_can_depend_on_their_batch_are_a_departure():
+    """generator.batch_invariant in effect off (auto on a tensor-parallel replica, or false): named for each paper
+    followed; on (auto on one GPU, or true): nothing to say."""
+    zero_rag = load_config(str(CONFIGS / "paper_zero_rag.yaml"))  # tensor_parallel_size auto: not decided yet
+    tp4 = load_config(str(CONFIGS / "paper_zero_rag.yaml"), ["generator.tensor_parallel_size=4",
+                                                              "generator.num_gpus=4"])
+
+    def said(config, paper=ZERO_RAG):
+        return [d for d in run_departures(config, (paper,)) if d.what.startswith("generator.batch_invariant")]
+
+    [undecided] = said(zero_rag)
+    assert "which tensor_parallel_size auto may choose" in undecided.what and undecided.cites
+    [off] = said(tp4)
+    assert off.what.startswith("generator.batch_invariant auto: off for a tensor-parallel replica: a greedy answer "
+                               "can depend on the prompts batched with it")
+    assert said(tp4, WRITEBACK) and not said(load_config(str(CONFIGS / "paper_zero_rag.yaml"), [
+        "generator.tensor_parallel_size=4", "generator.num_gpus=4", "generator.batch_invariant=true"]))
+    assert not said(load_config(str(CONFIGS / "zero_rag_demo.yaml")))  # hf on one device: on
+    [false] = said(load_config(str(CONFIGS / "zero_rag_demo.yaml"), ["generator.batch_invariant=false"]))
+    assert false.what.startswith("generator.batch_invariant false: ")

@@ -7,6 +7,7 @@ own input, FLARE's look-ahead, the embedder's dimension, the GPU's memory from -
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,28 @@ def test_gpu_sets_the_gpus_memory_and_the_table_holds_pcie_and_nvl(capsys):
     for name, memory in (("H100-PCIe", 80), ("H100-NVL", 94), ("H200-NVL", 141)):
         assert ACCELERATORS[name].memory_gb == memory and "datasheet" in ACCELERATORS[name].source
     assert ACCELERATORS["H100-PCIe"].link_gbs < ACCELERATORS["H100"].link_gbs
+
+
+def test_the_plan_prices_tensor_parallel_decode_under_the_batch_invariance_in_effect():
+    """paper_zero_rag.yaml on 1 x 8 H100: its 70B replicas are tensor-parallel (4 GPUs), so batch_invariant auto is
+    off and priced as true false is; true prices NCCL's one channel (a sixteenth of NVLink's bandwidth) into every
+    decode step. A replica of one GPU has no all-reduce: its price is the same either way."""
+    one_node = Cluster.uniform(1, 96, 8, 1024, 80, "stated")
+
+    def answers(*overrides):
+        plan = make_plan(load_config(ZERO_RAG, list(overrides)), one_node, passages=WIKI)
+        return stage(plan, "mastery")
+
+    auto, off, on = (answers(), answers("generator.batch_invariant=false"), answers("generator.batch_invariant=true"))
+    assert auto.seconds == off.seconds and on.held_seconds > 1.5 * off.held_seconds  # the answer pass
+    assert "(not batch-invariant)" in auto.how and "NVLink 4 at 0.0625 of its bandwidth (batch-invariant" in on.how
+    off_step, on_step = (float(re.search(r"decoded \d+ at once at ([\d.]+) ms a step", s.how).group(1))
+                         for s in (off, on))
+    assert on_step > 2 * off_step
+
+    small = ("generator.model=meta-llama/Llama-3.1-8B-Instruct", "generator.tensor_parallel_size=1")
+    small_on, small_auto = answers(*small, "generator.batch_invariant=true"), answers(*small)
+    assert small_auto.seconds and small_on.seconds == small_auto.seconds and "all-reduce" not in small_auto.how
+    h100 = ACCELERATORS["H100"]
+    args = (h100, 8e9, 10_000, 730, 32, 1, 1, 131_072, 1, 4096, 32)
+    assert generation_seconds(*args, batch_invariant=True) == generation_seconds(*args)

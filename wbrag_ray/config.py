@@ -120,6 +120,12 @@ class EmbedderConfig(_Section):
         description="About this many vectors per written block (file and checkpoint commit): what a crash can cost "
         "per actor.",
     )
+    config_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the model's transformers config (sentence-"
+        "transformers' config_kwargs), e.g. {unpad_inputs: false}. A model whose config asks for xformers' "
+        "memory-efficient attention or unpadding (stella_en_400M_v5) where xformers does not import loads with "
+        "both off, logged, unless set here.",
+    )
 
 
 class GeneratorConfig(_Section):
@@ -178,10 +184,11 @@ class GeneratorConfig(_Section):
         "one's longest answers finish (1: one blocking call at a time).",
     )
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template (instruct models).")
-    batch_invariant: bool = Field(
-        True, description="A prompt's greedy answer does not depend on its batch. hf: prompts are padded to "
+    batch_invariant: bool | Literal["auto"] = Field(
+        "auto", description="A prompt's greedy answer does not depend on its batch. hf: prompts are padded to "
         "64-token length buckets and batched within one; vllm on GPUs: VLLM_BATCH_INVARIANT=1 (compute capability "
-        ">= 8.0).",
+        ">= 8.0), which pins NCCL to one channel and tree all-reduce, slowing a tensor-parallel replica. 'auto': on, "
+        "off for a tensor-parallel replica (tensor_parallel_size > 1), whose answers can then depend on their batch.",
     )
     checkpoint_rows: int = Field(
         1024, ge=1, description="Answers per committed block of a stage's answer checkpoint: what a killed pass "
@@ -217,6 +224,15 @@ class GeneratorConfig(_Section):
         if self.num_gpus > 1:
             return max(1, int(self.num_gpus) // pp), pp
         return 1, pp
+
+    def batch_invariance(self) -> bool | None:
+        """generator.batch_invariant in effect: as set, else on unless a replica is tensor-parallel; None while
+        tensor_parallel_size auto is undecided."""
+        if self.batch_invariant != "auto":
+            return self.batch_invariant
+        if self.tensor_parallel_size == "auto":
+            return None
+        return self.parallel_sizes()[0] == 1
 
     @model_validator(mode="after")
     def _check_parallel_sizes(self) -> GeneratorConfig:

@@ -1,5 +1,6 @@
-"""`wbrag doctor`: what this node's environment can run (GPU, faiss, vLLM, credentials, shared memory), checked
-in seconds; each check is ok, warn or fail, and fails the command only where a flag (`--gpu`, `--s3`, `--hf`) asks."""
+"""`wbrag doctor [CONFIG]`: what this node's environment can run (GPU, faiss, vLLM, credentials, shared memory, and
+a config's embedder), checked in seconds; each check is ok, warn or fail, and fails the command only where a flag
+(`--gpu`, `--s3`, `--hf`) asks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from wbrag_ray.config import ConfigError, EmbedderConfig, load_config
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
+from wbrag_ray.models.bundled import resolve_model
+from wbrag_ray.models.embedder import load_kwargs
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -144,13 +148,25 @@ def check_packages() -> Check:
     return Check("packages", OK, ", ".join(f"{d} {v or 'missing'}" for d, v in found.items()))
 
 
+def check_embedder(config: EmbedderConfig) -> Check:
+    """A config's embedder on this node's packages: the config_kwargs it loads with (`embedder.load_kwargs`)."""
+    if "://" in config.model and not config.model.startswith("file://"):
+        return Check("embedder", OK, f"{config.model}: its config is read as each node fetches the model")
+    try:
+        kwargs, said = load_kwargs(config, resolve_model(config.model))
+    except ConfigError as exc:
+        return Check("embedder", WARN, str(exc))
+    return Check("embedder", OK, said or f"{config.model} loads as its config says"
+                 + (f", with embedder.config_kwargs {kwargs}" if kwargs else ""))
+
+
 CHECKS: list[Callable[[], Check]] = [check_packages, check_cpus, check_torch, check_driver, check_vllm,
                                      check_faiss, check_shm, check_s3, check_hf_token]
 # what each flag requires to be ok
 REQUIRED = {"gpu": {"torch", "nvidia driver", "vllm", "faiss"}, "s3": {"s3 credentials"}, "hf": {"hub token"}}
 
 
-def run_checks(require: set[str]) -> list[Check]:
+def run_checks(require: set[str], config_file: str | None = None) -> list[Check]:
     needed = set().union(*(REQUIRED[r] for r in require))
     out = []
     for check in CHECKS:
@@ -160,6 +176,11 @@ def run_checks(require: set[str]) -> list[Check]:
             result = Check(check.__name__.removeprefix("check_"), FAIL, f"{type(exc).__name__}: {exc}")
         result.required = result.name in needed
         out.append(result)
+    if config_file:
+        try:
+            out.append(check_embedder(load_config(config_file).embedder))
+        except ConfigError as exc:  # the config asked about does not load: the command fails
+            out.append(Check("config", FAIL, str(exc), required=True))
     return out
 
 
@@ -170,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config_file", nargs="?", metavar="CONFIG", help="a YAML config whose models to check too")
     parser.add_argument("--gpu", action="store_true", help="fail unless torch, the driver, vLLM and faiss use the GPU")
     parser.add_argument("--s3", action="store_true", help="fail unless S3 credentials and a region are set")
     parser.add_argument("--hf", action="store_true", help="fail unless a hub token is set (gated models)")
@@ -177,7 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = run_checks({flag for flag in REQUIRED if getattr(args, flag)})
+    checks = run_checks({flag for flag in REQUIRED if getattr(args, flag)}, args.config_file)
     failed = [c.name for c in checks if c.failed]
     if args.json:
         print(json.dumps({"ok": not failed, "failed": failed, "checks": [asdict(c) for c in checks]}, indent=2))

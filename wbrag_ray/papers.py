@@ -254,6 +254,14 @@ def _method_departures(config: WbragConfig, paper: str | None, dataset: str | No
         if not any(same_model(config.generator.model, m) for m in models):
             add(who, f"the generator is {model_name(config.generator.model)} (the {who} paper: {' and '.join(models)})",
                 "wb.same_llm" if who == WRITEBACK else "zr.target")
+    g, invariant = config.generator, config.generator.batch_invariance()
+    if g.backend != "openai" and invariant is not True:  # vLLM's batch-invariant kernels off (or hf's length buckets)
+        said = "false" if g.batch_invariant is False else "auto: off for a tensor-parallel replica" + (
+            "" if invariant is False else ", which tensor_parallel_size auto may choose")
+        for who in (WRITEBACK, ZERO_RAG) if z.enabled else (WRITEBACK,):
+            add(who, f"generator.batch_invariant {said}: a greedy answer can depend on the prompts batched with it, "
+                     f"so a repeated or resumed pass can answer otherwise (the {who} paper does not say how its "
+                     "answers were batched)", source="this project's setting")
     _retriever_and_dataset(add, WRITEBACK, WRITEBACK_RETRIEVER, WRITEBACK_DATASETS, config.embedder.model, evaluated)
     if wb.train and dataset_name(wb.train) not in WRITEBACK_DATASETS:
         add(WRITEBACK, f"written back from {dataset_name(wb.train)}, whose gate metric the paper did not choose: acc "

@@ -42,6 +42,8 @@ def settings_value(value: Any) -> Any:
         out = {k: settings_value(getattr(value, k)) for k in type(value).model_fields if k not in skip}
         if out.get("dtype") == "auto":
             out["dtype"] = resolved_dtype_name("auto", getattr(value, "num_gpus", 0.0))
+        if out.get("batch_invariant") == "auto" and value.batch_invariance() is not None:  # as in effect (generator)
+            out["batch_invariant"] = value.batch_invariance()
         return out
     if isinstance(value, dict):
         return {k: settings_value(v) for k, v in value.items()}

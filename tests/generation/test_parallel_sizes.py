@@ -125,6 +125,17 @@ def test_engine_kwargs_carry_the_parallel_sizes_and_the_ray_executor_for_a_shard
     assert (cpu_tp["tensor_parallel_size"], cpu_tp["distributed_executor_backend"]) == (2, "mp")
 
 
+def test_the_engine_starts_batch_invariant_on_one_gpu_and_not_tensor_parallel_unless_asked():
+    """generator.batch_invariant auto: VLLM_BATCH_INVARIANT for a replica of one GPU (or pipeline stages of one),
+    not for a tensor-parallel one (it would pin NCCL to one channel); true and false as given; never on CPUs."""
+    assert VLLMGenerator(vllm(num_gpus=1)).batch_invariant
+    assert VLLMGenerator(vllm(num_gpus=2, tensor_parallel_size=1, pipeline_parallel_size=2)).batch_invariant
+    assert not VLLMGenerator(vllm(num_gpus=4)).batch_invariant
+    assert VLLMGenerator(vllm(num_gpus=4, batch_invariant=True)).batch_invariant
+    assert not VLLMGenerator(vllm(num_gpus=1, batch_invariant=False)).batch_invariant
+    assert not VLLMGenerator(vllm(batch_invariant=True)).batch_invariant  # vLLM's CPU build: no such kernels
+
+
 def test_an_engine_on_a_share_of_a_gpu_keeps_its_memory_within_the_share():
     """generator.num_gpus below 1 (a GPU shared with search actors or query embedders): vLLM's memory share is
     kept below the replica's, and a larger one set by hand is refused (the actors beside it would run out)."""

@@ -93,3 +93,83 @@ def test_a_query_prompt_the_model_ships_goes_before_queries_only(minilm, tmp_pat
 
     with pytest.raises(ConfigError, match=r"'s2s_query'.*ships no such prompt \(its prompts: .*s2p_query"):
         Embedder(EmbedderConfig(model=str(model), dtype="float32", query_prompt="s2s_query")).setup()
+
+
+# --- models whose config asks for xformers (stella_en_400M_v5: memory-efficient attention, unpadding) -----------
+
+@pytest.fixture
+def asks_for_xformers(tiny, tmp_path):
+    """The tiny embedder with the two keys stella_en_400M_v5's config.json carries, both on."""
+    import json
+    import shutil
+
+    model = tmp_path / "xformers-model"
+    shutil.copytree(tiny.embedder, model)
+    config = model / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_memory_efficient_attention": True,
+                                  "unpad_inputs": True}))
+    return str(model)
+
+
+def test_without_xformers_memory_efficient_attention_and_unpadding_are_turned_off_and_said(asks_for_xformers,
+                                                                                          caplog):
+    from wbrag_ray.models.embedder import load_kwargs, xformers_imports
+
+    assert not xformers_imports()  # this machine has none: the reference the decision rests on
+    config = EmbedderConfig(model=asks_for_xformers, dtype="float32")
+    kwargs, said = load_kwargs(config, asks_for_xformers)
+    assert kwargs == {"use_memory_efficient_attention": False, "unpad_inputs": False}
+    assert "xformers does not import here" in said and "use_memory_efficient_attention=False, unpad_inputs=False" in said
+    # the load takes them: the model's config as loaded says both off, and one warning line says why
+    e = Embedder(config)
+    with caplog.at_level("WARNING", logger="wbrag_ray.models.embedder"):
+        vectors = e.encode_passages([f"passage {i}" for i in range(10)])
+    assert vectors.shape == (10, 32)
+    loaded = e.model[0].auto_model.config
+    assert loaded.use_memory_efficient_attention is False and loaded.unpad_inputs is False
+    assert [r.getMessage() for r in caplog.records if r.name == "wbrag_ray.models.embedder"] == [said]
+
+
+def test_the_users_config_kwargs_win_and_a_model_that_asks_nothing_is_left_alone(asks_for_xformers, tiny):
+    from wbrag_ray.models.embedder import load_kwargs
+
+    mine = EmbedderConfig(model=asks_for_xformers, config_kwargs={"unpad_inputs": True})
+    kwargs, said = load_kwargs(mine, asks_for_xformers)
+    assert kwargs == {"unpad_inputs": True, "use_memory_efficient_attention": False} and "unpad_inputs" not in said
+    both = EmbedderConfig(model=asks_for_xformers, config_kwargs={"unpad_inputs": False,
+                                                                  "use_memory_efficient_attention": False})
+    assert load_kwargs(both, asks_for_xformers) == ({"unpad_inputs": False, "use_memory_efficient_attention": False},
+                                                   None)
+    assert load_kwargs(EmbedderConfig(model=tiny.embedder), tiny.embedder) == ({}, None)
+
+
+def test_with_xformers_importable_the_models_own_attention_stays(asks_for_xformers, monkeypatch):
+    """An importable xformers (a stand-in module on sys.modules: this machine has none) leaves the config as is."""
+    import sys
+    import types
+
+    from wbrag_ray.models.embedder import load_kwargs
+
+    monkeypatch.setitem(sys.modules, "xformers", types.ModuleType("xformers"))
+    monkeypatch.setitem(sys.modules, "xformers.ops", types.ModuleType("xformers.ops"))
+    assert load_kwargs(EmbedderConfig(model=asks_for_xformers), asks_for_xformers) == ({}, None)
+
+
+def test_the_stella_config_without_network_says_why_in_one_line(monkeypatch):
+    """Zero-RAG's embedder settings (paper_zero_rag.yaml) on a machine that cannot reach the hub and has no copy
+    in its cache: an embed of 10 passages ends with one line naming the model and why, before any load."""
+    import huggingface_hub.constants
+    from huggingface_hub import try_to_load_from_cache
+
+    from wbrag_ray.config import ConfigError
+
+    stella = "NovaSearch/stella_en_400M_v5"
+    if isinstance(try_to_load_from_cache(stella, "config.json"), str):
+        pytest.skip("stella_en_400M_v5 is in this machine's hub cache: its load is another test")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub here: fail at once, no retries
+    config = EmbedderConfig(model=stella, trust_remote_code=True, query_prompt="s2p_query", batch_size=256)
+    with pytest.raises(ConfigError) as raised:
+        Embedder(config).encode_passages([f"passage {i}" for i in range(10)])
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith(f"embedder.model {stella}: its config cannot be read: ")
+    assert "couldn't connect" in line and f"hf download {stella}" in line

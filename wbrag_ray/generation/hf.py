@@ -95,7 +95,7 @@ class HFGenerator(Generator):
 
     @property
     def _bucket(self) -> int | None:
-        return PAD_BUCKET if self.config.batch_invariant else None
+        return PAD_BUCKET if self.config.batch_invariance() else None
 
     def _encode(self, texts: list[str]):
         # every row of a pack shares a bucket: padded to its edge, a row is the same whatever else is in the pack

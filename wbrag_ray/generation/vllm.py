@@ -200,6 +200,12 @@ class VLLMGenerator(Generator):
     def on_cpu(self) -> bool:
         return not self.config.num_gpus
 
+    @property
+    def batch_invariant(self) -> bool:
+        """vLLM's batch-invariant kernels (generator.batch_invariant, as in effect for the replica's tensor-parallel
+        size): NVIDIA GPUs of compute capability 8.0+."""
+        return bool(self.config.batch_invariance()) and not self.on_cpu
+
     def engine_kwargs(self) -> dict[str, Any]:
         """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the parallel sizes,
         LoRA when an adapter is set, and generator.vllm_engine_kwargs over all of them."""
@@ -262,7 +268,7 @@ class VLLMGenerator(Generator):
         why = shape_refusal(self.config, size=model_size(self.source))
         if why:
             raise ConfigError(why)
-        if self.config.batch_invariant and not self.on_cpu:  # vLLM's kernels: NVIDIA GPUs of compute capability 8.0+
+        if self.batch_invariant:
             os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the engine (and its processes) as it starts
         # read while the engine starts, and only then: the process's later Ray workers must not inherit it
         in_process_core = in_process and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ

@@ -52,6 +52,11 @@ ENCODER_EFFICIENCY = 0.25  # small encoders (e5-base, MiniLM) on short texts
 KMEANS_EFFICIENCY = 0.5  # faiss GPU k-means: a matmul at fp32 plus the assignment
 LINK_EFFICIENCY = 0.7  # collectives: NCCL's bus bandwidth of a link's peak (nccl-tests reach 70-85% on NVLink)
 COLLECTIVE_LATENCY_S = 20e-6  # a collective's fixed cost (a layer's all-gather is one)
+# generator.batch_invariant on a tensor-parallel vLLM replica pins NCCL to one channel, the Simple protocol and tree
+# all-reduce (vllm/model_executor/determinism/batch_invariant.py). NCCL spreads an all-reduce within an NVLink node
+# over about 16 channels, one SM each, to reach the link's bus bandwidth: one channel moves about a sixteenth of it.
+# Assumed, not measured (calibration replaces it with the cluster's rate): the all-reduces' bandwidth / 16.
+BATCH_INVARIANT_CHANNEL_SHARE = 1 / 16
 DECODE_BATCH = 256  # sequences decoded together per replica (vLLM's max_num_seqs default)
 KV_MEMORY_SHARE = 0.9  # of a GPU's memory vLLM fills, weights then KV cache (its gpu_memory_utilization default)
 KMEANS_ITERATIONS = 25  # faiss's Clustering default niter
@@ -82,12 +87,14 @@ def collective_seconds(kind: str, size_bytes: float, ranks: int, link_gbs: float
 
 def generation_seconds(gpu: Accelerator, params: float, calls: int, prompt_tokens: float, new_tokens: int,
                        gpus: float, replicas: int, kv_bytes_per_token: float | None = None, tp: int = 1,
-                       hidden: int | None = None, layers: int | None = None) -> tuple[float, str]:
+                       hidden: int | None = None, layers: int | None = None,
+                       batch_invariant: bool = False) -> tuple[float, str]:
     """Seconds for `calls` generations of `prompt_tokens` + `new_tokens` on `replicas` replicas of `gpus` GPUs
     each (a tensor-parallel replica's GPUs add their FLOPs and bandwidth together), and how. A decode step reads
     the weights and its batch's KV cache (`kv_bytes_per_token` of every token so far; the batch is what the
     memory the weights leave holds, at most `DECODE_BATCH`); a tensor-parallel group of `tp` adds two all-reduces
-    of the activations (`hidden` wide) in each of `layers` layers, over NVLink."""
+    of the activations (`hidden` wide) in each of `layers` layers, over NVLink (`batch_invariant`: NCCL's one
+    channel, `BATCH_INVARIANT_CHANNEL_SHARE` of it)."""
     per_replica = max(1, replicas)
     flops = gpu.bf16_tflops * 1e12 * COMPUTE_EFFICIENCY * gpus
     bandwidth = gpu.bandwidth_tbs * 1e12 * BANDWIDTH_EFFICIENCY * gpus
@@ -100,9 +107,12 @@ def generation_seconds(gpu: Accelerator, params: float, calls: int, prompt_token
     prefill = calls * 2 * params * prompt_tokens / flops
     comm, comm_how = 0.0, ""
     if tp > 1 and hidden and layers:  # two all-reduces of a layer's activations (attention out, MLP out)
-        step += collective_seconds("all-reduce", batch * hidden * 2, tp, gpu.link_gbs, 2 * layers)
-        comm = calls * collective_seconds("all-reduce", prompt_tokens * hidden * 2, tp, gpu.link_gbs, 2 * layers)
-        comm_how = f", tensor-parallel all-reduces {2 * layers} a step over {gpu.link}"
+        link = gpu.link_gbs * (BATCH_INVARIANT_CHANNEL_SHARE if batch_invariant else 1)
+        step += collective_seconds("all-reduce", batch * hidden * 2, tp, link, 2 * layers)
+        comm = calls * collective_seconds("all-reduce", prompt_tokens * hidden * 2, tp, link, 2 * layers)
+        comm_how = f", tensor-parallel all-reduces {2 * layers} a step over {gpu.link}" + (
+            f" at {BATCH_INVARIANT_CHANNEL_SHARE:.3g} of its bandwidth (batch-invariant: NCCL's one channel)"
+            if batch_invariant else " (not batch-invariant)")
     steps = math.ceil(calls / per_replica / batch) * new_tokens
     seconds = prefill / per_replica + comm / per_replica + steps * step
     cache = f" + KV cache {batch * kv / 1e9:,.1f} GB" if kv else " (KV cache not counted: the model's layout unknown)"

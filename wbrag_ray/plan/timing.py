@@ -116,7 +116,8 @@ class Timing:
             gpus = max(g.num_gpus, tp * pp)
             n = calls * (docs if mixture else 1)
             seconds, how = generation_seconds(self.gpu, size.params, n, prompt, new, gpus, g.concurrency,
-                                              size.kv_bytes_per_token(), tp, size.hidden, size.layers)
+                                              size.kv_bytes_per_token(), tp, size.hidden, size.layers,
+                                              bool(g.batch_invariance()))
             return seconds, how, "estimate"
         key = "closed_book" if docs == 0 and not mixture else "rag"
         seconds, how, keys = generation_time(g, calls * (docs if mixture else 1), key)
