@@ -289,7 +289,7 @@ def test_shards_are_encoded_in_ray_tasks_and_the_export_equals_one_made_in_proce
     manifest = _export(run, config, fmt, tmp_path / "tasks", prune_ratio=0.3)
     assert manifest["shards_in_tasks"] == 2  # both embedding shards, none in the writer's own process
     # the reference: the writer in this process, faiss's own `add` of every vector
-    monkeypatch.setattr(view_module, "adds_codes", lambda index: False)
+    monkeypatch.setattr(view_module, "codes_index", lambda index: None)
     view = view_module.open_view(run, config.embedder, 0.3)
     (tmp_path / "here").mkdir()
     files, described = export_module._write(fmt, view, str(tmp_path / "here"), config)

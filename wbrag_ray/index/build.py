@@ -43,6 +43,7 @@ from wbrag_ray.index.parts import (
 from wbrag_ray.index.recall import measure_search, parameter_of
 from wbrag_ray.index.sizing import (
     balanced_groups,
+    bytes_per_vector,
     choose_factory,
     is_auto,
     merge_memory,
@@ -275,7 +276,8 @@ def build_index(
     if records is not None and to_train and not train_resumed:  # what a rerun need not train again
         resolve(records.uri("train")).write_json({"file": out.join(TRAINED_FILE).uri})
     t_train = time.perf_counter()
-    wanted, per_vector = shard_count(num_shards, total, trained_index, len(trained), shard_memory_gb, len(files))
+    per_vector = bytes_per_vector(trained_index)
+    wanted = shard_count(num_shards, total, per_vector, len(trained), shard_memory_gb, len(files))
     log.info("index %s: %d vectors in %s shards, about %.0f bytes each (%s)", factory, total, wanted, per_vector,
              f"auto: at most index.shard_memory_gb={shard_memory_gb}" if auto_shards else "index.num_shards")
 
