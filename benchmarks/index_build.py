@@ -90,11 +90,13 @@ def num_shards(n: int) -> int:
 
 
 def _single_process_build(emb: str, out: str, factory: str, trained: bytes, n: int) -> dict:
+    from wbrag_ray.config import IndexConfig
     from wbrag_ray.index.build import build_index
     from wbrag_ray.storage import resolve
 
-    return build_index(resolve(emb), resolve(out), factory, "synthetic", "sentence",
-                       num_shards=num_shards(n), parallel=False, trained=trained)
+    return build_index(resolve(emb), resolve(out), "synthetic", "sentence",
+                       IndexConfig(factory=factory, num_shards=num_shards(n), gpu=False, target_recall=None),
+                       parallel=False, trained=trained)
 
 
 def search(index_dir: str, queries: np.ndarray, truth: np.ndarray, k_factor: float | None = None,
@@ -120,6 +122,7 @@ def index_bytes(folder: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     header("index_build", args)
+    from wbrag_ray.config import IndexConfig
     from wbrag_ray.index.build import build_index
     from wbrag_ray.index.prune import prune_index
     from wbrag_ray.storage import resolve
@@ -142,8 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, factory in factories.items():
             print(f"# {name}: {factory}", flush=True)
             out = work / name
-            ray_stats = build_index(resolve(emb), resolve(str(out)), factory, "synthetic", "sentence",
-                                    num_shards=num_shards(n), parallel=True)
+            ray_stats = build_index(resolve(emb), resolve(str(out)), "synthetic", "sentence",
+                                    IndexConfig(factory=factory, num_shards=num_shards(n), gpu=False, target_recall=None),
+                                    parallel=True)
             trained = (out / "trained.faiss").read_bytes()
             with cf.ProcessPoolExecutor(1, mp_context=spawn) as pool:  # a fresh process: its own peak RSS
                 single = pool.submit(_single_process_build, emb, str(work / f"{name}-single"), factory, trained, n).result()

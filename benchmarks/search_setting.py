@@ -50,6 +50,7 @@ def held_out_search(index_dir: str, nprobe: int, queries: np.ndarray, truth: np.
 
 
 def measure_size(root: Path, n: int, topics: int) -> dict:
+    from wbrag_ray.config import IndexConfig
     from wbrag_ray.index.build import build_index
     from wbrag_ray.index.files import load_manifest
     from wbrag_ray.index.sizing import choose_factory
@@ -62,8 +63,9 @@ def measure_size(root: Path, n: int, topics: int) -> dict:
     factory = choose_factory(n, DIM, memory_budget_gb=n / 1e6)
     out = root / f"index-{n}-{topics}"
     with Stopwatch() as sw:
-        stats = build_index(resolve(str(emb)), resolve(str(out)), factory, "synthetic", "sentence",
-                            num_shards="auto", memory_budget_gb=n / 1e6, target_recall=TARGET)
+        stats = build_index(resolve(str(emb)), resolve(str(out)), "synthetic", "sentence",
+                            IndexConfig(factory=factory, num_shards="auto", memory_budget_gb=n / 1e6,
+                                        target_recall=TARGET, gpu=False))
     report(f"[{n:,} / {topics:,} topics] build of {factory} (measuring included)", sw.seconds, "s")
     report(f"[{n:,} / {topics:,} topics] of which measuring the search setting", stats["search_measure_s"], "s")
     search = load_manifest(resolve(str(out)))["search"]

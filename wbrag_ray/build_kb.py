@@ -123,25 +123,8 @@ def index(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
         docs = run.layout.docs.join(ic.unit)
         # while --force redoes a built index, the new one is built beside it and replaces it once complete
         store = write_doc_store(run.layout.ingest.root, ic.unit, run.output(docs))
-        stats = build_index(
-            run.layout.embed,
-            run.output(run.layout.index),
-            ic.factory,
-            config.embedder.model,
-            ic.unit,
-            ic.train_sample,
-            num_shards=ic.num_shards,
-            memory_budget_gb=ic.memory_budget_gb,
-            shard_memory_gb=ic.shard_memory_gb,
-            train_memory_gb=ic.train_memory_gb,
-            gpu=ic.gpu,
-            num_cpus=ic.num_cpus,
-            docs=docs.uri,  # the manifest names its documents: a search needs only the index folder
-            target_recall=ic.target_recall,
-            recall_queries=ic.recall_queries,
-            nprobe=ic.nprobe,
-            ef_search=ic.ef_search,
-        )
+        stats = build_index(run.layout.embed, run.output(run.layout.index), config.embedder.model, ic.unit, ic,
+                            docs=docs.uri)  # the manifest names its documents: a search needs only the index folder
         return {**stats, "doc_store_files": store["files"]}
 
     return run.execute(INDEX, config, work, force=force)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from wbrag_ray.config import IndexConfig
 from wbrag_ray.formats import embeddings_table
 
 
@@ -37,3 +38,10 @@ def exact_top_k(queries: np.ndarray, vecs: np.ndarray, ids: np.ndarray, k: int) 
 
 def recall_at(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.mean([len(set(g) & set(w)) / len(w) for g, w in zip(got, want, strict=True)]))
+
+
+def index_config(factory: str, **settings) -> IndexConfig:
+    """`build_index`'s settings for a test: `factory` and `settings` over the defaults, on CPUs and without a recall
+    measurement; not validated, so a test can hand the build a value the config would refuse."""
+    return IndexConfig.model_construct(**{**IndexConfig().model_dump(), "gpu": False, "target_recall": None,
+                                          "factory": factory, **settings})

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import joining_env, last_json_line
 from tests.drivers import kill_once_committed, start
-from tests.index.conftest import clustered, write_shards
+from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.checkpoints import progress
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_
@@ -42,7 +42,8 @@ def test_an_index_build_whose_driver_is_killed_resumes_its_finished_tasks(tmp_pa
     write_shards(emb, vecs, parts=12)
     factory, shards = "HNSW32", 12
     reference = tmp_path / "reference"
-    build_index(resolve(str(emb)), resolve(str(reference)), factory, "m", "passage", num_shards=shards, num_cpus=1)
+    build_index(resolve(str(emb)), resolve(str(reference)), "m", "passage",
+                index_config(factory, num_shards=shards, num_cpus=1))
 
     run = RunFolder(str(tmp_path / "run"))
     args = [sys.executable, "-m", "tests.index.stage_build", run.uri, str(emb), factory, str(shards)]
@@ -76,14 +77,14 @@ def test_an_ivf_build_that_failed_on_a_bad_shard_resumes_its_parts_once_the_shar
     vecs = clustered(12 * 300, 32, seed=5)
     ids = write_shards(emb, vecs, parts=12)
     source = tmp_path / "source"
-    build_index(resolve(str(emb)), resolve(str(source)), "IVF16,SQ8", "m", "passage", train_sample=39 * 16,
-                num_shards=2, parallel=False)
+    build_index(resolve(str(emb)), resolve(str(source)), "m", "passage",
+                index_config("IVF16,SQ8", train_sample=39 * 16, num_shards=2), parallel=False)
     trained, drop = (source / "trained.faiss").read_bytes(), ids[::7]
     reference = tmp_path / "reference"
 
     def build(out):
-        return build_index(resolve(str(emb)), out, "IVF16,SQ8", "m", "passage", num_shards=3, trained=trained,
-                           drop_ids=drop, parallel=False)
+        return build_index(resolve(str(emb)), out, "m", "passage",
+                           index_config("IVF16,SQ8", num_shards=3), trained=trained, drop_ids=drop, parallel=False)
 
     build(resolve(str(reference)))
     run = RunFolder(str(tmp_path / "run"))

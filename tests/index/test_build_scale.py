@@ -8,7 +8,7 @@ import faiss
 import numpy as np
 import pytest
 
-from tests.index.conftest import clustered, write_shards
+from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.index.build import _add_task, build_index
 from wbrag_ray.index.files import new_index
 from wbrag_ray.index.sizing import (
@@ -36,8 +36,9 @@ def _one_faiss_thread():
     faiss.omp_set_num_threads(before)
 
 
-def _build(tmp_path, factory, emb="emb", out="idx", **kw):
-    return build_index(resolve(str(tmp_path / emb)), resolve(str(tmp_path / out)), factory, "m", "passage", **kw)
+def _build(tmp_path, factory, emb="emb", out="idx", parallel=None, trained=None, **settings):
+    return build_index(resolve(str(tmp_path / emb)), resolve(str(tmp_path / out)), "m", "passage",
+                       index_config(factory, **settings), parallel=parallel, trained=trained)
 
 
 # --- factory and training sample, together (pure: no data) ----------------------------------------------

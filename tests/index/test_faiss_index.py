@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.index.conftest import clustered, exact_top_k, recall_at, write_shards
+from tests.index.conftest import clustered, exact_top_k, index_config, recall_at, write_shards
 from wbrag_ray.config import EmbedderConfig
 from wbrag_ray.formats import embeddings_table
 from wbrag_ray.index.build import build_index
@@ -28,7 +28,8 @@ def _shards(folder, n=600, dim=32, parts=3, seed=0):
 @pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "HNSW16"])
 def test_build_streams_shards_and_search_matches_exact(tmp_path, factory):
     ids, vecs = _shards(tmp_path / "emb")
-    stats = build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), factory, "m", "passage", 500)
+    stats = build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "m", "passage",
+                        index_config(factory, train_sample=500))
     assert stats["rows_out"] == len(ids)
     index = Retriever(str(tmp_path / "idx"), nprobe=8, gpu=False)  # all cells of an IVF: exact
     manifest = index.manifest
@@ -43,7 +44,7 @@ def test_build_streams_shards_and_search_matches_exact(tmp_path, factory):
 
 def test_bad_index_files_name_the_file(tmp_path):
     _shards(tmp_path / "emb")
-    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "Flat", "m", "passage")
+    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "m", "passage", index_config("Flat"))
     (tmp_path / "idx" / "index.faiss").write_bytes(b"not an index")
     with pytest.raises(IndexError_, match="index.faiss is corrupt"):
         Retriever(str(tmp_path / "idx")).setup()
@@ -54,13 +55,15 @@ def test_bad_index_files_name_the_file(tmp_path):
         Retriever(str(tmp_path / "nowhere")).setup()
     (tmp_path / "emb" / "emb-000001.parquet").write_bytes(b"garbage")
     with pytest.raises(IndexError_, match="emb-000001.parquet is unreadable"):
-        build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx2")), "Flat", "m", "passage")
+        build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx2")), "m", "passage",
+                    index_config("Flat"))
 
 
 def test_bad_factory_string_is_a_clear_error(tmp_path):
     _shards(tmp_path / "emb")
     with pytest.raises(ValueError, match="not a valid faiss factory"):
-        build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "IVF,Bogus", "m", "passage")
+        build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "m", "passage",
+                    index_config("IVF,Bogus"))
 
 
 def test_retriever_checks_embedder_and_query_dimension(tmp_path, ray_cluster):
@@ -75,11 +78,13 @@ def test_retriever_checks_embedder_and_query_dimension(tmp_path, ray_cluster):
     vecs = rng.normal(size=(len(ids), 384)).astype(np.float32)
     (tmp_path / "emb").mkdir()
     pq.write_table(embeddings_table(ids, vecs), tmp_path / "emb" / "emb-000000.parquet")
-    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "Flat", "other-embedder", "passage")
+    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "other-embedder", "passage",
+                index_config("Flat"))
     r = Retriever(str(tmp_path / "idx"), str(tmp_path / "ingest"), EmbedderConfig())
     with pytest.raises(IndexError_, match="built with embedder 'other-embedder'"):
         r.setup()
-    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "Flat", EmbedderConfig().model, "passage")
+    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), EmbedderConfig().model, "passage",
+                index_config("Flat"))
     r = Retriever(str(tmp_path / "idx"), str(tmp_path / "ingest"), EmbedderConfig())
     with pytest.raises(IndexError_, match=r"shape \(2, 16\).*\(n, 384\)"):
         r.search_vectors(np.zeros((2, 16), np.float32), 3)
@@ -90,8 +95,9 @@ def test_retriever_checks_embedder_and_query_dimension(tmp_path, ray_cluster):
 # --- the sharded Ray build ------------------------------------------------------------------------------
 
 
-def _build(tmp_path, emb="emb", out="idx", factory="Flat", **kw):
-    return build_index(resolve(str(tmp_path / emb)), resolve(str(tmp_path / out)), factory, "m", "passage", **kw)
+def _build(tmp_path, emb="emb", out="idx", factory="Flat", parallel=None, trained=None, docs=None, **settings):
+    return build_index(resolve(str(tmp_path / emb)), resolve(str(tmp_path / out)), "m", "passage",
+                       index_config(factory, **settings), parallel=parallel, trained=trained, docs=docs)
 
 
 def test_sharded_flat_returns_exactly_the_ids_of_one_flat_index(tmp_path, ray_cluster):
@@ -221,6 +227,6 @@ def test_storage_on_s3(tmp_path, s3_env):
     emb, idx = resolve("s3://wbrag/t/emb"), resolve("s3://wbrag/t/idx")
     pafs.copy_files(str(tmp_path / "emb"), emb.path, destination_filesystem=emb.fs)
     # in this process: the session's Ray workers started before the fake server's variables were set
-    build_index(emb, idx, "IVF4,Flat", "m", "passage", num_shards=2, parallel=False)
+    build_index(emb, idx, "m", "passage", index_config("IVF4,Flat", num_shards=2), parallel=False)
     got = Retriever("s3://wbrag/t/idx", nprobe=4).search_ids(vecs[:5], 1)[1]
     np.testing.assert_array_equal(got[:, 0], ids[:5])

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.index.conftest import clustered, write_shards
+from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_, load_shards
 from wbrag_ray.index.prune import drop_ids_ref, prune_index, scan_drop_ids
@@ -18,8 +18,8 @@ from wbrag_ray.storage import resolve
 def full_index(tmp_path):
     vecs = clustered(2000, 16, clusters=10, seed=2)
     ids = write_shards(tmp_path / "emb", vecs, parts=4)
-    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "full")), "IVF8,Flat", "m", "sentence",
-                num_shards=2, train_sample=2000, parallel=False)
+    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "full")), "m", "sentence",
+                index_config("IVF8,Flat", num_shards=2, train_sample=2000), parallel=False)
     return tmp_path, vecs, ids
 
 

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from tests.index.conftest import clustered, write_shards
+from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import load_manifest
 from wbrag_ray.index.recall import RECALL_K, choose, levelled, nprobe_steps, without
@@ -54,8 +54,9 @@ def test_steps_choice_and_plateau_rules():
 def test_ivf_nprobe_is_the_smallest_reaching_the_target_and_searches_use_it(tmp_path, clustered_shards, capsys):
     folder, vecs, ids = clustered_shards
     out = tmp_path / "ivf"
-    stats = build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", num_shards=2,
-                        parallel=False, target_recall=0.9, recall_queries=300)
+    stats = build_index(resolve(str(folder)), resolve(str(out)), "e", "passage",
+                        index_config("IVF64,Flat", num_shards=2, target_recall=0.9, recall_queries=300),
+                        parallel=False)
     search = load_manifest(resolve(str(out)))["search"]
     assert search["parameter"] == "nprobe" and search["chosen"] and search["reached"]
     assert stats["search"]["value"] == search["value"]
@@ -83,8 +84,9 @@ def test_explicit_nprobe_is_measured_beside_the_choice_and_warned_when_short(tmp
     folder, vecs, ids = clustered_shards
     out = tmp_path / "ivf1"
     with caplog.at_level(logging.WARNING, logger="wbrag_ray.index.recall"):
-        build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", num_shards=1,
-                    parallel=False, target_recall=0.9, recall_queries=300, nprobe=1)
+        build_index(resolve(str(folder)), resolve(str(out)), "e", "passage",
+                    index_config("IVF64,Flat", num_shards=1, target_recall=0.9, recall_queries=300, nprobe=1),
+                    parallel=False)
     search = load_manifest(resolve(str(out)))["search"]
     assert search["as_set"]["value"] == 1 and search["as_set"]["recall"] < 0.9
     assert search["as_set"]["recall"] == pytest.approx(brute_force_recall(out, vecs, ids, nprobe=1), abs=0.05)
@@ -95,22 +97,22 @@ def test_explicit_nprobe_is_measured_beside_the_choice_and_warned_when_short(tmp
 def test_hnsw_ef_search_is_measured_and_flat_is_not(tmp_path, clustered_shards):
     folder, vecs, ids = clustered_shards
     out = tmp_path / "hnsw"
-    build_index(resolve(str(folder)), resolve(str(out)), "HNSW8", "e", "passage", num_shards=1, parallel=False,
-                target_recall=0.97, recall_queries=200)
+    build_index(resolve(str(folder)), resolve(str(out)), "e", "passage",
+                index_config("HNSW8", num_shards=1, target_recall=0.97, recall_queries=200), parallel=False)
     search = load_manifest(resolve(str(out)))["search"]
     assert search["parameter"] == "efSearch" and search["value"] > RECALL_K
     assert brute_force_recall(out, vecs, ids, ef_search=search["value"]) >= 0.97 - 0.03
     assert measured_settings(load_manifest(resolve(str(out))), "auto", None) == ("auto", search["value"])
     flat = tmp_path / "flat"
-    stats = build_index(resolve(str(folder)), resolve(str(flat)), "Flat", "e", "passage", parallel=False,
-                        target_recall=0.95)
+    stats = build_index(resolve(str(folder)), resolve(str(flat)), "e", "passage",
+                        index_config("Flat", target_recall=0.95), parallel=False)
     assert stats["search"] is None and "search" not in load_manifest(resolve(str(flat)))
 
 
 def test_without_a_target_the_formula_applies(tmp_path, clustered_shards):
     folder, _, _ = clustered_shards
     out = tmp_path / "formula"
-    build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", parallel=False)
+    build_index(resolve(str(folder)), resolve(str(out)), "e", "passage", index_config("IVF64,Flat"), parallel=False)
     manifest = load_manifest(resolve(str(out)))
     assert "search" not in manifest and measured_settings(manifest, "auto", None) == ("auto", None)
 
@@ -118,8 +120,9 @@ def test_without_a_target_the_formula_applies(tmp_path, clustered_shards):
 def test_probes_run_as_ray_actors_over_several_shards(tmp_path, clustered_shards, ray_cluster):
     folder, vecs, ids = clustered_shards
     out = tmp_path / "ray"
-    stats = build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", num_shards=3,
-                        parallel=True, target_recall=0.9, recall_queries=300)
+    stats = build_index(resolve(str(folder)), resolve(str(out)), "e", "passage",
+                        index_config("IVF64,Flat", num_shards=3, target_recall=0.9, recall_queries=300),
+                        parallel=True)
     assert stats["parallel"] and stats["num_shards"] == 3
     chosen = stats["search"]["value"]
     assert brute_force_recall(out, vecs, ids, nprobe=chosen) >= 0.9 - 0.03
@@ -130,8 +133,8 @@ def test_the_report_plots_the_steps_tried(tmp_path, clustered_shards):
 
     folder, _, _ = clustered_shards
     out = tmp_path / "plotted"
-    build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", parallel=False,
-                target_recall=0.9, recall_queries=200)
+    build_index(resolve(str(folder)), resolve(str(out)), "e", "passage",
+                index_config("IVF64,Flat", target_recall=0.9, recall_queries=200), parallel=False)
     name = plot_search_setting(load_manifest(resolve(str(out)))["search"], tmp_path)
     assert name and (tmp_path / name).stat().st_size > 1000
 
@@ -144,7 +147,8 @@ def test_the_probes_search_as_the_retriever_does(tmp_path, clustered_shards):
 
     folder, vecs, _ = clustered_shards
     out = tmp_path / "same"
-    build_index(resolve(str(folder)), resolve(str(out)), "IVF64,Flat", "e", "passage", num_shards=2, parallel=False)
+    build_index(resolve(str(folder)), resolve(str(out)), "e", "passage",
+                index_config("IVF64,Flat", num_shards=2), parallel=False)
     queries = vecs[:50]
     probes = Probes(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries, threads=1,
                           num_cpus=1, parallel=False)

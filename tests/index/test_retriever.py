@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.index.conftest import clustered, write_shards
+from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_
 from wbrag_ray.retrieval.docstore import DocStoreError, open_doc_store
@@ -17,8 +17,8 @@ from wbrag_ray.storage import resolve
 
 def _index(tmp_path, name, vecs, ids, embedder="m", docs=None):
     write_shards(tmp_path / f"{name}-emb", vecs, ids=ids, parts=2)
-    build_index(resolve(str(tmp_path / f"{name}-emb")), resolve(str(tmp_path / name)), "Flat", embedder, "passage",
-                num_shards=2, parallel=False, docs=docs)
+    build_index(resolve(str(tmp_path / f"{name}-emb")), resolve(str(tmp_path / name)), embedder, "passage",
+                index_config("Flat", num_shards=2), parallel=False, docs=docs)
     return str(tmp_path / name)
 
 

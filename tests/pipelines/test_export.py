@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.conftest import demo_questions, demo_records, write_jsonl
+from tests.index.conftest import index_config
 from wbrag_ray import api
 from wbrag_ray.build_kb import EMBED
 from wbrag_ray.cli import main
@@ -93,8 +94,8 @@ def _write_back_version(run: RunFolder, config, embedder, version: str, passages
         folder.units.write_table(pa.Table.from_pandas(units, UNITS, preserve_index=False))
         vectors = embedder.encode_passages((units["title"] + "\n" + units["text"]).tolist())
         folder.embed_file.write_table(embeddings_table(units["id"].to_numpy(np.int64), vectors))
-        build_index(folder.embed, folder.index, "Flat", config.embedder.model, "writeback", docs=folder.corpus.uri,
-                    parallel=False)
+        build_index(folder.embed, folder.index, config.embedder.model, "writeback",
+                    index_config("Flat"), docs=folder.corpus.uri, parallel=False)
         folder.stats.write_json({"version": version, "units_written": len(units)})
         return {"rows_in": len(units), "rows_out": len(units), "rows_rejected": 0}
 
@@ -289,7 +290,7 @@ def test_shards_are_encoded_in_ray_tasks_and_the_export_equals_one_made_in_proce
     manifest = _export(run, config, fmt, tmp_path / "tasks", prune_ratio=0.3)
     assert manifest["shards_in_tasks"] == 2  # both embedding shards, none in the writer's own process
     # the reference: the writer in this process, faiss's own `add` of every vector
-    monkeypatch.setattr(view_module, "adds_codes", lambda index: False)
+    monkeypatch.setattr(view_module, "codes_index", lambda index: None)
     view = view_module.open_view(run, config.embedder, 0.3)
     (tmp_path / "here").mkdir()
     files, described = export_module._write(fmt, view, str(tmp_path / "here"), config)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.index.conftest import clustered, write_shards
+from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_, load_manifest
@@ -30,8 +30,8 @@ def _index(root, name, vecs, ids, shards, factory="Flat"):
                              "text": [f"{name} text {i}" for i in ids]}), docs / "docs.parquet")
     write_doc_store(resolve(str(docs)), "passage", resolve(str(root / f"{name}-docs")), parallel=False)
     write_shards(root / f"{name}-emb", vecs, ids=ids, parts=shards)
-    build_index(resolve(str(root / f"{name}-emb")), resolve(str(root / name)), factory, "m", "passage",
-                num_shards=shards, parallel=False, docs=str(root / f"{name}-docs"))
+    build_index(resolve(str(root / f"{name}-emb")), resolve(str(root / name)), "m", "passage",
+                index_config(factory, num_shards=shards), parallel=False, docs=str(root / f"{name}-docs"))
     return str(root / name)
 
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, EmbedderConfig, IndexConfig
-from wbrag_ray.export.codes import add_codes, adds_codes, encoder
+from wbrag_ray.export.codes import encoder
 from wbrag_ray.export.embedder import embedder_info
 from wbrag_ray.index.files import (
     TRAINED_FILE,
@@ -27,6 +27,7 @@ from wbrag_ray.index.files import (
     read_embedding_shard,
     to_bytes,
 )
+from wbrag_ray.index.parts import add_codes, codes_index
 from wbrag_ray.index.search import measured_settings, search_nprobe, set_search_params
 from wbrag_ray.ray_runtime import LIGHT_CPUS, shared_value
 from wbrag_ray.run import RunFolder
@@ -97,14 +98,15 @@ class View:
         """Fill `index` with every part's vectors in order and yield each shard's documents as added; counts are
         checked against the manifests. With Ray and a codes index the shards encode in Ray tasks (`EXPORT_IN_FLIGHT`)."""
         self.counts = {}
-        trained = self.empty_index_bytes if adds_codes(index) else None
+        inner = codes_index(index)
+        trained = self.empty_index_bytes if inner is not None else None
         for part in self.parts:
             n = 0
             for payload, docs in _part_batches(part, trained, self._count_task):
                 if trained is None:
                     index.add(payload)
                 else:
-                    add_codes(index, payload)
+                    add_codes(index, inner, payload)
                 n += len(docs)
                 yield docs
             expected = load_manifest(part.index)["count"]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from wbrag_ray.checkpoints import active
+from wbrag_ray.config import IndexConfig
 from wbrag_ray.index.files import (
     FORMAT,
     INDEX_FILE,
@@ -43,6 +44,7 @@ from wbrag_ray.index.parts import (
 from wbrag_ray.index.recall import measure_search, parameter_of
 from wbrag_ray.index.sizing import (
     balanced_groups,
+    bytes_per_vector,
     choose_factory,
     is_auto,
     merge_memory,
@@ -183,31 +185,21 @@ def shard_file(i: int, num_shards: int) -> str:
 def build_index(
     embeddings: Location,
     out: Location,
-    factory: str,
     embedder: str,
     unit: str,
-    train_sample: int = 100_000,
+    ic: IndexConfig,
     *,
-    num_shards: int | str = "auto",
-    memory_budget_gb: float = 16.0,
-    shard_memory_gb: float = 4.0,
-    train_memory_gb: float = 8.0,
-    gpu: bool = False,
-    num_cpus: float = 1.0,
     parallel: bool | None = None,
     trained: bytes | None = None,
     drop_ids: np.ndarray | ObjectRef | None = None,
     docs: str | None = None,
     extra: dict[str, Any] | None = None,
-    target_recall: float | None = None,
-    recall_queries: int = 500,
-    nprobe: int | str = "auto",
-    ef_search: int | None = None,
 ) -> dict[str, Any]:
-    """Build a sharded index from embedding shards into `out` (index shards, trained.faiss, manifest.json).
-    factory, train_sample, num_shards, gpu: as the index config; parallel: Ray tasks or in-process calls; trained: a
-    trained empty index to reuse; drop_ids: ids left out (or their object-store reference); docs: where the documents
-    live; target_recall: measure the search setting on `recall_queries` vectors. Returns stage stats."""
+    """Build a sharded index from embedding shards into `out` (index shards, trained.faiss, manifest.json) under the
+    index settings `ic` (its `unit` aside: `unit` names what the index holds). parallel: Ray tasks or in-process
+    calls; trained: a trained empty index to reuse; drop_ids: ids left out (or their object-store reference); docs:
+    where the documents live. Returns stage stats."""
+    factory, num_shards, num_cpus, shard_memory_gb = ic.factory, ic.num_shards, ic.num_cpus, ic.shard_memory_gb
     t0 = time.perf_counter()
     if parallel is None:
         import ray
@@ -221,12 +213,12 @@ def build_index(
     plan = None
     auto_shards = is_auto(num_shards)
     if trained is None:  # refused here, before any work, when the sample the factory needs does not fit
-        plan = plan_training(total, dim, factory, train_sample, memory_budget_gb, train_memory_gb)
+        plan = plan_training(total, dim, factory, ic.train_sample, ic.memory_budget_gb, ic.train_memory_gb)
         factory = plan.factory
         if auto_shards and plan.nlist:  # nor can a shard budget that the flat coarse quantizer alone overflows
             shards_for(total, 1, plan.nlist * dim * 4, shard_memory_gb)
     elif factory.strip().lower() == "auto":
-        factory = choose_factory(total, dim, memory_budget_gb, train_memory_gb)
+        factory = choose_factory(total, dim, ic.memory_budget_gb, ic.train_memory_gb)
     if requested != factory:
         log.info("index.factory=auto chose %s for %d x %d vectors", factory, total, dim)
     # a Ray task uses the CPUs it asked for; in process, those this process may use (not the host's cores)
@@ -257,7 +249,7 @@ def build_index(
     train_assigned: dict[str, float] = {}
     node = largest_node(parallel)
     if trained is None:
-        res = train_resources(num_cpus, gpu, cluster_gpus(parallel) if gpu else 0.0,
+        res = train_resources(num_cpus, ic.gpu, cluster_gpus(parallel) if ic.gpu else 0.0,
                               cluster_faiss_gpu() if parallel else faiss_has_gpu(),  # the GPU nodes' faiss
                               kmeans=plan.nlist is not None, node=node,
                               sample_bytes=min(plan.train_sample, total) * dim * 4,
@@ -276,7 +268,8 @@ def build_index(
     if records is not None and to_train and not train_resumed:  # what a rerun need not train again
         resolve(records.uri("train")).write_json({"file": out.join(TRAINED_FILE).uri})
     t_train = time.perf_counter()
-    wanted, per_vector = shard_count(num_shards, total, trained_index, len(trained), shard_memory_gb, len(files))
+    per_vector = bytes_per_vector(trained_index)
+    wanted = shard_count(num_shards, total, per_vector, len(trained), shard_memory_gb, len(files))
     log.info("index %s: %d vectors in %s shards, about %.0f bytes each (%s)", factory, total, wanted, per_vector,
              f"auto: at most index.shard_memory_gb={shard_memory_gb}" if auto_shards else "index.num_shards")
 
@@ -326,10 +319,10 @@ def build_index(
     ]
     t_merged = time.perf_counter()
     search = None
-    if target_recall is not None:  # before the manifest: a build killed while measuring measures again
+    if ic.target_recall is not None:  # before the manifest: a build killed while measuring measures again
         search = measure_search(
-            files, counts, out, shard_entries, search_space, dim, target=target_recall,
-            queries=recall_queries, nprobe=nprobe, ef_search=ef_search, threads=threads, num_cpus=num_cpus, parallel=parallel)
+            files, counts, out, shard_entries, search_space, dim, target=ic.target_recall, queries=ic.recall_queries,
+            nprobe=ic.nprobe, ef_search=ic.ef_search, threads=threads, num_cpus=num_cpus, parallel=parallel)
     manifest = {
         "format": FORMAT,
         "factory": factory,

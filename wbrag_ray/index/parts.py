@@ -15,12 +15,21 @@ CODES_SUFFIX = ".codes.npz"
 INDEX_SUFFIX = ".faiss"
 
 
-def code_part_ivf(index):
-    """The IVF whose array lists a codes-only part fills (bare, or behind a pre-transform); None otherwise."""
+def codes_index(index):
+    """The index that holds `index`'s standalone codes (itself, or the one behind its pre-transform) where it takes
+    them (flat and IVF; not HNSW); None otherwise."""
     import faiss
 
     outer = faiss.downcast_index(index)
     inner = faiss.downcast_index(outer.index) if isinstance(outer, faiss.IndexPreTransform) else outer
+    return inner if isinstance(inner, faiss.IndexIVF | faiss.IndexFlatCodes) else None
+
+
+def code_part_ivf(index):
+    """The IVF whose array lists a codes-only part fills (bare, or behind a pre-transform); None otherwise."""
+    import faiss
+
+    inner = codes_index(index)
     if not isinstance(inner, faiss.IndexIVF) or isinstance(inner, faiss.IndexIVFFastScan):
         return None
     if not isinstance(faiss.downcast_InvertedLists(inner.invlists), faiss.ArrayInvertedLists):
@@ -46,13 +55,15 @@ def read_code_part(f: Location) -> tuple[np.ndarray, np.ndarray]:
         raise IndexError_(f"index part {f.uri} is corrupt: {exc}") from None
 
 
-def add_codes(index, ivf, ids: np.ndarray, codes: np.ndarray) -> None:
-    """Append standalone codes to the lists of `ivf` (the IVF inside `index`), keeping `index.ntotal` true."""
-    if codes.ndim != 2 or codes.shape[1] != index.sa_code_size() or len(codes) != len(ids):
-        raise IndexError_(f"a part's codes have shape {codes.shape} for {len(ids)} ids; the index codes "
+def add_codes(index, inner, codes: np.ndarray, ids: np.ndarray | None = None) -> None:
+    """Append standalone codes (`sa_encode` of the same trained index) to `inner` (`codes_index` of `index`), keeping
+    `index.ntotal` true (a pre-transform wrapper counts its own vectors); no ids: the next rows."""
+    rows = len(codes) if ids is None else len(ids)
+    if codes.ndim != 2 or codes.shape[1] != index.sa_code_size() or len(codes) != rows:
+        raise IndexError_(f"a part's codes have shape {codes.shape} for {rows} ids; the index codes "
                           f"{index.sa_code_size()} bytes per vector")
-    ivf.add_sa_codes(np.ascontiguousarray(codes), np.ascontiguousarray(ids, dtype=np.int64))
-    index.ntotal = ivf.ntotal  # a pre-transform wrapper counts its own vectors
+    inner.add_sa_codes(np.ascontiguousarray(codes), ids)
+    index.ntotal = inner.ntotal
 
 
 def merge_parts(trained: Location, parts: list[Location]):
@@ -64,7 +75,7 @@ def merge_parts(trained: Location, parts: list[Location]):
             raise IndexError_(f"the trained index {trained.uri} has no plain IVF lists for the parts {parts[0].uri}")
         for f in parts:
             ids, codes = read_code_part(f)
-            add_codes(index, ivf, ids, codes)
+            add_codes(index, ivf, codes, ids)
             del ids, codes
         return index
     index = read_index_file(parts[0])

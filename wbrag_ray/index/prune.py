@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wbrag_ray.config import IndexConfig
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import TRAINED_FILE, IndexError_, load_manifest
 from wbrag_ray.storage import Location, resolve
@@ -71,11 +72,10 @@ def prune_index(
     return build_index(
         resolve(manifest["embeddings"]),
         out,
-        manifest["factory"],
         manifest["embedder"],
         manifest.get("unit", "passage"),
-        num_shards=num_shards or manifest.get("num_shards", len(manifest["files"])),
-        num_cpus=num_cpus,
+        IndexConfig(factory=manifest["factory"], num_cpus=num_cpus, gpu=False, target_recall=None,
+                    num_shards=num_shards or manifest.get("num_shards", len(manifest["files"]))),
         parallel=parallel,
         trained=trained_loc.read_bytes(),
         drop_ids=drop,

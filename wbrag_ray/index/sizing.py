@@ -155,18 +155,17 @@ def is_auto(num_shards: int | str) -> bool:
     raise ValueError(f"index.num_shards must be a positive integer or 'auto', not {num_shards!r}")
 
 
-def shard_count(num_shards: int | str, n: int, trained_index, trained_bytes: int, shard_memory_gb: float,
-                files: int) -> tuple[int, float]:
-    """(index shards, estimated bytes per vector): never more shards than embedding shards."""
-    per_vector = bytes_per_vector(trained_index)
+def shard_count(num_shards: int | str, n: int, per_vector: float, fixed_bytes: int, shard_memory_gb: float,
+                files: int) -> int:
+    """Index shards: `num_shards`, or for 'auto' `shards_for`'s count; never more than the embedding shards."""
     if not is_auto(num_shards):
-        return int(num_shards), per_vector
-    wanted = shards_for(n, per_vector, trained_bytes, shard_memory_gb)
+        return max(1, min(int(num_shards), files))
+    wanted = shards_for(n, per_vector, fixed_bytes, shard_memory_gb)
     if wanted > files:
         log.warning("index.num_shards=auto wants %d shards of at most index.shard_memory_gb=%s, but there are only "
                     "%d embedding shards: each index shard will hold about %.2f GB", wanted, shard_memory_gb, files,
-                    (n * per_vector / files + trained_bytes) / GiB)
-    return wanted, per_vector
+                    (n * per_vector / files + fixed_bytes) / GiB)
+    return min(wanted, files)
 
 
 def balanced_groups(counts: Sequence[int], n: int) -> list[list[int]]:

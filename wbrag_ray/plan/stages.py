@@ -13,10 +13,9 @@ from wbrag_ray.config import EmbedderConfig, GeneratorConfig, IndexConfig, Retri
 from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS, shape_refusal
 from wbrag_ray.index.sizing import (
     bytes_per_vector,
-    is_auto,
     merge_memory,
     plan_training,
-    shards_for,
+    shard_count,
     train_resources,
 )
 from wbrag_ray.models.size import ModelSize, model_size, serving_gb, training_gb
@@ -253,8 +252,7 @@ def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, ch
     per_vector = bytes_per_vector(faiss.index_factory(dim, tp.factory, faiss.METRIC_INNER_PRODUCT))
     fixed = (tp.nlist or 0) * dim * 4  # the coarse quantizer's centroids, in every shard (as the build estimates)
     files = max(1, math.ceil(n / checkpoint_rows))
-    wanted = shards_for(n, per_vector, fixed, ic.shard_memory_gb) if is_auto(ic.num_shards) else int(ic.num_shards)
-    shards = max(1, min(wanted, files))
+    shards = shard_count(ic.num_shards, n, per_vector, fixed, ic.shard_memory_gb, files)
     shard_bytes = n * per_vector / shards + fixed
     groups = shard_groups([{"bytes": shard_bytes}] * shards, retrieval.actor_memory_gb * GiB)
     biggest = max(len(g) for g in groups) * shard_bytes

@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 
 from wbrag_ray import prompts, rag
-from wbrag_ray.config import ConfigError, WbragConfig, WritebackConfig
+from wbrag_ray.config import ConfigError, IndexConfig, WbragConfig, WritebackConfig
 from wbrag_ray.evaluation.stage import union_settings
 from wbrag_ray.formats import dataset_name, embeddings_table, input_params, plain_table, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
@@ -179,7 +179,8 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         # the CPUs the command's services hold now.
         write_doc_store(folder.corpus, "passage", folder.docs, parallel=False)
         build_index(
-            folder.embed, folder.index, wb.index_factory, config.embedder.model, "writeback",
+            folder.embed, folder.index, config.embedder.model, "writeback",
+            IndexConfig(factory=wb.index_factory, gpu=False, target_recall=None),
             docs=final.docs.uri,  # the manifest names its documents: the index folder is self-contained
             parallel=False,
         )
