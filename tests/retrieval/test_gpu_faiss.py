@@ -12,7 +12,7 @@ import faiss
 import numpy as np
 import pytest
 
-from tests.index.conftest import clustered, write_shards
+from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.config import ConfigError
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import load_manifest
@@ -140,8 +140,8 @@ def test_a_search_actor_under_index_gpu_true_on_faiss_cpu_raises_from_ready_and_
     retrieval service's start then does), under auto it holds the CPU shards."""
     vecs = clustered(400, 16, seed=1)
     write_shards(tmp_path / "emb", vecs, parts=2)
-    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "IVF4,Flat", "m", "passage",
-                num_shards=2, parallel=False)
+    build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "m", "passage",
+                index_config("IVF4,Flat", num_shards=2), parallel=False)
     manifest = load_manifest(resolve(str(tmp_path / "idx")))
     named = [(s["file"], s["count"]) for s in manifest["shards"]]
     actor = SearchActor(str(tmp_path / "idx"), named, 16, (4, None, None, True), 1)
