@@ -67,11 +67,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-# Set before transformers is imported: the GPU machine has no network, and a hub lookup would only stall.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import torch  # noqa: E402  (after the environment above)
+import torch
 
 # torch.OutOfMemoryError is new in torch 2.5; the GPU machine's torch may be older.
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -1262,6 +1258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="a local transformers causal-LM folder for the project sections (default: "
                         "a random-weight 1B-class Llama; --quick: a small one)")
     args = parser.parse_args(argv)
+    # Set before transformers is imported (in main, not at import: a test that reads this module's names must not
+    # turn its own process offline): the GPU machine has no network, and a hub lookup would only stall.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
         print("no CUDA GPU here: the full check needs one; `--quick` dry-runs it on CPU", file=sys.stderr)
