@@ -7,13 +7,10 @@ questions closed-book: the same answers as the same model with tensor_parallel_s
 the replica's engine process (a process of its own in the replica's placement group, not a child of the service's
 actor), its rank processes (that process's children: vLLM's multiprocessing executor on CPUs) and the group.
 
-- tensor_parallel_size=2 runs on a tiny SmolLM2-shaped model (random weights; 4 attention heads of 64, 2 KV
-  heads): the bundled SmolLM2-135M cannot be split in 2, for any engine and on any device. vLLM refuses it
-  before anything starts: "Total number of attention heads (9) must be divisible by tensor parallel size (2)"
-  (measured 2026-12-05); its head_dim must be one vLLM's CPU attention has kernels for (16 is not: "Unsupported
-  CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0").
-- The bundled SmolLM2-135M itself (9 heads, 3 KV heads) runs with tensor_parallel_size=3: three ranks on two
-  cores (two share one), the smallest split of its heads.
+The bundled SmolLM2-135M (9 heads, 3 KV heads) runs with tensor_parallel_size=3: three ranks on two cores (two
+share one), the smallest split of its heads (vLLM refuses 2: "Total number of attention heads (9) must be divisible
+by tensor parallel size (2)"). Two ranks take the same path; their cores (`parallel.cpu_rank_env`) are checked in
+tests/generation/test_parallel_sizes.py.
 
 Skipped where vllm is not installed (as tests/generation/test_vllm_cpu.py).
 """
@@ -44,11 +41,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 GENERATOR = ["generator.backend=vllm", "generator.dtype=float32", "generator.max_new_tokens=16",
              "generator.batch_size=16", "generator.num_cpus=1", "generator.threads=2"]
 N_QUESTIONS = 8
-# vLLM's CPU attention has kernels for head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 (not the tiny
-# generator's default 16); 4 heads of 64 and 2 KV heads split over 2 ranks
-TINY_TP2 = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 64}
-
 
 @pytest.fixture(scope="module")
 def closed_book():
@@ -133,24 +125,6 @@ def check_sharded(run: dict, tp: int) -> None:
     assert len(set(group["bundles_to_node_id"].values())) == 1
     assert group["name"].startswith("wbrag-engine:")
     assert run["after"] == ["REMOVED"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tests.tiny_models import build_tiny_generator
-
-    return build_tiny_generator(tmp_path_factory.mktemp("tiny-tp2") / "generator", **TINY_TP2)
-
-
-def test_tensor_parallel_2_on_cpu_ranks_gives_the_greedy_answers_of_one_rank(ray_cluster, one_command, closed_book,
-                                                                             tiny):
-    one = answer(closed_book, f"generator.model={tiny}")
-    two = answer(closed_book, f"generator.model={tiny}", "generator.tensor_parallel_size=2")
-    assert one["groups"] == [] and one["ranks"] == {}  # one rank: the engine in the service's actor
-    check_sharded(two, 2)
-    assert sum(bool(a) for a in one["answers"]) >= N_QUESTIONS // 2  # tokens, not empty lines, were compared
-    assert two["answers"] == one["answers"]
-    print(f"tp=1 {one['seconds']:.1f} s, tp=2 {two['seconds']:.1f} s: {N_QUESTIONS} of {N_QUESTIONS} the same")
 
 
 def test_the_bundled_smollm2_split_over_3_ranks_answers_as_one_rank(ray_cluster, one_command, closed_book):
