@@ -48,6 +48,19 @@ def test_lines_come_at_most_every_interval_and_once_at_the_end(caplog):
     assert "ETA" not in lines[0]  # done: nothing left to wait for
 
 
+def test_a_pass_waiting_for_its_first_rows_still_says_it_runs_every_interval(caplog):
+    """A pass whose first batch takes long (a model loading, 40 rows in one batch on a slow CPU) prints its line
+    on a timer, not only when rows come in."""
+    import time
+
+    with caplog.at_level(logging.INFO, logger="wbrag_ray.progress"):
+        with progress.running("eval:answer", total=40, interval_s=0.2):
+            time.sleep(0.9)
+    lines = [r.getMessage() for r in caplog.records if r.name == "wbrag_ray.progress"]
+    assert len(lines) >= 3, lines
+    assert all(line.startswith("eval:answer: 0/40 rows, 0.0 rows/s") for line in lines), lines
+
+
 def test_verbose_gives_ray_its_own_output_back():
     import ray.data
 

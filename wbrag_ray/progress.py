@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 
@@ -51,6 +52,11 @@ class PassProgress:
         self.done = done
         if total:
             self.total = total
+        self.tick()
+
+    def tick(self) -> None:
+        """Log the line if none was logged for `interval_s`: also called by a timer while no rows come in (a
+        pass whose first batch takes minutes still shows that it runs)."""
         now = time.perf_counter()
         if now - self._last >= self.interval_s:
             self._last = now
@@ -69,15 +75,25 @@ class PassProgress:
 
 
 @contextlib.contextmanager
-def running(name: str, total: int | None = None) -> Iterator[PassProgress]:
+def running(name: str, total: int | None = None, interval_s: float = INTERVAL_S) -> Iterator[PassProgress]:
     """The pass `name` runs in this block: Ray Data's progress is reported under it, with one closing line."""
-    progress = PassProgress(name, total)
+    progress = PassProgress(name, total, interval_s)
     _current.append(progress)
+    stop = threading.Event()
+    timer = threading.Thread(target=_tick_until, args=(progress, stop), name=f"progress {name}", daemon=True)
+    timer.start()
     try:
         yield progress
     finally:
+        stop.set()
+        timer.join()
         _current.remove(progress)
         progress.finish()
+
+
+def _tick_until(progress: PassProgress, stop: threading.Event) -> None:
+    while not stop.wait(progress.interval_s / 4):
+        progress.tick()
 
 
 class RayProgressFilter(logging.Filter):
