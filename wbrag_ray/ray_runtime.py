@@ -288,6 +288,16 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
         check_run_dir(run_dir)
 
 
+class _AuthDefaultNote(logging.Filter):
+    """Ray 2.60 turns token auth on for every new local cluster and says so on each `ray.init`: the first line of
+    every command, about a default. Dropped; the warning that a cluster runs without auth is not."""
+
+    LOGGER = "ray._private.authentication.authentication_token_setup"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def _start_local(num_cpus: int | None, kwargs: dict) -> None:
     """A local cluster with its dashboard on a port of its own, which its processes find by RAY_API_SERVER_ADDRESS
     (set while it starts: only they inherit it): Ray Train's placement-group cleaner asks it whether a training's
@@ -296,6 +306,9 @@ def _start_local(num_cpus: int | None, kwargs: dict) -> None:
 
     import ray
 
+    auth = logging.getLogger(_AuthDefaultNote.LOGGER)
+    if not any(isinstance(f, _AuthDefaultNote) for f in auth.filters):
+        auth.addFilter(_AuthDefaultNote())
     with socket.socket() as probe:  # a free port (another cluster's dashboard may hold Ray's 8265)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
