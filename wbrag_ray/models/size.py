@@ -71,7 +71,7 @@ class ModelSize:
     def describe(self) -> str:
         if self.params is None:
             return f"{self.name} (size unknown)"
-        return f"{self.name} ({_count(self.params)} parameters, {self.source})"
+        return f"{self.name} ({param_count(self.params)} parameters, {self.source})"
 
 
 # The models the project's configs and docs name: (parameters, hidden size, attention heads), and for decoders
@@ -308,7 +308,7 @@ def training_gb(size: ModelSize, on_gpu: bool) -> float | None:
     return None if w is None else w * (1 + TRAINING_HEADROOM) + (0.0 if on_gpu else BASE_GB)
 
 
-def _count(n: float) -> str:
+def param_count(n: float) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
 
