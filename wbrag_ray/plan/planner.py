@@ -30,7 +30,6 @@ from wbrag_ray.plan.accelerators import (
     Interconnect,
     encode_seconds,
     interconnect,
-    kmeans_seconds,
 )
 from wbrag_ray.plan.corpus import CorpusSize, corpus_size, question_count
 from wbrag_ray.plan.rates import RATES
@@ -292,15 +291,15 @@ class _Builder:
         s, n = self.sizing, item.vectors
         if s is None or not n:
             return Stage(name, [], "corpus size unknown" if not n else "refused by the sizing rules")
-        seconds, how, keys, left_out = index_time(s, n, self.dim, self.cluster.cpus)
-        stage = Stage(name, list(s.bundles), f"{n:,} vectors of {self.dim} dimensions ({self.dim_source})",
-                      seconds, how, rates=keys,
+        tasks, kmeans = index_time(s, n, self.dim, self.cluster.cpus, self.timing.gpu)
+        stage = Stage(name, list(s.bundles), f"{n:,} vectors of {self.dim} dimensions ({self.dim_source})", 0.0,
                       more_gpus=KMEANS_GPU,
                       notes=[s.describe(), f"retrieval service: {s.groups} search actor group(s) of up to "
                              f"{s.group_gb:,.3g} GB (retrieval.actor_memory_gb={self.c.retrieval.actor_memory_gb})"])
-        stage.add_source("benchmark", seconds)
-        if left_out:  # k-means on a GPU: from its FLOPs
-            self._kmeans_on_gpu(stage, s)
+        stage.add(tasks)
+        if kmeans:  # on a GPU: its GPU-seconds count in the GPU-hours
+            stage.add(kmeans)
+            stage.task_gpu_seconds = kmeans.seconds
         ic = self.c.index
         if ic.target_recall is not None and ("IVF" in s.factory or "HNSW" in s.factory):
             flops = 2.0 * ic.recall_queries * n * self.dim
@@ -525,14 +524,6 @@ class _Builder:
                       if sizing else [], rates=("prune",))
         stage.add_source("benchmark", stage.seconds)
         return stage
-
-    def _kmeans_on_gpu(self, stage: Stage, sizing: IndexSizing) -> None:
-        """An index train task's k-means on one GPU, estimated from its FLOPs."""
-        kmeans, why = kmeans_seconds(self.timing.gpu, sizing.train_sample, sizing.nlist, self.dim)
-        stage.seconds += kmeans
-        stage.how = stage.how.replace("; k-means on a GPU: no measured rate", "") + f"; {why}"
-        stage.task_gpu_seconds = kmeans
-        stage.add_source("estimate", kmeans)
 
     def search(self, item: Search) -> Stage:
         q = item.queries

@@ -19,8 +19,10 @@ from wbrag_ray.index.sizing import (
     shard_count,
     train_resources,
 )
+from wbrag_ray.models.accelerators import Accelerator
 from wbrag_ray.models.size import ModelSize, model_size, param_count, serving_gb, training_gb
 from wbrag_ray.placement import GPU_BUNDLE, Bundle, Cluster, placement_refusal, sharded
+from wbrag_ray.plan.accelerators import kmeans_seconds
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.retrieval.service import search_actor_memory, shard_groups
 from wbrag_ray.training.placement import fsdp_mesh_shape
@@ -251,21 +253,22 @@ def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, ch
                        biggest / 1e9, bundles, files)
 
 
-def index_time(sizing: IndexSizing, n: int, dim: int, cpus: float) -> tuple[float, str, tuple, str]:
-    """Seconds of an index build: k-means on CPUs (left out, and said so, on a GPU), then the add and merge tasks."""
+def index_time(sizing: IndexSizing, n: int, dim: int, cpus: float, gpu: Accelerator) -> tuple[Time, Time | None]:
+    """An index build's time on CPUs (its add and merge tasks, and k-means where it runs there), and its k-means on
+    a GPU, estimated from its FLOPs, where it runs there."""
     add, kmeans = RATES["index_add"], RATES["kmeans"]
     at_once = max(1.0, min(cpus, sizing.files))
     seconds = n / (add.value * at_once)
     how = f"add + merge {n:,} / ({add.value:,g} per CPU-second [index_add] x {at_once:g} CPUs)"
-    if not sizing.nlist:
-        return seconds, how, ("index_add",), ""
     train = sizing.bundles[0]
+    if sizing.nlist and train.gpus:
+        return (Time(seconds, how, "benchmark", ("index_add",)),
+                Time(*kmeans_seconds(gpu, sizing.train_sample, sizing.nlist, dim), "estimate"))
+    if not sizing.nlist:
+        return Time(seconds, how, "benchmark", ("index_add",)), None
     work = sizing.train_sample * sizing.nlist * dim
-    if train.gpus:
-        return seconds, how + "; k-means on a GPU: no measured rate", ("index_add",), "k-means on a GPU"
-    return (seconds + work / (kmeans.value * train.cpus),
-            how + f"; k-means {work:.3g} / ({kmeans.value:.4g} [kmeans] x {train.cpus:g} CPUs)", ("index_add", "kmeans"),
-            "")
+    return Time(seconds + work / (kmeans.value * train.cpus), how + f"; k-means {work:.3g} / ({kmeans.value:.4g} "
+                f"[kmeans] x {train.cpus:g} CPUs)", "benchmark", ("index_add", "kmeans")), None
 
 
 def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: RetrievalConfig, embedder: EmbedderConfig,
