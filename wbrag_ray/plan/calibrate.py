@@ -6,7 +6,8 @@ passages: the generator's seconds a call at two prompt lengths (and its service'
 token, a LoRA step's seconds a token (and Ray Train's start). Then the run's own steps (`pipeline`) make a scratch
 run of a sample of the corpus (and of the write-back training questions), whose stats give the embed stage's fixed
 cost and write-back's keep rate, retained documents and distiller passes. A record holds the hardware it ran on;
-records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`).
+records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`). Over 400 lines, kept whole: every
+measurement, the scratch run, and the driver that keeps the records.
 """
 
 from __future__ import annotations

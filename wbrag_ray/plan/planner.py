@@ -1,6 +1,7 @@
 """The plan of a config: the stages `wbrag run` would run, in its order, each priced from the work its step declares
 (`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
-decides at run time (FLARE, Self-RAG).
+decides at run time (FLARE, Self-RAG). Over 500 lines, kept whole: one builder walks the registry, a method a
+kind of work.
 """
 
 from __future__ import annotations
