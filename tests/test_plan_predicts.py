@@ -202,9 +202,8 @@ def test_the_report_puts_planned_and_measured_side_by_side(tmp_path):
 def test_ray_train_start_is_calibrated_and_planned_in_place_of_the_benchmark(ray_cluster, no_cache):
     """A fit whose loop does nothing times Ray Train's own start and end on this cluster; a plan with that record
     adds the measured start to each training instead of the benchmark's 30 s."""
-    from wbrag_ray.models.hardware import resolved_dtype_name
+    from wbrag_ray.models.hardware import resolved_dtype_name, threads_of
     from wbrag_ray.plan.calibrate import _train_start, hardware, training_dtype
-    from wbrag_ray.plan.stages import threads_of
 
     config = load_config(ROOT / "jobs" / "configs" / "zero_rag_demo.yaml")
     measured = _train_start(config.zerorag.tune.trainer)
@@ -255,9 +254,8 @@ def test_the_plans_prompt_tokens_track_the_tokenizers_across_prompt_kinds():
 
 
 def _generator_record(config, **extra):
-    from wbrag_ray.models.hardware import resolved_dtype_name
+    from wbrag_ray.models.hardware import resolved_dtype_name, threads_of
     from wbrag_ray.plan.calibrate import hardware
-    from wbrag_ray.plan.stages import threads_of
     from wbrag_ray.plan.tokens import TOKEN_UNITS
 
     g = config.generator

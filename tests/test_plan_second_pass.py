@@ -58,9 +58,8 @@ def test_the_wilson_interval_of_a_keep_rate():
 def _writeback_record(config, keep=(14, 80)):
     """A write-back calibration record of the demo config's training set, on the hardware its generator would use
     (the shape `calibrate.writeback_record` writes; its figures stated here)."""
-    from wbrag_ray.models.hardware import resolved_dtype_name
+    from wbrag_ray.models.hardware import resolved_dtype_name, threads_of
     from wbrag_ray.plan.calibrate import hardware
-    from wbrag_ray.plan.stages import threads_of
 
     g = config.generator
     point = {"calls": 14, "seconds": 21.0, "seconds_per_call": 1.5, "prompt_tokens": 300.0, "generated_tokens": 40.0,

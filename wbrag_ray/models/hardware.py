@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Mapping
 
@@ -169,13 +170,16 @@ def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
     return max(1, cpus)
 
 
-def set_threads(num_cpus: float) -> int:
-    """Match torch's intra-op threads to the actor's CPU allocation (no oversubscription)."""
-    import math
+def threads_of(num_cpus: float, threads: int | None = None) -> int:
+    """The torch threads of a process given `num_cpus` of Ray's CPUs: `threads` where set, else the CPUs rounded up."""
+    return threads or max(1, math.ceil(num_cpus))
 
+
+def set_threads(num_cpus: float, threads: int | None = None) -> int:
+    """Match torch's intra-op threads to the actor's CPU allocation (no oversubscription)."""
     import torch
 
-    threads = max(1, math.ceil(num_cpus))
+    threads = threads_of(num_cpus, threads)
     torch.set_num_threads(threads)
     return threads
 

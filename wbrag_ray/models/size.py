@@ -1,10 +1,8 @@
-"""How big a model is, and how much memory an actor that holds it takes, without loading it.
+"""How big a model is, and how much memory an actor that holds it takes (`MEMORY_RULE`), without loading it.
 
 The shape comes, in this order, from a local folder's config.json, a GGUF file's header, the Hugging Face cache's
 config.json, a table of the models the project's configs name, or a size in the name ("70B", "135M"); each says
-which, since the last two are estimates. Memory per actor: the weights (bf16 on GPUs, fp32 assumed on CPUs) plus
-`SERVING_HEADROOM` for a batch's KV cache and activations, or `TRAINING_HEADROOM` for a LoRA training worker; a
-CPU process adds the worker's own base (`index.sizing.TASK_BASE_BYTES`).
+which, since the last two are estimates.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ BASE_GB = TASK_BASE_BYTES / GB
 
 @dataclass(frozen=True)
 class ModelSize:
-    """What a plan knows of a model: parameters, hidden size (an embedder's vector dimension), attention heads
-    (a tensor-parallel group must divide them), and where the figures came from; for a decoder, what sizes its KV
-    cache (layers, key-value heads, head dimension), where known."""
+    """What a plan knows of a model: parameters, hidden size, attention heads, where the figures came from, and for
+    a decoder what sizes its KV cache (layers, key-value heads, head dimension), where known."""
 
     name: str
     params: float | None
@@ -44,9 +41,9 @@ class ModelSize:
     context: int | None = None  # the positions it was trained for (max_position_embeddings, GGUF context_length)
 
     def tensor_parallel_refusal(self, tp: int) -> str | None:
-        """Why vLLM cannot shard this model's attention over `tp` tensor-parallel ranks, or None (also where its
-        heads are unknown): `tp` must divide the attention heads, and either divide the key-value heads (split over
-        the ranks) or be a multiple of them (each repeated on tp / kv_heads ranks), as vLLM's QKVParallelLinear."""
+        """Why vLLM cannot shard this model's attention over `tp` ranks, or None (also where its heads are unknown):
+        as vLLM's QKVParallelLinear, `tp` divides the attention heads, and divides the key-value heads or is a
+        multiple of them."""
         if tp <= 1 or not self.heads:
             return None
         if self.heads % tp:
@@ -62,8 +59,7 @@ class ModelSize:
         return [tp for tp in range(1, most + 1) if self.tensor_parallel_refusal(tp) is None]
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> float | None:
-        """Bytes of KV cache one token takes in every layer (keys and values at the key-value heads), or None
-        where the layout is unknown."""
+        """Bytes of KV cache one token takes in every layer, or None where the layout is unknown."""
         if not (self.layers and self.kv_heads and self.head_dim):
             return None
         return 2.0 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
@@ -71,7 +67,7 @@ class ModelSize:
     def describe(self) -> str:
         if self.params is None:
             return f"{self.name} (size unknown)"
-        return f"{self.name} ({_count(self.params)} parameters, {self.source})"
+        return f"{self.name} ({param_count(self.params)} parameters, {self.source})"
 
 
 # The models the project's configs and docs name: (parameters, hidden size, attention heads), and for decoders
@@ -123,9 +119,8 @@ def model_size(model: str) -> ModelSize:
 
 
 def size_from_config(model: str, cfg: dict, source: str) -> ModelSize:
-    """The size and shape of `model` from its transformers config (`cfg`, read from `source`). Parameters:
-    embeddings (twice when the output layer is not tied), per layer attention (q and o full, k and v at the
-    key-value heads) and the MLP (three matrices for gated decoders, two for BERT-like encoders)."""
+    """The size and shape of `model` from its transformers config (`cfg`, read from `source`): embeddings (twice
+    when untied), each layer's attention (k and v at the key-value heads) and MLP (two matrices for BERT-likes)."""
     text = cfg.get("text_config") or cfg  # multimodal configs (Gemma 3) nest the language model's
     hidden = int(text["hidden_size"])
     layers = int(text["num_hidden_layers"])
@@ -196,9 +191,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 @functools.lru_cache(maxsize=16)
 def _gguf_config(path: str, _mtime_ns: int) -> dict:
-    """A transformers-style config from a GGUF file's header (its key-value metadata and its tensors' names),
-    read as the GGUF format lays it out (little-endian, version 2 or later) without reading the weights or the
-    tokenizer, as the `gguf` package's reader would."""
+    """A transformers-style config from a GGUF file's header (version 2 or later): its key-value metadata and
+    tensor names, skipping the weights and the tokenizer that the `gguf` package's reader parses (RESULTS.md)."""
     with open(path, "rb") as f:
         def read(fmt: str):
             data = f.read(struct.calcsize(fmt))
@@ -251,8 +245,7 @@ def _gguf_config(path: str, _mtime_ns: int) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _cached_hub_config(model: str) -> dict | None:
-    """The config.json of a hub id (org/name) in this machine's Hugging Face cache, without the network; None
-    where it was never downloaded here (or `model` is no hub id)."""
+    """The config.json of a hub id in this machine's Hugging Face cache (no network), or None."""
     if model.count("/") != 1 or model.startswith(("/", ".", "~")) or ":" in model or Path(model).exists():
         return None
     from huggingface_hub import try_to_load_from_cache
@@ -262,8 +255,8 @@ def _cached_hub_config(model: str) -> dict | None:
 
 
 def embedding_dim(model: str, size: ModelSize) -> tuple[int | None, str]:
-    """(dimension of a sentence-transformers model's vectors, where it came from): a local folder's last Dense
-    module's out_features (modules.json), else its pooling's word_embedding_dimension, else the hidden size."""
+    """(a sentence-transformers model's vector dimension, its source): a local folder's last Dense module's or its
+    pooling's (modules.json), else the hidden size."""
     folder = Path(model)
     if "://" not in model and (folder / "modules.json").is_file():
         try:
@@ -280,8 +273,8 @@ def embedding_dim(model: str, size: ModelSize) -> tuple[int | None, str]:
 
 
 def lora_params(size: ModelSize, r: int, targets: list[str]) -> float:
-    """Trainable parameters of LoRA at rank `r` on `targets` in every layer: r x (inputs + outputs) a module
-    (q, o: hidden -> heads x head dim; k, v: to the key-value heads; others taken as hidden -> hidden)."""
+    """Trainable parameters of LoRA at rank `r` on `targets` in every layer: r x (inputs + outputs) a module (k, v
+    to the key-value heads; modules other than q, k, v, o taken as hidden -> hidden)."""
     hidden = size.hidden or 4096
     head_dim = size.head_dim or hidden // max(1, size.heads or 32)
     widths = {"q_proj": (size.heads or 32) * head_dim, "o_proj": (size.heads or 32) * head_dim,
@@ -308,7 +301,7 @@ def training_gb(size: ModelSize, on_gpu: bool) -> float | None:
     return None if w is None else w * (1 + TRAINING_HEADROOM) + (0.0 if on_gpu else BASE_GB)
 
 
-def _count(n: float) -> str:
+def param_count(n: float) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
 

@@ -19,10 +19,9 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
-# Set to 1 on a cluster that adds nodes on demand but publishes no node groups (Ray's v1 autoscaler): the checks
-# then check nothing
+# 1 on a cluster that adds nodes on demand but publishes no node groups (Ray's v1 autoscaler): nothing is checked
 AUTOSCALING_ENV = "WBRAG_AUTOSCALING"
-# With WBRAG_AUTOSCALING=1, the cluster launcher's config, whose node types declare the most nodes it may run
+# with WBRAG_AUTOSCALING=1, the cluster launcher's config, whose node types declare the most nodes it may run
 LAUNCHER_CONFIG_ENV = "WBRAG_CLUSTER_CONFIG"
 LAUNCHER_CONFIG = "~/ray_bootstrap_config.yaml"
 # How long a service's actors may wait for resources (`ray.pending_timeout_s`, which `init_ray` sets)
@@ -139,8 +138,8 @@ def _published_groups() -> list:
 
 
 def cluster_nodes() -> tuple[list[dict[str, float]], bool]:
-    """The nodes a pass may be placed on, and whether they are every node the cluster may run: each published
-    node group's max_count nodes (unbounded: 1024); else the alive nodes (False)."""
+    """The nodes a pass may be placed on (each published node group's max_count, unbounded: 1024; else the alive
+    nodes), and whether they are every node the cluster may run."""
     groups = _published_groups()
     if groups:
         return [dict(g.resources) for g in groups for _ in range(1024 if g.max_count < 0 else g.max_count)], True
@@ -149,7 +148,7 @@ def cluster_nodes() -> tuple[list[dict[str, float]], bool]:
 
 def launcher_nodes(doc: dict) -> list[dict[str, float]]:
     """The most nodes a cluster launcher config (`ray up`'s YAML) may run: the head, and each worker type's
-    `resources` times its max_workers, most GPUs first, within the cluster's max_workers."""
+    resources times its max_workers, most GPUs first, within the cluster's max_workers."""
     types = doc.get("available_node_types") or {}
     head = doc.get("head_node_type")
     budget = doc.get("max_workers", 1 << 30)
@@ -165,7 +164,7 @@ def launcher_nodes(doc: dict) -> list[dict[str, float]]:
 
 def auto_nodes() -> tuple[list[dict[str, float]], str]:
     """The nodes `auto` sizes for, and what they are: an autoscaling cluster's declared maximum (bounded published
-    node groups; with WBRAG_AUTOSCALING=1, the launcher's config), else every alive node's resources."""
+    node groups; with WBRAG_AUTOSCALING=1, the launcher's config), else the alive nodes."""
     groups = _published_groups()
     if groups and all(g.max_count >= 0 for g in groups):
         return [dict(g.resources) for g in groups for _ in range(g.max_count)], "the autoscaler's declared maximum"
@@ -185,8 +184,7 @@ def auto_nodes() -> tuple[list[dict[str, float]], str]:
 
 
 def free_nodes() -> dict[str, dict[str, float]]:
-    """Each alive node's resources free now, by node id (where Ray's private API moved, the free total as one
-    node of id "")."""
+    """Each alive node's free resources by node id (where Ray's private API moved, the free total as node "")."""
     import ray
 
     try:
@@ -227,18 +225,23 @@ def amounts(resources: dict[str, float], need: dict[str, float]) -> str:
 
 
 def pool_refusal(what: str, count: int, need: dict[str, float], nodes: list[dict[str, float]],
-                 groups: int = 1) -> str | None:
-    """Why `count` actors asking for `need` each do not fit `nodes`, or None where they do. `groups`: the pool is
-    that many groups of replicas (a search pool's shard groups)."""
+                 groups: int = 1, unit: str = "actor", fewer: str = "", smaller: str = "") -> str | None:
+    """Why `count` actors (or other `unit`s) asking for `need` each do not fit `nodes`, or None where they do.
+    `groups`: the pool is that many groups of replicas (a search pool's shard groups); `fewer` / `smaller`: the
+    settings that ask for fewer units or less of each."""
     fits = room_for(need, nodes)
     if fits >= count:
         return None
     largest = {r: max((n.get(r, 0.0) for n in nodes), default=0.0) for r in need if need[r] > 0}
     short = [r for r in largest if largest[r] + 1e-9 < need[r]]
-    fix = (f"lower its concurrency to {fits // groups}" if fits >= groups else
-           "ask less: the largest node has " + amounts(largest, {r: 1.0 for r in short}) if short else
-           "lower its concurrency")
-    return (f"{what}: {count} actor{'s' * (count != 1)} of {amounts(need, need)} each do not fit the cluster's "
+    if fewer:
+        most = max((n.get("GPU" if need.get("GPU") else "CPU", 0.0) for n in nodes), default=0.0)
+        fix = f"set {fewer}: {fits}" if fits else f"lower {smaller} (the largest node has {most:g})"
+    else:
+        fix = (f"lower its concurrency to {fits // groups}" if fits >= groups else
+               "ask less: the largest node has " + amounts(largest, {r: 1.0 for r in short}) if short else
+               "lower its concurrency")
+    return (f"{what}: {count} {unit}{'s' * (count != 1)} of {amounts(need, need)} each do not fit the cluster's "
             f"{len(nodes)} node{'s' * (len(nodes) != 1)} (room for {fits}); {fix}, or add nodes")
 
 
@@ -331,14 +334,9 @@ def check_placement(config: GeneratorConfig, key: str = "generator") -> None:
 def workers_refusal(trainer: TrainerConfig, nodes: list[dict[str, float]], key: str) -> str | None:
     """Why `nodes` cannot place a training's `trainer.num_workers` workers, or None. `key`: the config section."""
     need = {"CPU": trainer.num_cpus, **({"GPU": trainer.num_gpus} if trainer.num_gpus else {})}
-    fits = room_for(need, nodes)
-    if fits >= trainer.num_workers:
-        return None
-    largest = max((n.get("GPU" if trainer.num_gpus else "CPU", 0.0) for n in nodes), default=0.0)
-    fix = (f"set {key}.trainer.num_workers: {fits}" if fits else
-           f"lower {key}.trainer.num_{'gpus' if trainer.num_gpus else 'cpus'} (the largest node has {largest:g})")
-    return (f"{key}.trainer: {trainer.num_workers} training workers of {amounts(need, need)} each do not fit the "
-            f"cluster's {len(nodes)} node{'s' * (len(nodes) != 1)} (room for {fits}); {fix}, or add nodes")
+    return pool_refusal(f"{key}.trainer", trainer.num_workers, need, nodes, unit="training worker",
+                        fewer=f"{key}.trainer.num_workers",
+                        smaller=f"{key}.trainer.num_{'gpus' if trainer.num_gpus else 'cpus'}")
 
 
 def check_workers(trainer: TrainerConfig, key: str) -> None:

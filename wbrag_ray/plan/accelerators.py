@@ -1,9 +1,7 @@
-"""First-principles times for the model stages where no rate was measured on the hardware they will run on: the
-FLOPs and bytes of generation (prefill, then decode steps bounded by the weights' and KV cache's reads), embedding,
-training (6 x params x tokens, and its collectives), k-means and model loads, against an accelerator's peaks
-(`models.accelerators`, `--gpu`), the links between nodes (`INTERCONNECTS`, `--interconnect`) and the share of a
-peak a stage reaches (the `*_EFFICIENCY` figures); the model, formula by formula: docs/architecture.md, "The
-plan's first-principles estimates".
+"""First-principles times for the model stages where no rate was measured on their hardware: the FLOPs and bytes of
+generation, embedding, training and its collectives, k-means and model loads, against an accelerator's peaks
+(`models.accelerators`, `--gpu`), the links between nodes (`--interconnect`) and the share of a peak a stage reaches
+(`*_EFFICIENCY`); formula by formula: docs/architecture.md, "The plan's first-principles estimates".
 """
 
 from __future__ import annotations
@@ -41,10 +39,8 @@ DEFAULT_INTERCONNECT = "ib-ndr-400"
 # a node's read rate of model files: local NVMe, or an object store in the region (assumed; `--storage-read-gbs`)
 STORAGE_READ_GBS = 2.0
 
-# the share of a peak a stage reaches: stated, not measured (calibration replaces them with the cluster's own rates)
-# (benchmarks/RESULTS.md, "GPU check on one H200": Llama-3.1-8B prefill at 65-67% of the bf16 peak, e5-base-v2's
-# encoder at 34% on 32-token sentences, a 1B LoRA step at 35%; the estimates stay below those, which leave out
-# tokenizing, reading and writing)
+# the share of a peak a stage reaches: stated, below what RESULTS.md's "GPU check on one H200" measured (which
+# leaves out tokenizing, reading and writing); calibration replaces them with the cluster's own rates
 COMPUTE_EFFICIENCY = 0.5  # prefill of a large model
 TRAINING_EFFICIENCY = 0.3  # a LoRA step (forward, backward, recomputation, optimizer)
 BANDWIDTH_EFFICIENCY = 0.7  # decode: reading the weights (and KV cache) once per step
@@ -52,10 +48,8 @@ ENCODER_EFFICIENCY = 0.25  # small encoders (e5-base, MiniLM) on short texts
 KMEANS_EFFICIENCY = 0.5  # faiss GPU k-means: a matmul at fp32 plus the assignment
 LINK_EFFICIENCY = 0.7  # collectives: NCCL's bus bandwidth of a link's peak (nccl-tests reach 70-85% on NVLink)
 COLLECTIVE_LATENCY_S = 20e-6  # a collective's fixed cost (a layer's all-gather is one)
-# generator.batch_invariant on a tensor-parallel vLLM replica pins NCCL to one channel, the Simple protocol and tree
-# all-reduce (vllm/model_executor/determinism/batch_invariant.py). NCCL spreads an all-reduce within an NVLink node
-# over about 16 channels, one SM each, to reach the link's bus bandwidth: one channel moves about a sixteenth of it.
-# Assumed, not measured (calibration replaces it with the cluster's rate): the all-reduces' bandwidth / 16.
+# generator.batch_invariant pins a tensor-parallel vLLM replica's NCCL to one channel (vllm/model_executor/
+# determinism/batch_invariant.py) of the about 16 an NVLink all-reduce spreads over: assumed a sixteenth of its bandwidth
 BATCH_INVARIANT_CHANNEL_SHARE = 1 / 16
 DECODE_BATCH = 256  # sequences decoded together per replica (vLLM's max_num_seqs default)
 KV_MEMORY_SHARE = 0.9  # of a GPU's memory vLLM fills, weights then KV cache (its gpu_memory_utilization default)

@@ -4,11 +4,10 @@ hardware, where later plans on the same hardware find them.
 Each model runs in one Ray worker with its stage's resources, for a bounded time, on the config's own questions and
 passages: the generator's seconds a call at two prompt lengths (and its service's start), the embedder's seconds a
 token, a LoRA step's seconds a token (and Ray Train's start). Then the run's own steps (`pipeline`) make a scratch
-run of a sample of the corpus (and of the write-back training questions): the embed stage's fixed cost and
-write-back's keep rate, retained documents and distiller passes are read from that run's stats. A record holds the
-hardware it ran on; records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`).
-
-Over 400 lines, kept whole: every `--calibrate` measurement, the scratch run, and the driver that keeps the records.
+run of a sample of the corpus (and of the write-back training questions), whose stats give the embed stage's fixed
+cost and write-back's keep rate, retained documents and distiller passes. A record holds the hardware it ran on;
+records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`). Over 400 lines, kept whole: every
+measurement, the scratch run, and the driver that keeps the records.
 """
 
 from __future__ import annotations
@@ -95,13 +94,9 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
     from wbrag_ray.retrieval.hits import Hit
 
     g, k = config.generator, config.retrieval.top_k
-    threads = g.threads or set_threads(g.num_cpus)
-    if g.threads:
-        torch.set_num_threads(g.threads)
-    t0 = time.perf_counter()
+    threads = set_threads(g.num_cpus, g.threads)
     gen = make_generator(g)
     gen.setup()
-    load = time.perf_counter() - t0
     loaded_at = time.time()
     hits = [Hit(i, 1.0, i, title, text) for i, (title, text) in enumerate(docs)]
     batch = max(1, g.batch_size or 16)
@@ -128,8 +123,9 @@ def calibrate_generator(config: WbragConfig, questions: list[str], docs: list[tu
                        "calls": calls, "seconds": seconds, "seconds_per_call": seconds / calls, "prompts_per_call": k,
                        "first_use_seconds": cold - seconds})
     device = torch.cuda.get_device_name() if getattr(gen, "device", "cpu").startswith("cuda") else "cpu"
-    return {"role": "generator", "model": g.model, "backend": g.backend, "batch_size": batch, "load_seconds": load, "loaded_at": loaded_at,
-            "points": points, "token_units": TOKEN_UNITS, "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
+    return {"role": "generator", "model": g.model, "backend": g.backend, "batch_size": batch, "loaded_at": loaded_at,
+            "points": points,
+            "token_units": TOKEN_UNITS, "hardware": hardware(device, resolved_dtype_name(g.dtype, g.num_gpus), threads)}
 
 
 def calibrate_embedder(e: EmbedderConfig, texts: list[str], budget: float) -> dict[str, Any]:
@@ -137,15 +133,12 @@ def calibrate_embedder(e: EmbedderConfig, texts: list[str], budget: float) -> di
     import torch
 
     from wbrag_ray.models.embedder import Embedder
-    from wbrag_ray.models.hardware import resolved_dtype_name
+    from wbrag_ray.models.hardware import resolved_dtype_name, set_threads
     from wbrag_ray.stages.embed import EmbedStage
 
-    threads = e.threads or max(1, int(-(-e.num_cpus // 1)))
-    torch.set_num_threads(threads)
-    t0 = time.perf_counter()
+    threads = set_threads(e.num_cpus, e.threads)
     emb = Embedder(e)
     emb.setup()
-    load = time.perf_counter() - t0
     loaded_at = time.time()
     # a pass batch a call, as the run's embed actor is handed them (a larger call pads less)
     batch = EmbedStage(e).resources.batch_size
@@ -157,7 +150,7 @@ def calibrate_embedder(e: EmbedderConfig, texts: list[str], budget: float) -> di
     limit = emb.model.max_seq_length or 10**9
     own = sum(min(limit, len(ids)) for ids in emb.model.tokenizer(done)["input_ids"]) / max(1, len(done))
     device = torch.cuda.get_device_name() if str(emb.model.device).startswith("cuda") else "cpu"
-    return {"role": "embedder", "model": e.model, "load_seconds": load, "loaded_at": loaded_at, "texts": len(done), "tokens": tokens,
+    return {"role": "embedder", "model": e.model, "loaded_at": loaded_at, "texts": len(done), "tokens": tokens,
             "tokens_per_text": tokens / max(1, len(done)), "tokenizer_tokens_per_text": own,
             "seconds": seconds, "seconds_per_token": seconds / max(tokens, 1e-9),
             "hardware": hardware(device, resolved_dtype_name(e.dtype, e.num_gpus), threads)}
@@ -168,24 +161,21 @@ def calibrate_training(tune: TuneConfig, g: GeneratorConfig, budget: float) -> d
     import torch
 
     from wbrag_ray.generation.hf_loading import load_hf_causal_lm
-    from wbrag_ray.models.hardware import pick_device, resolved_dtype_name
+    from wbrag_ray.models.hardware import pick_device, resolved_dtype_name, set_threads
     from wbrag_ray.training.lora import with_lora
 
     trainer = tune.trainer
-    threads = tune.threads or max(1, int(-(-trainer.num_cpus // 1)))
-    torch.set_num_threads(threads)
+    threads = set_threads(trainer.num_cpus, tune.threads)
     device = pick_device(trainer.num_gpus)
     # as a training worker has it: fp32 on CPUs, bf16 (else fp16) autocast on GPUs; trainable weights in fp32
     on_gpu = device.startswith("cuda")
     dtype = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if on_gpu else torch.float32
-    t0 = time.perf_counter()
     model, _ = load_hf_causal_lm(g, dtype, device)
     model = with_lora(model, tune, "CAUSAL_LM")
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
     autocast = torch.autocast(device_type="cuda", dtype=dtype) if on_gpu else contextlib.nullcontext()
-    load = time.perf_counter() - t0
     loaded_at = time.time()
     workers = trainer.num_workers if isinstance(trainer.num_workers, int) else 1
     batch, length = max(1, tune.batch_size // max(1, workers)), tune.max_length
@@ -202,8 +192,8 @@ def calibrate_training(tune: TuneConfig, g: GeneratorConfig, budget: float) -> d
     n, _, seconds = timed_batches(step, [None] * 1000, budget)
     tokens = n * batch * length
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    return {"role": "training", "model": g.model, "load_seconds": load, "loaded_at": loaded_at, "steps": n, "batch": batch,
-            "length": length, "seconds": seconds, "seconds_per_token": seconds / tokens,
+    return {"role": "training", "model": g.model, "loaded_at": loaded_at, "steps": n, "batch": batch, "length": length,
+            "seconds": seconds, "seconds_per_token": seconds / tokens,
             "hardware": hardware(name, resolved_dtype_name(training_dtype(trainer.num_gpus), trainer.num_gpus), threads)}
 
 

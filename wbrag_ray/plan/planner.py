@@ -1,8 +1,7 @@
 """The plan of a config: the stages `wbrag run` would run, in its order, each priced from the work its step declares
 (`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
-decides at run time (FLARE, Self-RAG).
-
-Over 600 lines, kept whole: one builder walks the registry in run order, a method a kind of work.
+decides at run time (FLARE, Self-RAG). Over 500 lines, kept whole: one builder walks the registry, a method a
+kind of work.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from wbrag_ray.config import ConfigError, EmbedderConfig, GeneratorConfig, WbragConfig
 from wbrag_ray.formats import dataset_name
 from wbrag_ray.models.accelerators import DEFAULT_GPU, Accelerator, accelerator
+from wbrag_ray.models.hardware import threads_of
 from wbrag_ray.models.size import embedding_dim, model_size, serving_gb
 from wbrag_ray.pipeline import instances
 from wbrag_ray.placement import Bundle, Cluster, problems
@@ -31,14 +31,13 @@ from wbrag_ray.plan.accelerators import (
     Interconnect,
     encode_seconds,
     interconnect,
-    kmeans_seconds,
 )
-from wbrag_ray.plan.calibrate import training_dtype
 from wbrag_ray.plan.corpus import CorpusSize, corpus_size, question_count
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.plan.stages import (
     IndexSizing,
     Stage,
+    Time,
     embedder_bundle,
     generator_bundles,
     index_time,
@@ -46,22 +45,16 @@ from wbrag_ray.plan.stages import (
     scaled_rate,
     search_time,
     size_index,
-    threads_of,
     training_bundles,
-    training_time,
 )
 from wbrag_ray.plan.timing import EMBED_PASS, Timing, describe_record
-from wbrag_ray.plan.tokens import TokenShape, template_of, token_shape
+from wbrag_ray.plan.tokens import TokenShape, token_shape
 from wbrag_ray.run import Step
 from wbrag_ray.training.workers import plan_steps
 from wbrag_ray.work import AddVectors, Embed, Generate, Pass, Predict, ReadCorpus, Search, Train
 
 DIM_ASSUMED = 768
-# an OpenAI-compatible endpoint: its rate is the provider's; assumed, and labeled an estimate
-ENDPOINT_LATENCY_S = 0.5  # a request's time to its first token
-ENDPOINT_TOKENS_PER_S = 60.0  # output tokens a second of one request
 HEAD_SECONDS = 5.0  # the embedding pruner's head: a regression on a few thousand stored vectors, in the driver
-TRAIN_START = RATES["train_start"].value
 
 
 @dataclass
@@ -273,29 +266,17 @@ class _Builder:
     def embed(self, name: str, item: Embed) -> Stage:
         e, unit, n = self.c.embedder, item.unit, item.texts
         bundle = embedder_bundle(e, "embed actor", e.concurrency, e.num_cpus, "embedder.concurrency")
-        work = f"{n:,} {unit}s" if n else "corpus size unknown"
-        more = self._more("embedder")
+        stage = Stage(name, [bundle], f"{n:,} {unit}s" if n else "corpus size unknown", more_gpus=self._more("embedder"))
         if not n:
-            return Stage(name, [bundle], work, more_gpus=more)
-        shape = self.timing.shape
-        tokens = shape.passage if unit == "passage" else self._sentence_tokens()
-        seconds, how, source = self.timing.embedding(e, n, tokens, e.concurrency)
-        if seconds is not None:
-            stage = Stage(name, [bundle], work, seconds, how, more_gpus=more, notes=[f"tokens: {shape.source}"])
-            stage.add_source(source, seconds)
-            self._start(stage, "embedder", e, service=EMBED_PASS, actors=e.concurrency)
             return stage
-        if e.num_gpus > 0:
-            return Stage(name, [bundle], work, how=f"{e.model}: size unknown, no estimate", more_gpus=more)
-        per_actor, how = scaled_rate("embed", model_size(e.model), threads_of(e.num_cpus, e.threads))
-        if per_actor is None:
-            return Stage(name, [bundle], work, how=how)
-        if unit == "passage":  # the rate is of sentences; a passage is about this many sentences of tokens
-            per_actor /= RATES["sentences_per_passage"].value
-            how += f" / {RATES['sentences_per_passage'].value} sentences a passage"
-        return Stage(name, [bundle], work, n / (per_actor * e.concurrency),
-                     f"{n:,} / ({how} x {e.concurrency} actors)", more_gpus=more,
-                     rates=("embed",) + (("sentences_per_passage",) if unit == "passage" else ()))
+        stage.seconds = 0.0
+        time = self.timing.embedding(e, n, unit, self.timing.shape.passage if unit == "passage"
+                                     else self._sentence_tokens())
+        stage.add(time)
+        if time.source is not None:  # calibrated or estimated: the actors' start and load besides
+            stage.notes.append(f"tokens: {self.timing.shape.source}")
+            self._start(stage, "embedder", e, service=EMBED_PASS, actors=e.concurrency)
+        return stage
 
     def add_vectors(self, name: str, item: AddVectors) -> Stage:
         return self.index(name, item) if item.pruned_from is None else self.pruning(name, item)
@@ -311,15 +292,15 @@ class _Builder:
         s, n = self.sizing, item.vectors
         if s is None or not n:
             return Stage(name, [], "corpus size unknown" if not n else "refused by the sizing rules")
-        seconds, how, keys, left_out = index_time(s, n, self.dim, self.cluster.cpus)
-        stage = Stage(name, list(s.bundles), f"{n:,} vectors of {self.dim} dimensions ({self.dim_source})",
-                      seconds, how, rates=keys,
+        tasks, kmeans = index_time(s, n, self.dim, self.cluster.cpus, self.timing.gpu)
+        stage = Stage(name, list(s.bundles), f"{n:,} vectors of {self.dim} dimensions ({self.dim_source})", 0.0,
                       more_gpus=KMEANS_GPU,
                       notes=[s.describe(), f"retrieval service: {s.groups} search actor group(s) of up to "
                              f"{s.group_gb:,.3g} GB (retrieval.actor_memory_gb={self.c.retrieval.actor_memory_gb})"])
-        stage.add_source("benchmark", seconds)
-        if left_out:  # k-means on a GPU: from its FLOPs
-            self._kmeans_on_gpu(stage, s)
+        stage.add(tasks)
+        if kmeans:  # on a GPU: its GPU-seconds count in the GPU-hours
+            stage.add(kmeans)
+            stage.task_gpu_seconds = kmeans.seconds
         ic = self.c.index
         if ic.target_recall is not None and ("IVF" in s.factory or "HNSW" in s.factory):
             flops = 2.0 * ic.recall_queries * n * self.dim
@@ -390,40 +371,22 @@ class _Builder:
                actors: int = 1) -> None:
         """Add the start of a service of config section `s` (its `actors` spread over the nodes)."""
         per_node = max(1, math.ceil(actors / max(1, len(self.cluster.nodes))))
-        seconds, how, source = self.timing.service_start(role, s.model, s.num_gpus, s.dtype, threads_of(
-            s.num_cpus, s.threads), getattr(s, "backend", None), service, actors, per_node)
-        if seconds:
-            stage.seconds = None if stage.seconds is None else stage.seconds + seconds
-            stage.how = f"{stage.how}; {how}" if stage.how else how
-            stage.add_source(source, seconds)
+        time = self.timing.service_start(role, s, service, per_node)
+        if time.seconds:
+            stage.add(time)
 
     def _add_time(self, stage: Stage, g: GeneratorConfig, calls: int | None, p: Pass, label: str = "",
                   kinds: dict | None = None) -> None:
         if calls is None:
-            seconds, how, source = None, "questions not counted: no time", None
-        elif g.backend == "openai":  # the endpoint's own rate: a stated latency and output speed, per request
-            per_call = ENDPOINT_LATENCY_S + (p.new_tokens or g.max_new_tokens) / ENDPOINT_TOKENS_PER_S
-            seconds, source = calls * per_call / max(1, g.concurrency), "estimate"
-            how = (f"estimate: {calls:,} calls to the endpoint x ({ENDPOINT_LATENCY_S:g} s + {p.new_tokens or g.max_new_tokens}"
-                   f" tokens at {ENDPOINT_TOKENS_PER_S:g}/s) / {g.concurrency} in flight")
-        else:
-            point = next((pt for pt in (kinds or {}).get("points", []) if pt["shape"] == p.kind), None)
-            doc_tokens = p.doc_tokens if p.doc_tokens is not None or not p.docs else self._doc_tokens
-            template = template_of(p.prompt, p.prompt_docs) if p.prompt else None
-            question = self.timing.shape.sentence if p.question == "sentence" else None
-            seconds, how, source = self.timing.generation(g, calls, p.docs, p.new_tokens, doc_tokens, p.mixture,
-                                                          template, question, point)
-        stage.seconds = None if seconds is None or stage.seconds is None else stage.seconds + seconds
-        stage.how = f"{stage.how}; {label}{how}" if stage.how else label + how
-        stage.add_source(source, seconds)
-        if source == "benchmark":
-            stage.rates += ("closed_book",) if p.docs == 0 and not p.mixture else (f"rag_prompt_{g.backend}",)
+            return stage.add(Time(None, "questions not counted: no time"), label)
+        point = next((pt for pt in (kinds or {}).get("points", []) if pt["shape"] == p.kind), None)
+        stage.add(self.timing.generation(g, calls, p, self._doc_tokens, point), label)
 
     def _writeback_record(self) -> dict | None:
         """The write-back record of this training set, K and generator hardware, where calibrated."""
-        g, train = self.c.generator, self.c.writeback.train
-        return self.timing.record("writeback", g.model, g.num_gpus, g.dtype, threads_of(g.num_cpus, g.threads),
-                                  g.backend, train=train, top_k=self.c.retrieval.top_k) if train else None
+        train = self.c.writeback.train
+        return self.timing.record_of("writeback", self.c.generator, train=train,
+                                     top_k=self.c.retrieval.top_k) if train else None
 
     def _selection_notes(self, stage: Stage, item: Generate, measured: dict | None) -> None:
         """Write-back's keep rate and distiller calls: measured, or the paper's or the demo's figures, said so."""
@@ -503,34 +466,17 @@ class _Builder:
             steps, batch = plan_steps(section, examples, trainer.num_workers)
         except (ConfigError, ValueError) as exc:
             return Stage(name, bundles, f"{examples:,} examples", refusals=[f"{name}: {exc}"], more_gpus=more)
-        seconds, how, source, parts = self.timing.training(model, trainer, section.threads, steps, batch, row_tokens,
-                                                           self.c.generator.model, section)
-        keys: tuple = ()
-        if seconds is None:
-            seconds, how, keys = training_time(model, trainer, steps, batch, row_tokens)
-            source = "benchmark" if keys else None
+        compute, start, parts = self.timing.training(model, section, steps, batch, row_tokens, self.c.generator.model)
         capped = f", capped by {key}.max_steps" if section.max_steps and steps == section.max_steps else ""
         stage = Stage(name, bundles, f"{examples:,} examples: {steps:,} steps of {batch}{capped}, "
-                      f"{trainer.num_workers} worker(s); {rows}: {steps * batch * row_tokens:,.0f} tokens",
-                      seconds, how, rates=keys, more_gpus=more)
-        stage.add_source(source, seconds)
-        if seconds is None:
-            return stage
-        # Ray Train's start, measured where calibrated; the model's load is in the estimate already
-        rec = self.timing.record("training", self.c.generator.model, trainer.num_gpus,
-                                 training_dtype(trainer.num_gpus), threads_of(trainer.num_cpus, section.threads))
-        measured = (rec or {}).get("train_start_seconds") if source == "calibrated" else None
-        train_start = TRAIN_START if measured is None else measured
-        load = (rec or {}).get("load_seconds", 0.0) if source == "calibrated" else 0.0
-        stage.seconds += train_start + load
-        stage.how += (f"; Ray Train start {train_start:.0f} s {'[train_start]' if measured is None else '[calibrated]'}"
-                      + (f" + model load {load:.0f} s" if source == "calibrated" else ""))
-        if measured is None:
-            stage.rates += ("train_start",)
-        stage.add_source("benchmark" if measured is None else "calibrated", train_start)
-        if len(parts) > 1:  # the estimate's parts, each on its own line of the plan
-            stage.notes.append("time by part: " + ", ".join(f"{k} {v:,.0f} s" for k, v in parts.items())
-                               + f", Ray Train start {train_start:.0f} s")
+                      f"{trainer.num_workers} worker(s); {rows}: {steps * batch * row_tokens:,.0f} tokens", 0.0,
+                      more_gpus=more)
+        stage.add(compute)
+        if stage.seconds is not None:
+            stage.add(start)
+            if len(parts) > 1:  # the estimate's parts, each on its own line of the plan
+                stage.notes.append("time by part: " + ", ".join(f"{k} {v:,.0f} s" for k, v in parts.items())
+                                   + f", Ray Train start {start.seconds:.0f} s")
         return stage
 
     def prediction(self, name: str, item: Predict) -> Stage:
@@ -579,14 +525,6 @@ class _Builder:
                       if sizing else [], rates=("prune",))
         stage.add_source("benchmark", stage.seconds)
         return stage
-
-    def _kmeans_on_gpu(self, stage: Stage, sizing: IndexSizing) -> None:
-        """An index train task's k-means on one GPU, estimated from its FLOPs."""
-        kmeans, why = kmeans_seconds(self.timing.gpu, sizing.train_sample, sizing.nlist, self.dim)
-        stage.seconds += kmeans
-        stage.how = stage.how.replace("; k-means on a GPU: no measured rate", "") + f"; {why}"
-        stage.task_gpu_seconds = kmeans
-        stage.add_source("estimate", kmeans)
 
     def search(self, item: Search) -> Stage:
         q = item.queries

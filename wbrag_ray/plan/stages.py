@@ -1,6 +1,6 @@
 """What each stage of `wbrag run` asks of the cluster (the Ray bundles of its actors, tasks and training workers)
-and its time where a measured rate applies. The bundles follow the stages' own resource settings, and the index's
-sizing the build's and the retrieval service's own rules (`index.sizing`, `retrieval.service`).
+and its time where a measured CPU rate applies. The bundles follow the stages' own resource settings and rules
+(`placement`, `index.sizing`, `retrieval.service`).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, IndexConfig, RetrievalConfig, TrainerConfig
 from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS, shape_refusal
@@ -18,13 +19,25 @@ from wbrag_ray.index.sizing import (
     shard_count,
     train_resources,
 )
-from wbrag_ray.models.size import ModelSize, model_size, serving_gb, training_gb
+from wbrag_ray.models.accelerators import Accelerator
+from wbrag_ray.models.size import ModelSize, model_size, param_count, serving_gb, training_gb
 from wbrag_ray.placement import GPU_BUNDLE, Bundle, Cluster, placement_refusal, sharded
+from wbrag_ray.plan.accelerators import kmeans_seconds
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.retrieval.service import search_actor_memory, shard_groups
 from wbrag_ray.training.placement import fsdp_mesh_shape
 
 GiB = 1 << 30
+
+
+class Time(NamedTuple):
+    """A part of a stage's time (None: not known), how it was found, its source (calibrated, benchmark,
+    estimate) and the benchmark rates it used."""
+
+    seconds: float | None
+    how: str
+    source: str | None = None
+    rates: tuple[str, ...] = ()
 
 
 @dataclass
@@ -43,6 +56,7 @@ class Stage:
     task_gpu_seconds: float = 0.0  # GPU-seconds of its tasks (the index's k-means on one GPU), where estimated
     held_seconds: float | None = None  # seconds its GPUs are held, where less than the stage; None: all of it
     measured_by: str = ""  # a pattern of the run stage names whose stats measure it ("": none, a part of a stage)
+    sources: dict[str, float] = field(default_factory=dict)  # seconds by where their rate came from
 
     @property
     def gpus(self) -> float:
@@ -59,8 +73,6 @@ class Stage:
         held = self.seconds if self.held_seconds is None else self.held_seconds
         return (resident * held + self.task_gpu_seconds) / 3600
 
-    sources: dict[str, float] = field(default_factory=dict)  # seconds by where their rate came from
-
     @property
     def rate_source(self) -> str | None:
         """Where most of the stage's time comes from ("calibrated", "benchmark", "estimate"); None without time."""
@@ -74,9 +86,12 @@ class Stage:
         if source and seconds is not None:
             self.sources[source] = self.sources.get(source, 0.0) + seconds
 
-
-def threads_of(num_cpus: float, threads: int | None) -> int:
-    return threads or max(1, math.ceil(num_cpus))
+    def add(self, time: Time, label: str = "") -> None:
+        """Add a part's time (the stage's becomes unknown with it where it is unknown) and how."""
+        self.seconds = None if time.seconds is None or self.seconds is None else self.seconds + time.seconds
+        self.how = f"{self.how}; {label}{time.how}" if self.how else label + time.how
+        self.add_source(time.source, time.seconds)
+        self.rates += time.rates
 
 
 def scaled_rate(key: str, size: ModelSize, threads: int) -> tuple[float | None, str]:
@@ -85,12 +100,8 @@ def scaled_rate(key: str, size: ModelSize, threads: int) -> tuple[float | None, 
     if size.params is None:
         return None, f"{size.name}: size unknown, no rate"
     factor = rate.reference_params / size.params * threads / rate.threads
-    return rate.value * factor, f"{rate.value:g}/s [{key}] x {factor:.3g} ({_m(rate.reference_params)}->" \
-                                f"{_m(size.params)} params, {threads}/{rate.threads} threads)"
-
-
-def _m(params: float) -> str:
-    return f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
+    return rate.value * factor, f"{rate.value:g}/s [{key}] x {factor:.3g} ({param_count(rate.reference_params)}->" \
+                                f"{param_count(size.params)} params, {threads}/{rate.threads} threads)"
 
 
 # --- model-bearing actors ----------------------------------------------------------------------------------------
@@ -188,34 +199,6 @@ def training_bundles(model: str, trainer: TrainerConfig, key: str, gpu_memory_gb
                    fix_node=f"train on GPUs ({key}.num_gpus), or use nodes with more memory")], warn
 
 
-def generation_time(g: GeneratorConfig, calls: int, rate_key: str) -> tuple[float | None, str, tuple]:
-    """Seconds of `calls` generator calls at a scaled CPU rate; None on GPUs."""
-    if g.num_gpus > 0:
-        return None, f"no measured rate: {calls:,} generator calls on GPUs", ()
-    key = rate_key if rate_key == "closed_book" else f"rag_prompt_{g.backend}"
-    per_actor, how = scaled_rate(key, model_size(g.model), threads_of(g.num_cpus, g.threads))
-    if per_actor is None:
-        return None, how, ()
-    return calls / (per_actor * g.concurrency), f"{calls:,} calls / ({how} x {g.concurrency} actors)", (key,)
-
-
-def training_time(model: str, trainer: TrainerConfig, steps: int, batch: int,
-                  row_tokens: float) -> tuple[float | None, str, tuple]:
-    """The CPU benchmark's LoRA step ([lora_step]: 4 examples x 128 tokens), scaled to this training."""
-    if trainer.num_gpus > 0:
-        return None, f"no measured rate: {steps:,} steps of {batch} examples on GPUs", ()
-    rate = RATES["lora_step"]
-    size = model_size(model)
-    if size.params is None:
-        return None, f"{model}: size unknown, no rate", ()
-    per_worker = batch / trainer.num_workers
-    factor = (size.params / rate.reference_params * per_worker / 4 * row_tokens / 128
-              * rate.threads / threads_of(trainer.num_cpus, None))
-    return steps * rate.value * factor, (f"{steps:,} steps x {rate.value:g} s [lora_step] x {factor:.3g} (params, "
-                                         f"{per_worker:g} examples x {row_tokens:,.0f} tokens per worker, threads)"), \
-        ("lora_step",)
-
-
 # --- the index and the retrieval service -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -270,21 +253,22 @@ def size_index(n: int, dim: int, ic: IndexConfig, retrieval: RetrievalConfig, ch
                        biggest / 1e9, bundles, files)
 
 
-def index_time(sizing: IndexSizing, n: int, dim: int, cpus: float) -> tuple[float, str, tuple, str]:
-    """Seconds of an index build: k-means on CPUs (left out, and said so, on a GPU), then the add and merge tasks."""
+def index_time(sizing: IndexSizing, n: int, dim: int, cpus: float, gpu: Accelerator) -> tuple[Time, Time | None]:
+    """An index build's time on CPUs (its add and merge tasks, and k-means where it runs there), and its k-means on
+    a GPU, estimated from its FLOPs, where it runs there."""
     add, kmeans = RATES["index_add"], RATES["kmeans"]
     at_once = max(1.0, min(cpus, sizing.files))
     seconds = n / (add.value * at_once)
     how = f"add + merge {n:,} / ({add.value:,g} per CPU-second [index_add] x {at_once:g} CPUs)"
-    if not sizing.nlist:
-        return seconds, how, ("index_add",), ""
     train = sizing.bundles[0]
+    if sizing.nlist and train.gpus:
+        return (Time(seconds, how, "benchmark", ("index_add",)),
+                Time(*kmeans_seconds(gpu, sizing.train_sample, sizing.nlist, dim), "estimate"))
+    if not sizing.nlist:
+        return Time(seconds, how, "benchmark", ("index_add",)), None
     work = sizing.train_sample * sizing.nlist * dim
-    if train.gpus:
-        return seconds, how + "; k-means on a GPU: no measured rate", ("index_add",), "k-means on a GPU"
-    return (seconds + work / (kmeans.value * train.cpus),
-            how + f"; k-means {work:.3g} / ({kmeans.value:.4g} [kmeans] x {train.cpus:g} CPUs)", ("index_add", "kmeans"),
-            "")
+    return Time(seconds + work / (kmeans.value * train.cpus), how + f"; k-means {work:.3g} / ({kmeans.value:.4g} "
+                f"[kmeans] x {train.cpus:g} CPUs)", "benchmark", ("index_add", "kmeans")), None
 
 
 def retrieval_bundles(sizing: IndexSizing, ic: IndexConfig, retrieval: RetrievalConfig, embedder: EmbedderConfig,
