@@ -206,8 +206,8 @@ def _method_departures(config: WbragConfig, paper: str | None, dataset: str | No
 
     if "replug-vote" in methods or wb.rag_method == "replug-vote":
         add(WRITEBACK, "replug-vote stands in for REPLUG: one answer per document, then a vote (the WriteBack-RAG "
-                       "paper: REPLUG mixes the documents' next-token distributions; the hf backend's replug does)",
-            "wb.methods")
+                       "paper: RePlug \"ensembles generation probabilities over documents\"; the hf backend's replug "
+                       "does)", "wb.methods")
     if "self-rag" in methods or wb.rag_method == "self-rag":
         add(WRITEBACK, "Self-RAG is prompted: the generator is asked each reflection question (the WriteBack-RAG "
                        "paper runs Self-RAG with the same LLM as every method and does not say how it judges)",

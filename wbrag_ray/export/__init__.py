@@ -61,7 +61,7 @@ def union_record(view, retrieval: RetrievalConfig) -> dict[str, Any] | None:
 
 
 def _write(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:
-    """The format's files of `view` in `out_uri`, the index last: (their names, the view described after it was read)."""
+    """The format's files of `view` in `out_uri`, its index last: (their names, the view described once read)."""
     writer, out = _writer(format), resolve(out_uri)
     index = view.empty_index(config.index)
     files = writer.write(view, view.fill(index), out, config)
