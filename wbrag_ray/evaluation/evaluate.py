@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import pandas as pd
 
 from wbrag_ray import rag
 from wbrag_ray.build_kb import INDEX
@@ -25,9 +27,6 @@ from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 
 def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writeback: bool = False,
