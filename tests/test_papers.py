@@ -17,7 +17,6 @@ from wbrag_ray.papers import (
     ZERO_RAG,
     claims_to_follow,
     gate_metric,
-    method_departures,
     paper_vs_run,
     print_departures,
     run_departures,
@@ -32,6 +31,11 @@ PAPERS = Path(os.environ.get("WBRAG_PAPERS") or ROOT.parent / "shared" / "papers
 def departures(config, paper: str, train: str | None = None) -> list[str]:
     """The config values of a run following `paper` that differ from the paper's ('path: value (...)')."""
     return [d.what for d in run_departures(config, (paper,), train) if d.kind == "setting"]
+
+
+def method_departures(config, paper: str) -> list[str]:
+    """Where a run following `paper` differs from it beyond config values ('what the run does (the paper: ...)')."""
+    return [d.what for d in run_departures(config, (paper,)) if d.kind == "method"]
 
 
 def _texts() -> dict[str, str]:

@@ -164,7 +164,13 @@ _COLUMNS = dict(zip(_DATASETS, ("PopQA", "HotpotQA", "TriviaQA", "EntityQuestion
 _ZERO_RAG = dict(method="naive", router=True, adapter=True)  # Zero-RAG: pruned corpus, router, tuned generator
 
 
+_EM = "EM: the summary names exact-match evaluation (for Llama3-8B: 'EM recall')"
+_UNSTATED_RATIO = _EM + "; the pruning ratio is not stated"
+
+
 def _four(where: str, row: str, shown: tuple[str, ...], quote: str, datasets=_DATASETS, **kw) -> tuple:
+    """A row of EM scores, one per dataset; Llama3.3-70B's unless `generator` says otherwise."""
+    kw = {"generator": LLAMA_33_70B, "note": _EM, **kw}
     return tuple(_zr(where, row, _COLUMNS[d], "em", s, quote, dataset=d, **kw)
                  for d, s in zip(datasets, shown, strict=True))
 
@@ -172,51 +178,42 @@ def _four(where: str, row: str, shown: tuple[str, ...], quote: str, datasets=_DA
 _ABLATIONS = ("Zero-RAG at 30% pruning scores 82.42 / 48.52. With the Corpus Pruner removed (0% pruning) it scores "
               "82.69 / 51.28; with the Query Router removed, 81.50 / 43.35; with Noise-Tolerant Tuning removed, 80.55 / "
               "42.82")
-_EM = "EM: the summary names exact-match evaluation (for Llama3-8B: 'EM recall')"
+_INSTRUCT = ("adding retrieval to the instruct model changes PopQA from 16.25 to 16.35, HotpotQA from 46.20 to 43.35, "
+             "TriviaQA from 81.43 to 79.32, and EntityQuestions from 52.01 to 50.71")
 ZERO_RAG_NUMBERS = (
     *_four("Main Findings", "Zero-RAG, no pruning", ("35.78", "51.28", "82.69", "63.70"),
            "With Llama3.3-70B, Zero-RAG scores 35.78 (PopQA), 51.28 (HotpotQA), 82.69 (TriviaQA), and 63.70 "
-           "(EntityQuestions) with no pruning", generator=LLAMA_33_70B, pruning_ratio=0.0, note=_EM, **_ZERO_RAG),
+           "(EntityQuestions) with no pruning", pruning_ratio=0.0, **_ZERO_RAG),
     *_four("Main Findings", "Zero-RAG, 30% pruned", ("34.80", "48.52", "82.42", "60.43"),
-           "versus 34.80, 48.52, 82.42, and 60.43 with a 30% pruned corpus", generator=LLAMA_33_70B, pruning_ratio=0.3,
-           note=_EM, **_ZERO_RAG),
+           "versus 34.80, 48.52, 82.42, and 60.43 with a 30% pruned corpus", pruning_ratio=0.3, **_ZERO_RAG),
     *_four("Main Findings", "Zero-RAG, 70% pruned", ("32.91", "46.20", "82.07", "56.29"),
-           "At 70% pruning the scores are 32.91, 46.20, 82.07, and 56.29", generator=LLAMA_33_70B, pruning_ratio=0.7,
-           note=_EM, **_ZERO_RAG),
-    *_four("Main Findings", "instruct model, no retrieval", ("16.25", "46.20", "81.43", "52.01"),
-           "adding retrieval to the instruct model changes PopQA from 16.25 to 16.35, HotpotQA from 46.20 to 43.35, "
-           "TriviaQA from 81.43 to 79.32, and EntityQuestions from 52.01 to 50.71", generator=LLAMA_33_70B,
-           method="no-retrieval", router=False, adapter=False, top_k=None, note=_EM),
-    *_four("Main Findings", "instruct model with retrieval", ("16.35", "43.35", "79.32", "50.71"),
-           "adding retrieval to the instruct model changes PopQA from 16.25 to 16.35, HotpotQA from 46.20 to 43.35, "
-           "TriviaQA from 81.43 to 79.32, and EntityQuestions from 52.01 to 50.71", generator=LLAMA_33_70B,
-           method="naive", router=False, adapter=False, note=_EM + "; the pruning ratio is not stated"),
+           "At 70% pruning the scores are 32.91, 46.20, 82.07, and 56.29", pruning_ratio=0.7, **_ZERO_RAG),
+    *_four("Main Findings", "instruct model, no retrieval", ("16.25", "46.20", "81.43", "52.01"), _INSTRUCT,
+           method="no-retrieval", router=False, adapter=False, top_k=None),
+    *_four("Main Findings", "instruct model with retrieval", ("16.35", "43.35", "79.32", "50.71"), _INSTRUCT,
+           method="naive", router=False, adapter=False, note=_UNSTATED_RATIO),
     *_four("Main Findings", "noise-tolerant tuned, with retrieval", ("38.94", "49.12", "81.50", "65.16"),
            "After Noise-Tolerant Tuning, the same model with retrieval reaches 38.94, 49.12, 81.50, and 65.16",
-           generator=LLAMA_33_70B, method="naive", router=False, adapter=True,
-           note=_EM + "; the pruning ratio is not stated"),
+           method="naive", router=False, adapter=True, note=_UNSTATED_RATIO),
     # the ablations of Zero-RAG at 30% pruning, TriviaQA / HotpotQA
-    *_four("Main Findings (ablations)", "without the Query Router", ("81.50", "43.35"),
-           _ABLATIONS, ("triviaqa", "hotpotqa"), generator=LLAMA_33_70B,
-           pruning_ratio=0.3, method="naive", router=False, adapter=True, note=_EM),
-    *_four("Main Findings (ablations)", "without Noise-Tolerant Tuning", ("80.55", "42.82"),
-           _ABLATIONS, ("triviaqa", "hotpotqa"), generator=LLAMA_33_70B,
-           pruning_ratio=0.3, method="naive", router=True, adapter=False, note=_EM),
+    *_four("Main Findings (ablations)", "without the Query Router", ("81.50", "43.35"), _ABLATIONS,
+           ("triviaqa", "hotpotqa"), pruning_ratio=0.3, method="naive", router=False, adapter=True),
+    *_four("Main Findings (ablations)", "without Noise-Tolerant Tuning", ("80.55", "42.82"), _ABLATIONS,
+           ("triviaqa", "hotpotqa"), pruning_ratio=0.3, method="naive", router=True, adapter=False),
     # top-k robustness: Zero-RAG, no pruning, Llama3.3-70B (K 20 is the 'no pruning' row above)
     *(n for k, shown in ((5, ("35.17", "50.98", "82.46", "62.76")), (10, ("35.73", "51.16", "82.58", "63.28")))
       for n in _four("Main Findings (top-k)", f"Zero-RAG, no pruning, Top{k}", shown,
                      "Zero-RAG (no pruning, Llama3.3-70B) scores 35.17/35.73/35.78 on PopQA, 50.98/51.16/51.28 on "
                      "HotpotQA, 82.46/82.58/82.69 on TriviaQA, and 62.76/63.28/63.70 on EntityQuestions at "
-                     "Top5/Top10/Top20", generator=LLAMA_33_70B, pruning_ratio=0.0, top_k=k, note=_EM, **_ZERO_RAG)),
+                     "Top5/Top10/Top20", pruning_ratio=0.0, top_k=k, **_ZERO_RAG)),
     *_four("Main Findings", "Zero-RAG, no pruning", ("21.29", "35.21", "72.08", "48.71"),
            "Zero-RAG (no pruning) scores 21.29 (PopQA), 35.21 (HotpotQA), 72.08 (TriviaQA), 48.71 (EntityQuestions)",
-           generator=LLAMA_3_8B, pruning_ratio=0.0, note=_EM, **_ZERO_RAG),
+           generator=LLAMA_3_8B, pruning_ratio=0.0, **_ZERO_RAG),
     *_four("Main Findings", "Zero-RAG, 30% pruned", ("18.91", "31.89", "67.93", "43.19"),
-           "versus 18.91, 31.89, 67.93, and 43.19 at 30% pruning", generator=LLAMA_3_8B, pruning_ratio=0.3, note=_EM,
-           **_ZERO_RAG),
+           "versus 18.91, 31.89, 67.93, and 43.19 at 30% pruning", generator=LLAMA_3_8B, pruning_ratio=0.3, **_ZERO_RAG),
     *_four("Main Findings", "Zero-RAG, 30% pruned", ("30.67", "43.30", "81.00", "57.82"),
            "For Llama3-70B at 30% pruning, scores are 30.67 (PopQA), 43.30 (HotpotQA), 81.00 (TriviaQA), and 57.82 "
-           "(EntityQuestions)", generator=LLAMA_3_70B, pruning_ratio=0.3, note=_EM, **_ZERO_RAG),
+           "(EntityQuestions)", generator=LLAMA_3_70B, pruning_ratio=0.3, **_ZERO_RAG),
     # Table 8: the generator is ambiguous in the table itself
     *(n for row, ratio, shown, quote in (
         ("Zero-RAG", 0.0, ("32.76", "49.18", "81.76"), "32.76/49.18/81.76 for Zero-RAG"),
@@ -224,7 +221,7 @@ ZERO_RAG_NUMBERS = (
          "29.13/45.17/80.90 for Zero-RAG with a 30% pruned corpus"))
       for n in _four("Table 8", row, shown, quote, ("popqa", "hotpotqa", "triviaqa"),
                      generator="Qwen-2-72B (Table 8's column header; its row label says Llama3-70B-Instruct)",
-                     pruning_ratio=ratio, note=_EM, **_ZERO_RAG)),
+                     pruning_ratio=ratio, **_ZERO_RAG)),
     # Table 4: retrieval latency, no pruning and 30% pruned (the ratio of the two is the run's retrieval speedup)
     *(_zr("Table 4", f"{int(100 * ratio)}% pruned", name, "seconds", shown,
           "Table 4 reports latencies of 14.65 s (HotpotQA), 10.96 s (EntityQuestions), and 11.24 s (TriviaQA) with no "

@@ -1,9 +1,7 @@
 """Where a run departs from the two papers, and the papers' numbers beside a run's results: the one source that
 `wbrag plan`, `wbrag run`, `wbrag eval`, the training stages, metrics.json (`departures`) and the report print from.
-
-The papers' words are `wbrag_ray.paper_numbers`, checked against their texts by tests/test_papers.py. Nothing
-here states what the texts do not: where a default is another source's (FLARE's are FlashRAG's), it says whose.
-Over 550 lines in one module: "how does this run differ from the papers" is one question, asked once.
+The papers' words are `paper_numbers`; a default that is another source's (FLARE's are FlashRAG's) says whose.
+Over 500 lines in one module: "how does this run differ from the papers" is one question, asked once.
 """
 
 from __future__ import annotations
@@ -113,8 +111,7 @@ def _key(name: str) -> str:
 
 
 def same_model(run_model: str | None, paper_model: str) -> bool:
-    """Whether a run's model (a hub id or path) is the paper's as its text names it ('meta-llama/Llama-3.3-70B-
-    Instruct' is Llama3.3-70B)."""
+    """Whether a run's model (a hub id or path) is the paper's as its text names it (Llama-3.3-70B-Instruct too)."""
     return bool(run_model) and _key(paper_model) in _key(str(run_model))
 
 
@@ -194,15 +191,10 @@ def _setting_departures(config: WbragConfig, paper: str | None, train: str | Non
     return out
 
 
-def method_departures(config: WbragConfig, paper: str | None = None, dataset: str | None = None,
-                      made: MadeBy | None = None) -> list[str]:
-    """Where the run's method differs from the paper's beyond config values: what the implementation does, and
-    the models and data (`dataset`, default eval.dataset). 'what the run does (the <paper> paper: what it did)'."""
-    return [d.what for d in _method_departures(config, paper, dataset, made or MadeBy())]
-
-
 def _method_departures(config: WbragConfig, paper: str | None, dataset: str | None,
                        made: MadeBy) -> list[Departure]:
+    """Where the run's method differs from the paper's beyond config values: what the implementation does, and
+    the models and data (`dataset`, default eval.dataset). 'what the run does (the <paper> paper: what it did)'."""
     methods = set(config.eval.methods)
     out: list[Departure] = []
     wb, z = config.writeback, config.zerorag
@@ -214,8 +206,8 @@ def _method_departures(config: WbragConfig, paper: str | None, dataset: str | No
 
     if "replug-vote" in methods or wb.rag_method == "replug-vote":
         add(WRITEBACK, "replug-vote stands in for REPLUG: one answer per document, then a vote (the WriteBack-RAG "
-                       "paper: REPLUG mixes the documents' next-token distributions; the hf backend's replug does)",
-            "wb.methods")
+                       "paper: RePlug \"ensembles generation probabilities over documents\"; the hf backend's replug "
+                       "does)", "wb.methods")
     if "self-rag" in methods or wb.rag_method == "self-rag":
         add(WRITEBACK, "Self-RAG is prompted: the generator is asked each reflection question (the WriteBack-RAG "
                        "paper runs Self-RAG with the same LLM as every method and does not say how it judges)",
@@ -346,9 +338,6 @@ def run_departures(config: WbragConfig, papers: tuple[str, ...] | None = None, t
                                         *_method_departures(config, p, dataset, made))]
 
 
-WHERE_LISTED = "every evaluation's metrics.json ('departures') and the report's Configuration section"
-
-
 def print_departures(config: WbragConfig, papers: str | tuple[str, ...] | None = None, train: str | None = None,
                      dataset: str | None = None, made: MadeBy | None = None) -> list[Departure]:
     """Print `run_departures` as a command starts: one line each for a config that runs one of the papers'
@@ -363,8 +352,8 @@ def print_departures(config: WbragConfig, papers: str | tuple[str, ...] | None =
         for d in found:
             print(f"  [{d.paper}] {d.what}", flush=True)
     else:
-        print(f"this run departs from {followed} in {len(found)} choices (its generator is none the papers ran; "
-              f"listed in {WHERE_LISTED})", flush=True)
+        print(f"this run departs from {followed} in {len(found)} choices (its generator is none the papers ran; listed "
+              "in every evaluation's metrics.json ('departures') and the report's Configuration section)", flush=True)
     return found
 
 

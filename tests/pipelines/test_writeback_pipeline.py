@@ -237,8 +237,8 @@ def test_adaptive_method_writes_back_and_every_method_is_evaluated_on_every_vers
 
 
 @pytest.mark.slow
-def test_same_writeback_trains_a_version_per_method_that_has_none_and_shows_table2(trained, capsys):
-    """`--same-writeback` (WriteBack-RAG's Table 2, Same-WB): of naive and replug-vote, the second has a version
+def test_same_writeback_trains_a_version_per_method_that_has_none_and_shows_figure4(trained, capsys):
+    """`--same-writeback` (WriteBack-RAG's Figure 4, Same-WB): of naive and replug-vote, the second has a version
     written back under it from this training set (the fixture's), so only naive's is trained; each method is then
     evaluated on the base and beside its own version (and the cross cells), the active version untouched; a rerun
     trains nothing and reuses every cell. (Two methods, not three: a third adds four cells and its own training.)"""

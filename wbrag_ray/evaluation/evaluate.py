@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import pandas as pd
 
 from wbrag_ray import rag
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.evaluation.made_by import made_by, made_config, searched_union
+from wbrag_ray.evaluation.made_by import made_by, made_config, own_adapter, searched_union
 from wbrag_ray.evaluation.short_answer import short_answer
 from wbrag_ray.evaluation.stage import EVAL, dataset_name, eval_params, union_settings
 from wbrag_ray.formats import plain_table, read_questions
@@ -25,9 +27,6 @@ from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 
 def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writeback: bool = False,
@@ -57,9 +56,8 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
     searched = searched_union(run, config, wb_version) if wb_version else None
     t0 = time.perf_counter()
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
-    search = RetrievalSetting(
-        base_index, None, config.embedder, config.retrieval, config.index, extra, router
-    ) if needs_index else None
+    search = (RetrievalSetting(base_index, None, config.embedder, config.retrieval, config.index, extra, router)
+              if needs_index else None)
     with contextlib.nullcontext(passes) if passes else GeneratorPasses(generator.config) as passes:  # given: left open
         df = rag.answer(questions, methods, config, search, passes, "prediction")
     seconds = time.perf_counter() - t0
@@ -117,11 +115,6 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
         final.root.replace_with(out.root)
     print(format_table(f"{label} ({setting})", results), flush=True)
     return results
-
-
-def own_adapter(run: RunFolder, config: WbragConfig) -> bool:
-    """Whether the generator carries the run's tuned adapter (its settings are recorded by the run)."""
-    return bool(config.generator.lora_adapter) and config.generator.lora_adapter == run.layout.zero_rag.adapter.uri
 
 
 def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:

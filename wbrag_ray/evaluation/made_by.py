@@ -132,6 +132,11 @@ def made_config(run: RunFolder, config: WbragConfig, version: str | None = None,
     return made, MadeBy(papers, train if version else made.writeback.train, distiller, rows, dropped, dropped_units)
 
 
+def own_adapter(run: RunFolder, config: WbragConfig) -> bool:
+    """Whether the generator carries the run's tuned adapter (its settings are recorded by the run)."""
+    return bool(config.generator.lora_adapter) and config.generator.lora_adapter == run.layout.zero_rag.adapter.uri
+
+
 def pruning_ratio(run: RunFolder, base_index: str | None) -> float | None:
     """The pruning ratio of the base index an evaluation searched: 0 for the run's full index, the level's for a
     pruned one, None for another folder."""
@@ -160,7 +165,7 @@ def made_by(run: RunFolder, config: WbragConfig, dataset: str, n: int, method: s
         "answer_form": config.eval.answer_form or "as generated",
         "union": searched_union(run, config, version)["union"] if version and retrieves else None,
         "writeback": version_settings(run, version) if version and retrieves else None,
-        "adapter": adapter_settings(run) if config.generator.lora_adapter == run.layout.zero_rag.adapter.uri else None,
+        "adapter": adapter_settings(run) if own_adapter(run, config) else None,
         "router": bool(router) if retrieves else False,
         "pruning_ratio": pruning_ratio(run, base_index) if retrieves else None,
     }

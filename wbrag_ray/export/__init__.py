@@ -13,6 +13,7 @@ from wbrag_ray.config import ConfigError, RetrievalConfig, WbragConfig
 from wbrag_ray.export import flashrag, langchain, llamaindex
 from wbrag_ray.export.embedder import MANIFEST_FILE
 from wbrag_ray.export.view import WRITEBACK, open_view
+from wbrag_ray.index.files import write_index_file
 from wbrag_ray.index.sizing import TASK_BASE_BYTES, node_bounded
 from wbrag_ray.index.tasks import largest_node
 from wbrag_ray.ray_runtime import LIGHT_CPUS
@@ -60,9 +61,12 @@ def union_record(view, retrieval: RetrievalConfig) -> dict[str, Any] | None:
 
 
 def _write(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:
-    """The format's files of `view` in `out_uri`: (their names, the view described after it was read)."""
-    files = _writer(format).write(view, resolve(out_uri), config)
-    return files, view.describe(config.embedder)
+    """The format's files of `view` in `out_uri`, its index last: (their names, the view described once read)."""
+    writer, out = _writer(format), resolve(out_uri)
+    index = view.empty_index(config.index)
+    files = writer.write(view, view.fill(index), out, config)
+    write_index_file(index, out.join(writer.INDEX_FILE))
+    return [*files, writer.INDEX_FILE], view.describe(config.embedder)
 
 
 def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tuple[list[str], dict[str, Any]]:

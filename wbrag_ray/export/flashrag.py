@@ -4,12 +4,12 @@ of a FlashRAG config (flashrag_retriever.yaml)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.export.codes import write_index
 from wbrag_ray.export.embedder import embedder_info
-from wbrag_ray.export.view import View
+from wbrag_ray.export.view import Document, View
 from wbrag_ray.storage import Location
 
 CORPUS_FILE = "corpus.jsonl"
@@ -17,20 +17,18 @@ INDEX_FILE = "index.faiss"
 CONFIG_FILE = "flashrag_retriever.yaml"
 
 
-def write(view: View, out: Location, config: WbragConfig) -> list[str]:
-    """The corpus and the index, one embedding shard at a time, then the retriever settings; the files' names."""
+def write(view: View, batches: Iterator[list[Document]], out: Location, config: WbragConfig) -> list[str]:
+    """The corpus, one embedding shard at a time, then the retriever settings; the files' names."""
     import yaml
 
-    index = view.empty_index(config.index)
     with out.join(CORPUS_FILE).open_write() as f:
-        for docs in view.fill(index):
+        for docs in batches:
             lines = (json.dumps({"id": d.id, "contents": d.contents, "metadata": d.metadata}, ensure_ascii=False)
                      for d in docs)
             f.write(("\n".join(lines) + "\n").encode("utf-8"))
-    write_index(index, out.join(INDEX_FILE))
     settings = retriever_settings(view, out, config)
     out.join(CONFIG_FILE).write_bytes(yaml.safe_dump(settings, sort_keys=False).encode("utf-8"))
-    return [CORPUS_FILE, INDEX_FILE, CONFIG_FILE]
+    return [CORPUS_FILE, CONFIG_FILE]
 
 
 def retriever_settings(view: View, out: Location, config: WbragConfig) -> dict[str, Any]:

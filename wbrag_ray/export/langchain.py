@@ -10,9 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.export.codes import write_index
 from wbrag_ray.export.embedder import load_embedder
-from wbrag_ray.export.view import View
+from wbrag_ray.export.view import Document, View
 from wbrag_ray.storage import Location
 
 INDEX_NAME = "index"  # FAISS.load_local's default: index.faiss and index.pkl
@@ -31,19 +30,18 @@ class _Reduce:
         return (self.func, self.args, None, None, self.items)
 
 
-def write(view: View, out: Location, config: WbragConfig) -> list[str]:
-    """index.pkl as a stream while the index fills, then index.faiss; the files' names."""
+def write(view: View, batches: Iterator[list[Document]], out: Location, config: WbragConfig) -> list[str]:
+    """index.pkl as a stream while the index fills; the files' names."""
     from langchain_community.docstore.in_memory import InMemoryDocstore
-    from langchain_core.documents import Document
+    from langchain_core.documents import Document as LangChainDocument
 
-    index = view.empty_index(config.index)
     with tempfile.TemporaryFile() as ids, out.join(DOCSTORE_FILE).open_write() as f:
 
         def documents() -> Iterator[tuple[str, Any]]:
-            for docs in view.fill(index):
+            for docs in batches:
                 for d in docs:
                     ids.write(d.id.encode("utf-8") + b"\n")
-                    yield d.id, Document(page_content=d.contents, metadata=d.metadata, id=d.id)
+                    yield d.id, LangChainDocument(page_content=d.contents, metadata=d.metadata, id=d.id)
 
         def rows() -> Iterator[tuple[int, str]]:
             ids.seek(0)
@@ -55,8 +53,7 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
         # (docstore, index_to_docstore_id): the docstore's documents are pickled (and the id file filled) first
         pickler.dump((_Reduce(InMemoryDocstore, (_Reduce(dict, items=documents()),)),
                       _Reduce(dict, items=rows())))
-    write_index(index, out.join(INDEX_FILE))
-    return [DOCSTORE_FILE, INDEX_FILE]
+    return [DOCSTORE_FILE]
 
 
 # --- the query side -------------------------------------------------------------------------------------------

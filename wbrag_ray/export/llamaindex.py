@@ -9,15 +9,15 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from wbrag_ray.config import WbragConfig
-from wbrag_ray.export.codes import write_index
 from wbrag_ray.export.embedder import load_embedder
-from wbrag_ray.export.view import METADATA_KEYS, View
+from wbrag_ray.export.view import METADATA_KEYS, Document, View
 from wbrag_ray.storage import Location
 
-VECTOR_STORE_FILE = "default__vector_store.json"
+INDEX_FILE = "default__vector_store.json"  # the FAISS vector store
 DOCSTORE_FILE = "docstore.json"
 INDEX_STORE_FILE = "index_store.json"
 EMPTY_FILES = {"graph_store.json": {"graph_dict": {}},
@@ -31,19 +31,18 @@ NEEDS = ("llama_index.core", "llama_index.vector_stores.faiss")
 PACKAGES = "llama-index-core and llama-index-vector-stores-faiss"
 
 
-def write(view: View, out: Location, config: WbragConfig) -> list[str]:
-    """Write docstore.json while the index fills, then the index, vector and empty stores; returns the names."""
+def write(view: View, batches: Iterator[list[Document]], out: Location, config: WbragConfig) -> list[str]:
+    """Write docstore.json while the index fills, then the index and empty stores; returns the names."""
     from llama_index.core.schema import TextNode
     from llama_index.core.storage.docstore.utils import doc_to_json
 
-    index = view.empty_index(config.index)
     hidden = list(METADATA_KEYS)
     with tempfile.TemporaryDirectory() as tmp:
         hashes_path, rows_path = os.path.join(tmp, "hashes"), os.path.join(tmp, "rows")
         with out.join(DOCSTORE_FILE).open_write() as f, open(hashes_path, "w") as hashes, open(rows_path, "w") as rows:
             f.write(f"{{{json.dumps(NODES)}: {{".encode())
             row = 0
-            for docs in view.fill(index):
+            for docs in batches:
                 entries = []
                 for d in docs:
                     node = TextNode(id_=d.id, text=d.contents, metadata=d.metadata,
@@ -61,10 +60,9 @@ def write(view: View, out: Location, config: WbragConfig) -> list[str]:
                 shutil.copyfileobj(src, f, CHUNK)
             f.write(b"}}")
         _write_index_store(out.join(INDEX_STORE_FILE), rows_path)
-    write_index(index, out.join(VECTOR_STORE_FILE))
     for name, content in EMPTY_FILES.items():
         out.join(name).write_bytes(json.dumps(content).encode())
-    return [DOCSTORE_FILE, INDEX_STORE_FILE, VECTOR_STORE_FILE, *EMPTY_FILES]
+    return [DOCSTORE_FILE, INDEX_STORE_FILE, *EMPTY_FILES]
 
 
 def _write_index_store(loc: Location, rows_path: str) -> None:

@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 
 from wbrag_ray.build_kb import INDEX
 from wbrag_ray.config import ConfigError, EmbedderConfig, IndexConfig
-from wbrag_ray.export.codes import encoder
 from wbrag_ray.export.embedder import embedder_info
 from wbrag_ray.index.files import (
     TRAINED_FILE,
@@ -91,9 +90,6 @@ class View:
         """About the size of the export's index, from the index files the run searches."""
         return sum(sum(s.get("bytes", 0) for s in load_manifest(p.index).get("shards", [])) for p in self.parts)
 
-    def _count_task(self) -> None:
-        self.shards_in_tasks += 1
-
     def fill(self, index) -> Iterator[list[Document]]:
         """Fill `index` with every part's vectors in order and yield each shard's documents as added; counts are
         checked against the manifests. With Ray and a codes index the shards encode in Ray tasks (`EXPORT_IN_FLIGHT`)."""
@@ -102,7 +98,7 @@ class View:
         trained = self.empty_index_bytes if inner is not None else None
         for part in self.parts:
             n = 0
-            for payload, docs in _part_batches(part, trained, self._count_task):
+            for payload, docs in self._part_batches(part, trained):
                 if trained is None:
                     index.add(payload)
                 else:
@@ -114,6 +110,31 @@ class View:
                 raise IndexError_(f"the export read {n} {part.source} documents, but the index {part.index.uri} "
                                   f"holds {expected}")
             self.counts[part.source] = n
+
+    def _part_batches(self, part: Part, trained: bytes | None) -> Iterator[tuple[np.ndarray, list[Document]]]:
+        """(vectors or codes, documents) of each embedding shard of `part`, in order (codes in Ray tasks when Ray is
+        up, counted in `shards_in_tasks`)."""
+        import ray
+
+        readers = _Readers.of(part)
+        files = [f.uri for f in embedding_files(part.embeddings)]
+        if trained is None or not ray.is_initialized():
+            for uri in files:
+                found = _shard_batch(readers, None, uri)
+                if found is not None:
+                    yield found if trained is None else (encoder(trained)(found[0]), found[1])
+            return
+        task = ray.remote(num_cpus=LIGHT_CPUS + 0.75, max_retries=2)(_shard_batch)
+        shared = (ray.put(readers), ray.put(np.frombuffer(trained, np.uint8)))
+        pending = [task.remote(*shared, uri) for uri in files[:EXPORT_IN_FLIGHT]]
+        for i in range(len(files)):
+            found = ray.get(pending[i])
+            self.shards_in_tasks += 1
+            pending[i] = None  # its result is the writer's now: released from the object store as it is written
+            if i + EXPORT_IN_FLIGHT < len(files):
+                pending.append(task.remote(*shared, files[i + EXPORT_IN_FLIGHT]))
+            if found is not None:
+                yield found
 
     empty_index_bytes: bytes | None = None  # the trained empty index, serialized: what encoding tasks rebuild
     shards_in_tasks: int = 0  # embedding shards read and encoded by Ray tasks (the rest: in this process)
@@ -250,30 +271,10 @@ EXPORT_IN_FLIGHT = 8  # encoding tasks ahead of the writer: enough to keep a clu
 # each holds one shard's codes and documents until its turn
 
 
-def _part_batches(part: Part, trained: bytes | None, on_task) -> Iterator[tuple[np.ndarray, list[Document]]]:
-    """(vectors or codes, documents) of each embedding shard of `part`, in order (codes in Ray tasks when Ray is
-    up)."""
-    import ray
-
-    readers = _Readers.of(part)
-    files = [f.uri for f in embedding_files(part.embeddings)]
-    if trained is None or not ray.is_initialized():
-        for uri in files:
-            found = _shard_batch(readers, None, uri)
-            if found is not None:
-                yield found if trained is None else (encoder(trained)(found[0]), found[1])
-        return
-    task = ray.remote(num_cpus=LIGHT_CPUS + 0.75, max_retries=2)(_shard_batch)
-    shared = (ray.put(readers), ray.put(np.frombuffer(trained, np.uint8)))
-    pending = [task.remote(*shared, uri) for uri in files[:EXPORT_IN_FLIGHT]]
-    for i in range(len(files)):
-        found = ray.get(pending[i])
-        on_task()
-        pending[i] = None  # its result is the writer's now: released from the object store as it is written
-        if i + EXPORT_IN_FLIGHT < len(files):
-            pending.append(task.remote(*shared, files[i + EXPORT_IN_FLIGHT]))
-        if found is not None:
-            yield found
+def encoder(trained: bytes):
+    """The trained empty index's standalone encoder: vectors -> the codes `index.parts.add_codes` appends."""
+    index = from_bytes(trained, TRAINED_FILE)
+    return lambda vectors: index.sa_encode(np.ascontiguousarray(vectors, dtype=np.float32))
 
 
 @dataclass(frozen=True)

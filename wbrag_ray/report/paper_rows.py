@@ -3,15 +3,13 @@ Configuration section lists, as the evaluations' metrics.json recorded them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from wbrag_ray.config import WbragConfig
 from wbrag_ray.evaluation.evaluate import load_results
 from wbrag_ray.papers import paper_vs_run, recorded_departures, run_departures
 from wbrag_ray.report.render import Section, Table
 from wbrag_ray.run import RunFolder
-
-if TYPE_CHECKING:
-    from wbrag_ray.config import WbragConfig
 
 
 def paper_section(run: RunFolder) -> Section | None:
