@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, before_write, error_code, guard_writes, lock_path, resolve, s3_client
+from wbrag_ray.storage import Location, before_write, error_code, guard_writes, host_lock, resolve, s3_client
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +120,9 @@ class _Store:
         return self._put(data, IfNoneMatch="*")
 
     def replace(self, data: bytes, version: Any) -> bool:
-        """Write `data` only where the lease is still `version`; False otherwise (or the host lock stays held)."""
+        """Write `data` only where the lease is still `version`, else False (TimeoutError: the host lock stays held)."""
         if self.loc.is_local:
-            with _host_lock(self.loc.path) as locked:
-                if not locked:
-                    raise TimeoutError(f"the lease {self.loc.uri} is being replaced by a process that does not "
-                                       f"answer (it holds {lock_path(self.loc.path, LEASE_LOCK)})")
+            with host_lock(self.loc.path, LEASE_LOCK, HOST_LOCK_WAIT_S):
                 current = self.read()
                 if current is None or current[1] != version:
                     return False
@@ -160,25 +156,8 @@ def _parse(data: bytes) -> dict[str, Any]:
     return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}
 
 
-LEASE_LOCK = ".lease.lock"  # this host's lock around a local lease's compare-and-replace (`storage.lock_path`)
+LEASE_LOCK = ".lease.lock"  # this host's lock around a local lease's compare-and-replace (`storage.host_lock`)
 HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is held by a stalled process
-
-
-@contextlib.contextmanager
-def _host_lock(path: str) -> Iterator[bool]:
-    """This host's lock around a local compare-and-replace; yields whether it was taken in HOST_LOCK_WAIT_S."""
-    with open(lock_path(path, LEASE_LOCK), "w") as lock:
-        deadline = time.monotonic() + HOST_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.02)
-        yield True
 
 
 # --- the lease ------------------------------------------------------------------------------------------------
