@@ -27,9 +27,7 @@ from wbrag_ray.storage import Location, StorageError, refused_writes
 if TYPE_CHECKING:
     import ray.data
 
-# A block of answers is committed at this many rows or seconds (`generator.checkpoint_rows` / `_seconds`).
-BLOCK_ROWS = 1024
-BLOCK_SECONDS = 60.0
+BLOCK_ROWS, BLOCK_SECONDS = 1024, 60.0  # a block of answers is committed at either (`generator.checkpoint_rows`)
 
 
 def _plain(value: Any) -> Any:
@@ -148,13 +146,11 @@ class StageCheckpoint:
 
     def stats(self) -> dict[str, int]:
         """`rows_resumed` / `rows_computed` for the stage's stats, when a pass counted any."""
-        if not (self.rows_resumed or self.rows_computed):
-            return {}
-        return {"rows_resumed": self.rows_resumed, "rows_computed": self.rows_computed}
+        counted = {"rows_resumed": self.rows_resumed, "rows_computed": self.rows_computed}
+        return counted if any(counted.values()) else {}
 
 
-_ACTIVE: contextvars.ContextVar[StageCheckpoint | None] = contextvars.ContextVar("wbrag_stage_checkpoint",
-                                                                                  default=None)
+_ACTIVE: contextvars.ContextVar[StageCheckpoint | None] = contextvars.ContextVar("stage_checkpoint", default=None)
 
 
 def active() -> StageCheckpoint | None:
@@ -208,8 +204,8 @@ def training_progress(folder: Location) -> dict[str, Any]:
 
 
 def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str, int]:
-    """Rows of each Parquet file in `folder`, from its footer; a file a kill cut short (no footer) is left out,
-    or, with `remove_unreadable`, removed (a resumed pass writes its rows again)."""
+    """Rows of each Parquet file in `folder`, from its footer; a file a kill cut short is left out, or removed
+    (`remove_unreadable`: a resumed pass writes its rows again)."""
     out = {}
     for f in folder.list_files(".parquet"):
         try:
@@ -220,8 +216,7 @@ def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str,
     return out
 
 
-# Ray Data's CheckpointFilter actor asks for 1 CPU, which CheckpointConfig does not let one change.
-CHECKPOINT_FILTER_CPUS = 1.0
+CHECKPOINT_FILTER_CPUS = 1.0  # Ray Data's CheckpointFilter actor's, which CheckpointConfig does not let one change
 
 
 def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> bool:
@@ -293,9 +288,9 @@ def fit_resume(pass_resources: Resources, key: str | None, label: str) -> Resour
 def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Location, id_column: str, prefix: str,
                     block_bytes: int, label: str, total: int, pass_resources: Resources,
                     resources_key: str | None) -> dict[str, Any]:
-    """Write the dataset `build(resources)` makes as Parquet files in `out` under Ray Data's row-level checkpoint on
-    `id_column` (a rerun reads only rows not written yet), in blocks of at most `block_bytes`. Returns the rows
-    written, resumed and computed."""
+    """Write the dataset `build(resources)` as Parquet files in `out` under Ray Data's row-level checkpoint on
+    `id_column` (a rerun reads only rows not written yet), blocks of at most `block_bytes`; rows written, resumed
+    and computed."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 

@@ -37,12 +37,7 @@ class LeaseLost(ConfigError):
     """This command's lease was taken by another writer: it stops before its next write, naming the new holder."""
 
 
-# Raised in the main thread when a heartbeat finds the lease taken, so a waiting command stops at once.
-LOST_SIGNAL = signal.SIGUSR2
-
-
-def ttl_s() -> float:
-    return float(os.environ.get("WBRAG_LEASE_TTL", DEFAULT_TTL_S))
+LOST_SIGNAL = signal.SIGUSR2  # sent to the main thread when a heartbeat finds the lease taken: it stops at once
 
 
 def _pid_alive(pid: int) -> bool:
@@ -59,10 +54,9 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def stale_reason(record: dict[str, Any], now: float | None = None) -> str | None:
+def stale_reason(record: dict[str, Any]) -> str | None:
     """Why a lease no longer holds (its heartbeat expired, or its process on this host is gone), or None."""
-    now = time.time() if now is None else now
-    age = now - float(record.get("heartbeat", 0))
+    age = time.time() - float(record.get("heartbeat", 0))
     if age > float(record.get("ttl_s", DEFAULT_TTL_S)):
         return f"its last heartbeat was {age:.0f} s ago"
     if record.get("host") == socket.gethostname() and not _pid_alive(int(record.get("pid", 0))):
@@ -70,14 +64,11 @@ def stale_reason(record: dict[str, Any], now: float | None = None) -> str | None
     return None
 
 
-def _when(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds")
-
-
 def held_message(uri: str, record: dict[str, Any], lease_uri: str) -> str:
     beat = time.time() - float(record.get("heartbeat", 0))
+    since = datetime.datetime.fromtimestamp(float(record.get("start", 0))).isoformat(timespec="seconds")
     return (f"run folder {uri} is being written by another command: `{record.get('holder')}` (host "
-            f"{record.get('host')}, pid {record.get('pid')}, since {_when(float(record.get('start', 0)))}, last "
+            f"{record.get('host')}, pid {record.get('pid')}, since {since}, last "
             f"heartbeat {beat:.0f} s ago); wait for it to end, or, if that process is gone, delete "
             f"{lease_uri} (a lease also expires {float(record.get('ttl_s', DEFAULT_TTL_S)):g} s after its "
             "last heartbeat)")
@@ -169,7 +160,7 @@ class RunLease:
     def __init__(self, root: Location, holder: str):
         self.root = root
         self.store = _Store(RunLayout(root).lease)
-        self.ttl = ttl_s()
+        self.ttl = float(os.environ.get("WBRAG_LEASE_TTL", DEFAULT_TTL_S))
         now = time.time()
         self.record = {"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "start": now,
                        "heartbeat": now, "ttl_s": self.ttl, "token": uuid.uuid4().hex}
