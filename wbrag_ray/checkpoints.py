@@ -296,7 +296,7 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
 
     checkpoint = active()
     if checkpoint is None:
-        raise RuntimeError("resumable_write runs inside a stage (RunFolder.run_stage)")
+        raise RuntimeError("resumable_write runs inside a stage (RunFolder.execute)")
     ckpt = checkpoint.rows
     resuming = ckpt.exists() and out.exists()
     # sized before anything waits (as configured where WBRAG_AUTOSCALING=1 says CPUs come on demand)

@@ -282,23 +282,17 @@ class RunFolder:
     def execute(self, stage: RunStage, config: WbragConfig, work: Callable[[], dict[str, Any]],
                 params: dict[str, Any] | None = None, force: bool = False,
                 on_skip: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Run a declared stage: its inputs must be complete; a complete one with the same fingerprint is
-        skipped (`on_skip` sees its stats), one with another is refused or redone (`stage.on_change`)."""
+        """Run a declared stage: its inputs must be complete; a complete one with the same fingerprint is skipped
+        (`on_skip` sees its stats), one with another is refused or redone (`stage.on_change`). `work` runs with the
+        stage's checkpoint open (resumed for the same fingerprint); then its stats, its marker, a one-line summary."""
         fingerprint, changed = self.check(stage, config, params, force)
         name = stage.instance(params)
         if changed:
             print(f"[{name}] settings changed ({'; '.join(changed[:3])}): redoing it", flush=True)
-        elif self.is_complete(name) and not force and on_skip is not None:
-            on_skip(self.stats(name) or {})
-        return self.run_stage(name, lambda: {**(work() or {}), "settings": fingerprint}, force=force or bool(changed),
-                              fingerprint=fingerprint)
-
-    def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False,
-                  fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Run `fn` unless the stage is complete, with its checkpoint open (resumed for the same `fingerprint`);
-        record its stats and marker; print a one-line summary."""
-        if self.is_complete(name) and not force:
+        elif self.is_complete(name) and not force:
             stats = self.stats(name) or {}
+            if on_skip is not None:
+                on_skip(stats)
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
             return stats
         # a complete stage redone keeps its marker and its outputs (in use) until the new ones replace them
@@ -312,7 +306,7 @@ class RunFolder:
         try:
             # a refused write (a full disk): one line naming the run folder
             with refused_writes(self.root), stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
-                stats = dict(fn() or {})
+                stats = {**(work() or {}), "settings": fingerprint}
         except BaseException:
             self._staged = outer_staged
             if isinstance(sys.exc_info()[1], LeaseLost):
