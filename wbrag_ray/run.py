@@ -1,13 +1,10 @@
-"""The run folder: every stage's outputs, the resolved config, per-stage stats and completion markers.
-
-Paths are named in wbrag_ray.layout. Rerunning a run skips stages whose marker exists. A stage's fingerprint
-is derived from its declaration (`RunStage`): its config values, the call's parameters and the fingerprints of
-the stages it reads; a complete stage whose fingerprint changed is refused (unless --force) or redone.
-"""
+"""The run folder: every stage's outputs (paths in `layout`), the resolved config, per-stage stats and completion
+markers. A stage's fingerprint derives from its declaration (`RunStage`): its config values, the call's parameters
+and the fingerprints of the stages it reads; a complete stage is skipped, or, where its fingerprint changed,
+refused (unless --force) or redone."""
 
 from __future__ import annotations
 
-import logging
 import operator
 import re
 import string
@@ -26,8 +23,6 @@ from wbrag_ray.layout import RunLayout, staging, subdirs
 from wbrag_ray.lease import LeaseLost, fence
 from wbrag_ray.models.hardware import resolved_dtype_name
 from wbrag_ray.storage import Location, refused_writes, resolve
-
-log = logging.getLogger(__name__)
 
 # Where and how wide a stage runs never changes what it writes (a section's own such keys: its `RUNTIME_KEYS`).
 PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "checkpoint_seconds", "memory_gb",
@@ -91,16 +86,13 @@ class RunStage:
                     value.pop(path[len(declared) + 1:], None)
         return out
 
-    def command_for(self, params: dict[str, Any] | None = None) -> str:
-        return self.command.format_map(_Keep(params or {})) or f"the stage '{self.instance(params)}'"
-
 
 @dataclass(frozen=True)
 class Step:
-    """A stage of `wbrag run` as every reader sees it (registry: `wbrag_ray.pipeline.PIPELINE`): its run `stage`,
-    `outputs` (`RunLayout` paths), the config sections it holds (`resources`), its `work(config, sizes, params)`
-    as `wbrag_ray.work` items (which the plan prices), how `run` makes it, and its `instances(config)`. `title`:
-    its name in the plan; `measured_by`: a pattern of the run stages whose stats measure it."""
+    """A stage of `wbrag run` (registry: `pipeline.PIPELINE`): its run `stage`, `outputs` (`RunLayout` paths), the
+    config sections it holds (`resources`), its `work(config, sizes, params)` as `wbrag_ray.work` items (which the
+    plan prices), how `run` makes it, its `instances(config)`, its `title` in the plan, and `measured_by`: a
+    pattern of the run stages whose stats measure it."""
 
     title: str
     stage: RunStage
@@ -136,9 +128,8 @@ class RunFolder:
 
     def bind_config(self, config: WbragConfig, force: bool = False, guard: Iterable[RunStage] = (),
                     record: Literal["now", "when_a_stage_runs"] = "now") -> None:
-        """Bind the resolved config to the run; refuse it, unless `force`, when a complete stage of `guard` was made
-        with other settings. `record`: write run.json now, or once a stage really runs (so run.json always
-        describes what made the files beside it)."""
+        """Bind the resolved config to the run; refuse it, unless `force`, where a complete stage of `guard` was made
+        with other settings. `record`: write run.json now, or once a stage runs (it describes what made the files)."""
         if not force:
             for stage in guard:
                 changed = self._changed(stage, {"config": stage.config_settings(config)}, only_config=True)
@@ -187,7 +178,7 @@ class RunFolder:
         fence(record.success)  # a commit: this command must still hold the run folder's lease
         staged = list(staged)
         if staged:
-            self.invalidate(name)
+            record.success.delete()
             for final, new in staged:
                 if new.exists():
                     final.replace_with(new)
@@ -205,9 +196,6 @@ class RunFolder:
         self._staged.setdefault(final.uri, (final, new))
         return new
 
-    def invalidate(self, name: str) -> None:
-        self.layout.stage(name).success.delete()
-
     def completed_stages(self) -> list[str]:
         done = [name for name in subdirs(self.layout.stages) if self.is_complete(name)]
 
@@ -220,7 +208,8 @@ class RunFolder:
     def require(self, stage: RunStage, params: dict[str, Any] | None = None) -> None:
         name = stage.instance(params)
         if not self.is_complete(name):
-            raise ConfigError(f"stage '{name}' of run {self.uri} is not complete; run `{stage.command_for(params)}` first")
+            command = stage.command.format_map(_Keep(params or {})) or f"the stage '{name}'"
+            raise ConfigError(f"stage '{name}' of run {self.uri} is not complete; run `{command}` first")
 
     def require_inputs(self, stage: RunStage, params: dict[str, Any] | None = None) -> None:
         """Every stage `stage` reads is complete (else the command that makes the first missing one is named)."""
@@ -244,7 +233,7 @@ class RunFolder:
     def check(self, stage: RunStage, config: WbragConfig, params: dict[str, Any] | None = None,
               force: bool = False) -> tuple[dict[str, Any], list[str]]:
         """What `execute` checks before any work (callable before Ray starts): inputs complete, a changed stage
-        refused per `stage.on_change` unless `force`. Returns the fingerprint and what changed."""
+        refused per `stage.on_change` unless `force`; the fingerprint and what changed."""
         self.require_inputs(stage, params)
         fingerprint = self.fingerprint(stage, config, params)
         changed = [] if force else self._changed(stage, fingerprint, params)
