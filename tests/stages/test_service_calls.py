@@ -102,7 +102,7 @@ def test_a_worker_runs_calls_of_one_setup_together_and_loads_another_only_when_t
     gate.set()
     for t in [*first, other]:
         t.join(10)
-    assert worker.setups == 2 and worker.most_calls_at_once() == 2
+    assert worker.setups == 2 and worker.most_running == 2
     assert results["a1"]["key"].tolist() == results["a2"]["key"].tolist() == ["a", "a"]
     assert results["b"]["key"].tolist() == ["b", "b"]
 
@@ -114,7 +114,7 @@ def test_a_service_actor_takes_as_many_calls_at_once_as_its_stage_allows(ray_clu
         frame = pd.DataFrame({"x": range(12)})  # 6 batches of 2
         out = service.run_frame(frame, Sleepy("a", seconds=0.3, calls=calls))
         assert out["x"].tolist() == list(range(12)) and set(out["key"]) == {"a"}
-        assert ray_cluster.get([a.most_calls_at_once.remote() for a in service.actors]) == [calls]
+        assert ray_cluster.get([a.stat.remote("most_running") for a in service.actors]) == [calls]
     finally:
         service.close()
 

@@ -78,17 +78,15 @@ class _ServiceWorker:
         self.setups += 1
         self.loaded, self.key = stage, stage.service_key()
 
-    def setup_count(self) -> int:
-        return self.setups
+    def stat(self, name: str) -> int:
+        """A count of this actor's (`setups`, `most_running`), as `Services.actor_stats` reads it."""
+        return getattr(self, name)
 
     def close(self) -> list[int]:
         """End what the loaded stage started (`Stage.close`) and any child process still up after it; their pids."""
         loaded, self.loaded, self.key = self.loaded, None, None
         _close_stage(loaded)
         return end_child_processes()
-
-    def most_calls_at_once(self) -> int:
-        return self.most_running
 
     def run(self, stage: Stage, batch):
         with self._turn:
@@ -240,23 +238,18 @@ class Services:
             self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
         return service
 
-    def setups(self) -> dict[str, list[int]]:
-        """Per live service, how many times each of its actors ran a stage's setup (model loads, index opens)."""
+    def actor_stats(self, name: str) -> dict[str, list[int]]:
+        """Per live service, each actor's `setups` (stage setups run: model loads, index opens) or
+        `most_running` (the most calls it ran at once, `Resources.calls`)."""
         import ray
 
-        return {name: ray.get([a.setup_count.remote() for a in service.actors]) for name, service in self._live.items()}
+        return {kind: ray.get([a.stat.remote(name) for a in s.actors]) for kind, s in self._live.items()}
 
     def actor_ids(self, kind: str) -> list[str]:
         """The ids of the actors of the live service of stage kind `kind` (none if there is none)."""
         service = self._live.get(kind)
         return [a._actor_id.hex() for a in service.actors] if service is not None else []
 
-    def calls_at_once(self) -> dict[str, list[int]]:
-        """Per live service, the most calls each of its actors ran at once (`Resources.calls`)."""
-        import ray
-
-        return {name: ray.get([a.most_calls_at_once.remote() for a in service.actors])
-                for name, service in self._live.items()}
 
     def retrieval(self, members, index, retrieval):
         """The retrieval service over `members` ((index_dir, docs_dir, source), ...): each index's search pool
