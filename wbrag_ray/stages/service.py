@@ -10,6 +10,7 @@ owns: one service per stage kind, one search pool per index, started on first us
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Hashable
@@ -44,9 +45,8 @@ log = logging.getLogger(__name__)
 
 
 class _ServiceWorker:
-    """A service's actor: the stage set up once; each call runs a pass's own stage on what it loaded. With
-    `Resources.calls` > 1 it runs that many calls at once, in threads; a call for another service key waits
-    until the calls on the old setup are done, then loads its own."""
+    """A service's actor: the stage set up once; each call runs a pass's own stage on what it loaded, up to
+    `Resources.calls` at once in threads. A call for another service key waits for those, then loads its own."""
 
     def __init__(self, stage: Stage):
         set_threads(stage.resources.threads or stage.resources.num_cpus)
@@ -60,9 +60,8 @@ class _ServiceWorker:
             self._load(stage)
 
     def _load(self, stage: Stage) -> None:
-        """Set `stage` up in place of what was loaded. A setup that raises is kept with its key and raised again,
-        as itself, by every call for that key: an actor whose constructor raised would be dead for good, and each
-        call to it retried after back-offs (`ray_runtime.call_actor`) to fail the same way."""
+        """Set `stage` up in place of what was loaded. A setup that raises is kept with its key and raised again by
+        every call for that key (an actor whose constructor raised would be dead, each call retried in vain)."""
         import gc
 
         # the old model (a vLLM engine's processes, their GPU memory) ends before the new one loads
@@ -118,9 +117,9 @@ def _close_stage(stage: Stage | None) -> None:
         log.warning("ending what the %s stage set up: %s", stage.name, exc)
 
 
-def _placement(res: Resources) -> tuple:
-    """What a service's actors hold (a pass's batch size is its own), and the environment they started with."""
-    return res.num_cpus, res.num_gpus, res.concurrency, res.threads, res.calls, res.env
+def _placement(res: Resources) -> Resources:
+    """What a service's actors hold and started with: a pass's batch size is its own."""
+    return dataclasses.replace(res, batch_size=0)
 
 
 class StageService:
@@ -137,10 +136,9 @@ class StageService:
         # actors that can never be placed would leave the pass waiting on them forever: refused first
         refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, res.need, nodes))
 
-        # A lost actor is started again from the stage in its creation spec and its call retried. An actor whose
-        # setup starts processes gets a concurrency group for its close, which then does not wait behind a running
-        # call; only there: such an actor runs even single calls in a thread whose OpenMP threads `set_threads`
-        # did not set.
+        # A lost actor restarts from the stage in its creation spec. An actor whose setup starts processes gets a
+        # concurrency group for its close, not to wait behind a running call (only there: its calls then run in a
+        # thread whose OpenMP threads `set_threads` did not set).
         self.closes = stage.starts_processes
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls,
@@ -157,9 +155,8 @@ class StageService:
 
     def run_frame(self, frame: pd.DataFrame, stage: Stage, progress: PassProgress | None = None,
                   on_batch: Callable[[int, pd.DataFrame], None] | None = None) -> pd.DataFrame:
-        """Rows the driver holds through `stage`, sent straight to the actors in batches (no Ray Data plan: a
-        few rows answer in milliseconds, not the second a dataset's start costs); the rows come back in their
-        order. `on_batch(first_row, out)` as each batch is answered (a checkpoint commits it)."""
+        """Rows the driver holds through `stage`, sent straight to the actors in batches (no Ray Data plan: a few
+        rows answer in milliseconds), back in their order; `on_batch(first_row, out)` as each batch is answered."""
         size = stage.resources.batch_size
         batches = [frame.iloc[i:i + size].reset_index(drop=True) for i in range(0, len(frame), size)]
         if stage.batch_format == "pyarrow":
@@ -178,8 +175,8 @@ class StageService:
         return pd.concat(outs, ignore_index=True) if outs else frame.iloc[:0].copy()
 
     def close(self) -> None:
-        """End the service: each actor first ends what its setup started (up to `ray_runtime.CLOSE_S`), then Ray
-        kills the actors and the placement groups of their remote engines go."""
+        """End what each actor's setup started (up to `ray_runtime.CLOSE_S`), then the actors and the placement
+        groups of their remote engines."""
         import ray
 
         ids = [actor._actor_id.hex() for actor in self.actors]
@@ -215,8 +212,8 @@ class Services:
             return self._service(stage).run_frame(frame, stage, progress, on_batch)
 
     def start(self, stage: Stage) -> None:
-        """Start `stage`'s service before its first pass, so its model loads while the driver does other work. A
-        live service of the kind is left as it is (the pass sets it up for its key if it has to)."""
+        """Start `stage`'s service before its first pass, so its model loads while the driver works (a live one of
+        the kind is left as it is)."""
         if stage.name not in self._live:
             self._service(stage)
 
