@@ -85,8 +85,7 @@ class _Store:
         """(record, version) or None; the version is what a replace compares (an ETag, or the bytes)."""
         if self.loc.is_local:
             try:
-                with open(self.loc.path, "rb") as f:
-                    data = f.read()
+                data = self.loc.read_bytes()
             except FileNotFoundError:
                 return None
             return _parse(data), data
