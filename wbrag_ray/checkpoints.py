@@ -179,7 +179,7 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
 
 
 def progress(folder: Location) -> dict[str, Any]:
-    """The pass an incomplete stage was in, its rows, and how many rows are committed."""
+    """The pass an incomplete stage was in, its rows, the rows committed, and a stopped training's step."""
     info = folder.join("pass.json")
     out: dict[str, Any] = info.read_json() if info.exists() else {}
     committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()
@@ -188,19 +188,14 @@ def progress(folder: Location) -> dict[str, Any]:
     for name in subdirs(tasks):
         committed += sum(int(r.get("rows", 0)) for r in TaskRecords(tasks.join(name)).done().values())
     out["committed"] = committed
-    out.update(training_progress(folder))
-    return out
-
-
-def training_progress(folder: Location) -> dict[str, Any]:
-    """The step of a stopped training's last Ray Train checkpoint; empty when the stage trains nothing."""
-    train = folder.join("train")
+    train = folder.join("train")  # the step of a stopped training's last Ray Train checkpoint
     for label in subdirs(train):
         snapshot = train.join(label, "checkpoint_manager_snapshot.json")
         if snapshot.exists():
             latest = snapshot.read_json().get("latest_checkpoint_result") or {}
-            return {"trained_steps": int(latest.get("metrics", {}).get("step", 0))}
-    return {}
+            out["trained_steps"] = int(latest.get("metrics", {}).get("step", 0))
+            break
+    return out
 
 
 def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str, int]:
