@@ -1,5 +1,6 @@
 """Starting or joining Ray, once per process, with messages that say what to do when it fails (and the
-environment of the workers that import vLLM); and the generic Ray helpers every pipeline shares."""
+environment of the workers that import vLLM); and the generic Ray helpers every pipeline shares. Over 400 lines:
+what every command does with Ray, each piece short, none a module's worth alone."""
 
 from __future__ import annotations
 
