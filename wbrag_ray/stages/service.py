@@ -128,7 +128,6 @@ class StageService:
     def __init__(self, stage: Stage):
         import ray
 
-        self.name = stage.name
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
