@@ -52,7 +52,6 @@ class AnswerStore:
             for key, value in zip(table["key"].to_pylist(), table["value"].to_pylist(), strict=True):
                 self.answers[key] = tuple(json.loads(value))
         self.loaded = len(self.answers)
-        self.blocks = 0
         self._pending: list[tuple[bytes, str]] = []
         self._last = time.monotonic()
 
@@ -72,7 +71,6 @@ class AnswerStore:
         keys, values = zip(*self._pending, strict=True)
         self.folder.join(f"block-{uuid.uuid4().hex}.parquet").write_table(
             pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}))
-        self.blocks += 1
         self._pending = []
 
 
