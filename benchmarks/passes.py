@@ -3,9 +3,8 @@
 The RAG methods alternate short passes (Self-RAG: retrieval judgement, relevance judgements, answer; FLARE: a
 look-ahead and a rewrite per round), and so do write-back training, mastery scoring and every evaluation grid.
 A pass on a pool of its own starts a worker process, imports torch and transformers and loads the model; a
-pass on the command's generator service (`wbrag_ray.stages.service`, what `GeneratorPasses` uses) sends its
-rows to a model loaded once, either as a Ray Data pass (a dataset's rows stream through the service's actors)
-or, for rows the driver holds, straight to the actors (`Services.run_frame`: what the RAG methods, gates and
+pass on the command's generator service (`wbrag_ray.stages.service`, what `GeneratorPasses` uses) sends the
+rows the driver holds straight to a model loaded once (`Services.run_frame`: what the RAG methods, gates and
 grids send). Each way runs the same PASSES passes of ROWS closed-book prompts with the bundled SmolLM2 in
 fp32 (whatever the CPU); answers must be identical. Figures: total time, the mean time of a pass after the
 first, and the start-up of a pass after the first (a one-row pass that generates one token: the wait for a
@@ -31,7 +30,7 @@ from benchmarks.common import (
     run_module_main,
 )
 
-WAYS = ("own pool", "service, dataset", "service, driver rows")
+WAYS = ("own pool", "service, driver rows")
 
 
 def _passes(questions: list[str], n_passes: int, way: str) -> tuple[list[float], float, list[list[str]]]:
@@ -43,7 +42,7 @@ def _passes(questions: list[str], n_passes: int, way: str) -> tuple[list[float],
     from wbrag_ray.generation.passes import GeneratorPasses
     from wbrag_ray.generation.stage import GenerateStage
     from wbrag_ray.ray_runtime import local_dataset
-    from wbrag_ray.stages.service import run_pass
+    from wbrag_ray.stages.base import apply_stage
 
     config = GeneratorConfig(dtype="float32", max_new_tokens=8, num_cpus=1, threads=2)
     # another slice of questions per pass (a command's passes ask new prompts: the answer memo would
@@ -56,10 +55,9 @@ def _passes(questions: list[str], n_passes: int, way: str) -> tuple[list[float],
         def one(rows: pd.DataFrame, tokens: int | None = None) -> list[str]:
             if way == "service, driver rows":
                 out = passes.generate("p", rows, "prompt", "answer", tokens)
-            else:  # a Ray Dataset pass: on the service, or on a pool of its own as every pass ran before services
+            else:  # a Ray Dataset pass on a pool of its own, as every pass ran before services
                 own = config.model_copy(update={"max_new_tokens": tokens or config.max_new_tokens})
-                services = passes.services if way == "service, dataset" else None
-                out = run_pass(local_dataset(rows), GenerateStage(own, "prompt", "answer"), services).to_pandas()
+                out = apply_stage(local_dataset(rows), GenerateStage(own, "prompt", "answer")).to_pandas()
             return out.sort_values("id")["answer"].tolist()
 
         for i in range(n_passes):

@@ -57,7 +57,7 @@ def run_pass(calls: int, frame, rounds: int) -> tuple[list[str], float, float]:
             with Stopwatch() as sw:
                 out = rerun.generate(f"pass-{r}", frame, "prompt", "answer")
             best, answers = min(best, sw.seconds), list(out["answer"])
-        at_once = max(passes.services.calls_at_once()["generate"])
+        at_once = max(passes.services.actor_stats("most_running")["generate"])
     report(f"calls_per_engine={calls}: most calls the actor ran at once", at_once)
     return answers, best, start
 

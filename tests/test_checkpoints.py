@@ -6,7 +6,8 @@ tests/cluster/test_fault_tolerance.py."""
 import numpy as np
 
 from wbrag_ray.checkpoints import AnswerStore, active, stage_checkpoint
-from wbrag_ray.run import RunFolder
+from wbrag_ray.config import WbragConfig
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import resolve
 
 
@@ -49,7 +50,7 @@ def test_a_complete_stage_records_what_it_resumed_and_leaves_no_checkpoint(tmp_p
         assert run.layout.checkpoint("stage-a").exists()
         return {"rows_out": 8}
 
-    stats = run.run_stage("stage-a", work, fingerprint={"config": {}})
+    stats = run.execute(RunStage("stage-a"), WbragConfig(), work)
     assert (stats["rows_resumed"], stats["rows_computed"]) == (3, 5)
     assert run.stats("stage-a")["rows_resumed"] == 3
     assert not run.layout.checkpoint("stage-a").exists()

@@ -55,13 +55,23 @@ def cpus_held(ray_cluster, monkeypatch):
     ray_cluster.kill(holder)
 
 
-def test_a_ray_data_pool_whose_actors_others_keep_out_ends_naming_it_and_runs_once_freed(ray_cluster, cpus_held):
-    from wbrag_ray.stages.service import Services
+def _pass(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` through Doubler on a pool of its own, as a resumable pass runs one (`checkpoints.resumable_write`)."""
+    from wbrag_ray.placement.waits import pool_start_wait
+    from wbrag_ray.ray_runtime import local_dataset
+    from wbrag_ray.stages.base import apply_stage, concurrency_fix
 
+    stage = Doubler()
+    res = stage.resources
+    with pool_start_wait(f"the {stage.name} pass", res.concurrency, res.need, concurrency_fix(stage.section)):
+        return apply_stage(local_dataset(frame), stage).to_pandas()
+
+
+def test_a_ray_data_pool_whose_actors_others_keep_out_ends_naming_it_and_runs_once_freed(ray_cluster, cpus_held):
     frame = pd.DataFrame({"x": range(8)})
     start = time.monotonic()
-    with Services() as services, pytest.raises(ConfigError) as refused:
-        services.run_frame(frame, Doubler())
+    with pytest.raises(ConfigError) as refused:
+        _pass(frame)
     took = time.monotonic() - start
     assert TIMEOUT_S <= took < TIMEOUT_S + 15, took
     message = str(refused.value)
@@ -72,8 +82,7 @@ def test_a_ray_data_pool_whose_actors_others_keep_out_ends_naming_it_and_runs_on
     cpus_held()  # the same pass runs once the CPUs are free: the refused pool left nothing behind
     wait_idle(ray_cluster)
     PENDING_TIMEOUT_S["seconds"] = 120.0  # an actor's start (a process, its imports) may take seconds on 2 busy cores
-    with Services() as services:
-        assert services.run_frame(frame, Doubler())["y"].tolist() == [2 * x for x in range(8)]
+    assert _pass(frame)["y"].tolist() == [2 * x for x in range(8)]
 
 
 def test_a_training_whose_workers_others_keep_out_ends_naming_them(ray_cluster, cpus_held, tmp_path):

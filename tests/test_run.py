@@ -3,8 +3,8 @@ import os
 import pytest
 
 from wbrag_ray.build_kb import INDEX, KB_STAGES
-from wbrag_ray.config import ConfigError, load_config
-from wbrag_ray.run import RunFolder
+from wbrag_ray.config import ConfigError, WbragConfig, load_config
+from wbrag_ray.run import RunFolder, RunStage
 
 
 def test_stage_runs_once_then_is_skipped(tmp_path, capsys):
@@ -15,12 +15,12 @@ def test_stage_runs_once_then_is_skipped(tmp_path, capsys):
         calls.append(1)
         return {"rows_in": 3, "rows_out": 2, "rows_rejected": 1}
 
-    assert run.run_stage("s", work)["rows_out"] == 2
+    assert run.execute(RunStage("s"), WbragConfig(), work)["rows_out"] == 2
     assert run.is_complete("s") and run.stats("s")["rows_rejected"] == 1
-    assert run.run_stage("s", work)["rows_out"] == 2
+    assert run.execute(RunStage("s"), WbragConfig(), work)["rows_out"] == 2
     assert len(calls) == 1
     assert "skipped" in capsys.readouterr().out
-    run.run_stage("s", work, force=True)
+    run.execute(RunStage("s"), WbragConfig(), work, force=True)
     assert len(calls) == 2
 
 
@@ -31,7 +31,7 @@ def test_a_failed_stage_leaves_no_marker(tmp_path):
         raise RuntimeError("died part way")
 
     with pytest.raises(RuntimeError):
-        run.run_stage("s", boom)
+        run.execute(RunStage("s"), WbragConfig(), boom)
     assert not run.is_complete("s")
     assert run.completed_stages() == []
 
@@ -48,15 +48,15 @@ def test_run_json_only_ever_holds_the_settings_of_completed_stages(tmp_path, sto
     run = RunFolder(str(tmp_path / "run"))
     run.bind_config(load_config(overrides=["embedder.num_cpus=0.75"]), record="when_a_stage_runs")
     with pytest.raises(type(stop)):
-        run.run_stage("first", stopped)
+        run.execute(RunStage("first"), WbragConfig(), stopped)
     assert not run.is_run()  # nothing completed: no config recorded
     run.bind_config(load_config(overrides=["embedder.num_cpus=0.5"]))
     run.bind_config(load_config(overrides=["embedder.num_cpus=1"]), record="when_a_stage_runs")
     with pytest.raises(type(stop)):
-        run.run_stage("s", stopped)
+        run.execute(RunStage("s"), WbragConfig(), stopped)
     assert run.load_config().embedder.num_cpus == 0.5
     run.bind_config(load_config(overrides=["embedder.num_cpus=1"]), record="when_a_stage_runs")
-    run.run_stage("s", lambda: {"rows_out": 1})
+    run.execute(RunStage("s"), WbragConfig(), lambda: {"rows_out": 1})
     assert run.load_config().embedder.num_cpus == 1  # it completed with them: what it wrote, they made
 
 
@@ -78,7 +78,7 @@ def test_marker_is_written_after_stats(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Location, "open_write", recording)
     run = RunFolder(str(tmp_path / "run"))
-    run.run_stage("s", lambda: {"rows_out": 1})
+    run.execute(RunStage("s"), WbragConfig(), lambda: {"rows_out": 1})
     assert [a for a in appeared if a[0] in ("stats.json", "_SUCCESS")] == [("stats.json", True), ("_SUCCESS", True)]
     assert run.stats("s")["rows_out"] == 1 and run.is_complete("s")
 
@@ -159,14 +159,14 @@ def test_a_forced_redo_writes_beside_the_old_output_and_replaces_it_only_at_comp
             return {"rows_out": 1}
         return stage
 
-    run.run_stage("s", work("old"))
+    run.execute(RunStage("s"), WbragConfig(), work("old"))
     assert seen[-1] == final.uri  # first time: in place
     with pytest.raises(RuntimeError):
-        run.run_stage("s", work("new", fail=True), force=True)
+        run.execute(RunStage("s"), WbragConfig(), work("new", fail=True), force=True)
     assert seen[-1] != final.uri and seen[-1].endswith("/.out.new")
     assert run.is_complete("s") and final.join("part.txt").read_bytes() == b"old"
     assert [f.name for f in run.root.list_files()] == []  # the staging folder is hidden
-    run.run_stage("s", work("new"), force=True)
+    run.execute(RunStage("s"), WbragConfig(), work("new"), force=True)
     assert seen[-1] == seen[-2]  # the same staging folder: a redo resumes into it
     assert run.is_complete("s") and final.join("part.txt").read_bytes() == b"new"
     assert not run.root.join(".out.new").exists()

@@ -131,7 +131,8 @@ def main(mode: str) -> None:
     import ray
 
     from wbrag_ray.config import RayConfig
-    from wbrag_ray.ray_runtime import init_ray
+    from wbrag_ray.ray_runtime import init_ray, local_dataset
+    from wbrag_ray.stages.base import apply_stage
     from wbrag_ray.stages.service import Services
 
     logging.basicConfig(level=logging.DEBUG if mode == "verbose" else logging.INFO)
@@ -146,7 +147,7 @@ def main(mode: str) -> None:
     frame = pd.DataFrame({"x": [1, 2]})
     with Services() as services:
         service = services.run_frame(frame, EnvProbe(resources, "probe"))["level"].tolist()
-        pool = services.run_frame(frame, EnvProbe(resources, None))["level"].tolist()
+    pool = apply_stage(local_dataset(frame), EnvProbe(resources, None)).to_pandas()["level"].tolist()
     task_runtime_env, task_level = ray.get(task_env.remote())
     print(json.dumps({"job": (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {},
                       "task": task_runtime_env.get("env_vars") or {}, "task_level": task_level,

@@ -27,9 +27,7 @@ from wbrag_ray.storage import Location, StorageError, refused_writes
 if TYPE_CHECKING:
     import ray.data
 
-# A block of answers is committed at this many rows or seconds (`generator.checkpoint_rows` / `_seconds`).
-BLOCK_ROWS = 1024
-BLOCK_SECONDS = 60.0
+BLOCK_ROWS, BLOCK_SECONDS = 1024, 60.0  # a block of answers is committed at either (`generator.checkpoint_rows`)
 
 
 def _plain(value: Any) -> Any:
@@ -54,7 +52,6 @@ class AnswerStore:
             for key, value in zip(table["key"].to_pylist(), table["value"].to_pylist(), strict=True):
                 self.answers[key] = tuple(json.loads(value))
         self.loaded = len(self.answers)
-        self.blocks = 0
         self._pending: list[tuple[bytes, str]] = []
         self._last = time.monotonic()
 
@@ -74,7 +71,6 @@ class AnswerStore:
         keys, values = zip(*self._pending, strict=True)
         self.folder.join(f"block-{uuid.uuid4().hex}.parquet").write_table(
             pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.string())}))
-        self.blocks += 1
         self._pending = []
 
 
@@ -148,13 +144,11 @@ class StageCheckpoint:
 
     def stats(self) -> dict[str, int]:
         """`rows_resumed` / `rows_computed` for the stage's stats, when a pass counted any."""
-        if not (self.rows_resumed or self.rows_computed):
-            return {}
-        return {"rows_resumed": self.rows_resumed, "rows_computed": self.rows_computed}
+        counted = {"rows_resumed": self.rows_resumed, "rows_computed": self.rows_computed}
+        return counted if any(counted.values()) else {}
 
 
-_ACTIVE: contextvars.ContextVar[StageCheckpoint | None] = contextvars.ContextVar("wbrag_stage_checkpoint",
-                                                                                  default=None)
+_ACTIVE: contextvars.ContextVar[StageCheckpoint | None] = contextvars.ContextVar("stage_checkpoint", default=None)
 
 
 def active() -> StageCheckpoint | None:
@@ -183,7 +177,7 @@ def stage_checkpoint(folder: Location, fingerprint: dict[str, Any] | None, label
 
 
 def progress(folder: Location) -> dict[str, Any]:
-    """The pass an incomplete stage was in, its rows, and how many rows are committed."""
+    """The pass an incomplete stage was in, its rows, the rows committed, and a stopped training's step."""
     info = folder.join("pass.json")
     out: dict[str, Any] = info.read_json() if info.exists() else {}
     committed = sum(n for part in ("answers", "rows") for name, n in rows_by_file(folder.join(part)).items()
@@ -192,24 +186,19 @@ def progress(folder: Location) -> dict[str, Any]:
     for name in subdirs(tasks):
         committed += sum(int(r.get("rows", 0)) for r in TaskRecords(tasks.join(name)).done().values())
     out["committed"] = committed
-    out.update(training_progress(folder))
-    return out
-
-
-def training_progress(folder: Location) -> dict[str, Any]:
-    """The step of a stopped training's last Ray Train checkpoint; empty when the stage trains nothing."""
-    train = folder.join("train")
+    train = folder.join("train")  # the step of a stopped training's last Ray Train checkpoint
     for label in subdirs(train):
         snapshot = train.join(label, "checkpoint_manager_snapshot.json")
         if snapshot.exists():
             latest = snapshot.read_json().get("latest_checkpoint_result") or {}
-            return {"trained_steps": int(latest.get("metrics", {}).get("step", 0))}
-    return {}
+            out["trained_steps"] = int(latest.get("metrics", {}).get("step", 0))
+            break
+    return out
 
 
 def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str, int]:
-    """Rows of each Parquet file in `folder`, from its footer; a file a kill cut short (no footer) is left out,
-    or, with `remove_unreadable`, removed (a resumed pass writes its rows again)."""
+    """Rows of each Parquet file in `folder`, from its footer; a file a kill cut short is left out, or removed
+    (`remove_unreadable`: a resumed pass writes its rows again)."""
     out = {}
     for f in folder.list_files(".parquet"):
         try:
@@ -220,8 +209,7 @@ def rows_by_file(folder: Location, remove_unreadable: bool = False) -> dict[str,
     return out
 
 
-# Ray Data's CheckpointFilter actor asks for 1 CPU, which CheckpointConfig does not let one change.
-CHECKPOINT_FILTER_CPUS = 1.0
+CHECKPOINT_FILTER_CPUS = 1.0  # Ray Data's CheckpointFilter actor's, which CheckpointConfig does not let one change
 
 
 def resume_places(pass_resources: Resources, nodes: list[dict[str, float]]) -> bool:
@@ -293,15 +281,15 @@ def fit_resume(pass_resources: Resources, key: str | None, label: str) -> Resour
 def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Location, id_column: str, prefix: str,
                     block_bytes: int, label: str, total: int, pass_resources: Resources,
                     resources_key: str | None) -> dict[str, Any]:
-    """Write the dataset `build(resources)` makes as Parquet files in `out` under Ray Data's row-level checkpoint on
-    `id_column` (a rerun reads only rows not written yet), in blocks of at most `block_bytes`. Returns the rows
-    written, resumed and computed."""
+    """Write the dataset `build(resources)` as Parquet files in `out` under Ray Data's row-level checkpoint on
+    `id_column` (a rerun reads only rows not written yet), blocks of at most `block_bytes`; rows written, resumed
+    and computed."""
     import ray.data
     from ray.data.checkpoint import CheckpointConfig
 
     checkpoint = active()
     if checkpoint is None:
-        raise RuntimeError("resumable_write runs inside a stage (RunFolder.run_stage)")
+        raise RuntimeError("resumable_write runs inside a stage (RunFolder.execute)")
     ckpt = checkpoint.rows
     resuming = ckpt.exists() and out.exists()
     # sized before anything waits (as configured where WBRAG_AUTOSCALING=1 says CPUs come on demand)

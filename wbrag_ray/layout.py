@@ -1,5 +1,5 @@
 """Every path of a run folder, named once (the tree: docs/architecture.md, The run folder): writers, readers and
-tests reach a file through these classes, never a typed string. Each class derives paths from a root Location."""
+tests reach a file through these classes, each deriving paths from a root Location, never a typed string."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def plain_name(value: str, what: str, reserved: tuple[str, ...] = ()) -> str:
 
 
 def _at(*parts: str) -> property:
-    """A path below the folder's `root`, as a read-only attribute: each class below is a table of names."""
+    """A path below the folder's `root`, as a read-only attribute."""
 
     def path(self) -> Location:
         return self.root.join(*parts)
@@ -33,7 +33,7 @@ def _at(*parts: str) -> property:
 
 
 def staging(final: Location) -> Location:
-    """Hidden folder beside `final`, the same on every attempt, where new output is written until it replaces it."""
+    """The hidden folder beside `final`, the same on every attempt, where new output waits to replace it."""
     return final.parent().join(f".{final.name}.new")
 
 
@@ -44,7 +44,7 @@ def subdirs(loc: Location) -> list[str]:
     if not loc.exists():
         return []
     infos = loc.fs.get_file_info(pafs.FileSelector(loc.path))
-    # hidden names are a writer's staging folders (new results before they replace the old), never results
+    # hidden names are a writer's staging folders, never results
     return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and not i.base_name.startswith("."))
 
 

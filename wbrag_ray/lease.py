@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, before_write, error_code, guard_writes, lock_path, resolve, s3_client
+from wbrag_ray.storage import Location, before_write, error_code, guard_writes, host_lock, resolve, s3_client
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +37,7 @@ class LeaseLost(ConfigError):
     """This command's lease was taken by another writer: it stops before its next write, naming the new holder."""
 
 
-# Raised in the main thread when a heartbeat finds the lease taken, so a waiting command stops at once.
-LOST_SIGNAL = signal.SIGUSR2
-
-
-def ttl_s() -> float:
-    return float(os.environ.get("WBRAG_LEASE_TTL", DEFAULT_TTL_S))
+LOST_SIGNAL = signal.SIGUSR2  # sent to the main thread when a heartbeat finds the lease taken: it stops at once
 
 
 def _pid_alive(pid: int) -> bool:
@@ -60,10 +54,9 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def stale_reason(record: dict[str, Any], now: float | None = None) -> str | None:
+def stale_reason(record: dict[str, Any]) -> str | None:
     """Why a lease no longer holds (its heartbeat expired, or its process on this host is gone), or None."""
-    now = time.time() if now is None else now
-    age = now - float(record.get("heartbeat", 0))
+    age = time.time() - float(record.get("heartbeat", 0))
     if age > float(record.get("ttl_s", DEFAULT_TTL_S)):
         return f"its last heartbeat was {age:.0f} s ago"
     if record.get("host") == socket.gethostname() and not _pid_alive(int(record.get("pid", 0))):
@@ -71,14 +64,11 @@ def stale_reason(record: dict[str, Any], now: float | None = None) -> str | None
     return None
 
 
-def _when(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t).isoformat(timespec="seconds")
-
-
 def held_message(uri: str, record: dict[str, Any], lease_uri: str) -> str:
     beat = time.time() - float(record.get("heartbeat", 0))
+    since = datetime.datetime.fromtimestamp(float(record.get("start", 0))).isoformat(timespec="seconds")
     return (f"run folder {uri} is being written by another command: `{record.get('holder')}` (host "
-            f"{record.get('host')}, pid {record.get('pid')}, since {_when(float(record.get('start', 0)))}, last "
+            f"{record.get('host')}, pid {record.get('pid')}, since {since}, last "
             f"heartbeat {beat:.0f} s ago); wait for it to end, or, if that process is gone, delete "
             f"{lease_uri} (a lease also expires {float(record.get('ttl_s', DEFAULT_TTL_S)):g} s after its "
             "last heartbeat)")
@@ -95,8 +85,7 @@ class _Store:
         """(record, version) or None; the version is what a replace compares (an ETag, or the bytes)."""
         if self.loc.is_local:
             try:
-                with open(self.loc.path, "rb") as f:
-                    data = f.read()
+                data = self.loc.read_bytes()
             except FileNotFoundError:
                 return None
             return _parse(data), data
@@ -121,12 +110,9 @@ class _Store:
         return self._put(data, IfNoneMatch="*")
 
     def replace(self, data: bytes, version: Any) -> bool:
-        """Write `data` only where the lease is still `version`; False otherwise (or the host lock stays held)."""
+        """Write `data` only where the lease is still `version`, else False (TimeoutError: the host lock stays held)."""
         if self.loc.is_local:
-            with _host_lock(self.loc.path) as locked:
-                if not locked:
-                    raise TimeoutError(f"the lease {self.loc.uri} is being replaced by a process that does not "
-                                       f"answer (it holds {lock_path(self.loc.path, LEASE_LOCK)})")
+            with host_lock(self.loc.path, LEASE_LOCK, HOST_LOCK_WAIT_S):
                 current = self.read()
                 if current is None or current[1] != version:
                     return False
@@ -160,25 +146,8 @@ def _parse(data: bytes) -> dict[str, Any]:
     return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}
 
 
-LEASE_LOCK = ".lease.lock"  # this host's lock around a local lease's compare-and-replace (`storage.lock_path`)
+LEASE_LOCK = ".lease.lock"  # this host's lock around a local lease's compare-and-replace (`storage.host_lock`)
 HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is held by a stalled process
-
-
-@contextlib.contextmanager
-def _host_lock(path: str) -> Iterator[bool]:
-    """This host's lock around a local compare-and-replace; yields whether it was taken in HOST_LOCK_WAIT_S."""
-    with open(lock_path(path, LEASE_LOCK), "w") as lock:
-        deadline = time.monotonic() + HOST_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.02)
-        yield True
 
 
 # --- the lease ------------------------------------------------------------------------------------------------
@@ -190,7 +159,7 @@ class RunLease:
     def __init__(self, root: Location, holder: str):
         self.root = root
         self.store = _Store(RunLayout(root).lease)
-        self.ttl = ttl_s()
+        self.ttl = float(os.environ.get("WBRAG_LEASE_TTL", DEFAULT_TTL_S))
         now = time.time()
         self.record = {"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "start": now,
                        "heartbeat": now, "ttl_s": self.ttl, "token": uuid.uuid4().hex}

@@ -1,6 +1,6 @@
 """Starting or joining Ray, once per process, with messages that say what to do when it fails (and the
-environment of the workers that import vLLM, decided there); and the generic Ray helpers every pipeline shares.
-Over 400 lines: what every command does with Ray, each piece short, none a module's worth alone."""
+environment of the workers that import vLLM); and the generic Ray helpers every pipeline shares. Over 400 lines:
+what every command does with Ray, each piece short, none a module's worth alone."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ LIGHT_CPUS = 0.25
 
 
 def local_dataset(frame):
-    """A Ray Dataset over a table the driver holds, as one block. `ray.data.from_pandas` computes block metadata
-    in a task asking for a whole CPU, which never starts on a small node whose CPUs stage services hold."""
+    """A Ray Dataset over a table the driver holds, as one block (`ray.data.from_pandas` runs a task asking for a
+    whole CPU, which never starts on a small node whose CPUs stage services hold)."""
     import ray.data
 
     if hasattr(frame, "reset_index"):
@@ -47,8 +47,7 @@ def shared_value(ref_or_value):
 
 
 def in_sorted(values, sorted_ids):
-    """Whether each of `values` is in `sorted_ids` (sorted ascending), by binary search: np.isin would sort copies
-    of both, and a task's memory would grow with the corpus."""
+    """Whether each of `values` is in `sorted_ids` (sorted ascending), by binary search (np.isin sorts copies)."""
     import numpy as np
 
     values = np.asarray(values)
@@ -59,8 +58,7 @@ def in_sorted(values, sorted_ids):
 
 
 def select_rows(loc, id_column: str, ids, columns: list[str]):
-    """Rows of a (large) Parquet folder whose id is in `ids`, as a DataFrame, by a distributed scan: only the
-    matches reach the driver."""
+    """Rows of a (large) Parquet folder whose id is in `ids`, by a distributed scan: only matches reach the driver."""
     import numpy as np
     import pandas as pd
     import pyarrow as pa
@@ -81,10 +79,9 @@ def select_rows(loc, id_column: str, ids, columns: list[str]):
 
 def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0, memory: int | None = None,
               parallel: bool | None = None, own_errors: tuple[type[BaseException], ...] = (ValueError,)) -> list:
-    """fn(shared, item) for every item, in order: Ray tasks when Ray is up (or `parallel`), the shared argument put
-    once in the object store; otherwise a loop in this process. `memory`: the bytes each task declares. An error
-    of one of `own_errors` comes back as itself, others as Ray's wrapped error. Failed tasks are retried twice (a
-    lost node), so `fn` must be idempotent: it writes whole files under names given by its item."""
+    """fn(shared, item) for every item, in order: Ray tasks when Ray is up (or `parallel`), `shared` put once in
+    the object store; else a loop here. An error of `own_errors` comes back as itself. Failed tasks are retried
+    twice (a lost node), so `fn` must be idempotent: it writes whole files named by its item."""
     import ray
 
     if parallel is None:
@@ -102,14 +99,12 @@ def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0
         raise
 
 
-# How long an actor's own ending of what it started may take before the actor is killed anyway
-CLOSE_S = 30.0
+CLOSE_S = 30.0  # how long an actor may take to end what it started before it is killed anyway
 
 
 def end_child_processes(timeout_s: float = 1.0) -> list[int]:
-    """End every process this one started that is still up (what a vLLM engine's shutdown left: a resource tracker
-    that ignores SIGTERM, an unreaped engine core): SIGTERM, SIGKILL after `timeout_s`; their pids. Ray kills only
-    a worker's direct children when it exits, and none where the worker crashed."""
+    """End every process this one started that is still up (a vLLM engine's leftovers), SIGKILL after `timeout_s`;
+    their pids. Ray kills only a worker's direct children when it exits, and none where the worker crashed."""
     import psutil
 
     children = psutil.Process().children(recursive=True)
@@ -124,20 +119,15 @@ def end_child_processes(timeout_s: float = 1.0) -> list[int]:
     return [child.pid for child in children]
 
 
-def call_actor(actors: list, method: str, *args, attempts: int = 6, first: int | None = None):
-    """`actors[i].<method>(*args)` on one of interchangeable actors, waited for: on `actors[first]` when given, else
-    a random one; a call that meets a lost or restarting actor is sent again, to the next one, after a back-off.
-    The methods called so are pure functions of their arguments: running one twice loses and duplicates nothing."""
+def call_actor(actors: list, method: str, *args, attempts: int = 6):
+    """`actors[i].<method>(*args)` on one of interchangeable actors, chosen at random; a call that meets a lost
+    actor is sent again to the next one after a back-off (the methods are pure)."""
     import random
     import time
 
     import ray
 
-    turns = random.sample(range(len(actors)), len(actors))
-    if first is not None:
-        turns.remove(first)
-        turns.insert(0, first)
-    order = [actors[i] for i in turns]
+    order = random.sample(actors, len(actors))
     for attempt in range(attempts):
         actor = order[attempt % len(order)]
         try:
@@ -150,13 +140,11 @@ def call_actor(actors: list, method: str, *args, attempts: int = 6, first: int |
 
 
 def start_restartable(remote_cls, *args):
-    """`remote_cls.remote(*args)` for an actor Ray restarts after a failure: the arguments must be inlined in the
-    creation spec (up to `max_direct_call_object_size`), not objects in the store, which a restart cannot find
-    once their owner released them (ray-project/ray#53727). Larger inputs go by path, loaded in the actor."""
+    """`remote_cls.remote(*args)` for an actor Ray restarts after a failure: its arguments must be inlined in the
+    creation spec, since a restart cannot find store objects their owner released (ray-project/ray#53727)."""
     from ray import cloudpickle
 
-    # Ray's own setting (a C++ config, read from the environment like every RAY_* one); its default
-    limit = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
+    limit = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))  # Ray's setting, its default
     size = len(cloudpickle.dumps(args))
     if size > limit:
         raise ValueError(f"the arguments of a restartable {remote_cls} actor pickle to {size:,} bytes, more than "
@@ -166,9 +154,8 @@ def start_restartable(remote_cls, *args):
 
 def call_actors(actors: list, method: str, calls: list[tuple], *, in_flight: int = 2,
                 on_result: Callable[[int, Any], None] | None = None) -> list:
-    """`actors[j].<method>(*calls[i])` for every i, at most `in_flight` unanswered calls per actor, each next call
-    to the actor with the fewest (the one that just answered). The results in the order of `calls`;
-    `on_result(i, result)` as each arrives. A call that meets a lost actor is sent again as `call_actor` does."""
+    """`actors[j].<method>(*calls[i])` for every i, at most `in_flight` unanswered calls per actor, each next to the
+    least busy; results in the order of `calls`, `on_result(i, result)` as each arrives; lost actors as `call_actor`."""
     import ray
 
     results: list = [None] * len(calls)
@@ -193,9 +180,6 @@ def call_actors(actors: list, method: str, calls: list[tuple], *, in_flight: int
         if on_result is not None:
             on_result(i, results[i])
     return results
-
-
-# --- a process's own peak memory: what a task or actor reports of itself --------------------------------
 
 
 def reset_peak_rss() -> float:
@@ -225,8 +209,8 @@ def peak_rss_mb() -> float:
 
 
 def stable_names(prefix: str):
-    """A Ray Data file-name provider: `<prefix>-<write uuid>-<task index>.parquet`, a pure function of (write,
-    task), as Ray's checkpointing needs to predict a file's name; a retried task overwrites its own file."""
+    """A Ray Data file-name provider, a pure function of (write, task) as Ray's checkpointing needs: a retried
+    task overwrites its own file."""
     from ray.data.datasource import FilenameProvider
 
     class StableNames(FilenameProvider):
@@ -239,14 +223,13 @@ def stable_names(prefix: str):
     return StableNames()
 
 
-# vLLM logs about 150 INFO lines per engine start, at the level it reads as it is imported (-v: its own default).
-# Only the workers that import it get the setting, in a runtime env of their own (`Resources.env`).
+# vLLM logs about 150 INFO lines per engine start; only the workers that import it get this (`Resources.env`)
 QUIET_VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def vllm_env(verbose: bool | None = None) -> dict[str, str]:
-    """The environment of the workers that import vLLM: QUIET_VLLM_ENV unless `verbose` (default: -v), a value in
-    this process's environment winning; none that the job's own runtime env sets (it reaches every worker)."""
+    """The environment of the workers that import vLLM: QUIET_VLLM_ENV unless `verbose` (default: -v), this
+    process's values winning; none the job's own runtime env sets (it reaches every worker)."""
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR as JOB
 
     if verbose is None:
@@ -257,8 +240,7 @@ def vllm_env(verbose: bool | None = None) -> dict[str, str]:
 
 
 def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
-    """Join `ray.address` (or RAY_ADDRESS) when given; otherwise start a local cluster. `run_dir`: the run
-    folder the command works in, checked to be reachable from every node (`check_run_dir`)."""
+    """Join `ray.address` (or RAY_ADDRESS), else start a local cluster; check `run_dir` reaches every node."""
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
@@ -299,9 +281,8 @@ class _AuthDefaultNote(logging.Filter):
 
 
 def _start_local(num_cpus: int | None, kwargs: dict) -> None:
-    """A local cluster with its dashboard on a port of its own, which its processes find by RAY_API_SERVER_ADDRESS
-    (set while it starts: only they inherit it): Ray Train's placement-group cleaner asks it whether a training's
-    controller still lives, and warned each second without one."""
+    """A local cluster whose processes find its dashboard on a port of its own (RAY_API_SERVER_ADDRESS): Ray
+    Train's placement-group cleaner asks it whether a controller lives, and warned each second without one."""
     import socket
 
     import ray
@@ -331,15 +312,13 @@ def environ_while(values: dict[str, str]):
                 os.environ[name] = value
 
 
-# Set to 1 when a local run folder is on storage every node sees at the same path but that /proc/mounts does
-# not show as shared (a bind mount of a network volume in a container, a filesystem type not listed).
+# 1: a local path is on storage every node sees at that path, which /proc/mounts does not show (a bind mount)
 SHARED_RUN_DIR_ENV = "WBRAG_SHARED_RUN_DIR"
-_warned_run_dirs: set[str] = set()  # one warning per run folder and process, not one per command step
+_warned_run_dirs: set[str] = set()  # one warning per path and process
 
 
 def _spread() -> str | None:
-    """How this driver's tasks may run on other machines ('with 3 nodes', 'through Ray Client'), or None when Ray
-    runs them on this machine only."""
+    """How this driver's tasks may run on other machines ('with 3 nodes', 'through Ray Client'); None if not."""
     import ray
 
     client = ray.util.client.ray.is_connected()
@@ -350,8 +329,8 @@ def _spread() -> str | None:
 
 
 def _check_shared(path: str, what: str, where: str, fix: str) -> None:
-    """Refuse a local `path` the cluster's other machines cannot see, unless it is on a shared filesystem
-    (`storage.is_shared_filesystem`) or WBRAG_SHARED_RUN_DIR=1 says so (then a warning, once per path)."""
+    """Refuse a local `path` other machines cannot see, unless on a shared filesystem or WBRAG_SHARED_RUN_DIR=1
+    says so (then a warning, once per path)."""
     if os.environ.get(SHARED_RUN_DIR_ENV, "").strip().lower() in ("1", "true", "yes"):
         reason = f"{SHARED_RUN_DIR_ENV}=1 says every node sees it at that path"
     else:
@@ -369,8 +348,8 @@ def _check_shared(path: str, what: str, where: str, fix: str) -> None:
 
 
 def check_run_dir(run_dir: str) -> None:
-    """Refuse a local run folder when Ray runs tasks on other machines (several nodes, or Ray Client): their
-    workers would write to their own disks. Allowed, with a warning, on a shared filesystem (`_check_shared`)."""
+    """Refuse a local run folder when Ray runs tasks on other machines: their workers would write to their own
+    disks (`_check_shared`)."""
     if "://" in run_dir and not run_dir.startswith("file://"):
         return  # object storage: every node reaches it
     where = _spread()
@@ -381,8 +360,7 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def check_model_paths(config) -> None:
-    """On a cluster of several machines, refuse up front a model or adapter at a local path other nodes cannot
-    read (a worker there would fail only when it loads)."""
+    """On several machines, refuse up front a model or adapter at a local path other nodes cannot read."""
     where = _spread()
     if where is None:
         return
@@ -403,11 +381,9 @@ def configure_data_context() -> None:
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
-    # One line per pass unless -v (debug logging) asks for Ray's operator bars and dumps.
     progress.configure(verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
     ctx.print_on_execution_start = False
-    # Ray 2.60's V2 Parquet read adds a ListFiles task asking for a whole CPU, which can wait forever beside a
-    # model actor on a small node; the V1 read plans its files on the driver.
+    # Ray 2.60's V2 Parquet read adds a ListFiles task of a whole CPU, which can wait forever beside a model actor
     ctx.use_datasource_v2 = False
 
 

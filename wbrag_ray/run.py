@@ -1,13 +1,10 @@
-"""The run folder: every stage's outputs, the resolved config, per-stage stats and completion markers.
-
-Paths are named in wbrag_ray.layout. Rerunning a run skips stages whose marker exists. A stage's fingerprint
-is derived from its declaration (`RunStage`): its config values, the call's parameters and the fingerprints of
-the stages it reads; a complete stage whose fingerprint changed is refused (unless --force) or redone.
-"""
+"""The run folder: every stage's outputs (paths in `layout`), the resolved config, per-stage stats and completion
+markers. A stage's fingerprint derives from its declaration (`RunStage`): its config values, the call's parameters
+and the fingerprints of the stages it reads; a complete stage is skipped, or, where its fingerprint changed,
+refused (unless --force) or redone."""
 
 from __future__ import annotations
 
-import logging
 import operator
 import re
 import string
@@ -26,8 +23,6 @@ from wbrag_ray.layout import RunLayout, staging, subdirs
 from wbrag_ray.lease import LeaseLost, fence
 from wbrag_ray.models.hardware import resolved_dtype_name
 from wbrag_ray.storage import Location, refused_writes, resolve
-
-log = logging.getLogger(__name__)
 
 # Where and how wide a stage runs never changes what it writes (a section's own such keys: its `RUNTIME_KEYS`).
 PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "checkpoint_seconds", "memory_gb",
@@ -91,16 +86,13 @@ class RunStage:
                     value.pop(path[len(declared) + 1:], None)
         return out
 
-    def command_for(self, params: dict[str, Any] | None = None) -> str:
-        return self.command.format_map(_Keep(params or {})) or f"the stage '{self.instance(params)}'"
-
 
 @dataclass(frozen=True)
 class Step:
-    """A stage of `wbrag run` as every reader sees it (registry: `wbrag_ray.pipeline.PIPELINE`): its run `stage`,
-    `outputs` (`RunLayout` paths), the config sections it holds (`resources`), its `work(config, sizes, params)`
-    as `wbrag_ray.work` items (which the plan prices), how `run` makes it, and its `instances(config)`. `title`:
-    its name in the plan; `measured_by`: a pattern of the run stages whose stats measure it."""
+    """A stage of `wbrag run` (registry: `pipeline.PIPELINE`): its run `stage`, `outputs` (`RunLayout` paths), the
+    config sections it holds (`resources`), its `work(config, sizes, params)` as `wbrag_ray.work` items (which the
+    plan prices), how `run` makes it, its `instances(config)`, its `title` in the plan, and `measured_by`: a
+    pattern of the run stages whose stats measure it."""
 
     title: str
     stage: RunStage
@@ -136,9 +128,8 @@ class RunFolder:
 
     def bind_config(self, config: WbragConfig, force: bool = False, guard: Iterable[RunStage] = (),
                     record: Literal["now", "when_a_stage_runs"] = "now") -> None:
-        """Bind the resolved config to the run; refuse it, unless `force`, when a complete stage of `guard` was made
-        with other settings. `record`: write run.json now, or once a stage really runs (so run.json always
-        describes what made the files beside it)."""
+        """Bind the resolved config to the run; refuse it, unless `force`, where a complete stage of `guard` was made
+        with other settings. `record`: write run.json now, or once a stage runs (it describes what made the files)."""
         if not force:
             for stage in guard:
                 changed = self._changed(stage, {"config": stage.config_settings(config)}, only_config=True)
@@ -187,7 +178,7 @@ class RunFolder:
         fence(record.success)  # a commit: this command must still hold the run folder's lease
         staged = list(staged)
         if staged:
-            self.invalidate(name)
+            record.success.delete()
             for final, new in staged:
                 if new.exists():
                     final.replace_with(new)
@@ -205,9 +196,6 @@ class RunFolder:
         self._staged.setdefault(final.uri, (final, new))
         return new
 
-    def invalidate(self, name: str) -> None:
-        self.layout.stage(name).success.delete()
-
     def completed_stages(self) -> list[str]:
         done = [name for name in subdirs(self.layout.stages) if self.is_complete(name)]
 
@@ -220,7 +208,8 @@ class RunFolder:
     def require(self, stage: RunStage, params: dict[str, Any] | None = None) -> None:
         name = stage.instance(params)
         if not self.is_complete(name):
-            raise ConfigError(f"stage '{name}' of run {self.uri} is not complete; run `{stage.command_for(params)}` first")
+            command = stage.command.format_map(_Keep(params or {})) or f"the stage '{name}'"
+            raise ConfigError(f"stage '{name}' of run {self.uri} is not complete; run `{command}` first")
 
     def require_inputs(self, stage: RunStage, params: dict[str, Any] | None = None) -> None:
         """Every stage `stage` reads is complete (else the command that makes the first missing one is named)."""
@@ -244,7 +233,7 @@ class RunFolder:
     def check(self, stage: RunStage, config: WbragConfig, params: dict[str, Any] | None = None,
               force: bool = False) -> tuple[dict[str, Any], list[str]]:
         """What `execute` checks before any work (callable before Ray starts): inputs complete, a changed stage
-        refused per `stage.on_change` unless `force`. Returns the fingerprint and what changed."""
+        refused per `stage.on_change` unless `force`; the fingerprint and what changed."""
         self.require_inputs(stage, params)
         fingerprint = self.fingerprint(stage, config, params)
         changed = [] if force else self._changed(stage, fingerprint, params)
@@ -282,23 +271,17 @@ class RunFolder:
     def execute(self, stage: RunStage, config: WbragConfig, work: Callable[[], dict[str, Any]],
                 params: dict[str, Any] | None = None, force: bool = False,
                 on_skip: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Run a declared stage: its inputs must be complete; a complete one with the same fingerprint is
-        skipped (`on_skip` sees its stats), one with another is refused or redone (`stage.on_change`)."""
+        """Run a declared stage: its inputs must be complete; a complete one with the same fingerprint is skipped
+        (`on_skip` sees its stats), one with another is refused or redone (`stage.on_change`). `work` runs with the
+        stage's checkpoint open (resumed for the same fingerprint); then its stats, its marker, a one-line summary."""
         fingerprint, changed = self.check(stage, config, params, force)
         name = stage.instance(params)
         if changed:
             print(f"[{name}] settings changed ({'; '.join(changed[:3])}): redoing it", flush=True)
-        elif self.is_complete(name) and not force and on_skip is not None:
-            on_skip(self.stats(name) or {})
-        return self.run_stage(name, lambda: {**(work() or {}), "settings": fingerprint}, force=force or bool(changed),
-                              fingerprint=fingerprint)
-
-    def run_stage(self, name: str, fn: Callable[[], dict[str, Any]], force: bool = False,
-                  fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Run `fn` unless the stage is complete, with its checkpoint open (resumed for the same `fingerprint`);
-        record its stats and marker; print a one-line summary."""
-        if self.is_complete(name) and not force:
+        elif self.is_complete(name) and not force:
             stats = self.stats(name) or {}
+            if on_skip is not None:
+                on_skip(stats)
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
             return stats
         # a complete stage redone keeps its marker and its outputs (in use) until the new ones replace them
@@ -312,7 +295,7 @@ class RunFolder:
         try:
             # a refused write (a full disk): one line naming the run folder
             with refused_writes(self.root), stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
-                stats = dict(fn() or {})
+                stats = {**(work() or {}), "settings": fingerprint}
         except BaseException:
             self._staged = outer_staged
             if isinstance(sys.exc_info()[1], LeaseLost):

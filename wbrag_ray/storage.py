@@ -24,7 +24,7 @@ from wbrag_ray.config import ConfigError
 
 @functools.cache
 def _check_s3_credentials(env_key: tuple) -> None:
-    """Refuse early when no AWS credentials are found: some S3 servers accept anonymous requests or fail opaquely."""
+    """Refuse early without AWS credentials: some S3 servers accept anonymous requests or fail opaquely."""
     import boto3
 
     if boto3.session.Session().get_credentials() is None:
@@ -74,7 +74,7 @@ class StorageError(OSError):
     """Storage refused a write: one line naming the path and the error."""
 
 
-# What a store answers when it refuses a write (errno values, and words of messages that carry none).
+# What a store answers when it refuses a write: errno values, and words of messages that carry none
 _REFUSED_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 _REFUSED_WORDS = ("no space left", "disk quota", "read-only file system", "permission denied", "access denied", "access_denied",
                   "accessdenied", "file too large", "quotaexceeded")
@@ -126,8 +126,7 @@ def writer_suffix() -> str:
     return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-# Fencing: while a command holds a run folder's lease, every write below it asks the lease first.
-_WRITE_GUARDS: dict[str, Callable[[Location, bool], None]] = {}
+_WRITE_GUARDS: dict[str, Callable[[Location, bool], None]] = {}  # fencing: leased root -> its check (`lease`)
 
 
 def guard_writes(root: Location, check: Callable[[Location, bool], None] | None) -> None:
@@ -172,9 +171,8 @@ class Location:
         return self.fs.get_file_info(self.path).size
 
     def mkdir(self) -> None:
-        if self.is_local:
+        if self.is_local:  # object stores have no directories
             self.fs.create_dir(self.path, recursive=True)
-        # object stores have no directories: nothing to create
 
     def list_files(self, suffix: str = "") -> list[Location]:
         """Files directly below this folder (sorted by name), or [self] when this is a file."""
@@ -210,7 +208,7 @@ class Location:
         """An output stream for writing this file in pieces (large files that should not be built in memory)."""
         before_write(self)
         parent = self.parent()
-        # Write to a hidden temporary name unique to this writer, then move: readers never see half a file.
+        # a hidden name unique to this writer, then a move: readers never see half a file
         tmp = posixpath.join(parent.path, f".{self.name}.{writer_suffix()}.tmp")
         with refused_writes(self):
             parent.mkdir()
@@ -286,7 +284,7 @@ class Location:
             return self.path
         import hashlib
 
-        # Keyed by names, sizes and times too, so a folder rewritten in place is fetched again.
+        # keyed by names, sizes and times too: a folder rewritten in place is fetched again
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
         listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
         key = hashlib.sha1(repr((self.uri, listing)).encode()).hexdigest()[:16]
@@ -313,16 +311,35 @@ def lock_path(path: str, suffix: str = ".lock") -> str:
     return os.path.join(locks, hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + suffix)
 
 
-def node_cached(dest: str, build: Callable[[str], None]) -> str:
-    """`dest`, made by `build(tmp)` once per node under a file lock and renamed into place."""
+@contextlib.contextmanager
+def host_lock(path: str, suffix: str = ".lock", wait_s: float | None = None) -> Iterator[None]:
+    """This host's lock on `path` (`lock_path`), released at the block's end or when the process dies; waited for,
+    or for at most `wait_s` seconds (then TimeoutError: a process that does not answer holds it)."""
     import fcntl
+    import time
+
+    with open(lock_path(path, suffix), "w") as lock:
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline is not None else 0))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} is locked by a process that does not answer (it holds {lock.name})"
+                                       ) from None
+                time.sleep(0.02)
+        yield
+
+
+def node_cached(dest: str, build: Callable[[str], None]) -> str:
+    """`dest`, made by `build(tmp)` once per node under this host's lock and renamed into place."""
     import shutil
 
     if os.path.exists(dest):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    with open(lock_path(dest), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+    with host_lock(dest):
         if not os.path.exists(dest):
             tmp = f"{dest}.tmp{os.getpid()}"
             try:

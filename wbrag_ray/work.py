@@ -1,6 +1,5 @@
 """The work a stage declares it will do, as data (`run.Step.work`): what `wbrag plan` prices and `wbrag run` does.
-Counts come from the config and the plan's `Sizes`; a count the plan cannot know is None.
-"""
+Counts come from the config and the plan's `Sizes`; a count the plan cannot know is None."""
 
 from __future__ import annotations
 
@@ -33,9 +32,9 @@ class Sizes(Protocol):
 
 @dataclass(frozen=True)
 class Pass:
-    """Generator calls an item makes in one kind of prompt of `docs` documents. `mixture`: RePlug's group decoded
-    as one answer; `prompt`: the `prompts` builder of another prompt kind (`prompt_docs` documents in it);
-    `question`: "sentence" where the item is a corpus sentence; `kind`: a prompt kind calibration times."""
+    """Generator calls an item makes in one kind of prompt of `docs` documents. `mixture`: RePlug's group decoded as
+    one answer; `prompt`: the builder of another prompt kind (of `prompt_docs` documents); `question`: "sentence"
+    where the item is a corpus sentence; `kind`: a prompt kind calibration times."""
 
     calls: float
     docs: int

@@ -134,7 +134,8 @@ def test_a_refusal_in_a_service_actors_setup_ends_the_pass_at_once_as_itself(ray
             passes.generate("answers", frame, "prompt", "answer")
         with pytest.raises(ConfigError, match="has no chat template"):  # again, from the same actor, no new setup
             passes.generate("again", frame.iloc[:1], "prompt", "answer")
-        assert passes.services.setups() == {"generate": [0]}  # the actor is up; its one setup failed
+        # the actor is up; its one setup failed
+        assert passes.services.actor_stats("setups") == {"generate": [0]}
     assert "retrying" not in caplog.text  # no call sent again (`ray_runtime.call_actor`'s back-offs)
 
 

@@ -13,16 +13,18 @@ def main(run_dir: str, embeddings: str, factory: str, num_shards: str) -> None:
     import ray
 
     from tests.index.conftest import index_config
+    from wbrag_ray.config import WbragConfig
     from wbrag_ray.index.build import build_index
-    from wbrag_ray.run import RunFolder
+    from wbrag_ray.run import RunFolder, RunStage
     from wbrag_ray.storage import resolve
 
     ray.init(address="auto", log_to_driver=False)
     run = RunFolder(run_dir)
     settings = {"factory": factory, "embeddings": embeddings, "num_shards": int(num_shards)}
     ic = index_config(factory, num_shards=int(num_shards), num_cpus=1)
-    stats = run.run_stage("index", lambda: build_index(resolve(embeddings), run.layout.index, "m", "passage", ic),
-                          fingerprint=settings)
+    stats = run.execute(RunStage("index"), WbragConfig(),
+                        lambda: build_index(resolve(embeddings), run.layout.index, "m", "passage", ic),
+                        params=settings)
     print(json.dumps(stats))
 
 

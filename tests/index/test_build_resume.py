@@ -14,9 +14,10 @@ from tests.conftest import joining_env, last_json_line
 from tests.drivers import kill_once_committed, start
 from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.checkpoints import progress
+from wbrag_ray.config import WbragConfig
 from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import IndexError_
-from wbrag_ray.run import RunFolder
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +89,11 @@ def test_an_ivf_build_that_failed_on_a_bad_shard_resumes_its_parts_once_the_shar
 
     build(resolve(str(reference)))
     run = RunFolder(str(tmp_path / "run"))
+
+    def stage(ratio: float, force: bool = False) -> dict:
+        return run.execute(RunStage("prune-index"), WbragConfig(), lambda: build(run.layout.index),
+                           params={"ratio": ratio}, force=force)
+
     bad = emb / "emb-000007.parquet"
     good = bad.read_bytes()
     other = tmp_path / "other"
@@ -95,11 +101,11 @@ def test_an_ivf_build_that_failed_on_a_bad_shard_resumes_its_parts_once_the_shar
     wrong = (other / "emb-000000.parquet").read_bytes()
     bad.write_bytes(wrong)
     with pytest.raises(IndexError_, match="emb-000007.parquet has dimension 16"):
-        run.run_stage("prune-index", lambda: build(run.layout.index), fingerprint={"ratio": 0.3})
+        stage(0.3)
     assert progress(run.layout.checkpoint("prune-index"))["committed"] == 7 * 300
     bad.write_bytes(good)
 
-    stats = run.run_stage("prune-index", lambda: build(run.layout.index), fingerprint={"ratio": 0.3})
+    stats = stage(0.3)
     assert stats["add_tasks_resumed"] == 7 and stats["merge_tasks_resumed"] == 0
     assert stats["rows_resumed"] == 7 * 300 and stats["rows_computed"] == 5 * 300
     assert stats["rows_dropped"] == len(drop) and stats["rows_out"] == len(vecs) - len(drop)
@@ -111,8 +117,8 @@ def test_an_ivf_build_that_failed_on_a_bad_shard_resumes_its_parts_once_the_shar
     assert not run.layout.checkpoint("prune-index").exists()
     bad.write_bytes(wrong)
     with pytest.raises(IndexError_):
-        run.run_stage("prune-index", lambda: build(run.layout.index), fingerprint={"ratio": 0.3}, force=True)
+        stage(0.3, force=True)
     bad.write_bytes(good)
-    stats = run.run_stage("prune-index", lambda: build(run.layout.index), fingerprint={"ratio": 0.5}, force=True)
+    stats = stage(0.5, force=True)
     assert stats["add_tasks_resumed"] == 0 and stats["rows_computed"] == len(vecs)
     assert _files(index) == _files(reference)

@@ -41,7 +41,7 @@ def _copy(chain_run: RunFolder, dest: Path, *invalidate: str) -> RunFolder:
     relocate(dest, local, str(dest))  # nothing of the copy may write into the session's chain run
     run = RunFolder(str(dest))
     for stage in invalidate:
-        run.invalidate(stage)
+        run.layout.stage(stage).success.delete()
     return run
 
 

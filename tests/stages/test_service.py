@@ -53,7 +53,7 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
         # six passes, four settings of the pass (budget, stop strings, mode), one loaded model: counted by the
         # driver and by the actor itself
         assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 1}
-        assert passes.services.setups() == {"generate": [1]}
+        assert passes.services.actor_stats("setups") == {"generate": [1]}
         # a prompt the command already answered with the same settings is not decoded again (a grid's cells
         # ask the same prompts); another token budget, stop list or mode is another answer
         again = passes.generate("again", pd.concat([_frame(), _frame()]), "prompt", "answer")
@@ -88,7 +88,8 @@ def test_a_pass_with_another_model_loads_it_in_the_same_actors(ray_cluster, tiny
         b = passes.generate("b", _frame(), "prompt", "answer", generator=other).sort_values("id")
         c = passes.generate("c", _frame(), "prompt", "answer").sort_values("id")
         assert passes.services.started == {"generate": 1} and passes.services.loads == {"generate": 3}
-        assert passes.services.setups() == {"generate": [3]}  # a, b's other model, a's again: in one actor
+        # a, b's other model, a's again: in one actor
+        assert passes.services.actor_stats("setups") == {"generate": [3]}
         # each pass answered with the model it asked for
         assert a["answer"].tolist() == c["answer"].tolist() == chat.generate(messages)
         assert b["answer"].tolist() == plain.generate(messages) != a["answer"].tolist()
@@ -121,7 +122,7 @@ def test_a_service_actor_killed_after_its_arguments_were_released_restarts_and_s
     try:
         again = service.run_frame(_frame(), GenerateStage(config))
         assert again["answer"].tolist() == first["answer"].tolist()
-        assert ray_cluster.get(service.actors[0].setup_count.remote()) == 1  # a new process: set up once more
+        assert ray_cluster.get(service.actors[0].stat.remote("setups")) == 1  # a new process: set up again
     finally:
         service.close()
     # an argument too large to travel inside the creation spec is refused, not left to fail a later restart

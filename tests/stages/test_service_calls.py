@@ -13,7 +13,6 @@ import pandas as pd
 import pytest
 
 from tests.conftest import wait_idle
-from tests.ray_actors import live_actors
 from wbrag_ray.ray_runtime import call_actors
 from wbrag_ray.stages.base import Resources, Stage
 from wbrag_ray.stages.service import StageService, _ServiceWorker
@@ -103,7 +102,7 @@ def test_a_worker_runs_calls_of_one_setup_together_and_loads_another_only_when_t
     gate.set()
     for t in [*first, other]:
         t.join(10)
-    assert worker.setups == 2 and worker.most_calls_at_once() == 2
+    assert worker.setups == 2 and worker.most_running == 2
     assert results["a1"]["key"].tolist() == results["a2"]["key"].tolist() == ["a", "a"]
     assert results["b"]["key"].tolist() == ["b", "b"]
 
@@ -115,7 +114,7 @@ def test_a_service_actor_takes_as_many_calls_at_once_as_its_stage_allows(ray_clu
         frame = pd.DataFrame({"x": range(12)})  # 6 batches of 2
         out = service.run_frame(frame, Sleepy("a", seconds=0.3, calls=calls))
         assert out["x"].tolist() == list(range(12)) and set(out["key"]) == {"a"}
-        assert ray_cluster.get([a.most_calls_at_once.remote() for a in service.actors]) == [calls]
+        assert ray_cluster.get([a.stat.remote("most_running") for a in service.actors]) == [calls]
     finally:
         service.close()
 
@@ -154,49 +153,5 @@ def test_a_service_whose_resources_are_held_elsewhere_fails_in_seconds_naming_th
     try:
         out = service.run_frame(pd.DataFrame({"x": range(4)}), Hungry("a"))
         assert out["key"].tolist() == ["a"] * 4
-    finally:
-        service.close()
-
-
-def test_the_tasks_of_a_streaming_pass_take_the_least_busy_actor(ray_cluster):
-    """The dispatcher of a Ray Data pass through a service (`StageService.apply`: light tasks that call the
-    actors): each task takes the actor with the fewest unanswered calls, equally busy ones in turn; a call given
-    back makes its actor the next one taken. Never a wait: a count a lost task left behind only biases."""
-    from wbrag_ray.stages.service import _start_dispatch
-
-    dispatch = _start_dispatch(3)
-    try:
-        taken = [ray_cluster.get(dispatch.take.remote()) for _ in range(7)]
-        assert taken == [0, 1, 2, 0, 1, 2, 0]  # in turn while equally busy
-        ray_cluster.get([dispatch.give.remote(1), dispatch.give.remote(1)])
-        assert ray_cluster.get(dispatch.take.remote()) == 1  # the one that answered
-        assert ray_cluster.get(dispatch.take.remote()) == 1  # still the least busy (1 against 2 and 3)
-        assert ray_cluster.get(dispatch.counts.remote()) == ([3, 2, 2], 3)
-    finally:
-        ray_cluster.kill(dispatch)
-
-
-def _live_dispatchers() -> set[str]:
-    """The ids of the live `_Dispatch` actors."""
-    return {a["ActorID"] for a in live_actors("_Dispatch")}
-
-
-def test_a_streaming_pass_through_a_service_answers_every_row_once(ray_cluster):
-    """`StageService.apply` over a dataset of many blocks: every row answered once, on the pass's stage, through
-    the dispatcher (what it counted is all given back). The dispatcher is a process of its own, started by the
-    first Ray Data pass: passes of rows the driver holds (`run_frame`) never start one."""
-    before = _live_dispatchers()
-    service = StageService(Sleepy("a", seconds=0.05))
-    try:
-        assert service.run_frame(pd.DataFrame({"x": [0, 1, 2]}), Sleepy("a"))["x"].tolist() == [0, 1, 2]
-        assert _live_dispatchers() == before
-        frames = [pd.DataFrame({"x": [2 * i, 2 * i + 1]}) for i in range(12)]
-        out = service.apply(ray_cluster.data.from_pandas(frames), Sleepy("a")).to_pandas()
-        assert sorted(out["x"]) == list(range(24)) and set(out["key"]) == {"a"}
-        deadline = time.monotonic() + 10  # a task gives its actor back as it returns; the give may land after
-        while (counts := ray_cluster.get(service.dispatch.counts.remote()))[0] != [0] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert counts[0] == [0] and counts[1] >= 1  # every batch taken through it, every one given back
-        assert len(_live_dispatchers() - before) == 1
     finally:
         service.close()

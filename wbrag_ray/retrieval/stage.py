@@ -22,12 +22,10 @@ from wbrag_ray.retrieval.hits import hits_to_json
 from wbrag_ray.retrieval.local import check_embedder, load_query_embedder
 from wbrag_ray.stages.base import Resources, Stage
 from wbrag_ray.stages.embed import stored
-from wbrag_ray.stages.service import run_pass, shared_or_own
+from wbrag_ray.stages.service import shared_or_own
 from wbrag_ray.storage import resolve
 
 if TYPE_CHECKING:
-    import ray.data
-
     from wbrag_ray.retrieval.service import RetrievalService
     from wbrag_ray.stages.service import Services
 
@@ -190,13 +188,10 @@ class RetrievalSetting:
         return RetrieveStage(self.service(services), self.embedder, self.retrieval, router_dir=self.router_dir,
                              query_column=query_column)
 
-    def search(self, ds: ray.data.Dataset | pd.DataFrame, query_column: str = "question",
-               services: Services | None = None) -> ray.data.Dataset | pd.DataFrame:
-        """`ds` with `docs` (and, with a router, `retrieval_skipped`) added, on the retrieval service of
-        `services`: a Ray Data pass over a dataset; a DataFrame goes to the service's actors directly."""
+    def search(self, frame: pd.DataFrame, query_column: str = "question",
+               services: Services | None = None) -> pd.DataFrame:
+        """`frame` with `docs` (and, with a router, `retrieval_skipped`) added, on the retrieval service of
+        `services` (its actors answer the driver's rows directly)."""
         if services is None:
             raise ValueError("a retrieval pass runs on a command's services: pass `services` (Services())")
-        stage = self.stage(services, query_column)
-        if isinstance(ds, pd.DataFrame):
-            return services.run_frame(ds, stage, "search")
-        return run_pass(ds, stage, services)
+        return services.run_frame(frame, self.stage(services, query_column), "search")

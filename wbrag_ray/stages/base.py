@@ -1,9 +1,7 @@
-"""The stage abstraction: one class per unit of work, run as a Ray Data actor pool.
-
-A stage declares its name, its resources, the columns it reads and the columns it adds, a `setup` that runs
-once per worker (load the model there, never in `__init__`: the stage object is pickled to every actor),
-and one batch method. `apply_stage(ds, stage)` wires it into a pipeline.
-"""
+"""The stage abstraction: one class per unit of work, run as a Ray Data actor pool (`apply_stage`) or on a
+command's services (`stages.service`). A stage declares its name, resources, the columns it reads and adds, a
+`setup` run once per worker (load the model there, not in `__init__`: the stage is pickled to every actor), and
+one batch method."""
 
 from __future__ import annotations
 
@@ -28,20 +26,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Resources:
     """What one worker of a stage asks Ray for, and how the pool is sized. Model actors ask for part of a node's
-    CPUs (an actor holding a whole small node starves the read tasks upstream) and may run more torch threads
-    than that (`threads`)."""
+    CPUs (a whole small node starves the read tasks upstream) and may run more torch threads (`threads`)."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     concurrency: int = 1
     batch_size: int = 64
     threads: int | None = None  # torch threads; None = ceil(num_cpus)
-    # calls one service actor runs at once, in threads: > 1 only where setup is safe to share (a vLLM engine's feed)
-    calls: int = 1
-    # False: plain tasks Ray fuses with the read before them, for a trivial setup over a large input (vectors)
-    actors: bool = True
-    # (name, value) pairs of the environment of the stage's workers, in a runtime env of their own (vLLM's log
-    # level): a runtime env costs each worker a second interpreter, so only the workers that need one have one
+    calls: int = 1  # calls a service actor runs at once, in threads (> 1: a vLLM engine's feed)
+    actors: bool = True  # False: plain tasks fused with the read before them (a trivial setup over vectors)
+    # (name, value) pairs of the workers' own runtime env (vLLM's log level): it costs each a second interpreter
     env: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -50,17 +44,15 @@ class Resources:
         return {"CPU": self.num_cpus, "GPU": self.num_gpus}
 
     def remote_args(self) -> dict:
-        """The Ray options of one worker beyond its CPUs and GPUs: its own runtime env when `env` is set."""
+        """Ray options of one worker beyond CPUs and GPUs: its runtime env, where `env` is set."""
         return {"runtime_env": {"env_vars": dict(self.env)}} if self.env else {}
 
 
 class Stage(ABC):
     name: ClassVar[str]
     section: ClassVar[str | None] = None  # the config section that sizes its pool, as messages name it
-    # the setting of its GPUs, as messages name it, where it is not `<section>.num_gpus`
-    gpu_setting: ClassVar[str | None] = None
-    # a retrieval actor beside the generator's replicas (`placement.gpus.beside_generator`)
-    beside_generator: ClassVar[bool] = False
+    gpu_setting: ClassVar[str | None] = None  # the setting of its GPUs, where not `<section>.num_gpus`
+    beside_generator: ClassVar[bool] = False  # a retrieval actor beside the generator (`placement.gpus`)
     input_columns: ClassVar[tuple[str, ...]] = ()
     output_columns: ClassVar[tuple[str, ...]] = ()
     # "pandas" for text work; "pyarrow" where a batch is mostly vectors (no per-row Python objects).
@@ -75,16 +67,15 @@ class Stage(ABC):
 
     @property
     def starts_processes(self) -> bool:
-        """Whether `setup` may start processes of its own (a vLLM engine's), which `close` ends before Ray kills
-        the actor."""
+        """Whether `setup` may start processes (a vLLM engine's), which `close` ends before Ray kills the actor."""
         return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """End what `setup` started that outlives this object (an engine's processes), before its worker ends."""
 
     def service_key(self) -> Hashable | None:
-        """What `setup` loads, as a hashable value: passes whose stages have equal keys share one set of set-up
-        workers (`stages.service`). None: never shared."""
+        """What `setup` loads: passes whose stages have equal keys share set-up workers (`stages.service`); None:
+        the stage runs only as a pass of its own."""
         return None
 
     def adopt(self, loaded: Stage) -> None:
@@ -115,8 +106,8 @@ class _StageWorker:
 
 
 def require_stage_gpu(stage: Stage) -> None:
-    """In a Ray worker, before setup: a stage configured for GPUs on a node with none visible to torch is refused,
-    naming its setting. A driver running a stage itself (`run_local`) keeps `pick_device`'s CPU fallback."""
+    """In a Ray worker, before setup: a stage configured for GPUs on a node whose torch sees none is refused, naming
+    its setting (a driver running a stage itself, `run_local`, falls back to CPU)."""
     if stage.resources.num_gpus > 0 and in_ray_worker():
         require_gpu(f"the {stage.name} stage", stage.section or stage.name, stage.resources.num_gpus,
                     stage.gpu_setting)
@@ -148,15 +139,13 @@ def apply_stage(ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
         return ds.map_batches(_run_in_task, fn_args=(stage,), **common)
     size = _check_pool(stage) if ray.is_initialized() else res.concurrency
     out = ds.map_batches(_StageWorker, fn_constructor_args=(stage,), compute=ActorPoolStrategy(size=size), **common)
-    # Ray Data's wait for the pool's actors, otherwise endless where others hold their resources: the execution
-    # then raises, and `placement.waits.pool_start_wait` around it names the pool
+    # bounds Ray Data's otherwise endless wait for actors others keep out (`placement.waits.pool_start_wait` names it)
     out.context.wait_for_min_actors_s = pool_start_timeout_s()
     return out
 
 
 def _check_pool(stage: Stage) -> int:
-    """The size of a pass's pool: refused where no actor fits the cluster; where only some fit, as many as fit (a
-    warning), since Ray Data waits for every actor of a pool to start."""
+    """A pass's pool size: refused where no actor fits the cluster, else as many as fit (Ray Data waits for all)."""
     res = stage.resources
     what = f"the {stage.name} pass"
     refuse_unplaceable(lambda nodes: pool_refusal(what, 1, res.need, nodes))
@@ -176,7 +165,7 @@ def concurrency_fix(section: str | None) -> str:
 
 
 def _run_in_task(batch, stage: Stage):
-    return _StageWorker(stage)(batch)
+    return run_local(stage, batch)
 
 
 def run_local(stage: Stage, batch: pd.DataFrame) -> pd.DataFrame:

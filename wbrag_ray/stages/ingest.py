@@ -1,17 +1,16 @@
 """Ingest: a FlashRAG corpus -> passages and sentences as Parquet shards, plus rejects with reasons.
 
-A corpus file is cut into shards (byte ranges of a jsonl file, row groups of a Parquet file), and every shard
-is one Ray task that streams its records, segments them into sentences, and writes its three outputs, then a
-marker. A rerun skips shards whose marker exists.
+Each shard (a byte range of a jsonl file, row groups of a Parquet file) is one Ray task that streams its records,
+segments them into sentences, writes its three outputs, then a marker; a rerun skips shards with a marker.
 
-Ids are derived from where a record sits in its file, so they are unique and the same on every rerun:
+Ids derive from where a record sits in its file, so they are unique and the same on every rerun:
     pid = file_index << 48 | unit, where unit = the line's byte offset (jsonl) or row_index << 16 (Parquet)
     sid = pid + position of the sentence in its passage
 sids cannot collide: a jsonl line of n bytes holds at most n sentences and the next line starts n + 1 bytes
 later; a Parquet passage with 65,536 sentences or more is rejected.
 
-Duplicate document ids are found after all shards with one Arrow group-by over the doc_id and pid columns only
-(about 1 GB for the 21M-passage wiki corpus); later duplicates go to the rejects with the pid they duplicate.
+Duplicate document ids are found after all shards by one Arrow group-by over doc_id and pid only (about 1 GB for
+the 21M-passage wiki corpus); later duplicates go to the rejects with the pid they duplicate.
 """
 
 from __future__ import annotations
@@ -115,8 +114,7 @@ def _iter_records(spec: ShardSpec):
 
 
 class _ShardWriter:
-    """Buffered Parquet writer for one output file of one shard (row groups of FLUSH_ROWS), column by column (a
-    table from column lists builds far faster than from row dicts)."""
+    """Buffered Parquet writer of one output file of one shard, in row groups of FLUSH_ROWS, column by column."""
 
     def __init__(self, loc: Location, schema: pa.Schema):
         self.loc, self.schema, self.count = loc, schema, 0
@@ -203,15 +201,9 @@ def _peek_id(line: bytes) -> str | None:
         return m.group(1).decode("utf-8", errors="replace") if m else None
 
 
-# --- duplicates -----------------------------------------------------------------------------------------
-
-
 def resolve_duplicate_ids(out: IngestFolder) -> int:
     """Keep the first passage (lowest pid) of every doc_id; move later ones and their sentences to rejects.
-
-    Idempotent: the dedupe rejects file of a shard is written before the shard is rewritten, so a crash at any
-    point leaves a state that a rerun finishes the same way.
-    """
+    Idempotent: a shard's dedupe rejects are written before the shard is rewritten, so a rerun finishes a crash."""
     tables = []
     for f in out.passages.list_files(".parquet"):
         t = pq.read_table(f.path, filesystem=f.fs, columns=["doc_id", "pid"])
@@ -245,9 +237,6 @@ def resolve_duplicate_ids(out: IngestFolder) -> int:
         s_loc.write_table(sentences.filter(pc.invert(pc.is_in(sentences["pid"], drop))))
         p_loc.write_table(passages.filter(pc.invert(pc.is_in(passages["pid"], drop))))
     return losers.num_rows
-
-
-# --- the stage ------------------------------------------------------------------------------------------
 
 
 def run_ingest(corpus: str, out_uri: str, config: IngestConfig, max_in_flight: int | None = None) -> dict[str, Any]:

@@ -1,16 +1,16 @@
 """Stage services: a stage's workers set up once and used by every pass of a command that needs them.
 
-A `StageService` holds `resources.concurrency` actors that ran `setup` once (a pool of its own per pass would load
-the model again for each of the short passes the RAG methods, gates and grids alternate). A Ray Data pass through
-it forwards each batch to an actor; rows the driver holds go to the actors directly (`Services.run_frame`). Each
-pass sends its own stage: an actor lends it what it loaded when the `service_key` matches (`Stage.adopt`), else
-loads the pass's stage in place of the old one. `Services` is the set one command owns: at most one service per
-stage kind and one search pool per index, started on first use and ended at `close()`.
+A `StageService` holds `resources.concurrency` actors that ran `setup` once, so the short passes the RAG methods,
+gates and grids alternate do not each load the model again. The driver sends rows to the actors
+(`Services.run_frame`) with each pass's own stage: an actor lends it what it loaded when the `service_key`
+matches (`Stage.adopt`), else loads the pass's stage in place of the old one. `Services` is the set one command
+owns: one service per stage kind, one search pool per index, started on first use and ended at `close()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Hashable
@@ -22,38 +22,31 @@ import pyarrow as pa
 from wbrag_ray.models.hardware import set_threads
 from wbrag_ray.placement import pool_refusal, refuse_unplaceable
 from wbrag_ray.placement.gpus import beside_generator
-from wbrag_ray.placement.waits import pool_start_wait, wait_placed
+from wbrag_ray.placement.waits import wait_placed
 from wbrag_ray.progress import running
 from wbrag_ray.ray_runtime import (
     CLOSE_S,
-    LIGHT_CPUS,
-    call_actor,
     call_actors,
     end_child_processes,
-    local_dataset,
     start_restartable,
 )
 from wbrag_ray.stages.base import (
     Resources,
     Stage,
-    apply_stage,
     concurrency_fix,
     process_checked,
     require_stage_gpu,
 )
 
 if TYPE_CHECKING:
-    import ray.data
-
     from wbrag_ray.progress import PassProgress
 
 log = logging.getLogger(__name__)
 
 
 class _ServiceWorker:
-    """A service's actor: the stage set up once; each call runs a pass's own stage on what it loaded. With
-    `Resources.calls` > 1 it runs that many calls at once, in threads; a call for another service key waits
-    until the calls on the old setup are done, then loads its own."""
+    """A service's actor: the stage set up once; each call runs a pass's own stage on what it loaded, up to
+    `Resources.calls` at once in threads. A call for another service key waits for those, then loads its own."""
 
     def __init__(self, stage: Stage):
         set_threads(stage.resources.threads or stage.resources.num_cpus)
@@ -67,9 +60,8 @@ class _ServiceWorker:
             self._load(stage)
 
     def _load(self, stage: Stage) -> None:
-        """Set `stage` up in place of what was loaded. A setup that raises is kept with its key and raised again,
-        as itself, by every call for that key: an actor whose constructor raised would be dead for good, and each
-        call to it retried after back-offs (`ray_runtime.call_actor`) to fail the same way."""
+        """Set `stage` up in place of what was loaded. A setup that raises is kept with its key and raised again by
+        every call for that key (an actor whose constructor raised would be dead, each call retried in vain)."""
         import gc
 
         # the old model (a vLLM engine's processes, their GPU memory) ends before the new one loads
@@ -85,17 +77,15 @@ class _ServiceWorker:
         self.setups += 1
         self.loaded, self.key = stage, stage.service_key()
 
-    def setup_count(self) -> int:
-        return self.setups
+    def stat(self, name: str) -> int:
+        """A count of this actor's (`setups`, `most_running`), as `Services.actor_stats` reads it."""
+        return getattr(self, name)
 
     def close(self) -> list[int]:
         """End what the loaded stage started (`Stage.close`) and any child process still up after it; their pids."""
         loaded, self.loaded, self.key = self.loaded, None, None
         _close_stage(loaded)
         return end_child_processes()
-
-    def most_calls_at_once(self) -> int:
-        return self.most_running
 
     def run(self, stage: Stage, batch):
         with self._turn:
@@ -127,47 +117,9 @@ def _close_stage(stage: Stage | None) -> None:
         log.warning("ending what the %s stage set up: %s", stage.name, exc)
 
 
-class _Dispatch:
-    """The unanswered calls of each of a service's actors, for the Ray Data tasks that feed them: a task takes the
-    actor with the fewest (equally busy ones in turn) and gives it back when answered. Counts are hints, never a
-    limit (a task lost with its node leaves one too many; a restarted dispatcher starts from zero)."""
-
-    def __init__(self, actors: int):
-        self.load, self.peak, self.turn = [0] * actors, 0, 0
-
-    def take(self) -> int:
-        n = len(self.load)
-        j = min(range(n), key=lambda i: (self.load[i], (i - self.turn) % n))
-        self.turn = j + 1
-        self.load[j] += 1
-        self.peak = max(self.peak, self.load[j])
-        return j
-
-    def give(self, j: int) -> None:
-        self.load[j] = max(0, self.load[j] - 1)
-
-    def counts(self) -> tuple[list[int], int]:
-        """Each actor's unanswered calls now, and the most one had at once (what the tests check)."""
-        return list(self.load), self.peak
-
-
-def _forward(batch, actors: list, dispatch, stage: Stage):
-    """A Ray Data task: the batch to the service's least busy actor, again to another where that one is lost."""
-    import ray
-
-    try:
-        j = ray.get(dispatch.take.remote())
-    except ray.exceptions.RayActorError:  # the dispatcher's node lost and no restart yet: any actor does
-        return call_actor(actors, "run", stage, batch)
-    try:
-        return call_actor(actors, "run", stage, batch, first=j)
-    finally:
-        dispatch.give.remote(j)
-
-
-def _placement(res: Resources) -> tuple:
-    """What a service's actors hold (a pass's batch size is its own), and the environment they started with."""
-    return res.num_cpus, res.num_gpus, res.concurrency, res.threads, res.calls, res.env
+def _placement(res: Resources) -> Resources:
+    """What a service's actors hold and started with: a pass's batch size is its own."""
+    return dataclasses.replace(res, batch_size=0)
 
 
 class StageService:
@@ -176,7 +128,6 @@ class StageService:
     def __init__(self, stage: Stage):
         import ray
 
-        self.name = stage.name
         self.key = stage.service_key()
         res = stage.resources
         self.placement = _placement(res)
@@ -184,10 +135,9 @@ class StageService:
         # actors that can never be placed would leave the pass waiting on them forever: refused first
         refuse_unplaceable(lambda nodes: pool_refusal(f"the {stage.name} service", res.concurrency, res.need, nodes))
 
-        # A lost actor is started again from the stage in its creation spec and its call retried. An actor whose
-        # setup starts processes gets a concurrency group for its close, which then does not wait behind a running
-        # call; only there: such an actor runs even single calls in a thread whose OpenMP threads `set_threads`
-        # did not set.
+        # A lost actor restarts from the stage in its creation spec. An actor whose setup starts processes gets a
+        # concurrency group for its close, not to wait behind a running call (only there: its calls then run in a
+        # thread whose OpenMP threads `set_threads` did not set).
         self.closes = stage.starts_processes
         remote = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus or None, max_restarts=3,
                             max_task_retries=3, max_concurrency=res.calls,
@@ -196,29 +146,16 @@ class StageService:
         if stage.beside_generator:
             remote = remote.options(**beside_generator(res.num_gpus))
         self.actors = [start_restartable(remote, stage) for _ in range(res.concurrency)]
-        self._dispatch = None  # started by the first Ray Data pass (`apply`): `run_frame` counts in the driver
         try:  # placed, not set up: the model loads while the driver goes on (`Services.start`)
             wait_placed(self.actors, f"the {stage.name} service", res.need, concurrency_fix(stage.section))
         except BaseException:
             self.close()
             raise
 
-    @property
-    def dispatch(self):
-        """The `_Dispatch` of this service's Ray Data passes, started by the first."""
-        if self._dispatch is None:
-            self._dispatch = _start_dispatch(len(self.actors))
-        return self._dispatch
-
-    def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
-        return ds.map_batches(_forward, fn_args=(self.actors, self.dispatch, stage), batch_format=stage.batch_format,
-                              batch_size=stage.resources.batch_size, num_cpus=LIGHT_CPUS)
-
     def run_frame(self, frame: pd.DataFrame, stage: Stage, progress: PassProgress | None = None,
                   on_batch: Callable[[int, pd.DataFrame], None] | None = None) -> pd.DataFrame:
-        """Rows the driver holds through `stage`, sent straight to the actors in batches (no Ray Data plan: a
-        few rows answer in milliseconds, not the second a dataset's start costs); the rows come back in their
-        order. `on_batch(first_row, out)` as each batch is answered (a checkpoint commits it)."""
+        """Rows the driver holds through `stage`, sent straight to the actors in batches (no Ray Data plan: a few
+        rows answer in milliseconds), back in their order; `on_batch(first_row, out)` as each batch is answered."""
         size = stage.resources.batch_size
         batches = [frame.iloc[i:i + size].reset_index(drop=True) for i in range(0, len(frame), size)]
         if stage.batch_format == "pyarrow":
@@ -237,36 +174,21 @@ class StageService:
         return pd.concat(outs, ignore_index=True) if outs else frame.iloc[:0].copy()
 
     def close(self) -> None:
-        """End the service: each actor first ends what its setup started (up to `ray_runtime.CLOSE_S`), then Ray
-        kills the actors and the placement groups of their remote engines go."""
+        """End what each actor's setup started (up to `ray_runtime.CLOSE_S`), then the actors and the placement
+        groups of their remote engines."""
         import ray
 
         ids = [actor._actor_id.hex() for actor in self.actors]
         if self.actors and self.closes:
             ends = [actor.close.options(concurrency_group="close").remote() for actor in self.actors]
             ray.wait(ends, num_returns=len(ends), timeout=CLOSE_S)
-        for actor in [*self.actors, *([self._dispatch] if self._dispatch is not None else [])]:
+        for actor in self.actors:
             ray.kill(actor)
-        self.actors, self._dispatch = [], None
+        self.actors = []
         if ids:  # a sharded engine's placement groups, which Ray keeps past a killed actor (`generation.parallel`)
             from wbrag_ray.generation.parallel import release_engine_groups
 
             release_engine_groups(ids)
-
-
-def _start_dispatch(actors: int):
-    """A service's `_Dispatch`, on the driver's node where it can (no CPU: it only counts), restarted where lost."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(_Dispatch).options(
-        scheduling_strategy=here).remote(actors)
-
-
-def run_pass(ds: ray.data.Dataset, stage: Stage, services: Services | None) -> ray.data.Dataset:
-    """`ds` through `stage`: on `services` when the caller has them, else as a pass with a pool of its own."""
-    return services.apply(ds, stage) if services is not None else apply_stage(ds, stage)
 
 
 class Services:
@@ -279,32 +201,19 @@ class Services:
         self.loads: dict[str, int] = {}  # what was set up per stage kind: one per service key a pass needed
         self._pools: dict[tuple, Any] = {}  # retrieval: (index folder, placement) -> SearchPool
 
-    def apply(self, ds: ray.data.Dataset, stage: Stage) -> ray.data.Dataset:
-        """`ds` through `stage`: on the stage's service when it has a service key (`_service`), else as a pass of
-        its own."""
-        if stage.service_key() is None:
-            return apply_stage(ds, stage)
-        return self._service(stage).apply(ds, stage)
-
     def run_frame(self, frame: pd.DataFrame, stage: Stage, name: str | None = None,
                   on_batch: Callable[[int, pd.DataFrame], None] | None = None) -> pd.DataFrame:
-        """`apply` for rows the driver holds, answered back to the driver (`StageService.run_frame`); reported as
-        one progress line under `name` (default: the stage's)."""
+        """Rows the driver holds through `stage` on its kind's service (`StageService.run_frame`), reported as one
+        progress line under `name` (default: the stage's)."""
+        if stage.service_key() is None:
+            raise ValueError(f"stage {stage.name} declares no service key: run it as a pass (`apply_stage`)")
         with running(name or stage.name, len(frame)) as progress:
-            if stage.service_key() is None:
-                res = stage.resources
-                with pool_start_wait(f"the {stage.name} pass", res.concurrency, res.need, concurrency_fix(stage.section)):
-                    out = apply_stage(local_dataset(frame), stage).to_pandas()
-                progress.update(len(out))
-                if on_batch is not None:
-                    on_batch(0, out)
-                return out
             return self._service(stage).run_frame(frame, stage, progress, on_batch)
 
     def start(self, stage: Stage) -> None:
-        """Start `stage`'s service before its first pass, so its model loads while the driver does other work. A
-        live service of the kind is left as it is (the pass sets it up for its key if it has to)."""
-        if stage.service_key() is not None and stage.name not in self._live:
+        """Start `stage`'s service before its first pass, so its model loads while the driver works (a live one of
+        the kind is left as it is)."""
+        if stage.name not in self._live:
             self._service(stage)
 
     def _service(self, stage: Stage) -> StageService:
@@ -325,23 +234,18 @@ class Services:
             self.loads[stage.name] = self.loads.get(stage.name, 0) + 1
         return service
 
-    def setups(self) -> dict[str, list[int]]:
-        """Per live service, how many times each of its actors ran a stage's setup (model loads, index opens)."""
+    def actor_stats(self, name: str) -> dict[str, list[int]]:
+        """Per live service, each actor's `setups` (stage setups run: model loads, index opens) or
+        `most_running` (the most calls it ran at once, `Resources.calls`)."""
         import ray
 
-        return {name: ray.get([a.setup_count.remote() for a in service.actors]) for name, service in self._live.items()}
+        return {kind: ray.get([a.stat.remote(name) for a in s.actors]) for kind, s in self._live.items()}
 
     def actor_ids(self, kind: str) -> list[str]:
         """The ids of the actors of the live service of stage kind `kind` (none if there is none)."""
         service = self._live.get(kind)
         return [a._actor_id.hex() for a in service.actors] if service is not None else []
 
-    def calls_at_once(self) -> dict[str, list[int]]:
-        """Per live service, the most calls each of its actors ran at once (`Resources.calls`)."""
-        import ray
-
-        return {name: ray.get([a.most_calls_at_once.remote() for a in service.actors])
-                for name, service in self._live.items()}
 
     def retrieval(self, members, index, retrieval):
         """The retrieval service over `members` ((index_dir, docs_dir, source), ...): each index's search pool
