@@ -67,11 +67,9 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The subcommands. A flag whose `dest` is a dotted config key (ingest.corpus) sets that key (`_resolve_config`)."""
-    parser = argparse.ArgumentParser(
-        prog="wbrag",
-        description="Knowledge-base training for RAG on Ray: ingest, embed, index, evaluate "
-        "(Zero-RAG pruning and WriteBack-RAG enrichment build on these).",
-    )
+    parser = argparse.ArgumentParser(prog="wbrag", description="Knowledge-base training for RAG on Ray: ingest, "
+                                     "embed, index, evaluate (Zero-RAG pruning and WriteBack-RAG enrichment build "
+                                     "on these).")
     parser.add_argument("--version", action="version", version=f"wbrag-ray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -93,9 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", dest="eval.dataset", metavar="DATASET",
                    help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
     p.add_argument("--name", help="name of the evaluation (default: the dataset's file stem)")
-    p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,replug-vote,"
-                   "self-rag,flare "
-                   "(default: eval.methods, no-retrieval,naive; with --methods-grid: all)")
+    p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,replug-vote,self-rag,"
+                   "flare (default: eval.methods, no-retrieval,naive; with --methods-grid: all)")
     # 0 too: refused by eval.limit's range, not read as "no limit"
     p.add_argument("--limit", dest="eval.limit", metavar="LIMIT", type=int, help="evaluate only the first N questions")
     p.add_argument("--writeback", action="store_true", help="search the active write-back index beside the base")
@@ -119,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _on_run_parser(sub, "train-pruner", "Zero-RAG: train and validate the pruner(s) on the scored sample")
     p.add_argument("--kind", choices=["embedding", "lm"], help="one pruner (default: zerorag.train_pruners)")
 
-    p = _on_run_parser(sub, "prune", "Zero-RAG: predict mastery for every sentence, drop the top R, build the pruned "
-                       "index")
+    p = _on_run_parser(sub, "prune", "Zero-RAG: predict mastery for every sentence, drop the top R, build the "
+                       "pruned index")
     p.add_argument("--ratio", type=float, action="append", required=True,
                    help="fraction of sentences to drop, e.g. 0.3 (repeatable)")
     p.add_argument("--pruner", dest="zerorag.pruner", choices=["embedding", "lm"],
@@ -188,16 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
     p.add_argument("--force", action="store_true", help="submit again even if the same job already succeeded")
 
-    for name, text in (("status", "show a run folder's stages (done / total rows, what a rerun resumes), or a "
-                                  "submitted job's status"),
-                       ("logs", "print a submitted job's logs"), ("stop", "stop a submitted job")):
+    p = sub.add_parser("status", help="show a run folder's stages (done / total rows, what a rerun resumes), or a "
+                       "submitted job's status")
+    p.add_argument("submission_id", metavar="RUN|ID", help="a run folder, or the id `wbrag submit` printed")
+    p.add_argument("--address", help="head node of a submitted job: http://HEAD:8265 or HEAD:6379")
+    for name, text in (("logs", "print a submitted job's logs"), ("stop", "stop a submitted job")):
         p = sub.add_parser(name, help=text)
-        if name == "status":
-            p.add_argument("submission_id", metavar="RUN|ID", help="a run folder, or the id `wbrag submit` printed")
-            p.add_argument("--address", help="head node of a submitted job: http://HEAD:8265 or HEAD:6379")
-        else:
-            p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
-            p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
+        p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
+        p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
 
     _on_run_parser(sub, "report", "write RUN/report/index.html (+ PNG plots) and report.md")
 
