@@ -603,11 +603,7 @@ class WbragConfig(_Section):
         said = {f"{key}.{AUTO_SETTINGS[key]}": "auto" for key in self._auto_sections}
         said.update(self._layout_said or {})
         for path, value in said.items():
-            *parents, name = path.split(".")
-            node = data
-            for part in parents:
-                node = node[part]
-            node[name] = value
+            set_dotted(data, path, value)
         return data
 
 
@@ -650,6 +646,7 @@ def _describe(err: dict[str, Any]) -> str:
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """tree[a][b][c] = value for key 'a.b.c', making the sections that are missing."""
     parts = key.split(".")
     node = tree
     for part in parts[:-1]:
