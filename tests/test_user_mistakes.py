@@ -283,7 +283,7 @@ def test_a_dataset_without_usable_questions_says_why(demo_run, tmp_path, capsys)
     before = snapshot(run)
     assert main(["eval", str(run), "--dataset", str(bad), "--name", "bad", "--methods", "naive"]) == 2
     assert_one_line_error(capsys.readouterr().err, "eval", "no usable questions", "4 rejected",
-                          "3 x missing or empty 'golden_answers'", "unreadable line")
+                          "3 x missing or empty 'golden_answers'", "malformed JSON")
     assert snapshot(run) == before
 
 

@@ -115,8 +115,7 @@ def search(run: RunLike, config: WbragConfig, queries: list[str], k: int = 5):
     run.require(INDEX)
     join_ray(run, config)
     with Services() as services:
-        service = services.retrieval(((run.layout.index.uri, None, "base"),), config.index,
-                                     config.retrieval)
+        service = services.retrieval(((run.layout.index.uri, None, "base"),), config.index, config.retrieval)
         embedder = load_query_embedder(config.embedder, service.dim, run.layout.index.uri)
         return service.search_vectors(embedder.encode_queries(queries), k)
 

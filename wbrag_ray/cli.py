@@ -4,7 +4,7 @@ A run folder records the resolved config, so later subcommands on it need only o
 can fix exit 2 with one line (-v adds the traceback); a bug shows its traceback; Ctrl-C exits 130. A command that
 writes its run folder holds the folder's lease (wbrag_ray.lease).
 
-Over 500 lines, kept whole: one parser block and one function a subcommand, read as one table.
+Over 500 lines, kept whole: one parser block and one function (or table entry) a subcommand, read as one table.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from wbrag_ray import __version__, api, doctor, flashrag_data, jobs_api, plan, rag
@@ -35,6 +36,11 @@ from wbrag_ray.report import write_report
 from wbrag_ray.run import RunFolder
 
 DEMO_DIR = "runs/demo"
+
+
+# The commands that read a config: --config (`run`: its CONFIG argument), --set, --address and --force.
+CONFIGURED = {"ingest", "embed", "index", "search", "eval", "mastery", "train-pruner", "prune", "tune", "train-router",
+              "writeback", "run", "export", "demo"}
 
 
 def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
@@ -63,38 +69,32 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The subcommands. A flag whose `dest` is a dotted config key (ingest.corpus) sets that key (`_resolve_config`)."""
-    parser = argparse.ArgumentParser(
-        prog="wbrag",
-        description="Knowledge-base training for RAG on Ray: ingest, embed, index, evaluate "
-        "(Zero-RAG pruning and WriteBack-RAG enrichment build on these).",
-    )
+    parser = argparse.ArgumentParser(prog="wbrag", description="Knowledge-base training for RAG on Ray: ingest, "
+                                     "embed, index, evaluate (Zero-RAG pruning and WriteBack-RAG enrichment build "
+                                     "on these).")
     parser.add_argument("--version", action="version", version=f"wbrag-ray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = _on_run_parser(sub, "ingest", "corpus (FlashRAG jsonl / Parquet) -> passages + sentences shards")
     p.add_argument("--corpus", dest="ingest.corpus", metavar="CORPUS",
                    help="corpus file or folder (FlashRAG jsonl or Parquet, local or s3://)")
-    _common(p)
 
-    _common(_on_run_parser(sub, "embed", "embed the ingested passages (or sentences) in a Ray actor pool"))
+    _on_run_parser(sub, "embed", "embed the ingested passages (or sentences) in a Ray actor pool")
 
     p = _on_run_parser(sub, "index", "build the FAISS index from the embedding shards")
     p.add_argument("--factory", dest="index.factory", metavar="FACTORY",
                    help="faiss index factory string, or 'auto' (default: index.factory, auto)")
-    _common(p)
 
     p = _on_run_parser(sub, "search", "search the run's index and print the top K documents")
     p.add_argument("--query", action="append", required=True, help="query text (repeatable)")
     p.add_argument("-k", type=int, default=5, help="documents per query (default 5)")
-    _common(p)
 
     p = _on_run_parser(sub, "eval", "evaluate RAG on a QA dataset: metrics.json + predictions.parquet")
     p.add_argument("--dataset", dest="eval.dataset", metavar="DATASET",
                    help="FlashRAG dataset jsonl / Parquet (id, question, golden_answers)")
     p.add_argument("--name", help="name of the evaluation (default: the dataset's file stem)")
-    p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,replug-vote,"
-                   "self-rag,flare "
-                   "(default: eval.methods, no-retrieval,naive; with --methods-grid: all)")
+    p.add_argument("--methods", help="comma-separated RAG methods: no-retrieval,naive,replug,replug-vote,self-rag,"
+                   "flare (default: eval.methods, no-retrieval,naive; with --methods-grid: all)")
     # 0 too: refused by eval.limit's range, not read as "no limit"
     p.add_argument("--limit", dest="eval.limit", metavar="LIMIT", type=int, help="evaluate only the first N questions")
     p.add_argument("--writeback", action="store_true", help="search the active write-back index beside the base")
@@ -109,32 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--same-writeback", action="store_true",
                    help="with --methods-grid: first train (or reuse) a write-back version per method from "
                    "writeback.train (WriteBack-RAG's Same-WB)")
-    _common(p)
 
     p = _on_run_parser(sub, "mastery", "Zero-RAG: mastery scores of a sample of sentences (QA pairs, closed-book EM)")
     p.add_argument("--sample", type=int, help="sentences to score (default: zerorag.sample)")
     p.add_argument("--mode", dest="zerorag.qa_mode", choices=["cloze", "llm"],
                    help="how QA pairs are written (default: zerorag.qa_mode)")
-    _common(p)
 
     p = _on_run_parser(sub, "train-pruner", "Zero-RAG: train and validate the pruner(s) on the scored sample")
     p.add_argument("--kind", choices=["embedding", "lm"], help="one pruner (default: zerorag.train_pruners)")
-    _common(p)
 
-    p = _on_run_parser(sub, "prune", "Zero-RAG: predict mastery for every sentence, drop the top R, build the pruned "
-                       "index")
+    p = _on_run_parser(sub, "prune", "Zero-RAG: predict mastery for every sentence, drop the top R, build the "
+                       "pruned index")
     p.add_argument("--ratio", type=float, action="append", required=True,
                    help="fraction of sentences to drop, e.g. 0.3 (repeatable)")
     p.add_argument("--pruner", dest="zerorag.pruner", choices=["embedding", "lm"],
                    help="which trained pruner predicts (default: zerorag.pruner)")
-    _common(p)
 
     for name, text in (("tune", "Zero-RAG: noise-tolerant LoRA tuning of the generator"),
                        ("train-router", "Zero-RAG: train the query router (skip retrieval for mastered queries)")):
         p = _on_run_parser(sub, name, text)
         p.add_argument("--train", dest="zerorag.train", metavar="TRAIN",
                        help="training questions (default: zerorag.train)")
-        _common(p)
 
     p = _on_run_parser(sub, "writeback", "WriteBack-RAG: train, activate (replace) or roll back a write-back index")
     p.add_argument("--train", dest="writeback.train", metavar="TRAIN",
@@ -150,12 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-delta", type=_floats, help="with --sweep: tau_delta values (default: writeback.tau_delta)")
     p.add_argument("--tau-doc", type=_floats, help="with --sweep: document-gate tau_doc values (default 0,0.01,0.1)")
     p.add_argument("--n-min", type=_ints, help="with --sweep: n_min values (default 1,2,3)")
-    _common(p)
 
     p = sub.add_parser("run", help="run the whole pipeline a config describes (ingest, embed, index, eval, writeback)")
     p.add_argument("config_file", metavar="CONFIG", help="YAML config")
     p.add_argument("--run", dest="run", help="run folder (default: the config's `run` key)")
-    _common(p, config=False)
 
     p = sub.add_parser("plan", help="what each stage of `wbrag run CONFIG` asks of a cluster (bundles, memory per "
                        "actor, index shards, search actors) and about how long it takes; refuses what cannot be placed")
@@ -194,16 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
     p.add_argument("--force", action="store_true", help="submit again even if the same job already succeeded")
 
-    for name, text in (("status", "show a run folder's stages (done / total rows, what a rerun resumes), or a "
-                                  "submitted job's status"),
-                       ("logs", "print a submitted job's logs"), ("stop", "stop a submitted job")):
+    p = sub.add_parser("status", help="show a run folder's stages (done / total rows, what a rerun resumes), or a "
+                       "submitted job's status")
+    p.add_argument("submission_id", metavar="RUN|ID", help="a run folder, or the id `wbrag submit` printed")
+    p.add_argument("--address", help="head node of a submitted job: http://HEAD:8265 or HEAD:6379")
+    for name, text in (("logs", "print a submitted job's logs"), ("stop", "stop a submitted job")):
         p = sub.add_parser(name, help=text)
-        if name == "status":
-            p.add_argument("submission_id", metavar="RUN|ID", help="a run folder, or the id `wbrag submit` printed")
-            p.add_argument("--address", help="head node of a submitted job: http://HEAD:8265 or HEAD:6379")
-        else:
-            p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
-            p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
+        p.add_argument("submission_id", metavar="ID", help="the id `wbrag submit` printed")
+        p.add_argument("--address", required=True, help="head node: http://HEAD:8265 or HEAD:6379")
 
     _on_run_parser(sub, "report", "write RUN/report/index.html (+ PNG plots) and report.md")
 
@@ -227,7 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prune-ratio", type=float, help="Zero-RAG: the base pruned at this ratio (default: the full base)")
     p.add_argument("--writeback", metavar="V|active|none",
                    help="write-back units to add: a version, 'active' or 'none' (default: the active version, if any)")
-    _common(p)
 
     doctor.add_arguments(sub.add_parser("doctor", help="what this node can run: torch and CUDA, the driver, vLLM, "
                                         "faiss's GPUs, /dev/shm, S3 and hub credentials (exit 1 where a flag's "
@@ -235,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the embedded demo: 100 passages, 40 questions, bundled models, local Ray")
     p.add_argument("--run", dest="run", default=DEMO_DIR, help=f"run folder (default {DEMO_DIR})")
-    _common(p)
-    for p in sub.choices.values():
+    for name, p in sub.choices.items():
+        if name in CONFIGURED:  # after the command's own flags
+            _common(p, config=name != "run")
         p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -278,12 +269,6 @@ def _run_dir(args, config: WbragConfig) -> str:
 # --- commands: each parses, calls the library API, prints ------------------------------------------------
 
 
-def cmd_build(args) -> None:
-    """`wbrag ingest`, `embed` or `index`: that step of the knowledge base (another factory on a built index:
-    --force)."""
-    api.build_kb(*_on_run(args), force=args.force, steps=(args.command,))
-
-
 def cmd_search(args) -> None:
     run, config = _on_run(args)
     for query, hits in zip(args.query, api.search(run, config, args.query, args.k), strict=True):
@@ -317,26 +302,6 @@ def cmd_eval(args) -> None:
     api.evaluate(run, config, name=args.name, writeback=args.writeback, prune_ratio=args.prune_ratio,
                  router=args.router, adapter=args.adapter, methods_grid=args.methods_grid,
                  same_writeback=args.same_writeback, force=args.force)
-
-
-def cmd_mastery(args) -> None:
-    api.mastery(*_on_run(args), sample=args.sample, force=args.force)
-
-
-def cmd_train_pruner(args) -> None:
-    api.train_pruner(*_on_run(args), kind=args.kind, force=args.force)
-
-
-def cmd_prune(args) -> None:
-    api.prune(*_on_run(args), args.ratio, force=args.force)
-
-
-def cmd_tune(args) -> None:
-    api.tune(*_on_run(args), force=args.force)
-
-
-def cmd_train_router(args) -> None:
-    api.train_router(*_on_run(args), force=args.force)
 
 
 def cmd_writeback(args) -> None:
@@ -449,21 +414,9 @@ def cmd_status(args) -> None:
     print(f"  entrypoint: {info['entrypoint']}")
 
 
-def cmd_logs(args) -> None:
-    print(jobs_api.logs(args.submission_id, args.address), end="")
-
-
 def cmd_stop(args) -> None:
     stopped = jobs_api.stop(args.submission_id, args.address)
     print(f"{args.submission_id}: {'stop requested' if stopped else 'already finished'}")
-
-
-def cmd_report(args) -> None:
-    print(f"report: {write_report(api.existing_run(args.run))}")  # a mistyped path: refused, nothing created there
-
-
-def cmd_inspect(args) -> None:
-    print(inspect_run(api.existing_run(args.run), args.n))
 
 
 def cmd_data(args) -> None:
@@ -491,24 +444,26 @@ def cmd_export(args) -> None:
           f"{embedder['name']} (query prefix {embedder['query_prefix']!r}); see {args.out}/wbrag_export.json")
 
 
-COMMANDS = {
-    "report": cmd_report,
-    "inspect": cmd_inspect,
+# Each command's function; one that returns an int exits with it. `report` and `inspect` only read RUN: a mistyped
+# path is refused, nothing is created there.
+COMMANDS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "report": lambda args: print(f"report: {write_report(api.existing_run(args.run))}"),
+    "inspect": lambda args: print(inspect_run(api.existing_run(args.run), args.n)),
     "submit": cmd_submit,
     "status": cmd_status,
-    "logs": cmd_logs,
+    "logs": lambda args: print(jobs_api.logs(args.submission_id, args.address), end=""),
     "stop": cmd_stop,
-    "ingest": cmd_build,
-    "embed": cmd_build,
-    "index": cmd_build,
+    # that step of the knowledge base (another factory on a built index: --force)
+    **{step: lambda args: api.build_kb(*_on_run(args), force=args.force, steps=(args.command,))
+       for step in api.BUILD_STEPS},
     "search": cmd_search,
     "eval": cmd_eval,
     "writeback": cmd_writeback,
-    "mastery": cmd_mastery,
-    "train-pruner": cmd_train_pruner,
-    "prune": cmd_prune,
-    "tune": cmd_tune,
-    "train-router": cmd_train_router,
+    "mastery": lambda args: api.mastery(*_on_run(args), sample=args.sample, force=args.force),
+    "train-pruner": lambda args: api.train_pruner(*_on_run(args), kind=args.kind, force=args.force),
+    "prune": lambda args: api.prune(*_on_run(args), args.ratio, force=args.force),
+    "tune": lambda args: api.tune(*_on_run(args), force=args.force),
+    "train-router": lambda args: api.train_router(*_on_run(args), force=args.force),
     "run": cmd_run,
     "plan": cmd_plan,
     "demo": cmd_demo,

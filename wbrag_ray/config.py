@@ -1,7 +1,8 @@
 """Typed configuration: one model for a whole run, loaded from YAML plus `--set key=value` overrides, validated
-once before any stage starts; every error names the dotted key and the fix.
+once before any stage starts; every error names the dotted key and the fix. Every field says what it sets; the
+guide (docs/guide.md) says how the settings work together.
 
-Over 900 lines, not split: it is the one config reference a user reads, every field with its description."""
+Over 700 lines, not split: it is the one config reference a user reads, every field with its description."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def _concurrency(value: Any) -> Any:
     return count
 
 
-# A count: a positive integer, or "auto" (a pool's actors or training workers: decided by each command as it joins
-# Ray; nprobe, index shards: by the index build).
+# A count: a positive integer, or "auto" (actors, training workers: decided by each command as it joins Ray;
+# nprobe, index shards: by the index build).
 PositiveOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_concurrency)]
 AUTO_CONCURRENCY = (" 'auto': as many as the cluster holds (an autoscaling cluster: its declared maximum), decided by "
                     "each command as it joins Ray (GPU actors: the GPUs, the generator's less those the index's search "
@@ -60,72 +61,48 @@ class _Section(BaseModel):
 
 
 class RayConfig(_Section):
-    address: str | None = Field(
-        None, description="Ray cluster to join ('auto', 'ray://host:10001', host:port). None starts a local one."
-    )
+    address: str | None = Field(None, description="Ray cluster to join ('auto', 'ray://host:10001', host:port); "
+                                "None starts a local one.")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (local clusters only).")
-    pending_timeout_s: float = Field(
-        1800.0, gt=0, description="How long a service's actors may wait for a node with the resources they ask "
-        "before the command fails naming what is missing."
-    )
-    gpu_memory_gb: float | None = Field(
-        None, gt=0, description="Memory of one GPU, for sizing tensor_parallel_size auto and retrieval's GPU "
-        "shares. None: from the nodes' accelerator_type label, else 80 GB (logged).",
-    )
+    pending_timeout_s: float = Field(1800.0, gt=0, description="Seconds a service's actors may wait for a node with "
+                                     "their resources before the command fails naming what is missing.")
+    gpu_memory_gb: float | None = Field(None, gt=0, description="Memory of one GPU (sizes tensor_parallel_size auto "
+                                        "and GPU shares); None: from the nodes' accelerator_type, else 80 GB (logged).")
 
 
 class IngestConfig(_Section):
     corpus: str | None = Field(None, description="FlashRAG corpus: jsonl or Parquet file or folder, local or s3://.")
-    shard_bytes: int = Field(
-        64 << 20, ge=1024, description="Byte size of one ingest shard of a jsonl file (a huge file is split)."
-    )
-    max_passage_chars: int = Field(
-        100_000, ge=16, description="Longer passages are rejected with a reason (protects segmentation and memory)."
-    )
-    min_sentence_chars: int = Field(
-        1, ge=1, description="Sentences shorter than this (after stripping) are not kept as sentences."
-    )
+    shard_bytes: int = Field(64 << 20, ge=1024, description="Bytes of one ingest shard of a (huge) jsonl file.")
+    max_passage_chars: int = Field(100_000, ge=16, description="Longer passages are rejected with a reason "
+                                   "(protects segmentation and memory).")
+    min_sentence_chars: int = Field(1, ge=1, description="Shorter sentences (stripped) are not kept as sentences.")
 
 
 class EmbedderConfig(_Section):
     RUNTIME_KEYS = frozenset({"batch_size", "trust_remote_code"})
 
-    model: str = Field(
-        BUNDLED_EMBEDDER, description="sentence-transformers model: local folder, s3:// folder, hub id or bundled:*."
-    )
+    model: str = Field(BUNDLED_EMBEDDER, description="sentence-transformers model: local folder, s3:// folder, hub "
+                       "id or bundled:*.")
     batch_size: int = Field(64, ge=1, description="Sentences per forward pass.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Compute dtype; 'auto' takes bf16 where the CPU or GPU supports it."
-    )
+        "auto", description="Compute dtype; 'auto': bf16 where the CPU or GPU supports it.")
     storage_dtype: Literal["float32", "float16"] = Field("float32", description="dtype of stored embedding shards.")
-    num_cpus: float = Field(
-        1.0, gt=0, description="CPUs each embed actor asks Ray for; keep below the node's CPUs so reads can run."
-    )
-    threads: int | None = Field(
-        None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus))."
-    )
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per embed actor; below the node's CPUs, so reads can run.")
+    threads: int | None = Field(None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus)).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
     concurrency: PositiveOrAuto = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
     query_prompt: str | None = Field(
         None, description="A prompt the model ships (sentence-transformers' `prompts`) put before queries only "
-        "(s2p_query for stella_en_400M_v5). Unset: e5's 'query: ' / 'passage: ' prefixes, else none.",
-    )
-    trust_remote_code: bool = Field(
-        False, description="Run the model's own Python code (stella_en_400M_v5 ships its architecture as code): "
-        "only for a model you trust.",
-    )
-    checkpoint_rows: int = Field(
-        20_000, ge=1,
-        description="About this many vectors per written block (file and checkpoint commit): what a crash can cost "
-        "per actor.",
-    )
+        "(s2p_query for stella_en_400M_v5). Unset: e5's 'query: ' / 'passage: ' prefixes, else none.")
+    trust_remote_code: bool = Field(False, description="Run the model's own Python code (stella_en_400M_v5 ships its "
+                                    "architecture as code): only for a model you trust.")
+    checkpoint_rows: int = Field(20_000, ge=1, description="About this many vectors per written block (file and "
+                                 "checkpoint commit): what a crash can cost per actor.")
     config_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the model's transformers config (sentence-"
-        "transformers' config_kwargs), e.g. {unpad_inputs: false}. A model whose config asks for xformers' "
-        "memory-efficient attention or unpadding (stella_en_400M_v5) where xformers does not import loads with "
-        "both off, logged, unless set here.",
-    )
+        default_factory=dict, description="Keyword arguments for the model's transformers config, e.g. "
+        "{unpad_inputs: false}. Where xformers does not import, a model whose config asks for its attention or "
+        "unpadding (stella_en_400M_v5) loads with both off, logged, unless set here.")
 
 
 class GeneratorConfig(_Section):
@@ -133,82 +110,52 @@ class GeneratorConfig(_Section):
                               "gpu_share"})
 
     backend: Literal["hf", "vllm", "openai"] = Field("hf", description="hf (transformers), vllm, or openai (HTTP).")
-    model: str = Field(
-        BUNDLED_GENERATOR,
-        description="Local HF folder, s3:// folder (fetched once per node), GGUF file, hub id, or bundled:smollm2.",
-    )
+    model: str = Field(BUNDLED_GENERATOR, description="Local HF folder, s3:// folder (fetched once per node), GGUF "
+                       "file, hub id, or bundled:smollm2.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="hf backend compute dtype; 'auto' takes bf16 where the hardware supports it."
-    )
+        "auto", description="hf backend compute dtype; 'auto': bf16 where the hardware supports it.")
     max_new_tokens: int = Field(32, ge=1, description="Greedy decoding stops after this many tokens.")
-    batch_size: int = Field(
-        32, ge=1, description="Most prompts per generate call (hf: fewer where long prompts would not fit memory_gb)."
-    )
-    memory_gb: float | None = Field(
-        None, gt=0,
-        description="hf backend: memory one generate call may use for KV cache and activations. Default: 90% of "
-        "the GPU memory left after loading, or half the node's free memory on CPU.",
-    )
-    stop: list[str] = Field(
-        default_factory=lambda: ["\n"],
-        description="Generation stops at the first of these strings (cut off). Passes that write several lines "
-        "clear it.",
-    )
+    batch_size: int = Field(32, ge=1, description="Most prompts per generate call (hf: fewer where long prompts "
+                            "would not fit memory_gb).")
+    memory_gb: float | None = Field(None, gt=0, description="hf backend: memory one generate call may use for KV "
+                                    "cache and activations. Default: 90% of the GPU memory left after loading, or "
+                                    "half the node's free memory on CPU.")
+    stop: list[str] = Field(default_factory=lambda: ["\n"], description="Generation stops at the first of these "
+                            "strings (cut off); passes that write several lines clear it.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs each generator actor asks Ray for.")
-    threads: int | None = Field(
-        None, ge=1, description="torch threads per generator actor (default: ceil(num_cpus))."
-    )
+    threads: int | None = Field(None, ge=1, description="torch threads per generator actor (default: ceil(num_cpus)).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
     tensor_parallel_size: int | Literal["auto"] | None = Field(
-        None, description="vllm: GPUs of one node each layer of a replica is sharded over (num_gpus 0: rank "
-        "processes of vLLM's CPU build). Default: num_gpus / pipeline_parallel_size when num_gpus > 1, else 1. "
-        "'auto': the fewest GPUs of one node that hold the weights and a KV cache for batch_size prompts; num_gpus "
-        "then follows.",
-    )
-    gpu_share: float = Field(
-        1.0, gt=0, le=1, description="What each GPU of a multi-GPU replica asks Ray for "
-        "(VLLM_RAY_PER_WORKER_GPUS): 1, or less to leave room for retrieval's actors; set by retrieval.search_gpus "
-        "auto.",
-    )
-    pipeline_parallel_size: int = Field(
-        1, ge=1, description="vllm: stages an engine replica's layers are split into; num_gpus = "
-        "tensor_parallel_size x pipeline_parallel_size (GPUs only).",
-    )
-    pipeline_across_nodes: bool = Field(
-        False, description="vllm: a replica's pipeline stages may sit on different nodes (PACK). Off: the whole "
-        "replica on one node (STRICT_PACK).",
-    )
+        None, description="vllm: GPUs of one node a replica's layers are sharded over (num_gpus 0: rank processes of "
+        "vLLM's CPU build). Default: num_gpus / pipeline_parallel_size when num_gpus > 1, else 1. 'auto': the "
+        "fewest GPUs that hold the weights and a KV cache for batch_size prompts; num_gpus then follows.")
+    gpu_share: float = Field(1.0, gt=0, le=1, description="What each GPU of a multi-GPU replica asks Ray for "
+                             "(VLLM_RAY_PER_WORKER_GPUS): 1, or less to leave room for retrieval's actors; set by "
+                             "retrieval.search_gpus auto.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vllm: stages a replica's layers are split into; "
+                                        "num_gpus = tensor_parallel_size x pipeline_parallel_size (GPUs only).")
+    pipeline_across_nodes: bool = Field(False, description="vllm: a replica's pipeline stages may sit on different "
+                                        "nodes (PACK); off: the whole replica on one node (STRICT_PACK).")
     concurrency: PositiveOrAuto = Field(1, description="Number of generator actors / engine replicas." + AUTO_CONCURRENCY)
-    calls_per_engine: int = Field(
-        4, ge=1, description="vllm: batches one engine takes at once, so it decodes the next batch while the last "
-        "one's longest answers finish (1: one blocking call at a time).",
-    )
+    calls_per_engine: int = Field(4, ge=1, description="vllm: batches one engine takes at once, so it decodes the "
+                                  "next while the last one's longest answers finish (1: one call at a time).")
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template (instruct models).")
     batch_invariant: bool | Literal["auto"] = Field(
-        "auto", description="A prompt's greedy answer does not depend on its batch. hf: prompts are padded to "
-        "64-token length buckets and batched within one; vllm on GPUs: VLLM_BATCH_INVARIANT=1 (compute capability "
-        ">= 8.0), which pins NCCL to one channel and tree all-reduce, slowing a tensor-parallel replica. 'auto': on, "
-        "off for a tensor-parallel replica (tensor_parallel_size > 1), whose answers can then depend on their batch.",
-    )
-    checkpoint_rows: int = Field(
-        1024, ge=1, description="Answers per committed block of a stage's answer checkpoint: what a killed pass "
-        "can lose at most.",
-    )
-    checkpoint_seconds: float = Field(
-        60.0, gt=0, description="Answers decoded since the last block are committed after this many seconds, at "
-        "the next finished batch.",
-    )
-    cache_dir: str | None = Field(
-        None, description="Where GGUF models are cached after de-quantization (default ~/.cache/wbrag/converted)."
-    )
+        "auto", description="A prompt's greedy answer does not depend on its batch. hf: prompts padded to 64-token "
+        "length buckets, batched within one; vllm on GPUs: VLLM_BATCH_INVARIANT=1 (compute capability >= 8.0), which "
+        "slows a tensor-parallel replica (NCCL on one channel). 'auto': on, off where tensor_parallel_size > 1.")
+    checkpoint_rows: int = Field(1024, ge=1, description="Answers per committed block of a stage's answer checkpoint: "
+                                 "what a killed pass can lose at most.")
+    checkpoint_seconds: float = Field(60.0, gt=0, description="Answers decoded since the last block are committed "
+                                      "after this many seconds, at the next finished batch.")
+    cache_dir: str | None = Field(None, description="Where GGUF models are cached after de-quantization (default "
+                                  "~/.cache/wbrag/converted).")
     base_url: str | None = Field(None, description="openai backend: the server's /v1 URL.")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai backend: environment variable with the key.")
-    lora_adapter: str | None = Field(
-        None, description="LoRA adapter folder to apply (hf, vllm): a local path every node sees, or s3:// "
-        "(fetched into each node's cache).")
-    vllm_engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Extra vLLM engine arguments, merged over the throughput defaults."
-    )
+    lora_adapter: str | None = Field(None, description="LoRA adapter folder to apply (hf, vllm): a local path every "
+                                     "node sees, or s3:// (fetched into each node's cache).")
+    vllm_engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments, merged "
+                                               "over the throughput defaults.")
 
     def parallel_sizes(self) -> tuple[int, int]:
         """(tensor_parallel_size, pipeline_parallel_size) of one engine replica: as given, else tp = num_gpus / pp when
@@ -289,57 +236,37 @@ class GeneratorConfig(_Section):
 
 
 class IndexConfig(_Section):
-    unit: Literal["passage", "sentence"] = Field(
-        "passage", description="What the index holds: passages (RAG) or sentences (Zero-RAG's pruning unit)."
-    )
-    factory: str = Field(
-        "auto",
-        description="faiss index factory string (Flat, IVF4096,Flat, IVF4096,PQ48, HNSW32, ...), or 'auto': chosen "
-        "from the vector count, index.memory_budget_gb and index.train_memory_gb (see choose_factory).",
-    )
-    train_sample: int = Field(
-        100_000, ge=1, description="Vectors sampled to train an index; an IVF's sample is raised to 39 x its "
-        "lists, capped by index.train_memory_gb.",
-    )
-    train_memory_gb: float = Field(
-        8.0, gt=0, description="Memory the training sample may take (sample x dim x 4 bytes). factory=auto gives "
-        "an IVF fewer lists where 39 vectors per list do not fit; an explicit factory that cannot is refused "
-        "before any work.",
-    )
+    unit: Literal["passage", "sentence"] = Field("passage", description="What the index holds: passages (RAG) or "
+                                                 "sentences (Zero-RAG's pruning unit).")
+    factory: str = Field("auto", description="faiss index factory string (Flat, IVF4096,Flat, IVF4096,PQ48, HNSW32, "
+                         "...), or 'auto': chosen from the vector count and the memory settings (choose_factory).")
+    train_sample: int = Field(100_000, ge=1, description="Vectors sampled to train an index; an IVF's sample is "
+                              "raised to 39 x its lists, capped by index.train_memory_gb.")
+    train_memory_gb: float = Field(8.0, gt=0, description="Memory the training sample may take (sample x dim x 4 "
+                                   "bytes): factory auto gives an IVF fewer lists to fit; an explicit factory that "
+                                   "cannot is refused before any work.")
     nprobe: PositiveOrAuto = Field(
         "auto", description="IVF lists visited per query, or 'auto': the fewest that reach index.target_recall, "
         "measured at build time (else max(min(nlist, 32), sqrt(nlist))). An HNSW quantizer searches with efSearch "
-        "= max(2 x nprobe, index.ef_search)."
-    )
-    target_recall: float | None = Field(
-        0.95, gt=0, le=1, description="recall@10 of exact search the build tunes nprobe (IVF, nprobe auto) or "
-        "efSearch (HNSW, ef_search unset) to; an explicit setting is measured beside it. null: no measurement.",
-    )
-    recall_queries: int = Field(
-        500, ge=10, description="Vectors of the index searched to measure recall (500 give recall@10 to about "
-        "+-0.01).",
-    )
-    num_shards: PositiveOrAuto = Field(
-        "auto", description="Index shards the build merges into, each loaded by one search actor: an integer, or "
-        "'auto': ceil(estimated index bytes / index.shard_memory_gb)."
-    )
-    shard_memory_gb: float = Field(
-        4.0, gt=0, description="num_shards=auto: the most bytes one index shard may take (one merge task's and one "
-        "search actor's memory)."
-    )
-    memory_budget_gb: float = Field(
-        16.0, gt=0, description="Memory the whole index may take at search time; index.factory=auto picks codes "
-        "that fit it."
-    )
+        "= max(2 x nprobe, index.ef_search).")
+    target_recall: float | None = Field(0.95, gt=0, le=1, description="recall@10 of exact search the build tunes "
+                                        "nprobe / efSearch (auto, unset) to; an explicit setting is measured. null: "
+                                        "no measurement.")
+    recall_queries: int = Field(500, ge=10, description="Vectors searched to measure recall (500 give recall@10 to "
+                                "about +-0.01).")
+    num_shards: PositiveOrAuto = Field("auto", description="Index shards, each loaded by one search actor; 'auto': "
+                                       "ceil(estimated index bytes / index.shard_memory_gb).")
+    shard_memory_gb: float = Field(4.0, gt=0, description="num_shards auto: the most bytes one index shard may take "
+                                   "(one merge task's and one search actor's memory).")
+    memory_budget_gb: float = Field(16.0, gt=0, description="Memory the whole index may take at search time; factory "
+                                    "auto picks codes that fit it.")
     ef_search: int | None = Field(None, ge=1, description="HNSW efSearch at query time (None: the one the build "
                                   "measured to index.target_recall, else faiss's default, 16).")
-    k_factor: float | None = Field(
-        None, ge=1, description="Refine indices (...,RFlat): candidates re-ranked per result (None: faiss's default, 1)."
-    )
+    k_factor: float | None = Field(None, ge=1, description="Refine indices (...,RFlat): candidates re-ranked per "
+                                   "result (None: faiss's default, 1).")
     num_cpus: float = Field(1.0, gt=0, description="CPUs each index build task (train, add, merge) asks Ray for.")
-    gpu: bool | Literal["auto"] = Field(
-        "auto", description="Search (and train IVF k-means) on GPUs. 'auto': where the cluster has GPUs and faiss "
-        "GPU support, else CPUs (logged). true: GPUs or refused before any work. false: CPUs.")
+    gpu: bool | Literal["auto"] = Field("auto", description="Search (and train IVF k-means) on GPUs. 'auto': where "
+                                        "the cluster has GPUs and faiss GPU support (logged); true: GPUs or refused.")
 
 
 class RetrievalConfig(_Section):
@@ -356,41 +283,28 @@ class RetrievalConfig(_Section):
     search_gpus: float | Literal["auto"] = Field(
         "auto", description="GPU share of each search actor on GPU: 1 holds a whole GPU; a share (0.05) places it "
         "beside an engine replica. 'auto': whole GPUs where that costs the generator at most one replica in eight, "
-        "else a share sized from the index (wbrag_ray.placement.gpus).",
-    )
+        "else a share sized from the index (wbrag_ray.placement.gpus).")
     embed_gpus: float | Literal["auto"] | None = Field(
         "auto", description="GPU share of each query embedder; None: embedder.num_gpus. 'auto': embedder.num_gpus, "
-        "or a share sized from the model where retrieval.search_gpus auto takes shares.",
-    )
-    actor_memory_gb: float = Field(
-        8.0, gt=0, description="Index bytes one search actor holds at most (shards are grouped up to this).",
-    )
+        "or a share sized from the model where retrieval.search_gpus auto takes shares.")
+    actor_memory_gb: float = Field(8.0, gt=0, description="Index bytes one search actor holds at most (shards are "
+                                   "grouped up to this).")
     concurrency: int = Field(1, ge=1, description="Replicas of every search actor (queries are spread over them), and "
                              "retrieval-pass actors.")
-    replug_temperature: float = Field(
-        0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval score / temperature)."
-    )
+    replug_temperature: float = Field(0.1, gt=0, description="RePlug: documents are weighted by softmax(retrieval "
+                                      "score / temperature).")
     union: Literal["auto", "score", "provenance", "rrf", "gate", "gate-no-provenance", "additive"] = Field(
-        "auto",
-        description="How base and write-back hits share the prompt (wbrag_ray.retrieval.union): 'score' "
-        "(WriteBack-RAG's merge by score), 'provenance' (the same, but a unit whose sources are already in the top "
-        "K takes no slot), 'rrf' (reciprocal rank fusion), 'gate' (a unit needs the best passage's score less "
-        "gate_margin), 'gate-no-provenance', 'additive' (the base's top K plus up to max_units units above the "
-        "K-th score less additive_margin). 'auto': the rule the write-back version chose on its validation split "
-        "(score unless another won beyond chance), else 'provenance'.",
-    )
-    max_units: int | None = Field(
-        None, ge=0, description="Write-back units per query at most (none: no cap; 'additive': 1 where unset); not "
-        "applied by union 'score'.",
-    )
+        "auto", description="How base and write-back hits share the prompt (wbrag_ray.retrieval.union, docs/guide.md):"
+        " 'score' is WriteBack-RAG's merge by score. 'auto': the rule the write-back version chose on its validation "
+        "split (score unless another won beyond chance), else 'provenance'.")
+    max_units: int | None = Field(None, ge=0, description="Write-back units per query at most (none: no cap; "
+                                  "'additive': 1 where unset); not applied by union 'score'.")
     rrf_k: int = Field(60, ge=1, description="Reciprocal rank fusion's constant: a hit's fused score is "
                        "1 / (rrf_k + its rank in its own index).")
     gate_margin: float = Field(0.0, description="Union 'gate': how far below the best passage's score a unit may "
-        "score and still take a slot.")
-    additive_margin: float = Field(
-        0.0, description="Union 'additive': how far below the K-th passage's score a unit may score and still be "
-        "appended.",
-    )
+                               "score and still take a slot.")
+    additive_margin: float = Field(0.0, description="Union 'additive': how far below the K-th passage's score a unit "
+                                   "may score and still be appended.")
 
     @field_validator("search_gpus", "embed_gpus")
     @classmethod
@@ -417,38 +331,25 @@ RagMethod = Literal["no-retrieval", "naive", "replug", "replug-vote", "self-rag"
 class FlareConfig(_Section):
     """FLARE: write a sentence at a time; retrieve for an unsure sentence with it as query, and write it again."""
 
-    threshold: float = Field(
-        0.2, ge=0, le=1,
-        description="Retrieve when a token of the look-ahead sentence has probability below this (FLARE's theta; "
-        "0 never retrieves, 1 always does).",
-    )
+    threshold: float = Field(0.2, ge=0, le=1, description="Retrieve when a token of the look-ahead sentence has "
+                             "probability below this (FLARE's theta; 0 never retrieves, 1 always does).")
     max_rounds: int = Field(3, ge=1, description="Sentences written at most (a look-ahead, maybe a retrieval, each).")
     look_ahead_tokens: int = Field(32, ge=1, description="New-token budget of one look-ahead / regenerated sentence.")
-    mask_query: bool = Field(
-        True, description="Query with the sentence's confident tokens only (FLARE's masked query).",
-    )
-    query_with_question: bool = Field(
-        True, description="Prefix the query with the question: a short answer sentence alone says little.",
-    )
+    mask_query: bool = Field(True, description="Query with the sentence's confident tokens only (FLARE's masked "
+                             "query).")
+    query_with_question: bool = Field(True, description="Prefix the query with the question: a short answer sentence "
+                                      "alone says little.")
 
 
 class SelfRagConfig(_Section):
     """Self-RAG by prompted judgements: whether to retrieve, each document's relevance, answer from the relevant."""
 
-    retrieval_threshold: float = Field(
-        0.2, ge=0, le=1,
-        description="Retrieve when p(yes) share of the retrieval judgement is at least this (Self-RAG's delta; 0 "
-        "always retrieves).",
-    )
-    relevance_threshold: float = Field(
-        0.5, ge=0, le=1,
-        description="Keep a document whose relevance judgement's p(yes) share is at least this.",
-    )
-    keep_best: bool = Field(
-        True,
-        description="When no document passes, answer from the one judged most relevant (as Self-RAG); False "
-        "answers closed-book.",
-    )
+    retrieval_threshold: float = Field(0.2, ge=0, le=1, description="Retrieve when the retrieval judgement's p(yes) "
+                                       "share is at least this (Self-RAG's delta; 0 always retrieves).")
+    relevance_threshold: float = Field(0.5, ge=0, le=1, description="Keep a document whose relevance judgement's "
+                                       "p(yes) share is at least this.")
+    keep_best: bool = Field(True, description="When no document passes, answer from the one judged most relevant (as "
+                            "Self-RAG); False answers closed-book.")
 
 
 class RagConfig(_Section):
@@ -461,16 +362,12 @@ class RagConfig(_Section):
 class EvalConfig(_Section):
     dataset: str | None = Field(None, description="FlashRAG dataset jsonl or Parquet (id, question, golden_answers).")
     name: str | None = Field(None, description="Name of the evaluation folder; default: the dataset's file stem.")
-    methods: list[RagMethod] = Field(
-        default_factory=lambda: ["no-retrieval", "naive"],
-        description="RAG methods to evaluate: no-retrieval, naive, replug (probability mixture; hf backend), "
-        "replug-vote, self-rag, flare.",
-    )
+    methods: list[RagMethod] = Field(default_factory=lambda: ["no-retrieval", "naive"], description="RAG methods to "
+                                     "evaluate (replug, a probability mixture, needs the hf backend).")
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N questions.")
     answer_form: Literal["span"] | None = Field(
         None, description="How an answer is scored: unset, as generated (the papers); 'span': the answer span cut "
-        "from a sentence-long answer (evaluation/short_answer.py). Predictions keep both.",
-    )
+        "from a sentence-long answer (evaluation/short_answer.py). Predictions keep both.")
 
 
 # writeback.validation: 'auto' holds out this fraction from this many training questions on (at least 20 held out)
@@ -482,50 +379,35 @@ class WritebackConfig(_Section):
     """WriteBack-RAG training: which examples and documents are useful, and how they are distilled."""
 
     train: str | None = Field(None, description="Labeled QA set (FlashRAG jsonl / Parquet) to learn write-back from.")
-    version: str | None = Field(
-        None, description="Name of the write-back index version (RUN/writeback/<version>); default: the train file stem."
-    )
+    version: str | None = Field(None, description="Name of the write-back index version (RUN/writeback/<version>); "
+                                "default: the train file stem.")
     limit: int | None = Field(None, ge=1, description="Use only the first N training examples.")
     metric: Literal["acc", "em", "f1", "auto"] = Field(
         "acc", description="Task metric of the gates; 'auto': the paper's choice for the training set's dataset "
-        "(acc: NQ, BoolQ, zsRE, HotpotQA; F1: FEVER; EM: SQuAD)."
-    )
+        "(acc: NQ, BoolQ, zsRE, HotpotQA; F1: FEVER; EM: SQuAD).")
     rag_method: Literal["naive", "replug", "replug-vote", "self-rag", "flare"] = Field(
-        "naive",
-        description="RAG method whose answers score s_rag and whose documents the gates and the distiller see: "
-        "naive, replug (hf), replug-vote, self-rag or flare.",
-    )
+        "naive", description="RAG method whose answers score s_rag and whose documents the gates and the distiller "
+        "see (replug: hf backend).")
     tau_s: float = Field(0.1, description="Utility gate: keep an example only if s_rag >= tau_s.")
     tau_delta: float = Field(0.01, description="Utility gate: keep an example only if s_rag - s_nr > tau_delta.")
     tau_doc: float = Field(0.01, description="Document gate: keep document j only if s_j - s_nr > tau_doc.")
     n_min: int = Field(2, ge=1, description="Document gate fallback: keep the top n_min documents by rank if none pass.")
-    extract_max_new_tokens: int = Field(
-        128, ge=1, description="Distiller step 1 (extract answer-relevant sentences): new-token budget."
-    )
-    rewrite_max_new_tokens: int = Field(
-        128, ge=1, description="Distiller step 2 (rewrite as one self-contained document): new-token budget."
-    )
-    dedupe_threshold: float | None = Field(
-        0.95, gt=0, le=1.0,
-        description="Merge a unit into an earlier one at embedding cosine >= this (provenance kept); null: no "
-        "deduplication (the paper).",
-    )
-    index_factory: str = Field(
-        "Flat", description="faiss factory of the write-back index (small: Flat; IVF needs more units than cells)."
-    )
+    extract_max_new_tokens: int = Field(128, ge=1, description="Distiller step 1 (extract answer-relevant "
+                                        "sentences): new-token budget.")
+    rewrite_max_new_tokens: int = Field(128, ge=1, description="Distiller step 2 (rewrite as one self-contained "
+                                        "document): new-token budget.")
+    dedupe_threshold: float | None = Field(0.95, gt=0, le=1.0, description="Merge a unit into an earlier one at "
+                                           "embedding cosine >= this (provenance kept); null: none (the paper).")
+    index_factory: str = Field("Flat", description="faiss factory of the write-back index (small: Flat; IVF needs "
+                               "more units than cells).")
     validation: float | Literal["auto"] | None = Field(
-        "auto",
-        description="Hold out this fraction of the training questions (by a hash of their ids): the version is trained "
-        "on the rest, and base vs base + version is evaluated on them, so a version that hurts is seen before it is "
-        "activated; the result (the metric both ways, won, lost, activated or not) is in the version's stats. 'auto': "
-        f"{AUTO_VALIDATION} where the training set has at least {AUTO_VALIDATION_MIN} questions, else none (the "
-        "stats say validation was skipped). None: no hold-out.",
-    )
+        "auto", description="Fraction of the training questions held out (by a hash of their ids): base vs base + "
+        "version is evaluated on them, so a version that hurts is seen before it is activated (the result is in the "
+        f"version's stats). 'auto': {AUTO_VALIDATION} from {AUTO_VALIDATION_MIN} questions on, else none. None: none.")
     activate: bool = Field(True, description="Make the new version the active write-back index when it is built "
                            "(not when its validation shows it hurts).")
-    evaluate: bool = Field(
-        True, description="`wbrag run`: also evaluate eval.dataset with base + write-back after training."
-    )
+    evaluate: bool = Field(True, description="`wbrag run`: also evaluate eval.dataset with base + write-back after "
+                           "training.")
 
     @field_validator("validation")
     @classmethod
@@ -550,26 +432,19 @@ class TrainerConfig(_Section):
     num_workers: PositiveOrAuto = Field(1, description="Ray Train workers (data-parallel; under ddp each holds the whole "
                              "model, under fsdp each holds 1 / num_workers of it)." + AUTO_CONCURRENCY + " At most batch_size.")
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="How workers share the model. ddp: each holds all of it. fsdp: FSDP2 shards the frozen "
-        "base and adapter over the workers, one GPU each, with gradient checkpointing; on several nodes it is "
-        "hybrid (sharded within a node, replicated across nodes). One worker trains as ddp.",
-    )
+        "ddp", description="How workers share the model. ddp: each holds all of it. fsdp: FSDP2 shards the frozen base "
+        "and adapter over the workers, one GPU each, with gradient checkpointing (hybrid across nodes: sharded within a "
+        "node, replicated across). One worker trains as ddp.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs each training worker asks Ray for (its torch threads).")
     num_gpus: float = Field(
-        0.0, ge=0, description="GPUs per training worker: 0 trains on CPU (fp32, gloo); 1 on one GPU (bf16 or "
-        "fp16, LoRA in fp32; nccl); more spreads the model over that many GPUs of its node (accelerate), for "
-        "models one GPU cannot hold.",
-    )
-    checkpoint_steps: int = Field(
-        50, ge=1, description="Optimizer steps between training checkpoints: what a lost worker or driver can cost "
-        "at most.",
-    )
+        0.0, ge=0, description="GPUs per training worker: 0 trains on CPU (fp32, gloo); 1 on one GPU (bf16 or fp16, "
+        "LoRA in fp32; nccl); more spreads a model one GPU cannot hold over that many GPUs of its node (accelerate).")
+    checkpoint_steps: int = Field(50, ge=1, description="Optimizer steps between training checkpoints: what a lost "
+                                  "worker or driver can cost at most.")
     max_failures: int = Field(2, ge=0, description="Worker-group failures Ray Train recovers from (from the last "
                               "checkpoint) before the stage fails.")
-    timeout_s: int | Literal["auto"] = Field(
-        "auto", description="Seconds a collective may wait (TorchConfig timeout_s). 'auto': the weights read at 50 "
-        "MB/s, at least 1800 s.",
-    )
+    timeout_s: int | Literal["auto"] = Field("auto", description="Seconds a collective may wait (TorchConfig "
+                                             "timeout_s). 'auto': the weights read at 50 MB/s, at least 1800 s.")
 
     @field_validator("num_gpus")
     @classmethod
@@ -597,9 +472,8 @@ class _LoraSection(_Section):
     lora_r: int = Field(8, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (alpha / r scales the update).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA path.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "v_proj"], description="Modules that get LoRA adapters."
-    )
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], description="Modules that get "
+                                      "LoRA adapters.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training examples (the scored sentences, the "
                           "tuning rows); fractions allowed. Steps = ceil(epochs x examples / batch_size).")
     max_steps: int | None = Field(None, ge=1, description="Optional cap on optimizer steps (the stats say how many "
@@ -620,9 +494,8 @@ class LMPrunerConfig(_LoraSection):
 
     backbone: str = Field(BUNDLED_GENERATOR, description="Backbone LM: local folder, GGUF file, hub id or bundled:*.")
     max_length: int = Field(64, ge=8, description="Tokens per sentence (longer sentences are truncated).")
-    predict_batch_size: int = Field(
-        16, ge=1, description="Sentences per forward pass when predicting (raise it on GPUs)."
-    )
+    predict_batch_size: int = Field(16, ge=1, description="Sentences per forward pass when predicting (raise it on "
+                                    "GPUs).")
     num_cpus: float = Field(1.0, gt=0, description="CPUs each prediction actor asks Ray for.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per prediction actor.")
     concurrency: PositiveOrAuto = Field(1, description="Number of prediction actors." + AUTO_CONCURRENCY)
@@ -634,22 +507,16 @@ class TuneConfig(_LoraSection):
     RUNTIME_KEYS = frozenset({"enabled"})
 
     enabled: bool = Field(False, description="`wbrag run`: tune an adapter and evaluate with it.")
-    docs_per_format: int | None = Field(
-        None, ge=1, description="Documents in the relevant and distracting formats; None: retrieval.top_k (the "
-        "count evaluation prompts hold)."
-    )
-    retrieve_k: int = Field(
-        10, ge=1, description="Documents retrieved per training question (at least retrieval.top_k), from which "
-        "relevant and distracting ones are picked."
-    )
+    docs_per_format: int | None = Field(None, ge=1, description="Documents in the relevant and distracting formats; "
+                                        "None: retrieval.top_k (the count evaluation prompts hold).")
+    retrieve_k: int = Field(10, ge=1, description="Documents retrieved per training question (at least "
+                            "retrieval.top_k), from which relevant and distracting ones are picked.")
     weight_retrieval_free: float = Field(1.0, ge=0, description="Weight of the retrieval-free term (no documents).")
     weight_relevant: float = Field(1.0, ge=0, description="Weight of the retrieval-augmented term (relevant documents).")
     weight_noise: float = Field(1.0, ge=0, description="Weight of the noise-suppression term (distracting documents).")
     targets: Literal["gold", "own"] = Field(
-        "gold", description="What each row is trained to answer: 'gold' (the first gold answer, the paper) or "
-        "'own' (the generator's own answer where it holds a gold one; other rows dropped; "
-        "noise_tolerant.own_targets)."
-    )
+        "gold", description="What each row is trained to answer: 'gold' (the first gold answer, the paper) or 'own' "
+        "(the generator's own answer where it holds a gold one; other rows dropped; noise_tolerant.own_targets).")
     batch_size: int = Field(4, ge=1, description="Examples per optimizer step.")
     learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate (the paper's 3e-4).")
     max_length: int = Field(384, ge=8, description="Tokens per example (prompt + answer; prompts truncated left).")
@@ -660,63 +527,44 @@ class ZeroRagConfig(_Section):
 
     RUNTIME_KEYS = frozenset({"enabled"})
 
-    enabled: bool = Field(
-        False, description="`wbrag run`: after the index, score mastery, train the pruner(s), prune at every ratio "
-        "and evaluate the grid (needs index.unit=sentence)."
-    )
+    enabled: bool = Field(False, description="`wbrag run`: after the index, score mastery, train the pruner(s), prune "
+                          "at every ratio and evaluate the grid (needs index.unit=sentence).")
     sample: int = Field(2000, ge=1, description="Sentences sampled for mastery scoring.")
     seed: int = Field(0, description="Seed of the mastery sample and of the pruner's train / validation split.")
-    qa_mode: Literal["cloze", "llm"] = Field(
-        "cloze",
-        description="How QA pairs are written: 'llm' (the QA generator) or 'cloze' (names, numbers and dates "
-        "blanked; for tiny models).",
-    )
+    qa_mode: Literal["cloze", "llm"] = Field("cloze", description="How QA pairs are written: 'llm' (the QA generator) "
+                                             "or 'cloze' (names, numbers and dates blanked; for tiny models).")
     qa_per_sentence: int = Field(3, ge=1, description="QA pairs per sampled sentence (n).")
-    qa_generator: GeneratorConfig | None = Field(
-        None, description="The model that writes QA pairs in llm mode (the paper: a strong LLM); None: the generator."
-    )
+    qa_generator: GeneratorConfig | None = Field(None, description="The model that writes QA pairs in llm mode (the "
+                                                 "paper: a strong LLM); None: the generator.")
     qa_max_new_tokens: int = Field(96, ge=8, description="llm mode: new-token budget for writing the QA pairs.")
     answer_max_new_tokens: int = Field(16, ge=1, description="The target model's closed-book answers: token budget.")
-    mastery_metric: Literal["em", "acc"] = Field(
-        "em", description="Per-pair score averaged into mastery: 'em' (the paper) or 'acc' (answer occurs in the "
-        "prediction). Both are stored."
-    )
-    pruner: Literal["embedding", "lm"] = Field(
-        "embedding", description="Which pruner predicts mastery for the corpus: 'embedding' (a head on the stored "
-        "sentence vectors) or 'lm' (the LoRA LM regressor)."
-    )
+    mastery_metric: Literal["em", "acc"] = Field("em", description="Per-pair score averaged into mastery: 'em' (the "
+                                                 "paper) or 'acc' (answer occurs in the prediction). Both are stored.")
+    pruner: Literal["embedding", "lm"] = Field("embedding", description="Which pruner predicts mastery for the "
+                                               "corpus: 'embedding' (a head on the stored sentence vectors) or 'lm' "
+                                               "(the LoRA LM regressor).")
     train_pruners: list[Literal["embedding", "lm"]] = Field(
-        default_factory=lambda: ["embedding"], description="Pruners `wbrag train-pruner` trains (and validates)."
-    )
+        default_factory=lambda: ["embedding"], description="Pruners `wbrag train-pruner` trains (and validates).")
     val_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out part of the scored sample.")
     head_hidden: int = Field(128, ge=0, description="Embedding head: hidden units (0: a linear head).")
     head_epochs: int = Field(200, ge=1, description="Embedding head: full-batch training epochs.")
     head_weight_decay: float = Field(1e-3, ge=0, description="Embedding head: AdamW weight decay.")
     lm_pruner: LMPrunerConfig = Field(default_factory=LMPrunerConfig)
     ratios: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
-        default_factory=lambda: [0.3], description="`wbrag run`: pruning ratios to build and evaluate (0 = full index)."
-    )
-    checkpoint_rows: int = Field(
-        100_000, ge=1, description="Pruner prediction: about this many sentences per written block: what a killed "
-        "pass can lose per task.",
-    )
-    histogram_bins: int = Field(
-        4096, ge=16, description="Bins per level of the distributed percentile (two levels: 1/bins^2 resolution)."
-    )
-    train: str | None = Field(
-        None, description="Labeled QA set for the query router and noise-tolerant tuning (FlashRAG jsonl / Parquet)."
-    )
+        default_factory=lambda: [0.3], description="`wbrag run`: pruning ratios to build and evaluate (0 = full index).")
+    checkpoint_rows: int = Field(100_000, ge=1, description="Pruner prediction: about this many sentences per written "
+                                 "block: what a killed pass can lose per task.")
+    histogram_bins: int = Field(4096, ge=16, description="Bins per level of the distributed percentile (two levels: "
+                                "1/bins^2 resolution).")
+    train: str | None = Field(None, description="Labeled QA set for the query router and noise-tolerant tuning "
+                              "(FlashRAG jsonl / Parquet).")
     train_limit: int | None = Field(None, ge=1, description="Use only the first N training questions.")
     router: bool = Field(False, description="`wbrag run`: train the query router and evaluate with it.")
-    router_metric: Literal["acc", "em", "f1"] = Field(
-        "acc", description="Router labels: a training question is 'mastered' when this metric of the generator's "
-        "closed-book answer is > 0."
-    )
-    router_threshold: float = Field(
-        0.5, gt=0, lt=1, description="Router: a query is 'mastered' (retrieval skipped) when P(correct) >= this."
-    )
+    router_metric: Literal["acc", "em", "f1"] = Field("acc", description="Router labels: a training question is "
+                                                      "'mastered' when this metric of the closed-book answer is > 0.")
+    router_threshold: float = Field(0.5, gt=0, lt=1, description="Router: a query is 'mastered' (retrieval skipped) "
+                                    "when P(correct) >= this.")
     tune: TuneConfig = Field(default_factory=TuneConfig)
-
 
 # Settings that may be "auto": section -> the count it sizes (`cluster_nodes.auto_concurrency`).
 AUTO_SETTINGS = {"embedder": "concurrency", "generator": "concurrency", "zerorag.lm_pruner": "concurrency",
@@ -757,11 +605,7 @@ class WbragConfig(_Section):
         said = {f"{key}.{AUTO_SETTINGS[key]}": "auto" for key in self._auto_sections}
         said.update(self._layout_said or {})
         for path, value in said.items():
-            *parents, name = path.split(".")
-            node = data
-            for part in parents:
-                node = node[part]
-            node[name] = value
+            set_dotted(data, path, value)
         return data
 
 
@@ -804,6 +648,7 @@ def _describe(err: dict[str, Any]) -> str:
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """tree[a][b][c] = value for key 'a.b.c', making the sections that are missing."""
     parts = key.split(".")
     node = tree
     for part in parts[:-1]:

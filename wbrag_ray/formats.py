@@ -202,14 +202,11 @@ def read_dataset(loc: Location, limit: int | None = None) -> tuple[pa.Table, pa.
                 add(f.uri, i, dataset_record(obj), obj)
         else:
             for offset, line in iter_jsonl(f):
-                if not line.strip():
-                    continue  # blank lines in a small QA file carry no record
-                try:
-                    obj = json.loads(line.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    add(f.uri, offset, f"unreadable line: {exc}", line)
-                    continue
-                add(f.uri, offset, dataset_record(obj), obj)
+                obj = json_object(line)
+                if isinstance(obj, dict):
+                    add(f.uri, offset, dataset_record(obj), obj)
+                elif obj != "blank line":  # blank lines in a small QA file carry no record
+                    add(f.uri, offset, obj, line)
         if limit and len(rows) >= limit:
             break
     if limit:

@@ -67,11 +67,8 @@ def inspect_run(run: RunFolder, n: int = 3) -> str:
     layout = run.layout
     rejects = layout.ingest.rejects
     if rejects.exists():  # the count from the footers; only the first rows printed are read
-        total = rejects.num_rows()
-        rows = _head(rejects, n)
-        out.append(f"\n== corpus rejects: {total} ==")
-        for r in rows:
-            out.append(f"  [{r['doc_id']}] {r['reason']}  <- {_short(r['raw'], 90)}")
+        out.append(f"\n== corpus rejects: {rejects.num_rows()} ==")
+        out += [f"  [{r['doc_id']}] {r['reason']}  <- {_short(r['raw'], 90)}" for r in _head(rejects, n)]
 
     sentences = layout.ingest.sentences
     if sentences.exists():

@@ -46,10 +46,8 @@ def client(address: str):
         hint = ""
         if "authentication" in str(exc).lower():
             hint = " The cluster uses token auth: set RAY_AUTH_MODE=token and the token (~/.ray/auth_token)."
-        raise ConfigError(
-            f"cannot reach the Ray Jobs API at {url}: {str(exc).splitlines()[0]}.{hint} "
-            "Pass the head node's dashboard address, e.g. --address http://HEAD:8265"
-        ) from None
+        raise ConfigError(f"cannot reach the Ray Jobs API at {url}: {str(exc).splitlines()[0]}.{hint} Pass the head "
+                          "node's dashboard address, e.g. --address http://HEAD:8265") from None
 
 
 def submission_id(config_text: str, run: str) -> str:
@@ -58,15 +56,8 @@ def submission_id(config_text: str, run: str) -> str:
     return f"wbrag-{stem}-{digest}"
 
 
-def submit(
-    config_file: str,
-    run: str,
-    address: str,
-    working_dir: str = ".",
-    overrides: list[str] | None = None,
-    wait: bool = True,
-    force: bool = False,
-) -> dict[str, Any]:
+def submit(config_file: str, run: str, address: str, working_dir: str = ".", overrides: list[str] | None = None,
+           wait: bool = True, force: bool = False) -> dict[str, Any]:
     """Submit `wbrag run CONFIG --run RUN` as a Ray job; return {submission_id, status}."""
     work = Path(working_dir).resolve()
     cfg = Path(config_file).resolve()
@@ -75,10 +66,8 @@ def submit(
     try:
         rel = cfg.relative_to(work)
     except ValueError:
-        raise ConfigError(
-            f"config {cfg} is outside the uploaded working dir {work}; put it under jobs/configs/ "
-            "or pass --working-dir"
-        ) from None
+        raise ConfigError(f"config {cfg} is outside the uploaded working dir {work}; put it under jobs/configs/ or "
+                          "pass --working-dir") from None
     c = client(address)
     sid = submission_id(cfg.read_text() + "\n".join(overrides or []), run)
     existing = _status_or_none(c, sid)
@@ -93,15 +82,10 @@ def submit(
         sets = " ".join(f"--set {o}" for o in overrides or [])
         entrypoint = f"python -m wbrag_ray.cli run {rel.as_posix()} --run {run} {sets}".strip()
         env_vars = {k: v for k, v in os.environ.items() if k in ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")}
-        _submit_with_retry(
-            c,
-            entrypoint=entrypoint,
-            submission_id=sid,
-            runtime_env={"working_dir": str(work), "excludes": UPLOAD_EXCLUDES, "env_vars": env_vars},
-            # The driver only orchestrates; a CPU reserved for it can starve a small cluster's read tasks.
-            entrypoint_num_cpus=0,
-            metadata={"wbrag_run": run, "wbrag_config": rel.as_posix()},
-        )
+        # The driver only orchestrates: a CPU reserved for it (entrypoint_num_cpus) can starve a small cluster's reads.
+        _submit_with_retry(c, entrypoint=entrypoint, submission_id=sid, entrypoint_num_cpus=0,
+                           runtime_env={"working_dir": str(work), "excludes": UPLOAD_EXCLUDES, "env_vars": env_vars},
+                           metadata={"wbrag_run": run, "wbrag_config": rel.as_posix()})
         print(f"submitted {sid}: {entrypoint}", flush=True)
     if not wait:
         print(f"follow it with: wbrag status {sid} --address {address}; wbrag logs {sid} --address {address}")
