@@ -28,17 +28,8 @@ FORMATS = ("relevant", "distracting", "none")
 IGNORE = -100  # label of positions the loss skips (prompt and padding)
 
 
-def _doc_text(hit: Hit) -> str:
-    # The title is part of what the prompt shows, so an answer in the title counts as contained.
-    return normalize_answer(f"{hit.title} {hit.text}")
-
-
 def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], golds: list[str], k: int) -> list[int]:
     """Up to k pool positions outside `excluded` whose text holds no gold answer (random draws, then a scan)."""
-
-    def ok(i: int) -> bool:
-        return i not in excluded and not any(g in pool[i] for g in golds)
-
     if not pool or k <= 0:
         return []
     picked: list[int] = []
@@ -46,7 +37,7 @@ def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], 
         for i in candidates.tolist():
             if len(picked) == k:
                 return picked
-            if i not in picked and ok(i):
+            if i not in picked and i not in excluded and not any(g in pool[i] for g in golds):
                 picked.append(i)
     return picked
 
@@ -85,7 +76,7 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
             if h.key not in position:
                 position[h.key] = len(pool_hits)
                 pool_hits.append(h)
-    pool = [_doc_text(h) for h in pool_hits]
+    pool = [normalize_answer(f"{h.title} {h.text}") for h in pool_hits]  # the prompt shows the title too
 
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
@@ -104,16 +95,9 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
         formats += [("distracting", distracting), ("none", [])]
         for fmt, docs in formats:
             messages = prompts.rag_messages(question, docs)  # no docs: the closed-book prompt
-            rows.append({
-                "id": qid,
-                "question": question,
-                "format": fmt,
-                "docs": hits_to_json(docs),
-                "n_docs": len(docs),
-                "random_distractors": len(extra) if fmt == "distracting" else 0,
-                "messages": prompts.dumps(messages),
-                "target": golds[0],
-            })
+            rows.append({"id": qid, "question": question, "format": fmt, "docs": hits_to_json(docs),
+                         "n_docs": len(docs), "random_distractors": len(extra) if fmt == "distracting" else 0,
+                         "messages": prompts.dumps(messages), "target": golds[0]})
     columns = ["id", "question", "format", "docs", "n_docs", "random_distractors", "messages", "target"]
     return pd.DataFrame(rows, columns=columns)
 

@@ -20,6 +20,7 @@ def word_count(text: str) -> int:
     """Token counts of Table 3, as whitespace words: independent of any one tokenizer."""
     return len(text.split())
 
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # Words about the question rather than evidence, which a small rewriter writes: a unit is a document.
 _ANSWER_LEAD = re.compile(r"^(?:the\s+)?answer(?:\s+to\s+(?:the|this|your)\s+question)?\s*(?:is\b\s*:?|:)\s*", re.I)
@@ -39,13 +40,6 @@ def source_sentences(docs) -> list[str]:
     return [s for d in docs for s in _SENTENCE_END.split(d.text) if s.strip()]
 
 
-def best_source(words: set[str], source_tokens: list[set[str]]) -> tuple[int, float]:
-    """(the source sentence sharing most of `words`, the share of them it holds)."""
-    overlap = [len(words & t) / len(words) for t in source_tokens]
-    best = int(np.argmax(overlap))
-    return best, overlap[best]
-
-
 def ground_extraction(extracted: str, docs, question: str, min_overlap: float = MIN_OVERLAP) -> str:
     """Replace each extracted sentence by the source sentence sharing most of its words (at least `min_overlap`),
     so no paraphrase reaches step 2; when nothing matches, the two source sentences closest to the question."""
@@ -58,8 +52,9 @@ def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 
         words = _tokens(line)
         if not words:
             continue
-        best, overlap = best_source(words, source_tokens)
-        if overlap >= min_overlap:
+        overlap = [len(words & t) / len(words) for t in source_tokens]
+        best = int(np.argmax(overlap))
+        if overlap[best] >= min_overlap:
             picked.add(best)
     if not picked:
         q = _tokens(question)

@@ -28,30 +28,24 @@ CHECKS = (BARE_ANSWER, UNSUPPORTED)  # why a distilled text is no unit (`distill
 # Write-back ids live in their own namespace: far above any base pid / sid, and named by Hit.source.
 WRITEBACK_ID_BASE = 1 << 62
 
-UNITS = pa.schema(
-    [
-        ("id", pa.int64()),
-        ("unit_id", pa.string()),
-        ("title", pa.string()),
-        ("text", pa.string()),
-        ("version", pa.string()),
-        ("source_example_id", pa.string()),
-        ("question", pa.string()),
-        ("source_doc_ids", pa.list_(pa.int64())),
-        ("source_doc_ranks", pa.list_(pa.int32())),
-        ("fallback", pa.bool_()),
-        ("source_tokens", pa.int64()),
-        ("distilled_tokens", pa.int64()),
-        ("merged_from", pa.list_(pa.string())),
-    ]
-)
+UNITS = pa.schema([
+    ("id", pa.int64()), ("unit_id", pa.string()), ("title", pa.string()), ("text", pa.string()),
+    ("version", pa.string()), ("source_example_id", pa.string()), ("question", pa.string()),
+    ("source_doc_ids", pa.list_(pa.int64())), ("source_doc_ranks", pa.list_(pa.int32())), ("fallback", pa.bool_()),
+    ("source_tokens", pa.int64()), ("distilled_tokens", pa.int64()), ("merged_from", pa.list_(pa.string())),
+])
+
+
+def no_drops() -> dict:
+    """What the statement check dropped: empty units, and per reason (CHECKS) the rewrites and the units."""
+    return {"empty": 0, "rewrites": dict.fromkeys(CHECKS, 0), "units": dict.fromkeys(CHECKS, 0)}
 
 
 def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     """Units with provenance; a rewrite failing `statement_check` falls back to the extraction: (units, drops)."""
     out = distilled.set_index("id")
     rows: list[dict] = []
-    drops: dict = {"empty": 0, "rewrites": dict.fromkeys(CHECKS, 0), "units": dict.fromkeys(CHECKS, 0)}
+    drops = no_drops()
     for ex in kept.sort_values("id").itertuples(index=False):
         hits = kept_hits(ex.docs, ex.kept_ranks)
         default_title = hits[0].title if hits else ""
@@ -73,23 +67,12 @@ def build_units(version: str, kept: pd.DataFrame, distilled: pd.DataFrame) -> tu
             drops["units"][why] += 1
             continue
         n = len(rows)
-        rows.append(
-            {
-                "id": WRITEBACK_ID_BASE + n,
-                "unit_id": f"wb:{version}:{n}",
-                "title": title,
-                "text": text,
-                "version": version,
-                "source_example_id": str(ex.id),
-                "question": ex.question,
-                "source_doc_ids": [h.id for h in hits],
-                "source_doc_ranks": [h.rank for h in hits],
-                "fallback": bool(ex.fallback),
-                "source_tokens": sum(word_count(h.title) + word_count(h.text) for h in hits),
-                "distilled_tokens": word_count(title) + word_count(text),
-                "merged_from": [],
-            }
-        )
+        rows.append({"id": WRITEBACK_ID_BASE + n, "unit_id": f"wb:{version}:{n}", "title": title, "text": text,
+                     "version": version, "source_example_id": str(ex.id), "question": ex.question,
+                     "source_doc_ids": [h.id for h in hits], "source_doc_ranks": [h.rank for h in hits],
+                     "fallback": bool(ex.fallback),
+                     "source_tokens": sum(word_count(h.title) + word_count(h.text) for h in hits),
+                     "distilled_tokens": word_count(title) + word_count(text), "merged_from": []})
     return pd.DataFrame(rows, columns=UNITS.names), drops
 
 
@@ -127,6 +110,7 @@ def dedupe(vectors: np.ndarray, threshold: float) -> dict[int, int]:
 
 def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int, drops: dict | None = None) -> dict:
     """The paper's Table 3 from the scored examples and units, with the statement check's drops."""
+    drops = drops or no_drops()
     n = len(scored)
     kept = scored[scored["useful"]]
     retained = [json.loads(r) for r in kept["kept_ranks"]] if len(kept) else []
@@ -149,9 +133,8 @@ def table3(scored: pd.DataFrame, units: pd.DataFrame, top_k: int, drops: dict | 
         "rank_distribution": {str(r + 1): ranks.count(r) for r in range(top_k)},
         "mean_s_nr": round(float(scored["s_nr"].mean()), 4) if n else 0.0,
         "mean_s_rag": round(float(scored["s_rag"].mean()), 4) if n else 0.0,
-        "empty_units": drops["empty"] if drops else 0,
-        **{f"{kind}s_dropped": dict(drops[f"{kind}s"]) if drops else dict.fromkeys(CHECKS, 0)
-           for kind in ("rewrite", "unit")},
-        **{f"{kind}_drop_rate": round(sum(drops[f"{kind}s"].values()) / len(kept), 4) if drops and len(kept) else 0.0
+        "empty_units": drops["empty"],
+        **{f"{kind}s_dropped": dict(drops[f"{kind}s"]) for kind in ("rewrite", "unit")},
+        **{f"{kind}_drop_rate": round(sum(drops[f"{kind}s"].values()) / len(kept), 4) if len(kept) else 0.0
            for kind in ("rewrite", "unit")},
     }

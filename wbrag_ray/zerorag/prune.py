@@ -46,34 +46,30 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
 
     model = run.layout.zero_rag.pruner(kind)
     total = run.stats(INGEST.name)["sentences"]
-
     head = EmbeddingHead.load(model.local_dir()).weights if kind == "embedding" else None
 
     def stage_at(placed: Resources | None = None):
         """The prediction stage, placed as configured or as a resume narrowed it (placement only)."""
         if kind == "embedding":
-            return EmbeddingPredictStage(head, **({"num_cpus": placed.num_cpus} if placed else {})), None
+            return EmbeddingPredictStage(head, **({"num_cpus": placed.num_cpus} if placed else {}))
         lm = config.zerorag.lm_pruner
         if placed is not None:
             lm = lm.model_copy(update={"num_cpus": placed.num_cpus, "concurrency": placed.concurrency})
-        return LMPredictStage(model.uri, lm), "zerorag.lm_pruner"
-
-    stage, key = stage_at()
+        return LMPredictStage(model.uri, lm)
 
     def predicted(placed: Resources) -> ray.data.Dataset:
-        stage = stage_at(placed)[0]
-        if kind == "embedding":
-            src = run.layout.embed
-            # the read runs fused with the prediction task, so it asks for what that task asks for
-            ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
-                                       num_cpus=stage.resources.num_cpus)
-            return apply_stage(ds, stage)
-        # the text the regressor was trained on, titles included
-        return apply_stage(pruner_inputs(run), stage)
+        stage = stage_at(placed)
+        if kind != "embedding":  # the text the regressor was trained on, titles included
+            return apply_stage(pruner_inputs(run), stage)
+        src = run.layout.embed
+        # the read runs fused with the prediction task, so it asks for what that task asks for
+        return apply_stage(ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
+                                                 num_cpus=stage.resources.num_cpus), stage)
 
     # a row is an id and a score: blocks of checkpoint_rows rows are committed as the pass goes
     written = resumable_write(predicted, run.output(run.layout.zero_rag.predictions), "sid", "pred",
-                              config.zerorag.checkpoint_rows * 16, "predict", total, stage.resources, key)
+                              config.zerorag.checkpoint_rows * 16, "predict", total, stage_at().resources,
+                              "zerorag.lm_pruner" if kind == "lm" else None)
     if written["rows"] != total:
         raise RuntimeError(f"mastery prediction wrote {written['rows']} scores for {total} sentences")
     return {"rows_in": total, "rows_out": written["rows"], "rows_rejected": 0, "pruner": kind,
