@@ -13,13 +13,12 @@ from wbrag_ray.training.placement import Placement, shard_fsdp
 MAX_GRAD_NORM = 1.0
 
 
-def with_lora(model, section: _LoraSection, task_type: str, modules_to_save: list[str] | None = None):
-    """`model` with LoRA adapters on `section.target_modules`; only adapters and `modules_to_save` train."""
+def with_lora(model, section: _LoraSection, task_type: str):
+    """`model` with LoRA adapters on `section.target_modules`; only they (and a SEQ_CLS head) train."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=section.lora_r, lora_alpha=section.lora_alpha, lora_dropout=section.lora_dropout,
-                      target_modules=list(section.target_modules), task_type=task_type, modules_to_save=modules_to_save)
-    return get_peft_model(model, lora)
+    return get_peft_model(model, LoraConfig(r=section.lora_r, lora_alpha=section.lora_alpha, task_type=task_type,
+                                            lora_dropout=section.lora_dropout, target_modules=list(section.target_modules)))
 
 
 def wrap(model, place: Placement, world: int) -> tuple[Any, Any]:

@@ -40,8 +40,8 @@ def source_sentences(docs) -> list[str]:
     return [s for d in docs for s in _SENTENCE_END.split(d.text) if s.strip()]
 
 
-def ground_extraction(extracted: str, docs, question: str, min_overlap: float = MIN_OVERLAP) -> str:
-    """Replace each extracted sentence by the source sentence sharing most of its words (at least `min_overlap`),
+def ground_extraction(extracted: str, docs, question: str) -> str:
+    """Replace each extracted sentence by the source sentence sharing most of its words (at least MIN_OVERLAP),
     so no paraphrase reaches step 2; when nothing matches, the two source sentences closest to the question."""
     source = source_sentences(docs)
     if not source:
@@ -54,7 +54,7 @@ def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 
             continue
         overlap = [len(words & t) / len(words) for t in source_tokens]
         best = int(np.argmax(overlap))
-        if overlap[best] >= min_overlap:
+        if overlap[best] >= MIN_OVERLAP:
             picked.add(best)
     if not picked:
         q = _tokens(question)
@@ -62,9 +62,9 @@ def ground_extraction(extracted: str, docs, question: str, min_overlap: float = 
     return "\n".join(source[i] for i in sorted(picked))
 
 
-def statement_check(text: str, docs, min_overlap: float = MIN_OVERLAP) -> str | None:
+def statement_check(text: str, docs) -> str | None:
     """Why a unit is not a statement its sources support (None: it is): a bare answer, or a sentence no single
-    source sentence (with its title) holds `min_overlap` of the words and every number of."""
+    source sentence (with its title) holds MIN_OVERLAP of the words and every number of."""
     if len(_tokens(text)) < MIN_STATEMENT_WORDS:
         return BARE_ANSWER
     source_tokens = [_tokens(s) | _tokens(d.title) for d in docs for s in source_sentences([d])]
@@ -73,7 +73,7 @@ def statement_check(text: str, docs, min_overlap: float = MIN_OVERLAP) -> str | 
         if not words:
             continue
         numbers = {w for w in words if any(c.isdigit() for c in w)}
-        if not any(len(words & t) >= min_overlap * len(words) and numbers <= t for t in source_tokens):
+        if not any(len(words & t) >= MIN_OVERLAP * len(words) and numbers <= t for t in source_tokens):
             return UNSUPPORTED
     return None
 

@@ -20,8 +20,7 @@ from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.storage import resolve
 from wbrag_ray.training.lm_pruner import train_lm_pruner
 from wbrag_ray.work import Sizes, Train
-from wbrag_ray.zerorag.mastery import MASTERY
-from wbrag_ray.zerorag.sampling import titled
+from wbrag_ray.zerorag.mastery import MASTERY, titled
 
 _SPLIT = ("zerorag.seed", "zerorag.val_fraction")  # which scored sentences train and which validate
 PRUNERS = {
