@@ -27,9 +27,8 @@ from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import FALLBACK_UNION, write_provenance
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.work import Generate, Pass, Sizes
-from wbrag_ray.writeback.distill import distill
+from wbrag_ray.writeback.distill import UNITS, build_units, dedupe, distill, embed_units, table3
 from wbrag_ray.writeback.gates import document_scores, gate_examples
-from wbrag_ray.writeback.units import UNITS, build_units, dedupe, embed_units, table3
 from wbrag_ray.writeback.validation import split, validate
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
