@@ -145,5 +145,6 @@ class LMPrunerPredictor:
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 idx = order[start : start + self.batch_size]
-                out[idx] = predicted_mastery(self.model, self.tokenizer, [ids[i] for i in idx], self.device).cpu().numpy()
+                batch = [ids[i] for i in idx]
+                out[idx] = predicted_mastery(self.model, self.tokenizer, batch, self.device).cpu().numpy()
         return out

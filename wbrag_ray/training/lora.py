@@ -17,8 +17,9 @@ def with_lora(model, section: _LoraSection, task_type: str):
     """`model` with LoRA adapters on `section.target_modules`; only they (and a SEQ_CLS head) train."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=section.lora_r, lora_alpha=section.lora_alpha, task_type=task_type,
-                                            lora_dropout=section.lora_dropout, target_modules=list(section.target_modules)))
+    lora = LoraConfig(r=section.lora_r, lora_alpha=section.lora_alpha, lora_dropout=section.lora_dropout,
+                      target_modules=list(section.target_modules), task_type=task_type)
+    return get_peft_model(model, lora)
 
 
 def wrap(model, place: Placement, world: int) -> tuple[Any, Any]:
