@@ -116,7 +116,7 @@ def train_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(threads)
     shard = own_shard(rank)
     training = replace(training, examples=shard)
-    place = worker_placement(section.trainer, rank, world, config["key"], config.get("model"))
+    place = worker_placement(section.trainer, rank, world, config["key"], training.model)
     torch.manual_seed(section.seed)  # before the model loads: new heads and LoRA's A matrices draw from it
     model, per_example_loss = training.build(place)
     module, model = wrap(model, place, world)
@@ -319,8 +319,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
             train_loop,
             # the settings; the examples go as Ray Data shards, one a worker
             train_loop_config={"training": replace(training, examples=training.examples.iloc[:0]), "section": section,
-                               "verbose": verbose, "key": key, "model": training.model,
-                               "num_examples": len(training.examples)},
+                               "verbose": verbose, "key": key, "num_examples": len(training.examples)},
             torch_config=torch_config(trainer_config, training.model),
             datasets=example_shards(training, trainer_config.num_workers),
             dataset_config=ray.train.DataConfig(datasets_to_split=[]),

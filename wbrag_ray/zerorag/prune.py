@@ -24,7 +24,7 @@ from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 from wbrag_ray.storage import Location, resolve
 from wbrag_ray.work import AddVectors, Predict, Sizes
 from wbrag_ray.zerorag.mastery import splitmix64
-from wbrag_ray.zerorag.pruners import PRUNERS, pruner_inputs
+from wbrag_ray.zerorag.pruners import PRUNERS, lm_row_tokens, pruner_inputs
 
 # It also reads the pruner zerorag.pruner names (added to `requires` per call).
 PREDICT = RunStage("predict", settings=("zerorag.pruner",), requires=(INGEST,),
@@ -209,9 +209,7 @@ def index_for_ratio(run: RunFolder, ratio: float) -> Location:
 def prediction_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Predict]:
     """Every sentence's mastery predicted by zerorag.pruner: tasks on the stored vectors, or the LM regressor's
     actors over each `title: sentence`."""
-    lm = config.zerorag.lm_pruner
-    return [Predict(sizes.sentences, config.zerorag.pruner,
-                    min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence")))]
+    return [Predict(sizes.sentences, config.zerorag.pruner, lm_row_tokens(config.zerorag.lm_pruner, sizes))]
 
 
 PREDICT_STEP = Step("prediction ({pruner} pruner)", PREDICT, prediction_work,

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from wbrag_ray.build_kb import EMBED
-from wbrag_ray.config import ConfigError, WbragConfig, ZeroRagConfig
+from wbrag_ray.config import ConfigError, LMPrunerConfig, WbragConfig, ZeroRagConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
 from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
@@ -129,6 +129,11 @@ def _train_head(run: RunFolder, config: WbragConfig, train: pd.DataFrame, val: p
     return head.predict(stack(val)), {"first_loss": round(losses[0], 5), "last_loss": round(losses[-1], 5)}
 
 
+def lm_row_tokens(lm: LMPrunerConfig, sizes: Sizes) -> float:
+    """Tokens of an LM pruner's row, `title: sentence` (no chat template), cut at max_length."""
+    return min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence"))
+
+
 def _pruner_step(kind: str, title: str, resources: tuple[str, ...]) -> Step:
     def work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Train]:
         z = config.zerorag
@@ -136,8 +141,7 @@ def _pruner_step(kind: str, title: str, resources: tuple[str, ...]) -> Step:
         if kind == "embedding":  # a small regression head on the sample's stored vectors, in the driver
             return [Train(config.embedder.model, "zerorag", fit, rows=f"a head on {fit:,} stored vectors, in the driver",
                           head=True)]
-        lm = z.lm_pruner  # its rows are `title: sentence`, no chat template, cut at max_length
-        row = min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence"))
+        lm, row = z.lm_pruner, lm_row_tokens(z.lm_pruner, sizes)
         return [Train(lm.backbone, "zerorag.lm_pruner", fit, row, f"rows of `title: sentence`, {row:,.0f} tokens")]
 
     return Step(title, PRUNERS[kind], work,
