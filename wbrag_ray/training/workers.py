@@ -279,20 +279,6 @@ def torch_config(trainer: TrainerConfig, model: str | None):
     return TorchConfig(timeout_s=process_group_timeout_s(trainer.timeout_s, model_bytes_of(model, dtype)))
 
 
-@contextlib.contextmanager
-def _callers_sigint_handler():
-    """The caller's SIGINT handler, put back after the training (Ray Train's fit leaves its own installed)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # Ray Train installs none there
-        return
-    saved = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    finally:
-        if saved is not None:  # None: a handler not set from Python, which cannot be put back
-            signal.signal(signal.SIGINT, saved)
-
-
 def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key: str,
         storage: Location | None = None) -> dict[str, Any]:
     """Run `training` as a Ray Train job, copy its adapter into `out_dir` and write its summary beside it, last;
@@ -332,7 +318,9 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
                 logging_config=ray.train.LoggingConfig(log_level="DEBUG" if verbose else "WARNING")),
         )
-        stack.enter_context(_callers_sigint_handler())
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+            # Ray Train's fit leaves its own SIGINT handler installed: the caller's comes back after it
+            stack.callback(signal.signal, signal.SIGINT, signal.getsignal(signal.SIGINT))
         try:
             # workers that cannot be placed within ray.pending_timeout_s end the fit, naming what is missing
             with train_start_wait(f"the {label} training", trainer_config.num_workers,
