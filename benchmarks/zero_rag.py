@@ -125,7 +125,7 @@ def bench_lm_pruner(n: int) -> float:
 
 def bench_percentile(folder: Path, n: int) -> float:
     from wbrag_ray.storage import resolve
-    from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
+    from wbrag_ray.zerorag.prune import keep_mask, percentile_cut
 
     rng = np.random.default_rng(2)
     pred = folder.parent / "pred"

@@ -22,7 +22,7 @@ ends inside 5 minutes; `--budget 540` leaves the Ray and vLLM sections room wher
 4. LoRA training (peft, r=8 on q/v) on a 1B-class Llama in bf16, batch 8 x 512 tokens;
 5. the project's torch-level code, without Ray or vLLM: the trainings' placement rules on this GPU and FSDP's
    device mesh for 1 x 1 to 4 x 8 GPUs (wbrag_ray/training/placement.py); one training step as a fsdp worker
-   runs it (wbrag_ray/training/step.py: FSDP2 under a one-rank NCCL group, bf16 weights and fp32 LoRA,
+   runs it (wbrag_ray/training/lora.py: FSDP2 under a one-rank NCCL group, bf16 weights and fp32 LoRA,
    gradient clipping, `get_state_dict`, then an `inference_mode` forward of the sharded model); the one-worker
    fsdp case (trains as ddp, the model on the GPU its batch goes to); batched generation by the project's hf
    generator (wbrag_ray/generation/hf.py);
@@ -758,7 +758,7 @@ def placement_rules(run: Run) -> None:
 
 
 def fsdp_step(run: Run) -> None:
-    """One training step as a Ray Train worker under fsdp runs it (wbrag_ray.training.step), without Ray: FSDP2
+    """One training step as a Ray Train worker under fsdp runs it (wbrag_ray.training.lora), without Ray: FSDP2
     (`fully_shard`, gradient checkpointing, rank 0's weights broadcast) under a one-rank NCCL group (gloo on the
     CPU), frozen weights in bf16 and LoRA weights in fp32 under autocast, gradients clipped to a global norm, the
     trainable state gathered whole (`get_state_dict`), then an `inference_mode` forward of the sharded model (the
@@ -766,9 +766,15 @@ def fsdp_step(run: Run) -> None:
     from transformers import AutoModelForCausalLM
 
     from wbrag_ray.config import TuneConfig
-    from wbrag_ray.training.lora import with_lora
+    from wbrag_ray.training.lora import (
+        MAX_GRAD_NORM,
+        apply_gradients,
+        optimizer_of,
+        trainable_state,
+        with_lora,
+        wrap,
+    )
     from wbrag_ray.training.placement import DeviceRule, Placement
-    from wbrag_ray.training.step import MAX_GRAD_NORM, apply_gradients, optimizer_of, trainable_state, wrap
 
     path, sizes = project_model(run), run.sizes
     with one_rank_group(run) as backend:
@@ -824,9 +830,8 @@ def one_worker_fsdp(run: Run) -> None:
     from transformers import AutoModelForCausalLM
 
     from wbrag_ray.config import TuneConfig
-    from wbrag_ray.training.lora import with_lora
+    from wbrag_ray.training.lora import apply_gradients, optimizer_of, with_lora, wrap
     from wbrag_ray.training.placement import device_rule, placement_of
-    from wbrag_ray.training.step import apply_gradients, optimizer_of, wrap
 
     path = project_model(run)
     assigned = [run.device.index or 0] if run.cuda else []
@@ -1040,7 +1045,7 @@ def ray_train(run: Run) -> None:
 
     from wbrag_ray.config import RayConfig
     from wbrag_ray.ray_runtime import init_ray
-    from wbrag_ray.training.lora import loss_stats
+    from wbrag_ray.training.workers import loss_stats
 
     spec = SMALL_LLAMA if run.quick else LLAMA_1B
     texts, scores = _pruner_sentences(spec, 64 if run.quick else 2048, 8 if run.quick else 48)  # ~ wiki sentences
@@ -1185,7 +1190,7 @@ PROVES = {
     "gpu": "torch sees the GPU, its memory and its bf16 support",
     "placement rules": "wbrag_ray.training.placement's rules place and refuse models on this GPU's memory, and build "
                        "FSDP's mesh for 1 x 1 to 4 x 8 GPUs",
-    "fsdp step": "wbrag_ray.training.step trains under FSDP2 on this device's process group: frozen weights in the "
+    "fsdp step": "wbrag_ray.training.lora trains under FSDP2 on this device's process group: frozen weights in the "
                  "loader's dtype, LoRA in fp32, finite losses, the state gathered, a sharded inference_mode forward",
     "one-worker fsdp": "one fsdp worker runs as ddp with the model and its batch on the same device",
     "hf generation": "wbrag_ray.generation.hf answers a batch on this device, the weights in the dtype asked for "

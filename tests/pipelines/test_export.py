@@ -37,7 +37,7 @@ from wbrag_ray.models.embedder import Embedder
 from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
-from wbrag_ray.writeback.units import UNITS, WRITEBACK_ID_BASE
+from wbrag_ray.writeback.distill import UNITS, WRITEBACK_ID_BASE
 from wbrag_ray.writeback.versions import WRITEBACK, activate, active_index
 from wbrag_ray.zerorag.prune import PREDICT, prune
 

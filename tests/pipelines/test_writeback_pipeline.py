@@ -17,7 +17,7 @@ from wbrag_ray.config import load_config
 from wbrag_ray.retrieval.local import IndexUnion, Retriever
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
-from wbrag_ray.writeback.units import WRITEBACK_ID_BASE
+from wbrag_ray.writeback.distill import WRITEBACK_ID_BASE
 from wbrag_ray.writeback.versions import active_index, hurts, read_active
 
 SENTINEL = "Quxilon-42"  # a gold alias that is in no question and no document: it must reach no distiller prompt

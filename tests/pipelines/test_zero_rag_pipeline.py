@@ -49,8 +49,8 @@ def test_the_lm_pruner_predicts_on_the_text_it_was_trained_and_validated_on(chai
     held-out sentences are the validation scores (before, it read the bare sentence and scored other text)."""
     from wbrag_ray.stages.base import run_local
     from wbrag_ray.stages.pruner import LMPredictStage
+    from wbrag_ray.zerorag.mastery import titled
     from wbrag_ray.zerorag.pruners import pruner_inputs
-    from wbrag_ray.zerorag.sampling import titled
 
     run, _ = chain
     scores = pq.read_table(run.layout.zero_rag.scores.path).to_pandas().set_index("sid")

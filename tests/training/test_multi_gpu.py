@@ -199,7 +199,7 @@ def test_fsdp_with_one_worker_trains_on_a_ray_train_cpu_worker_as_ddp(tmp_path, 
 
 
 def test_each_worker_holds_a_contiguous_shard_and_draws_its_part_of_every_batch():
-    from wbrag_ray.training.shards import local_batch, shard_bounds
+    from wbrag_ray.training.workers import local_batch, shard_bounds
 
     assert shard_bounds(10, 3) == [3, 6] and shard_bounds(16, 1) == []
     sizes = np.diff([0, *shard_bounds(100_003, 8), 100_003])
@@ -223,8 +223,7 @@ def _sharded_steps(rank: int, world: int, port: int, model_dir: str, out: str) -
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from wbrag_ray.training.lora import with_lora
-    from wbrag_ray.training.step import apply_gradients, optimizer_of, trainable_state, wrap
+    from wbrag_ray.training.lora import apply_gradients, optimizer_of, trainable_state, with_lora, wrap
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

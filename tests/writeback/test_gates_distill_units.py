@@ -10,9 +10,8 @@ import pytest
 from wbrag_ray import rag
 from wbrag_ray.config import WritebackConfig
 from wbrag_ray.retrieval.hits import Hit, hits_to_json
-from wbrag_ray.writeback.distill import distill, ground_extraction, parse_unit
+from wbrag_ray.writeback.distill import dedupe, distill, ground_extraction, parse_unit, table3
 from wbrag_ray.writeback.gates import document_gate, document_scores, utility_gate, utility_scores
-from wbrag_ray.writeback.units import dedupe, table3
 
 SENTINEL = "Zorblax-7"  # a gold answer that occurs in no question and no document
 

@@ -11,8 +11,7 @@ import pytest
 from wbrag_ray.evaluation.effect import CHANCE
 from wbrag_ray.metrics import sign_test
 from wbrag_ray.retrieval.hits import Hit, hits_to_json
-from wbrag_ray.writeback.distill import BARE_ANSWER, UNSUPPORTED, statement_check
-from wbrag_ray.writeback.units import build_units, table3
+from wbrag_ray.writeback.distill import BARE_ANSWER, UNSUPPORTED, build_units, statement_check, table3
 from wbrag_ray.writeback.validation import CANDIDATES, UNION_CHOICE_MIN, choose_union, decided
 
 SOURCE = [

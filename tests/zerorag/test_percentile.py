@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from wbrag_ray.storage import resolve
-from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
+from wbrag_ray.zerorag.prune import keep_mask, percentile_cut
 
 
 def _write_predictions(folder, scores: np.ndarray, parts: int) -> np.ndarray:

@@ -14,15 +14,16 @@ import pandas as pd
 from wbrag_ray.config import GeneratorConfig, LMPrunerConfig
 from wbrag_ray.generation.hf_loading import hf_model_source
 from wbrag_ray.models.hardware import pick_dtype
-from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
+from wbrag_ray.training.lora import with_lora
 from wbrag_ray.training.placement import Placement
-from wbrag_ray.training.workers import Training, fit
+from wbrag_ray.training.workers import Training, fit, loss_stats
 
 STATS_FILE = "pruner.json"
 
 
-def load_backbone(backbone: str, load=None, **load_kwargs):
-    """(resolved source, model with a fresh 1-output head, right-padding tokenizer) for `backbone`."""
+def load_backbone(backbone: str, load):
+    """(resolved source, model with a fresh 1-output head, right-padding tokenizer) for `backbone`, the model
+    loaded by `load` (`Placement.load`)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     source = hf_model_source(GeneratorConfig(model=backbone))
@@ -30,10 +31,7 @@ def load_backbone(backbone: str, load=None, **load_kwargs):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
-    if load is not None:
-        model = load(AutoModelForSequenceClassification, source, num_labels=1)
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, **load_kwargs)
+    model = load(AutoModelForSequenceClassification, source, num_labels=1)
     # Without a pad id the head reads the very last position, which is padding in every shorter row.
     model.config.pad_token_id = tokenizer.pad_token_id
     return source, model, tokenizer
@@ -45,13 +43,22 @@ def encode(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
     return [row or [tokenizer.pad_token_id] for row in ids]
 
 
+def predicted_mastery(model, tokenizer, ids: list[list[int]], device):
+    """sigmoid of the head's logit for each row of token ids (one batch, right-padded)."""
+    import torch
+
+    batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(device)
+    return torch.sigmoid(model(**batch).logits.squeeze(-1).float())
+
+
 @dataclass
 class PrunerTraining(Training):
     """The regressor's Ray Train training on examples of `text` and `score`: squared error of sigmoid(logit);
-    worker 0 predicts the held-out set."""
+    the workers that trained it predict the held-out set."""
 
     config: LMPrunerConfig
     val_texts: list[str]
+    stats_file = STATS_FILE
 
     @property
     def model(self) -> str:
@@ -68,21 +75,18 @@ class PrunerTraining(Training):
         target = torch.tensor(self.examples["score"].to_numpy(), dtype=torch.float32, device=device)
 
         def per_example_loss(module, idx: list[int]):
-            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in idx]}, return_tensors="pt").to(device)
-            logits = module(**batch).logits.squeeze(-1).float()
-            return (torch.sigmoid(logits) - target[idx]) ** 2
+            return (predicted_mastery(module, self.tokenizer, [ids[i] for i in idx], device) - target[idx]) ** 2
 
         return model, per_example_loss
 
-    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
-               trainable: dict[str, Any]) -> dict[str, Any]:
-        saved = {"backbone": self.config.backbone, "source": self.source, "max_length": self.config.max_length,
-                 "examples": len(self.examples), **loss_stats(stats), "config": self.config.model_dump(mode="json")}
-        if place.rank == 0:  # the others (fsdp) only take part in the forward passes below
-            save_adapter(model, out_dir, STATS_FILE, saved, trainable)
+    def finish(self, model, place: Placement) -> dict[str, Any]:
         predictor = LMPrunerPredictor.of_model(model, self.tokenizer, self.config.max_length,
                                                self.config.predict_batch_size, place.inputs_device(model))
-        return {"validation": predictor.predict(self.val_texts).tolist()}
+        return {"source": self.source, "validation": predictor.predict(self.val_texts).tolist()}
+
+    def summary(self, result: dict[str, Any]) -> dict[str, Any]:
+        return {"backbone": self.config.backbone, "source": result["source"], "max_length": self.config.max_length,
+                "examples": len(self.examples), **loss_stats(result), "config": self.config.model_dump(mode="json")}
 
 
 def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfig, out_dir: str,
@@ -95,9 +99,7 @@ def train_lm_pruner(texts: list[str], scores: list[float], config: LMPrunerConfi
         raise ValueError("mastery scores must lie in [0, 1]")
     training = PrunerTraining(pd.DataFrame({"text": list(texts), "score": [float(s) for s in scores]}), config,
                               list(val_texts))
-    stats = fit(training, config, out_dir, "lm-pruner", "zerorag.lm_pruner")
-    return {**loss_stats(stats), "backbone": config.backbone, "max_length": config.max_length,
-            "examples": len(texts), "validation": stats["validation"]}
+    return fit(training, config, out_dir, "lm-pruner", "zerorag.lm_pruner")
 
 
 class LMPrunerPredictor:
@@ -117,7 +119,7 @@ class LMPrunerPredictor:
         self.max_length = int(meta["max_length"])
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")  # a GPU where there is one
         # The backbone spec, not the resolved source: a GGUF cache folder is local to the training node.
-        _, model, self.tokenizer = load_backbone(meta["backbone"], dtype=torch.float32)
+        _, model, self.tokenizer = load_backbone(meta["backbone"], Placement(torch.device("cpu"), torch.float32).load)
         # Merge in fp32, then cast: rounding the merged weights once loses less than merging in bf16.
         model = PeftModel.from_pretrained(model, self.model_dir).merge_and_unload()
         self.dtype = pick_dtype(self.requested_dtype, self.device)
@@ -143,7 +145,6 @@ class LMPrunerPredictor:
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 idx = order[start : start + self.batch_size]
-                batch = self.tokenizer.pad({"input_ids": [ids[i] for i in idx]}, return_tensors="pt").to(self.device)
-                logits = self.model(**batch).logits.squeeze(-1).float()
-                out[idx] = torch.sigmoid(logits).cpu().numpy()
+                batch = [ids[i] for i in idx]
+                out[idx] = predicted_mastery(self.model, self.tokenizer, batch, self.device).cpu().numpy()
         return out

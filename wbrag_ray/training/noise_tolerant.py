@@ -18,10 +18,9 @@ from wbrag_ray.generation.types import messages_to_text
 from wbrag_ray.layout import ADAPTER_STATS as STATS_FILE
 from wbrag_ray.metrics import normalize_answer, substring_match
 from wbrag_ray.retrieval.hits import Hit, hits_from_json, hits_to_json
-from wbrag_ray.training.lora import loss_stats, save_adapter, with_lora
+from wbrag_ray.training.lora import with_lora
 from wbrag_ray.training.placement import Placement
-from wbrag_ray.training.shards import GROUP, WEIGHT
-from wbrag_ray.training.workers import Training, fit
+from wbrag_ray.training.workers import GROUP, WEIGHT, Training, first_last, fit, loss_stats
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +28,8 @@ FORMATS = ("relevant", "distracting", "none")
 IGNORE = -100  # label of positions the loss skips (prompt and padding)
 
 
-def _doc_text(hit: Hit) -> str:
-    # The title is part of what the prompt shows, so an answer in the title counts as contained.
-    return normalize_answer(f"{hit.title} {hit.text}")
-
-
 def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], golds: list[str], k: int) -> list[int]:
     """Up to k pool positions outside `excluded` whose text holds no gold answer (random draws, then a scan)."""
-
-    def ok(i: int) -> bool:
-        return i not in excluded and not any(g in pool[i] for g in golds)
-
     if not pool or k <= 0:
         return []
     picked: list[int] = []
@@ -47,7 +37,7 @@ def _pick_random(rng: np.random.Generator, pool: list[str], excluded: set[int], 
         for i in candidates.tolist():
             if len(picked) == k:
                 return picked
-            if i not in picked and ok(i):
+            if i not in picked and i not in excluded and not any(g in pool[i] for g in golds):
                 picked.append(i)
     return picked
 
@@ -86,7 +76,7 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
             if h.key not in position:
                 position[h.key] = len(pool_hits)
                 pool_hits.append(h)
-    pool = [_doc_text(h) for h in pool_hits]
+    pool = [normalize_answer(f"{h.title} {h.text}") for h in pool_hits]  # the prompt shows the title too
 
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
@@ -105,16 +95,9 @@ def build_examples(questions: pd.DataFrame, docs_per_format: int, seed: int) -> 
         formats += [("distracting", distracting), ("none", [])]
         for fmt, docs in formats:
             messages = prompts.rag_messages(question, docs)  # no docs: the closed-book prompt
-            rows.append({
-                "id": qid,
-                "question": question,
-                "format": fmt,
-                "docs": hits_to_json(docs),
-                "n_docs": len(docs),
-                "random_distractors": len(extra) if fmt == "distracting" else 0,
-                "messages": prompts.dumps(messages),
-                "target": golds[0],
-            })
+            rows.append({"id": qid, "question": question, "format": fmt, "docs": hits_to_json(docs),
+                         "n_docs": len(docs), "random_distractors": len(extra) if fmt == "distracting" else 0,
+                         "messages": prompts.dumps(messages), "target": golds[0]})
     columns = ["id", "question", "format", "docs", "n_docs", "random_distractors", "messages", "target"]
     return pd.DataFrame(rows, columns=columns)
 
@@ -148,12 +131,14 @@ def encode_example(
 
 @dataclass
 class TuneTraining(Training):
-    """Noise-tolerant tuning on Ray Train on examples of `messages` and `target`, each row's term its GROUP and
-    WEIGHT: per-example answer NLL weighted by its term; logs each term's loss."""
+    """Noise-tolerant tuning on examples of `messages` and `target`, each row's term its GROUP and WEIGHT:
+    per-example answer NLL weighted by its term; logs each term's loss. `counts`: the examples' figures."""
 
     generator: GeneratorConfig
     config: TuneConfig
+    counts: dict[str, Any]
     group_names = FORMATS
+    stats_file = STATS_FILE
 
     @property
     def model(self) -> str:
@@ -161,6 +146,7 @@ class TuneTraining(Training):
 
     def build(self, place: Placement):
         import torch
+        from torch.nn.utils.rnn import pad_sequence
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.source = hf_model_source(self.generator)
@@ -180,15 +166,12 @@ class TuneTraining(Training):
         self.truncated_prompts = sum(cut > 0 for *_, cut in encoded)
 
         def per_example_loss(module, idx: list[int]):
-            width = max(len(encoded[i][0]) for i in idx)
-            input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-            labels = torch.full((len(idx), width), IGNORE, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids, labs, _ = encoded[i]
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                labels[row, : len(labs)] = torch.tensor(labs)
-                mask[row, : len(ids)] = 1
+            def padded(rows: list[list[int]], value: int):
+                return pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=value)
+
+            input_ids = padded([encoded[i][0] for i in idx], pad_id)
+            labels = padded([encoded[i][1] for i in idx], IGNORE)
+            mask = padded([[1] * len(encoded[i][0]) for i in idx], 0)
             logits = module(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()
             target = labels[:, 1:].to(logits.device)
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE,
@@ -207,18 +190,16 @@ class TuneTraining(Training):
             prompt, answer = messages_to_text(messages), " " + str(target)
         return prompt, tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
-    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
-               trainable: dict[str, Any]) -> dict[str, Any]:
-        per_term = list(zip(*stats["group_loss"], strict=True)) if stats["group_loss"] else [[]] * len(FORMATS)
-        figures = {"source": self.source, "truncated_prompts": self.truncated_prompts,
-                   "term_losses": {f: _term_summary(list(v)) for f, v in zip(FORMATS, per_term, strict=True)}}
-        if place.rank != 0:  # under fsdp every rank finishes; rank 0 alone holds the gathered weights
-            return figures
-        save_adapter(model, out_dir, STATS_FILE, {"generator": self.generator.model,
-                                                  "chat_template": self.generator.chat_template,
-                                                  **figures, **loss_stats(stats),
-                                                  "config": self.config.model_dump(mode="json")}, trainable)
-        return figures
+    def finish(self, model, place: Placement) -> dict[str, Any]:
+        return {"source": self.source, "truncated_prompts": self.truncated_prompts}
+
+    def summary(self, result: dict[str, Any]) -> dict[str, Any]:
+        per_term = list(zip(*result["group_loss"], strict=True)) if result["group_loss"] else [[]] * len(FORMATS)
+        return {"generator": self.generator.model, "source": result["source"],
+                "chat_template": self.generator.chat_template, **self.counts,
+                "term_losses": {f: _term_summary(list(v)) for f, v in zip(FORMATS, per_term, strict=True)},
+                "truncated_prompts": result["truncated_prompts"], **loss_stats(result),
+                "config": self.config.model_dump(mode="json")}
 
 
 def tune_generator(
@@ -226,35 +207,22 @@ def tune_generator(
 ) -> dict[str, Any]:
     """Causal-LM LoRA on `examples` with Zero-RAG's objective (weighted retrieval-free, retrieval-augmented and
     noise-suppression losses) on Ray Train workers; saves the adapter and `tune.json` to `out_dir`; returns stats."""
-    formats = examples["format"]
+    formats, docs = examples["format"], examples["n_docs"]
+    k = config.docs_per_format or (int(docs.max()) if len(docs) else 0)  # None: the K build_examples was given
+    counts = {"examples": len(examples), "formats": {f: int((formats == f).sum()) for f in FORMATS},
+              "questions_without_relevant": int(examples.groupby("id")["format"]
+                                                .apply(lambda f: "relevant" not in set(f)).sum()),
+              "random_distractors": int(examples["random_distractors"].sum()),
+              "distracting_short": int(((formats == "distracting") & (docs < k)).sum())}
     weight_of = {"none": config.weight_retrieval_free, "relevant": config.weight_relevant,
                  "distracting": config.weight_noise}
     rows = pd.DataFrame({"messages": examples["messages"], "target": examples["target"].astype(str),
                          WEIGHT: formats.map(weight_of), GROUP: formats.map(FORMATS.index)})
-    stats = fit(TuneTraining(rows, generator, config), config, out_dir, "tune", "zerorag.tune")
-    docs = examples["n_docs"]
-    k = config.docs_per_format or (int(docs.max()) if len(docs) else 0)  # None: the K build_examples was given
-    return {
-        "generator": generator.model,
-        "source": stats["source"],
-        "chat_template": generator.chat_template,
-        "examples": len(examples),
-        "formats": {f: int((formats == f).sum()) for f in FORMATS},
-        "questions_without_relevant": int(examples.groupby("id")["format"].apply(lambda f: "relevant" not in set(f))
-                                          .sum()),
-        "random_distractors": int(examples["random_distractors"].sum()),
-        "distracting_short": int(((formats == "distracting") & (docs < k)).sum()),
-        "term_losses": stats["term_losses"],
-        "truncated_prompts": stats["truncated_prompts"],
-        **loss_stats(stats),
-        "config": config.model_dump(mode="json"),
-    }
+    return fit(TuneTraining(rows, generator, config, counts), config, out_dir, "tune", "zerorag.tune")
 
 
 def _term_summary(per_step: list[float]) -> dict[str, Any]:
     """One term's loss per step (NaN where a batch held none), and the means of its first and last quarters."""
-    seen = [v for v in per_step if not np.isnan(v)]
-    window = max(1, min(5, len(seen) // 4))
+    first, last = first_last(per_step)
     return {"per_step": [None if np.isnan(v) else round(v, 5) for v in per_step],
-            "first": round(float(np.mean(seen[:window])), 5) if seen else None,
-            "last": round(float(np.mean(seen[-window:])), 5) if seen else None}
+            "first": None if first is None else round(first, 5), "last": None if last is None else round(last, 5)}

@@ -1,8 +1,7 @@
-"""Where a training worker's model goes inside its worker: the GPUs Ray assigned to it and no other (`own_gpus`,
-`device_rule`, pure functions so the paper configs' shapes are tested without a GPU), the dtype, a layer split
-under ddp, FSDP2 sharding under fsdp (`shard_fsdp`, hybrid over several nodes: `fsdp_mesh_shape`), and how long
-collectives may wait. Whether the cluster holds the workers is `wbrag_ray.placement`'s. No Ray at module level:
-benchmarks/gpu/check.py runs these rules on a GPU machine without it."""
+"""Where a training worker's model goes: only the GPUs Ray assigned to it (`own_gpus`, `device_rule`: pure, so
+the paper configs' shapes are tested without a GPU), the dtype, a layer split under ddp, FSDP2 sharding under fsdp
+(`shard_fsdp`, hybrid over nodes), and how long collectives may wait. Whether the cluster holds the workers is
+`wbrag_ray.placement`'s. No Ray at module level: benchmarks/gpu/check.py runs these rules without it."""
 
 from __future__ import annotations
 
@@ -23,20 +22,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# What a layer split may fill of each of its GPUs: the rest holds activations, the adapter's optimizer state and
-# the CUDA context (accelerate's `max_memory`, per GPU of the worker).
+# What the weights may fill of each GPU (accelerate's `max_memory`): the rest holds activations, the optimizer state
+# and the CUDA context.
 GPU_MEMORY_FRACTION = 0.85
-# trainer.timeout_s 'auto': the first collective waits while worker 0 reads the whole model. Weights read at this
-# rate (a slow network volume; a local NVMe reads 20-50x faster), and never less than Ray Train's own default.
+# trainer.timeout_s 'auto': the first collective waits while worker 0 reads the whole model, at this rate (a slow
+# network volume), and never less than Ray Train's own default.
 LOAD_READ_BYTES_S = 50e6
 TIMEOUT_FLOOR_S = 1800
 
 
 @dataclass(frozen=True)
 class DeviceRule:
-    """Where one training worker's model goes: `device`, the local CUDA index of its first GPU (None: CPU), and,
-    for a worker of several GPUs under ddp, `spread`: the local indices a layer split places the model over, with
-    `max_memory` (bytes) for each and for no other GPU of the node."""
+    """`device`: the local CUDA index of a worker's first GPU (None: CPU); for several GPUs under ddp, `spread`:
+    the indices a layer split places the model over, with `max_memory` (bytes) for each and no other GPU."""
 
     device: int | None
     spread: tuple[int, ...] = ()
@@ -44,9 +42,8 @@ class DeviceRule:
 
 
 def own_gpus(gpu_ids: list, visible: str | None) -> list[int]:
-    """The local CUDA indices of the GPUs Ray assigned to this worker (`ray.get_gpu_ids()`), in the worker's
-    CUDA_VISIBLE_DEVICES (`visible`). Ray Train makes every training worker on a node see all the training GPUs of
-    that node (so NCCL can use peer links): `torch.cuda.device_count()` is the node's count, not the worker's."""
+    """The local CUDA indices of the GPUs Ray assigned to this worker (`ray.get_gpu_ids()`) in its
+    CUDA_VISIBLE_DEVICES (`visible`): Ray Train shows every worker all the node's training GPUs (for NCCL)."""
     order = [v.strip() for v in (visible or "").split(",") if v.strip()]
     ids = [str(g) for g in gpu_ids]
     if not order:  # nothing hidden: CUDA index i is GPU i
@@ -59,11 +56,9 @@ def own_gpus(gpu_ids: list, visible: str | None) -> list[int]:
 
 def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes: float | None, strategy: str,
                 shards: int, key: str, replicas: int = 1) -> DeviceRule:
-    """The device and map of a worker from its own GPUs (`assigned`, local indices), the GPUs it sees, a GPU's
-    memory and the frozen model's bytes (None: unknown): one GPU holds the model; several under ddp split its layers
-    over exactly those; fsdp shards it over `shards` workers (`replicas` nodes each holding a copy). A worker never
-    touches a GPU it was not assigned. A model that cannot fit is refused, naming the setting (`key`'s), before any
-    weight loads."""
+    """A worker's rule from its own GPUs (`assigned`), the GPUs it sees, a GPU's memory and the frozen model's bytes
+    (None: unknown): one GPU holds the model; several under ddp split its layers; fsdp shards it over `shards`
+    workers (`replicas` nodes each holding a copy). A model that cannot fit is refused, naming `key`'s setting."""
     if not assigned:
         return DeviceRule(None)
     if len(set(assigned)) != len(assigned) or min(assigned) < 0 or max(assigned) >= visible:
@@ -88,10 +83,9 @@ def device_rule(assigned: list[int], visible: int, gpu_memory: int, model_bytes:
 
 
 def fsdp_mesh_shape(node_ranks: list[int], min_shards: int = 1) -> tuple[int, int]:
-    """(replicas, shards): FSDP's device mesh for workers whose nodes are `node_ranks` (in rank order). Several
-    nodes of as many contiguous workers each, at least `min_shards` a node: hybrid (nodes, workers a node), sharded
-    within a node and replicated across nodes, so the weights' all-gathers never cross the network. Otherwise
-    (1, workers): the model sharded over every worker."""
+    """(replicas, shards): FSDP's mesh for workers on nodes `node_ranks` (rank order). Several nodes of as many
+    contiguous workers, at least `min_shards` each: hybrid, sharded within a node and replicated across, so the
+    all-gathers never cross the network. Otherwise (1, workers)."""
     world = len(node_ranks)
     runs = [len(list(ranks)) for _, ranks in itertools.groupby(node_ranks)]
     if len(runs) > 1 and len(set(runs)) == 1 and len(runs) == len(set(node_ranks)) and runs[0] >= min_shards:
@@ -100,9 +94,8 @@ def fsdp_mesh_shape(node_ranks: list[int], min_shards: int = 1) -> tuple[int, in
 
 
 def process_group_timeout_s(timeout: int | str, model_bytes: float | None) -> int:
-    """Seconds a collective may wait (Ray Train's TorchConfig timeout_s): `trainer.timeout_s`, or for 'auto' the
-    time to read the model's weights at LOAD_READ_BYTES_S (worker 0 reads them all before its first collective),
-    at least TIMEOUT_FLOOR_S."""
+    """Seconds a collective may wait: `trainer.timeout_s`, or for 'auto' the time to read the model at
+    LOAD_READ_BYTES_S, at least TIMEOUT_FLOOR_S."""
     if timeout != "auto":
         return int(timeout)
     return max(TIMEOUT_FLOOR_S, math.ceil(model_bytes / LOAD_READ_BYTES_S)) if model_bytes else TIMEOUT_FLOOR_S
@@ -117,10 +110,9 @@ def collective_device(backend: str, device):
 
 @dataclass(frozen=True)
 class Placement:
-    """A worker's device and the dtype its frozen weights load in: fp32 on CPU (bf16 there is emulated on many
-    CPUs, and LoRA's small updates lose precision in it); bf16 on GPUs that have it, else fp16. Under fsdp, the
-    workers other than rank 0 build the model on the meta device (no weights read): rank 0's are broadcast to
-    them shard by shard once the model is sharded (`shard_fsdp`) over `mesh` ((replicas, shards))."""
+    """A worker's device and the dtype its frozen weights load in: fp32 on CPU (bf16 is emulated on many CPUs and
+    loses LoRA's small updates); bf16 on GPUs that have it, else fp16. Under fsdp, ranks above 0 build the model on
+    the meta device; rank 0's weights reach them when it is sharded (`shard_fsdp`) over `mesh` (replicas, shards)."""
 
     device: Any
     dtype: Any
@@ -134,8 +126,7 @@ class Placement:
         return self.fsdp and self.rank != 0
 
     def load(self, auto_cls, source: str, **kwargs):
-        """`auto_cls.from_pretrained(source, ...)` where this worker holds weights; an empty model of the same
-        architecture on the meta device where it receives them (fsdp ranks above 0)."""
+        """`auto_cls.from_pretrained(source, ...)`, or an empty model on the meta device (fsdp ranks above 0)."""
         if self.meta:
             import torch
             from transformers import AutoConfig
@@ -150,13 +141,12 @@ class Placement:
 
     @property
     def model_device(self):
-        """Where `place` moves the model: the worker's device, or None where it stays as loaded (a layer split
-        placed by its device map; fsdp, whose sharding materializes it on the device)."""
+        """Where `place` moves the model; None where it stays as loaded (a layer split; fsdp materializes it)."""
         return None if self.rule.spread or self.fsdp else self.device
 
     @property
     def strategy(self) -> str:
-        """What the training runs as, for its stats: ddp (one worker under fsdp too), layer split, fsdp, hybrid."""
+        """ddp (one worker under fsdp too), layer split, fsdp or hybrid: for the stats."""
         if self.fsdp:
             return "fsdp" if self.mesh[0] == 1 else f"hybrid fsdp ({self.mesh[0]} nodes x {self.mesh[1]})"
         return "layer split" if self.rule.spread else "ddp"
@@ -165,8 +155,7 @@ class Placement:
         return model if self.model_device is None else model.to(self.model_device)
 
     def inputs_device(self, model):
-        """Where a batch goes: the device of the input embeddings (the first layer when spread); the worker's own
-        under fsdp (a rank's model is on the meta device until it is sharded)."""
+        """Where a batch goes: the input embeddings' device (the first layer when spread); the worker's under fsdp."""
         return self.device if self.fsdp else model.get_input_embeddings().weight.device
 
     @property
@@ -179,9 +168,8 @@ class Placement:
 
 
 def placement_of(rule: DeviceRule, dtype, strategy: str, rank: int, mesh: tuple[int, int]) -> Placement:
-    """A worker's placement from its device rule, the load dtype and the strategy over `mesh` ((replicas,
-    shards): the world is their product). fsdp over one worker has nothing to shard over: it is ddp, the model on
-    the worker's device (left where it loaded, it stayed on the CPU while the batch went to the GPU)."""
+    """A worker's placement from its rule, dtype and strategy over `mesh` (replicas, shards). fsdp over one worker
+    is ddp, the model moved to the worker's device."""
     import torch
 
     device = torch.device("cpu") if rule.device is None else torch.device("cuda", rule.device)
@@ -209,9 +197,8 @@ def _node_ranks(world: int) -> list[int]:
 
 
 def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, model: str | None = None) -> Placement:
-    """This worker's placement (`device_rule` on the GPUs Ray assigned to it; under fsdp over several nodes the
-    hybrid mesh of `fsdp_mesh_shape`). A training configured for GPUs on a worker that sees none fails here,
-    before any weight loads, naming the setting."""
+    """This worker's placement (`device_rule` on its GPUs, `fsdp_mesh_shape` under fsdp). A training configured
+    for GPUs on a worker that sees none fails here, before any weight loads, naming the setting."""
     import torch
 
     fsdp = trainer.strategy == "fsdp" and world > 1
@@ -246,10 +233,8 @@ def worker_placement(trainer: TrainerConfig, rank: int, world: int, key: str, mo
 
 
 def shard_fsdp(model, place: Placement):
-    """`model` sharded with FSDP2 (`fully_shard` on each decoder layer, then the whole) over `place.mesh`,
-    gradient checkpointing on, its weights materialized on the worker's device: rank 0's (loaded, the adapter
-    initialized from the training's seed) broadcast to the others, whose model was built on the meta device.
-    Returns the sharded model (the same object)."""
+    """`model` sharded with FSDP2 (each decoder layer, then the whole) over `place.mesh`, gradient checkpointing
+    on, rank 0's weights (the adapter initialized from the seed) broadcast to the others' meta-device models."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -1,6 +1,6 @@
 """Both trainings run as Ray Train jobs: data-parallel workers sized by `<section>.trainer`, checkpointing into
 the stage's checkpoint folder so a lost worker or driver resumes (docs/architecture.md, Design notes). The step
-loop here serves every `Training`; placement is `training.placement`'s, one step `training.step`'s."""
+loop here serves every `Training`; placement is `training.placement`'s, one step `training.lora`'s."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from wbrag_ray.config import ConfigError, TrainerConfig, _LoraSection
 from wbrag_ray.placement import check_workers
 from wbrag_ray.placement.waits import TRAIN_START_FAILURE, train_start_wait
 from wbrag_ray.storage import Location, resolve
+from wbrag_ray.training.lora import apply_gradients, optimizer_of, trainable_state, wrap
 from wbrag_ray.training.placement import (
     Placement,
     collective_device,
@@ -33,23 +34,25 @@ from wbrag_ray.training.placement import (
     process_group_timeout_s,
     worker_placement,
 )
-from wbrag_ray.training.shards import GROUP, WEIGHT, example_shards, local_batch, own_shard
-from wbrag_ray.training.step import apply_gradients, optimizer_of, trainable_state, wrap
 
 log = logging.getLogger(__name__)
 STATE_FILE = "train_state.pt"  # in every checkpoint: trainable weights, optimizer, step, losses
 ADAPTER_DIR = "adapter"  # in the last checkpoint: what the driver copies into the run folder
 RESULT_FILE = "result.json"  # in the last checkpoint: worker 0's stats and figures (losses per step and the like)
+# Worker r reads SHARD.format(r), a contiguous slice split on the driver, the same on every run of one worker count.
+SHARD = "examples-{}"
+ROW, WEIGHT, GROUP = "_row", "_weight", "_group"  # position (fit adds it), weight in a batch's mean, group
 
 
 @dataclass
 class Training:
-    """One training: its examples, one row each (Ray Data shards to the workers; optional columns WEIGHT, an
-    example's weight in a batch's mean, and GROUP, its loss term, whose mean loss is logged per step), and settings
-    pickled to the workers. A subclass names its model, builds it with its loss, and saves the adapter."""
+    """One training: its examples, one row each (optional columns WEIGHT, an example's weight in a batch's mean,
+    and GROUP, its loss term, whose mean loss is logged per step), and settings pickled to the workers. A subclass
+    names its model, builds it with its loss, and says what its stats file (`stats_file`) beside the adapter holds."""
 
     examples: pd.DataFrame
     group_names = ()  # the names of the GROUP values
+    stats_file = ""
 
     @property
     def model(self) -> str:
@@ -60,9 +63,12 @@ class Training:
         """(placed LoRA-wrapped model, per_example_loss(module, positions in `examples`) -> 1-d tensor)."""
         raise NotImplementedError
 
-    def finish(self, model, out_dir: str, stats: dict[str, Any], place: Placement,
-               trainable: dict[str, Any]) -> dict[str, Any]:
-        """After the last step: save the adapter from worker 0 to `out_dir`; return figures for the driver."""
+    def finish(self, model, place: Placement) -> dict[str, Any]:
+        """After the last step, on worker 0 (every worker under fsdp): figures for the driver."""
+        return {}
+
+    def summary(self, result: dict[str, Any]) -> dict[str, Any]:
+        """On the driver, from worker 0's stats and figures: what the stats file holds."""
         raise NotImplementedError
 
 
@@ -110,7 +116,7 @@ def train_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(threads)
     shard = own_shard(rank)
     training = replace(training, examples=shard)
-    place = worker_placement(section.trainer, rank, world, config["key"], config.get("model"))
+    place = worker_placement(section.trainer, rank, world, config["key"], training.model)
     torch.manual_seed(section.seed)  # before the model loads: new heads and LoRA's A matrices draw from it
     model, per_example_loss = training.build(place)
     module, model = wrap(model, place, world)
@@ -121,15 +127,16 @@ def train_loop(config: dict[str, Any]) -> None:
     steps, batch = plan_steps(section, num_examples, world)
     n_groups = len(training.group_names)
     state = _restore(model, optimizer)
-    resumes: list[int] = [*state["resumes"], state["step"]] if state else []  # every step this training resumed from
-    state = state or {"step": 0, "losses": [], "group_loss": [], "seconds": 0.0}
-    start_step, losses, group_loss, seconds = state["step"], state["losses"], state["group_loss"], state["seconds"]
+    if state:
+        state["resumes"].append(state["step"])  # every step this training resumed from
+    state = state or {"step": 0, "losses": [], "group_loss": [], "resumes": [], "seconds": 0.0}
+    losses, group_loss = state["losses"], state["group_loss"]
     weights = torch.as_tensor(shard[WEIGHT].to_numpy(), dtype=torch.float32)
     groups = shard[GROUP].to_numpy()
     own = local_batch(batch, world, rank)
     model.train()
     t0 = time.perf_counter()
-    for step in range(start_step, steps):
+    for step in range(state["step"], steps):
         # LoRA dropout's masks from a seed of (seed, step, rank): a resumed worker draws what it would have drawn
         torch.manual_seed(int(np.random.SeedSequence([section.seed, step, rank]).generate_state(1)[0]))
         mine = batch_indices(step, own, len(shard), section.seed, stream=rank if world > 1 else None)
@@ -158,30 +165,29 @@ def train_loop(config: dict[str, Any]) -> None:
                            for g in range(n_groups)])
         done = step + 1
         if done % section.trainer.checkpoint_steps == 0 and done < steps:
-            _report(rank, {"step": done, "loss": figures[0]}, model, optimizer, losses, group_loss, resumes,
-                    seconds + time.perf_counter() - t0)
-    seconds += time.perf_counter() - t0
+            _report(rank, {"step": done, "loss": figures[0]}, model, optimizer,
+                    {**state, "step": done, "seconds": state["seconds"] + time.perf_counter() - t0})
+    state.update(step=len(losses), seconds=state["seconds"] + time.perf_counter() - t0)
     model.eval()
-    stats = {"steps": len(losses), "losses": losses, "group_loss": group_loss, "seconds": seconds,
-             "resumed_from_steps": resumes, "examples": num_examples, "examples_per_step": batch,
+    stats = {"steps": len(losses), "losses": losses, "group_loss": group_loss, "seconds": state["seconds"],
+             "resumed_from_steps": state["resumes"], "examples": num_examples, "examples_per_step": batch,
              "examples_seen": len(losses) * batch, "epochs_seen": round(len(losses) * batch / num_examples, 4),
              "workers": world, "threads": threads, "device": place.device.type, "dtype": str(place.dtype).split(".")[-1],
              "strategy": place.strategy}
-    trainable = trainable_state(model, optimizer)[0]  # every rank: a collective under fsdp (rank 0 gets it all)
     with tempfile.TemporaryDirectory() as tmp:
         figures = {}
         if rank == 0 or place.fsdp:  # an FSDP model's forward (the pruner's validation) needs every rank
             with place.autocast:
-                figures = training.finish(model, str(Path(tmp) / ADAPTER_DIR), stats, place, trainable)
-        if rank == 0:  # the figures with lists (losses per step, predictions) ride in the checkpoint, not the metrics
+                figures = training.finish(model, place)
+        if rank == 0:  # the figures with lists (losses per step) ride in the checkpoint, not the metrics
             (Path(tmp) / RESULT_FILE).write_text(json.dumps({**stats, **figures}))
-        _report(rank, {"step": len(losses), "final": True, "loss": losses[-1] if losses else math.nan}, model,
-                optimizer, losses, group_loss, resumes, seconds, tmp)
+        _report(rank, {"step": len(losses), "final": True, "loss": losses[-1]}, model, optimizer, state, tmp)
 
 
-def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_loss, resumes, seconds: float,
-            folder: str | None = None) -> None:
-    """Every worker reports; worker 0 attaches the checkpoint (trainable weights, optimizer, step, losses)."""
+def _report(rank: int, metrics: dict[str, Any], model, optimizer, state: dict[str, Any],
+            final: str | None = None) -> None:
+    """Every worker reports; worker 0 attaches the checkpoint (`state`, trainable weights, optimizer), and to the
+    last one (the folder `final`) the adapter."""
     import ray.train
     import torch
 
@@ -190,9 +196,10 @@ def _report(rank: int, metrics: dict[str, Any], model, optimizer, losses, group_
         ray.train.report(metrics, checkpoint=None)
         return
     with contextlib.ExitStack() as stack:
-        folder = folder or stack.enter_context(tempfile.TemporaryDirectory())
-        torch.save({"step": metrics["step"], "losses": losses, "group_loss": group_loss, "resumes": resumes,
-                    "seconds": seconds, "trainable": trainable, "optimizer": optimizer_state}, Path(folder) / STATE_FILE)
+        folder = final or stack.enter_context(tempfile.TemporaryDirectory())
+        if final:
+            model.save_pretrained(str(Path(folder) / ADAPTER_DIR), state_dict=trainable)
+        torch.save({**state, "trainable": trainable, "optimizer": optimizer_state}, Path(folder) / STATE_FILE)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
@@ -207,9 +214,60 @@ def _restore(model, optimizer) -> dict[str, Any] | None:
         return None
     with checkpoint.as_directory() as folder:
         state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
-    set_state_dict(model, optimizer, model_state_dict=state["trainable"], optim_state_dict=state["optimizer"],
+    set_state_dict(model, optimizer, model_state_dict=state.pop("trainable"), optim_state_dict=state.pop("optimizer"),
                    options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
     return state
+
+
+def shard_bounds(num_examples: int, world: int) -> list[int]:
+    """The row positions where workers 1..world-1's shards start."""
+    return [r * num_examples // world for r in range(1, world)]
+
+
+def local_batch(batch: int, world: int, rank: int) -> int:
+    """How many of a step's `batch` examples worker `rank` draws from its shard (the first ranks one more)."""
+    return batch // world + (rank < batch % world)
+
+
+def example_shards(training: Training, world: int) -> dict[str, Any]:
+    """The training's examples as one Ray dataset a worker (`SHARD`), with the columns the step loop reads."""
+    import ray
+
+    frame = training.examples.reset_index(drop=True)
+    n = len(frame)
+    frame[ROW] = np.arange(n, dtype=np.int64)
+    frame[WEIGHT] = frame[WEIGHT].astype(np.float32) if WEIGHT in frame else np.ones(n, np.float32)
+    frame[GROUP] = frame[GROUP].astype(np.int64) if GROUP in frame else np.zeros(n, np.int64)
+    # from_items builds blocks in this process (from_pandas would wait for a CPU a busy cluster may not free).
+    records = frame.to_dict("records")
+    bounds = [0, *shard_bounds(n, world), n]
+    return {SHARD.format(r): ray.data.from_items(records[bounds[r]:bounds[r + 1]]) for r in range(world)}
+
+
+def own_shard(rank: int) -> pd.DataFrame:
+    """This worker's examples, in their order."""
+    import ray.train
+
+    parts = list(ray.train.get_dataset_shard(SHARD.format(rank)).iter_batches(batch_format="pandas", batch_size=None))
+    return pd.concat(parts, ignore_index=True).sort_values(ROW, ignore_index=True)
+
+
+def first_last(values: list[float]) -> tuple[float | None, float | None]:
+    """The means of the first and last quarter of `values` (at most 5 each, NaN left out); None where none."""
+    seen = [v for v in values if not math.isnan(v)]
+    window = max(1, min(5, len(seen) // 4))
+    return (sum(seen[:window]) / window, sum(seen[-window:]) / window) if seen else (None, None)
+
+
+def loss_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """A training's stats from worker 0's: its losses, `first_loss` and `last_loss` (`first_last`), and rates."""
+    losses, seconds = stats["losses"], stats["seconds"]
+    first, last = first_last(losses)
+    return {"losses": losses, "first_loss": first, "last_loss": last, "steps": len(losses), "seconds": seconds,
+            "seconds_per_step": seconds / max(1, len(losses)),
+            "examples_per_s": stats["examples_seen"] / seconds if seconds > 0 else 0.0,
+            **{k: stats[k] for k in ("examples_seen", "epochs_seen", "examples_per_step", "resumed_from_steps",
+                                     "workers", "threads", "device", "dtype", "strategy")}}
 
 
 def torch_config(trainer: TrainerConfig, model: str | None):
@@ -221,24 +279,11 @@ def torch_config(trainer: TrainerConfig, model: str | None):
     return TorchConfig(timeout_s=process_group_timeout_s(trainer.timeout_s, model_bytes_of(model, dtype)))
 
 
-@contextlib.contextmanager
-def _callers_sigint_handler():
-    """The caller's SIGINT handler, put back after the training (Ray Train's fit leaves its own installed)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # Ray Train installs none there
-        return
-    saved = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    finally:
-        if saved is not None:  # None: a handler not set from Python, which cannot be put back
-            signal.signal(signal.SIGINT, saved)
-
-
 def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key: str,
         storage: Location | None = None) -> dict[str, Any]:
-    """Run `training` as a Ray Train job, copy its adapter into `out_dir`, and return worker 0's stats.
-    `storage`: where Ray Train checkpoints (default: the running stage's checkpoint folder, else a temporary one)."""
+    """Run `training` as a Ray Train job, copy its adapter into `out_dir` and write its summary beside it, last;
+    return worker 0's stats with the summary. `storage`: where Ray Train checkpoints (default: the running stage's
+    checkpoint folder, else a temporary one)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -260,8 +305,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
             train_loop,
             # the settings; the examples go as Ray Data shards, one a worker
             train_loop_config={"training": replace(training, examples=training.examples.iloc[:0]), "section": section,
-                               "verbose": verbose, "key": key, "model": training.model,
-                               "num_examples": len(training.examples)},
+                               "verbose": verbose, "key": key, "num_examples": len(training.examples)},
             torch_config=torch_config(trainer_config, training.model),
             datasets=example_shards(training, trainer_config.num_workers),
             dataset_config=ray.train.DataConfig(datasets_to_split=[]),
@@ -274,7 +318,9 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
                 logging_config=ray.train.LoggingConfig(log_level="DEBUG" if verbose else "WARNING")),
         )
-        stack.enter_context(_callers_sigint_handler())
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+            # Ray Train's fit leaves its own SIGINT handler installed: the caller's comes back after it
+            stack.callback(signal.signal, signal.SIGINT, signal.getsignal(signal.SIGINT))
         try:
             # workers that cannot be placed within ray.pending_timeout_s end the fit, naming what is missing
             with train_start_wait(f"the {label} training", trainer_config.num_workers,
@@ -288,4 +334,7 @@ def fit(training: Training, section: _LoraSection, out_dir: str, label: str, key
             raise
         with result.checkpoint.as_directory() as folder:
             shutil.copytree(Path(folder) / ADAPTER_DIR, out_dir, dirs_exist_ok=True)
-            return json.loads((Path(folder) / RESULT_FILE).read_text())
+            stats = json.loads((Path(folder) / RESULT_FILE).read_text())
+    summary = training.summary(stats)
+    (Path(out_dir) / training.stats_file).write_text(json.dumps(summary, indent=2))  # last: the adapter is complete
+    return {**stats, **summary}

@@ -1,1 +1,2 @@
-"""WriteBack-RAG, one module per part: gates, distill, units, versions, and pipeline (`train_writeback`)."""
+"""WriteBack-RAG, one module per part: gates (and their sweep), distill (the distiller and its units), validation,
+versions, and pipeline (`train_writeback`)."""

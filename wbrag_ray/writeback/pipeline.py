@@ -27,9 +27,8 @@ from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import FALLBACK_UNION, write_provenance
 from wbrag_ray.run import RunFolder, Step
 from wbrag_ray.work import Generate, Pass, Sizes
-from wbrag_ray.writeback.distill import distill
+from wbrag_ray.writeback.distill import UNITS, build_units, dedupe, distill, embed_units, table3
 from wbrag_ray.writeback.gates import document_scores, gate_examples
-from wbrag_ray.writeback.units import UNITS, build_units, dedupe, embed_units, table3
 from wbrag_ray.writeback.validation import split, validate
 from wbrag_ray.writeback.versions import WRITEBACK, activate, default_version, hurts
 
@@ -208,22 +207,13 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
 
 
 def format_table3(stats: dict[str, Any]) -> str:
-    ranks = " ".join(f"{r}:{c}" for r, c in stats.get("rank_distribution", {}).items())
-    rows = [
-        ("examples", stats.get("examples")),
-        ("selection rate", stats.get("selection_rate")),
-        ("mean retained docs", stats.get("mean_retained_docs")),
-        ("fallback rate", stats.get("fallback_rate")),
-        ("source tokens", stats.get("source_tokens")),
-        ("distilled tokens", stats.get("distilled_tokens")),
-        ("compression ratio", stats.get("compression_ratio")),
-        ("rewrites dropped", _by_reason(stats, "rewrite")),
-        ("units dropped", _by_reason(stats, "unit")),
-        ("units written", stats.get("units_written")),
-        ("duplicates merged", stats.get("duplicates_merged")),
-        ("retained ranks", ranks),
-        ("generator calls", stats.get("generator_calls")),
-    ]
+    names = ("examples", "selection_rate", "mean_retained_docs", "fallback_rate", "source_tokens", "distilled_tokens",
+             "compression_ratio")
+    rows = [(name.replace("_", " "), stats.get(name)) for name in names]
+    rows += [("rewrites dropped", _by_reason(stats, "rewrite")), ("units dropped", _by_reason(stats, "unit")),
+             ("units written", stats.get("units_written")), ("duplicates merged", stats.get("duplicates_merged")),
+             ("retained ranks", " ".join(f"{r}:{c}" for r, c in stats.get("rank_distribution", {}).items())),
+             ("generator calls", stats.get("generator_calls"))]
     return "\n".join([f"write-back {stats.get('version')} (Table 3)"] + [f"  {k:<20}{v}" for k, v in rows])
 
 
@@ -232,7 +222,6 @@ def _by_reason(stats: dict[str, Any], kind: str) -> str:
     counts = stats.get(f"{kind}s_dropped") or {}
     reasons = ", ".join(f"{n} {why}" for why, n in counts.items() if n)
     return f"{stats.get(f'{kind}_drop_rate')}" + (f" ({reasons})" if reasons else "")
-
 
 
 def writeback_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Generate]:

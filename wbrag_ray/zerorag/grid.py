@@ -3,6 +3,7 @@ write-back index, with retrieval latency and index size (RUN/zero_rag/grid.json)
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any
 
@@ -38,9 +39,8 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
     questions, _ = read_dataset(resolve(dataset), limit=config.eval.limit)
     rows: list[dict[str, Any]] = []
     latency: dict[float, float] = {}
-    # One set of services for the grid; the retrieval service follows the cell.
-    with shared_or_own(services) as services:
-        # the latency queries, as the retrieval actors embed them (on their GPUs where the embedder asks for some)
+    with shared_or_own(services) as services:  # one set of services; the retrieval service follows the cell
+        # the latency queries, as the retrieval actors embed them
         vectors = query_vectors(questions["question"].to_pylist(), config.embedder, config.retrieval, services)
         for turn, adapter in enumerate(adapters):
             cfg = config.model_copy(update={"generator": with_adapter(run, config.generator)}) if adapter else config
@@ -52,7 +52,7 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                 if ratio not in latency:  # measured by the search actors that then serve the cell's passes
                     service = passes.services.retrieval(((index.uri, None, "base"),), config.index, config.retrieval)
                     latency[ratio] = service.latency_ms(vectors, config.retrieval.top_k)
-                for router, writeback in [(r, w) for r in routers for w in writebacks]:
+                for router, writeback in itertools.product(routers, writebacks):
                     first = ratio == ratios[0] and not router and not writeback
                     methods = [m for m in cfg.eval.methods if first or m != "no-retrieval"]  # no index: once is enough
                     if not methods:
@@ -60,22 +60,21 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                     label = eval_label(name, ratio, writeback, router, adapter)
                     cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"methods": methods})})
                     stats = evaluate_stage(run, cfg_m, dataset, label, force=force, passes=passes,
-                                           base_index=index.uri,
-                                           router=run.layout.zero_rag.router.uri if router else None,
-                                           setting=label, writeback=writeback)
+                                           base_index=index.uri, router=run.layout.zero_rag.router.uri if router
+                                           else None, setting=label, writeback=writeback)
                     for method, m in stats["methods"].items():
+                        searched = method != "no-retrieval"
                         rows.append({
                             "ratio": ratio, "router": router, "adapter": adapter, "writeback": writeback,
-                            "method": method, "n": m["n"],
-                            "em": m["em"], "f1": m["f1"], "acc": m["acc"],
-                            "latency_ms_per_query": round(latency[ratio], 4) if method != "no-retrieval" else 0.0,
+                            "method": method, "n": m["n"], "em": m["em"], "f1": m["f1"], "acc": m["acc"],
+                            "latency_ms_per_query": round(latency[ratio], 4) if searched else 0.0,
                             # the paper's retrieval speedup: search time saved against the full index
                             "retrieval_speedup_pct": round(100 * (1 - latency[ratio] / latency[0.0]), 2)
-                            if method != "no-retrieval" and latency.get(0.0) else 0.0,
+                            if searched and latency.get(0.0) else 0.0,
                             # and its total time per question (Table 7): this cell's evaluation, all its methods
                             "seconds_per_question": round(m["seconds"] / max(1, m["n"]), 4),
                             "index_bytes": index_bytes(index), "sentences": int(manifest["count"]),
-                            "retrieval_skipped": m.get("retrieval_skipped", 0.0) if method != "no-retrieval" else 1.0,
+                            "retrieval_skipped": m.get("retrieval_skipped", 0.0) if searched else 1.0,
                         })
         # what the grid's services started or took over, per service kind
         used = {"started": dict(services.started), "adopted": dict(services.adopted), "loads": dict(services.loads),
@@ -97,8 +96,8 @@ def format_grid(rows: list[dict[str, Any]]) -> str:
     head = f"{'ratio':>6} {'wb':>4} {'router':>7} {'adapter':>8} {'method':<13}{'acc':>7}{'em':>7}{'ms/query':>10}" \
            f"{'speedup':>9}{'s/q':>8}{'index MB':>10}{'sentences':>11}{'skipped':>9}"
     lines = ["Zero-RAG evaluation grid", head]
+    yes = {True: "yes", False: "no"}
     for r in rows:
-        yes = {True: "yes", False: "no"}
         lines.append(f"{r['ratio']:>6g} {yes[bool(r.get('writeback'))]:>4} {yes[bool(r['router'])]:>7} "
                      f"{yes[bool(r['adapter'])]:>8} {r['method']:<13}{r['acc']:>7.3f}{r['em']:>7.3f}"
                      f"{r['latency_ms_per_query']:>10.4f}{r.get('retrieval_speedup_pct', 0.0):>8.1f}%"

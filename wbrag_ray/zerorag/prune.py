@@ -1,5 +1,6 @@
-"""Zero-RAG step 3: every sentence's predicted mastery, then per ratio the keep mask, the pruned sentence corpus
-and the pruned index built from the stored vectors (RUN/zero_rag/predictions/, prune-<R>/)."""
+"""Zero-RAG step 3: every sentence's predicted mastery, then per ratio the corpus-wide percentile (two-level
+histograms: only counts travel), the keep mask (ties in the last sub-bin dropped by a draw fixed by id), the pruned
+sentence corpus and the pruned index built from the stored vectors (RUN/zero_rag/predictions/, prune-<R>/)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import time
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from wbrag_ray.build_kb import INDEX, INGEST
@@ -19,10 +21,10 @@ from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
 from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.stages.base import Resources, apply_stage
 from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, resolve
 from wbrag_ray.work import AddVectors, Predict, Sizes
-from wbrag_ray.zerorag.percentile import keep_mask, percentile_cut
-from wbrag_ray.zerorag.pruners import PRUNERS, pruner_inputs
+from wbrag_ray.zerorag.mastery import splitmix64
+from wbrag_ray.zerorag.pruners import PRUNERS, lm_row_tokens, pruner_inputs
 
 # It also reads the pruner zerorag.pruner names (added to `requires` per call).
 PREDICT = RunStage("predict", settings=("zerorag.pruner",), requires=(INGEST,),
@@ -46,34 +48,30 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
 
     model = run.layout.zero_rag.pruner(kind)
     total = run.stats(INGEST.name)["sentences"]
-
     head = EmbeddingHead.load(model.local_dir()).weights if kind == "embedding" else None
 
     def stage_at(placed: Resources | None = None):
         """The prediction stage, placed as configured or as a resume narrowed it (placement only)."""
         if kind == "embedding":
-            return EmbeddingPredictStage(head, **({"num_cpus": placed.num_cpus} if placed else {})), None
+            return EmbeddingPredictStage(head, **({"num_cpus": placed.num_cpus} if placed else {}))
         lm = config.zerorag.lm_pruner
         if placed is not None:
             lm = lm.model_copy(update={"num_cpus": placed.num_cpus, "concurrency": placed.concurrency})
-        return LMPredictStage(model.uri, lm), "zerorag.lm_pruner"
-
-    stage, key = stage_at()
+        return LMPredictStage(model.uri, lm)
 
     def predicted(placed: Resources) -> ray.data.Dataset:
-        stage = stage_at(placed)[0]
-        if kind == "embedding":
-            src = run.layout.embed
-            # the read runs fused with the prediction task, so it asks for what that task asks for
-            ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
-                                       num_cpus=stage.resources.num_cpus)
-            return apply_stage(ds, stage)
-        # the text the regressor was trained on, titles included
-        return apply_stage(pruner_inputs(run), stage)
+        stage = stage_at(placed)
+        if kind != "embedding":  # the text the regressor was trained on, titles included
+            return apply_stage(pruner_inputs(run), stage)
+        src = run.layout.embed
+        # the read runs fused with the prediction task, so it asks for what that task asks for
+        return apply_stage(ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
+                                                 num_cpus=stage.resources.num_cpus), stage)
 
     # a row is an id and a score: blocks of checkpoint_rows rows are committed as the pass goes
     written = resumable_write(predicted, run.output(run.layout.zero_rag.predictions), "sid", "pred",
-                              config.zerorag.checkpoint_rows * 16, "predict", total, stage.resources, key)
+                              config.zerorag.checkpoint_rows * 16, "predict", total, stage_at().resources,
+                              "zerorag.lm_pruner" if kind == "lm" else None)
     if written["rows"] != total:
         raise RuntimeError(f"mastery prediction wrote {written['rows']} scores for {total} sentences")
     return {"rows_in": total, "rows_out": written["rows"], "rows_rejected": 0, "pruner": kind,
@@ -82,6 +80,61 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
 
 def index_bytes(loc: Location) -> int:
     return sum(f.size() for f in loc.list_files() if not f.name.endswith(".json"))
+
+
+def _bins(scores: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two-level integer bin indices of scores in [0, 1], so histogram and keep mask agree exactly."""
+    x = np.clip(np.asarray(scores, np.float64), 0.0, 1.0) * bins
+    b1 = np.minimum(x.astype(np.int64), bins - 1)
+    b2 = np.minimum(((x - b1) * bins).astype(np.int64), bins - 1)
+    return b1, b2
+
+
+def _tie_draw(ids: np.ndarray) -> np.ndarray:
+    """A uniform number in [0, 1) per id, fixed by the id: which of the sentences tied at the cut are dropped."""
+    return (splitmix64(ids, 0x5EED) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def percentile_cut(pred: Location, ratio: float, bins: int) -> dict[str, Any]:
+    """Where to cut so that `ratio` of all sentences (those with the highest predicted mastery) are dropped."""
+    import ray
+
+    files = [f.uri for f in pred.list_files(".parquet")]
+
+    @ray.remote(num_cpus=LIGHT_CPUS)
+    def histogram(uri: str, level1_bin: int | None) -> np.ndarray:
+        scores = resolve(uri).read_table(["mastery_pred"])["mastery_pred"].to_numpy()
+        b1, b2 = _bins(scores, bins)
+        if level1_bin is None:
+            return np.bincount(b1, minlength=bins)
+        return np.bincount(b2[b1 == level1_bin], minlength=bins)
+
+    level1 = np.sum(ray.get([histogram.remote(f, None) for f in files]), axis=0)
+    total = int(level1.sum())
+    target = int(round(ratio * total))
+    if target == 0:
+        return {"total": total, "target_dropped": 0, "b1": bins, "b2": 0, "tie_fraction": 0.0, "threshold": 1.0}
+    b1, need = _cut_bin(level1, target)
+    level2 = np.sum(ray.get([histogram.remote(f, b1) for f in files]), axis=0)
+    b2, need2 = _cut_bin(level2, need)
+    return {"total": total, "target_dropped": target, "b1": b1, "b2": b2,
+            "tie_fraction": need2 / int(level2[b2]), "threshold": (b1 + b2 / bins) / bins}
+
+
+def _cut_bin(counts: np.ndarray, drop: int) -> tuple[int, int]:
+    """(the bin where dropping the top `drop` items ends, how many of that bin's items are still to drop)."""
+    above = np.cumsum(counts[::-1])[::-1]  # above[i] = items in bins >= i
+    b = int(np.flatnonzero(above >= drop)[-1])
+    return b, drop - (int(above[b + 1]) if b + 1 < len(counts) else 0)
+
+
+def keep_mask(ids: np.ndarray, scores: np.ndarray, cut: dict[str, Any], bins: int) -> np.ndarray:
+    """True for sentences kept at `cut`: everything below the cut's sub-bin, and the undrawn ties in it."""
+    b1, b2 = _bins(scores, bins)
+    drop = (b1 > cut["b1"]) | ((b1 == cut["b1"]) & (b2 > cut["b2"]))
+    tied = (b1 == cut["b1"]) & (b2 == cut["b2"])
+    drop |= tied & (_tie_draw(ids) < cut["tie_fraction"])
+    return ~drop
 
 
 def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False) -> dict[str, Any]:
@@ -156,9 +209,7 @@ def index_for_ratio(run: RunFolder, ratio: float) -> Location:
 def prediction_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Predict]:
     """Every sentence's mastery predicted by zerorag.pruner: tasks on the stored vectors, or the LM regressor's
     actors over each `title: sentence`."""
-    lm = config.zerorag.lm_pruner
-    return [Predict(sizes.sentences, config.zerorag.pruner,
-                    min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence")))]
+    return [Predict(sizes.sentences, config.zerorag.pruner, lm_row_tokens(config.zerorag.lm_pruner, sizes))]
 
 
 PREDICT_STEP = Step("prediction ({pruner} pruner)", PREDICT, prediction_work,

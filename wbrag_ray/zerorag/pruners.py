@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from wbrag_ray.build_kb import EMBED
-from wbrag_ray.config import ConfigError, WbragConfig, ZeroRagConfig
+from wbrag_ray.config import ConfigError, LMPrunerConfig, WbragConfig, ZeroRagConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
 from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
@@ -20,8 +20,7 @@ from wbrag_ray.run import RunFolder, RunStage, Step
 from wbrag_ray.storage import resolve
 from wbrag_ray.training.lm_pruner import train_lm_pruner
 from wbrag_ray.work import Sizes, Train
-from wbrag_ray.zerorag.mastery import MASTERY
-from wbrag_ray.zerorag.sampling import titled
+from wbrag_ray.zerorag.mastery import MASTERY, titled
 
 _SPLIT = ("zerorag.seed", "zerorag.val_fraction")  # which scored sentences train and which validate
 PRUNERS = {
@@ -97,7 +96,7 @@ def _train_one(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]
             fit = train_lm_pruner(titled(train["title"], train["text"]), train["mastery"].tolist(), z.lm_pruner,
                                   tmp, val_texts=titled(val["title"], val["text"]))
             predicted = np.asarray(fit.pop("validation"), np.float32)
-            fit = {k: v for k, v in fit.items() if k != "losses"}
+            fit = {k: v for k, v in fit.items() if k not in ("losses", "group_loss", "config")}
         out.upload_dir(tmp)
     q = z.ratios[0] if z.ratios and z.ratios[0] > 0 else 0.3
     metrics = {"kind": kind, "n_train": len(train), "n_val": len(val),
@@ -130,21 +129,22 @@ def _train_head(run: RunFolder, config: WbragConfig, train: pd.DataFrame, val: p
     return head.predict(stack(val)), {"first_loss": round(losses[0], 5), "last_loss": round(losses[-1], 5)}
 
 
-def _pruner_work(kind: str):
+def lm_row_tokens(lm: LMPrunerConfig, sizes: Sizes) -> float:
+    """Tokens of an LM pruner's row, `title: sentence` (no chat template), cut at max_length."""
+    return min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence"))
+
+
+def _pruner_step(kind: str, title: str, resources: tuple[str, ...]) -> Step:
     def work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Train]:
         z = config.zerorag
         fit = max(1, round(z.sample * (1 - z.val_fraction)))
         if kind == "embedding":  # a small regression head on the sample's stored vectors, in the driver
             return [Train(config.embedder.model, "zerorag", fit, rows=f"a head on {fit:,} stored vectors, in the driver",
                           head=True)]
-        lm = z.lm_pruner  # its rows are `title: sentence`, no chat template, cut at max_length
-        row = min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence"))
+        lm, row = z.lm_pruner, lm_row_tokens(z.lm_pruner, sizes)
         return [Train(lm.backbone, "zerorag.lm_pruner", fit, row, f"rows of `title: sentence`, {row:,.0f} tokens")]
-    return work
 
-
-def _pruner_step(kind: str, title: str, resources: tuple[str, ...]) -> Step:
-    return Step(title, PRUNERS[kind], _pruner_work(kind),
+    return Step(title, PRUNERS[kind], work,
                 lambda folder, config, force, services, params: train_pruner(folder, config, kind=kind, force=force),
                 instances=lambda config: [{}] if config.zerorag.enabled and kind in (
                     *config.zerorag.train_pruners, config.zerorag.pruner) else [],

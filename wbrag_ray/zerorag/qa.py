@@ -91,12 +91,8 @@ def parse_qa_output(raw: str) -> list[tuple[str, str]]:
                 data = json.loads(text[start:end])
             except json.JSONDecodeError:
                 continue
-            items = data if isinstance(data, list) else [data]
-            pairs = [
-                (str(d.get("question", "")).strip(), str(d.get("answer", "")).strip())
-                for d in items
-                if isinstance(d, dict)
-            ]
+            items = [d for d in (data if isinstance(data, list) else [data]) if isinstance(d, dict)]
+            pairs = [(str(d.get("question", "")).strip(), str(d.get("answer", "")).strip()) for d in items]
             pairs = [(q, a) for q, a in pairs if q and a]
             if pairs:
                 return pairs

@@ -53,9 +53,8 @@ def _train(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejecte
     df = questions[["id", "question", "golden_answers"]].copy()
     df["prompt"] = [prompts.dumps(prompts.no_retrieval_messages(q)) for q in df["question"]]
     with GeneratorPasses(with_adapter(run, config.generator) if adapter else config.generator, services) as passes:
-        answered = passes.generate("closed_book", df, "prompt", "prediction").sort_values("id")
+        answered = passes.generate("closed_book", df, "prompt", "prediction").sort_values("id", ignore_index=True)
         actors = passes.services.actor_ids(GenerateStage.name)
-        answered = answered.reset_index(drop=True)
         # as the evaluation's retrieval actors embed them (on their GPUs where the query embedder asks for some)
         vectors = query_vectors(answered["question"].tolist(), config.embedder, config.retrieval, passes.services)
     labels = np.array([metric(z.router_metric, p, list(g)) > 0

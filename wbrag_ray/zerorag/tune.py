@@ -74,7 +74,7 @@ def _tune(run: RunFolder, config: WbragConfig, questions: pd.DataFrame, rejected
     with tempfile.TemporaryDirectory() as tmp:
         stats = tune_generator(examples, config.generator, t, tmp)
         run.output(run.layout.zero_rag.adapter).upload_dir(tmp)  # beside the adapter in use while --force redoes it
-    fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k != "losses"}
+    fit = {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items() if k not in ("losses", "group_loss")}
     # the training loop's own seconds; the stage's seconds include retrieval and Ray Train's start
     fit["train_seconds"] = fit.pop("seconds", None)
     return {"rows_in": len(questions) + rejected, "rows_out": len(examples), "rows_rejected": rejected, **targets,
