@@ -227,9 +227,3 @@ def named_shards(manifest: dict[str, Any]) -> list[tuple[str, int | None]]:
     """(file, vector count) of each shard a manifest names (count None for indices built before it was kept)."""
     counts = [s.get("count") for s in manifest.get("shards", [])] or [None] * len(manifest["files"])
     return list(zip(manifest["files"], counts, strict=True))
-
-
-def load_shards(loc: Location) -> tuple[list[Any], dict[str, Any]]:
-    """([faiss index per shard], manifest) from an index folder; each file is checked against the manifest."""
-    manifest = load_manifest(loc)
-    return [load_shard(loc, name, manifest["dim"], count) for name, count in named_shards(manifest)], manifest

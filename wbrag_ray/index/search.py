@@ -233,3 +233,38 @@ class SearchActor:
         t0 = time.perf_counter()
         scores, ids = self.searcher.search(vectors, k, assigned[:2] if assigned is not None else None)
         return scores, ids, time.perf_counter() - t0
+
+
+class SearchGroups:
+    """An index's shards in groups, each loaded by `SearchActor`s: Ray actors (a group's replicas), or one object in
+    this process. A call goes to one replica of every group at once; `search` merges the groups' top Ks."""
+
+    def __init__(self, actors: list[list[Any]]):
+        self.actors = actors  # [group][replica]
+
+    def call(self, method: str, *args, turn: int = 0) -> list:
+        """`method` of the `turn`-th replica of each group, all at once: the results in group order."""
+        picked = [replicas[turn % len(replicas)] for replicas in self.actors]
+        if isinstance(picked[0], SearchActor):
+            return [getattr(a, method)(*args) for a in picked]
+        import ray
+
+        args = [ray.put(a) if isinstance(a, np.ndarray) else a for a in args]  # one copy for every group
+        return ray.get([getattr(a, method).remote(*args) for a in picked])
+
+    @staticmethod
+    def merged(parts: list[tuple], k: int) -> tuple[np.ndarray, np.ndarray, list[float]]:
+        """The groups' (scores, ids, seconds) as the whole index's (scores, ids) and each group's seconds."""
+        return (*merge_results([(s, i) for s, i, _ in parts], k), [sec for _, _, sec in parts])
+
+    def search(self, vectors, k: int) -> tuple[np.ndarray, np.ndarray, list[float]]:
+        return self.merged(self.call("search", vectors, k), k)
+
+    def close(self) -> None:
+        for replicas in self.actors:
+            for actor in replicas:
+                if not isinstance(actor, SearchActor):
+                    import ray
+
+                    ray.kill(actor)
+        self.actors = []

@@ -21,14 +21,13 @@ import numpy as np
 from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.index.gpu_clone import GpuCloneError, cluster_faiss_gpu
-from wbrag_ray.index.search import SearchActor, measured_settings
+from wbrag_ray.index.search import SearchActor, SearchGroups, measured_settings
 from wbrag_ray.placement import pool_refusal, refuse_unplaceable
 from wbrag_ray.placement.gpus import beside_generator, index_on_gpu
 from wbrag_ray.placement.waits import wait_placed
 from wbrag_ray.ray_runtime import call_actor, start_restartable
-from wbrag_ray.retrieval.docstore import DocStore, DocStoreError
-from wbrag_ray.retrieval.hits import merge_results
-from wbrag_ray.retrieval.local import IndexUnion, check_query_vectors, documents
+from wbrag_ray.retrieval.docstore import DocStoreError
+from wbrag_ray.retrieval.local import IndexUnion, Retriever, check_query_vectors
 from wbrag_ray.storage import resolve
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ def _unwrap(exc: Exception) -> Exception:
 
 
 @dataclass
-class SearchPool:
+class SearchPool(SearchGroups):
     """The search actors of one index folder: `groups` of its shards, each in `replicas` actors."""
 
     index_dir: str
@@ -161,25 +160,16 @@ class SearchPool:
         if self.shared_assignment:
             replicas = self.actors[turn % len(self.actors)]
             assigned = replicas[turn // len(self.actors) % len(replicas)].assign.remote(ref)
-        calls = [replicas[turn % len(replicas)].search.remote(ref, k, assigned) for replicas in self.actors]
         try:
-            parts = ray.get(calls)
+            parts = self.call("search", ref, k, assigned, turn=turn)
             assign_s = ray.get(assigned)[2] if assigned is not None else 0.0
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
             # a search actor's node was lost (the assigning one included: its error reaches every call that
             # waited on it): ask each group again, one call at a time, on any live replica, each assigning itself
             parts = [call_actor(replicas, "search", ref, k) for replicas in self.actors]
             assign_s = 0.0
-        scores, ids = merge_results([(s, i) for s, i, _ in parts], k)
-        return scores, ids, assign_s + max(sec for _, _, sec in parts)
-
-    def close(self) -> None:
-        import ray
-
-        for replicas in self.actors:
-            for actor in replicas:
-                ray.kill(actor)
-        self.actors = []
+        scores, ids, seconds = self.merged(parts, k)
+        return scores, ids, assign_s + max(seconds)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_turn"}
@@ -197,35 +187,19 @@ def pool_placement(index: IndexConfig, retrieval: RetrievalConfig) -> tuple:
             retrieval.actor_memory_gb, retrieval.concurrency)
 
 
-@dataclass(frozen=True)
-class Member:
-    """An index of a retrieval service (an `IndexUnion` member): its search pool, the source its hits carry, where
-    its documents are (None: the manifest's `docs`)."""
+class Member(Retriever):
+    """An index of a retrieval service: its search pool, the source its hits carry, where its documents are (None:
+    the manifest's `docs`)."""
 
-    pool: SearchPool
-    source: str = "base"
-    docs_dir: str | None = None
-
-    @property
-    def index_dir(self) -> str:
-        return self.pool.index_dir
-
-    @property
-    def manifest(self) -> dict[str, Any]:
-        return self.pool.manifest
-
-    def docs(self) -> DocStore | None:
-        return documents(self.index_dir, self.manifest, self.docs_dir)
-
-    def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
-        return self.pool.search_ids(vectors, k)
+    def __init__(self, pool: SearchPool, source: str = "base", docs_dir: str | None = None):
+        super().__init__(pool.index_dir, docs_dir, source=source, pool=pool)
 
 
 class RetrievalService(IndexUnion):
     """One or more indices (the base, and the write-back index beside it) searched as one (`IndexUnion`), each
     on its own search pool. Built in the driver, where `auto` is resolved, and sent with the passes."""
 
-    members: list[Member]
+    members: list[Retriever]
 
     @property
     def pools(self) -> list[SearchPool]:
