@@ -1,11 +1,10 @@
 """One vLLM engine fed by several calls at once: the service actor's concurrent passes share its running batch.
 
-`vllm.LLM.generate` / `chat` step the engine until one call's requests are done, so it idles on the call's longest
-answers. `EngineFeed` adds each call's requests (`LLM.enqueue` / `enqueue_chat`) as they come, while one stepping
-thread, the only one touching the engine's front end (not thread-safe), runs the engine for all of them and hands
-each call its outputs once its last request finished. vLLM's `AsyncLLM` would do the same but always runs its
-engine core in a second process, which on CPUs costs most of an engine's start. Greedy answers do not depend on
-what shares their batch (generator.batch_invariant on GPUs; on CPUs to float rounding, as any batch size)."""
+`LLM.generate` / `chat` step the engine until one call's requests are done (it idles on their longest answers),
+and its front end is not thread-safe. Here one stepping thread adds each call's requests (`LLM.enqueue` /
+`enqueue_chat`) between two steps and hands each call its outputs once its last request finished. vLLM's
+`AsyncLLM` does the same but always runs its engine core in a second process, which on CPUs costs most of an
+engine's start (docs/architecture.md, "One engine path")."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from typing import Any
 
 
 def reported_id(request_id: str) -> str:
-    """The id vLLM reports a request's outputs under, from the one adding it returned: vLLM (0.32) adds
-    requests under the caller's id plus "-" and 8 random characters and reports them under the caller's id (the
-    offline API's counter: digits)."""
+    """The id vLLM (0.32) reports a request's outputs under, from the one adding it returned (the caller's id
+    plus "-" and 8 random characters)."""
     return request_id.rsplit("-", 1)[0]
 
 
@@ -51,10 +49,8 @@ class _Call:
 
 
 def _threads_as_torch() -> None:
-    """This thread's OpenMP thread count set to torch's. torch's count is the process's, OpenMP's is each thread's
-    own, and a thread that OpenMP did not start begins at OMP_NUM_THREADS (Ray sets it to an actor's CPUs): on
-    vLLM's CPU build (the engine in process) the attention kernel, which runs in this thread, refuses metadata
-    built for another thread count ("Check failed: input->metadata->thread_num == thread_num")."""
+    """This thread's OpenMP thread count set to torch's (the process's; a new thread starts at OMP_NUM_THREADS):
+    vLLM's CPU attention kernel, run in this thread, refuses metadata built for another thread count."""
     import sys
 
     torch = sys.modules.get("torch")

@@ -1,6 +1,5 @@
 """The sharded index build: plan, train once, add per embedding shard, merge per index shard; each task declares
-its CPUs and memory, and records its result so a rerun runs only the others (docs/architecture.md, Design notes).
-Over 400 lines, not split: the tasks and the one function that sequences them read top to bottom here."""
+its CPUs and memory, and records its result so a rerun runs only the others (docs/architecture.md, Design notes)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The index's search setting measured at build time (`index.nprobe: auto`, `index.target_recall`).
-
-A sample of the index's own vectors is searched exactly (inner product, a task per embedding shard) for each
-one's RECALL_K nearest other vectors; then the built shards, loaded once by probes (`search.SearchActor`, the
-search the retrieval service runs), are searched at growing nprobe (IVF) or efSearch (HNSW). The smallest
-setting whose merged results reach the target is chosen; where the codes cap recall, the growing stops once
-recall levels off and the cheapest setting within PLATEAU of the best is taken, with a warning. An explicit
-setting is measured beside the choice. The result is the manifest's `search` entry (`search.measured_settings`).
+"""The index's search setting measured at build time (`index.nprobe: auto`, `index.target_recall`): a sample of
+the index's own vectors, searched exactly (a task per embedding shard) and by the built shards (the retrieval
+service's search, `search.SearchGroups`) at growing nprobe (IVF) or efSearch (HNSW). The smallest setting reaching
+the target is chosen; where the codes cap recall, the cheapest within PLATEAU of the best, with a warning. The
+result is the manifest's `search` entry (`search.measured_settings`).
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ def nprobe_steps(nlist: int) -> list[int]:
 
 
 def parameter_of(index) -> tuple[str | None, list | None]:
-    """(the setting a search of `index` trades recall for time with, the values to try): ("nprobe", ...) for an
-    IVF, ("efSearch", ...) for an HNSW graph; (None, None) for an exact (flat) index, where nothing is to measure;
-    (None, [None]) for other approximate codes, measured once as they are."""
+    """(the setting a search of `index` trades recall for time with, the values to try): nprobe for an IVF,
+    efSearch for an HNSW graph; (None, None) for an exact index; (None, [None]) for other codes, measured as is."""
     import faiss
 
     ivf = faiss.try_extract_index_ivf(index)
@@ -138,19 +134,16 @@ def choose(measured: list[dict[str, Any]], target: float) -> tuple[dict[str, Any
 
 
 def levelled(measured: list[dict[str, Any]]) -> bool:
-    """Recall stopped rising: the last two steps together (a doubling of the setting) added less than PLATEAU
-    (the codes cap it)."""
+    """Recall stopped rising: the last two steps (a doubling of the setting) added less than PLATEAU."""
     return len(measured) >= 3 and measured[-1]["recall"] - measured[-3]["recall"] < PLATEAU
 
 
 def measure_search(files: list[Location], counts: list[int], index: Location, shards: list[dict[str, Any]],
                    space: tuple[str | None, list | None], dim: int, *, target: float, queries: int,
-                   nprobe: int | str = "auto",
-                   ef_search: int | None = None, threads: int, num_cpus: float,
+                   nprobe: int | str = "auto", ef_search: int | None = None, threads: int, num_cpus: float,
                    parallel: bool) -> dict[str, Any] | None:
-    """Measure recall against exact search and choose the search setting (module docstring), or measure the
-    one set (an nprobe other than 'auto'; an HNSW's ef_search); the manifest's `search` entry, or None for an
-    exact index (nothing to trade)."""
+    """The manifest's `search` entry (module docstring), an explicit setting measured beside the choice; None for
+    an exact index (nothing to trade)."""
     parameter, steps = space  # `parameter_of` the trained index
     if steps is None:
         return None

@@ -1,10 +1,7 @@
 """The retrieval service: an index's shards held by search actors (`index.search.SearchActor`) that a command
-starts once and every retrieval pass of it uses.
-
-The shards are grouped, in manifest order, into groups of at most `retrieval.actor_memory_gb`, each loaded by
-`retrieval.concurrency` actors. A search sends the query vectors to one replica of each group at once (for an IVF
-index with the lists one actor assigned them to) and merges the groups' top K; documents are looked up only for
-the merged top K, in the process that asked. A lost actor is started again and the call retried.
+starts once for all its retrieval passes: groups of shards of at most `retrieval.actor_memory_gb`, in manifest
+order, each in `retrieval.concurrency` actors, searched as one (`index.search.SearchGroups`); documents are looked
+up for the merged top K only, in the process that asked. A lost actor is started again and the call retried.
 """
 
 from __future__ import annotations
@@ -145,12 +142,9 @@ class SearchPool(SearchGroups):
         return int(self.manifest["dim"])
 
     def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """(scores, ids) of the whole index, and the search's seconds as the actors measured them (the groups
-        run at once: the slowest one's, after the coarse assignment they share).
-
-        With several groups of IVF shards, one actor (a different group each time) assigns the queries to their
-        lists and every group scans its part of them: the groups' calls are sent at once with the assignment as
-        a pending argument, so Ray starts them as it arrives and the driver waits once."""
+        """(scores, ids) of the whole index, and the search's seconds as the actors measured them (the slowest
+        group's, after the coarse assignment). With several groups of IVF shards, one actor (a different group each
+        time) assigns the queries to their lists: the groups' calls take the assignment as a pending argument."""
         import ray
 
         vectors = check_query_vectors(vectors, self.dim, self.index_dir)
@@ -196,8 +190,8 @@ class Member(Retriever):
 
 
 class RetrievalService(IndexUnion):
-    """One or more indices (the base, and the write-back index beside it) searched as one (`IndexUnion`), each
-    on its own search pool. Built in the driver, where `auto` is resolved, and sent with the passes."""
+    """The base and the write-back index beside it searched as one (`IndexUnion`), each on its own search pool.
+    Built in the driver, where `auto` is resolved, and sent with the passes."""
 
     members: list[Retriever]
 
@@ -206,9 +200,8 @@ class RetrievalService(IndexUnion):
         return [m.pool for m in self.members]
 
     def latency_ms(self, vectors: np.ndarray, k: int, min_seconds: float = 0.5) -> float:
-        """Milliseconds per query of the search itself, as the search actors measure it (the slowest group of
-        each index; indices of a union add up): the best of repeated runs after a warm-up (the machine may be
-        shared; the minimum is the least disturbed)."""
+        """Milliseconds per query of the search itself, as the search actors measure it (indices of a union add
+        up): the best of repeated runs after a warm-up (the least disturbed on a shared machine)."""
         def once() -> float:
             return sum(p.search_ids(vectors, k)[2] for p in self.pools)
 
