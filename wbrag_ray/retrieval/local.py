@@ -93,9 +93,8 @@ class Retriever:
     `retrieval.service`), else loaded in this process (tests, benchmarks); `search_vectors` returns `Hit`s per query.
 
     docs_dir: a document store, an ingest folder or a Parquet folder of (id, title, text); default: the
-    manifest's `docs` (hits without documents carry empty title and text). embedder: checked against the index's,
-    and what `encode` embeds queries with. source: the name hits carry (e.g. "writeback"). The search settings
-    apply in this process (a pool searches with its own).
+    manifest's `docs` (hits without documents carry empty title and text). embedder: checked against the index's.
+    source: the name hits carry (e.g. "writeback"). The search settings apply in this process (a pool has its own).
     """
 
     def __init__(
@@ -115,7 +114,7 @@ class Retriever:
         self.index_dir, self.docs_dir, self.embedder_config = index_dir, docs_dir, embedder
         self.nprobe, self.ef_search, self.k_factor, self.gpu = nprobe, ef_search, k_factor, gpu
         self.source, self.batch_size, self.pool = source, batch_size, pool
-        self.embedder = self._searcher = None
+        self._searcher = None
         self._manifest = pool.manifest if pool is not None else None
 
     @property
@@ -142,13 +141,6 @@ class Retriever:
 
     def docs(self) -> DocStore | None:
         return documents(self.index_dir, self.manifest, self.docs_dir)
-
-    def encode(self, queries: list[str]) -> np.ndarray:
-        if self.embedder is None:
-            if self.embedder_config is None:
-                raise IndexError_(f"retriever for {self.index_dir} has no embedder: search by vectors, or pass one")
-            self.embedder = load_query_embedder(self.embedder_config, self.dim, self.index_dir)
-        return self.embedder.encode_queries(queries)
 
     def search_ids(self, vectors: np.ndarray, k: int) -> tuple:
         """(scores, ids), each (n, k), best first, and on a pool the search's seconds; a missing hit is id -1
