@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 
@@ -20,32 +21,27 @@ def reported_id(request_id: str) -> str:
     return request_id.rsplit("-", 1)[0]
 
 
-class _Call:
-    """One caller's requests: added by the stepping thread, its outputs collected as they finish."""
+class _Call(Future):
+    """One caller's requests: added by the stepping thread, its outputs collected as they finish (the result)."""
 
     def __init__(self, add: Callable[[Any], list[str]]):
+        super().__init__()
         self.add = add
         self.order: dict[str, int] = {}
         self.outputs: list[Any] = []
         self.left = 0
-        self.error: BaseException | None = None
-        self.done = threading.Event()
 
     def added(self, request_ids: list[str]) -> None:
         self.order = {reported_id(rid): i for i, rid in enumerate(request_ids)}
         self.outputs, self.left = [None] * len(request_ids), len(request_ids)
         if not request_ids:
-            self.done.set()
+            self.set_result([])
 
     def finished(self, output) -> None:
         self.outputs[self.order[output.request_id]] = output
         self.left -= 1
         if self.left == 0:
-            self.done.set()
-
-    def failed(self, error: BaseException) -> None:
-        self.error = error
-        self.done.set()
+            self.set_result(self.outputs)
 
 
 def _threads_as_torch() -> None:
@@ -79,16 +75,13 @@ class EngineFeed:
             if self._stepper is None:
                 self._stepper = threading.Thread(target=self._step_while_busy, name="vllm-feed", daemon=True)
                 self._stepper.start()
-        call.done.wait()
-        if call.error is not None:
-            raise call.error
-        return call.outputs
+        return call.result()
 
     def _admit(self, call: _Call) -> None:
         try:
             call.added(list(call.add(self.llm)))  # vLLM renders, tokenizes and adds them (a bad prompt: its error)
         except Exception as exc:
-            call.failed(exc)
+            call.set_exception(exc)
             return
         for rid in call.order:
             self._calls[rid] = call
@@ -98,7 +91,7 @@ class EngineFeed:
 
     def _fail_all(self, error: BaseException) -> None:
         for call in set(self._calls.values()):
-            call.failed(error)
+            call.set_exception(error)
         self._calls.clear()
         self._in_engine = 0
 
@@ -132,4 +125,4 @@ class EngineFeed:
                     call = self._calls.pop(output.request_id, None)
                     if call is not None:
                         call.finished(output)
-                        self._in_engine -= call.done.is_set()
+                        self._in_engine -= call.done()

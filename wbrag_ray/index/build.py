@@ -85,7 +85,7 @@ def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool
     on_gpu = False
     if not index.is_trained:
         sample = sample_vectors(files, shared["counts"], shared["train_sample"], shared["dim"])[1]
-        on_gpu = shared["gpu"] and reserved_gpu(shared["parallel"])
+        on_gpu = shared["gpu"] and reserved_gpu()
         if on_gpu:
             _train_on_gpu(index, sample)
         else:
