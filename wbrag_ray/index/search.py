@@ -254,10 +254,9 @@ class SearchGroups:
         return self.merged(self.call("search", vectors, k), k)
 
     def close(self) -> None:
-        for replicas in self.actors:
-            for actor in replicas:
-                if not isinstance(actor, SearchActor):
-                    import ray
+        actors, self.actors = [a for replicas in self.actors for a in replicas], []
+        if actors and not isinstance(actors[0], SearchActor):
+            import ray
 
-                    ray.kill(actor)
-        self.actors = []
+            for actor in actors:
+                ray.kill(actor)
