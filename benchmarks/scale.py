@@ -268,17 +268,16 @@ def _search_ids(index_dir: str, nprobe: int | str, vectors: np.ndarray, k: int) 
     search actor does (one coarse assignment per batch)."""
     import faiss
 
-    from wbrag_ray.index.files import load_shards
-    from wbrag_ray.index.search import ShardSearch, search_nprobe, set_search_params
+    from wbrag_ray.index.files import load_manifest, named_shards
+    from wbrag_ray.index.search import ShardSearch, search_nprobe
     from wbrag_ray.storage import resolve
 
     faiss.omp_set_num_threads(1)
-    shards, _ = load_shards(resolve(index_dir))
-    for shard in shards:
-        set_search_params(shard, nprobe, None, None)
+    manifest = load_manifest(resolve(index_dir))
+    searcher = ShardSearch.load(index_dir, named_shards(manifest), manifest["dim"], nprobe)
     t0 = time.process_time()
-    ids = ShardSearch(shards).search(vectors, k)[1]
-    return ids, time.process_time() - t0, search_nprobe(shards[0], nprobe)
+    ids = searcher.search(vectors, k)[1]
+    return ids, time.process_time() - t0, search_nprobe(searcher.shards[0], nprobe)
 
 
 # --- one size -------------------------------------------------------------------------------------------
@@ -290,16 +289,15 @@ def _search_cpu(index_dir: str, nprobe: int, vectors: np.ndarray, k: int) -> dic
     search, apart from how many processes share the machine's CPUs."""
     import faiss
 
-    from wbrag_ray.index.files import load_shards
-    from wbrag_ray.index.search import ShardSearch, set_search_params
+    from wbrag_ray.index.files import load_manifest, named_shards
+    from wbrag_ray.index.search import ShardSearch
     from wbrag_ray.retrieval.hits import merge_results
     from wbrag_ray.storage import resolve
 
     faiss.omp_set_num_threads(1)
-    shards, _ = load_shards(resolve(index_dir))
-    for shard in shards:
-        set_search_params(shard, nprobe, None, None)
-    searcher = ShardSearch(shards)
+    manifest = load_manifest(resolve(index_dir))
+    searcher = ShardSearch.load(index_dir, named_shards(manifest), manifest["dim"], nprobe)
+    shards = searcher.shards
     t0 = time.process_time()
     searcher.search(vectors, k)
     t1 = time.process_time()

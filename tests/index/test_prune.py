@@ -7,7 +7,7 @@ import pytest
 
 from tests.index.conftest import clustered, index_config, write_shards
 from wbrag_ray.index.build import build_index
-from wbrag_ray.index.files import IndexError_, load_shards
+from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.index.prune import drop_ids_ref, prune_index, scan_drop_ids
 from wbrag_ray.ray_runtime import in_sorted
 from wbrag_ray.retrieval.local import Retriever
@@ -28,7 +28,7 @@ def test_pruned_view_holds_exactly_the_kept_ids(full_index, ray_cluster):
     drop = ids[np.random.default_rng(0).random(len(ids)) < 0.3]
     stats = prune_index(str(tmp_path / "full"), str(tmp_path / "pruned"), drop)
     assert stats["rows_out"] == len(ids) - len(drop) and stats["rows_dropped"] == len(drop)
-    shards, manifest = load_shards(resolve(str(tmp_path / "pruned")))
+    manifest = load_manifest(resolve(str(tmp_path / "pruned")))
     assert manifest["pruned_from"] == str(tmp_path / "full") and manifest["unit"] == "sentence"
     assert manifest["count"] == len(ids) - len(drop) and manifest["num_shards"] == 2
     # same trained index: no retraining

@@ -142,16 +142,16 @@ def test_the_report_plots_the_steps_tried(tmp_path, clustered_shards):
 def test_the_probes_search_as_the_retriever_does(tmp_path, clustered_shards):
     """The recall measurement runs the retrieval's own search (`index.search`): its probes' merged top K at one
     nprobe is the in-process retriever's at that nprobe."""
-    from wbrag_ray.index.recall import Probes
-    from wbrag_ray.retrieval.hits import merge_results
+    from wbrag_ray.index.recall import probes
 
     folder, vecs, _ = clustered_shards
     out = tmp_path / "same"
     build_index(resolve(str(folder)), resolve(str(out)), "e", "passage",
                 index_config("IVF64,Flat", num_shards=2), parallel=False)
     queries = vecs[:50]
-    probes = Probes(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries, threads=1,
-                          num_cpus=1, parallel=False)
-    got = merge_results([(s, i) for s, i, _ in probes.search("nprobe", 4)], RECALL_K + 1)[1]
+    groups = probes(resolve(str(out)), load_manifest(resolve(str(out)))["shards"], 32, queries[:8], threads=1,
+                    num_cpus=1, parallel=False)
+    groups.call("configure", 4, None)
+    got = groups.search(queries, RECALL_K + 1)[1]
     want = Retriever(str(out), nprobe=4, gpu=False).search_ids(queries, RECALL_K + 1)[1]
     np.testing.assert_array_equal(got, want)

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import DATA, demo_questions, demo_records, write_jsonl
 from wbrag_ray.cli import main
 from wbrag_ray.config import load_config
-from wbrag_ray.retrieval.local import IndexUnion, Retriever
+from wbrag_ray.retrieval.local import IndexUnion, Retriever, load_query_embedder
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.writeback.distill import WRITEBACK_ID_BASE
@@ -132,7 +132,7 @@ def test_union_search_returns_write_back_hits_with_their_namespace(trained):
     members = [Retriever(run.layout.index.uri, run.layout.ingest.root.uri, config.embedder),
                Retriever(wb_index, wb_docs, config.embedder, source="writeback")]
     query = [unit["title"] + "\n" + unit["text"]]
-    vectors = members[0].encode(query)
+    vectors = load_query_embedder(config.embedder, members[0].dim, members[0].index_dir).encode_queries(query)
     hits = IndexUnion(members, UnionRule("score")).search_vectors(vectors, 5)[0]  # the paper's merge
     assert hits[0].source == "writeback" and hits[0].id == unit["id"] and hits[0].score > 0.99
     assert {h.source for h in hits} == {"base", "writeback"}

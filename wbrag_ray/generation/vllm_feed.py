@@ -1,60 +1,52 @@
 """One vLLM engine fed by several calls at once: the service actor's concurrent passes share its running batch.
 
-`vllm.LLM.generate` / `chat` step the engine until one call's requests are done, so it idles on the call's longest
-answers. `EngineFeed` adds each call's requests (`LLM.enqueue` / `enqueue_chat`) as they come, while one stepping
-thread, the only one touching the engine's front end (not thread-safe), runs the engine for all of them and hands
-each call its outputs once its last request finished. vLLM's `AsyncLLM` would do the same but always runs its
-engine core in a second process, which on CPUs costs most of an engine's start. Greedy answers do not depend on
-what shares their batch (generator.batch_invariant on GPUs; on CPUs to float rounding, as any batch size)."""
+`LLM.generate` / `chat` step the engine until one call's requests are done (it idles on their longest answers),
+and its front end is not thread-safe. Here one stepping thread adds each call's requests (`LLM.enqueue` /
+`enqueue_chat`) between two steps and hands each call its outputs once its last request finished. vLLM's
+`AsyncLLM` does the same but always runs its engine core in a second process, which on CPUs costs most of an
+engine's start (docs/architecture.md, "One engine path")."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 
 def reported_id(request_id: str) -> str:
-    """The id vLLM reports a request's outputs under, from the one adding it returned: vLLM (0.32) adds
-    requests under the caller's id plus "-" and 8 random characters and reports them under the caller's id (the
-    offline API's counter: digits)."""
+    """The id vLLM (0.32) reports a request's outputs under, from the one adding it returned (the caller's id
+    plus "-" and 8 random characters)."""
     return request_id.rsplit("-", 1)[0]
 
 
-class _Call:
-    """One caller's requests: added by the stepping thread, its outputs collected as they finish."""
+class _Call(Future):
+    """One caller's requests: added by the stepping thread, its outputs collected as they finish (the result)."""
 
     def __init__(self, add: Callable[[Any], list[str]]):
+        super().__init__()
         self.add = add
         self.order: dict[str, int] = {}
         self.outputs: list[Any] = []
         self.left = 0
-        self.error: BaseException | None = None
-        self.done = threading.Event()
 
     def added(self, request_ids: list[str]) -> None:
         self.order = {reported_id(rid): i for i, rid in enumerate(request_ids)}
         self.outputs, self.left = [None] * len(request_ids), len(request_ids)
         if not request_ids:
-            self.done.set()
+            self.set_result([])
 
     def finished(self, output) -> None:
         self.outputs[self.order[output.request_id]] = output
         self.left -= 1
         if self.left == 0:
-            self.done.set()
-
-    def failed(self, error: BaseException) -> None:
-        self.error = error
-        self.done.set()
+            self.set_result(self.outputs)
 
 
 def _threads_as_torch() -> None:
-    """This thread's OpenMP thread count set to torch's. torch's count is the process's, OpenMP's is each thread's
-    own, and a thread that OpenMP did not start begins at OMP_NUM_THREADS (Ray sets it to an actor's CPUs): on
-    vLLM's CPU build (the engine in process) the attention kernel, which runs in this thread, refuses metadata
-    built for another thread count ("Check failed: input->metadata->thread_num == thread_num")."""
+    """This thread's OpenMP thread count set to torch's (the process's; a new thread starts at OMP_NUM_THREADS):
+    vLLM's CPU attention kernel, run in this thread, refuses metadata built for another thread count."""
     import sys
 
     torch = sys.modules.get("torch")
@@ -83,16 +75,13 @@ class EngineFeed:
             if self._stepper is None:
                 self._stepper = threading.Thread(target=self._step_while_busy, name="vllm-feed", daemon=True)
                 self._stepper.start()
-        call.done.wait()
-        if call.error is not None:
-            raise call.error
-        return call.outputs
+        return call.result()
 
     def _admit(self, call: _Call) -> None:
         try:
             call.added(list(call.add(self.llm)))  # vLLM renders, tokenizes and adds them (a bad prompt: its error)
         except Exception as exc:
-            call.failed(exc)
+            call.set_exception(exc)
             return
         for rid in call.order:
             self._calls[rid] = call
@@ -102,7 +91,7 @@ class EngineFeed:
 
     def _fail_all(self, error: BaseException) -> None:
         for call in set(self._calls.values()):
-            call.failed(error)
+            call.set_exception(error)
         self._calls.clear()
         self._in_engine = 0
 
@@ -136,4 +125,4 @@ class EngineFeed:
                     call = self._calls.pop(output.request_id, None)
                     if call is not None:
                         call.finished(output)
-                        self._in_engine -= call.done.is_set()
+                        self._in_engine -= call.done()

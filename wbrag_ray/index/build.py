@@ -1,6 +1,5 @@
 """The sharded index build: plan, train once, add per embedding shard, merge per index shard; each task declares
-its CPUs and memory, and records its result so a rerun runs only the others (docs/architecture.md, Design notes).
-Over 400 lines, not split: the tasks and the one function that sequences them read top to bottom here."""
+its CPUs and memory, and records its result so a rerun runs only the others (docs/architecture.md, Design notes)."""
 
 from __future__ import annotations
 
@@ -86,7 +85,7 @@ def _train_task(shared: dict[str, Any], _item: None) -> tuple[bytes, float, bool
     on_gpu = False
     if not index.is_trained:
         sample = sample_vectors(files, shared["counts"], shared["train_sample"], shared["dim"])[1]
-        on_gpu = shared["gpu"] and reserved_gpu(shared["parallel"])
+        on_gpu = shared["gpu"] and reserved_gpu()
         if on_gpu:
             _train_on_gpu(index, sample)
         else:

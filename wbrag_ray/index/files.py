@@ -1,9 +1,6 @@
-"""Index files: embedding shards in, faiss index files and the manifest out, and loading them back.
-
-Vectors are normalized, so inner product = cosine and scores from different indices built with the same
-embedder are comparable (the union of a base and a write-back index relies on that).
-
-All file access goes through `Location` (local or s3://); faiss reads and writes bytes or streams, never paths.
+"""Index files: embedding shards in, faiss index files and the manifest out, and loading them back. Vectors are
+normalized: inner product = cosine, and indices built with one embedder have comparable scores (the union relies on
+it). Files go through `Location` (local or s3://); faiss reads and writes bytes or streams, never paths.
 """
 
 from __future__ import annotations
@@ -65,9 +62,8 @@ def read_embedding_shard(f: Location) -> tuple[np.ndarray, np.ndarray]:
 
 def sample_vectors(files: list[Location], counts: list[int], n: int, dim: int,
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, vectors) of n vectors drawn from shards chosen at random, each shard read alone, into one
-    preallocated array (the sample is never held twice): the corpus order groups topics, so shards from all over
-    it make a fair sample without reading every shard."""
+    """(ids, vectors) of n vectors drawn from shards chosen at random (the corpus order groups topics), each shard
+    read alone, into one preallocated array."""
     rng = np.random.default_rng(seed)
     total = sum(counts)
     n = min(n, total)
@@ -93,8 +89,8 @@ def sample_vectors(files: list[Location], counts: list[int], n: int, dim: int,
 
 
 def shards_rows(files: list[Location], threads: int = 32) -> list[int]:
-    """Every shard's row count from its Parquet footer (no vectors read), `threads` footers in flight at once: a
-    footer read is one round trip to object storage (about 6,900 embedding shards at 138M sentences)."""
+    """Every shard's row count from its Parquet footer, `threads` footers in flight at once (a round trip each to
+    object storage)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def rows(f: Location) -> int:
@@ -108,8 +104,7 @@ def shards_rows(files: list[Location], threads: int = 32) -> list[int]:
 
 
 def vector_field(f: Location) -> pa.Field:
-    """The `vector` column of one shard, from its schema: its dtype (float, halffloat) and, for fixed-size lists,
-    the dimension."""
+    """The `vector` column of one shard, from its schema (dtype; dimension of a fixed-size list)."""
     try:
         return pq.read_schema(f.path, filesystem=f.fs).field("vector")
     except Exception as exc:
@@ -175,8 +170,7 @@ def read_index_file(f: Location, named_by: str | None = None):
 
 
 def write_index_file(index, f: Location) -> int:
-    """Stream an index into a file, piece by piece: a shard is never held twice (index + serialized copy).
-    Returns the bytes written."""
+    """Stream an index into a file, piece by piece (a shard is never held twice); the bytes written."""
     import faiss
 
     with f.open_write() as stream:
@@ -185,8 +179,8 @@ def write_index_file(index, f: Location) -> int:
 
 
 def can_merge(index) -> bool:
-    """Whether faiss can merge two filled copies of this (trained, empty) index: IVF and flat-code indices
-    can, HNSW graphs and refine wrappers cannot. Asked of faiss itself on two empty copies."""
+    """Whether faiss can merge two filled copies of this (trained, empty) index (IVF, flat codes; not HNSW or
+    refine), asked of faiss on two empty copies."""
     a, b = from_bytes(to_bytes(index), "(copy)"), from_bytes(to_bytes(index), "(copy)")
     try:
         a.merge_from(b, 0)
@@ -227,9 +221,3 @@ def named_shards(manifest: dict[str, Any]) -> list[tuple[str, int | None]]:
     """(file, vector count) of each shard a manifest names (count None for indices built before it was kept)."""
     counts = [s.get("count") for s in manifest.get("shards", [])] or [None] * len(manifest["files"])
     return list(zip(manifest["files"], counts, strict=True))
-
-
-def load_shards(loc: Location) -> tuple[list[Any], dict[str, Any]]:
-    """([faiss index per shard], manifest) from an index folder; each file is checked against the manifest."""
-    manifest = load_manifest(loc)
-    return [load_shard(loc, name, manifest["dim"], count) for name, count in named_shards(manifest)], manifest

@@ -1,9 +1,6 @@
-"""A faiss index on the GPU: the cloner options it needs, decided from the index itself (`gpu_clone_settings`,
-`cloner_options`), and the clone a search actor or an in-process retriever makes (`to_gpu`).
-
-The module imports only the standard library at its top, and the rule's functions only faiss, so that
-`benchmarks/gpu/check.py` loads this file by its path on a GPU machine without the project's dependencies and
-checks there the rule the search actors apply; `to_gpu` imports the project where it runs.
+"""A faiss index on the GPU: the cloner options it needs, decided from the index itself (`gpu_clone_settings`),
+and the clone a search actor makes (`to_gpu`). Only the standard library at the top and faiss in the rule's
+functions: `benchmarks/gpu/check.py` loads this file by its path on a GPU machine without the project.
 """
 
 from __future__ import annotations
@@ -22,10 +19,9 @@ GPU_SHARED_MEMORY_BYTES = 48 * 1024
 
 
 def gpu_clone_settings(index) -> dict[str, bool]:
-    """The faiss GPU cloner options a CPU index needs to go to a GPU at all, decided from the index itself: float16
-    lookup tables where a PQ's float32 tables overflow a kernel's shared memory (PQ96 with 256 centroids each), and
-    a coarse quantizer left on the CPU where it has no GPU version (an IVF over an HNSW quantizer). Without them the
-    clone fails and the shard would be searched on the CPU while its actor holds a GPU."""
+    """The faiss GPU cloner options a CPU index needs to go to a GPU at all: float16 lookup tables where a PQ's
+    float32 tables overflow a kernel's shared memory (PQ96), and a coarse quantizer left on the CPU where it has no
+    GPU version (HNSW). Without them the clone fails and the shard is searched on the CPU beside an idle GPU."""
     import faiss
 
     settings = {"useFloat16LookupTables": False, "allowCpuCoarseQuantizer": False}
@@ -58,8 +54,8 @@ def gpu_node(nodes: list[dict]) -> str | None:
 
 @functools.cache
 def faiss_has_gpu_on(node_id: str) -> bool:
-    """`faiss_has_gpu` as a Ray task on the node `node_id` answers it: the faiss the search actors and the build's
-    tasks there import. It holds no CPU or GPU, so it runs beside whatever holds them."""
+    """`faiss_has_gpu` as a Ray task on the node `node_id` (holding no CPU or GPU) answers it: the faiss the
+    search actors and the build's tasks there import."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -70,8 +66,7 @@ def faiss_has_gpu_on(node_id: str) -> bool:
 
 def cluster_faiss_gpu() -> bool:
     """Whether the Ray cluster's GPU nodes have faiss GPU support, asked of one of them (`faiss_has_gpu_on`): the
-    driver's faiss (faiss-cpu on a laptop submitting with ray://) says nothing of theirs. False, and no probe, where
-    no node has GPUs."""
+    driver's faiss says nothing of theirs. False, and no probe, where no node has GPUs."""
     import ray
 
     node = gpu_node(ray.nodes())
@@ -98,10 +93,9 @@ class GpuCloneError(RuntimeError):
 
 
 def to_gpu(index, where: str, required: bool = False):
-    """The index on this process's first GPU, cloned with the options it needs (`gpu_clone_settings`) and faiss GPU
-    resources of its own with scratch memory capped at `GPU_TEMP_MEMORY_BYTES`. Where it cannot go there (a faiss
-    without GPU support, no GPU visible, a failed clone): GpuCloneError where `required` (`index.gpu: true`), else
-    the CPU index with a warning (a GPU was asked for and searching on the CPU is far slower)."""
+    """The index on this process's first GPU, cloned with the options it needs, its faiss scratch memory capped at
+    `GPU_TEMP_MEMORY_BYTES`. Where it cannot go there: GpuCloneError where `required` (`index.gpu: true`), else the
+    CPU index with a warning."""
     import faiss
 
     from wbrag_ray.models.hardware import gpus_usable, granted_gpus

@@ -49,14 +49,14 @@ def drop_ids_ref(loc: Location, num_cpus: float = 0.25) -> tuple[ObjectRef, int]
 def prune_index(
     index_dir: str | Location,
     out_dir: str | Location,
-    drop: np.ndarray | list[int] | str | Location | ObjectRef,
+    drop: np.ndarray | list[int] | ObjectRef,
     *,
     num_shards: int | None = None,
     num_cpus: float = 1.0,
     parallel: bool | None = None,
 ) -> dict[str, Any]:
-    """Write a pruned view of `index_dir` into `out_dir` without the ids in `drop` (an array, an object-store
-    reference to one, or Parquet files of them: `scan_drop_ids`); returns the build stats."""
+    """Write a pruned view of `index_dir` into `out_dir` without the ids in `drop` (an array, or an object-store
+    reference to one: `drop_ids_ref`); returns the build stats."""
     src = resolve(index_dir) if isinstance(index_dir, str) else index_dir
     out = resolve(out_dir) if isinstance(out_dir, str) else out_dir
     if src.uri.rstrip("/") == out.uri.rstrip("/"):
@@ -67,8 +67,6 @@ def prune_index(
     trained_loc = src.join(manifest.get("trained", TRAINED_FILE))
     if not trained_loc.exists():
         raise IndexError_(f"trained index {trained_loc.uri} named by {src.join('manifest.json').uri} is missing")
-    if isinstance(drop, str | Location):
-        drop = scan_drop_ids(resolve(drop) if isinstance(drop, str) else drop)
     return build_index(
         resolve(manifest["embeddings"]),
         out,

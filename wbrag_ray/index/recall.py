@@ -1,11 +1,8 @@
-"""The index's search setting measured at build time (`index.nprobe: auto`, `index.target_recall`).
-
-A sample of the index's own vectors is searched exactly (inner product, a task per embedding shard) for each
-one's RECALL_K nearest other vectors; then the built shards, loaded once by probes (`search.SearchActor`, the
-search the retrieval service runs), are searched at growing nprobe (IVF) or efSearch (HNSW). The smallest
-setting whose merged results reach the target is chosen; where the codes cap recall, the growing stops once
-recall levels off and the cheapest setting within PLATEAU of the best is taken, with a warning. An explicit
-setting is measured beside the choice. The result is the manifest's `search` entry (`search.measured_settings`).
+"""The index's search setting measured at build time (`index.nprobe: auto`, `index.target_recall`): a sample of
+the index's own vectors, searched exactly (a task per embedding shard) and by the built shards (the retrieval
+service's search, `search.SearchGroups`) at growing nprobe (IVF) or efSearch (HNSW). The smallest setting reaching
+the target is chosen; where the codes cap recall, the cheapest within PLATEAU of the best, with a warning. The
+result is the manifest's `search` entry (`search.measured_settings`).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from wbrag_ray.index.files import read_embedding_shard, sample_vectors
-from wbrag_ray.index.search import SearchActor, auto_nprobe, unwrapped
+from wbrag_ray.index.search import SearchActor, SearchGroups, auto_nprobe, unwrapped
 from wbrag_ray.index.sizing import balanced_groups
 from wbrag_ray.index.tasks import run_tasks, set_threads
 from wbrag_ray.retrieval.hits import merge_results
@@ -40,9 +37,8 @@ def nprobe_steps(nlist: int) -> list[int]:
 
 
 def parameter_of(index) -> tuple[str | None, list | None]:
-    """(the setting a search of `index` trades recall for time with, the values to try): ("nprobe", ...) for an
-    IVF, ("efSearch", ...) for an HNSW graph; (None, None) for an exact (flat) index, where nothing is to measure;
-    (None, [None]) for other approximate codes, measured once as they are."""
+    """(the setting a search of `index` trades recall for time with, the values to try): nprobe for an IVF,
+    efSearch for an HNSW graph; (None, None) for an exact index; (None, [None]) for other codes, measured as is."""
     import faiss
 
     ivf = faiss.try_extract_index_ivf(index)
@@ -97,53 +93,31 @@ def exact_neighbours(files: list[Location], queries: np.ndarray, own: np.ndarray
 # --- the built shards searched at each setting -----------------------------------------------------------
 
 
-class Probes:
-    """The shards loaded for measuring: search actors over contiguous groups of shards (as many as the free CPUs
-    hold), or one group in this process; `queries` is the sample they search."""
-
-    def __init__(self, index: Location, shards: list[dict[str, Any]], dim: int, queries: np.ndarray, threads: int,
-                 num_cpus: float, parallel: bool):
-        named = [(s["file"], s["count"]) for s in shards]
-        unset = (None, None, None, False)  # the shards as built: each step sets its own setting
-        self.parallel, self.queries = parallel, queries
-        if not parallel:
-            self.probes = [SearchActor(index.uri, named, dim, unset, threads)]
-        else:
-            import ray
-
-            # actors that cannot all be placed would leave the first ones waiting on the rest
-            free = ray.available_resources().get("CPU", 0.0)
-            groups = balanced_groups([s["count"] for s in shards], max(1, int(free // num_cpus)))
-            self.probes = [ray.remote(SearchActor).options(
-                num_cpus=num_cpus, memory=int(sum(shards[i]["bytes"] for i in g) * 1.5) + (256 << 20),
-            ).remote(index.uri, [named[i] for i in g], dim, unset, threads) for g in groups]
-            self.queries = ray.put(queries)
-        try:
-            self._call("ready")
-            self._call("search", queries[:8], RECALL_K + 1)  # pages the shards in: a timed search is no load
-        except BaseException:
-            self.close()
-            raise
-
-    def _call(self, method: str, *args) -> list:
-        if not self.parallel:
-            return [getattr(self.probes[0], method)(*args)]
+def probes(index: Location, shards: list[dict[str, Any]], dim: int, warm: np.ndarray, threads: int, num_cpus: float,
+           parallel: bool) -> SearchGroups:
+    """The shards loaded for measuring, as built (each step sets its own setting): search actors over contiguous
+    groups of shards (as many as the free CPUs hold), or one group in this process; paged in by a search of `warm`,
+    so that no timed search loads them."""
+    named = [(s["file"], s["count"]) for s in shards]
+    unset = (None, None, None, False)
+    if not parallel:
+        groups = SearchGroups([[SearchActor(index.uri, named, dim, unset, threads)]])
+    else:
         import ray
 
-        return ray.get([getattr(p, method).remote(*args) for p in self.probes])
-
-    def search(self, parameter: str | None, value: int | None) -> list[tuple]:
-        """Every group's (scores, ids, seconds) of the sample's top K + 1 at `parameter` = `value`."""
-        if parameter is not None:
-            self._call("configure", value if parameter == "nprobe" else None, value if parameter == "efSearch" else None)
-        return self._call("search", self.queries, RECALL_K + 1)
-
-    def close(self) -> None:
-        if self.parallel:
-            import ray
-
-            for p in self.probes:
-                ray.kill(p)
+        # actors that cannot all be placed would leave the first ones waiting on the rest
+        free = ray.available_resources().get("CPU", 0.0)
+        parts = balanced_groups([s["count"] for s in shards], max(1, int(free // num_cpus)))
+        groups = SearchGroups([[ray.remote(SearchActor).options(
+            num_cpus=num_cpus, memory=int(sum(shards[i]["bytes"] for i in g) * 1.5) + (256 << 20),
+        ).remote(index.uri, [named[i] for i in g], dim, unset, threads)] for g in parts])
+    try:
+        groups.call("ready")
+        groups.call("search", warm, RECALL_K + 1)
+    except BaseException:
+        groups.close()
+        raise
+    return groups
 
 
 # --- the choice ------------------------------------------------------------------------------------------
@@ -160,19 +134,16 @@ def choose(measured: list[dict[str, Any]], target: float) -> tuple[dict[str, Any
 
 
 def levelled(measured: list[dict[str, Any]]) -> bool:
-    """Recall stopped rising: the last two steps together (a doubling of the setting) added less than PLATEAU
-    (the codes cap it)."""
+    """Recall stopped rising: the last two steps (a doubling of the setting) added less than PLATEAU."""
     return len(measured) >= 3 and measured[-1]["recall"] - measured[-3]["recall"] < PLATEAU
 
 
 def measure_search(files: list[Location], counts: list[int], index: Location, shards: list[dict[str, Any]],
                    space: tuple[str | None, list | None], dim: int, *, target: float, queries: int,
-                   nprobe: int | str = "auto",
-                   ef_search: int | None = None, threads: int, num_cpus: float,
+                   nprobe: int | str = "auto", ef_search: int | None = None, threads: int, num_cpus: float,
                    parallel: bool) -> dict[str, Any] | None:
-    """Measure recall against exact search and choose the search setting (module docstring), or measure the
-    one set (an nprobe other than 'auto'; an HNSW's ef_search); the manifest's `search` entry, or None for an
-    exact index (nothing to trade)."""
+    """The manifest's `search` entry (module docstring), an explicit setting measured beside the choice; None for
+    an exact index (nothing to trade)."""
     parameter, steps = space  # `parameter_of` the trained index
     if steps is None:
         return None
@@ -181,13 +152,14 @@ def measure_search(files: list[Location], counts: list[int], index: Location, sh
     t0 = time.perf_counter()
     truth = exact_neighbours(files, sample, own, threads=threads, num_cpus=num_cpus, parallel=parallel)
     exact_s = time.perf_counter() - t0
-    probes = Probes(index, shards, dim, sample, threads, num_cpus, parallel)
+    groups = probes(index, shards, dim, sample[:8], threads, num_cpus, parallel)
     measured: list[dict[str, Any]] = []
 
     def measure(value: int | None) -> dict[str, Any]:
-        results = probes.search(parameter, value)
-        found = without(merge_results([(s, i) for s, i, _ in results], RECALL_K + 1)[1], own, RECALL_K)
-        seconds = [t for _, _, t in results]
+        if parameter is not None:
+            groups.call("configure", value if parameter == "nprobe" else None, value if parameter == "efSearch" else None)
+        _, ids, seconds = groups.search(sample, RECALL_K + 1)
+        found = without(ids, own, RECALL_K)
         return {"value": value, "recall": round(recall(found, truth), 4),
                 # groups are searched side by side (as search actors are): a query waits for the slowest
                 "ms_per_query": round(1000 * max(seconds) / len(sample), 4),
@@ -207,7 +179,7 @@ def measure_search(files: list[Location], counts: list[int], index: Location, sh
         formula = beside(auto_nprobe(steps[-1]) if parameter == "nprobe" else None)
         as_set = beside(explicit)  # what the config's explicit setting gives: searches use it, not the choice
     finally:
-        probes.close()
+        groups.close()
     pick, reached = choose(measured, target)
     entry = {
         "parameter": parameter, "value": pick["value"], "chosen": parameter is not None,

@@ -1,10 +1,7 @@
-"""The one search of an index's shards, run by the in-process retriever (`retrieval.local`), the retrieval
-service's search actors (`retrieval.service`) and the build's recall measurement (`index.recall`).
-
-The shards of one trained IVF share their coarse quantizer: a batch of queries is assigned to its nprobe lists
-once and each shard scans only its part of them (faiss's `search_preassigned`); other index types are searched
-shard by shard. The per-shard top Ks are merged by score. `index.nprobe: auto` takes the setting the build
-measured (the manifest's `search` entry), else `auto_nprobe`.
+"""The one search of an index's shards (`ShardSearch`), run in this process (`retrieval.local`), by the retrieval
+service's search actors and by the recall measurement (`SearchActor`s in `SearchGroups`). The shards of one trained
+IVF share one coarse assignment (faiss's `search_preassigned`); the per-shard top Ks are merged by score.
+`index.nprobe: auto` takes the setting the build measured (the manifest's `search`), else `auto_nprobe`.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ def search_nprobe(index, nprobe: int | str | None) -> int | None:
 def measured_settings(manifest: dict[str, Any], nprobe: int | str | None,
                       ef_search: int | None) -> tuple[int | str | None, int | None]:
     """(nprobe, ef_search) for the index of `manifest`: 'auto' and an unset ef_search take what its build measured,
-    where it measured; explicit settings stay as they are."""
+    where it did; explicit settings stay."""
     measured = manifest.get("search") or {}
     if not measured.get("chosen"):
         return nprobe, ef_search
@@ -64,9 +61,8 @@ def unwrapped(index):
 
 
 def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_factor: float | None) -> None:
-    """Apply the settings this index type has (IVF: nprobe, HNSW: efSearch, refine: k_factor) and skip the others.
-    An IVF's HNSW coarse quantizer searches with efSearch = max(2 x nprobe, ef_search): faiss's default (16) finds
-    too few of the nearest lists once nprobe passes it."""
+    """Apply the settings this index type has (IVF: nprobe, HNSW: efSearch, refine: k_factor), skip the others. An
+    IVF's HNSW quantizer searches with efSearch = max(2 x nprobe, ef_search): faiss's 16 finds too few lists."""
     import faiss
 
     nprobe = search_nprobe(index, nprobe)
@@ -88,17 +84,16 @@ def set_search_params(index, nprobe: int | str | None, ef_search: int | None, k_
 
 
 def takes_assignment(index) -> bool:
-    """Whether `index` scans lists a coarse assignment made elsewhere names (`search_preassigned` over its
-    `quantizer`'s lists): faiss's IVF interface, which a CPU IndexIVF and a GPU one (faiss.GpuIndexIVF*, which
-    is no IndexIVF) both implement."""
+    """Whether `index` scans the lists a coarse assignment made elsewhere names: faiss's IVF interface, which a CPU
+    IndexIVF and a GPU one (no IndexIVF) both implement."""
     import faiss
 
     return isinstance(index, faiss.IndexIVFInterface)
 
 
 def _ivf_of(shard):
-    """(the IVF index inside a shard, the vector transforms applied before it), or None where the shard is not
-    an IVF (HNSW, flat) or wraps it in a way a coarse assignment cannot pass (refine, id maps, a multi-GPU clone)."""
+    """(the IVF index inside a shard, the vector transforms before it), or None where the shard is no IVF or wraps
+    it so that an assignment cannot pass (refine, id maps, a multi-GPU clone)."""
     import faiss
 
     chain = []
@@ -110,8 +105,8 @@ def _ivf_of(shard):
 
 
 def quantizer_fingerprint(ivf) -> str | None:
-    """A digest of an IVF's coarse quantizer (its list count and a few of its centroids): equal for the shards of
-    one build, which trains once; None where the quantizer cannot give its centroids back."""
+    """A digest of an IVF's coarse quantizer (its list count and a few centroids): equal for the shards of one
+    build; None where the quantizer cannot give its centroids back."""
     quantizer = ivf.quantizer
     if quantizer.ntotal == 0:
         return None
@@ -143,9 +138,8 @@ class ShardSearch:
     def load(cls, index_uri: str, named: list[tuple[str, int | None]], dim: int, nprobe: int | str | None = None,
              ef_search: int | None = None, k_factor: float | None = None, *, gpu: bool | str = False,
              batch_size: int = 1024) -> ShardSearch:
-        """The shards `named` ((file, count), ...) of the index folder at `index_uri`, each checked against its
-        manifest, with the search settings applied, on the GPU where `gpu` (`index.gpu`: true allows no CPU
-        search, `gpu_clone.to_gpu`)."""
+        """The shards `named` ((file, count), ...) of the index folder at `index_uri`, checked against its
+        manifest, the search settings applied, on the GPU where `gpu` (`index.gpu`, `gpu_clone.to_gpu`)."""
         loc = resolve(index_uri)
         shards = []
         for name, count in named:
@@ -198,10 +192,9 @@ class ShardSearch:
 
 
 class SearchActor:
-    """A group of one index's shards loaded once and searched by `ShardSearch`, timing itself: a search actor of
-    the retrieval service, or a probe of the recall measurement. `search`: (nprobe, ef_search, k_factor, gpu).
-    A load error is raised by `ready` as itself (a constructor's would come back wrapped, and a restartable actor
-    would be started again and again)."""
+    """A group of one index's shards loaded once and searched by `ShardSearch`, timing itself. `search`: (nprobe,
+    ef_search, k_factor, gpu). A load error is raised by `ready` as itself (a constructor's would come back
+    wrapped, and a restartable actor would be started again and again)."""
 
     def __init__(self, index_uri: str, named: list[tuple[str, int | None]], dim: int, search: tuple,
                  threads: int | None):
@@ -233,3 +226,37 @@ class SearchActor:
         t0 = time.perf_counter()
         scores, ids = self.searcher.search(vectors, k, assigned[:2] if assigned is not None else None)
         return scores, ids, time.perf_counter() - t0
+
+
+class SearchGroups:
+    """An index's shards in groups, each loaded by `SearchActor`s: Ray actors (a group's replicas), or one object in
+    this process. A call goes to one replica of every group at once; `search` merges the groups' top Ks."""
+
+    def __init__(self, actors: list[list[Any]]):
+        self.actors = actors  # [group][replica]
+
+    def call(self, method: str, *args, turn: int = 0) -> list:
+        """`method` of the `turn`-th replica of each group, all at once: the results in group order."""
+        picked = [replicas[turn % len(replicas)] for replicas in self.actors]
+        if isinstance(picked[0], SearchActor):
+            return [getattr(a, method)(*args) for a in picked]
+        import ray
+
+        args = [ray.put(a) if isinstance(a, np.ndarray) else a for a in args]  # one copy for every group
+        return ray.get([getattr(a, method).remote(*args) for a in picked])
+
+    @staticmethod
+    def merged(parts: list[tuple], k: int) -> tuple[np.ndarray, np.ndarray, list[float]]:
+        """The groups' (scores, ids, seconds) as the whole index's (scores, ids) and each group's seconds."""
+        return (*merge_results([(s, i) for s, i, _ in parts], k), [sec for _, _, sec in parts])
+
+    def search(self, vectors, k: int) -> tuple[np.ndarray, np.ndarray, list[float]]:
+        return self.merged(self.call("search", vectors, k), k)
+
+    def close(self) -> None:
+        actors, self.actors = [a for replicas in self.actors for a in replicas], []
+        if actors and not isinstance(actors[0], SearchActor):
+            import ray
+
+            for actor in actors:
+                ray.kill(actor)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from wbrag_ray.index.files import IndexError_
 from wbrag_ray.index.gpu_clone import faiss_has_gpu
-from wbrag_ray.models.hardware import usable_cpus
+from wbrag_ray.models.hardware import gpus_usable, usable_cpus
 from wbrag_ray.ray_runtime import run_tasks as _run_tasks
 from wbrag_ray.storage import resolve
 
@@ -62,17 +62,11 @@ def cluster_gpus(parallel: bool) -> float:
     return float(faiss.get_num_gpus()) if faiss_has_gpu() else 0.0
 
 
-def reserved_gpu(parallel: bool) -> bool:
-    """Whether this task holds a GPU faiss can use."""
-    if not faiss_has_gpu():
-        return False
-    if parallel:
-        import ray
-
-        return bool(ray.get_gpu_ids())
+def reserved_gpu() -> bool:
+    """Whether this task holds a GPU faiss can use (in a Ray worker: one Ray reserved for it)."""
     import faiss
 
-    return faiss.get_num_gpus() > 0
+    return faiss_has_gpu() and gpus_usable() and faiss.get_num_gpus() > 0
 
 
 def largest_node(parallel: bool) -> dict[str, float]:

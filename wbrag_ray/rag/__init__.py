@@ -48,9 +48,8 @@ def check_methods(methods: Sequence[str]) -> list[str]:
 
 def passes(method: str, config: WbragConfig) -> list[Pass]:
     """The generator passes `method` makes a question, at most (an adaptive method decides at run time): Self-RAG
-    judges retrieval, judges each document's relevance (one token each) and answers; FLARE decodes a look-ahead
-    and a rewrite with documents per round; RePlug on the hf backend decodes one mixture of K one-document
-    prompts, elsewhere it answers them one by one as replug-vote does."""
+    judges retrieval and each document (one token each) and answers; FLARE a look-ahead and a rewrite per round;
+    RePlug one mixture of K prompts on the hf backend, else K answers as replug-vote."""
     k, flare = config.retrieval.top_k, config.rag.flare
     rounds, look = flare.max_rounds, flare.look_ahead_tokens
     return {

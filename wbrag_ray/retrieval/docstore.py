@@ -1,13 +1,12 @@
-"""The document store: id -> (title, text) for the units an index holds, without holding the corpus (tens of GB
-at 21M passages). A folder of uncompressed Arrow IPC files, each sorted by id and covering one ingest shard:
+"""The document store: id -> (title, text) for the units an index holds, without holding the corpus. A folder of
+uncompressed Arrow IPC files, each sorted by id and covering one source file:
 
     DOCS/docs.json          {"format", "unit", "count", "files": [{"file", "count", "id_min", "id_max"}]}
     DOCS/docs-NNNNN.arrow   record batches of (id int64, title string, text string), ids ascending
 
-A reader memory-maps a file the first time an id falls in its range and finds the row by binary search over an
-in-memory sample of every SPARSE-th id, then one page of the mapped ids; pages are the OS's, shared by the node's
-processes. Remote files are fetched once per node into the node-local cache (WBRAG_CACHE). Sources: an ingest
-folder (sentence rows take their passage's title) or a Parquet folder of (id, title, text) (the write-back corpus).
+A reader memory-maps a file on first use and finds a row by binary search over every SPARSE-th id, then one page of
+the mapped ids; remote files are fetched once per node. Sources: an ingest folder or a Parquet folder of (id,
+title, text) (the write-back corpus).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """A retrieved document (`Hit`), the merge of per-shard results into one top K, and the JSON a `docs` column
-carries between passes (the union of several indices' hits is `retrieval.union`).
-
-Ids are only unique inside one index: a hit is identified by (source, id), never by id alone, so the
-write-back index can number its knowledge units from 0 without colliding with base passages.
+carries between passes. Ids are unique inside one index only: a hit is identified by (source, id).
 """
 
 from __future__ import annotations
@@ -31,9 +28,8 @@ class Hit:
 
 
 def merge_results(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, ids), each (n, k), best first, of several (scores, ids) results over the same queries; a
-    missing hit (faiss pads short results with id -1 and a huge negative score) is id -1, score -inf; on a tie
-    the earlier part's hit comes first."""
+    """(scores, ids), each (n, k), best first, of several results over the same queries; a missing hit is id -1,
+    score -inf; on a tie the earlier part's hit comes first."""
     scores = np.concatenate([s for s, _ in parts], axis=1).astype(np.float32, copy=True)
     ids = np.concatenate([i for _, i in parts], axis=1)
     scores[ids < 0] = -np.inf

@@ -1,6 +1,5 @@
-"""An index searched in this process (`Retriever`: tests, benchmarks), and `IndexUnion`: indices built with one
-embedder (the base and the write-back index) searched as one, in this process (`Retriever` members) or on the
-retrieval service (`retrieval.service`)."""
+"""An index searched as one (`Retriever`: on the retrieval service's search pool, or in this process), and
+`IndexUnion`: indices built with one embedder (the base and the write-back index) searched as one."""
 
 from __future__ import annotations
 
@@ -90,11 +89,12 @@ def load_query_embedder(config: EmbedderConfig, dim: int, where: str) -> Embedde
 
 
 class Retriever:
-    """An index folder (manifest + shards) searched in this process; `search_vectors` returns `Hit`s per query.
+    """An index folder (manifest + shards) searched as one: on a retrieval service's search pool (`pool`,
+    `retrieval.service`), else loaded in this process (tests, benchmarks); `search_vectors` returns `Hit`s per query.
 
     docs_dir: a document store, an ingest folder or a Parquet folder of (id, title, text); default: the
-    manifest's `docs` (hits without documents carry empty title and text). embedder: checked against the index's,
-    and what `encode` embeds queries with. source: the name hits carry (e.g. "writeback").
+    manifest's `docs` (hits without documents carry empty title and text). embedder: checked against the index's.
+    source: the name hits carry (e.g. "writeback"). The search settings apply in this process (a pool has its own).
     """
 
     def __init__(
@@ -109,11 +109,13 @@ class Retriever:
         k_factor: float | None = None,
         gpu: bool | str = "auto",
         batch_size: int = 1024,
+        pool: Any = None,
     ):
         self.index_dir, self.docs_dir, self.embedder_config = index_dir, docs_dir, embedder
         self.nprobe, self.ef_search, self.k_factor, self.gpu = nprobe, ef_search, k_factor, gpu
-        self.source, self.batch_size = source, batch_size
-        self.embedder = self._searcher = self._manifest = None
+        self.source, self.batch_size, self.pool = source, batch_size, pool
+        self._searcher = None
+        self._manifest = pool.manifest if pool is not None else None
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -140,19 +142,15 @@ class Retriever:
     def docs(self) -> DocStore | None:
         return documents(self.index_dir, self.manifest, self.docs_dir)
 
-    def encode(self, queries: list[str]) -> np.ndarray:
-        if self.embedder is None:
-            if self.embedder_config is None:
-                raise IndexError_(f"retriever for {self.index_dir} has no embedder: search by vectors, or pass one")
-            self.embedder = load_query_embedder(self.embedder_config, self.dim, self.index_dir)
-        return self.embedder.encode_queries(queries)
-
-    def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids), each (n, k), best first; missing hits are id -1 with score -inf."""
+    def search_ids(self, vectors: np.ndarray, k: int) -> tuple:
+        """(scores, ids), each (n, k), best first, and on a pool the search's seconds; a missing hit is id -1
+        with score -inf."""
+        if self.pool is not None:
+            return self.pool.search_ids(vectors, k)
         return self.searcher.search(check_query_vectors(vectors, self.dim, self.index_dir), k)
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        return to_hits(*self.search_ids(vectors, k), self.docs(), self.source)
+        return to_hits(*self.search_ids(vectors, k)[:2], self.docs(), self.source)
 
 
 def check_members(members: list) -> None:
@@ -175,8 +173,7 @@ def check_members(members: list) -> None:
 class IndexUnion:
     """Indices built with the same embedder searched as one: each index's top K, tagged with its source, a
     write-back unit with its provenance, cut to the top K by `union` (retrieval.union; `auto` is resolved here,
-    once, against the write-back indices' own choice). A member has `index_dir`, `manifest`, `source`, `docs()`
-    and `search_ids(vectors, k)` -> (scores, ids, ...): a `Retriever`, or a service's `Member` (a search pool)."""
+    once, against the write-back indices' own choice). Its members are `Retriever`s."""
 
     def __init__(self, members: list, union: UnionRule | None = None):
         check_members(members)

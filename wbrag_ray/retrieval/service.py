@@ -1,10 +1,7 @@
 """The retrieval service: an index's shards held by search actors (`index.search.SearchActor`) that a command
-starts once and every retrieval pass of it uses.
-
-The shards are grouped, in manifest order, into groups of at most `retrieval.actor_memory_gb`, each loaded by
-`retrieval.concurrency` actors. A search sends the query vectors to one replica of each group at once (for an IVF
-index with the lists one actor assigned them to) and merges the groups' top K; documents are looked up only for
-the merged top K, in the process that asked. A lost actor is started again and the call retried.
+starts once for all its retrieval passes: groups of shards of at most `retrieval.actor_memory_gb`, in manifest
+order, each in `retrieval.concurrency` actors, searched as one (`index.search.SearchGroups`); documents are looked
+up for the merged top K only, in the process that asked. A lost actor is started again and the call retried.
 """
 
 from __future__ import annotations
@@ -21,14 +18,13 @@ import numpy as np
 from wbrag_ray.config import IndexConfig, RetrievalConfig
 from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.index.gpu_clone import GpuCloneError, cluster_faiss_gpu
-from wbrag_ray.index.search import SearchActor, measured_settings
+from wbrag_ray.index.search import SearchActor, SearchGroups, measured_settings
 from wbrag_ray.placement import pool_refusal, refuse_unplaceable
 from wbrag_ray.placement.gpus import beside_generator, index_on_gpu
 from wbrag_ray.placement.waits import wait_placed
 from wbrag_ray.ray_runtime import call_actor, start_restartable
-from wbrag_ray.retrieval.docstore import DocStore, DocStoreError
-from wbrag_ray.retrieval.hits import merge_results
-from wbrag_ray.retrieval.local import IndexUnion, check_query_vectors, documents
+from wbrag_ray.retrieval.docstore import DocStoreError
+from wbrag_ray.retrieval.local import IndexUnion, Retriever, check_query_vectors
 from wbrag_ray.storage import resolve
 
 log = logging.getLogger(__name__)
@@ -89,7 +85,7 @@ def _unwrap(exc: Exception) -> Exception:
 
 
 @dataclass
-class SearchPool:
+class SearchPool(SearchGroups):
     """The search actors of one index folder: `groups` of its shards, each in `replicas` actors."""
 
     index_dir: str
@@ -146,12 +142,9 @@ class SearchPool:
         return int(self.manifest["dim"])
 
     def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """(scores, ids) of the whole index, and the search's seconds as the actors measured them (the groups
-        run at once: the slowest one's, after the coarse assignment they share).
-
-        With several groups of IVF shards, one actor (a different group each time) assigns the queries to their
-        lists and every group scans its part of them: the groups' calls are sent at once with the assignment as
-        a pending argument, so Ray starts them as it arrives and the driver waits once."""
+        """(scores, ids) of the whole index, and the search's seconds as the actors measured them (the slowest
+        group's, after the coarse assignment). With several groups of IVF shards, one actor (a different group each
+        time) assigns the queries to their lists: the groups' calls take the assignment as a pending argument."""
         import ray
 
         vectors = check_query_vectors(vectors, self.dim, self.index_dir)
@@ -161,25 +154,16 @@ class SearchPool:
         if self.shared_assignment:
             replicas = self.actors[turn % len(self.actors)]
             assigned = replicas[turn // len(self.actors) % len(replicas)].assign.remote(ref)
-        calls = [replicas[turn % len(replicas)].search.remote(ref, k, assigned) for replicas in self.actors]
         try:
-            parts = ray.get(calls)
+            parts = self.call("search", ref, k, assigned, turn=turn)
             assign_s = ray.get(assigned)[2] if assigned is not None else 0.0
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
             # a search actor's node was lost (the assigning one included: its error reaches every call that
             # waited on it): ask each group again, one call at a time, on any live replica, each assigning itself
             parts = [call_actor(replicas, "search", ref, k) for replicas in self.actors]
             assign_s = 0.0
-        scores, ids = merge_results([(s, i) for s, i, _ in parts], k)
-        return scores, ids, assign_s + max(sec for _, _, sec in parts)
-
-    def close(self) -> None:
-        import ray
-
-        for replicas in self.actors:
-            for actor in replicas:
-                ray.kill(actor)
-        self.actors = []
+        scores, ids, seconds = self.merged(parts, k)
+        return scores, ids, assign_s + max(seconds)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_turn"}
@@ -197,44 +181,27 @@ def pool_placement(index: IndexConfig, retrieval: RetrievalConfig) -> tuple:
             retrieval.actor_memory_gb, retrieval.concurrency)
 
 
-@dataclass(frozen=True)
-class Member:
-    """An index of a retrieval service (an `IndexUnion` member): its search pool, the source its hits carry, where
-    its documents are (None: the manifest's `docs`)."""
+class Member(Retriever):
+    """An index of a retrieval service: its search pool, the source its hits carry, where its documents are (None:
+    the manifest's `docs`)."""
 
-    pool: SearchPool
-    source: str = "base"
-    docs_dir: str | None = None
-
-    @property
-    def index_dir(self) -> str:
-        return self.pool.index_dir
-
-    @property
-    def manifest(self) -> dict[str, Any]:
-        return self.pool.manifest
-
-    def docs(self) -> DocStore | None:
-        return documents(self.index_dir, self.manifest, self.docs_dir)
-
-    def search_ids(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
-        return self.pool.search_ids(vectors, k)
+    def __init__(self, pool: SearchPool, source: str = "base", docs_dir: str | None = None):
+        super().__init__(pool.index_dir, docs_dir, source=source, pool=pool)
 
 
 class RetrievalService(IndexUnion):
-    """One or more indices (the base, and the write-back index beside it) searched as one (`IndexUnion`), each
-    on its own search pool. Built in the driver, where `auto` is resolved, and sent with the passes."""
+    """The base and the write-back index beside it searched as one (`IndexUnion`), each on its own search pool.
+    Built in the driver, where `auto` is resolved, and sent with the passes."""
 
-    members: list[Member]
+    members: list[Retriever]
 
     @property
     def pools(self) -> list[SearchPool]:
         return [m.pool for m in self.members]
 
     def latency_ms(self, vectors: np.ndarray, k: int, min_seconds: float = 0.5) -> float:
-        """Milliseconds per query of the search itself, as the search actors measure it (the slowest group of
-        each index; indices of a union add up): the best of repeated runs after a warm-up (the machine may be
-        shared; the minimum is the least disturbed)."""
+        """Milliseconds per query of the search itself, as the search actors measure it (indices of a union add
+        up): the best of repeated runs after a warm-up (the least disturbed on a shared machine)."""
         def once() -> float:
             return sum(p.search_ids(vectors, k)[2] for p in self.pools)
 

@@ -1,10 +1,7 @@
-"""A retrieval pass: top-K documents for every question of a Ray Dataset, searched on the retrieval service.
-
-`RetrievalSetting` is what a RAG method searches and how (the base index, the write-back index beside it, a
-Zero-RAG router), fixed once per evaluation or write-back run; each retrieval pass turns it into a
-`RetrieveStage` on the command's services, whatever column holds its queries. The stage's actors hold the
-query embedder and the router; the shards stay in the service's search actors.
-"""
+"""A retrieval pass: top-K documents for every question, searched on the retrieval service. `RetrievalSetting`
+is what a RAG method searches (the base index, the write-back index beside it, a Zero-RAG router); each pass turns
+it into a `RetrieveStage`, whose actors hold the query embedder and the router (the shards stay in the search
+actors)."""
 
 from __future__ import annotations
 
@@ -31,10 +28,8 @@ if TYPE_CHECKING:
 
 
 class QueryVectorsStage(Stage):
-    """question -> vector, embedded by a retrieval pass's actors with the query embedder they hold (GPUs
-    included), for the work that needs the vectors themselves in the driver: the Zero-RAG router's training and
-    the grid's latency measurement. No index is needed: the actors load the embedder only. The other stages the
-    retrieval service's actors run (a retrieval pass, passage vectors) are this one's kind."""
+    """question -> vector, embedded by a retrieval pass's actors with their query embedder, for the driver (the
+    Zero-RAG router's training, the grid's latency measurement). The other retrieval stages are this one's kind."""
 
     name = "retrieve"
     section = "retrieval"
@@ -69,12 +64,9 @@ class QueryVectorsStage(Stage):
 
 
 class RetrieveStage(QueryVectorsStage):
-    """Adds a `docs` column (JSON list of hits) from `service`'s indices.
-
-    With `router_dir` (Zero-RAG's query router), queries the router calls mastered are not searched: they get
-    no documents (so every RAG method answers them closed-book), and `retrieval_skipped` says which they were.
-    The router always judges the question, even where the query is another column (FLARE's sentence queries).
-    """
+    """Adds a `docs` column (JSON list of hits) from `service`'s indices. With `router_dir` (Zero-RAG's query
+    router), questions the router calls mastered get no documents (`retrieval_skipped`); the router judges the
+    question even where the query is another column (FLARE's sentence queries)."""
 
     output_columns = ("docs",)
 
@@ -117,9 +109,8 @@ class RetrieveStage(QueryVectorsStage):
 
 
 class PassageVectorsStage(QueryVectorsStage):
-    """(id, text) -> (id, vector): passages embedded by a retrieval pass's actors with the index's own embedder
-    (`check_embedder`), as a bulk embed pass would. Write-back's few units go through the command's retrieval
-    service, whose actors hold the model already, instead of an actor pool of their own loading it again."""
+    """(id, text) -> (id, vector): passages embedded by a retrieval pass's actors with the index's embedder, as a
+    bulk embed pass would (write-back's few units: the actors hold the model already)."""
 
     input_columns = ("id", "text")
     output_columns = ("id", "vector")
@@ -141,8 +132,8 @@ class PassageVectorsStage(QueryVectorsStage):
 
 
 def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalConfig):
-    """Refuse, before any work, `what` (a stage that embeds queries: the Zero-RAG router, its grid) whose query
-    embedder asks for GPUs on a cluster with no node holding that many, naming the setting."""
+    """Refuse, before any work, `what` (the Zero-RAG router, its grid) whose query embedder asks for more GPUs
+    than any node holds, naming the setting."""
     gpus = retrieval.query_embedder(embedder).num_gpus
     if gpus <= 0:
         return
@@ -155,9 +146,8 @@ def query_gpu_refusal(what: str, embedder: EmbedderConfig, retrieval: RetrievalC
 
 def query_vectors(texts: list[str], embedder: EmbedderConfig, retrieval: RetrievalConfig,
                   services: Services | None = None) -> np.ndarray:
-    """`texts` embedded as queries, as a retrieval pass embeds them: where the query embedder asks for GPUs, on
-    the retrieval actors of `services` (or of this call's own), which hold them (a driver, often a head node
-    without GPUs, would embed them on its CPU, silently); else in this process."""
+    """`texts` embedded as queries, as a retrieval pass embeds them: on the retrieval actors of `services` (or of
+    this call's own) where the query embedder asks for GPUs (a driver may have none); else in this process."""
     config = retrieval.query_embedder(embedder)
     if config.num_gpus <= 0:
         return Embedder(config).encode_queries(list(texts))
@@ -169,9 +159,8 @@ def query_vectors(texts: list[str], embedder: EmbedderConfig, retrieval: Retriev
 
 @dataclass(frozen=True)
 class RetrievalSetting:
-    """What a RAG method searches and how: the base index (its documents from `docs_dir`, default the
-    manifest's), the indices `extra` beside it ((index_dir, docs_dir, source), ...: the write-back index), a
-    Zero-RAG router; the search settings of `index` and the service's size from `retrieval`."""
+    """What a RAG method searches and how: the base index (documents from `docs_dir`, default the manifest's), the
+    indices `extra` beside it ((index_dir, docs_dir, source), ...), a Zero-RAG router; `index`'s search settings."""
 
     index_dir: str
     docs_dir: str | None

@@ -1,28 +1,12 @@
 """The union of the base index and the write-back index: which of their hits take the K slots of a prompt.
 
-WriteBack-RAG merges the two indices' hits by raw score and cuts the top K (`score`, kept to reproduce the
-paper). That merge can let a unit take a slot while adding nothing (a unit distilled from passages already in
-the top K, or a short unit outscoring a full passage on the same entity), so `retrieval.union` chooses
-(each name is one entry of UNIONS):
-
-    score        the paper's plain merge by score
-    provenance   the merge by score, where a unit whose source passages are all in the top K (or whose text a
-                 taken hit already holds) takes no slot (the provenance rule)
-    rrf          reciprocal rank fusion (1 / (rrf_k + rank) in each index), then the provenance rule
-    gate         the merge by score, where a unit takes a slot only if it scores at least the query's best
-                 passage less `retrieval.gate_margin`; then the provenance rule
-    gate-no-provenance   the gate without the provenance rule
-    additive     the base's top K whole, then up to `retrieval.max_units` units (ADDITIVE_UNITS where unset),
-                 each scoring at least the K-th passage less `retrieval.additive_margin` and not covered by the
-                 provenance rule: a unit never pushes a passage out
-    auto         (the default) the rule the write-back version chose on its own validation split
-                 (wbrag_ray.writeback.validation), read from UNION_CHOICE beside its index; FALLBACK_UNION where
-                 it chose none. No fixed rule served every version (benchmarks/RESULTS.md, "Write-back that
-                 never hurts" and "Write-back that helps").
-
-`retrieval.max_units` caps the write-back hits per query in every setting but `score`. A unit's provenance (the
-ids of the base documents it was distilled from) is written beside the write-back index when the version is
-trained (`provenance.parquet`), its chosen rule (`union.json`) when it is validated.
+WriteBack-RAG merges the two indices' hits by raw score and cuts the top K (`score`, kept to reproduce the paper).
+That merge can let a unit take a slot while adding nothing (a unit distilled from passages already in the top K),
+so `retrieval.union` chooses a rule: each name is one entry of UNIONS, described on the config field. `auto` (the
+default) takes the rule the write-back version chose on its own validation split (`writeback.validation`, written
+as UNION_CHOICE beside its index), FALLBACK_UNION where it chose none: no fixed rule served every version
+(benchmarks/RESULTS.md). A unit's provenance (its base documents' ids) is written beside the write-back index
+(PROVENANCE) when the version is trained.
 """
 
 from __future__ import annotations
@@ -62,7 +46,7 @@ def by_reciprocal_rank(hit_lists: list[list[Hit]], rrf_k: int) -> list[Hit]:
 
 @dataclass(frozen=True)
 class UnionKind:
-    """What one `retrieval.union` name does (module docstring), and the retrieval setting only it reads."""
+    """What one `retrieval.union` name does, and the retrieval setting only it reads."""
 
     ordering: Callable[[list[list[Hit]], int], list[Hit]]
     gate: bool = False
@@ -101,12 +85,9 @@ def gated(ordered: list[Hit], margin: float) -> list[Hit]:
 
 
 def appended(ordered: list[Hit], k: int, margin: float, rule: bool, max_units: int) -> list[Hit]:
-    """The additive union: the base's first k hits of `ordered`, whole and in their order, then up to `max_units`
-    units scoring at least the k-th passage's score less `margin`, in score order, each not covered (`covered`) by
-    those passages or a unit appended before it when `rule`. The k-th passage, not the best: a one-sentence unit
-    rarely outscores the best 100-word passage under a sentence embedder (the gate's measured flaw), while one that
-    outscores the weakest passage is one the paper's merge would have let in. No unit takes a passage's slot: the
-    list is k + the units long (every unit may join where fewer than k passages were retrieved)."""
+    """The additive union: the base's first k hits of `ordered`, whole, then up to `max_units` units scoring at
+    least the k-th passage less `margin` (one the paper's merge would have let in; a short unit rarely outscores
+    the best passage), each not `covered` when `rule`. No unit takes a passage's slot."""
     passages = [h for h in ordered if h.source == BASE][:k]
     floor = passages[-1].score - margin if len(passages) == k else float("-inf")
     units: list[Hit] = []
@@ -246,9 +227,7 @@ def write_provenance(index: Location, ids, source_ids, source_unit: str) -> None
 
 def read_provenance(index: Location, base_unit: str) -> dict[int, list[int]]:
     """{unit id: its source ids} of a write-back index, when its sources number `base_unit`s as the base searched
-    beside it does ({} otherwise: a version trained on passages says nothing about the sentences of a pruned
-    index, whose ids are another namespace). One row per unit: a version holds at most one per training
-    question."""
+    beside it does ({} otherwise: passage ids say nothing about a pruned index's sentences)."""
     import pyarrow.parquet as pq
 
     f = index.join(PROVENANCE)
