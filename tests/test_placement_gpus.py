@@ -18,6 +18,7 @@ from wbrag_ray.placement.gpus import (
     gpu_memory_of,
     index_on_gpu,
     retrieval_node,
+    retrieval_waits_for_engine,
     share_capacity,
     share_of,
     tensor_parallel_auto,
@@ -239,3 +240,57 @@ def test_the_plan_refuses_a_model_shape_the_commands_refuse():
     problems = make_plan(config, Cluster.uniform(1, 2, 0, 8, 80)).problems
     assert any(p.startswith("generator.tensor_parallel_size=2 cannot shard") and "choose one of 1, 3, 9" in p
                for p in problems)
+
+
+@pytest.mark.parametrize("generator, retrieval_gpus, waits", [
+    ({"backend": "vllm", "num_gpus": 1}, 0.25, True),  # a share beside the replica: after its profiling
+    ({"backend": "vllm", "num_gpus": 1}, 0.0, False),  # retrieval on CPUs frees no GPU memory
+    ({"backend": "vllm", "num_gpus": 0}, 0.25, False),  # vLLM's CPU build profiles no GPU
+    ({"backend": "hf", "num_gpus": 1}, 0.25, False),  # hf does not profile
+    # a KV cache sized by bytes: vLLM skips the profiling, nothing to upset
+    ({"backend": "vllm", "num_gpus": 1, "vllm_engine_kwargs": {"kv_cache_memory_bytes": 8 << 30}}, 0.25, False),
+])
+def test_gpu_retrieval_beside_a_vllm_engine_waits_for_its_memory_profiling(generator, retrieval_gpus, waits):
+    config = load_config(extra={"generator": generator})
+    assert retrieval_waits_for_engine(config.generator, retrieval_gpus) is waits
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("index_gpu, embed_gpus, waits", [
+    (True, None, True),  # the search actors' shares beside the engine
+    (False, 0.1, True),  # the query embedders' shares beside the engine
+    (False, None, False),  # retrieval on CPUs: no wait, the engine loads while the questions are searched
+])
+def test_an_answer_pass_searches_on_gpus_only_once_the_vllm_engine_is_ready_stand_in_passes_and_search(
+        index_gpu, embed_gpus, waits):
+    """`rag.answer` itself, with stand-ins for the generator service and the search (no GPU here): it starts the
+    engine, and where GPU retrieval shares its GPUs waits for it to be ready before searching."""
+    import pyarrow as pa
+
+    from wbrag_ray import rag
+
+    events: list[str] = []
+
+    class Passes:
+        services = None
+
+        def start(self):
+            events.append("start")
+
+        def wait_ready(self):
+            events.append("ready")
+
+    class Search:
+        def search(self, frame, services=None):
+            events.append("search")
+            raise _Stop
+
+    questions = pa.table({"id": ["q"], "question": ["Who?"], "golden_answers": [["x"]]})
+    config = load_config(extra={"generator": {"backend": "vllm", "num_gpus": 1}, "index": {"gpu": index_gpu},
+                                "retrieval": {"search_gpus": 0.25, "embed_gpus": embed_gpus}})
+    with pytest.raises(_Stop):
+        rag.answer(questions, ["naive"], config, Search(), Passes())
+    assert events == (["start", "ready", "search"] if waits else ["start", "search"])

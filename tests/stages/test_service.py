@@ -41,6 +41,9 @@ def test_one_generator_service_serves_every_pass_and_answers_as_in_process(ray_c
     local.setup()
     chat = [prompts.no_retrieval_messages(q) for q in QUESTIONS]
     with GeneratorPasses(config) as passes:
+        passes.start()
+        passes.wait_ready()  # returns once the actor has loaded the model, and starts nothing more
+        assert passes.services.actor_stats("setups") == {"generate": [1]}
         # a frame the driver holds goes to the service's actors directly; the same prompts again, to the memo
         direct = passes.generate("direct", _frame(), "prompt", "answer")
         text = passes.generate("text", _frame(), "prompt", "answer").sort_values("id")

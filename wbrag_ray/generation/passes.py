@@ -58,6 +58,10 @@ class GeneratorPasses:
         _checked(self.generator, "text")
         self.services.start(GenerateStage(self.generator, "prompt", "answer"))
 
+    def wait_ready(self) -> None:
+        """Block until the generator service has loaded its model (a vLLM engine: profiled its memory)."""
+        self.services.wait_ready(GenerateStage(self.generator, "prompt", "answer"))
+
     def __enter__(self) -> GeneratorPasses:
         return self
 

@@ -277,6 +277,15 @@ def best_fit_node(free: dict[str, float], need: float) -> str | None:
     return min(fits)[1] if fits else None
 
 
+def retrieval_waits_for_engine(generator, retrieval_gpus: float) -> bool:
+    """Whether GPU retrieval must start only once the engine is ready: vLLM counts every drop of a GPU's free memory
+    from its start to the end of its memory profiling as its own (a KV cache that silently shrinks), and aborts if
+    memory is freed meanwhile. Retrieval shares beside a vLLM replica on GPUs therefore wait, unless the engine's
+    KV cache is sized by `kv_cache_memory_bytes`, which skips the profiling."""
+    return (generator.backend == "vllm" and generator.num_gpus > 0 and retrieval_gpus > 0
+            and "kv_cache_memory_bytes" not in generator.vllm_engine_kwargs)
+
+
 def beside_generator(gpus: float) -> dict:
     """The Ray options of a retrieval actor asking for `gpus` on several GPU nodes: a soft affinity to the node
     `best_fit_node` picks from the free GPUs now. Nothing where it asks for no GPU or there is one GPU node."""

@@ -12,6 +12,7 @@ import pandas as pd
 from wbrag_ray import prompts
 from wbrag_ray.config import ConfigError
 from wbrag_ray.generation.backends import BACKENDS, check_backend_mode
+from wbrag_ray.placement.gpus import retrieval_waits_for_engine
 from wbrag_ray.rag import flare, self_rag
 from wbrag_ray.rag.one_pass import (
     MIXTURE,
@@ -70,6 +71,13 @@ def available_methods(generator: GeneratorConfig) -> list[str]:
     return [m for m in METHODS if m not in MIXTURE or backend is None or backend.supports_mixture]
 
 
+def retrieval_gpus(config: WbragConfig) -> float:
+    """The GPU shares a retrieval pass's actors may ask for: the query embedder's, and the search actors' where the
+    index may search on GPUs (`index.gpu` true or auto)."""
+    search = config.retrieval.search_share if config.index.gpu is not False else 0.0
+    return config.retrieval.query_embedder(config.embedder).num_gpus + search
+
+
 def answer(
     questions: pa.Table,
     methods: Sequence[str],
@@ -93,6 +101,8 @@ def answer(
         frame = questions.to_pandas()
         if any(m != "no-retrieval" for m in one_pass + mixture):
             passes.start()  # the generator loads while the questions are searched
+            if retrieval_waits_for_engine(config.generator, retrieval_gpus(config)):
+                passes.wait_ready()  # ... unless GPU retrieval beside the engine would upset its memory profiling
             frame = search.search(frame, services=passes.services)  # one search for both passes
         temperature = config.retrieval.replug_temperature
     if one_pass:

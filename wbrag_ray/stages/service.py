@@ -216,6 +216,12 @@ class Services:
         if stage.name not in self._live:
             self._service(stage)
 
+    def wait_ready(self, stage: Stage) -> None:
+        """Block until `stage`'s service has set its model up (each actor's constructor has returned)."""
+        import ray
+
+        ray.get([actor.setup_count.remote() for actor in self._service(stage).actors])
+
     def _service(self, stage: Stage) -> StageService:
         """The live service of `stage`'s kind, set for its pass: a pass with another key is set up in the same
         actors when it asks for the same resources, else the old actors end and new ones start."""
