@@ -23,6 +23,7 @@ from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.storage import commit, sweep
 from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
 
@@ -65,18 +66,18 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}
-    staged: list[tuple[EvalResult, EvalResult]] = []
+    staged: list[EvalResult] = []
     for method in methods:
         part = df[df["method"] == method].sort_values("id").reset_index(drop=True)
         part["answer"] = scored_answers(part, config.eval.answer_form)
         scores = [score_answer(a, g) for a, g in zip(part["answer"], part["golden_answers"], strict=True)]
         for m in METRICS:
             part[m] = [s[m] for s in scores]
-        # written in a hidden folder that replaces the old results whole, so a cut-short run leaves them intact
-        final = run.layout.eval_result(label, method)
+        # written in the next version, committed whole once every method's is (a cut-short run leaves the old)
+        sweep(run.layout.eval.join(f"{label}-{method}"))  # what a kill after a commit left behind
         out = run.layout.eval_staging(label, method)
         out.root.delete()  # one left by an evaluation cut short
-        staged.append((out, final))
+        staged.append(out)
         keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", "answer",
                 *METRICS, "retrieval_skipped", "generator_calls", "trace"]
         out.predictions.write_table(plain_table(part[keep]))
@@ -113,8 +114,8 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
         if rejects.num_rows:
             out.rejects.write_table(rejects)
         results[method] = metrics
-    for out, final in staged:
-        final.root.replace_with(out.root)
+    for out in staged:
+        commit(out.root)
     print(format_table(f"{label} ({setting})", results), flush=True)
     return results
 
