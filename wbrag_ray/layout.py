@@ -232,8 +232,9 @@ class RunLayout:
         return EvalResult(staging(self.eval_result(label, method).root))
 
     def eval_results(self) -> list[EvalResult]:
-        """Every evaluated (label, method) folder, by name."""
-        return [EvalResult(committed(self.eval.join(d))) for d in subdirs(self.eval)]
+        """Every evaluated (label, method) folder with its metrics written, by name."""
+        found = [EvalResult(committed(self.eval.join(d))) for d in subdirs(self.eval)]
+        return [r for r in found if r.metrics.exists()]
 
     def methods_grid(self, name: str | None = None) -> Location:
         """The methods x write-back grid; `name` for a Zero-RAG setting's own grid."""

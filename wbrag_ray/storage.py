@@ -318,6 +318,7 @@ def put_if(loc: Location, data: bytes, version: Any = None) -> bool:
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
+            crash_point("put-written")
             if version is None:
                 try:
                     os.link(tmp, loc.path)  # fails where a file is, on any host of a shared filesystem too
