@@ -42,11 +42,6 @@ def _out(folder: str, *parts: str) -> property:
     return property(path)
 
 
-def staging(final: Location) -> Location:
-    """The version of `final` where new output is written until it is committed (`storage.next_version`)."""
-    return next_version(final)
-
-
 def subdirs(loc: Location) -> list[str]:
     """Names of the folders directly below `loc`, sorted (none when it does not exist)."""
     import pyarrow.fs as pafs
@@ -229,7 +224,7 @@ class RunLayout:
 
     def eval_staging(self, label: str, method: str) -> EvalResult:
         """New results written beside `eval_result(label, method)` until they replace it (hidden: never listed)."""
-        return EvalResult(staging(self.eval_result(label, method).root))
+        return EvalResult(next_version(self.eval_result(label, method).root))
 
     def eval_results(self) -> list[EvalResult]:
         """Every evaluated (label, method) folder with its metrics written, by name."""

@@ -22,10 +22,10 @@ from pydantic import BaseModel
 from wbrag_ray import __version__
 from wbrag_ray.checkpoints import stage_checkpoint
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.layout import RunLayout, staging, subdirs
+from wbrag_ray.layout import RunLayout, subdirs
 from wbrag_ray.lease import LeaseLost, fence
 from wbrag_ray.models.hardware import resolved_dtype_name
-from wbrag_ray.storage import Location, commit, committed, refused_writes, resolve, sweep, versioned_root
+from wbrag_ray.storage import Location, commit, committed, next_version, refused_writes, resolve, sweep
 
 log = logging.getLogger(__name__)
 
@@ -199,15 +199,15 @@ class RunFolder:
 
     def output(self, final: Location) -> Location:
         """Where the running stage writes its output folder `final`: in place (its committed version), or, for a
-        complete stage redone or a commit a kill stopped, in its next version (`layout.staging`), committed once the
+        complete stage redone or a commit a kill stopped, in its next version (`storage.next_version`), committed once the
         stage completes. What an earlier kill left behind goes first (`storage.sweep`)."""
         if self._staged is None:
             return final
-        folder = versioned_root(final)
-        sweep(folder)
-        new = staging(folder)
+        sweep(final)
+        new = next_version(final)
         if not self._redo and not new.exists():
-            return committed(folder)
+            return committed(final)
+        folder = new.parent().parent()
         self._staged.setdefault(folder.uri, (folder, new))
         return new
 

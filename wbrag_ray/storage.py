@@ -425,9 +425,10 @@ def commit(version: Location) -> None:
     sweep(folder)
 
 
-def sweep(folder: Location) -> None:
-    """Remove what a commit left behind: the plain files beside a pointer and the versions before the one it names
-    (a later command finishes what a kill stopped); newer versions stay (a redo resumes into them)."""
+def sweep(loc: Location) -> None:
+    """Remove what a commit of the folder of `loc` left behind: the plain files beside its pointer and the versions
+    before the one it names (a later command finishes what a kill stopped); newer ones stay (a redo resumes them)."""
+    folder = versioned_root(loc)
     current = _pointer(folder)
     if current is None:
         return

@@ -23,7 +23,7 @@ from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder, Step
-from wbrag_ray.storage import commit, sweep, versioned_root
+from wbrag_ray.storage import commit, sweep
 from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
 
@@ -76,7 +76,7 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
         # results that exist are replaced by the next version, committed once every method's is written (a cut-short
         # run leaves the old); first ones are written in place, metrics.json last (a folder without it is not listed)
         final = run.layout.eval_result(label, method)
-        sweep(versioned_root(final.root))  # what a kill after a commit left behind
+        sweep(final.root)  # what a kill after a commit left behind
         out = run.layout.eval_staging(label, method) if final.metrics.exists() else final
         out.root.delete()  # one left by an evaluation cut short
         if out is not final:
