@@ -190,7 +190,7 @@ class RunLayout:
     embed = _out("embed")
     checkpoints = _at("_checkpoints")
     index = _out("index")
-    docs = _at("docs")  # the document store of each index unit (`doc_store`)
+    docs = _at("docs")  # the document store of each index unit (docs/passage; read through the index's manifest)
     eval = _at("eval")
     writeback = _at("writeback")
     writeback_active = _at("writeback", "ACTIVE")
@@ -207,10 +207,6 @@ class RunLayout:
     @property
     def zero_rag(self) -> ZeroRagFolder:
         return ZeroRagFolder(self.root.join("zero_rag"))
-
-    def doc_store(self, unit: str) -> Location:
-        """The document store of an index unit (docs/passage, docs/sentence), as committed."""
-        return committed(self.docs.join(unit))
 
     def checkpoint(self, stage: str) -> Location:
         """What a running stage committed so far (answers, Ray Data's row checkpoint); gone once it completes."""
