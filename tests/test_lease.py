@@ -150,10 +150,9 @@ def stop_outside_its_lease_write(proc: subprocess.Popen, run: Path) -> None:
     its renewal holds it, and a taker waits HOST_LOCK_WAIT_S for it, then gives up: another test)."""
     import fcntl
 
-    from wbrag_ray.lease import LEASE_LOCK
-    from wbrag_ray.storage import lock_path
+    from wbrag_ray.storage import HOST_LOCK, lock_path
 
-    lock_file = lock_path(str(run / "_lease.json"), LEASE_LOCK)
+    lock_file = lock_path(str(run / "_lease.json"), HOST_LOCK)
     for _ in range(100):
         proc.send_signal(signal.SIGSTOP)
         with open(lock_file, "w") as lock:

@@ -5,6 +5,7 @@ import pytest
 from wbrag_ray.build_kb import INDEX, KB_STAGES
 from wbrag_ray.config import ConfigError, WbragConfig, load_config
 from wbrag_ray.run import RunFolder, RunStage
+from wbrag_ray.storage import committed
 
 
 def test_stage_runs_once_then_is_skipped(tmp_path, capsys):
@@ -163,10 +164,13 @@ def test_a_forced_redo_writes_beside_the_old_output_and_replaces_it_only_at_comp
     assert seen[-1] == final.uri  # first time: in place
     with pytest.raises(RuntimeError):
         run.execute(RunStage("s"), WbragConfig(), work("new", fail=True), force=True)
-    assert seen[-1] != final.uri and seen[-1].endswith("/.out.new")
-    assert run.is_complete("s") and final.join("part.txt").read_bytes() == b"old"
-    assert [f.name for f in run.root.list_files()] == []  # the staging folder is hidden
+    assert seen[-1] == final.join("_v1", "out").uri  # the next version, inside the folder
+    assert run.is_complete("s") and committed(final).join("part.txt").read_bytes() == b"old"
+    assert [f.name for f in final.list_files()] == ["part.txt"]  # the version is hidden from a plain listing
     run.execute(RunStage("s"), WbragConfig(), work("new"), force=True)
     assert seen[-1] == seen[-2]  # the same staging folder: a redo resumes into it
-    assert run.is_complete("s") and final.join("part.txt").read_bytes() == b"new"
-    assert not run.root.join(".out.new").exists()
+    assert run.is_complete("s") and committed(final).join("part.txt").read_bytes() == b"new"
+    assert not final.join("part.txt").exists()  # the old output went once the pointer moved
+    run.execute(RunStage("s"), WbragConfig(), work("newer"), force=True)
+    assert seen[-1] == final.join("_v2", "out").uri and committed(final).join("part.txt").read_bytes() == b"newer"
+    assert not final.join("_v1").exists()

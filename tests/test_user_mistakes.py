@@ -632,7 +632,8 @@ def test_a_forced_rebuild_stopped_part_way_leaves_the_old_output_complete_and_in
     assert kept and all(after.get(p) == before[p] for p in kept)  # the old output, whole
     assert searched(run, capsys) == hits
     assert main([stage, str(run), "--force"]) == 0
-    assert not [p for p in run.rglob(".*.new")]  # swapped: no staging folder left
+    swapped = list(run.rglob("_COMMIT"))  # committed: each folder holds its pointer and the version it names, no more
+    assert swapped and all(sorted(p.name for p in c.parent.iterdir()) == ["_COMMIT", "_v1"] for c in swapped)
     if stage == "embed":  # the index was made from the old vectors: it needs its own --force now
         assert main(["index", str(run), "--force"]) == 0
     assert len(searched(run, capsys)) == len(hits)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wbrag_ray.config import ConfigError
-from wbrag_ray.storage import Location
+from wbrag_ray.storage import Location, committed, next_version
 
 STAGES_DIR = "_stages"
 DEDUPE_PREFIX = "dedupe-"  # rejects files of passages dropped as duplicate ids, beside the shards' own
@@ -32,9 +32,14 @@ def _at(*parts: str) -> property:
     return property(path)
 
 
-def staging(final: Location) -> Location:
-    """The hidden folder beside `final`, the same on every attempt, where new output waits to replace it."""
-    return final.parent().join(f".{final.name}.new")
+def _out(folder: str, *parts: str) -> property:
+    """A path in a stage's output `folder`, as readers see it: in the version its last commit names
+    (`storage.commit`), or in the folder itself where it holds no pointer (plain, or made by an earlier version)."""
+
+    def path(self) -> Location:
+        return committed(self.root.join(folder)).join(*parts)
+
+    return property(path)
 
 
 def subdirs(loc: Location) -> list[str]:
@@ -140,20 +145,20 @@ class PrunedLevel:
 @dataclass(frozen=True)
 class ZeroRagFolder:
     root: Location
-    mastery = _at("mastery")
-    qa = _at("mastery", "qa.parquet")  # every QA pair with its status and the closed-book answer
-    scores = _at("mastery", "scores.parquet")
-    mastery_stats = _at("mastery", "stats.json")
-    predictions = _at("predictions")  # sid, mastery_pred for every sentence
-    router = _at("router")
-    router_metrics = _at("router", "metrics.json")
-    router_labels = _at("router", "labels.parquet")  # each training question's answer, label and probability
-    adapter = _at("adapter")
-    adapter_tune = _at("adapter", ADAPTER_STATS)
+    mastery = _out("mastery")
+    qa = _out("mastery", "qa.parquet")  # every QA pair with its status and the closed-book answer
+    scores = _out("mastery", "scores.parquet")
+    mastery_stats = _out("mastery", "stats.json")
+    predictions = _out("predictions")  # sid, mastery_pred for every sentence
+    router = _out("router")
+    router_metrics = _out("router", "metrics.json")
+    router_labels = _out("router", "labels.parquet")  # each training question's answer, label and probability
+    adapter = _out("adapter")
+    adapter_tune = _out("adapter", ADAPTER_STATS)
     grid = _at("grid.json")
 
     def pruner(self, kind: str) -> Location:
-        return self.root.join("pruner", kind)
+        return committed(self.root.join("pruner", kind))
 
     def pruner_kinds(self) -> list[str]:
         return subdirs(self.root.join("pruner"))
@@ -166,11 +171,11 @@ class ZeroRagFolder:
         return self.pruner(kind).join("validation.parquet")
 
     def pruned(self, ratio: float) -> PrunedLevel:
-        return PrunedLevel(self.root.join(PRUNE_LEVEL.format(ratio=ratio)))
+        return PrunedLevel(committed(self.root.join(PRUNE_LEVEL.format(ratio=ratio))))
 
     def pruned_levels(self) -> list[PrunedLevel]:
         """Every pruned level written so far (with its stats), by folder name."""
-        levels = [PrunedLevel(self.root.join(d)) for d in subdirs(self.root) if d.startswith("prune-")]
+        levels = [PrunedLevel(committed(self.root.join(d))) for d in subdirs(self.root) if d.startswith("prune-")]
         return [lv for lv in levels if lv.stats.exists()]
 
 
@@ -182,10 +187,10 @@ class RunLayout:
     run_json = _at("run.json")
     lease = _at("_lease.json")  # the writer holding the folder (wbrag_ray.lease)
     stages = _at(STAGES_DIR)
-    embed = _at("embed")
+    embed = _out("embed")
     checkpoints = _at("_checkpoints")
-    index = _at("index")
-    docs = _at("docs")  # the document store of each index unit (docs/passage, docs/sentence)
+    index = _out("index")
+    docs = _at("docs")  # the document store of each index unit (docs/passage; read through the index's manifest)
     eval = _at("eval")
     writeback = _at("writeback")
     writeback_active = _at("writeback", "ACTIVE")
@@ -197,7 +202,7 @@ class RunLayout:
 
     @property
     def ingest(self) -> IngestFolder:
-        return IngestFolder(self.root.join("ingest"))
+        return IngestFolder(committed(self.root.join("ingest")))
 
     @property
     def zero_rag(self) -> ZeroRagFolder:
@@ -211,15 +216,16 @@ class RunLayout:
         return StageRecord(self.stages.join(name))
 
     def eval_result(self, label: str, method: str) -> EvalResult:
-        return EvalResult(self.eval.join(f"{label}-{method}"))
+        return EvalResult(committed(self.eval.join(f"{label}-{method}")))
 
     def eval_staging(self, label: str, method: str) -> EvalResult:
         """New results written beside `eval_result(label, method)` until they replace it (hidden: never listed)."""
-        return EvalResult(staging(self.eval_result(label, method).root))
+        return EvalResult(next_version(self.eval_result(label, method).root))
 
     def eval_results(self) -> list[EvalResult]:
-        """Every evaluated (label, method) folder, by name."""
-        return [EvalResult(self.eval.join(d)) for d in subdirs(self.eval)]
+        """Every evaluated (label, method) folder with its metrics written, by name."""
+        found = [EvalResult(committed(self.eval.join(d))) for d in subdirs(self.eval)]
+        return [r for r in found if r.metrics.exists()]
 
     def methods_grid(self, name: str | None = None) -> Location:
         """The methods x write-back grid; `name` for a Zero-RAG setting's own grid."""
@@ -229,7 +235,7 @@ class RunLayout:
         return [f for f in self.eval.list_files(".json") if f.name.startswith("methods_grid")]
 
     def writeback_version(self, version: str) -> WritebackVersion:
-        return WritebackVersion(self.writeback.join(version))
+        return WritebackVersion(committed(self.writeback.join(version)))
 
     def writeback_versions(self) -> list[WritebackVersion]:
         """Every version folder with its Table 3 written, by name."""

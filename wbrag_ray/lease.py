@@ -21,12 +21,11 @@ from typing import Any
 
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.storage import Location, before_write, error_code, guard_writes, host_lock, resolve, s3_client
+from wbrag_ray.storage import Location, before_write, guard_writes, put_if, read_versioned, resolve
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
-SETTLE_S = 1.0  # where a store has no conditional writes: the pause before the lease is read back
 
 
 class LeaseHeld(ConfigError):
@@ -79,63 +78,21 @@ def held_message(uri: str, record: dict[str, Any], lease_uri: str) -> str:
 
 @dataclass(frozen=True)
 class _Store:
+    """The lease object, written by the conditional writes a commit's pointer uses too (`storage.put_if`)."""
+
     loc: Location
 
     def read(self) -> tuple[dict[str, Any], Any] | None:
         """(record, version) or None; the version is what a replace compares (an ETag, or the bytes)."""
-        if self.loc.is_local:
-            try:
-                data = self.loc.read_bytes()
-            except FileNotFoundError:
-                return None
-            return _parse(data), data
-        bucket, key = self.loc.path.split("/", 1)
-        try:
-            got = s3_client().get_object(Bucket=bucket, Key=key)
-        except Exception as exc:  # noqa: BLE001 - botocore's errors: a missing key is "no lease"
-            if error_code(exc) in ("NoSuchKey", "404"):
-                return None
-            raise
-        return _parse(got["Body"].read()), got["ETag"]
+        got = read_versioned(self.loc)
+        return None if got is None else (_parse(got[0]), got[1])
 
     def create(self, data: bytes) -> bool:
-        if self.loc.is_local:
-            try:
-                fd = os.open(self.loc.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return True
-        return self._put(data, IfNoneMatch="*")
+        return put_if(self.loc, data)
 
     def replace(self, data: bytes, version: Any) -> bool:
-        """Write `data` only where the lease is still `version`, else False (TimeoutError: the host lock stays held)."""
-        if self.loc.is_local:
-            with host_lock(self.loc.path, LEASE_LOCK, HOST_LOCK_WAIT_S):
-                current = self.read()
-                if current is None or current[1] != version:
-                    return False
-                self.loc.write_bytes(data)  # temp-then-move under a name of this writer's own
-                return True
-        return self._put(data, IfMatch=version)
-
-    def _put(self, data: bytes, **condition: str) -> bool:
-        bucket, key = self.loc.path.split("/", 1)
-        try:
-            s3_client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
-            return True
-        except Exception as exc:  # noqa: BLE001 - botocore's errors, sorted by their code
-            code = error_code(exc)
-            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
-                return False
-            if code not in ("NotImplemented", "InvalidArgument", "InvalidRequest", "501"):
-                raise
-        # a store without conditional writes: write, pause, read back; the lease that is there holds
-        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
-        time.sleep(SETTLE_S)
-        back = self.read()
-        return back is not None and back[0].get("token") == _parse(data).get("token")
+        """Write `data` only where the lease is still `version`; False otherwise (or the host lock stays held)."""
+        return put_if(self.loc, data, version)
 
 
 def _parse(data: bytes) -> dict[str, Any]:
@@ -144,10 +101,6 @@ def _parse(data: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         record = None
     return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}
-
-
-LEASE_LOCK = ".lease.lock"  # this host's lock around a local lease's compare-and-replace (`storage.host_lock`)
-HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is held by a stalled process
 
 
 # --- the lease ------------------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from pydantic import BaseModel
 from wbrag_ray import __version__
 from wbrag_ray.checkpoints import stage_checkpoint
 from wbrag_ray.config import ConfigError, WbragConfig
-from wbrag_ray.layout import RunLayout, staging, subdirs
+from wbrag_ray.layout import RunLayout, subdirs
 from wbrag_ray.lease import LeaseLost, fence
 from wbrag_ray.models.hardware import resolved_dtype_name
-from wbrag_ray.storage import Location, refused_writes, resolve
+from wbrag_ray.storage import Location, commit, committed, next_version, refused_writes, resolve, sweep
 
 # Where and how wide a stage runs never changes what it writes (a section's own such keys: its `RUNTIME_KEYS`).
 PLACEMENT_KEYS = {"num_cpus", "num_gpus", "concurrency", "threads", "checkpoint_rows", "checkpoint_seconds", "memory_gb",
@@ -117,8 +117,9 @@ class RunFolder:
         self.root: Location = resolve(uri)
         self.layout = RunLayout(self.root)
         self._unrecorded: WbragConfig | None = None  # bound, to be written to run.json when a stage runs
-        # while a complete stage is redone: final output URI -> (final, staged), swapped when it completes
+        # while a stage runs: output folder URI -> (folder, next version), committed when it completes
         self._staged: dict[str, tuple[Location, Location]] | None = None
+        self._redo = False  # the running stage was complete: its outputs are written beside the ones in use
 
     @property
     def uri(self) -> str:
@@ -172,8 +173,8 @@ class RunFolder:
 
     def mark_complete(self, name: str, stats: dict[str, Any],
                       staged: Iterable[tuple[Location, Location]] = ()) -> None:
-        """Record the stage's stats, then its marker; `staged`: (final, new) output folders of a redone stage, which
-        replace the old ones first (the old marker goes before, so a stop half way is an incomplete stage)."""
+        """Record the stage's stats, then its marker; `staged`: (folder, new version) of a redone stage's outputs,
+        committed first (the old marker goes before, so a stop between commits is an incomplete stage)."""
         record = self.layout.stage(name)
         fence(record.success)  # a commit: this command must still hold the run folder's lease
         staged = list(staged)
@@ -181,19 +182,24 @@ class RunFolder:
             record.success.delete()
             for final, new in staged:
                 if new.exists():
-                    final.replace_with(new)
+                    commit(new)
                 else:  # the redo wrote nothing there: nor does the stage hold anything there now
                     final.delete()
         record.stats.write_json(stats)
         record.success.write_bytes(b"")  # last: the marker's presence means everything above is written
 
     def output(self, final: Location) -> Location:
-        """Where the running stage writes its output folder `final`: in place, or, for a complete stage redone,
-        beside it (`layout.staging`), replacing the old only once the stage completes."""
+        """Where the running stage writes its output folder `final`: in place (its committed version), or, for a
+        complete stage redone or a commit a kill stopped, in its next version (`storage.next_version`), committed once the
+        stage completes. What an earlier kill left behind goes first (`storage.sweep`)."""
         if self._staged is None:
             return final
-        new = staging(final)
-        self._staged.setdefault(final.uri, (final, new))
+        sweep(final)
+        new = next_version(final)
+        if not self._redo and not new.exists():
+            return committed(final)
+        folder = new.parent().parent()
+        self._staged.setdefault(folder.uri, (folder, new))
         return new
 
     def completed_stages(self) -> list[str]:
@@ -285,7 +291,8 @@ class RunFolder:
             print(f"[{name}] complete, skipped ({_summary(stats)})", flush=True)
             return stats
         # a complete stage redone keeps its marker and its outputs (in use) until the new ones replace them
-        outer_staged, self._staged = self._staged, ({} if self.is_complete(name) else None)
+        outer_staged, outer_redo = self._staged, self._redo
+        self._staged, self._redo = {}, self.is_complete(name)
         # run.json describes completed stages only: restored if this stage does not complete
         records = self._unrecorded is not None
         recorded = self.layout.run_json.read_json() if records and self.is_run() else None
@@ -297,7 +304,7 @@ class RunFolder:
             with refused_writes(self.root), stage_checkpoint(checkpoint_folder, fingerprint, name) as checkpoint:
                 stats = {**(work() or {}), "settings": fingerprint}
         except BaseException:
-            self._staged = outer_staged
+            self._staged, self._redo = outer_staged, outer_redo
             if isinstance(sys.exc_info()[1], LeaseLost):
                 raise  # run.json is the new holder's now
             if recorded is not None:
@@ -305,7 +312,7 @@ class RunFolder:
             elif records:
                 self.layout.run_json.delete()
             raise
-        staged, self._staged = self._staged, outer_staged
+        staged, self._staged, self._redo = self._staged, outer_staged, outer_redo
         stats = {**checkpoint.stats(), **stats}
         stats.setdefault("seconds", round(time.perf_counter() - t0, 3))
         if stats.get("rows_out") is not None and stats["seconds"] > 0:

@@ -10,6 +10,9 @@ import functools
 import json
 import os
 import posixpath
+import re
+import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -225,23 +228,6 @@ class Location:
                 if self.fs.get_file_info(tmp).type != pafs.FileType.NotFound:  # nothing left behind
                     self.fs.delete_file(tmp)
 
-    def replace_with(self, staged: Location) -> None:
-        """Replace this folder's files by `staged`'s (locally two renames, readers see old or new; S3 a copy)."""
-        before_write(self)
-        if self.is_local:
-            aside = posixpath.join(self.parent().path, f".{self.name}.{writer_suffix()}.old")
-            if os.path.exists(self.path):
-                os.rename(self.path, aside)
-            os.rename(staged.path, self.path)
-            if os.path.exists(aside):
-                import shutil
-
-                shutil.rmtree(aside, ignore_errors=True)
-            return
-        self.delete()
-        pafs.copy_files(staged.path, self.path, source_filesystem=staged.fs, destination_filesystem=self.fs)
-        staged.delete()
-
     def read_json(self) -> Any:
         return json.loads(self.read_bytes().decode("utf-8"))
 
@@ -294,6 +280,144 @@ class Location:
             pafs.copy_files(self.path, tmp, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
 
         return node_cached(os.path.join(cache_root(), "remote", key), fetch)
+
+
+# --- conditional writes: create where absent, replace only the version read (the lease, a commit's pointer) ---
+
+SETTLE_S = 1.0  # where a store has no conditional writes: the pause before a write is read back
+HOST_LOCK = ".lease.lock"  # this host's lock around a local compare-and-replace (`lock_path`)
+HOST_LOCK_WAIT_S = 5.0  # a replace takes milliseconds: a lock held longer is held by a stalled process
+
+
+def read_versioned(loc: Location) -> tuple[bytes, Any] | None:
+    """(bytes, version) of a small object, or None; the version is what `put_if` compares (an ETag, or the bytes)."""
+    if loc.is_local:
+        try:
+            with open(loc.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        return data, data
+    bucket, key = loc.path.split("/", 1)
+    try:
+        got = s3_client().get_object(Bucket=bucket, Key=key)
+    except Exception as exc:  # noqa: BLE001 - botocore's errors: a missing key is None
+        if error_code(exc) in ("NoSuchKey", "404"):
+            return None
+        raise
+    return got["Body"].read(), got["ETag"]
+
+
+def put_if(loc: Location, data: bytes, version: Any = None) -> bool:
+    """Write `data` whole at `loc` only where nothing is (`version` None) or the version read is still there; False
+    where another writer came first. Local: a hard link or a rename (atomic); S3: If-None-Match / If-Match."""
+    if loc.is_local:
+        tmp = posixpath.join(loc.parent().path, f".{loc.name}.{writer_suffix()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            crash_point("put-written")
+            if version is None:
+                try:
+                    os.link(tmp, loc.path)  # fails where a file is, on any host of a shared filesystem too
+                    return True
+                except FileExistsError:
+                    return False
+            with host_lock(loc.path, HOST_LOCK, HOST_LOCK_WAIT_S):  # TimeoutError: a stalled holder
+                current = read_versioned(loc)
+                if current is None or current[1] != version:
+                    return False
+                os.rename(tmp, loc.path)  # under the lock: the version read is still there
+                return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+    bucket, key = loc.path.split("/", 1)
+    try:
+        s3_client().put_object(Bucket=bucket, Key=key, Body=data,
+                               **({"IfNoneMatch": "*"} if version is None else {"IfMatch": version}))
+        return True
+    except Exception as exc:  # noqa: BLE001 - botocore's errors, sorted by their code
+        code = error_code(exc)
+        if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+            return False
+        if code not in ("NotImplemented", "InvalidArgument", "InvalidRequest", "501"):
+            raise
+    # a store without conditional writes: write, pause, read back; the write that is there holds
+    s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+    time.sleep(SETTLE_S)
+    back = read_versioned(loc)
+    return back is not None and back[0] == data
+
+
+# --- committed folders: versions below a folder, readers sent to the one its pointer names -------------------
+
+COMMIT = "_COMMIT"  # {"version": "_v<n>"}: the version of the folder readers read (a plain folder has none)
+_VERSION = re.compile(r"_v(\d+)")
+
+
+def crash_point(step: str) -> None:
+    """Tests kill the process at a named step of a commit (WBRAG_CRASH_AT=step) to prove no kill leaves it half."""
+    if os.environ.get("WBRAG_CRASH_AT") == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pointer(folder: Location) -> int | None:
+    """The committed version number of `folder` (its pointer's), or None for a plain folder."""
+    got = read_versioned(folder.join(COMMIT))
+    try:
+        match = _VERSION.fullmatch(str(json.loads(got[0])["version"])) if got else None
+    except (ValueError, TypeError, KeyError):
+        match = None
+    return int(match.group(1)) if match else None
+
+
+def committed(folder: Location) -> Location:
+    """What readers of the output `folder` read: the version its pointer names (`_v<n>/<name>`), else itself."""
+    current = _pointer(folder)
+    return folder if current is None else folder.join(f"_v{current}", folder.name)
+
+
+def versioned_root(loc: Location) -> Location:
+    """The output folder of `loc`, a committed version (`F/_v<n>/<name>`) or the folder itself."""
+    up = loc.parent()
+    return up.parent() if _VERSION.fullmatch(up.name) and up.parent().name == loc.name else loc
+
+
+def next_version(loc: Location) -> Location:
+    """Where a new output of the folder of `loc` is written until `commit`: the same on every attempt, so a redo cut
+    short resumes into it; hidden from readers of the committed one (a `_` name)."""
+    folder = versioned_root(loc)
+    current = _pointer(folder)
+    return folder.join(f"_v{(current or 0) + 1}", folder.name)
+
+
+def commit(version: Location) -> None:
+    """Make `version` (from `next_version`) the folder's output in one atomic write of its pointer, then remove
+    what the pointer no longer names; a kill at any step leaves the old output or the new one, whole."""
+    folder = versioned_root(version)
+    before_write(folder, commit=True)
+    crash_point("commit-begin")
+    old = read_versioned(folder.join(COMMIT))
+    data = json.dumps({"version": version.parent().name}).encode()
+    if not put_if(folder.join(COMMIT), data, None if old is None else old[1]):
+        raise StorageError(f"cannot commit {folder.uri}: another writer committed it meanwhile")
+    crash_point("commit-pointer-written")
+    sweep(folder)
+
+
+def sweep(loc: Location) -> None:
+    """Remove what a commit of the folder of `loc` left behind: the plain files beside its pointer and the versions
+    before the one it names (a later command finishes what a kill stopped); newer ones stay (a redo resumes them)."""
+    folder = versioned_root(loc)
+    current = _pointer(folder)
+    if current is None:
+        return
+    for info in folder.fs.get_file_info(pafs.FileSelector(folder.path)):
+        match = _VERSION.fullmatch(info.base_name)
+        if info.base_name != COMMIT and (match is None or int(match.group(1)) < current):
+            folder.join(info.base_name).delete()
+            crash_point("commit-swept-one")
 
 
 def cache_root() -> str:

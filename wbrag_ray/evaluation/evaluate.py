@@ -25,6 +25,7 @@ from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.storage import commit, sweep
 from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
 
@@ -63,18 +64,21 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}
-    staged: list[tuple[EvalResult, EvalResult]] = []
+    staged: list[EvalResult] = []
     for method in methods:
         part = df[df["method"] == method].sort_values("id").reset_index(drop=True)
         part["answer"] = scored_answers(part, config.eval.answer_form)
         scores = [score_answer(a, g) for a, g in zip(part["answer"], part["golden_answers"], strict=True)]
         for m in METRICS:
             part[m] = [s[m] for s in scores]
-        # written in a hidden folder that replaces the old results whole, so a cut-short run leaves them intact
+        # results that exist are replaced by the next version, committed once every method's is written (a cut-short
+        # run leaves the old); first ones are written in place, metrics.json last (a folder without it is not listed)
         final = run.layout.eval_result(label, method)
-        out = run.layout.eval_staging(label, method)
+        sweep(final.root)  # what a kill after a commit left behind
+        out = run.layout.eval_staging(label, method) if final.metrics.exists() else final
         out.root.delete()  # one left by an evaluation cut short
-        staged.append((out, final))
+        if out is not final:
+            staged.append(out)
         keep = ["id", "question", "golden_answers", "method", "docs", "prompt", "slot_answers", "prediction", "answer",
                 *METRICS, "retrieval_skipped", "generator_calls", "trace"]
         out.predictions.write_table(plain_table(part[keep]))
@@ -107,12 +111,12 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
             "seconds": round(seconds, 2),
         }
         metrics["made_by"] = made_by(run, config, dataset, len(part), method, wb_version, base_index, router)
-        out.metrics.write_json(metrics)
         if rejects.num_rows:
             out.rejects.write_table(rejects)
+        out.metrics.write_json(metrics)
         results[method] = metrics
-    for out, final in staged:
-        final.root.replace_with(out.root)
+    for out in staged:
+        commit(out.root)
     print(format_table(f"{label} ({setting})", results), flush=True)
     return results
 

@@ -16,7 +16,7 @@ from wbrag_ray.models.hardware import gpus_usable
 from wbrag_ray.retrieval.docstore import DocStore, open_doc_store
 from wbrag_ray.retrieval.hits import Hit
 from wbrag_ray.retrieval.union import BASE, PROVENANCE, UnionRule, cut_union, read_provenance
-from wbrag_ray.storage import resolve
+from wbrag_ray.storage import committed, resolve
 
 
 def check_embedder(manifest: dict, index_dir: str, embedder: EmbedderConfig | None) -> None:
@@ -39,7 +39,8 @@ def documents(index_dir: str, manifest: dict, docs_dir: str | None) -> DocStore 
     docs = docs_dir or manifest.get("docs")
     if not docs:
         return None
-    loc = resolve(index_dir).join(docs) if "://" not in docs and not docs.startswith("/") else resolve(docs)
+    # a store redone after the index was built is read where its last commit put it (`storage.committed`)
+    loc = committed(resolve(index_dir).join(docs) if "://" not in docs and not docs.startswith("/") else resolve(docs))
     key = (loc.uri, manifest.get("unit", "passage"), content_identity(loc.uri))
     if key not in _STORES:
         _STORES[key] = open_doc_store(loc, key[1])

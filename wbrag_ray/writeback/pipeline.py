@@ -180,7 +180,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         build_index(
             folder.embed, folder.index, config.embedder.model, "writeback",
             IndexConfig(factory=wb.index_factory, gpu=False, target_recall=None),
-            docs=final.docs.uri,  # the manifest names its documents: the index folder is self-contained
+            docs=folder.docs.uri,  # the manifest names its documents, in the version committed with it
             parallel=False,
         )
         # each unit's source documents, for the provenance-aware union (retrieval.union)
