@@ -1,7 +1,8 @@
 """GPU shares and "auto" settings: what a config's "auto" GPU settings and counts become on a node inventory, as
 pure functions (tested without a GPU); the commands apply them on Ray's nodes (`resolve_auto_concurrency`), the
 plan on its stated cluster. Retrieval takes whole GPUs where that costs the generator at most `WHOLE_GPU_COST` of
-its replicas, else shares of the replicas' GPUs, vLLM's memory lowered to leave them room.
+its replicas, else shares of the replicas' GPUs, vLLM's memory lowered to leave them room. Over 400 lines: one
+set of rules on the same inventory, each calling the others.
 """
 
 from __future__ import annotations
@@ -278,10 +279,8 @@ def best_fit_node(free: dict[str, float], need: float) -> str | None:
 
 
 def retrieval_waits_for_engine(generator, retrieval_gpus: float) -> bool:
-    """Whether GPU retrieval must start only once the engine is ready: vLLM counts every drop of a GPU's free memory
-    from its start to the end of its memory profiling as its own (a KV cache that silently shrinks), and aborts if
-    memory is freed meanwhile. Retrieval shares beside a vLLM replica on GPUs therefore wait, unless the engine's
-    KV cache is sized by `kv_cache_memory_bytes`, which skips the profiling."""
+    """Whether GPU retrieval starts only once the engine is ready: vLLM takes any drop of free GPU memory during its
+    memory profiling for its own, and aborts if memory is freed then (none with `kv_cache_memory_bytes`)."""
     return (generator.backend == "vllm" and generator.num_gpus > 0 and retrieval_gpus > 0
             and "kv_cache_memory_bytes" not in generator.vllm_engine_kwargs)
 
