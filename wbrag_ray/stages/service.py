@@ -220,7 +220,7 @@ class Services:
         """Block until `stage`'s service has set its model up (each actor's constructor has returned)."""
         import ray
 
-        ray.get([actor.setup_count.remote() for actor in self._service(stage).actors])
+        ray.get([actor.stat.remote("setups") for actor in self._service(stage).actors])
 
     def _service(self, stage: Stage) -> StageService:
         """The live service of `stage`'s kind, set for its pass: a pass with another key is set up in the same
