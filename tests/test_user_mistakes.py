@@ -161,6 +161,7 @@ def test_an_evaluation_is_never_silently_replaced(demo_run, capsys):
     assert main([*args, "--set", "generator.max_new_tokens=8", "--force"]) == 0
     stats = folder.stats("eval-qa")
     assert stats["settings"]["config"]["generator"]["max_new_tokens"] == 8
+    result = folder.layout.eval_result("qa", "naive")  # the version the commit now names (a reader resolves again)
     assert result.metrics.read_json()["generator"]["max_new_tokens"] == 8
     assert stats["methods"]["naive"] == result.metrics.read_json()
 
