@@ -222,7 +222,7 @@ def _method_departures(config: WbragConfig, paper: str | None, dataset: str | No
             source=FLASHRAG)
     add(WRITEBACK, "distillation is two calls, extract then rewrite from the extract only (the WriteBack-RAG paper: "
                    "one distillation of the retained documents)", "wb.distiller")
-    # ground_extraction's min_overlap and fallback, parse_unit's answer-lead rule (writeback/distill.py)
+    # ground_extraction's MIN_OVERLAP and fallback, parse_unit's answer-lead rule (writeback/distill.py)
     add(WRITEBACK, "the distiller's output is grounded by heuristics: each extracted sentence replaced by the source "
                    "sentence holding at least 0.6 of its words, the two source sentences nearest the question where "
                    "none does, a leading 'The answer is' stripped from the unit (the WriteBack-RAG paper: the "
