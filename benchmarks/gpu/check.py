@@ -1114,23 +1114,11 @@ def ray_train_multi_gpu(run: Run) -> None:
     report("ray train fsdp vs ddp largest relative loss gap", gap, "", 5)
 
 
-def load_gpu_clone_rule():
-    """wbrag_ray/index/gpu_clone.py, loaded by its path: the rule the search actors clone shards with, which
-    imports nothing but faiss (the package's own __init__ would pull the project's dependencies)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "wbrag_ray" / "index" / "gpu_clone.py"
-    spec = importlib.util.spec_from_file_location("gpu_clone", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def faiss_gpu_clone(run: Run) -> None:
     """The index types `index.factory: auto` picks, cloned to the GPU: once with faiss's default options (PQ96 and
-    an HNSW coarse quantizer are expected to fail there) and once with the project's (`gpu_clone.py`); then the
-    same queries on the CPU index and the GPU one: queries/s of each, and how many top-10 ids they share."""
+    an HNSW coarse quantizer are expected to fail there) and once by the search actors' own `gpu_clone.to_gpu`
+    (the options each index needs, faiss's scratch memory capped at GPU_TEMP_MEMORY_BYTES, no CPU fallback); then
+    the same queries on the CPU index and the GPU one: queries/s of each, and how many top-10 ids they share."""
     import importlib.util
 
     if importlib.util.find_spec("faiss") is None:
@@ -1140,7 +1128,8 @@ def faiss_gpu_clone(run: Run) -> None:
 
     if not hasattr(faiss, "GpuMultipleClonerOptions") or faiss.get_num_gpus() == 0:
         skip("faiss gpu clone", f"faiss {faiss.__version__}: no GPU support or no GPU visible")
-    rule = load_gpu_clone_rule()
+    from wbrag_ray.index import gpu_clone
+
     report("faiss version", faiss.__version__)
     # small lists: the clone and search are what is checked, and PQ96's training alone takes minutes on few cores
     dim, nlist = (192, 64) if run.quick else (768, 256)
@@ -1157,16 +1146,16 @@ def faiss_gpu_clone(run: Run) -> None:
         cpu.train(train)
         cpu.add(base)
         faiss.ParameterSpace().set_index_parameter(cpu, "nprobe", 32)
-        report(f"{factory} options", ", ".join(k for k, v in rule.gpu_clone_settings(cpu).items() if v) or "none")
+        report(f"{factory} options", ", ".join(k for k, v in gpu_clone.gpu_clone_settings(cpu).items() if v) or "none")
         try:
             faiss.index_cpu_to_all_gpus(cpu)
             report(f"{factory} clone with faiss's defaults", "ok")
         except RuntimeError as exc:
             report(f"{factory} clone with faiss's defaults", f"fails: {one_line(exc)}")
-        options, missing = rule.cloner_options(cpu)
+        missing = gpu_clone.cloner_options(cpu)[1]
         if missing:
             report(f"{factory} options this faiss lacks", ", ".join(missing))
-        gpu = faiss.index_cpu_to_all_gpus(cpu, co=options)
+        gpu = gpu_clone.to_gpu(cpu, factory, required=True)  # raises GpuCloneError where it cannot go
         faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", 32)
         start = time.perf_counter()
         _, cpu_ids = cpu.search(queries, 10)
@@ -1204,7 +1193,8 @@ PROVES = {
     "ray train lm pruner": "the LM pruner's Ray Train job trains and checkpoints on a GPU worker",
     "ray train multi-gpu": "the multi-GPU placements train, each worker on its own GPUs",
     "vllm engine feed": "calls fed to one engine at once answer as calls sent one at a time",
-    "faiss gpu clone": "the project's GPU clone options search as faiss's defaults do",
+    "faiss gpu clone": "the search actors' own clone (gpu_clone.to_gpu: the options each index needs, capped scratch "
+                       "memory) puts the auto factories on the GPU; their top-10 overlap with the CPU index is printed",
 }
 # The sections that run the project's own code: they come first, so no time budget ever skips them.
 PROJECT_SECTIONS = ("placement rules", "fsdp step", "one-worker fsdp", "hf generation")
