@@ -86,16 +86,19 @@ class EnvProbe(Stage):
         return batch
 
 
-def local_state_api() -> None:
-    """Start a local cluster as a `wbrag` command does (`init_ray`, no address) and print what a worker of it
-    learns from the State API about an actor of it: what Ray Train's placement-group cleaner asks each second
-    about the training's controller."""
+def local_state_api(trains: bool) -> None:
+    """Start a local cluster as a `wbrag` command does (`init_ray`, no address) and print its dashboard's address
+    and, where the command `trains`, what a worker of it learns from the State API about an actor of it: what Ray
+    Train's placement-group cleaner asks each second about the training's controller."""
     import ray
 
     from wbrag_ray.config import RayConfig
     from wbrag_ray.ray_runtime import init_ray
 
-    init_ray(RayConfig(num_cpus=2))
+    init_ray(RayConfig(num_cpus=2), trains=trains)
+    if not trains:
+        print(json.dumps({"dashboard": ray._private.worker.get_dashboard_url()}))
+        return
 
     @ray.remote(num_cpus=0)
     class Alive:
@@ -113,15 +116,16 @@ def local_state_api() -> None:
     print(json.dumps({"state": ray.get(state_of.remote(actor._actor_id.hex()))}))
 
 
-def test_a_local_clusters_workers_reach_its_state_api_beside_other_clusters_on_the_machine(ray_cluster):
+@pytest.mark.parametrize("mode", ["local-training", "local"])
+def test_a_local_clusters_workers_reach_its_state_api_beside_other_clusters_where_it_trains(ray_cluster, mode):
     """Here beside the session's own cluster (and the other test worker's): a worker that looked for "the" cluster
     among the machine's failed ("Found multiple active Ray instances"), and one of a cluster started without its
-    dashboard had no State API to ask."""
+    dashboard had no State API to ask. A command that does not train starts no dashboard (about 1 GB)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    out = subprocess.run([sys.executable, "-m", "tests.test_worker_env", "local"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "tests.test_worker_env", mode], capture_output=True, text=True,
                          timeout=180, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert last_json_line(out.stdout) == {"state": "ALIVE"}
+    assert last_json_line(out.stdout) == ({"state": "ALIVE"} if mode == "local-training" else {"dashboard": ""})
 
 
 def main(mode: str) -> None:
@@ -171,4 +175,7 @@ def test_the_level_reaches_the_vllm_workers_of_a_joined_cluster_and_no_other_wor
 
 
 if __name__ == "__main__":
-    local_state_api() if sys.argv[1] == "local" else main(sys.argv[1])
+    if sys.argv[1].startswith("local"):
+        local_state_api(trains=sys.argv[1] == "local-training")
+    else:
+        main(sys.argv[1])

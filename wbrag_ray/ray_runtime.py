@@ -239,8 +239,9 @@ def vllm_env(verbose: bool | None = None) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in job_env}
 
 
-def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
-    """Join `ray.address` (or RAY_ADDRESS), else start a local cluster; check `run_dir` reaches every node."""
+def init_ray(config: RayConfig, run_dir: str | None = None, trains: bool = False) -> None:
+    """Join `ray.address` (or RAY_ADDRESS), else start a local cluster (with its dashboard where the command
+    `trains`: `_start_local`); check `run_dir` reaches every node."""
     PENDING_TIMEOUT_S["seconds"] = config.pending_timeout_s
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
@@ -264,7 +265,7 @@ def init_ray(config: RayConfig, run_dir: str | None = None) -> None:
             # "local", not None: ray.init(None) would silently join the last cluster `ray start` made here.
             if not logging.getLogger().isEnabledFor(logging.DEBUG):  # -v: each worker's model-loading bars
                 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the local workers inherit it
-            _start_local(config.num_cpus, kwargs)
+            _start_local(config.num_cpus, kwargs, trains)
     configure_data_context()
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -280,9 +281,11 @@ class _AuthDefaultNote(logging.Filter):
         return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
 
-def _start_local(num_cpus: int | None, kwargs: dict) -> None:
-    """A local cluster whose processes find its dashboard on a port of its own (RAY_API_SERVER_ADDRESS): Ray
-    Train's placement-group cleaner asks it whether a controller lives, and warned each second without one."""
+def _start_local(num_cpus: int | None, kwargs: dict, dashboard: bool) -> None:
+    """A local cluster; with a dashboard on a port of its own (RAY_API_SERVER_ADDRESS) only where Ray Train runs:
+    its placement-group cleaner asks the dashboard's State API each second whether the controller lives, and
+    warns each second without one. Elsewhere the dashboard's processes are about 1 GB of memory for nothing
+    (benchmarks/RESULTS.md)."""
     import socket
 
     import ray
@@ -290,6 +293,9 @@ def _start_local(num_cpus: int | None, kwargs: dict) -> None:
     auth = logging.getLogger(_AuthDefaultNote.LOGGER)
     if not any(isinstance(f, _AuthDefaultNote) for f in auth.filters):
         auth.addFilter(_AuthDefaultNote())
+    if not dashboard:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        return
     with socket.socket() as probe:  # a free port (another cluster's dashboard may hold Ray's 8265)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -32,7 +32,7 @@ def start(run: RunLike, config: WbragConfig, force: bool = False) -> RunFolder:
 def join_ray(run: RunFolder, config: WbragConfig) -> None:
     """Join or start Ray; on a multi-node cluster refuse paths the other nodes cannot read; decide "auto" counts."""
     check_model_shapes(config.generator, config.zerorag.qa_generator)
-    init_ray(config.ray, run.uri)
+    init_ray(config.ray, run.uri, trains=config.zerorag.enabled)  # Zero-RAG trains its pruner and tuning
     check_model_paths(config)
     import ray  # here, not at the top: a command refused before it joins Ray never imports it
 

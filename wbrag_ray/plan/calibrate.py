@@ -248,7 +248,7 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
     from wbrag_ray.ray_runtime import init_ray
 
     started = ray.is_initialized()
-    init_ray(config.ray)
+    init_ray(config.ray, trains=True)  # it times a training step under Ray Train
     date = time.strftime("%Y-%m-%d %H:%M")
     records = []
     if not started and not (config.ray.address or os.environ.get("RAY_ADDRESS")):
