@@ -166,6 +166,31 @@ def test_an_evaluation_is_never_silently_replaced(demo_run, capsys):
     assert stats["methods"]["naive"] == result.metrics.read_json()
 
 
+def test_a_method_added_under_an_evaluations_name_computes_only_its_rows(demo_run_copy, capsys):
+    """`--methods no-retrieval` after `--methods naive` under one name: the naive results stay as they are (the
+    same files), only the closed-book rows are answered, and the stage then holds both; a setting that changes
+    answers is still refused, and a rerun of either method prints the stored table."""
+    run, qa = demo_run_copy
+    folder = RunFolder(str(run))
+    naive = folder.layout.eval_result("qa", "naive")
+    naive_files = snapshot(Path(naive.root.path))
+    # the settings its results were made with (a test before may have replaced them with --force)
+    made = folder.stats("eval-qa")["settings"]["config"]["generator"]["max_new_tokens"]
+    args = ["eval", str(run), "--dataset", str(qa), "--name", "qa", "--set", f"generator.max_new_tokens={made}"]
+    assert_refused_fast([*args, "--methods", "no-retrieval", "--set", "generator.max_new_tokens=5"], "other settings",
+                        "max_new_tokens: ", " -> 5")
+    capsys.readouterr()
+    assert main([*args, "--methods", "no-retrieval"]) == 0
+    out = capsys.readouterr().out
+    assert "[eval-qa] adding no-retrieval to the stored naive" in out and "results on qa, every method" in out
+    assert snapshot(Path(naive.root.path)) == naive_files  # not answered again
+    closed_book = folder.layout.eval_result("qa", "no-retrieval").metrics.read_json()
+    assert closed_book["n"] == naive.metrics.read_json()["n"] and closed_book["method"] == "no-retrieval"
+    assert set(folder.stats("eval-qa")["methods"]) == {"naive", "no-retrieval"}
+    assert main([*args, "--methods", "naive,no-retrieval"]) == 0
+    assert "[eval-qa] complete, skipped" in capsys.readouterr().out
+
+
 # --- 4. names stay inside the run ---------------------------------------------------------------------------
 
 

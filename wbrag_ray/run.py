@@ -255,8 +255,11 @@ class RunFolder:
         previous = (self.stats(name) or {}).get("settings") if self.is_complete(name) else None
         if not isinstance(previous, dict) or "config" not in previous:
             return []
-        # a setting the making version did not have is no change: an upgrade does not refuse older run folders
+        # a setting the making version did not have is no change: an upgrade does not refuse older run folders; nor
+        # is one this version no longer records (it no longer shapes the output: the evaluation's methods)
         fingerprint = {**fingerprint, "config": _recorded_only(fingerprint.get("config"), previous["config"])}
+        if isinstance(previous["config"], dict):
+            previous = {**previous, "config": {k: v for k, v in previous["config"].items() if k in fingerprint["config"]}}
         if only_config:
             previous = {"config": previous["config"]}
         elif "params" not in previous:  # recorded before the stage recorded its parameters (ingest's corpus)

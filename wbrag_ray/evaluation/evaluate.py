@@ -130,17 +130,28 @@ def scored_answers(part: pd.DataFrame, form: str | None) -> list[str]:
 
 def evaluate_stage(run: RunFolder, config: WbragConfig, dataset: str, label: str, force: bool = False,
                    passes: GeneratorPasses | None = None, **kwargs: Any) -> dict[str, Any]:
-    """`evaluate` as a run-folder stage: a rerun with the same settings prints the stored table."""
+    """`evaluate` as a run-folder stage: a rerun with the same settings prints the stored table; methods the
+    complete evaluation of the same settings lacks are answered alone and added to it."""
     params = eval_params(label, dataset, kwargs, config, run)
+    name = EVAL.instance(params)
+    stored = {} if force or not run.is_complete(name) else (run.stats(name) or {}).get("methods", {})
+    missing = [m for m in config.eval.methods if m not in stored]
+    if stored and missing:
+        run.check(EVAL, config, params)  # other settings than the stored methods' are still refused
+        print(f"[{name}] adding {', '.join(missing)} to the stored {', '.join(stored)}", flush=True)
+        config = config.model_copy(update={"eval": config.eval.model_copy(update={"methods": missing})})
 
     def work() -> dict[str, Any]:
         results = evaluate(run, config, dataset, label, passes=passes, **kwargs)
         first = next(iter(results.values()))
         return {"rows_in": first["n"] + first["rejected_questions"], "rows_out": first["n"],
-                "rows_rejected": first["rejected_questions"], "methods": results}
+                "rows_rejected": first["rejected_questions"], "methods": {**stored, **results}}
 
-    return run.execute(EVAL, config, work, params=params, force=force,
-                       on_skip=lambda stats: print(format_table(label, stats.get("methods", {})), flush=True))
+    stats = run.execute(EVAL, config, work, params=params, force=force or bool(stored and missing),
+                        on_skip=lambda stats: print(format_table(label, stats.get("methods", {})), flush=True))
+    if stored and missing:
+        print(format_table(f"{label}, every method", stats["methods"]), flush=True)
+    return stats
 
 
 def format_table(name: str, results: dict[str, dict[str, Any]]) -> str:

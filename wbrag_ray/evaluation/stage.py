@@ -12,10 +12,12 @@ from wbrag_ray.retrieval.union import OWN_SETTING, UnionRule
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import resolve
 
-# Results are never silently replaced: other settings under the same label are refused, naming what changed.
+# Results are never silently replaced: other settings under the same label are refused, naming what changed. The
+# methods are not a setting: each method's rows are its own, and a method the label lacks is added to it
+# (`evaluate_stage`).
 EVAL = RunStage(
     "eval-{label}",
-    settings=("eval.methods", "eval.limit", "eval.answer_form", "retrieval", "rag", "generator", "embedder", "index.nprobe",
+    settings=("eval.limit", "eval.answer_form", "retrieval", "rag", "generator", "embedder", "index.nprobe",
               "index.ef_search", "index.k_factor"),
     uses=(INDEX,),
     # the union of base and write-back hits matters only beside a write-back index: a parameter there
