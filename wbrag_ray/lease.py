@@ -4,6 +4,7 @@ Every write below the folder checks the lease is still its own (fencing; docs/ar
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import datetime
 import json
@@ -207,8 +208,6 @@ class RunLease:
             except LeaseLost:
                 log.debug("the lease of %s was taken: interrupting the command", self.root.uri)
                 if self._interrupts and not self._stop.is_set():
-                    import _thread
-
                     _thread.interrupt_main(LOST_SIGNAL)  # raises LeaseLost in the main thread (`_on_lost_signal`)
                 return
             except Exception as exc:  # noqa: BLE001 - a missed beat (storage hiccup) is retried next time
