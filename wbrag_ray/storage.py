@@ -54,15 +54,11 @@ def s3_region() -> str | None:
 
 def _s3_filesystem() -> pafs.S3FileSystem:
     _check_s3_credentials(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
-    endpoint = s3_endpoint()
-    kwargs: dict[str, Any] = {}
+    endpoint, region = s3_endpoint(), s3_region()
+    kwargs: dict[str, Any] = {"region": region} if region else {}
     if endpoint:
-        scheme = "https" if endpoint.startswith("https://") else "http"
-        kwargs["endpoint_override"] = endpoint.split("://", 1)[-1]
-        kwargs["scheme"] = scheme
-    region = s3_region()
-    if region:
-        kwargs["region"] = region
+        kwargs.update(endpoint_override=endpoint.split("://", 1)[-1],
+                      scheme="https" if endpoint.startswith("https://") else "http")
     return pafs.S3FileSystem(**kwargs)
 
 
@@ -493,11 +489,6 @@ LOCAL_FUSE = frozenset({"fuse.lxcfs", "fuse.fuse-overlayfs", "fuse.gvfsd-fuse", 
                         "fuse.squashfuse", "fuse.xdg-document-portal", "fuse.appimagelauncherfs"})
 
 
-def _unescape_mount(field: str) -> str:
-    """/proc/mounts writes space, tab, newline and backslash in paths as octal escapes (\\040 ...)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def mount_of(path: str, mounts: str | None = None) -> tuple[str, str] | None:
     """(mount point, filesystem type) holding local `path`, from /proc/mounts; None where unreadable."""
     if mounts is None:
@@ -512,7 +503,8 @@ def mount_of(path: str, mounts: str | None = None) -> tuple[str, str] | None:
         fields = line.split()
         if len(fields) < 3:
             continue
-        point, fstype = _unescape_mount(fields[1]), fields[2]
+        # /proc/mounts writes space, tab, newline and backslash in paths as octal escapes (\040 ...)
+        point, fstype = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]), fields[2]
         inside = point == "/" or real == point or real.startswith(point.rstrip("/") + "/")
         # the longest mount point wins; among equal ones the later line (a mount over a mount)
         if inside and (best is None or len(point) >= len(best[0])):
