@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from wbrag_ray.layout import RunLayout
-from wbrag_ray.lease import LeaseHeld, RunLease, _Store
-from wbrag_ray.storage import resolve
+from wbrag_ray.lease import LeaseHeld, RunLease, read_lease
+from wbrag_ray.storage import put_if, resolve
 
 WBRAG = str(Path(sys.executable).parent / "wbrag")
 HOLDER = "wbrag eval RUN --dataset nq-test (the first writer)"
@@ -34,7 +34,7 @@ def run_uri(request, tmp_path):
 
 
 def lease_record(uri: str) -> dict | None:
-    current = _Store(RunLayout(resolve(uri)).lease).read()
+    current = read_lease(RunLayout(resolve(uri)).lease)
     return None if current is None else current[0]
 
 
@@ -80,7 +80,7 @@ def test_another_hosts_lease_is_taken_over_only_after_its_heartbeat_expired(run_
     root.mkdir()
     planted = {"holder": "wbrag run jobs/configs/paper.yaml", "host": "another-node", "pid": 4242,
                "start": time.time(), "heartbeat": time.time(), "ttl_s": 2.0, "token": "theirs"}
-    assert _Store(RunLayout(root).lease).create(json.dumps(planted).encode())
+    assert put_if(RunLayout(root).lease, json.dumps(planted).encode())
     with pytest.raises(LeaseHeld, match="being written by another command: `wbrag run jobs/configs/paper.yaml` "
                                         r"\(host another-node, pid 4242"):
         RunLease(root, "wbrag embed RUN").acquire()
@@ -124,13 +124,13 @@ def test_the_lease_is_created_only_where_none_is_and_replaced_only_where_it_is_s
     bytes compared under a host lock / If-Match)."""
     root = resolve(run_uri)
     root.mkdir()
-    store = _Store(RunLayout(root).lease)
-    assert store.create(b'{"token": "a"}') and not store.create(b'{"token": "b"}')
-    record, version_a = store.read()
+    lease = RunLayout(root).lease
+    assert put_if(lease, b'{"token": "a"}') and not put_if(lease, b'{"token": "b"}')
+    record, version_a = read_lease(lease)
     assert record == {"token": "a"}
-    assert store.replace(b'{"token": "c"}', version_a)  # the version read: replaced
-    assert not store.replace(b'{"token": "d"}', version_a)  # read before c replaced it: refused
-    assert store.read()[0] == {"token": "c"}
+    assert put_if(lease, b'{"token": "c"}', version_a)  # the version read: replaced
+    assert not put_if(lease, b'{"token": "d"}', version_a)  # read before c replaced it: refused
+    assert read_lease(lease)[0] == {"token": "c"}
 
 
 def test_writers_starting_at_the_same_moment_get_one_lease(run_uri):

@@ -3,6 +3,7 @@ tests reach a file through these classes, each deriving paths from a root Locati
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from wbrag_ray.config import ConfigError
@@ -14,8 +15,6 @@ DEDUPE_PREFIX = "dedupe-"  # rejects files of passages dropped as duplicate ids,
 
 def plain_name(value: str, what: str, reserved: tuple[str, ...] = ()) -> str:
     """A user's name that becomes a folder name in the run: letters, digits, '-', '_', '.', not leading '.' or '-'."""
-    import re
-
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value or "") or value in reserved:
         taken = f" (not {', '.join(repr(r) for r in reserved)})" if reserved else ""
         raise ConfigError(f"{what} {value!r} is not a plain name: use letters, digits, '-', '_' and '.', starting with "

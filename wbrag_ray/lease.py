@@ -4,6 +4,7 @@ Every write below the folder checks the lease is still its own (fencing; docs/ar
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import datetime
 import json
@@ -16,7 +17,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from wbrag_ray.config import ConfigError
@@ -73,34 +73,17 @@ def held_message(uri: str, record: dict[str, Any], lease_uri: str) -> str:
             "last heartbeat)")
 
 
-# --- the store: create where absent, replace only the version read ------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Store:
-    """The lease object, written by the conditional writes a commit's pointer uses too (`storage.put_if`)."""
-
-    loc: Location
-
-    def read(self) -> tuple[dict[str, Any], Any] | None:
-        """(record, version) or None; the version is what a replace compares (an ETag, or the bytes)."""
-        got = read_versioned(self.loc)
-        return None if got is None else (_parse(got[0]), got[1])
-
-    def create(self, data: bytes) -> bool:
-        return put_if(self.loc, data)
-
-    def replace(self, data: bytes, version: Any) -> bool:
-        """Write `data` only where the lease is still `version`; False otherwise (or the host lock stays held)."""
-        return put_if(self.loc, data, version)
-
-
-def _parse(data: bytes) -> dict[str, Any]:
+def read_lease(loc: Location) -> tuple[dict[str, Any], Any] | None:
+    """(record, version) of the lease at `loc`, or None; the version is what `storage.put_if` compares (an ETag, or
+    the bytes): a lease is created and replaced by the conditional writes a commit's pointer uses too."""
+    got = read_versioned(loc)
+    if got is None:
+        return None
     try:
-        record = json.loads(data.decode("utf-8"))
+        record = json.loads(got[0].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         record = None
-    return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}
+    return record if isinstance(record, dict) else {"holder": "an unreadable lease", "heartbeat": 0}, got[1]
 
 
 # --- the lease ------------------------------------------------------------------------------------------------
@@ -111,7 +94,7 @@ class RunLease:
 
     def __init__(self, root: Location, holder: str):
         self.root = root
-        self.store = _Store(RunLayout(root).lease)
+        self.lease = RunLayout(root).lease
         self.ttl = float(os.environ.get("WBRAG_LEASE_TTL", DEFAULT_TTL_S))
         now = time.time()
         self.record = {"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "start": now,
@@ -136,27 +119,27 @@ class RunLease:
             self.created_root = True
         try:
             for _ in range(5):  # a few rounds: another writer may create or replace it between a read and a write
-                current = self.store.read()
+                current = read_lease(self.lease)
                 if current is None:
-                    if self.store.create(self._data()):
+                    if put_if(self.lease, self._data()):
                         break
                     continue
                 record, version = current
                 why = stale_reason(record)
                 if why is None:
-                    raise LeaseHeld(held_message(self.root.uri, record, self.store.loc.uri))
-                if self.store.replace(self._data(), version):
+                    raise LeaseHeld(held_message(self.root.uri, record, self.lease.uri))
+                if put_if(self.lease, self._data(), version):
                     print(f"took over the stale lease of `{record.get('holder')}` on {self.root.uri} ({why})",
                           file=sys.stderr, flush=True)
                     break
             else:
-                current = self.store.read()
+                current = read_lease(self.lease)
                 raise LeaseHeld(held_message(self.root.uri, current[0] if current else {"holder": "another command"},
-                                             self.store.loc.uri))
+                                             self.lease.uri))
         except BaseException:
             self._remove_created_root()
             raise
-        self.version = self.store.read()[1]  # type: ignore[index]
+        self.version = read_lease(self.lease)[1]  # type: ignore[index]
         self.renewed = time.time()
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(LOST_SIGNAL, self._on_lost_signal)
@@ -174,14 +157,14 @@ class RunLease:
             started = time.time()
             self.record["heartbeat"] = started
             data = self._data()
-            if not self.store.replace(data, self.version):
+            if not put_if(self.lease, data, self.version):
                 self.lost = self._lost_message(started)
                 raise LeaseLost(self.lost)
-            self.version = data if self.root.is_local else self.store.read()[1]  # type: ignore[index]
+            self.version = data if self.root.is_local else read_lease(self.lease)[1]  # type: ignore[index]
             self.renewed = started
 
     def _lost_message(self, now: float) -> str:
-        current = self.store.read()
+        current = read_lease(self.lease)
         record = current[0] if current is not None else {}
         taker = (f"`{record.get('holder')}` (host {record.get('host')}, pid {record.get('pid')})" if record
                  else "another command (which has since given it back)")
@@ -193,7 +176,7 @@ class RunLease:
     def fence(self, loc: Location | None = None, commit: bool = False) -> None:
         """Refuse a write below the run folder where the lease was taken; a commit, or a write after half the TTL,
         renews it first (a conditional write on the version held)."""
-        if loc is not None and loc.path == self.store.loc.path:
+        if loc is not None and loc.path == self.lease.path:
             return
         if self.lost is not None:
             raise LeaseLost(self.lost)
@@ -207,8 +190,6 @@ class RunLease:
             except LeaseLost:
                 log.debug("the lease of %s was taken: interrupting the command", self.root.uri)
                 if self._interrupts and not self._stop.is_set():
-                    import _thread
-
                     _thread.interrupt_main(LOST_SIGNAL)  # raises LeaseLost in the main thread (`_on_lost_signal`)
                 return
             except Exception as exc:  # noqa: BLE001 - a missed beat (storage hiccup) is retried next time
@@ -226,9 +207,9 @@ class RunLease:
         if self._interrupts:
             signal.signal(LOST_SIGNAL, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
             self._interrupts = False
-        current = self.store.read()
+        current = read_lease(self.lease)
         if current is not None and current[0].get("token") == self.record["token"]:
-            self.store.loc.delete()
+            self.lease.delete()
         self._remove_created_root()
 
     def _remove_created_root(self) -> None:

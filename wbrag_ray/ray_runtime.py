@@ -8,8 +8,11 @@ import contextlib
 import json
 import logging
 import os
+import random
 import resource
+import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -122,9 +125,6 @@ def end_child_processes(timeout_s: float = 1.0) -> list[int]:
 def call_actor(actors: list, method: str, *args, attempts: int = 6):
     """`actors[i].<method>(*args)` on one of interchangeable actors, chosen at random; a call that meets a lost
     actor is sent again to the next one after a back-off (the methods are pure)."""
-    import random
-    import time
-
     import ray
 
     order = random.sample(actors, len(actors))
@@ -286,8 +286,6 @@ def _start_local(num_cpus: int | None, kwargs: dict, dashboard: bool) -> None:
     its placement-group cleaner asks the dashboard's State API each second whether the controller lives, and
     warns each second without one. Elsewhere the dashboard's processes are about 1 GB of memory for nothing
     (benchmarks/RESULTS.md)."""
-    import socket
-
     import ray
 
     auth = logging.getLogger(_AuthDefaultNote.LOGGER)
@@ -395,8 +393,6 @@ def configure_data_context() -> None:
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds, not minutes: ray.init keeps retrying an address where nothing listens."""
-    import socket
-
     if address == "auto" or address.startswith("local"):
         return
     hostport = address.split("://", 1)[-1].rstrip("/")

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
+import hashlib
 import json
 import os
 import posixpath
 import re
+import shutil
 import signal
+import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -49,15 +54,11 @@ def s3_region() -> str | None:
 
 def _s3_filesystem() -> pafs.S3FileSystem:
     _check_s3_credentials(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
-    endpoint = s3_endpoint()
-    kwargs: dict[str, Any] = {}
+    endpoint, region = s3_endpoint(), s3_region()
+    kwargs: dict[str, Any] = {"region": region} if region else {}
     if endpoint:
-        scheme = "https" if endpoint.startswith("https://") else "http"
-        kwargs["endpoint_override"] = endpoint.split("://", 1)[-1]
-        kwargs["scheme"] = scheme
-    region = s3_region()
-    if region:
-        kwargs["region"] = region
+        kwargs.update(endpoint_override=endpoint.split("://", 1)[-1],
+                      scheme="https" if endpoint.startswith("https://") else "http")
     return pafs.S3FileSystem(**kwargs)
 
 
@@ -268,8 +269,6 @@ class Location:
         """A local path holding this folder's files: itself on local disk, else a cached download."""
         if self.is_local:
             return self.path
-        import hashlib
-
         # keyed by names, sizes and times too: a folder rewritten in place is fetched again
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
         listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
@@ -427,9 +426,6 @@ def cache_root() -> str:
 
 def lock_path(path: str, suffix: str = ".lock") -> str:
     """This host's lock file for `path`: apart from it, and kept (removing an open one would let a third process in)."""
-    import hashlib
-    import tempfile
-
     locks = os.path.join(tempfile.gettempdir(), "wbrag-locks")
     os.makedirs(locks, exist_ok=True)
     return os.path.join(locks, hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:20] + suffix)
@@ -439,9 +435,6 @@ def lock_path(path: str, suffix: str = ".lock") -> str:
 def host_lock(path: str, suffix: str = ".lock", wait_s: float | None = None) -> Iterator[None]:
     """This host's lock on `path` (`lock_path`), released at the block's end or when the process dies; waited for,
     or for at most `wait_s` seconds (then TimeoutError: a process that does not answer holds it)."""
-    import fcntl
-    import time
-
     with open(lock_path(path, suffix), "w") as lock:
         deadline = None if wait_s is None else time.monotonic() + wait_s
         while True:
@@ -458,8 +451,6 @@ def host_lock(path: str, suffix: str = ".lock", wait_s: float | None = None) -> 
 
 def node_cached(dest: str, build: Callable[[str], None]) -> str:
     """`dest`, made by `build(tmp)` once per node under this host's lock and renamed into place."""
-    import shutil
-
     if os.path.exists(dest):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -482,8 +473,6 @@ def node_local_dir(uri: str | os.PathLike[str]) -> str:
     that loads the files: a driver's cache path does not exist on other nodes."""
     loc = resolve(uri)
     if loc.is_local and not os.path.exists(loc.path):
-        import socket
-
         raise ConfigError(
             f"{loc.uri} does not exist on node {socket.gethostname()}: on a cluster, a local path must be on a "
             "filesystem every node mounts at the same path; or put the folder on object storage (s3://...)"
@@ -500,13 +489,6 @@ LOCAL_FUSE = frozenset({"fuse.lxcfs", "fuse.fuse-overlayfs", "fuse.gvfsd-fuse", 
                         "fuse.squashfuse", "fuse.xdg-document-portal", "fuse.appimagelauncherfs"})
 
 
-def _unescape_mount(field: str) -> str:
-    """/proc/mounts writes space, tab, newline and backslash in paths as octal escapes (\\040 ...)."""
-    import re
-
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def mount_of(path: str, mounts: str | None = None) -> tuple[str, str] | None:
     """(mount point, filesystem type) holding local `path`, from /proc/mounts; None where unreadable."""
     if mounts is None:
@@ -521,7 +503,8 @@ def mount_of(path: str, mounts: str | None = None) -> tuple[str, str] | None:
         fields = line.split()
         if len(fields) < 3:
             continue
-        point, fstype = _unescape_mount(fields[1]), fields[2]
+        # /proc/mounts writes space, tab, newline and backslash in paths as octal escapes (\040 ...)
+        point, fstype = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]), fields[2]
         inside = point == "/" or real == point or real.startswith(point.rstrip("/") + "/")
         # the longest mount point wins; among equal ones the later line (a mount over a mount)
         if inside and (best is None or len(point) >= len(best[0])):

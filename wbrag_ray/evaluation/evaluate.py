@@ -163,7 +163,7 @@ def format_table(name: str, results: dict[str, dict[str, Any]]) -> str:
 
 def load_results(run: RunFolder) -> dict[str, dict[str, Any]]:
     """Every evaluated method's metrics under RUN/eval, by folder name."""
-    return {r.root.name: r.metrics.read_json() for r in run.layout.eval_results() if r.metrics.exists()}
+    return {r.root.name: r.metrics.read_json() for r in run.layout.eval_results()}  # each with its metrics
 
 
 def _evaluation_step(writeback: bool) -> Step:

@@ -21,7 +21,7 @@ from wbrag_ray.retrieval.union import UnionRule
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import Location, resolve
 
-FORMATS = ("flashrag", "langchain", "llamaindex")
+FORMATS = {"flashrag": flashrag, "langchain": langchain, "llamaindex": llamaindex}  # each format's writer module
 
 
 def export_kb(run: RunFolder, config: WbragConfig, format: str, out: str | Location, *,
@@ -83,7 +83,7 @@ def _write_in_task(format: str, view, out_uri: str, config: WbragConfig) -> tupl
 
 def _writer(format: str):
     """The format's module, after checking that its library is installed (before any file is written)."""
-    module = {"flashrag": flashrag, "langchain": langchain, "llamaindex": llamaindex}[format]
+    module = FORMATS[format]
     try:
         for name in getattr(module, "NEEDS", ()):
             importlib.import_module(name)

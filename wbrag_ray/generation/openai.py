@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from wbrag_ray.config import ConfigError
@@ -35,8 +37,6 @@ class OpenAIGenerator(Generator):
         self.api_key = os.environ.get(self.config.api_key_env, "")
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import urllib.request
-
         req = urllib.request.Request(
             self.config.base_url.rstrip("/") + path,
             data=json.dumps(body).encode(),
@@ -65,8 +65,6 @@ class OpenAIGenerator(Generator):
         return text, steps, choice.get("finish_reason") == "stop"
 
     def _map(self, fn, prompts: list[Prompt]) -> list:
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max_workers=min(16, len(prompts) or 1)) as pool:
             return list(pool.map(fn, prompts))
 

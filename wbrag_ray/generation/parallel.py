@@ -5,6 +5,8 @@ CPUs a tensor-parallel replica's ranks are vLLM's worker processes on one node, 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import uuid
 import weakref
 
@@ -31,9 +33,6 @@ def replica_env(config: GeneratorConfig) -> dict[str, str]:
 def cpu_rank_env(config: GeneratorConfig, cpus: list[int]) -> dict[str, str]:
     """VLLM_CPU_OMP_THREADS_BIND for a CPU replica's ranks in a process allowed `cpus`: each rank its own block of
     the threads, wrapping (vLLM's default wants a NUMA node per rank). Nothing for one rank, or where set."""
-    import math
-    import os
-
     tp, _ = config.parallel_sizes()
     if config.num_gpus or tp == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}

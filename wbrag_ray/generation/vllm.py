@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -232,8 +233,6 @@ class VLLMGenerator(Generator):
     def setup(self) -> None:
         """Start the engine in this process (on CPUs its core and model too: two more processes would cost most of
         a start); a sharded replica's runs in a process of its own in its placement group (`RemoteEngine`)."""
-        import os
-
         if sharded(self.config) and not _in_placement_group():
             self.remote = RemoteEngine(self.config, _EngineHost)
             return

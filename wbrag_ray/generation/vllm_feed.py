@@ -9,6 +9,7 @@ engine's start (docs/architecture.md, "One engine path")."""
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -47,8 +48,6 @@ class _Call(Future):
 def _threads_as_torch() -> None:
     """This thread's OpenMP thread count set to torch's (the process's; a new thread starts at OMP_NUM_THREADS):
     vLLM's CPU attention kernel, run in this thread, refuses metadata built for another thread count."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(torch.get_num_threads())

@@ -6,6 +6,7 @@ it). Files go through `Location` (local or s3://); faiss reads and writes bytes 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -91,8 +92,6 @@ def sample_vectors(files: list[Location], counts: list[int], n: int, dim: int,
 def shards_rows(files: list[Location], threads: int = 32) -> list[int]:
     """Every shard's row count from its Parquet footer, `threads` footers in flight at once (a round trip each to
     object storage)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def rows(f: Location) -> int:
         try:
             return f.num_rows()

@@ -3,6 +3,7 @@ numpy) and `pruner_metrics` for either pruner: MSE beside the mean's, Spearman, 
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,6 @@ class EmbeddingHead:
         weight_decay: float = 1e-3, lr: float = 1e-2, seed: int = 0,
     ) -> tuple[EmbeddingHead, list[float]]:
         """Full-batch AdamW on MSE of sigmoid outputs, with early stopping on 15% of rows held out."""
-        import copy
-
         import torch
 
         torch.manual_seed(seed)

@@ -267,21 +267,16 @@ def sharded(config: GeneratorConfig) -> bool:
     return tp * pp > 1
 
 
-def cpu_rank_bundle(config: GeneratorConfig) -> dict[str, float]:
-    """One tensor-parallel rank's bundle on CPUs (vLLM's CPU build): its share of the replica's num_cpus."""
-    tp, _ = config.parallel_sizes()
-    return {"CPU": round(config.num_cpus / tp, 4)}
-
-
 def replica_placement(config: GeneratorConfig) -> dict[str, Any] | None:
     """The placement group of one engine replica of more than one shard (None otherwise): tp x pp bundles of
-    `GPU_BUNDLE` (on CPUs, tp of `cpu_rank_bundle`). STRICT_PACK (tensor-parallel shards exchange activations every
-    layer), PACK where generator.pipeline_across_nodes lets pipeline stages sit on different nodes."""
+    `GPU_BUNDLE` (on CPUs, vLLM's CPU build: tp bundles of each rank's share of num_cpus). STRICT_PACK
+    (tensor-parallel shards exchange activations every layer), PACK where generator.pipeline_across_nodes lets
+    pipeline stages sit on different nodes."""
     if not sharded(config):
         return None
     tp, pp = config.parallel_sizes()
     if not config.num_gpus:
-        return {"bundles": [cpu_rank_bundle(config) for _ in range(tp)], "strategy": "STRICT_PACK"}
+        return {"bundles": [{"CPU": round(config.num_cpus / tp, 4)} for _ in range(tp)], "strategy": "STRICT_PACK"}
     across = pp > 1 and config.pipeline_across_nodes
     bundle = {**GPU_BUNDLE, "GPU": config.gpu_share}  # less than a GPU where retrieval's shares sit beside it
     return {"bundles": [dict(bundle) for _ in range(tp * pp)], "strategy": "PACK" if across else "STRICT_PACK"}

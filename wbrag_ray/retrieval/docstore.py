@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import mmap
 import os
 from typing import Any
 
@@ -111,8 +112,6 @@ class _MappedFile:
     schema's metadata). The mapping is advised random: a lookup reads its pages, not a read-ahead window."""
 
     def __init__(self, path: str):
-        import mmap
-
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if hasattr(mmap, "MADV_RANDOM"):  # Linux, macOS

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,8 +170,6 @@ class SearchPool(SearchGroups):
         return {k: v for k, v in self.__dict__.items() if k != "_turn"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        import random
-
         self.__dict__.update(state)
         self._turn = itertools.count(random.randrange(1 << 16))  # each process spreads its calls over replicas
 

@@ -198,7 +198,7 @@ def _train(run: RunFolder, config: WbragConfig, train: str, params: dict[str, An
         "duplicates_merged": len(merged),
         "rejected_examples": int(examples["rejected_questions"].iloc[0]),
         "passes": passes.stats,
-        "generator_calls": sum(p["generator_calls"] for p in passes.stats.values()),
+        "generator_calls": passes.calls,
         "train_seconds": round(time.perf_counter() - t0, 2),
         "settings": run.fingerprint(WRITEBACK, config, params),
     }
