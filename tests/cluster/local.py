@@ -8,6 +8,9 @@ from ray.cluster_utils import Cluster
 NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
-def local_cluster(head_cpus: float) -> Cluster:
-    """A head node with `head_cpus` CPUs (the driver's node); add worker nodes with `add_node`."""
-    return Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "_system_config": NODE_DEATH})
+def local_cluster(head_cpus: float, dashboard: bool = True) -> Cluster:
+    """A head node with `head_cpus` CPUs (the driver's node); add worker nodes with `add_node`. `dashboard`: Ray's
+    State API (listing tasks and actors) and Ray Train's placement-group cleaner ask it; elsewhere it is about 1 GB
+    of processes for nothing."""
+    return Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "_system_config": NODE_DEATH,
+                                                         "include_dashboard": dashboard})

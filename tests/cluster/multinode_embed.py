@@ -44,7 +44,7 @@ def main(tmp: str, n: int, embedder: str | None = None) -> None:
             text = f"Sentence {i} about the {words[i % 10]} and the {words[(i * 7) % 10]}."
             f.write(json.dumps({"id": f"d{i}", "contents": f"Title {i}\n{text}"}) + "\n")
 
-    cluster = local_cluster(head_cpus=1)
+    cluster = local_cluster(head_cpus=1, dashboard=False)  # nothing asks the State API, nothing trains
     # Embed actors ask for 1.5 CPUs: none fits on the head (1 CPU, where the reads run) and one fits on each
     # 2-CPU worker, so every embedding is computed on a worker node and a kill always lands on a working actor
     # (with 1-CPU nodes, an actor on the head could embed everything while a worker's actor still loaded).

@@ -31,7 +31,7 @@ def main(tmp: str, generator: str, s3_run: str) -> None:
     tmp_dir = Path(tmp)
     driver_cache, worker_cache = tmp_dir / "driver-cache", tmp_dir / "worker-cache"
     os.environ["WBRAG_CACHE"] = str(driver_cache)  # the driver and the head node's processes
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     cluster.add_node(num_cpus=2, env_vars={"WBRAG_CACHE": str(worker_cache)})
     cluster.wait_for_nodes()
     config = load_config(overrides=[

@@ -345,7 +345,7 @@ def main() -> None:
     from wbrag_ray.generation.parallel import RemoteEngine
     from wbrag_ray.placement import check_placement
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(2):
         cluster.add_node(num_cpus=2, num_gpus=2)
     cluster.wait_for_nodes()
