@@ -76,8 +76,8 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                             "index_bytes": index_bytes(index), "sentences": int(manifest["count"]),
                             "retrieval_skipped": m.get("retrieval_skipped", 0.0) if searched else 1.0,
                         })
-        # what the grid's services started or took over, per service kind
-        used = {"started": dict(services.started), "adopted": dict(services.adopted), "loads": dict(services.loads),
+        # what the grid's services started and loaded, per service kind
+        used = {"started": dict(services.started), "loads": dict(services.loads),
                 "generator_actors": services.actor_ids(GenerateStage.name)}
     rows.sort(key=lambda r: (r["adapter"], r["ratio"]))  # stable: each cell's rows as evaluated
     run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows, "services": used})
