@@ -258,19 +258,9 @@ class RunFolder:
         fingerprint = {**fingerprint, "config": _recorded_only(fingerprint.get("config"), previous["config"])}
         if only_config:
             previous = {"config": previous["config"]}
-        elif "params" not in previous:  # recorded before the stage recorded its parameters (ingest's corpus)
-            fingerprint = {k: v for k, v in fingerprint.items() if k != "params"}
-        elif isinstance(previous["params"], dict) and isinstance(fingerprint.get("params"), dict):
-            previous = {**previous, "params": _plain_params(previous["params"])}
-            new = _plain_params(fingerprint["params"])
-            made_before = previous["params"].get("made_from")
-            if isinstance(new.get("made_from"), dict):
-                # an input identity a stage made by an earlier version did not record is no change
-                new["made_from"] = {k: v for k, v in new["made_from"].items()
-                                    if isinstance(made_before, dict) and k in made_before}
-                if not new["made_from"] and not made_before:
-                    del new["made_from"]
-            fingerprint = {**fingerprint, "params": new}
+        else:
+            previous = {**previous, "params": _plain_params(previous.get("params") or {})}
+            fingerprint = {**fingerprint, "params": _plain_params(fingerprint.get("params") or {})}
         return _diff(previous, fingerprint)
 
     def execute(self, stage: RunStage, config: WbragConfig, work: Callable[[], dict[str, Any]],

@@ -1,14 +1,7 @@
-"""Calibration (`wbrag plan CONFIG --calibrate`): the rates of a config's models measured on the cluster's own
-hardware, where later plans on the same hardware find them.
-
-Each model runs in one Ray worker with its stage's resources, for a bounded time, on the config's own questions and
-passages: the generator's seconds a call at two prompt lengths (and its service's start), the embedder's seconds a
-token, a LoRA step's seconds a token (and Ray Train's start). Then the run's own steps (`pipeline`) make a scratch
-run of a sample of the corpus (and of the write-back training questions), whose stats give the embed stage's fixed
-cost and write-back's keep rate, retained documents and distiller passes. A record holds the hardware it ran on;
-records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`). Over 400 lines, kept whole: every
-measurement, the scratch run, and the driver that keeps the records.
-"""
+"""Calibration (`wbrag plan CONFIG --calibrate`): each model of a config timed for a bounded time in one Ray worker
+with its stage's resources, on the config's own data; then a scratch run of a sample (`pipeline.execute`), whose
+stats give the embed stage's fixed cost and write-back's figures. Records hold their hardware and go to
+RUN/plan/calibration.json and a cache (`WBRAG_RATES_CACHE`), where later plans on that hardware find them."""
 
 from __future__ import annotations
 

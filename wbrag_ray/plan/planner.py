@@ -1,8 +1,6 @@
-"""The plan of a config: the stages `wbrag run` would run, in its order, each priced from the work its step declares
+"""The plan of a config: the registry's stages (`pipeline`) in run order, each priced from the work it declares
 (`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
-decides at run time (FLARE, Self-RAG). Over 500 lines, kept whole: one builder walks the registry, a method a
-kind of work.
-"""
+decides at run time (FLARE, Self-RAG)."""
 
 from __future__ import annotations
 
@@ -212,7 +210,7 @@ class _Builder:
     def _parallel(self, tasks: int) -> float:
         return max(1.0, min(self.cluster.cpus, tasks))
 
-    # --- the registry's steps, each priced from the work it declares -----------------------------------------
+    # --- the registry's stages, each priced from the work it declares ----------------------------------------
 
     def stages(self) -> list[Stage]:
 
