@@ -1,6 +1,6 @@
 """The plan of a config: the registry's stages (`pipeline`) in run order, each priced from the work it declares
 (`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
-decides at run time (FLARE, Self-RAG)."""
+decides at run time (FLARE, Self-RAG). Over 500 lines: one builder, a method a kind of work."""
 
 from __future__ import annotations
 
