@@ -1,8 +1,8 @@
 """Calibration (`wbrag plan CONFIG --calibrate`): each model of a config timed for a bounded time in one Ray worker
 with its stage's resources, on the config's own data; then a scratch run of a sample (`pipeline.execute`), whose
 stats give the embed stage's fixed cost and write-back's figures. Records hold their hardware and go to
-RUN/plan/calibration.json and a cache (`WBRAG_RATES_CACHE`), where later plans on that hardware find them. Over
-400 lines: every measurement, the scratch run and the records' driver."""
+RUN/plan/calibration.json and a cache (`WBRAG_RATES_CACHE`), where later plans on that hardware find them.
+Over 400 lines: every measurement, the scratch run and the records' driver."""
 
 from __future__ import annotations
 
