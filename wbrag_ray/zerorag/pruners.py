@@ -136,6 +136,7 @@ def _pruner(kind: str, title: str, settings: tuple[str, ...], requires: tuple[Ru
         lm, row = z.lm_pruner, lm_row_tokens(z.lm_pruner, sizes)
         return [Train(lm.backbone, "zerorag.lm_pruner", fit, row, f"rows of `title: sentence`, {row:,.0f} tokens")]
 
+    # zerorag.seed and val_fraction: which scored sentences train and which validate
     return RunStage(f"pruner-{kind}", settings=("zerorag.seed", "zerorag.val_fraction", *settings), requires=requires,
                     command=f"wbrag train-pruner RUN --kind {kind}", title=title, work=work,
                     run=lambda folder, config, force, services, params: train_pruner(folder, config, kind=kind,
@@ -145,7 +146,6 @@ def _pruner(kind: str, title: str, settings: tuple[str, ...], requires: tuple[Ru
                     resources=resources, outputs=(f"zero_rag/pruner/{kind}",))
 
 
-# zerorag.seed and val_fraction: which scored sentences train and which validate
 PRUNERS = {
     "embedding": _pruner("embedding", "pruner training (embedding head)",
                          ("zerorag.head_hidden", "zerorag.head_epochs", "zerorag.head_weight_decay"), (MASTERY, EMBED), ()),
