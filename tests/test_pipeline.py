@@ -20,12 +20,12 @@ def _config(name: str, *overrides: str):
     return load_config(str(ROOT / "jobs" / "configs" / name), list(overrides))
 
 
-def test_every_step_declares_its_outputs_and_its_run_stage_once():
-    names = [step.title for step in PIPELINE]
+def test_every_stage_declares_its_outputs_and_its_work_once():
+    names = [stage.title or stage.name for stage in PIPELINE]
     assert len(names) == len(set(names))
-    for step in PIPELINE:
-        assert step.outputs and callable(step.work) and callable(step.run), step.title
-        assert step.stage.command or step.stage.fix, step.title  # how a person makes it, named when it is missing
+    for stage in PIPELINE:
+        assert stage.outputs and callable(stage.work) and callable(stage.run), stage.name
+        assert stage.command or stage.fix, stage.name  # how a person makes it, named when it is missing
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -37,36 +37,36 @@ def test_every_step_declares_its_outputs_and_its_run_stage_once():
 ])
 def test_the_plan_prices_the_stages_the_run_makes_in_its_order(config, expected):
     c = _config(config, f"ingest.corpus={DATA / 'demo_corpus.jsonl'}", f"eval.dataset={DATA / 'demo_qa.jsonl'}")
-    run_order = [step.name(params) for step, params in instances(c)]
+    run_order = [stage.heading(params) for stage, params in instances(c)]
     plan = make_plan(c, stated_cluster(1, 0, 2, 24, 80))
-    planned = [s.name for s in plan.stages if s.measured_by]  # a search priced before its step has no run stage
+    planned = [s.name for s in plan.stages if s.measured_by]  # a search priced before its stage has no run stage
     assert run_order == expected
     assert planned == run_order
 
 
 @pytest.fixture
-def toy_step():
-    """A stage a developer adds: its work declared as data, its run stage beside it."""
+def toy_stage():
+    """A stage a developer adds: its fingerprint, its work declared as data and how it runs, in one declaration."""
     from wbrag_ray.build_kb import INGEST
-    from wbrag_ray.run import RunStage, Step
+    from wbrag_ray.run import RunStage
     from wbrag_ray.work import ReadCorpus
-
-    toy = RunStage("toy", settings=("ingest.max_passage_chars",), requires=(INGEST,), command="wbrag run CONFIG")
 
     def run_toy(folder, config, force, services, params):
         passages = folder.stats(INGEST.name)["rows_out"]
         return folder.execute(toy, config, lambda: {"rows_in": passages, "rows_out": passages}, force=force)
 
-    return Step("toy count", toy, lambda config, sizes, params: [ReadCorpus(sizes.passages)], run_toy,
-                outputs=("_stages/toy/stats.json",))
+    toy = RunStage("toy", settings=("ingest.max_passage_chars",), requires=(INGEST,), command="wbrag run CONFIG",
+                   title="toy count", work=lambda config, sizes, params: [ReadCorpus(sizes.passages)], run=run_toy,
+                   outputs=("_stages/toy/stats.json",))
+    return toy
 
 
-def test_a_stage_added_to_the_registry_is_planned_and_run(ray_cluster, toy_step, tmp_path, monkeypatch):
+def test_a_stage_added_to_the_registry_is_planned_and_run(ray_cluster, toy_stage, tmp_path, monkeypatch):
     import wbrag_ray.pipeline as pipeline
-    from wbrag_ray.build_kb import INGEST_STEP
+    from wbrag_ray.build_kb import INGEST
     from wbrag_ray.cli import main
 
-    monkeypatch.setattr(pipeline, "PIPELINE", [INGEST_STEP, toy_step])
+    monkeypatch.setattr(pipeline, "PIPELINE", [INGEST, toy_stage])
     run = tmp_path / "run"
     config = ROOT / "jobs" / "configs" / "writeback_demo.yaml"
     assert main(["run", str(config), "--run", str(run), "--set", f"ingest.corpus={DATA / 'demo_corpus.jsonl'}",

@@ -210,3 +210,16 @@ def test_each_command_decides_auto_again_after_the_index_exists(monkeypatch):
     fixed = load_config(PAPER_WRITEBACK, ["generator.concurrency=4", "embedder.concurrency=8"])
     gpus.resolve_auto_concurrency(fixed, search_gpus=4)
     assert (fixed.embedder.concurrency, fixed.generator.concurrency) == (8, 4)  # a number stays as set
+
+
+def test_the_search_actors_gpus_are_held_where_no_gpu_setting_is_auto(monkeypatch):
+    """With every GPU setting stated, the engines `resolve_auto_concurrency` counts still leave the search actors
+    their GPUs (`search`, as `session.join_ray` passes it): 4 whole-GPU search actors and a query embedder."""
+    from wbrag_ray.config import load_config
+    from wbrag_ray.placement import gpus
+
+    monkeypatch.setattr(gpus, "auto_nodes", lambda: (FOUR_BY_EIGHT, "stated"))
+    config = load_config(PAPER_WRITEBACK, ["retrieval.search_gpus=1", "retrieval.embed_gpus=1"])
+    assert not gpus.needs_layout(config)
+    gpus.resolve_auto_concurrency(config, search=(4, 3e9))
+    assert config.generator.concurrency == 32 - 4 - 1

@@ -39,7 +39,7 @@ def test_the_calibrations_utility_gate_is_the_runs_on_the_same_questions(tiny, d
     from wbrag_ray.generation.passes import GeneratorPasses
     from wbrag_ray.plan.calibrate import SAMPLE_QUESTIONS, scratch_run, wilson, writeback_record
     from wbrag_ray.run import RunFolder
-    from wbrag_ray.writeback.pipeline import WRITEBACK_STEP, base_search, score_examples
+    from wbrag_ray.writeback.pipeline import WRITEBACK_TRAINING, base_search, score_examples
 
     run_dir, _ = demo_run
     rows = [json.loads(line) for line in (DATA / "demo_train.jsonl").read_text().splitlines()]
@@ -51,7 +51,7 @@ def test_the_calibrations_utility_gate_is_the_runs_on_the_same_questions(tiny, d
         scored = score_examples(run, config, str(train), passes, base_search(run, config)).set_index("id")
 
     scratch, sample = scratch_run(config, tmp_path / "scratch", writeback=True)
-    version = WRITEBACK_STEP.instances(sample)[0]["version"]
+    version = WRITEBACK_TRAINING.instances(sample)[0]["version"]
     mine = scratch.layout.writeback_version(version).scored.read_table().to_pandas().set_index("id")
     assert list(mine.index) == list(scored.index)  # every question of the small file
     for qid, row in mine.iterrows():

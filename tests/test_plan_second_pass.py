@@ -174,6 +174,22 @@ def test_decode_reads_the_kv_cache_as_well_as_the_weights():
     assert with_cache - without == pytest.approx(steps * (read - max(flops, 16e9 / (3.35e12 * 0.7))))
 
 
+def test_the_decode_batch_is_what_the_engines_memory_share_leaves_the_kv_cache():
+    """vLLM fills gpu_memory_utilization of a GPU (the package's default, or the config's vllm_engine_kwargs): the
+    decode batch is the sequences whose KV cache fits what the weights leave of it."""
+    from wbrag_ray.placement.gpus import ENGINE_MEMORY_UTILIZATION
+    from wbrag_ray.plan.stages import memory_share
+
+    assert memory_share(load_config().generator) == ENGINE_MEMORY_UTILIZATION == 0.85
+    custom = load_config(overrides=["generator.vllm_engine_kwargs={gpu_memory_utilization: 0.5}"]).generator
+    assert memory_share(custom) == 0.5
+    h100 = ACCELERATORS["H100"]
+    kv = 131_072 * (4000 + 32 / 2)  # a sequence's cache at its mean length
+    for share, given in ((ENGINE_MEMORY_UTILIZATION, {}), (0.5, {"memory_share": 0.5})):
+        _, how = generation_seconds(h100, 8e9, 10_000, 4000, 32, 1, 1, kv_bytes_per_token=131_072, **given)
+        assert f"32 new tokens decoded {int((80e9 * share - 16e9) / kv)} at once" in how, how
+
+
 def test_gpu_hours_count_only_the_time_gpus_are_held():
     plan = make_plan(load_config(ZERO_RAG), four_by_eight(), passages=WIKI)
     mastery = stage(plan, "mastery")

@@ -13,7 +13,7 @@ from wbrag_ray.index.sizing import plan_training
 from wbrag_ray.layout import IngestFolder
 from wbrag_ray.ray_runtime import LIGHT_CPUS
 from wbrag_ray.retrieval.docstore import write_doc_store
-from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.base import Resources, apply_stage
 from wbrag_ray.stages.embed import EmbedStage
 from wbrag_ray.stages.ingest import run_ingest
@@ -25,16 +25,25 @@ from wbrag_ray.work import AddVectors, Embed, ReadCorpus
 INGEST = RunStage("ingest", settings=("ingest.shard_bytes", "ingest.max_passage_chars", "ingest.min_sentence_chars"),
                   command="wbrag ingest RUN --corpus PATH",
                   fix="use a new run folder for another corpus (or other ingest settings), or pass --force to ingest "
-                      "it into this one (embed and index then need --force too)")
+                      "it into this one (embed and index then need --force too)",
+                  work=lambda config, sizes, params: [ReadCorpus(sizes.passages)],
+                  run=lambda folder, config, force, services, params: ingest(folder, config, force=force),
+                  resources=("ingest",), outputs=("ingest/passages", "ingest/sentences", "ingest/rejects"))
 # The query prompt shapes searches, not the stored passage vectors.
 EMBED = RunStage("embed", settings=("embedder", "index.unit"), ignore=("embedder.query_prompt",), requires=(INGEST,),
-                 command="wbrag embed RUN")
+                 command="wbrag embed RUN",
+                 work=lambda config, sizes, params: [Embed(sizes.units(config.index.unit), config.index.unit)],
+                 run=lambda folder, config, force, services, params: embed(folder, config, force=force),
+                 resources=("embedder",), outputs=("embed",))
 # Query-time index settings (nprobe, ef_search, k_factor, gpu) shape searches, not the built index (gpu also moves
 # the k-means training onto a GPU: where it runs, not what it makes).
 INDEX = RunStage("index", settings=("index.factory", "index.train_sample", "index.train_memory_gb", "index.num_shards",
                                     "index.shard_memory_gb", "index.memory_budget_gb", "index.target_recall",
                                     "index.recall_queries"),
-                 requires=(EMBED,), command="wbrag index RUN")
+                 requires=(EMBED,), command="wbrag index RUN",
+                 work=lambda config, sizes, params: [AddVectors(sizes.units(config.index.unit))],
+                 run=lambda folder, config, force, services, params: index(folder, config, force=force),
+                 resources=("index",), outputs=("index", "docs/<unit>"))
 # The stages run.json's config describes: a changed config that would change them is refused for the whole run.
 KB_STAGES = (INGEST, EMBED, INDEX)
 
@@ -164,15 +173,3 @@ def unit_text(batch, id_col: str):
 
     text = batch["title"] + "\n" + batch["text"] if "title" in batch else batch["text"]
     return pd.DataFrame({id_col: batch[id_col].astype("int64"), "text": text})
-
-
-INGEST_STEP = Step("ingest", INGEST, lambda config, sizes, params: [ReadCorpus(sizes.passages)],
-                   lambda folder, config, force, services, params: ingest(folder, config, force=force),
-                   resources=("ingest",), outputs=("ingest/passages", "ingest/sentences", "ingest/rejects"))
-EMBED_STEP = Step("embed", EMBED,
-                  lambda config, sizes, params: [Embed(sizes.units(config.index.unit), config.index.unit)],
-                  lambda folder, config, force, services, params: embed(folder, config, force=force),
-                  resources=("embedder",), outputs=("embed",))
-INDEX_STEP = Step("index", INDEX, lambda config, sizes, params: [AddVectors(sizes.units(config.index.unit))],
-                  lambda folder, config, force, services, params: index(folder, config, force=force),
-                  resources=("index",), outputs=("index", "docs/<unit>"))

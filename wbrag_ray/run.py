@@ -54,11 +54,20 @@ class _Keep(dict):
         return "{" + key + "}"
 
 
+def _one(config: WbragConfig) -> list[dict[str, Any]]:
+    return [{}]
+
+
 @dataclass(frozen=True)
 class RunStage:
-    """One stage of a run, declared once. `name` and `settings` (config paths) may hold the call's parameters
-    ("pruner-{kind}", "rag.{method}"); `ignore`: paths under them that do not shape the output; `requires` /
-    `uses`: stages it reads (required / optional); `command`: how a person makes it."""
+    """One stage of a run, declared once; `pipeline.PIPELINE` lists those `wbrag run` makes.
+
+    Its fingerprint: `name` and `settings` (config paths) may hold the call's parameters ("pruner-{kind}",
+    "rag.{method}"); `ignore`: paths under them that do not shape the output; `requires` / `uses`: stages it reads
+    (required / optional); `command`: how a person makes it. Its work, where `wbrag run` makes it: `run(folder,
+    config, force, services, params)` for each of its `instances(config)`; `work(config, sizes, params)` as
+    `wbrag_ray.work` items, which `wbrag plan` prices under its `title`; the config sections it holds (`resources`);
+    its `outputs` (`RunLayout` paths); `measured_by`: a pattern of the run stages whose stats measure it."""
 
     name: str
     settings: tuple[str, ...] = ()
@@ -68,9 +77,24 @@ class RunStage:
     on_change: Literal["refuse", "redo"] = "refuse"
     command: str = ""
     fix: str = "pass --force to redo it (and the stages after it)"
+    title: str = ""
+    work: Callable[..., list] | None = None
+    run: Callable[..., Any] | None = None
+    instances: Callable[[WbragConfig], list[dict[str, Any]]] = _one
+    resources: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    measured_by: str = ""
 
     def instance(self, params: dict[str, Any] | None = None) -> str:
         return string.Formatter().vformat(self.name, (), _Keep(params or {}))
+
+    def heading(self, params: dict[str, Any]) -> str:
+        """What the plan calls the instance `params`."""
+        return (self.title or self.name).format_map(_Keep(params))
+
+    def pattern(self, params: dict[str, Any]) -> str:
+        """A pattern of the run's stage names whose stats measure the instance `params`."""
+        return self.measured_by.format_map(_Keep(params)) if self.measured_by else re.escape(self.instance(params))
 
     def config_settings(self, config: WbragConfig, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """{declared path: its value}, derived from the config (see `settings_value`)."""
@@ -85,31 +109,6 @@ class RunStage:
                 if path.startswith(declared + ".") and isinstance(value, dict):
                     value.pop(path[len(declared) + 1:], None)
         return out
-
-
-@dataclass(frozen=True)
-class Step:
-    """A stage of `wbrag run` (registry: `pipeline.PIPELINE`): its run `stage`, `outputs` (`RunLayout` paths), the
-    config sections it holds (`resources`), its `work(config, sizes, params)` as `wbrag_ray.work` items (which the
-    plan prices), how `run` makes it, its `instances(config)`, its `title` in the plan, and `measured_by`: a
-    pattern of the run stages whose stats measure it."""
-
-    title: str
-    stage: RunStage
-    work: Callable[..., list]
-    run: Callable[..., Any]
-    instances: Callable[[WbragConfig], list[dict[str, Any]]] = lambda config: [{}]
-    resources: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    measured_by: str = ""
-
-    def name(self, params: dict[str, Any]) -> str:
-        return self.title.format_map(_Keep(params))
-
-    def pattern(self, params: dict[str, Any]) -> str:
-        """A pattern of the run's stage names whose stats measure this step's instance `params`."""
-        return self.measured_by.format_map(_Keep(params)) if self.measured_by else re.escape(
-            self.stage.instance(params))
 
 
 class RunFolder:
@@ -262,19 +261,9 @@ class RunFolder:
             previous = {**previous, "config": {k: v for k, v in previous["config"].items() if k in fingerprint["config"]}}
         if only_config:
             previous = {"config": previous["config"]}
-        elif "params" not in previous:  # recorded before the stage recorded its parameters (ingest's corpus)
-            fingerprint = {k: v for k, v in fingerprint.items() if k != "params"}
-        elif isinstance(previous["params"], dict) and isinstance(fingerprint.get("params"), dict):
-            previous = {**previous, "params": _plain_params(previous["params"])}
-            new = _plain_params(fingerprint["params"])
-            made_before = previous["params"].get("made_from")
-            if isinstance(new.get("made_from"), dict):
-                # an input identity a stage made by an earlier version did not record is no change
-                new["made_from"] = {k: v for k, v in new["made_from"].items()
-                                    if isinstance(made_before, dict) and k in made_before}
-                if not new["made_from"] and not made_before:
-                    del new["made_from"]
-            fingerprint = {**fingerprint, "params": new}
+        else:
+            previous = {**previous, "params": _plain_params(previous.get("params") or {})}
+            fingerprint = {**fingerprint, "params": _plain_params(fingerprint.get("params") or {})}
         return _diff(previous, fingerprint)
 
     def execute(self, stage: RunStage, config: WbragConfig, work: Callable[[], dict[str, Any]],

@@ -1,4 +1,4 @@
-"""The work a stage declares it will do, as data (`run.Step.work`): what `wbrag plan` prices and `wbrag run` does.
+"""The work a stage declares it will do, as data (`run.RunStage.work`): what `wbrag plan` prices and `wbrag run` does.
 Counts come from the config and the plan's `Sizes`; a count the plan cannot know is None."""
 
 from __future__ import annotations

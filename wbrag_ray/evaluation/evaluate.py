@@ -24,7 +24,7 @@ from wbrag_ray.metrics import METRICS, score_answer
 from wbrag_ray.papers import run_departures
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import UnionRule
-from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import commit, sweep
 from wbrag_ray.work import Generate, Sizes
 from wbrag_ray.writeback.versions import active_index
@@ -166,7 +166,7 @@ def load_results(run: RunFolder) -> dict[str, dict[str, Any]]:
     return {r.root.name: r.metrics.read_json() for r in run.layout.eval_results()}  # each with its metrics
 
 
-def _evaluation_step(writeback: bool) -> Step:
+def _evaluation(writeback: bool) -> RunStage:
     """The base evaluation (or the one beside the write-back index) that `wbrag run` makes: when eval.dataset is set
     and Zero-RAG's grid does not evaluate instead."""
     def instances(config: WbragConfig) -> list[dict[str, Any]]:
@@ -193,8 +193,8 @@ def _evaluation_step(writeback: bool) -> Step:
         return evaluate_stage(folder, config, config.eval.dataset, params["label"], force=force, writeback=writeback,
                               passes=GeneratorPasses(config.generator, services))
 
-    return Step("evaluation with write-back" if writeback else "evaluation", EVAL, work, run_it, instances=instances,
-                resources=("generator", "retrieval"), outputs=("eval/{label}-<method>",))
+    return replace(EVAL, title="evaluation with write-back" if writeback else "evaluation", work=work, run=run_it,
+                   instances=instances, resources=("generator", "retrieval"), outputs=("eval/{label}-<method>",))
 
 
-EVAL_STEP, EVAL_WRITEBACK_STEP = _evaluation_step(False), _evaluation_step(True)
+EVALUATION, EVALUATION_WRITEBACK = _evaluation(False), _evaluation(True)

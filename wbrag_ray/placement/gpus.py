@@ -388,8 +388,8 @@ def resolve_auto_concurrency(config, search_gpus: float = 0.0, search: tuple[int
         for line in said:
             log.info("%s (GPU memory %g GB: %s)", line, memory, where)
         shares = not holds_whole_gpus(decided)
-        if search is not None:
-            search_gpus = found[0] * config.retrieval.search_share if config.index.gpu is not False else 0.0
+    if search is not None:  # the search actors' GPUs, at the share decided above or stated
+        search_gpus = search[0] * config.retrieval.search_share if config.index.gpu is not False else 0.0
     if not keys:
         return
     config._auto_sections = frozenset(keys)

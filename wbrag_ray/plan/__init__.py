@@ -1,9 +1,6 @@
-"""`wbrag plan`: what a config will ask of a cluster before it runs, and about how long it will take.
-
-`planner` walks the run's stages, `stages` sizes each, `timing` prices it from `calibrate`d, benchmark (`rates`) or
-estimated rates. Nothing here starts Ray or loads a model, except `--calibrate`. `make_plan` returns a `Plan`;
-`format_plan` prints all of it, `format_summary` the few lines `wbrag run` prints before it starts.
-"""
+"""`wbrag plan`: what a config will ask of a cluster before it runs, and about how long it will take. `planner`
+walks the registry, `stages` sizes each stage, `timing` prices it from `calibrate`d, benchmark (`rates`) or
+estimated rates; nothing starts Ray or loads a model, except `--calibrate`."""
 
 from __future__ import annotations
 

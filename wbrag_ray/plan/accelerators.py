@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from wbrag_ray.models.accelerators import Accelerator
+from wbrag_ray.placement.gpus import ENGINE_MEMORY_UTILIZATION
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ COLLECTIVE_LATENCY_S = 20e-6  # a collective's fixed cost (a layer's all-gather 
 # determinism/batch_invariant.py) of the about 16 an NVLink all-reduce spreads over: assumed a sixteenth of its bandwidth
 BATCH_INVARIANT_CHANNEL_SHARE = 1 / 16
 DECODE_BATCH = 256  # sequences decoded together per replica (vLLM's max_num_seqs default)
-KV_MEMORY_SHARE = 0.9  # of a GPU's memory vLLM fills, weights then KV cache (its gpu_memory_utilization default)
 KMEANS_ITERATIONS = 25  # faiss's Clustering default niter
 EFFICIENCY_NOTE = (f"estimates assume {COMPUTE_EFFICIENCY:.0%} of the peak bf16 rate for prefill, "
                    f"{TRAINING_EFFICIENCY:.0%} for training, "
@@ -82,11 +82,12 @@ def collective_seconds(kind: str, size_bytes: float, ranks: int, link_gbs: float
 def generation_seconds(gpu: Accelerator, params: float, calls: int, prompt_tokens: float, new_tokens: int,
                        gpus: float, replicas: int, kv_bytes_per_token: float | None = None, tp: int = 1,
                        hidden: int | None = None, layers: int | None = None,
-                       batch_invariant: bool = False) -> tuple[float, str]:
+                       batch_invariant: bool = False,
+                       memory_share: float = ENGINE_MEMORY_UTILIZATION) -> tuple[float, str]:
     """Seconds for `calls` generations of `prompt_tokens` + `new_tokens` on `replicas` replicas of `gpus` GPUs
     each (a tensor-parallel replica's GPUs add their FLOPs and bandwidth together), and how. A decode step reads
     the weights and its batch's KV cache (`kv_bytes_per_token` of every token so far; the batch is what the
-    memory the weights leave holds, at most `DECODE_BATCH`); a tensor-parallel group of `tp` adds two all-reduces
+    `memory_share` of the GPUs' memory the weights leave holds, at most `DECODE_BATCH`); a tensor-parallel group of `tp` adds two all-reduces
     of the activations (`hidden` wide) in each of `layers` layers, over NVLink (`batch_invariant`: NCCL's one
     channel, `BATCH_INVARIANT_CHANNEL_SHARE` of it)."""
     per_replica = max(1, replicas)
@@ -95,7 +96,7 @@ def generation_seconds(gpu: Accelerator, params: float, calls: int, prompt_token
     weights = params * 2
     context = prompt_tokens + new_tokens / 2  # the mean sequence a decode step reads the cache of
     kv = (kv_bytes_per_token or 0.0) * context  # a sequence's cache, on average over its decode
-    fits = int((gpu.memory_gb * 1e9 * KV_MEMORY_SHARE * gpus - weights) / kv) if kv else DECODE_BATCH
+    fits = int((gpu.memory_gb * 1e9 * memory_share * gpus - weights) / kv) if kv else DECODE_BATCH
     batch = max(1, min(DECODE_BATCH, math.ceil(calls / per_replica), fits))
     step = max((weights + batch * kv) / bandwidth, batch * 2 * params / flops)
     prefill = calls * 2 * params * prompt_tokens / flops

@@ -52,8 +52,7 @@ def planned_vs_measured(plan: dict[str, Any], stats: dict[str, dict[str, Any]],
     names = list(stats)
     rows, planned_sum, measured_sum, claimed = [], 0.0, 0.0, set()
     for s in plan.get("stages", []):
-        # a plan stored before `measured_by` existed: the stage's own name
-        pattern = s.get("measured_by", re.escape(s["name"]))
+        pattern = s["measured_by"]
         matched = [n for n in names if pattern and re.fullmatch(pattern, n)]
         run_names = [n for n in matched if n not in claimed]  # a run stage measures one plan stage, the first
         claimed.update(run_names)

@@ -1,14 +1,8 @@
-"""Calibration (`wbrag plan CONFIG --calibrate`): the rates of a config's models measured on the cluster's own
-hardware, where later plans on the same hardware find them.
-
-Each model runs in one Ray worker with its stage's resources, for a bounded time, on the config's own questions and
-passages: the generator's seconds a call at two prompt lengths (and its service's start), the embedder's seconds a
-token, a LoRA step's seconds a token (and Ray Train's start). Then the run's own steps (`pipeline`) make a scratch
-run of a sample of the corpus (and of the write-back training questions), whose stats give the embed stage's fixed
-cost and write-back's keep rate, retained documents and distiller passes. A record holds the hardware it ran on;
-records go to RUN/plan/calibration.json and to a cache (`WBRAG_RATES_CACHE`). Over 400 lines, kept whole: every
-measurement, the scratch run, and the driver that keeps the records.
-"""
+"""Calibration (`wbrag plan CONFIG --calibrate`): each model of a config timed for a bounded time in one Ray worker
+with its stage's resources, on the config's own data; then a scratch run of a sample (`pipeline.execute`), whose
+stats give the embed stage's fixed cost and write-back's figures. Records hold their hardware and go to
+RUN/plan/calibration.json and a cache (`WBRAG_RATES_CACHE`), where later plans on that hardware find them.
+Over 400 lines: every measurement, the scratch run and the records' driver."""
 
 from __future__ import annotations
 
@@ -23,14 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wbrag_ray.build_kb import EMBED, EMBED_STEP, INDEX_STEP, INGEST, INGEST_STEP, unit_text
+from wbrag_ray.build_kb import EMBED, INDEX, INGEST, unit_text
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, TrainerConfig, TuneConfig, WbragConfig
 from wbrag_ray.pipeline import execute
 from wbrag_ray.plan.tokens import CHARS_PER_TOKEN, TOKEN_UNITS, jsonl_rows, messages_tokens, text_tokens
 from wbrag_ray.run import RunFolder
 from wbrag_ray.session import start
 from wbrag_ray.storage import resolve
-from wbrag_ray.writeback.pipeline import WRITEBACK_STEP
+from wbrag_ray.writeback.pipeline import WRITEBACK_TRAINING
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +294,7 @@ def _service_start(g: GeneratorConfig, questions: list[str]) -> float:
 
 
 def scratch_run(config: WbragConfig, folder: Path, writeback: bool = False):
-    """(run, its config): the run's own steps (`pipeline.execute`) on the corpus's first `SAMPLE_PASSAGES` passages in
+    """(run, its config): the run's own stages (`pipeline.execute`) on the corpus's first `SAMPLE_PASSAGES` passages in
     `folder`: ingest and embed, and with `writeback`, index and write-back training on `SAMPLE_QUESTIONS` of its
     training questions (none held out). None where the corpus is not readable here."""
     passages = corpus_passages(config.ingest.corpus, SAMPLE_PASSAGES)
@@ -320,11 +314,11 @@ def scratch_run(config: WbragConfig, folder: Path, writeback: bool = False):
     # a copy of its own: the run's start decides its "auto" counts in it
     sample = config.model_copy(deep=True, update={"ingest": config.ingest.model_copy(update={"corpus": str(corpus)}),
                                                   "writeback": wb})
-    steps = (INGEST_STEP, EMBED_STEP) + ((INDEX_STEP, WRITEBACK_STEP) if writeback else ())
+    stages = (INGEST, EMBED) + ((INDEX, WRITEBACK_TRAINING) if writeback else ())
     # the stages' progress lines to stderr: `wbrag plan --calibrate --json` prints its plan alone on stdout
     with contextlib.redirect_stdout(sys.stderr):
         run = start(str(folder / "run"), sample)
-        execute(run, sample, only=steps)
+        execute(run, sample, only=stages)
     return run, sample
 
 
@@ -344,7 +338,7 @@ def embed_pass(run, config: WbragConfig, record: dict[str, Any]) -> dict[str, An
 def writeback_record(config: WbragConfig, run, sample: WbragConfig, hw: dict[str, Any]) -> dict[str, Any]:
     """Write-back's figures as the scratch run's write-back stage recorded them: the utility gate's keep rate (with
     its 95% Wilson interval), the documents the document gate retained, and its passes' seconds a call."""
-    stats = run.stats(WRITEBACK_STEP.stage.instance(WRITEBACK_STEP.instances(sample)[0]))
+    stats = run.stats(WRITEBACK_TRAINING.instance(WRITEBACK_TRAINING.instances(sample)[0]))
     n, kept, g = stats["examples"], stats["selected"], sample.generator
     points = [{"shape": shape, "calls": p["generator_calls"], "seconds": p["seconds"], "new_tokens": p["max_new_tokens"],
                # a call's seconds on one actor: the pass ran on the service's `concurrency` actors

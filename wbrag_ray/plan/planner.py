@@ -1,8 +1,6 @@
-"""The plan of a config: the stages `wbrag run` would run, in its order, each priced from the work its step declares
+"""The plan of a config: the registry's stages (`pipeline`) in run order, each priced from the work it declares
 (`wbrag_ray.work`) with `stages`' rules and `timing`'s rates. Generator calls are upper bounds where a method
-decides at run time (FLARE, Self-RAG). Over 500 lines, kept whole: one builder walks the registry, a method a
-kind of work.
-"""
+decides at run time (FLARE, Self-RAG). Over 500 lines: one builder, a method a kind of work."""
 
 from __future__ import annotations
 
@@ -49,7 +47,7 @@ from wbrag_ray.plan.stages import (
 )
 from wbrag_ray.plan.timing import EMBED_PASS, Timing, describe_record
 from wbrag_ray.plan.tokens import TokenShape, token_shape
-from wbrag_ray.run import Step
+from wbrag_ray.run import RunStage
 from wbrag_ray.training.workers import plan_steps
 from wbrag_ray.work import AddVectors, Embed, Generate, Pass, Predict, ReadCorpus, Search, Train
 
@@ -212,16 +210,16 @@ class _Builder:
     def _parallel(self, tasks: int) -> float:
         return max(1.0, min(self.cluster.cpus, tasks))
 
-    # --- the registry's steps, each priced from the work it declares -----------------------------------------
+    # --- the registry's stages, each priced from the work it declares ----------------------------------------
 
     def stages(self) -> list[Stage]:
 
-        return [stage for step, params in instances(self.c) for stage in self.price(step, params)]
+        return [planned for stage, params in instances(self.c) for planned in self.price(stage, params)]
 
-    def price(self, step: Step, params: dict) -> list[Stage]:
-        """A step's planned stages: a titled search before it, then its work items priced into one stage."""
-        name, out, main = step.name(params), [], None
-        for item in step.work(self.c, self, params):
+    def price(self, stage: RunStage, params: dict) -> list[Stage]:
+        """A run stage's planned stages: a titled search before it, then its work items priced into one stage."""
+        name, out, main = stage.heading(params), [], None
+        for item in stage.work(self.c, self, params):
             if isinstance(item, Search) and item.title:
                 out.append(self.search(item))
             elif main is None:
@@ -231,7 +229,7 @@ class _Builder:
             elif isinstance(item, Embed):
                 self._query_embedder(main)
         if main is not None:
-            main.measured_by = step.pattern(params)
+            main.measured_by = stage.pattern(params)
             out.append(main)
         return out
 

@@ -106,6 +106,11 @@ def scaled_rate(key: str, size: ModelSize, threads: int) -> tuple[float | None, 
 
 # --- model-bearing actors ----------------------------------------------------------------------------------------
 
+def memory_share(g: GeneratorConfig) -> float:
+    """The share of a GPU's memory a vLLM engine of `g` fills (weights, then KV cache): its gpu_memory_utilization."""
+    return {**VLLM_THROUGHPUT_DEFAULTS, **g.vllm_engine_kwargs}["gpu_memory_utilization"]
+
+
 def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[list[Bundle], list[str], list[str]]:
     """(bundles, notes, refusals) of a generator service of `g`, placed as `placement.replica_placement` places it."""
     size = model_size(g.model)
@@ -120,7 +125,7 @@ def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[l
     if (shape := shape_refusal(g, key, size)) is not None:
         refusals.append(shape)
     tp, pp = g.parallel_sizes()
-    util = {**VLLM_THROUGHPUT_DEFAULTS, **g.vllm_engine_kwargs}["gpu_memory_utilization"] if g.backend == "vllm" else 1.0
+    util = memory_share(g) if g.backend == "vllm" else 1.0
     fixes = {"fix": f"lower {key}.concurrency", "fix_memory": _more_gpus_fix(key, memory, cluster.gpu_memory_gb * util, size)}
     if on_gpu and sharded(g):
         notes.append(f"{key}: each replica tensor_parallel_size {tp} x pipeline_parallel_size {pp} "

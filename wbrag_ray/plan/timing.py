@@ -27,7 +27,7 @@ from wbrag_ray.plan.accelerators import (
 )
 from wbrag_ray.plan.calibrate import hardware, training_dtype
 from wbrag_ray.plan.rates import RATES
-from wbrag_ray.plan.stages import Time, fsdp_mesh, scaled_rate
+from wbrag_ray.plan.stages import Time, fsdp_mesh, memory_share, scaled_rate
 from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape, template_of
 from wbrag_ray.work import Pass
 
@@ -129,7 +129,7 @@ class Timing:
             tp, pp = g.parallel_sizes()
             seconds, how = generation_seconds(self.gpu, size.params, n, prompt, new, max(g.num_gpus, tp * pp),
                                               g.concurrency, size.kv_bytes_per_token(), tp, size.hidden, size.layers,
-                                              bool(g.batch_invariance()))
+                                              bool(g.batch_invariance()), memory_share(g))
             return Time(seconds, how, "estimate")
         if g.num_gpus > 0:
             return Time(None, f"no measured rate: {n:,} generator calls on GPUs")

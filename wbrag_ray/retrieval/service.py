@@ -180,14 +180,6 @@ def pool_placement(index: IndexConfig, retrieval: RetrievalConfig) -> tuple:
             retrieval.actor_memory_gb, retrieval.concurrency)
 
 
-class Member(Retriever):
-    """An index of a retrieval service: its search pool, the source its hits carry, where its documents are (None:
-    the manifest's `docs`)."""
-
-    def __init__(self, pool: SearchPool, source: str = "base", docs_dir: str | None = None):
-        super().__init__(pool.index_dir, docs_dir, source=source, pool=pool)
-
-
 class RetrievalService(IndexUnion):
     """The base and the write-back index beside it searched as one (`IndexUnion`), each on its own search pool.
     Built in the driver, where `auto` is resolved, and sent with the passes."""

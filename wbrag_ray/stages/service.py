@@ -197,7 +197,6 @@ class Services:
     def __init__(self) -> None:
         self._live: dict[str, StageService] = {}
         self.started: dict[str, int] = {}  # actor sets started per stage kind (what reusing them saves)
-        self.adopted: dict[str, int] = {}  # always empty since ray.keep_services_s went: grid.json's field
         self.loads: dict[str, int] = {}  # what was set up per stage kind: one per service key a pass needed
         self._pools: dict[tuple, Any] = {}  # retrieval: (index folder, placement) -> SearchPool
 
@@ -257,7 +256,7 @@ class Services:
         """The retrieval service over `members` ((index_dir, docs_dir, source), ...): each index's search pool
         started on first use and shared by later passes. One set of indices lives at a time: starting a pool ends
         the pools of indices this request does not name (a grid moving to its next pruned index)."""
-        from wbrag_ray.retrieval.service import Member, RetrievalService, SearchPool, pool_placement
+        from wbrag_ray.retrieval.service import RetrievalService, Retriever, SearchPool, pool_placement
         from wbrag_ray.retrieval.union import UnionRule
 
         placement = pool_placement(index, retrieval)
@@ -272,7 +271,7 @@ class Services:
                 self.started["search"] = self.started.get("search", 0) + 1
                 log.info("started the search pool of %s (%d shard groups x %d)", key[0],
                          len(self._pools[key].actors), retrieval.concurrency)
-        return RetrievalService([Member(self._pools[key], source, docs)
+        return RetrievalService([Retriever(key[0], docs, source=source, pool=self._pools[key])
                                  for key, (_i, docs, source) in zip(keys, members, strict=True)],
                                 UnionRule.of(retrieval))
 

@@ -5,6 +5,7 @@ dedupe, index -> Table 3. Every model pass runs on the generator service; the ba
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from wbrag_ray.papers import gate_metric, print_departures
 from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.retrieval.stage import RetrievalSetting
 from wbrag_ray.retrieval.union import FALLBACK_UNION, write_provenance
-from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.run import RunFolder
 from wbrag_ray.work import Generate, Pass, Sizes
 from wbrag_ray.writeback.distill import UNITS, build_units, dedupe, distill, embed_units, table3
 from wbrag_ray.writeback.gates import document_scores, gate_examples
@@ -246,10 +247,10 @@ def writeback_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) ->
                      selection=True)]
 
 
-WRITEBACK_STEP = Step(
-    "write-back training", WRITEBACK, writeback_work,
-    lambda folder, config, force, services, params: train_writeback(folder, config, force=force,
-                                                                   services=services),
+# `WRITEBACK` (light, in `versions`: read before Ray starts) as `wbrag run` makes it
+WRITEBACK_TRAINING = replace(
+    WRITEBACK, title="write-back training", work=writeback_work,
+    run=lambda folder, config, force, services, params: train_writeback(folder, config, force=force, services=services),
     instances=lambda config: ([{"version": default_version(config, config.writeback.train)}]
                               if config.writeback.train else []),
     resources=("generator", "retrieval"),  # its units are embedded by retrieval's query embedders

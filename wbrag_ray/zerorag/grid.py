@@ -16,7 +16,7 @@ from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.index.files import load_manifest
 from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
-from wbrag_ray.run import RunFolder, Step
+from wbrag_ray.run import RunFolder
 from wbrag_ray.stages.service import Services, shared_or_own
 from wbrag_ray.storage import resolve
 from wbrag_ray.work import Generate, Sizes
@@ -76,8 +76,8 @@ def evaluate_grid(run: RunFolder, config: WbragConfig, dataset: str, force: bool
                             "index_bytes": index_bytes(index), "sentences": int(manifest["count"]),
                             "retrieval_skipped": m.get("retrieval_skipped", 0.0) if searched else 1.0,
                         })
-        # what the grid's services started or took over, per service kind
-        used = {"started": dict(services.started), "adopted": dict(services.adopted), "loads": dict(services.loads),
+        # what the grid's services started and loaded, per service kind
+        used = {"started": dict(services.started), "loads": dict(services.loads),
                 "generator_actors": services.actor_ids(GenerateStage.name)}
     rows.sort(key=lambda r: (r["adapter"], r["ratio"]))  # stable: each cell's rows as evaluated
     run.layout.zero_rag.grid.write_json({"dataset": dataset, "rows": rows, "services": used})
@@ -122,9 +122,10 @@ def grid_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list
                      "answers)", retrieval=True)]
 
 
-GRID_STEP = Step("evaluation grid", EVAL, grid_work,
-                 lambda folder, config, force, services, params: evaluate_grid(
-                     folder, config, config.eval.dataset, force=force, services=services),
-                 instances=lambda config: [{}] if config.zerorag.enabled and config.eval.dataset else [],
-                 resources=("generator", "retrieval"), outputs=("eval/<label>-<method>", "zero_rag/grid.json"),
-                 measured_by=r"eval-.+")
+# the grid's evaluations are `EVAL` stages, one a cell
+GRID = replace(EVAL, title="evaluation grid", work=grid_work,
+               run=lambda folder, config, force, services, params: evaluate_grid(
+                   folder, config, config.eval.dataset, force=force, services=services),
+               instances=lambda config: [{}] if config.zerorag.enabled and config.eval.dataset else [],
+               resources=("generator", "retrieval"), outputs=("eval/<label>-<method>", "zero_rag/grid.json"),
+               measured_by=r"eval-.+")

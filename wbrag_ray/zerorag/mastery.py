@@ -18,16 +18,8 @@ from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.papers import ZERO_RAG, print_departures
 from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
-from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.work import Generate, Pass, Sizes
-
-MASTERY = RunStage(
-    "mastery",
-    settings=("zerorag.seed", "zerorag.qa_mode", "zerorag.qa_per_sentence", "zerorag.qa_generator",
-              "zerorag.qa_max_new_tokens", "zerorag.answer_max_new_tokens", "zerorag.mastery_metric", "generator"),
-    requires=(INGEST,),
-    command="wbrag mastery RUN",
-)
 
 
 def splitmix64(x: np.ndarray, seed: int) -> np.ndarray:
@@ -168,6 +160,11 @@ def mastery_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> l
     return work
 
 
-MASTERY_STEP = Step("mastery", MASTERY, mastery_work, lambda folder, config, force, services, params: mastery(
-    folder, config, force=force), instances=lambda config: [{}] if config.zerorag.enabled else [],
+MASTERY = RunStage(
+    "mastery",
+    settings=("zerorag.seed", "zerorag.qa_mode", "zerorag.qa_per_sentence", "zerorag.qa_generator",
+              "zerorag.qa_max_new_tokens", "zerorag.answer_max_new_tokens", "zerorag.mastery_metric", "generator"),
+    requires=(INGEST,), command="wbrag mastery RUN", work=mastery_work,
+    run=lambda folder, config, force, services, params: mastery(folder, config, force=force),
+    instances=lambda config: [{}] if config.zerorag.enabled else [],
     resources=("generator", "zerorag.qa_generator"), outputs=("zero_rag/mastery",))

@@ -18,19 +18,13 @@ from wbrag_ray.index.prune import drop_ids_ref, prune_index
 from wbrag_ray.layout import PRUNE_LEVEL, PrunedLevel
 from wbrag_ray.models.pruner import EmbeddingHead
 from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
-from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.base import Resources, apply_stage
 from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
 from wbrag_ray.storage import Location, resolve
 from wbrag_ray.work import AddVectors, Predict, Sizes
 from wbrag_ray.zerorag.mastery import splitmix64
 from wbrag_ray.zerorag.pruners import PRUNERS, lm_row_tokens, pruner_inputs
-
-# It also reads the pruner zerorag.pruner names (added to `requires` per call).
-PREDICT = RunStage("predict", settings=("zerorag.pruner",), requires=(INGEST,),
-                   command="wbrag prune RUN --ratio R (after wbrag train-pruner RUN)")
-PRUNE = RunStage(PRUNE_LEVEL, settings=("zerorag.histogram_bins",), requires=(PREDICT, INDEX),
-                 command="wbrag prune RUN --ratio {ratio}")
 
 
 def predict_stage(config: WbragConfig) -> RunStage:
@@ -212,16 +206,20 @@ def prediction_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -
     return [Predict(sizes.sentences, config.zerorag.pruner, lm_row_tokens(config.zerorag.lm_pruner, sizes))]
 
 
-PREDICT_STEP = Step("prediction ({pruner} pruner)", PREDICT, prediction_work,
-                    lambda folder, config, force, services, params: predict(folder, config, force=force),
-                    instances=lambda config: [{"pruner": "LM" if config.zerorag.pruner == "lm" else "embedding"}]
-                    if config.zerorag.enabled else [],
-                    resources=("zerorag.lm_pruner",), outputs=("zero_rag/predictions",))
-PRUNE_STEP = Step("pruning at {ratio:g}", PRUNE,
-                  lambda config, sizes, params: [AddVectors(
-                      None if sizes.sentences is None else round(sizes.sentences * (1 - params["ratio"])),
-                      pruned_from=sizes.sentences)],
-                  lambda folder, config, force, services, params: prune(folder, config, params["ratio"], force=force),
-                  instances=lambda config: [{"ratio": r} for r in config.zerorag.ratios if r > 0]
-                  if config.zerorag.enabled else [],
-                  resources=("index",), outputs=("zero_rag/prune-{ratio:g}",))
+# It also reads the pruner zerorag.pruner names (added to `requires` per call: `predict_stage`).
+PREDICT = RunStage("predict", settings=("zerorag.pruner",), requires=(INGEST,),
+                   command="wbrag prune RUN --ratio R (after wbrag train-pruner RUN)",
+                   title="prediction ({pruner} pruner)", work=prediction_work,
+                   run=lambda folder, config, force, services, params: predict(folder, config, force=force),
+                   instances=lambda config: [{"pruner": "LM" if config.zerorag.pruner == "lm" else "embedding"}]
+                   if config.zerorag.enabled else [],
+                   resources=("zerorag.lm_pruner",), outputs=("zero_rag/predictions",))
+PRUNE = RunStage(PRUNE_LEVEL, settings=("zerorag.histogram_bins",), requires=(PREDICT, INDEX),
+                 command="wbrag prune RUN --ratio {ratio}", title="pruning at {ratio:g}",
+                 work=lambda config, sizes, params: [AddVectors(
+                     None if sizes.sentences is None else round(sizes.sentences * (1 - params["ratio"])),
+                     pruned_from=sizes.sentences)],
+                 run=lambda folder, config, force, services, params: prune(folder, config, params["ratio"], force=force),
+                 instances=lambda config: [{"ratio": r} for r in config.zerorag.ratios if r > 0]
+                 if config.zerorag.enabled else [],
+                 resources=("index",), outputs=("zero_rag/prune-{ratio:g}",))

@@ -16,20 +16,11 @@ from wbrag_ray.config import ConfigError, LMPrunerConfig, WbragConfig, ZeroRagCo
 from wbrag_ray.formats import plain_table
 from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
 from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
-from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import resolve
 from wbrag_ray.training.lm_pruner import train_lm_pruner
 from wbrag_ray.work import Sizes, Train
 from wbrag_ray.zerorag.mastery import MASTERY, titled
-
-_SPLIT = ("zerorag.seed", "zerorag.val_fraction")  # which scored sentences train and which validate
-PRUNERS = {
-    "embedding": RunStage(
-        "pruner-embedding", settings=(*_SPLIT, "zerorag.head_hidden", "zerorag.head_epochs", "zerorag.head_weight_decay"),
-        requires=(MASTERY, EMBED), command="wbrag train-pruner RUN --kind embedding"),
-    "lm": RunStage("pruner-lm", settings=(*_SPLIT, "zerorag.lm_pruner"), requires=(MASTERY,),
-                   command="wbrag train-pruner RUN --kind lm"),
-}
 
 
 def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, force: bool = False) -> dict[str, Any]:
@@ -134,7 +125,8 @@ def lm_row_tokens(lm: LMPrunerConfig, sizes: Sizes) -> float:
     return min(lm.max_length, sizes.tokens("title") + 1 + sizes.tokens("sentence"))
 
 
-def _pruner_step(kind: str, title: str, resources: tuple[str, ...]) -> Step:
+def _pruner(kind: str, title: str, settings: tuple[str, ...], requires: tuple[RunStage, ...],
+            resources: tuple[str, ...]) -> RunStage:
     def work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list[Train]:
         z = config.zerorag
         fit = max(1, round(z.sample * (1 - z.val_fraction)))
@@ -144,12 +136,19 @@ def _pruner_step(kind: str, title: str, resources: tuple[str, ...]) -> Step:
         lm, row = z.lm_pruner, lm_row_tokens(z.lm_pruner, sizes)
         return [Train(lm.backbone, "zerorag.lm_pruner", fit, row, f"rows of `title: sentence`, {row:,.0f} tokens")]
 
-    return Step(title, PRUNERS[kind], work,
-                lambda folder, config, force, services, params: train_pruner(folder, config, kind=kind, force=force),
-                instances=lambda config: [{}] if config.zerorag.enabled and kind in (
-                    *config.zerorag.train_pruners, config.zerorag.pruner) else [],
-                resources=resources, outputs=(f"zero_rag/pruner/{kind}",))
+    # zerorag.seed and val_fraction: which scored sentences train and which validate
+    return RunStage(f"pruner-{kind}", settings=("zerorag.seed", "zerorag.val_fraction", *settings), requires=requires,
+                    command=f"wbrag train-pruner RUN --kind {kind}", title=title, work=work,
+                    run=lambda folder, config, force, services, params: train_pruner(folder, config, kind=kind,
+                                                                                     force=force),
+                    instances=lambda config: [{}] if config.zerorag.enabled and kind in (
+                        *config.zerorag.train_pruners, config.zerorag.pruner) else [],
+                    resources=resources, outputs=(f"zero_rag/pruner/{kind}",))
 
 
-PRUNER_STEPS = (_pruner_step("embedding", "pruner training (embedding head)", ()),
-                _pruner_step("lm", "pruner training (LM regressor)", ("zerorag.lm_pruner.trainer",)))
+PRUNERS = {
+    "embedding": _pruner("embedding", "pruner training (embedding head)",
+                         ("zerorag.head_hidden", "zerorag.head_epochs", "zerorag.head_weight_decay"), (MASTERY, EMBED), ()),
+    "lm": _pruner("lm", "pruner training (LM regressor)", ("zerorag.lm_pruner",), (MASTERY,),
+                  ("zerorag.lm_pruner.trainer",)),
+}

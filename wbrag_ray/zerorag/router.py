@@ -17,18 +17,10 @@ from wbrag_ray.generation.stage import GenerateStage
 from wbrag_ray.metrics import metric
 from wbrag_ray.models.router import QueryRouter
 from wbrag_ray.retrieval.stage import query_gpu_refusal, query_vectors
-from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.service import Services
 from wbrag_ray.work import Embed, Generate, Pass, Sizes
 from wbrag_ray.zerorag.tune import TUNE, train_questions, with_adapter
-
-ROUTER = RunStage(
-    "router",
-    settings=("zerorag.train_limit", "generator", "zerorag.router_threshold", "zerorag.seed", "zerorag.val_fraction",
-              "embedder", "zerorag.router_metric"),
-    uses=(TUNE,),  # labelled with the tuned adapter when there is one
-    command="wbrag train-router RUN --train PATH",
-)
 
 
 def train_router(run: RunFolder, config: WbragConfig, train: str | None = None, force: bool = False,
@@ -94,8 +86,12 @@ def router_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> li
                      "embeddings from the query embedder"), Embed(q, "query")]
 
 
-ROUTER_STEP = Step("router", ROUTER, router_work,
-                   lambda folder, config, force, services, params: train_router(folder, config, force=force,
-                                                                                 services=services),
-                   instances=lambda config: [{}] if config.zerorag.enabled and config.zerorag.router else [],
-                   resources=("generator", "retrieval.query_embedder"), outputs=("zero_rag/router",))
+ROUTER = RunStage(
+    "router",
+    settings=("zerorag.train_limit", "generator", "zerorag.router_threshold", "zerorag.seed", "zerorag.val_fraction",
+              "embedder", "zerorag.router_metric"),
+    uses=(TUNE,),  # labelled with the tuned adapter when there is one
+    command="wbrag train-router RUN --train PATH", work=router_work,
+    run=lambda folder, config, force, services, params: train_router(folder, config, force=force, services=services),
+    instances=lambda config: [{}] if config.zerorag.enabled and config.zerorag.router else [],
+    resources=("generator", "retrieval.query_embedder"), outputs=("zero_rag/router",))

@@ -12,13 +12,10 @@ from wbrag_ray.config import ConfigError, GeneratorConfig, WbragConfig, ZeroRagC
 from wbrag_ray.formats import input_params, read_questions
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.retrieval.stage import RetrievalSetting
-from wbrag_ray.run import RunFolder, RunStage, Step
+from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.service import Services
 from wbrag_ray.training.noise_tolerant import build_examples, own_targets, tune_generator
 from wbrag_ray.work import Generate, Pass, Search, Sizes, Train
-
-TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "generator", "retrieval", "index.nprobe"),
-                requires=(INDEX,), command="wbrag tune RUN --train PATH")
 
 
 def train_questions(z: ZeroRagConfig, train: str | None) -> tuple[str, pd.DataFrame, int]:
@@ -104,7 +101,8 @@ def tune_work(config: WbragConfig, sizes: Sizes, params: dict[str, Any]) -> list
                           "longest", first=own)]
 
 
-TUNE_STEP = Step("tuning: LoRA training", TUNE, tune_work,
-                 lambda folder, config, force, services, params: tune(folder, config, force=force),
-                 instances=lambda config: [{}] if config.zerorag.enabled and config.zerorag.tune.enabled else [],
-                 resources=("retrieval", "zerorag.tune.trainer"), outputs=("zero_rag/adapter",))
+TUNE = RunStage("tune", settings=("zerorag.train_limit", "zerorag.tune", "generator", "retrieval", "index.nprobe"),
+                requires=(INDEX,), command="wbrag tune RUN --train PATH", title="tuning: LoRA training", work=tune_work,
+                run=lambda folder, config, force, services, params: tune(folder, config, force=force),
+                instances=lambda config: [{}] if config.zerorag.enabled and config.zerorag.tune.enabled else [],
+                resources=("retrieval", "zerorag.tune.trainer"), outputs=("zero_rag/adapter",))
