@@ -120,6 +120,9 @@ def test_whole_run_folder_on_s3(s3_env, tmp_path, tiny):
     run_json = layout.run_json.read_bytes().decode()
     assert s3_env["AWS_SECRET_ACCESS_KEY"] not in run_json and s3_env["AWS_ACCESS_KEY_ID"] not in run_json
     assert s3_env["AWS_SECRET_ACCESS_KEY"] not in out.stdout + out.stderr
+    # a quiet console: neither Ray's note on its default token auth nor Ray Data's bar of sampled Parquet files
+    for noise in ("Token authentication is enabled", "Parquet dataset sampling"):
+        assert noise not in out.stdout + out.stderr, noise
     metrics = layout.eval_result("qa", "naive").metrics.read_json()
     assert metrics["n"] == len(qa)
 

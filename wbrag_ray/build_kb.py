@@ -11,7 +11,7 @@ from wbrag_ray.index.build import build_index
 from wbrag_ray.index.files import shard_dim
 from wbrag_ray.index.sizing import plan_training
 from wbrag_ray.layout import IngestFolder
-from wbrag_ray.ray_runtime import LIGHT_CPUS
+from wbrag_ray.ray_runtime import LIGHT_CPUS, read_parquet
 from wbrag_ray.retrieval.docstore import write_doc_store
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.base import Resources, apply_stage
@@ -103,8 +103,7 @@ def embed(run: RunFolder, config: WbragConfig, force: bool = False) -> dict[str,
             columns = [id_col, "text"] + (["title"] if config.index.unit == "passage" else [])
             # One block per ingest shard, so a crash loses at most one shard.
             n_files = len(src.list_files(".parquet"))
-            ds = ray.data.read_parquet(src.path, filesystem=src.fs, override_num_blocks=n_files,
-                                       num_cpus=LIGHT_CPUS)
+            ds = read_parquet(src, override_num_blocks=n_files)
             ds = ds.select_columns(columns)  # pushed down into the Parquet read by Ray's optimizer
             ds = ds.map_batches(unit_text, fn_kwargs={"id_col": id_col}, batch_format="pandas", num_cpus=LIGHT_CPUS)
             # the placement the pass runs with (a resume narrows it to fit the cluster): what it writes is the same

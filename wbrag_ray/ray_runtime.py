@@ -14,11 +14,16 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wbrag_ray import progress, storage
 from wbrag_ray.config import ConfigError, RayConfig
 from wbrag_ray.placement import PENDING_TIMEOUT_S
+
+if TYPE_CHECKING:
+    import ray.data
+
+    from wbrag_ray.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +79,24 @@ def select_rows(loc, id_column: str, ids, columns: list[str]):
         mask = in_sorted(batch[id_column].to_numpy(), shared_value(wanted))
         return batch.filter(pa.array(mask))
 
-    ds = ray.data.read_parquet(loc.path, filesystem=loc.fs, columns=columns, num_cpus=LIGHT_CPUS)
+    ds = read_parquet(loc, columns=columns)
     ds = ds.map_batches(keep, fn_args=(wanted,), batch_format="pyarrow", num_cpus=LIGHT_CPUS)
     tables = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
     return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=columns)
+
+
+def read_parquet(loc: Location, num_cpus: float = LIGHT_CPUS, **kwargs) -> ray.data.Dataset:
+    """`ray.data.read_parquet` of a run folder's Parquet folder, its read tasks holding `num_cpus`. The files it
+    samples as it is made print no bar of their own (a tqdm bar, line after line in a log): a pass's progress is
+    its one line (`progress`)."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    bars, ctx.enable_progress_bars = ctx.enable_progress_bars, False
+    try:
+        return ray.data.read_parquet(loc.path, filesystem=loc.fs, num_cpus=num_cpus, **kwargs)
+    finally:
+        ctx.enable_progress_bars = bars
 
 
 def run_tasks(fn, shared, items, *, num_cpus: float = 1.0, num_gpus: float = 0.0, memory: int | None = None,

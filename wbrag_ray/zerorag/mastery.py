@@ -17,7 +17,7 @@ from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.generation.passes import GeneratorPasses
 from wbrag_ray.papers import ZERO_RAG, print_departures
-from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
+from wbrag_ray.ray_runtime import LIGHT_CPUS, read_parquet, select_rows
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.work import Generate, Pass, Sizes
 
@@ -46,8 +46,7 @@ def sample_sentences(run: RunFolder, seed: int, n: int) -> pd.DataFrame:
             keys = splitmix64(batch["sid"].to_numpy(), seed)
             return batch.append_column("_key", pa.array(keys)).filter(pa.array(keys <= cut))
 
-        ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "pid", "text"],
-                                   num_cpus=LIGHT_CPUS)
+        ds = read_parquet(src, columns=["sid", "pid", "text"])
         ds = ds.map_batches(below, batch_format="pyarrow", num_cpus=LIGHT_CPUS)
         tables = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
         found = pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=["sid", "pid", "text", "_key"])

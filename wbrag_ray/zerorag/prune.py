@@ -17,7 +17,7 @@ from wbrag_ray.config import ConfigError, WbragConfig
 from wbrag_ray.index.prune import drop_ids_ref, prune_index
 from wbrag_ray.layout import PRUNE_LEVEL, PrunedLevel
 from wbrag_ray.models.pruner import EmbeddingHead
-from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, shared_value
+from wbrag_ray.ray_runtime import LIGHT_CPUS, in_sorted, read_parquet, shared_value
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.base import Resources, apply_stage
 from wbrag_ray.stages.pruner import EmbeddingPredictStage, LMPredictStage
@@ -59,8 +59,7 @@ def _predict(run: RunFolder, config: WbragConfig, kind: str) -> dict[str, Any]:
             return apply_stage(pruner_inputs(run), stage)
         src = run.layout.embed
         # the read runs fused with the prediction task, so it asks for what that task asks for
-        return apply_stage(ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "vector"],
-                                                 num_cpus=stage.resources.num_cpus), stage)
+        return apply_stage(read_parquet(src, stage.resources.num_cpus, columns=["sid", "vector"]), stage)
 
     # a row is an id and a score: blocks of checkpoint_rows rows are committed as the pass goes
     written = resumable_write(predicted, run.output(run.layout.zero_rag.predictions), "sid", "pred",
@@ -143,8 +142,6 @@ def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False
 
 
 def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
-    import ray
-    import ray.data
 
     bins = config.zerorag.histogram_bins
     level = PrunedLevel(run.output(run.layout.zero_rag.pruned(ratio).root))  # beside it while --force redoes it
@@ -159,7 +156,7 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
         return pa.table({"id": ids, "mastery_pred": batch["mastery_pred"],
                          "keep": pa.array(keep_mask(ids, scores, cut, bins))})
 
-    ds = ray.data.read_parquet(pred.path, filesystem=pred.fs, num_cpus=LIGHT_CPUS)
+    ds = read_parquet(pred)
     ds.map_batches(mask, batch_format="pyarrow", num_cpus=LIGHT_CPUS).write_parquet(
         level.keep.path, filesystem=level.keep.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
     # The dropped ids stay in the object store; the driver holds only their reference and count.
@@ -172,7 +169,7 @@ def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
     def kept_only(batch: pa.Table, drop) -> pa.Table:
         return batch.filter(pa.array(~in_sorted(batch["sid"].to_numpy(), shared_value(drop))))
 
-    ray.data.read_parquet(sentences.path, filesystem=sentences.fs, num_cpus=LIGHT_CPUS) \
+    read_parquet(sentences) \
         .map_batches(kept_only, fn_args=(drop_ref,), batch_format="pyarrow", num_cpus=LIGHT_CPUS) \
         .write_parquet(level.sentences.path, filesystem=level.sentences.fs, ray_remote_args={"num_cpus": LIGHT_CPUS})
     kept = level.sentences.num_rows()

@@ -15,7 +15,7 @@ from wbrag_ray.build_kb import EMBED
 from wbrag_ray.config import ConfigError, LMPrunerConfig, WbragConfig, ZeroRagConfig
 from wbrag_ray.formats import plain_table
 from wbrag_ray.models.pruner import EmbeddingHead, pruner_metrics
-from wbrag_ray.ray_runtime import LIGHT_CPUS, select_rows
+from wbrag_ray.ray_runtime import LIGHT_CPUS, read_parquet, select_rows
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import resolve
 from wbrag_ray.training.lm_pruner import train_lm_pruner
@@ -37,11 +37,9 @@ def train_pruner(run: RunFolder, config: WbragConfig, kind: str | None = None, f
 
 def pruner_inputs(run: RunFolder):
     """A Ray Dataset of (sid, text) for every sentence; each sentences file joins only its own shard's passages."""
-    import ray.data
 
     src = run.layout.ingest.sentences
-    ds = ray.data.read_parquet(src.path, filesystem=src.fs, columns=["sid", "pid", "text"], include_paths=True,
-                               num_cpus=LIGHT_CPUS)
+    ds = read_parquet(src, columns=["sid", "pid", "text"], include_paths=True)
     return ds.map_batches(_with_titles, fn_kwargs={"passages": run.layout.ingest.passages.uri},
                           batch_format="pandas", num_cpus=LIGHT_CPUS)
 
