@@ -71,3 +71,34 @@ def test_a_swap_killed_at_any_step_leaves_the_old_output_or_the_new_and_a_later_
         current = committed(folder).uri.split("/")[-2]
         left = sorted(i.base_name for i in folder.fs.get_file_info(pafs.FileSelector(folder.path)))
         assert left == [COMMIT, current], (step, left)  # nothing of the old output, no half version
+
+
+def test_a_writing_command_sweeps_what_a_killed_commit_left_in_any_declared_output(demo_run_copy):
+    """A swap of an output no later command rewrites (a Zero-RAG pruned level here, `zero_rag/prune-{ratio:g}` in
+    the registry), killed once its pointer names the new version: the old version stays on disk until any command
+    that writes the run folder (an evaluation whose results are stored: nothing else to do) removes it, and readers
+    still read the new one."""
+    from wbrag_ray.cli import main
+
+    run, qa = demo_run_copy
+    folder = resolve(str(run)).join("zero_rag", "prune-0.3")
+    old = next_version(folder)
+    for i in range(PARTS):
+        old.join(f"part-{i}.txt").write_bytes(f"old {i}".encode())
+    commit(old)
+    proc = subprocess.run([sys.executable, "-c", SWAP, folder.uri],
+                          env={**os.environ, "WBRAG_CRASH_AT": "commit-pointer-written"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+
+    def left() -> list[str]:
+        return sorted(i.base_name for i in folder.fs.get_file_info(pafs.FileSelector(folder.path)))
+
+    assert left() == [COMMIT, "_v1", "_v2"]  # the kill came before the old version went
+    from wbrag_ray.run import RunFolder
+
+    # the settings its results were made with (a test before may have replaced them with --force): nothing to redo
+    made = RunFolder(str(run)).stats("eval-qa")["settings"]["config"]["generator"]["max_new_tokens"]
+    assert main(["eval", str(run), "--dataset", str(qa), "--name", "qa", "--methods", "naive",
+                 "--set", f"generator.max_new_tokens={made}"]) == 0
+    assert left() == [COMMIT, "_v2"] and read_whole(folder) == "new"

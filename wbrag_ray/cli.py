@@ -28,6 +28,7 @@ from wbrag_ray.inspection import inspect_run, run_status
 from wbrag_ray.lease import run_lease
 from wbrag_ray.models.accelerators import accelerator
 from wbrag_ray.papers import print_departures
+from wbrag_ray.pipeline import sweep_run
 from wbrag_ray.plan import run_summary
 from wbrag_ray.plan.accelerators import interconnect
 from wbrag_ray.plan.calibrate import calibrate, load_records
@@ -377,7 +378,7 @@ def _print_plan_summary(config: WbragConfig, run_dir: str) -> None:
 def cmd_run(args) -> None:
     config = _resolve_config(args)
     run_dir = _run_dir(args, config)
-    with run_lease(run_dir, args.holder):
+    with writing(run_dir, args.holder):
         api.check_run_inputs(config)  # every stage's inputs and names, before a cluster is joined
         _print_plan_summary(config, run_dir)
         api.run(run_dir, config, force=args.force, plan_name=args.config_file)
@@ -481,7 +482,15 @@ WRITERS = {"ingest", "embed", "index", "eval", "mastery", "train-pruner", "prune
 def _writer_lease(args):
     if args.command not in WRITERS or (args.command == "writeback" and args.list):
         return contextlib.nullcontext()
-    return run_lease(args.run, args.holder)
+    return writing(args.run, args.holder)
+
+
+@contextlib.contextmanager
+def writing(run_dir: str, holder: str):
+    """The run folder's lease, held while the block runs; what earlier commands' kills left swept first."""
+    with run_lease(run_dir, holder) as lease:
+        sweep_run(RunFolder(run_dir))
+        yield lease
 
 
 def main(argv: list[str] | None = None) -> int:

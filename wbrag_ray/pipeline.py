@@ -3,13 +3,16 @@ here; `wbrag run` executes it, `wbrag plan` prices it. A new stage is a `RunStag
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from wbrag_ray.build_kb import EMBED, INDEX, INGEST
 from wbrag_ray.config import WbragConfig
 from wbrag_ray.evaluation.evaluate import EVALUATION, EVALUATION_WRITEBACK
+from wbrag_ray.layout import subdirs
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.stages.service import Services
+from wbrag_ray.storage import sweep
 from wbrag_ray.writeback.pipeline import WRITEBACK_TRAINING
 from wbrag_ray.zerorag.grid import GRID
 from wbrag_ray.zerorag.mastery import MASTERY
@@ -50,3 +53,20 @@ def execute(folder: RunFolder, config: WbragConfig, force: bool = False, only: t
             stage.run(folder, config, force, services, params)
     finally:
         services.close()
+
+
+def sweep_run(folder: RunFolder) -> None:
+    """Remove what killed commits left in the run folder (`storage.sweep`: versions a commit pointer no longer
+    names, files beside it) from every folder a stage of PIPELINE declares as an output, `{param}` and `<name>`
+    parts matching any folder there. Every writing command runs it once it holds the run's lease."""
+    for stage in PIPELINE:
+        for pattern in stage.outputs:
+            found = [folder.root]
+            for part in pattern.split("/"):
+                if "{" in part or "<" in part:
+                    shape = re.compile(re.sub(r"\\\{[^}]*\\\}|<[^>]*>", ".+", re.escape(part)))
+                    found = [loc.join(name) for loc in found for name in subdirs(loc) if shape.fullmatch(name)]
+                else:
+                    found = [loc.join(part) for loc in found]
+            for loc in found:
+                sweep(loc)
