@@ -82,6 +82,8 @@ def test_a_writing_command_sweeps_what_a_killed_commit_left_in_any_declared_outp
 
     run, qa = demo_run_copy
     folder = resolve(str(run)).join("zero_rag", "prune-0.3")
+    grid = resolve(str(run)).join("zero_rag", "grid.json")  # an output that is a file: nothing below it to sweep
+    grid.write_bytes(b"{}")
     old = next_version(folder)
     for i in range(PARTS):
         old.join(f"part-{i}.txt").write_bytes(f"old {i}".encode())
@@ -102,3 +104,4 @@ def test_a_writing_command_sweeps_what_a_killed_commit_left_in_any_declared_outp
     assert main(["eval", str(run), "--dataset", str(qa), "--name", "qa", "--methods", "naive",
                  "--set", f"generator.max_new_tokens={made}"]) == 0
     assert left() == [COMMIT, "_v2"] and read_whole(folder) == "new"
+    assert grid.read_bytes() == b"{}"

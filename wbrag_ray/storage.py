@@ -294,7 +294,7 @@ def read_versioned(loc: Location) -> tuple[bytes, Any] | None:
         try:
             with open(loc.path, "rb") as f:
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # below a file (`sweep` of an output that is one): none
             return None
         return data, data
     bucket, key = loc.path.split("/", 1)
