@@ -216,3 +216,37 @@ def test_a_writer_whose_lease_is_taken_stops_within_one_heartbeat_and_writes_not
     assert main(args) == 0  # the new holder's run: what the old one committed is whole
     metrics = json.loads((run / "eval" / "fenced-naive" / "metrics.json").read_text())
     assert metrics["n"] == len(questions)
+
+
+def test_a_pass_whose_lease_was_taken_commits_no_block_from_its_tasks(tmp_path, ray_cluster, monkeypatch):
+    """Fenced block commits: a resumable Ray Data pass (`checkpoints.resumable_write`, as embedding and prediction
+    run) whose lease another command takes after the driver's last own check, before its tasks write: each write task
+    checks the lease's token before it commits its block (`lease.TaskFence`), so the pass fails naming the lease and
+    nothing lands in its output folder."""
+    import pandas as pd
+
+    from wbrag_ray.checkpoints import resumable_write
+    from wbrag_ray.config import WbragConfig
+    from wbrag_ray.lease import run_lease
+    from wbrag_ray.ray_runtime import local_dataset
+    from wbrag_ray.run import RunFolder, RunStage
+    from wbrag_ray.stages.base import Resources
+
+    monkeypatch.setenv("WBRAG_LEASE_TTL", "600")  # no heartbeat during the test: only the tasks' check can see it
+    run = RunFolder(str(tmp_path / "run"))
+    out = run.root.join("rows")
+    with run_lease(run.uri, "the first writer") as lease:
+        def taken_then_built(placed: Resources):
+            record, version = read_lease(lease.lease)  # another command takes the lease (its token replaces ours)
+            assert put_if(lease.lease, json.dumps({**record, "token": "the new holder's"}).encode(), version)
+            return local_dataset(pd.DataFrame({"id": range(40), "x": range(40)}))
+
+        def work():
+            return resumable_write(taken_then_built, out, "id", "rows", 1 << 16, "toy", 40,
+                                   Resources(num_cpus=0.25, actors=False), None)
+
+        with pytest.raises(Exception) as refused:
+            run.execute(RunStage("toy"), WbragConfig(), work)
+    assert "found the lease" in str(refused.value) and "committed nothing" in str(refused.value), refused.value
+    written = sorted(Path(out.path).rglob("*.parquet")) if Path(out.path).exists() else []
+    assert written == [], written

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from wbrag_ray.layout import subdirs
-from wbrag_ray.lease import fence
+from wbrag_ray.lease import fence, task_fence
 from wbrag_ray.placement import autoscaling, cluster_nodes, refuse_unplaceable
 from wbrag_ray.placement.waits import pool_start_wait
 from wbrag_ray.ray_runtime import LIGHT_CPUS, stable_names
@@ -311,7 +311,7 @@ def resumable_write(build: Callable[[Resources], ray.data.Dataset], out: Locatio
     try:  # a pool whose actors others' work keeps from starting ends within ray.pending_timeout_s, naming it
         with pool_start_wait(f"the {label} pass", r.concurrency, r.need, concurrency_fix(resources_key)):
             with refused_writes(out):  # a full disk: one line naming the folder
-                build(r).write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix),
+                build(r).write_parquet(out.path, filesystem=out.fs, filename_provider=stable_names(prefix, task_fence(out)),
                                        ray_remote_args={"num_cpus": LIGHT_CPUS})
     except StorageError:
         rows_by_file(out, remove_unreadable=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -35,6 +36,8 @@ class LeaseHeld(ConfigError):
 class LeaseLost(ConfigError):
     """This command's lease was taken by another writer: it stops before its next write, naming the new holder."""
 
+
+_HELD: dict[str, RunLease] = {}  # this process's leases by run folder URI (`task_fence`)
 
 LOST_SIGNAL = signal.SIGUSR2  # sent to the main thread when a heartbeat finds the lease taken: it stops at once
 
@@ -145,6 +148,7 @@ class RunLease:
             self._previous_handler = signal.signal(LOST_SIGNAL, self._on_lost_signal)
             self._interrupts = True
         guard_writes(self.root, self.fence)
+        _HELD[self.root.uri.rstrip("/")] = self
         self._thread = threading.Thread(target=self._beat, name="wbrag-lease-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -204,6 +208,7 @@ class RunLease:
         if self._thread is not None:
             self._thread.join(timeout=10)
         guard_writes(self.root, None)
+        _HELD.pop(self.root.uri.rstrip("/"), None)
         if self._interrupts:
             signal.signal(LOST_SIGNAL, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
             self._interrupts = False
@@ -217,6 +222,31 @@ class RunLease:
         if self.created_root:
             with contextlib.suppress(OSError):
                 os.rmdir(self.root.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFence:
+    """What a Ray task checks before it commits a block below a leased run folder, where the driver's lease is out
+    of reach: the lease still holds the token of the command that started the pass."""
+
+    lease: str  # the lease file's URI
+    token: str
+
+    def check(self) -> None:
+        current = read_lease(resolve(self.lease))
+        if current is None or current[0].get("token") != self.token:
+            holder = current[0].get("holder") if current is not None else None
+            raise LeaseLost(f"a task of this command's pass found the lease {self.lease} taken"
+                            f"{f' by `{holder}`' if holder else ''} before it committed its block: it committed "
+                            "nothing, and the new holder resumes from what was committed")
+
+
+def task_fence(loc: Location) -> TaskFence | None:
+    """The fence of the lease this process holds on the run folder holding `loc` (None where it holds none)."""
+    for root, lease in _HELD.items():
+        if loc.uri == root or loc.uri.startswith(root + "/"):
+            return TaskFence(lease.lease.uri, lease.record["token"])
+    return None
 
 
 def fence(loc: Location) -> None:

@@ -227,9 +227,10 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux and BSD units differ; KiB here
 
 
-def stable_names(prefix: str):
+def stable_names(prefix: str, fence=None):
     """A Ray Data file-name provider, a pure function of (write, task) as Ray's checkpointing needs: a retried
-    task overwrites its own file."""
+    task overwrites its own file. `fence` (`lease.TaskFence`): checked in the write task just before it writes, so a
+    pass's tasks commit nothing once another command took the run folder's lease."""
     from ray.data.datasource import FilenameProvider
 
     class StableNames(FilenameProvider):
@@ -237,6 +238,8 @@ def stable_names(prefix: str):
             super().__init__(file_format="parquet")
 
         def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
+            if fence is not None:
+                fence.check()
             return f"{prefix}-{write_uuid}-{task_index:06d}.parquet"
 
     return StableNames()
