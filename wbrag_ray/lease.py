@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from wbrag_ray import storage
 from wbrag_ray.config import ConfigError
 from wbrag_ray.layout import RunLayout
 from wbrag_ray.storage import Location, before_write, guard_writes, put_if, read_versioned, resolve
@@ -36,8 +37,6 @@ class LeaseHeld(ConfigError):
 class LeaseLost(ConfigError):
     """This command's lease was taken by another writer: it stops before its next write, naming the new holder."""
 
-
-_HELD: dict[str, RunLease] = {}  # this process's leases by run folder URI (`task_fence`)
 
 LOST_SIGNAL = signal.SIGUSR2  # sent to the main thread when a heartbeat finds the lease taken: it stops at once
 
@@ -147,8 +146,7 @@ class RunLease:
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(LOST_SIGNAL, self._on_lost_signal)
             self._interrupts = True
-        guard_writes(self.root, self.fence)
-        _HELD[self.root.uri.rstrip("/")] = self
+        guard_writes(self.root, self)
         self._thread = threading.Thread(target=self._beat, name="wbrag-lease-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -208,7 +206,6 @@ class RunLease:
         if self._thread is not None:
             self._thread.join(timeout=10)
         guard_writes(self.root, None)
-        _HELD.pop(self.root.uri.rstrip("/"), None)
         if self._interrupts:
             signal.signal(LOST_SIGNAL, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
             self._interrupts = False
@@ -243,10 +240,8 @@ class TaskFence:
 
 def task_fence(loc: Location) -> TaskFence | None:
     """The fence of the lease this process holds on the run folder holding `loc` (None where it holds none)."""
-    for root, lease in _HELD.items():
-        if loc.uri == root or loc.uri.startswith(root + "/"):
-            return TaskFence(lease.lease.uri, lease.record["token"])
-    return None
+    lease = storage.write_guard(loc)
+    return TaskFence(lease.lease.uri, lease.record["token"]) if isinstance(lease, RunLease) else None
 
 
 def fence(loc: Location) -> None:

@@ -130,22 +130,27 @@ def writer_suffix() -> str:
     return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-_WRITE_GUARDS: dict[str, Callable[[Location, bool], None]] = {}  # fencing: leased root -> its check (`lease`)
+_WRITE_GUARDS: dict[str, Any] = {}  # fencing: leased root -> its guard (`lease.RunLease`)
 
 
-def guard_writes(root: Location, check: Callable[[Location, bool], None] | None) -> None:
-    """Run `check(location, commit)` before every write or delete below `root` in this process; None ends it."""
-    if check is None:
+def guard_writes(root: Location, guard: Any | None) -> None:
+    """Run `guard.fence(location, commit)` before every write or delete below `root` in this process; None ends it."""
+    if guard is None:
         _WRITE_GUARDS.pop(root.uri.rstrip("/"), None)
     else:
-        _WRITE_GUARDS[root.uri.rstrip("/")] = check
+        _WRITE_GUARDS[root.uri.rstrip("/")] = guard
+
+
+def write_guard(loc: Location) -> Any | None:
+    """The guard of the leased folder holding `loc` in this process (`guard_writes`), or None."""
+    return next((g for r, g in list(_WRITE_GUARDS.items()) if loc.uri == r or loc.uri.startswith(r + "/")), None)
 
 
 def before_write(loc: Location, commit: bool = False) -> None:
     """The guard of the leased folder holding `loc`, if any (`guard_writes`); `commit`: a commit is next."""
-    for root, check in list(_WRITE_GUARDS.items()):
-        if loc.uri == root or loc.uri.startswith(root + "/"):
-            check(loc, commit)
+    guard = write_guard(loc)
+    if guard is not None:
+        guard.fence(loc, commit)
 
 
 @dataclass(frozen=True)
