@@ -523,6 +523,8 @@ def user_error(exc: BaseException) -> str | None:
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError / RayActorError keep the worker's error
     if isinstance(cause, BaseException) and cause is not exc:
         return user_error(cause)
+    if isinstance(exc, SystemError) and exc.__cause__ is not None:  # raised by a signal handler inside a C call
+        return user_error(exc.__cause__)  # (the lease's LeaseLost during a ray.get): CPython wraps it
     if isinstance(exc, (ConfigError, InputError, FileNotFoundError, IndexError_)):  # the message names the fix / file
         return str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError):  # storage: permissions, unreachable endpoints, object-store errors
