@@ -88,7 +88,8 @@ class EmbedderConfig(_Section):
         "auto", description="Compute dtype; 'auto': bf16 where the CPU or GPU supports it.")
     storage_dtype: Literal["float32", "float16"] = Field("float32", description="dtype of stored embedding shards.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per embed actor; below the node's CPUs, so reads can run.")
-    threads: int | None = Field(None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus)).")
+    threads: int | None = Field(None, ge=1, description="torch threads per embed actor (default: ceil(num_cpus) plus "
+                                 "the node's CPUs nothing else computes on, measured before each batch).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per embed actor.")
     concurrency: PositiveOrAuto = Field(1, description="Number of embed actors." + AUTO_CONCURRENCY)
     max_seq_length: int | None = Field(None, ge=8, description="Truncate inputs to this many tokens.")
@@ -123,7 +124,8 @@ class GeneratorConfig(_Section):
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Generation stops at the first of these "
                             "strings (cut off); passes that write several lines clear it.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs each generator actor asks Ray for.")
-    threads: int | None = Field(None, ge=1, description="torch threads per generator actor (default: ceil(num_cpus)).")
+    threads: int | None = Field(None, ge=1, description="hf backend: torch threads per generator actor (default: "
+                                 "ceil(num_cpus) plus the node's CPUs nothing else computes on, measured before each batch).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per generator actor (vllm: per engine replica).")
     tensor_parallel_size: int | Literal["auto"] | None = Field(
         None, description="vllm: GPUs of one node a replica's layers are sharded over (num_gpus 0: rank processes of "

@@ -60,6 +60,22 @@ def test_the_bundled_model_answers_from_the_retrieved_document(smollm):
     assert "reykjavik" in batched[0].lower()
 
 
+def test_answers_do_not_depend_on_the_threads_that_decode_them(smollm):
+    """The hf generator's threads follow the node's free CPUs batch by batch (`FreeCpus`): its answers must be the
+    same whatever the count."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        answers = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            answers.append(smollm.generate(GREEDY_PROMPTS))
+    finally:
+        torch.set_num_threads(before)
+    assert answers[0] == answers[1]
+
+
 def test_greedy_batched_answers_match_one_by_one(tiny_gen):
     batched = tiny_gen.generate(GREEDY_PROMPTS)
     assert len(set(batched)) == 5 and all(batched)  # five prompts, five answers of their own

@@ -7,15 +7,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from wbrag_ray.doctor import check_cpus
 from wbrag_ray.models.hardware import (
     AVX2_ONLY_ENV,
+    FreeCpus,
     cpu_has_native_bf16,
     cpu_kind,
     cpu_matmul_flags,
     cpu_supports_bf16,
     held_kernels,
+    usable_cpus,
 )
 
 EPYC = """processor\t: 0
@@ -102,3 +105,32 @@ def test_a_stage_configured_for_gpus_is_refused_where_torch_sees_none_naming_the
     with pytest.raises(ConfigError, match=r"^the retrieve stage asks for 0\.5 GPUs \(retrieval\.embed_gpus\) .*"
                                           r"set retrieval\.embed_gpus: 0 to run on CPU$"):
         require_gpu("the retrieve stage", "retrieval", 0.5, "retrieval.embed_gpus")
+
+
+def _others_busy(cpus: float):
+    """A node reading where processes other than this one keep `cpus` CPUs busy (this process's own time added, as
+    /proc/stat counts it)."""
+    return lambda: time.monotonic() * cpus + sum(os.times()[:2])
+
+
+def test_threads_follow_the_cpus_the_node_leaves_free_and_a_setting_fixes_them():
+    # a 4-CPU node, an actor of one CPU: nothing else computing gives it all four
+    assert FreeCpus(1.0, cpus=4, busy=_others_busy(0.0)).threads() == 4
+    # two CPUs kept busy by others (say a training worker): the two left
+    assert FreeCpus(1.0, cpus=4, busy=_others_busy(2.0)).threads() == 2
+    # a CPU three-quarters busy is not lent (an OpenMP team waits for its slowest thread at every barrier)
+    assert FreeCpus(1.0, cpus=2, busy=_others_busy(0.75)).threads() == 1
+    # never below the actor's own CPUs, however busy the node
+    assert FreeCpus(2.0, cpus=4, busy=_others_busy(8.0)).threads() == 2
+    # the setting wins
+    assert FreeCpus(1.0, threads=3, cpus=4, busy=_others_busy(0.0)).threads() == 3
+    # read on this machine, within the actor's own CPUs and the node's
+    assert 1 <= FreeCpus(1.0).threads() <= usable_cpus()
+
+
+def test_a_second_reading_measures_the_time_since_the_first_without_waiting():
+    free = FreeCpus(1.0, cpus=2, busy=_others_busy(0.0))
+    free.threads()
+    start = time.monotonic()
+    assert free.threads() == 2
+    assert time.monotonic() - start < FreeCpus.WINDOW_S / 2

@@ -6,7 +6,8 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from wbrag_ray.config import ConfigError
 
@@ -182,6 +183,59 @@ def set_threads(num_cpus: float, threads: int | None = None) -> int:
     threads = threads_of(num_cpus, threads)
     torch.set_num_threads(threads)
     return threads
+
+
+def _node_busy_seconds(stat: str = "/proc/stat") -> float:
+    """CPU-seconds the node's CPUs have spent on anything but idling (user, nice, system, irq, softirq, steal)."""
+    with open(stat) as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class FreeCpus:
+    """Torch threads that follow what the node leaves free: the actor's own CPUs (`num_cpus`, rounded up) plus the
+    node's CPUs nothing else computed on since the last reading (the node's busy time less this process's own).
+    Measured, not read from Ray's reservations: an idle search actor holds CPUs it does not use, and a neighbour
+    outside Ray uses CPUs it never reserved (two threads beside a busy core run at half the speed of one).
+    `threads` (the setting) fixes them instead."""
+
+    WINDOW_S = 0.25  # a first reading, or one after a long pause, measures this long before the call
+
+    def __init__(self, num_cpus: float, threads: int | None = None, cpus: int | None = None,
+                 busy: Callable[[], float] = _node_busy_seconds):
+        self.own, self.fixed = threads_of(num_cpus), threads
+        self.cpus = max(self.own, cpus or usable_cpus())
+        self._busy = busy
+        self._last: tuple[float, float, float] | None = None
+
+    def _reading(self) -> tuple[float, float, float]:
+        mine = os.times()
+        return time.monotonic(), self._busy(), mine.user + mine.system
+
+    def others(self) -> float:
+        """CPUs the node's other processes kept busy since the last reading (at least WINDOW_S ago)."""
+        now = self._reading()
+        if self._last is None or now[0] - self._last[0] > 60:  # a pause: what others do now, not what they did
+            self._last = now
+            time.sleep(self.WINDOW_S)
+            now = self._reading()
+        (t0, busy0, mine0), (t1, busy1, mine1) = self._last, now
+        self._last = now
+        return max(0.0, (busy1 - busy0) - (mine1 - mine0)) / max(t1 - t0, 1e-3)
+
+    def threads(self) -> int:
+        if self.fixed:
+            return self.fixed
+        return max(self.own, min(self.cpus, math.floor(self.cpus - self.others() + 0.25)))
+
+    def apply(self) -> int:
+        """Set this thread's torch threads (OpenMP's count is per calling thread) to `threads()`."""
+        import torch
+
+        n = self.threads()
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
 
 
 def resolved_dtype_name(requested: str, num_gpus: float) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import pandas as pd
 
-from wbrag_ray.models.hardware import in_ray_worker, require_gpu, set_threads
+from wbrag_ray.models.hardware import FreeCpus, in_ray_worker, require_gpu, set_threads
 from wbrag_ray.placement import autoscaling, cluster_nodes, pool_refusal, refuse_unplaceable, room_for
 from wbrag_ray.placement.waits import pool_start_timeout_s
 
@@ -98,11 +98,20 @@ class _StageWorker:
     def __init__(self, stage: Stage):
         require_stage_gpu(stage)
         set_threads(stage.resources.threads or stage.resources.num_cpus)
-        self.stage = stage
+        self.stage, self.cpus = stage, free_cpus(stage)
         stage.setup()
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        if self.cpus is not None:
+            self.cpus.apply()
         return process_checked(self.stage, batch)
+
+
+def free_cpus(stage: Stage) -> FreeCpus | None:
+    """The torch threads a stage's batches run with (`FreeCpus`); None where its engine runs in processes of its own
+    (a vLLM engine's threads are bound as it starts) or on a GPU."""
+    res = stage.resources
+    return None if stage.starts_processes or res.num_gpus else FreeCpus(res.num_cpus, res.threads)
 
 
 def require_stage_gpu(stage: Stage) -> None:

@@ -34,6 +34,7 @@ from wbrag_ray.stages.base import (
     Resources,
     Stage,
     concurrency_fix,
+    free_cpus,
     process_checked,
     require_stage_gpu,
 )
@@ -51,6 +52,7 @@ class _ServiceWorker:
     def __init__(self, stage: Stage):
         set_threads(stage.resources.threads or stage.resources.num_cpus)
         self.loaded: Stage | None = None
+        self.cpus = None  # the loaded stage's `FreeCpus`
         self.setups = 0  # what this process really loaded (tests count it: a second pass loads nothing)
         self.running = 0  # calls running on the loaded setup
         self.most_running = 0  # the most calls that ran at once (tests read it)
@@ -75,7 +77,7 @@ class _ServiceWorker:
             self.refused = (stage.service_key(), exc)
             raise
         self.setups += 1
-        self.loaded, self.key = stage, stage.service_key()
+        self.loaded, self.key, self.cpus = stage, stage.service_key(), free_cpus(stage)
 
     def stat(self, name: str) -> int:
         """A count of this actor's (`setups`, `most_running`), as `Services.actor_stats` reads it."""
@@ -100,6 +102,8 @@ class _ServiceWorker:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
         try:
+            if self.cpus is not None:
+                self.cpus.apply()
             return process_checked(stage, batch)
         finally:
             with self._turn:
