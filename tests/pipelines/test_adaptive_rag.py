@@ -231,3 +231,20 @@ def test_a_router_that_searches_everything_leaves_flare_its_sentence_queries(bui
     without = rag.answer(questions, ["flare"], config, plain, GeneratorPasses(config.generator, services))
     assert not with_router["retrieval_skipped"].any()
     assert with_router.sort_values("id")["docs"].tolist() == without.sort_values("id")["docs"].tolist()
+
+
+def test_a_pass_that_searches_no_more_ends_its_search_before_it_generates(built_run, flashrag_files, tiny, services):
+    """`wbrag eval`'s own passes: the query embedder's service and the search pools end once the questions are
+    searched (their memory goes before the generator's batches); the answers are those of a kept search."""
+    kept, _ = _answer(built_run, flashrag_files, tiny, services, "naive")
+    assert "retrieve" in services._live and services._pools
+    run, _ = built_run
+    config = _config(built_run, tiny)
+    questions, _ = read_dataset(resolve(str(flashrag_files[1])), limit=N)
+    layout = RunFolder(str(run)).layout
+    search = RetrievalSetting(layout.index.uri, layout.ingest.root.uri, config.embedder, config.retrieval,
+                              config.index)
+    ended = rag.answer(questions, ["naive"], config, search, GeneratorPasses(config.generator, services),
+                       "prediction", keep_search=False).set_index("id")
+    assert "retrieve" not in services._live and not services._pools and "generate" in services._live
+    assert ended.loc[kept.index, "prediction"].tolist() == kept["prediction"].tolist()

@@ -59,8 +59,10 @@ def evaluate(run: RunFolder, config: WbragConfig, dataset: str, label: str, writ
     questions, rejects = read_questions(dataset, "dataset", limit=config.eval.limit)
     search = (RetrievalSetting(base_index, None, config.embedder, config.retrieval, config.index, extra, router)
               if needs_index else None)
+    shared = passes is not None
     with contextlib.nullcontext(passes) if passes else GeneratorPasses(generator.config) as passes:  # given: left open
-        df = rag.answer(questions, methods, config, search, passes, "prediction")
+        # a caller's shared passes may search again; this evaluation's own end their search before generating
+        df = rag.answer(questions, methods, config, search, passes, "prediction", keep_search=shared)
     seconds = time.perf_counter() - t0
 
     results: dict[str, dict[str, Any]] = {}

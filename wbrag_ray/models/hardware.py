@@ -199,7 +199,7 @@ class FreeCpus:
     outside Ray uses CPUs it never reserved (two threads beside a busy core run at half the speed of one).
     `threads` (the setting) fixes them instead."""
 
-    WINDOW_S = 0.25  # a first reading, or one after a long pause, measures this long before the call
+    WINDOW_S = 0.1  # a first reading, or one after a long pause, measures this long before the call
 
     def __init__(self, num_cpus: float, threads: int | None = None, cpus: int | None = None,
                  busy: Callable[[], float] = _node_busy_seconds):

@@ -85,9 +85,12 @@ def answer(
     search: RetrievalSetting | None,
     passes: GeneratorPasses,
     answer_column: str = "prediction",
+    keep_search: bool = True,
 ) -> pd.DataFrame:
     """Answer every question with every method: one row per (question, method) with the question's columns,
-    `method`, `docs`, `prompt`, `slot_answers`, `answer_column`, `retrieval_skipped`, `generator_calls` and `trace`."""
+    `method`, `docs`, `prompt`, `slot_answers`, `answer_column`, `retrieval_skipped`, `generator_calls` and `trace`.
+    `keep_search=False`: where no method searches after the first search, the retrieval service and its search pools
+    end before the generator's passes (a caller whose later passes search keeps them)."""
     methods = check_methods(methods)
     mixture = [m for m in methods if m in MIXTURE]
     if mixture:  # before any search: a backend that cannot decode the mixture says so now
@@ -104,6 +107,8 @@ def answer(
             if retrieval_waits_for_engine(config.generator, retrieval_gpus(config)):
                 passes.wait_ready()  # ... unless GPU retrieval beside the engine would upset its memory profiling
             frame = search.search(frame, services=passes.services)  # one search for both passes
+            if not keep_search and not {"self-rag", "flare"} & set(methods):
+                passes.services.end_search()
         temperature = config.retrieval.replug_temperature
     if one_pass:
         rows = expand(frame, one_pass, temperature)

@@ -279,6 +279,14 @@ class Services:
                                  for key, (_i, docs, source) in zip(keys, members, strict=True)],
                                 UnionRule.of(retrieval))
 
+    def end_search(self) -> None:
+        """End the retrieval service (its query embedder) and the search pools: their memory goes before a long
+        generator pass where nothing searches again."""
+        live = self._live.pop("retrieve", None)
+        pools, self._pools = list(self._pools.values()), {}
+        for service_or_pool in [*([live] if live else []), *pools]:
+            service_or_pool.close()
+
     def close(self) -> None:
         """End this command's services and search pools."""
         held = [*self._live.values(), *self._pools.values()]
