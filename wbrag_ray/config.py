@@ -119,8 +119,8 @@ class GeneratorConfig(_Section):
     batch_size: int = Field(32, ge=1, description="Most prompts per generate call (hf: fewer where long prompts "
                             "would not fit memory_gb).")
     memory_gb: float | None = Field(None, gt=0, description="hf backend: memory one generate call may use for KV "
-                                    "cache and activations. Default: 90% of the GPU memory left after loading, or "
-                                    "half the node's free memory on CPU.")
+                                    "cache and activations. Default: 90% of the GPU memory left after loading; on CPU "
+                                    "0.5 GiB (more rows a call are no faster there), within half the node's free memory.")
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Generation stops at the first of these "
                             "strings (cut off); passes that write several lines clear it.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs each generator actor asks Ray for.")

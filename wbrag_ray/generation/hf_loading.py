@@ -66,21 +66,27 @@ def load_hf_causal_lm(config: GeneratorConfig, dtype, device: str):
     return model, tok
 
 
+# On CPU a generate call of 8-16 RAG prompts runs as fast as one of 32 (a few thousand tokens already make the
+# matrices wide; benchmarks/RESULTS.md, issue 75), while every row's KV cache stays resident: more rows cost memory.
+CPU_CALL_BYTES = 512 << 20
+
+
 def memory_budget(config: GeneratorConfig, device: str) -> int:
     """Bytes one generate call may use beyond the weights: generator.memory_gb, else 90% of the GPU memory
-    left after loading, else half of the node's available memory (the rest is for other actors)."""
+    left after loading, else CPU_CALL_BYTES within half of the node's available memory."""
     if config.memory_gb:
         return int(config.memory_gb * 2**30)
     if device.startswith("cuda"):
         import torch
 
         return int(torch.cuda.mem_get_info()[0] * 0.9)
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
+    return min(CPU_CALL_BYTES, int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5))
 
 
 def row_bytes(model, tokens: int, new_tokens: int, with_probs: bool) -> int:
-    """Estimated memory of one row of a generate call: its KV cache over prompt + new tokens, the prefill's
-    activations (hidden state and MLP), and the next-token logits (kept for every step when scoring)."""
+    """Estimated memory of one row of a generate call: its KV cache over prompt + new tokens, twice (a step grows
+    the cache by concatenation: the old and the new tensors live together), the prefill's activations (hidden state
+    and MLP), and the next-token logits (kept for every step when scoring)."""
     c = model.config
     size = model.dtype.itemsize
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -88,4 +94,4 @@ def row_bytes(model, tokens: int, new_tokens: int, with_probs: bool) -> int:
     kv = 2 * c.num_hidden_layers * kv_heads * head_dim * size
     activations = 2 * (c.hidden_size + getattr(c, "intermediate_size", 4 * c.hidden_size)) * size
     logits = c.vocab_size * 4 * (new_tokens if with_probs else 2)
-    return (tokens + new_tokens) * kv + tokens * activations + logits
+    return 2 * (tokens + new_tokens) * kv + tokens * activations + logits
