@@ -1,5 +1,6 @@
-"""Zero-RAG after the index on a local Ray cluster of a head and three worker nodes, the run folder on object
-storage, losing a worker node during pruner prediction and again during an evaluation pass, then an
+"""Zero-RAG on a local Ray cluster of a head and three worker nodes, the run folder on object storage: the
+passages embedded again losing a worker node (a replacement joins), the index rebuilt by a driver killed inside its
+commit's swap and again, then losing a worker node during pruner prediction and again during an evaluation pass, then an
 evaluation whose driver (a `wbrag eval` process joined to the cluster) is SIGKILLed right after half its answers
 are committed to the stage's checkpoint on object storage, and resumed (run as a script by
 tests/pipelines/test_multinode_zero_rag.py: a Cluster needs its own driver process). Prints a JSON summary.
@@ -13,15 +14,17 @@ service's calls) runs on it, so the stage loses the node's workers, actors and t
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
 
+import pyarrow.fs as pafs
 import ray
 from ray.cluster_utils import Cluster
 
 from tests.cluster.local import local_cluster
-from wbrag_ray import api
+from wbrag_ray import api, build_kb
 from wbrag_ray.run import RunFolder
 from wbrag_ray.zerorag.grid import eval_label
 from wbrag_ray.zerorag.prune import predict, prune
@@ -157,6 +160,47 @@ def resume_after_a_killed_driver(address: str, run: RunFolder, config, dataset: 
             "driver_log": log[-1500:]}
 
 
+def embed_losing_a_node(cluster: Cluster, workers: list, run: RunFolder, config) -> dict:
+    """The passages embedded again on the cluster, a worker node lost while its embed tasks run: every vector
+    written once (rows in = rows out, no id twice)."""
+    with NodeKiller(cluster, workers, "MapBatches") as killer:
+        stats = build_kb.embed(run, config, force=True)
+    id_column = run.layout.ingest.units(config.index.unit)[1]
+    ids = run.layout.embed.read_table([id_column])[id_column].to_pylist()
+    return {"killed": killer.killed, "rows_in": stats["rows_in"], "rows_out": stats["rows_out"], "rows": len(ids),
+            "unique": len(set(ids)), "rows_resumed": stats["rows_resumed"], "rows_computed": stats["rows_computed"]}
+
+
+def index_files(run: RunFolder) -> dict:
+    """What a reader of the run's index finds (through the layout, as every reader): each shard its manifest names
+    read whole, with the vectors the manifest says."""
+    from wbrag_ray.index.files import load_manifest, load_shard, named_shards
+
+    folder = run.layout.index
+    manifest = load_manifest(folder)
+    shards = named_shards(manifest)
+    return {"vectors": sum(load_shard(folder, name, manifest["dim"], count).ntotal for name, count in shards),
+            "files": len(shards)}
+
+
+def index_swap_killed(address: str, run: RunFolder) -> dict:
+    """`wbrag index --force` (a driver joined to the cluster) SIGKILLed as its commit has moved the pointer to the
+    new index and not yet removed the old one; readers then find one whole index; the command again completes it
+    and leaves no other version behind."""
+    args = [sys.executable, "-m", "wbrag_ray.cli", "index", run.uri, "--force", "--address", address]
+    before = index_files(run)
+    # a short lease, so the rerun takes the dead driver's lease seconds later instead of a minute
+    env = {**os.environ, "WBRAG_CRASH_AT": "commit-pointer-written", "WBRAG_LEASE_TTL": "4"}
+    killed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    after_kill = index_files(run)
+    time.sleep(5)
+    again = subprocess.run(args, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    folder = run.root.join("index")  # the output's own folder: its pointer and its versions
+    left = sorted(i.base_name for i in folder.fs.get_file_info(pafs.FileSelector(folder.path)))
+    return {"exit": killed.returncode, "before": before, "after_kill": after_kill, "rerun_exit": again.returncode,
+            "after_rerun": index_files(run), "left": left, "log": (killed.stderr + again.stderr)[-1500:]}
+
+
 def step(message: str) -> None:
     print(f"[multinode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -173,6 +217,13 @@ def main(s3_run: str, dataset: str) -> None:
     api.start(run, config)
     ray.data.DataContext.get_current().enable_progress_bars = False
     summary: dict = {}
+
+    step("embed, losing a worker node")
+    summary["embed"] = embed_losing_a_node(cluster, workers, run, config)
+    workers.append(cluster.add_node(num_cpus=2))  # a replacement, as an autoscaler would start one (waits for it)
+
+    step("the index rebuilt, its driver killed in the swap, rebuilt again")
+    summary["index"] = index_swap_killed(cluster.address, run)
 
     step("predict")
     with NodeKiller(cluster, workers, "MapBatches") as killer:

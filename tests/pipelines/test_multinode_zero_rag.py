@@ -1,9 +1,11 @@
-"""Multi-node acceptance: the Zero-RAG chain after the index (pruner prediction, percentile and keep mask, the
-pruned index, an evaluation with the router and the tuned adapter) and a write-back evaluation, on a
-local Ray cluster of a head and three worker nodes, with the run folder on the S3-compatible server on loopback, losing a worker
-node during prediction and again during an evaluation pass: the same keep mask and the same answers as the
-one-node run of the chain fixture, nothing lost, nothing duplicated; then the write-back evaluation again, its
-driver killed part way: it resumes from its checkpoint on object storage and answers as the uninterrupted one.
+"""Multi-node chaos acceptance (issue 76): on a local Ray cluster of a head and three worker nodes, with the run
+folder on the S3-compatible server on loopback, the chain's passages embedded again while a worker node is lost
+(a replacement node joins after), the index rebuilt by a driver SIGKILLed inside its commit's swap and rebuilt
+again, then the Zero-RAG chain after the index (pruner prediction, percentile and keep mask, the pruned index, an
+evaluation with the router and the tuned adapter) and a write-back evaluation, losing a worker node during
+prediction and again during an evaluation pass: the same keep mask and the same answers as the one-node run of
+the chain fixture, nothing lost, nothing duplicated; then the write-back evaluation again, its driver killed part
+way: it resumes from its checkpoint on object storage and answers as the uninterrupted one.
 
 The chain's run folder is copied to object storage with every absolute path in its JSON files moved with it,
 and the local copy deleted, so a stage that still read the local folder would fail instead of passing."""
@@ -69,12 +71,32 @@ def test_zero_rag_and_writeback_on_four_nodes_lose_a_node_twice_and_match_one_no
     assert script.returncode == 0, stderr[-4000:]
     summary = last_json_line(stdout)
 
-    # a worker node died in each stage, part way (of three: the head and the one left remain)
+    # rows committed, recomputed and duplicated by each stage that lost a node or its driver
+    sentences = run.stats("ingest")["sentences"]
+    embed, index = summary["embed"], summary["index"]
+    print(f"embed, a node lost: {embed['rows_out']} of {embed['rows_in']} vectors committed, "
+          f"{embed['rows_computed']} computed in the pass, {embed['rows'] - embed['unique']} duplicated")
+    print(f"index --force, driver killed in the swap: exit {index['exit']}, a reader then found "
+          f"{index['after_kill']['vectors']} vectors whole; the rerun left {index['left']}")
+    print(f"evaluation, driver killed: {summary['resume']['committed']} committed, "
+          f"{summary['resume']['rows_computed']} recomputed, 0 duplicated (its rows are unique: asserted below)")
+
+    # a worker node lost while the passages were embedded again: every vector once
+    assert embed["killed"].get("during"), embed
+    assert embed["rows_in"] == embed["rows_out"] == embed["rows"] == embed["unique"] == sentences, embed
+    assert embed["rows_resumed"] + embed["rows_computed"] == embed["rows_out"], embed
+    # the forced rebuild's driver killed between moving the pointer and removing the old version: readers found one
+    # index whole; the next command completed the rebuild and left one version
+    assert index["exit"] == -signal.SIGKILL and index["rerun_exit"] == 0, index["log"]
+    assert index["before"] == index["after_kill"] == index["after_rerun"], index
+    assert index["before"]["vectors"] == embed["rows_out"], index
+    assert len(index["left"]) == 2 and index["left"][0] == "_COMMIT", index
+
+    # a worker node died in each stage, part way (of three and a replacement: the head and one remain)
     killed = {k: summary[k] for k in ("predict_killed", "eval_killed")}
     assert all(k.get("during") for k in killed.values()), killed
     assert "MapBatches" in killed["predict_killed"]["task"] and "_ServiceWorker" in killed["eval_killed"]["task"]
     assert summary["alive_nodes"] == 2
-    sentences = run.stats("ingest")["sentences"]
     assert summary["predictions"] == {"rows": sentences, "unique": sentences}
     one_node_keep = pq.read_table(run.layout.zero_rag.pruned(0.3).keep.path, columns=["id", "keep"]).to_pylist()
     assert summary["keep_rows"] == sentences
