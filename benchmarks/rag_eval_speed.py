@@ -2,13 +2,15 @@
 (Ray's start and the model loads included), with the memory of every process they start.
 
 The knowledge base is built once (ingest, embed, index with the defaults) on 100-word passages
-(`benchmarks.long_passages`: the demo texts in overlapping windows, about 600 passages); the questions are the
+(`benchmarks.long_passages`: the demo texts in overlapping windows, about 600 passages), or with `--data demo` on
+the demo's own 100 passages; the questions are the
 demo's 40 and its 120 held-out ones (160). Each variant then answers them with naive RAG (K = 5, the bundled
 models, greedy), and adds the closed-book rows under the same name (`--methods no-retrieval`: only those rows are
 answered). Variants:
 
     defaults    the settings as shipped
-    baseline    the shipped defaults of 2026-12-07, set explicitly (`--baseline`): hf, one generator thread
+    baseline    the shipped defaults of 2026-12-07, set explicitly (`--baseline`): hf, one generator thread,
+                calls of up to 32 prompts
     threads-2   the defaults with generator.threads=2 (both cores of this machine)
     vllm        the defaults with generator.backend=vllm (where vLLM's CPU build is installed: `make setup-vllm`)
 
@@ -17,7 +19,7 @@ local Ray cluster it starts, every worker), polled every 0.2 s; `/usr/bin/time` 
 largest single process is printed beside it. Prefill utilization: the prompts' tokens x 2 x the generator's
 parameters, over the answer pass's seconds, against the matmul peak measured here in the generator's dtype.
 
-    python -m benchmarks.rag_eval_speed [--quick] [--baseline] [--variants defaults,threads-2,vllm]
+    python -m benchmarks.rag_eval_speed [--quick] [--data long|demo] [--baseline] [--variants defaults,threads-2,vllm]
 """
 
 from __future__ import annotations
@@ -34,10 +36,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import DATA, header, matmul_peak_gflops, report, report_ratio
+from benchmarks.common import (
+    DATA,
+    DEMO_CORPUS,
+    demo_passages,
+    header,
+    matmul_peak_gflops,
+    report,
+    report_ratio,
+)
 from benchmarks.long_passages import build
 
-BASELINE = ["generator.backend=hf", "generator.threads=1"]  # the defaults of 2026-12-07 (issue 75's "today")
+# the defaults of 2026-12-07 (issue 75's "today"): one generator thread, calls of up to 32 rows (the memory
+# budget then was half the node's free memory, which 32 rows never reached)
+BASELINE = ["generator.backend=hf", "generator.threads=1", "generator.memory_gb=8"]
 VARIANTS = {"defaults": [], "baseline": BASELINE, "threads-2": ["generator.threads=2"],
             "vllm": ["generator.backend=vllm"]}
 QUICK_QUESTIONS = 40
@@ -110,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_QUESTIONS} questions (a smoke run)")
     parser.add_argument("--baseline", action="store_true", help="also run the defaults of 2026-12-07")
+    parser.add_argument("--data", choices=("long", "demo"), default="long",
+                        help="long: 100-word passages (benchmarks.long_passages, the default); demo: the demo corpus")
     parser.add_argument("--variants", default=None, help="comma-separated, of: " + ", ".join(VARIANTS))
     args = parser.parse_args(argv)
     header("rag_eval_speed", args)
@@ -123,7 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown variants {sorted(unknown)}")
     with tempfile.TemporaryDirectory(prefix="rag-eval-speed-") as tmp:
         data, run = Path(tmp) / "data", Path(tmp) / "run"
-        counts = build(data)
+        if args.data == "demo":  # the demo's own 100 passages of about 55 words
+            data.mkdir()
+            corpus = data / "corpus.jsonl"
+            corpus.write_text(DEMO_CORPUS.read_text())
+            words = [len(p.text.split()) for p in demo_passages()]
+            counts = {"passages": len(words), "mean_words": sum(words) / len(words)}
+        else:
+            counts = build(data)
         questions = [json.loads(line) for name in ("demo_qa.jsonl", "demo_heldout.jsonl")
                      for line in (DATA / name).read_text().splitlines() if line.strip()]
         questions = questions[:QUICK_QUESTIONS] if args.quick else questions
