@@ -198,7 +198,7 @@ def load_manifest(loc: Location) -> dict[str, Any]:
         manifest = man_loc.read_json()
     except ValueError as exc:
         raise IndexError_(f"index manifest {man_loc.uri} is not valid JSON: {exc}") from None
-    missing = [k for k in ("dim", "embedder", "shards") if k not in manifest]
+    missing = [k for k in ("dim", "embedder", "shards", "embeddings") if k not in manifest]
     if missing:
         raise IndexError_(f"index manifest {man_loc.uri} lacks {missing}; rebuild the index with `wbrag index RUN`")
     return manifest
