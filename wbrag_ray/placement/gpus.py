@@ -37,6 +37,11 @@ PROMPT_BASE_TOKENS = 200
 DOC_TOKENS = {"passage": 140, "sentence": 40}
 
 
+def memory_share(g) -> float:
+    """The share of a GPU's memory a vLLM engine of `g` fills (weights, then KV cache): its gpu_memory_utilization."""
+    return g.vllm_engine_kwargs.get("gpu_memory_utilization", ENGINE_MEMORY_UTILIZATION)
+
+
 def engine_utilization(configured: float, share: float) -> float:
     """vLLM's gpu_memory_utilization on GPUs a replica holds `share` of: at most the share less `ENGINE_MARGIN`."""
     if share >= 1:
@@ -213,7 +218,7 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
     g, r, e = config.generator, config.retrieval, config.embedder
     node_gpus = [float(n.get("GPU", 0.0)) for n in nodes]
     said = []
-    util = g.vllm_engine_kwargs.get("gpu_memory_utilization", ENGINE_MEMORY_UTILIZATION)
+    util = memory_share(g)
     if g.tensor_parallel_size == "auto":
         tokens = int(g.vllm_engine_kwargs.get("max_model_len")
                      or prompt_tokens(r.top_k, config.index.unit) + g.max_new_tokens)

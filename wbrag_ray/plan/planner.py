@@ -162,9 +162,10 @@ class _Builder:
             except ConfigError as exc:
                 self.refusals.append(str(exc))
                 g = c.generator
-                if g.tensor_parallel_size == "auto":  # refused: planned at the largest size a node has, to show the rest
+                if g.tensor_parallel_size == "auto":  # refused: planned at a node's largest size, to show the rest
+                    size = model_size(g.model)
                     most = int(max((n.gpus for n in self.cluster.nodes), default=1) or 1)
-                    g.num_gpus = float(max(model_size(g.model).tensor_parallel_sizes(most)) * g.pipeline_parallel_size)
+                    g.num_gpus = float(max(size.tensor_parallel_sizes(most)) * g.pipeline_parallel_size)
                     g.tensor_parallel_size = int(g.num_gpus) // g.pipeline_parallel_size
         counts, self.held = decide_counts(c, self.nodes, search, layout)
         self.auto = set(counts)
@@ -199,7 +200,6 @@ class _Builder:
     # --- the registry's stages, each priced from the work it declares ----------------------------------------
 
     def stages(self) -> list[Stage]:
-
         return [planned for stage, params in instances(self.c) for planned in self.price(stage, params)]
 
     def price(self, stage: RunStage, params: dict) -> list[Stage]:
