@@ -10,6 +10,7 @@ import pytest
 
 from tests.paper_citations import citation_problems
 from wbrag_ray.config import load_config
+from wbrag_ray.formats import dataset_name
 from wbrag_ray.paper_numbers import GEMMA, LLAMA_33_70B, NUMBERS, SAYS, TEXTS, PaperNumber
 from wbrag_ray.papers import (
     CHOICES,
@@ -266,7 +267,7 @@ def test_the_methods_departures_for_the_models_and_data_a_run_uses():
 
 def _result(dataset: str, method: str = "naive", acc: float = 0.0, **made) -> dict:
     """metrics.json as an evaluation writes it (its `made_by` record)."""
-    base = {"dataset": dataset, "questions": {"dataset": dataset, "n": 100, "limit": None}, "method": method,
+    base = {"dataset": dataset_name(dataset), "questions": {"dataset": dataset, "n": 100, "limit": None}, "method": method,
             "generator": "meta-llama/Llama-3.1-8B-Instruct", "retriever": "intfloat/e5-base-v2", "top_k": 5,
             "answer_form": "as generated", "union": None, "writeback": None, "adapter": None, "router": False,
             "pruning_ratio": 0.0}
@@ -319,12 +320,6 @@ def test_a_result_is_set_beside_the_same_papers_number_and_every_setting_that_di
         "written back from 64 training questions (the paper: NQ's 79,168)",
         "union provenance (the paper: score, the merge into one top K)"]
     assert differs("small-wb", "34.82")[1:] == []  # validation 'auto' that held out none of its questions
-    # a result recorded before `made_by` (its fields only): the version's gates are not recorded, and said so
-    old = {"method": "naive", "dataset": "/d/nq/test.jsonl", "acc": 0.3, "writeback_version": "v", "top_k": 5,
-           "generator": {"model": "google/gemma-3-12b-it"}, "embedder": "intfloat/e5-base-v2",
-           "union": {"union": "score"}}
-    (row,) = paper_vs_run({"old": old})
-    assert row["paper_shown"] == "34.82" and row["differs"][1] == "tau_s not recorded (the paper: 0.1)"
     assert "adapter tuned to targets 'own', only the rows it answered right (the paper: every training query, in three " \
         "formats)" in differs("zr-triviaqa", "82.42")
     # one row per setting: the paper's main model's where the run's generator is none it ran

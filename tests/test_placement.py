@@ -201,14 +201,15 @@ def test_each_command_decides_auto_again_after_the_index_exists(monkeypatch):
     from wbrag_ray.placement import gpus
 
     monkeypatch.setattr(gpus, "auto_nodes", lambda: (FOUR_BY_EIGHT, "stated"))
-    config = load_config(PAPER_WRITEBACK)
+    stated = ["retrieval.search_gpus=1", "retrieval.embed_gpus=1"]  # whole GPUs (no layout to decide)
+    config = load_config(PAPER_WRITEBACK, stated)
     gpus.resolve_auto_concurrency(config)  # query embedder only: 1 GPU held
     assert (config.embedder.concurrency, config.generator.concurrency) == (32, 31)
     assert gpus.auto_keys(config)  # numbers now, decided again by the next command
-    gpus.resolve_auto_concurrency(config, search_gpus=4)
+    gpus.resolve_auto_concurrency(config, search=(4, 3e9))
     assert (config.embedder.concurrency, config.generator.concurrency) == (32, 27)
-    fixed = load_config(PAPER_WRITEBACK, ["generator.concurrency=4", "embedder.concurrency=8"])
-    gpus.resolve_auto_concurrency(fixed, search_gpus=4)
+    fixed = load_config(PAPER_WRITEBACK, ["generator.concurrency=4", "embedder.concurrency=8", *stated])
+    gpus.resolve_auto_concurrency(fixed, search=(4, 3e9))
     assert (fixed.embedder.concurrency, fixed.generator.concurrency) == (8, 4)  # a number stays as set
 
 

@@ -177,8 +177,7 @@ def test_decode_reads_the_kv_cache_as_well_as_the_weights():
 def test_the_decode_batch_is_what_the_engines_memory_share_leaves_the_kv_cache():
     """vLLM fills gpu_memory_utilization of a GPU (the package's default, or the config's vllm_engine_kwargs): the
     decode batch is the sequences whose KV cache fits what the weights leave of it."""
-    from wbrag_ray.placement.gpus import ENGINE_MEMORY_UTILIZATION
-    from wbrag_ray.plan.stages import memory_share
+    from wbrag_ray.placement.gpus import ENGINE_MEMORY_UTILIZATION, memory_share
 
     assert memory_share(load_config().generator) == ENGINE_MEMORY_UTILIZATION == 0.85
     custom = load_config(overrides=["generator.vllm_engine_kwargs={gpu_memory_utilization: 0.5}"]).generator

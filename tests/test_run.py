@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from wbrag_ray.build_kb import INDEX, KB_STAGES
+from wbrag_ray.build_kb import KB_STAGES
 from wbrag_ray.config import ConfigError, WbragConfig, load_config
 from wbrag_ray.run import RunFolder, RunStage
 from wbrag_ray.storage import committed
@@ -115,20 +115,6 @@ def test_rag_method_settings_never_invalidate_a_run_even_one_made_before_they_ex
     del old["config"]["rag"]  # a run folder written by a version without the adaptive methods
     open(run_json, "w").write(json.dumps(old))
     run.bind_config(load_config(), guard=KB_STAGES)
-
-
-def test_a_setting_the_stage_s_version_did_not_record_is_no_change(tmp_path):
-    """A stage made by a version without a setting (index.target_recall, zerorag.tune.targets: added later) is not
-    refused by an upgrade that adds it; a recorded setting changed still is."""
-    run = _built(tmp_path)
-    stats = run.layout.stage("index").stats
-    recorded = stats.read_json()
-    del recorded["settings"]["config"]["index.target_recall"]
-    stats.write_json(recorded)
-    run.bind_config(load_config(), guard=KB_STAGES)
-    assert run._changed(INDEX, run.fingerprint(INDEX, load_config())) == []
-    with pytest.raises(ConfigError, match="index.factory"):
-        run.bind_config(load_config(overrides=["index.factory=HNSW32"]), guard=KB_STAGES)
 
 
 def test_run_json_holds_no_credentials(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from tests.conftest import DEMO_CORPUS, DEMO_QA
-from wbrag_ray.index.files import INDEX_FILE, MANIFEST
+from wbrag_ray.index.files import MANIFEST
 from wbrag_ray.run import RunFolder
 from wbrag_ray.storage import resolve
 
@@ -115,7 +115,7 @@ def test_whole_run_folder_on_s3(s3_env, tmp_path, tiny):
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="wbrag", Prefix="runs/r1/")["Contents"]}
     layout = RunFolder("s3://wbrag/runs/r1").layout
     for loc in (layout.run_json, layout.stage("ingest").success, layout.stage("embed").success,
-                layout.index.join(MANIFEST), layout.index.join(INDEX_FILE), layout.eval_result("qa", "naive").metrics):
+                layout.index.join(MANIFEST), layout.index.join("index-00000.faiss"), layout.eval_result("qa", "naive").metrics):
         assert loc.path.removeprefix("wbrag/") in keys, loc.uri  # as the object store lists it
     run_json = layout.run_json.read_bytes().decode()
     assert s3_env["AWS_SECRET_ACCESS_KEY"] not in run_json and s3_env["AWS_ACCESS_KEY_ID"] not in run_json

@@ -482,29 +482,13 @@ def _gate_row(n: PaperNumber, version: dict[str, Any]) -> PaperNumber | None:
     return next((m for m in same_place if dict(m.gates) == defaults), None)
 
 
-def result_made_by(result: dict[str, Any]) -> dict[str, Any]:
-    """What made a result (its metrics.json): its `made_by`, else, for older results, what their fields say."""
-    made = dict(result.get("made_by") or {})
-    gen = result.get("generator")
-    made.setdefault("generator", gen.get("model") if isinstance(gen, dict) else gen)
-    made.setdefault("retriever", result.get("embedder"))
-    made.setdefault("top_k", result.get("top_k"))
-    made.setdefault("answer_form", result.get("answer_form"))
-    made.setdefault("method", result.get("method"))
-    made.setdefault("router", result.get("router"))
-    made.setdefault("union", (result.get("union") or {}).get("union") if result.get("writeback_version") else None)
-    made.setdefault("writeback", {"version": result["writeback_version"]} if result.get("writeback_version") else None)
-    made["dataset"] = dataset_name(str(made.get("dataset") or result.get("dataset", "")))
-    return made
-
-
 def paper_vs_run(results: dict[str, dict[str, Any]], zero_rag_rows: list[dict[str, Any]] | None = None,
                  config: WbragConfig | None = None, grid_dataset: str | None = None) -> list[dict[str, Any]]:
     """Each paper number a result (`results`: metrics.json by name) measures, beside it, with every setting that
     differs (`paper_settings_differ`); then Zero-RAG's retrieval speedup beside the run's grid (`zero_rag_rows`)."""
     out = []
     for name, result in results.items():
-        made = result_made_by(result)
+        made = result.get("made_by") or {}  # what made the result (`evaluation.made_by`)
         measured = [n for n in NUMBERS if result.get(n.metric) is not None and _matches(n, made)]
         for n in _one_generator_each(measured, made.get("generator")):  # acc, em or f1 (`_matches`): in %
             out.append(_row(n, 100 * result[n.metric], made, name, paper_settings_differ(n, made)))

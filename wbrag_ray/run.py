@@ -254,9 +254,8 @@ class RunFolder:
         previous = (self.stats(name) or {}).get("settings") if self.is_complete(name) else None
         if not isinstance(previous, dict) or "config" not in previous:
             return []
-        # a setting the making version did not have is no change: an upgrade does not refuse older run folders; nor
-        # is one this version no longer records (it no longer shapes the output: the evaluation's methods)
-        fingerprint = {**fingerprint, "config": _recorded_only(fingerprint.get("config"), previous["config"])}
+        # a setting this version no longer records is no change (it no longer shapes the output: the
+        # evaluation's methods)
         if isinstance(previous["config"], dict):
             previous = {**previous, "config": {k: v for k, v in previous["config"].items() if k in fingerprint["config"]}}
         if only_config:
@@ -323,13 +322,6 @@ def _summary(stats: dict[str, Any]) -> str:
 def _plain_params(params: dict[str, Any]) -> dict[str, Any]:
     """A stage's call parameters as they shape its output: not given, None and False are one setting."""
     return {k: v for k, v in params.items() if v is not None and v is not False}
-
-
-def _recorded_only(new: Any, old: Any) -> Any:
-    """`new` without the keys (at any depth) that `old`, recorded by an earlier version, does not have."""
-    if isinstance(new, dict) and isinstance(old, dict):
-        return {k: _recorded_only(v, old[k]) for k, v in new.items() if k in old}
-    return new
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:

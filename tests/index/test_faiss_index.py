@@ -45,11 +45,11 @@ def test_build_streams_shards_and_search_matches_exact(tmp_path, factory):
 def test_bad_index_files_name_the_file(tmp_path):
     _shards(tmp_path / "emb")
     build_index(resolve(str(tmp_path / "emb")), resolve(str(tmp_path / "idx")), "m", "passage", index_config("Flat"))
-    (tmp_path / "idx" / "index.faiss").write_bytes(b"not an index")
-    with pytest.raises(IndexError_, match="index.faiss is corrupt"):
+    (tmp_path / "idx" / "index-00000.faiss").write_bytes(b"not an index")
+    with pytest.raises(IndexError_, match="index-00000.faiss is corrupt"):
         Retriever(str(tmp_path / "idx")).setup()
-    (tmp_path / "idx" / "index.faiss").unlink()
-    with pytest.raises(IndexError_, match="index.faiss.*missing"):
+    (tmp_path / "idx" / "index-00000.faiss").unlink()
+    with pytest.raises(IndexError_, match="index-00000.faiss.*missing"):
         Retriever(str(tmp_path / "idx")).setup()
     with pytest.raises(IndexError_, match="no index manifest"):
         Retriever(str(tmp_path / "nowhere")).setup()

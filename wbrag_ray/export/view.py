@@ -88,7 +88,7 @@ class View:
 
     def index_bytes(self) -> int:
         """About the size of the export's index, from the index files the run searches."""
-        return sum(sum(s.get("bytes", 0) for s in load_manifest(p.index).get("shards", [])) for p in self.parts)
+        return sum(s["bytes"] for p in self.parts for s in load_manifest(p.index)["shards"])
 
     def fill(self, index) -> Iterator[list[Document]]:
         """Fill `index` with every part's vectors in order and yield each shard's documents as added; counts are

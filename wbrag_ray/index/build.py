@@ -15,7 +15,6 @@ from wbrag_ray.checkpoints import active
 from wbrag_ray.config import IndexConfig
 from wbrag_ray.index.files import (
     FORMAT,
-    INDEX_FILE,
     MANIFEST,
     PARTS_DIR,
     TRAINED_FILE,
@@ -177,8 +176,8 @@ def _id_range(parts: list[dict[str, Any]]) -> dict[str, int | None]:
 # --- the build ------------------------------------------------------------------------------------------
 
 
-def shard_file(i: int, num_shards: int) -> str:
-    return INDEX_FILE if num_shards == 1 else f"index-{i:05d}.faiss"
+def shard_file(i: int) -> str:
+    return f"index-{i:05d}.faiss"
 
 
 def build_index(
@@ -287,7 +286,7 @@ def build_index(
         items = [(parts_dir.join(f"part-{i:06d}{suffix}").uri, [f.uri]) for i, f in enumerate(files)]
     else:
         groups = balanced_groups(counts, wanted)
-        items = [(out.join(shard_file(j, len(groups))).uri, [files[i].uri for i in g]) for j, g in enumerate(groups)]
+        items = [(out.join(shard_file(j)).uri, [files[i].uri for i in g]) for j, g in enumerate(groups)]
     added, add_resumed = run_recorded(_add_task, shared, items, "add", records, num_cpus=num_cpus, parallel=parallel)
     rows_resumed = sum(a["rows"] for a, was in zip(added, add_resumed, strict=True) if was)
     t_add = time.perf_counter()
@@ -297,7 +296,7 @@ def build_index(
     merge_resumed: list[bool] = []
     if mergeable:
         groups = balanced_groups([p["count"] for p in added], wanted)
-        merges = [(out.join(shard_file(j, len(groups))).uri, [added[i] for i in g]) for j, g in enumerate(groups)]
+        merges = [(out.join(shard_file(j)).uri, [added[i] for i in g]) for j, g in enumerate(groups)]
         largest = max(sum(added[i]["count"] for i in g) for g in groups)
         merge_bytes = merge_memory(largest, per_vector, len(trained), node)
         merged, merge_resumed = run_recorded(

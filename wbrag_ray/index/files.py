@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 from wbrag_ray.storage import Location
 
 MANIFEST = "manifest.json"
-INDEX_FILE = "index.faiss"  # the file name of a single-shard index (kept for indices built before sharding)
 TRAINED_FILE = "trained.faiss"
 PARTS_DIR = "_parts"
 FORMAT = 2
@@ -199,24 +198,23 @@ def load_manifest(loc: Location) -> dict[str, Any]:
         manifest = man_loc.read_json()
     except ValueError as exc:
         raise IndexError_(f"index manifest {man_loc.uri} is not valid JSON: {exc}") from None
-    missing = [k for k in ("dim", "embedder", "files") if k not in manifest]
+    missing = [k for k in ("dim", "embedder", "shards", "embeddings") if k not in manifest]
     if missing:
         raise IndexError_(f"index manifest {man_loc.uri} lacks {missing}; rebuild the index with `wbrag index RUN`")
     return manifest
 
 
-def load_shard(loc: Location, name: str, dim: int, count: int | None) -> Any:
+def load_shard(loc: Location, name: str, dim: int, count: int) -> Any:
     """One index shard of the folder `loc`, checked against what its manifest says of it."""
     f = loc.join(name)
     index = read_index_file(f, loc.join(MANIFEST).uri)
     if index.d != dim:
         raise IndexError_(f"index file {f.uri} has dimension {index.d}, its manifest says {dim}")
-    if count is not None and index.ntotal != count:
+    if index.ntotal != count:
         raise IndexError_(f"index file {f.uri} holds {index.ntotal} vectors, its manifest says {count}")
     return index
 
 
-def named_shards(manifest: dict[str, Any]) -> list[tuple[str, int | None]]:
-    """(file, vector count) of each shard a manifest names (count None for indices built before it was kept)."""
-    counts = [s.get("count") for s in manifest.get("shards", [])] or [None] * len(manifest["files"])
-    return list(zip(manifest["files"], counts, strict=True))
+def named_shards(manifest: dict[str, Any]) -> list[tuple[str, int]]:
+    """(file, vector count) of each shard a manifest names."""
+    return [(s["file"], s["count"]) for s in manifest["shards"]]

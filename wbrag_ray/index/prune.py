@@ -9,7 +9,7 @@ import numpy as np
 
 from wbrag_ray.config import IndexConfig
 from wbrag_ray.index.build import build_index
-from wbrag_ray.index.files import TRAINED_FILE, IndexError_, load_manifest
+from wbrag_ray.index.files import IndexError_, load_manifest
 from wbrag_ray.storage import Location, resolve
 
 if TYPE_CHECKING:
@@ -51,9 +51,7 @@ def prune_index(
     out_dir: str | Location,
     drop: np.ndarray | list[int] | ObjectRef,
     *,
-    num_shards: int | None = None,
     num_cpus: float = 1.0,
-    parallel: bool | None = None,
 ) -> dict[str, Any]:
     """Write a pruned view of `index_dir` into `out_dir` without the ids in `drop` (an array, or an object-store
     reference to one: `drop_ids_ref`); returns the build stats."""
@@ -62,22 +60,19 @@ def prune_index(
     if src.uri.rstrip("/") == out.uri.rstrip("/"):
         raise ValueError(f"a pruned view must go to another folder than its source index {src.uri}")
     manifest = load_manifest(src)
-    if "embeddings" not in manifest:
-        raise IndexError_(f"index manifest {src.join('manifest.json').uri} does not name its embedding shards")
-    trained_loc = src.join(manifest.get("trained", TRAINED_FILE))
+    trained_loc = src.join(manifest["trained"])
     if not trained_loc.exists():
         raise IndexError_(f"trained index {trained_loc.uri} named by {src.join('manifest.json').uri} is missing")
     return build_index(
         resolve(manifest["embeddings"]),
         out,
         manifest["embedder"],
-        manifest.get("unit", "passage"),
+        manifest["unit"],
         IndexConfig(factory=manifest["factory"], num_cpus=num_cpus, gpu=False, target_recall=None,
-                    num_shards=num_shards or manifest.get("num_shards", len(manifest["files"]))),
-        parallel=parallel,
+                    num_shards=manifest["num_shards"]),
         trained=trained_loc.read_bytes(),
         drop_ids=drop,
-        docs=manifest.get("docs"),
+        docs=manifest["docs"],
         # a pruned view is searched as its source was measured (the same lists, fewer vectors in each)
         extra={"pruned_from": src.uri, "source_count": manifest["count"],
                **({"search": {**manifest["search"], "inherited_from": src.uri}} if manifest.get("search") else {})},

@@ -37,6 +37,11 @@ PROMPT_BASE_TOKENS = 200
 DOC_TOKENS = {"passage": 140, "sentence": 40}
 
 
+def memory_share(g) -> float:
+    """The share of a GPU's memory a vLLM engine of `g` fills (weights, then KV cache): its gpu_memory_utilization."""
+    return g.vllm_engine_kwargs.get("gpu_memory_utilization", ENGINE_MEMORY_UTILIZATION)
+
+
 def engine_utilization(configured: float, share: float) -> float:
     """vLLM's gpu_memory_utilization on GPUs a replica holds `share` of: at most the share less `ENGINE_MARGIN`."""
     if share >= 1:
@@ -213,7 +218,7 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
     g, r, e = config.generator, config.retrieval, config.embedder
     node_gpus = [float(n.get("GPU", 0.0)) for n in nodes]
     said = []
-    util = g.vllm_engine_kwargs.get("gpu_memory_utilization", ENGINE_MEMORY_UTILIZATION)
+    util = memory_share(g)
     if g.tensor_parallel_size == "auto":
         tokens = int(g.vllm_engine_kwargs.get("max_model_len")
                      or prompt_tokens(r.top_k, config.index.unit) + g.max_new_tokens)
@@ -264,11 +269,6 @@ def apply_gpu_layout(config, nodes: list[dict[str, float]], search: tuple[int, f
     if actors:
         said.append(f"retrieval.search_gpus / embed_gpus auto: {layout.why}")
     return said, layout
-
-
-def holds_whole_gpus(layout: GpuLayout | None) -> bool:
-    """Whether retrieval's actors hold GPUs of their own (counted off the generator's), not shares of its GPUs."""
-    return layout is None or layout.whole
 
 
 def best_fit_node(free: dict[str, float], need: float) -> str | None:
@@ -369,38 +369,45 @@ def _restore_layout(config) -> None:
         object.__setattr__(section(config, parent), name, copy.deepcopy(value))
 
 
-def resolve_auto_concurrency(config, search_gpus: float = 0.0, search: tuple[int, float] | None = None) -> None:
+def decide_counts(config, nodes: list[dict[str, float]], search: tuple[int, float],
+                  layout: GpuLayout | None) -> tuple[dict[str, int], float]:
+    """Set each "auto" count of `config` on `nodes` (`auto_concurrency`), the generator's GPUs less what retrieval
+    holds: `search`'s actors (as `apply_gpu_layout` takes them) at their share, and the query embedders; nothing
+    where they take shares of the replicas' GPUs (`layout`). The runtime and the plan both call it. Returns the
+    counts and the GPUs held."""
+    r, held = config.retrieval, 0.0
+    if config.generator.num_gpus and (layout is None or layout.whole):
+        held = ((search[0] * r.search_share if config.index.gpu is not False else 0.0)
+                + r.concurrency * r.query_embedder(config.embedder).num_gpus)
+    counts = auto_concurrency(config, nodes, held)
+    for key, count in counts.items():
+        setattr(section(config, key), AUTO_SETTINGS[key], count)
+    return counts, held
+
+
+def resolve_auto_concurrency(config, search: tuple[int, float] = (0, 0.0)) -> None:
     """Decide `config`'s "auto" settings in place on `auto_nodes`, said in the log: first the GPU settings
-    (`apply_gpu_layout`, from `search`), then each count (`auto_concurrency`), the generator's GPUs less what
-    retrieval holds. Every command calls it as it joins Ray; the config remembers what was "auto", so a command
-    that runs after the index exists counts its search GPUs."""
+    (`apply_gpu_layout`, from `search`), then each count (`decide_counts`). Every command calls it as it joins Ray;
+    the config remembers what was "auto", so a command that runs after the index exists counts its search GPUs."""
     keys = auto_keys(config)
     layout = needs_layout(config)
     if not keys and not layout:
         return
     nodes, source = auto_nodes()
-    shares = False
+    decided = None
     if layout:
         _restore_layout(config)
         memory, where = gpu_memory_of(nodes, config.ray.gpu_memory_gb)
-        found = search or (0, 0.0)
-        said, decided = apply_gpu_layout(config, nodes, found, memory)
+        said, decided = apply_gpu_layout(config, nodes, search, memory)
         for line in said:
             log.info("%s (GPU memory %g GB: %s)", line, memory, where)
-        shares = not holds_whole_gpus(decided)
-    if search is not None:  # the search actors' GPUs, at the share decided above or stated
-        search_gpus = search[0] * config.retrieval.search_share if config.index.gpu is not False else 0.0
     if not keys:
         return
     config._auto_sections = frozenset(keys)
     for key in keys:
         setattr(section(config, key), AUTO_SETTINGS[key], "auto")
-    r = config.retrieval
-    held = (search_gpus + r.concurrency * r.query_embedder(config.embedder).num_gpus) if config.generator.num_gpus else 0
-    if shares:  # retrieval's shares sit in what the replicas' GPUs leave: no whole GPU is held
-        held = 0.0
-    for key, count in auto_concurrency(config, nodes, held).items():
-        setattr(section(config, key), AUTO_SETTINGS[key], count)
+    counts, held = decide_counts(config, nodes, search, decided)
+    for key, count in counts.items():
         log.info(
             "%s.%s auto: %d (%s: %g CPU, %g GPU on %d node(s)%s)", key, AUTO_SETTINGS[key], count, source,
             sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes), len(nodes),

@@ -62,7 +62,6 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  [{k}] {RATES[k].provenance()}" for k in used] or ["  no benchmark rate used"]
     lines += [f"  calibrated: {r}" for r in plan.calibrated]
     if any(s.rate_source == "estimate" for s in plan.stages) and plan.cluster.gpus:
-
         lines += [f"  GPU: {plan.gpu.describe()}; {EFFICIENCY_NOTE}"]
         if plan.network is not None and len(plan.cluster.nodes) > 1:
             lines += [f"  network between nodes (--interconnect): {plan.network.describe()}"]
@@ -131,18 +130,16 @@ def format_summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def run_summary(config: WbragConfig, run: str | None = None,
-                gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB) -> str | None:
+def run_summary(config: WbragConfig, run: str | None = None) -> str | None:
     """The plan's summary on the connected Ray cluster; None when not connected or no plan can be made."""
-    plan = run_plan(config, run, gpu_memory_gb)
+    plan = run_plan(config, run)
     return None if plan is None else format_summary(plan)
 
 
-def run_plan(config: WbragConfig, run: str | None = None, gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB,
-             cluster: Cluster | None = None) -> Plan | None:
-    """The plan of `config` on `cluster` (default: the connected one) with the stored calibration records; None
-    when there is no cluster or no plan can be made."""
-    cluster = cluster or cluster_from_ray(gpu_memory_gb)
+def run_plan(config: WbragConfig, run: str | None = None) -> Plan | None:
+    """The plan of `config` on the connected Ray cluster (GPUs of `ray.gpu_memory_gb`, else the default's memory)
+    with the stored calibration records; None when there is no cluster or no plan can be made."""
+    cluster = cluster_from_ray(config.ray.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB)
     if cluster is None:
         return None
     try:

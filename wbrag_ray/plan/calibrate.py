@@ -232,8 +232,7 @@ def roles(config: WbragConfig) -> list[str]:
     return out
 
 
-def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | None = None,
-              cache: Path | None = None) -> list[dict[str, Any]]:
+def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | None = None) -> list[dict[str, Any]]:
     """Time each model of `config` on one worker for about `seconds`, then the run's own stages on a sample; save
     and return the records."""
     import psutil
@@ -274,7 +273,7 @@ def calibrate(config: WbragConfig, seconds: float = DEFAULT_SECONDS, run: str | 
             by_role["embedder"].update(embed_pass(*scratch, by_role["embedder"]))
             if writeback:
                 records.append({**writeback_record(config, *scratch, by_role["generator"]["hardware"]), "date": date})
-    save(records, run, cache)
+    save(records, run)
     return records
 
 
@@ -402,26 +401,24 @@ def _key(record: dict[str, Any]) -> str:
                        record["hardware"], record.get("train")], sort_keys=True)
 
 
-def save(records: list[dict[str, Any]], run: str | None = None, cache: Path | None = None) -> None:
+def save(records: list[dict[str, Any]], run: str | None = None) -> None:
     """Merge `records` into the cache (newer replaces older) and, with `run`, write them to the run folder."""
-    path = cache or cache_path()
-    found = {_key(r): r for r in load_cache(path)}
+    found = {_key(r): r for r in load_cache()}
     found.update({_key(r): r for r in records})
-    resolve(str(path)).write_json(list(found.values()))  # temp-then-move, a name of this writer's own
+    resolve(str(cache_path())).write_json(list(found.values()))  # temp-then-move, a name of this writer's own
     if run:
         RunFolder(run).layout.calibration.write_json(records)
 
 
-def load_cache(path: Path | None = None) -> list[dict[str, Any]]:
-    path = path or cache_path()
+def load_cache() -> list[dict[str, Any]]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(cache_path().read_text())
         return data if isinstance(data, list) else []
     except (OSError, ValueError):
         return []
 
 
-def load_records(run: str | None = None, cache: Path | None = None) -> list[dict[str, Any]]:
+def load_records(run: str | None = None) -> list[dict[str, Any]]:
     """The run folder's records (with `run`, where it has them), then the cache's."""
     out: list[dict[str, Any]] = []
     if run:
@@ -429,4 +426,4 @@ def load_records(run: str | None = None, cache: Path | None = None) -> list[dict
             out += RunFolder(run).layout.calibration.read_json()
         except (OSError, ValueError, TypeError):
             pass
-    return out + load_cache(cache)
+    return out + load_cache()

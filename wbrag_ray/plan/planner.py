@@ -18,7 +18,7 @@ from wbrag_ray.placement.gpus import (
     AUTO_SETTINGS,
     apply_gpu_layout,
     auto_concurrency,
-    holds_whole_gpus,
+    decide_counts,
     index_on_gpu,
     needs_layout,
     section,
@@ -145,42 +145,29 @@ class _Builder:
         units = corpus.units(config.index.unit)
         self.sizing = self._size(units, "index") if units else None
         self.nodes = cluster.resources()
-        self.shares = False  # retrieval's actors as shares of the replicas' GPUs (`placement.gpus`)
-        self._decide_gpu_layout()
-        # search actors and query embedders on GPUs of their own (shares beside the replicas hold no whole GPU)
-        self.held = 0.0 if self.shares else sum(b.count * b.gpus for b in self._retrieval())
-        self.auto: set[str] = set()
-        self._decide_auto_concurrency()
+        self._decide_auto()
 
-    def _decide_gpu_layout(self) -> None:
-        """The "auto" GPU settings as a command would decide them (`placement.gpus.apply_gpu_layout`); a GPU cluster's
-        faiss is assumed to have GPU support."""
-        if not needs_layout(self.c):
-            return
-        self.c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
-        try:
-            on_gpu = index_on_gpu(self.c.index.gpu, self.cluster.gpus, self.cluster.gpus > 0)
-            search = ((self.sizing.groups * self.c.retrieval.concurrency, self.sizing.group_gb * 1e9)
-                      if on_gpu and self.sizing else (0, 0.0))
-            said, layout = apply_gpu_layout(self.c, self.nodes, search, self.cluster.gpu_memory_gb)
-        except ConfigError as exc:
-            self.refusals.append(str(exc))
-            g = self.c.generator
-            if g.tensor_parallel_size == "auto":  # refused: planned at the largest size a node has, to show the rest
-                size = model_size(g.model)
-                most = int(max((n.gpus for n in self.cluster.nodes), default=1) or 1)
-                g.num_gpus = float(max(size.tensor_parallel_sizes(most)) * g.pipeline_parallel_size)
-                g.tensor_parallel_size = int(g.num_gpus) // g.pipeline_parallel_size
-            return
-        self.shares = not holds_whole_gpus(layout)
-        self.warnings += said
-
-    def _decide_auto_concurrency(self) -> None:
-        """Each "auto" count as a command would decide it on this cluster (`placement.gpus.auto_concurrency`)."""
-        counts = auto_concurrency(self.c, self.nodes, self.held)
-        self.c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
-        for key, n in counts.items():
-            setattr(section(self.c, key), AUTO_SETTINGS[key], n)
+    def _decide_auto(self) -> None:
+        """The "auto" settings as a command decides them on this cluster (`placement.gpus`: `apply_gpu_layout`, then
+        `decide_counts`); a GPU cluster's faiss is assumed to have GPU support."""
+        self.c = c = self.c.model_copy(deep=True)  # the caller's config keeps its "auto"
+        gpus, layout = self.cluster.gpus, None
+        search = ((self.sizing.groups * c.retrieval.concurrency, self.sizing.group_gb * 1e9)
+                  if self.sizing and gpus > 0 and c.index.gpu is not False else (0, 0.0))
+        if needs_layout(c):
+            try:
+                index_on_gpu(c.index.gpu, gpus, gpus > 0)
+                said, layout = apply_gpu_layout(c, self.nodes, search, self.cluster.gpu_memory_gb)
+                self.warnings += said
+            except ConfigError as exc:
+                self.refusals.append(str(exc))
+                g = c.generator
+                if g.tensor_parallel_size == "auto":  # refused: planned at a node's largest size, to show the rest
+                    size = model_size(g.model)
+                    most = int(max((n.gpus for n in self.cluster.nodes), default=1) or 1)
+                    g.num_gpus = float(max(size.tensor_parallel_sizes(most)) * g.pipeline_parallel_size)
+                    g.tensor_parallel_size = int(g.num_gpus) // g.pipeline_parallel_size
+        counts, self.held = decide_counts(c, self.nodes, search, layout)
         self.auto = set(counts)
         self.warnings += [f"{k}.{AUTO_SETTINGS[k]} auto: {n} on this cluster" for k, n in counts.items()]
 
@@ -213,7 +200,6 @@ class _Builder:
     # --- the registry's stages, each priced from the work it declares ----------------------------------------
 
     def stages(self) -> list[Stage]:
-
         return [planned for stage, params in instances(self.c) for planned in self.price(stage, params)]
 
     def price(self, stage: RunStage, params: dict) -> list[Stage]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from wbrag_ray.config import EmbedderConfig, GeneratorConfig, IndexConfig, RetrievalConfig, TrainerConfig
-from wbrag_ray.generation.vllm import VLLM_THROUGHPUT_DEFAULTS, shape_refusal
+from wbrag_ray.generation.vllm import shape_refusal
 from wbrag_ray.index.sizing import (
     bytes_per_vector,
     merge_memory,
@@ -22,6 +22,7 @@ from wbrag_ray.index.sizing import (
 from wbrag_ray.models.accelerators import Accelerator
 from wbrag_ray.models.size import ModelSize, model_size, param_count, serving_gb, training_gb
 from wbrag_ray.placement import GPU_BUNDLE, Bundle, Cluster, placement_refusal, sharded
+from wbrag_ray.placement.gpus import memory_share
 from wbrag_ray.plan.accelerators import kmeans_seconds
 from wbrag_ray.plan.rates import RATES
 from wbrag_ray.retrieval.service import search_actor_memory, shard_groups
@@ -105,11 +106,6 @@ def scaled_rate(key: str, size: ModelSize, threads: int) -> tuple[float | None, 
 
 
 # --- model-bearing actors ----------------------------------------------------------------------------------------
-
-def memory_share(g: GeneratorConfig) -> float:
-    """The share of a GPU's memory a vLLM engine of `g` fills (weights, then KV cache): its gpu_memory_utilization."""
-    return {**VLLM_THROUGHPUT_DEFAULTS, **g.vllm_engine_kwargs}["gpu_memory_utilization"]
-
 
 def generator_bundles(g: GeneratorConfig, key: str, cluster: Cluster) -> tuple[list[Bundle], list[str], list[str]]:
     """(bundles, notes, refusals) of a generator service of `g`, placed as `placement.replica_placement` places it."""

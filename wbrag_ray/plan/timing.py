@@ -14,6 +14,7 @@ from wbrag_ray.config import EmbedderConfig, GeneratorConfig
 from wbrag_ray.models.accelerators import Accelerator
 from wbrag_ray.models.hardware import resolved_dtype_name, threads_of
 from wbrag_ray.models.size import lora_params, model_size, training_gb, weights_gb
+from wbrag_ray.placement.gpus import memory_share
 from wbrag_ray.plan.accelerators import (
     DEFAULT_INTERCONNECT,
     STORAGE_READ_GBS,
@@ -27,7 +28,7 @@ from wbrag_ray.plan.accelerators import (
 )
 from wbrag_ray.plan.calibrate import hardware, training_dtype
 from wbrag_ray.plan.rates import RATES
-from wbrag_ray.plan.stages import Time, fsdp_mesh, memory_share, scaled_rate
+from wbrag_ray.plan.stages import Time, fsdp_mesh, scaled_rate
 from wbrag_ray.plan.tokens import TOKEN_UNITS, TokenShape, template_of
 from wbrag_ray.work import Pass
 

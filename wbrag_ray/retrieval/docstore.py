@@ -120,13 +120,10 @@ class _MappedFile:
         self.batches = [self.reader.get_batch(i) for i in range(self.reader.num_record_batches)]
         # zero-copy views of the mapped id columns (int64 without nulls)
         self.ids = [b.column(0).to_numpy() for b in self.batches]
-        stored = (self.reader.schema.metadata or {}).get(SAMPLE_KEY)
-        aligned = all(len(b) == BATCH_ROWS for b in self.batches[:-1])  # BATCH_ROWS is a multiple of SPARSE
-        if stored is not None and aligned:
-            sample, per_batch = np.frombuffer(stored, "<i8"), BATCH_ROWS // SPARSE
-            self.samples = [sample[i * per_batch:(i + 1) * per_batch] for i in range(len(self.batches))]
-        else:  # a store written before the sample was stored: collected from the ids (touches their pages)
-            self.samples = [ids[::SPARSE].copy() for ids in self.ids]
+        # batches of BATCH_ROWS (a multiple of SPARSE) but the last: each batch's part of the stored sample
+        sample = np.frombuffer((self.reader.schema.metadata or {})[SAMPLE_KEY], "<i8")
+        per_batch = BATCH_ROWS // SPARSE
+        self.samples = [sample[i * per_batch:(i + 1) * per_batch] for i in range(len(self.batches))]
         self.firsts = np.array([s[0] for s in self.samples], np.int64)
 
     def row(self, doc_id: int) -> tuple[str, str] | None:
@@ -173,7 +170,7 @@ class DocStore:
                 raise DocStoreError(f"document store file {f.uri} named by {self.loc.join(LISTING).uri} is missing")
             try:
                 self._open[name] = _MappedFile(f.path if f.is_local else _node_copy(f))
-            except (OSError, pa.ArrowInvalid) as exc:
+            except (OSError, KeyError, pa.ArrowInvalid) as exc:  # KeyError: no id sample in its schema
                 raise DocStoreError(f"document store file {f.uri} is damaged: {exc}") from None
         return self._open[name]
 

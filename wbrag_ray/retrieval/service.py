@@ -45,7 +45,7 @@ def shard_groups(shards: list[dict[str, Any]], budget_bytes: float) -> list[list
     groups: list[list[int]] = []
     held = 0.0
     for i, shard in enumerate(shards):
-        size = float(shard.get("bytes") or 0)
+        size = float(shard["bytes"])
         if not groups or held + size > budget_bytes:
             groups.append([])
             held = 0.0
@@ -57,14 +57,11 @@ def shard_groups(shards: list[dict[str, Any]], budget_bytes: float) -> list[list
 def _pool_layout(index_dir: str, index: IndexConfig,
                  retrieval: RetrievalConfig) -> tuple[dict[str, Any], list[list[dict[str, Any]]], list[float], bool]:
     """(manifest, its shards in the actors' groups, the bytes each group holds, whether the actors search on
-    GPUs). A shard's bytes are read from storage for indices built before the manifest recorded them."""
+    GPUs)."""
     import ray
 
-    loc = resolve(index_dir)
-    manifest = load_manifest(loc)
-    shards = manifest.get("shards") or [{"file": f, "count": None, "bytes": 0} for f in manifest["files"]]
-    for s in shards:
-        s["bytes"] = s.get("bytes") or loc.join(s["file"]).size()
+    manifest = load_manifest(resolve(index_dir))
+    shards = manifest["shards"]
     groups = [[shards[i] for i in g] for g in shard_groups(shards, retrieval.actor_memory_gb * (1 << 30))]
     return manifest, groups, [sum(s["bytes"] for s in g) for g in groups], index_on_gpu(
         index.gpu, ray.cluster_resources().get("GPU", 0), cluster_faiss_gpu())

@@ -142,7 +142,6 @@ def prune(run: RunFolder, config: WbragConfig, ratio: float, force: bool = False
 
 
 def _prune(run: RunFolder, config: WbragConfig, ratio: float) -> dict[str, Any]:
-
     bins = config.zerorag.histogram_bins
     level = PrunedLevel(run.output(run.layout.zero_rag.pruned(ratio).root))  # beside it while --force redoes it
     t0 = time.perf_counter()
